@@ -1,0 +1,194 @@
+//! # kvvm-hal: the backend-neutral virtual-memory interface
+//!
+//! This crate defines [`VirtualMemoryBackend`], the one trait every vendor plugin of kvvm
+//! implements (the simulated driver, the CUDA driver, the HIP runtime), together with the
+//! neutral types it speaks ([`DeviceAddress`], [`PhysicalHandle`], [`DeviceId`], [`Access`]) and
+//! its error type [`BackendError`].
+//!
+//! ## The contract
+//!
+//! A backend **translates; it does not decide.** Each trait method corresponds to one driver
+//! call (or a short fixed sequence that the driver needs for one logical step, such as making
+//! a context current), and reports exactly what the driver reported:
+//!
+//! * **Validation lives above the trait.** The manager (`kvvm-vmm`) checks sizes against the
+//!   granularity, keeps maps inside their reservations, never maps over a live mapping, never
+//!   releases a handle twice, and does all size arithmetic with overflow checks. A backend
+//!   passes arguments through and maps the driver's return code onto an [`ErrorKind`]. Where
+//!   a real driver is *silent* about a misuse (a map that runs past the end of its reservation
+//!   succeeds on CUDA), the simulated backend refuses with [`ErrorKind::InvalidValue`] so that
+//!   such bugs surface in tests; real backends do not add checks of their own.
+//! * **A backend never panics.** A missing library, a missing symbol, a missing device or an
+//!   unknown return code is a [`BackendError`], never a panic or undefined behaviour.
+//! * **Err does not always mean nothing happened.** A single driver call is all-or-nothing as
+//!   far as the drivers document, but the layers above compose several calls; they roll back or
+//!   record what is left (see the `kvvm-vmm` crate).
+//! * **Backends are `Send + Sync`.** Any method may be called from any thread; a backend makes
+//!   whatever per-thread driver state it needs (for CUDA, the device's primary context) current
+//!   on the calling thread itself.
+//! * **The trait is object-safe**: no associated types, no generic methods, so it is used as
+//!   `&dyn VirtualMemoryBackend` / `Arc<dyn VirtualMemoryBackend>`.
+//!
+//! ## Semantics every backend shares
+//!
+//! These are the driver behaviours measured on an NVIDIA H200 (see `docs/driver-semantics.md`)
+//! and checked by the conformance suite (`kvvm-conformance`) on every backend:
+//!
+//! | misuse | [`ErrorKind`] |
+//! |---|---|
+//! | unmap of part of one mapping | `InvalidValue` (a mapping is unmapped whole) |
+//! | map over an already-mapped address | `NotSupported` |
+//! | map at an address not aligned to the granule, or of a size that is not a granule multiple | `NotSupported` |
+//! | map at an address that was never reserved | `NotSupported` |
+//! | create or reserve of a size that is not a granule multiple | `InvalidValue` |
+//! | second release of a handle, second free of a range | `InvalidValue` |
+//! | free of a range that still holds a mapping | `InvalidValue` |
+//! | a copy through a mapping that has no access yet, or a write through a `Read` mapping | `InvalidValue` |
+//! | physical memory exhausted; a reservation larger than the address space | `OutOfMemory` |
+//!
+//! and two that are *not* errors: releasing a handle that is still mapped succeeds and defers
+//! the free until its last mapping is unmapped; unmapping a range with no mapping succeeds.
+//!
+//! ## Errors
+//!
+//! Every failure is a [`BackendError`] that carries the [`Operation`], the vendor's numeric
+//! code and its name, and an [`ErrorKind`] a caller can act on:
+//!
+//! * [`ErrorKind::OutOfMemory`]: physical memory (or address space) is exhausted. Retry later
+//!   or shed load; the device is still usable.
+//! * [`ErrorKind::InvalidValue`]: the arguments were wrong for the driver's current state. This
+//!   is a bug in the caller (or an injected fault in tests).
+//! * [`ErrorKind::NotSupported`]: the driver cannot do this (a map over a live mapping, an
+//!   unaligned map, an export type the device lacks).
+//! * [`ErrorKind::Unavailable`]: the backend cannot be used at all here: library, symbol or
+//!   device missing, or the runtime too old. The message says which. Choose another backend.
+//! * [`ErrorKind::DeviceLost`]: the context is unusable (a kernel fault, a lost device). Memory
+//!   on that device cannot be proven idle; the manager quarantines it.
+//! * [`ErrorKind::Other`]: any other driver code, reported with its number and name.
+
+#![forbid(unsafe_code)]
+
+mod error;
+mod types;
+
+pub use error::{BackendError, ErrorKind, Operation};
+pub use types::{
+    Access, AccessDescriptor, AllocationProperties, Capabilities, DeviceAddress, DeviceId,
+    DeviceInfo, Granularity, KernelProbeOp, MemoryInfo, PhysicalHandle, ShareableHandleType,
+};
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+
+/// Result type of every backend call.
+pub type BackendResult<T> = Result<T, BackendError>;
+
+/// Optional extension for backends that can launch tiny probe kernels on the device.
+///
+/// The conformance suite uses it to check that a `Read` mapping is enforced by the hardware
+/// for kernels, not only for copies: a load through a read-only alias must succeed, a store
+/// through it must fault. Backends without kernels (the simulator) return `None` from
+/// [`VirtualMemoryBackend::kernel_probe`] and those cases are skipped.
+pub trait KernelProbe: Send + Sync {
+    /// Launches a kernel on `device` that performs `op` on `len` bytes at `address`, then
+    /// synchronizes the device and reports the result.
+    ///
+    /// For [`KernelProbeOp::Load`], the returned value is the wrapping sum of the bytes read.
+    /// For [`KernelProbeOp::Store`], every byte is overwritten with `value` and 0 is returned.
+    /// A fault during the kernel is reported as an error of kind [`ErrorKind::DeviceLost`]; the
+    /// device's context may be unusable afterwards (run faulting probes in a child process).
+    fn run(
+        &self,
+        device: DeviceId,
+        op: KernelProbeOp,
+        address: DeviceAddress,
+        len: u64,
+        value: u8,
+    ) -> BackendResult<u64>;
+}
+
+/// The backend-neutral virtual-memory interface of a GPU driver.
+///
+/// See the crate documentation for the contract: who validates what, and what each error
+/// means. All sizes are in bytes; every address, size and alignment given to `reserve`,
+/// `create`, `map`, `set_access` and `unmap` must be a multiple of the device's minimum
+/// granularity ([`VirtualMemoryBackend::granularity`]).
+pub trait VirtualMemoryBackend: Send + Sync {
+    /// The backend's short name: `"sim"`, `"cuda"` or `"hip"`.
+    fn name(&self) -> &str;
+
+    /// What this backend and its driver can do; the manager adapts to it.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Lists the devices this backend can use, in ordinal order.
+    fn devices(&self) -> BackendResult<Vec<DeviceInfo>>;
+
+    /// Free and total physical memory of `device` as the driver reports it.
+    fn memory_info(&self, device: DeviceId) -> BackendResult<MemoryInfo>;
+
+    /// Minimum and recommended granularity for allocations with `properties`.
+    fn granularity(&self, properties: &AllocationProperties) -> BackendResult<Granularity>;
+
+    /// Reserves `size` bytes of device virtual address space aligned to `alignment`
+    /// (0: the granularity). `fixed_address` is a hint: the driver uses it when that range is
+    /// free and may return another address otherwise. No physical memory is used.
+    fn reserve(
+        &self,
+        size: u64,
+        alignment: u64,
+        fixed_address: Option<DeviceAddress>,
+    ) -> BackendResult<DeviceAddress>;
+
+    /// Frees a range returned by [`reserve`](Self::reserve); `size` must be the reserved size.
+    /// Fails with `InvalidValue` while a mapping inside it is live.
+    fn free(&self, address: DeviceAddress, size: u64) -> BackendResult<()>;
+
+    /// Creates a physical allocation of `size` bytes on `properties.device`.
+    fn create(&self, size: u64, properties: &AllocationProperties)
+        -> BackendResult<PhysicalHandle>;
+
+    /// Releases a physical handle. If the handle is still mapped, this succeeds and the memory
+    /// is freed when its last mapping is unmapped.
+    fn release(&self, handle: PhysicalHandle) -> BackendResult<()>;
+
+    /// Maps the first `size` bytes of `handle` (offset 0) at `address`, inside a reserved range.
+    /// The mapping has no access until [`set_access`](Self::set_access) is called.
+    fn map(&self, address: DeviceAddress, size: u64, handle: PhysicalHandle) -> BackendResult<()>;
+
+    /// Sets the access of each listed device to the mapped range `[address, address + size)`.
+    /// The range may span several adjacent mappings (one call over a whole commit).
+    fn set_access(
+        &self,
+        address: DeviceAddress,
+        size: u64,
+        access: &[AccessDescriptor],
+    ) -> BackendResult<()>;
+
+    /// Unmaps the mappings in `[address, address + size)`. Each mapping must be covered whole;
+    /// a range with no mapping is not an error. Whether one call may cover several mappings is
+    /// given by [`Capabilities::unmap_spans_mappings`].
+    fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()>;
+
+    /// Waits until all work queued on `device` has finished. Teardown calls it before
+    /// unmapping; a failure means the memory cannot be proven idle.
+    fn synchronize(&self, device: DeviceId) -> BackendResult<()>;
+
+    /// Copies `src` from host memory to the device at `dst` (synchronously).
+    fn copy_to_device(&self, dst: DeviceAddress, src: &[u8]) -> BackendResult<()>;
+
+    /// Copies `dst.len()` bytes from the device at `src` into host memory (synchronously).
+    fn copy_from_device(&self, dst: &mut [u8], src: DeviceAddress) -> BackendResult<()>;
+
+    /// Exports a handle created with `ShareableHandleType::PosixFd` as a file descriptor.
+    /// Fails with `NotSupported` when [`Capabilities::posix_fd_handles`] is false.
+    fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd>;
+
+    /// Imports a file descriptor made by [`export_posix_fd`](Self::export_posix_fd) (possibly
+    /// in another process) as a new handle to the same physical memory. The new handle is
+    /// released on its own; the memory lives until every handle is released and unmapped.
+    fn import_posix_fd(&self, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle>;
+
+    /// Probe kernels, for backends that can launch them (see [`KernelProbe`]).
+    fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
+        None
+    }
+}

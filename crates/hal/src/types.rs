@@ -1,0 +1,220 @@
+//! Neutral types shared by every backend.
+
+use std::fmt;
+
+/// A device virtual address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct DeviceAddress(pub u64);
+
+impl DeviceAddress {
+    /// The raw address.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The address `bytes` further on, or `None` on overflow.
+    pub fn checked_add(self, bytes: u64) -> Option<DeviceAddress> {
+        self.0.checked_add(bytes).map(DeviceAddress)
+    }
+}
+
+impl fmt::Display for DeviceAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// An opaque physical-allocation handle (a `CUmemGenericAllocationHandle`, a
+/// `hipMemGenericAllocationHandle_t` pointer, or a simulator id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PhysicalHandle(pub u64);
+
+impl fmt::Display for PhysicalHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "handle {:#x}", self.0)
+    }
+}
+
+/// A device ordinal, as the driver numbers them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct DeviceId(pub u32);
+
+impl fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "device {}", self.0)
+    }
+}
+
+/// Access of one device to a mapped range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// No access.
+    None,
+    /// Loads only; stores and host writes fail.
+    Read,
+    /// Loads and stores.
+    ReadWrite,
+}
+
+impl Access {
+    /// Whether reads are allowed.
+    pub fn can_read(self) -> bool {
+        !matches!(self, Access::None)
+    }
+
+    /// Whether writes are allowed.
+    pub fn can_write(self) -> bool {
+        matches!(self, Access::ReadWrite)
+    }
+}
+
+/// One entry of a [`VirtualMemoryBackend::set_access`](crate::VirtualMemoryBackend::set_access)
+/// list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AccessDescriptor {
+    /// The device whose access is set.
+    pub device: DeviceId,
+    /// The access it gets.
+    pub access: Access,
+}
+
+impl AccessDescriptor {
+    /// Read-write access for `device`.
+    pub fn read_write(device: DeviceId) -> Self {
+        AccessDescriptor {
+            device,
+            access: Access::ReadWrite,
+        }
+    }
+
+    /// Read-only access for `device`.
+    pub fn read_only(device: DeviceId) -> Self {
+        AccessDescriptor {
+            device,
+            access: Access::Read,
+        }
+    }
+}
+
+/// Which shareable (inter-process) handle type a physical allocation may be exported as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ShareableHandleType {
+    /// Not exportable.
+    #[default]
+    None,
+    /// Exportable as a POSIX file descriptor.
+    PosixFd,
+}
+
+/// Properties of a physical allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct AllocationProperties {
+    /// The device whose memory backs the allocation.
+    pub device: DeviceId,
+    /// The shareable handle type requested at creation.
+    pub handle_type: ShareableHandleType,
+}
+
+impl AllocationProperties {
+    /// Pinned device memory on `device`, not exportable.
+    pub fn device(device: DeviceId) -> Self {
+        AllocationProperties {
+            device,
+            handle_type: ShareableHandleType::None,
+        }
+    }
+}
+
+/// Allocation granularity, as the driver reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Granularity {
+    /// Every size and address must be a multiple of this.
+    pub minimum: u64,
+    /// The granularity the driver recommends for performance.
+    pub recommended: u64,
+}
+
+/// One device as a backend sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// The device ordinal.
+    pub id: DeviceId,
+    /// The device's name (`"NVIDIA H200"`).
+    pub name: String,
+    /// Total physical memory in bytes.
+    pub total_memory: u64,
+    /// Whether the driver supports the virtual-memory management API on this device.
+    pub vmm_supported: bool,
+    /// Whether allocations can be exported as POSIX file descriptors.
+    pub posix_fd_supported: bool,
+    /// The driver or runtime version, as the vendor reports it (for example `"CUDA 13.0"`).
+    pub driver_version: String,
+}
+
+/// Free and total physical memory of a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MemoryInfo {
+    /// Free bytes.
+    pub free: u64,
+    /// Total bytes.
+    pub total: u64,
+}
+
+/// What a backend and its driver can do. The layers above adapt to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Capabilities {
+    /// One `unmap` may cover several adjacent mappings. False on HIP (ROCR-Runtime #285: a
+    /// multi-mapping unmap later makes the address free fail), so the manager unmaps one
+    /// mapping at a time there.
+    pub unmap_spans_mappings: bool,
+    /// Handles can be exported and imported as POSIX file descriptors.
+    pub posix_fd_handles: bool,
+    /// The backend can launch probe kernels ([`VirtualMemoryBackend::kernel_probe`](crate::VirtualMemoryBackend::kernel_probe)).
+    pub kernels: bool,
+    /// `set_access` on a newly mapped range may fail transiently and succeed when retried
+    /// (seen on gfx942 with ROCm 7.2); the manager retries it this many extra times.
+    pub set_access_retries: u32,
+    /// The driver checks that a map stays inside its reservation. False on CUDA and HIP: the
+    /// manager must check (it always does).
+    pub checks_reservation_bounds: bool,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Capabilities {
+            unmap_spans_mappings: true,
+            posix_fd_handles: false,
+            kernels: false,
+            set_access_retries: 0,
+            checks_reservation_bounds: false,
+        }
+    }
+}
+
+/// What a probe kernel does (see [`KernelProbe`](crate::KernelProbe)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelProbeOp {
+    /// `ld.global` every byte and sum them.
+    Load,
+    /// `st.global` a value into every byte.
+    Store,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_predicates() {
+        assert!(!Access::None.can_read());
+        assert!(Access::Read.can_read() && !Access::Read.can_write());
+        assert!(Access::ReadWrite.can_read() && Access::ReadWrite.can_write());
+    }
+
+    #[test]
+    fn address_arithmetic_is_checked() {
+        assert_eq!(DeviceAddress(10).checked_add(5), Some(DeviceAddress(15)));
+        assert_eq!(DeviceAddress(u64::MAX).checked_add(1), None);
+        assert_eq!(DeviceAddress(0x200000).to_string(), "0x200000");
+    }
+}
