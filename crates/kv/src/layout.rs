@@ -1,0 +1,666 @@
+//! Physical layouts of a KV cache inside one virtual reservation: [`KvLayout`] and the
+//! granule-aware [`LayoutPlan`].
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+use crate::error::{add, div_ceil, mul, round_up, KvError};
+use crate::geometry::KvGeometry;
+
+/// Which of the two cached tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KvKind {
+    /// The key tensor (index 0).
+    Key,
+    /// The value tensor (index 1).
+    Value,
+}
+
+impl KvKind {
+    /// Both kinds, K first.
+    pub const BOTH: [KvKind; 2] = [KvKind::Key, KvKind::Value];
+
+    /// 0 for K, 1 for V: the position of this tensor wherever K and V are interleaved.
+    pub const fn index(self) -> u64 {
+        match self {
+            KvKind::Key => 0,
+            KvKind::Value => 1,
+        }
+    }
+}
+
+/// How the elements `(layer, K/V, head, token, dim)` are ordered in memory.
+///
+/// The layout decides how large each *contiguous fragment* (a run of bytes that holds
+/// consecutive tokens in order) is per token, and so how many granule windows a span of tokens
+/// touches ([`LayoutPlan::committed_bytes_for_tokens`]) and how long a prefix must be before a
+/// whole granule of it can be shared ([`crate::evaluate_prefix_shareability`]).
+///
+/// | layout | fragments | contiguous bytes per token in a fragment |
+/// |---|---|---|
+/// | [`HeadMajor`](KvLayout::HeadMajor) (BNSH) | `layers x 2 x kv_heads` | `head_dim x dtype` |
+/// | [`SeqMajor`](KvLayout::SeqMajor) (BSNH) | `layers x 2` | `kv_heads x head_dim x dtype` |
+/// | [`TokenMajor`](KvLayout::TokenMajor) | 1 | `layers x 2 x kv_heads x head_dim x dtype` |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvLayout {
+    /// BNSH: for each layer, for K then V, for each KV head, one slice of
+    /// `max_tokens x head_dim` elements.
+    HeadMajor,
+    /// BSNH: for each layer, for K then V, one slice of `max_tokens x kv_heads x head_dim`
+    /// elements.
+    SeqMajor,
+    /// One token's K and V of every layer are contiguous (`layers x 2 x kv_heads x head_dim`
+    /// elements, ordered layer, K/V, head, dim); the whole buffer is indexed by token.
+    TokenMajor,
+}
+
+impl KvLayout {
+    /// Every layout, in declaration order.
+    pub const ALL: [KvLayout; 3] = [
+        KvLayout::HeadMajor,
+        KvLayout::SeqMajor,
+        KvLayout::TokenMajor,
+    ];
+
+    /// The canonical name (`"head-major"`, `"seq-major"`, `"token-major"`).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            KvLayout::HeadMajor => "head-major",
+            KvLayout::SeqMajor => "seq-major",
+            KvLayout::TokenMajor => "token-major",
+        }
+    }
+
+    /// Number of contiguous fragments (slices) under this layout.
+    pub const fn fragment_count(self, geometry: &KvGeometry) -> u64 {
+        match self {
+            KvLayout::HeadMajor => geometry.kv_head_slices(),
+            // layers x 2 <= layers x 2 x kv_heads, which the geometry checked.
+            KvLayout::SeqMajor => geometry.kv_head_slices() / geometry.kv_heads() as u64,
+            KvLayout::TokenMajor => 1,
+        }
+    }
+
+    /// Contiguous bytes one token occupies inside one fragment.
+    pub const fn fragment_bytes_per_token(self, geometry: &KvGeometry) -> u64 {
+        match self {
+            KvLayout::HeadMajor => geometry.head_bytes(),
+            KvLayout::SeqMajor => geometry.bytes_per_token_per_layer_per_kv(),
+            KvLayout::TokenMajor => geometry.bytes_per_token(),
+        }
+    }
+}
+
+impl fmt::Display for KvLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for KvLayout {
+    type Err = KvError;
+
+    /// Parses `head-major`/`bnsh`, `seq-major`/`bsnh`, `token-major` (ASCII case-insensitive,
+    /// `_` accepted for `-`).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().replace('_', "-").as_str() {
+            "head-major" | "bnsh" => Ok(KvLayout::HeadMajor),
+            "seq-major" | "bsnh" => Ok(KvLayout::SeqMajor),
+            "token-major" => Ok(KvLayout::TokenMajor),
+            _ => Err(KvError::UnknownLayout { name: s.to_owned() }),
+        }
+    }
+}
+
+/// Byte strides of a [`LayoutPlan`]: the offset of element `(layer, kv, head, token)` is
+/// `layer*layer + kv.index()*kv + head*head + token*token` (all in bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LayoutStrides {
+    /// Bytes between consecutive layers.
+    pub layer: u64,
+    /// Bytes between K and V of one layer.
+    pub kv: u64,
+    /// Bytes between consecutive KV heads.
+    pub head: u64,
+    /// Bytes between consecutive tokens.
+    pub token: u64,
+}
+
+/// One contiguous slice of a [`LayoutPlan`]: it holds its tokens in order, `bytes_per_token`
+/// bytes each, starting at `offset` (a granule multiple).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fragment {
+    /// Position of this fragment in the plan (0-based, in address order).
+    pub index: u64,
+    /// The layer it holds, or `None` for token-major (every layer).
+    pub layer: Option<u32>,
+    /// K or V, or `None` for token-major (both).
+    pub kind: Option<KvKind>,
+    /// The KV head it holds (head-major), or `None` when it holds every head.
+    pub head: Option<u32>,
+    /// Byte offset of its first token in the reservation; always a multiple of the granule.
+    pub offset: u64,
+    /// Contiguous bytes of one token in this fragment.
+    pub bytes_per_token: u64,
+    /// Bytes of data at capacity: `max_tokens x bytes_per_token`.
+    pub data_bytes: u64,
+    /// Bytes reserved for it: `data_bytes` rounded up to the granule (the plan's slice stride).
+    pub reserved_bytes: u64,
+}
+
+impl Fragment {
+    /// Byte range holding the first `n_tokens` tokens of this fragment (not checked against
+    /// capacity; use [`LayoutPlan::windows_for_tokens`] for checked queries).
+    pub fn live_bytes(&self, n_tokens: u64) -> Result<Range<u64>, KvError> {
+        let len = mul(n_tokens, self.bytes_per_token, "fragment live bytes")?;
+        Ok(self.offset..add(self.offset, len, "fragment live end")?)
+    }
+}
+
+/// A [`KvLayout`] instantiated for one geometry and one mapping granule.
+///
+/// **Padding rule:** every contiguous slice (fragment) starts on a granule boundary: each
+/// slice is padded up to a granule multiple ([`slice_stride`](Self::slice_stride)). Whole
+/// granule windows therefore never hold bytes of two fragments, so a window that lies inside a
+/// fragment's prefix can be shared, committed or released on its own, and
+/// `floor(fragment_bytes / granule)` whole windows of a prefix are exactly shareable. The cost
+/// is [`padding_bytes`](Self::padding_bytes) of *reserved address space* (free: no physical
+/// memory) and, in committed memory, at most one partly-filled window per fragment, which the
+/// commit lower bound `granule x windows` already counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LayoutPlan {
+    geometry: KvGeometry,
+    layout: KvLayout,
+    granule: u64,
+    slices: u64,
+    slice_data_bytes: u64,
+    slice_stride: u64,
+    reservation_bytes: u64,
+    strides: LayoutStrides,
+}
+
+impl LayoutPlan {
+    /// Lays out `geometry` under `layout` with slices padded to `granule` bytes.
+    ///
+    /// Errors: [`KvError::ZeroGranule`]; [`KvError::Overflow`] when the padded reservation
+    /// does not fit in `u64`.
+    pub fn new(geometry: KvGeometry, layout: KvLayout, granule: u64) -> Result<Self, KvError> {
+        if granule == 0 {
+            return Err(KvError::ZeroGranule);
+        }
+        let slices = layout.fragment_count(&geometry);
+        let per_token = layout.fragment_bytes_per_token(&geometry);
+        let slice_data_bytes = mul(per_token, geometry.max_tokens(), "slice bytes")?;
+        let slice_stride = round_up(slice_data_bytes, granule, "padded slice stride")?;
+        let reservation_bytes = mul(slices, slice_stride, "reservation bytes")?;
+        let heads = u64::from(geometry.kv_heads());
+        let head_bytes = geometry.head_bytes();
+        let strides = match layout {
+            KvLayout::HeadMajor => LayoutStrides {
+                head: slice_stride,
+                kv: mul(heads, slice_stride, "K/V stride")?,
+                layer: mul(mul(heads, slice_stride, "K/V stride")?, 2, "layer stride")?,
+                token: head_bytes,
+            },
+            KvLayout::SeqMajor => LayoutStrides {
+                head: head_bytes,
+                token: geometry.bytes_per_token_per_layer_per_kv(),
+                kv: slice_stride,
+                layer: mul(slice_stride, 2, "layer stride")?,
+            },
+            KvLayout::TokenMajor => LayoutStrides {
+                head: head_bytes,
+                kv: geometry.bytes_per_token_per_layer_per_kv(),
+                layer: mul(
+                    geometry.bytes_per_token_per_layer_per_kv(),
+                    2,
+                    "layer stride",
+                )?,
+                token: geometry.bytes_per_token(),
+            },
+        };
+        Ok(Self {
+            geometry,
+            layout,
+            granule,
+            slices,
+            slice_data_bytes,
+            slice_stride,
+            reservation_bytes,
+            strides,
+        })
+    }
+
+    /// The geometry laid out.
+    pub const fn geometry(&self) -> &KvGeometry {
+        &self.geometry
+    }
+
+    /// The layout.
+    pub const fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// The mapping granule every slice is padded to.
+    pub const fn granule(&self) -> u64 {
+        self.granule
+    }
+
+    /// Number of contiguous slices (= fragments).
+    pub const fn slice_count(&self) -> u64 {
+        self.slices
+    }
+
+    /// Data bytes of one slice at capacity, before padding.
+    pub const fn slice_data_bytes(&self) -> u64 {
+        self.slice_data_bytes
+    }
+
+    /// Bytes from the start of one slice to the next: the slice's data padded up to a granule
+    /// multiple.
+    pub const fn slice_stride(&self) -> u64 {
+        self.slice_stride
+    }
+
+    /// Bytes of virtual address space to reserve: `slice_count x slice_stride`, a granule
+    /// multiple.
+    pub const fn reservation_bytes(&self) -> u64 {
+        self.reservation_bytes
+    }
+
+    /// Granule windows in the reservation.
+    pub const fn reservation_windows(&self) -> u64 {
+        self.reservation_bytes / self.granule
+    }
+
+    /// Data bytes at capacity (the geometry's total bytes).
+    pub const fn data_bytes(&self) -> u64 {
+        self.geometry.total_bytes()
+    }
+
+    /// Reserved bytes that never hold data: `reservation_bytes - data_bytes`, i.e. the padding
+    /// at the end of each slice. It costs address space only (never committed unless it
+    /// shares a window with a slice's last live byte).
+    pub const fn padding_bytes(&self) -> u64 {
+        self.reservation_bytes - self.geometry.total_bytes()
+    }
+
+    /// The byte strides of this plan.
+    pub const fn strides(&self) -> LayoutStrides {
+        self.strides
+    }
+
+    /// Contiguous bytes one token occupies inside one fragment.
+    pub const fn fragment_bytes_per_token(&self) -> u64 {
+        self.layout.fragment_bytes_per_token(&self.geometry)
+    }
+
+    /// Byte offset in the reservation of the first element of head `head` of the K or V of
+    /// `layer` for token `token`; the head's `head_dim` elements follow contiguously.
+    ///
+    /// Errors: [`KvError::LayerOutOfRange`], [`KvError::HeadOutOfRange`],
+    /// [`KvError::TokenOutOfRange`].
+    pub fn offset(&self, layer: u32, kv: KvKind, head: u32, token: u64) -> Result<u64, KvError> {
+        self.geometry.check_layer(layer)?;
+        self.geometry.check_head(head)?;
+        self.geometry.check_token(token)?;
+        let s = &self.strides;
+        let mut offset = mul(u64::from(layer), s.layer, "offset")?;
+        offset = add(offset, mul(kv.index(), s.kv, "offset")?, "offset")?;
+        offset = add(offset, mul(u64::from(head), s.head, "offset")?, "offset")?;
+        add(offset, mul(token, s.token, "offset")?, "offset")
+    }
+
+    /// The fragment holding `(layer, kv, head)`; its index in [`fragments`](Self::fragments).
+    pub fn fragment_index(&self, layer: u32, kv: KvKind, head: u32) -> Result<u64, KvError> {
+        self.geometry.check_layer(layer)?;
+        self.geometry.check_head(head)?;
+        let lkv = add(
+            mul(u64::from(layer), 2, "fragment index")?,
+            kv.index(),
+            "fragment index",
+        )?;
+        match self.layout {
+            KvLayout::HeadMajor => add(
+                mul(lkv, u64::from(self.geometry.kv_heads()), "fragment index")?,
+                u64::from(head),
+                "fragment index",
+            ),
+            KvLayout::SeqMajor => Ok(lkv),
+            KvLayout::TokenMajor => Ok(0),
+        }
+    }
+
+    /// Every contiguous fragment, in address order.
+    pub fn fragments(&self) -> Result<Vec<Fragment>, KvError> {
+        let per_token = self.fragment_bytes_per_token();
+        let mut out = Vec::new();
+        let mut push = |index: u64, layer, kind, head| -> Result<(), KvError> {
+            out.push(Fragment {
+                index,
+                layer,
+                kind,
+                head,
+                offset: mul(index, self.slice_stride, "fragment offset")?,
+                bytes_per_token: per_token,
+                data_bytes: self.slice_data_bytes,
+                reserved_bytes: self.slice_stride,
+            });
+            Ok(())
+        };
+        match self.layout {
+            KvLayout::TokenMajor => push(0, None, None, None)?,
+            KvLayout::SeqMajor | KvLayout::HeadMajor => {
+                let mut index = 0;
+                for layer in 0..self.geometry.layers() {
+                    for kind in KvKind::BOTH {
+                        if self.layout == KvLayout::SeqMajor {
+                            push(index, Some(layer), Some(kind), None)?;
+                            index += 1;
+                        } else {
+                            for head in 0..self.geometry.kv_heads() {
+                                push(index, Some(layer), Some(kind), Some(head))?;
+                                index += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Windows each fragment needs for its first `n_tokens` tokens:
+    /// `ceil(n_tokens x fragment_bytes_per_token / granule)`.
+    ///
+    /// Errors: [`KvError::TooManyTokens`] when `n_tokens > max_tokens`.
+    pub fn windows_per_fragment(&self, n_tokens: u64) -> Result<u64, KvError> {
+        self.geometry.check_token_count(n_tokens)?;
+        windows_per_fragment(self.fragment_bytes_per_token(), n_tokens, self.granule)
+    }
+
+    /// The granule windows (indices `offset / granule` into the reservation) that hold at
+    /// least one live byte when the first `n_tokens` tokens are live: one non-empty range per
+    /// fragment, in address order (empty when `n_tokens == 0`). Ranges never overlap, by the
+    /// padding rule.
+    ///
+    /// Errors: [`KvError::TooManyTokens`] when `n_tokens > max_tokens`.
+    pub fn windows_for_tokens(&self, n_tokens: u64) -> Result<Vec<Range<u64>>, KvError> {
+        let per_fragment = self.windows_per_fragment(n_tokens)?;
+        if per_fragment == 0 {
+            return Ok(Vec::new());
+        }
+        let stride_windows = self.slice_stride / self.granule;
+        (0..self.slices)
+            .map(|i| {
+                let start = mul(i, stride_windows, "window index")?;
+                Ok(start..add(start, per_fragment, "window index")?)
+            })
+            .collect()
+    }
+
+    /// Number of windows holding at least one live byte for `n_tokens` live tokens:
+    /// `fragments x windows_per_fragment(n_tokens)`.
+    pub fn window_count_for_tokens(&self, n_tokens: u64) -> Result<u64, KvError> {
+        mul(
+            self.slices,
+            self.windows_per_fragment(n_tokens)?,
+            "window count",
+        )
+    }
+
+    /// The commit lower bound for `n_tokens` live tokens: `granule x windows holding at least
+    /// one live byte`.
+    pub fn committed_bytes_for_tokens(&self, n_tokens: u64) -> Result<u64, KvError> {
+        mul(
+            self.granule,
+            self.window_count_for_tokens(n_tokens)?,
+            "committed bytes",
+        )
+    }
+}
+
+/// `ceil(n_tokens x per_token / granule)`, checked.
+pub(crate) fn windows_per_fragment(
+    per_token: u64,
+    n_tokens: u64,
+    granule: u64,
+) -> Result<u64, KvError> {
+    div_ceil(mul(n_tokens, per_token, "fragment live bytes")?, granule)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::geometry::KvDtype;
+
+    const MIB: u64 = 1 << 20;
+    const KIB: u64 = 1 << 10;
+
+    fn small() -> KvGeometry {
+        // 2 layers, 3 heads, head_dim 4, fp16, 5 tokens: head bytes 8.
+        KvGeometry::new(2, 3, 4, 2, 5).unwrap()
+    }
+
+    /// Reference index -> offset by walking the documented nesting order element by element.
+    fn reference_offset(
+        g: &KvGeometry,
+        layout: KvLayout,
+        stride: u64,
+        layer: u32,
+        kv: KvKind,
+        head: u32,
+        token: u64,
+    ) -> u64 {
+        let hb = g.head_bytes();
+        let heads = u64::from(g.kv_heads());
+        let lkv = u64::from(layer) * 2 + kv.index();
+        match layout {
+            KvLayout::HeadMajor => (lkv * heads + u64::from(head)) * stride + token * hb,
+            KvLayout::SeqMajor => lkv * stride + (token * heads + u64::from(head)) * hb,
+            KvLayout::TokenMajor => {
+                token * g.bytes_per_token() + (lkv * heads + u64::from(head)) * hb
+            }
+        }
+    }
+
+    #[test]
+    fn offsets_match_the_documented_nesting_and_never_collide() {
+        let g = small();
+        for layout in KvLayout::ALL {
+            for granule in [1, 8, 64, 4096] {
+                let plan = LayoutPlan::new(g, layout, granule).unwrap();
+                let mut seen = std::collections::BTreeSet::new();
+                for layer in 0..2 {
+                    for kv in KvKind::BOTH {
+                        for head in 0..3 {
+                            for token in 0..5 {
+                                let o = plan.offset(layer, kv, head, token).unwrap();
+                                assert_eq!(
+                                    o,
+                                    reference_offset(
+                                        &g,
+                                        layout,
+                                        plan.slice_stride(),
+                                        layer,
+                                        kv,
+                                        head,
+                                        token
+                                    )
+                                );
+                                assert!(o + g.head_bytes() <= plan.reservation_bytes());
+                                // head vectors are disjoint
+                                assert!(seen.insert(o / g.head_bytes()));
+                                // the element lies in its fragment
+                                let f = plan.fragment_index(layer, kv, head).unwrap();
+                                let frag = plan.fragments().unwrap()[f as usize];
+                                assert!(o >= frag.offset && o < frag.offset + frag.data_bytes);
+                                assert_eq!(frag.offset % granule, 0);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn slices_are_padded_to_the_granule() {
+        let g = small();
+        // head-major: 12 slices of 5*8 = 40 bytes, padded to 64.
+        let plan = LayoutPlan::new(g, KvLayout::HeadMajor, 64).unwrap();
+        assert_eq!(plan.slice_count(), 12);
+        assert_eq!(plan.slice_data_bytes(), 40);
+        assert_eq!(plan.slice_stride(), 64);
+        assert_eq!(plan.reservation_bytes(), 768);
+        assert_eq!(plan.data_bytes(), 480);
+        assert_eq!(plan.padding_bytes(), 288);
+        // seq-major: 4 slices of 5*24 = 120 bytes, padded to 128.
+        let plan = LayoutPlan::new(g, KvLayout::SeqMajor, 64).unwrap();
+        assert_eq!((plan.slice_count(), plan.slice_stride()), (4, 128));
+        assert_eq!(plan.padding_bytes(), 32);
+        // token-major: 1 slice of 5*96 = 480 bytes, padded to 512.
+        let plan = LayoutPlan::new(g, KvLayout::TokenMajor, 64).unwrap();
+        assert_eq!((plan.slice_count(), plan.slice_stride()), (1, 512));
+        assert_eq!(plan.padding_bytes(), 32);
+        // granule 1: no padding at all.
+        for layout in KvLayout::ALL {
+            assert_eq!(LayoutPlan::new(g, layout, 1).unwrap().padding_bytes(), 0);
+        }
+    }
+
+    #[test]
+    fn windows_count_every_window_with_a_live_byte() {
+        let g = small();
+        for layout in KvLayout::ALL {
+            for granule in [1, 8, 16, 64, 100, 4096] {
+                let plan = LayoutPlan::new(g, layout, granule).unwrap();
+                for n in 0..=5 {
+                    // brute force: mark every window holding a live byte.
+                    let mut live = std::collections::BTreeSet::new();
+                    for layer in 0..2 {
+                        for kv in KvKind::BOTH {
+                            for head in 0..3 {
+                                for token in 0..n {
+                                    let o = plan.offset(layer, kv, head, token).unwrap();
+                                    for b in o..o + g.head_bytes() {
+                                        live.insert(b / granule);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    let ranges = plan.windows_for_tokens(n).unwrap();
+                    let listed: std::collections::BTreeSet<u64> =
+                        ranges.iter().flat_map(|r| r.clone()).collect();
+                    assert_eq!(listed, live, "{layout} granule {granule} n {n}");
+                    assert_eq!(plan.window_count_for_tokens(n).unwrap(), live.len() as u64);
+                    assert_eq!(
+                        plan.committed_bytes_for_tokens(n).unwrap(),
+                        granule * live.len() as u64
+                    );
+                    assert!(listed.iter().all(|w| *w < plan.reservation_windows()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn commit_lower_bound_for_one_token_of_llama_3_8b() {
+        let g = KvGeometry::preset("llama-3-8b", KvDtype::F16, 131_072).unwrap();
+        let hm = LayoutPlan::new(g, KvLayout::HeadMajor, 2 * MIB).unwrap();
+        let sm = LayoutPlan::new(g, KvLayout::SeqMajor, 2 * MIB).unwrap();
+        let tm = LayoutPlan::new(g, KvLayout::TokenMajor, 2 * MIB).unwrap();
+        // one token touches one window per fragment.
+        assert_eq!(hm.committed_bytes_for_tokens(1).unwrap(), 512 * 2 * MIB);
+        assert_eq!(sm.committed_bytes_for_tokens(1).unwrap(), 64 * 2 * MIB);
+        assert_eq!(tm.committed_bytes_for_tokens(1).unwrap(), 2 * MIB);
+        // at capacity all three commit exactly the data (128K tokens fill whole windows).
+        for p in [hm, sm, tm] {
+            assert_eq!(p.padding_bytes(), 0);
+            assert_eq!(
+                p.committed_bytes_for_tokens(131_072).unwrap(),
+                g.total_bytes()
+            );
+            assert_eq!(p.reservation_bytes(), 16 * 1024 * MIB);
+        }
+        // 64 KiB granule, 4096 tokens: head-major 1 MiB per fragment = 16 windows each.
+        let hm = LayoutPlan::new(g, KvLayout::HeadMajor, 64 * KIB).unwrap();
+        assert_eq!(hm.window_count_for_tokens(4096).unwrap(), 512 * 16);
+    }
+
+    #[test]
+    fn padding_cost_of_a_short_context() {
+        // llama-3-8b fp16 at 1000 tokens, 2 MiB granule: each head-major slice holds 256_000
+        // bytes but takes a whole 2 MiB window.
+        let g = KvGeometry::preset("llama-3-8b", KvDtype::F16, 1000).unwrap();
+        let hm = LayoutPlan::new(g, KvLayout::HeadMajor, 2 * MIB).unwrap();
+        assert_eq!(hm.slice_stride(), 2 * MIB);
+        assert_eq!(hm.reservation_bytes(), 1024 * MIB);
+        assert_eq!(hm.data_bytes(), 131_072_000);
+        assert_eq!(hm.padding_bytes(), 1024 * MIB - 131_072_000);
+        let tm = LayoutPlan::new(g, KvLayout::TokenMajor, 2 * MIB).unwrap();
+        assert_eq!(tm.reservation_bytes(), 126 * MIB);
+    }
+
+    #[test]
+    fn bad_indices_are_errors() {
+        let plan = LayoutPlan::new(small(), KvLayout::SeqMajor, 64).unwrap();
+        assert!(matches!(
+            plan.offset(2, KvKind::Key, 0, 0),
+            Err(KvError::LayerOutOfRange {
+                layer: 2,
+                layers: 2
+            })
+        ));
+        assert!(matches!(
+            plan.offset(0, KvKind::Key, 3, 0),
+            Err(KvError::HeadOutOfRange {
+                head: 3,
+                kv_heads: 3
+            })
+        ));
+        assert!(matches!(
+            plan.offset(0, KvKind::Value, 0, 5),
+            Err(KvError::TokenOutOfRange {
+                token: 5,
+                max_tokens: 5
+            })
+        ));
+        assert!(matches!(
+            plan.windows_for_tokens(6),
+            Err(KvError::TooManyTokens {
+                tokens: 6,
+                max_tokens: 5
+            })
+        ));
+        assert_eq!(
+            LayoutPlan::new(small(), KvLayout::SeqMajor, 0),
+            Err(KvError::ZeroGranule)
+        );
+    }
+
+    #[test]
+    fn padded_reservation_overflow_is_an_error() {
+        let g = KvGeometry::new(1, 1, 1, 1, u64::MAX / 2).unwrap();
+        assert!(matches!(
+            LayoutPlan::new(g, KvLayout::TokenMajor, u64::MAX / 2 + 7),
+            Err(KvError::Overflow { .. })
+        ));
+    }
+
+    #[test]
+    fn layout_names_parse() {
+        for l in KvLayout::ALL {
+            assert_eq!(l.as_str().parse::<KvLayout>().unwrap(), l);
+        }
+        assert_eq!("BNSH".parse::<KvLayout>().unwrap(), KvLayout::HeadMajor);
+        assert_eq!("bsnh".parse::<KvLayout>().unwrap(), KvLayout::SeqMajor);
+        assert_eq!(
+            "token_major".parse::<KvLayout>().unwrap(),
+            KvLayout::TokenMajor
+        );
+        assert!("diagonal".parse::<KvLayout>().is_err());
+    }
+}
