@@ -1,0 +1,343 @@
+//! # kvvm-sim: a simulated GPU virtual-memory driver
+//!
+//! [`SimBackend`] implements [`VirtualMemoryBackend`] in process, reproducing the semantics the
+//! CUDA driver showed on an NVIDIA H200 (`shared/reference/driver-facts.md`, summarised in the
+//! `kvvm-hal` crate docs): the same [`ErrorKind`] for the same misuse, deferred free of a
+//! released-but-mapped handle, unreported double unmap, access enforcement on copies, and
+//! granularity rules. Where the real driver is silent about a misuse (a map that runs past the
+//! end of its reservation), the simulator refuses with `InvalidValue` so that bugs in the
+//! layers above surface in tests.
+//!
+//! It adds what tests need and a real driver cannot give:
+//!
+//! * **Configurable devices** ([`SimConfig`]): count, granularity (4 KiB to 1 GiB and more),
+//!   physical capacity (`OutOfMemory` past it).
+//! * **Byte-accurate data** behind every handle, allocated lazily in 64 KiB chunks, so a
+//!   64 TiB reservation or a 140 GiB device costs nothing until bytes are written.
+//! * **Fault injection** ([`FaultRule`]): fail the Nth call of an operation, every call from the
+//!   Nth on, a seeded random plan, or every synchronize. An injected fault has no side effect.
+//! * **A ledger** ([`Ledger`]): the driver's truth (live reservations, handles, allocations,
+//!   mappings, bytes) that tests compare with the manager's bookkeeping.
+//! * **A latency model** ([`LatencyModel`]), by default the H200 medians, whose cost is
+//!   accounted ([`SimBackend::estimated_driver_time`]) or also spent ([`LatencyMode::Spin`]).
+//! * **Quirks** ([`SimQuirks`]): deliberately wrong semantics, to prove the conformance suite
+//!   can fail, and the ROCm multi-unmap bug, to exercise the manager's capability handling.
+//!
+//! ```
+//! use kvvm_hal::{AccessDescriptor, AllocationProperties, DeviceId, VirtualMemoryBackend};
+//! use kvvm_sim::{SimBackend, SimConfig};
+//!
+//! # fn main() -> Result<(), kvvm_hal::BackendError> {
+//! let sim = SimBackend::new(SimConfig::single(2 << 20, 64 << 20));
+//! let g = 2 << 20;
+//! let va = sim.reserve(4 * g, 0, None)?;
+//! let h = sim.create(g, &AllocationProperties::device(DeviceId(0)))?;
+//! sim.map(va, g, h)?;
+//! sim.set_access(va, g, &[AccessDescriptor::read_write(DeviceId(0))])?;
+//! sim.copy_to_device(va, b"kv")?;
+//! let mut back = [0u8; 2];
+//! sim.copy_from_device(&mut back, va)?;
+//! assert_eq!(&back, b"kv");
+//! sim.unmap(va, g)?;
+//! sim.release(h)?;
+//! sim.free(va, 4 * g)?;
+//! assert!(sim.ledger().is_empty());
+//! # Ok(())
+//! # }
+//! ```
+
+#![forbid(unsafe_code)]
+
+mod config;
+mod faults;
+mod ledger;
+mod state;
+
+pub use config::{
+    LatencyMode, LatencyModel, SimConfig, SimDeviceConfig, SimQuirks, GIB, H200_GRANULE,
+    H200_GRANULES, MIB,
+};
+pub use faults::{FaultPlan, FaultRule};
+pub use ledger::{Ledger, LedgerAllocation, LedgerHandle, LedgerMapping, LedgerReservation};
+
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvvm_hal::{
+    AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
+    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, MemoryInfo, Operation,
+    PhysicalHandle, VirtualMemoryBackend,
+};
+
+use state::State;
+
+/// The simulated driver. Cheap to share behind an `Arc`; every method takes `&self`.
+#[derive(Debug)]
+pub struct SimBackend {
+    config: SimConfig,
+    state: Mutex<State>,
+}
+
+impl Default for SimBackend {
+    fn default() -> Self {
+        SimBackend::new(SimConfig::default())
+    }
+}
+
+impl SimBackend {
+    /// A simulator with `config` (a config with no device gets one simulated H200).
+    pub fn new(mut config: SimConfig) -> Self {
+        if config.devices.is_empty() {
+            config.devices.push(SimDeviceConfig::h200());
+        }
+        let state = State::new(&config);
+        SimBackend {
+            config,
+            state: Mutex::new(state),
+        }
+    }
+
+    /// One simulated H200 (2 MiB granule, 139.3 GiB).
+    pub fn h200() -> Self {
+        SimBackend::new(SimConfig::default())
+    }
+
+    /// The configuration this simulator was made with.
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave `State` half-updated in a way that
+        // matters more than losing the simulator, and library code must not panic: recover.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Adds a fault rule; its call numbers count from now.
+    pub fn inject(&self, rule: FaultRule) {
+        self.lock().inject(rule);
+    }
+
+    /// Removes every fault rule.
+    pub fn clear_faults(&self) {
+        self.lock().clear_faults();
+    }
+
+    /// The driver's truth: everything live right now.
+    pub fn ledger(&self) -> Ledger {
+        self.lock().ledger()
+    }
+
+    /// How many calls of `op` were made (failed ones included) since creation or the last
+    /// [`reset_counters`](Self::reset_counters).
+    pub fn calls(&self, op: Operation) -> u64 {
+        self.lock().calls(op)
+    }
+
+    /// Total driver calls of the mutating and copying operations (reserve, free, create,
+    /// release, map, set access, unmap, synchronize, copies, export, import).
+    pub fn driver_calls(&self) -> u64 {
+        let s = self.lock();
+        [
+            Operation::Reserve,
+            Operation::Free,
+            Operation::Create,
+            Operation::Release,
+            Operation::Map,
+            Operation::SetAccess,
+            Operation::Unmap,
+            Operation::Synchronize,
+            Operation::CopyToDevice,
+            Operation::CopyFromDevice,
+            Operation::Export,
+            Operation::Import,
+        ]
+        .iter()
+        .map(|op| s.calls(*op))
+        .sum()
+    }
+
+    /// The driver time the latency model attributes to all calls so far.
+    pub fn estimated_driver_time(&self) -> Duration {
+        self.lock().driver_time()
+    }
+
+    /// Resets the call counters and the estimated driver time (fault rules keep their own
+    /// bases and are cleared as well).
+    pub fn reset_counters(&self) {
+        self.lock().reset_counters();
+    }
+
+    /// Runs `f` on the locked state, accounts its latency, and spins for it if configured.
+    fn call<T>(
+        &self,
+        op: Operation,
+        f: impl FnOnce(&mut State) -> Result<(T, u64), BackendError>,
+    ) -> BackendResult<T> {
+        let (result, cost) = {
+            let mut s = self.lock();
+            let fault = s.count_and_check(op);
+            let (result, units) = match fault {
+                Some(kind) => (Err(injected(op, kind)), 1),
+                None => match f(&mut s) {
+                    Ok((v, units)) => (Ok(v), units),
+                    Err(e) => (Err(e), 1),
+                },
+            };
+            let cost = self.config.latency.cost(op, units);
+            s.add_driver_time(cost);
+            (result, cost)
+        };
+        if self.config.latency_mode == LatencyMode::Spin && !cost.is_zero() {
+            let start = Instant::now();
+            while start.elapsed() < cost {
+                std::hint::spin_loop();
+            }
+        }
+        result
+    }
+}
+
+pub(crate) fn code_for(kind: ErrorKind) -> (i64, &'static str) {
+    // The numbers are the CUDA driver's for the same condition, so logs read alike.
+    match kind {
+        ErrorKind::OutOfMemory => (2, "SIM_ERROR_OUT_OF_MEMORY"),
+        ErrorKind::InvalidValue => (1, "SIM_ERROR_INVALID_VALUE"),
+        ErrorKind::NotSupported => (801, "SIM_ERROR_NOT_SUPPORTED"),
+        ErrorKind::Unavailable => (100, "SIM_ERROR_NO_DEVICE"),
+        ErrorKind::DeviceLost => (700, "SIM_ERROR_ILLEGAL_ADDRESS"),
+        ErrorKind::Other => (999, "SIM_ERROR_UNKNOWN"),
+    }
+}
+
+pub(crate) fn sim_error(op: Operation, kind: ErrorKind, detail: impl Into<String>) -> BackendError {
+    let (code, name) = code_for(kind);
+    BackendError::new(op, kind, code, name).with_detail(detail)
+}
+
+fn injected(op: Operation, kind: ErrorKind) -> BackendError {
+    sim_error(op, kind, "injected fault")
+}
+
+impl VirtualMemoryBackend for SimBackend {
+    fn name(&self) -> &str {
+        "sim"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            unmap_spans_mappings: !self.config.quirks.multi_unmap_breaks_free,
+            posix_fd_handles: self.config.devices.iter().all(|d| d.posix_fd),
+            kernels: false,
+            set_access_retries: 0,
+            checks_reservation_bounds: true,
+        }
+    }
+
+    fn devices(&self) -> BackendResult<Vec<DeviceInfo>> {
+        self.call(Operation::Devices, |_| {
+            let devices = self
+                .config
+                .devices
+                .iter()
+                .enumerate()
+                .map(|(i, d)| DeviceInfo {
+                    id: DeviceId(u32::try_from(i).unwrap_or(u32::MAX)),
+                    name: d.name.clone(),
+                    total_memory: d.capacity,
+                    vmm_supported: true,
+                    posix_fd_supported: d.posix_fd,
+                    driver_version: format!("kvvm-sim {}", env!("CARGO_PKG_VERSION")),
+                })
+                .collect();
+            Ok((devices, 1))
+        })
+    }
+
+    fn memory_info(&self, device: DeviceId) -> BackendResult<MemoryInfo> {
+        self.call(Operation::MemoryInfo, |s| Ok((s.memory_info(device)?, 1)))
+    }
+
+    fn granularity(&self, properties: &AllocationProperties) -> BackendResult<Granularity> {
+        self.call(Operation::Granularity, |s| {
+            Ok((s.device(Operation::Granularity, properties.device)?.granularity, 1))
+        })
+    }
+
+    fn reserve(
+        &self,
+        size: u64,
+        alignment: u64,
+        fixed_address: Option<DeviceAddress>,
+    ) -> BackendResult<DeviceAddress> {
+        self.call(Operation::Reserve, |s| {
+            Ok((s.reserve(size, alignment, fixed_address)?, 1))
+        })
+    }
+
+    fn free(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
+        self.call(Operation::Free, |s| Ok((s.free(address, size)?, 1)))
+    }
+
+    fn create(&self, size: u64, properties: &AllocationProperties) -> BackendResult<PhysicalHandle> {
+        self.call(Operation::Create, |s| Ok((s.create(size, properties)?, 1)))
+    }
+
+    fn release(&self, handle: PhysicalHandle) -> BackendResult<()> {
+        self.call(Operation::Release, |s| Ok((s.release(handle)?, 1)))
+    }
+
+    fn map(&self, address: DeviceAddress, size: u64, handle: PhysicalHandle) -> BackendResult<()> {
+        self.call(Operation::Map, |s| Ok((s.map(address, size, handle)?, 1)))
+    }
+
+    fn set_access(
+        &self,
+        address: DeviceAddress,
+        size: u64,
+        access: &[AccessDescriptor],
+    ) -> BackendResult<()> {
+        self.call(Operation::SetAccess, |s| {
+            s.set_access(address, size, access)?;
+            Ok(((), size / s.va_granule().max(1)))
+        })
+    }
+
+    fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
+        self.call(Operation::Unmap, |s| {
+            let n = s.unmap(address, size)?;
+            Ok(((), n))
+        })
+    }
+
+    fn synchronize(&self, device: DeviceId) -> BackendResult<()> {
+        self.call(Operation::Synchronize, |s| {
+            s.device(Operation::Synchronize, device)?;
+            Ok(((), 1))
+        })
+    }
+
+    fn copy_to_device(&self, dst: DeviceAddress, src: &[u8]) -> BackendResult<()> {
+        self.call(Operation::CopyToDevice, |s| {
+            s.copy_to_device(dst, src)?;
+            Ok(((), src.len() as u64))
+        })
+    }
+
+    fn copy_from_device(&self, dst: &mut [u8], src: DeviceAddress) -> BackendResult<()> {
+        self.call(Operation::CopyFromDevice, |s| {
+            let n = dst.len() as u64;
+            s.copy_from_device(dst, src)?;
+            Ok(((), n))
+        })
+    }
+
+    fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {
+        self.call(Operation::Export, |s| Ok((s.export(handle)?, 1)))
+    }
+
+    fn import_posix_fd(&self, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
+        self.call(Operation::Import, |s| Ok((s.import(fd)?, 1)))
+    }
+}
