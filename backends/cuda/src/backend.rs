@@ -1,0 +1,669 @@
+//! [`CudaBackend`]: the [`VirtualMemoryBackend`] implementation over the CUDA driver API.
+
+use std::ffi::c_int;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::ptr;
+use std::sync::Mutex;
+
+use cudarc::driver::sys::{
+    CUcontext, CUdevice, CUdevice_attribute, CUmemAccessDesc, CUmemAccess_flags,
+    CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
+    CUmemAllocationProp_st__bindgen_ty_1, CUmemAllocationType, CUmemLocation, CUmemLocationType,
+};
+use kvvm_hal::{
+    Access, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
+    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
+    Operation, PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
+};
+
+use crate::driver::{self, Driver};
+use crate::error::CuCode;
+use crate::probe::ProbeModule;
+use crate::result::CuResult;
+
+/// A retained primary context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Context(pub(crate) CUcontext);
+
+// SAFETY: a CUDA context is a driver object that may be made current on, and used from, any
+// thread of the process (the driver API is thread-safe); the pointer is only an identifier
+// handed back to the driver.
+unsafe impl Send for Context {}
+// SAFETY: see `Send`; `Context` has no interior state of its own.
+unsafe impl Sync for Context {}
+
+/// One device the backend opened.
+pub(crate) struct Device {
+    /// The driver's device handle.
+    pub(crate) cu: CUdevice,
+    /// The ordinal, as the driver's `int`.
+    pub(crate) ordinal: c_int,
+    /// The device's primary context, retained once by [`CudaBackend::open`].
+    pub(crate) ctx: Context,
+    /// What `devices()` reports.
+    pub(crate) info: DeviceInfo,
+    /// The probe kernels, loaded on first use.
+    pub(crate) probe: Mutex<Option<ProbeModule>>,
+}
+
+/// The CUDA driver backend: the driver's virtual-memory management API (`cuMemCreate`,
+/// `cuMemMap`, ...) through `libcuda`, loaded at run time.
+///
+/// [`CudaBackend::open`] initialises the driver and retains each device's primary context
+/// once; dropping the backend releases them. Every method makes the right context current on
+/// the calling thread first (a cheap `cuCtxGetCurrent` comparison, then `cuCtxSetCurrent` only
+/// when needed), so the backend can be used from any thread, e.g. a thread pool. Methods that
+/// are not tied to one device (reserve, map, set access, copies, ...) accept any of this
+/// backend's contexts as current and otherwise make device 0's current: the address space is
+/// unified across the process's devices.
+///
+/// The backend translates and does not validate: arguments go to the driver as given and its
+/// return code is mapped onto an [`ErrorKind`] (see [`crate::error`]).
+pub struct CudaBackend {
+    pub(crate) driver: Driver,
+    pub(crate) devices: Vec<Device>,
+    posix_fd: bool,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field(
+                "devices",
+                &self.devices.iter().map(|d| &d.info).collect::<Vec<_>>(),
+            )
+            .field("posix_fd", &self.posix_fd)
+            .finish()
+    }
+}
+
+/// Formats `cuDriverGetVersion`'s value (`1000 * major + 10 * minor`) as
+/// `"CUDA 13.0 (driver 13000)"`.
+pub fn format_driver_version(version: i32) -> String {
+    format!(
+        "CUDA {}.{} (driver {version})",
+        version / 1000,
+        (version % 1000) / 10
+    )
+}
+
+fn to_usize(op: Operation, what: &str, value: u64) -> BackendResult<usize> {
+    usize::try_from(value).map_err(|_| {
+        BackendError::new(op, ErrorKind::InvalidValue, 0, "value out of range")
+            .with_detail(format!("{what} {value} does not fit in usize"))
+    })
+}
+
+fn to_u64(value: usize) -> u64 {
+    // usize is at most 64 bits on every target the driver supports.
+    u64::try_from(value).unwrap_or(u64::MAX)
+}
+
+fn ordinal(op: Operation, device: DeviceId) -> BackendResult<c_int> {
+    c_int::try_from(device.0).map_err(|_| {
+        BackendError::new(
+            op,
+            ErrorKind::InvalidValue,
+            101,
+            "CUDA_ERROR_INVALID_DEVICE",
+        )
+        .with_detail(format!("{device} does not fit a CUDA ordinal"))
+    })
+}
+
+/// The `CUmemAllocationProp` of pinned device memory on `ordinal`.
+fn allocation_prop(ordinal: c_int, handle_type: ShareableHandleType) -> CUmemAllocationProp {
+    CUmemAllocationProp {
+        type_: CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: match handle_type {
+            ShareableHandleType::None => CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            ShareableHandleType::PosixFd => {
+                CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            }
+        },
+        location: CUmemLocation {
+            type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal,
+        },
+        win32HandleMetaData: ptr::null_mut(),
+        allocFlags: CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// The `CUmemAccess_flags` of a neutral [`Access`].
+pub(crate) fn access_flags(access: Access) -> CUmemAccess_flags {
+    match access {
+        Access::None => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+        Access::Read => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+        Access::ReadWrite => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
+/// Runs `f` inside a debug span and logs its outcome.
+fn traced<T>(span: tracing::Span, f: impl FnOnce() -> BackendResult<T>) -> BackendResult<T> {
+    let _entered = span.enter();
+    let result = f();
+    match &result {
+        Ok(_) => tracing::debug!(ok = true),
+        Err(e) => tracing::debug!(ok = false, error = %e),
+    }
+    result
+}
+
+impl CudaBackend {
+    /// Loads the CUDA driver library, initialises it, and retains the primary context of every
+    /// device.
+    ///
+    /// Fails with [`ErrorKind::Unavailable`] (operation [`Operation::Load`]) when the library
+    /// or one of the symbols the backend uses is missing, when `cuInit` fails (no device, stub
+    /// library, driver mismatch, ...), or when there is no device; the error's detail says
+    /// which. Every failure while opening is reported as `Unavailable` (with the driver's code
+    /// and name when one exists) so that a caller choosing a backend can move on. Never panics:
+    /// a panic inside the loader is caught and reported as `Unavailable` as well.
+    pub fn open() -> Result<CudaBackend, BackendError> {
+        let _span = tracing::debug_span!("kvvm_cuda", op = "open").entered();
+        let result = match std::panic::catch_unwind(Self::open_inner) {
+            Ok(result) => result,
+            Err(payload) => {
+                let message = payload
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".to_owned());
+                Err(BackendError::unavailable(
+                    Operation::Load,
+                    format!("loading the CUDA driver panicked: {message}"),
+                ))
+            }
+        };
+        match &result {
+            Ok(b) => tracing::debug!(devices = b.devices.len(), "opened"),
+            Err(e) => tracing::debug!(error = %e, "unavailable"),
+        }
+        result
+    }
+
+    fn open_inner() -> Result<CudaBackend, BackendError> {
+        let driver = driver::load()?;
+        // Every failure while opening means "this backend cannot be used here".
+        let unavailable = |call: &str, code: CuCode| {
+            let e = error_with_name(&driver, Operation::Load, code);
+            let kind = e.kind;
+            BackendError {
+                kind: ErrorKind::Unavailable,
+                detail: Some(format!("{call} failed ({kind})")),
+                ..e
+            }
+        };
+        driver.init().map_err(|c| unavailable("cuInit", c))?;
+        let version = driver
+            .driver_version()
+            .map_err(|c| unavailable("cuDriverGetVersion", c))?;
+        let version = format_driver_version(version);
+        let count = driver
+            .device_count()
+            .map_err(|c| unavailable("cuDeviceGetCount", c))?;
+        if count <= 0 {
+            return Err(BackendError::new(
+                Operation::Load,
+                ErrorKind::Unavailable,
+                100,
+                "CUDA_ERROR_NO_DEVICE",
+            )
+            .with_detail(format!(
+                "no CUDA device ({version} reports {count} devices)"
+            )));
+        }
+
+        // Built incrementally so that `Drop` releases the contexts retained so far on error.
+        let mut backend = CudaBackend {
+            driver,
+            devices: Vec::new(),
+            posix_fd: false,
+        };
+        for ordinal in 0..count {
+            let cu = driver
+                .device(ordinal)
+                .map_err(|c| unavailable("cuDeviceGet", c))?;
+            let name = driver
+                .device_name(cu)
+                .map_err(|c| unavailable("cuDeviceGetName", c))?;
+            let total = driver
+                .device_total_mem(cu)
+                .map_err(|c| unavailable("cuDeviceTotalMem", c))?;
+            let vmm = driver
+                .device_attribute(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+                    cu,
+                )
+                .map_err(|c| unavailable("cuDeviceGetAttribute(VMM supported)", c))?;
+            let posix_fd = driver
+                .device_attribute(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                    cu,
+                )
+                .map_err(|c| unavailable("cuDeviceGetAttribute(POSIX FD supported)", c))?;
+            let ctx = driver
+                .primary_ctx_retain(cu)
+                .map_err(|c| unavailable("cuDevicePrimaryCtxRetain", c))?;
+            let id = DeviceId(u32::try_from(ordinal).unwrap_or_default());
+            tracing::debug!(%id, %name, total, vmm, posix_fd, "device");
+            backend.devices.push(Device {
+                cu,
+                ordinal,
+                ctx: Context(ctx),
+                info: DeviceInfo {
+                    id,
+                    name,
+                    total_memory: to_u64(total),
+                    vmm_supported: vmm != 0,
+                    posix_fd_supported: posix_fd != 0,
+                    driver_version: version.clone(),
+                },
+                probe: Mutex::new(None),
+            });
+        }
+        backend.posix_fd = backend.devices.iter().all(|d| d.info.posix_fd_supported);
+        Ok(backend)
+    }
+
+    /// The number of devices the backend opened.
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    /// A [`BackendError`] for `code` from `op`, named by our table or else by the driver.
+    pub(crate) fn error(&self, op: Operation, code: CuCode) -> BackendError {
+        error_with_name(&self.driver, op, code)
+    }
+
+    /// Maps a driver result onto a backend result for `op`.
+    pub(crate) fn check<T>(&self, op: Operation, result: CuResult<T>) -> BackendResult<T> {
+        result.map_err(|code| self.error(op, code))
+    }
+
+    /// The opened device `id`, or `InvalidValue` (`CUDA_ERROR_INVALID_DEVICE`).
+    pub(crate) fn device(&self, op: Operation, id: DeviceId) -> BackendResult<&Device> {
+        usize::try_from(id.0)
+            .ok()
+            .and_then(|i| self.devices.get(i))
+            .ok_or_else(|| {
+                BackendError::new(
+                    op,
+                    ErrorKind::InvalidValue,
+                    101,
+                    "CUDA_ERROR_INVALID_DEVICE",
+                )
+                .with_detail(format!("no {id} ({} devices)", self.devices.len()))
+            })
+    }
+
+    /// Makes `device`'s primary context current on this thread (if it is not already).
+    pub(crate) fn make_current(&self, op: Operation, device: &Device) -> BackendResult<()> {
+        let current = self.check(op, self.driver.ctx_current())?;
+        if current == device.ctx.0 {
+            return Ok(());
+        }
+        // SAFETY: `device.ctx` is a primary context retained by `open` and released only in
+        // `Drop`, so it is live.
+        self.check(op, unsafe { self.driver.ctx_set_current(device.ctx.0) })
+    }
+
+    /// Makes one of this backend's contexts current on this thread: the current one if it is
+    /// ours, else device 0's.
+    fn any_context(&self, op: Operation) -> BackendResult<()> {
+        let current = self.check(op, self.driver.ctx_current())?;
+        if !current.is_null() && self.devices.iter().any(|d| d.ctx.0 == current) {
+            return Ok(());
+        }
+        let first = self.device(op, DeviceId(0))?;
+        // SAFETY: a retained primary context of this backend (see `make_current`).
+        self.check(op, unsafe { self.driver.ctx_set_current(first.ctx.0) })
+    }
+}
+
+fn error_with_name(driver: &Driver, op: Operation, code: CuCode) -> BackendError {
+    let mut e = code.to_error(op);
+    if code.name().is_none() {
+        if let Some(name) = driver.error_name(code) {
+            e.code_name = name;
+        }
+    }
+    e
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        let driver = self.driver;
+        for device in self.devices.iter_mut().rev() {
+            let probe = device
+                .probe
+                .get_mut()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .take();
+            if let Some(probe) = probe {
+                // SAFETY: the context is still retained (released just below).
+                let current = unsafe { driver.ctx_set_current(device.ctx.0) };
+                if current.is_ok() {
+                    // Failures (a context lost to a fault) leave nothing we could do.
+                    // SAFETY: the module was loaded in this context, which is now current, and
+                    // it is not used again.
+                    let _ = unsafe { probe.unload(&driver) };
+                }
+            }
+            // SAFETY: balances the one retain of `open`; nothing of this backend uses the
+            // context afterwards.
+            if let Err(code) = unsafe { driver.primary_ctx_release(device.cu) } {
+                tracing::debug!(code = code.0, "cuDevicePrimaryCtxRelease failed");
+            }
+        }
+    }
+}
+
+impl VirtualMemoryBackend for CudaBackend {
+    fn name(&self) -> &str {
+        "cuda"
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            unmap_spans_mappings: true,
+            posix_fd_handles: self.posix_fd,
+            kernels: true,
+            set_access_retries: 0,
+            checks_reservation_bounds: false,
+        }
+    }
+
+    fn devices(&self) -> BackendResult<Vec<DeviceInfo>> {
+        Ok(self.devices.iter().map(|d| d.info.clone()).collect())
+    }
+
+    fn memory_info(&self, device: DeviceId) -> BackendResult<MemoryInfo> {
+        let op = Operation::MemoryInfo;
+        traced(
+            tracing::debug_span!("kvvm_cuda", op = "cuMemGetInfo", %device),
+            || {
+                let dev = self.device(op, device)?;
+                self.make_current(op, dev)?;
+                let (free, total) = self.check(op, self.driver.mem_info())?;
+                Ok(MemoryInfo {
+                    free: to_u64(free),
+                    total: to_u64(total),
+                })
+            },
+        )
+    }
+
+    fn granularity(&self, properties: &AllocationProperties) -> BackendResult<Granularity> {
+        let op = Operation::Granularity;
+        let span = tracing::debug_span!(
+            "kvvm_cuda",
+            op = "cuMemGetAllocationGranularity",
+            device = %properties.device
+        );
+        traced(span, || {
+            let dev = self.device(op, properties.device)?;
+            self.make_current(op, dev)?;
+            let prop = allocation_prop(dev.ordinal, properties.handle_type);
+            let minimum = self.check(
+                op,
+                self.driver.granularity(
+                    &prop,
+                    CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                ),
+            )?;
+            let recommended = self.check(
+                op,
+                self.driver.granularity(
+                    &prop,
+                    CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+                ),
+            )?;
+            Ok(Granularity {
+                minimum: to_u64(minimum),
+                recommended: to_u64(recommended),
+            })
+        })
+    }
+
+    fn reserve(
+        &self,
+        size: u64,
+        alignment: u64,
+        fixed_address: Option<DeviceAddress>,
+    ) -> BackendResult<DeviceAddress> {
+        let op = Operation::Reserve;
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuMemAddressReserve", size, alignment);
+        traced(span, || {
+            let size_z = to_usize(op, "size", size)?;
+            let alignment = to_usize(op, "alignment", alignment)?;
+            self.any_context(op)?;
+            let hint = fixed_address.map_or(0, DeviceAddress::get);
+            let ptr = self.check(op, self.driver.address_reserve(size_z, alignment, hint))?;
+            tracing::debug!(address = ptr, "reserved");
+            Ok(DeviceAddress(ptr))
+        })
+    }
+
+    fn free(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
+        let op = Operation::Free;
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuMemAddressFree", %address, size);
+        traced(span, || {
+            let size = to_usize(op, "size", size)?;
+            self.any_context(op)?;
+            self.check(op, self.driver.address_free(address.0, size))
+        })
+    }
+
+    fn create(
+        &self,
+        size: u64,
+        properties: &AllocationProperties,
+    ) -> BackendResult<PhysicalHandle> {
+        let op = Operation::Create;
+        let span = tracing::debug_span!(
+            "kvvm_cuda",
+            op = "cuMemCreate",
+            device = %properties.device,
+            size
+        );
+        traced(span, || {
+            let size = to_usize(op, "size", size)?;
+            let dev = self.device(op, properties.device)?;
+            self.make_current(op, dev)?;
+            let prop = allocation_prop(dev.ordinal, properties.handle_type);
+            let handle = self.check(op, self.driver.mem_create(size, &prop))?;
+            Ok(PhysicalHandle(handle))
+        })
+    }
+
+    fn release(&self, handle: PhysicalHandle) -> BackendResult<()> {
+        let op = Operation::Release;
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuMemRelease", %handle);
+        traced(span, || {
+            self.any_context(op)?;
+            self.check(op, self.driver.mem_release(handle.0))
+        })
+    }
+
+    fn map(&self, address: DeviceAddress, size: u64, handle: PhysicalHandle) -> BackendResult<()> {
+        let op = Operation::Map;
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuMemMap", %address, size, %handle);
+        traced(span, || {
+            let size = to_usize(op, "size", size)?;
+            self.any_context(op)?;
+            self.check(op, self.driver.mem_map(address.0, size, handle.0))
+        })
+    }
+
+    fn set_access(
+        &self,
+        address: DeviceAddress,
+        size: u64,
+        access: &[AccessDescriptor],
+    ) -> BackendResult<()> {
+        let op = Operation::SetAccess;
+        let span = tracing::debug_span!(
+            "kvvm_cuda",
+            op = "cuMemSetAccess",
+            %address,
+            size,
+            descriptors = access.len()
+        );
+        traced(span, || {
+            let size = to_usize(op, "size", size)?;
+            let desc = access
+                .iter()
+                .map(|a| {
+                    Ok(CUmemAccessDesc {
+                        location: CUmemLocation {
+                            type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                            id: ordinal(op, a.device)?,
+                        },
+                        flags: access_flags(a.access),
+                    })
+                })
+                .collect::<BackendResult<Vec<_>>>()?;
+            self.any_context(op)?;
+            self.check(op, self.driver.mem_set_access(address.0, size, &desc))
+        })
+    }
+
+    fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
+        let op = Operation::Unmap;
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuMemUnmap", %address, size);
+        traced(span, || {
+            let size = to_usize(op, "size", size)?;
+            self.any_context(op)?;
+            self.check(op, self.driver.mem_unmap(address.0, size))
+        })
+    }
+
+    fn synchronize(&self, device: DeviceId) -> BackendResult<()> {
+        let op = Operation::Synchronize;
+        traced(
+            tracing::debug_span!("kvvm_cuda", op = "cuCtxSynchronize", %device),
+            || {
+                let dev = self.device(op, device)?;
+                self.make_current(op, dev)?;
+                self.check(op, self.driver.ctx_synchronize())
+            },
+        )
+    }
+
+    fn copy_to_device(&self, dst: DeviceAddress, src: &[u8]) -> BackendResult<()> {
+        let op = Operation::CopyToDevice;
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuMemcpyHtoD", %dst, bytes = src.len());
+        traced(span, || {
+            self.any_context(op)?;
+            self.check(op, self.driver.memcpy_htod(dst.0, src))
+        })
+    }
+
+    fn copy_from_device(&self, dst: &mut [u8], src: DeviceAddress) -> BackendResult<()> {
+        let op = Operation::CopyFromDevice;
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuMemcpyDtoH", %src, bytes = dst.len());
+        traced(span, || {
+            self.any_context(op)?;
+            self.check(op, self.driver.memcpy_dtoh(dst, src.0))
+        })
+    }
+
+    fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {
+        let op = Operation::Export;
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuMemExportToShareableHandle", %handle);
+        traced(span, || {
+            if !self.posix_fd {
+                return Err(BackendError::new(
+                    op,
+                    ErrorKind::NotSupported,
+                    801,
+                    "CUDA_ERROR_NOT_SUPPORTED",
+                )
+                .with_detail("a device lacks POSIX file descriptor handle support"));
+            }
+            self.any_context(op)?;
+            let fd = self.check(op, self.driver.export_posix_fd(handle.0))?;
+            if fd < 0 {
+                return Err(
+                    BackendError::new(op, ErrorKind::Other, 0, "invalid file descriptor")
+                        .with_detail(format!("the driver returned fd {fd}")),
+                );
+            }
+            // SAFETY: on success the driver returns a newly opened file descriptor that the
+            // caller owns (cuda.h); nothing else holds or closes it.
+            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        })
+    }
+
+    fn import_posix_fd(&self, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
+        let op = Operation::Import;
+        let raw = fd.as_raw_fd();
+        let span =
+            tracing::debug_span!("kvvm_cuda", op = "cuMemImportFromShareableHandle", fd = raw);
+        traced(span, || {
+            self.any_context(op)?;
+            let handle = self.check(op, self.driver.import_posix_fd(raw))?;
+            Ok(PhysicalHandle(handle))
+        })
+    }
+
+    fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
+        Some(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn driver_version_string() {
+        assert_eq!(format_driver_version(13000), "CUDA 13.0 (driver 13000)");
+        assert_eq!(format_driver_version(12080), "CUDA 12.8 (driver 12080)");
+        assert_eq!(format_driver_version(11040), "CUDA 11.4 (driver 11040)");
+    }
+
+    #[test]
+    fn access_flags_match_cuda() {
+        assert_eq!(access_flags(Access::None) as u32, 0);
+        assert_eq!(access_flags(Access::Read) as u32, 1);
+        assert_eq!(access_flags(Access::ReadWrite) as u32, 3);
+    }
+
+    #[test]
+    fn allocation_prop_is_pinned_device_memory() {
+        let p = allocation_prop(3, ShareableHandleType::None);
+        assert_eq!(p.type_ as u32, 1);
+        assert_eq!(p.location.type_ as u32, 1);
+        assert_eq!(p.location.id, 3);
+        assert_eq!(p.requestedHandleTypes.0, 0);
+        assert!(p.win32HandleMetaData.is_null());
+        let p = allocation_prop(0, ShareableHandleType::PosixFd);
+        assert_eq!(p.requestedHandleTypes.0, 1);
+    }
+
+    #[test]
+    fn struct_layouts_match_cuda_h() {
+        // cuda.h (12.x / 13.0): CUmemAllocationProp is 32 bytes, CUmemAccessDesc 12.
+        assert_eq!(std::mem::size_of::<CUmemAllocationProp>(), 32);
+        assert_eq!(std::mem::size_of::<CUmemAccessDesc>(), 12);
+        assert_eq!(std::mem::size_of::<CUmemLocation>(), 8);
+    }
+
+    #[test]
+    fn out_of_range_values_are_invalid() {
+        assert_eq!(
+            ordinal(Operation::Map, DeviceId(u32::MAX)).map_err(|e| e.kind),
+            Err(ErrorKind::InvalidValue)
+        );
+        assert_eq!(ordinal(Operation::Map, DeviceId(2)).ok(), Some(2));
+        assert_eq!(to_usize(Operation::Map, "size", 4096).ok(), Some(4096));
+    }
+}

@@ -1,0 +1,51 @@
+//! # kvvm-cuda: the CUDA driver backend of kvvm
+//!
+//! [`CudaBackend`] implements [`kvvm_hal::VirtualMemoryBackend`] over the CUDA driver's
+//! virtual-memory management API (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`,
+//! `cuMemSetAccess`, `cuMemUnmap`, `cuMemRelease`, `cuMemAddressFree`, POSIX-FD export and
+//! import) and [`kvvm_hal::KernelProbe`] with two hand-written PTX kernels.
+//!
+//! ## Loading
+//!
+//! `libcuda` is loaded at run time through cudarc's dynamic loader; the crate builds and its
+//! tests run on machines without CUDA. [`CudaBackend::open`] checks that the library exists
+//! and resolves **every** symbol the backend uses before calling any of them, so a missing
+//! library, a missing symbol, a stub library, a driver mismatch or the absence of a device is
+//! an [`ErrorKind::Unavailable`](kvvm_hal::ErrorKind::Unavailable) error whose detail says
+//! what is missing, never a panic.
+//!
+//! ## Layers
+//!
+//! * `driver`: the table of entry points (cudarc's `sys` types, raw `u32` return codes, so a
+//!   code newer than the bindings cannot be undefined behaviour);
+//! * `result`: thin wrappers, `MaybeUninit` out-parameters in, `Result<_, CuCode>` out;
+//! * [`error`]: names and classification of `CUresult` codes;
+//! * `backend` and `probe`: the trait implementations.
+//!
+//! ## Contexts and threads
+//!
+//! `open` retains each device's primary context once and `Drop` releases it. Every method
+//! makes the right context current on the calling thread (a `cuCtxGetCurrent` comparison, and
+//! `cuCtxSetCurrent` only when it differs), so the backend works from any thread.
+//!
+//! ## Capabilities
+//!
+//! `unmap_spans_mappings`: true; `kernels`: true; `set_access_retries`: 0;
+//! `checks_reservation_bounds`: false (the driver does not; the manager checks);
+//! `posix_fd_handles`: true only when every device reports
+//! `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`.
+
+mod backend;
+mod driver;
+pub mod error;
+mod probe;
+mod result;
+
+pub use backend::{format_driver_version, CudaBackend};
+pub use error::CuCode;
+pub use probe::{LOAD_KERNEL, PROBE_PTX, STORE_KERNEL};
+
+/// The `libcuda` symbols the backend resolves when it opens (all of them are required).
+pub fn required_symbols() -> &'static [&'static std::ffi::CStr] {
+    driver::Driver::SYMBOLS
+}
