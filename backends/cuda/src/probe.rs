@@ -48,7 +48,7 @@ pub const PROBE_PTX: &CStr = cr#"
     mov.u64 %rd7, 0;
 LOAD_LOOP:
     setp.ge.u64 %p1, %rd5, %rd2;
-    @%p1 bra.uni LOAD_DONE;
+    @%p1 bra LOAD_DONE;
     add.u64 %rd8, %rd1, %rd5;
     ld.global.u8 %rs1, [%rd8];
     cvt.u64.u16 %rd9, %rs1;
@@ -86,7 +86,7 @@ LOAD_DONE:
     mul.wide.u32 %rd6, %r4, %r2;
 STORE_LOOP:
     setp.ge.u64 %p1, %rd5, %rd2;
-    @%p1 bra.uni STORE_DONE;
+    @%p1 bra STORE_DONE;
     add.u64 %rd8, %rd1, %rd5;
     st.global.u8 [%rd8], %rs1;
     add.u64 %rd5, %rd5, %rd6;
