@@ -168,12 +168,18 @@ mod tests {
             FaultRule::nth(Operation::Map, 2, ErrorKind::OutOfMemory),
             &counts_with(Operation::Map, 5),
         );
-        assert_eq!(plan.check(Operation::Map, &counts_with(Operation::Map, 6)), None);
+        assert_eq!(
+            plan.check(Operation::Map, &counts_with(Operation::Map, 6)),
+            None
+        );
         assert_eq!(
             plan.check(Operation::Map, &counts_with(Operation::Map, 7)),
             Some(ErrorKind::OutOfMemory)
         );
-        assert_eq!(plan.check(Operation::Map, &counts_with(Operation::Map, 8)), None);
+        assert_eq!(
+            plan.check(Operation::Map, &counts_with(Operation::Map, 8)),
+            None
+        );
         assert_eq!(
             plan.check(Operation::Create, &counts_with(Operation::Create, 7)),
             None

@@ -111,7 +111,9 @@ impl SimBackend {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave `State` half-updated in a way that
         // matters more than losing the simulator, and library code must not panic: recover.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Adds a fault rule; its call numbers count from now.
@@ -261,7 +263,11 @@ impl VirtualMemoryBackend for SimBackend {
 
     fn granularity(&self, properties: &AllocationProperties) -> BackendResult<Granularity> {
         self.call(Operation::Granularity, |s| {
-            Ok((s.device(Operation::Granularity, properties.device)?.granularity, 1))
+            Ok((
+                s.device(Operation::Granularity, properties.device)?
+                    .granularity,
+                1,
+            ))
         })
     }
 
@@ -280,7 +286,11 @@ impl VirtualMemoryBackend for SimBackend {
         self.call(Operation::Free, |s| Ok((s.free(address, size)?, 1)))
     }
 
-    fn create(&self, size: u64, properties: &AllocationProperties) -> BackendResult<PhysicalHandle> {
+    fn create(
+        &self,
+        size: u64,
+        properties: &AllocationProperties,
+    ) -> BackendResult<PhysicalHandle> {
         self.call(Operation::Create, |s| Ok((s.create(size, properties)?, 1)))
     }
 

@@ -182,7 +182,10 @@ impl State {
             return Err(invalid(op, format!("size {size} is not a multiple of {g}")));
         }
         if alignment != 0 && !alignment.is_power_of_two() {
-            return Err(invalid(op, format!("alignment {alignment} is not a power of two")));
+            return Err(invalid(
+                op,
+                format!("alignment {alignment} is not a power of two"),
+            ));
         }
         let align = alignment.max(g);
         let limit = VA_BASE.saturating_add(self.address_space);
@@ -292,7 +295,10 @@ impl State {
             return Err(sim_error(
                 op,
                 ErrorKind::OutOfMemory,
-                format!("{size} bytes requested, {} free", capacity.saturating_sub(used)),
+                format!(
+                    "{size} bytes requested, {} free",
+                    capacity.saturating_sub(used)
+                ),
             ));
         }
         if let Some(u) = self.used.get_mut(idx) {
@@ -384,7 +390,10 @@ impl State {
             return Err(not_supported(op, format!("{address} not aligned to {g}")));
         }
         if size % g != 0 {
-            return Err(not_supported(op, format!("size {size} not a multiple of {g}")));
+            return Err(not_supported(
+                op,
+                format!("size {size} not a multiple of {g}"),
+            ));
         }
         if size > a_size {
             return Err(invalid(
@@ -426,7 +435,12 @@ impl State {
     }
 
     /// Mapping starts covering `[start, end)` exactly and contiguously, or an error.
-    fn whole_mappings(&self, op: Operation, start: u64, end: u64) -> Result<Vec<u64>, BackendError> {
+    fn whole_mappings(
+        &self,
+        op: Operation,
+        start: u64,
+        end: u64,
+    ) -> Result<Vec<u64>, BackendError> {
         let mut cursor = start;
         let mut out = Vec::new();
         if let Some((s, m)) = self.mappings.range(..start).next_back() {
@@ -495,10 +509,7 @@ impl State {
             .range(address.0..end)
             .map(|(s, m)| (*s, m.size))
             .collect();
-        if starts
-            .iter()
-            .any(|(s, sz)| s.saturating_add(*sz) > end)
-        {
+        if starts.iter().any(|(s, sz)| s.saturating_add(*sz) > end) {
             return Err(invalid(op, "unmap of part of a mapping"));
         }
         if starts.is_empty() && self.quirks.report_double_unmap {
@@ -621,7 +632,10 @@ impl State {
             .get_mut(&id)
             .ok_or_else(|| invalid(op, "handle without allocation"))?;
         if a.handle_type != ShareableHandleType::PosixFd {
-            return Err(invalid(op, "handle was not created exportable as a POSIX fd"));
+            return Err(invalid(
+                op,
+                "handle was not created exportable as a POSIX fd",
+            ));
         }
         let io = |e: std::io::Error| sim_error(op, ErrorKind::Other, e.to_string());
         let (exported, _peer) = UnixStream::pair().map_err(io)?;

@@ -1,0 +1,145 @@
+//! Cases that must run in a child process (a kernel fault leaves the context unusable).
+//!
+//! The parent re-runs a program (by default its own executable) with the environment
+//! variables [`CHILD_ENV`] and [`CHILD_BACKEND_ENV`] set. That program must call
+//! [`requested_child`] first thing in `main` and, when it returns a request, open the named
+//! backend and hand it to [`run_child`], then exit with the code it returns. The child prints
+//! one verdict line on stdout, which the parent reads.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use kvvm_hal::{DeviceId, VirtualMemoryBackend};
+
+use crate::Ctx;
+
+/// Environment variable naming the child case to run.
+pub const CHILD_ENV: &str = "KVVM_CONFORMANCE_CHILD";
+/// Environment variable naming the backend the child opens.
+pub const CHILD_BACKEND_ENV: &str = "KVVM_CONFORMANCE_CHILD_BACKEND";
+/// The child case of `kernel_store_through_read_alias_faults`.
+pub const CHILD_KERNEL_STORE: &str = "kernel_store";
+
+const VERDICT_PREFIX: &str = "KVVM_CHILD_VERDICT ";
+
+/// What a child case reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChildVerdict {
+    /// The operation faulted, with the error it reported.
+    Fault(String),
+    /// The operation completed without a fault.
+    NoFault,
+    /// The child could not run the case.
+    Error(String),
+}
+
+impl ChildVerdict {
+    fn to_line(&self) -> String {
+        match self {
+            ChildVerdict::Fault(m) => format!("{VERDICT_PREFIX}fault {m}"),
+            ChildVerdict::NoFault => format!("{VERDICT_PREFIX}no-fault"),
+            ChildVerdict::Error(m) => format!("{VERDICT_PREFIX}error {m}"),
+        }
+    }
+
+    fn parse(stdout: &str) -> Option<ChildVerdict> {
+        let line = stdout
+            .lines()
+            .rev()
+            .find_map(|l| l.strip_prefix(VERDICT_PREFIX))?;
+        let (word, rest) = line.split_once(' ').unwrap_or((line, ""));
+        match word {
+            "fault" => Some(ChildVerdict::Fault(rest.to_owned())),
+            "no-fault" => Some(ChildVerdict::NoFault),
+            "error" => Some(ChildVerdict::Error(rest.to_owned())),
+            _ => None,
+        }
+    }
+}
+
+/// How to start a child process for a case.
+#[derive(Debug, Clone)]
+pub struct ChildRunner {
+    program: PathBuf,
+    args: Vec<String>,
+}
+
+impl ChildRunner {
+    /// Runs `program` with `args` (the program must honour [`requested_child`]).
+    pub fn new(program: impl Into<PathBuf>, args: Vec<String>) -> Self {
+        ChildRunner {
+            program: program.into(),
+            args,
+        }
+    }
+
+    /// Re-runs the current executable.
+    pub fn current_exe() -> std::io::Result<Self> {
+        Ok(ChildRunner::new(std::env::current_exe()?, Vec::new()))
+    }
+
+    /// Runs child case `case` against backend `backend` and returns its verdict.
+    pub fn run(&self, backend: &str, case: &str) -> Result<ChildVerdict, String> {
+        let out = Command::new(&self.program)
+            .args(&self.args)
+            .env(CHILD_ENV, case)
+            .env(CHILD_BACKEND_ENV, backend)
+            .output()
+            .map_err(|e| format!("cannot start {}: {e}", self.program.display()))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        ChildVerdict::parse(&stdout).ok_or_else(|| {
+            format!(
+                "child exited with {} and no verdict; stderr: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )
+        })
+    }
+}
+
+/// The child request in this process's environment: `(backend, case)`.
+pub fn requested_child() -> Option<(String, String)> {
+    let case = std::env::var(CHILD_ENV).ok()?;
+    let backend = std::env::var(CHILD_BACKEND_ENV).unwrap_or_else(|_| "auto".to_owned());
+    Some((backend, case))
+}
+
+/// Runs child case `case` on `backend`, prints the verdict line, returns the exit code.
+pub fn run_child(backend: &dyn VirtualMemoryBackend, case: &str) -> i32 {
+    let verdict = match case {
+        CHILD_KERNEL_STORE => match Ctx::new(backend, DeviceId(0), None) {
+            Ok(ctx) => crate::cases::kernel_store_child(&ctx),
+            Err(e) => ChildVerdict::Error(e.to_string()),
+        },
+        other => ChildVerdict::Error(format!("unknown child case {other:?}")),
+    };
+    println!("{}", verdict.to_line());
+    match verdict {
+        ChildVerdict::Error(_) => 2,
+        _ => 0,
+    }
+}
+
+/// Prints an error verdict (for a child that could not open its backend); returns the code.
+pub fn report_child_error(message: &str) -> i32 {
+    println!("{}", ChildVerdict::Error(message.to_owned()).to_line());
+    2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdict_lines_roundtrip() {
+        for v in [
+            ChildVerdict::Fault("kernel failed: device lost".into()),
+            ChildVerdict::NoFault,
+            ChildVerdict::Error("no device".into()),
+        ] {
+            let text = format!("noise\n{}\n", v.to_line());
+            assert_eq!(ChildVerdict::parse(&text), Some(v));
+        }
+        assert_eq!(ChildVerdict::parse("nothing here"), None);
+    }
+}

@@ -1,0 +1,162 @@
+//! Results of a conformance run: a table for people, JSON for machines.
+
+use serde::Serialize;
+
+/// The outcome of one case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// The backend behaved as every backend must.
+    Pass,
+    /// It did not; `reason` says how.
+    Fail,
+    /// The case could not run here (a capability is missing, or the backend is unavailable);
+    /// `reason` says why. A skip is never counted as a pass.
+    Skip,
+}
+
+impl Status {
+    /// `"pass"`, `"fail"` or `"skip"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Pass => "pass",
+            Status::Fail => "fail",
+            Status::Skip => "skip",
+        }
+    }
+}
+
+/// One case's result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct CaseResult {
+    /// The case's name.
+    pub name: String,
+    /// Its outcome.
+    pub status: Status,
+    /// Why it failed or was skipped (`null` on a pass).
+    pub reason: Option<String>,
+    /// Wall-clock time of the case in microseconds.
+    pub micros: u64,
+}
+
+/// A whole run, in exactly the JSON shape `kvvm conformance --json` prints.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Report {
+    /// The backend's name.
+    pub backend: String,
+    /// The device the cases ran on (`"none"` when the backend is unavailable).
+    pub device: String,
+    /// Cases passed.
+    pub passed: u64,
+    /// Cases failed.
+    pub failed: u64,
+    /// Cases skipped.
+    pub skipped: u64,
+    /// Every case, in suite order.
+    pub cases: Vec<CaseResult>,
+}
+
+impl Report {
+    /// A report from case results (the counts are computed).
+    pub fn new(
+        backend: impl Into<String>,
+        device: impl Into<String>,
+        cases: Vec<CaseResult>,
+    ) -> Self {
+        let count = |s: Status| cases.iter().filter(|c| c.status == s).count() as u64;
+        Report {
+            backend: backend.into(),
+            device: device.into(),
+            passed: count(Status::Pass),
+            failed: count(Status::Fail),
+            skipped: count(Status::Skip),
+            cases,
+        }
+    }
+
+    /// The result of the case named `name`.
+    pub fn case(&self, name: &str) -> Option<&CaseResult> {
+        self.cases.iter().find(|c| c.name == name)
+    }
+
+    /// The report as one line of JSON.
+    pub fn to_json(&self) -> String {
+        // Serializing plain strings and integers cannot fail; fall back to an error object
+        // rather than panicking all the same.
+        serde_json::to_string(self)
+            .unwrap_or_else(|e| format!("{{\"error\": \"cannot serialize report: {e}\"}}"))
+    }
+
+    /// The report as an aligned text table with a summary line.
+    pub fn to_table(&self) -> String {
+        let width = self
+            .cases
+            .iter()
+            .map(|c| c.name.len())
+            .max()
+            .unwrap_or(4)
+            .max(4);
+        let mut out = format!(
+            "backend: {}   device: {}\n{:<width$}  {:<6} {:>10}  reason\n",
+            self.backend, self.device, "case", "status", "micros"
+        );
+        for c in &self.cases {
+            out.push_str(&format!(
+                "{:<width$}  {:<6} {:>10}  {}\n",
+                c.name,
+                c.status.as_str(),
+                c.micros,
+                c.reason.as_deref().unwrap_or("")
+            ));
+        }
+        out.push_str(&format!(
+            "{} passed, {} failed, {} skipped\n",
+            self.passed, self.failed, self.skipped
+        ));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_has_exactly_the_documented_shape() {
+        let r = Report::new(
+            "sim",
+            "Simulated GPU 0",
+            vec![
+                CaseResult {
+                    name: "a".into(),
+                    status: Status::Pass,
+                    reason: None,
+                    micros: 3,
+                },
+                CaseResult {
+                    name: "b".into(),
+                    status: Status::Skip,
+                    reason: Some("no kernels".into()),
+                    micros: 0,
+                },
+            ],
+        );
+        let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        let obj = v.as_object().unwrap();
+        let mut keys: Vec<_> = obj.keys().cloned().collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            ["backend", "cases", "device", "failed", "passed", "skipped"]
+        );
+        assert_eq!(v["passed"], 1);
+        assert_eq!(v["skipped"], 1);
+        assert_eq!(v["failed"], 0);
+        assert_eq!(v["cases"][0]["reason"], serde_json::Value::Null);
+        assert_eq!(v["cases"][1]["status"], "skip");
+        let mut case_keys: Vec<_> = v["cases"][1].as_object().unwrap().keys().cloned().collect();
+        case_keys.sort();
+        assert_eq!(case_keys, ["micros", "name", "reason", "status"]);
+        assert!(r.to_table().ends_with("1 passed, 0 failed, 1 skipped\n"));
+    }
+}

@@ -1,0 +1,160 @@
+//! The whole suite against the simulated driver, at several granularities, and proof that the
+//! suite fails on a simulator with wrong semantics.
+
+use kvvm_conformance::{run_suite, Report, RunOptions, Status};
+use kvvm_sim::{SimBackend, SimConfig, SimQuirks, GIB, MIB};
+
+const KIB: u64 = 1024;
+
+/// Cases that need a GPU and are therefore skipped on the simulator.
+const GPU_ONLY: [&str; 2] = [
+    "kernel_load_through_read_alias",
+    "kernel_store_through_read_alias_faults",
+];
+
+fn run(config: SimConfig) -> Report {
+    let sim = SimBackend::new(config);
+    let report = run_suite(&sim, &RunOptions::default());
+    assert!(
+        sim.ledger().is_empty(),
+        "the suite left resources behind: {:?}",
+        sim.ledger()
+    );
+    report
+}
+
+fn assert_clean(report: &Report) {
+    assert!(
+        report.cases.len() >= 30,
+        "only {} cases",
+        report.cases.len()
+    );
+    for c in &report.cases {
+        let expected = if GPU_ONLY.contains(&c.name.as_str()) {
+            Status::Skip
+        } else {
+            Status::Pass
+        };
+        assert_eq!(c.status, expected, "{}: {:?}", c.name, c.reason);
+        if c.status == Status::Skip {
+            assert!(c.reason.as_deref().is_some_and(|r| !r.is_empty()));
+        }
+    }
+    assert_eq!(report.failed, 0);
+}
+
+#[test]
+fn suite_passes_at_4_kib() {
+    assert_clean(&run(SimConfig::single(4 * KIB, 64 * MIB)));
+}
+
+#[test]
+fn suite_passes_at_64_kib() {
+    assert_clean(&run(SimConfig::single(64 * KIB, 256 * MIB)));
+}
+
+#[test]
+fn suite_passes_at_2_mib_h200() {
+    assert_clean(&run(SimConfig::default()));
+}
+
+#[test]
+fn suite_passes_at_512_mib() {
+    assert_clean(&run(SimConfig::single(512 * MIB, 16 * GIB)));
+}
+
+#[test]
+fn suite_passes_on_a_second_device() {
+    let sim = SimBackend::new(SimConfig::uniform(2, 2 * MIB, GIB));
+    let options = RunOptions {
+        device: kvvm_hal::DeviceId(1),
+        ..RunOptions::default()
+    };
+    let report = run_suite(&sim, &options);
+    assert_eq!(report.failed, 0, "{}", report.to_table());
+    assert!(sim.ledger().is_empty());
+}
+
+fn failing(quirks: SimQuirks) -> Vec<String> {
+    let report = run(SimConfig::single(64 * KIB, 256 * MIB).with_quirks(quirks));
+    report
+        .cases
+        .iter()
+        .filter(|c| c.status == Status::Fail)
+        .map(|c| c.name.clone())
+        .collect()
+}
+
+#[test]
+fn suite_fails_when_release_frees_mapped_memory() {
+    let failed = failing(SimQuirks {
+        release_frees_mapped: true,
+        ..SimQuirks::default()
+    });
+    assert!(
+        failed.contains(&"release_while_mapped_defers_free".to_owned()),
+        "{failed:?}"
+    );
+}
+
+#[test]
+fn suite_fails_when_double_unmap_is_reported() {
+    let failed = failing(SimQuirks {
+        report_double_unmap: true,
+        ..SimQuirks::default()
+    });
+    assert!(
+        failed.contains(&"unmap_twice_is_not_reported".to_owned()),
+        "{failed:?}"
+    );
+}
+
+#[test]
+fn suite_fails_when_read_only_is_not_enforced() {
+    let failed = failing(SimQuirks {
+        ignore_read_only: true,
+        ..SimQuirks::default()
+    });
+    assert!(
+        failed.contains(&"read_alias_refuses_writes".to_owned()),
+        "{failed:?}"
+    );
+}
+
+#[test]
+fn multi_unmap_quirk_is_skipped_not_failed() {
+    // A backend that declares it cannot unmap several mappings at once skips that case.
+    let sim = SimBackend::new(
+        SimConfig::single(64 * KIB, 256 * MIB).with_quirks(SimQuirks {
+            multi_unmap_breaks_free: true,
+            ..SimQuirks::default()
+        }),
+    );
+    let report = run_suite(&sim, &RunOptions::default());
+    let case = report.case("unmap_spanning_mappings").unwrap();
+    assert_eq!(case.status, Status::Skip);
+    assert_eq!(report.failed, 0, "{}", report.to_table());
+}
+
+#[test]
+fn filter_selects_cases() {
+    let sim = SimBackend::new(SimConfig::single(64 * KIB, 256 * MIB));
+    let options = RunOptions {
+        filter: vec!["read_alias".into()],
+        ..RunOptions::default()
+    };
+    let report = run_suite(&sim, &options);
+    assert!(report.cases.len() >= 3);
+    assert!(report.cases.iter().all(|c| c.name.contains("read_alias")));
+}
+
+#[test]
+fn unavailable_backend_skips_every_case() {
+    let report = kvvm_conformance::unavailable_report("cuda", "no CUDA driver");
+    assert_eq!(report.skipped as usize, report.cases.len());
+    assert_eq!(report.failed, 0);
+    assert!(report
+        .cases
+        .iter()
+        .all(|c| c.reason.as_deref() == Some("no CUDA driver")));
+}
