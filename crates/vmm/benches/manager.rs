@@ -1,0 +1,2 @@
+//! Manager CPU-cost benchmark (work in progress).
+fn main() {}

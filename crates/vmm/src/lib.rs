@@ -1,0 +1,1 @@
+//! kvvm-vmm (work in progress).
