@@ -152,7 +152,7 @@ impl HipRuntime {
             // runtime's own sonames, whose initialisers are safe to run in any process.
             match unsafe { Library::new(name) } {
                 Ok(lib) => return Self::from_library(lib, name.to_owned()),
-                Err(e) => tried.push(format!("{name}: {e}")),
+                Err(e) => tried.push(format!("{name}: {}", describe(&e))),
             }
         }
         Err(BackendError::unavailable(
@@ -173,7 +173,7 @@ impl HipRuntime {
             Ok(lib) => Self::from_library(lib, path.to_owned()),
             Err(e) => Err(BackendError::unavailable(
                 Operation::Load,
-                format!("cannot load the HIP runtime {path}: {e}"),
+                format!("cannot load the HIP runtime {path}: {}", describe(&e)),
             )),
         }
     }
@@ -694,6 +694,18 @@ impl VirtualMemoryBackend for HipBackend {
         })?;
         Ok(PhysicalHandle(handle.expose_provenance() as u64))
     }
+}
+
+/// A loader error with its cause (`dlopen failed: libfoo.so: cannot open shared object ...`).
+fn describe(e: &libloading::Error) -> String {
+    let mut s = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    s
 }
 
 fn not_supported(op: Operation, runtime: &HipRuntime) -> BackendError {
