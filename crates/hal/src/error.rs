@@ -132,7 +132,7 @@ impl fmt::Display for ErrorKind {
 
 /// A failed backend call: the operation, the vendor's code and name, and what it means.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{op} failed: {kind} ({code_name}, code {code}){}", fmt_detail(.detail))]
+#[error("{op} failed: {kind}{}{}", fmt_code(*.code, .code_name), fmt_detail(.detail))]
 pub struct BackendError {
     /// The driver operation that failed.
     pub op: Operation,
@@ -144,6 +144,14 @@ pub struct BackendError {
     pub code_name: String,
     /// Extra context: the reason a backend is unavailable, the arguments, ...
     pub detail: Option<String>,
+}
+
+fn fmt_code(code: i64, name: &str) -> String {
+    if code == 0 {
+        String::new()
+    } else {
+        format!(" ({name}, code {code})")
+    }
 }
 
 fn fmt_detail(detail: &Option<String>) -> String {

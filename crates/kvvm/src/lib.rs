@@ -1,0 +1,190 @@
+//! # kvvm: GPU memory for LLM KV caches through the drivers' virtual-memory API
+//!
+//! kvvm reserves a request's KV-cache address range once, commits physical granules as the
+//! cache grows (no copy, the pointer never changes), shares prompt prefixes by mapping one
+//! physical allocation read-only at several addresses (billed once), and turns memory
+//! exhaustion into backpressure instead of a crash. This crate is the facade: it opens a
+//! backend by name and re-exports the backend-neutral interface.
+//!
+//! | name | backend |
+//! |---|---|
+//! | `"cuda"` | the CUDA driver (libcuda, loaded at run time) |
+//! | `"hip"` | the HIP runtime (libamdhip64, loaded at run time; `KVVM_HIP_LIBRARY` overrides) |
+//! | `"sim"` | the in-process simulated driver (one simulated H200) |
+//! | `"auto"` | CUDA if it opens, else HIP, else the simulator, with a notice saying why |
+//!
+//! ```
+//! let opened = kvvm::open_backend_verbose("auto").unwrap();
+//! // On a machine without a GPU, `auto` falls back to the simulator and says so.
+//! if let Some(notice) = &opened.notice {
+//!     eprintln!("{notice}");
+//! }
+//! let devices = opened.backend.devices().unwrap();
+//! assert!(!devices.is_empty());
+//! ```
+//!
+//! ## Why `Arc<dyn VirtualMemoryBackend>` and not an enum
+//!
+//! See `docs/decisions.md`: enum_dispatch needs the trait and the enum in one crate, and our
+//! trait lives in `kvvm-hal` below the backends. A virtual call costs about a nanosecond; the
+//! cheapest driver call (a map) costs about a microsecond.
+
+pub use kvvm_hal as hal;
+pub use kvvm_hal::{
+    Access, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
+    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, MemoryInfo, Operation,
+    PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
+};
+pub use kvvm_sim as sim;
+
+use std::sync::Arc;
+
+/// The names [`open_backend`] accepts.
+pub const BACKEND_NAMES: [&str; 4] = ["auto", "cuda", "hip", "sim"];
+
+/// Why a backend could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The name is not one of [`BACKEND_NAMES`].
+    #[error("unknown backend {0:?} (expected one of: auto, cuda, hip, sim)")]
+    UnknownBackend(String),
+    /// The backend exists but cannot be used here (library, symbol or device missing, ...).
+    #[error("backend {name} is unavailable: {source}")]
+    Backend {
+        /// The backend's name.
+        name: String,
+        /// The backend's error (kind [`ErrorKind::Unavailable`] in most cases).
+        #[source]
+        source: BackendError,
+    },
+}
+
+impl OpenError {
+    /// The backend error, when the backend itself refused.
+    pub fn backend_error(&self) -> Option<&BackendError> {
+        match self {
+            OpenError::Backend { source, .. } => Some(source),
+            OpenError::UnknownBackend(_) => None,
+        }
+    }
+}
+
+/// A backend that was opened, with a notice when `auto` had to fall back.
+pub struct OpenedBackend {
+    /// The backend.
+    pub backend: Arc<dyn VirtualMemoryBackend>,
+    /// For `auto`: why the better backends were not chosen, when the choice fell back.
+    pub notice: Option<String>,
+}
+
+impl std::fmt::Debug for OpenedBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenedBackend")
+            .field("backend", &self.backend.name())
+            .field("notice", &self.notice)
+            .finish()
+    }
+}
+
+fn open_cuda() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
+    kvvm_cuda::CudaBackend::open()
+        .map(|b| Arc::new(b) as Arc<dyn VirtualMemoryBackend>)
+        .map_err(|source| OpenError::Backend {
+            name: "cuda".into(),
+            source,
+        })
+}
+
+fn open_hip() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
+    kvvm_hip::HipBackend::open()
+        .map(|b| Arc::new(b) as Arc<dyn VirtualMemoryBackend>)
+        .map_err(|source| OpenError::Backend {
+            name: "hip".into(),
+            source,
+        })
+}
+
+/// Opens the backend called `name` (see [`BACKEND_NAMES`]).
+///
+/// `"auto"` picks CUDA when it opens, else HIP, else the simulator; the fallback is logged
+/// with `tracing::warn!`. Use [`open_backend_verbose`] to get the notice as a value.
+pub fn open_backend(name: &str) -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
+    open_backend_verbose(name).map(|o| o.backend)
+}
+
+/// Like [`open_backend`], also returning the notice of an `auto` fallback.
+pub fn open_backend_verbose(name: &str) -> Result<OpenedBackend, OpenError> {
+    let plain = |backend| OpenedBackend {
+        backend,
+        notice: None,
+    };
+    match name {
+        "sim" => Ok(plain(Arc::new(kvvm_sim::SimBackend::h200()))),
+        "cuda" => open_cuda().map(plain),
+        "hip" => open_hip().map(plain),
+        "auto" => {
+            let cuda = match open_cuda() {
+                Ok(b) => return Ok(plain(b)),
+                Err(e) => e,
+            };
+            let hip = match open_hip() {
+                Ok(b) => {
+                    return Ok(OpenedBackend {
+                        backend: b,
+                        notice: Some(format!("auto: using hip ({cuda})")),
+                    })
+                }
+                Err(e) => e,
+            };
+            let notice = format!(
+                "auto: no GPU backend available, using the simulated driver (sim). {cuda}. {hip}."
+            );
+            tracing::warn!("{notice}");
+            Ok(OpenedBackend {
+                backend: Arc::new(kvvm_sim::SimBackend::h200()),
+                notice: Some(notice),
+            })
+        }
+        other => Err(OpenError::UnknownBackend(other.to_owned())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sim_opens() {
+        let b = open_backend("sim").unwrap();
+        assert_eq!(b.name(), "sim");
+    }
+
+    #[test]
+    fn unknown_name_is_a_typed_error() {
+        let e = open_backend("metal").unwrap_err();
+        assert!(matches!(e, OpenError::UnknownBackend(_)));
+        assert!(e.to_string().contains("auto, cuda, hip, sim"));
+    }
+
+    #[test]
+    fn auto_always_opens_something() {
+        let o = open_backend_verbose("auto").unwrap();
+        if o.backend.name() == "sim" {
+            let notice = o.notice.unwrap();
+            assert!(notice.contains("cuda") && notice.contains("hip"), "{notice}");
+        }
+    }
+
+    #[test]
+    fn cuda_is_unavailable_or_works_and_never_panics() {
+        match open_backend("cuda") {
+            Ok(b) => assert_eq!(b.name(), "cuda"),
+            Err(e) => {
+                let be = e.backend_error().unwrap();
+                assert_eq!(be.kind, ErrorKind::Unavailable);
+                assert!(be.detail.as_deref().is_some_and(|d| !d.is_empty()));
+                println!("skipped: no CUDA driver ({e})");
+            }
+        }
+    }
+}
