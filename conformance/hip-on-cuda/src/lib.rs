@@ -30,7 +30,7 @@
 //! count of 0, so `kvvm-hip` reports a clean `Unavailable`.
 //!
 //! No panic crosses the FFI boundary: the code has no panicking paths, and every entry point
-//! runs under `catch_unwind` anyway (a caught panic returns `hipErrorUnknown`).
+//! that does work runs under `catch_unwind` anyway (a caught panic returns `hipErrorUnknown`).
 //!
 //! What this proves: the HIP backend's calls, struct layout and error handling against the
 //! HIP ABI and real VMM semantics (NVIDIA's). It does not prove anything about AMD hardware
