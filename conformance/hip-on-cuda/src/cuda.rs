@@ -273,7 +273,7 @@ impl Cuda {
             Err(rc) => return rc,
         }
         DEVICE.with(|d| d.set(ordinal));
-        BOUND.with(|b| b.set(None));
+        // A no-op when this thread already has that device's context current.
         self.ensure_context()
     }
 
