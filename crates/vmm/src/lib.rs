@@ -1,1 +1,116 @@
-//! kvvm-vmm (work in progress).
+//! # kvvm-vmm: the device virtual-memory manager
+//!
+//! Written once over [`VirtualMemoryBackend`](kvvm_hal::VirtualMemoryBackend) (no backend-specific
+//! code), this crate turns the driver's seven VMM calls into a KV-cache friendly object:
+//! reserve an address range once for the maximum size, commit physical granules as the cache
+//! grows, release without ever moving data or changing the pointer.
+//!
+//! * [`VirtualMemory`]: one per device (`Send + Sync`, cheap to clone). It knows the
+//!   granule (queried from the driver, never hard-coded), owns the handle pool and the
+//!   quarantine, and charges a [`Governor`](kvvm_governor::Governor).
+//! * [`Reservation`]: a reserved range whose base address never changes (DESIGN invariant 5).
+//!
+//! ## Commit is a transaction
+//!
+//! [`Reservation::commit`] maps whole granules after the committed end, never beyond the
+//! reservation (the driver does not check; the manager does, with checked arithmetic):
+//!
+//! 1. take up to `k` handles from the pool (a pool hit skips create and release);
+//! 2. **grant first**: ask the governor for the bytes the pool cannot supply
+//!    ([`Reservation::commit_with_grant`] takes a grant obtained earlier). No grant, no commit:
+//!    a refusal is [`VmmError::Backpressure`] with a `retry_after`;
+//! 3. for each granule: create a handle (unless pooled) and map it;
+//! 4. set access **once** over the whole contiguous range (one call over n granules costs
+//!    about what one call over one granule costs), retrying
+//!    [`Capabilities::set_access_retries`](kvvm_hal::Capabilities) extra times.
+//!
+//! If any step fails, the blocks this commit mapped are unmapped one by one in reverse order
+//! and their handles returned to the pool (or released when the pool is full); the grant is
+//! rolled back. If an unmap itself fails, that block stays recorded in the reservation (it
+//! *is* still mapped) and its bytes stay accounted as committed; [`Reservation::release`]
+//! retries it later. Err does not mean nothing happened, but the manager's books always equal
+//! the driver's truth.
+//!
+//! ## Release keeps the address
+//!
+//! [`Reservation::release`] (and [`Reservation::truncate`]) unmap blocks (one unmap over each
+//! run of adjacent blocks where
+//! [`Capabilities::unmap_spans_mappings`](kvvm_hal::Capabilities), one per mapping otherwise,
+//! e.g. on HIP where a multi-mapping unmap breaks the later free), return the handles to the
+//! pool or release them, and keep the address range for later commits.
+//!
+//! ## Teardown and quarantine
+//!
+//! Dropping a [`Reservation`] that still holds blocks first synchronizes the device. If that
+//! fails, the memory cannot be proven idle: a warning is logged through `tracing` and
+//! **nothing** is unmapped, released or freed. The blocks and the range move to quarantine
+//! ([`VirtualMemory::quarantine`]): counted by the governor as quarantined (neither used by
+//! anyone nor free) and never reused. A certain leak is better than an uncertain corruption.
+//! On success the blocks are unmapped, the handles returned or released, and the range freed;
+//! whatever fails on that path (an unmap, a release, the free) is logged and quarantined,
+//! never forgotten.
+//!
+//! ## Handle pool
+//!
+//! Released handles (one granule each) are kept for reuse up to
+//! [`VmmConfig::pool_cap_bytes`]. Pooled bytes are physical memory held, reported as *pooled*
+//! in the governor's snapshot and charged to the budget. The pool registers itself as a
+//! [`Reclaimer`](kvvm_governor::Reclaimer): before refusing a grant the governor asks it to
+//! release handles ("evict before refusing"). [`VirtualMemory::trim_pool`] trims it on demand;
+//! the pool is released when the last clone of the manager and the last reservation are gone.
+//!
+//! ## Accounting (DESIGN invariants 1-3)
+//!
+//! * committed bytes of a reservation = granule x mapped blocks
+//!   ([`Reservation::committed_bytes`]);
+//! * governor used = committed + pooled + shared + quarantined = physical bytes the process
+//!   holds on the device (what the simulated driver's ledger reports);
+//! * after any error, every recorded block is a live driver mapping and vice versa; every
+//!   handle is in exactly one place (a block, the pool, or quarantine).
+//!
+//! The tests (`tests/`) check these after every injected fault at every driver-call position.
+//!
+//! ## Shared prefixes (issue 6)
+//!
+//! Blocks carry a [`BlockKind`]; issue 6 adds a shared kind (a mapping of a shared prefix's
+//! handle, reference-counted, released only after the owner and every sharer unmapped it) and
+//! the governor's [`Bucket::Shared`](kvvm_governor::Bucket) already accounts such bytes once.
+//!
+//! ## Example
+//!
+//! ```
+//! use std::sync::Arc;
+//! use kvvm_hal::DeviceId;
+//! use kvvm_sim::{SimBackend, SimConfig};
+//! use kvvm_vmm::{VirtualMemory, VmmConfig};
+//! use kvvm_governor::Governor;
+//!
+//! # fn main() -> Result<(), kvvm_vmm::VmmError> {
+//! let g = 2 << 20;
+//! let sim = Arc::new(SimBackend::new(SimConfig::single(g, 64 * g)));
+//! let vm = VirtualMemory::new(sim.clone(), DeviceId(0), Governor::with_device_budget(16 * g),
+//!                             VmmConfig::default())?;
+//! let mut kv = vm.reserve(1 << 30)?;          // 1 GiB of address space, no memory
+//! let base = kv.address();
+//! kv.commit(3 * g)?;                          // prefill: three granules
+//! kv.ensure_committed(5 * g)?;                // decode grows: two more, same pointer
+//! assert_eq!((kv.address(), kv.committed_bytes()), (base, 5 * g));
+//! assert!(kv.commit(20 * g).unwrap_err().is_retryable()); // over budget: backpressure
+//! kv.release()?;                              // handles go to the pool, address kept
+//! drop(kv);
+//! drop(vm);
+//! assert!(sim.ledger().is_empty());
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod bench;
+mod error;
+mod manager;
+mod reservation;
+
+pub use error::{VmmError, VmmResult};
+pub use manager::{GranularityChoice, QuarantineEntry, QuarantineReason, VirtualMemory, VmmConfig};
+pub use reservation::{BlockKind, Commit, MappedBlock, Reservation};
+
+pub use kvvm_governor::{Backpressure, Governor, GovernorSnapshot, MappedGrowthGrant};

@@ -1,0 +1,466 @@
+//! [`VirtualMemory`]: one manager per device, its handle pool and its quarantine.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use kvvm_governor::{Bucket, Governor, GovernorError, MappedGrowthGrant, Reclaimer};
+use kvvm_hal::{
+    AccessDescriptor, AllocationProperties, BackendError, Capabilities, DeviceAddress, DeviceId,
+    PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
+};
+
+use crate::error::{VmmError, VmmResult};
+use crate::reservation::{MappedBlock, Reservation};
+
+/// Which of the driver's granularities the manager uses as its granule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GranularityChoice {
+    /// The minimum granularity (finest commits).
+    Minimum,
+    /// The recommended granularity (what the driver says performs best); falls back to the
+    /// minimum if the recommended one is not a multiple of it.
+    #[default]
+    Recommended,
+}
+
+/// Configuration of a [`VirtualMemory`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmmConfig {
+    /// Most bytes of released handles kept for reuse (0: no pool).
+    pub pool_cap_bytes: u64,
+    /// Which granularity to use.
+    pub granularity: GranularityChoice,
+    /// The access set on every commit (empty: read-write for the manager's device).
+    pub access: Vec<AccessDescriptor>,
+    /// The shareable handle type of created handles.
+    pub handle_type: ShareableHandleType,
+}
+
+impl Default for VmmConfig {
+    /// A 1 GiB pool, the recommended granularity, read-write access for the device, handles
+    /// that are not exportable.
+    fn default() -> Self {
+        VmmConfig {
+            pool_cap_bytes: 1 << 30,
+            granularity: GranularityChoice::Recommended,
+            access: Vec::new(),
+            handle_type: ShareableHandleType::None,
+        }
+    }
+}
+
+impl VmmConfig {
+    /// Sets the pool cap in bytes.
+    #[must_use]
+    pub fn pool_cap_bytes(mut self, bytes: u64) -> Self {
+        self.pool_cap_bytes = bytes;
+        self
+    }
+
+    /// Sets the granularity choice.
+    #[must_use]
+    pub fn granularity(mut self, choice: GranularityChoice) -> Self {
+        self.granularity = choice;
+        self
+    }
+}
+
+/// Why memory was quarantined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum QuarantineReason {
+    /// Teardown could not synchronize the device: the memory cannot be proven idle, so nothing
+    /// was unmapped, released or freed.
+    TeardownSyncFailed,
+    /// Teardown could not unmap these blocks; they and their address range stay.
+    UnmapFailed,
+    /// A handle was unmapped but its release failed.
+    ReleaseFailed,
+    /// The address range could not be freed (it holds no physical memory).
+    FreeFailed,
+}
+
+/// Memory the manager will never reuse nor advertise as free. It stays with the driver until
+/// the context is destroyed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuarantineEntry {
+    /// Why.
+    pub reason: QuarantineReason,
+    /// The address range left reserved, if any.
+    pub range: Option<(DeviceAddress, u64)>,
+    /// Mappings left in place (each owns its handle).
+    pub mappings: Vec<MappedBlock>,
+    /// Unmapped handles left unreleased.
+    pub handles: Vec<PhysicalHandle>,
+    /// Physical bytes held (counted in the governor's quarantined bucket).
+    pub bytes: u64,
+    /// The error that caused it.
+    pub error: BackendError,
+}
+
+#[derive(Debug, Default)]
+struct Pool {
+    handles: Vec<PhysicalHandle>,
+    cap_bytes: u64,
+}
+
+/// Where the bytes of a handle being disposed of are accounted.
+pub(crate) enum Source<'a> {
+    /// A bucket of the governor.
+    Bucket(Bucket),
+    /// A grant not yet settled (a handle created by a failing commit).
+    Grant(&'a mut MappedGrowthGrant),
+}
+
+pub(crate) struct Inner {
+    pub(crate) backend: Arc<dyn VirtualMemoryBackend>,
+    pub(crate) device: DeviceId,
+    pub(crate) props: AllocationProperties,
+    pub(crate) granule: u64,
+    pub(crate) caps: Capabilities,
+    pub(crate) access: Vec<AccessDescriptor>,
+    pub(crate) governor: Governor,
+    pool: Mutex<Pool>,
+    quarantine: Mutex<Vec<QuarantineEntry>>,
+    accounting_errors: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section is a few pushes and pops that cannot be left half-done.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Inner {
+    /// Records an accounting failure (a manager bug) without failing the operation.
+    pub(crate) fn account(&self, r: Result<(), GovernorError>) {
+        if let Err(e) = r {
+            self.accounting_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(error = %e, "governor accounting failed");
+        }
+    }
+
+    /// Takes up to `n` handles out of the pool. They stay accounted as pooled until the
+    /// caller settles them.
+    pub(crate) fn take_from_pool(&self, n: u64) -> Vec<PhysicalHandle> {
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut pool = lock(&self.pool);
+        let keep = pool
+            .handles
+            .len()
+            .saturating_sub(usize::try_from(n).unwrap_or(usize::MAX));
+        pool.handles.split_off(keep)
+    }
+
+    /// Puts handles taken by [`take_from_pool`](Self::take_from_pool) back (accounted as
+    /// pooled all along); releases those that no longer fit.
+    pub(crate) fn untake(&self, handles: Vec<PhysicalHandle>) {
+        for h in handles {
+            self.dispose(h, Source::Bucket(Bucket::Pooled));
+        }
+    }
+
+    /// Returns an unmapped handle to the pool if it fits, otherwise releases it; a failed
+    /// release quarantines it. Returns the bytes released to the driver.
+    pub(crate) fn dispose(&self, handle: PhysicalHandle, source: Source<'_>) -> u64 {
+        let g = self.granule;
+        {
+            let mut pool = lock(&self.pool);
+            let held = (pool.handles.len() as u64).saturating_mul(g);
+            if held.saturating_add(g) <= pool.cap_bytes {
+                // Account before the handle becomes visible to other threads.
+                let r = match source {
+                    Source::Bucket(b) => self.governor.transfer(self.device, b, Bucket::Pooled, g),
+                    Source::Grant(grant) => grant.settle(g, Bucket::Pooled),
+                };
+                self.account(r);
+                pool.handles.push(handle);
+                return 0;
+            }
+        }
+        self.release_handle(handle, source)
+    }
+
+    /// Releases an unmapped handle; a failure quarantines it. Returns the bytes released.
+    pub(crate) fn release_handle(&self, handle: PhysicalHandle, source: Source<'_>) -> u64 {
+        let g = self.granule;
+        match self.backend.release(handle) {
+            Ok(()) => {
+                let r = match source {
+                    Source::Bucket(b) => self.governor.free(self.device, b, g),
+                    Source::Grant(grant) => grant.give_back(g),
+                };
+                self.account(r);
+                g
+            }
+            Err(error) => {
+                tracing::warn!(%handle, %error, "release failed; handle quarantined");
+                let r = match source {
+                    Source::Bucket(b) => {
+                        self.governor
+                            .transfer(self.device, b, Bucket::Quarantined, g)
+                    }
+                    Source::Grant(grant) => grant.settle(g, Bucket::Quarantined),
+                };
+                self.account(r);
+                self.add_quarantine(QuarantineEntry {
+                    reason: QuarantineReason::ReleaseFailed,
+                    range: None,
+                    mappings: Vec::new(),
+                    handles: vec![handle],
+                    bytes: g,
+                    error,
+                });
+                0
+            }
+        }
+    }
+
+    pub(crate) fn add_quarantine(&self, entry: QuarantineEntry) {
+        lock(&self.quarantine).push(entry);
+    }
+
+    /// Releases pooled handles until at most `keep_bytes` stay; returns the bytes released.
+    fn trim_pool_to(&self, keep_bytes: u64) -> u64 {
+        let g = self.granule;
+        let victims = {
+            let mut pool = lock(&self.pool);
+            let keep = usize::try_from(keep_bytes / g).unwrap_or(usize::MAX);
+            let keep = pool.handles.len().min(keep);
+            pool.handles.split_off(keep)
+        };
+        victims
+            .into_iter()
+            .map(|h| self.release_handle(h, Source::Bucket(Bucket::Pooled)))
+            .fold(0u64, u64::saturating_add)
+    }
+
+    fn pooled_bytes(&self) -> u64 {
+        (lock(&self.pool).handles.len() as u64).saturating_mul(self.granule)
+    }
+}
+
+impl Reclaimer for Inner {
+    fn reclaim(&self, device: DeviceId, bytes: u64) -> u64 {
+        if device != self.device || bytes == 0 {
+            return 0;
+        }
+        let span = tracing::debug_span!("vmm.reclaim", device = device.0, bytes);
+        let _e = span.enter();
+        let held = self.pooled_bytes();
+        let want = bytes.div_ceil(self.granule).saturating_mul(self.granule);
+        self.trim_pool_to(held.saturating_sub(want))
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The last reservation is gone: give the pool back to the driver.
+        self.trim_pool_to(0);
+    }
+}
+
+/// The virtual-memory manager of one device. Cheap to clone (clones share the pool, the
+/// quarantine and the governor); `Send + Sync`.
+#[derive(Clone)]
+pub struct VirtualMemory {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl fmt::Debug for VirtualMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VirtualMemory")
+            .field("backend", &self.inner.backend.name())
+            .field("device", &self.inner.device)
+            .field("granule", &self.inner.granule)
+            .field("pooled_bytes", &self.pooled_bytes())
+            .finish()
+    }
+}
+
+impl VirtualMemory {
+    /// A manager for `device` of `backend`, charging `governor`. Queries the granularity and
+    /// registers the handle pool as a [`Reclaimer`] with the governor.
+    pub fn new(
+        backend: Arc<dyn VirtualMemoryBackend>,
+        device: DeviceId,
+        governor: Governor,
+        config: VmmConfig,
+    ) -> VmmResult<Self> {
+        let props = AllocationProperties {
+            device,
+            handle_type: config.handle_type,
+        };
+        let gran = backend.granularity(&props)?;
+        let bad = VmmError::BadGranularity {
+            device,
+            minimum: gran.minimum,
+            recommended: gran.recommended,
+        };
+        if gran.minimum == 0 {
+            return Err(bad);
+        }
+        let granule = match config.granularity {
+            GranularityChoice::Recommended
+                if gran.recommended != 0 && gran.recommended % gran.minimum == 0 =>
+            {
+                gran.recommended
+            }
+            _ => gran.minimum,
+        };
+        let access = if config.access.is_empty() {
+            vec![AccessDescriptor::read_write(device)]
+        } else {
+            config.access.clone()
+        };
+        let caps = backend.capabilities();
+        let inner = Arc::new(Inner {
+            backend,
+            device,
+            props,
+            granule,
+            caps,
+            access,
+            governor: governor.clone(),
+            pool: Mutex::new(Pool {
+                handles: Vec::new(),
+                cap_bytes: config.pool_cap_bytes,
+            }),
+            quarantine: Mutex::new(Vec::new()),
+            accounting_errors: AtomicU64::new(0),
+        });
+        let weak: Weak<Inner> = Arc::downgrade(&inner);
+        let weak: Weak<dyn Reclaimer> = weak;
+        governor.register_reclaimer(weak);
+        Ok(VirtualMemory { inner })
+    }
+
+    /// A manager with an unlimited governor and the default configuration.
+    pub fn with_defaults(
+        backend: Arc<dyn VirtualMemoryBackend>,
+        device: DeviceId,
+    ) -> VmmResult<Self> {
+        VirtualMemory::new(backend, device, Governor::unlimited(), VmmConfig::default())
+    }
+
+    /// The granule every commit is made of, in bytes.
+    pub fn granule(&self) -> u64 {
+        self.inner.granule
+    }
+
+    /// The device.
+    pub fn device(&self) -> DeviceId {
+        self.inner.device
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<dyn VirtualMemoryBackend> {
+        &self.inner.backend
+    }
+
+    /// The governor this manager charges.
+    pub fn governor(&self) -> &Governor {
+        &self.inner.governor
+    }
+
+    /// The backend's capabilities, as read at creation.
+    pub fn capabilities(&self) -> Capabilities {
+        self.inner.caps
+    }
+
+    /// `bytes` rounded up to whole granules.
+    pub fn round_up(&self, bytes: u64) -> VmmResult<u64> {
+        let g = self.inner.granule;
+        bytes
+            .div_ceil(g)
+            .checked_mul(g)
+            .ok_or(VmmError::SizeOverflow {
+                what: "rounding up to the granule",
+            })
+    }
+
+    /// Reserves address space for up to `max_bytes` (rounded up to the granule); no physical
+    /// memory is used until [`Reservation::commit`].
+    pub fn reserve(&self, max_bytes: u64) -> VmmResult<Reservation> {
+        let span = tracing::debug_span!("vmm.reserve", device = self.inner.device.0, max_bytes);
+        let _e = span.enter();
+        if max_bytes == 0 {
+            return Err(VmmError::ZeroSize);
+        }
+        let size = self.round_up(max_bytes)?;
+        let g = self.inner.granule;
+        let alignment = if g.is_power_of_two() { g } else { 0 };
+        let base = self.inner.backend.reserve(size, alignment, None)?;
+        if base.checked_add(size).is_none() {
+            // The driver handed out a range that wraps: give it back and refuse.
+            if let Err(e) = self.inner.backend.free(base, size) {
+                self.inner.add_quarantine(QuarantineEntry {
+                    reason: QuarantineReason::FreeFailed,
+                    range: Some((base, size)),
+                    mappings: Vec::new(),
+                    handles: Vec::new(),
+                    bytes: 0,
+                    error: e,
+                });
+            }
+            return Err(VmmError::SizeOverflow {
+                what: "reservation end address",
+            });
+        }
+        Ok(Reservation::new(self.inner.clone(), base, size))
+    }
+
+    /// Asks the governor for a grant of `bytes` rounded up to whole granules, for
+    /// [`Reservation::commit_with_grant`].
+    pub fn try_grant(&self, bytes: u64) -> VmmResult<MappedGrowthGrant> {
+        let bytes = self.round_up(bytes)?;
+        Ok(self.inner.governor.try_grant(self.inner.device, bytes)?)
+    }
+
+    /// Bytes held by the handle pool.
+    pub fn pooled_bytes(&self) -> u64 {
+        self.inner.pooled_bytes()
+    }
+
+    /// The handles in the pool.
+    pub fn pooled_handles(&self) -> Vec<PhysicalHandle> {
+        lock(&self.inner.pool).handles.clone()
+    }
+
+    /// The pool cap in bytes.
+    pub fn pool_cap_bytes(&self) -> u64 {
+        lock(&self.inner.pool).cap_bytes
+    }
+
+    /// Changes the pool cap; handles beyond it are released. Returns the bytes released.
+    pub fn set_pool_cap_bytes(&self, bytes: u64) -> u64 {
+        lock(&self.inner.pool).cap_bytes = bytes;
+        self.inner.trim_pool_to(bytes)
+    }
+
+    /// Releases pooled handles until at most `keep_bytes` stay; returns the bytes released.
+    pub fn trim_pool(&self, keep_bytes: u64) -> u64 {
+        let span = tracing::debug_span!("vmm.trim_pool", device = self.inner.device.0, keep_bytes);
+        let _e = span.enter();
+        self.inner.trim_pool_to(keep_bytes)
+    }
+
+    /// Everything in quarantine.
+    pub fn quarantine(&self) -> Vec<QuarantineEntry> {
+        lock(&self.inner.quarantine).clone()
+    }
+
+    /// Physical bytes in quarantine.
+    pub fn quarantined_bytes(&self) -> u64 {
+        lock(&self.inner.quarantine)
+            .iter()
+            .map(|q| q.bytes)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// How many governor updates failed (a manager bug if ever non-zero; tests assert 0).
+    pub fn accounting_errors(&self) -> u64 {
+        self.inner.accounting_errors.load(Ordering::Relaxed)
+    }
+}
