@@ -192,3 +192,12 @@ pub trait VirtualMemoryBackend: Send + Sync {
         None
     }
 }
+
+impl std::fmt::Debug for dyn VirtualMemoryBackend + '_ {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VirtualMemoryBackend")
+            .field("name", &self.name())
+            .field("capabilities", &self.capabilities())
+            .finish()
+    }
+}

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Builds, here, the release binaries the GPU machine needs (it has CUDA but no Rust toolchain)
+# and packs them with ci/gpu/run.sh into gpu-bundle/ (git-ignored). One device call then
+# carries that folder and runs everything:
+#
+#   bash ci/gpu/pack.sh                      # here
+#   device run, carry ["gpu-bundle"]:  bash gpu-bundle/run.sh      # there; results in $OUT
+#
+# See docs/gpu-testing.md.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+bundle=gpu-bundle
+rm -rf "$bundle"
+mkdir -p "$bundle/tests"
+
+# Test binaries of the crates that touch a real driver or produce GPU figures.
+crates=(-p kvvm -p kvvm-cuda -p kvvm-hip -p kvvm-conformance)
+for extra in kvvm-vmm kvvm-kv; do
+  if cargo metadata --no-deps --format-version 1 | grep -q "\"name\":\"$extra\""; then
+    crates+=(-p "$extra")
+  fi
+done
+cargo test --release --no-run "${crates[@]}" --message-format=json 2>/dev/null \
+  | python3 -c '
+import json, sys, shutil, os
+skip = {"fake_driver", "ptx", "sim_suite", "sim_behaviour", "proptest_model", "state_machine", "stress", "fault_injection"}
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") != "compiler-artifact" or not m.get("executable") or not m.get("profile", {}).get("test"):
+        continue
+    t = m["target"]
+    if t["name"] in skip:
+        continue
+    pkg = os.path.basename(os.path.dirname(m["manifest_path"]))
+    name = pkg + "--" + t["kind"][0] + "--" + t["name"]
+    shutil.copy(m["executable"], os.path.join("gpu-bundle/tests", name))
+    print("packed test", name)
+'
+
+# The CLI, the HIP-on-CUDA shim, and bench binaries where they exist.
+cargo build --release -p kvvm-cli -p kvvm-hip-on-cuda
+cp target/release/kvvm "$bundle/"
+cp target/release/libhip_on_cuda.so "$bundle/"
+cp ci/gpu/run.sh "$bundle/"
+strip "$bundle"/kvvm "$bundle"/tests/* 2>/dev/null || true
+git rev-parse --short HEAD > "$bundle/COMMIT" 2>/dev/null || true
+du -sh "$bundle"
+ls -la "$bundle" "$bundle/tests"
