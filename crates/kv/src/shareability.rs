@@ -157,42 +157,55 @@ mod tests {
     const KIB: u64 = 1 << 10;
     const CTX: u64 = 131_072;
 
-    /// The worked table of `docs/kv-layouts.md`: (preset, dtype, granule, layout,
-    /// fragment bytes per token, fragments, minimum shareable prefix).
+    /// A row of the worked table of `docs/kv-layouts.md`: (preset, dtype, granule, layout,
+    /// fragment bytes per token, fragments, minimum shareable prefix, multi-map ops at that
+    /// prefix, commit lower bound of one live token in KiB).
+    type Row = (
+        &'static str,
+        KvDtype,
+        u64,
+        KvLayout,
+        u64,
+        u64,
+        u64,
+        u64,
+        u64,
+    );
+
     #[rustfmt::skip]
-    const TABLE: &[(&str, KvDtype, u64, KvLayout, u64, u64, u64)] = &[
-        ("llama-3-8b",  KvDtype::F16, 2 * MIB,  KvLayout::HeadMajor,  256,    512,  8192),
-        ("llama-3-8b",  KvDtype::F16, 2 * MIB,  KvLayout::SeqMajor,   2048,   64,   1024),
-        ("llama-3-8b",  KvDtype::F16, 2 * MIB,  KvLayout::TokenMajor, 131072, 1,    16),
-        ("llama-3-8b",  KvDtype::F16, 64 * KIB, KvLayout::HeadMajor,  256,    512,  256),
-        ("llama-3-8b",  KvDtype::F16, 64 * KIB, KvLayout::SeqMajor,   2048,   64,   32),
-        ("llama-3-8b",  KvDtype::F16, 64 * KIB, KvLayout::TokenMajor, 131072, 1,    1),
-        ("llama-3-8b",  KvDtype::Fp8, 2 * MIB,  KvLayout::HeadMajor,  128,    512,  16384),
-        ("llama-3-8b",  KvDtype::Fp8, 2 * MIB,  KvLayout::SeqMajor,   1024,   64,   2048),
-        ("llama-3-8b",  KvDtype::Fp8, 2 * MIB,  KvLayout::TokenMajor, 65536,  1,    32),
-        ("llama-3-70b", KvDtype::F16, 2 * MIB,  KvLayout::HeadMajor,  256,    1280, 8192),
-        ("llama-3-70b", KvDtype::F16, 2 * MIB,  KvLayout::SeqMajor,   2048,   160,  1024),
-        ("llama-3-70b", KvDtype::F16, 2 * MIB,  KvLayout::TokenMajor, 327680, 1,    7),
-        ("llama-3-70b", KvDtype::F16, 64 * KIB, KvLayout::HeadMajor,  256,    1280, 256),
-        ("llama-3-70b", KvDtype::F16, 64 * KIB, KvLayout::SeqMajor,   2048,   160,  32),
-        ("llama-3-70b", KvDtype::F16, 64 * KIB, KvLayout::TokenMajor, 327680, 1,    1),
-        ("mistral-7b",  KvDtype::F16, 2 * MIB,  KvLayout::HeadMajor,  256,    512,  8192),
-        ("mistral-7b",  KvDtype::F16, 2 * MIB,  KvLayout::SeqMajor,   2048,   64,   1024),
-        ("mistral-7b",  KvDtype::F16, 2 * MIB,  KvLayout::TokenMajor, 131072, 1,    16),
-        ("mistral-7b",  KvDtype::F16, 64 * KIB, KvLayout::HeadMajor,  256,    512,  256),
-        ("mistral-7b",  KvDtype::F16, 64 * KIB, KvLayout::SeqMajor,   2048,   64,   32),
-        ("mistral-7b",  KvDtype::F16, 64 * KIB, KvLayout::TokenMajor, 131072, 1,    1),
-        ("qwen2.5-7b",  KvDtype::F16, 2 * MIB,  KvLayout::HeadMajor,  256,    224,  8192),
-        ("qwen2.5-7b",  KvDtype::F16, 2 * MIB,  KvLayout::SeqMajor,   1024,   56,   2048),
-        ("qwen2.5-7b",  KvDtype::F16, 2 * MIB,  KvLayout::TokenMajor, 57344,  1,    37),
-        ("qwen2.5-7b",  KvDtype::F16, 64 * KIB, KvLayout::HeadMajor,  256,    224,  256),
-        ("qwen2.5-7b",  KvDtype::F16, 64 * KIB, KvLayout::SeqMajor,   1024,   56,   64),
-        ("qwen2.5-7b",  KvDtype::F16, 64 * KIB, KvLayout::TokenMajor, 57344,  1,    2),
+    const TABLE: &[Row] = &[
+        ("llama-3-8b",  KvDtype::F16, 2 * MIB,  KvLayout::HeadMajor,  256,     512,   8192,   512,   1048576),
+        ("llama-3-8b",  KvDtype::F16, 2 * MIB,  KvLayout::SeqMajor,   2048,    64,    1024,   64,    131072),
+        ("llama-3-8b",  KvDtype::F16, 2 * MIB,  KvLayout::TokenMajor, 131072,  1,     16,     1,     2048),
+        ("llama-3-8b",  KvDtype::F16, 64 * KIB, KvLayout::HeadMajor,  256,     512,   256,    512,   32768),
+        ("llama-3-8b",  KvDtype::F16, 64 * KIB, KvLayout::SeqMajor,   2048,    64,    32,     64,    4096),
+        ("llama-3-8b",  KvDtype::F16, 64 * KIB, KvLayout::TokenMajor, 131072,  1,     1,      2,     128),
+        ("llama-3-8b",  KvDtype::Fp8, 2 * MIB,  KvLayout::HeadMajor,  128,     512,   16384,  512,   1048576),
+        ("llama-3-8b",  KvDtype::Fp8, 2 * MIB,  KvLayout::SeqMajor,   1024,    64,    2048,   64,    131072),
+        ("llama-3-8b",  KvDtype::Fp8, 2 * MIB,  KvLayout::TokenMajor, 65536,   1,     32,     1,     2048),
+        ("llama-3-70b", KvDtype::F16, 2 * MIB,  KvLayout::HeadMajor,  256,     1280,  8192,   1280,  2621440),
+        ("llama-3-70b", KvDtype::F16, 2 * MIB,  KvLayout::SeqMajor,   2048,    160,   1024,   160,   327680),
+        ("llama-3-70b", KvDtype::F16, 2 * MIB,  KvLayout::TokenMajor, 327680,  1,     7,      1,     2048),
+        ("llama-3-70b", KvDtype::F16, 64 * KIB, KvLayout::HeadMajor,  256,     1280,  256,    1280,  81920),
+        ("llama-3-70b", KvDtype::F16, 64 * KIB, KvLayout::SeqMajor,   2048,    160,   32,     160,   10240),
+        ("llama-3-70b", KvDtype::F16, 64 * KIB, KvLayout::TokenMajor, 327680,  1,     1,      5,     320),
+        ("mistral-7b",  KvDtype::F16, 2 * MIB,  KvLayout::HeadMajor,  256,     512,   8192,   512,   1048576),
+        ("mistral-7b",  KvDtype::F16, 2 * MIB,  KvLayout::SeqMajor,   2048,    64,    1024,   64,    131072),
+        ("mistral-7b",  KvDtype::F16, 2 * MIB,  KvLayout::TokenMajor, 131072,  1,     16,     1,     2048),
+        ("mistral-7b",  KvDtype::F16, 64 * KIB, KvLayout::HeadMajor,  256,     512,   256,    512,   32768),
+        ("mistral-7b",  KvDtype::F16, 64 * KIB, KvLayout::SeqMajor,   2048,    64,    32,     64,    4096),
+        ("mistral-7b",  KvDtype::F16, 64 * KIB, KvLayout::TokenMajor, 131072,  1,     1,      2,     128),
+        ("qwen2.5-7b",  KvDtype::F16, 2 * MIB,  KvLayout::HeadMajor,  256,     224,   8192,   224,   458752),
+        ("qwen2.5-7b",  KvDtype::F16, 2 * MIB,  KvLayout::SeqMajor,   1024,    56,    2048,   56,    114688),
+        ("qwen2.5-7b",  KvDtype::F16, 2 * MIB,  KvLayout::TokenMajor, 57344,   1,     37,     1,     2048),
+        ("qwen2.5-7b",  KvDtype::F16, 64 * KIB, KvLayout::HeadMajor,  256,     224,   256,    224,   14336),
+        ("qwen2.5-7b",  KvDtype::F16, 64 * KIB, KvLayout::SeqMajor,   1024,    56,    64,     56,    3584),
+        ("qwen2.5-7b",  KvDtype::F16, 64 * KIB, KvLayout::TokenMajor, 57344,   1,     2,      1,     64),
     ];
 
     #[test]
     fn worked_table_of_docs_kv_layouts_md() {
-        for &(name, dtype, granule, layout, per_token, fragments, min) in TABLE {
+        for &(name, dtype, granule, layout, per_token, fragments, min, ops, commit_kib) in TABLE {
             let g = KvGeometry::preset(name, dtype, CTX).unwrap();
             let ctx = format!("{name} {dtype} {granule} {layout}");
             assert_eq!(layout.fragment_bytes_per_token(&g), per_token, "{ctx}");
@@ -209,6 +222,12 @@ mod tests {
             assert!(granules >= 1, "{ctx}");
             assert_eq!(at.shareable_granules_per_fragment, granules, "{ctx}");
             assert_eq!(at.multi_map_ops, fragments * granules, "{ctx}");
+            assert_eq!(at.multi_map_ops, ops, "{ctx}");
+            assert_eq!(
+                commit_lower_bound(&g, layout, 1, granule).unwrap(),
+                commit_kib * KIB,
+                "{ctx}"
+            );
             assert!(at.refusal_reason().is_none());
             let below = evaluate_prefix_shareability(&g, layout, min - 1, granule).unwrap();
             assert!(!below.shareable, "{ctx}");
