@@ -148,20 +148,24 @@ pub fn all_cases() -> Vec<Case> {
             "second release of a handle: InvalidValue"
         ),
         case!(
-            map_unaligned_address_not_supported,
-            "map at a VA not granule-aligned: NotSupported"
+            map_unaligned_address_is_invalid,
+            "map of a whole handle at a VA not granule-aligned: InvalidValue"
         ),
         case!(
             map_half_granule_not_supported,
             "map of granule/2 bytes: NotSupported"
         ),
         case!(
-            map_unreserved_address_not_supported,
-            "map at a VA never reserved: NotSupported"
+            map_part_of_handle_not_supported,
+            "map of one granule of a 2-granule handle: NotSupported"
         ),
         case!(
-            map_over_mapping_not_supported,
-            "map over a mapped VA: NotSupported"
+            map_unreserved_address_is_invalid,
+            "map of a whole handle at a VA not reserved: InvalidValue"
+        ),
+        case!(
+            map_over_mapping_is_invalid,
+            "map of a whole handle over a mapped VA: InvalidValue"
         ),
         case!(
             map_multi_granule_handle,
@@ -455,7 +459,7 @@ fn release_twice_is_invalid(ctx: &Ctx<'_>) -> Outcome {
 
 // ---------------------------------------------------------------- map
 
-fn map_unaligned_address_not_supported(ctx: &Ctx<'_>) -> Outcome {
+fn map_unaligned_address_is_invalid(ctx: &Ctx<'_>) -> Outcome {
     let g = ctx.granule;
     let mut s = ctx.scratch();
     let va = s.reserve(4 * g)?;
@@ -466,7 +470,7 @@ fn map_unaligned_address_not_supported(ctx: &Ctx<'_>) -> Outcome {
     if r.is_ok() {
         ctx.backend.unmap(target, g)?;
     }
-    expect_kind(r, ErrorKind::NotSupported, "map at a VA half a granule in")
+    expect_kind(r, ErrorKind::InvalidValue, "map at a VA half a granule in")
 }
 
 fn map_half_granule_not_supported(ctx: &Ctx<'_>) -> Outcome {
@@ -481,7 +485,7 @@ fn map_half_granule_not_supported(ctx: &Ctx<'_>) -> Outcome {
     expect_kind(r, ErrorKind::NotSupported, "map of granule/2 bytes")
 }
 
-fn map_unreserved_address_not_supported(ctx: &Ctx<'_>) -> Outcome {
+fn map_unreserved_address_is_invalid(ctx: &Ctx<'_>) -> Outcome {
     let g = ctx.granule;
     let mut s = ctx.scratch();
     // A range that was reserved and freed again is, for the moment, reserved by nobody.
@@ -492,10 +496,10 @@ fn map_unreserved_address_not_supported(ctx: &Ctx<'_>) -> Outcome {
     if r.is_ok() {
         ctx.backend.unmap(gone, g)?;
     }
-    expect_kind(r, ErrorKind::NotSupported, "map at a freed VA")
+    expect_kind(r, ErrorKind::InvalidValue, "map at a freed VA")
 }
 
-fn map_over_mapping_not_supported(ctx: &Ctx<'_>) -> Outcome {
+fn map_over_mapping_is_invalid(ctx: &Ctx<'_>) -> Outcome {
     let g = ctx.granule;
     let mut s = ctx.scratch();
     let va = s.reserve(2 * g)?;
@@ -503,12 +507,31 @@ fn map_over_mapping_not_supported(ctx: &Ctx<'_>) -> Outcome {
     let h2 = s.create(g)?;
     s.map(va, g, h1)?;
     let r = ctx.backend.map(va, g, h2);
-    expect_kind(r, ErrorKind::NotSupported, "map over a live mapping")?;
+    expect_kind(r, ErrorKind::InvalidValue, "map over a live mapping")?;
     // The first mapping is untouched: it still takes access and data.
     s.rw(va, g)?;
     let p = pattern(64, 9);
     ctx.backend.copy_to_device(va, &p)?;
     ensure(read_back(ctx, va, 64)? == p, "first mapping lost its data")
+}
+
+fn map_part_of_handle_not_supported(ctx: &Ctx<'_>) -> Outcome {
+    let g = ctx.granule;
+    let mut s = ctx.scratch();
+    let va = s.reserve(4 * g)?;
+    let h = s.create(2 * g)?;
+    let r = ctx.backend.map(va, g, h);
+    if r.is_ok() {
+        ctx.backend.unmap(va, g)?;
+    }
+    expect_kind(
+        r,
+        ErrorKind::NotSupported,
+        "map of the first granule of a 2-granule handle",
+    )?;
+    // The whole handle maps at the same place.
+    s.map(va, 2 * g, h)?;
+    Ok(())
 }
 
 fn map_multi_granule_handle(ctx: &Ctx<'_>) -> Outcome {

@@ -386,25 +386,28 @@ impl State {
         if size == 0 {
             return Err(invalid(op, "size 0"));
         }
-        if address.0 % g != 0 {
-            return Err(not_supported(op, format!("{address} not aligned to {g}")));
-        }
-        if size % g != 0 {
-            return Err(not_supported(
-                op,
-                format!("size {size} not a multiple of {g}"),
-            ));
-        }
         if size > a_size {
             return Err(invalid(
                 op,
                 format!("size {size} exceeds the handle's {a_size}"),
             ));
         }
+        // Measured on the H200 (driver 580.159.04): a handle is mapped whole. A map of part of
+        // a handle is refused with NOT_SUPPORTED before any address check; with the whole
+        // handle, a bad address (unaligned, unreserved, already mapped) is INVALID_VALUE.
+        if size != a_size || size % g != 0 {
+            return Err(not_supported(
+                op,
+                format!("map of {size} bytes of a {a_size}-byte handle (a handle is mapped whole)"),
+            ));
+        }
+        if address.0 % g != 0 {
+            return Err(invalid(op, format!("{address} not aligned to {g}")));
+        }
         let end = end_of(op, address.0, size)?;
         let (r_start, r) = self
             .reservation_containing(address.0)
-            .ok_or_else(|| not_supported(op, format!("{address} is not reserved")))?;
+            .ok_or_else(|| invalid(op, format!("{address} is not reserved")))?;
         if end > r_start.saturating_add(r.size) {
             // The real driver does not check this; the simulator does, so that bugs surface.
             return Err(invalid(
@@ -418,7 +421,7 @@ impl State {
             .next_back()
             .is_some_and(|(s, m)| s.saturating_add(m.size) > address.0);
         if overlaps {
-            return Err(not_supported(op, format!("{address} is already mapped")));
+            return Err(invalid(op, format!("{address} is already mapped")));
         }
         self.mappings.insert(
             address.0,

@@ -37,9 +37,10 @@
 //! | misuse | [`ErrorKind`] |
 //! |---|---|
 //! | unmap of part of one mapping | `InvalidValue` (a mapping is unmapped whole) |
-//! | map over an already-mapped address | `NotSupported` |
-//! | map at an address not aligned to the granule, or of a size that is not a granule multiple | `NotSupported` |
-//! | map at an address that was never reserved | `NotSupported` |
+//! | map of part of a handle (a size other than the handle's, e.g. granule/2) | `NotSupported` |
+//! | map of a whole handle over an already-mapped address | `InvalidValue` |
+//! | map of a whole handle at an address not aligned to the granule | `InvalidValue` |
+//! | map of a whole handle at an address that is not reserved | `InvalidValue` |
 //! | create or reserve of a size that is not a granule multiple | `InvalidValue` |
 //! | second release of a handle, second free of a range | `InvalidValue` |
 //! | free of a range that still holds a mapping | `InvalidValue` |
@@ -150,8 +151,9 @@ pub trait VirtualMemoryBackend: Send + Sync {
     /// is freed when its last mapping is unmapped.
     fn release(&self, handle: PhysicalHandle) -> BackendResult<()>;
 
-    /// Maps the first `size` bytes of `handle` (offset 0) at `address`, inside a reserved range.
-    /// The mapping has no access until [`set_access`](Self::set_access) is called.
+    /// Maps `handle` (offset 0) at `address`, inside a reserved range. `size` must be the
+    /// handle's size: drivers map a handle whole (a partial map is `NotSupported`). The
+    /// mapping has no access until [`set_access`](Self::set_access) is called.
     fn map(&self, address: DeviceAddress, size: u64, handle: PhysicalHandle) -> BackendResult<()>;
 
     /// Sets the access of each listed device to the mapped range `[address, address + size)`.
