@@ -7,9 +7,7 @@ use kvvm_hal::{
     AccessDescriptor, AllocationProperties, DeviceId, ErrorKind, Operation, ShareableHandleType,
     VirtualMemoryBackend,
 };
-use kvvm_sim::{
-    FaultRule, LatencyMode, LatencyModel, SimBackend, SimConfig, SimQuirks, GIB, MIB,
-};
+use kvvm_sim::{FaultRule, LatencyMode, LatencyModel, SimBackend, SimConfig, SimQuirks, GIB, MIB};
 
 const G: u64 = 2 * MIB;
 
@@ -34,7 +32,10 @@ fn ledger_tracks_every_resource_and_deferred_free() {
     assert_eq!(l.reservations[0].size, 4 * G);
     assert_eq!(l.handles.len(), 1);
     assert_eq!(l.mappings.len(), 1);
-    assert_eq!(l.mappings[0].access, vec![AccessDescriptor::read_only(DeviceId(0))]);
+    assert_eq!(
+        l.mappings[0].access,
+        vec![AccessDescriptor::read_only(DeviceId(0))]
+    );
     assert_eq!(l.physical_bytes, vec![2 * G]);
     assert_eq!(l.mapped_bytes_in(va, 4 * G), 2 * G);
 
@@ -79,7 +80,11 @@ fn nth_fault_fails_exactly_that_call_without_side_effects() {
     let e = s.create(G, &props()).unwrap_err();
     assert_eq!(e.kind, ErrorKind::OutOfMemory);
     assert_eq!(e.detail.as_deref(), Some("injected fault"));
-    assert_eq!(s.ledger().handles.len(), 1, "the failed create left nothing");
+    assert_eq!(
+        s.ledger().handles.len(),
+        1,
+        "the failed create left nothing"
+    );
     let c = s.create(G, &props()).unwrap();
     assert_eq!(s.calls(Operation::Create), 3);
     s.release(a).unwrap();
@@ -104,7 +109,12 @@ fn from_nth_and_clear() {
 fn random_plan_is_seeded() {
     let outcomes = |seed| {
         let s = sim();
-        s.inject(FaultRule::random(seed, 0.3, vec![Operation::Reserve], ErrorKind::Other));
+        s.inject(FaultRule::random(
+            seed,
+            0.3,
+            vec![Operation::Reserve],
+            ErrorKind::Other,
+        ));
         (0..200)
             .map(|_| match s.reserve(G, 0, None) {
                 Ok(va) => {
@@ -135,7 +145,8 @@ fn latency_model_accounts_driver_time() {
     }
     s.set_access(va, 4 * G, &[AccessDescriptor::read_write(DeviceId(0))])
         .unwrap();
-    let expected = m.reserve + m.create * 4 + m.map * 4 + m.set_access + m.set_access_per_extra_granule * 3;
+    let expected =
+        m.reserve + m.create * 4 + m.map * 4 + m.set_access + m.set_access_per_extra_granule * 3;
     assert_eq!(s.estimated_driver_time(), expected);
     // One unmap over four mappings costs four unmaps (driver-facts: no cheaper per granule).
     s.reset_counters();
@@ -219,7 +230,11 @@ fn export_requires_an_exportable_handle_and_import_shares_memory() {
     assert_ne!(imported, h);
     assert_eq!(s.ledger().allocations.len(), 2, "import adds no allocation");
     s.release(h).unwrap();
-    assert_eq!(s.ledger().total_physical_bytes(), 2 * G, "still held by the import");
+    assert_eq!(
+        s.ledger().total_physical_bytes(),
+        2 * G,
+        "still held by the import"
+    );
     s.release(imported).unwrap();
     s.release(plain).unwrap();
     assert!(s.ledger().is_empty());

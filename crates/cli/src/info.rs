@@ -37,7 +37,9 @@ fn describe(backend: &dyn VirtualMemoryBackend) -> Value {
             .iter()
             .map(|d| {
                 let mem = backend.memory_info(d.id).ok();
-                let g = backend.granularity(&AllocationProperties::device(d.id)).ok();
+                let g = backend
+                    .granularity(&AllocationProperties::device(d.id))
+                    .ok();
                 let g_fd = backend
                     .granularity(&AllocationProperties {
                         device: d.id,
@@ -77,7 +79,10 @@ fn describe(backend: &dyn VirtualMemoryBackend) -> Value {
 fn print_text(v: &Value) {
     let name = v["backend"].as_str().unwrap_or("?");
     if v["available"] != Value::Bool(true) {
-        println!("{name}: unavailable: {}", v["reason"].as_str().unwrap_or("?"));
+        println!(
+            "{name}: unavailable: {}",
+            v["reason"].as_str().unwrap_or("?")
+        );
         return;
     }
     println!("{name}: available");
@@ -114,8 +119,16 @@ fn print_text(v: &Value) {
         );
         println!(
             "    granularity: minimum {gmin}, recommended {grec}; VMM: {}; POSIX fd: {}",
-            if d["vmm_supported"] == Value::Bool(true) { "yes" } else { "no" },
-            if d["posix_fd_supported"] == Value::Bool(true) { "yes" } else { "no" },
+            if d["vmm_supported"] == Value::Bool(true) {
+                "yes"
+            } else {
+                "no"
+            },
+            if d["posix_fd_supported"] == Value::Bool(true) {
+                "yes"
+            } else {
+                "no"
+            },
         );
     }
 }

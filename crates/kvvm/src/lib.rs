@@ -171,7 +171,10 @@ mod tests {
         let o = open_backend_verbose("auto").unwrap();
         if o.backend.name() == "sim" {
             let notice = o.notice.unwrap();
-            assert!(notice.contains("cuda") && notice.contains("hip"), "{notice}");
+            assert!(
+                notice.contains("cuda") && notice.contains("hip"),
+                "{notice}"
+            );
         }
     }
 
