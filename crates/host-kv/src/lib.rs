@@ -48,6 +48,37 @@
 //! The tests drop and write forks on several threads and check that the store ends with
 //! every page free.
 //!
+//! ## Example
+//!
+//! ```
+//! use kvvm_host_kv::{HostKvError, HostPageStore, PageWrite, PagedKvCache};
+//! use kvvm_kv::KvGeometry;
+//!
+//! # fn main() -> Result<(), HostKvError> {
+//! // 2 layers x 2 KV heads x head_dim 4, fp16: 64 bytes per token; 16 tokens per page.
+//! let geometry = KvGeometry::new(2, 2, 4, 2, 1024)?;
+//! let store = HostPageStore::new(geometry, 16)?;
+//! let mut a = PagedKvCache::new(&store, geometry)?;
+//! a.append_tokens(&[7u8; 64 * 20])?; // 20 tokens, 2 pages
+//!
+//! let mut b = a.fork(); // no copy
+//! assert_eq!(store.live_pages(), 2);
+//! assert!(matches!(b.write_token(3, &[1; 64]), Err(HostKvError::PageShared { .. })));
+//! assert!(matches!(b.ensure_token_for_write(3)?, PageWrite::Copied { .. }));
+//! b.write_token(3, &[1; 64])?;
+//! assert_eq!(a.token_to_vec(3)?, vec![7; 64]); // the sibling is unchanged
+//!
+//! for page in b.pages() {
+//!     let keys = page.keys(0)?; // layer 0's keys of this page's tokens
+//!     assert_eq!(keys.len(), page.token_count() * 16);
+//! }
+//! drop(a);
+//! drop(b);
+//! assert_eq!(store.live_pages(), 0);
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! ## Errors
 //!
 //! Every fallible call returns [`HostKvError`]: out-of-range tokens or pages, wrong byte

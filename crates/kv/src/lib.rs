@@ -56,6 +56,24 @@
 //!
 //! `docs/kv-layouts.md` has the worked table for every preset; the unit tests assert it.
 //!
+//! ## Example
+//!
+//! ```
+//! use kvvm_kv::{evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, LayoutPlan};
+//!
+//! # fn main() -> Result<(), kvvm_kv::KvError> {
+//! let granule = 2 << 20; // queried from the driver in real use
+//! let g = KvGeometry::preset("llama-3-8b", KvDtype::F16, 131_072)?;
+//! let plan = LayoutPlan::new(g, KvLayout::SeqMajor, granule)?;
+//! assert_eq!(plan.committed_bytes_for_tokens(1)?, 64 * granule); // layers x 2 windows
+//!
+//! let verdict = evaluate_prefix_shareability(&g, KvLayout::HeadMajor, 4096, granule)?;
+//! assert!(!verdict.shareable);
+//! assert!(verdict.refusal_reason().is_some_and(|r| r.contains("8192 tokens")));
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! ## Errors
 //!
 //! Every fallible function returns [`KvError`]; nothing here panics on bad input.
