@@ -157,13 +157,19 @@ impl Inner {
     /// pooled all along); releases those that no longer fit.
     pub(crate) fn untake(&self, handles: Vec<PhysicalHandle>) {
         for h in handles {
-            self.dispose(h, Source::Bucket(Bucket::Pooled));
+            // A failed release is quarantined and logged inside.
+            let _ = self.dispose(h, Source::Bucket(Bucket::Pooled));
         }
     }
 
     /// Returns an unmapped handle to the pool if it fits, otherwise releases it; a failed
-    /// release quarantines it. Returns the bytes released to the driver.
-    pub(crate) fn dispose(&self, handle: PhysicalHandle, source: Source<'_>) -> u64 {
+    /// release quarantines it (and is returned after that). Returns the bytes released to the
+    /// driver.
+    pub(crate) fn dispose(
+        &self,
+        handle: PhysicalHandle,
+        source: Source<'_>,
+    ) -> Result<u64, BackendError> {
         let g = self.granule;
         {
             let mut pool = lock(&self.pool);
@@ -176,14 +182,19 @@ impl Inner {
                 };
                 self.account(r);
                 pool.handles.push(handle);
-                return 0;
+                return Ok(0);
             }
         }
         self.release_handle(handle, source)
     }
 
-    /// Releases an unmapped handle; a failure quarantines it. Returns the bytes released.
-    pub(crate) fn release_handle(&self, handle: PhysicalHandle, source: Source<'_>) -> u64 {
+    /// Releases an unmapped handle; a failure quarantines it (and is returned after that).
+    /// Returns the bytes released.
+    pub(crate) fn release_handle(
+        &self,
+        handle: PhysicalHandle,
+        source: Source<'_>,
+    ) -> Result<u64, BackendError> {
         let g = self.granule;
         match self.backend.release(handle) {
             Ok(()) => {
@@ -192,7 +203,7 @@ impl Inner {
                     Source::Grant(grant) => grant.give_back(g),
                 };
                 self.account(r);
-                g
+                Ok(g)
             }
             Err(error) => {
                 tracing::warn!(%handle, %error, "release failed; handle quarantined");
@@ -210,9 +221,9 @@ impl Inner {
                     mappings: Vec::new(),
                     handles: vec![handle],
                     bytes: g,
-                    error,
+                    error: error.clone(),
                 });
-                0
+                Err(error)
             }
         }
     }
@@ -232,7 +243,10 @@ impl Inner {
         };
         victims
             .into_iter()
-            .map(|h| self.release_handle(h, Source::Bucket(Bucket::Pooled)))
+            .map(|h| {
+                self.release_handle(h, Source::Bucket(Bucket::Pooled))
+                    .unwrap_or(0)
+            })
             .fold(0u64, u64::saturating_add)
     }
 

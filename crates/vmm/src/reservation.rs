@@ -262,7 +262,8 @@ impl Reservation {
                 },
             };
             if let Err(e) = vm.backend.map(addr, g, handle) {
-                match origin {
+                // A failed release is quarantined inside; the map error is the one reported.
+                let _ = match origin {
                     Origin::Pool => vm.dispose(handle, Source::Bucket(Bucket::Pooled)),
                     Origin::Created => vm.dispose(handle, Source::Grant(&mut grant)),
                 };
@@ -343,7 +344,8 @@ impl Reservation {
             let addr = DeviceAddress(self.base.0.saturating_add(block_offset));
             match vm.backend.unmap(addr, g) {
                 Ok(()) => {
-                    match origin {
+                    // A failed release is quarantined inside; the commit's error is reported.
+                    let _ = match origin {
                         Origin::Pool => vm.dispose(handle, Source::Bucket(Bucket::Pooled)),
                         Origin::Created => vm.dispose(handle, Source::Grant(grant)),
                     };
@@ -377,8 +379,9 @@ impl Reservation {
     ///
     /// Adjacent blocks are unmapped with one call where the backend allows it
     /// ([`Capabilities::unmap_spans_mappings`](kvvm_hal::Capabilities)), one call per block
-    /// otherwise. On error, the blocks whose unmap failed stay recorded (still mapped) and the
-    /// first error is returned after every other block was processed.
+    /// otherwise. On error, the blocks whose unmap failed stay recorded (still mapped),
+    /// handles whose release failed are quarantined, and the first error is returned after
+    /// every other block was processed.
     pub fn release(&mut self) -> VmmResult<u64> {
         self.truncate(0)
     }
@@ -430,7 +433,12 @@ impl Reservation {
                     for b in run.into_iter().rev() {
                         match b.kind {
                             BlockKind::Owned => {
-                                vm.dispose(b.handle, Source::Bucket(Bucket::Committed));
+                                if let Err(error) =
+                                    vm.dispose(b.handle, Source::Bucket(Bucket::Committed))
+                                {
+                                    // The handle is quarantined; report the first error.
+                                    first_error.get_or_insert(error);
+                                }
                             }
                         }
                     }
