@@ -2,6 +2,7 @@
 
 mod conformance;
 mod info;
+mod plan;
 
 use std::process::ExitCode;
 
@@ -21,6 +22,8 @@ enum Command {
     Info(info::InfoArgs),
     /// Run the conformance suite against a backend.
     Conformance(conformance::ConformanceArgs),
+    /// Shareability verdict, fragments and commit lower bound for a model and layout.
+    Plan(plan::PlanArgs),
 }
 
 fn main() -> ExitCode {
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Info(args) => info::run(&args),
         Command::Conformance(args) => conformance::run(&args),
+        Command::Plan(args) => plan::run(&args),
     };
     match result {
         Ok(code) => code,

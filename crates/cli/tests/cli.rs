@@ -1,0 +1,121 @@
+//! The `kvvm` binary, run as a user would.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+
+fn kvvm(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(args)
+        .output()
+        .expect("run kvvm");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn conformance_sim_json_has_the_documented_shape_and_passes() {
+    let (code, stdout, stderr) = kvvm(&["conformance", "--backend", "sim", "--json"]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["backend"], "sim");
+    assert_eq!(v["failed"], 0);
+    let cases = v["cases"].as_array().unwrap();
+    assert!(cases.len() >= 30);
+    assert_eq!(
+        v["passed"].as_u64().unwrap() + v["skipped"].as_u64().unwrap(),
+        cases.len() as u64
+    );
+    for c in cases {
+        let status = c["status"].as_str().unwrap();
+        assert!(["pass", "skip"].contains(&status), "{c}");
+        assert!(c["micros"].is_u64());
+        assert!(c["name"].is_string());
+        if status == "pass" {
+            assert!(c["reason"].is_null());
+        }
+    }
+}
+
+#[test]
+fn conformance_on_a_missing_gpu_backend_skips_everything_and_exits_0() {
+    for backend in ["cuda", "hip"] {
+        let (code, stdout, stderr) = kvvm(&["conformance", "--backend", backend, "--json"]);
+        assert_eq!(code, 0, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        if v["device"] == "none" {
+            assert_eq!(v["passed"], 0);
+            assert_eq!(v["failed"], 0);
+            let reason = v["cases"][0]["reason"].as_str().unwrap();
+            assert!(reason.starts_with("skipped:"), "{reason}");
+            println!("skipped: no {backend} device ({reason})");
+        }
+    }
+}
+
+#[test]
+fn info_names_every_backend() {
+    let (code, stdout, _) = kvvm(&["info"]);
+    assert_eq!(code, 0);
+    for name in ["cuda:", "hip:", "sim: available"] {
+        assert!(stdout.contains(name), "{stdout}");
+    }
+    let (code, stdout, _) = kvvm(&["info", "--json", "--backend", "sim"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v[0]["devices"][0]["granularity_minimum"], 2 << 20);
+}
+
+#[test]
+fn unknown_backend_is_a_usage_error() {
+    let (code, _, stderr) = kvvm(&["conformance", "--backend", "metal"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("unknown backend"), "{stderr}");
+}
+
+#[test]
+fn plan_json_reports_the_worked_table() {
+    for (layout, min) in [
+        ("head-major", 8192),
+        ("seq-major", 1024),
+        ("token-major", 16),
+    ] {
+        let (code, stdout, stderr) = kvvm(&[
+            "plan",
+            "--model",
+            "llama-3-8b",
+            "--layout",
+            layout,
+            "--prefix",
+            "4096",
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        for key in [
+            "shareable",
+            "refusal_reason",
+            "fragment_bytes",
+            "fragments",
+            "shareable_granules_per_fragment",
+            "multi_map_ops",
+        ] {
+            assert!(v.get(key).is_some(), "{key} missing in {v}");
+        }
+        assert_eq!(v["min_shareable_prefix"], min);
+        assert_eq!(v["shareable"], 4096 >= min);
+        assert_eq!(v["refusal_reason"].is_null(), 4096 >= min);
+    }
+}
+
+#[test]
+fn plan_rejects_bad_input_with_a_message() {
+    let (code, _, stderr) = kvvm(&["plan", "--model", "gpt-17", "--prefix", "1"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("llama-3-8b"), "{stderr}");
+    let (code, _, stderr) = kvvm(&["plan", "--model", "llama-3-8b", "--layout", "diagonal"]);
+    assert_eq!(code, 2);
+    assert!(!stderr.is_empty());
+}
