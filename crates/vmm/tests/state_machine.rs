@@ -1,0 +1,367 @@
+//! A proptest state machine over random sequences of reserve, commit, release, truncate,
+//! drop, out-of-memory and injected faults against a simple reference model, and a
+//! multi-threaded stress test that must end with an empty ledger.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{World, WorldConfig, D0};
+use kvvm_hal::{DeviceAddress, ErrorKind, Operation, VirtualMemoryBackend};
+use kvvm_sim::{FaultRule, SimBackend, SimConfig, SimQuirks};
+use kvvm_vmm::{Governor, Reservation, VirtualMemory, VmmConfig, VmmError};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Reserve {
+        granules: u64,
+    },
+    Commit {
+        idx: usize,
+        granules: u64,
+    },
+    CommitWithGrant {
+        idx: usize,
+        granules: u64,
+    },
+    Release {
+        idx: usize,
+    },
+    Truncate {
+        idx: usize,
+        granules: u64,
+    },
+    Drop {
+        idx: usize,
+    },
+    Fault {
+        op: Operation,
+        nth: u64,
+        kind: ErrorKind,
+    },
+    FailSynchronize,
+    ClearFaults,
+    TrimPool {
+        keep: u64,
+    },
+}
+
+fn fault_op() -> impl Strategy<Value = Operation> {
+    prop::sample::select(vec![
+        Operation::Reserve,
+        Operation::Create,
+        Operation::Map,
+        Operation::SetAccess,
+        Operation::Unmap,
+        Operation::Release,
+        Operation::Free,
+    ])
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (1u64..12).prop_map(|granules| Op::Reserve { granules }),
+        6 => (0usize..4, 0u64..6).prop_map(|(idx, granules)| Op::Commit { idx, granules }),
+        2 => (0usize..4, 1u64..4).prop_map(|(idx, granules)| Op::CommitWithGrant { idx, granules }),
+        2 => (0usize..4).prop_map(|idx| Op::Release { idx }),
+        2 => (0usize..4, 0u64..6).prop_map(|(idx, granules)| Op::Truncate { idx, granules }),
+        2 => (0usize..4).prop_map(|idx| Op::Drop { idx }),
+        3 => (fault_op(), 1u64..4, prop::sample::select(vec![ErrorKind::OutOfMemory, ErrorKind::Other, ErrorKind::DeviceLost]))
+            .prop_map(|(op, nth, kind)| Op::Fault { op, nth, kind }),
+        1 => Just(Op::FailSynchronize),
+        1 => Just(Op::ClearFaults),
+        1 => (0u64..4).prop_map(|keep| Op::TrimPool { keep }),
+    ]
+}
+
+#[derive(Debug, Clone)]
+struct Setup {
+    granule: u64,
+    capacity: u64,
+    budget: Option<u64>,
+    pool: u64,
+    per_mapping_unmap: bool,
+}
+
+fn setup() -> impl Strategy<Value = Setup> {
+    (
+        prop::sample::select(vec![4u64 << 10, 64 << 10, 2 << 20, 1 << 30]),
+        4u64..24,
+        prop::option::of(2u64..20),
+        0u64..6,
+        any::<bool>(),
+    )
+        .prop_map(
+            |(granule, capacity, budget, pool, per_mapping_unmap)| Setup {
+                granule,
+                capacity,
+                budget,
+                pool,
+                per_mapping_unmap,
+            },
+        )
+}
+
+/// The reference model of one reservation.
+struct Model {
+    res: Reservation,
+    base: DeviceAddress,
+    size: u64,
+    /// Committed bytes the model expects (exact unless an unmap may have failed).
+    committed: u64,
+}
+
+fn run_case(s: &Setup, ops: &[Op]) {
+    let mut c = WorldConfig::new(s.granule);
+    c.capacity_granules = s.capacity;
+    c.budget_granules = s.budget;
+    c.pool_granules = s.pool;
+    c.quirks = SimQuirks {
+        multi_unmap_breaks_free: s.per_mapping_unmap,
+        ..SimQuirks::default()
+    };
+    let w = World::new(c);
+    let g = w.g;
+    let mut live: Vec<Model> = Vec::new();
+    // Whether an unmap fault may still fire: then a failed commit may leave a block mapped and
+    // a failed release may leave several.
+    let mut unmap_fault_armed = false;
+    for op in ops {
+        match op {
+            Op::Reserve { granules } => {
+                if live.len() < 4 {
+                    if let Ok(res) = w.vm.reserve(granules * g) {
+                        assert_eq!(res.size(), granules * g);
+                        let (base, size) = (res.address(), res.size());
+                        live.push(Model {
+                            res,
+                            base,
+                            size,
+                            committed: 0,
+                        });
+                    }
+                }
+            }
+            Op::Commit { idx, granules } | Op::CommitWithGrant { idx, granules } => {
+                let n = live.len();
+                if let Some(m) = live.get_mut(idx % n.max(1)) {
+                    let end_before = m.res.committed_end();
+                    let result = match op {
+                        Op::Commit { .. } => m.res.commit(granules * g),
+                        _ => match w.vm.try_grant(granules * g) {
+                            Ok(grant) => m.res.commit_with_grant(grant),
+                            Err(e) => Err(e),
+                        },
+                    };
+                    match result {
+                        Ok(c) => {
+                            assert_eq!(c.bytes, granules * g);
+                            assert_eq!(c.address.0, m.base.0 + end_before);
+                            m.committed += granules * g;
+                        }
+                        Err(VmmError::OutOfBounds { .. }) => {
+                            assert!(end_before + granules * g > m.size);
+                        }
+                        Err(_) => {}
+                    }
+                    if unmap_fault_armed {
+                        assert!(m.res.committed_bytes() >= m.committed);
+                        m.committed = m.res.committed_bytes();
+                    }
+                    assert_eq!(m.res.committed_bytes(), m.committed);
+                }
+            }
+            Op::Release { idx } | Op::Truncate { idx, .. } => {
+                let n = live.len();
+                if let Some(m) = live.get_mut(idx % n.max(1)) {
+                    let keep = match op {
+                        Op::Truncate { granules, .. } => granules * g,
+                        _ => 0,
+                    };
+                    let kept_below = m
+                        .res
+                        .mappings()
+                        .iter()
+                        .filter(|b| b.address.0 - m.base.0 < keep)
+                        .count() as u64
+                        * g;
+                    let result = m.res.truncate(keep);
+                    if result.is_ok() || !unmap_fault_armed {
+                        // Every block at or past `keep` was unmapped (a release failure only
+                        // quarantines the handle).
+                        assert_eq!(m.res.committed_bytes(), kept_below, "{result:?}");
+                    } else {
+                        assert!(m.res.committed_bytes() >= kept_below);
+                    }
+                    m.committed = m.res.committed_bytes();
+                }
+            }
+            Op::Drop { idx } => {
+                let n = live.len();
+                if n > 0 {
+                    live.remove(idx % n);
+                }
+            }
+            Op::Fault { op, nth, kind } => {
+                if *op == Operation::Unmap {
+                    unmap_fault_armed = true;
+                }
+                w.sim.inject(FaultRule::nth(*op, *nth, *kind));
+            }
+            Op::FailSynchronize => w.sim.inject(FaultRule::failing_synchronize()),
+            Op::ClearFaults => {
+                w.sim.clear_faults();
+                unmap_fault_armed = false;
+            }
+            Op::TrimPool { keep } => {
+                w.vm.trim_pool(keep * g);
+            }
+        }
+        for m in &live {
+            assert_eq!(m.res.address(), m.base, "invariant 5");
+        }
+        let refs: Vec<&Reservation> = live.iter().map(|m| &m.res).collect();
+        w.check(&refs);
+        let snap = w.gov.snapshot().device(D0);
+        if let Some(b) = s.budget {
+            assert!(
+                snap.used() <= b * g,
+                "the governor never grants past the budget: {snap:?}"
+            );
+        }
+    }
+    // Teardown with no faults: only the quarantine may be left.
+    w.sim.clear_faults();
+    drop(live);
+    w.vm.trim_pool(0);
+    w.check(&[]);
+    let q = w.vm.quarantine();
+    let ledger = w.sim.ledger();
+    if q.is_empty() {
+        assert!(ledger.is_empty(), "{ledger:?}");
+    }
+    assert_eq!(ledger.total_physical_bytes(), w.vm.quarantined_bytes());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1000))]
+
+    #[test]
+    fn random_operation_sequences_keep_the_invariants(
+        s in setup(),
+        ops in prop::collection::vec(op(), 1..24),
+    ) {
+        run_case(&s, &ops);
+    }
+}
+
+// ---------------------------------------------------------------- stress
+
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+}
+
+#[test]
+fn stress_8_threads_x_10000_ops_end_empty() {
+    const THREADS: u64 = 8;
+    const OPS: u64 = 10_000;
+    let g = 64 << 10;
+    let sim = Arc::new(SimBackend::new(SimConfig::single(g, 512 * g).with_latency(
+        kvvm_sim::LatencyModel::zero(),
+        kvvm_sim::LatencyMode::Account,
+    )));
+    // The budget is below the device's capacity: both backpressure and pool eviction happen.
+    let gov = Governor::with_device_budget(160 * g);
+    let backend: Arc<dyn VirtualMemoryBackend> = sim.clone();
+    let vm = VirtualMemory::new(
+        backend,
+        D0,
+        gov.clone(),
+        VmmConfig::default().pool_cap_bytes(32 * g),
+    )
+    .unwrap();
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let vm = vm.clone();
+            std::thread::spawn(move || {
+                let mut rng = XorShift(0x9E37_79B9_7F4A_7C15 ^ (t + 1));
+                let mut mine: Vec<Reservation> = Vec::new();
+                let (mut ok, mut backpressure) = (0u64, 0u64);
+                for _ in 0..OPS {
+                    let r = rng.next();
+                    let pick = (r >> 8) as usize;
+                    match r % 8 {
+                        0 if mine.len() < 4 => {
+                            mine.push(vm.reserve((1 + (r >> 16) % 16) * g).unwrap())
+                        }
+                        0 | 1 | 2 | 3 => {
+                            if let Some(res) = {
+                                let n = mine.len().max(1);
+                                mine.get_mut(pick % n)
+                            } {
+                                match res.commit((1 + (r >> 16) % 4) * g) {
+                                    Ok(_) => ok += 1,
+                                    Err(VmmError::Backpressure(_)) => backpressure += 1,
+                                    Err(VmmError::OutOfBounds { .. }) => {}
+                                    Err(e) => panic!("{e}"),
+                                }
+                            }
+                        }
+                        4 | 5 => {
+                            if let Some(res) = {
+                                let n = mine.len().max(1);
+                                mine.get_mut(pick % n)
+                            } {
+                                res.release().unwrap();
+                            }
+                        }
+                        6 => {
+                            if let Some(res) = {
+                                let n = mine.len().max(1);
+                                mine.get_mut(pick % n)
+                            } {
+                                res.truncate(((r >> 16) % 8) * g).unwrap();
+                            }
+                        }
+                        _ => {
+                            if !mine.is_empty() {
+                                mine.swap_remove(pick % mine.len());
+                            }
+                        }
+                    }
+                }
+                (ok, backpressure)
+            })
+        })
+        .collect();
+    let mut ok = 0;
+    let mut backpressure = 0;
+    for h in handles {
+        let (o, b) = h.join().unwrap();
+        ok += o;
+        backpressure += b;
+    }
+    assert!(ok > 1000, "{ok} commits succeeded");
+    let _ = backpressure;
+    assert_eq!(vm.accounting_errors(), 0);
+    assert!(vm.quarantine().is_empty());
+    let snap = gov.snapshot().device(D0);
+    assert_eq!(snap.pending, 0);
+    assert_eq!(snap.committed, 0);
+    assert_eq!(snap.used(), vm.pooled_bytes());
+    assert_eq!(sim.ledger().total_physical_bytes(), vm.pooled_bytes());
+    drop(vm);
+    assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+    assert_eq!(gov.snapshot().device(D0).used(), 0);
+}
