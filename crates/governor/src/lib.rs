@@ -878,8 +878,8 @@ mod tests {
         let (g, _) = governor(10 * MIB);
         let mut a = g.try_grant(D0, 8 * MIB).unwrap();
         a.settle(2 * MIB, Bucket::Committed).unwrap();
-        a.settle(1 * MIB, Bucket::Pooled).unwrap();
-        a.give_back(1 * MIB).unwrap();
+        a.settle(MIB, Bucket::Pooled).unwrap();
+        a.give_back(MIB).unwrap();
         assert!(a.settle(5 * MIB, Bucket::Committed).is_err());
         assert_eq!(a.bytes(), 4 * MIB);
         drop(a);

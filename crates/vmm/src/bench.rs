@@ -484,11 +484,12 @@ impl<'a> RawRange<'a> {
 }
 
 fn fmt_bytes(b: u64) -> String {
-    if b >= GIB && b % GIB == 0 {
+    let multiple = |unit: u64| b >= unit && b.checked_rem(unit) == Some(0);
+    if multiple(GIB) {
         format!("{} GiB", b / GIB)
-    } else if b >= MIB && b % MIB == 0 {
+    } else if multiple(MIB) {
         format!("{} MiB", b / MIB)
-    } else if b >= 1024 && b % 1024 == 0 {
+    } else if multiple(1024) {
         format!("{} KiB", b / 1024)
     } else {
         format!("{b} B")

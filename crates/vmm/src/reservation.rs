@@ -164,7 +164,7 @@ impl Reservation {
             ))
         } else if !grant.is_from(&self.vm.governor) {
             Some("grant is from another governor".to_owned())
-        } else if grant.bytes() % g != 0 {
+        } else if grant.bytes().checked_rem(g) != Some(0) {
             Some(format!(
                 "{} bytes is not a multiple of the granule {g}",
                 grant.bytes()

@@ -1,7 +1,12 @@
 //! Behaviour of the manager on the simulator, and exhaustive fault injection: for every
 //! multi-step operation, every driver call of a clean run is failed once, and DESIGN.md
 //! invariants 1-3 are checked against the simulator's ledger afterwards.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::ptr_arg
+)]
 
 mod common;
 
@@ -512,15 +517,19 @@ fn process_budget_is_shared_by_two_devices() {
 
 // ---------------------------------------------------------------- exhaustive faults
 
+/// Runs the operation under test on the world and its reservations.
+type RunFn = fn(&World, &mut Vec<Reservation>) -> Result<(), VmmError>;
+/// Checks specific to a faulted run: (world, reservations, committed bytes before, the
+/// failed op, the result).
+type ExpectFn = fn(&World, &[Reservation], &[u64], Operation, &Result<(), VmmError>);
+
 /// One multi-step operation: how to build the world, what to set up, what to run.
 struct Scenario {
     name: &'static str,
     world: fn() -> World,
     setup: fn(&World) -> Vec<Reservation>,
-    run: fn(&World, &mut Vec<Reservation>) -> Result<(), VmmError>,
-    /// Checks specific to a faulted run: (world, reservations, committed bytes before, the
-    /// failed op, the result).
-    expect: fn(&World, &[Reservation], &[u64], Operation, &Result<(), VmmError>),
+    run: RunFn,
+    expect: ExpectFn,
 }
 
 const FAULT_OPS: [Operation; 8] = [

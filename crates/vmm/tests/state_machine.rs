@@ -305,7 +305,7 @@ fn stress_8_threads_x_10000_ops_end_empty() {
                         0 if mine.len() < 4 => {
                             mine.push(vm.reserve((1 + (r >> 16) % 16) * g).unwrap())
                         }
-                        0 | 1 | 2 | 3 => {
+                        0..=3 => {
                             if let Some(res) = {
                                 let n = mine.len().max(1);
                                 mine.get_mut(pick % n)
