@@ -342,7 +342,7 @@ fn reserve_fixed_address_hint(ctx: &Ctx<'_>) -> Outcome {
 
 fn reserve_64_tib_uses_no_memory(ctx: &Ctx<'_>) -> Outcome {
     let size = 1u64 << 46;
-    if size % ctx.granule != 0 {
+    if !size.is_multiple_of(ctx.granule) {
         return Err(Verdict::Skip(format!(
             "granule {} does not divide 64 TiB",
             ctx.granule

@@ -178,7 +178,7 @@ impl State {
     ) -> Result<DeviceAddress, BackendError> {
         let op = Operation::Reserve;
         let g = self.va_granule;
-        if size == 0 || size % g != 0 {
+        if size == 0 || !size.is_multiple_of(g) {
             return Err(invalid(op, format!("size {size} is not a multiple of {g}")));
         }
         if alignment != 0 && !alignment.is_power_of_two() {
@@ -282,7 +282,7 @@ impl State {
         let op = Operation::Create;
         let d = self.device(op, props.device)?;
         let g = d.granularity.minimum.max(1);
-        if size == 0 || size % g != 0 {
+        if size == 0 || !size.is_multiple_of(g) {
             return Err(invalid(op, format!("size {size} is not a multiple of {g}")));
         }
         if props.handle_type == ShareableHandleType::PosixFd && !d.posix_fd {
@@ -395,13 +395,13 @@ impl State {
         // Measured on the H200 (driver 580.159.04): a handle is mapped whole. A map of part of
         // a handle is refused with NOT_SUPPORTED before any address check; with the whole
         // handle, a bad address (unaligned, unreserved, already mapped) is INVALID_VALUE.
-        if size != a_size || size % g != 0 {
+        if size != a_size || !size.is_multiple_of(g) {
             return Err(not_supported(
                 op,
                 format!("map of {size} bytes of a {a_size}-byte handle (a handle is mapped whole)"),
             ));
         }
-        if address.0 % g != 0 {
+        if !address.0.is_multiple_of(g) {
             return Err(invalid(op, format!("{address} not aligned to {g}")));
         }
         let end = end_of(op, address.0, size)?;
