@@ -7,7 +7,7 @@
 //!
 //! * [`VirtualMemory`]: one per device (`Send + Sync`, cheap to clone). It knows the
 //!   granule (queried from the driver, never hard-coded), owns the handle pool and the
-//!   quarantine, and charges a [`Governor`](kvvm_governor::Governor).
+//!   quarantine, and charges a [`Governor`].
 //! * [`Reservation`]: a reserved range whose base address never changes (DESIGN invariant 5).
 //!
 //! ## Commit is a transaction
