@@ -247,7 +247,7 @@ impl PagedKvCache {
     /// All or nothing: on error the sequence is as before.
     pub fn append_tokens(&mut self, tokens: &[u8]) -> Result<Range<u64>, HostKvError> {
         let per_token = self.layout.per_token;
-        if tokens.len() % per_token != 0 {
+        if !tokens.len().is_multiple_of(per_token) {
             return Err(HostKvError::WrongTokenBytes {
                 expected: self.geometry.bytes_per_token(),
                 got: tokens.len() as u64,
