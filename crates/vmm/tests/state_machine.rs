@@ -282,7 +282,7 @@ fn stress_8_threads_x_10000_ops_end_empty() {
         kvvm_sim::LatencyMode::Account,
     )));
     // The budget is below the device's capacity: both backpressure and pool eviction happen.
-    let gov = Governor::with_device_budget(160 * g);
+    let gov = Governor::with_device_budget(48 * g);
     let backend: Arc<dyn VirtualMemoryBackend> = sim.clone();
     let vm = VirtualMemory::new(
         backend,
@@ -353,7 +353,8 @@ fn stress_8_threads_x_10000_ops_end_empty() {
         backpressure += b;
     }
     assert!(ok > 1000, "{ok} commits succeeded");
-    let _ = backpressure;
+    assert!(backpressure > 0, "the budget was never hit");
+    eprintln!("{ok} commits, {backpressure} refused");
     assert_eq!(vm.accounting_errors(), 0);
     assert!(vm.quarantine().is_empty());
     let snap = gov.snapshot().device(D0);
@@ -364,4 +365,105 @@ fn stress_8_threads_x_10000_ops_end_empty() {
     drop(vm);
     assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
     assert_eq!(gov.snapshot().device(D0).used(), 0);
+}
+
+#[test]
+fn stress_8_threads_x_10000_ops_with_random_faults_keeps_the_books() {
+    const THREADS: u64 = 8;
+    const OPS: u64 = 10_000;
+    let g = 4 << 10;
+    let sim = Arc::new(SimBackend::new(SimConfig::single(g, 256 * g).with_latency(
+        kvvm_sim::LatencyModel::zero(),
+        kvvm_sim::LatencyMode::Account,
+    )));
+    let gov = Governor::with_device_budget(96 * g);
+    let backend: Arc<dyn VirtualMemoryBackend> = sim.clone();
+    let vm = VirtualMemory::new(
+        backend,
+        D0,
+        gov.clone(),
+        VmmConfig::default().pool_cap_bytes(16 * g),
+    )
+    .unwrap();
+    // 1% of creates, maps, set accesses, unmaps, releases, synchronizes and frees fail.
+    sim.inject(FaultRule::random(
+        7,
+        0.01,
+        vec![
+            Operation::Create,
+            Operation::Map,
+            Operation::SetAccess,
+            Operation::Unmap,
+            Operation::Release,
+            Operation::Synchronize,
+            Operation::Free,
+        ],
+        ErrorKind::Other,
+    ));
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let vm = vm.clone();
+            std::thread::spawn(move || {
+                let mut rng = XorShift(0xD1B5_4A32_D192_ED03 ^ (t + 1));
+                let mut mine: Vec<Reservation> = Vec::new();
+                let mut failures = 0u64;
+                for _ in 0..OPS {
+                    let r = rng.next();
+                    let n = mine.len().max(1);
+                    let pick = (r >> 8) as usize % n;
+                    let result = match r % 8 {
+                        0 if mine.len() < 4 => vm.reserve((1 + (r >> 16) % 16) * g).map(|res| {
+                            mine.push(res);
+                        }),
+                        0..=3 => match mine.get_mut(pick) {
+                            Some(res) => res.commit((1 + (r >> 16) % 4) * g).map(|_| ()),
+                            None => Ok(()),
+                        },
+                        4 | 5 => match mine.get_mut(pick) {
+                            Some(res) => res.release().map(|_| ()),
+                            None => Ok(()),
+                        },
+                        6 => match mine.get_mut(pick) {
+                            Some(res) => res.truncate(((r >> 16) % 8) * g).map(|_| ()),
+                            None => Ok(()),
+                        },
+                        _ => {
+                            if !mine.is_empty() {
+                                mine.swap_remove(pick);
+                            }
+                            Ok(())
+                        }
+                    };
+                    match result {
+                        Ok(()) => {}
+                        Err(VmmError::Accounting(e)) => panic!("{e}"),
+                        Err(_) => failures += 1,
+                    }
+                }
+                (mine, failures)
+            })
+        })
+        .collect();
+    let mut left = Vec::new();
+    let mut failures = 0;
+    for w in workers {
+        let (mine, f) = w.join().unwrap();
+        left.extend(mine);
+        failures += f;
+    }
+    sim.clear_faults();
+    assert!(failures > 0, "no fault fired");
+    assert_eq!(vm.accounting_errors(), 0);
+    let refs: Vec<&Reservation> = left.iter().collect();
+    common::check(&sim, &vm, &gov, &refs);
+    drop(refs);
+    drop(left);
+    vm.trim_pool(0);
+    common::check(&sim, &vm, &gov, &[]);
+    let ledger = sim.ledger();
+    assert_eq!(ledger.total_physical_bytes(), vm.quarantined_bytes());
+    eprintln!(
+        "{failures} failed operations, {} quarantine entries",
+        vm.quarantine().len()
+    );
 }
