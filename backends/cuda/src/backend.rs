@@ -314,6 +314,52 @@ impl CudaBackend {
         self.check(op, unsafe { self.driver.ctx_set_current(device.ctx.0) })
     }
 
+    /// The naive way to grow a device buffer, for benchmarks: with a buffer of `size` bytes
+    /// already allocated (`cuMemAlloc`, not timed), time `cuMemAlloc(size + extra)`,
+    /// `cuMemcpyDtoD` of `size` bytes, a context synchronize (so the copy is complete) and
+    /// `cuMemFree` of the old buffer. This is what growing without virtual memory costs; the
+    /// pointer changes each time. Everything allocated is freed before returning.
+    pub fn time_realloc_copy(
+        &self,
+        device: DeviceId,
+        size: u64,
+        extra: u64,
+    ) -> BackendResult<std::time::Duration> {
+        let op = Operation::CopyToDevice;
+        let dev = self.device(op, device)?;
+        self.make_current(op, dev)?;
+        let to_usize = |v: u64| {
+            usize::try_from(v).map_err(|_| {
+                BackendError::new(op, ErrorKind::InvalidValue, 1, "CUDA_ERROR_INVALID_VALUE")
+                    .with_detail("size does not fit in usize")
+            })
+        };
+        let old_len = to_usize(size)?;
+        let new_len = to_usize(size.checked_add(extra).ok_or_else(|| {
+            BackendError::new(op, ErrorKind::InvalidValue, 1, "CUDA_ERROR_INVALID_VALUE")
+                .with_detail("size + extra overflows")
+        })?)?;
+        let old = self.check(op, self.driver.mem_alloc(old_len))?;
+        let start = std::time::Instant::now();
+        let new = match self.check(op, self.driver.mem_alloc(new_len)) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = self.driver.mem_free(old);
+                return Err(e);
+            }
+        };
+        let copied = self
+            .check(op, self.driver.memcpy_dtod(new, old, old_len))
+            .and_then(|()| self.check(Operation::Synchronize, self.driver.ctx_synchronize()));
+        let freed_old = self.check(op, self.driver.mem_free(old));
+        let elapsed = start.elapsed();
+        let freed_new = self.check(op, self.driver.mem_free(new));
+        copied?;
+        freed_old?;
+        freed_new?;
+        Ok(elapsed)
+    }
+
     /// Makes one of this backend's contexts current on this thread: the current one if it is
     /// ours, else device 0's.
     fn any_context(&self, op: Operation) -> BackendResult<()> {

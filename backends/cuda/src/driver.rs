@@ -110,6 +110,7 @@ driver_table! {
         fn(*mut CUmemGenericAllocationHandle, *mut c_void, CUmemAllocationHandleType);
     mem_alloc = c"cuMemAlloc_v2": fn(*mut CUdeviceptr, usize);
     mem_free = c"cuMemFree_v2": fn(CUdeviceptr);
+    memcpy_dtod = c"cuMemcpyDtoD_v2": fn(CUdeviceptr, CUdeviceptr, usize);
     module_load_data = c"cuModuleLoadData": fn(*mut CUmodule, *const c_void);
     module_unload = c"cuModuleUnload": fn(CUmodule);
     module_get_function = c"cuModuleGetFunction": fn(*mut CUfunction, CUmodule, *const c_char);

@@ -326,6 +326,18 @@ impl Driver {
         }
     }
 
+    /// `cuMemcpyDtoD_v2` of `bytes` bytes (synchronous with respect to the host for
+    /// device-to-device copies only once the context is synchronized).
+    pub(crate) fn memcpy_dtod(
+        &self,
+        dst: CUdeviceptr,
+        src: CUdeviceptr,
+        bytes: usize,
+    ) -> CuResult<()> {
+        // SAFETY: integer device addresses the driver validates; no host memory is touched.
+        check(unsafe { (self.memcpy_dtod)(dst, src, bytes) })
+    }
+
     /// `cuMemFree_v2`.
     pub(crate) fn mem_free(&self, ptr: CUdeviceptr) -> CuResult<()> {
         // SAFETY: an integer address the driver validates.
