@@ -1,5 +1,6 @@
 //! `kvvm`: inspect backends, run the conformance suite, plan, simulate and serve.
 
+mod bench;
 mod conformance;
 mod info;
 mod plan;
@@ -24,6 +25,8 @@ enum Command {
     Conformance(conformance::ConformanceArgs),
     /// Shareability verdict, fragments and commit lower bound for a model and layout.
     Plan(plan::PlanArgs),
+    /// Benchmarks measured side by side in one run (`kvvm bench vmm`).
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -40,6 +43,7 @@ fn main() -> ExitCode {
         Command::Info(args) => info::run(&args),
         Command::Conformance(args) => conformance::run(&args),
         Command::Plan(args) => plan::run(&args),
+        Command::Bench(args) => bench::run(&args),
     };
     match result {
         Ok(code) => code,

@@ -29,12 +29,14 @@
 //! trait lives in `kvvm-hal` below the backends. A virtual call costs about a nanosecond; the
 //! cheapest driver call (a map) costs about a microsecond.
 
+pub use kvvm_cuda as cuda;
 pub use kvvm_hal as hal;
 pub use kvvm_hal::{
     Access, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, MemoryInfo, Operation,
     PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
 };
+pub use kvvm_hip as hip;
 pub use kvvm_sim as sim;
 
 use std::sync::Arc;
