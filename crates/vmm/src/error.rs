@@ -57,6 +57,13 @@ pub enum VmmError {
         /// Why.
         reason: String,
     },
+    /// A window is already mapped in this reservation (mapping over it would be refused by
+    /// the driver; a shared window may not be committed over).
+    #[error("the granule window at offset {offset} is already mapped")]
+    AlreadyMapped {
+        /// Offset of the window in the reservation.
+        offset: u64,
+    },
     /// The governor's books refused an update: a bug in the manager.
     #[error(transparent)]
     Accounting(#[from] GovernorError),

@@ -70,11 +70,18 @@
 //!
 //! The tests (`tests/`) check these after every injected fault at every driver-call position.
 //!
-//! ## Shared prefixes (issue 6)
+//! ## Shared handles
 //!
-//! Blocks carry a [`BlockKind`]; issue 6 adds a shared kind (a mapping of a shared prefix's
-//! handle, reference-counted, released only after the owner and every sharer unmapped it) and
-//! the governor's [`Bucket::Shared`](kvvm_governor::Bucket) already accounts such bytes once.
+//! [`Reservation::commit_shared`] commits windows as a [`SharedHandles`] set, billed once as
+//! *shared*, mapped read-write by its owner; [`Reservation::map_shared`] maps windows of a set
+//! at the same offsets of another reservation, read-only for sharers. Blocks carry a
+//! [`BlockKind`]: unmapping a shared block drops one reference; the set's handles are released
+//! only when its last holder (a mapping, the owner's handle on it, a prefix cache) is gone, so
+//! never before the owner and every sharer unmapped them. If a sharer's map succeeds and its set
+//! access fails, the mapping is withdrawn and counted down while the handles stay with the set.
+//! [`Reservation::commit_range`] commits the unmapped windows of any ranges (not only after the
+//! committed end), which is what a KV layout whose live bytes are spread over many fragments
+//! needs.
 //!
 //! ## Example
 //!
@@ -108,9 +115,11 @@ pub mod bench;
 mod error;
 mod manager;
 mod reservation;
+mod shared;
 
 pub use error::{VmmError, VmmResult};
 pub use manager::{GranularityChoice, QuarantineEntry, QuarantineReason, VirtualMemory, VmmConfig};
 pub use reservation::{BlockKind, Commit, MappedBlock, Reservation};
+pub use shared::SharedHandles;
 
 pub use kvvm_governor::{Backpressure, Governor, GovernorSnapshot, MappedGrowthGrant};

@@ -9,6 +9,7 @@ use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 
 use crate::error::{VmmError, VmmResult};
 use crate::manager::{Inner, QuarantineEntry, QuarantineReason, Source};
+use crate::shared::SharedHandles;
 
 /// Who owns the physical memory behind a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -16,8 +17,13 @@ use crate::manager::{Inner, QuarantineEntry, QuarantineReason, Source};
 pub enum BlockKind {
     /// The reservation owns the handle: release returns it to the pool or the driver.
     Owned,
-    // Issue 6 adds `Shared(handle id)`: a mapping of a shared prefix's handle, whose release
-    // only drops a reference (`note_unmapped`) and never releases the handle itself.
+    /// A mapping of a [`SharedHandles`] set (a shared prefix): unmapping it only drops a
+    /// reference (`note_unmapped`); the handle is released when the set is dropped, which
+    /// cannot happen before every mapping of it is gone (DESIGN invariant 4).
+    Shared {
+        /// Whether this mapping has write access (the owner's) or read-only (a sharer's).
+        writable: bool,
+    },
 }
 
 /// One mapped block of a reservation, as the manager records it.
@@ -33,11 +39,13 @@ pub struct MappedBlock {
     pub kind: BlockKind,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Block {
     offset: u64,
     handle: PhysicalHandle,
     kind: BlockKind,
+    /// For shared blocks: the set the handle belongs to (keeps it alive while mapped).
+    shared: Option<Arc<SharedHandles>>,
 }
 
 /// What a successful commit did.
@@ -190,29 +198,77 @@ impl Reservation {
         self.commit(len.saturating_sub(end)).map(Some)
     }
 
+    /// Whether the granule window starting at `offset` is mapped.
+    pub fn is_mapped(&self, offset: u64) -> bool {
+        self.blocks
+            .binary_search_by_key(&offset, |b| b.offset)
+            .is_ok()
+    }
+
+    /// Commits every granule window that overlaps `[offset, offset + len)` and is not mapped
+    /// yet, as one transaction (all of them or none), wherever they are in the reservation
+    /// (the windows holding live bytes of a head-major KV cache are spread over many
+    /// fragments). Access is set once over each contiguous run of new windows. Returns `None`
+    /// when every window was already mapped.
+    pub fn commit_range(&mut self, offset: u64, len: u64) -> VmmResult<Option<Commit>> {
+        self.commit_ranges(&[(offset, len)])
+    }
+
+    /// Like [`commit_range`](Self::commit_range) over several ranges, in one transaction.
+    pub fn commit_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Option<Commit>> {
+        let offsets = self.missing_windows(ranges)?;
+        if offsets.is_empty() {
+            return Ok(None);
+        }
+        self.commit_windows(&offsets, None, None).map(Some)
+    }
+
+    /// The sorted, unmapped window offsets overlapping `ranges`, bounds-checked.
+    pub(crate) fn missing_windows(&self, ranges: &[(u64, u64)]) -> VmmResult<Vec<u64>> {
+        let g = self.vm.granule;
+        let mut offsets = Vec::new();
+        for &(offset, len) in ranges {
+            if len == 0 {
+                continue;
+            }
+            let end = offset
+                .checked_add(len)
+                .ok_or(VmmError::SizeOverflow { what: "range end" })?;
+            if end > self.size {
+                return Err(VmmError::OutOfBounds {
+                    offset,
+                    requested: len,
+                    reserved: self.size,
+                });
+            }
+            let first = offset / g;
+            let last = end.div_ceil(g);
+            for w in first..last {
+                let o = w.saturating_mul(g);
+                if !self.is_mapped(o) {
+                    offsets.push(o);
+                }
+            }
+        }
+        offsets.sort_unstable();
+        offsets.dedup();
+        Ok(offsets)
+    }
+
     fn commit_granules(
         &mut self,
         granules: u64,
         grant: Option<MappedGrowthGrant>,
     ) -> VmmResult<Commit> {
-        let vm = Arc::clone(&self.vm);
-        let g = vm.granule;
-        let span = tracing::debug_span!(
-            "vmm.commit",
-            device = vm.device.0,
-            base = self.base.0,
-            granules
-        );
-        let _e = span.enter();
+        let g = self.vm.granule;
         let offset = self.committed_end();
         let bytes = granules.checked_mul(g).ok_or(VmmError::SizeOverflow {
             what: "commit size",
         })?;
-        let start = self.addr(offset)?;
         if granules == 0 {
             // A grant handed in is rolled back by its drop.
             return Ok(Commit {
-                address: start,
+                address: self.addr(offset)?,
                 bytes: 0,
                 granules: 0,
                 from_pool: 0,
@@ -228,8 +284,57 @@ impl Reservation {
                 reserved: self.size,
             });
         }
-        // Last address of the commit: checked once, so per-block additions cannot overflow.
-        self.addr(end)?;
+        let offsets: Vec<u64> = (0..granules)
+            .map(|i| offset.saturating_add(i.saturating_mul(g)))
+            .collect();
+        self.commit_windows(&offsets, grant, None)
+    }
+
+    /// The commit transaction over sorted, distinct, unmapped, in-bounds window offsets.
+    /// With `shared`, the new handles form a shared set (accounted once, as shared) that this
+    /// reservation maps read-write as its owner.
+    pub(crate) fn commit_windows(
+        &mut self,
+        offsets: &[u64],
+        grant: Option<MappedGrowthGrant>,
+        shared: Option<&mut Vec<(u64, PhysicalHandle)>>,
+    ) -> VmmResult<Commit> {
+        let vm = Arc::clone(&self.vm);
+        let g = vm.granule;
+        let granules = offsets.len() as u64;
+        let span = tracing::debug_span!(
+            "vmm.commit",
+            device = vm.device.0,
+            base = self.base.0,
+            granules
+        );
+        let _e = span.enter();
+        let first = offsets.first().copied().unwrap_or(0);
+        let start = self.addr(first)?;
+        let bytes = granules.checked_mul(g).ok_or(VmmError::SizeOverflow {
+            what: "commit size",
+        })?;
+        // Every window must be in bounds and unmapped: the driver checks neither.
+        for &o in offsets {
+            let end = o
+                .checked_add(g)
+                .ok_or(VmmError::SizeOverflow { what: "window end" })?;
+            if end > self.size || o % g != 0 {
+                return Err(VmmError::OutOfBounds {
+                    offset: o,
+                    requested: g,
+                    reserved: self.size,
+                });
+            }
+            if self.is_mapped(o) {
+                return Err(VmmError::AlreadyMapped { offset: o });
+            }
+        }
+        let target = if shared.is_some() {
+            Bucket::Shared
+        } else {
+            Bucket::Committed
+        };
 
         // Pool first: a hit needs neither a create nor any new budget.
         let mut pooled = vm.take_from_pool(granules);
@@ -246,11 +351,11 @@ impl Reservation {
             },
         };
 
-        // Create (or take) and map granule by granule.
-        let mut mapped: Vec<(PhysicalHandle, Origin)> = Vec::new();
+        // Create (or take) and map window by window.
+        let mut mapped: Vec<(u64, PhysicalHandle, Origin)> = Vec::new();
         let mut failure: Option<BackendError> = None;
-        for i in 0..granules {
-            let addr = DeviceAddress(start.0.saturating_add(i.saturating_mul(g)));
+        for &o in offsets {
+            let addr = DeviceAddress(self.base.0.saturating_add(o));
             let (handle, origin) = match pooled.pop() {
                 Some(h) => (h, Origin::Pool),
                 None => match vm.backend.create(g, &vm.props) {
@@ -270,23 +375,16 @@ impl Reservation {
                 failure = Some(e);
                 break;
             }
-            mapped.push((handle, origin));
+            mapped.push((o, handle, origin));
         }
 
-        // One set access over the whole contiguous range, retried as the backend asks.
+        // One set access over each contiguous run, retried as the backend asks.
         if failure.is_none() {
-            let mut attempt = 0u32;
-            loop {
-                match vm.backend.set_access(start, bytes, &vm.access) {
-                    Ok(()) => break,
-                    Err(e) if attempt < vm.caps.set_access_retries => {
-                        tracing::debug!(error = %e, attempt, "set_access failed; retrying");
-                        attempt = attempt.saturating_add(1);
-                    }
-                    Err(e) => {
-                        failure = Some(e);
-                        break;
-                    }
+            for (run_offset, run_bytes) in runs(offsets, g) {
+                let addr = DeviceAddress(self.base.0.saturating_add(run_offset));
+                if let Err(e) = set_access_retrying(&vm, addr, run_bytes, &vm.access) {
+                    failure = Some(e);
+                    break;
                 }
             }
         }
@@ -296,30 +394,36 @@ impl Reservation {
 
         if let Some(error) = failure {
             tracing::debug!(%error, mapped = mapped.len(), "commit failed; rolling back");
-            self.rollback(&vm, offset, mapped, &mut grant);
+            self.rollback(&vm, mapped, &mut grant, target);
             grant.rollback();
             return Err(error.into());
         }
 
-        let created =
-            (mapped.iter().filter(|(_, o)| *o == Origin::Created).count() as u64).saturating_mul(g);
+        let created = (mapped
+            .iter()
+            .filter(|(_, _, o)| *o == Origin::Created)
+            .count() as u64)
+            .saturating_mul(g);
         let reused = from_pool.saturating_mul(g);
-        vm.account(grant.settle(created, Bucket::Committed));
+        vm.account(grant.settle(created, target));
         vm.account(
             vm.governor
-                .transfer(vm.device, Bucket::Pooled, Bucket::Committed, reused),
+                .transfer(vm.device, Bucket::Pooled, target, reused),
         );
         grant.rollback();
-        let mut block_offset = offset;
-        self.blocks.reserve(mapped.len());
-        for (handle, _) in mapped {
-            self.blocks.push(Block {
-                offset: block_offset,
-                handle,
-                kind: BlockKind::Owned,
-            });
-            block_offset = block_offset.saturating_add(g);
-        }
+        let kind = match shared {
+            Some(set) => {
+                set.extend(mapped.iter().map(|(o, h, _)| (*o, *h)));
+                BlockKind::Shared { writable: true }
+            }
+            None => BlockKind::Owned,
+        };
+        self.insert_blocks(mapped.into_iter().map(|(offset, handle, _)| Block {
+            offset,
+            handle,
+            kind,
+            shared: None,
+        }));
         Ok(Commit {
             address: start,
             bytes,
@@ -328,19 +432,186 @@ impl Reservation {
         })
     }
 
+    /// Commits the windows overlapping `ranges` as a new [`SharedHandles`] set that this
+    /// reservation owns and maps read-write (the owner of a shared prefix writes it through
+    /// this mapping). The bytes are granted and billed once, as shared. Every window must be
+    /// unmapped; the transaction and rollback are those of a commit.
+    pub fn commit_shared(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Arc<SharedHandles>> {
+        let offsets = self.missing_windows(ranges)?;
+        let mut total = 0u64;
+        for &(o, len) in ranges {
+            let g = self.vm.granule;
+            let first = o / g;
+            let last = o.saturating_add(len).div_ceil(g);
+            total = total.saturating_add(last.saturating_sub(first));
+        }
+        if (offsets.len() as u64) < total {
+            let taken = ranges
+                .iter()
+                .flat_map(|&(o, len)| {
+                    let g = self.vm.granule;
+                    (o / g..o.saturating_add(len).div_ceil(g)).map(move |w| w.saturating_mul(g))
+                })
+                .find(|o| self.is_mapped(*o))
+                .unwrap_or(0);
+            return Err(VmmError::AlreadyMapped { offset: taken });
+        }
+        let mut windows = Vec::with_capacity(offsets.len());
+        self.commit_windows(&offsets, None, Some(&mut windows))?;
+        let set = Arc::new(SharedHandles::new(Arc::clone(&self.vm), windows));
+        self.attach_shared(&set);
+        Ok(set)
+    }
+
+    /// Inserts blocks and keeps the list sorted by offset.
+    fn insert_blocks(&mut self, new: impl Iterator<Item = Block>) {
+        let before = self.blocks.len();
+        self.blocks.extend(new);
+        let sorted_tail = self.blocks[before..]
+            .first()
+            .is_none_or(|b| before == 0 || self.blocks[before - 1].offset < b.offset);
+        if !sorted_tail {
+            self.blocks.sort_by_key(|b| b.offset);
+        }
+    }
+
+    /// Attaches the owner's shared set to the blocks just committed for it.
+    pub(crate) fn attach_shared(&mut self, set: &Arc<SharedHandles>) {
+        for b in &mut self.blocks {
+            if matches!(b.kind, BlockKind::Shared { .. }) && b.shared.is_none() {
+                b.shared = Some(Arc::clone(set));
+                set.note_shared_map();
+            }
+        }
+    }
+
+    /// Maps windows of a shared set at the same offsets of this reservation with `access`
+    /// (read-only for sharers), as one transaction. If a map fails, the mappings made by
+    /// this call are withdrawn; if the map succeeds and the access cannot be set, the
+    /// mappings are withdrawn and counted down while the handles stay with the set. Returns
+    /// the bytes mapped; windows already mapped here are refused.
+    pub fn map_shared(
+        &mut self,
+        set: &Arc<SharedHandles>,
+        windows: &[usize],
+        access: kvvm_hal::Access,
+    ) -> VmmResult<u64> {
+        let vm = Arc::clone(&self.vm);
+        let g = vm.granule;
+        if !set.is_from(&vm) {
+            return Err(VmmError::GrantMismatch {
+                reason: "shared set belongs to another manager".to_owned(),
+            });
+        }
+        let mut chosen: Vec<(u64, PhysicalHandle)> = Vec::with_capacity(windows.len());
+        for &i in windows {
+            let (o, h) = set.window(i).ok_or(VmmError::OutOfBounds {
+                offset: i as u64,
+                requested: 1,
+                reserved: set.len() as u64,
+            })?;
+            let end = o
+                .checked_add(g)
+                .ok_or(VmmError::SizeOverflow { what: "window end" })?;
+            if end > self.size {
+                return Err(VmmError::OutOfBounds {
+                    offset: o,
+                    requested: g,
+                    reserved: self.size,
+                });
+            }
+            if self.is_mapped(o) {
+                return Err(VmmError::AlreadyMapped { offset: o });
+            }
+            chosen.push((o, h));
+        }
+        chosen.sort_unstable_by_key(|(o, _)| *o);
+        chosen.dedup_by_key(|(o, _)| *o);
+        let span = tracing::debug_span!(
+            "vmm.map_shared",
+            device = vm.device.0,
+            base = self.base.0,
+            windows = chosen.len()
+        );
+        let _e = span.enter();
+        let mut done: Vec<u64> = Vec::new();
+        let mut failure = None;
+        for &(o, h) in &chosen {
+            let addr = DeviceAddress(self.base.0.saturating_add(o));
+            match vm.backend.map(addr, g, h) {
+                Ok(()) => {
+                    set.note_shared_map();
+                    done.push(o);
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if failure.is_none() {
+            let offsets: Vec<u64> = chosen.iter().map(|(o, _)| *o).collect();
+            let desc = [kvvm_hal::AccessDescriptor {
+                device: vm.device,
+                access,
+            }];
+            for (run_offset, run_bytes) in runs(&offsets, g) {
+                let addr = DeviceAddress(self.base.0.saturating_add(run_offset));
+                if let Err(e) = set_access_retrying(&vm, addr, run_bytes, &desc) {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(error) = failure {
+            // Withdraw this call's mappings, last first. One that cannot be unmapped stays
+            // recorded (it is still mapped) and keeps its reference.
+            let mut kept = Vec::new();
+            for &o in done.iter().rev() {
+                let addr = DeviceAddress(self.base.0.saturating_add(o));
+                match vm.backend.unmap(addr, g) {
+                    Ok(()) => set.note_unmapped(),
+                    Err(e) => {
+                        tracing::warn!(%addr, error = %e, "withdrawing a shared mapping failed; it stays recorded");
+                        if let Some((_, h)) = chosen.iter().find(|(x, _)| *x == o) {
+                            kept.push(Block {
+                                offset: o,
+                                handle: *h,
+                                kind: BlockKind::Shared {
+                                    writable: access.can_write(),
+                                },
+                                shared: Some(Arc::clone(set)),
+                            });
+                        }
+                    }
+                }
+            }
+            self.insert_blocks(kept.into_iter());
+            return Err(error.into());
+        }
+        self.insert_blocks(chosen.into_iter().map(|(offset, handle)| Block {
+            offset,
+            handle,
+            kind: BlockKind::Shared {
+                writable: access.can_write(),
+            },
+            shared: Some(Arc::clone(set)),
+        }));
+        Ok((done.len() as u64).saturating_mul(g))
+    }
+
     /// Undoes the maps of a failed commit in reverse order. A block whose unmap fails stays
     /// recorded (it is still mapped) and its bytes are accounted as committed.
     fn rollback(
         &mut self,
         vm: &Inner,
-        offset: u64,
-        mapped: Vec<(PhysicalHandle, Origin)>,
+        mapped: Vec<(u64, PhysicalHandle, Origin)>,
         grant: &mut MappedGrowthGrant,
+        target: Bucket,
     ) {
         let g = vm.granule;
         let mut kept = Vec::new();
-        for (i, (handle, origin)) in mapped.into_iter().enumerate().rev() {
-            let block_offset = offset.saturating_add((i as u64).saturating_mul(g));
+        for (block_offset, handle, origin) in mapped.into_iter().rev() {
             let addr = DeviceAddress(self.base.0.saturating_add(block_offset));
             match vm.backend.unmap(addr, g) {
                 Ok(()) => {
@@ -352,6 +623,8 @@ impl Reservation {
                 }
                 Err(error) => {
                     tracing::warn!(%addr, %error, "rollback unmap failed; block stays recorded");
+                    // Still mapped: it stays as an owned block of this reservation, even when
+                    // the commit was for a shared set (the set never saw it).
                     let r = match origin {
                         Origin::Pool => {
                             vm.governor
@@ -364,13 +637,14 @@ impl Reservation {
                         offset: block_offset,
                         handle,
                         kind: BlockKind::Owned,
+                        shared: None,
                     });
                 }
             }
         }
+        let _ = target;
         if !kept.is_empty() {
-            kept.reverse();
-            self.blocks.extend(kept);
+            self.insert_blocks(kept.into_iter());
         }
     }
 
@@ -410,7 +684,7 @@ impl Reservation {
         let mut unmapped = 0u64;
         let mut kept_rev: Vec<Block> = Vec::new();
         let mut todo = self.blocks.split_off(first.min(self.blocks.len()));
-        while let Some(last) = todo.last().copied() {
+        while let Some(last) = todo.last().cloned() {
             // The run: trailing blocks of `todo` adjacent to each other.
             let mut run_start = todo.len().saturating_sub(1);
             if span_runs {
@@ -431,8 +705,14 @@ impl Reservation {
                 Ok(()) => {
                     unmapped = unmapped.saturating_add(run_bytes);
                     for b in run.into_iter().rev() {
-                        match b.kind {
-                            BlockKind::Owned => {
+                        match (b.kind, b.shared) {
+                            (BlockKind::Shared { .. }, Some(set)) => {
+                                // Only a reference goes; the set releases its handles when
+                                // its last holder (mapping, owner, cache) is gone.
+                                set.note_unmapped();
+                                drop(set);
+                            }
+                            _ => {
                                 if let Err(error) =
                                     vm.dispose(b.handle, Source::Bucket(Bucket::Committed))
                                 {
@@ -458,12 +738,20 @@ impl Reservation {
     fn quarantine_blocks(&mut self, reason: QuarantineReason, error: BackendError) {
         let vm = Arc::clone(&self.vm);
         let mappings = self.mappings();
-        let bytes = self.committed_bytes();
+        let owned = self.blocks.iter().filter(|b| b.shared.is_none()).count() as u64;
+        let bytes = owned.saturating_mul(vm.granule);
         vm.account(
             vm.governor
                 .transfer(vm.device, Bucket::Committed, Bucket::Quarantined, bytes),
         );
-        self.blocks.clear();
+        for b in self.blocks.drain(..) {
+            if let Some(set) = b.shared {
+                // A shared handle still mapped here cannot be proven idle: its set is never
+                // dropped, so it is never released, and its bytes stay accounted as shared.
+                set.quarantine();
+                std::mem::forget(set);
+            }
+        }
         vm.add_quarantine(QuarantineEntry {
             reason,
             range: Some((self.base, self.size)),
@@ -472,6 +760,37 @@ impl Reservation {
             bytes,
             error,
         });
+    }
+}
+
+/// Contiguous runs `(offset, bytes)` of sorted window offsets.
+fn runs(offsets: &[u64], g: u64) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for &o in offsets {
+        match out.last_mut() {
+            Some((start, len)) if start.saturating_add(*len) == o => *len = len.saturating_add(g),
+            _ => out.push((o, g)),
+        }
+    }
+    out
+}
+
+fn set_access_retrying(
+    vm: &Inner,
+    addr: DeviceAddress,
+    bytes: u64,
+    access: &[kvvm_hal::AccessDescriptor],
+) -> Result<(), BackendError> {
+    let mut attempt = 0u32;
+    loop {
+        match vm.backend.set_access(addr, bytes, access) {
+            Ok(()) => return Ok(()),
+            Err(e) if attempt < vm.caps.set_access_retries => {
+                tracing::debug!(error = %e, attempt, "set_access failed; retrying");
+                attempt = attempt.saturating_add(1);
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 

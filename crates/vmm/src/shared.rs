@@ -1,0 +1,119 @@
+//! Shared physical handles: one allocation per granule window, mapped read-write by its owner
+//! and read-only by any number of sharers, billed once.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kvvm_governor::Bucket;
+use kvvm_hal::PhysicalHandle;
+
+use crate::manager::{Inner, Source};
+
+/// A set of physical handles that several reservations map at the same offsets: the granule
+/// windows of a shared prefix.
+///
+/// Created by [`Reservation::commit_shared`](crate::Reservation::commit_shared) (the owner's
+/// read-write mapping; the bytes are granted once and accounted as *shared* by the governor)
+/// and mapped by sharers with [`Reservation::map_shared`](crate::Reservation::map_shared).
+/// Every mapping holds a reference to the set, and so may a prefix cache: the handles are
+/// released (to the pool or the driver) only when the last reference is gone, which is after
+/// the owner and every sharer unmapped them (DESIGN invariant 4). The owner may finish first.
+///
+/// [`mapped_count`](Self::mapped_count) is the pool's reference count of live mappings
+/// (`note_shared_map` / `note_unmapped` in the seed's words).
+pub struct SharedHandles {
+    vm: Arc<Inner>,
+    windows: Vec<(u64, PhysicalHandle)>,
+    mappings: AtomicU64,
+    quarantined: AtomicBool,
+}
+
+impl fmt::Debug for SharedHandles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedHandles")
+            .field("windows", &self.windows.len())
+            .field("mappings", &self.mapped_count())
+            .finish()
+    }
+}
+
+impl SharedHandles {
+    pub(crate) fn new(vm: Arc<Inner>, windows: Vec<(u64, PhysicalHandle)>) -> Self {
+        SharedHandles {
+            vm,
+            windows,
+            mappings: AtomicU64::new(0),
+            quarantined: AtomicBool::new(false),
+        }
+    }
+
+    /// Number of granule windows (handles) in the set.
+    pub fn len(&self) -> usize {
+        self.windows.len()
+    }
+
+    /// Whether the set has no window.
+    pub fn is_empty(&self) -> bool {
+        self.windows.is_empty()
+    }
+
+    /// Window `i`: its offset in the owner's reservation and its handle.
+    pub fn window(&self, i: usize) -> Option<(u64, PhysicalHandle)> {
+        self.windows.get(i).copied()
+    }
+
+    /// Every window, sorted by offset.
+    pub fn windows(&self) -> &[(u64, PhysicalHandle)] {
+        &self.windows
+    }
+
+    /// Physical bytes the set holds (billed once, however many map it).
+    pub fn bytes(&self) -> u64 {
+        (self.windows.len() as u64).saturating_mul(self.vm.granule)
+    }
+
+    /// Live mappings of the set's handles (owner's and sharers'), counted per window.
+    pub fn mapped_count(&self) -> u64 {
+        self.mappings.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn is_from(&self, vm: &Arc<Inner>) -> bool {
+        Arc::ptr_eq(&self.vm, vm)
+    }
+
+    /// A mapping of one window was made.
+    pub(crate) fn note_shared_map(&self) {
+        self.mappings.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A mapping of one window was unmapped.
+    pub(crate) fn note_unmapped(&self) {
+        let _ = self
+            .mappings
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+    }
+
+    /// A mapping of the set could not be proven idle: never release its handles.
+    pub(crate) fn quarantine(&self) {
+        self.quarantined.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for SharedHandles {
+    fn drop(&mut self) {
+        if self.quarantined.load(Ordering::Acquire) {
+            return;
+        }
+        let _span = tracing::debug_span!(
+            "vmm.shared_release",
+            device = self.vm.device.0,
+            windows = self.windows.len()
+        )
+        .entered();
+        for (_, handle) in self.windows.drain(..) {
+            // A failed release is quarantined inside `dispose`.
+            let _ = self.vm.dispose(handle, Source::Bucket(Bucket::Shared));
+        }
+    }
+}
