@@ -6,15 +6,11 @@ mod common;
 use std::sync::Arc;
 
 use common::{World, D0};
-use kvvm_hal::{Access, DeviceAddress, ErrorKind, Operation, VirtualMemoryBackend};
+use kvvm_hal::{Access, ErrorKind, Operation, VirtualMemoryBackend};
 use kvvm_sim::FaultRule;
 use kvvm_vmm::{BlockKind, Reservation, VmmError};
 
 const G: u64 = 64 << 10;
-
-fn at(r: &Reservation, off: u64) -> DeviceAddress {
-    DeviceAddress(r.address().0 + off)
-}
 
 /// Governor accounting: committed (owned) + shared (once) + pooled = the driver's bytes.
 fn check_books(w: &World, owned: &[&Reservation], shared_bytes: u64) {
