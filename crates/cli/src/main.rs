@@ -4,6 +4,7 @@ mod bench;
 mod conformance;
 mod info;
 mod plan;
+mod simulate;
 
 use std::process::ExitCode;
 
@@ -27,6 +28,8 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Benchmarks measured side by side in one run (`kvvm bench vmm`).
     Bench(bench::BenchArgs),
+    /// Replay a serving trace through every KV memory policy, side by side (table, JSON, SVG).
+    Simulate(simulate::SimulateArgs),
 }
 
 fn main() -> ExitCode {
@@ -44,6 +47,7 @@ fn main() -> ExitCode {
         Command::Conformance(args) => conformance::run(&args),
         Command::Plan(args) => plan::run(&args),
         Command::Bench(args) => bench::run(&args),
+        Command::Simulate(args) => simulate::run(&args),
     };
     match result {
         Ok(code) => code,

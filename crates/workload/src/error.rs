@@ -1,0 +1,75 @@
+//! Typed errors of the workload crate.
+
+use kvvm_hal::BackendError;
+use kvvm_kv::KvError;
+use kvvm_vmm::VmmError;
+
+/// An error of trace loading, validation or replay.
+///
+/// Running out of budget is *not* an error: it is a refusal (HTTP 429 in a server), counted in
+/// the report as a deferral. Errors are what stops a replay: a bad trace, a bad configuration,
+/// an arithmetic overflow, or a driver failure the manager could not turn into backpressure.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkloadError {
+    /// A line of a JSONL trace is malformed (line numbers start at 1).
+    #[error("trace line {line}: {message}")]
+    TraceLine {
+        /// The 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// The trace file could not be read.
+    #[error("cannot read trace {path}: {source}")]
+    Io {
+        /// The path.
+        path: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The trace holds no request.
+    #[error("the trace holds no request")]
+    EmptyTrace,
+    /// A request needs more tokens than the maximum context.
+    #[error(
+        "request {index} needs {tokens} tokens, more than the maximum context of {max_context}"
+    )]
+    RequestTooLong {
+        /// The request's index in the trace.
+        index: usize,
+        /// Prompt plus output tokens.
+        tokens: u64,
+        /// The maximum context.
+        max_context: u64,
+    },
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A size or time computation overflowed.
+    #[error("arithmetic overflow: {0}")]
+    Overflow(&'static str),
+    /// The KV layout arithmetic refused.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// The manager failed in a way that is not backpressure.
+    #[error(transparent)]
+    Vmm(#[from] VmmError),
+    /// A driver call outside the manager failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// Result type of this crate.
+pub type WorkloadResult<T> = Result<T, WorkloadError>;
+
+/// `a * b`, or [`WorkloadError::Overflow`].
+pub(crate) fn mul(a: u64, b: u64, what: &'static str) -> WorkloadResult<u64> {
+    a.checked_mul(b).ok_or(WorkloadError::Overflow(what))
+}
+
+/// `a + b`, or [`WorkloadError::Overflow`].
+pub(crate) fn add(a: u64, b: u64, what: &'static str) -> WorkloadResult<u64> {
+    a.checked_add(b).ok_or(WorkloadError::Overflow(what))
+}

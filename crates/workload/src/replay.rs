@@ -1,0 +1,579 @@
+//! The event-driven replay of a trace through every policy, and its report.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvvm_hal::{DeviceId, VirtualMemoryBackend};
+use kvvm_kv::{KvDtype, KvGeometry, PrefixShareability};
+use serde::Serialize;
+
+use crate::error::{WorkloadError, WorkloadResult};
+use crate::policy::{ClassicPolicy, Costs, KvvmPolicy, Outcome, Policy, PolicyKind, Shape};
+use crate::trace::{Trace, TraceSource};
+
+/// Default memory budget: 40 GiB. On the default trace `static-max` (4 GiB a request at the
+/// default 32768-token context) is refused and defers requests, while every kvvm layout fits.
+pub const DEFAULT_BUDGET_BYTES: u64 = 40 << 30;
+
+/// How a replay runs.
+#[derive(Debug, Clone)]
+pub struct SimulationConfig {
+    /// Model preset ([`KvGeometry::preset`]).
+    pub model: String,
+    /// Element type of the KV cache.
+    pub dtype: KvDtype,
+    /// Maximum context in tokens: what `static-max` preallocates and kvvm reserves.
+    pub max_context: u64,
+    /// The memory budget every policy runs under, in bytes.
+    pub budget_bytes: u64,
+    /// Duration of one decode step (every running sequence gains one token per step).
+    pub step: Duration,
+    /// The policies, in report order.
+    pub policies: Vec<PolicyKind>,
+    /// The device to use.
+    pub device: DeviceId,
+    /// Write real KV bytes (`copy_to_device`) for the tokens of kvvm policies. `None`: only
+    /// on backends other than the simulator.
+    pub write_kv: Option<bool>,
+}
+
+impl Default for SimulationConfig {
+    /// llama-3-8b fp16, 32768-token context, 40 GiB, 20 ms decode steps, every policy.
+    fn default() -> Self {
+        SimulationConfig {
+            model: "llama-3-8b".into(),
+            dtype: KvDtype::F16,
+            max_context: 32_768,
+            budget_bytes: DEFAULT_BUDGET_BYTES,
+            step: Duration::from_millis(20),
+            policies: PolicyKind::all(),
+            device: DeviceId(0),
+            write_kv: None,
+        }
+    }
+}
+
+/// A point of the committed-memory curve.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Sample {
+    /// Seconds from the start of the trace.
+    pub t_s: f64,
+    /// Committed bytes at that time.
+    pub committed_bytes: u64,
+}
+
+/// The figures of one policy.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PolicyReport {
+    /// Policy name (`static-max`, `realloc-copy`, `paged-16`, `kvvm-<layout>[+prefix]`).
+    pub name: String,
+    /// Whether it ran through the kvvm manager on the backend.
+    pub through_manager: bool,
+    /// Highest committed bytes at any time (including a copy's two buffers for
+    /// `realloc-copy`).
+    pub peak_committed_bytes: u64,
+    /// Time-averaged committed bytes.
+    pub mean_committed_bytes: u64,
+    /// Time-averaged live KV bytes (a shared prefix counted once).
+    pub mean_live_bytes: u64,
+    /// `integral(committed - live) / integral(committed)` over the run.
+    pub waste_ratio: f64,
+    /// Highest physical bytes held (committed plus the manager's handle pool; the whole
+    /// preallocated pool for `paged-16`).
+    pub peak_held_bytes: u64,
+    /// Requests admitted (at least once).
+    pub admitted: u64,
+    /// Requests refused at least once, at admission or while growing (HTTP 429), that waited
+    /// and retried.
+    pub deferred: u64,
+    /// Refusals in total (every 429, retries included).
+    pub refusals: u64,
+    /// Requests that could never fit the budget, alone, and were dropped.
+    pub rejected: u64,
+    /// Running sequences evicted to let others progress (recomputed later).
+    pub preemptions: u64,
+    /// Requests completed.
+    pub completed: u64,
+    /// Mean time from arrival to first admission, in milliseconds.
+    pub mean_queue_delay_ms: f64,
+    /// Time from the first arrival to the last completion, in seconds.
+    pub makespan_s: f64,
+    /// Driver calls (reserve, free, create, release, map, set access, unmap, synchronize).
+    pub driver_calls: u64,
+    /// Driver time in microseconds: modelled on the simulator, measured on a GPU.
+    pub driver_time_us: u64,
+    /// `"latency-model"` or `"measured"`.
+    pub driver_time_source: &'static str,
+    /// Bytes copied by reallocation (`realloc-copy`).
+    pub copy_bytes: u64,
+    /// Reserve/free calls made only to emulate sparse commits (one reservation per layout
+    /// fragment), left out of `driver_calls`.
+    pub emulation_calls_excluded: u64,
+    /// Read-only mappings of the shared prefix, counted from the latency model (included in
+    /// `driver_calls`).
+    pub modelled_shared_map_calls: u64,
+    /// KV bytes written to the device (real GPUs).
+    pub kv_write_bytes: u64,
+    /// For `+prefix` policies: the shareability verdict of the system prompt.
+    pub prefix_shareable: Option<bool>,
+    /// For `+prefix` policies: bytes of the prefix committed once and shared.
+    pub prefix_shared_bytes: Option<u64>,
+    /// For `+prefix` policies that cannot share: why.
+    pub prefix_refusal: Option<String>,
+    /// The committed-memory curve (for plots; not serialized).
+    #[serde(skip)]
+    pub samples: Vec<Sample>,
+}
+
+/// Trace figures in a report.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TraceSummary {
+    /// `synthetic` or `jsonl`.
+    pub kind: &'static str,
+    /// The JSONL file, if any.
+    pub path: Option<String>,
+    /// The seed of a synthetic trace.
+    pub seed: Option<u64>,
+    /// The arrival rate of a synthetic trace.
+    pub rate_per_s: Option<f64>,
+    /// Requests.
+    pub requests: usize,
+    /// Prompt tokens in total.
+    pub prompt_tokens: u64,
+    /// Output tokens in total.
+    pub output_tokens: u64,
+    /// Length of the common system prompt.
+    pub system_prompt_tokens: u64,
+    /// Requests that open with it.
+    pub shared_prefix_requests: usize,
+    /// Arrival time of the last request.
+    pub duration_s: f64,
+}
+
+/// The report of a whole run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SimulationReport {
+    /// The backend the kvvm policies ran on.
+    pub backend: String,
+    /// Model preset.
+    pub model: String,
+    /// KV element type.
+    pub dtype: String,
+    /// KV bytes per token (all layers, K and V).
+    pub bytes_per_token: u64,
+    /// Maximum context in tokens.
+    pub max_context: u64,
+    /// The mapping granule of the backend.
+    pub granule_bytes: u64,
+    /// The budget every policy ran under.
+    pub budget_bytes: u64,
+    /// Decode step in milliseconds.
+    pub step_ms: f64,
+    /// The trace.
+    pub trace: TraceSummary,
+    /// One entry per policy, in the order asked.
+    pub policies: Vec<PolicyReport>,
+    /// Wall time of the whole replay, in seconds.
+    pub elapsed_s: f64,
+}
+
+impl SimulationReport {
+    /// The report of the policy called `name`.
+    pub fn policy(&self, name: &str) -> Option<&PolicyReport> {
+        self.policies.iter().find(|p| p.name == name)
+    }
+}
+
+/// Progress of a replay, for a progress bar.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Policies done.
+    pub policies_done: usize,
+    /// Policies in total.
+    pub policies: usize,
+    /// Requests completed (or rejected) by the policy running now.
+    pub requests_done: usize,
+    /// Requests in the trace.
+    pub requests: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Running {
+    id: usize,
+    tokens: u64,
+    target: u64,
+    stalled: bool,
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    admitted: HashSet<usize>,
+    deferred: HashSet<usize>,
+    refusals: u64,
+    rejected: u64,
+    preemptions: u64,
+    completed: u64,
+    queue_delay_us: u128,
+    peak: u64,
+    peak_held: u64,
+    committed_integral: u128,
+    live_integral: u128,
+    last_t: u64,
+    last_committed: u64,
+    last_live: u64,
+    samples: Vec<Sample>,
+}
+
+impl Tally {
+    fn observe(&mut self, t_us: u64, committed: u64, live: u64, held: u64) {
+        let dt = u128::from(t_us.saturating_sub(self.last_t));
+        self.committed_integral = self
+            .committed_integral
+            .saturating_add(u128::from(self.last_committed).saturating_mul(dt));
+        self.live_integral = self
+            .live_integral
+            .saturating_add(u128::from(self.last_live).saturating_mul(dt));
+        self.last_t = t_us;
+        self.last_committed = committed;
+        self.last_live = live;
+        self.peak = self.peak.max(committed);
+        self.peak_held = self.peak_held.max(held);
+        let t_s = t_us as f64 / 1e6;
+        match self.samples.last() {
+            Some(s) if s.committed_bytes == committed => {}
+            _ => self.samples.push(Sample {
+                t_s,
+                committed_bytes: committed,
+            }),
+        }
+    }
+}
+
+/// Replays `trace` through one policy.
+fn replay_one(
+    trace: &Trace,
+    policy: &mut dyn Policy,
+    step: Duration,
+    progress: &mut dyn FnMut(usize),
+) -> WorkloadResult<Tally> {
+    let step_us = u64::try_from(step.as_micros())
+        .ok()
+        .filter(|s| *s > 0)
+        .ok_or_else(|| WorkloadError::Config("the decode step must be at least 1 us".into()))?;
+    let reqs = &trace.requests;
+    let mut tally = Tally::default();
+    let start = reqs.first().map_or(0, |r| r.arrival_us);
+    tally.last_t = start;
+    tally.samples.push(Sample {
+        t_s: start as f64 / 1e6,
+        committed_bytes: 0,
+    });
+    let mut t = start;
+    let mut next = 0usize;
+    // Waiting requests: (id, tokens already computed before a preemption).
+    let mut waiting: VecDeque<(usize, u64)> = VecDeque::new();
+    let mut running: Vec<Running> = Vec::new();
+    let mut first_admit: Vec<Option<u64>> = vec![None; reqs.len()];
+    let mut done = 0usize;
+    loop {
+        if running.is_empty() && waiting.is_empty() {
+            match reqs.get(next) {
+                // Nothing to do until the next arrival: jump there.
+                Some(r) => {
+                    let dt = r.arrival_us.saturating_sub(t);
+                    policy.advance(Duration::from_micros(dt));
+                    t = t.max(r.arrival_us);
+                }
+                None => break,
+            }
+        }
+        while let Some(r) = reqs.get(next) {
+            if r.arrival_us > t {
+                break;
+            }
+            waiting.push_back((next, 0));
+            next += 1;
+        }
+        // Admission, first come first served; the first refusal stops it for this step.
+        while let Some(&(id, computed)) = waiting.front() {
+            let Some(req) = reqs.get(id) else { break };
+            let tokens = req.prompt_tokens.max(computed);
+            match policy.admit(id, req, tokens)? {
+                Outcome::Done => {
+                    waiting.pop_front();
+                    tally.admitted.insert(id);
+                    if first_admit.get(id).is_some_and(|a| a.is_none()) {
+                        if let Some(slot) = first_admit.get_mut(id) {
+                            *slot = Some(t);
+                        }
+                        tally.queue_delay_us = tally
+                            .queue_delay_us
+                            .saturating_add(u128::from(t.saturating_sub(req.arrival_us)));
+                    }
+                    running.push(Running {
+                        id,
+                        tokens,
+                        target: req.total_tokens(),
+                        stalled: false,
+                    });
+                }
+                Outcome::Refused(_) => {
+                    tally.refusals = tally.refusals.saturating_add(1);
+                    tally.deferred.insert(id);
+                    if running.is_empty() {
+                        // Nothing else holds memory: this request can never fit.
+                        waiting.pop_front();
+                        tally.rejected = tally.rejected.saturating_add(1);
+                        done += 1;
+                        progress(done);
+                        continue;
+                    }
+                    break;
+                }
+            }
+        }
+        // One decode step: every running sequence gains a token if its growth is granted.
+        for r in running.iter_mut() {
+            r.stalled = false;
+            if r.tokens >= r.target {
+                continue;
+            }
+            match policy.grow(r.id, r.tokens.saturating_add(1))? {
+                Outcome::Done => r.tokens = r.tokens.saturating_add(1),
+                Outcome::Refused(_) => {
+                    r.stalled = true;
+                    tally.refusals = tally.refusals.saturating_add(1);
+                    tally.deferred.insert(r.id);
+                }
+            }
+        }
+        if !running.is_empty() && running.iter().all(|r| r.stalled) {
+            // Nobody can progress: preempt the youngest; it is recomputed when readmitted.
+            if let Some(victim) = running.pop() {
+                policy.finish(victim.id)?;
+                tally.preemptions = tally.preemptions.saturating_add(1);
+                waiting.push_front((victim.id, victim.tokens));
+            }
+        }
+        let mut i = 0;
+        while i < running.len() {
+            match running.get(i) {
+                Some(r) if r.tokens >= r.target => {
+                    policy.finish(r.id)?;
+                    running.swap_remove(i);
+                    tally.completed = tally.completed.saturating_add(1);
+                    done += 1;
+                    progress(done);
+                }
+                _ => i += 1,
+            }
+        }
+        let held = policy.held_bytes();
+        tally.observe(t, policy.committed_bytes(), policy.live_bytes(), held);
+        tally.peak = tally.peak.max(policy.transient_peak());
+        if running.is_empty() && waiting.is_empty() && next >= reqs.len() {
+            break;
+        }
+        t = t.saturating_add(step_us);
+        policy.advance(step);
+    }
+    tally.observe(
+        t,
+        policy.committed_bytes(),
+        policy.live_bytes(),
+        policy.held_bytes(),
+    );
+    Ok(tally)
+}
+
+/// Replays `trace` through every policy of `config`, the kvvm ones through the manager on
+/// `backend`. `progress` is called as requests complete.
+pub fn simulate(
+    trace: &Trace,
+    backend: Arc<dyn VirtualMemoryBackend>,
+    config: &SimulationConfig,
+    progress: &mut dyn FnMut(Progress),
+) -> WorkloadResult<SimulationReport> {
+    let wall = Instant::now();
+    if trace.requests.is_empty() {
+        return Err(WorkloadError::EmptyTrace);
+    }
+    if config.budget_bytes == 0 {
+        return Err(WorkloadError::Config("the budget must be positive".into()));
+    }
+    let geometry = KvGeometry::preset(&config.model, config.dtype, config.max_context)?;
+    trace.check_fits(config.max_context)?;
+    let shape = Shape {
+        geometry,
+        bytes_per_token: geometry.bytes_per_token(),
+        max_context: config.max_context,
+        budget: config.budget_bytes,
+    };
+    let write_kv = config.write_kv.unwrap_or(backend.name() != "sim");
+    let mut granule = 0u64;
+    let mut reports = Vec::with_capacity(config.policies.len());
+    let n_policies = config.policies.len();
+    for (pi, kind) in config.policies.iter().enumerate() {
+        let mut policy: Box<dyn Policy> = match kind {
+            PolicyKind::Kvvm {
+                layout,
+                prefix_sharing,
+            } => {
+                let p = KvvmPolicy::new(
+                    backend.clone(),
+                    config.device,
+                    *layout,
+                    *prefix_sharing,
+                    trace.system_prompt_tokens,
+                    shape,
+                    write_kv,
+                )?;
+                Box::new(p)
+            }
+            other => Box::new(ClassicPolicy::new(*other, shape)),
+        };
+        let requests = trace.requests.len();
+        progress(Progress {
+            policies_done: pi,
+            policies: n_policies,
+            requests_done: 0,
+            requests,
+        });
+        let tally = replay_one(trace, policy.as_mut(), config.step, &mut |done| {
+            progress(Progress {
+                policies_done: pi,
+                policies: n_policies,
+                requests_done: done,
+                requests,
+            })
+        })?;
+        let costs = policy.close()?;
+        drop(policy);
+        if kind.is_kvvm() && granule == 0 {
+            granule = kvvm_vmm::VirtualMemory::with_defaults(backend.clone(), config.device)
+                .map(|vm| vm.granule())
+                .unwrap_or(0);
+        }
+        reports.push(report_of(*kind, &tally, costs, trace, config));
+    }
+    progress(Progress {
+        policies_done: n_policies,
+        policies: n_policies,
+        requests_done: trace.requests.len(),
+        requests: trace.requests.len(),
+    });
+    Ok(SimulationReport {
+        backend: backend.name().to_owned(),
+        model: config.model.clone(),
+        dtype: config.dtype.to_string(),
+        bytes_per_token: shape.bytes_per_token,
+        max_context: config.max_context,
+        granule_bytes: granule,
+        budget_bytes: config.budget_bytes,
+        step_ms: config.step.as_secs_f64() * 1e3,
+        trace: summary(trace),
+        policies: reports,
+        elapsed_s: wall.elapsed().as_secs_f64(),
+    })
+}
+
+fn summary(trace: &Trace) -> TraceSummary {
+    let (kind, path, seed, rate) = match &trace.source {
+        TraceSource::Synthetic(s) => ("synthetic", None, Some(s.seed), Some(s.rate_per_s)),
+        TraceSource::Jsonl { path } => ("jsonl", Some(path.clone()), None, None),
+    };
+    TraceSummary {
+        kind,
+        path,
+        seed,
+        rate_per_s: rate,
+        requests: trace.requests.len(),
+        prompt_tokens: trace.prompt_tokens(),
+        output_tokens: trace.output_tokens(),
+        system_prompt_tokens: trace.system_prompt_tokens,
+        shared_prefix_requests: trace.shared_prefix_requests(),
+        duration_s: trace.duration_s(),
+    }
+}
+
+fn report_of(
+    kind: PolicyKind,
+    tally: &Tally,
+    costs: Costs,
+    trace: &Trace,
+    _config: &SimulationConfig,
+) -> PolicyReport {
+    let start = trace.requests.first().map_or(0, |r| r.arrival_us);
+    let span = u128::from(tally.last_t.saturating_sub(start)).max(1);
+    let mean = |integral: u128| u64::try_from(integral / span).unwrap_or(u64::MAX);
+    let waste_ratio = if tally.committed_integral == 0 {
+        0.0
+    } else {
+        let waste = tally.committed_integral.saturating_sub(tally.live_integral);
+        waste as f64 / tally.committed_integral as f64
+    };
+    let admitted = tally.admitted.len() as u64;
+    let (shareable, shared, refusal) = match &costs.shareability {
+        Some(v) => share_fields(v),
+        None if matches!(
+            kind,
+            PolicyKind::Kvvm {
+                prefix_sharing: true,
+                ..
+            }
+        ) =>
+        {
+            (
+                Some(false),
+                Some(0),
+                Some("the trace has no common system prompt".to_owned()),
+            )
+        }
+        None => (None, None, None),
+    };
+    PolicyReport {
+        name: kind.name(),
+        through_manager: kind.is_kvvm(),
+        peak_committed_bytes: tally.peak,
+        mean_committed_bytes: mean(tally.committed_integral),
+        mean_live_bytes: mean(tally.live_integral),
+        waste_ratio,
+        peak_held_bytes: tally.peak_held.max(tally.peak),
+        admitted,
+        deferred: tally.deferred.len() as u64,
+        refusals: tally.refusals,
+        rejected: tally.rejected,
+        preemptions: tally.preemptions,
+        completed: tally.completed,
+        mean_queue_delay_ms: if admitted == 0 {
+            0.0
+        } else {
+            tally.queue_delay_us as f64 / admitted as f64 / 1e3
+        },
+        makespan_s: span as f64 / 1e6,
+        driver_calls: costs.driver_calls,
+        driver_time_us: u64::try_from(costs.driver_time.as_micros()).unwrap_or(u64::MAX),
+        driver_time_source: if costs.measured {
+            "measured"
+        } else {
+            "latency-model"
+        },
+        copy_bytes: costs.copy_bytes,
+        emulation_calls_excluded: costs.emulation_calls_excluded,
+        modelled_shared_map_calls: costs.modelled_shared_map_calls,
+        kv_write_bytes: costs.kv_write_bytes,
+        prefix_shareable: shareable,
+        prefix_shared_bytes: shared,
+        prefix_refusal: refusal,
+        samples: tally.samples.clone(),
+    }
+}
+
+fn share_fields(v: &PrefixShareability) -> (Option<bool>, Option<u64>, Option<String>) {
+    (
+        Some(v.shareable),
+        Some(if v.shareable { v.shared_bytes } else { 0 }),
+        v.refusal_reason(),
+    )
+}
