@@ -25,26 +25,28 @@
 //! ## kvvm policies run through the real manager
 //!
 //! A kvvm policy opens a [`VirtualMemory`](kvvm_vmm::VirtualMemory) on the backend with a
-//! [`Governor`](kvvm_vmm::Governor) holding the budget (its clock follows the replay's time),
-//! reserves the maximum context for each request under the layout
-//! ([`LayoutPlan`](kvvm_kv::LayoutPlan)), commits the granule windows that hold live bytes
-//! as tokens arrive, and releases everything when the request ends. Every driver call goes
-//! through a [`CountingBackend`], which counts it and attributes the H200 latency model's
-//! cost (or measures it on a GPU).
+//! [`Governor`](kvvm_vmm::Governor) holding the budget (its clock follows the replay's time).
+//! Per request it reserves the maximum context under the layout (one reservation of
+//! [`LayoutPlan::reservation_bytes`](kvvm_kv::LayoutPlan::reservation_bytes)), commits the
+//! granule windows that hold live bytes as tokens arrive
+//! ([`Reservation::commit_ranges`](kvvm_vmm::Reservation::commit_ranges): one transaction
+//! over one window run per fragment, the grant asked first, so a refusal makes no driver
+//! call), and releases everything when the request ends. Every driver call goes through a
+//! [`CountingBackend`], which counts it and attributes the H200 latency model's cost (or
+//! measures it on a GPU). On a real GPU the KV bytes of the tokens are written with
+//! `copy_to_device`, batched at each commit and before release.
 //!
-//! Two emulations, because the manager's API does not offer them yet:
-//!
-//! * **Sparse commits.** [`Reservation::commit`](kvvm_vmm::Reservation::commit) maps after the
-//!   committed end only, while a layout's live windows are one run per fragment. Each
-//!   fragment therefore gets its own reservation; the create, map, set-access and unmap calls
-//!   are exactly those of a sparse commit into one reservation, and the extra reserve/free
-//!   calls are left out of `driver_calls` (reported as `emulation_calls_excluded`).
-//! * **Prefix sharing.** The shared-prefix API (`SharedDevicePrefix`,
-//!   `map_shared_prefix_readonly`, issue 6) has not landed. A `+prefix` policy commits the
-//!   system prompt's whole windows ([`evaluate_prefix_shareability`](kvvm_kv::evaluate_prefix_shareability))
-//!   once through the manager, holds them while a sharer runs, and commits only each
-//!   sharer's windows after the shared ones; the sharers' read-only mappings are counted and
-//!   timed from the latency model (`modelled_shared_map_calls`), not executed.
+//! With prefix sharing (`+prefix`), the system prompt's whole windows
+//! ([`evaluate_prefix_shareability`](kvvm_kv::evaluate_prefix_shareability)) are committed
+//! once by the first request that opens with it
+//! ([`Reservation::commit_shared`](kvvm_vmm::Reservation::commit_shared), read-write, billed
+//! once) and mapped read-only by the others
+//! ([`Reservation::map_shared`](kvvm_vmm::Reservation::map_shared)); each request commits
+//! only the windows after the shared ones. The policy holds the
+//! [`SharedHandles`](kvvm_vmm::SharedHandles) while a sharer runs and drops them with the
+//! last one (the owner may finish first). When the layout cannot share the prefix (every
+//! fragment's part of it is smaller than a granule), the refusal reason is reported and the
+//! policy runs without sharing.
 
 mod driver;
 mod error;

@@ -7,11 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvvm_governor::{GovernorConfig, ManualClock};
-use kvvm_hal::Operation;
-use kvvm_hal::{DeviceId, VirtualMemoryBackend};
+use kvvm_hal::{Access, AllocationProperties, DeviceId, VirtualMemoryBackend};
 use kvvm_kv::{evaluate_prefix_shareability, KvGeometry, KvLayout, LayoutPlan, PrefixShareability};
-use kvvm_sim::LatencyModel;
-use kvvm_vmm::{Governor, Reservation, VirtualMemory, VmmConfig, VmmError};
+use kvvm_vmm::{Governor, Reservation, SharedHandles, VirtualMemory, VmmConfig, VmmError};
 use serde::Serialize;
 
 use crate::driver::{classic, CountingBackend, DriverTally};
@@ -127,8 +125,6 @@ pub(crate) struct Costs {
     pub driver_time: Duration,
     pub measured: bool,
     pub copy_bytes: u64,
-    pub emulation_calls_excluded: u64,
-    pub modelled_shared_map_calls: u64,
     pub kv_write_bytes: u64,
     pub shareability: Option<PrefixShareability>,
 }
@@ -383,28 +379,31 @@ impl Policy for ClassicPolicy {
 // ---------------------------------------------------------------------------------------------
 // kvvm through the real manager
 
-/// One sequence under a kvvm policy: one reservation per contiguous fragment of the layout.
+/// One sequence under a kvvm policy: one reservation of the layout's size.
 #[derive(Debug)]
 struct KvSeq {
-    frags: Vec<Reservation>,
-    /// Windows committed in each fragment's reservation (private windows for a sharer).
+    res: Reservation,
+    /// Windows per fragment that hold live bytes (shared ones included for a sharer).
     windows: u64,
     tokens: u64,
     /// Tokens whose KV bytes were written to the device (real GPUs only).
     written: u64,
+    /// Maps the shared prefix (its first `share_windows` windows of each fragment).
     sharer: bool,
+    /// Committed the shared prefix (read-write) for everyone.
+    owner: bool,
 }
 
-/// The committed windows of the common system prompt, shared by the sequences that open
-/// with it.
+/// The shared prefix: the handles of the system prompt's whole windows, committed once by
+/// its first sharer (the owner) and mapped read-only by the others.
 #[derive(Debug)]
 struct Prefix {
-    frags: Vec<Reservation>,
+    set: Arc<SharedHandles>,
     sharers: usize,
 }
 
-/// A kvvm policy: reservations, commits and releases through [`VirtualMemory`] with the
-/// governor's budget.
+/// A kvvm policy: reservations, commits, shared-prefix mappings and releases through
+/// [`VirtualMemory`] with the governor's budget.
 pub(crate) struct KvvmPolicy {
     plan: LayoutPlan,
     shape: Shape,
@@ -420,11 +419,6 @@ pub(crate) struct KvvmPolicy {
     prefix: Option<Prefix>,
     committed: u64,
     live: u64,
-    reservations_made: u64,
-    reservations_equivalent: u64,
-    shared_map_calls: u64,
-    shared_map_time: Duration,
-    model: LatencyModel,
 }
 
 impl fmt::Debug for KvvmPolicy {
@@ -438,7 +432,6 @@ impl fmt::Debug for KvvmPolicy {
 }
 
 impl KvvmPolicy {
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         backend: Arc<dyn VirtualMemoryBackend>,
         device: DeviceId,
@@ -454,29 +447,26 @@ impl KvvmPolicy {
                 .default_device_budget(shape.budget)
                 .clock(clock.clone()),
         );
-        // The granule is queried by the manager; the counting wrapper needs it too.
-        let probe = VirtualMemory::new(
+        let props = AllocationProperties::device(device);
+        let granule = backend.granularity(&props)?;
+        // The counting wrapper converts sizes to granules; the manager queries its own.
+        let counting = Arc::new(CountingBackend::new(
             backend.clone(),
-            device,
-            Governor::unlimited(),
-            VmmConfig::default(),
-        )?;
-        let granule = probe.granule();
-        drop(probe);
-        let counting = Arc::new(CountingBackend::new(backend.clone(), granule));
+            granule.recommended.max(granule.minimum),
+        ));
         let vm = VirtualMemory::new(
             counting.clone() as Arc<dyn VirtualMemoryBackend>,
             device,
             governor,
             VmmConfig::default(),
         )?;
-        let plan = LayoutPlan::new(shape.geometry, layout, granule)?;
+        let plan = LayoutPlan::new(shape.geometry, layout, vm.granule())?;
         let (share_windows, shareability) = if prefix_sharing && system_prompt_tokens > 0 {
             let v = evaluate_prefix_shareability(
                 &shape.geometry,
                 layout,
                 system_prompt_tokens,
-                granule,
+                vm.granule(),
             )?;
             (v.shareable_granules_per_fragment, Some(v))
         } else {
@@ -496,11 +486,6 @@ impl KvvmPolicy {
             prefix: None,
             committed: 0,
             live: 0,
-            reservations_made: 0,
-            reservations_equivalent: 0,
-            shared_map_calls: 0,
-            shared_map_time: Duration::ZERO,
-            model: LatencyModel::h200(),
         })
     }
 
@@ -512,7 +497,7 @@ impl KvvmPolicy {
         self.plan.slice_count()
     }
 
-    /// Bytes of live data in the shared windows (all of a shared window is prefix data).
+    /// Bytes of the shared windows (all of them prefix data), counted once.
     fn shared_bytes(&self) -> u64 {
         self.share_windows
             .saturating_mul(self.g())
@@ -528,7 +513,7 @@ impl KvvmPolicy {
     }
 
     /// Asks the governor whether `new_bytes` more can be committed (the pool supplies what it
-    /// holds first). `Some(refusal)` when not.
+    /// holds first), before any driver call. `Some(refusal)` when not.
     fn precheck(&self, new_bytes: u64) -> WorkloadResult<Option<Outcome>> {
         let short = new_bytes.saturating_sub(self.vm.pooled_bytes());
         if short == 0 {
@@ -539,66 +524,28 @@ impl KvvmPolicy {
                 grant.rollback();
                 Ok(None)
             }
-            Err(VmmError::Backpressure(bp)) => Ok(Some(Outcome::Refused(Some(bp.retry_after)))),
-            Err(e) if e.is_retryable() => Ok(Some(Outcome::Refused(None))),
-            Err(e) => Err(e.into()),
+            Err(e) => refusal(e).map(Some),
         }
     }
 
-    /// Reserves one range per fragment, `bytes` each.
-    fn reserve_fragments(&mut self, bytes: u64) -> WorkloadResult<Vec<Reservation>> {
-        let n = self.fragments();
-        let mut v = Vec::with_capacity(usize::try_from(n).unwrap_or(0));
-        for _ in 0..n {
-            v.push(self.vm.reserve(bytes.max(self.g()))?);
-            self.reservations_made = self.reservations_made.saturating_add(1);
+    /// The byte ranges of windows `from..to` of every fragment.
+    fn ranges(&self, from: u64, to: u64) -> WorkloadResult<Vec<(u64, u64)>> {
+        if to <= from {
+            return Ok(Vec::new());
         }
-        Ok(v)
-    }
-
-    /// Commits `add` more windows after `from` in every reservation of `frags`; all or
-    /// nothing. Returns the bytes committed or the refusal.
-    fn commit_all(
-        vm: &VirtualMemory,
-        frags: &mut [Reservation],
-        from: u64,
-        add_windows: u64,
-    ) -> WorkloadResult<Result<u64, Outcome>> {
-        let g = vm.granule();
-        let bytes = mul(add_windows, g, "commit bytes")?;
-        let mut done = 0u64;
-        for i in 0..frags.len() {
-            let r = match frags.get_mut(i) {
-                Some(r) => r,
-                None => break,
-            };
-            match r.commit(bytes) {
-                Ok(c) => done = done.saturating_add(c.bytes),
-                Err(e) => {
-                    for r in frags.iter_mut().take(i) {
-                        r.truncate(mul(from, g, "truncate length")?)?;
-                    }
-                    return match e {
-                        VmmError::Backpressure(bp) => {
-                            Ok(Err(Outcome::Refused(Some(bp.retry_after))))
-                        }
-                        e if e.is_retryable() => Ok(Err(Outcome::Refused(None))),
-                        e => Err(e.into()),
-                    };
-                }
-            }
-        }
-        Ok(Ok(done))
-    }
-
-    /// Private windows per fragment a sequence of `tokens` needs.
-    fn private_windows(&self, tokens: u64, sharer: bool) -> WorkloadResult<u64> {
-        let w = self.plan.windows_per_fragment(tokens)?;
-        Ok(if sharer {
-            w.saturating_sub(self.share_windows)
-        } else {
-            w
-        })
+        let g = self.g();
+        let stride = self.plan.slice_stride();
+        let len = mul(to - from, g, "range bytes")?;
+        (0..self.fragments())
+            .map(|i| {
+                let start = add(
+                    mul(i, stride, "fragment offset")?,
+                    mul(from, g, "window")?,
+                    "range",
+                )?;
+                Ok((start, len))
+            })
+            .collect()
     }
 
     fn live_of(&self, tokens: u64, sharer: bool) -> WorkloadResult<u64> {
@@ -610,13 +557,28 @@ impl KvvmPolicy {
         })
     }
 
-    /// Writes the KV bytes of tokens `from..to` of every fragment of `seq` (real GPUs only).
+    /// Private bytes committed for a sequence with `windows` windows per fragment.
+    fn private_bytes(&self, windows: u64, sharer: bool) -> WorkloadResult<u64> {
+        let w = if sharer {
+            windows.saturating_sub(self.share_windows)
+        } else {
+            windows
+        };
+        mul(
+            mul(w, self.fragments(), "windows")?,
+            self.g(),
+            "committed bytes",
+        )
+    }
+
+    /// Writes the KV bytes of tokens `from..to` of every fragment of `seq` (real GPUs only);
+    /// a sharer that does not own the prefix never writes its read-only windows.
     fn write_tokens(&self, seq: &KvSeq, id: usize, from: u64, to: u64) -> WorkloadResult<()> {
         if !self.write_kv || to <= from {
             return Ok(());
         }
         let per = self.plan.fragment_bytes_per_token();
-        let skip = if seq.sharer {
+        let skip = if seq.sharer && !seq.owner {
             self.share_windows.saturating_mul(self.g())
         } else {
             0
@@ -629,102 +591,118 @@ impl KvvmPolicy {
         let len =
             usize::try_from(end - start).map_err(|_| WorkloadError::Overflow("write length"))?;
         let data = vec![(id % 251) as u8 + 1; len];
-        for r in &seq.frags {
-            let dst = r
+        let stride = self.plan.slice_stride();
+        for i in 0..self.fragments() {
+            let offset = add(mul(i, stride, "fragment offset")?, start, "write offset")?;
+            let dst = seq
+                .res
                 .address()
-                .checked_add(start - skip)
+                .checked_add(offset)
                 .ok_or(WorkloadError::Overflow("write address"))?;
             self.counting.copy_to_device(dst, &data)?;
         }
         Ok(())
     }
 
-    fn modelled(&mut self, op: Operation, calls: u64, units: u64) {
-        self.shared_map_calls = self.shared_map_calls.saturating_add(calls);
-        let one = self.model.cost(op, units);
-        self.shared_map_time = self
-            .shared_map_time
-            .saturating_add(one.saturating_mul(u32::try_from(calls).unwrap_or(u32::MAX)));
-    }
-
-    fn release_all(&mut self, frags: Vec<Reservation>) -> WorkloadResult<()> {
-        for mut r in frags {
-            let bytes = r.release()?;
-            self.committed = self.committed.saturating_sub(bytes);
-            drop(r);
-        }
-        Ok(())
-    }
-
-    fn release_prefix_if_unused(&mut self) -> WorkloadResult<()> {
+    fn drop_prefix_if_unused(&mut self) {
         if self.prefix.as_ref().is_some_and(|p| p.sharers == 0) {
-            if let Some(p) = self.prefix.take() {
-                self.live = self.live.saturating_sub(self.shared_bytes());
-                self.release_all(p.frags)?;
+            // The last reference: the set's handles go back to the pool or the driver.
+            self.prefix = None;
+            self.live = self.live.saturating_sub(self.shared_bytes());
+            self.committed = self.committed.saturating_sub(self.shared_bytes());
+        }
+    }
+
+    fn release(&mut self, mut seq: KvSeq) -> WorkloadResult<()> {
+        seq.res.release()?;
+        let private = self.private_bytes(seq.windows, seq.sharer)?;
+        self.committed = self.committed.saturating_sub(private);
+        if seq.sharer {
+            if let Some(p) = self.prefix.as_mut() {
+                p.sharers = p.sharers.saturating_sub(1);
             }
         }
+        drop(seq);
+        self.drop_prefix_if_unused();
         Ok(())
+    }
+}
+
+/// A manager error as a refusal when retrying may help, as an error otherwise.
+fn refusal(e: VmmError) -> WorkloadResult<Outcome> {
+    match e {
+        VmmError::Backpressure(bp) => Ok(Outcome::Refused(Some(bp.retry_after))),
+        e if e.is_retryable() => Ok(Outcome::Refused(None)),
+        e => Err(e.into()),
     }
 }
 
 impl Policy for KvvmPolicy {
     fn admit(&mut self, id: usize, req: &Request, tokens: u64) -> WorkloadResult<Outcome> {
-        let g = self.g();
-        let f = self.fragments();
         let sharer = self.uses_prefix(req);
-        let need_prefix = sharer && self.prefix.is_none();
-        let windows = self.private_windows(tokens, sharer)?;
-        let mut new_windows = windows;
-        if need_prefix {
-            new_windows = add(new_windows, self.share_windows, "windows")?;
-        }
-        let new_bytes = mul(mul(new_windows, f, "windows")?, g, "commit bytes")?;
-        if let Some(refusal) = self.precheck(new_bytes)? {
-            return Ok(refusal);
-        }
-        if need_prefix {
-            let bytes = mul(self.share_windows, g, "prefix bytes")?;
-            let mut frags = self.reserve_fragments(bytes)?;
-            self.reservations_equivalent = self.reservations_equivalent.saturating_add(1);
-            match Self::commit_all(&self.vm, &mut frags, 0, self.share_windows)? {
-                Ok(done) => self.committed = add(self.committed, done, "committed")?,
-                Err(refusal) => return Ok(refusal),
-            }
-            self.live = add(self.live, self.shared_bytes(), "live bytes")?;
-            self.prefix = Some(Prefix { frags, sharers: 0 });
-        }
-        let stride = self.plan.slice_stride();
-        let private_bytes = if sharer {
-            stride.saturating_sub(self.share_windows.saturating_mul(g))
+        let owner = sharer && self.prefix.is_none();
+        let windows = self.plan.windows_per_fragment(tokens)?.max(if sharer {
+            self.share_windows
         } else {
-            stride
-        };
-        let mut frags = self.reserve_fragments(private_bytes)?;
-        self.reservations_equivalent = self.reservations_equivalent.saturating_add(1);
-        match Self::commit_all(&self.vm, &mut frags, 0, windows)? {
-            Ok(done) => self.committed = add(self.committed, done, "committed")?,
-            Err(refusal) => {
-                drop(frags);
-                self.release_prefix_if_unused()?;
-                return Ok(refusal);
+            0
+        });
+        let mut new_bytes = self.private_bytes(windows, sharer)?;
+        if owner {
+            new_bytes = add(new_bytes, self.shared_bytes(), "commit bytes")?;
+        }
+        if let Some(refused) = self.precheck(new_bytes)? {
+            return Ok(refused);
+        }
+        let mut res = self.vm.reserve(self.plan.reservation_bytes())?;
+        let k = if sharer { self.share_windows } else { 0 };
+        if owner {
+            let ranges = self.ranges(0, k)?;
+            let set = match res.commit_shared(&ranges) {
+                Ok(set) => set,
+                Err(e) => return refusal(e),
+            };
+            self.prefix = Some(Prefix { set, sharers: 0 });
+            self.committed = add(self.committed, self.shared_bytes(), "committed")?;
+            self.live = add(self.live, self.shared_bytes(), "live bytes")?;
+        } else if sharer {
+            let Some(p) = self.prefix.as_ref() else {
+                return Err(WorkloadError::Config("shared prefix vanished".into()));
+            };
+            let all: Vec<usize> = (0..p.set.len()).collect();
+            if let Err(e) = res.map_shared(&p.set, &all, Access::Read) {
+                return refusal(e);
             }
         }
         if sharer {
             if let Some(p) = self.prefix.as_mut() {
                 p.sharers = p.sharers.saturating_add(1);
             }
-            // The sharer's read-only mappings of the prefix's handles: one map per shared
-            // window, one set access per fragment (modelled, see the crate docs).
-            let k = self.share_windows;
-            self.modelled(Operation::Map, mul(f, k, "maps")?, 1);
-            self.modelled(Operation::SetAccess, f, k);
         }
+        let ranges = self.ranges(k, windows)?;
+        if let Err(e) = res.commit_ranges(&ranges) {
+            let seq = KvSeq {
+                res,
+                windows: k,
+                tokens: 0,
+                written: 0,
+                sharer,
+                owner,
+            };
+            self.release(seq)?;
+            return refusal(e);
+        }
+        self.committed = add(
+            self.committed,
+            self.private_bytes(windows, sharer)?,
+            "committed",
+        )?;
         let seq = KvSeq {
-            frags,
+            res,
             windows,
             tokens,
             written: 0,
             sharer,
+            owner,
         };
         self.write_tokens(&seq, id, 0, tokens)?;
         self.live = add(self.live, self.live_of(tokens, sharer)?, "live bytes")?;
@@ -747,25 +725,24 @@ impl Policy for KvvmPolicy {
                 )))
             }
         };
-        let windows = self.private_windows(tokens, sharer)?;
+        let windows = self.plan.windows_per_fragment(tokens)?.max(old_windows);
         if windows > old_windows {
-            let add_w = windows - old_windows;
-            let new_bytes = mul(mul(add_w, self.fragments(), "windows")?, self.g(), "bytes")?;
-            if let Some(refusal) = self.precheck(new_bytes)? {
-                return Ok(refusal);
-            }
+            let ranges = self.ranges(old_windows, windows)?;
+            let added = mul(
+                mul(windows - old_windows, self.fragments(), "windows")?,
+                self.g(),
+                "bytes",
+            )?;
             let Some(seq) = self.seqs.get_mut(&id) else {
                 return Err(WorkloadError::Config(format!(
                     "grow of unknown sequence {id}"
                 )));
             };
-            match Self::commit_all(&self.vm, &mut seq.frags, old_windows, add_w)? {
-                Ok(done) => {
-                    seq.windows = windows;
-                    self.committed = add(self.committed, done, "committed")?;
-                }
-                Err(refusal) => return Ok(refusal),
+            if let Err(e) = seq.res.commit_ranges(&ranges) {
+                return refusal(e);
             }
+            seq.windows = windows;
+            self.committed = add(self.committed, added, "committed")?;
             // Write what was decoded since the last write (batched at commits).
             if let Some(seq) = self.seqs.get(&id) {
                 self.write_tokens(seq, id, seq.written, tokens)?;
@@ -794,21 +771,7 @@ impl Policy for KvvmPolicy {
         self.live = self
             .live
             .saturating_sub(self.live_of(seq.tokens, seq.sharer)?);
-        if seq.sharer {
-            let (f, k) = (self.fragments(), self.share_windows);
-            let unmaps = if self.vm.capabilities().unmap_spans_mappings {
-                f
-            } else {
-                mul(f, k, "unmaps")?
-            };
-            let units = if unmaps == f { k } else { 1 };
-            self.modelled(Operation::Unmap, unmaps, units);
-            if let Some(p) = self.prefix.as_mut() {
-                p.sharers = p.sharers.saturating_sub(1);
-            }
-        }
-        self.release_all(seq.frags)?;
-        self.release_prefix_if_unused()
+        self.release(seq)
     }
 
     fn committed_bytes(&self) -> u64 {
@@ -832,50 +795,18 @@ impl Policy for KvvmPolicy {
         for id in ids {
             self.finish(id)?;
         }
-        if let Some(p) = self.prefix.take() {
-            self.release_all(p.frags)?;
-        }
+        self.prefix = None;
         self.vm.trim_pool(0);
         let t: DriverTally = self.counting.tally();
-        // One reservation per fragment emulates a sparse commit into one reservation; the
-        // extra reserve and free calls are not what kvvm makes and are left out.
-        let extra = self
-            .reservations_made
-            .saturating_sub(self.reservations_equivalent);
-        let excluded = extra.saturating_mul(2);
-        let (time, measured) = if self.measured {
-            let per = if t.reserves.saturating_add(t.frees) == 0 {
-                Duration::ZERO
-            } else {
-                t.measured / u32::try_from(t.calls.max(1)).unwrap_or(u32::MAX)
-            };
-            (
-                t.measured.saturating_sub(
-                    per.saturating_mul(u32::try_from(excluded).unwrap_or(u32::MAX)),
-                ),
-                true,
-            )
-        } else {
-            let per = self
-                .model
-                .cost(Operation::Reserve, 1)
-                .saturating_add(self.model.cost(Operation::Free, 1));
-            (
-                t.modelled
-                    .saturating_sub(per.saturating_mul(u32::try_from(extra).unwrap_or(u32::MAX))),
-                false,
-            )
-        };
         Ok(Costs {
-            driver_calls: t
-                .calls
-                .saturating_sub(excluded)
-                .saturating_add(self.shared_map_calls),
-            driver_time: time.saturating_add(self.shared_map_time),
-            measured,
+            driver_calls: t.calls,
+            driver_time: if self.measured {
+                t.measured
+            } else {
+                t.modelled
+            },
+            measured: self.measured,
             copy_bytes: 0,
-            emulation_calls_excluded: excluded,
-            modelled_shared_map_calls: self.shared_map_calls,
             kv_write_bytes: t.kv_copy_bytes,
             shareability: self.shareability.clone(),
         })

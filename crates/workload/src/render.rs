@@ -205,7 +205,7 @@ pub fn render_svg(report: &SimulationReport) -> String {
         .unwrap_or(0)
         .max(report.budget_bytes) as f64;
     let ystep = tick_step(ymax_bytes / gib, 6.0);
-    let ymax = ((ymax_bytes / gib) / ystep).ceil().max(1.0) * ystep;
+    let ymax = ((ymax_bytes * 1.04 / gib) / ystep).ceil().max(1.0) * ystep;
     let x = |t: f64| left + (t - t0) / (t1 - t0) * pw;
     let y = |bytes: f64| top + ph - (bytes / gib) / ymax * ph;
     let mut s = String::new();

@@ -107,12 +107,6 @@ pub struct PolicyReport {
     pub driver_time_source: &'static str,
     /// Bytes copied by reallocation (`realloc-copy`).
     pub copy_bytes: u64,
-    /// Reserve/free calls made only to emulate sparse commits (one reservation per layout
-    /// fragment), left out of `driver_calls`.
-    pub emulation_calls_excluded: u64,
-    /// Read-only mappings of the shared prefix, counted from the latency model (included in
-    /// `driver_calls`).
-    pub modelled_shared_map_calls: u64,
     /// KV bytes written to the device (real GPUs).
     pub kv_write_bytes: u64,
     /// For `+prefix` policies: the shareability verdict of the system prompt.
@@ -560,8 +554,6 @@ fn report_of(
             "latency-model"
         },
         copy_bytes: costs.copy_bytes,
-        emulation_calls_excluded: costs.emulation_calls_excluded,
-        modelled_shared_map_calls: costs.modelled_shared_map_calls,
         kv_write_bytes: costs.kv_write_bytes,
         prefix_shareable: shareable,
         prefix_shared_bytes: shared,
