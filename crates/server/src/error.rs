@@ -1,0 +1,226 @@
+//! Typed errors: what the service refuses ([`ServiceError`], each mapped to one HTTP status)
+//! and why a server could not start ([`ServeError`]).
+
+use std::time::Duration;
+
+use kvvm_kv::KvError;
+use kvvm_vmm::VmmError;
+
+/// Why a request to the [`KvService`](crate::KvService) was refused or failed.
+///
+/// Every variant maps to one HTTP status ([`ServiceError::status`]). Capacity is never a
+/// server error: a governor refusal and a driver out-of-memory are both
+/// [`ServiceError::Backpressure`] (429 + `Retry-After`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ServiceError {
+    /// Not enough device memory now: retry after `retry_after` or shed load (429).
+    #[error(
+        "not enough KV-cache memory: {needed_bytes} bytes needed, {available_bytes} available; retry after {retry_after:?}"
+    )]
+    Backpressure {
+        /// Bytes the operation needed.
+        needed_bytes: u64,
+        /// Bytes the budget could have granted.
+        available_bytes: u64,
+        /// When a retry is likely to succeed (the governor's estimate).
+        retry_after: Duration,
+    },
+    /// The request body is not valid JSON or not the expected object (400).
+    #[error("malformed request body: {0}")]
+    MalformedBody(String),
+    /// A sequence id in the path is not a number (400).
+    #[error("invalid sequence id {0:?}: expected a non-negative integer")]
+    InvalidId(String),
+    /// No live sequence has this id (404).
+    #[error("no live sequence with id {0}")]
+    UnknownSequence(u64),
+    /// No such route (404).
+    #[error("{0}")]
+    NotFound(String),
+    /// The request is well-formed but its numbers are not acceptable (422).
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// The request body is larger than the server accepts (413).
+    #[error("request body larger than {limit} bytes")]
+    BodyTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// The server is shutting down and accepts no new work (503).
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// A failure that is not the client's fault and not a lack of capacity (500): a driver
+    /// error other than out-of-memory, or a bug.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ServiceError {
+    /// The HTTP status code of this error.
+    pub fn status(&self) -> u16 {
+        match self {
+            ServiceError::Backpressure { .. } => 429,
+            ServiceError::MalformedBody(_) | ServiceError::InvalidId(_) => 400,
+            ServiceError::UnknownSequence(_) | ServiceError::NotFound(_) => 404,
+            ServiceError::BodyTooLarge { .. } => 413,
+            ServiceError::InvalidRequest(_) => 422,
+            ServiceError::ShuttingDown => 503,
+            ServiceError::Internal(_) => 500,
+        }
+    }
+
+    /// A short machine-readable name of the error kind (the `kind` field of error bodies).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ServiceError::Backpressure { .. } => "backpressure",
+            ServiceError::MalformedBody(_) => "malformed_body",
+            ServiceError::InvalidId(_) => "invalid_id",
+            ServiceError::UnknownSequence(_) => "unknown_sequence",
+            ServiceError::NotFound(_) => "not_found",
+            ServiceError::InvalidRequest(_) => "invalid_request",
+            ServiceError::BodyTooLarge { .. } => "body_too_large",
+            ServiceError::ShuttingDown => "shutting_down",
+            ServiceError::Internal(_) => "internal",
+        }
+    }
+
+    /// The `Retry-After` header value in whole seconds: `ceil(retry_after)`, at least 1.
+    /// `None` unless this is backpressure.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        match self {
+            ServiceError::Backpressure { retry_after, .. } => {
+                Some(retry_after_header(*retry_after))
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether this is [`ServiceError::Backpressure`].
+    pub fn is_backpressure(&self) -> bool {
+        matches!(self, ServiceError::Backpressure { .. })
+    }
+
+    /// The JSON body of the error response.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut body = serde_json::json!({
+            "error": self.to_string(),
+            "kind": self.kind(),
+        });
+        if let (
+            ServiceError::Backpressure {
+                needed_bytes,
+                available_bytes,
+                retry_after,
+            },
+            Some(map),
+        ) = (self, body.as_object_mut())
+        {
+            map.insert("needed_bytes".into(), (*needed_bytes).into());
+            map.insert("available_bytes".into(), (*available_bytes).into());
+            let ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
+            map.insert("retry_after_ms".into(), ms.into());
+        }
+        body
+    }
+}
+
+/// `ceil(retry_after)` in whole seconds, at least 1 (a `Retry-After` of 0 invites a retry
+/// storm).
+pub fn retry_after_header(retry_after: Duration) -> u64 {
+    let secs = retry_after.as_secs();
+    let secs = if retry_after.subsec_nanos() > 0 {
+        secs.saturating_add(1)
+    } else {
+        secs
+    };
+    secs.max(1)
+}
+
+impl From<KvError> for ServiceError {
+    /// Token counts out of range are the client's (422); anything else from the layout
+    /// arithmetic is internal.
+    fn from(e: KvError) -> Self {
+        match e {
+            KvError::TooManyTokens { .. }
+            | KvError::TokenOutOfRange { .. }
+            | KvError::ZeroDimension { .. } => ServiceError::InvalidRequest(e.to_string()),
+            other => ServiceError::Internal(other.to_string()),
+        }
+    }
+}
+
+/// Maps a manager error: backpressure and driver out-of-memory become
+/// [`ServiceError::Backpressure`]; `needed` and `available` fill in what a driver OOM does not
+/// say, and `retry_after` is the governor's estimate for that case.
+pub(crate) fn from_vmm(
+    e: VmmError,
+    needed: u64,
+    available: u64,
+    retry_after: impl FnOnce(u64) -> Duration,
+) -> ServiceError {
+    match e {
+        VmmError::Backpressure(bp) => ServiceError::Backpressure {
+            needed_bytes: bp.needed,
+            available_bytes: bp.available,
+            retry_after: bp.retry_after,
+        },
+        e if e.is_retryable() => ServiceError::Backpressure {
+            needed_bytes: needed,
+            available_bytes: available,
+            retry_after: retry_after(needed.saturating_sub(available)),
+        },
+        other => ServiceError::Internal(other.to_string()),
+    }
+}
+
+/// Why a server could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The backend could not be opened.
+    #[error(transparent)]
+    Open(#[from] kvvm::OpenError),
+    /// The configuration is not usable (unknown model, bad layout, zero max tokens, ...).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The memory manager could not be created on the device.
+    #[error("memory manager: {0}")]
+    Manager(#[from] VmmError),
+    /// Binding or serving the listening socket failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds_at_least_one() {
+        assert_eq!(retry_after_header(Duration::ZERO), 1);
+        assert_eq!(retry_after_header(Duration::from_millis(10)), 1);
+        assert_eq!(retry_after_header(Duration::from_secs(1)), 1);
+        assert_eq!(retry_after_header(Duration::from_millis(1001)), 2);
+        assert_eq!(retry_after_header(Duration::from_secs(5)), 5);
+    }
+
+    #[test]
+    fn capacity_is_never_a_server_error() {
+        let e = ServiceError::Backpressure {
+            needed_bytes: 10,
+            available_bytes: 2,
+            retry_after: Duration::from_millis(1500),
+        };
+        assert_eq!(e.status(), 429);
+        assert_eq!(e.retry_after_secs(), Some(2));
+        let body = e.to_json();
+        assert_eq!(body["needed_bytes"], 10);
+        assert_eq!(body["available_bytes"], 2);
+        assert_eq!(body["retry_after_ms"], 1500);
+    }
+}

@@ -1,0 +1,109 @@
+//! # kvvm-server: KV-cache memory over HTTP, with 429 backpressure
+//!
+//! `kvvm serve` runs this: an HTTP/1.1 server (axum on tokio) over the device memory manager.
+//! A client opens a sequence with its prompt length, grows it as tokens are generated and
+//! releases it when done; the server reserves each sequence's address space once, commits
+//! physical granules as it grows (the pointer never moves) and answers a lack of memory with
+//! **429 Too Many Requests + `Retry-After`**, never with a 5xx.
+//!
+//! | method and path | body | success |
+//! |---|---|---|
+//! | `POST /v1/sequences` | `{"prompt_tokens": n, "max_tokens": m, "token_ids": [..]}` | 201 + [`SequenceInfo`] |
+//! | `POST /v1/sequences/{id}/append` | `{"tokens": k}` | 200 + [`SequenceInfo`] |
+//! | `GET /v1/sequences/{id}` | | 200 + [`SequenceInfo`] |
+//! | `DELETE /v1/sequences/{id}` | | 200 + [`Released`] |
+//! | `GET /metrics` | | 200, Prometheus text ([`metrics::METRICS`]) |
+//! | `GET /healthz` | | 200 (503 while shutting down) |
+//!
+//! Errors are JSON `{"error": "...", "kind": "..."}` with the status of
+//! [`ServiceError::status`]; a 429 adds `needed_bytes`, `available_bytes` and
+//! `retry_after_ms`, and a `Retry-After` header of `ceil(retry_after)` seconds (at least 1).
+//! A refused request changes nothing. `docs/serve.md` has the details and curl examples.
+//!
+//! ## Structure
+//!
+//! [`KvService`] is the core: it owns the backend, the governor, the manager and the table of
+//! live sequences, and is the only code that touches the KV layer. [`router`] is the HTTP
+//! layer over it. [`serve`] runs the router on a listener until a shutdown future completes,
+//! then releases every sequence and the handle pool ([`KvService::shutdown`]): after it
+//! returns the service holds no device memory.
+//!
+//! ## Example
+//!
+//! ```no_run
+//! # async fn example() -> Result<(), kvvm_server::ServeError> {
+//! use std::sync::Arc;
+//! use kvvm_server::{serve, KvService, ServiceConfig, DEFAULT_BODY_LIMIT};
+//!
+//! let backend = kvvm::open_backend("sim")?;
+//! let service = Arc::new(KvService::new(ServiceConfig::new(backend))?);
+//! let listener = kvvm_server::bind("127.0.0.1:8080").await?;
+//! let report = serve(listener, service, DEFAULT_BODY_LIMIT, async {
+//!     let _ = tokio::signal::ctrl_c().await;
+//! })
+//! .await?;
+//! println!("released {} sequences", report.sequences);
+//! # Ok(())
+//! # }
+//! ```
+
+mod error;
+pub mod metrics;
+mod router;
+mod sequence;
+mod service;
+
+use std::future::Future;
+use std::sync::Arc;
+
+pub use error::{retry_after_header, ServeError, ServiceError};
+pub use router::router;
+pub use service::{
+    AppendTokens, Counters, CreateSequence, KvService, MetricsSnapshot, Released, SequenceInfo,
+    ServiceConfig, ShutdownReport,
+};
+
+pub use tokio::net::TcpListener;
+
+/// The default request body limit: 1 MiB (about 150,000 token ids).
+pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
+
+/// Binds a TCP listener on `addr` (e.g. `"127.0.0.1:8080"`, or port 0 for an ephemeral port).
+pub async fn bind(addr: &str) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| ServeError::Io {
+            what: format!("cannot listen on {addr}"),
+            source,
+        })
+}
+
+/// Serves the API of `service` on `listener` until `shutdown` completes, then lets the
+/// requests in flight finish, releases every sequence and empties the handle pool.
+///
+/// Returns what the shutdown released. Bodies larger than `body_limit` bytes get a 413.
+pub async fn serve<F>(
+    listener: TcpListener,
+    service: Arc<KvService>,
+    body_limit: usize,
+    shutdown: F,
+) -> Result<ShutdownReport, ServeError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let app = router(service.clone(), body_limit);
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await;
+    // Release everything even when serving failed.
+    let worker = service.clone();
+    let report = match tokio::task::spawn_blocking(move || worker.shutdown()).await {
+        Ok(report) => report,
+        Err(_) => service.shutdown(),
+    };
+    served.map_err(|source| ServeError::Io {
+        what: "serving failed".into(),
+        source,
+    })?;
+    Ok(report)
+}

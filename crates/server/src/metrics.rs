@@ -1,0 +1,191 @@
+//! `GET /metrics`: the Prometheus text exposition format (version 0.0.4).
+
+use std::fmt::Write;
+
+use crate::service::MetricsSnapshot;
+
+/// The content type of [`render`]'s output.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Every metric [`render`] writes: name, type and help text.
+pub const METRICS: [(&str, &str, &str); 18] = [
+    (
+        "kvvm_budget_bytes",
+        "gauge",
+        "Device memory budget of the governor (absent when unlimited).",
+    ),
+    (
+        "kvvm_used_bytes",
+        "gauge",
+        "Physical device bytes held: committed + pooled + shared + quarantined.",
+    ),
+    (
+        "kvvm_committed_bytes",
+        "gauge",
+        "Bytes mapped in live sequences' reservations.",
+    ),
+    (
+        "kvvm_pooled_bytes",
+        "gauge",
+        "Bytes of released handles kept for reuse.",
+    ),
+    (
+        "kvvm_shared_bytes",
+        "gauge",
+        "Bytes of shared prefix handles, counted once.",
+    ),
+    (
+        "kvvm_quarantined_bytes",
+        "gauge",
+        "Bytes that could not be proven idle: never reused, never free.",
+    ),
+    (
+        "kvvm_pending_bytes",
+        "gauge",
+        "Bytes granted and not yet settled.",
+    ),
+    (
+        "kvvm_free_bytes",
+        "gauge",
+        "Bytes the governor could still grant (absent when unlimited).",
+    ),
+    ("kvvm_granule_bytes", "gauge", "The mapping granule."),
+    ("kvvm_live_sequences", "gauge", "Live sequences."),
+    (
+        "kvvm_live_tokens",
+        "gauge",
+        "Live tokens over all sequences.",
+    ),
+    (
+        "kvvm_sequences_created_total",
+        "counter",
+        "Sequences opened.",
+    ),
+    (
+        "kvvm_sequences_released_total",
+        "counter",
+        "Sequences released (DELETE or shutdown).",
+    ),
+    ("kvvm_appends_total", "counter", "Successful appends."),
+    (
+        "kvvm_grants_refused_total",
+        "counter",
+        "Requests refused for lack of memory (HTTP 429).",
+    ),
+    (
+        "kvvm_bad_requests_total",
+        "counter",
+        "Requests refused as invalid (HTTP 4xx other than 429).",
+    ),
+    (
+        "kvvm_prefix_hits_total",
+        "counter",
+        "Sequences whose prompt hit a shared prefix.",
+    ),
+    (
+        "kvvm_prefix_hit_tokens_total",
+        "counter",
+        "Prompt tokens served from shared prefixes.",
+    ),
+];
+
+/// Renders `m` in the Prometheus text format.
+pub fn render(m: &MetricsSnapshot) -> String {
+    let d = m.governor.device(m.device);
+    let c = &m.counters;
+    let value = |name: &str| -> Option<u64> {
+        Some(match name {
+            "kvvm_budget_bytes" => d.budget?,
+            "kvvm_used_bytes" => d.used(),
+            "kvvm_committed_bytes" => d.committed,
+            "kvvm_pooled_bytes" => d.pooled,
+            "kvvm_shared_bytes" => d.shared,
+            "kvvm_quarantined_bytes" => d.quarantined,
+            "kvvm_pending_bytes" => d.pending,
+            "kvvm_free_bytes" => {
+                d.budget?;
+                d.free()
+            }
+            "kvvm_granule_bytes" => m.granule,
+            "kvvm_live_sequences" => m.live_sequences,
+            "kvvm_live_tokens" => m.live_tokens,
+            "kvvm_sequences_created_total" => c.sequences_created,
+            "kvvm_sequences_released_total" => c.sequences_released,
+            "kvvm_appends_total" => c.appends,
+            "kvvm_grants_refused_total" => c.grants_refused,
+            "kvvm_bad_requests_total" => c.bad_requests,
+            "kvvm_prefix_hits_total" => c.prefix_hits,
+            "kvvm_prefix_hit_tokens_total" => c.prefix_hit_tokens,
+            _ => return None,
+        })
+    };
+    let mut out = String::new();
+    let device = m.device.0;
+    for (name, kind, help) in METRICS {
+        if let Some(v) = value(name) {
+            // Writing to a String cannot fail.
+            let _ = writeln!(out, "# HELP {name} {help}");
+            let _ = writeln!(out, "# TYPE {name} {kind}");
+            let _ = writeln!(out, "{name}{{device=\"{device}\"}} {v}");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::service::Counters;
+    use kvvm::DeviceId;
+    use kvvm_governor::{DeviceSnapshot, GovernorSnapshot};
+
+    #[test]
+    fn renders_every_metric_with_help_and_type() {
+        let m = MetricsSnapshot {
+            governor: GovernorSnapshot {
+                devices: vec![DeviceSnapshot {
+                    device: DeviceId(0),
+                    budget: Some(100),
+                    committed: 10,
+                    pooled: 20,
+                    shared: 0,
+                    quarantined: 0,
+                    pending: 0,
+                }],
+                process_budget: None,
+            },
+            device: DeviceId(0),
+            live_sequences: 2,
+            live_tokens: 7,
+            counters: Counters {
+                grants_refused: 3,
+                ..Counters::default()
+            },
+            granule: 2 << 20,
+        };
+        let text = render(&m);
+        for (name, kind, _) in METRICS {
+            assert!(text.contains(&format!("# TYPE {name} {kind}\n")), "{name}");
+        }
+        assert!(text.contains("kvvm_used_bytes{device=\"0\"} 30\n"));
+        assert!(text.contains("kvvm_free_bytes{device=\"0\"} 70\n"));
+        assert!(text.contains("kvvm_grants_refused_total{device=\"0\"} 3\n"));
+        assert!(text.contains("kvvm_live_sequences{device=\"0\"} 2\n"));
+    }
+
+    #[test]
+    fn unlimited_budget_omits_budget_and_free() {
+        let m = MetricsSnapshot {
+            governor: GovernorSnapshot::default(),
+            device: DeviceId(0),
+            live_sequences: 0,
+            live_tokens: 0,
+            counters: Counters::default(),
+            granule: 1,
+        };
+        let text = render(&m);
+        assert!(!text.contains("kvvm_budget_bytes"));
+        assert!(!text.contains("kvvm_free_bytes"));
+        assert!(text.contains("kvvm_used_bytes{device=\"0\"} 0\n"));
+    }
+}

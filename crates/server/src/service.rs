@@ -1,0 +1,523 @@
+//! The server's core: [`KvService`] owns the backend, the manager, the governor and the table
+//! of live sequences, and is the only place that calls the KV layer. The HTTP layer
+//! ([`crate::router`]) only parses, calls one method here and renders the result.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvvm::{DeviceId, VirtualMemoryBackend};
+use kvvm_governor::{Governor, GovernorConfig, GovernorSnapshot};
+use kvvm_kv::{KvDtype, KvGeometry, KvLayout};
+use kvvm_vmm::{VirtualMemory, VmmConfig};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ServeError, ServiceError};
+use crate::sequence::LiveSequence;
+
+/// How a [`KvService`] is set up.
+#[derive(Clone)]
+pub struct ServiceConfig {
+    /// The driver backend (see [`kvvm::open_backend`]).
+    pub backend: Arc<dyn VirtualMemoryBackend>,
+    /// The device whose memory is served.
+    pub device: DeviceId,
+    /// The memory budget in bytes; `None`: the device's free memory when the service starts
+    /// (unlimited if the driver cannot say).
+    pub budget_bytes: Option<u64>,
+    /// The model preset (see [`KvGeometry::preset`]).
+    pub model: String,
+    /// The KV element type.
+    pub dtype: KvDtype,
+    /// The physical KV layout.
+    pub layout: KvLayout,
+    /// The model's context limit: the largest `max_tokens` a sequence may ask for.
+    pub max_tokens: u64,
+    /// Most bytes of released handles kept for reuse (`None`: the manager's default).
+    pub pool_cap_bytes: Option<u64>,
+}
+
+impl std::fmt::Debug for ServiceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServiceConfig")
+            .field("backend", &self.backend.name())
+            .field("device", &self.device)
+            .field("budget_bytes", &self.budget_bytes)
+            .field("model", &self.model)
+            .field("dtype", &self.dtype)
+            .field("layout", &self.layout)
+            .field("max_tokens", &self.max_tokens)
+            .field("pool_cap_bytes", &self.pool_cap_bytes)
+            .finish()
+    }
+}
+
+impl ServiceConfig {
+    /// Defaults for `backend`: device 0, llama-3-8b in fp16, seq-major, 8192 tokens, the
+    /// device's free memory as the budget.
+    pub fn new(backend: Arc<dyn VirtualMemoryBackend>) -> Self {
+        ServiceConfig {
+            backend,
+            device: DeviceId(0),
+            budget_bytes: None,
+            model: "llama-3-8b".into(),
+            dtype: KvDtype::F16,
+            layout: KvLayout::SeqMajor,
+            max_tokens: 8192,
+            pool_cap_bytes: None,
+        }
+    }
+}
+
+/// `POST /v1/sequences`: open a sequence.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSequence {
+    /// Tokens of the prompt (committed now). Optional when `token_ids` is given (its length);
+    /// when both are given they must agree.
+    #[serde(default)]
+    pub prompt_tokens: Option<u64>,
+    /// The most tokens the sequence will hold (its address space is reserved for this many);
+    /// default: the model's limit.
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    /// The prompt's token ids, used to find a shared prefix.
+    #[serde(default)]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// `POST /v1/sequences/{id}/append`: grow a sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AppendTokens {
+    /// Tokens to add (at least 1).
+    pub tokens: u64,
+}
+
+/// A live sequence as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequenceInfo {
+    /// The sequence's id.
+    pub id: u64,
+    /// Live tokens.
+    pub tokens: u64,
+    /// The most tokens it may hold.
+    pub max_tokens: u64,
+    /// Physical bytes committed for it (granule x windows holding live bytes).
+    pub committed_bytes: u64,
+    /// Bytes of address space reserved for it (never committed as a whole).
+    pub reserved_bytes: u64,
+    /// Bytes committed by this request (0 when every needed window was already mapped).
+    pub added_bytes: u64,
+    /// Tokens of the prompt served from a shared prefix (not committed again).
+    pub prefix_hit_tokens: u64,
+    /// The base device address of its KV cache (never changes while it lives).
+    pub address: u64,
+}
+
+/// `DELETE /v1/sequences/{id}`: what was released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Released {
+    /// The sequence's id.
+    pub id: u64,
+    /// Tokens it held.
+    pub tokens: u64,
+    /// Bytes it had committed.
+    pub released_bytes: u64,
+}
+
+/// What [`KvService::shutdown`] released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShutdownReport {
+    /// Sequences released.
+    pub sequences: u64,
+    /// Bytes they had committed.
+    pub released_bytes: u64,
+    /// Releases that failed (their memory is quarantined by the manager, never forgotten).
+    pub failures: u64,
+}
+
+/// Counters of the service, as `/metrics` shows them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Counters {
+    /// Sequences opened.
+    pub sequences_created: u64,
+    /// Sequences released (by `DELETE` or at shutdown).
+    pub sequences_released: u64,
+    /// Successful appends.
+    pub appends: u64,
+    /// Requests refused for lack of memory (429).
+    pub grants_refused: u64,
+    /// Requests refused as the client's error (4xx other than 429).
+    pub bad_requests: u64,
+    /// Requests that failed for another reason (5xx).
+    pub internal_errors: u64,
+    /// Sequences whose prompt hit a shared prefix.
+    pub prefix_hits: u64,
+    /// Prompt tokens served from shared prefixes.
+    pub prefix_hit_tokens: u64,
+}
+
+#[derive(Debug, Default)]
+struct AtomicCounters {
+    sequences_created: AtomicU64,
+    sequences_released: AtomicU64,
+    appends: AtomicU64,
+    grants_refused: AtomicU64,
+    bad_requests: AtomicU64,
+    internal_errors: AtomicU64,
+    prefix_hits: AtomicU64,
+    prefix_hit_tokens: AtomicU64,
+}
+
+fn bump(c: &AtomicU64, by: u64) {
+    c.fetch_add(by, Ordering::Relaxed);
+}
+
+#[derive(Debug)]
+struct State {
+    sequences: BTreeMap<u64, LiveSequence>,
+    next_id: u64,
+    closed: bool,
+}
+
+/// A point-in-time view of the service for `/metrics`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsSnapshot {
+    /// The governor's books.
+    pub governor: GovernorSnapshot,
+    /// The device served.
+    pub device: DeviceId,
+    /// Live sequences.
+    pub live_sequences: u64,
+    /// Live tokens over all sequences.
+    pub live_tokens: u64,
+    /// The counters.
+    pub counters: Counters,
+    /// The manager's granule.
+    pub granule: u64,
+}
+
+/// The server's core: backend, manager, governor and the table of live sequences.
+///
+/// Every method is synchronous (driver calls); the HTTP layer calls them on a blocking
+/// thread. Operations on the table are serialized by one lock, and each is all-or-nothing:
+/// an error leaves the table and the books as they were.
+pub struct KvService {
+    backend: Arc<dyn VirtualMemoryBackend>,
+    vm: VirtualMemory,
+    governor: Governor,
+    device: DeviceId,
+    model: String,
+    dtype: KvDtype,
+    layout: KvLayout,
+    max_tokens: u64,
+    state: Mutex<State>,
+    counters: AtomicCounters,
+}
+
+impl std::fmt::Debug for KvService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvService")
+            .field("backend", &self.backend.name())
+            .field("device", &self.device)
+            .field("model", &self.model)
+            .field("layout", &self.layout)
+            .field("max_tokens", &self.max_tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvService {
+    /// Validates `config` and creates the governor and the manager on the device.
+    pub fn new(config: ServiceConfig) -> Result<Self, ServeError> {
+        let ServiceConfig {
+            backend,
+            device,
+            budget_bytes,
+            model,
+            dtype,
+            layout,
+            max_tokens,
+            pool_cap_bytes,
+        } = config;
+        // Validate the model and the limit once, up front.
+        KvGeometry::preset(&model, dtype, max_tokens)
+            .map_err(|e| ServeError::Config(e.to_string()))?;
+        let budget = match budget_bytes {
+            Some(b) => Some(b),
+            None => backend.memory_info(device).ok().map(|m| m.free),
+        };
+        let governor = match budget {
+            Some(b) => Governor::new(GovernorConfig::default().device_budget(device, b)),
+            None => Governor::unlimited(),
+        };
+        let mut vmm_config = VmmConfig::default();
+        if let Some(cap) = pool_cap_bytes {
+            vmm_config = vmm_config.pool_cap_bytes(cap);
+        }
+        let vm = VirtualMemory::new(backend.clone(), device, governor.clone(), vmm_config)?;
+        Ok(KvService {
+            backend,
+            vm,
+            governor,
+            device,
+            model,
+            dtype,
+            layout,
+            max_tokens,
+            state: Mutex::new(State {
+                sequences: BTreeMap::new(),
+                next_id: 1,
+                closed: false,
+            }),
+            counters: AtomicCounters::default(),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the table half-updated (every update
+        // is a single insert or remove), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The backend's name.
+    pub fn backend_name(&self) -> &str {
+        self.backend.name()
+    }
+
+    /// The model preset served.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// The layout served.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// The model's context limit.
+    pub fn max_tokens(&self) -> u64 {
+        self.max_tokens
+    }
+
+    /// The governor (budget and books).
+    pub fn governor(&self) -> &Governor {
+        &self.governor
+    }
+
+    /// The manager.
+    pub fn manager(&self) -> &VirtualMemory {
+        &self.vm
+    }
+
+    /// Number of live sequences.
+    pub fn live_sequences(&self) -> usize {
+        self.lock().sequences.len()
+    }
+
+    /// Records the outcome of a request in the counters (429s, 4xx, 5xx).
+    pub fn note_error(&self, e: &ServiceError) {
+        let c = &self.counters;
+        match e.status() {
+            429 => bump(&c.grants_refused, 1),
+            400..=499 => bump(&c.bad_requests, 1),
+            _ => bump(&c.internal_errors, 1),
+        }
+    }
+
+    /// Opens a sequence: checks the numbers, reserves its address space and commits the
+    /// prompt. On error nothing changed.
+    pub fn create(&self, req: &CreateSequence) -> Result<SequenceInfo, ServiceError> {
+        let prompt = match (req.prompt_tokens, &req.token_ids) {
+            (Some(n), Some(ids)) if u64::try_from(ids.len()).ok() != Some(n) => {
+                return Err(ServiceError::InvalidRequest(format!(
+                    "prompt_tokens is {n} but token_ids holds {} ids",
+                    ids.len()
+                )))
+            }
+            (Some(n), _) => n,
+            (None, Some(ids)) => u64::try_from(ids.len())
+                .map_err(|_| ServiceError::InvalidRequest("too many token_ids".into()))?,
+            (None, None) => {
+                return Err(ServiceError::InvalidRequest(
+                    "prompt_tokens (or token_ids) is required".into(),
+                ))
+            }
+        };
+        let max = req.max_tokens.unwrap_or(self.max_tokens);
+        if max == 0 {
+            return Err(ServiceError::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
+        }
+        if max > self.max_tokens {
+            return Err(ServiceError::InvalidRequest(format!(
+                "max_tokens {max} exceeds the model's limit of {} tokens",
+                self.max_tokens
+            )));
+        }
+        if prompt > max {
+            return Err(ServiceError::InvalidRequest(format!(
+                "prompt_tokens {prompt} exceeds max_tokens {max}"
+            )));
+        }
+        let geometry = KvGeometry::preset(&self.model, self.dtype, max)?;
+        let mut state = self.lock();
+        if state.closed {
+            return Err(ServiceError::ShuttingDown);
+        }
+        let seq = LiveSequence::open(&self.vm, geometry, self.layout, prompt)?;
+        let id = state.next_id;
+        state.next_id = id.saturating_add(1);
+        let info = info(id, &seq, seq.committed_bytes(), 0);
+        state.sequences.insert(id, seq);
+        drop(state);
+        bump(&self.counters.sequences_created, 1);
+        Ok(info)
+    }
+
+    /// Grows sequence `id` by `req.tokens` tokens. On error nothing changed.
+    pub fn append(&self, id: u64, req: &AppendTokens) -> Result<SequenceInfo, ServiceError> {
+        if req.tokens == 0 {
+            return Err(ServiceError::InvalidRequest(
+                "tokens must be at least 1".into(),
+            ));
+        }
+        let mut state = self.lock();
+        if state.closed {
+            return Err(ServiceError::ShuttingDown);
+        }
+        let seq = state
+            .sequences
+            .get_mut(&id)
+            .ok_or(ServiceError::UnknownSequence(id))?;
+        let target = seq
+            .tokens()
+            .checked_add(req.tokens)
+            .filter(|t| *t <= seq.max_tokens())
+            .ok_or_else(|| {
+                ServiceError::InvalidRequest(format!(
+                    "appending {} tokens to {} would exceed the sequence's max_tokens {}",
+                    req.tokens,
+                    seq.tokens(),
+                    seq.max_tokens()
+                ))
+            })?;
+        let before = seq.committed_bytes();
+        seq.grow_to(&self.vm, target)?;
+        let added = seq.committed_bytes().saturating_sub(before);
+        let info = info(id, seq, added, 0);
+        drop(state);
+        bump(&self.counters.appends, 1);
+        Ok(info)
+    }
+
+    /// The sequence `id`.
+    pub fn get(&self, id: u64) -> Result<SequenceInfo, ServiceError> {
+        let state = self.lock();
+        let seq = state
+            .sequences
+            .get(&id)
+            .ok_or(ServiceError::UnknownSequence(id))?;
+        Ok(info(id, seq, 0, 0))
+    }
+
+    /// Releases sequence `id` (its memory and its address range).
+    pub fn release(&self, id: u64) -> Result<Released, ServiceError> {
+        let seq = self
+            .lock()
+            .sequences
+            .remove(&id)
+            .ok_or(ServiceError::UnknownSequence(id))?;
+        let tokens = seq.tokens();
+        bump(&self.counters.sequences_released, 1);
+        // Once out of the table the sequence is gone whatever happens: a failed release is
+        // quarantined by the manager, never forgotten.
+        let released_bytes = seq.close()?;
+        Ok(Released {
+            id,
+            tokens,
+            released_bytes,
+        })
+    }
+
+    /// Refuses new work and releases every sequence, then empties the manager's handle pool:
+    /// afterwards the service holds no device memory (quarantine aside).
+    pub fn shutdown(&self) -> ShutdownReport {
+        let sequences = {
+            let mut state = self.lock();
+            state.closed = true;
+            std::mem::take(&mut state.sequences)
+        };
+        let mut report = ShutdownReport::default();
+        for (id, seq) in sequences {
+            report.sequences += 1;
+            bump(&self.counters.sequences_released, 1);
+            match seq.close() {
+                Ok(bytes) => report.released_bytes = report.released_bytes.saturating_add(bytes),
+                Err(e) => {
+                    report.failures += 1;
+                    tracing::warn!(id, error = %e, "release at shutdown failed");
+                }
+            }
+        }
+        self.vm.trim_pool(0);
+        report
+    }
+
+    /// Whether [`shutdown`](Self::shutdown) was called.
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    /// The counters now.
+    pub fn counters(&self) -> Counters {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Counters {
+            sequences_created: get(&c.sequences_created),
+            sequences_released: get(&c.sequences_released),
+            appends: get(&c.appends),
+            grants_refused: get(&c.grants_refused),
+            bad_requests: get(&c.bad_requests),
+            internal_errors: get(&c.internal_errors),
+            prefix_hits: get(&c.prefix_hits),
+            prefix_hit_tokens: get(&c.prefix_hit_tokens),
+        }
+    }
+
+    /// A point-in-time view for `/metrics`.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let (live_sequences, live_tokens) = {
+            let state = self.lock();
+            let tokens = state
+                .sequences
+                .values()
+                .map(LiveSequence::tokens)
+                .fold(0u64, u64::saturating_add);
+            (state.sequences.len() as u64, tokens)
+        };
+        MetricsSnapshot {
+            governor: self.governor.snapshot(),
+            device: self.device,
+            live_sequences,
+            live_tokens,
+            counters: self.counters(),
+            granule: self.vm.granule(),
+        }
+    }
+}
+
+fn info(id: u64, seq: &LiveSequence, added_bytes: u64, prefix_hit_tokens: u64) -> SequenceInfo {
+    SequenceInfo {
+        id,
+        tokens: seq.tokens(),
+        max_tokens: seq.max_tokens(),
+        committed_bytes: seq.committed_bytes(),
+        reserved_bytes: seq.reserved_bytes(),
+        added_bytes,
+        prefix_hit_tokens,
+        address: seq.address(),
+    }
+}
