@@ -88,7 +88,12 @@ fn parse_body<T: DeserializeOwned>(
             ServiceError::MalformedBody(r.body_text())
         }
     })?;
-    serde_json::from_slice(&bytes).map_err(|e| ServiceError::MalformedBody(e.to_string()))
+    let value: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| ServiceError::MalformedBody(e.to_string()))?;
+    if !value.is_object() {
+        return Err(ServiceError::MalformedBody("expected a JSON object".into()));
+    }
+    serde_json::from_value(value).map_err(|e| ServiceError::MalformedBody(e.to_string()))
 }
 
 fn parse_id(raw: &str) -> Result<u64, ServiceError> {

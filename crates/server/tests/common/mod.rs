@@ -1,0 +1,193 @@
+//! A server on an ephemeral loopback port over a simulated driver, and a small HTTP client.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvvm::VirtualMemoryBackend;
+use kvvm_server::{KvService, ServeError, ServiceConfig, ShutdownReport};
+use kvvm_sim::SimBackend;
+
+/// 2 MiB, the simulated H200's granule.
+pub const MIB2: u64 = 2 << 20;
+
+/// A running server.
+pub struct TestServer {
+    pub addr: SocketAddr,
+    pub sim: Arc<SimBackend>,
+    pub service: Arc<KvService>,
+    pub agent: ureq::Agent,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<JoinHandle<Result<ShutdownReport, ServeError>>>,
+}
+
+/// A response: status, `Retry-After`, body.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub retry_after: Option<String>,
+    pub content_type: Option<String>,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
+    }
+}
+
+/// The server's config over `sim` with a budget: llama-3-8b, seq-major, 4096 tokens.
+pub fn config(sim: &Arc<SimBackend>, budget: Option<u64>) -> ServiceConfig {
+    let backend: Arc<dyn VirtualMemoryBackend> = sim.clone();
+    let mut c = ServiceConfig::new(backend);
+    c.budget_bytes = budget;
+    c.max_tokens = 4096;
+    c
+}
+
+impl TestServer {
+    /// Starts a server over a simulated H200 with `budget` bytes.
+    pub fn start(budget: Option<u64>) -> TestServer {
+        let sim = Arc::new(SimBackend::h200());
+        let c = config(&sim, budget);
+        TestServer::start_with(sim, c, 16 << 10)
+    }
+
+    /// Starts a server with `config` over `sim` and a body limit.
+    pub fn start_with(sim: Arc<SimBackend>, config: ServiceConfig, body_limit: usize) -> Self {
+        let service = Arc::new(KvService::new(config).expect("service"));
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let svc = service.clone();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let listener = kvvm_server::bind("127.0.0.1:0").await?;
+                let addr = listener.local_addr().expect("local addr");
+                addr_tx.send(addr).expect("send addr");
+                kvvm_server::serve(listener, svc, body_limit, async move {
+                    let _ = stop_rx.await;
+                })
+                .await
+            })
+        });
+        let addr = addr_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("server did not start");
+        assert!(addr.ip().is_loopback());
+        TestServer {
+            addr,
+            sim,
+            service,
+            agent: agent(),
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn post(&self, path: &str, body: &str) -> Reply {
+        post(&self.agent, &self.url(path), body)
+    }
+
+    pub fn get(&self, path: &str) -> Reply {
+        reply(self.agent.get(&self.url(path)).call())
+    }
+
+    pub fn delete(&self, path: &str) -> Reply {
+        reply(self.agent.delete(&self.url(path)).call())
+    }
+
+    /// The value of metric `name` in `/metrics`.
+    pub fn metric(&self, name: &str) -> u64 {
+        let text = self.get("/metrics").body;
+        metric(&text, name).unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
+    }
+
+    /// Stops the server and waits for it: every sequence and the pool are released.
+    pub fn shutdown(mut self) -> (ShutdownReport, Arc<SimBackend>, Arc<KvService>) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let report = self
+            .thread
+            .take()
+            .expect("thread")
+            .join()
+            .expect("server thread panicked")
+            .expect("serve failed");
+        (report, self.sim.clone(), self.service.clone())
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A client that reports 4xx and 5xx as responses, with timeouts.
+pub fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(20)))
+        .build()
+        .into()
+}
+
+pub fn post(agent: &ureq::Agent, url: &str, body: &str) -> Reply {
+    reply(
+        agent
+            .post(url)
+            .header("content-type", "application/json")
+            .send(body),
+    )
+}
+
+fn reply(r: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> Reply {
+    let mut r = r.expect("HTTP request failed");
+    let header = |name: &str| {
+        r.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let retry_after = header("retry-after");
+    let content_type = header("content-type");
+    let status = r.status().as_u16();
+    let body = r.body_mut().read_to_string().expect("body");
+    Reply {
+        status,
+        retry_after,
+        content_type,
+        body,
+    }
+}
+
+/// The value of `name` (with any labels) in a Prometheus text.
+pub fn metric(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
