@@ -74,20 +74,65 @@
 //! # }
 //! ```
 //!
+//! ## On the device: sequences, shared prefixes, the prefix cache
+//!
+//! Over a [`kvvm_vmm::VirtualMemory`] (one per device, charging a governor):
+//!
+//! * [`SequenceKv`]: one request's cache, reserved at `max_tokens` under a [`LayoutPlan`].
+//!   `ensure_tokens(n) -> Result<u64, KvCacheError>` commits (one transaction through the
+//!   governor) the windows holding the first `n` tokens; `write_tokens` / `read_tokens`
+//!   (host layout per token `[layer][K, V][kv_head][head_dim]`) scatter and gather with one
+//!   copy per contiguous device run; `layer_pointers(layer)` gives K/V device pointers and
+//!   strides for kernels; `release()`; `committed_bytes()`, `additional_owned_bytes()`.
+//! * [`SharedDevicePrefix`]: `reserve_and_map_shared_prefix(vm, plan, prefix_len, max_tokens,
+//!   fill)` (owner: maps the whole windows of the prefix read-write, billed once, writes and
+//!   seals them) and `prefix.map_shared_prefix_readonly(vm, max_tokens)` (a sharer maps the
+//!   same handles read-only at the same offsets; adds 0 owned bytes). Refused with the
+//!   shareability's reason when not shareable; writes into the shared part are refused with
+//!   [`KvCacheError::WriteIntoSharedPrefix`] (no copy-on-write on the device).
+//! * [`PrefixCache`]: automatic prefix sharing. For a server:
+//!
+//! ```text
+//! let cache: Arc<PrefixCache> = PrefixCache::new(vm, plan)?;        // registers a reclaimer
+//! let Admission { mut sequence, hit_tokens, prompt_tokens, .. } =
+//!     cache.admit(&token_ids, max_tokens)?;                          // 429 on Backpressure
+//! // prefill: write tokens hit_tokens..prompt_tokens (they are committed already)
+//! sequence.write_tokens(hit_tokens, &kv_bytes)?;
+//! cache.publish(&mut sequence)?;                                    // now others can hit it
+//! // decode: sequence.ensure_tokens(n + 1)?; sequence.write_token(n, &kv)?; ...
+//! sequence.release()?;                                              // or drop it
+//! let s: PrefixCacheStats = cache.stats();  // hits, misses, tokens_saved, bytes_saved,
+//!                                           // cached_bytes, evictions, ...
+//! ```
+//!
+//!   [`KvCacheError::Backpressure`] carries the governor's `Backpressure { needed, available,
+//!   retry_after, .. }` ([`KvCacheError::retry_after`], [`KvCacheError::needed`],
+//!   [`KvCacheError::available`]): answer 429 with `Retry-After`.
+//! * [`decode::run_decode_loop`]: a synthetic generation loop over any backend that writes,
+//!   grows, shares a prompt prefix among many sequences and verifies every byte.
+//!
 //! ## Errors
 //!
-//! Every fallible function returns [`KvError`]; nothing here panics on bad input.
+//! The arithmetic returns [`KvError`]; the device side returns [`KvCacheError`]. Nothing here
+//! panics on bad input.
 
 #![forbid(unsafe_code)]
 
+mod cache;
+pub mod decode;
 mod error;
 mod geometry;
 mod layout;
+mod prefix;
+mod sequence;
 mod shareability;
 
-pub use error::KvError;
+pub use cache::{Admission, PrefixCache, PrefixCacheConfig, PrefixCacheStats, PublishOutcome};
+pub use error::{KvCacheError, KvError};
 pub use geometry::{KvDtype, KvGeometry, ModelPreset, PRESETS};
 pub use layout::{Fragment, KvKind, KvLayout, LayoutPlan, LayoutStrides};
+pub use prefix::SharedDevicePrefix;
+pub use sequence::{LayerPointers, SequenceKv};
 pub use shareability::{
     commit_lower_bound, evaluate_prefix_shareability, min_shareable_prefix, PrefixShareability,
 };

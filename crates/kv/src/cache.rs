@@ -1,0 +1,602 @@
+//! [`PrefixCache`]: automatic prefix sharing by a chained hash over window-aligned token
+//! blocks, with an LRU of published prefixes that the governor can evict under pressure.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use kvvm_governor::Reclaimer;
+use kvvm_hal::DeviceId;
+use kvvm_vmm::VirtualMemory;
+
+use crate::error::{mul, KvCacheError, KvError};
+use crate::layout::LayoutPlan;
+use crate::sequence::{AttachedSegment, PendingPublish, SequenceKv};
+use crate::shareability::evaluate_prefix_shareability;
+
+static NEXT_CACHE_ID: AtomicUsize = AtomicUsize::new(1);
+
+/// Configuration of a [`PrefixCache`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct PrefixCacheConfig {
+    /// Most physical bytes of published prefixes to keep (`None`: no cap; the governor's
+    /// budget and the reclaimer bound them). Beyond it, least recently used prefixes that no
+    /// sequence maps are evicted at publish time.
+    pub max_cached_bytes: Option<u64>,
+}
+
+impl PrefixCacheConfig {
+    /// Sets [`max_cached_bytes`](Self::max_cached_bytes).
+    #[must_use]
+    pub fn max_cached_bytes(mut self, bytes: Option<u64>) -> Self {
+        self.max_cached_bytes = bytes;
+        self
+    }
+}
+
+/// Counters of a [`PrefixCache`] ([`PrefixCache::stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct PrefixCacheStats {
+    /// Tokens per hashed block (see [`PrefixCache::block_tokens_for`]).
+    pub block_tokens: u64,
+    /// Admissions looked up.
+    pub lookups: u64,
+    /// Admissions that attached a cached prefix (at least one block).
+    pub hits: u64,
+    /// Admissions that found nothing.
+    pub misses: u64,
+    /// Prompt tokens attached from the cache instead of being computed and written.
+    pub tokens_saved: u64,
+    /// Physical bytes attached read-only instead of committed privately.
+    pub bytes_saved: u64,
+    /// Prefixes published.
+    pub published: u64,
+    /// Publications skipped because the same blocks were already cached.
+    pub already_cached: u64,
+    /// Prefixes in the cache now.
+    pub cached_entries: u64,
+    /// Physical bytes the cached prefixes hold (each shared set counted once).
+    pub cached_bytes: u64,
+    /// Of those, bytes no live sequence maps (what eviction would free now).
+    pub idle_bytes: u64,
+    /// Prefixes evicted (by the LRU cap or the governor's reclaim).
+    pub evictions: u64,
+    /// Physical bytes freed by eviction.
+    pub evicted_bytes: u64,
+}
+
+/// What [`PrefixCache::admit`] returns: the request's sequence, with its cached prefix mapped
+/// read-only and the rest of its prompt committed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Admission {
+    /// The request's KV cache: `prompt_tokens` tokens committed; tokens `0..hit_tokens` are
+    /// the cached prefix (already written, read-only); the caller writes
+    /// `hit_tokens..prompt_tokens` and then calls [`PrefixCache::publish`].
+    pub sequence: SequenceKv,
+    /// Prompt tokens found in the cache (a multiple of the block size).
+    pub hit_tokens: u64,
+    /// Prompt tokens (`token_ids.len()`).
+    pub prompt_tokens: u64,
+    /// Tokens of the new shared prefix segment this request owns (its full blocks past the
+    /// hit), to be published once written; 0 when there is nothing new to publish.
+    pub owned_prefix_tokens: u64,
+    /// Physical bytes mapped read-only from the cache (not committed by this request).
+    pub shared_bytes: u64,
+    /// Physical bytes this admission committed (private windows and a new owned segment).
+    pub committed_bytes: u64,
+}
+
+/// What [`PrefixCache::publish`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PublishOutcome {
+    /// The prefix is in the cache now.
+    Published {
+        /// Tokens of the cached prefix (full blocks).
+        tokens: u64,
+        /// Physical bytes newly held by the cache.
+        bytes: u64,
+    },
+    /// Another request published the same blocks first; this one's segment stays private to
+    /// its sequence (it is freed when the sequence is).
+    AlreadyCached,
+    /// The sequence owns nothing to publish.
+    NothingToPublish,
+}
+
+struct Entry {
+    tokens: Vec<u32>,
+    hashes: Vec<u64>,
+    segments: Vec<AttachedSegment>,
+    last_used: u64,
+}
+
+#[derive(Default)]
+struct State {
+    entries: HashMap<u64, Entry>,
+    index: HashMap<u64, Vec<u64>>,
+    next_id: u64,
+    tick: u64,
+    stats: PrefixCacheStats,
+}
+
+/// The automatic prefix cache: given a request's token ids, finds the longest cached prefix,
+/// maps it read-only into the request's new [`SequenceKv`] and commits the rest.
+///
+/// * **Blocks**: prompts are cut into blocks of [`block_tokens`](Self::block_tokens) tokens,
+///   the fewest tokens whose bytes fill whole granule windows in every fragment:
+///   `granule / gcd(granule, fragment_bytes_per_token)` (equal to `min_shareable_prefix`
+///   when the granule is a multiple of the fragment bytes per token, e.g. 16 for llama-3-8b
+///   fp16 token-major at 2 MiB, 1024 seq-major, 8192 head-major). So every cached prefix ends
+///   on a window boundary and is shared whole.
+/// * **Hashing**: `h_0 = seed`, `h_i = H(h_{i-1}, token ids of block i)` (FNV-1a 64 over the
+///   little-endian ids with a final avalanche). The longest `i` whose `h_i` is cached and
+///   whose stored token ids equal the request's is the hit (collisions are checked, never
+///   trusted).
+/// * **Publishing**: a request whose full blocks go beyond its hit owns a new shared segment
+///   for them; it is published to the cache by [`publish`](Self::publish) only after its
+///   prompt KV has been written, so no sharer ever maps unwritten bytes.
+/// * **LRU and billing**: a cached prefix outlives its owner; it is billed once (as shared);
+///   [`PrefixCacheConfig::max_cached_bytes`] caps the cache.
+/// * **Eviction under pressure**: the cache registers itself with the governor as a
+///   [`Reclaimer`]; before a grant is refused, least recently used prefixes that no sequence
+///   maps are evicted. A prefix still mapped by live sequences is kept: evicting it would
+///   free nothing now and make the next identical request pay for a second copy.
+pub struct PrefixCache {
+    vm: VirtualMemory,
+    plan: LayoutPlan,
+    block_tokens: u64,
+    windows_per_block: u64,
+    config: PrefixCacheConfig,
+    id: usize,
+    state: Mutex<State>,
+}
+
+impl fmt::Debug for PrefixCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PrefixCache")
+            .field("layout", &self.plan.layout())
+            .field("block_tokens", &self.block_tokens)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        let t = a % b;
+        a = b;
+        b = t;
+    }
+    a
+}
+
+/// `h_i = H(h_{i-1}, block)`: FNV-1a 64 with a final avalanche (splitmix64's finalizer).
+fn chain_hash(prev: u64, block: &[u32]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ prev;
+    for id in block {
+        for b in id.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// Seed of the hash chain.
+const HASH_SEED: u64 = 0x6b76_766d_5f6b_7631;
+
+impl PrefixCache {
+    /// A cache over `vm` for sequences laid out under `plan`, registered with `vm`'s governor
+    /// as a reclaimer.
+    pub fn new(vm: VirtualMemory, plan: LayoutPlan) -> Result<Arc<PrefixCache>, KvCacheError> {
+        Self::with_config(vm, plan, PrefixCacheConfig::default())
+    }
+
+    /// Like [`new`](Self::new) with a configuration.
+    ///
+    /// Errors: [`KvCacheError::PlanMismatch`] when the manager's granule is not the plan's.
+    pub fn with_config(
+        vm: VirtualMemory,
+        plan: LayoutPlan,
+        config: PrefixCacheConfig,
+    ) -> Result<Arc<PrefixCache>, KvCacheError> {
+        if vm.granule() != plan.granule() {
+            return Err(KvCacheError::PlanMismatch {
+                reason: format!(
+                    "the manager's granule is {} B, the plan's {} B",
+                    vm.granule(),
+                    plan.granule()
+                ),
+            });
+        }
+        let block_tokens = Self::block_tokens_for(&plan)?;
+        let windows_per_block =
+            mul(block_tokens, plan.fragment_bytes_per_token(), "block bytes")? / plan.granule();
+        let cache = Arc::new(PrefixCache {
+            vm,
+            plan,
+            block_tokens,
+            windows_per_block,
+            config,
+            id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
+            state: Mutex::new(State {
+                stats: PrefixCacheStats {
+                    block_tokens,
+                    ..PrefixCacheStats::default()
+                },
+                ..State::default()
+            }),
+        });
+        let arc: Arc<dyn Reclaimer> = cache.clone();
+        let weak: Weak<dyn Reclaimer> = Arc::downgrade(&arc);
+        cache.vm.governor().register_reclaimer(weak);
+        Ok(cache)
+    }
+
+    /// The block size rule: the fewest tokens whose bytes fill whole granule windows in every
+    /// fragment, `granule / gcd(granule, fragment_bytes_per_token)`.
+    pub fn block_tokens_for(plan: &LayoutPlan) -> Result<u64, KvError> {
+        let g = plan.granule();
+        let b = plan.fragment_bytes_per_token();
+        if g == 0 || b == 0 {
+            return Err(KvError::ZeroGranule);
+        }
+        Ok(g / gcd(g, b))
+    }
+
+    /// Tokens per hashed block.
+    pub fn block_tokens(&self) -> u64 {
+        self.block_tokens
+    }
+
+    /// The manager.
+    pub fn vm(&self) -> &VirtualMemory {
+        &self.vm
+    }
+
+    /// The plan every sequence of this cache is laid out under.
+    pub fn plan(&self) -> &LayoutPlan {
+        &self.plan
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Chained hashes of the full blocks of `token_ids`.
+    pub fn block_hashes(&self, token_ids: &[u32]) -> Vec<u64> {
+        let b = usize::try_from(self.block_tokens).unwrap_or(usize::MAX);
+        let mut h = HASH_SEED;
+        token_ids
+            .chunks_exact(b.max(1))
+            .map(|block| {
+                h = chain_hash(h, block);
+                h
+            })
+            .collect()
+    }
+
+    /// Admits a request: reserves its sequence (at most `max_tokens` tokens), maps the
+    /// longest cached prefix of `token_ids` read-only, makes the request the owner of a new
+    /// shared segment for its full blocks past the hit, and commits the rest of the prompt
+    /// (`token_ids.len()` tokens). The caller then writes tokens
+    /// `hit_tokens..prompt_tokens` and calls [`publish`](Self::publish).
+    ///
+    /// Errors: [`KvCacheError::Backpressure`] when the governor refuses the memory even after
+    /// evicting (a server answers 429 with `retry_after`); [`KvCacheError::TooManyTokens`];
+    /// driver failures. On error nothing of the request is left.
+    pub fn admit(&self, token_ids: &[u32], max_tokens: u64) -> Result<Admission, KvCacheError> {
+        let prompt = token_ids.len() as u64;
+        let span = tracing::debug_span!("kv.admit", prompt, max_tokens);
+        let _e = span.enter();
+        if prompt > max_tokens {
+            return Err(KvCacheError::TooManyTokens {
+                tokens: prompt,
+                max_tokens,
+            });
+        }
+        let hashes = self.block_hashes(token_ids);
+        let blocks = hashes.len() as u64;
+        let bt = usize::try_from(self.block_tokens).unwrap_or(usize::MAX);
+        // Look up the longest cached prefix and take its segments.
+        let (hit_blocks, segments) = {
+            let mut st = self.lock();
+            st.stats.lookups += 1;
+            st.tick += 1;
+            let tick = st.tick;
+            let mut found: Option<(u64, u64)> = None;
+            'outer: for i in (1..=hashes.len()).rev() {
+                if let Some(ids) = st.index.get(&hashes[i - 1]) {
+                    for id in ids.iter().rev() {
+                        if let Some(e) = st.entries.get(id) {
+                            let n = i.saturating_mul(bt);
+                            if e.tokens.len() >= n && e.tokens[..n] == token_ids[..n] {
+                                found = Some((*id, i as u64));
+                                break 'outer;
+                            }
+                        }
+                    }
+                }
+            }
+            match found {
+                Some((id, i)) => {
+                    let end = i.saturating_mul(self.windows_per_block);
+                    let segs = st.entries.get_mut(&id).map_or_else(Vec::new, |e| {
+                        e.last_used = tick;
+                        restrict(&e.segments, end)
+                    });
+                    (i, segs)
+                }
+                None => (0, Vec::new()),
+            }
+        };
+        let mut seq = SequenceKv::new(&self.vm, &self.plan, max_tokens)?;
+        let mut shared_bytes = 0u64;
+        for s in &segments {
+            shared_bytes =
+                shared_bytes.saturating_add(seq.attach_readonly(&s.prefix, s.end_window)?);
+        }
+        let hit_tokens = hit_blocks.saturating_mul(self.block_tokens);
+        seq.set_attached_prefix_tokens(hit_tokens);
+        let mut owned_prefix_tokens = 0;
+        if blocks > hit_blocks {
+            let end_tokens = blocks.saturating_mul(self.block_tokens);
+            let verdict = evaluate_prefix_shareability(
+                self.plan.geometry(),
+                self.plan.layout(),
+                end_tokens,
+                self.plan.granule(),
+            )?;
+            let owned = seq.create_owned_segment(
+                hit_blocks.saturating_mul(self.windows_per_block),
+                blocks.saturating_mul(self.windows_per_block),
+                end_tokens,
+                verdict,
+            )?;
+            let mut all = segments.clone();
+            all.push(AttachedSegment {
+                end_window: owned.end_window(),
+                prefix: owned,
+            });
+            let n = usize::try_from(end_tokens).unwrap_or(usize::MAX);
+            seq.pending = Some(PendingPublish {
+                hashes: hashes.clone(),
+                tokens: token_ids[..n.min(token_ids.len())].to_vec(),
+                segments: all,
+                cache_id: self.id,
+            });
+            owned_prefix_tokens = end_tokens - hit_tokens;
+        }
+        seq.ensure_tokens(prompt)?;
+        let committed_bytes = seq.committed_bytes().saturating_sub(shared_bytes);
+        {
+            let mut st = self.lock();
+            if hit_blocks > 0 {
+                st.stats.hits += 1;
+                st.stats.tokens_saved = st.stats.tokens_saved.saturating_add(hit_tokens);
+                st.stats.bytes_saved = st.stats.bytes_saved.saturating_add(shared_bytes);
+            } else {
+                st.stats.misses += 1;
+            }
+        }
+        tracing::debug!(hit_tokens, owned_prefix_tokens, shared_bytes, "admitted");
+        Ok(Admission {
+            sequence: seq,
+            hit_tokens,
+            prompt_tokens: prompt,
+            owned_prefix_tokens,
+            shared_bytes,
+            committed_bytes,
+        })
+    }
+
+    /// Publishes the prefix segment `sequence` owns (from [`admit`](Self::admit)) once its
+    /// prompt KV has been written: seals it read-only and inserts it into the cache. Then
+    /// enforces [`PrefixCacheConfig::max_cached_bytes`].
+    ///
+    /// Errors: [`KvCacheError::PrefixNotWritten`] when the sequence has not written its
+    /// prefix tokens yet (nothing changes; call again after writing);
+    /// [`KvCacheError::PlanMismatch`] when the sequence was admitted by another cache.
+    pub fn publish(&self, sequence: &mut SequenceKv) -> Result<PublishOutcome, KvCacheError> {
+        let Some(pending) = sequence.pending.take() else {
+            return Ok(PublishOutcome::NothingToPublish);
+        };
+        if pending.cache_id != self.id {
+            sequence.pending = Some(pending);
+            return Err(KvCacheError::PlanMismatch {
+                reason: "the sequence was admitted by another prefix cache".to_owned(),
+            });
+        }
+        let needed = pending.tokens.len() as u64;
+        if sequence.written_tokens() < needed {
+            let written = sequence.written_tokens();
+            sequence.pending = Some(pending);
+            return Err(KvCacheError::PrefixNotWritten { written, needed });
+        }
+        let span = tracing::debug_span!("kv.publish", tokens = needed);
+        let _e = span.enter();
+        if let Some(owned) = sequence.owned_prefix() {
+            owned.seal();
+        }
+        let bytes = pending.segments.last().map_or(0, |s| s.prefix.bytes());
+        let outcome = {
+            let mut st = self.lock();
+            let exists = pending.hashes.last().is_some_and(|h| {
+                st.index.get(h).is_some_and(|ids| {
+                    ids.iter().any(|id| {
+                        st.entries
+                            .get(id)
+                            .is_some_and(|e| e.tokens == pending.tokens)
+                    })
+                })
+            });
+            if exists {
+                st.stats.already_cached += 1;
+                PublishOutcome::AlreadyCached
+            } else {
+                st.tick += 1;
+                let id = st.next_id;
+                st.next_id += 1;
+                for h in &pending.hashes {
+                    st.index.entry(*h).or_default().push(id);
+                }
+                let tick = st.tick;
+                st.entries.insert(
+                    id,
+                    Entry {
+                        tokens: pending.tokens,
+                        hashes: pending.hashes,
+                        segments: pending.segments,
+                        last_used: tick,
+                    },
+                );
+                st.stats.published += 1;
+                PublishOutcome::Published {
+                    tokens: needed,
+                    bytes,
+                }
+            }
+        };
+        if let Some(cap) = self.config.max_cached_bytes {
+            let held = self.stats().cached_bytes;
+            if held > cap {
+                self.evict(held - cap);
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// Counters and sizes.
+    pub fn stats(&self) -> PrefixCacheStats {
+        let st = self.lock();
+        let mut out = st.stats;
+        let mut seen = HashSet::new();
+        let mut cached = 0u64;
+        let mut idle = 0u64;
+        for e in st.entries.values() {
+            for s in &e.segments {
+                if seen.insert(Arc::as_ptr(&s.prefix) as usize) {
+                    cached = cached.saturating_add(s.prefix.bytes());
+                    if s.prefix.mapped_count() == 0 {
+                        idle = idle.saturating_add(s.prefix.bytes());
+                    }
+                }
+            }
+        }
+        out.cached_entries = st.entries.len() as u64;
+        out.cached_bytes = cached;
+        out.idle_bytes = idle;
+        out
+    }
+
+    /// Evicts least recently used prefixes that no sequence maps until `bytes` physical bytes
+    /// were freed (or none is left to evict). Returns the bytes freed.
+    pub fn evict(&self, bytes: u64) -> u64 {
+        self.evict_inner(bytes)
+    }
+
+    /// Evicts every prefix (those still mapped stay alive until their sequences end, but are
+    /// no longer found). Returns the bytes freed now.
+    pub fn clear(&self) -> u64 {
+        let device = self.vm.device();
+        let before = self.vm.governor().snapshot().device(device).used();
+        let pooled = self.vm.pooled_bytes();
+        let victims: Vec<Entry> = {
+            let mut st = self.lock();
+            st.index.clear();
+            let n = st.entries.len() as u64;
+            st.stats.evictions += n;
+            st.entries.drain().map(|(_, e)| e).collect()
+        };
+        drop(victims);
+        self.vm.trim_pool(pooled);
+        let after = self.vm.governor().snapshot().device(device).used();
+        let freed = before.saturating_sub(after);
+        self.lock().stats.evicted_bytes += freed;
+        freed
+    }
+
+    fn evict_inner(&self, bytes: u64) -> u64 {
+        let device = self.vm.device();
+        let span = tracing::debug_span!("kv.prefix_cache_evict", bytes);
+        let _e = span.enter();
+        let before = self.vm.governor().snapshot().device(device).used();
+        let pooled = self.vm.pooled_bytes();
+        let mut freed = 0u64;
+        while freed < bytes {
+            // The least recently used entry whose removal frees something now.
+            let victim = {
+                let mut st = self.lock();
+                let mut best: Option<(u64, u64)> = None;
+                for (id, e) in &st.entries {
+                    let frees = e.segments.iter().any(|s| {
+                        s.prefix.mapped_count() == 0
+                            && Arc::strong_count(&s.prefix) == 1
+                            && Arc::strong_count(s.prefix.handles()) == 1
+                    });
+                    if frees && best.is_none_or(|(_, t)| e.last_used < t) {
+                        best = Some((*id, e.last_used));
+                    }
+                }
+                match best {
+                    Some((id, _)) => {
+                        let e = st.entries.remove(&id);
+                        if let Some(e) = &e {
+                            for h in &e.hashes {
+                                if let Some(ids) = st.index.get_mut(h) {
+                                    ids.retain(|x| *x != id);
+                                    if ids.is_empty() {
+                                        st.index.remove(h);
+                                    }
+                                }
+                            }
+                        }
+                        st.stats.evictions += 1;
+                        e
+                    }
+                    None => None,
+                }
+            };
+            let Some(victim) = victim else { break };
+            drop(victim);
+            self.vm.trim_pool(pooled);
+            let after = self.vm.governor().snapshot().device(device).used();
+            freed = before.saturating_sub(after);
+        }
+        self.lock().stats.evicted_bytes += freed;
+        tracing::debug!(freed, "prefix cache evicted");
+        freed
+    }
+}
+
+/// The segments restricted to windows `[0, end_window)`.
+fn restrict(segments: &[AttachedSegment], end_window: u64) -> Vec<AttachedSegment> {
+    segments
+        .iter()
+        .filter(|s| s.prefix.first_window() < end_window)
+        .map(|s| AttachedSegment {
+            prefix: Arc::clone(&s.prefix),
+            end_window: s.end_window.min(end_window),
+        })
+        .collect()
+}
+
+impl Reclaimer for PrefixCache {
+    fn reclaim(&self, device: DeviceId, bytes: u64) -> u64 {
+        if device != self.vm.device() || bytes == 0 {
+            return 0;
+        }
+        self.evict_inner(bytes)
+    }
+}

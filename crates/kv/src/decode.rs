@@ -1,0 +1,1 @@
+//! Synthetic decode loop (placeholder, filled in below).
