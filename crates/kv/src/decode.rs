@@ -1,1 +1,599 @@
-//! Synthetic decode loop (placeholder, filled in below).
+//! A synthetic generation loop over any backend: it writes each token's K and V bytes at the
+//! layout's offsets, grows the sequences step by step, shares one prompt prefix among many
+//! sequences through the [`PrefixCache`], and at the end reads everything back and verifies
+//! every byte. It also measures, for issue 6's acceptance, the bytes committed with and
+//! without sharing and the time to attach a shared prefix against copying it.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use kvvm_kv::decode::{run_decode_loop, DecodeLoopConfig};
+//! use kvvm_kv::{KvDtype, KvGeometry, KvLayout};
+//! use kvvm_sim::{SimBackend, SimConfig};
+//!
+//! # fn main() -> Result<(), kvvm_kv::KvCacheError> {
+//! let sim = Arc::new(SimBackend::new(SimConfig::single(64 << 10, 1 << 30)));
+//! let mut config = DecodeLoopConfig::acceptance()?;
+//! config.geometry = KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, 1)?;   // a tiny model
+//! config.layout = KvLayout::SeqMajor;
+//! config.sequences = 4;
+//! config.prompt_tokens = 1000;
+//! config.decode_tokens = 40;
+//! let report = run_decode_loop(sim.clone(), &config)?;
+//! assert!(report.verified);
+//! assert!(report.committed_bytes_with_sharing < report.committed_bytes_without_sharing);
+//! assert!(sim.ledger().is_empty());
+//! # Ok(())
+//! # }
+//! ```
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvvm_governor::{Governor, GovernorConfig};
+use kvvm_hal::{DeviceId, VirtualMemoryBackend};
+use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
+
+use crate::cache::{PrefixCache, PrefixCacheStats};
+use crate::error::{mul, KvCacheError, KvError};
+use crate::geometry::{KvDtype, KvGeometry};
+use crate::layout::{KvLayout, LayoutPlan};
+use crate::prefix::SharedDevicePrefix;
+use crate::sequence::SequenceKv;
+
+/// Host bytes per verification / write chunk.
+const CHUNK_BYTES: u64 = 16 << 20;
+
+/// What [`run_decode_loop`] runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DecodeLoopConfig {
+    /// Shape of the KV cache (`max_tokens` is replaced by `prompt_tokens + decode_tokens`).
+    pub geometry: KvGeometry,
+    /// A label for the report (e.g. the preset name).
+    pub model: String,
+    /// The layout.
+    pub layout: KvLayout,
+    /// The device.
+    pub device: DeviceId,
+    /// Which granularity the manager uses.
+    pub granularity: GranularityChoice,
+    /// Number of sequences (all share the prompt).
+    pub sequences: u32,
+    /// Tokens of the shared prompt.
+    pub prompt_tokens: u64,
+    /// Tokens each sequence generates after the prompt (distinct per sequence).
+    pub decode_tokens: u64,
+    /// Tokens committed and written per decode step (a step writes them with one copy per
+    /// fragment).
+    pub step_tokens: u64,
+    /// Share the prompt through the prefix cache (`false`: every sequence writes its own).
+    pub share_prefix: bool,
+    /// Read everything back at the end and compare every byte.
+    pub verify: bool,
+    /// Samples of the attach-vs-copy measurement (0: skip it).
+    pub attach_copy_samples: u32,
+    /// Governor budget for the device (`None`: unlimited).
+    pub budget_bytes: Option<u64>,
+}
+
+impl DecodeLoopConfig {
+    /// Issue 6's acceptance run: llama-3-8b fp16, seq-major, 64 sequences sharing a
+    /// 4096-token prompt, 64 decode tokens each in steps of 16, verified, 5 attach/copy
+    /// samples.
+    pub fn acceptance() -> Result<Self, KvError> {
+        let geometry = KvGeometry::preset("llama-3-8b", KvDtype::F16, 4096 + 64)?;
+        Ok(DecodeLoopConfig {
+            geometry,
+            model: "llama-3-8b fp16".to_owned(),
+            layout: KvLayout::SeqMajor,
+            device: DeviceId(0),
+            granularity: GranularityChoice::Recommended,
+            sequences: 64,
+            prompt_tokens: 4096,
+            decode_tokens: 64,
+            step_tokens: 16,
+            share_prefix: true,
+            verify: true,
+            attach_copy_samples: 5,
+            budget_bytes: None,
+        })
+    }
+}
+
+/// What [`run_decode_loop`] measured.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct DecodeLoopReport {
+    /// Backend name.
+    pub backend: String,
+    /// Model label.
+    pub model: String,
+    /// Layout.
+    pub layout: KvLayout,
+    /// Granule used.
+    pub granule: u64,
+    /// Sequences.
+    pub sequences: u32,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Decode tokens per sequence.
+    pub decode_tokens: u64,
+    /// Bytes per token (all layers, K and V).
+    pub bytes_per_token: u64,
+    /// Whether the prompt was shared.
+    pub share_prefix: bool,
+    /// Prefix-cache block size in tokens.
+    pub block_tokens: u64,
+    /// Prompt tokens each sharer found in the cache.
+    pub hit_tokens: u64,
+    /// Physical bytes of the shared prompt prefix (billed once).
+    pub shared_prefix_bytes: u64,
+    /// Physical bytes held when every sequence reached its final length, measured (the
+    /// governor's used bytes: private windows + the shared prefix once).
+    pub committed_bytes_with_sharing: u64,
+    /// Physical bytes the same sequences hold without sharing:
+    /// `sequences x committed_bytes_for_tokens(prompt + decode)` (measured instead when
+    /// `share_prefix` is false).
+    pub committed_bytes_without_sharing: u64,
+    /// Median time to attach the shared prompt prefix read-only
+    /// ([`SharedDevicePrefix::map_shared_prefix_readonly`]: reserve + map + set access).
+    pub attach_median: Duration,
+    /// Fastest attach.
+    pub attach_min: Duration,
+    /// Median time of a sharer's [`PrefixCache::admit`] in the loop (lookup, reserve, map,
+    /// commit of the rest of the prompt).
+    pub admit_hit_median: Duration,
+    /// Median time to copy the prompt prefix into a private reservation instead (reserve +
+    /// commit + host-to-device copy of the prefix's bytes, generated beforehand).
+    pub copy_median: Duration,
+    /// Fastest copy.
+    pub copy_min: Duration,
+    /// Bytes one copy writes (`prompt x bytes_per_token`).
+    pub copy_bytes: u64,
+    /// Time of the prefill phase (admissions and prompt writes).
+    pub prefill_time: Duration,
+    /// Time of the decode phase.
+    pub decode_time: Duration,
+    /// Time of the verification.
+    pub verify_time: Duration,
+    /// Host bytes written to the device by the loop.
+    pub bytes_written: u64,
+    /// Bytes read back and compared (0 when not verifying).
+    pub bytes_verified: u64,
+    /// Whether every byte was verified equal.
+    pub verified: bool,
+    /// Prefix-cache counters at the end of the loop.
+    pub cache: PrefixCacheStats,
+    /// The governor's used bytes after everything was released (0 expected).
+    pub used_bytes_at_end: u64,
+}
+
+impl DecodeLoopReport {
+    /// Bytes saved by sharing.
+    pub fn bytes_saved(&self) -> u64 {
+        self.committed_bytes_without_sharing
+            .saturating_sub(self.committed_bytes_with_sharing)
+    }
+
+    /// A Markdown table of the figures.
+    pub fn to_markdown(&self) -> String {
+        let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "### KV decode loop: {} {}, {} sequences x {}-token prompt + {} decode tokens ({}, granule {} KiB)\n",
+            self.model,
+            self.layout,
+            self.sequences,
+            self.prompt_tokens,
+            self.decode_tokens,
+            self.backend,
+            self.granule >> 10
+        );
+        let _ = writeln!(s, "| figure | value |\n|---|---|");
+        let _ = writeln!(
+            s,
+            "| prompt shared | {} (block {} tokens, hit {} tokens per sharer) |",
+            self.share_prefix, self.block_tokens, self.hit_tokens
+        );
+        let _ = writeln!(
+            s,
+            "| committed with sharing | {} B ({:.1} MiB) |",
+            self.committed_bytes_with_sharing,
+            mib(self.committed_bytes_with_sharing)
+        );
+        let _ = writeln!(
+            s,
+            "| committed without sharing | {} B ({:.1} MiB) |",
+            self.committed_bytes_without_sharing,
+            mib(self.committed_bytes_without_sharing)
+        );
+        let ratio = if self.committed_bytes_with_sharing > 0 {
+            self.committed_bytes_without_sharing as f64 / self.committed_bytes_with_sharing as f64
+        } else {
+            0.0
+        };
+        let _ = writeln!(
+            s,
+            "| saved | {} B ({:.1} MiB, {:.1}x less) |",
+            self.bytes_saved(),
+            mib(self.bytes_saved()),
+            ratio
+        );
+        let _ = writeln!(
+            s,
+            "| shared prefix (billed once) | {} B ({:.1} MiB) |",
+            self.shared_prefix_bytes,
+            mib(self.shared_prefix_bytes)
+        );
+        let _ = writeln!(
+            s,
+            "| attach shared prefix (map_shared_prefix_readonly), median / min | {:?} / {:?} |",
+            self.attach_median, self.attach_min
+        );
+        let _ = writeln!(
+            s,
+            "| admit with a cache hit, median | {:?} |",
+            self.admit_hit_median
+        );
+        let _ = writeln!(
+            s,
+            "| copy prefix into a private reservation ({:.1} MiB), median / min | {:?} / {:?} |",
+            mib(self.copy_bytes),
+            self.copy_median,
+            self.copy_min
+        );
+        let speedup = if self.attach_median.as_nanos() > 0 {
+            self.copy_median.as_secs_f64() / self.attach_median.as_secs_f64()
+        } else {
+            0.0
+        };
+        let _ = writeln!(s, "| copy / attach | {speedup:.1}x |");
+        let _ = writeln!(
+            s,
+            "| prefill / decode / verify | {:?} / {:?} / {:?} |",
+            self.prefill_time, self.decode_time, self.verify_time
+        );
+        let _ = writeln!(
+            s,
+            "| bytes written / verified | {} / {} |",
+            self.bytes_written, self.bytes_verified
+        );
+        let _ = writeln!(s, "| every byte verified | {} |", self.verified);
+        let _ = writeln!(
+            s,
+            "| cache: hits / misses / tokens saved / bytes saved | {} / {} / {} / {} |",
+            self.cache.hits, self.cache.misses, self.cache.tokens_saved, self.cache.bytes_saved
+        );
+        let _ = writeln!(s, "| used bytes at the end | {} |", self.used_bytes_at_end);
+        s
+    }
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Token id of prompt position `i` (the same for every sequence).
+pub fn prompt_token_id(i: u64) -> u32 {
+    (splitmix(i ^ 0x7072_6f6d_7074) % 128_000) as u32
+}
+
+/// Token id sequence `seq` generates at position `pos`.
+pub fn decode_token_id(seq: u64, pos: u64) -> u32 {
+    (splitmix(pos ^ seq.wrapping_mul(0x1000_0000_01b3) ^ 0x6465_636f_6465) % 128_000) as u32
+}
+
+/// Fills `out` (`bytes_per_token` bytes, host layout `[layer][K, V][kv_head][head_dim]`) with
+/// the synthetic KV of token `token_id` at `position`: a deterministic function of token id,
+/// position, layer, K/V, head and byte, so identical prefixes give identical bytes.
+pub fn token_kv_bytes(geometry: &KvGeometry, token_id: u32, position: u64, out: &mut [u8]) {
+    let head = usize::try_from(geometry.head_bytes())
+        .unwrap_or(usize::MAX)
+        .max(1);
+    let base = splitmix(u64::from(token_id) ^ position.rotate_left(32));
+    for (i, chunk) in out.chunks_mut(head).enumerate() {
+        // i = (layer x 2 + kv) x kv_heads + head.
+        let seed = splitmix(base ^ (i as u64).wrapping_mul(0xa076_1d64_78bd_642f));
+        for (j, w) in chunk.chunks_mut(8).enumerate() {
+            let v = splitmix(seed.wrapping_add(j as u64)).to_le_bytes();
+            w.copy_from_slice(&v[..w.len()]);
+        }
+    }
+}
+
+/// Fills `out` with tokens `first..first + n` of a sequence whose ids are `id(pos)`.
+fn fill_tokens(geometry: &KvGeometry, first: u64, out: &mut [u8], id: &dyn Fn(u64) -> u32) {
+    let bpt = usize::try_from(geometry.bytes_per_token())
+        .unwrap_or(usize::MAX)
+        .max(1);
+    for (k, tok) in out.chunks_mut(bpt).enumerate() {
+        let pos = first + k as u64;
+        token_kv_bytes(geometry, id(pos), pos, tok);
+    }
+}
+
+fn usize_of(x: u64) -> Result<usize, KvCacheError> {
+    usize::try_from(x).map_err(|_| KvCacheError::Layout(KvError::Overflow { what: "usize" }))
+}
+
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+fn compare(
+    sequence: u64,
+    first: u64,
+    bpt: u64,
+    expected: &[u8],
+    got: &[u8],
+) -> Result<(), KvCacheError> {
+    if expected == got {
+        return Ok(());
+    }
+    let i = expected
+        .iter()
+        .zip(got)
+        .position(|(a, b)| a != b)
+        .unwrap_or(0);
+    let i = i as u64;
+    Err(KvCacheError::Verification {
+        sequence,
+        token: first + i / bpt.max(1),
+        byte: i % bpt.max(1),
+        expected: expected.get(i as usize).copied().unwrap_or(0),
+        got: got.get(i as usize).copied().unwrap_or(0),
+    })
+}
+
+/// Runs the synthetic decode loop on `backend` (the simulator in CI, CUDA on the H200).
+///
+/// 1. A manager over `backend` (no handle pool, so the governor's used bytes are exactly the
+///    physical bytes held) and a [`PrefixCache`] for the layout.
+/// 2. Prefill: sequence 0 is admitted (a miss), writes the prompt and publishes it; every
+///    other sequence is admitted (a hit of the prompt's full blocks), writes only the rest of
+///    the prompt. Without sharing, every sequence writes its whole prompt privately.
+/// 3. Decode: in steps of `step_tokens`, each sequence commits (`ensure_tokens`) and writes
+///    its own tokens.
+/// 4. The governor's used bytes are measured (with sharing), then every byte of every
+///    sequence is read back and compared (prompt chunks are generated once and compared for
+///    every sequence).
+/// 5. Attach vs copy: the time of `map_shared_prefix_readonly` for the prompt against
+///    reserving, committing and copying the prompt's bytes into a private sequence.
+/// 6. Everything is released; the governor's used bytes must be 0.
+pub fn run_decode_loop(
+    backend: Arc<dyn VirtualMemoryBackend>,
+    config: &DecodeLoopConfig,
+) -> Result<DecodeLoopReport, KvCacheError> {
+    let span = tracing::info_span!(
+        "kv.decode_loop",
+        layout = config.layout.as_str(),
+        sequences = config.sequences,
+        prompt = config.prompt_tokens
+    );
+    let _e = span.enter();
+    let total_tokens = config
+        .prompt_tokens
+        .checked_add(config.decode_tokens)
+        .ok_or(KvError::Overflow { what: "tokens" })?;
+    let geometry = config.geometry.with_max_tokens(total_tokens.max(1))?;
+    let governor = match config.budget_bytes {
+        Some(b) => Governor::new(GovernorConfig::default().device_budget(config.device, b)),
+        None => Governor::unlimited(),
+    };
+    let vm = VirtualMemory::new(
+        Arc::clone(&backend),
+        config.device,
+        governor.clone(),
+        VmmConfig::default()
+            .pool_cap_bytes(0)
+            .granularity(config.granularity),
+    )?;
+    let plan = LayoutPlan::new(geometry, config.layout, vm.granule())?;
+    let bpt = geometry.bytes_per_token();
+    let chunk_tokens = (CHUNK_BYTES / bpt.max(1)).max(1);
+    let prompt_ids: Vec<u32> = (0..config.prompt_tokens).map(prompt_token_id).collect();
+    let prompt_id = |p: u64| prompt_token_id(p);
+    let cache = PrefixCache::new(vm.clone(), plan)?;
+    let mut bytes_written = 0u64;
+    let mut buf: Vec<u8> = Vec::new();
+
+    // ---- prefill ----
+    let t0 = Instant::now();
+    let mut seqs: Vec<SequenceKv> = Vec::with_capacity(config.sequences as usize);
+    let mut admit_hits = Vec::new();
+    let mut hit_tokens = 0u64;
+    for s in 0..u64::from(config.sequences) {
+        let (mut seq, from) = if config.share_prefix {
+            let t = Instant::now();
+            let adm = cache.admit(&prompt_ids, total_tokens)?;
+            if adm.hit_tokens > 0 {
+                admit_hits.push(t.elapsed());
+                hit_tokens = adm.hit_tokens;
+            }
+            let from = adm.hit_tokens;
+            (adm.sequence, from)
+        } else {
+            let mut seq = SequenceKv::new(&vm, &plan, total_tokens)?;
+            seq.ensure_tokens(config.prompt_tokens)?;
+            (seq, 0)
+        };
+        let mut t = from;
+        while t < config.prompt_tokens {
+            let n = chunk_tokens.min(config.prompt_tokens - t);
+            buf.resize(usize_of(mul(n, bpt, "chunk")?)?, 0);
+            fill_tokens(&geometry, t, &mut buf, &prompt_id);
+            seq.write_tokens(t, &buf)?;
+            bytes_written = bytes_written.saturating_add(buf.len() as u64);
+            t += n;
+        }
+        if config.share_prefix {
+            cache.publish(&mut seq)?;
+        }
+        let _ = s;
+        seqs.push(seq);
+    }
+    let prefill_time = t0.elapsed();
+
+    // ---- decode ----
+    let t1 = Instant::now();
+    let step = config.step_tokens.max(1);
+    let mut len = config.prompt_tokens;
+    while len < total_tokens {
+        let n = step.min(total_tokens - len);
+        buf.resize(usize_of(mul(n, bpt, "step")?)?, 0);
+        for (s, seq) in seqs.iter_mut().enumerate() {
+            seq.ensure_tokens(len + n)?;
+            let s = s as u64;
+            fill_tokens(&geometry, len, &mut buf, &|p| decode_token_id(s, p));
+            seq.write_tokens(len, &buf)?;
+            bytes_written = bytes_written.saturating_add(buf.len() as u64);
+        }
+        len += n;
+    }
+    let decode_time = t1.elapsed();
+    let committed_measured = governor.snapshot().device(config.device).used();
+    let shared_prefix_bytes = seqs
+        .first()
+        .and_then(|s| s.owned_prefix().map(|p| p.bytes()))
+        .unwrap_or(0);
+
+    // ---- verify ----
+    let t2 = Instant::now();
+    let mut bytes_verified = 0u64;
+    if config.verify {
+        let mut expected = Vec::new();
+        let mut got = Vec::new();
+        let mut t = 0;
+        while t < config.prompt_tokens {
+            let n = chunk_tokens.min(config.prompt_tokens - t);
+            expected.resize(usize_of(mul(n, bpt, "chunk")?)?, 0);
+            got.resize(expected.len(), 0);
+            fill_tokens(&geometry, t, &mut expected, &prompt_id);
+            for (s, seq) in seqs.iter().enumerate() {
+                seq.read_tokens(t, &mut got)?;
+                compare(s as u64, t, bpt, &expected, &got)?;
+                bytes_verified = bytes_verified.saturating_add(got.len() as u64);
+            }
+            t += n;
+        }
+        for (s, seq) in seqs.iter().enumerate() {
+            let s64 = s as u64;
+            let mut t = config.prompt_tokens;
+            while t < total_tokens {
+                let n = chunk_tokens.min(total_tokens - t);
+                expected.resize(usize_of(mul(n, bpt, "chunk")?)?, 0);
+                got.resize(expected.len(), 0);
+                fill_tokens(&geometry, t, &mut expected, &|p| decode_token_id(s64, p));
+                seq.read_tokens(t, &mut got)?;
+                compare(s64, t, bpt, &expected, &got)?;
+                bytes_verified = bytes_verified.saturating_add(got.len() as u64);
+                t += n;
+            }
+        }
+    }
+    let verify_time = t2.elapsed();
+    for mut s in seqs.drain(..) {
+        s.release()?;
+    }
+    let cache_stats = cache.stats();
+    cache.clear();
+
+    // ---- attach vs copy ----
+    let mut attach = Vec::new();
+    let mut copy = Vec::new();
+    let copy_bytes = mul(config.prompt_tokens, bpt, "copy bytes")?;
+    if config.attach_copy_samples > 0 && config.prompt_tokens > 0 {
+        let mut host = vec![0u8; usize_of(copy_bytes)?];
+        fill_tokens(&geometry, 0, &mut host, &prompt_id);
+        let shareable = crate::evaluate_prefix_shareability(
+            &geometry,
+            config.layout,
+            config.prompt_tokens,
+            plan.granule(),
+        )?
+        .shareable;
+        let owner = if shareable {
+            let (prefix, owner) = SharedDevicePrefix::reserve_unwritten(
+                &vm,
+                &plan,
+                config.prompt_tokens,
+                total_tokens,
+            )?;
+            let mut owner = owner;
+            owner.write_tokens(0, &host)?;
+            prefix.seal();
+            Some((prefix, owner))
+        } else {
+            None
+        };
+        for _ in 0..config.attach_copy_samples {
+            if let Some((prefix, _)) = &owner {
+                let t = Instant::now();
+                let seq = prefix.map_shared_prefix_readonly(&vm, total_tokens)?;
+                attach.push(t.elapsed());
+                drop(seq);
+            }
+            let t = Instant::now();
+            let mut seq = SequenceKv::new(&vm, &plan, total_tokens)?;
+            seq.ensure_tokens(config.prompt_tokens)?;
+            seq.write_tokens(0, &host)?;
+            backend.synchronize(config.device)?;
+            copy.push(t.elapsed());
+            drop(seq);
+        }
+        drop(owner);
+    }
+    let without = if config.share_prefix {
+        mul(
+            u64::from(config.sequences),
+            plan.committed_bytes_for_tokens(total_tokens)?,
+            "committed without sharing",
+        )?
+    } else {
+        committed_measured
+    };
+    let attach_min = attach.iter().min().copied().unwrap_or_default();
+    let copy_min = copy.iter().min().copied().unwrap_or_default();
+    let report = DecodeLoopReport {
+        backend: backend.name().to_owned(),
+        model: config.model.clone(),
+        layout: config.layout,
+        granule: plan.granule(),
+        sequences: config.sequences,
+        prompt_tokens: config.prompt_tokens,
+        decode_tokens: config.decode_tokens,
+        bytes_per_token: bpt,
+        share_prefix: config.share_prefix,
+        block_tokens: cache.block_tokens(),
+        hit_tokens,
+        shared_prefix_bytes,
+        committed_bytes_with_sharing: committed_measured,
+        committed_bytes_without_sharing: without,
+        attach_median: median(&mut attach),
+        attach_min,
+        admit_hit_median: median(&mut admit_hits),
+        copy_median: median(&mut copy),
+        copy_min,
+        copy_bytes,
+        prefill_time,
+        decode_time,
+        verify_time,
+        bytes_written,
+        bytes_verified,
+        verified: config.verify,
+        cache: cache_stats,
+        used_bytes_at_end: 0,
+    };
+    drop(cache);
+    let used_bytes_at_end = governor.snapshot().device(config.device).used();
+    Ok(DecodeLoopReport {
+        used_bytes_at_end,
+        ..report
+    })
+}
