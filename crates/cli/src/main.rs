@@ -4,6 +4,7 @@ mod bench;
 mod conformance;
 mod info;
 mod plan;
+mod serve;
 mod simulate;
 
 use std::process::ExitCode;
@@ -30,6 +31,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Replay a serving trace through every KV memory policy, side by side (table, JSON, SVG).
     Simulate(simulate::SimulateArgs),
+    /// HTTP server over the memory manager: sequences, 429 + Retry-After, Prometheus metrics.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -48,6 +51,7 @@ fn main() -> ExitCode {
         Command::Plan(args) => plan::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Simulate(args) => simulate::run(&args),
+        Command::Serve(args) => serve::run(&args),
     };
     match result {
         Ok(code) => code,

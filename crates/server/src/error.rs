@@ -37,6 +37,9 @@ pub enum ServiceError {
     /// No such route (404).
     #[error("{0}")]
     NotFound(String),
+    /// The route exists but not with this method (405).
+    #[error("{0}")]
+    MethodNotAllowed(String),
     /// The request is well-formed but its numbers are not acceptable (422).
     #[error("{0}")]
     InvalidRequest(String),
@@ -62,6 +65,7 @@ impl ServiceError {
             ServiceError::Backpressure { .. } => 429,
             ServiceError::MalformedBody(_) | ServiceError::InvalidId(_) => 400,
             ServiceError::UnknownSequence(_) | ServiceError::NotFound(_) => 404,
+            ServiceError::MethodNotAllowed(_) => 405,
             ServiceError::BodyTooLarge { .. } => 413,
             ServiceError::InvalidRequest(_) => 422,
             ServiceError::ShuttingDown => 503,
@@ -77,6 +81,7 @@ impl ServiceError {
             ServiceError::InvalidId(_) => "invalid_id",
             ServiceError::UnknownSequence(_) => "unknown_sequence",
             ServiceError::NotFound(_) => "not_found",
+            ServiceError::MethodNotAllowed(_) => "method_not_allowed",
             ServiceError::InvalidRequest(_) => "invalid_request",
             ServiceError::BodyTooLarge { .. } => "body_too_large",
             ServiceError::ShuttingDown => "shutting_down",

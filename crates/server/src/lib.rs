@@ -54,6 +54,7 @@ mod sequence;
 mod service;
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 pub use error::{retry_after_header, ServeError, ServiceError};
@@ -106,4 +107,61 @@ where
         source,
     })?;
     Ok(report)
+}
+
+/// Completes on Ctrl-C (SIGINT) or, on Unix, SIGTERM. If a handler cannot be installed that
+/// signal is ignored (and logged); the other still works.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::warn!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
+}
+
+/// What `kvvm serve` runs: builds a tokio runtime, creates the service, listens on `listen`,
+/// calls `on_listening` with the bound address, and serves until Ctrl-C or SIGTERM; then
+/// releases everything and returns what was released.
+pub fn serve_until_signal(
+    config: ServiceConfig,
+    listen: &str,
+    body_limit: usize,
+    on_listening: impl FnOnce(SocketAddr, &KvService),
+) -> Result<ShutdownReport, ServeError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| ServeError::Io {
+            what: "cannot start the tokio runtime".into(),
+            source,
+        })?;
+    let service = Arc::new(KvService::new(config)?);
+    runtime.block_on(async move {
+        let listener = bind(listen).await?;
+        let addr = listener.local_addr().map_err(|source| ServeError::Io {
+            what: "cannot read the listening address".into(),
+            source,
+        })?;
+        on_listening(addr, &service);
+        serve(listener, service, body_limit, shutdown_signal()).await
+    })
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Path, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -30,11 +30,19 @@ pub fn router(service: Arc<KvService>, body_limit: usize) -> Router {
         body_limit,
     };
     Router::new()
-        .route("/v1/sequences", post(create))
-        .route("/v1/sequences/{id}", get(get_sequence).delete(delete))
-        .route("/v1/sequences/{id}/append", post(append))
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(healthz))
+        .route("/v1/sequences", post(create).fallback(method_not_allowed))
+        .route(
+            "/v1/sequences/{id}",
+            get(get_sequence)
+                .delete(delete)
+                .fallback(method_not_allowed),
+        )
+        .route(
+            "/v1/sequences/{id}/append",
+            post(append).fallback(method_not_allowed),
+        )
+        .route("/metrics", get(metrics).fallback(method_not_allowed))
+        .route("/healthz", get(healthz).fallback(method_not_allowed))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(app)
@@ -185,6 +193,13 @@ async fn healthz(State(app): State<App>) -> Response {
         StatusCode::OK
     };
     json(status, &body)
+}
+
+async fn method_not_allowed(State(app): State<App>, method: Method, uri: Uri) -> Response {
+    refuse(
+        &app,
+        &ServiceError::MethodNotAllowed(format!("{method} is not allowed on {}", uri.path())),
+    )
 }
 
 async fn not_found(State(app): State<App>) -> Response {

@@ -2,9 +2,10 @@
 //! of live sequences, and is the only place that calls the KV layer. The HTTP layer
 //! ([`crate::router`]) only parses, calls one method here and renders the result.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use kvvm::{DeviceId, VirtualMemoryBackend};
 use kvvm_governor::{Governor, GovernorConfig, GovernorSnapshot};
@@ -214,6 +215,8 @@ pub struct KvService {
     max_tokens: u64,
     state: Mutex<State>,
     counters: AtomicCounters,
+    /// (time, bytes) of recent sequence releases, oldest first (for `retry_after`).
+    releases: Mutex<VecDeque<(Instant, u64)>>,
 }
 
 impl std::fmt::Debug for KvService {
@@ -272,7 +275,58 @@ impl KvService {
                 closed: false,
             }),
             counters: AtomicCounters::default(),
+            releases: Mutex::new(VecDeque::new()),
         })
+    }
+
+    /// Records `bytes` released by a sequence now.
+    fn note_release(&self, bytes: u64) {
+        let now = self.governor.config().clock.now();
+        let window = self.governor.config().retry.window;
+        let mut r = self.releases.lock().unwrap_or_else(|p| p.into_inner());
+        r.push_back((now, bytes));
+        while r
+            .front()
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) > window)
+        {
+            r.pop_front();
+        }
+    }
+
+    /// The governor's `RetryPolicy` applied to the bytes released by sequences during the
+    /// last window (whether their handles went back to the driver or to the pool, they are
+    /// available to the next sequence).
+    fn release_estimate(&self, shortfall: u64) -> Duration {
+        let config = self.governor.config();
+        let now = config.clock.now();
+        let released = self
+            .releases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(t, _)| now.saturating_duration_since(*t) <= config.retry.window)
+            .map(|(_, b)| *b)
+            .fold(0u64, u64::saturating_add);
+        config.retry.estimate(shortfall, released)
+    }
+
+    /// Backpressure suggests the sooner of the governor's estimate (bytes given back to the
+    /// driver) and [`release_estimate`](Self::release_estimate) (bytes released by sequences,
+    /// most of which go to the handle pool and are not seen by the governor's estimate).
+    fn refine(&self, e: ServiceError) -> ServiceError {
+        match e {
+            ServiceError::Backpressure {
+                needed_bytes,
+                available_bytes,
+                retry_after,
+            } => ServiceError::Backpressure {
+                needed_bytes,
+                available_bytes,
+                retry_after: retry_after
+                    .min(self.release_estimate(needed_bytes.saturating_sub(available_bytes))),
+            },
+            other => other,
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -367,7 +421,8 @@ impl KvService {
         if state.closed {
             return Err(ServiceError::ShuttingDown);
         }
-        let seq = LiveSequence::open(&self.vm, geometry, self.layout, prompt)?;
+        let seq = LiveSequence::open(&self.vm, geometry, self.layout, prompt)
+            .map_err(|e| self.refine(e))?;
         let id = state.next_id;
         state.next_id = id.saturating_add(1);
         let info = info(id, &seq, seq.committed_bytes(), 0);
@@ -405,7 +460,10 @@ impl KvService {
                 ))
             })?;
         let before = seq.committed_bytes();
-        seq.grow_to(&self.vm, target)?;
+        if let Err(e) = seq.grow_to(&self.vm, target) {
+            drop(state);
+            return Err(self.refine(e));
+        }
         let added = seq.committed_bytes().saturating_sub(before);
         let info = info(id, seq, added, 0);
         drop(state);
@@ -435,6 +493,7 @@ impl KvService {
         // Once out of the table the sequence is gone whatever happens: a failed release is
         // quarantined by the manager, never forgotten.
         let released_bytes = seq.close()?;
+        self.note_release(released_bytes);
         Ok(Released {
             id,
             tokens,

@@ -330,7 +330,14 @@ fn bad_input_gets_a_clear_4xx_and_changes_nothing() {
         assert_eq!(r.status, status, "GET {path}: {}", r.body);
         assert_eq!(state(&server, id), before, "{path} changed the state");
     }
-    let expected_4xx = cases.len() as u64 + 6;
+    let r = server
+        .agent
+        .put(&server.url("/healthz"))
+        .send("{}")
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    assert_eq!(state(&server, id), before);
+    let expected_4xx = cases.len() as u64 + 7;
     assert_eq!(server.metric("kvvm_bad_requests_total"), expected_4xx);
     assert_eq!(server.metric("kvvm_grants_refused_total"), 0);
 
@@ -385,6 +392,20 @@ fn governor_refusal_is_429_with_retry_after_and_changes_nothing() {
     assert_eq!(server.delete(&format!("/v1/sequences/{id}")).status, 200);
     let r = server.post("/v1/sequences", r#"{"prompt_tokens": 1, "max_tokens": 16}"#);
     assert_eq!(r.status, 201, "{}", r.body);
+
+    // 256 MiB were just released: a shortfall of 128 MiB is estimated at about half of the
+    // 1 s window, not at the 5 s cap (the released handles went to the pool, which the
+    // governor's own estimate does not see).
+    let r = server.post(
+        "/v1/sequences",
+        r#"{"prompt_tokens": 1100, "max_tokens": 2048}"#,
+    );
+    assert_eq!(r.status, 429, "{}", r.body);
+    let j = r.json();
+    // (The pool supplies what it holds; the grant asks the governor for the rest.)
+    assert!(j["needed_bytes"].as_u64().unwrap() > j["available_bytes"].as_u64().unwrap());
+    assert!(j["retry_after_ms"].as_u64().unwrap() <= 1000, "{j}");
+    assert_eq!(r.retry_after.as_deref(), Some("1"));
 
     let (_, sim, _) = server.shutdown();
     assert!(sim.ledger().is_empty());

@@ -1,0 +1,120 @@
+//! `kvvm serve` as a user runs it: starts on an ephemeral loopback port, answers HTTP, and on
+//! SIGTERM releases every sequence and exits 0.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// One HTTP/1.1 request with `Connection: close`; returns the status and the raw response.
+fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("bad response {out:?}"));
+    (status, out)
+}
+
+#[cfg(unix)]
+#[test]
+fn serve_answers_and_releases_everything_on_sigterm() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args([
+            "serve",
+            "--backend",
+            "sim",
+            "--listen",
+            "127.0.0.1:0",
+            "--budget-bytes",
+            "1GiB",
+            "--max-tokens",
+            "4096",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    assert!(first.contains("listening on http://127.0.0.1:"), "{first}");
+    assert!(first.contains("backend sim") && first.contains("budget 1073741824 bytes"));
+    let addr = first
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap()
+        .to_owned();
+
+    let (status, body) = http(&addr, "GET", "/healthz", "");
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = http(
+        &addr,
+        "POST",
+        "/v1/sequences",
+        r#"{"prompt_tokens": 100, "max_tokens": 1000}"#,
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = http(&addr, "POST", "/v1/sequences", "{not json");
+    assert_eq!(status, 400, "{body}");
+    let (status, body) = http(&addr, "GET", "/metrics", "");
+    assert_eq!(status, 200);
+    assert!(
+        body.contains("kvvm_live_sequences{device=\"0\"} 1"),
+        "{body}"
+    );
+
+    // SIGTERM to the child started above, by its id.
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvvm serve did not stop within 20 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    assert!(status.success(), "{status:?}: {rest}");
+    assert!(rest.contains("released 1 sequences"), "{rest}");
+}
+
+#[test]
+fn serve_rejects_bad_flags() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--backend", "sim", "--layout", "diagonal"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("diagonal"));
+    let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--backend", "sim", "--model", "gpt-9"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("gpt-9"));
+}
