@@ -307,7 +307,7 @@ impl SequenceKv {
     fn check_access(&self, first: u64, len: usize) -> Result<(u64, u64), KvCacheError> {
         let bpt = self.plan.geometry().bytes_per_token();
         let len = len as u64;
-        if bpt == 0 || len % bpt != 0 {
+        if bpt == 0 || !len.is_multiple_of(bpt) {
             return Err(KvCacheError::BadLength {
                 expected: len.div_ceil(bpt.max(1)).saturating_mul(bpt),
                 got: len,
