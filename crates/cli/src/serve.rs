@@ -38,6 +38,9 @@ pub struct ServeArgs {
     /// Most bytes of released handles kept for reuse (default: the manager's, 1 GiB).
     #[arg(long, value_parser = parse_bytes)]
     pool_cap_bytes: Option<u64>,
+    /// Do not look prompts sent with token_ids up in the prefix cache (no sharing).
+    #[arg(long)]
+    no_prefix_cache: bool,
     /// Largest request body accepted, in bytes (larger: 413).
     #[arg(long, value_parser = parse_bytes, default_value_t = DEFAULT_BODY_LIMIT as u64)]
     body_limit_bytes: u64,
@@ -83,21 +86,25 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode, String> {
         layout,
         max_tokens: args.max_tokens,
         pool_cap_bytes: args.pool_cap_bytes,
+        prefix_cache: !args.no_prefix_cache,
     };
-    let report = kvvm_server::serve_until_signal(config, &args.listen, body_limit, |addr, s| {
-        let budget = s
-            .governor()
-            .device_budget(DeviceId(args.device))
-            .map_or("unlimited".to_owned(), |b| format!("{b} bytes"));
-        println!(
+    let report =
+        kvvm_server::serve_until_signal(config, &args.listen, body_limit, |addr, s| {
+            let budget = s
+                .governor()
+                .device_budget(DeviceId(args.device))
+                .map_or("unlimited".to_owned(), |b| format!("{b} bytes"));
+            println!(
             "kvvm serve: listening on http://{addr} (backend {backend_name}, {} {dtype} {layout}, \
-             max {} tokens, granule {} bytes, budget {budget}); Ctrl-C to stop",
+             max {} tokens, granule {} bytes, budget {budget}, prefix cache {}); Ctrl-C to stop",
             s.model(),
             s.max_tokens(),
             s.manager().granule(),
+            s.prefix_cache()
+                .map_or("off".to_owned(), |c| format!("on, {}-token blocks", c.block_tokens())),
         );
-    })
-    .map_err(|e| e.to_string())?;
+        })
+        .map_err(|e| e.to_string())?;
     println!(
         "kvvm serve: stopped; released {} sequences ({} bytes){}",
         report.sequences,

@@ -154,30 +154,6 @@ impl From<KvError> for ServiceError {
     }
 }
 
-/// Maps a manager error: backpressure and driver out-of-memory become
-/// [`ServiceError::Backpressure`]; `needed` and `available` fill in what a driver OOM does not
-/// say, and `retry_after` is the governor's estimate for that case.
-pub(crate) fn from_vmm(
-    e: VmmError,
-    needed: u64,
-    available: u64,
-    retry_after: impl FnOnce(u64) -> Duration,
-) -> ServiceError {
-    match e {
-        VmmError::Backpressure(bp) => ServiceError::Backpressure {
-            needed_bytes: bp.needed,
-            available_bytes: bp.available,
-            retry_after: bp.retry_after,
-        },
-        e if e.is_retryable() => ServiceError::Backpressure {
-            needed_bytes: needed,
-            available_bytes: available,
-            retry_after: retry_after(needed.saturating_sub(available)),
-        },
-        other => ServiceError::Internal(other.to_string()),
-    }
-}
-
 /// Why a server could not be started.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {

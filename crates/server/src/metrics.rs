@@ -8,7 +8,7 @@ use crate::service::MetricsSnapshot;
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Every metric [`render`] writes: name, type and help text.
-pub const METRICS: [(&str, &str, &str); 18] = [
+pub const METRICS: [(&str, &str, &str); 24] = [
     (
         "kvvm_budget_bytes",
         "gauge",
@@ -87,6 +87,36 @@ pub const METRICS: [(&str, &str, &str); 18] = [
         "counter",
         "Prompt tokens served from shared prefixes.",
     ),
+    (
+        "kvvm_prefixes_published_total",
+        "counter",
+        "Prefixes published to the prefix cache.",
+    ),
+    (
+        "kvvm_prefix_cache_entries",
+        "gauge",
+        "Prefixes in the prefix cache (absent when it is off).",
+    ),
+    (
+        "kvvm_prefix_cache_bytes",
+        "gauge",
+        "Physical bytes the cached prefixes hold, each counted once.",
+    ),
+    (
+        "kvvm_prefix_cache_idle_bytes",
+        "gauge",
+        "Cached prefix bytes no live sequence maps (evictable now).",
+    ),
+    (
+        "kvvm_prefix_bytes_saved_total",
+        "counter",
+        "Bytes mapped read-only from the cache instead of committed.",
+    ),
+    (
+        "kvvm_prefix_evictions_total",
+        "counter",
+        "Prefixes evicted (LRU cap or the governor's reclaim).",
+    ),
 ];
 
 /// Renders `m` in the Prometheus text format.
@@ -116,6 +146,12 @@ pub fn render(m: &MetricsSnapshot) -> String {
             "kvvm_bad_requests_total" => c.bad_requests,
             "kvvm_prefix_hits_total" => c.prefix_hits,
             "kvvm_prefix_hit_tokens_total" => c.prefix_hit_tokens,
+            "kvvm_prefixes_published_total" => c.prefixes_published,
+            "kvvm_prefix_cache_entries" => m.prefix_cache?.cached_entries,
+            "kvvm_prefix_cache_bytes" => m.prefix_cache?.cached_bytes,
+            "kvvm_prefix_cache_idle_bytes" => m.prefix_cache?.idle_bytes,
+            "kvvm_prefix_bytes_saved_total" => m.prefix_cache?.bytes_saved,
+            "kvvm_prefix_evictions_total" => m.prefix_cache?.evictions,
             _ => return None,
         })
     };
@@ -138,6 +174,7 @@ mod tests {
     use crate::service::Counters;
     use kvvm::DeviceId;
     use kvvm_governor::{DeviceSnapshot, GovernorSnapshot};
+    use kvvm_kv::PrefixCacheStats;
 
     #[test]
     fn renders_every_metric_with_help_and_type() {
@@ -162,6 +199,7 @@ mod tests {
                 ..Counters::default()
             },
             granule: 2 << 20,
+            prefix_cache: Some(PrefixCacheStats::default()),
         };
         let text = render(&m);
         for (name, kind, _) in METRICS {
@@ -182,10 +220,12 @@ mod tests {
             live_tokens: 0,
             counters: Counters::default(),
             granule: 1,
+            prefix_cache: None,
         };
         let text = render(&m);
         assert!(!text.contains("kvvm_budget_bytes"));
         assert!(!text.contains("kvvm_free_bytes"));
+        assert!(!text.contains("kvvm_prefix_cache_bytes"));
         assert!(text.contains("kvvm_used_bytes{device=\"0\"} 0\n"));
     }
 }

@@ -1,45 +1,107 @@
-//! One live sequence's KV cache: a reservation sized for its `max_tokens`, with the granule
-//! windows that hold live bytes of its first `tokens` tokens committed.
+//! One live sequence's KV cache: a [`SequenceKv`] reserved once under the service's
+//! [`LayoutPlan`], admitted through the [`PrefixCache`] when the client sends token ids.
 //!
-//! This is the only module that touches reservations and layout plans directly; the
-//! [`KvService`](crate::KvService) owns the table of these.
+//! This is the only module that calls the KV layer; the [`KvService`](crate::KvService) owns
+//! the table of these, the plan and the cache.
 
-use kvvm_kv::{KvGeometry, KvLayout, LayoutPlan};
-use kvvm_vmm::{Reservation, VirtualMemory, VmmError};
+use kvvm_kv::{KvCacheError, LayoutPlan, PrefixCache, PublishOutcome, SequenceKv};
+use kvvm_vmm::VirtualMemory;
 
 use crate::error::ServiceError;
+
+/// Largest host buffer used to write placeholder prompt KV (see [`LiveSequence::admit`]).
+const WRITE_CHUNK_BYTES: u64 = 8 << 20;
 
 /// A live sequence.
 #[derive(Debug)]
 pub(crate) struct LiveSequence {
-    plan: LayoutPlan,
-    reservation: Reservation,
+    kv: SequenceKv,
     tokens: u64,
+    hit_tokens: u64,
+    shared_bytes: u64,
+}
+
+/// What opening a sequence did, beyond the sequence itself.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Opened {
+    /// Bytes this request committed (private windows and a new owned prefix segment).
+    pub(crate) committed_bytes: u64,
+    /// Tokens of a prefix this request published to the cache.
+    pub(crate) published_tokens: u64,
 }
 
 impl LiveSequence {
-    /// Reserves the address space of `geometry` (whose `max_tokens` is the sequence's) under
-    /// `layout` and commits the windows of its first `tokens` tokens, as one transaction: on
-    /// error nothing is left (the reservation is dropped, which frees it).
+    /// Reserves a sequence of at most `max_tokens` tokens and commits its first `tokens`
+    /// tokens, without looking for a shared prefix. On error nothing is left.
     pub(crate) fn open(
         vm: &VirtualMemory,
-        geometry: KvGeometry,
-        layout: KvLayout,
+        plan: &LayoutPlan,
+        max_tokens: u64,
         tokens: u64,
-    ) -> Result<Self, ServiceError> {
-        let plan = LayoutPlan::new(geometry, layout, vm.granule())?;
-        // Validate the token count before any driver call.
+    ) -> Result<(Self, Opened), ServiceError> {
         let needed = plan.committed_bytes_for_tokens(tokens)?;
-        let reservation = vm
-            .reserve(plan.reservation_bytes())
-            .map_err(|e| vmm_error(vm, e, needed))?;
-        let mut seq = LiveSequence {
-            plan,
-            reservation,
-            tokens: 0,
+        let mut kv = SequenceKv::new(vm, plan, max_tokens).map_err(|e| kv_error(vm, e, needed))?;
+        // On error `kv` is dropped: its reservation is freed (nothing was committed).
+        let committed = kv
+            .ensure_tokens(tokens)
+            .map_err(|e| kv_error(vm, e, needed))?;
+        let seq = LiveSequence {
+            kv,
+            tokens,
+            hit_tokens: 0,
+            shared_bytes: 0,
         };
-        seq.grow_to(vm, tokens)?;
-        Ok(seq)
+        Ok((
+            seq,
+            Opened {
+                committed_bytes: committed,
+                published_tokens: 0,
+            },
+        ))
+    }
+
+    /// Admits a prompt of `token_ids` through the prefix cache: the longest cached prefix is
+    /// mapped read-only (a hit: not committed again), the rest committed. When the prompt's
+    /// full blocks go beyond the hit, this request owns a new shared prefix segment: the
+    /// server, which has no model, stands in for prefill by writing placeholder KV for those
+    /// tokens (bytes derived from the token ids), then publishes it so later requests with the
+    /// same prefix hit it. On error nothing is left.
+    pub(crate) fn admit(
+        vm: &VirtualMemory,
+        cache: &PrefixCache,
+        token_ids: &[u32],
+        max_tokens: u64,
+    ) -> Result<(Self, Opened), ServiceError> {
+        let prompt = token_ids.len() as u64;
+        let needed = cache.plan().committed_bytes_for_tokens(prompt)?;
+        let admission = cache
+            .admit(token_ids, max_tokens)
+            .map_err(|e| kv_error(vm, e, needed))?;
+        let mut kv = admission.sequence;
+        let mut published_tokens = 0;
+        if admission.owned_prefix_tokens > 0 {
+            let first = admission.hit_tokens;
+            let end = first.saturating_add(admission.owned_prefix_tokens);
+            write_placeholder(&mut kv, token_ids, first, end).map_err(|e| kv_error(vm, e, 0))?;
+            if let PublishOutcome::Published { tokens, .. } =
+                cache.publish(&mut kv).map_err(|e| kv_error(vm, e, 0))?
+            {
+                published_tokens = tokens;
+            }
+        }
+        let seq = LiveSequence {
+            kv,
+            tokens: prompt,
+            hit_tokens: admission.hit_tokens,
+            shared_bytes: admission.shared_bytes,
+        };
+        Ok((
+            seq,
+            Opened {
+                committed_bytes: admission.committed_bytes,
+                published_tokens,
+            },
+        ))
     }
 
     /// Live tokens.
@@ -49,66 +111,141 @@ impl LiveSequence {
 
     /// The most tokens this sequence may hold.
     pub(crate) fn max_tokens(&self) -> u64 {
-        self.plan.geometry().max_tokens()
+        self.kv.max_tokens()
     }
 
-    /// Committed bytes (granule x mapped windows).
+    /// Bytes mapped in the sequence's reservation (its private windows and the shared prefix
+    /// windows it maps read-only).
     pub(crate) fn committed_bytes(&self) -> u64 {
-        self.reservation.committed_bytes()
+        self.kv.committed_bytes()
+    }
+
+    /// Physical bytes this sequence owns alone (shared prefix windows are billed once, to
+    /// the prefix).
+    pub(crate) fn owned_bytes(&self) -> u64 {
+        self.kv.additional_owned_bytes()
+    }
+
+    /// Bytes mapped read-only from the prefix cache when it was admitted.
+    pub(crate) fn shared_bytes(&self) -> u64 {
+        self.shared_bytes
+    }
+
+    /// Prompt tokens found in the prefix cache.
+    pub(crate) fn hit_tokens(&self) -> u64 {
+        self.hit_tokens
     }
 
     /// Reserved bytes of address space.
     pub(crate) fn reserved_bytes(&self) -> u64 {
-        self.reservation.size()
+        self.kv.reservation().size()
     }
 
     /// The base device address (never changes while the sequence lives).
     pub(crate) fn address(&self) -> u64 {
-        self.reservation.address().0
+        self.kv.address().0
     }
 
     /// Grows to `tokens` live tokens, committing the windows that now hold live bytes, as one
-    /// transaction: on error the sequence is unchanged.
-    pub(crate) fn grow_to(&mut self, vm: &VirtualMemory, tokens: u64) -> Result<(), ServiceError> {
-        let windows = self.plan.windows_for_tokens(tokens)?;
-        let g = self.plan.granule();
-        let mut ranges = Vec::with_capacity(windows.len());
-        for w in windows {
-            let start = w.start.checked_mul(g);
-            let len = (w.end - w.start).checked_mul(g);
-            match (start, len) {
-                (Some(s), Some(l)) => ranges.push((s, l)),
-                _ => return Err(ServiceError::Internal("window offset overflow".into())),
-            }
-        }
-        let target = self.plan.committed_bytes_for_tokens(tokens)?;
+    /// transaction: on error the sequence is unchanged. Returns the bytes committed.
+    pub(crate) fn grow_to(&mut self, vm: &VirtualMemory, tokens: u64) -> Result<u64, ServiceError> {
+        let target = self.kv.plan().committed_bytes_for_tokens(tokens)?;
         let needed = target.saturating_sub(self.committed_bytes());
-        self.reservation
-            .commit_ranges(&ranges)
-            .map_err(|e| vmm_error(vm, e, needed))?;
+        let added = self
+            .kv
+            .ensure_tokens(tokens)
+            .map_err(|e| kv_error(vm, e, needed))?;
         self.tokens = tokens;
-        Ok(())
+        Ok(added)
     }
 
-    /// Releases every committed window and the address range; returns the bytes that were
-    /// committed.
+    /// Unmaps every window (private ones go to the pool or the driver, shared ones drop a
+    /// reference) and frees the address range; returns the bytes that were mapped.
     pub(crate) fn close(mut self) -> Result<u64, ServiceError> {
-        let committed = self.committed_bytes();
-        let released = self.reservation.release();
-        // Dropping the reservation frees the range (or quarantines what cannot be proven
-        // idle): the manager never forgets memory.
+        let released = self.kv.release();
+        // Dropping the sequence frees the range (or quarantines what cannot be proven idle):
+        // the manager never forgets memory.
         drop(self);
-        released
-            .map(|_| committed)
-            .map_err(|e| ServiceError::Internal(format!("release: {e}")))
+        released.map_err(|e| ServiceError::Internal(format!("release: {e}")))
     }
 }
 
-/// Maps a manager error with what this operation needed.
-fn vmm_error(vm: &VirtualMemory, e: VmmError, needed: u64) -> ServiceError {
+/// Placeholder KV for the token at `position` with id `id`: one byte derived from both,
+/// repeated (the same prefix gives the same bytes, as a real prefill of it would).
+fn fill_token(buf: &mut [u8], id: u32, position: u64) {
+    let h = u64::from(id)
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .wrapping_add(position.wrapping_mul(0xbf58_476d_1ce4_e5b9));
+    buf.fill(h.to_le_bytes()[7]);
+}
+
+/// Writes placeholder KV for tokens `first..end` in chunks of at most [`WRITE_CHUNK_BYTES`].
+fn write_placeholder(
+    kv: &mut SequenceKv,
+    token_ids: &[u32],
+    first: u64,
+    end: u64,
+) -> Result<(), KvCacheError> {
+    let bpt = kv.plan().geometry().bytes_per_token().max(1);
+    let chunk_tokens = (WRITE_CHUNK_BYTES / bpt).max(1);
+    let bpt_usize = usize::try_from(bpt).unwrap_or(usize::MAX);
+    let most = chunk_tokens
+        .min(end.saturating_sub(first))
+        .saturating_mul(bpt);
+    // `vec!` of zeros is one zeroed allocation (no per-byte loop, even unoptimized).
+    let most = usize::try_from(most).unwrap_or(usize::MAX);
+    let mut buf = vec![0u8; most];
+    let mut t = first;
+    while t < end {
+        let n = chunk_tokens.min(end - t);
+        let len = usize::try_from(n.saturating_mul(bpt)).unwrap_or(usize::MAX);
+        let buf = &mut buf[..len.min(most)];
+        for (i, token) in buf.chunks_mut(bpt_usize).enumerate() {
+            let pos = t + i as u64;
+            let id = usize::try_from(pos)
+                .ok()
+                .and_then(|p| token_ids.get(p))
+                .copied()
+                .unwrap_or(0);
+            fill_token(token, id, pos);
+        }
+        kv.write_tokens(t, buf)?;
+        t += n;
+    }
+    Ok(())
+}
+
+/// Maps a KV-layer error with what this operation needed: backpressure and driver
+/// out-of-memory become [`ServiceError::Backpressure`]; token counts out of range are the
+/// client's; anything else is internal.
+fn kv_error(vm: &VirtualMemory, e: KvCacheError, needed: u64) -> ServiceError {
     let device = vm.device();
-    let available = vm.governor().snapshot().device(device).free();
-    crate::error::from_vmm(e, needed, available, |shortfall| {
-        vm.governor().estimate_retry_after(device, shortfall)
-    })
+    if let Some(bp) = e.backpressure() {
+        return ServiceError::Backpressure {
+            needed_bytes: bp.needed,
+            available_bytes: bp.available,
+            retry_after: bp.retry_after,
+        };
+    }
+    if e.is_retryable() {
+        // The governor granted it but the driver ran out: what the driver has left.
+        let governor_free = vm.governor().snapshot().device(device).free();
+        let driver_free = vm
+            .backend()
+            .memory_info(device)
+            .map_or(governor_free, |m| m.free);
+        let available = governor_free.min(driver_free);
+        return ServiceError::Backpressure {
+            needed_bytes: needed,
+            available_bytes: available,
+            retry_after: vm
+                .governor()
+                .estimate_retry_after(device, needed.saturating_sub(available)),
+        };
+    }
+    match e {
+        KvCacheError::TooManyTokens { .. } => ServiceError::InvalidRequest(e.to_string()),
+        KvCacheError::Layout(k) => k.into(),
+        other => ServiceError::Internal(other.to_string()),
+    }
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use kvvm::{DeviceId, VirtualMemoryBackend};
 use kvvm_governor::{Governor, GovernorConfig, GovernorSnapshot};
-use kvvm_kv::{KvDtype, KvGeometry, KvLayout};
+use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixCache, PrefixCacheStats};
 use kvvm_vmm::{VirtualMemory, VmmConfig};
 use serde::{Deserialize, Serialize};
 
@@ -36,6 +36,9 @@ pub struct ServiceConfig {
     pub max_tokens: u64,
     /// Most bytes of released handles kept for reuse (`None`: the manager's default).
     pub pool_cap_bytes: Option<u64>,
+    /// Whether prompts sent with `token_ids` go through the prefix cache (shared prefixes
+    /// found automatically and mapped read-only).
+    pub prefix_cache: bool,
 }
 
 impl std::fmt::Debug for ServiceConfig {
@@ -49,13 +52,14 @@ impl std::fmt::Debug for ServiceConfig {
             .field("layout", &self.layout)
             .field("max_tokens", &self.max_tokens)
             .field("pool_cap_bytes", &self.pool_cap_bytes)
+            .field("prefix_cache", &self.prefix_cache)
             .finish()
     }
 }
 
 impl ServiceConfig {
     /// Defaults for `backend`: device 0, llama-3-8b in fp16, seq-major, 8192 tokens, the
-    /// device's free memory as the budget.
+    /// device's free memory as the budget, the prefix cache on.
     pub fn new(backend: Arc<dyn VirtualMemoryBackend>) -> Self {
         ServiceConfig {
             backend,
@@ -66,6 +70,7 @@ impl ServiceConfig {
             layout: KvLayout::SeqMajor,
             max_tokens: 8192,
             pool_cap_bytes: None,
+            prefix_cache: true,
         }
     }
 }
@@ -104,8 +109,13 @@ pub struct SequenceInfo {
     pub tokens: u64,
     /// The most tokens it may hold.
     pub max_tokens: u64,
-    /// Physical bytes committed for it (granule x windows holding live bytes).
+    /// Bytes mapped for it: granule x windows holding live bytes, its read-only shared
+    /// prefix windows included.
     pub committed_bytes: u64,
+    /// Physical bytes it owns alone (shared prefix windows are billed once, to the prefix).
+    pub owned_bytes: u64,
+    /// Bytes mapped read-only from the prefix cache (not committed for it).
+    pub shared_bytes: u64,
     /// Bytes of address space reserved for it (never committed as a whole).
     pub reserved_bytes: u64,
     /// Bytes committed by this request (0 when every needed window was already mapped).
@@ -157,6 +167,8 @@ pub struct Counters {
     pub prefix_hits: u64,
     /// Prompt tokens served from shared prefixes.
     pub prefix_hit_tokens: u64,
+    /// Prefixes published to the prefix cache by this server's requests.
+    pub prefixes_published: u64,
 }
 
 #[derive(Debug, Default)]
@@ -169,6 +181,7 @@ struct AtomicCounters {
     internal_errors: AtomicU64,
     prefix_hits: AtomicU64,
     prefix_hit_tokens: AtomicU64,
+    prefixes_published: AtomicU64,
 }
 
 fn bump(c: &AtomicU64, by: u64) {
@@ -197,6 +210,8 @@ pub struct MetricsSnapshot {
     pub counters: Counters,
     /// The manager's granule.
     pub granule: u64,
+    /// The prefix cache's counters and sizes (`None` when it is off).
+    pub prefix_cache: Option<PrefixCacheStats>,
 }
 
 /// The server's core: backend, manager, governor and the table of live sequences.
@@ -208,6 +223,8 @@ pub struct KvService {
     backend: Arc<dyn VirtualMemoryBackend>,
     vm: VirtualMemory,
     governor: Governor,
+    plan: LayoutPlan,
+    cache: Option<Arc<PrefixCache>>,
     device: DeviceId,
     model: String,
     dtype: KvDtype,
@@ -243,9 +260,10 @@ impl KvService {
             layout,
             max_tokens,
             pool_cap_bytes,
+            prefix_cache,
         } = config;
         // Validate the model and the limit once, up front.
-        KvGeometry::preset(&model, dtype, max_tokens)
+        let geometry = KvGeometry::preset(&model, dtype, max_tokens)
             .map_err(|e| ServeError::Config(e.to_string()))?;
         let budget = match budget_bytes {
             Some(b) => Some(b),
@@ -260,10 +278,22 @@ impl KvService {
             vmm_config = vmm_config.pool_cap_bytes(cap);
         }
         let vm = VirtualMemory::new(backend.clone(), device, governor.clone(), vmm_config)?;
+        let plan = LayoutPlan::new(geometry, layout, vm.granule())
+            .map_err(|e| ServeError::Config(e.to_string()))?;
+        let cache = if prefix_cache {
+            Some(
+                PrefixCache::new(vm.clone(), plan)
+                    .map_err(|e| ServeError::Config(format!("prefix cache: {e}")))?,
+            )
+        } else {
+            None
+        };
         Ok(KvService {
             backend,
             vm,
             governor,
+            plan,
+            cache,
             device,
             model,
             dtype,
@@ -345,6 +375,11 @@ impl KvService {
         &self.model
     }
 
+    /// The KV element type served.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+
     /// The layout served.
     pub fn layout(&self) -> KvLayout {
         self.layout
@@ -363,6 +398,16 @@ impl KvService {
     /// The manager.
     pub fn manager(&self) -> &VirtualMemory {
         &self.vm
+    }
+
+    /// The layout plan every sequence is reserved under (at the model's limit).
+    pub fn plan(&self) -> &LayoutPlan {
+        &self.plan
+    }
+
+    /// The prefix cache, when it is on.
+    pub fn prefix_cache(&self) -> Option<&Arc<PrefixCache>> {
+        self.cache.as_ref()
     }
 
     /// Number of live sequences.
@@ -416,19 +461,29 @@ impl KvService {
                 "prompt_tokens {prompt} exceeds max_tokens {max}"
             )));
         }
-        let geometry = KvGeometry::preset(&self.model, self.dtype, max)?;
         let mut state = self.lock();
         if state.closed {
             return Err(ServiceError::ShuttingDown);
         }
-        let seq = LiveSequence::open(&self.vm, geometry, self.layout, prompt)
-            .map_err(|e| self.refine(e))?;
+        let opened = match (&self.cache, &req.token_ids) {
+            (Some(cache), Some(ids)) => LiveSequence::admit(&self.vm, cache, ids, max),
+            _ => LiveSequence::open(&self.vm, &self.plan, max, prompt),
+        };
+        let (seq, opened) = opened.map_err(|e| self.refine(e))?;
         let id = state.next_id;
         state.next_id = id.saturating_add(1);
-        let info = info(id, &seq, seq.committed_bytes(), 0);
+        let info = info(id, &seq, opened.committed_bytes);
         state.sequences.insert(id, seq);
         drop(state);
-        bump(&self.counters.sequences_created, 1);
+        let c = &self.counters;
+        bump(&c.sequences_created, 1);
+        if info.prefix_hit_tokens > 0 {
+            bump(&c.prefix_hits, 1);
+            bump(&c.prefix_hit_tokens, info.prefix_hit_tokens);
+        }
+        if opened.published_tokens > 0 {
+            bump(&c.prefixes_published, 1);
+        }
         Ok(info)
     }
 
@@ -459,13 +514,14 @@ impl KvService {
                     seq.max_tokens()
                 ))
             })?;
-        let before = seq.committed_bytes();
-        if let Err(e) = seq.grow_to(&self.vm, target) {
-            drop(state);
-            return Err(self.refine(e));
-        }
-        let added = seq.committed_bytes().saturating_sub(before);
-        let info = info(id, seq, added, 0);
+        let added = match seq.grow_to(&self.vm, target) {
+            Ok(added) => added,
+            Err(e) => {
+                drop(state);
+                return Err(self.refine(e));
+            }
+        };
+        let info = info(id, seq, added);
         drop(state);
         bump(&self.counters.appends, 1);
         Ok(info)
@@ -478,7 +534,7 @@ impl KvService {
             .sequences
             .get(&id)
             .ok_or(ServiceError::UnknownSequence(id))?;
-        Ok(info(id, seq, 0, 0))
+        Ok(info(id, seq, 0))
     }
 
     /// Releases sequence `id` (its memory and its address range).
@@ -501,8 +557,9 @@ impl KvService {
         })
     }
 
-    /// Refuses new work and releases every sequence, then empties the manager's handle pool:
-    /// afterwards the service holds no device memory (quarantine aside).
+    /// Refuses new work and releases every sequence, then empties the prefix cache and the
+    /// manager's handle pool: afterwards the service holds no device memory (quarantine
+    /// aside).
     pub fn shutdown(&self) -> ShutdownReport {
         let sequences = {
             let mut state = self.lock();
@@ -520,6 +577,9 @@ impl KvService {
                     tracing::warn!(id, error = %e, "release at shutdown failed");
                 }
             }
+        }
+        if let Some(cache) = &self.cache {
+            cache.clear();
         }
         self.vm.trim_pool(0);
         report
@@ -543,6 +603,7 @@ impl KvService {
             internal_errors: get(&c.internal_errors),
             prefix_hits: get(&c.prefix_hits),
             prefix_hit_tokens: get(&c.prefix_hit_tokens),
+            prefixes_published: get(&c.prefixes_published),
         }
     }
 
@@ -564,19 +625,22 @@ impl KvService {
             live_tokens,
             counters: self.counters(),
             granule: self.vm.granule(),
+            prefix_cache: self.cache.as_ref().map(|c| c.stats()),
         }
     }
 }
 
-fn info(id: u64, seq: &LiveSequence, added_bytes: u64, prefix_hit_tokens: u64) -> SequenceInfo {
+fn info(id: u64, seq: &LiveSequence, added_bytes: u64) -> SequenceInfo {
     SequenceInfo {
         id,
         tokens: seq.tokens(),
         max_tokens: seq.max_tokens(),
         committed_bytes: seq.committed_bytes(),
+        owned_bytes: seq.owned_bytes(),
+        shared_bytes: seq.shared_bytes(),
         reserved_bytes: seq.reserved_bytes(),
         added_bytes,
-        prefix_hit_tokens,
+        prefix_hit_tokens: seq.hit_tokens(),
         address: seq.address(),
     }
 }

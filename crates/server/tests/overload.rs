@@ -1,23 +1,37 @@
 //! Overload: 8 client threads x 25 requests (200 in all, bounded in time) against a server on
-//! 127.0.0.1 whose budget holds only a few sequences. Every answer is 2xx or 429, every 429
-//! carries `Retry-After` and the bytes needed and available, and after everything is released
-//! and the server shut down the simulated driver's ledger is empty.
+//! 127.0.0.1 whose budget holds only a few sequences; half the prompts open with a common
+//! system prompt (sent as token ids, shared through the prefix cache). Every answer is 2xx or
+//! 429, every 429 carries `Retry-After` and the bytes needed and available, and after
+//! everything is released and the server shut down the simulated driver's ledger is empty.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{TestServer, MIB2};
+use kvvm_sim::SimBackend;
 
 const THREADS: usize = 8;
 const REQUESTS_PER_THREAD: usize = 25;
 const DEADLINE: Duration = Duration::from_secs(60);
+/// Tokens of the common system prompt: 4 blocks of 16 (token-major, 2 MiB windows).
+const SYSTEM: u32 = 64;
+
+fn ids(prompt: u32, tail_start: u32) -> String {
+    let v: Vec<String> = (0..SYSTEM)
+        .chain(tail_start..tail_start + prompt - SYSTEM)
+        .map(|i| i.to_string())
+        .collect();
+    v.join(",")
+}
 
 #[derive(Debug, Default)]
 struct Tally {
     created: u64,
+    hits: u64,
     appended: u64,
     deleted: u64,
     refused: u64,
@@ -26,10 +40,25 @@ struct Tally {
 
 #[test]
 fn overload_sees_only_2xx_and_429_and_leaves_nothing_behind() {
-    // llama-3-8b seq-major: a sequence costs 64 windows (128 MiB) per 1024 tokens started.
-    // The budget holds 6 one-window sequences, fewer once they grow.
-    let budget = 6 * 64 * MIB2;
-    let server = TestServer::start(Some(budget));
+    // llama-3-8b fp16 token-major: 128 KiB a token, 16 tokens a 2 MiB window. A prompt of
+    // 100..1000 tokens costs 7..63 windows, an append of 700 tokens 44 more: the budget of
+    // 128 windows holds a few sequences at a time.
+    let budget = 128 * MIB2;
+    let sim = Arc::new(SimBackend::h200());
+    let mut config = common::config(&sim, Some(budget));
+    config.layout = kvvm_kv::KvLayout::TokenMajor;
+    let server = TestServer::start_with(sim, config, 64 << 10);
+    // A sequence holding the system prompt lives throughout, so the cached prefix is mapped
+    // and never evicted: every prompt that opens with it hits it.
+    let pin = server.post(
+        "/v1/sequences",
+        &format!(
+            r#"{{"token_ids": [{}], "max_tokens": 100}}"#,
+            ids(SYSTEM, 0)
+        ),
+    );
+    assert_eq!(pin.status, 201, "{}", pin.body);
+    let pin = pin.json()["id"].as_u64().unwrap();
     let start = Instant::now();
     let tallies: Vec<Tally> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..THREADS)
@@ -46,12 +75,20 @@ fn overload_sees_only_2xx_and_429_and_leaves_nothing_behind() {
                         let (r, kind) = match live {
                             None => {
                                 let prompt = 100 + 97 * ((t * 31 + i * 7) % 10);
-                                let body =
-                                    format!(r#"{{"prompt_tokens": {prompt}, "max_tokens": 4096}}"#);
-                                (
-                                    common::post(&agent, &server.url("/v1/sequences"), &body),
-                                    'c',
-                                )
+                                let (body, kind) = if i % 2 == 0 {
+                                    let tail = 1000 * (t as u32 + 1) + 10 * i as u32;
+                                    let ids = ids(prompt as u32, tail);
+                                    let b =
+                                        format!(r#"{{"token_ids": [{ids}], "max_tokens": 4096}}"#);
+                                    (b, 'i')
+                                } else {
+                                    let b = format!(
+                                        r#"{{"prompt_tokens": {prompt}, "max_tokens": 4096}}"#
+                                    );
+                                    (b, 'c')
+                                };
+                                let url = server.url("/v1/sequences");
+                                (common::post(&agent, &url, &body), kind)
                             }
                             Some((id, appends)) if appends < 2 => (
                                 common::post(
@@ -64,9 +101,14 @@ fn overload_sees_only_2xx_and_429_and_leaves_nothing_behind() {
                             Some((id, _)) => (server.delete(&format!("/v1/sequences/{id}")), 'd'),
                         };
                         match (r.status, kind) {
-                            (201, 'c') => {
+                            (201, 'c' | 'i') => {
                                 tally.created += 1;
-                                live = Some((r.json()["id"].as_u64().unwrap(), 0));
+                                let j = r.json();
+                                let hit = j["prefix_hit_tokens"].as_u64().unwrap();
+                                let expected = if kind == 'i' { u64::from(SYSTEM) } else { 0 };
+                                assert_eq!(hit, expected, "{j}");
+                                tally.hits += u64::from(hit > 0);
+                                live = Some((j["id"].as_u64().unwrap(), 0));
                             }
                             (200, 'a') => {
                                 tally.appended += 1;
@@ -126,14 +168,15 @@ fn overload_sees_only_2xx_and_429_and_leaves_nothing_behind() {
         "answers other than 2xx and 429: {other:?}"
     );
     let sum = |f: fn(&Tally) -> u64| tallies.iter().map(f).sum::<u64>();
-    let (created, appended, deleted, refused) = (
+    let (created, hits, appended, deleted, refused) = (
         sum(|t| t.created),
+        sum(|t| t.hits),
         sum(|t| t.appended),
         sum(|t| t.deleted),
         sum(|t| t.refused),
     );
     println!(
-        "{} requests in {elapsed:?}: {created} created, {appended} appended, {deleted} deleted, {refused} refused (429)",
+        "{} requests in {elapsed:?}: {created} created ({hits} with a prefix hit), {appended} appended, {deleted} deleted, {refused} refused (429)",
         THREADS * REQUESTS_PER_THREAD
     );
     assert!(created > 0 && appended > 0, "nothing was served");
@@ -142,11 +185,18 @@ fn overload_sees_only_2xx_and_429_and_leaves_nothing_behind() {
         "the budget never ran out: the test does not test overload"
     );
     assert_eq!(created, deleted);
+    assert!(hits > 0, "no prompt hit the system prompt");
+    assert_eq!(server.metric("kvvm_prefix_hits_total"), hits);
+    assert_eq!(server.delete(&format!("/v1/sequences/{pin}")).status, 200);
 
     // The server counted what the clients saw, and nothing is live.
     assert_eq!(server.metric("kvvm_grants_refused_total"), refused);
     assert_eq!(server.metric("kvvm_live_sequences"), 0);
     assert_eq!(server.metric("kvvm_committed_bytes"), 0);
+    assert_eq!(
+        server.metric("kvvm_prefix_cache_bytes"),
+        server.metric("kvvm_shared_bytes")
+    );
     assert_eq!(server.metric("kvvm_quarantined_bytes"), 0);
     assert!(server.metric("kvvm_used_bytes") <= budget);
 
