@@ -42,7 +42,7 @@ use crate::prefix::SharedDevicePrefix;
 use crate::sequence::SequenceKv;
 
 /// Host bytes per verification / write chunk.
-const CHUNK_BYTES: u64 = 16 << 20;
+const CHUNK_BYTES: u64 = 64 << 20;
 
 /// What [`run_decode_loop`] runs.
 #[derive(Debug, Clone, PartialEq, Eq)]

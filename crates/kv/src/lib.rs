@@ -92,17 +92,43 @@
 //!   [`KvCacheError::WriteIntoSharedPrefix`] (no copy-on-write on the device).
 //! * [`PrefixCache`]: automatic prefix sharing. For a server:
 //!
-//! ```text
-//! let cache: Arc<PrefixCache> = PrefixCache::new(vm, plan)?;        // registers a reclaimer
-//! let Admission { mut sequence, hit_tokens, prompt_tokens, .. } =
-//!     cache.admit(&token_ids, max_tokens)?;                          // 429 on Backpressure
-//! // prefill: write tokens hit_tokens..prompt_tokens (they are committed already)
-//! sequence.write_tokens(hit_tokens, &kv_bytes)?;
-//! cache.publish(&mut sequence)?;                                    // now others can hit it
-//! // decode: sequence.ensure_tokens(n + 1)?; sequence.write_token(n, &kv)?; ...
-//! sequence.release()?;                                              // or drop it
-//! let s: PrefixCacheStats = cache.stats();  // hits, misses, tokens_saved, bytes_saved,
-//!                                           // cached_bytes, evictions, ...
+//! ```
+//! # use std::sync::Arc;
+//! # use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixCache, SequenceKv};
+//! # use kvvm_sim::{SimBackend, SimConfig};
+//! # use kvvm_vmm::{Governor, VirtualMemory, VmmConfig};
+//! # fn main() -> Result<(), kvvm_kv::KvCacheError> {
+//! # let sim = Arc::new(SimBackend::new(SimConfig::single(2 << 20, 8 << 30)));
+//! # let vm = VirtualMemory::new(sim.clone(), kvvm_hal::DeviceId(0), Governor::unlimited(),
+//! #                             VmmConfig::default())?;
+//! let geometry = KvGeometry::preset("llama-3-8b", KvDtype::F16, 8192)?;
+//! let plan = LayoutPlan::new(geometry, KvLayout::TokenMajor, vm.granule())?;
+//! let cache: Arc<PrefixCache> = PrefixCache::new(vm, plan)?;   // registers a reclaimer
+//! assert_eq!(cache.block_tokens(), 16);                        // 2 MiB / 128 KiB per token
+//! let token_ids: Vec<u32> = (0..100).collect();
+//!
+//! // Request 1: a miss. It owns a new shared prefix of its 6 full blocks (96 tokens).
+//! let mut a = cache.admit(&token_ids, 1024)?;                  // 429 on Backpressure
+//! assert_eq!((a.hit_tokens, a.owned_prefix_tokens), (0, 96));
+//! let bpt = geometry.bytes_per_token() as usize;
+//! let kv = vec![7u8; 100 * bpt];                               // prefill's KV, host layout
+//! a.sequence.write_tokens(a.hit_tokens, &kv)?;                 // tokens 0..100
+//! cache.publish(&mut a.sequence)?;                             // now others can hit it
+//!
+//! // Request 2: the same prompt. 96 tokens mapped read-only, 4 to write.
+//! let mut b = cache.admit(&token_ids, 1024)?;
+//! assert_eq!(b.hit_tokens, 96);
+//! assert!(b.sequence.write_token(0, &kv[..bpt]).is_err());     // read-only prefix
+//! b.sequence.write_tokens(96, &kv[..4 * bpt])?;
+//! b.sequence.ensure_tokens(101)?;                              // decode grows privately
+//! b.sequence.write_token(100, &kv[..bpt])?;
+//!
+//! let s = cache.stats();   // hits, misses, tokens_saved, bytes_saved, cached_bytes, evictions
+//! assert_eq!((s.hits, s.misses, s.tokens_saved), (1, 1, 96));
+//! drop((a, b));            // the owner may finish first; the cache keeps the prefix
+//! assert_eq!(cache.stats().cached_bytes, 6 * (2 << 20));
+//! # Ok(())
+//! # }
 //! ```
 //!
 //!   [`KvCacheError::Backpressure`] carries the governor's `Backpressure { needed, available,
