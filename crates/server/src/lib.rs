@@ -1,10 +1,11 @@
 //! # kvvm-server: KV-cache memory over HTTP, with 429 backpressure
 //!
-//! `kvvm serve` runs this: an HTTP/1.1 server (axum on tokio) over the device memory manager.
-//! A client opens a sequence with its prompt length, grows it as tokens are generated and
-//! releases it when done; the server reserves each sequence's address space once, commits
-//! physical granules as it grows (the pointer never moves) and answers a lack of memory with
-//! **429 Too Many Requests + `Retry-After`**, never with a 5xx.
+//! `kvvm serve` runs this: an HTTP/1.1 server (axum on tokio) over the device memory manager
+//! and the prefix cache. A client opens a sequence with its prompt (a length, or token ids),
+//! grows it as tokens are generated and releases it when done; the server reserves each
+//! sequence's address space once, commits physical granules as it grows (the pointer never
+//! moves), maps a cached prompt prefix read-only instead of committing it again, and answers
+//! a lack of memory with **429 Too Many Requests + `Retry-After`**, never with a 5xx.
 //!
 //! | method and path | body | success |
 //! |---|---|---|
@@ -22,11 +23,13 @@
 //!
 //! ## Structure
 //!
-//! [`KvService`] is the core: it owns the backend, the governor, the manager and the table of
-//! live sequences, and is the only code that touches the KV layer. [`router`] is the HTTP
-//! layer over it. [`serve`] runs the router on a listener until a shutdown future completes,
-//! then releases every sequence and the handle pool ([`KvService::shutdown`]): after it
-//! returns the service holds no device memory.
+//! [`KvService`] is the core: it owns the backend, the governor, the manager, the layout plan,
+//! the [`PrefixCache`](kvvm_kv::PrefixCache) and the table of live sequences
+//! ([`SequenceKv`](kvvm_kv::SequenceKv)s), and is the only code that touches the KV layer.
+//! [`router`] is the HTTP layer over it. [`serve`] runs the router on a listener until a
+//! shutdown future completes, then releases every sequence, the prefix cache and the handle
+//! pool ([`KvService::shutdown`]): after it returns the service holds no device memory
+//! (quarantine aside). [`serve_until_signal`] is what the CLI runs (Ctrl-C or SIGTERM).
 //!
 //! ## Example
 //!
