@@ -127,6 +127,11 @@ pub struct DecodeLoopReport {
     pub block_tokens: u64,
     /// Prompt tokens each sharer found in the cache.
     pub hit_tokens: u64,
+    /// Whether the whole prompt is shareable under the layout and granule (when not, the
+    /// attach figures are zero and `prompt_refusal` says why).
+    pub prompt_shareable: bool,
+    /// The shareability verdict's refusal reason for the prompt, if any.
+    pub prompt_refusal: Option<String>,
     /// Physical bytes of the shared prompt prefix (billed once).
     pub shared_prefix_bytes: u64,
     /// Physical bytes held when every sequence reached its final length, measured (the
@@ -227,6 +232,9 @@ impl DecodeLoopReport {
             self.shared_prefix_bytes,
             mib(self.shared_prefix_bytes)
         );
+        if let Some(r) = &self.prompt_refusal {
+            let _ = writeln!(s, "| prompt not shareable | {r} |");
+        }
         let _ = writeln!(
             s,
             "| attach shared prefix (map_shared_prefix_readonly), median / min | {:?} / {:?} |",
@@ -507,18 +515,17 @@ pub fn run_decode_loop(
     // ---- attach vs copy ----
     let mut attach = Vec::new();
     let mut copy = Vec::new();
+    let verdict = crate::evaluate_prefix_shareability(
+        &geometry,
+        config.layout,
+        config.prompt_tokens,
+        plan.granule(),
+    )?;
     let copy_bytes = mul(config.prompt_tokens, bpt, "copy bytes")?;
     if config.attach_copy_samples > 0 && config.prompt_tokens > 0 {
         let mut host = vec![0u8; usize_of(copy_bytes)?];
         fill_tokens(&geometry, 0, &mut host, &prompt_id);
-        let shareable = crate::evaluate_prefix_shareability(
-            &geometry,
-            config.layout,
-            config.prompt_tokens,
-            plan.granule(),
-        )?
-        .shareable;
-        let owner = if shareable {
+        let owner = if verdict.shareable {
             let (prefix, owner) = SharedDevicePrefix::reserve_unwritten(
                 &vm,
                 &plan,
@@ -572,6 +579,8 @@ pub fn run_decode_loop(
         share_prefix: config.share_prefix,
         block_tokens: cache.block_tokens(),
         hit_tokens,
+        prompt_shareable: verdict.shareable,
+        prompt_refusal: verdict.refusal_reason(),
         shared_prefix_bytes,
         committed_bytes_with_sharing: committed_measured,
         committed_bytes_without_sharing: without,

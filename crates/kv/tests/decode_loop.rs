@@ -89,3 +89,27 @@ impl Committed for LayoutPlan {
             .unwrap()
     }
 }
+
+/// Head-major with a prompt shorter than a block: nothing is shared, the report says why,
+/// every byte is still verified.
+#[test]
+fn unshareable_prompt_is_reported_with_the_reason() {
+    let g = 4096;
+    let s = sim(g);
+    // head-major: 64 B per token per fragment, a block is 64 tokens.
+    let r = run_decode_loop(s.clone(), &config(KvLayout::HeadMajor, 40, true)).unwrap();
+    assert!(r.verified);
+    assert!(!r.prompt_shareable);
+    assert!(r
+        .prompt_refusal
+        .as_deref()
+        .is_some_and(|x| x.contains("prefix not shareable")));
+    assert_eq!(r.hit_tokens, 0);
+    assert_eq!(
+        r.committed_bytes_with_sharing,
+        r.committed_bytes_without_sharing
+    );
+    assert!(r.to_markdown().contains("prompt not shareable"));
+    drop(r);
+    assert!(s.ledger().is_empty());
+}
