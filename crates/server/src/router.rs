@@ -115,11 +115,7 @@ where
     T: Serialize + Send + 'static,
     F: FnOnce(&KvService) -> Result<T, ServiceError> + Send + 'static,
 {
-    let service = app.service.clone();
-    let outcome = tokio::task::spawn_blocking(move || f(&service))
-        .await
-        .unwrap_or_else(|e| Err(ServiceError::Internal(format!("worker failed: {e}"))));
-    match outcome {
+    match blocking(&app, f).await.and_then(|r| r) {
         Ok(value) => json(success, &value),
         Err(e) => refuse(&app, &e),
     }
@@ -162,39 +158,55 @@ async fn delete(State(app): State<App>, Path(id): Path<String>) -> Response {
     run(app, StatusCode::OK, move |s| s.release(id)).await
 }
 
+/// Runs `f` on a blocking thread: it takes the service's lock, which a driver call may hold
+/// for a while, and an async worker must not wait on it.
+async fn blocking<T: Send + 'static>(
+    app: &App,
+    f: impl FnOnce(&KvService) -> T + Send + 'static,
+) -> Result<T, ServiceError> {
+    let service = app.service.clone();
+    tokio::task::spawn_blocking(move || f(&service))
+        .await
+        .map_err(|e| ServiceError::Internal(format!("worker failed: {e}")))
+}
+
 async fn metrics(State(app): State<App>) -> Response {
-    let text = crate::metrics::render(&app.service.metrics());
-    (
-        StatusCode::OK,
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
-        )],
-        Body::from(text),
-    )
-        .into_response()
+    match blocking(&app, |s| crate::metrics::render(&s.metrics())).await {
+        Ok(text) => (
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+            )],
+            Body::from(text),
+        )
+            .into_response(),
+        Err(e) => refuse(&app, &e),
+    }
 }
 
 async fn healthz(State(app): State<App>) -> Response {
-    let s = &app.service;
-    let closed = s.is_closed();
-    let body = serde_json::json!({
-        "status": if closed { "shutting_down" } else { "ok" },
-        "backend": s.backend_name(),
-        "model": s.model(),
-        "dtype": s.dtype().as_str(),
-        "layout": s.layout().as_str(),
-        "prefix_cache": s.prefix_cache().is_some(),
-        "max_tokens": s.max_tokens(),
-        "granule_bytes": s.manager().granule(),
-        "live_sequences": s.live_sequences(),
-    });
-    let status = if closed {
-        StatusCode::SERVICE_UNAVAILABLE
-    } else {
-        StatusCode::OK
-    };
-    json(status, &body)
+    let health = blocking(&app, |s| {
+        let closed = s.is_closed();
+        let body = serde_json::json!({
+            "status": if closed { "shutting_down" } else { "ok" },
+            "backend": s.backend_name(),
+            "model": s.model(),
+            "dtype": s.dtype().as_str(),
+            "layout": s.layout().as_str(),
+            "prefix_cache": s.prefix_cache().is_some(),
+            "max_tokens": s.max_tokens(),
+            "granule_bytes": s.manager().granule(),
+            "live_sequences": s.live_sequences(),
+        });
+        (closed, body)
+    })
+    .await;
+    match health {
+        Ok((false, body)) => json(StatusCode::OK, &body),
+        Ok((true, body)) => json(StatusCode::SERVICE_UNAVAILABLE, &body),
+        Err(e) => refuse(&app, &e),
+    }
 }
 
 async fn method_not_allowed(State(app): State<App>, method: Method, uri: Uri) -> Response {
