@@ -635,3 +635,95 @@ fn concurrent_admissions_under_a_budget() {
     drop(w.vm);
     assert!(w.sim.ledger().is_empty());
 }
+
+/// A prefix whose end is not on a window boundary and whose tokens straddle windows (96-byte
+/// heads): the sharer writes the straddling prefix token's private bytes only, refuses the
+/// tokens wholly inside the shared windows, and reads back every byte.
+#[test]
+fn straddling_prefix_token_is_written_privately() {
+    let g = 4096;
+    for layout in KvLayout::ALL {
+        let w = world(g, None);
+        // 2 layers, 2 KV heads, head_dim 48, fp16: 96 B per head, 768 B per token.
+        let geo = KvGeometry::with_dtype(2, 2, 48, KvDtype::F16, 300).unwrap();
+        let plan = LayoutPlan::new(geo, layout, g).unwrap();
+        let prefix_len = 55;
+        let (prefix, owner) = SharedDevicePrefix::reserve_and_map_shared_prefix(
+            &w.vm,
+            &plan,
+            prefix_len,
+            300,
+            |t, buf| {
+                let n = buf.len() as u64 / geo.bytes_per_token();
+                buf.copy_from_slice(&tokens_bytes(&geo, 0, t, n, prefix_len));
+            },
+        )
+        .unwrap();
+        let whole = prefix.shared_tokens();
+        let bpt_f = plan.fragment_bytes_per_token();
+        // The first token past the whole ones straddles the end of the shared windows.
+        assert_ne!((whole * bpt_f) % g, 0, "{layout}");
+        assert!(whole < prefix_len);
+        let mut sh = prefix.map_shared_prefix_readonly(&w.vm, 300).unwrap();
+        assert_eq!(sh.committed_tokens(), whole);
+        sh.ensure_tokens(prefix_len + 5).unwrap();
+        assert!(matches!(
+            sh.write_tokens(whole - 1, &tokens_bytes(&geo, 1, whole - 1, 2, prefix_len)),
+            Err(KvCacheError::WriteIntoSharedPrefix { .. })
+        ));
+        sh.write_tokens(
+            whole,
+            &tokens_bytes(&geo, 1, whole, prefix_len + 5 - whole, prefix_len),
+        )
+        .unwrap();
+        let n = prefix_len + 5;
+        let mut back = vec![0u8; (n * geo.bytes_per_token()) as usize];
+        sh.read_tokens(0, &mut back).unwrap();
+        assert_eq!(back, tokens_bytes(&geo, 1, 0, n, prefix_len), "{layout}");
+        check_books(&w, &[&owner, &sh], &[&prefix]);
+        drop((owner, sh, prefix));
+        drop(w.vm);
+        assert!(w.sim.ledger().is_empty());
+    }
+}
+
+/// Driver faults inside admit (creating the owned segment, mapping a sharer's windows):
+/// nothing of the request is left, the books match the driver, the cache still works.
+#[test]
+fn faults_inside_admit_leave_nothing_behind() {
+    let g = 4096;
+    let geo = tiny(1000);
+    let plan = LayoutPlan::new(geo, KvLayout::SeqMajor, g).unwrap();
+    let w = world(g, None);
+    let cache = PrefixCache::new(w.vm.clone(), plan).unwrap();
+    let ids = prompt(70, 3); // 2 blocks + 6 tokens
+    for n in 1..=3 {
+        w.sim
+            .inject(FaultRule::nth(Operation::Create, n, ErrorKind::OutOfMemory));
+        let e = cache.admit(&ids, 100).unwrap_err();
+        w.sim.clear_faults();
+        assert!(e.is_retryable(), "{e:?}");
+        check_books(&w, &[], &[]);
+        assert_eq!(w.sim.ledger().total_physical_bytes(), 0);
+    }
+    let mut a = cache.admit(&ids, 100).unwrap();
+    write_prompt(&geo, &mut a.sequence, &ids, 0);
+    cache.publish(&mut a.sequence).unwrap();
+    let owned = a.sequence.owned_prefix().cloned().unwrap();
+    let before = owned.mapped_count();
+    for n in [1, 3, 8] {
+        w.sim
+            .inject(FaultRule::nth(Operation::Map, n, ErrorKind::InvalidValue));
+        assert!(cache.admit(&ids, 100).is_err());
+        w.sim.clear_faults();
+        assert_eq!(owned.mapped_count(), before);
+        check_books(&w, &[&a.sequence], &[&owned]);
+    }
+    let b = cache.admit(&ids, 100).unwrap();
+    assert_eq!(b.hit_tokens, 64);
+    check_prompt(&geo, &b.sequence, &ids[..64]);
+    drop((a, b, owned));
+    drop(cache);
+    drop(w.vm);
+    assert!(w.sim.ledger().is_empty());
+}
