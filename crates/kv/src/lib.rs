@@ -1,11 +1,15 @@
-//! # kvvm-kv: KV-cache geometry, layouts and shareability arithmetic
+//! # kvvm-kv: KV-cache geometry, layouts, shareability, sequences and the prefix cache
 //!
-//! Pure arithmetic, no GPU: given the shape of a model's KV cache ([`KvGeometry`]), a physical
+//! Two halves. **The arithmetic** (no GPU): given the shape of a model's KV cache ([`KvGeometry`]), a physical
 //! layout ([`KvLayout`]) and the device's mapping granule (queried from the driver, never
 //! hard-coded), this crate says where every byte lives ([`LayoutPlan::offset`]), how many
 //! bytes must be committed for `n` live tokens ([`LayoutPlan::committed_bytes_for_tokens`],
 //! [`commit_lower_bound`]) and whether a prefix can be shared by mapping one physical
-//! allocation at several addresses ([`evaluate_prefix_shareability`]).
+//! allocation at several addresses ([`evaluate_prefix_shareability`]). **The device side**
+//! (over `kvvm-vmm`): one request's cache ([`SequenceKv`]), a prefix mapped read-only by many
+//! requests and billed once ([`SharedDevicePrefix`]), an automatic prefix cache
+//! ([`PrefixCache`]) and a synthetic decode loop ([`decode::run_decode_loop`]); see "On the
+//! device" below and `docs/prefix-sharing.md`.
 //!
 //! ## Geometry
 //!
