@@ -414,9 +414,10 @@ pub fn run_decode_loop(
     // ---- prefill ----
     let t0 = Instant::now();
     let mut seqs: Vec<SequenceKv> = Vec::with_capacity(config.sequences as usize);
+    let mut froms: Vec<u64> = Vec::with_capacity(config.sequences as usize);
     let mut admit_hits = Vec::new();
     let mut hit_tokens = 0u64;
-    for s in 0..u64::from(config.sequences) {
+    for s in 0..config.sequences {
         let (mut seq, from) = if config.share_prefix {
             let t = Instant::now();
             let adm = cache.admit(&prompt_ids, total_tokens)?;
@@ -431,20 +432,52 @@ pub fn run_decode_loop(
             seq.ensure_tokens(config.prompt_tokens)?;
             (seq, 0)
         };
-        let mut t = from;
-        while t < config.prompt_tokens {
-            let n = chunk_tokens.min(config.prompt_tokens - t);
-            buf.resize(usize_of(mul(n, bpt, "chunk")?)?, 0);
-            fill_tokens(&geometry, t, &mut buf, &prompt_id);
-            seq.write_tokens(t, &buf)?;
-            bytes_written = bytes_written.saturating_add(buf.len() as u64);
-            t += n;
-        }
-        if config.share_prefix {
+        if s == 0 && config.share_prefix {
+            // The first request writes its prompt and publishes it before anyone else is
+            // admitted, so that they hit it.
+            let mut t = from;
+            while t < config.prompt_tokens {
+                let n = chunk_tokens.min(config.prompt_tokens - t);
+                buf.resize(usize_of(mul(n, bpt, "chunk")?)?, 0);
+                fill_tokens(&geometry, t, &mut buf, &prompt_id);
+                seq.write_tokens(t, &buf)?;
+                bytes_written = bytes_written.saturating_add(buf.len() as u64);
+                t += n;
+            }
             cache.publish(&mut seq)?;
+            froms.push(config.prompt_tokens);
+        } else {
+            froms.push(from);
         }
-        let _ = s;
         seqs.push(seq);
+    }
+    // Everyone else writes the part of the prompt it did not find in the cache; each chunk of
+    // the prompt is generated once and written to every sequence that needs it.
+    let mut t = 0;
+    while t < config.prompt_tokens {
+        let n = chunk_tokens.min(config.prompt_tokens - t);
+        let end = t + n;
+        let mut generated = false;
+        for (seq, &from) in seqs.iter_mut().zip(&froms) {
+            let lo = from.max(t);
+            if lo >= end {
+                continue;
+            }
+            if !generated {
+                buf.resize(usize_of(mul(n, bpt, "chunk")?)?, 0);
+                fill_tokens(&geometry, t, &mut buf, &prompt_id);
+                generated = true;
+            }
+            let skip = usize_of(mul(lo - t, bpt, "chunk")?)?;
+            seq.write_tokens(lo, &buf[skip..])?;
+            bytes_written = bytes_written.saturating_add((buf.len() - skip) as u64);
+        }
+        t = end;
+    }
+    if config.share_prefix {
+        for seq in &mut seqs {
+            cache.publish(seq)?;
+        }
     }
     let prefill_time = t0.elapsed();
 
