@@ -675,15 +675,50 @@ impl Reservation {
         }
     }
 
+    /// Releases the blocks whose whole window lies inside one of `ranges` (offsets from the
+    /// base), like [`release`](Self::release): owned handles go to the pool or the driver,
+    /// shared mappings drop their reference; blocks outside the ranges stay. Returns the bytes
+    /// unmapped. This is how windows committed ahead of need are given back.
+    pub fn release_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<u64> {
+        let vm = Arc::clone(&self.vm);
+        let g = vm.granule;
+        let span = tracing::debug_span!(
+            "vmm.release_ranges",
+            device = vm.device.0,
+            base = self.base.0,
+            ranges = ranges.len()
+        );
+        let _e = span.enter();
+        let inside = |o: u64| {
+            ranges
+                .iter()
+                .any(|&(start, len)| o >= start && o.saturating_add(g) <= start.saturating_add(len))
+        };
+        let (todo, keep): (Vec<Block>, Vec<Block>) = std::mem::take(&mut self.blocks)
+            .into_iter()
+            .partition(|b| inside(b.offset));
+        self.blocks = keep;
+        match self.unmap_blocks(&vm, todo) {
+            (bytes, None) => Ok(bytes),
+            (_, Some(e)) => Err(e.into()),
+        }
+    }
+
     /// Unmaps the blocks from index `first` on, last first, in runs of adjacent blocks where
     /// allowed. Returns the bytes unmapped and the first error.
     fn unmap_from(&mut self, vm: &Inner, first: usize) -> (u64, Option<BackendError>) {
+        let todo = self.blocks.split_off(first.min(self.blocks.len()));
+        self.unmap_blocks(vm, todo)
+    }
+
+    /// Unmaps `todo` (sorted blocks taken out of `self.blocks`), last first, in runs of
+    /// adjacent blocks where allowed; blocks whose unmap fails go back into `self.blocks`.
+    fn unmap_blocks(&mut self, vm: &Inner, mut todo: Vec<Block>) -> (u64, Option<BackendError>) {
         let g = vm.granule;
         let span_runs = vm.caps.unmap_spans_mappings;
         let mut first_error: Option<BackendError> = None;
         let mut unmapped = 0u64;
         let mut kept_rev: Vec<Block> = Vec::new();
-        let mut todo = self.blocks.split_off(first.min(self.blocks.len()));
         while let Some(last) = todo.last().cloned() {
             // The run: trailing blocks of `todo` adjacent to each other.
             let mut run_start = todo.len().saturating_sub(1);
@@ -731,7 +766,7 @@ impl Reservation {
             }
         }
         kept_rev.reverse();
-        self.blocks.extend(kept_rev);
+        self.insert_blocks(kept_rev.into_iter());
         (unmapped, first_error)
     }
 

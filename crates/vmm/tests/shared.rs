@@ -244,3 +244,29 @@ fn unmap_failure_of_a_sharer_keeps_the_handle_alive() {
     drop(sharer);
     assert!(w.sim.ledger().is_empty());
 }
+
+#[test]
+fn release_ranges_gives_back_only_whole_windows_inside() {
+    let w = World::simple(G, 4);
+    let mut r = w.vm.reserve(16 * G).unwrap();
+    r.commit_ranges(&[(0, 3 * G), (8 * G, 3 * G)]).unwrap();
+    // Windows 1-2 and 9-10 go; 0 and 8 stay; a range covering half a window frees nothing.
+    let freed = r
+        .release_ranges(&[(G, 2 * G), (9 * G, 2 * G), (12 * G, G / 2)])
+        .unwrap();
+    assert_eq!(freed, 4 * G);
+    let left: Vec<u64> = r
+        .mappings()
+        .iter()
+        .map(|b| b.address.0 - r.address().0)
+        .collect();
+    assert_eq!(left, vec![0, 8 * G]);
+    assert_eq!(w.vm.pooled_bytes(), 4 * G);
+    w.check(&[&r]);
+    // A failing unmap keeps the block recorded.
+    w.sim
+        .inject(FaultRule::nth(Operation::Unmap, 1, ErrorKind::Other));
+    r.release_ranges(&[(0, G)]).unwrap_err();
+    assert!(r.is_mapped(0));
+    w.check(&[&r]);
+}
