@@ -190,9 +190,18 @@ fn bump(c: &AtomicU64, by: u64) {
 
 #[derive(Debug)]
 struct State {
-    sequences: BTreeMap<u64, LiveSequence>,
+    sequences: BTreeMap<u64, Arc<Slot>>,
     next_id: u64,
     closed: bool,
+}
+
+/// A table entry: the sequence behind its own lock (`None` once released), so that driver
+/// calls on different sequences do not wait for each other.
+type Slot = Mutex<Option<LiveSequence>>;
+
+fn lock_slot(slot: &Slot) -> MutexGuard<'_, Option<LiveSequence>> {
+    // Every update of a slot is a single assignment: a poisoned lock is still consistent.
+    slot.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// A point-in-time view of the service for `/metrics`.
@@ -214,11 +223,14 @@ pub struct MetricsSnapshot {
     pub prefix_cache: Option<PrefixCacheStats>,
 }
 
-/// The server's core: backend, manager, governor and the table of live sequences.
+/// The server's core: backend, manager, governor, layout plan, prefix cache and the table of
+/// live sequences.
 ///
 /// Every method is synchronous (driver calls); the HTTP layer calls them on a blocking
-/// thread. Operations on the table are serialized by one lock, and each is all-or-nothing:
-/// an error leaves the table and the books as they were.
+/// thread. The table's lock is held only to look up, insert or remove; each sequence has its
+/// own lock, held across its driver calls, so operations on different sequences run in
+/// parallel and operations on one sequence one after the other. Each operation is
+/// all-or-nothing: an error leaves the table and the books as they were.
 pub struct KvService {
     backend: Arc<dyn VirtualMemoryBackend>,
     vm: VirtualMemory,
@@ -234,6 +246,8 @@ pub struct KvService {
     counters: AtomicCounters,
     /// (time, bytes) of recent sequence releases, oldest first (for `retry_after`).
     releases: Mutex<VecDeque<(Instant, u64)>>,
+    /// Live tokens over all sequences.
+    live_tokens: AtomicU64,
 }
 
 impl std::fmt::Debug for KvService {
@@ -306,6 +320,7 @@ impl KvService {
             }),
             counters: AtomicCounters::default(),
             releases: Mutex::new(VecDeque::new()),
+            live_tokens: AtomicU64::new(0),
         })
     }
 
@@ -361,8 +376,38 @@ impl KvService {
 
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave the table half-updated (every update
-        // is a single insert or remove), so a poisoned lock is still usable.
+        // is a single insert or remove), so a poisoned lock is still usable. The table lock
+        // is never held across a driver call.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The slot of live sequence `id`.
+    fn slot(&self, id: u64) -> Result<Arc<Slot>, ServiceError> {
+        let state = self.lock();
+        if state.closed {
+            return Err(ServiceError::ShuttingDown);
+        }
+        state
+            .sequences
+            .get(&id)
+            .cloned()
+            .ok_or(ServiceError::UnknownSequence(id))
+    }
+
+    /// Closes a sequence that was released from the table, counting it.
+    fn close(&self, seq: LiveSequence) -> Result<u64, ServiceError> {
+        self.live_tokens.fetch_sub(seq.tokens(), Ordering::Relaxed);
+        bump(&self.counters.sequences_released, 1);
+        seq.close()
+    }
+
+    /// Gives back what the service still holds after every sequence is gone: the prefix
+    /// cache's entries and the handle pool.
+    fn drain(&self) {
+        if let Some(cache) = &self.cache {
+            cache.clear();
+        }
+        self.vm.trim_pool(0);
     }
 
     /// The backend's name.
@@ -461,19 +506,31 @@ impl KvService {
                 "prompt_tokens {prompt} exceeds max_tokens {max}"
             )));
         }
-        let mut state = self.lock();
-        if state.closed {
+        if self.lock().closed {
             return Err(ServiceError::ShuttingDown);
         }
+        // The driver calls run without the table lock: other sequences proceed meanwhile.
         let opened = match (&self.cache, &req.token_ids) {
             (Some(cache), Some(ids)) => LiveSequence::admit(&self.vm, cache, ids, max),
             _ => LiveSequence::open(&self.vm, &self.plan, max, prompt),
         };
         let (seq, opened) = opened.map_err(|e| self.refine(e))?;
+        let mut state = self.lock();
+        if state.closed {
+            // Shutdown started meanwhile (a request whose client went away): give back what
+            // this one took, as shutdown did for the others.
+            drop(state);
+            if let Err(e) = seq.close() {
+                tracing::warn!(error = %e, "release of a sequence opened during shutdown failed");
+            }
+            self.drain();
+            return Err(ServiceError::ShuttingDown);
+        }
+        self.live_tokens.fetch_add(seq.tokens(), Ordering::Relaxed);
         let id = state.next_id;
         state.next_id = id.saturating_add(1);
         let info = info(id, &seq, opened.committed_bytes);
-        state.sequences.insert(id, seq);
+        state.sequences.insert(id, Arc::new(Mutex::new(Some(seq))));
         drop(state);
         let c = &self.counters;
         bump(&c.sequences_created, 1);
@@ -494,61 +551,58 @@ impl KvService {
                 "tokens must be at least 1".into(),
             ));
         }
-        let mut state = self.lock();
-        if state.closed {
-            return Err(ServiceError::ShuttingDown);
-        }
-        let seq = state
-            .sequences
-            .get_mut(&id)
-            .ok_or(ServiceError::UnknownSequence(id))?;
-        let target = seq
-            .tokens()
+        let slot = self.slot(id)?;
+        let mut guard = lock_slot(&slot);
+        // Released while this request waited for the slot.
+        let seq = guard.as_mut().ok_or(ServiceError::UnknownSequence(id))?;
+        let before = seq.tokens();
+        let target = before
             .checked_add(req.tokens)
             .filter(|t| *t <= seq.max_tokens())
             .ok_or_else(|| {
                 ServiceError::InvalidRequest(format!(
-                    "appending {} tokens to {} would exceed the sequence's max_tokens {}",
+                    "appending {} tokens to {before} would exceed the sequence's max_tokens {}",
                     req.tokens,
-                    seq.tokens(),
                     seq.max_tokens()
                 ))
             })?;
         let added = match seq.grow_to(&self.vm, target) {
             Ok(added) => added,
             Err(e) => {
-                drop(state);
+                drop(guard);
                 return Err(self.refine(e));
             }
         };
+        self.live_tokens.fetch_add(req.tokens, Ordering::Relaxed);
         let info = info(id, seq, added);
-        drop(state);
+        drop(guard);
         bump(&self.counters.appends, 1);
         Ok(info)
     }
 
     /// The sequence `id`.
     pub fn get(&self, id: u64) -> Result<SequenceInfo, ServiceError> {
-        let state = self.lock();
-        let seq = state
-            .sequences
-            .get(&id)
-            .ok_or(ServiceError::UnknownSequence(id))?;
+        let slot = self.slot(id)?;
+        let guard = lock_slot(&slot);
+        let seq = guard.as_ref().ok_or(ServiceError::UnknownSequence(id))?;
         Ok(info(id, seq, 0))
     }
 
     /// Releases sequence `id` (its memory and its address range).
     pub fn release(&self, id: u64) -> Result<Released, ServiceError> {
-        let seq = self
+        let slot = self
             .lock()
             .sequences
             .remove(&id)
             .ok_or(ServiceError::UnknownSequence(id))?;
+        // Waits for an operation in progress on this sequence, then takes it.
+        let seq = lock_slot(&slot)
+            .take()
+            .ok_or(ServiceError::UnknownSequence(id))?;
         let tokens = seq.tokens();
-        bump(&self.counters.sequences_released, 1);
         // Once out of the table the sequence is gone whatever happens: a failed release is
         // quarantined by the manager, never forgotten.
-        let released_bytes = seq.close()?;
+        let released_bytes = self.close(seq)?;
         self.note_release(released_bytes);
         Ok(Released {
             id,
@@ -567,10 +621,13 @@ impl KvService {
             std::mem::take(&mut state.sequences)
         };
         let mut report = ShutdownReport::default();
-        for (id, seq) in sequences {
+        for (id, slot) in sequences {
+            // Waits for an operation in progress on this sequence.
+            let Some(seq) = lock_slot(&slot).take() else {
+                continue;
+            };
             report.sequences += 1;
-            bump(&self.counters.sequences_released, 1);
-            match seq.close() {
+            match self.close(seq) {
                 Ok(bytes) => report.released_bytes = report.released_bytes.saturating_add(bytes),
                 Err(e) => {
                     report.failures += 1;
@@ -578,10 +635,7 @@ impl KvService {
                 }
             }
         }
-        if let Some(cache) = &self.cache {
-            cache.clear();
-        }
-        self.vm.trim_pool(0);
+        self.drain();
         report
     }
 
@@ -609,15 +663,8 @@ impl KvService {
 
     /// A point-in-time view for `/metrics`.
     pub fn metrics(&self) -> MetricsSnapshot {
-        let (live_sequences, live_tokens) = {
-            let state = self.lock();
-            let tokens = state
-                .sequences
-                .values()
-                .map(LiveSequence::tokens)
-                .fold(0u64, u64::saturating_add);
-            (state.sequences.len() as u64, tokens)
-        };
+        let live_sequences = self.lock().sequences.len() as u64;
+        let live_tokens = self.live_tokens.load(Ordering::Relaxed);
         MetricsSnapshot {
             governor: self.governor.snapshot(),
             device: self.device,

@@ -574,3 +574,46 @@ fn idle_cached_prefixes_are_evicted_before_a_refusal() {
     let (_, sim, _) = server.shutdown();
     assert!(sim.ledger().is_empty());
 }
+
+#[test]
+fn racing_appends_and_a_delete_on_one_sequence_leave_nothing_behind() {
+    let server = TestServer::start(None);
+    for round in 0..3 {
+        let r = server.post(
+            "/v1/sequences",
+            r#"{"prompt_tokens": 1, "max_tokens": 4096}"#,
+        );
+        assert_eq!(r.status, 201, "{}", r.body);
+        let id = r.json()["id"].as_u64().unwrap();
+        let statuses: Vec<u16> = std::thread::scope(|scope| {
+            let appenders: Vec<_> = (0..4)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let agent = common::agent();
+                        let url = server.url(&format!("/v1/sequences/{id}/append"));
+                        (0..20)
+                            .map(|_| common::post(&agent, &url, r#"{"tokens": 40}"#).status)
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            std::thread::sleep(std::time::Duration::from_millis(5 * round));
+            let d = server.delete(&format!("/v1/sequences/{id}"));
+            assert_eq!(d.status, 200, "{}", d.body);
+            appenders
+                .into_iter()
+                .flat_map(|h| h.join().unwrap())
+                .collect()
+        });
+        // Each append either happened before the delete or found the sequence gone.
+        assert!(
+            statuses.iter().all(|s| *s == 200 || *s == 404),
+            "{statuses:?}"
+        );
+        assert_eq!(server.service.live_sequences(), 0);
+        assert_eq!(server.metric("kvvm_live_tokens"), 0);
+        assert_eq!(server.metric("kvvm_committed_bytes"), 0);
+    }
+    let (_, sim, _) = server.shutdown();
+    assert!(sim.ledger().is_empty());
+}

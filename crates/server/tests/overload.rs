@@ -41,7 +41,7 @@ struct Tally {
 #[test]
 fn overload_sees_only_2xx_and_429_and_leaves_nothing_behind() {
     // llama-3-8b fp16 token-major: 128 KiB a token, 16 tokens a 2 MiB window. A prompt of
-    // 100..1000 tokens costs 7..63 windows, an append of 700 tokens 44 more: the budget of
+    // 100..1000 tokens costs 7..63 windows, an append of 300 tokens 19 more: the budget of
     // 128 windows holds a few sequences at a time.
     let budget = 128 * MIB2;
     let sim = Arc::new(SimBackend::h200());
@@ -94,7 +94,7 @@ fn overload_sees_only_2xx_and_429_and_leaves_nothing_behind() {
                                 common::post(
                                     &agent,
                                     &server.url(&format!("/v1/sequences/{id}/append")),
-                                    r#"{"tokens": 700}"#,
+                                    r#"{"tokens": 300}"#,
                                 ),
                                 'a',
                             ),
