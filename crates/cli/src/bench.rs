@@ -20,6 +20,36 @@ enum BenchCommand {
     /// The manager against the raw driver: commit of k granules, pooled vs fresh commit,
     /// growth by one granule vs realloc-and-copy (CUDA only).
     Vmm(VmmBenchArgs),
+    /// The synthetic decode loop of the KV layer: many sequences sharing one prompt prefix,
+    /// every byte written at the layout's offsets and verified; committed bytes with and
+    /// without sharing, attach-vs-copy time of the shared prefix.
+    Kv(KvBenchArgs),
+}
+
+/// Arguments of `kvvm bench kv`.
+#[derive(Debug, Args)]
+pub struct KvBenchArgs {
+    /// Backend: sim, cuda, hip or auto.
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// KV layout: head-major, seq-major or token-major.
+    #[arg(long, default_value = "seq-major")]
+    layout: String,
+    /// Sequences sharing the prompt.
+    #[arg(long, default_value_t = 64)]
+    sequences: u32,
+    /// Prompt tokens (the shared prefix).
+    #[arg(long, default_value_t = 4096)]
+    prompt_tokens: u64,
+    /// Run without prefix sharing (every sequence commits and writes its own prompt).
+    #[arg(long)]
+    no_sharing: bool,
+    /// Skip the read-back verification.
+    #[arg(long)]
+    no_verify: bool,
+    /// Print JSON instead of Markdown.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Arguments of `kvvm bench vmm`.
@@ -138,9 +168,60 @@ fn run_vmm(args: &VmmBenchArgs) -> Result<ExitCode, String> {
     Ok(ExitCode::SUCCESS)
 }
 
+fn run_kv(args: &KvBenchArgs) -> Result<ExitCode, String> {
+    let opened = kvvm::open_backend_verbose(&args.backend).map_err(|e| e.to_string())?;
+    if let Some(n) = &opened.notice {
+        eprintln!("{n}");
+    }
+    let mut config = kvvm_kv::decode::DecodeLoopConfig::acceptance().map_err(|e| e.to_string())?;
+    config.layout = args.layout.parse().map_err(|e| format!("{e}"))?;
+    config.sequences = args.sequences;
+    config.prompt_tokens = args.prompt_tokens;
+    config.share_prefix = !args.no_sharing;
+    config.verify = !args.no_verify;
+    let r = kvvm_kv::decode::run_decode_loop(opened.backend, &config).map_err(|e| e.to_string())?;
+    if args.json {
+        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+        println!(
+            "{}",
+            json!({
+                "backend": r.backend,
+                "model": r.model,
+                "layout": r.layout.as_str(),
+                "granule": r.granule,
+                "sequences": r.sequences,
+                "prompt_tokens": r.prompt_tokens,
+                "decode_tokens": r.decode_tokens,
+                "share_prefix": r.share_prefix,
+                "prompt_shareable": r.prompt_shareable,
+                "prompt_refusal": r.prompt_refusal,
+                "shared_prefix_bytes": r.shared_prefix_bytes,
+                "committed_bytes_with_sharing": r.committed_bytes_with_sharing,
+                "committed_bytes_without_sharing": r.committed_bytes_without_sharing,
+                "attach_median_us": us(r.attach_median),
+                "copy_median_us": us(r.copy_median),
+                "copy_bytes": r.copy_bytes,
+                "bytes_written": r.bytes_written,
+                "bytes_verified": r.bytes_verified,
+                "verified": r.verified,
+                "used_bytes_at_end": r.used_bytes_at_end,
+                "prefix_hits": r.cache.hits,
+            })
+        );
+    } else {
+        print!("{}", r.to_markdown());
+    }
+    Ok(if r.verified || !config.verify {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
 /// Runs a benchmark.
 pub fn run(args: &BenchArgs) -> Result<ExitCode, String> {
     match &args.which {
         BenchCommand::Vmm(a) => run_vmm(a),
+        BenchCommand::Kv(a) => run_kv(a),
     }
 }
