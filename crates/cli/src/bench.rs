@@ -24,6 +24,33 @@ enum BenchCommand {
     /// every byte written at the layout's offsets and verified; committed bytes with and
     /// without sharing, attach-vs-copy time of the shared prefix.
     Kv(KvBenchArgs),
+    /// Latency of `ensure_tokens` on the decode path: commits inline vs a background
+    /// pre-committer, side by side in one run.
+    Decode(DecodeBenchArgs),
+}
+
+/// Arguments of `kvvm bench decode`.
+#[derive(Debug, Args)]
+pub struct DecodeBenchArgs {
+    /// Backend: sim, cuda, hip or auto.
+    #[arg(long, default_value = "auto")]
+    backend: String,
+    /// Latency model of the simulated backend: h200 (driver calls cost their H200 medians,
+    /// spent for real) or none.
+    #[arg(long, default_value = "h200")]
+    latency_model: String,
+    /// Sequences decoding side by side.
+    #[arg(long, default_value_t = 16)]
+    sequences: u32,
+    /// Decode steps.
+    #[arg(long, default_value_t = 512)]
+    steps: u64,
+    /// Compute time of one decode step, in microseconds.
+    #[arg(long, default_value_t = 300)]
+    step_us: u64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Arguments of `kvvm bench kv`.
@@ -218,10 +245,89 @@ fn run_kv(args: &KvBenchArgs) -> Result<ExitCode, String> {
     })
 }
 
+fn run_decode(args: &DecodeBenchArgs) -> Result<ExitCode, String> {
+    use kvvm::sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
+    let backend: Arc<dyn VirtualMemoryBackend> = if args.backend == "sim" {
+        let model = match args.latency_model.as_str() {
+            "h200" => LatencyModel::h200(),
+            "none" => LatencyModel::zero(),
+            other => return Err(format!("unknown latency model {other:?} (h200 or none)")),
+        };
+        Arc::new(SimBackend::new(
+            SimConfig::default().with_latency(model, LatencyMode::Spin),
+        ))
+    } else {
+        let opened = kvvm::open_backend_verbose(&args.backend).map_err(|e| e.to_string())?;
+        if let Some(n) = &opened.notice {
+            eprintln!("{n}");
+        }
+        if opened.backend.name() == "sim" {
+            Arc::new(SimBackend::new(
+                SimConfig::default().with_latency(LatencyModel::h200(), LatencyMode::Spin),
+            ))
+        } else {
+            opened.backend
+        }
+    };
+    let mut config =
+        kvvm_kv::precommit::DecodeBenchConfig::standard().map_err(|e| e.to_string())?;
+    config.sequences = args.sequences.max(1);
+    config.decode_tokens = args.steps.max(1);
+    config.step_time = std::time::Duration::from_micros(args.step_us);
+    config.precommit.max_headroom_bytes = u64::from(config.sequences) * 3 * (2 << 20);
+    let r = kvvm_kv::precommit::run_decode_bench(backend, &config).map_err(|e| e.to_string())?;
+    let lat = |l: &kvvm_kv::precommit::LatencySummary| {
+        json!({"p50_us": l.p50_us, "p99_us": l.p99_us, "max_us": l.max_us,
+               "calls": l.calls, "inline_commits": l.inline_commits})
+    };
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "backend": r.backend,
+                "inline": lat(&r.inline),
+                "precommit": lat(&r.precommit),
+                "extra_committed_bytes": r.extra_committed_bytes,
+                "max_headroom_bytes": r.max_headroom_bytes,
+                "background_commits": r.stats.background_commits,
+                "background_refused": r.stats.background_refused,
+                "background_failures": r.stats.background_failures,
+            })
+        );
+    } else {
+        println!(
+            "decode bench on {}: {} sequences x {} steps of {} us, granule {} B",
+            r.backend, config.sequences, config.decode_tokens, args.step_us, r.granule
+        );
+        for (name, l) in [("inline", &r.inline), ("precommit", &r.precommit)] {
+            println!(
+                "  {name:<9} ensure_tokens p50 {:8.2} us  p99 {:8.2} us  max {:8.2} us  ({} calls, {} inline commits)",
+                l.p50_us, l.p99_us, l.max_us, l.calls, l.inline_commits
+            );
+        }
+        let ratio = if r.precommit.p99_us > 0.0 {
+            r.inline.p99_us / r.precommit.p99_us
+        } else {
+            f64::INFINITY
+        };
+        println!("  inline p99 / precommit p99 = {ratio:.1}x");
+        println!(
+            "  extra committed bytes (peak) {} of at most {}; background commits {}, refused {}, failed {}",
+            r.extra_committed_bytes,
+            r.max_headroom_bytes,
+            r.stats.background_commits,
+            r.stats.background_refused,
+            r.stats.background_failures
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Runs a benchmark.
 pub fn run(args: &BenchArgs) -> Result<ExitCode, String> {
     match &args.which {
         BenchCommand::Vmm(a) => run_vmm(a),
         BenchCommand::Kv(a) => run_kv(a),
+        BenchCommand::Decode(a) => run_decode(a),
     }
 }

@@ -207,6 +207,12 @@ pub enum KvCacheError {
         /// Value read.
         got: u8,
     },
+    /// The pre-commit worker thread could not be started.
+    #[error("cannot start the pre-commit worker: {reason}")]
+    Worker {
+        /// The operating system's reason.
+        reason: String,
+    },
 }
 
 impl From<kvvm_vmm::VmmError> for KvCacheError {

@@ -153,6 +153,7 @@ pub mod decode;
 mod error;
 mod geometry;
 mod layout;
+pub mod precommit;
 mod prefix;
 mod sequence;
 mod shareability;

@@ -557,6 +557,39 @@ impl SequenceKv {
         Ok(())
     }
 
+    /// Gives back the private windows committed beyond the first `n` tokens (windows holding
+    /// no byte of tokens `0..n` in any fragment), keeping the address range: what a
+    /// pre-committer does with windows it committed ahead of need when memory runs short.
+    /// Tokens already written are never given back (`n` is raised to
+    /// [`written_tokens`](Self::written_tokens)), and neither is a shared window. Returns the
+    /// bytes unmapped.
+    pub fn shrink_committed(&mut self, n: u64) -> Result<u64, KvCacheError> {
+        let n = n.max(self.written_tokens).max(self.prefix_tokens);
+        if n >= self.committed_tokens {
+            return Ok(0);
+        }
+        let g = self.plan.granule();
+        let mut ranges = Vec::with_capacity(self.fragments.len());
+        for f in &self.fragments {
+            let live = f.live_bytes(n)?;
+            let keep_end = live.end.div_ceil(g).saturating_mul(g).max(
+                self.protected_windows()
+                    .saturating_mul(g)
+                    .saturating_add(f.offset),
+            );
+            let end = f.offset.saturating_add(f.reserved_bytes);
+            if keep_end < end {
+                ranges.push((keep_end, end - keep_end));
+            }
+        }
+        let span =
+            tracing::debug_span!("kv.shrink_committed", from = self.committed_tokens, to = n);
+        let _e = span.enter();
+        let bytes = self.reservation.release_ranges(&ranges)?;
+        self.committed_tokens = n;
+        Ok(bytes)
+    }
+
     /// Unmaps everything (private windows go to the pool or the driver; shared mappings only
     /// drop their reference), detaches from any shared prefix and keeps the address range.
     /// Returns the bytes unmapped. The sequence can grow again (privately) afterwards.

@@ -1,0 +1,744 @@
+//! Keep the decode step off the driver: background pre-commit.
+//!
+//! A decode step that has to commit a window waits for `cuMemCreate` + `cuMemMap` +
+//! `cuMemSetAccess` (about 42 us a 2 MiB window on the H200, far more on other platforms), and
+//! every request in the batch waits with it. A [`Precommitter`] runs one background worker
+//! that commits each sequence's next windows *before* the decode path needs them:
+//!
+//! * A [`PrecommittedSequence`] wraps a [`SequenceKv`]. Its
+//!   [`ensure_tokens`](PrecommittedSequence::ensure_tokens) first reads an atomic count of
+//!   tokens already committed: when the tokens are there (the normal case), it returns without
+//!   a lock or a driver call ([`Ensured::Ready`]). Otherwise it commits inline, through the
+//!   normal transaction and governor (correct, just slower), and counts it
+//!   ([`PrecommitStats::inline_commits`]: the worker fell behind).
+//! * The worker looks at every sequence each
+//!   [`poll_interval`](PrecommitConfig::poll_interval) (the hot path never wakes it: a wake-up
+//!   is a system call). When a sequence's committed end is within
+//!   [`headroom_tokens`](PrecommitConfig::headroom_tokens) of its live end, the worker commits
+//!   up to `live + 2 x headroom_tokens` with [`SequenceKv::ensure_tokens`]: the same
+//!   transaction, rollback and governor grant as any commit. A refused grant or a driver failure inside the worker rolls back (the manager's
+//!   transaction) and is counted and reported ([`PrecommitStats`],
+//!   [`Precommitter::last_error`]); the decode path then commits inline.
+//! * Headroom is bounded: the bytes committed ahead of the live ends of all sequences never
+//!   exceed [`max_headroom_bytes`](PrecommitConfig::max_headroom_bytes), and they are ordinary
+//!   committed bytes for the governor (counted, budgeted).
+//! * Under memory pressure the pre-committed windows are the first given back: the
+//!   pre-committer registers as a [`Reclaimer`] with the governor, which asks it before
+//!   refusing a grant; it shrinks sequences back to their live ends
+//!   ([`SequenceKv::shrink_committed`]) and trims the handle pool by what it freed.
+//! * Deferred reclaim comes from the manager's handle pool: a finished sequence's windows go
+//!   back to the pool and a new sequence takes pooled windows first, so steady-state serving
+//!   makes almost no create or release calls; the pool trims itself when the governor needs
+//!   memory.
+//!
+//! [`Precommitter::shutdown`] (also run on drop) stops the worker, joins it, and drops the
+//! queue; sequences release everything when they are dropped.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+
+use kvvm_governor::Reclaimer;
+use kvvm_hal::DeviceId;
+use kvvm_vmm::VirtualMemory;
+
+use crate::error::KvCacheError;
+use crate::layout::LayoutPlan;
+use crate::sequence::SequenceKv;
+
+/// Settings of a [`Precommitter`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrecommitConfig {
+    /// Tokens committed ahead of each sequence's live end: the worker acts on a sequence
+    /// with fewer than this many committed ahead and commits up to twice as many.
+    pub headroom_tokens: u64,
+    /// Upper bound on the bytes committed ahead of need, over all sequences.
+    pub max_headroom_bytes: u64,
+    /// How often the worker looks at every sequence. The decode path never wakes it (that
+    /// would put a system call on the hot path), except after an inline commit.
+    pub poll_interval: std::time::Duration,
+}
+
+impl Default for PrecommitConfig {
+    /// 64 tokens of headroom, at most 1 GiB ahead in all, a look every 200 us.
+    fn default() -> Self {
+        PrecommitConfig {
+            headroom_tokens: 64,
+            max_headroom_bytes: 1 << 30,
+            poll_interval: std::time::Duration::from_micros(200),
+        }
+    }
+}
+
+/// Counters of a [`Precommitter`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrecommitStats {
+    /// `ensure_tokens` calls that found their tokens already committed.
+    pub ready: u64,
+    /// `ensure_tokens` calls that had to commit inline (the worker was behind).
+    pub inline_commits: u64,
+    /// Commits made by the worker.
+    pub background_commits: u64,
+    /// Worker commits refused by the governor (rolled back; retried on the next queueing).
+    pub background_refused: u64,
+    /// Worker commits that failed in the driver (rolled back by the manager's transaction).
+    pub background_failures: u64,
+    /// Worker passes skipped because the headroom bound was reached.
+    pub headroom_capped: u64,
+    /// Bytes committed ahead of the live ends right now.
+    pub headroom_bytes: u64,
+    /// The most bytes ever committed ahead at once.
+    pub peak_headroom_bytes: u64,
+    /// Bytes given back to the governor under memory pressure.
+    pub reclaimed_bytes: u64,
+}
+
+/// How [`PrecommittedSequence::ensure_tokens`] got its tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ensured {
+    /// Already committed (by the worker or earlier): no lock, no driver call.
+    Ready,
+    /// Committed inline on the calling thread, with this many new bytes.
+    Inline(u64),
+}
+
+struct Cell {
+    seq: Mutex<SequenceKv>,
+    /// Tokens committed (published after the commit completed).
+    ready: AtomicU64,
+    /// The highest token count the decode path asked for.
+    live: AtomicU64,
+    /// Bytes this sequence has committed ahead of `live` (part of the global headroom).
+    ahead: AtomicU64,
+    max_tokens: u64,
+    plan: LayoutPlan,
+}
+
+struct Queue {
+    /// A scan was asked for (attach, inline commit, `wait_idle`).
+    kick: bool,
+    /// Scans completed.
+    scans: u64,
+    /// Whether the last completed scan committed anything.
+    last_scan_worked: bool,
+    shutdown: bool,
+}
+
+#[derive(Default)]
+struct Counters {
+    ready: AtomicU64,
+    inline_commits: AtomicU64,
+    background_commits: AtomicU64,
+    background_refused: AtomicU64,
+    background_failures: AtomicU64,
+    headroom_capped: AtomicU64,
+    headroom_bytes: AtomicU64,
+    peak_headroom_bytes: AtomicU64,
+    reclaimed_bytes: AtomicU64,
+}
+
+struct Inner {
+    config: PrecommitConfig,
+    vm: VirtualMemory,
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    idle: Condvar,
+    cells: Mutex<Vec<Weak<Cell>>>,
+    counters: Counters,
+    last_error: Mutex<Option<KvCacheError>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Inner {
+    /// Bytes committed for `tokens` tokens beyond those for `live`, by the sequence's plan.
+    fn ahead_bytes(plan: &LayoutPlan, live: u64, tokens: u64) -> u64 {
+        let at = |n: u64| plan.committed_bytes_for_tokens(n).unwrap_or(0);
+        at(tokens).saturating_sub(at(live))
+    }
+
+    /// Records `cell`'s bytes ahead of its live end as `new`, keeping the global total.
+    fn set_ahead(&self, cell: &Cell, new: u64) {
+        let old = cell.ahead.swap(new, Ordering::AcqRel);
+        let c = &self.counters;
+        if new >= old {
+            let total = c
+                .headroom_bytes
+                .fetch_add(new - old, Ordering::AcqRel)
+                .saturating_add(new - old);
+            c.peak_headroom_bytes.fetch_max(total, Ordering::AcqRel);
+        } else {
+            let _ = c
+                .headroom_bytes
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
+                    Some(t.saturating_sub(old - new))
+                });
+        }
+    }
+
+    /// Whether fewer than `headroom_tokens` tokens are committed ahead of `cell`'s live end.
+    fn needs_work(&self, cell: &Cell) -> bool {
+        let ready = cell.ready.load(Ordering::Acquire);
+        let live = cell.live.load(Ordering::Acquire);
+        ready < cell.max_tokens && ready.saturating_sub(live) < self.config.headroom_tokens
+    }
+
+    /// Asks the worker for a scan now.
+    fn kick(&self) {
+        let mut q = lock(&self.queue);
+        q.kick = true;
+        self.wake.notify_one();
+    }
+
+    /// One worker pass over one sequence; returns whether it committed something.
+    fn precommit(&self, cell: &Cell) -> bool {
+        let live = cell.live.load(Ordering::Acquire);
+        let target = live
+            .saturating_add(self.config.headroom_tokens.saturating_mul(2))
+            .min(cell.max_tokens);
+        if cell.ready.load(Ordering::Acquire) >= target {
+            return false;
+        }
+        let mut seq = lock(&cell.seq);
+        let have = seq.committed_tokens();
+        if have >= target {
+            return false;
+        }
+        let extra = Inner::ahead_bytes(&cell.plan, have.max(live), target);
+        let total = self.counters.headroom_bytes.load(Ordering::Acquire);
+        if total.saturating_add(extra) > self.config.max_headroom_bytes {
+            self.counters
+                .headroom_capped
+                .fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        let span = tracing::debug_span!("kv.precommit", live, target);
+        let _e = span.enter();
+        let mut result = seq.ensure_tokens(target);
+        let fallback = live
+            .saturating_add(self.config.headroom_tokens)
+            .min(cell.max_tokens);
+        if matches!(&result, Err(e) if e.is_retryable()) && fallback > have && fallback < target {
+            // Refused whole: ask for the smaller headroom instead.
+            result = seq.ensure_tokens(fallback);
+        }
+        match result {
+            Ok(bytes) => {
+                let committed = seq.committed_tokens();
+                let live_now = cell.live.load(Ordering::Acquire);
+                self.set_ahead(cell, Inner::ahead_bytes(&cell.plan, live_now, committed));
+                cell.ready.store(committed, Ordering::Release);
+                if bytes > 0 {
+                    self.counters
+                        .background_commits
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                bytes > 0
+            }
+            Err(e) => {
+                if e.is_retryable() {
+                    self.counters
+                        .background_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                } else {
+                    self.counters
+                        .background_failures
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::debug!(error = %e, "pre-commit failed; rolled back, the decode path will commit inline");
+                *lock(&self.last_error) = Some(e);
+                false
+            }
+        }
+    }
+
+    fn run_worker(self: Arc<Self>) {
+        loop {
+            {
+                let mut q = lock(&self.queue);
+                if !q.kick && !q.shutdown {
+                    q = self
+                        .wake
+                        .wait_timeout(q, self.config.poll_interval)
+                        .map(|(g, _)| g)
+                        .unwrap_or_else(|p| p.into_inner().0);
+                }
+                if q.shutdown {
+                    self.idle.notify_all();
+                    return;
+                }
+                q.kick = false;
+            }
+            let cells: Vec<Arc<Cell>> = {
+                let mut cells = lock(&self.cells);
+                cells.retain(|w| w.strong_count() > 0);
+                cells.iter().filter_map(Weak::upgrade).collect()
+            };
+            let mut worked = false;
+            for cell in &cells {
+                if self.needs_work(cell) {
+                    worked |= self.precommit(cell);
+                }
+            }
+            drop(cells);
+            let mut q = lock(&self.queue);
+            q.scans = q.scans.wrapping_add(1);
+            q.last_scan_worked = worked;
+            self.idle.notify_all();
+        }
+    }
+}
+
+impl Reclaimer for Inner {
+    fn reclaim(&self, device: DeviceId, bytes: u64) -> u64 {
+        if device != self.vm.device() {
+            return 0;
+        }
+        let cells: Vec<Arc<Cell>> = {
+            let mut cells = lock(&self.cells);
+            cells.retain(|w| w.strong_count() > 0);
+            cells.iter().filter_map(Weak::upgrade).collect()
+        };
+        let mut freed = 0u64;
+        for cell in cells {
+            if freed >= bytes {
+                break;
+            }
+            // Never wait: the caller may hold a sequence's lock while asking for memory.
+            let Ok(mut seq) = cell.seq.try_lock() else {
+                continue;
+            };
+            let live = cell.live.load(Ordering::Acquire);
+            if seq.committed_tokens() <= live {
+                continue;
+            }
+            match seq.shrink_committed(live) {
+                Ok(b) => {
+                    freed = freed.saturating_add(b);
+                    cell.ready.store(seq.committed_tokens(), Ordering::Release);
+                    self.set_ahead(&cell, 0);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "giving back pre-committed windows failed");
+                    *lock(&self.last_error) = Some(e);
+                }
+            }
+        }
+        if freed > 0 {
+            // The windows went to the handle pool: release that much of it to the driver.
+            let keep = self.vm.pooled_bytes().saturating_sub(freed);
+            self.vm.trim_pool(keep);
+            self.counters
+                .reclaimed_bytes
+                .fetch_add(freed, Ordering::Relaxed);
+        }
+        freed
+    }
+}
+
+/// The background pre-committer of one manager (see the module docs).
+pub struct Precommitter {
+    inner: Arc<Inner>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Precommitter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Precommitter")
+            .field("config", &self.inner.config)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Precommitter {
+    /// Starts the worker for sequences of `vm` and registers with its governor as a
+    /// reclaimer (pre-committed windows are given back first under pressure).
+    pub fn start(
+        vm: &VirtualMemory,
+        config: PrecommitConfig,
+    ) -> Result<Precommitter, KvCacheError> {
+        let inner = Arc::new(Inner {
+            config,
+            vm: vm.clone(),
+            queue: Mutex::new(Queue {
+                kick: false,
+                scans: 0,
+                last_scan_worked: false,
+                shutdown: false,
+            }),
+            wake: Condvar::new(),
+            idle: Condvar::new(),
+            cells: Mutex::new(Vec::new()),
+            counters: Counters::default(),
+            last_error: Mutex::new(None),
+        });
+        let reclaimer: Arc<dyn Reclaimer> = inner.clone();
+        vm.governor().register_reclaimer(Arc::downgrade(&reclaimer));
+        let worker_inner = Arc::clone(&inner);
+        let worker = std::thread::Builder::new()
+            .name("kvvm-precommit".to_owned())
+            .spawn(move || worker_inner.run_worker())
+            .map_err(|e| KvCacheError::Worker {
+                reason: e.to_string(),
+            })?;
+        Ok(Precommitter {
+            inner,
+            worker: Mutex::new(Some(worker)),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> PrecommitConfig {
+        self.inner.config
+    }
+
+    /// Hands `sequence` to the pre-committer; its windows are committed ahead from now on.
+    pub fn attach(&self, sequence: SequenceKv) -> PrecommittedSequence {
+        let ready = sequence.committed_tokens();
+        let max_tokens = sequence.max_tokens();
+        let plan = *sequence.plan();
+        let cell = Arc::new(Cell {
+            plan,
+            seq: Mutex::new(sequence),
+            ready: AtomicU64::new(ready),
+            live: AtomicU64::new(0),
+            ahead: AtomicU64::new(0),
+            max_tokens,
+        });
+        lock(&self.inner.cells).push(Arc::downgrade(&cell));
+        self.inner.kick();
+        PrecommittedSequence {
+            cell,
+            inner: Arc::clone(&self.inner),
+        }
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> PrecommitStats {
+        let c = &self.inner.counters;
+        PrecommitStats {
+            ready: c.ready.load(Ordering::Relaxed),
+            inline_commits: c.inline_commits.load(Ordering::Relaxed),
+            background_commits: c.background_commits.load(Ordering::Relaxed),
+            background_refused: c.background_refused.load(Ordering::Relaxed),
+            background_failures: c.background_failures.load(Ordering::Relaxed),
+            headroom_capped: c.headroom_capped.load(Ordering::Relaxed),
+            headroom_bytes: c.headroom_bytes.load(Ordering::Acquire),
+            peak_headroom_bytes: c.peak_headroom_bytes.load(Ordering::Acquire),
+            reclaimed_bytes: c.reclaimed_bytes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The last error the worker (or a reclaim) met, taken out.
+    pub fn last_error(&self) -> Option<KvCacheError> {
+        lock(&self.inner.last_error).take()
+    }
+
+    /// Blocks until a full scan of the worker, started after this call, found nothing to
+    /// commit (for tests and orderly measurements). Returns at once after shutdown.
+    pub fn wait_idle(&self) {
+        let mut q = lock(&self.inner.queue);
+        loop {
+            if q.shutdown {
+                return;
+            }
+            // A scan in flight may have started before the call: wait for two.
+            let start = q.scans;
+            q.kick = true;
+            self.inner.wake.notify_one();
+            while q.scans.wrapping_sub(start) < 2 && !q.shutdown {
+                q = self.inner.idle.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+            if !q.last_scan_worked {
+                return;
+            }
+        }
+    }
+
+    /// Stops the worker and joins it. Sequences keep working (every `ensure_tokens` past the
+    /// committed tokens then commits inline) and release everything when dropped.
+    pub fn shutdown(&self) {
+        {
+            let mut q = lock(&self.inner.queue);
+            q.shutdown = true;
+            self.inner.wake.notify_all();
+            self.inner.idle.notify_all();
+        }
+        if let Some(worker) = lock(&self.worker).take() {
+            if worker.join().is_err() {
+                tracing::error!("the pre-commit worker panicked");
+            }
+        }
+    }
+}
+
+impl Drop for Precommitter {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A [`SequenceKv`] whose windows a [`Precommitter`] commits ahead of need.
+pub struct PrecommittedSequence {
+    cell: Arc<Cell>,
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PrecommittedSequence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrecommittedSequence")
+            .field("ready", &self.cell.ready.load(Ordering::Relaxed))
+            .field("live", &self.cell.live.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl PrecommittedSequence {
+    /// Makes the first `n` tokens committed. The hot path (tokens already committed by the
+    /// worker) takes no lock, makes no driver call and no system call; otherwise the commit is
+    /// made inline and the worker is woken.
+    pub fn ensure_tokens(&self, n: u64) -> Result<Ensured, KvCacheError> {
+        let cell = &self.cell;
+        let c = &self.inner.counters;
+        let ready = cell.ready.load(Ordering::Acquire);
+        if n <= ready {
+            if n > cell.live.fetch_max(n, Ordering::AcqRel) {
+                // Live tokens moved into pre-committed windows: less is ahead now.
+                self.inner
+                    .set_ahead(cell, Inner::ahead_bytes(&cell.plan, n, ready));
+            }
+            c.ready.fetch_add(1, Ordering::Relaxed);
+            return Ok(Ensured::Ready);
+        }
+        cell.live.fetch_max(n, Ordering::AcqRel);
+        let bytes = {
+            let mut seq = lock(&cell.seq);
+            let bytes = seq.ensure_tokens(n)?;
+            cell.ready.store(seq.committed_tokens(), Ordering::Release);
+            self.inner.set_ahead(cell, 0);
+            bytes
+        };
+        c.inline_commits.fetch_add(1, Ordering::Relaxed);
+        // The worker is behind: ask for a scan now.
+        self.inner.kick();
+        Ok(Ensured::Inline(bytes))
+    }
+
+    /// Runs `f` on the sequence (to write or read tokens, get pointers, ...), under its lock.
+    pub fn with_sequence<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R) -> R {
+        f(&mut lock(&self.cell.seq))
+    }
+
+    /// Tokens committed right now.
+    pub fn committed_tokens(&self) -> u64 {
+        self.cell.ready.load(Ordering::Acquire)
+    }
+
+    /// Releases the sequence's windows (keeping its address range), like
+    /// [`SequenceKv::release`].
+    pub fn release(&self) -> Result<u64, KvCacheError> {
+        let mut seq = lock(&self.cell.seq);
+        let bytes = seq.release()?;
+        self.cell.ready.store(0, Ordering::Release);
+        self.cell.live.store(0, Ordering::Release);
+        self.inner.set_ahead(&self.cell, 0);
+        Ok(bytes)
+    }
+}
+
+impl Drop for PrecommittedSequence {
+    fn drop(&mut self) {
+        self.inner.set_ahead(&self.cell, 0);
+    }
+}
+
+/// What [`run_decode_bench`] measures.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DecodeBenchConfig {
+    /// KV geometry (model shape and maximum tokens).
+    pub geometry: crate::KvGeometry,
+    /// Layout.
+    pub layout: crate::KvLayout,
+    /// The device.
+    pub device: DeviceId,
+    /// Sequences decoding side by side.
+    pub sequences: u32,
+    /// Prompt tokens committed before the measured decode (not measured).
+    pub prompt_tokens: u64,
+    /// Decode steps: each sequence grows by one token per step.
+    pub decode_tokens: u64,
+    /// Time a decode step spends computing between `ensure_tokens` rounds (a sleep).
+    pub step_time: std::time::Duration,
+    /// Pre-commit settings of the `precommit` run.
+    pub precommit: PrecommitConfig,
+}
+
+impl DecodeBenchConfig {
+    /// llama-3-8b fp16, token-major (16 tokens a 2 MiB window: a commit every 16 steps),
+    /// 16 sequences, 128-token prompts, 512 decode steps of 300 us, 16 tokens of headroom
+    /// (the worker commits up to 32 ahead) and at most 3 windows ahead per sequence.
+    pub fn standard() -> Result<Self, crate::KvError> {
+        let geometry = crate::KvGeometry::preset("llama-3-8b", crate::KvDtype::F16, 4096)?;
+        let sequences = 16u32;
+        Ok(DecodeBenchConfig {
+            geometry,
+            layout: crate::KvLayout::TokenMajor,
+            device: DeviceId(0),
+            sequences,
+            prompt_tokens: 128,
+            decode_tokens: 512,
+            step_time: std::time::Duration::from_micros(300),
+            precommit: PrecommitConfig {
+                headroom_tokens: 16,
+                max_headroom_bytes: u64::from(sequences) * 3 * (2 << 20),
+                poll_interval: std::time::Duration::from_micros(200),
+            },
+        })
+    }
+}
+
+/// Latency of the hot-path `ensure_tokens` calls of one run.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct LatencySummary {
+    /// Calls measured.
+    pub calls: u64,
+    /// Median in microseconds.
+    pub p50_us: f64,
+    /// 99th percentile in microseconds.
+    pub p99_us: f64,
+    /// Maximum in microseconds.
+    pub max_us: f64,
+    /// Calls that committed inline.
+    pub inline_commits: u64,
+}
+
+/// The two runs of [`run_decode_bench`], side by side.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeBenchReport {
+    /// The backend's name.
+    pub backend: String,
+    /// Every commit on the decode path (no pre-committer).
+    pub inline: LatencySummary,
+    /// With the background pre-committer.
+    pub precommit: LatencySummary,
+    /// The most bytes committed ahead of the live ends at once (precommit run).
+    pub extra_committed_bytes: u64,
+    /// The configured bound on those bytes.
+    pub max_headroom_bytes: u64,
+    /// The worker's counters at the end of the precommit run.
+    pub stats: PrecommitStats,
+    /// The granule used.
+    pub granule: u64,
+}
+
+fn summarize(mut samples: Vec<std::time::Duration>, inline_commits: u64) -> LatencySummary {
+    if samples.is_empty() {
+        return LatencySummary::default();
+    }
+    samples.sort_unstable();
+    let n = samples.len();
+    let pick = |p: usize| {
+        let rank = (p.saturating_mul(n)).div_ceil(100).clamp(1, n);
+        samples[rank - 1].as_secs_f64() * 1e6
+    };
+    LatencySummary {
+        calls: n as u64,
+        p50_us: pick(50),
+        p99_us: pick(99),
+        max_us: samples[n - 1].as_secs_f64() * 1e6,
+        inline_commits,
+    }
+}
+
+/// Runs the decode loop twice on `backend`, each on a fresh manager with the same budget and
+/// pool: once committing on the decode path (`inline`), once with a [`Precommitter`]
+/// (`precommit`); measures every hot-path `ensure_tokens` call. Everything is released at the
+/// end of each run.
+pub fn run_decode_bench(
+    backend: Arc<dyn kvvm_hal::VirtualMemoryBackend>,
+    config: &DecodeBenchConfig,
+) -> Result<DecodeBenchReport, KvCacheError> {
+    use std::time::Instant;
+
+    let new_vm = || -> Result<VirtualMemory, KvCacheError> {
+        Ok(VirtualMemory::new(
+            Arc::clone(&backend),
+            config.device,
+            kvvm_governor::Governor::unlimited(),
+            kvvm_vmm::VmmConfig::default().granularity(kvvm_vmm::GranularityChoice::Minimum),
+        )?)
+    };
+    let total = config.prompt_tokens.saturating_add(config.decode_tokens);
+    let geometry = config.geometry.with_max_tokens(total.max(1))?;
+
+    // Inline: plain sequences.
+    let vm = new_vm()?;
+    let plan = LayoutPlan::new(geometry, config.layout, vm.granule())?;
+    let granule = vm.granule();
+    let mut seqs = Vec::new();
+    for _ in 0..config.sequences {
+        let mut s = SequenceKv::new(&vm, &plan, total)?;
+        s.ensure_tokens(config.prompt_tokens)?;
+        seqs.push(s);
+    }
+    let mut samples = Vec::new();
+    let mut inline_commits = 0u64;
+    for step in 1..=config.decode_tokens {
+        let n = config.prompt_tokens.saturating_add(step);
+        for s in &mut seqs {
+            let t = Instant::now();
+            let bytes = s.ensure_tokens(n)?;
+            samples.push(t.elapsed());
+            if bytes > 0 {
+                inline_commits += 1;
+            }
+        }
+        std::thread::sleep(config.step_time);
+    }
+    let inline = summarize(samples, inline_commits);
+    drop(seqs);
+    drop(vm);
+
+    // Pre-commit: the same loop through the worker.
+    let vm = new_vm()?;
+    let pre = Precommitter::start(&vm, config.precommit)?;
+    let mut seqs = Vec::new();
+    for _ in 0..config.sequences {
+        let mut s = SequenceKv::new(&vm, &plan, total)?;
+        s.ensure_tokens(config.prompt_tokens)?;
+        let p = pre.attach(s);
+        p.ensure_tokens(config.prompt_tokens)?;
+        seqs.push(p);
+    }
+    pre.wait_idle();
+    let mut samples = Vec::new();
+    let mut inline_commits = 0u64;
+    for step in 1..=config.decode_tokens {
+        let n = config.prompt_tokens.saturating_add(step);
+        for s in &seqs {
+            let t = Instant::now();
+            let got = s.ensure_tokens(n)?;
+            samples.push(t.elapsed());
+            if matches!(got, Ensured::Inline(_)) {
+                inline_commits += 1;
+            }
+        }
+        std::thread::sleep(config.step_time);
+    }
+    let stats = pre.stats();
+    pre.shutdown();
+    drop(seqs);
+    Ok(DecodeBenchReport {
+        backend: backend.name().to_owned(),
+        inline,
+        precommit: summarize(samples, inline_commits),
+        extra_committed_bytes: stats.peak_headroom_bytes,
+        max_headroom_bytes: config.precommit.max_headroom_bytes,
+        stats,
+        granule,
+    })
+}
