@@ -47,6 +47,15 @@ pub enum WorkloadError {
     /// A configuration value is out of range.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The replay stopped making progress (a bug in a policy or the engine).
+    #[error(
+        "the replay made no progress for {} decode steps (at {t_s:.3} s)",
+        100_000
+    )]
+    Stalled {
+        /// Trace time when it gave up, in seconds.
+        t_s: f64,
+    },
     /// A size or time computation overflowed.
     #[error("arithmetic overflow: {0}")]
     Overflow(&'static str),

@@ -18,9 +18,10 @@
 //! waiting requests first come first served (prefill: the whole prompt at once), then every
 //! running sequence gains one token. A request whose admission or growth is refused (HTTP 429:
 //! the governor or the budget said no) is *deferred*: it waits and retries at the next step,
-//! as a serving engine would. If every running sequence is refused growth at once, the
-//! youngest is preempted (its memory released, recomputed when readmitted). A request refused
-//! when nothing else runs can never fit and is rejected.
+//! as a serving engine would. Running sequences come first: while one of them is refused
+//! growth, nothing new is admitted. If every running sequence is refused growth at once, the
+//! youngest is preempted (its memory released, recomputed when readmitted). A request that
+//! is refused when nothing else runs can never fit the budget and is rejected.
 //!
 //! ## kvvm policies run through the real manager
 //!

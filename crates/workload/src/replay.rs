@@ -16,6 +16,10 @@ use crate::trace::{Trace, TraceSource};
 /// default 32768-token context) is refused and defers requests, while every kvvm layout fits.
 pub const DEFAULT_BUDGET_BYTES: u64 = 40 << 30;
 
+/// Consecutive decode steps without any progress (no token, admission, completion or
+/// preemption) after which a replay gives up: a bug, never a property of a trace.
+const MAX_IDLE_STEPS: u64 = 100_000;
+
 /// How a replay runs.
 #[derive(Debug, Clone)]
 pub struct SimulationConfig {
@@ -270,6 +274,8 @@ fn replay_one(
     let mut running: Vec<Running> = Vec::new();
     let mut first_admit: Vec<Option<u64>> = vec![None; reqs.len()];
     let mut done = 0usize;
+    let mut pressure = false;
+    let mut idle_steps = 0u64;
     loop {
         if running.is_empty() && waiting.is_empty() {
             match reqs.get(next) {
@@ -290,12 +296,20 @@ fn replay_one(
             next += 1;
         }
         // Admission, first come first served; the first refusal stops it for this step.
+        // Running sequences come first: while one of them was refused growth in the last
+        // step, nothing new is admitted (else a preempted sequence would take back the
+        // memory it just gave up, and the engine would thrash).
+        let mut progressed = false;
         while let Some(&(id, computed)) = waiting.front() {
+            if pressure {
+                break;
+            }
             let Some(req) = reqs.get(id) else { break };
             let tokens = req.prompt_tokens.max(computed);
             match policy.admit(id, req, tokens)? {
                 Outcome::Done => {
                     waiting.pop_front();
+                    progressed = true;
                     tally.admitted.insert(id);
                     if first_admit.get(id).is_some_and(|a| a.is_none()) {
                         if let Some(slot) = first_admit.get_mut(id) {
@@ -334,7 +348,10 @@ fn replay_one(
                 continue;
             }
             match policy.grow(r.id, r.tokens.saturating_add(1))? {
-                Outcome::Done => r.tokens = r.tokens.saturating_add(1),
+                Outcome::Done => {
+                    r.tokens = r.tokens.saturating_add(1);
+                    progressed = true;
+                }
                 Outcome::Refused(_) => {
                     r.stalled = true;
                     tally.refusals = tally.refusals.saturating_add(1);
@@ -342,12 +359,22 @@ fn replay_one(
                 }
             }
         }
+        pressure = running.iter().any(|r| r.stalled);
         if !running.is_empty() && running.iter().all(|r| r.stalled) {
-            // Nobody can progress: preempt the youngest; it is recomputed when readmitted.
             if let Some(victim) = running.pop() {
                 policy.finish(victim.id)?;
-                tally.preemptions = tally.preemptions.saturating_add(1);
-                waiting.push_front((victim.id, victim.tokens));
+                progressed = true;
+                if running.is_empty() {
+                    // Alone and still refused: it can never fit the budget.
+                    tally.rejected = tally.rejected.saturating_add(1);
+                    done += 1;
+                    progress(done);
+                } else {
+                    // Nobody can progress: preempt the youngest; it is recomputed when
+                    // readmitted.
+                    tally.preemptions = tally.preemptions.saturating_add(1);
+                    waiting.push_front((victim.id, victim.tokens));
+                }
             }
         }
         let mut i = 0;
@@ -357,6 +384,7 @@ fn replay_one(
                     policy.finish(r.id)?;
                     running.swap_remove(i);
                     tally.completed = tally.completed.saturating_add(1);
+                    progressed = true;
                     done += 1;
                     progress(done);
                 }
@@ -368,6 +396,16 @@ fn replay_one(
         tally.peak = tally.peak.max(policy.transient_peak());
         if running.is_empty() && waiting.is_empty() && next >= reqs.len() {
             break;
+        }
+        idle_steps = if progressed || running.is_empty() {
+            0
+        } else {
+            idle_steps.saturating_add(1)
+        };
+        if idle_steps > MAX_IDLE_STEPS {
+            return Err(WorkloadError::Stalled {
+                t_s: t as f64 / 1e6,
+            });
         }
         t = t.saturating_add(step_us);
         policy.advance(step);

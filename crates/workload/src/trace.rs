@@ -237,7 +237,15 @@ impl Trace {
                 continue;
             }
             let err = |message: String| WorkloadError::TraceLine { line, message };
-            let l: Line = serde_json::from_str(trimmed).map_err(|e| err(e.to_string()))?;
+            let l: Line = serde_json::from_str(trimmed).map_err(|e| {
+                // serde's "at line 1 column N" is about the line alone: keep the column.
+                let text = e.to_string();
+                let what = text
+                    .rfind(" at line ")
+                    .and_then(|i| text.get(..i))
+                    .unwrap_or(&text);
+                err(format!("{what} (column {})", e.column()))
+            })?;
             if !(l.arrival_s.is_finite() && l.arrival_s >= 0.0) {
                 return Err(err("arrival_s must be a finite number >= 0".into()));
             }

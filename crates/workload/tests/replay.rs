@@ -1,0 +1,282 @@
+//! The replay through every policy, on the simulator: orderings, determinism, the JSON keys,
+//! backpressure and an empty driver ledger afterwards.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+
+use kvvm_hal::VirtualMemoryBackend;
+use kvvm_sim::SimBackend;
+use kvvm_workload::{
+    render_svg, render_table, simulate, PolicyKind, SimulationConfig, SimulationReport,
+    SyntheticTrace, Trace,
+};
+
+fn small_trace(requests: usize, seed: u64) -> Trace {
+    Trace::synthetic(&SyntheticTrace {
+        requests,
+        seed,
+        ..SyntheticTrace::default()
+    })
+    .unwrap()
+}
+
+fn run(trace: &Trace, config: &SimulationConfig) -> (SimulationReport, Arc<SimBackend>) {
+    let sim = Arc::new(SimBackend::h200());
+    let backend: Arc<dyn VirtualMemoryBackend> = sim.clone();
+    let report = simulate(trace, backend, config, &mut |_| {}).unwrap();
+    (report, sim)
+}
+
+fn waste(r: &SimulationReport, name: &str) -> f64 {
+    r.policy(name).unwrap().waste_ratio
+}
+
+fn peak(r: &SimulationReport, name: &str) -> u64 {
+    r.policy(name).unwrap().peak_committed_bytes
+}
+
+#[test]
+fn token_major_wastes_less_than_seq_major_less_than_head_major_and_kvvm_peaks_below_static_max() {
+    let trace = small_trace(60, 42);
+    let (r, sim) = run(&trace, &SimulationConfig::default());
+    assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+    let (t, s, h) = (
+        waste(&r, "kvvm-token-major"),
+        waste(&r, "kvvm-seq-major"),
+        waste(&r, "kvvm-head-major"),
+    );
+    assert!(t < s && s < h, "token {t} seq {s} head {h}");
+    let static_peak = peak(&r, "static-max");
+    for p in r.policies.iter().filter(|p| p.through_manager) {
+        assert!(
+            p.peak_committed_bytes < static_peak,
+            "{} peaks at {} >= static-max {static_peak}",
+            p.name,
+            p.peak_committed_bytes
+        );
+        assert_eq!(p.completed, 60, "{}", p.name);
+        assert!(p.driver_calls > 0, "{}", p.name);
+        assert!(p.driver_time_us > 0, "{}", p.name);
+        assert_eq!(p.driver_time_source, "latency-model");
+    }
+    // static-max cannot hold the load within 40 GiB: it defers (429) and queues.
+    let st = r.policy("static-max").unwrap();
+    assert!(st.deferred > 0 && st.refusals >= st.deferred);
+    assert_eq!(st.completed, 60);
+    assert!(st.mean_queue_delay_ms > r.policy("kvvm-token-major").unwrap().mean_queue_delay_ms);
+    // realloc-copy copies; paged-16 makes two calls for its pool.
+    assert!(r.policy("realloc-copy").unwrap().copy_bytes > 0);
+    assert_eq!(r.policy("paged-16").unwrap().driver_calls, 2);
+    // Sharing the 2048-token system prompt commits less where the layout allows it...
+    assert!(peak(&r, "kvvm-token-major+prefix") < peak(&r, "kvvm-token-major"));
+    assert!(peak(&r, "kvvm-seq-major+prefix") < peak(&r, "kvvm-seq-major"));
+    let tm = r.policy("kvvm-token-major+prefix").unwrap();
+    assert_eq!(tm.prefix_shareable, Some(true));
+    assert_eq!(tm.prefix_shared_bytes, Some(256 << 20));
+    // ...and head-major cannot (2048 x 256 B < 2 MiB): a reason, the same figures.
+    let hm = r.policy("kvvm-head-major+prefix").unwrap();
+    assert_eq!(hm.prefix_shareable, Some(false));
+    assert!(hm
+        .prefix_refusal
+        .as_deref()
+        .unwrap()
+        .contains("8192 tokens"));
+    assert_eq!(hm.peak_committed_bytes, peak(&r, "kvvm-head-major"));
+    // Waste is a ratio; live never exceeds committed on average.
+    for p in &r.policies {
+        assert!((0.0..1.0).contains(&p.waste_ratio), "{}", p.name);
+        assert!(p.mean_live_bytes <= p.mean_committed_bytes, "{}", p.name);
+        assert!(p.peak_held_bytes >= p.peak_committed_bytes, "{}", p.name);
+    }
+}
+
+#[test]
+fn the_same_seed_gives_the_same_trace_and_the_same_figures() {
+    let a = small_trace(30, 7);
+    let b = small_trace(30, 7);
+    let c = small_trace(30, 8);
+    assert_eq!(a, b);
+    assert_ne!(a.requests, c.requests);
+    let config = SimulationConfig::default();
+    let (ra, _) = run(&a, &config);
+    let (rb, _) = run(&b, &config);
+    let strip = |r: &SimulationReport| {
+        let mut v = serde_json::to_value(r).unwrap();
+        v.as_object_mut().unwrap().remove("elapsed_s");
+        v
+    };
+    assert_eq!(strip(&ra), strip(&rb));
+    assert_eq!(ra.policies.len(), PolicyKind::all().len());
+    for (pa, pb) in ra.policies.iter().zip(&rb.policies) {
+        assert_eq!(pa.samples, pb.samples, "{}", pa.name);
+    }
+}
+
+#[test]
+fn a_tight_budget_defers_kvvm_requests_which_retry_and_complete_with_an_empty_ledger() {
+    let trace = small_trace(40, 3);
+    let config = SimulationConfig {
+        budget_bytes: 6 << 30,
+        policies: vec![
+            "kvvm-head-major".parse().unwrap(),
+            "kvvm-seq-major+prefix".parse().unwrap(),
+            "kvvm-token-major".parse().unwrap(),
+            "realloc-copy".parse().unwrap(),
+        ],
+        ..SimulationConfig::default()
+    };
+    let (r, sim) = run(&trace, &config);
+    assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+    let hm = r.policy("kvvm-head-major").unwrap();
+    assert!(hm.deferred > 0, "{hm:?}");
+    assert!(hm.peak_committed_bytes <= 6 << 30);
+    for p in &r.policies {
+        assert!(p.peak_committed_bytes <= 6 << 30, "{}", p.name);
+        assert_eq!(p.completed + p.rejected, 40, "{}", p.name);
+        assert_eq!(p.completed, 40, "{}", p.name);
+    }
+}
+
+#[test]
+fn a_request_larger_than_the_budget_is_rejected_not_looped_on() {
+    let trace = Trace::parse_jsonl(
+        "{\"arrival_s\": 0, \"prompt_tokens\": 20000, \"output_tokens\": 10}\n\
+         {\"arrival_s\": 0.1, \"prompt_tokens\": 100, \"output_tokens\": 10}\n",
+        "t.jsonl",
+    )
+    .unwrap();
+    let config = SimulationConfig {
+        budget_bytes: 1 << 30,
+        policies: vec![
+            "static-max".parse().unwrap(),
+            "kvvm-token-major".parse().unwrap(),
+        ],
+        ..SimulationConfig::default()
+    };
+    let (r, sim) = run(&trace, &config);
+    assert!(sim.ledger().is_empty());
+    let st = r.policy("static-max").unwrap();
+    assert_eq!((st.rejected, st.completed, st.admitted), (2, 0, 0));
+    let tm = r.policy("kvvm-token-major").unwrap();
+    assert_eq!((tm.rejected, tm.completed), (1, 1));
+}
+
+#[test]
+fn the_report_serializes_with_the_documented_keys_and_renders() {
+    let trace = small_trace(12, 1);
+    let (r, _) = run(&trace, &SimulationConfig::default());
+    let v = serde_json::to_value(&r).unwrap();
+    for key in [
+        "backend",
+        "model",
+        "budget_bytes",
+        "granule_bytes",
+        "max_context",
+        "trace",
+        "policies",
+    ] {
+        assert!(v.get(key).is_some(), "missing {key}");
+    }
+    assert_eq!(v["trace"]["requests"], 12);
+    assert_eq!(v["trace"]["seed"], 1);
+    let policies = v["policies"].as_array().unwrap();
+    assert_eq!(policies.len(), 9);
+    for p in policies {
+        for key in [
+            "name",
+            "peak_committed_bytes",
+            "mean_committed_bytes",
+            "waste_ratio",
+            "admitted",
+            "deferred",
+            "driver_calls",
+            "driver_time_us",
+        ] {
+            assert!(p.get(key).is_some(), "missing {key} in {p}");
+        }
+        assert!(p.get("samples").is_none());
+    }
+    let table = render_table(&r);
+    for p in &r.policies {
+        assert!(table.contains(&p.name));
+    }
+    let svg = render_svg(&r);
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert_eq!(svg.matches("<polyline").count(), 9);
+}
+
+#[test]
+fn a_request_longer_than_the_context_is_a_typed_error() {
+    let trace = Trace::parse_jsonl(
+        "{\"arrival_s\": 0, \"prompt_tokens\": 40000, \"output_tokens\": 10}\n",
+        "t.jsonl",
+    )
+    .unwrap();
+    let sim = Arc::new(SimBackend::h200());
+    let e = simulate(&trace, sim, &SimulationConfig::default(), &mut |_| {}).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            kvvm_workload::WorkloadError::RequestTooLong { index: 0, .. }
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn under_pressure_running_sequences_are_preempted_not_thrashed() {
+    // 30 requests at 8/s, all after the 2048-token system prompt, in 8 GiB: growth is refused,
+    // the youngest is preempted and recomputed, and everything completes.
+    let trace = Trace::synthetic(&SyntheticTrace {
+        requests: 30,
+        seed: 9,
+        rate_per_s: 8.0,
+        shared_prefix_share: 1.0,
+        ..SyntheticTrace::default()
+    })
+    .unwrap();
+    let config = SimulationConfig {
+        budget_bytes: 8 << 30,
+        policies: vec![
+            "paged-16".parse().unwrap(),
+            "kvvm-token-major".parse().unwrap(),
+            "kvvm-token-major+prefix".parse().unwrap(),
+        ],
+        ..SimulationConfig::default()
+    };
+    let (r, sim) = run(&trace, &config);
+    assert!(sim.ledger().is_empty());
+    let tm = r.policy("kvvm-token-major").unwrap();
+    assert!(tm.preemptions > 0, "{tm:?}");
+    for p in &r.policies {
+        assert_eq!(p.completed, 30, "{}", p.name);
+        assert!(p.peak_committed_bytes <= 8 << 30, "{}", p.name);
+    }
+    // Sharing the prompt relieves the pressure.
+    let shared = r.policy("kvvm-token-major+prefix").unwrap();
+    assert!(shared.refusals < tm.refusals, "{shared:?} vs {tm:?}");
+}
+
+#[test]
+fn a_sequence_that_cannot_grow_even_alone_is_rejected() {
+    // The prompt fits in 64 MiB, the whole request (1100 tokens x 128 KiB) does not.
+    let trace = Trace::parse_jsonl(
+        "{\"arrival_s\": 0, \"prompt_tokens\": 100, \"output_tokens\": 1000}\n\
+         {\"arrival_s\": 0.01, \"prompt_tokens\": 10, \"output_tokens\": 10}\n",
+        "t.jsonl",
+    )
+    .unwrap();
+    let config = SimulationConfig {
+        budget_bytes: 64 << 20,
+        policies: vec![
+            "kvvm-token-major".parse().unwrap(),
+            "paged-16".parse().unwrap(),
+        ],
+        ..SimulationConfig::default()
+    };
+    let (r, sim) = run(&trace, &config);
+    assert!(sim.ledger().is_empty());
+    for p in &r.policies {
+        assert_eq!((p.rejected, p.completed), (1, 1), "{}", p.name);
+    }
+}
