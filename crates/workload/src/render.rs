@@ -55,6 +55,7 @@ pub fn render_table(report: &SimulationReport) -> String {
         "mean GiB",
         "live GiB",
         "waste",
+        "held GiB",
         "admitted",
         "deferred",
         "429s",
@@ -71,6 +72,7 @@ pub fn render_table(report: &SimulationReport) -> String {
             gib(p.mean_committed_bytes),
             gib(p.mean_live_bytes),
             format!("{:.1}%", p.waste_ratio * 100.0),
+            gib(p.peak_held_bytes),
             p.admitted.to_string(),
             p.deferred.to_string(),
             p.refusals.to_string(),
@@ -130,9 +132,9 @@ pub fn render_table(report: &SimulationReport) -> String {
     }
     let _ = writeln!(
         out,
-        "\nwaste = time-averaged (committed - live) / committed; 429s = refusals (admission or \
-         growth), deferred = requests refused at least once; driver ms from the H200 latency \
-         model{}",
+        "\npeak/mean = committed bytes; live = mean live KV bytes; waste = time-averaged \
+         (committed - live) / committed;\nheld = peak physical bytes held (pools included); \
+         429s = refusals (admission or growth); deferred = requests refused at least once;\nqueue = mean arrival-to-admission delay; driver ms from the H200 latency model{}",
         if report
             .policies
             .iter()
