@@ -4,7 +4,7 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvvm_hal::{DeviceId, VirtualMemoryBackend};
+use kvvm_hal::{AllocationProperties, DeviceId, VirtualMemoryBackend};
 use kvvm_kv::{KvDtype, KvGeometry, PrefixShareability};
 use serde::Serialize;
 
@@ -443,7 +443,14 @@ pub fn simulate(
         budget: config.budget_bytes,
     };
     let write_kv = config.write_kv.unwrap_or(backend.name() != "sim");
-    let mut granule = 0u64;
+    // The granule the manager will use (the recommended one when it is a multiple of the
+    // minimum, as `VmmConfig::default()` chooses).
+    let g = backend.granularity(&AllocationProperties::device(config.device))?;
+    let granule = if g.recommended != 0 && g.minimum != 0 && g.recommended % g.minimum == 0 {
+        g.recommended
+    } else {
+        g.minimum
+    };
     let mut reports = Vec::with_capacity(config.policies.len());
     let n_policies = config.policies.len();
     for (pi, kind) in config.policies.iter().enumerate() {
@@ -482,11 +489,6 @@ pub fn simulate(
         })?;
         let costs = policy.close()?;
         drop(policy);
-        if kind.is_kvvm() && granule == 0 {
-            granule = kvvm_vmm::VirtualMemory::with_defaults(backend.clone(), config.device)
-                .map(|vm| vm.granule())
-                .unwrap_or(0);
-        }
         reports.push(report_of(*kind, &tally, costs, trace, config));
     }
     progress(Progress {

@@ -280,3 +280,34 @@ fn a_sequence_that_cannot_grow_even_alone_is_rejected() {
         assert_eq!((p.rejected, p.completed), (1, 1), "{}", p.name);
     }
 }
+
+#[test]
+fn driver_failures_roll_back_out_of_memory_is_a_refusal_and_nothing_leaks() {
+    use kvvm_hal::{ErrorKind, Operation};
+    use kvvm_sim::FaultRule;
+    let trace = small_trace(20, 5);
+    let config = SimulationConfig {
+        policies: vec!["kvvm-seq-major".parse().unwrap()],
+        ..SimulationConfig::default()
+    };
+    // A driver bug in the middle of a commit: a typed error, rolled back, nothing leaked.
+    let sim = Arc::new(SimBackend::h200());
+    sim.inject(FaultRule::nth(Operation::Map, 300, ErrorKind::InvalidValue));
+    let e = simulate(&trace, sim.clone(), &config, &mut |_| {}).unwrap_err();
+    assert!(matches!(e, kvvm_workload::WorkloadError::Vmm(_)), "{e}");
+    assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+    // The driver running out of memory: retryable, so a refusal (429), and the run goes on
+    // (a refusal when nothing else runs rejects that request: it cannot fit the device).
+    let sim = Arc::new(SimBackend::h200());
+    sim.inject(FaultRule::nth(
+        Operation::Create,
+        40,
+        ErrorKind::OutOfMemory,
+    ));
+    let r = simulate(&trace, sim.clone(), &config, &mut |_| {}).unwrap();
+    let p = r.policy("kvvm-seq-major").unwrap();
+    assert_eq!(p.completed + p.rejected, 20, "{p:?}");
+    assert!(p.completed >= 19, "{p:?}");
+    assert!(p.refusals >= 1, "{p:?}");
+    assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+}
