@@ -11,6 +11,24 @@
 //!   other, on the same trace and the same budget; [`SimulationReport`] holds the figures,
 //!   [`render_table`] and [`render_svg`] present them.
 //!
+//! ```
+//! use std::sync::Arc;
+//! use kvvm_sim::SimBackend;
+//! use kvvm_workload::{render_table, simulate, SimulationConfig, SyntheticTrace, Trace};
+//!
+//! # fn main() -> Result<(), kvvm_workload::WorkloadError> {
+//! let trace = Trace::synthetic(&SyntheticTrace { requests: 20, ..SyntheticTrace::default() })?;
+//! let sim = Arc::new(SimBackend::h200());
+//! let report = simulate(&trace, sim.clone(), &SimulationConfig::default(), &mut |_| {})?;
+//! let waste = |name| report.policy(name).map_or(1.0, |p| p.waste_ratio);
+//! assert!(waste("kvvm-token-major") < waste("kvvm-seq-major"));
+//! assert!(waste("kvvm-seq-major") < waste("kvvm-head-major"));
+//! assert!(sim.ledger().is_empty()); // every reservation and handle was given back
+//! println!("{}", render_table(&report));
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! ## The replay
 //!
 //! The clock jumps from event to event: to the next arrival when nothing runs, and by one
