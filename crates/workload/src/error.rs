@@ -1,7 +1,7 @@
 //! Typed errors of the workload crate.
 
 use kvvm_hal::BackendError;
-use kvvm_kv::KvError;
+use kvvm_kv::{KvCacheError, KvError};
 use kvvm_vmm::VmmError;
 
 /// An error of trace loading, validation or replay.
@@ -62,6 +62,9 @@ pub enum WorkloadError {
     /// The KV layout arithmetic refused.
     #[error(transparent)]
     Kv(#[from] KvError),
+    /// The KV layer failed in a way that is not backpressure.
+    #[error(transparent)]
+    KvCache(#[from] KvCacheError),
     /// The manager failed in a way that is not backpressure.
     #[error(transparent)]
     Vmm(#[from] VmmError),

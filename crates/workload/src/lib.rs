@@ -44,26 +44,23 @@
 //! ## kvvm policies run through the real manager
 //!
 //! A kvvm policy opens a [`VirtualMemory`](kvvm_vmm::VirtualMemory) on the backend with a
-//! [`Governor`](kvvm_vmm::Governor) holding the budget (its clock follows the replay's time).
-//! Per request it reserves the maximum context under the layout (one reservation of
-//! [`LayoutPlan::reservation_bytes`](kvvm_kv::LayoutPlan::reservation_bytes)), commits the
-//! granule windows that hold live bytes as tokens arrive
-//! ([`Reservation::commit_ranges`](kvvm_vmm::Reservation::commit_ranges): one transaction
-//! over one window run per fragment, the grant asked first, so a refusal makes no driver
-//! call), and releases everything when the request ends. Every driver call goes through a
-//! [`CountingBackend`], which counts it and attributes the H200 latency model's cost (or
-//! measures it on a GPU). On a real GPU the KV bytes of the tokens are written with
-//! `copy_to_device`, batched at each commit and before release.
+//! [`Governor`](kvvm_vmm::Governor) holding the budget (its clock follows the replay's time)
+//! and runs every request as a [`SequenceKv`](kvvm_kv::SequenceKv) of the KV layer: reserved
+//! at the maximum context under the layout ([`LayoutPlan`](kvvm_kv::LayoutPlan)), grown with
+//! `ensure_tokens` whenever a token needs a new granule window (the windows holding live
+//! bytes, one run per fragment, committed as one transaction through the governor:
+//! `Reservation::commit_ranges`), and released when the request ends. Every driver call goes
+//! through a [`CountingBackend`], which counts it and attributes the H200 latency model's cost
+//! (or measures it on a GPU). On a real GPU the KV bytes of the tokens are written with
+//! `SequenceKv::write_tokens`, batched at each commit and before release.
 //!
-//! With prefix sharing (`+prefix`), the system prompt's whole windows
-//! ([`evaluate_prefix_shareability`](kvvm_kv::evaluate_prefix_shareability)) are committed
-//! once by the first request that opens with it
-//! ([`Reservation::commit_shared`](kvvm_vmm::Reservation::commit_shared), read-write, billed
-//! once) and mapped read-only by the others
-//! ([`Reservation::map_shared`](kvvm_vmm::Reservation::map_shared)); each request commits
-//! only the windows after the shared ones. The policy holds the
-//! [`SharedHandles`](kvvm_vmm::SharedHandles) while a sharer runs and drops them with the
-//! last one (the owner may finish first). When the layout cannot share the prefix (every
+//! With prefix sharing (`+prefix`), the first request that opens with the system prompt
+//! becomes the owner of a [`SharedDevicePrefix`](kvvm_kv::SharedDevicePrefix)
+//! (`reserve_unwritten`: the prompt's whole windows, read-write, billed once; written on a GPU,
+//! then sealed), and every later one maps it read-only (`map_shared_prefix_readonly`) and
+//! commits only the windows after it. The policy holds the prefix while a sharer runs and
+//! drops it with the last one (the owner may finish first). When the layout cannot share the
+//! prompt ([`evaluate_prefix_shareability`](kvvm_kv::evaluate_prefix_shareability): every
 //! fragment's part of it is smaller than a granule), the refusal reason is reported and the
 //! policy runs without sharing.
 

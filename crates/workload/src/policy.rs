@@ -7,9 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvvm_governor::{GovernorConfig, ManualClock};
-use kvvm_hal::{Access, AllocationProperties, DeviceId, VirtualMemoryBackend};
-use kvvm_kv::{evaluate_prefix_shareability, KvGeometry, KvLayout, LayoutPlan, PrefixShareability};
-use kvvm_vmm::{Governor, Reservation, SharedHandles, VirtualMemory, VmmConfig, VmmError};
+use kvvm_hal::{AllocationProperties, DeviceId, VirtualMemoryBackend};
+use kvvm_kv::{
+    evaluate_prefix_shareability, KvCacheError, KvGeometry, KvLayout, LayoutPlan,
+    PrefixShareability, SequenceKv, SharedDevicePrefix,
+};
+use kvvm_vmm::{Governor, VirtualMemory, VmmConfig, VmmError};
 use serde::Serialize;
 
 use crate::driver::{classic, CountingBackend, DriverTally};
@@ -379,39 +382,42 @@ impl Policy for ClassicPolicy {
 // ---------------------------------------------------------------------------------------------
 // kvvm through the real manager
 
-/// One sequence under a kvvm policy: one reservation of the layout's size.
+/// One sequence under a kvvm policy: a [`SequenceKv`] of the KV layer.
 #[derive(Debug)]
 struct KvSeq {
-    res: Reservation,
-    /// Windows per fragment that hold live bytes (shared ones included for a sharer).
+    kv: SequenceKv,
+    /// Windows per fragment holding live bytes (committed, shared or private).
     windows: u64,
+    /// Physical bytes this sequence owns privately (its shared windows are billed to the
+    /// prefix).
+    private: u64,
     tokens: u64,
     /// Tokens whose KV bytes were written to the device (real GPUs only).
     written: u64,
-    /// Maps the shared prefix (its first `share_windows` windows of each fragment).
+    /// Maps (or owns) the shared prefix.
     sharer: bool,
-    /// Committed the shared prefix (read-write) for everyone.
-    owner: bool,
 }
 
-/// The shared prefix: the handles of the system prompt's whole windows, committed once by
-/// its first sharer (the owner) and mapped read-only by the others.
+/// The shared prefix: the system prompt's whole windows, committed once by its first sharer
+/// (the owner) and mapped read-only by the others.
 #[derive(Debug)]
 struct Prefix {
-    set: Arc<SharedHandles>,
+    prefix: Arc<SharedDevicePrefix>,
     sharers: usize,
 }
 
-/// A kvvm policy: reservations, commits, shared-prefix mappings and releases through
+/// A kvvm policy: sequences of the KV layer ([`SequenceKv`], [`SharedDevicePrefix`]) over
 /// [`VirtualMemory`] with the governor's budget.
 pub(crate) struct KvvmPolicy {
     plan: LayoutPlan,
     shape: Shape,
     vm: VirtualMemory,
-    counting: Arc<CountingBackend>,
     clock: Arc<ManualClock>,
+    counting: Arc<CountingBackend>,
     measured: bool,
     write_kv: bool,
+    /// Length of the system prompt shared (0: no sharing).
+    prefix_len: u64,
     /// Shared windows per fragment (0: no sharing).
     share_windows: u64,
     shareability: Option<PrefixShareability>,
@@ -429,6 +435,17 @@ impl fmt::Debug for KvvmPolicy {
             .field("committed", &self.committed)
             .finish()
     }
+}
+
+/// A KV-layer error as a refusal when retrying may help, as an error otherwise.
+fn refusal(e: KvCacheError) -> WorkloadResult<Outcome> {
+    if let Some(bp) = e.backpressure() {
+        return Ok(Outcome::Refused(Some(bp.retry_after)));
+    }
+    if e.is_retryable() {
+        return Ok(Outcome::Refused(None));
+    }
+    Err(e.into())
 }
 
 impl KvvmPolicy {
@@ -476,10 +493,15 @@ impl KvvmPolicy {
             plan,
             shape,
             vm,
-            counting,
             clock,
+            counting,
             measured: backend.name() != "sim",
             write_kv,
+            prefix_len: if share_windows > 0 {
+                system_prompt_tokens
+            } else {
+                0
+            },
             share_windows,
             shareability,
             seqs: HashMap::new(),
@@ -493,23 +515,16 @@ impl KvvmPolicy {
         self.plan.granule()
     }
 
-    fn fragments(&self) -> u64 {
-        self.plan.slice_count()
-    }
-
     /// Bytes of the shared windows (all of them prefix data), counted once.
     fn shared_bytes(&self) -> u64 {
         self.share_windows
             .saturating_mul(self.g())
-            .saturating_mul(self.fragments())
+            .saturating_mul(self.plan.slice_count())
     }
 
+    /// Whether `req` opens with the whole system prompt (and the layout can share it).
     fn uses_prefix(&self, req: &Request) -> bool {
-        self.share_windows > 0
-            && req
-                .shared_prefix_tokens
-                .saturating_mul(self.plan.fragment_bytes_per_token())
-                >= self.share_windows.saturating_mul(self.g())
+        self.prefix_len > 0 && req.shared_prefix_tokens >= self.prefix_len
     }
 
     /// Asks the governor whether `new_bytes` more can be committed (the pool supplies what it
@@ -524,28 +539,10 @@ impl KvvmPolicy {
                 grant.rollback();
                 Ok(None)
             }
-            Err(e) => refusal(e).map(Some),
+            Err(VmmError::Backpressure(bp)) => Ok(Some(Outcome::Refused(Some(bp.retry_after)))),
+            Err(e) if e.is_retryable() => Ok(Some(Outcome::Refused(None))),
+            Err(e) => Err(e.into()),
         }
-    }
-
-    /// The byte ranges of windows `from..to` of every fragment.
-    fn ranges(&self, from: u64, to: u64) -> WorkloadResult<Vec<(u64, u64)>> {
-        if to <= from {
-            return Ok(Vec::new());
-        }
-        let g = self.g();
-        let stride = self.plan.slice_stride();
-        let len = mul(to - from, g, "range bytes")?;
-        (0..self.fragments())
-            .map(|i| {
-                let start = add(
-                    mul(i, stride, "fragment offset")?,
-                    mul(from, g, "window")?,
-                    "range",
-                )?;
-                Ok((start, len))
-            })
-            .collect()
     }
 
     fn live_of(&self, tokens: u64, sharer: bool) -> WorkloadResult<u64> {
@@ -557,120 +554,87 @@ impl KvvmPolicy {
         })
     }
 
-    /// Private bytes committed for a sequence with `windows` windows per fragment.
-    fn private_bytes(&self, windows: u64, sharer: bool) -> WorkloadResult<u64> {
-        let w = if sharer {
-            windows.saturating_sub(self.share_windows)
-        } else {
-            windows
-        };
-        mul(
-            mul(w, self.fragments(), "windows")?,
-            self.g(),
-            "committed bytes",
-        )
-    }
-
-    /// Writes the KV bytes of tokens `from..to` of every fragment of `seq` (real GPUs only);
-    /// a sharer that does not own the prefix never writes its read-only windows.
-    fn write_tokens(&self, seq: &KvSeq, id: usize, from: u64, to: u64) -> WorkloadResult<()> {
-        if !self.write_kv || to <= from {
+    /// Writes the KV bytes of tokens `from..to` (real GPUs only), skipping the tokens that lie
+    /// in read-only shared windows, in batches of about 32 MiB.
+    fn write(&self, kv: &mut SequenceKv, id: usize, from: u64, to: u64) -> WorkloadResult<()> {
+        if !self.write_kv {
             return Ok(());
         }
-        let per = self.plan.fragment_bytes_per_token();
-        let skip = if seq.sharer && !seq.owner {
-            self.share_windows.saturating_mul(self.g())
-        } else {
-            0
-        };
-        let start = mul(from, per, "write offset")?.max(skip);
-        let end = mul(to, per, "write offset")?;
-        if end <= start {
-            return Ok(());
-        }
-        let len =
-            usize::try_from(end - start).map_err(|_| WorkloadError::Overflow("write length"))?;
-        let data = vec![(id % 251) as u8 + 1; len];
-        let stride = self.plan.slice_stride();
-        for i in 0..self.fragments() {
-            let offset = add(mul(i, stride, "fragment offset")?, start, "write offset")?;
-            let dst = seq
-                .res
-                .address()
-                .checked_add(offset)
-                .ok_or(WorkloadError::Overflow("write address"))?;
-            self.counting.copy_to_device(dst, &data)?;
+        let bpt = self.shape.bytes_per_token.max(1);
+        let batch = ((32u64 << 20) / bpt).max(1);
+        let mut t = from.max(kv.shared_tokens());
+        while t < to {
+            let n = batch.min(to - t);
+            let len = usize::try_from(mul(n, bpt, "write bytes")?)
+                .map_err(|_| WorkloadError::Overflow("write bytes"))?;
+            let data = vec![(id % 251) as u8 + 1; len];
+            kv.write_tokens(t, &data)?;
+            t = add(t, n, "token")?;
         }
         Ok(())
     }
 
-    fn drop_prefix_if_unused(&mut self) {
-        if self.prefix.as_ref().is_some_and(|p| p.sharers == 0) {
-            // The last reference: the set's handles go back to the pool or the driver.
-            self.prefix = None;
-            self.live = self.live.saturating_sub(self.shared_bytes());
-            self.committed = self.committed.saturating_sub(self.shared_bytes());
-        }
-    }
-
+    /// Releases a sequence and, with the last sharer, the shared prefix.
     fn release(&mut self, mut seq: KvSeq) -> WorkloadResult<()> {
-        seq.res.release()?;
-        let private = self.private_bytes(seq.windows, seq.sharer)?;
-        self.committed = self.committed.saturating_sub(private);
+        seq.kv.release()?;
+        self.committed = self.committed.saturating_sub(seq.private);
         if seq.sharer {
             if let Some(p) = self.prefix.as_mut() {
                 p.sharers = p.sharers.saturating_sub(1);
             }
         }
         drop(seq);
-        self.drop_prefix_if_unused();
+        if self.prefix.as_ref().is_some_and(|p| p.sharers == 0) {
+            if let Some(p) = self.prefix.take() {
+                // The last reference: the handles go back to the pool or the driver.
+                self.committed = self.committed.saturating_sub(p.prefix.bytes());
+                self.live = self.live.saturating_sub(self.shared_bytes());
+            }
+        }
         Ok(())
     }
-}
 
-/// A manager error as a refusal when retrying may help, as an error otherwise.
-fn refusal(e: VmmError) -> WorkloadResult<Outcome> {
-    match e {
-        VmmError::Backpressure(bp) => Ok(Outcome::Refused(Some(bp.retry_after))),
-        e if e.is_retryable() => Ok(Outcome::Refused(None)),
-        e => Err(e.into()),
+    /// Opens the sequence of an admitted request: plain, as the owner of the shared prefix,
+    /// or mapping it read-only.
+    fn open(&mut self, sharer: bool) -> Result<SequenceKv, KvCacheError> {
+        let max = self.shape.max_context;
+        if !sharer {
+            return SequenceKv::new(&self.vm, &self.plan, max);
+        }
+        if let Some(p) = &self.prefix {
+            return p.prefix.map_shared_prefix_readonly(&self.vm, max);
+        }
+        // The owner writes the prefix (on a GPU) and seals it before anyone maps it.
+        let (prefix, owner) =
+            SharedDevicePrefix::reserve_unwritten(&self.vm, &self.plan, self.prefix_len, max)?;
+        self.prefix = Some(Prefix { prefix, sharers: 0 });
+        Ok(owner)
     }
 }
 
 impl Policy for KvvmPolicy {
     fn admit(&mut self, id: usize, req: &Request, tokens: u64) -> WorkloadResult<Outcome> {
         let sharer = self.uses_prefix(req);
-        let owner = sharer && self.prefix.is_none();
-        let windows = self.plan.windows_per_fragment(tokens)?.max(if sharer {
-            self.share_windows
-        } else {
-            0
-        });
-        let mut new_bytes = self.private_bytes(windows, sharer)?;
-        if owner {
-            new_bytes = add(new_bytes, self.shared_bytes(), "commit bytes")?;
+        let mut new_bytes = self.plan.committed_bytes_for_tokens(tokens)?;
+        if sharer && self.prefix.is_some() {
+            new_bytes = new_bytes.saturating_sub(self.shared_bytes());
         }
         if let Some(refused) = self.precheck(new_bytes)? {
             return Ok(refused);
         }
-        let mut res = self.vm.reserve(self.plan.reservation_bytes())?;
-        let k = if sharer { self.share_windows } else { 0 };
+        let had_prefix = self.prefix.is_some();
+        let mut kv = match self.open(sharer) {
+            Ok(kv) => kv,
+            Err(e) => return refusal(e),
+        };
+        let owner = sharer && !had_prefix;
         if owner {
-            let ranges = self.ranges(0, k)?;
-            let set = match res.commit_shared(&ranges) {
-                Ok(set) => set,
-                Err(e) => return refusal(e),
-            };
-            self.prefix = Some(Prefix { set, sharers: 0 });
-            self.committed = add(self.committed, self.shared_bytes(), "committed")?;
-            self.live = add(self.live, self.shared_bytes(), "live bytes")?;
-        } else if sharer {
-            let Some(p) = self.prefix.as_ref() else {
-                return Err(WorkloadError::Config("shared prefix vanished".into()));
-            };
-            let all: Vec<usize> = (0..p.set.len()).collect();
-            if let Err(e) = res.map_shared(&p.set, &all, Access::Read) {
-                return refusal(e);
+            self.write(&mut kv, id, 0, self.prefix_len)?;
+            if let Some(p) = &self.prefix {
+                p.prefix.seal();
+                let bytes = p.prefix.bytes();
+                self.committed = add(self.committed, bytes, "committed")?;
+                self.live = add(self.live, self.shared_bytes(), "live bytes")?;
             }
         }
         if sharer {
@@ -678,96 +642,98 @@ impl Policy for KvvmPolicy {
                 p.sharers = p.sharers.saturating_add(1);
             }
         }
-        let ranges = self.ranges(k, windows)?;
-        if let Err(e) = res.commit_ranges(&ranges) {
-            let seq = KvSeq {
-                res,
-                windows: k,
-                tokens: 0,
-                written: 0,
-                sharer,
-                owner,
-            };
-            self.release(seq)?;
-            return refusal(e);
+        // The owner's private tail of the prefix, if any, is committed already.
+        let mut private = kv.additional_owned_bytes();
+        match kv.ensure_tokens(tokens) {
+            Ok(bytes) => private = add(private, bytes, "committed")?,
+            Err(e) => {
+                self.committed = add(self.committed, private, "committed")?;
+                let seq = KvSeq {
+                    kv,
+                    windows: 0,
+                    private,
+                    tokens: 0,
+                    written: 0,
+                    sharer,
+                };
+                self.release(seq)?;
+                return refusal(e);
+            }
         }
-        self.committed = add(
-            self.committed,
-            self.private_bytes(windows, sharer)?,
-            "committed",
-        )?;
-        let seq = KvSeq {
-            res,
-            windows,
-            tokens,
-            written: 0,
-            sharer,
-            owner,
+        self.committed = add(self.committed, private, "committed")?;
+        // A sharer's tokens in the read-only windows are skipped by `write`.
+        let written = if owner {
+            self.prefix_len.min(tokens)
+        } else {
+            0
         };
-        self.write_tokens(&seq, id, 0, tokens)?;
+        self.write(&mut kv, id, written, tokens)?;
         self.live = add(self.live, self.live_of(tokens, sharer)?, "live bytes")?;
         self.seqs.insert(
             id,
             KvSeq {
+                kv,
+                windows: self.plan.windows_per_fragment(tokens)?,
+                private,
+                tokens,
                 written: tokens,
-                ..seq
+                sharer,
             },
         );
         Ok(Outcome::Done)
     }
 
     fn grow(&mut self, id: usize, tokens: u64) -> WorkloadResult<Outcome> {
-        let (old_tokens, old_windows, sharer) = match self.seqs.get(&id) {
-            Some(s) => (s.tokens, s.windows, s.sharer),
-            None => {
-                return Err(WorkloadError::Config(format!(
-                    "grow of unknown sequence {id}"
-                )))
+        let Some(mut seq) = self.seqs.remove(&id) else {
+            return Err(WorkloadError::Config(format!(
+                "grow of unknown sequence {id}"
+            )));
+        };
+        // Only a token that needs a new window goes to the KV layer (the common case of a
+        // decode step is arithmetic).
+        let windows = self.plan.windows_per_fragment(tokens)?;
+        let result = if windows <= seq.windows {
+            Ok(Outcome::Done)
+        } else {
+            match seq.kv.ensure_tokens(tokens) {
+                Ok(bytes) => {
+                    seq.windows = windows;
+                    seq.private = add(seq.private, bytes, "committed")?;
+                    self.committed = add(self.committed, bytes, "committed")?;
+                    // Write what was decoded since the last write (batched at commits).
+                    let (from, id_) = (seq.written, id);
+                    self.write(&mut seq.kv, id_, from, tokens)?;
+                    seq.written = tokens;
+                    Ok(Outcome::Done)
+                }
+                Err(e) => refusal(e),
             }
         };
-        let windows = self.plan.windows_per_fragment(tokens)?.max(old_windows);
-        if windows > old_windows {
-            let ranges = self.ranges(old_windows, windows)?;
-            let added = mul(
-                mul(windows - old_windows, self.fragments(), "windows")?,
-                self.g(),
-                "bytes",
+        if result.as_ref().is_ok_and(|o| *o == Outcome::Done) {
+            self.live = add(
+                self.live
+                    .saturating_sub(self.live_of(seq.tokens, seq.sharer)?),
+                self.live_of(tokens, seq.sharer)?,
+                "live bytes",
             )?;
-            let Some(seq) = self.seqs.get_mut(&id) else {
-                return Err(WorkloadError::Config(format!(
-                    "grow of unknown sequence {id}"
-                )));
-            };
-            if let Err(e) = seq.res.commit_ranges(&ranges) {
-                return refusal(e);
-            }
-            seq.windows = windows;
-            self.committed = add(self.committed, added, "committed")?;
-            // Write what was decoded since the last write (batched at commits).
-            if let Some(seq) = self.seqs.get(&id) {
-                self.write_tokens(seq, id, seq.written, tokens)?;
-            }
-            if let Some(seq) = self.seqs.get_mut(&id) {
-                seq.written = tokens;
-            }
-        }
-        self.live = add(
-            self.live.saturating_sub(self.live_of(old_tokens, sharer)?),
-            self.live_of(tokens, sharer)?,
-            "live bytes",
-        )?;
-        if let Some(seq) = self.seqs.get_mut(&id) {
             seq.tokens = tokens;
         }
-        Ok(Outcome::Done)
+        self.seqs.insert(id, seq);
+        result
     }
 
     fn finish(&mut self, id: usize) -> WorkloadResult<()> {
-        let seq = self
-            .seqs
-            .remove(&id)
-            .ok_or_else(|| WorkloadError::Config(format!("finish of unknown sequence {id}")))?;
-        self.write_tokens(&seq, id, seq.written, seq.tokens)?;
+        let Some(mut seq) = self.seqs.remove(&id) else {
+            return Err(WorkloadError::Config(format!(
+                "finish of unknown sequence {id}"
+            )));
+        };
+        let (from, to) = (seq.written, seq.tokens);
+        if self.write_kv && to > from {
+            // The window is committed; the KV layer's token count catches up.
+            seq.kv.ensure_tokens(to)?;
+            self.write(&mut seq.kv, id, from, to)?;
+        }
         self.live = self
             .live
             .saturating_sub(self.live_of(seq.tokens, seq.sharer)?);

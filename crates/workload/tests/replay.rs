@@ -294,7 +294,13 @@ fn driver_failures_roll_back_out_of_memory_is_a_refusal_and_nothing_leaks() {
     let sim = Arc::new(SimBackend::h200());
     sim.inject(FaultRule::nth(Operation::Map, 300, ErrorKind::InvalidValue));
     let e = simulate(&trace, sim.clone(), &config, &mut |_| {}).unwrap_err();
-    assert!(matches!(e, kvvm_workload::WorkloadError::Vmm(_)), "{e}");
+    assert!(
+        matches!(
+            e,
+            kvvm_workload::WorkloadError::KvCache(_) | kvvm_workload::WorkloadError::Vmm(_)
+        ),
+        "{e}"
+    );
     assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
     // The driver running out of memory: retryable, so a refusal (429), and the run goes on
     // (a refusal when nothing else runs rejects that request: it cannot fit the device).
@@ -310,4 +316,42 @@ fn driver_failures_roll_back_out_of_memory_is_a_refusal_and_nothing_leaks() {
     assert!(p.completed >= 19, "{p:?}");
     assert!(p.refusals >= 1, "{p:?}");
     assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+}
+
+#[test]
+fn writing_real_kv_bytes_respects_the_read_only_prefix_and_leaks_nothing() {
+    // What a GPU run does, on the simulator (which enforces read-only mappings on copies):
+    // every token's KV is written; sharers never write into the shared windows.
+    let trace = Trace::synthetic(&SyntheticTrace {
+        requests: 8,
+        seed: 11,
+        prompt_median: 40.0,
+        output_median: 30.0,
+        system_prompt_tokens: 48,
+        shared_prefix_share: 0.75,
+        ..SyntheticTrace::default()
+    })
+    .unwrap();
+    let config = SimulationConfig {
+        write_kv: Some(true),
+        policies: PolicyKind::all()
+            .into_iter()
+            .filter(PolicyKind::is_kvvm)
+            .collect(),
+        ..SimulationConfig::default()
+    };
+    let (r, sim) = run(&trace, &config);
+    assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+    let all_tokens = trace.prompt_tokens() + trace.output_tokens();
+    let bpt = r.bytes_per_token;
+    for p in &r.policies {
+        assert_eq!(p.completed, 8, "{}", p.name);
+        if p.name == "kvvm-token-major+prefix" {
+            // 48 tokens = 3 whole windows shared: the owner writes them once.
+            assert_eq!(p.prefix_shared_bytes, Some(3 * (2 << 20)));
+            assert!(p.kv_write_bytes < all_tokens * bpt, "{p:?}");
+        } else if !p.name.ends_with("+prefix") {
+            assert_eq!(p.kv_write_bytes, all_tokens * bpt, "{}", p.name);
+        }
+    }
 }
