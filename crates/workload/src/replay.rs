@@ -489,7 +489,7 @@ pub fn simulate(
         })?;
         let costs = policy.close()?;
         drop(policy);
-        reports.push(report_of(*kind, &tally, costs, trace, config));
+        reports.push(report_of(*kind, &tally, costs, trace));
     }
     progress(Progress {
         policies_done: n_policies,
@@ -531,13 +531,7 @@ fn summary(trace: &Trace) -> TraceSummary {
     }
 }
 
-fn report_of(
-    kind: PolicyKind,
-    tally: &Tally,
-    costs: Costs,
-    trace: &Trace,
-    _config: &SimulationConfig,
-) -> PolicyReport {
+fn report_of(kind: PolicyKind, tally: &Tally, costs: Costs, trace: &Trace) -> PolicyReport {
     let start = trace.requests.first().map_or(0, |r| r.arrival_us);
     let span = u128::from(tally.last_t.saturating_sub(start)).max(1);
     let mean = |integral: u128| u64::try_from(integral / span).unwrap_or(u64::MAX);
