@@ -44,7 +44,7 @@ for line in sys.stdin:
 cargo build --release -p kvvm-cli -p kvvm-hip-on-cuda
 cp target/release/kvvm "$bundle/"
 cp target/release/libhip_on_cuda.so "$bundle/"
-cp ci/gpu/run.sh "$bundle/"
+cp ci/gpu/run.sh ci/gpu/smoke-serve.sh "$bundle/"
 strip "$bundle"/kvvm "$bundle"/tests/* 2>/dev/null || true
 git rev-parse --short HEAD > "$bundle/COMMIT" 2>/dev/null || true
 du -sh "$bundle"

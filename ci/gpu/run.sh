@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine from the repository root: bash gpu-bundle/run.sh
+# Runs on the GPU machine from the repository root: bash gpu-bundle/run.sh [all|info|conformance|tests|serve|simulate|bench]
 # Writes every result under $OUT (or gpu-out/ when OUT is unset).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -41,11 +41,22 @@ if [ "$only" = all ] || [ "$only" = tests ]; then
   echo "test binaries with failures: $fails"
 fi
 
+if [ "$only" = all ] || [ "$only" = serve ]; then
+  echo "== kvvm serve smoke test on CUDA"
+  bash "$here/smoke-serve.sh"
+fi
+
+if [ "$only" = all ] || [ "$only" = simulate ]; then
+  echo "== kvvm simulate on CUDA"
+  "$here/kvvm" simulate --backend cuda --plot "$out/simulate-cuda.svg"
+fi
+
 if [ "$only" = all ] || [ "$only" = bench ]; then
   if "$here/kvvm" help 2>/dev/null | grep -q '^  bench'; then
     echo "== benches"
     "$here/kvvm" bench vmm --backend cuda --json > "$out/bench-vmm.json" || echo "bench vmm failed"
     "$here/kvvm" bench decode --backend cuda --json > "$out/bench-decode.json" || echo "bench decode failed"
+    "$here/kvvm" bench kv --backend cuda --json > "$out/bench-kv.json" || echo "bench kv failed"
   fi
 fi
 echo "== done"
