@@ -364,6 +364,14 @@ impl State {
         }
     }
 
+    /// The allocation a live handle refers to, or `InvalidValue`.
+    fn allocation_of(&self, op: Operation, handle: PhysicalHandle) -> Result<u64, BackendError> {
+        self.handles
+            .get(&handle.0)
+            .copied()
+            .ok_or_else(|| invalid(op, format!("{handle} is not live")))
+    }
+
     // ---- mappings ----
 
     pub(crate) fn map(
@@ -373,10 +381,7 @@ impl State {
         handle: PhysicalHandle,
     ) -> Result<(), BackendError> {
         let op = Operation::Map;
-        let id = *self
-            .handles
-            .get(&handle.0)
-            .ok_or_else(|| invalid(op, format!("{handle} is not live")))?;
+        let id = self.allocation_of(op, handle)?;
         let a = self
             .allocations
             .get(&id)
@@ -626,10 +631,7 @@ impl State {
 
     pub(crate) fn export(&mut self, handle: PhysicalHandle) -> Result<OwnedFd, BackendError> {
         let op = Operation::Export;
-        let id = *self
-            .handles
-            .get(&handle.0)
-            .ok_or_else(|| invalid(op, format!("{handle} is not live")))?;
+        let id = self.allocation_of(op, handle)?;
         let a = self
             .allocations
             .get_mut(&id)
