@@ -172,14 +172,20 @@ mod tests {
     fn auto_always_opens_something_and_prefers_cuda() {
         let o = open_backend_verbose("auto").unwrap();
         if open_backend("cuda").is_ok() {
-            assert_eq!(o.backend.name(), "cuda", "auto must pick CUDA when it is present");
+            assert_eq!(
+                o.backend.name(),
+                "cuda",
+                "auto must pick CUDA when it is present"
+            );
             assert!(o.notice.is_none());
         } else if o.backend.name() == "sim" {
             let notice = o.notice.unwrap();
-            assert!(notice.contains("cuda") && notice.contains("hip"), "{notice}");
+            assert!(
+                notice.contains("cuda") && notice.contains("hip"),
+                "{notice}"
+            );
             println!("skipped: no CUDA driver (auto fell back: {notice})");
         }
-    }
     }
 
     #[test]
