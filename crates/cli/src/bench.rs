@@ -133,8 +133,10 @@ fn to_json(r: &BenchReport) -> Value {
         "pool": r.pool.as_ref().map(|p| json!({
             "granules": p.granules,
             "from_pool": stats(&Some(p.from_pool)),
+            "from_parked": stats(&Some(p.from_parked)),
             "fresh": stats(&Some(p.fresh)),
             "fresh_over_pool": ratio(&Some(p.fresh), &Some(p.from_pool)),
+            "fresh_over_parked": ratio(&Some(p.fresh), &Some(p.from_parked)),
         })),
         "growth": r.growth.iter().map(|g| json!({
             "size": g.size,

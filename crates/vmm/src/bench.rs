@@ -5,8 +5,9 @@
 //! 1. a manager commit of `k` granules ([`Reservation::commit`]) against the minimal raw
 //!    driver sequence (create and map per granule, one set access) for each `k` of
 //!    [`BenchConfig::commit_granules`];
-//! 2. a commit served from the handle pool against a fresh commit, at
-//!    [`BenchConfig::pool_granules`];
+//! 2. a commit served from the handle pool (remap) and one served from windows parked in the
+//!    same reservation ([`VmmConfig::park_released`]: no driver call) against a fresh commit,
+//!    at [`BenchConfig::pool_granules`];
 //! 3. growing a buffer of each size of [`BenchConfig::growth_sizes`] by one granule with the
 //!    manager, against the raw create + map + set access of one granule, with a slot for the
 //!    "realloc and copy" baseline (allocate size + granule, copy device to device, free the
@@ -147,8 +148,11 @@ pub struct CommitRow {
 pub struct PoolRow {
     /// Granules per commit.
     pub granules: u64,
-    /// Every handle from the pool (map + one set access).
+    /// Every handle from the free-handle pool (map + one set access).
     pub from_pool: Stats,
+    /// Every window parked by the previous release of the same reservation
+    /// ([`VmmConfig::park_released`]): no driver call.
+    pub from_parked: Stats,
     /// Every handle created.
     pub fresh: Stats,
 }
@@ -290,28 +294,47 @@ pub fn run_all_with_baseline(
                     .pool_cap_bytes(bytes)
                     .granularity(GranularityChoice::Minimum),
             )?;
+            let park_vm = VirtualMemory::new(
+                backend.clone(),
+                device,
+                Governor::unlimited(),
+                VmmConfig::default()
+                    .pool_cap_bytes(bytes)
+                    .granularity(GranularityChoice::Minimum)
+                    .park_released(true),
+            )?;
             let mut pooled_res = pool_vm.reserve(bytes)?;
             pooled_res.commit(bytes)?;
             pooled_res.release()?;
+            let mut parked_res = park_vm.reserve(bytes)?;
+            parked_res.commit(bytes)?;
+            parked_res.release()?;
             let mut fresh_res = fresh_vm.reserve(bytes)?;
-            let (mut pooled, mut fresh) = (Vec::new(), Vec::new());
+            let (mut pooled, mut parked, mut fresh) = (Vec::new(), Vec::new(), Vec::new());
             for round in 0..rounds {
                 let p = time_commit(&mut pooled_res, bytes)?;
+                let q = time_commit(&mut parked_res, bytes)?;
                 let f = time_commit(&mut fresh_res, bytes)?;
                 if round >= config.warmup {
                     pooled.push(p);
+                    parked.push(q);
                     fresh.push(f);
                 }
             }
             drop(pooled_res);
+            drop(parked_res);
             drop(fresh_res);
             pool_vm.trim_pool(0);
-            if let (Some(from_pool), Some(fresh)) =
-                (Stats::from_samples(pooled), Stats::from_samples(fresh))
-            {
+            park_vm.trim_pool(0);
+            if let (Some(from_pool), Some(from_parked), Some(fresh)) = (
+                Stats::from_samples(pooled),
+                Stats::from_samples(parked),
+                Stats::from_samples(fresh),
+            ) {
                 report.pool = Some(PoolRow {
                     granules: k,
                     from_pool,
+                    from_parked,
                     fresh,
                 });
             }
@@ -569,14 +592,21 @@ impl BenchReport {
             );
             let _ = writeln!(
                 s,
+                "| from parked windows (same reservation) | {} | {} |",
+                us(p.from_parked.median),
+                us(p.from_parked.p90)
+            );
+            let _ = writeln!(
+                s,
                 "| fresh | {} | {} |",
                 us(p.fresh.median),
                 us(p.fresh.p90)
             );
             let _ = writeln!(
                 s,
-                "\nfresh/pool = {}",
-                ratio(p.fresh.median, p.from_pool.median)
+                "\nfresh/pool = {}, fresh/parked = {}",
+                ratio(p.fresh.median, p.from_pool.median),
+                ratio(p.fresh.median, p.from_parked.median)
             );
         }
         let _ = writeln!(s, "\n### Growing a buffer by one granule\n");

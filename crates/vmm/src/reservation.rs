@@ -8,7 +8,7 @@ use kvvm_governor::{Bucket, MappedGrowthGrant};
 use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 
 use crate::error::{VmmError, VmmResult};
-use crate::manager::{Inner, QuarantineEntry, QuarantineReason, Source};
+use crate::manager::{Inner, Parked, QuarantineEntry, QuarantineReason, Source};
 use crate::shared::SharedHandles;
 
 /// Who owns the physical memory behind a block.
@@ -79,6 +79,8 @@ pub struct Reservation {
     size: u64,
     /// Mapped blocks, sorted by offset, each one granule.
     blocks: Vec<Block>,
+    /// Released windows kept mapped for reuse (when the manager parks released windows).
+    parked: Option<Arc<Parked>>,
 }
 
 impl fmt::Debug for Reservation {
@@ -94,11 +96,109 @@ impl fmt::Debug for Reservation {
 
 impl Reservation {
     pub(crate) fn new(vm: Arc<Inner>, base: DeviceAddress, size: u64) -> Self {
+        let parked = vm.park.then(|| {
+            let set = Arc::new(Parked {
+                base,
+                blocks: std::sync::Mutex::new(Vec::new()),
+            });
+            vm.register_parked(&set);
+            set
+        });
         Reservation {
             vm,
             base,
             size,
             blocks: Vec::new(),
+            parked,
+        }
+    }
+
+    fn parked_blocks(&self) -> Option<std::sync::MutexGuard<'_, Vec<(u64, PhysicalHandle)>>> {
+        self.parked
+            .as_ref()
+            .map(|p| p.blocks.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Windows released but kept mapped for reuse (see
+    /// [`VmmConfig::park_released`](crate::VmmConfig::park_released)): pooled memory, not
+    /// committed bytes. Empty when the manager does not park.
+    pub fn parked(&self) -> Vec<MappedBlock> {
+        let g = self.vm.granule;
+        self.parked_blocks()
+            .map(|b| {
+                b.iter()
+                    .map(|(o, h)| MappedBlock {
+                        address: DeviceAddress(self.base.0.saturating_add(*o)),
+                        size: g,
+                        handle: *h,
+                        kind: BlockKind::Owned,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Takes the parked windows at `offsets` out of the parked set (they stay mapped).
+    fn take_parked(&self, offsets: &[u64]) -> Vec<(u64, PhysicalHandle)> {
+        let Some(mut parked) = self.parked_blocks() else {
+            return Vec::new();
+        };
+        let mut taken = Vec::new();
+        parked.retain(|&(o, h)| {
+            if offsets.binary_search(&o).is_ok() {
+                taken.push((o, h));
+                false
+            } else {
+                true
+            }
+        });
+        drop(parked);
+        self.vm.note_unparked(taken.len() as u64);
+        taken
+    }
+
+    /// Puts windows taken by [`take_parked`](Self::take_parked) back.
+    fn return_parked(&self, blocks: Vec<(u64, PhysicalHandle)>) {
+        if blocks.is_empty() {
+            return;
+        }
+        let n = blocks.len() as u64;
+        if let Some(mut parked) = self.parked_blocks() {
+            parked.extend(blocks);
+            parked.sort_unstable_by_key(|(o, _)| *o);
+        }
+        // They were counted out by `take_parked`: count them back in (the cap was checked
+        // when they were first parked).
+        for _ in 0..n {
+            self.vm.force_parked();
+        }
+    }
+
+    /// Unmaps and releases the parked windows at `offsets` so that something else can be
+    /// mapped there.
+    fn evict_parked(&self, offsets: &[u64]) -> Result<(), BackendError> {
+        let vm = &self.vm;
+        let g = vm.granule;
+        let victims = self.take_parked(offsets);
+        let mut failed = Vec::new();
+        let mut first_error = None;
+        for (o, h) in victims {
+            let addr = DeviceAddress(self.base.0.saturating_add(o));
+            match vm.backend.unmap(addr, g) {
+                Ok(()) => {
+                    // A failed release is quarantined inside.
+                    let _ = vm.dispose(h, Source::Bucket(Bucket::Pooled));
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    failed.push((o, h));
+                }
+            }
+        }
+        self.return_parked(failed);
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
     }
 
@@ -336,6 +436,63 @@ impl Reservation {
             Bucket::Committed
         };
 
+        // Parked windows of this reservation at these offsets: reused as they are (no driver
+        // call) for a private commit; unmapped first for a shared one.
+        let reused: Vec<(u64, PhysicalHandle)> = if shared.is_some() {
+            self.evict_parked(offsets)?;
+            Vec::new()
+        } else {
+            self.take_parked(offsets)
+        };
+        if !reused.is_empty() {
+            let fresh: Vec<u64> = offsets
+                .iter()
+                .copied()
+                .filter(|o| reused.binary_search_by_key(o, |(r, _)| *r).is_err())
+                .collect();
+            let reused_bytes = (reused.len() as u64).saturating_mul(g);
+            let result = if fresh.is_empty() {
+                if let Some(grant) = grant {
+                    grant.rollback();
+                }
+                Ok(Commit {
+                    address: start,
+                    bytes: 0,
+                    granules: 0,
+                    from_pool: 0,
+                })
+            } else {
+                self.commit_windows(&fresh, grant, None)
+            };
+            return match result {
+                Ok(c) => {
+                    vm.account(vm.governor.transfer(
+                        vm.device,
+                        Bucket::Pooled,
+                        Bucket::Committed,
+                        reused_bytes,
+                    ));
+                    let n = reused.len() as u64;
+                    self.insert_blocks(reused.into_iter().map(|(offset, handle)| Block {
+                        offset,
+                        handle,
+                        kind: BlockKind::Owned,
+                        shared: None,
+                    }));
+                    Ok(Commit {
+                        address: start,
+                        bytes,
+                        granules,
+                        from_pool: c.from_pool.saturating_add(n),
+                    })
+                }
+                Err(e) => {
+                    self.return_parked(reused);
+                    Err(e)
+                }
+            };
+        }
+
         // Pool first: a hit needs neither a create nor any new budget.
         let mut pooled = vm.take_from_pool(granules);
         let from_pool = pooled.len() as u64;
@@ -527,6 +684,8 @@ impl Reservation {
         }
         chosen.sort_unstable_by_key(|(o, _)| *o);
         chosen.dedup_by_key(|(o, _)| *o);
+        let offsets: Vec<u64> = chosen.iter().map(|(o, _)| *o).collect();
+        self.evict_parked(&offsets)?;
         let span = tracing::debug_span!(
             "vmm.map_shared",
             device = vm.device.0,
@@ -550,7 +709,6 @@ impl Reservation {
             }
         }
         if failure.is_none() {
-            let offsets: Vec<u64> = chosen.iter().map(|(o, _)| *o).collect();
             let desc = [kvvm_hal::AccessDescriptor {
                 device: vm.device,
                 access,
@@ -669,6 +827,9 @@ impl Reservation {
         let _e = span.enter();
         let keep_end = len.div_ceil(vm.granule).saturating_mul(vm.granule);
         let first = self.blocks.partition_point(|b| b.offset < keep_end);
+        if self.parked.is_some() {
+            self.park_from(first);
+        }
         match self.unmap_from(&vm, first) {
             (bytes, None) => Ok(bytes),
             (_, Some(e)) => Err(e.into()),
@@ -702,6 +863,35 @@ impl Reservation {
             (bytes, None) => Ok(bytes),
             (_, Some(e)) => Err(e.into()),
         }
+    }
+
+    /// Parks the owned blocks from index `first` on, as many as the pool cap allows: they stay
+    /// mapped, their bytes move from committed to pooled. The others stay for unmapping.
+    fn park_from(&mut self, first: usize) {
+        let vm = Arc::clone(&self.vm);
+        let g = vm.granule;
+        let tail = self.blocks.split_off(first.min(self.blocks.len()));
+        let mut keep = Vec::new();
+        let mut parked = Vec::new();
+        for b in tail {
+            if b.shared.is_none() && b.kind == BlockKind::Owned && vm.try_reserve_parking() {
+                parked.push((b.offset, b.handle));
+            } else {
+                keep.push(b);
+            }
+        }
+        if !parked.is_empty() {
+            let bytes = (parked.len() as u64).saturating_mul(g);
+            vm.account(
+                vm.governor
+                    .transfer(vm.device, Bucket::Committed, Bucket::Pooled, bytes),
+            );
+            if let Some(mut set) = self.parked_blocks() {
+                set.extend(parked);
+                set.sort_unstable_by_key(|(o, _)| *o);
+            }
+        }
+        self.blocks.extend(keep);
     }
 
     /// Unmaps the blocks from index `first` on, last first, in runs of adjacent blocks where
@@ -839,6 +1029,27 @@ impl Drop for Reservation {
             blocks = self.blocks.len()
         );
         let _e = span.enter();
+        // Parked windows are torn down like committed ones.
+        let parked: Vec<(u64, PhysicalHandle)> = match self.parked_blocks() {
+            Some(mut set) => std::mem::take(&mut *set),
+            None => Vec::new(),
+        };
+        if !parked.is_empty() {
+            let n = parked.len() as u64;
+            vm.note_unparked(n);
+            vm.account(vm.governor.transfer(
+                vm.device,
+                Bucket::Pooled,
+                Bucket::Committed,
+                n.saturating_mul(vm.granule),
+            ));
+            self.insert_blocks(parked.into_iter().map(|(offset, handle)| Block {
+                offset,
+                handle,
+                kind: BlockKind::Owned,
+                shared: None,
+            }));
+        }
         if !self.blocks.is_empty() {
             if let Err(error) = vm.backend.synchronize(vm.device) {
                 tracing::warn!(

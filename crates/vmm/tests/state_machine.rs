@@ -83,6 +83,7 @@ struct Setup {
     budget: Option<u64>,
     pool: u64,
     per_mapping_unmap: bool,
+    park: bool,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -92,14 +93,16 @@ fn setup() -> impl Strategy<Value = Setup> {
         prop::option::of(2u64..20),
         0u64..6,
         any::<bool>(),
+        any::<bool>(),
     )
         .prop_map(
-            |(granule, capacity, budget, pool, per_mapping_unmap)| Setup {
+            |(granule, capacity, budget, pool, per_mapping_unmap, park)| Setup {
                 granule,
                 capacity,
                 budget,
                 pool,
                 per_mapping_unmap,
+                park,
             },
         )
 }
@@ -118,6 +121,7 @@ fn run_case(s: &Setup, ops: &[Op]) {
     c.capacity_granules = s.capacity;
     c.budget_granules = s.budget;
     c.pool_granules = s.pool;
+    c.park = s.park;
     c.quirks = SimQuirks {
         multi_unmap_breaks_free: s.per_mapping_unmap,
         ..SimQuirks::default()
@@ -274,6 +278,15 @@ impl XorShift {
 
 #[test]
 fn stress_8_threads_x_10000_ops_end_empty() {
+    stress_run(false);
+}
+
+#[test]
+fn stress_8_threads_x_10000_ops_with_parking_end_empty() {
+    stress_run(true);
+}
+
+fn stress_run(park: bool) {
     const THREADS: u64 = 8;
     const OPS: u64 = 10_000;
     let g = 64 << 10;
@@ -288,7 +301,9 @@ fn stress_8_threads_x_10000_ops_end_empty() {
         backend,
         D0,
         gov.clone(),
-        VmmConfig::default().pool_cap_bytes(32 * g),
+        VmmConfig::default()
+            .pool_cap_bytes(32 * g)
+            .park_released(park),
     )
     .unwrap();
     let handles: Vec<_> = (0..THREADS)

@@ -25,6 +25,7 @@ pub struct WorldConfig {
     pub budget_granules: Option<u64>,
     pub pool_granules: u64,
     pub quirks: SimQuirks,
+    pub park: bool,
 }
 
 impl WorldConfig {
@@ -35,6 +36,7 @@ impl WorldConfig {
             budget_granules: None,
             pool_granules: 0,
             quirks: SimQuirks::default(),
+            park: false,
         }
     }
 }
@@ -58,7 +60,8 @@ impl World {
             gov.clone(),
             VmmConfig::default()
                 .pool_cap_bytes(c.pool_granules * g)
-                .granularity(GranularityChoice::Minimum),
+                .granularity(GranularityChoice::Minimum)
+                .park_released(c.park),
         )
         .unwrap();
         World { sim, gov, vm, g }
@@ -86,9 +89,11 @@ pub fn check(sim: &SimBackend, vm: &VirtualMemory, gov: &Governor, reservations:
     for r in reservations {
         let m = r.mappings();
         assert_eq!(r.committed_bytes(), g * m.len() as u64, "invariant 1");
+        // Parked windows are still mapped (pooled memory, not committed bytes).
+        let parked = g * r.parked().len() as u64;
         assert_eq!(
             ledger.mapped_bytes_in(r.address(), r.size()),
-            r.committed_bytes(),
+            r.committed_bytes() + parked,
             "invariant 1: driver's mapped bytes in {:?}",
             r
         );
@@ -132,7 +137,7 @@ pub fn check(sim: &SimBackend, vm: &VirtualMemory, gov: &Governor, reservations:
     let mut ours_ranges = BTreeSet::new();
     for r in reservations {
         ours_ranges.insert((r.address().0, r.size()));
-        for b in r.mappings() {
+        for b in r.mappings().into_iter().chain(r.parked()) {
             assert!(
                 ours_mappings.insert((b.address.0, b.size, b.handle.0)),
                 "mapping twice"
