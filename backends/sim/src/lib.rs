@@ -141,23 +141,16 @@ impl SimBackend {
     /// release, map, set access, unmap, synchronize, copies, export, import).
     pub fn driver_calls(&self) -> u64 {
         let s = self.lock();
-        [
-            Operation::Reserve,
-            Operation::Free,
-            Operation::Create,
-            Operation::Release,
-            Operation::Map,
-            Operation::SetAccess,
-            Operation::Unmap,
-            Operation::Synchronize,
-            Operation::CopyToDevice,
-            Operation::CopyFromDevice,
-            Operation::Export,
-            Operation::Import,
-        ]
-        .iter()
-        .map(|op| s.calls(*op))
-        .sum()
+        Operation::VMM_CALLS
+            .iter()
+            .chain(&[
+                Operation::CopyToDevice,
+                Operation::CopyFromDevice,
+                Operation::Export,
+                Operation::Import,
+            ])
+            .map(|op| s.calls(*op))
+            .sum()
     }
 
     /// The driver time the latency model attributes to all calls so far.

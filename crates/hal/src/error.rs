@@ -63,6 +63,19 @@ impl Operation {
         Operation::Kernel,
     ];
 
+    /// The memory-management calls: reserve, free, create, release, map, set access, unmap,
+    /// synchronize (what "driver calls" counts in kvvm's reports; copies are counted apart).
+    pub const VMM_CALLS: [Operation; 8] = [
+        Operation::Reserve,
+        Operation::Free,
+        Operation::Create,
+        Operation::Release,
+        Operation::Map,
+        Operation::SetAccess,
+        Operation::Unmap,
+        Operation::Synchronize,
+    ];
+
     /// A short lower-case name (`"map"`, `"set_access"`, ...).
     pub fn as_str(self) -> &'static str {
         match self {

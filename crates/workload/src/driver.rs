@@ -14,16 +14,7 @@ use kvvm_hal::{
 use kvvm_sim::LatencyModel;
 
 /// The operations counted as driver calls (copies of KV bytes are counted apart).
-const COUNTED: [Operation; 8] = [
-    Operation::Reserve,
-    Operation::Free,
-    Operation::Create,
-    Operation::Release,
-    Operation::Map,
-    Operation::SetAccess,
-    Operation::Unmap,
-    Operation::Synchronize,
-];
+const COUNTED: [Operation; 8] = Operation::VMM_CALLS;
 
 fn slot(op: Operation) -> Option<usize> {
     COUNTED.iter().position(|o| *o == op)
