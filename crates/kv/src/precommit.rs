@@ -396,6 +396,7 @@ impl Precommitter {
     }
 
     /// Hands `sequence` to the pre-committer; its windows are committed ahead from now on.
+    /// The tokens it has committed already count as live (in use).
     pub fn attach(&self, sequence: SequenceKv) -> PrecommittedSequence {
         let ready = sequence.committed_tokens();
         let max_tokens = sequence.max_tokens();
@@ -404,7 +405,8 @@ impl Precommitter {
             plan,
             seq: Mutex::new(sequence),
             ready: AtomicU64::new(ready),
-            live: AtomicU64::new(0),
+            // What is committed at attach time (a prompt) counts as in use.
+            live: AtomicU64::new(ready),
             ahead: AtomicU64::new(0),
             max_tokens,
         });

@@ -71,28 +71,29 @@ fn check_books(w: &World) {
 fn the_worker_commits_ahead_and_the_hot_path_finds_it() {
     let w = world(None, 0);
     let pre = Precommitter::start(&w.vm, config(64, 16)).unwrap();
-    let seq = pre.attach(SequenceKv::new(&w.vm, &w.plan, 4096).unwrap());
-    assert_eq!(seq.ensure_tokens(1).unwrap(), Ensured::Inline(G));
+    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    s.ensure_tokens(1).unwrap();
+    let seq = pre.attach(s);
     pre.wait_idle();
     // Committed up to live + 2 x headroom = 129 tokens: 3 windows.
     assert!(seq.committed_tokens() >= 129, "{}", seq.committed_tokens());
-    let creates = w.sim.calls(Operation::Create);
+    assert!(pre.stats().peak_headroom_bytes <= 16 * G);
+    // Stop the worker so that nothing else calls the driver, then walk the hot path.
+    pre.shutdown();
+    let calls = w.sim.driver_calls();
     for n in 2..=129 {
         assert_eq!(seq.ensure_tokens(n).unwrap(), Ensured::Ready, "token {n}");
     }
     assert_eq!(
-        w.sim.calls(Operation::Create),
-        creates,
+        w.sim.driver_calls(),
+        calls,
         "no driver call on the hot path"
     );
-    let stats = pre.stats();
-    assert!(stats.ready >= 128);
-    assert!(stats.peak_headroom_bytes <= 16 * G);
+    assert!(pre.stats().ready >= 128);
     check_books(&w);
     // Writes go through the sequence.
     let bytes = vec![7u8; 1024];
     seq.with_sequence(|s| s.write_token(5, &bytes)).unwrap();
-    pre.shutdown();
     drop(seq);
     assert!(w.sim.ledger().is_empty());
 }
@@ -117,11 +118,11 @@ fn headroom_is_bounded() {
 
 #[test]
 fn a_failure_at_every_driver_step_of_the_worker_rolls_back_and_is_reported() {
-    // The worker's first pass commits up to 0 + 2 x 128 = 256 tokens: windows 1-3 (window 0
-    // is already committed): 3 creates, 3 maps, 1 set access over the contiguous run.
+    // The worker's first pass commits up to 1 + 2 x 128 = 257 tokens: windows 1-4 (window 0
+    // is already committed): 4 creates, 4 maps, 1 set access over the contiguous run.
     for (op, calls) in [
-        (Operation::Create, 3),
-        (Operation::Map, 3),
+        (Operation::Create, 4),
+        (Operation::Map, 4),
         (Operation::SetAccess, 1),
     ] {
         for n in 1..=calls {
@@ -154,8 +155,9 @@ fn a_failure_at_every_driver_step_of_the_worker_rolls_back_and_is_reported() {
 fn refused_grants_in_the_worker_are_counted_and_harmless() {
     let w = world(Some(2), 0);
     let pre = Precommitter::start(&w.vm, config(64, 16)).unwrap();
-    let seq = pre.attach(SequenceKv::new(&w.vm, &w.plan, 4096).unwrap());
-    seq.ensure_tokens(1).unwrap();
+    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    s.ensure_tokens(1).unwrap();
+    let seq = pre.attach(s);
     pre.wait_idle();
     // Budget of 2 windows: 3 (up to 129 tokens) were refused whole; the smaller headroom
     // (up to 65 tokens, 2 windows) fits.
@@ -168,8 +170,9 @@ fn refused_grants_in_the_worker_are_counted_and_harmless() {
 fn precommitted_windows_are_given_back_first_under_pressure() {
     let w = world(Some(4), 0);
     let pre = Precommitter::start(&w.vm, config(64, 16)).unwrap();
-    let a = pre.attach(SequenceKv::new(&w.vm, &w.plan, 4096).unwrap());
-    a.ensure_tokens(1).unwrap();
+    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    s.ensure_tokens(1).unwrap();
+    let a = pre.attach(s);
     pre.wait_idle();
     assert_eq!(a.committed_tokens(), 129, "3 windows: 1 live + 2 ahead");
     assert_eq!(w.sim.ledger().mappings.len(), 3);
