@@ -350,9 +350,10 @@ impl Inner {
         }
     }
 
-    /// Counts one window back into the parked bytes (a window taken out and put back).
-    pub(crate) fn force_parked(&self) {
-        self.parked_bytes.fetch_add(self.granule, Ordering::AcqRel);
+    /// Counts `n` windows back into the parked bytes (windows taken out and put back).
+    pub(crate) fn note_reparked(&self, n: u64) {
+        self.parked_bytes
+            .fetch_add(n.saturating_mul(self.granule), Ordering::AcqRel);
     }
 
     /// `n` parked windows left the parked state (reused or handed back to a reservation).

@@ -169,9 +169,7 @@ impl Reservation {
         }
         // They were counted out by `take_parked`: count them back in (the cap was checked
         // when they were first parked).
-        for _ in 0..n {
-            self.vm.force_parked();
-        }
+        self.vm.note_reparked(n);
     }
 
     /// Unmaps and releases the parked windows at `offsets` so that something else can be
@@ -323,6 +321,39 @@ impl Reservation {
         self.commit_windows(&offsets, None, None).map(Some)
     }
 
+    /// The end of `[offset, offset + len)`, refused when it overflows or runs past the
+    /// reservation (the driver does not check reservation bounds; the manager always does).
+    fn checked_end(&self, offset: u64, len: u64, what: &'static str) -> VmmResult<u64> {
+        let end = offset
+            .checked_add(len)
+            .ok_or(VmmError::SizeOverflow { what })?;
+        if end > self.size {
+            return Err(VmmError::OutOfBounds {
+                offset,
+                requested: len,
+                reserved: self.size,
+            });
+        }
+        Ok(end)
+    }
+
+    /// A free window of this reservation: in bounds, granule-aligned, not mapped.
+    fn check_free_window(&self, offset: u64) -> VmmResult<()> {
+        let g = self.vm.granule;
+        self.checked_end(offset, g, "window end")?;
+        if !offset.is_multiple_of(g) {
+            return Err(VmmError::OutOfBounds {
+                offset,
+                requested: g,
+                reserved: self.size,
+            });
+        }
+        if self.is_mapped(offset) {
+            return Err(VmmError::AlreadyMapped { offset });
+        }
+        Ok(())
+    }
+
     /// The sorted, unmapped window offsets overlapping `ranges`, bounds-checked.
     pub(crate) fn missing_windows(&self, ranges: &[(u64, u64)]) -> VmmResult<Vec<u64>> {
         let g = self.vm.granule;
@@ -331,16 +362,7 @@ impl Reservation {
             if len == 0 {
                 continue;
             }
-            let end = offset
-                .checked_add(len)
-                .ok_or(VmmError::SizeOverflow { what: "range end" })?;
-            if end > self.size {
-                return Err(VmmError::OutOfBounds {
-                    offset,
-                    requested: len,
-                    reserved: self.size,
-                });
-            }
+            let end = self.checked_end(offset, len, "range end")?;
             let first = offset / g;
             let last = end.div_ceil(g);
             for w in first..last {
@@ -374,16 +396,7 @@ impl Reservation {
                 from_pool: 0,
             });
         }
-        let end = offset
-            .checked_add(bytes)
-            .ok_or(VmmError::SizeOverflow { what: "commit end" })?;
-        if end > self.size {
-            return Err(VmmError::OutOfBounds {
-                offset,
-                requested: bytes,
-                reserved: self.size,
-            });
-        }
+        self.checked_end(offset, bytes, "commit end")?;
         let offsets: Vec<u64> = (0..granules)
             .map(|i| offset.saturating_add(i.saturating_mul(g)))
             .collect();
@@ -416,19 +429,7 @@ impl Reservation {
         })?;
         // Every window must be in bounds and unmapped: the driver checks neither.
         for &o in offsets {
-            let end = o
-                .checked_add(g)
-                .ok_or(VmmError::SizeOverflow { what: "window end" })?;
-            if end > self.size || o % g != 0 {
-                return Err(VmmError::OutOfBounds {
-                    offset: o,
-                    requested: g,
-                    reserved: self.size,
-                });
-            }
-            if self.is_mapped(o) {
-                return Err(VmmError::AlreadyMapped { offset: o });
-            }
+            self.check_free_window(o)?;
         }
         let target = if shared.is_some() {
             Bucket::Shared
@@ -551,7 +552,7 @@ impl Reservation {
 
         if let Some(error) = failure {
             tracing::debug!(%error, mapped = mapped.len(), "commit failed; rolling back");
-            self.rollback(&vm, mapped, &mut grant, target);
+            self.rollback(&vm, mapped, &mut grant);
             grant.rollback();
             return Err(error.into());
         }
@@ -667,19 +668,7 @@ impl Reservation {
                 requested: 1,
                 reserved: set.len() as u64,
             })?;
-            let end = o
-                .checked_add(g)
-                .ok_or(VmmError::SizeOverflow { what: "window end" })?;
-            if end > self.size {
-                return Err(VmmError::OutOfBounds {
-                    offset: o,
-                    requested: g,
-                    reserved: self.size,
-                });
-            }
-            if self.is_mapped(o) {
-                return Err(VmmError::AlreadyMapped { offset: o });
-            }
+            self.check_free_window(o)?;
             chosen.push((o, h));
         }
         chosen.sort_unstable_by_key(|(o, _)| *o);
@@ -765,7 +754,6 @@ impl Reservation {
         vm: &Inner,
         mapped: Vec<(u64, PhysicalHandle, Origin)>,
         grant: &mut MappedGrowthGrant,
-        target: Bucket,
     ) {
         let g = vm.granule;
         let mut kept = Vec::new();
@@ -800,7 +788,6 @@ impl Reservation {
                 }
             }
         }
-        let _ = target;
         if !kept.is_empty() {
             self.insert_blocks(kept.into_iter());
         }
