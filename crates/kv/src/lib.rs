@@ -158,7 +158,9 @@ mod prefix;
 mod sequence;
 mod shareability;
 
-pub use cache::{Admission, PrefixCache, PrefixCacheConfig, PrefixCacheStats, PublishOutcome};
+pub use cache::{
+    Admission, AdmissionInfo, PrefixCache, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
+};
 pub use error::{KvCacheError, KvError};
 pub use geometry::{KvDtype, KvGeometry, ModelPreset, PRESETS};
 pub use layout::{Fragment, KvKind, KvLayout, LayoutPlan, LayoutStrides};

@@ -116,6 +116,7 @@ mod error;
 mod manager;
 mod reservation;
 mod shared;
+mod strided;
 
 pub use error::{VmmError, VmmResult};
 pub use manager::{GranularityChoice, QuarantineEntry, QuarantineReason, VirtualMemory, VmmConfig};

@@ -10,6 +10,7 @@ use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 use crate::error::{VmmError, VmmResult};
 use crate::manager::{Inner, Parked, QuarantineEntry, QuarantineReason, Source};
 use crate::shared::SharedHandles;
+use crate::strided::SharedRange;
 
 /// Who owns the physical memory behind a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -81,6 +82,10 @@ pub struct Reservation {
     blocks: Vec<Block>,
     /// Released windows kept mapped for reuse (when the manager parks released windows).
     parked: Option<Arc<Parked>>,
+    /// The driver range this reservation is a slot of, when it was carved out of a larger
+    /// one ([`VirtualMemory::reserve_strided`](crate::VirtualMemory::reserve_strided)): the
+    /// range is freed when its last slot is gone, not by this reservation.
+    range: Option<Arc<SharedRange>>,
 }
 
 impl fmt::Debug for Reservation {
@@ -110,6 +115,32 @@ impl Reservation {
             size,
             blocks: Vec::new(),
             parked,
+            range: None,
+        }
+    }
+
+    /// A reservation of `[base, base + size)` inside the driver range `range`.
+    pub(crate) fn new_in_range(
+        vm: Arc<Inner>,
+        base: DeviceAddress,
+        size: u64,
+        range: Arc<SharedRange>,
+    ) -> Self {
+        let mut r = Reservation::new(vm, base, size);
+        r.range = Some(range);
+        r
+    }
+
+    /// Whether this reservation is a slot of a range shared with other reservations.
+    pub fn is_strided_slot(&self) -> bool {
+        self.range.is_some()
+    }
+
+    /// Keeps the driver range reserved forever: called when this reservation's memory is
+    /// quarantined (still mapped), so that neither it nor its sibling slots free the range.
+    fn pin_range(&mut self) {
+        if let Some(range) = self.range.take() {
+            std::mem::forget(range);
         }
     }
 
@@ -1047,14 +1078,21 @@ impl Drop for Reservation {
                      and address range (nothing unmapped, released or freed)"
                 );
                 self.quarantine_blocks(QuarantineReason::TeardownSyncFailed, error);
+                self.pin_range();
                 return;
             }
             if let (_, Some(error)) = self.unmap_from(&vm, 0) {
                 if !self.blocks.is_empty() {
                     self.quarantine_blocks(QuarantineReason::UnmapFailed, error);
+                    self.pin_range();
                     return;
                 }
             }
+        }
+        if let Some(range) = self.range.take() {
+            // A slot: the shared range is freed with its last slot.
+            drop(range);
+            return;
         }
         if let Err(error) = vm.backend.free(self.base, self.size) {
             tracing::warn!(base = %self.base, size = self.size, %error, "address free failed; range quarantined");
