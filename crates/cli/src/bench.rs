@@ -32,7 +32,7 @@ enum BenchCommand {
 /// Arguments of `kvvm bench decode`.
 #[derive(Debug, Args)]
 pub struct DecodeBenchArgs {
-    /// Backend: sim, cuda, hip or auto.
+    /// Backend: sim, cuda, hip, host or auto.
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Latency model of the simulated backend: h200 (driver calls cost their H200 medians,
@@ -56,7 +56,7 @@ pub struct DecodeBenchArgs {
 /// Arguments of `kvvm bench kv`.
 #[derive(Debug, Args)]
 pub struct KvBenchArgs {
-    /// Backend: sim, cuda, hip or auto.
+    /// Backend: sim, cuda, hip, host or auto.
     #[arg(long, default_value = "auto")]
     backend: String,
     /// KV layout: head-major, seq-major or token-major.
@@ -82,7 +82,7 @@ pub struct KvBenchArgs {
 /// Arguments of `kvvm bench vmm`.
 #[derive(Debug, Args)]
 pub struct VmmBenchArgs {
-    /// Backend: sim, cuda, hip or auto.
+    /// Backend: sim, cuda, hip, host or auto.
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Measured iterations per case.

@@ -17,7 +17,7 @@ use kvvm_workload::{
 /// Arguments of `kvvm simulate`.
 #[derive(Debug, Args)]
 pub struct SimulateArgs {
-    /// Backend for the kvvm policies: auto, sim, cuda or hip (auto: the simulator when no GPU).
+    /// Backend for the kvvm policies: auto, sim, cuda, hip or host (auto: the simulator when no GPU).
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Model preset (llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b).
