@@ -957,7 +957,10 @@ pub(crate) fn kernel_store_child(ctx: &Ctx<'_>) -> ChildVerdict {
         // Loads through the alias see the owner's bytes before the store is tried.
         let expected: u64 = p.iter().map(|b| u64::from(*b)).sum();
         let sum = probe.run(ctx.device, KernelProbeOp::Load, ro, 256, 0)?;
-        ensure(sum == expected, format!("load through the alias summed {sum}, expected {expected}"))?;
+        ensure(
+            sum == expected,
+            format!("load through the alias summed {sum}, expected {expected}"),
+        )?;
         Ok((s, ro))
     };
     let (s, ro) = match setup() {

@@ -336,7 +336,8 @@ impl VirtualMemoryBackend for HostBackend {
         properties: &AllocationProperties,
     ) -> BackendResult<PhysicalHandle> {
         let op = Operation::Create;
-        let span = tracing::debug_span!("kvvm_host", op = "create", device = %properties.device, size);
+        let span =
+            tracing::debug_span!("kvvm_host", op = "create", device = %properties.device, size);
         traced(span, || {
             State::check_device(op, properties.device)?;
             let mut s = self.write();
@@ -496,7 +497,10 @@ impl VirtualMemoryBackend for HostBackend {
             if !is_multiple(size, s.granule()) {
                 return Err(invalid(
                     op,
-                    format!("the memfd's size {size} is not a multiple of {}", s.granule()),
+                    format!(
+                        "the memfd's size {size} is not a multiple of {}",
+                        s.granule()
+                    ),
                 ));
             }
             let handle = s.record_handle(own, key, size, true);

@@ -27,8 +27,7 @@ pub(crate) fn protection(access: Access) -> MprotectFlags {
 
 /// `value` as a `usize`, or `InvalidValue` naming `what`.
 pub(crate) fn to_usize(op: Operation, what: &str, value: u64) -> BackendResult<usize> {
-    usize::try_from(value)
-        .map_err(|_| invalid(op, format!("{what} {value} does not fit in usize")))
+    usize::try_from(value).map_err(|_| invalid(op, format!("{what} {value} does not fit in usize")))
 }
 
 /// `value` as a `u64` (exact on every 32- and 64-bit target; saturates otherwise).

@@ -21,7 +21,11 @@ use crate::error::Errno;
 pub(crate) type SysResult<T> = Result<T, Errno>;
 
 /// Runs one system call inside its span and logs the outcome.
-fn traced<T>(op: &'static str, bytes: u64, call: impl FnOnce() -> rustix::io::Result<T>) -> SysResult<T> {
+fn traced<T>(
+    op: &'static str,
+    bytes: u64,
+    call: impl FnOnce() -> rustix::io::Result<T>,
+) -> SysResult<T> {
     let span = tracing::debug_span!("kvvm_host", op, device = 0u32, bytes);
     let _entered = span.enter();
     match call() {
@@ -111,7 +115,11 @@ pub(crate) unsafe fn map_placeholder(address: *mut c_void, len: usize) -> SysRes
 /// `[address, address + len)` must be covered by live mappings of this backend. (Taking
 /// access away while a Rust reference reads the range would fault that reader: the
 /// backend's own copies hold its lock, so they never overlap a protection change.)
-pub(crate) unsafe fn protect(address: *mut c_void, len: usize, flags: MprotectFlags) -> SysResult<()> {
+pub(crate) unsafe fn protect(
+    address: *mut c_void,
+    len: usize,
+    flags: MprotectFlags,
+) -> SysResult<()> {
     traced("mprotect", to_u64(len), || {
         // SAFETY: the caller guarantees the range is our own live mappings.
         unsafe { rustix::mm::mprotect(address, len, flags) }
@@ -181,25 +189,31 @@ pub(crate) fn fstat(fd: impl AsFd) -> SysResult<FileIdentity> {
 
 /// `fcntl(fd, F_DUPFD_CLOEXEC, 0)`: a new descriptor of the same open file.
 pub(crate) fn dup(fd: impl AsFd) -> SysResult<OwnedFd> {
-    traced("fcntl(F_DUPFD_CLOEXEC)", 0, || rustix::io::fcntl_dupfd_cloexec(fd, 0))
+    traced("fcntl(F_DUPFD_CLOEXEC)", 0, || {
+        rustix::io::fcntl_dupfd_cloexec(fd, 0)
+    })
 }
 
 /// `mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS)`: plain anonymous
 /// memory (the benchmark's baseline).
 pub(crate) fn anonymous_read_write(len: usize) -> SysResult<u64> {
-    traced("mmap(PROT_READ | PROT_WRITE, anonymous)", to_u64(len), || {
-        // SAFETY: a null address without MAP_FIXED: the kernel picks a free range and returns
-        // a new mapping that nothing points into yet.
-        let p = unsafe {
-            rustix::mm::mmap_anonymous(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE,
-            )
-        }?;
-        Ok(expose(p))
-    })
+    traced(
+        "mmap(PROT_READ | PROT_WRITE, anonymous)",
+        to_u64(len),
+        || {
+            // SAFETY: a null address without MAP_FIXED: the kernel picks a free range and returns
+            // a new mapping that nothing points into yet.
+            let p = unsafe {
+                rustix::mm::mmap_anonymous(
+                    std::ptr::null_mut(),
+                    len,
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::PRIVATE,
+                )
+            }?;
+            Ok(expose(p))
+        },
+    )
 }
 
 /// The page size (the minimum granularity).
@@ -214,9 +228,7 @@ pub(crate) fn total_ram() -> u64 {
     // `totalram` is a C `unsigned long`: 32 bits on 32-bit targets.
     #[allow(clippy::useless_conversion)]
     let total = u64::try_from(info.totalram);
-    total
-        .unwrap_or(u64::MAX)
-        .saturating_mul(unit)
+    total.unwrap_or(u64::MAX).saturating_mul(unit)
 }
 
 /// `uname`: the kernel release and the machine (`"6.1.0"`, `"x86_64"`).

@@ -11,13 +11,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use kvvm_hal::{
-    Access, AccessDescriptor, BackendResult, DeviceAddress, DeviceId, ErrorKind,
-    Operation, PhysicalHandle,
+    Access, AccessDescriptor, BackendResult, DeviceAddress, DeviceId, ErrorKind, Operation,
+    PhysicalHandle,
 };
 
 use crate::conv::{end_of, is_multiple};
-use crate::HostLedger;
 use crate::error::{invalid, not_supported, refused};
+use crate::HostLedger;
 
 /// A physical allocation is one memfd, identified by its file (`st_dev`, `st_ino`): a handle
 /// imported from a descriptor of a memfd this process already holds is the same allocation.
@@ -161,7 +161,10 @@ impl State {
 
     /// Every live reservation (for teardown).
     pub(crate) fn reservation_ranges(&self) -> Vec<(u64, u64)> {
-        self.reservations.iter().map(|(a, r)| (*a, r.size)).collect()
+        self.reservations
+            .iter()
+            .map(|(a, r)| (*a, r.size))
+            .collect()
     }
 
     fn reservation_containing(&self, address: u64) -> Option<(u64, u64)> {
@@ -178,7 +181,11 @@ impl State {
     pub(crate) fn check_create(&self, size: u64) -> BackendResult<()> {
         let op = Operation::Create;
         self.check_size(op, size)?;
-        if self.used.checked_add(size).is_none_or(|u| u > self.capacity) {
+        if self
+            .used
+            .checked_add(size)
+            .is_none_or(|u| u > self.capacity)
+        {
             return Err(refused(
                 op,
                 ErrorKind::OutOfMemory,
@@ -577,12 +584,18 @@ mod tests {
             kind(s.check_free(DeviceAddress(16 * G), 8 * G)),
             ErrorKind::InvalidValue
         );
-        assert_eq!(kind(s.check_unmap(DeviceAddress(16 * G), G)), ErrorKind::InvalidValue);
+        assert_eq!(
+            kind(s.check_unmap(DeviceAddress(16 * G), G)),
+            ErrorKind::InvalidValue
+        );
         assert_eq!(
             s.check_unmap(DeviceAddress(16 * G), 8 * G).ok(),
             Some(vec![(16 * G, 2 * G)])
         );
-        assert_eq!(s.check_unmap(DeviceAddress(20 * G), 4 * G).ok(), Some(vec![]));
+        assert_eq!(
+            s.check_unmap(DeviceAddress(20 * G), 4 * G).ok(),
+            Some(vec![])
+        );
     }
 
     #[test]
@@ -625,19 +638,32 @@ mod tests {
         s.record_map(DeviceAddress(16 * G), G, a);
         s.record_map(DeviceAddress(17 * G), G, b);
         let op = Operation::CopyToDevice;
-        assert_eq!(kind(s.check_range(op, 16 * G, 10, Some(false))), ErrorKind::InvalidValue);
+        assert_eq!(
+            kind(s.check_range(op, 16 * G, 10, Some(false))),
+            ErrorKind::InvalidValue
+        );
         assert!(s.check_range(op, 16 * G, 10, None).is_ok());
         assert_eq!(
-            s.check_set_access(DeviceAddress(16 * G), 2 * G, &[AccessDescriptor::read_write(DeviceId(0))])
-                .ok(),
+            s.check_set_access(
+                DeviceAddress(16 * G),
+                2 * G,
+                &[AccessDescriptor::read_write(DeviceId(0))]
+            )
+            .ok(),
             Some(Access::ReadWrite)
         );
         s.record_access(DeviceAddress(16 * G), G, Access::ReadWrite);
         s.record_access(DeviceAddress(17 * G), G, Access::Read);
         assert!(s.check_range(op, 16 * G, 2 * G, Some(false)).is_ok());
         assert!(s.check_range(op, 16 * G, G, Some(true)).is_ok());
-        assert_eq!(kind(s.check_range(op, 17 * G - 1, 2, Some(true))), ErrorKind::InvalidValue);
-        assert_eq!(kind(s.check_range(op, 18 * G - 1, 2, Some(false))), ErrorKind::InvalidValue);
+        assert_eq!(
+            kind(s.check_range(op, 17 * G - 1, 2, Some(true))),
+            ErrorKind::InvalidValue
+        );
+        assert_eq!(
+            kind(s.check_range(op, 18 * G - 1, 2, Some(false))),
+            ErrorKind::InvalidValue
+        );
         assert_eq!(
             kind(s.check_set_access(
                 DeviceAddress(16 * G),
@@ -647,7 +673,11 @@ mod tests {
             ErrorKind::InvalidValue
         );
         assert_eq!(
-            kind(s.check_set_access(DeviceAddress(18 * G), G, &[AccessDescriptor::read_write(DeviceId(0))])),
+            kind(s.check_set_access(
+                DeviceAddress(18 * G),
+                G,
+                &[AccessDescriptor::read_write(DeviceId(0))]
+            )),
             ErrorKind::InvalidValue
         );
         assert_eq!(

@@ -15,7 +15,8 @@ use kvvm_hal::{
 
 use crate::{HostConfig, HostLedger};
 
-const REASON: &str = "the host backend needs Linux (memfd_create, MAP_FIXED_NOREPLACE, F_ADD_SEALS)";
+const REASON: &str =
+    "the host backend needs Linux (memfd_create, MAP_FIXED_NOREPLACE, F_ADD_SEALS)";
 
 /// The host backend (unavailable on this operating system).
 #[derive(Debug)]
@@ -87,7 +88,12 @@ impl VirtualMemoryBackend for HostBackend {
     fn release(&self, _handle: PhysicalHandle) -> BackendResult<()> {
         match self.never {}
     }
-    fn map(&self, _address: DeviceAddress, _size: u64, _handle: PhysicalHandle) -> BackendResult<()> {
+    fn map(
+        &self,
+        _address: DeviceAddress,
+        _size: u64,
+        _handle: PhysicalHandle,
+    ) -> BackendResult<()> {
         match self.never {}
     }
     fn set_access(

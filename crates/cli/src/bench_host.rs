@@ -95,9 +95,7 @@ fn measure(host: &Arc<HostBackend>, bytes: u64, iterations: usize) -> Result<Sam
     // The owner of a shared prefix of `bytes`, written once.
     let prefix: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
     let mut owner = vm.reserve(bytes).map_err(|e| err(&e))?;
-    let set = owner
-        .commit_shared(&[(0, bytes)])
-        .map_err(|e| err(&e))?;
+    let set = owner.commit_shared(&[(0, bytes)]).map_err(|e| err(&e))?;
     host.copy_to_device(owner.address(), &prefix)
         .map_err(|e| err(&e))?;
     let windows: Vec<usize> = (0..set.len()).collect();
@@ -105,7 +103,7 @@ fn measure(host: &Arc<HostBackend>, bytes: u64, iterations: usize) -> Result<Sam
 
     for i in 0..=iterations {
         let keep = i > 0; // sample 0 is the warm-up
-        // Commit through the manager, then first touch.
+                          // Commit through the manager, then first touch.
         let mut r = vm.reserve(bytes).map_err(|e| err(&e))?;
         let t = Instant::now();
         r.commit(bytes).map_err(|e| err(&e))?;
@@ -210,7 +208,10 @@ pub fn run(args: &HostBenchArgs) -> Result<ExitCode, String> {
         let line = |name: &str, x: Summary| {
             println!("| {name} | {:.1} us | {:.1} us |", us(x.median), us(x.p90));
         };
-        line("commit through the manager (create + map + set access)", commit);
+        line(
+            "commit through the manager (create + map + set access)",
+            commit,
+        );
         line("first touch of the committed pages", touch);
         line("commit + first touch", commit_touch);
         line("plain mmap + first touch", mmap_touch);

@@ -185,7 +185,10 @@ mod tests {
         match open_backend("host") {
             Ok(b) => assert_eq!(b.name(), "host"),
             Err(e) => {
-                assert_eq!(e.backend_error().map(|b| b.kind), Some(ErrorKind::Unavailable));
+                assert_eq!(
+                    e.backend_error().map(|b| b.kind),
+                    Some(ErrorKind::Unavailable)
+                );
                 println!("skipped: no host backend here ({e})");
             }
         }
