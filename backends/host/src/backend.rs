@@ -494,7 +494,7 @@ impl VirtualMemoryBackend for HostBackend {
             let mut s = self.write();
             let key = (id.dev, id.ino);
             let size = s.allocation_size(key).unwrap_or(id.size);
-            if !is_multiple(size, s.granule()) {
+            if size == 0 || !is_multiple(size, s.granule()) {
                 return Err(invalid(
                     op,
                     format!(
