@@ -141,9 +141,9 @@ impl HostBackend {
     }
 
     /// Touches every page of the mapped, writable range `[address, address + len)` for
-    /// writing (a volatile read and write back of one byte a page), so that the kernel
-    /// allocates the pages now; the bytes keep their values (barring a concurrent writer of
-    /// the same byte). For benchmarks: the first touch of committed memory.
+    /// writing (an atomic add of 0 to one byte a page: one write fault a page, as a first
+    /// store would take, and the bytes keep their values), so that the kernel allocates the
+    /// pages now. For benchmarks: the first touch of committed memory.
     pub fn touch_pages(&self, address: DeviceAddress, len: u64) -> BackendResult<()> {
         let op = Operation::CopyToDevice;
         let s = self.read();
@@ -153,11 +153,15 @@ impl HostBackend {
         let n = to_usize(op, "length", len)?;
         for offset in (0..n).step_by(page.max(1)) {
             // SAFETY: every byte of the range is mapped by this backend with write access
-            // (checked above), and stays so while the read lock is held.
-            unsafe {
-                let p = base.add(offset);
-                p.write_volatile(p.read_volatile());
-            }
+            // (checked above), and stays so while the read lock is held; a `u8` is always
+            // aligned for `AtomicU8`, and the backend accesses the byte only atomically here.
+            let byte = unsafe { std::sync::atomic::AtomicU8::from_ptr(base.add(offset)) };
+            // `black_box`: an add of a known 0 would be compiled into a load (a read fault,
+            // then a second fault at the first write).
+            byte.fetch_add(
+                std::hint::black_box(0),
+                std::sync::atomic::Ordering::Relaxed,
+            );
         }
         Ok(())
     }
