@@ -3,7 +3,7 @@
 //! Every error of this backend carries an `errno`: the one the kernel returned, or, when the
 //! backend itself refuses a call that the kernel would let through (a map over a live
 //! mapping, a second release, ...), the `errno` whose kind is the driver's answer
-//! ([`refused`]): `EINVAL` for `InvalidValue`, `EOPNOTSUPP` for `NotSupported`, `ENOMEM` for
+//! (`refused`): `EINVAL` for `InvalidValue`, `EOPNOTSUPP` for `NotSupported`, `ENOMEM` for
 //! `OutOfMemory`. The classification follows the contract of `kvvm-hal`:
 //!
 //! | errno | kind |
