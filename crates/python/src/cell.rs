@@ -36,6 +36,9 @@ pub(crate) struct SeqCell {
     pub(crate) base: u64,
     pub(crate) max_tokens: u64,
     views: AtomicU64,
+    /// The most tokens the user asked for since the last release (0: the sequence is unused,
+    /// whatever the pre-committer mapped ahead).
+    asked: AtomicU64,
 }
 
 impl SeqCell {
@@ -61,6 +64,7 @@ impl SeqCell {
             base,
             max_tokens,
             views: AtomicU64::new(0),
+            asked: AtomicU64::new(0),
         }
     }
 
@@ -80,6 +84,7 @@ impl SeqCell {
     /// Makes the first `n` tokens committed; returns the bytes committed by this call (0 when
     /// they were ready: for a pre-committed sequence, with no lock and no driver call).
     pub(crate) fn ensure(&self, n: u64) -> Result<u64, KvCacheError> {
+        self.asked.fetch_max(n, Ordering::AcqRel);
         match &self.kind {
             Kind::Plain(m) => m.lock().unwrap_or_else(|e| e.into_inner()).ensure_tokens(n),
             Kind::Pre(p) => p.ensure_tokens(n).map(|e| match e {
@@ -95,6 +100,26 @@ impl SeqCell {
             Kind::Plain(_) => self.with(|s| s.committed_tokens()),
             Kind::Pre(p) => p.committed_tokens(),
         }
+    }
+
+    /// Runs an admission `f` (attach a prefix, own one, admit from a prefix cache) on a
+    /// sequence that must be empty. A pre-committed sequence the user never used may hold
+    /// windows the worker committed ahead: they are released first, under the same lock, so
+    /// that the worker cannot commit in between. Afterwards what `f` mapped counts as in use.
+    pub(crate) fn admission<R>(
+        &self,
+        f: impl FnOnce(&mut SequenceKv) -> Result<R, KvCacheError>,
+    ) -> Result<R, KvCacheError> {
+        let unused = self.is_precommitted() && self.asked.load(Ordering::Acquire) == 0;
+        let out = self.with(|s| {
+            if unused && !s.is_empty() && s.written_tokens() == 0 && s.prefix_tokens() == 0 {
+                s.release()?;
+            }
+            f(s)
+        })?;
+        let committed = self.committed_tokens();
+        self.ensure(committed)?;
+        Ok(out)
     }
 
     /// Counts a new view, unless an unmap is running.
@@ -136,7 +161,13 @@ impl SeqCell {
             Err(v) => return Err(Busy::Viewed(v)),
         }
         let out = match self.manager.synchronize() {
-            Ok(()) => self.with(f),
+            Ok(()) => self.with(|s| {
+                let r = f(s);
+                if s.is_empty() {
+                    self.asked.store(0, Ordering::Release);
+                }
+                r
+            }),
             Err(e) => Err(KvCacheError::Backend(e)),
         };
         self.views.fetch_and(!UNMAPPING, Ordering::AcqRel);

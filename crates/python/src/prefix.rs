@@ -60,7 +60,7 @@ impl SharedPrefix {
     fn attach(&self, py: Python<'_>, sequence: &Sequence) -> PyResult<u64> {
         let cell = Arc::clone(&sequence.cell);
         let prefix = Arc::clone(&self.prefix);
-        py.detach(move || cell.with(|s| prefix.attach_to(s)))
+        py.detach(move || cell.admission(|s| prefix.attach_to(s)))
             .map_err(|e| errors::kv(py, &e, self.limits))
     }
 
@@ -122,7 +122,7 @@ impl PrefixCache {
         let cell = Arc::clone(&sequence.cell);
         let cache = Arc::clone(&self.cache);
         let info = py
-            .detach(move || cell.with(|s| cache.admit_into(&token_ids, s)))
+            .detach(move || cell.admission(|s| cache.admit_into(&token_ids, s)))
             .map_err(|e| errors::kv(py, &e, self.limits))?;
         let d = PyDict::new(py);
         d.set_item("hit_tokens", info.hit_tokens)?;

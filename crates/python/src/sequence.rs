@@ -235,7 +235,7 @@ impl Sequence {
     fn own_prefix(&self, py: Python<'_>, tokens: u64) -> PyResult<SharedPrefix> {
         let cell = Arc::clone(&self.cell);
         let prefix = py
-            .detach(move || cell.with(|s| kvvm_kv::SharedDevicePrefix::own_in(s, tokens)))
+            .detach(move || cell.admission(|s| kvvm_kv::SharedDevicePrefix::own_in(s, tokens)))
             .map_err(|e| errors::kv(py, &e, self.cell.manager.limits))?;
         Ok(SharedPrefix {
             prefix,
