@@ -78,6 +78,7 @@ impl Backend {
             let dict = PyDict::new(py);
             dict.set_item("ordinal", d.id.0)?;
             dict.set_item("name", d.name)?;
+            dict.set_item("driver_version", d.driver_version)?;
             dict.set_item("total_memory", mem.total)?;
             dict.set_item("free_memory", mem.free)?;
             dict.set_item("granularity", gran.minimum)?;
