@@ -43,6 +43,7 @@ class Manager:
         precommit: bool = False,
         headroom_tokens: int = 64,
         max_headroom_bytes: int = 1 << 30,
+        poll_interval_us: int = 1000,
     ) -> None: ...
     @property
     def backend(self) -> str: ...

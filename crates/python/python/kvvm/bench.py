@@ -26,6 +26,7 @@ the test suite does); the figures that matter come from a GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -288,6 +289,7 @@ def run_point(
             )
         cache.release()
     del cache
+    gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     new_ref = None
