@@ -128,7 +128,9 @@ def _make_cache(kind: str, cfg: Any, args: argparse.Namespace, batch: int, total
         return DynamicCache(config=cfg)
     if kind == "static":
         return StaticCache(config=cfg, max_cache_len=total + 1024)
-    layout = kind.split(":", 1)[1]
+    # "kvvm:LAYOUT" grows through the pre-committer, "kvvm:LAYOUT+inline" commits on the
+    # decode path when a step crosses into a new window.
+    layout, _, mode = kind.split(":", 1)[1].partition("+")
     return KvvmCache(
         cfg,
         batch,
@@ -136,7 +138,7 @@ def _make_cache(kind: str, cfg: Any, args: argparse.Namespace, batch: int, total
         backend=args.backend,
         layout=layout,
         dtype=args.dtype,
-        precommit=True,
+        precommit=mode != "inline",
         headroom_tokens=args.headroom,
     )
 
