@@ -356,6 +356,17 @@ impl Manager {
         });
     }
 
+    /// Stops the pre-committer's worker for good (sequences keep working: what they have not
+    /// committed is then committed inline when asked for). No-op without one.
+    fn stop_precommit(&self, py: Python<'_>) {
+        let state = Arc::clone(&self.state);
+        py.detach(move || {
+            if let Some(p) = &state.precommit {
+                p.shutdown();
+            }
+        });
+    }
+
     /// Synchronizes the device (waits for every kernel that may touch its memory).
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
         let state = Arc::clone(&self.state);

@@ -171,5 +171,8 @@ def test_pre_committed_sequences_grow_ahead() -> None:
     stats = mgr.precommit_stats()
     assert stats is not None and stats["inline_commits"] + stats["background_commits"] >= 1
     assert kvvm.Manager("sim").precommit_stats() is None
+    mgr.stop_precommit()
+    assert s.ensure(5000) > 0  # committed inline once the worker is gone
+    assert s.shrink(5000) == 0 and s.committed_tokens == 5000
     with pytest.raises(kvvm.InvalidArgumentError):
         kvvm.Manager("sim", precommit=True, headroom_tokens=0)

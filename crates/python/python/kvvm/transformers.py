@@ -33,7 +33,12 @@ from . import (
 )
 from .errors import InvalidArgumentError
 
-__all__ = ["KvvmCache", "KvvmLayer", "KvvmPrefix"]
+__all__ = ["ATTENTION", "KvvmCache", "KvvmLayer", "KvvmPrefix", "register_attention", "use_kvvm_attention"]
+
+#: The transformers attention implementation :func:`register_attention` registers: SDPA with
+#: its own GQA (no mask, no ``repeat_kv``), restricted to the FlashAttention, memory-efficient
+#: and math kernels.
+ATTENTION = "kvvm_sdpa"
 
 _TORCH_DTYPES = {
     "bf16": torch.bfloat16,
@@ -47,6 +52,48 @@ def _torch_dtype(name: str) -> torch.dtype:
         return _TORCH_DTYPES[name]
     except KeyError:
         raise InvalidArgumentError(f"KvvmCache does not support the KV dtype {name}") from None
+
+
+def _kvvm_sdpa_forward(*args: Any, **kwargs: Any) -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    # cuDNN's SDPA builds a new execution plan for every new KV length, on the CPU: 1.3 ms per
+    # layer and step on an H200 with torch 2.11, which makes a decode step host-bound. An
+    # exact-length cache changes the length at every step, so it asks for the kernels that
+    # take any length as it comes.
+    with sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    ):
+        return sdpa_attention_forward(*args, **kwargs)
+
+
+def register_attention() -> str:
+    """Registers :data:`ATTENTION` with transformers (attention and mask interfaces; idempotent)
+    and returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _kvvm_sdpa_forward)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    return ATTENTION
+
+
+def use_kvvm_attention(model: Any, enable: bool = True) -> None:
+    """Makes ``model`` attend with :data:`ATTENTION` (or, with ``enable=False``, with plain
+    ``"sdpa"`` again). Recommended with :class:`KvvmCache` on GPUs: the cache hands attention
+    exact-length K/V views, so no mask is needed and SDPA runs its own GQA; this picks the
+    kernels that need no per-length planning on the CPU."""
+    name = register_attention() if enable else "sdpa"
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        try:
+            setter(name)
+            return
+        except (ValueError, KeyError, TypeError):
+            pass
+    for cfg in {id(c): c for c in (model.config, _decoder_config(model.config))}.values():
+        cfg._attn_implementation = name
 
 
 def _decoder_config(config: Any) -> Any:
