@@ -42,8 +42,8 @@ use kvvm_hal::{
 };
 
 use crate::error::{VmmError, VmmResult};
-use crate::manager::{GranularityChoice, VirtualMemory, VmmConfig};
-use crate::reservation::Reservation;
+use crate::Reservation;
+use crate::{GranularityChoice, VirtualMemory, VmmConfig};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
