@@ -10,7 +10,7 @@
 //!
 //! ## Pages
 //!
-//! The store's [`KvGeometry`](kvvm_kv::KvGeometry) gives the per-token shape; a page holds
+//! The store's [`KvGeometry`](kvvm_layout::KvGeometry) gives the per-token shape; a page holds
 //! `tokens_per_page` tokens, laid out `[layer][K, V][slot][kv_head][head_dim]`, so the keys
 //! (or values) of one layer for all tokens of a page are one contiguous slice
 //! ([`PageView::keys`]). Tokens enter and leave the API as `[layer][K, V][kv_head][head_dim]`
@@ -52,7 +52,7 @@
 //!
 //! ```
 //! use kvvm_host_kv::{HostKvError, HostPageStore, PageWrite, PagedKvCache};
-//! use kvvm_kv::KvGeometry;
+//! use kvvm_layout::KvGeometry;
 //!
 //! # fn main() -> Result<(), HostKvError> {
 //! // 2 layers x 2 KV heads x head_dim 4, fp16: 64 bytes per token; 16 tokens per page.

@@ -10,10 +10,13 @@ use kvvm_governor::Reclaimer;
 use kvvm_hal::DeviceId;
 use kvvm_vmm::VirtualMemory;
 
-use crate::error::{mul, KvCacheError, KvError};
-use crate::layout::LayoutPlan;
+use kvvm_layout::KvError;
+use kvvm_num::mul;
+
+use crate::error::KvCacheError;
 use crate::sequence::{AttachedSegment, PendingPublish, SequenceKv};
-use crate::shareability::evaluate_prefix_shareability;
+use kvvm_layout::evaluate_prefix_shareability;
+use kvvm_layout::LayoutPlan;
 
 static NEXT_CACHE_ID: AtomicUsize = AtomicUsize::new(1);
 
@@ -184,11 +187,7 @@ fn chain_hash(prev: u64, block: &[u32]) -> u64 {
             h = h.wrapping_mul(0x0100_0000_01b3);
         }
     }
-    h ^= h >> 30;
-    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h ^= h >> 27;
-    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
-    h ^ (h >> 31)
+    kvvm_num::mix64(h)
 }
 
 /// Seed of the hash chain.

@@ -35,11 +35,14 @@ use kvvm_hal::{DeviceId, VirtualMemoryBackend};
 use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
 
 use crate::cache::{PrefixCache, PrefixCacheStats};
-use crate::error::{mul, KvCacheError, KvError};
-use crate::geometry::{KvDtype, KvGeometry};
-use crate::layout::{KvLayout, LayoutPlan};
+use kvvm_layout::KvError;
+use kvvm_num::{mul, to_usize};
+
+use crate::error::KvCacheError;
 use crate::prefix::SharedDevicePrefix;
 use crate::sequence::SequenceKv;
+use kvvm_layout::{KvDtype, KvGeometry};
+use kvvm_layout::{KvLayout, LayoutPlan};
 
 /// Host bytes per verification / write chunk.
 const CHUNK_BYTES: u64 = 64 << 20;
@@ -279,11 +282,9 @@ impl DecodeLoopReport {
     }
 }
 
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
+/// The first SplitMix64 draw for seed `x`: a deterministic per-position value.
+fn splitmix(x: u64) -> u64 {
+    kvvm_num::SplitMix64::new(x).next_u64()
 }
 
 /// Token id of prompt position `i` (the same for every sequence).
@@ -323,10 +324,6 @@ fn fill_tokens(geometry: &KvGeometry, first: u64, out: &mut [u8], id: &dyn Fn(u6
         let pos = first + k as u64;
         token_kv_bytes(geometry, id(pos), pos, tok);
     }
-}
-
-fn usize_of(x: u64) -> Result<usize, KvCacheError> {
-    usize::try_from(x).map_err(|_| KvCacheError::Layout(KvError::Overflow { what: "usize" }))
 }
 
 fn median(v: &mut [Duration]) -> Duration {
@@ -438,7 +435,7 @@ pub fn run_decode_loop(
             let mut t = from;
             while t < config.prompt_tokens {
                 let n = chunk_tokens.min(config.prompt_tokens - t);
-                buf.resize(usize_of(mul(n, bpt, "chunk")?)?, 0);
+                buf.resize(to_usize(mul(n, bpt, "chunk")?, "usize")?, 0);
                 fill_tokens(&geometry, t, &mut buf, &prompt_id);
                 seq.write_tokens(t, &buf)?;
                 bytes_written = bytes_written.saturating_add(buf.len() as u64);
@@ -464,11 +461,11 @@ pub fn run_decode_loop(
                 continue;
             }
             if !generated {
-                buf.resize(usize_of(mul(n, bpt, "chunk")?)?, 0);
+                buf.resize(to_usize(mul(n, bpt, "chunk")?, "usize")?, 0);
                 fill_tokens(&geometry, t, &mut buf, &prompt_id);
                 generated = true;
             }
-            let skip = usize_of(mul(lo - t, bpt, "chunk")?)?;
+            let skip = to_usize(mul(lo - t, bpt, "chunk")?, "usize")?;
             seq.write_tokens(lo, &buf[skip..])?;
             bytes_written = bytes_written.saturating_add((buf.len() - skip) as u64);
         }
@@ -487,7 +484,7 @@ pub fn run_decode_loop(
     let mut len = config.prompt_tokens;
     while len < total_tokens {
         let n = step.min(total_tokens - len);
-        buf.resize(usize_of(mul(n, bpt, "step")?)?, 0);
+        buf.resize(to_usize(mul(n, bpt, "step")?, "usize")?, 0);
         for (s, seq) in seqs.iter_mut().enumerate() {
             seq.ensure_tokens(len + n)?;
             let s = s as u64;
@@ -513,7 +510,7 @@ pub fn run_decode_loop(
         let mut t = 0;
         while t < config.prompt_tokens {
             let n = chunk_tokens.min(config.prompt_tokens - t);
-            expected.resize(usize_of(mul(n, bpt, "chunk")?)?, 0);
+            expected.resize(to_usize(mul(n, bpt, "chunk")?, "usize")?, 0);
             got.resize(expected.len(), 0);
             fill_tokens(&geometry, t, &mut expected, &prompt_id);
             for (s, seq) in seqs.iter().enumerate() {
@@ -528,7 +525,7 @@ pub fn run_decode_loop(
             let mut t = config.prompt_tokens;
             while t < total_tokens {
                 let n = chunk_tokens.min(total_tokens - t);
-                expected.resize(usize_of(mul(n, bpt, "chunk")?)?, 0);
+                expected.resize(to_usize(mul(n, bpt, "chunk")?, "usize")?, 0);
                 got.resize(expected.len(), 0);
                 fill_tokens(&geometry, t, &mut expected, &|p| decode_token_id(s64, p));
                 seq.read_tokens(t, &mut got)?;
@@ -556,7 +553,7 @@ pub fn run_decode_loop(
     )?;
     let copy_bytes = mul(config.prompt_tokens, bpt, "copy bytes")?;
     if config.attach_copy_samples > 0 && config.prompt_tokens > 0 {
-        let mut host = vec![0u8; usize_of(copy_bytes)?];
+        let mut host = vec![0u8; to_usize(copy_bytes, "usize")?];
         fill_tokens(&geometry, 0, &mut host, &prompt_id);
         let owner = if verdict.shareable {
             let (prefix, owner) = SharedDevicePrefix::reserve_unwritten(

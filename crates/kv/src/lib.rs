@@ -1,6 +1,6 @@
 //! # kvvm-kv: KV-cache geometry, layouts, shareability, sequences and the prefix cache
 //!
-//! Two halves. **The arithmetic** (no GPU): given the shape of a model's KV cache ([`KvGeometry`]), a physical
+//! Two halves. **The arithmetic** (no GPU; it is `kvvm-layout`, re-exported here): given the shape of a model's KV cache ([`KvGeometry`]), a physical
 //! layout ([`KvLayout`]) and the device's mapping granule (queried from the driver, never
 //! hard-coded), this crate says where every byte lives ([`LayoutPlan::offset`]), how many
 //! bytes must be committed for `n` live tokens ([`LayoutPlan::committed_bytes_for_tokens`],
@@ -151,19 +151,19 @@
 mod cache;
 pub mod decode;
 mod error;
-mod geometry;
-mod layout;
 pub mod precommit;
 mod prefix;
 mod sequence;
-mod shareability;
 
 pub use cache::{Admission, PrefixCache, PrefixCacheConfig, PrefixCacheStats, PublishOutcome};
-pub use error::{KvCacheError, KvError};
-pub use geometry::{KvDtype, KvGeometry, ModelPreset, PRESETS};
-pub use layout::{Fragment, KvKind, KvLayout, LayoutPlan, LayoutStrides};
+pub use error::KvCacheError;
 pub use prefix::SharedDevicePrefix;
 pub use sequence::{LayerPointers, SequenceKv};
-pub use shareability::{
-    commit_lower_bound, evaluate_prefix_shareability, min_shareable_prefix, PrefixShareability,
+
+/// The layout arithmetic (`kvvm-layout`), re-exported: every path `kvvm_kv::KvGeometry`, ...
+/// keeps working.
+pub use kvvm_layout::{
+    commit_lower_bound, evaluate_prefix_shareability, min_shareable_prefix, Fragment, KvDtype,
+    KvError, KvGeometry, KvKind, KvLayout, LayoutPlan, LayoutStrides, ModelPreset,
+    PrefixShareability, PRESETS,
 };

@@ -43,8 +43,8 @@ use kvvm_hal::DeviceId;
 use kvvm_vmm::VirtualMemory;
 
 use crate::error::KvCacheError;
-use crate::layout::LayoutPlan;
 use crate::sequence::SequenceKv;
+use kvvm_layout::LayoutPlan;
 
 /// Settings of a [`Precommitter`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,10 +7,12 @@ use std::sync::Arc;
 
 use kvvm_vmm::{SharedHandles, VirtualMemory};
 
-use crate::error::{mul, KvCacheError};
-use crate::layout::LayoutPlan;
+use kvvm_num::mul;
+
+use crate::error::KvCacheError;
 use crate::sequence::SequenceKv;
-use crate::shareability::{evaluate_prefix_shareability, PrefixShareability};
+use kvvm_layout::LayoutPlan;
+use kvvm_layout::{evaluate_prefix_shareability, PrefixShareability};
 
 /// Host bytes written per copy batch when filling a prefix.
 const FILL_BATCH_BYTES: u64 = 32 << 20;

@@ -7,9 +7,11 @@ use std::sync::Arc;
 use kvvm_hal::{Access, DeviceAddress, VirtualMemoryBackend};
 use kvvm_vmm::{BlockKind, Reservation, VirtualMemory};
 
-use crate::error::{add, mul, KvCacheError};
-use crate::layout::{Fragment, KvKind, LayoutPlan, LayoutStrides};
+use kvvm_num::{add, mul, to_usize};
+
+use crate::error::KvCacheError;
 use crate::prefix::SharedDevicePrefix;
+use kvvm_layout::{Fragment, KvKind, LayoutPlan, LayoutStrides};
 
 /// Largest host staging buffer one copy uses (bigger runs are split into several copies).
 const MAX_COPY_BYTES: usize = 64 << 20;
@@ -411,9 +413,9 @@ impl SequenceKv {
         // Token-major with one fragment: host and device orders coincide.
         if self.fragments.len() == 1 {
             let f = &self.fragments[0];
-            let skip = usize_of(lo - mul(first, bpt_f, "device range")?)?;
+            let skip = to_usize(lo - mul(first, bpt_f, "device range")?, "usize")?;
             let mut dev = add(f.offset, lo, "device offset")?;
-            let total = usize_of(hi - lo)?;
+            let total = to_usize(hi - lo, "usize")?;
             let mut done = 0usize;
             while done < total {
                 let len = (total - done).min(MAX_COPY_BYTES);
@@ -505,7 +507,7 @@ impl SequenceKv {
             })?;
         let total: u64 = run.iter().map(|&(_, lo, hi)| hi - lo).sum();
         staging.clear();
-        staging.resize(usize_of(total)?, 0);
+        staging.resize(to_usize(total, "usize")?, 0);
         // (host offset, staging offset, len) of every piece, in device order.
         let pieces = |f: usize,
                       lo: u64,
@@ -519,13 +521,13 @@ impl SequenceKv {
                 let t = x / bpt_f;
                 let within = x % bpt_f;
                 let piece_end = (mul(t + 1, bpt_f, "piece end")?).min(hi);
-                let len = usize_of(piece_end - x)?;
+                let len = to_usize(piece_end - x, "usize")?;
                 let host = add(
                     mul(t - first, bpt, "host offset")?,
                     add(frag_in_token, within, "host offset")?,
                     "host offset",
                 )?;
-                cb(usize_of(host)?, at, len);
+                cb(to_usize(host, "usize")?, at, len);
                 at += len;
                 x = piece_end;
             }
@@ -701,8 +703,4 @@ impl SequenceKv {
 enum Dir<'a> {
     Write(&'a [u8]),
     Read(&'a mut [u8]),
-}
-
-fn usize_of(x: u64) -> Result<usize, KvCacheError> {
-    usize::try_from(x).map_err(|_| KvCacheError::Layout(crate::KvError::Overflow { what: "usize" }))
 }

@@ -8,15 +8,16 @@ use std::time::Duration;
 
 use kvvm_governor::{GovernorConfig, ManualClock};
 use kvvm_hal::{AllocationProperties, DeviceId, VirtualMemoryBackend};
-use kvvm_kv::{
-    evaluate_prefix_shareability, KvCacheError, KvGeometry, KvLayout, LayoutPlan,
-    PrefixShareability, SequenceKv, SharedDevicePrefix,
+use kvvm_kv::{KvCacheError, SequenceKv, SharedDevicePrefix};
+use kvvm_layout::{
+    evaluate_prefix_shareability, KvGeometry, KvLayout, LayoutPlan, PrefixShareability,
 };
+use kvvm_num::{add, mul};
 use kvvm_vmm::{Governor, VirtualMemory, VmmConfig, VmmError};
 use serde::Serialize;
 
 use crate::driver::{classic, CountingBackend, DriverTally};
-use crate::error::{add, mul, WorkloadError, WorkloadResult};
+use crate::error::{WorkloadError, WorkloadResult};
 use crate::trace::Request;
 
 /// Tokens in one block of the `paged-16` policy.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvvm_hal::{AllocationProperties, DeviceId, VirtualMemoryBackend};
-use kvvm_kv::{KvDtype, KvGeometry, PrefixShareability};
+use kvvm_layout::{KvDtype, KvGeometry, PrefixShareability};
 use serde::Serialize;
 
 use crate::error::{WorkloadError, WorkloadResult};

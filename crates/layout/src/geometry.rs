@@ -3,7 +3,9 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::{mul, KvError};
+use kvvm_num::mul;
+
+use crate::error::KvError;
 
 /// Element type of the cached K and V tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

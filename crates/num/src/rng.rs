@@ -1,6 +1,14 @@
-//! A small seeded random generator (SplitMix64) and the distributions the synthetic trace
-//! draws from. No external crate: the sequence for a seed is fixed forever, so a seed names a
-//! trace.
+//! The seeded random generator (SplitMix64) and the distributions synthetic traces draw from.
+//! No external crate: the sequence for a seed is fixed forever, so a seed names a trace, a
+//! fault plan or a benchmark's data.
+
+/// SplitMix64's finalizer: a stateless avalanche of 64 bits (what a hash wants for its last
+/// step). `SplitMix64::new(x).next_u64()` is `mix64(x + 0x9E37_79B9_7F4A_7C15)`.
+pub fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
 
 /// SplitMix64 (Steele, Lea, Flood 2014): 64 bits of state, passes BigCrush, trivially seeded.
 #[derive(Debug, Clone)]
@@ -17,10 +25,7 @@ impl SplitMix64 {
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        mix64(self.state)
     }
 
     /// A uniform float in `[0, 1)` (53 random bits).
@@ -55,6 +60,14 @@ impl SplitMix64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mix_is_the_first_draw_of_the_previous_state() {
+        assert_eq!(
+            mix64(5u64.wrapping_add(0x9E37_79B9_7F4A_7C15)),
+            SplitMix64::new(5).next_u64()
+        );
+    }
 
     #[test]
     fn same_seed_same_sequence_and_sane_moments() {

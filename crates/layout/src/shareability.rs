@@ -1,7 +1,9 @@
 //! Whether a prefix of a KV cache can be shared by mapping whole granules at several virtual
 //! addresses: the seed's arithmetic, with the refusal as a value.
 
-use crate::error::{div_ceil, mul, KvError};
+use kvvm_num::mul;
+
+use crate::error::{div_ceil, KvError};
 use crate::geometry::KvGeometry;
 use crate::layout::{windows_per_fragment, KvLayout};
 
@@ -127,7 +129,7 @@ pub fn commit_lower_bound(
         per_fragment,
         "window count",
     )?;
-    mul(granule, windows, "committed bytes")
+    Ok(mul(granule, windows, "committed bytes")?)
 }
 
 /// The smallest `prefix_len` that is shareable under `layout` and `granule`:

@@ -5,7 +5,9 @@ use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
-use crate::error::{add, div_ceil, mul, round_up, KvError};
+use kvvm_num::{add, mul};
+
+use crate::error::{div_ceil, round_up, KvError};
 use crate::geometry::KvGeometry;
 
 /// Which of the two cached tensors.
@@ -309,7 +311,7 @@ impl LayoutPlan {
         let mut offset = mul(u64::from(layer), s.layer, "offset")?;
         offset = add(offset, mul(kv.index(), s.kv, "offset")?, "offset")?;
         offset = add(offset, mul(u64::from(head), s.head, "offset")?, "offset")?;
-        add(offset, mul(token, s.token, "offset")?, "offset")
+        Ok(add(offset, mul(token, s.token, "offset")?, "offset")?)
     }
 
     /// The fragment holding `(layer, kv, head)`; its index in [`fragments`](Self::fragments).
@@ -322,11 +324,11 @@ impl LayoutPlan {
             "fragment index",
         )?;
         match self.layout {
-            KvLayout::HeadMajor => add(
+            KvLayout::HeadMajor => Ok(add(
                 mul(lkv, u64::from(self.geometry.kv_heads()), "fragment index")?,
                 u64::from(head),
                 "fragment index",
-            ),
+            )?),
             KvLayout::SeqMajor => Ok(lkv),
             KvLayout::TokenMajor => Ok(0),
         }
@@ -403,21 +405,21 @@ impl LayoutPlan {
     /// Number of windows holding at least one live byte for `n_tokens` live tokens:
     /// `fragments x windows_per_fragment(n_tokens)`.
     pub fn window_count_for_tokens(&self, n_tokens: u64) -> Result<u64, KvError> {
-        mul(
+        Ok(mul(
             self.slices,
             self.windows_per_fragment(n_tokens)?,
             "window count",
-        )
+        )?)
     }
 
     /// The commit lower bound for `n_tokens` live tokens: `granule x windows holding at least
     /// one live byte`.
     pub fn committed_bytes_for_tokens(&self, n_tokens: u64) -> Result<u64, KvError> {
-        mul(
+        Ok(mul(
             self.granule,
             self.window_count_for_tokens(n_tokens)?,
             "committed bytes",
-        )
+        )?)
     }
 }
 
