@@ -89,8 +89,11 @@ pub fn format_driver_version(version: i32) -> String {
 
 fn to_usize(op: Operation, what: &str, value: u64) -> BackendResult<usize> {
     usize::try_from(value).map_err(|_| {
-        BackendError::new(op, ErrorKind::InvalidValue, 0, "value out of range")
-            .with_detail(format!("{what} {value} does not fit in usize"))
+        BackendError::raised(
+            op,
+            ErrorKind::InvalidValue,
+            format!("{what} {value} does not fit in usize"),
+        )
     })
 }
 
@@ -314,50 +317,55 @@ impl CudaBackend {
         self.check(op, unsafe { self.driver.ctx_set_current(device.ctx.0) })
     }
 
-    /// The naive way to grow a device buffer, for benchmarks: with a buffer of `size` bytes
-    /// already allocated (`cuMemAlloc`, not timed), time `cuMemAlloc(size + extra)`,
-    /// `cuMemcpyDtoD` of `size` bytes, a context synchronize (so the copy is complete) and
-    /// `cuMemFree` of the old buffer. This is what growing without virtual memory costs; the
-    /// pointer changes each time. Everything allocated is freed before returning.
-    pub fn time_realloc_copy(
+    /// Allocates `bytes` of plain device memory on `device` (`cuMemAlloc`), outside the VMM
+    /// API: what growing a buffer without virtual memory uses (the realloc-and-copy baseline
+    /// of the benchmarks). The caller frees it with [`mem_free`](Self::mem_free).
+    pub fn mem_alloc(&self, device: DeviceId, bytes: u64) -> BackendResult<DeviceAddress> {
+        let op = Operation::CopyToDevice;
+        traced(
+            tracing::debug_span!("kvvm_cuda", op = "cuMemAlloc", %device, bytes),
+            || {
+                let dev = self.device(op, device)?;
+                self.make_current(op, dev)?;
+                let len = to_usize(op, "size", bytes)?;
+                self.check(op, self.driver.mem_alloc(len))
+                    .map(DeviceAddress)
+            },
+        )
+    }
+
+    /// Frees memory from [`mem_alloc`](Self::mem_alloc) (`cuMemFree`).
+    pub fn mem_free(&self, device: DeviceId, ptr: DeviceAddress) -> BackendResult<()> {
+        let op = Operation::CopyToDevice;
+        traced(
+            tracing::debug_span!("kvvm_cuda", op = "cuMemFree", %device, %ptr),
+            || {
+                let dev = self.device(op, device)?;
+                self.make_current(op, dev)?;
+                self.check(op, self.driver.mem_free(ptr.0))
+            },
+        )
+    }
+
+    /// Copies `bytes` device to device (`cuMemcpyDtoD`) on `device`; the copy is complete
+    /// once the device is synchronized.
+    pub fn copy_device_to_device(
         &self,
         device: DeviceId,
-        size: u64,
-        extra: u64,
-    ) -> BackendResult<std::time::Duration> {
+        dst: DeviceAddress,
+        src: DeviceAddress,
+        bytes: u64,
+    ) -> BackendResult<()> {
         let op = Operation::CopyToDevice;
-        let dev = self.device(op, device)?;
-        self.make_current(op, dev)?;
-        let to_usize = |v: u64| {
-            usize::try_from(v).map_err(|_| {
-                BackendError::new(op, ErrorKind::InvalidValue, 1, "CUDA_ERROR_INVALID_VALUE")
-                    .with_detail("size does not fit in usize")
-            })
-        };
-        let old_len = to_usize(size)?;
-        let new_len = to_usize(size.checked_add(extra).ok_or_else(|| {
-            BackendError::new(op, ErrorKind::InvalidValue, 1, "CUDA_ERROR_INVALID_VALUE")
-                .with_detail("size + extra overflows")
-        })?)?;
-        let old = self.check(op, self.driver.mem_alloc(old_len))?;
-        let start = std::time::Instant::now();
-        let new = match self.check(op, self.driver.mem_alloc(new_len)) {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = self.driver.mem_free(old);
-                return Err(e);
-            }
-        };
-        let copied = self
-            .check(op, self.driver.memcpy_dtod(new, old, old_len))
-            .and_then(|()| self.check(Operation::Synchronize, self.driver.ctx_synchronize()));
-        let freed_old = self.check(op, self.driver.mem_free(old));
-        let elapsed = start.elapsed();
-        let freed_new = self.check(op, self.driver.mem_free(new));
-        copied?;
-        freed_old?;
-        freed_new?;
-        Ok(elapsed)
+        traced(
+            tracing::debug_span!("kvvm_cuda", op = "cuMemcpyDtoD", %device, bytes),
+            || {
+                let dev = self.device(op, device)?;
+                self.make_current(op, dev)?;
+                let len = to_usize(op, "size", bytes)?;
+                self.check(op, self.driver.memcpy_dtod(dst.0, src.0, len))
+            },
+        )
     }
 
     /// Makes one of this backend's contexts current on this thread: the current one if it is

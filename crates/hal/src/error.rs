@@ -197,6 +197,20 @@ impl BackendError {
         }
     }
 
+    /// An error a backend (or a layer above it) raises itself, not from a driver call: an
+    /// argument that cannot be passed to the driver (a size that does not fit its type), a
+    /// missing device. It carries no vendor code (`code` 0, `code_name` the kind's name), so
+    /// it is never mistaken for the driver's answer.
+    pub fn raised(op: Operation, kind: ErrorKind, detail: impl Into<String>) -> Self {
+        BackendError {
+            op,
+            kind,
+            code: 0,
+            code_name: kind.as_str().to_owned(),
+            detail: Some(detail.into()),
+        }
+    }
+
     /// Adds context to the error.
     #[must_use]
     pub fn with_detail(mut self, detail: impl Into<String>) -> Self {

@@ -8,7 +8,7 @@
 //! allocation at several addresses ([`evaluate_prefix_shareability`]). **The device side**
 //! (over `kvvm-vmm`): one request's cache ([`SequenceKv`]), a prefix mapped read-only by many
 //! requests and billed once ([`SharedDevicePrefix`]), an automatic prefix cache
-//! ([`PrefixCache`]) and a synthetic decode loop ([`decode::run_decode_loop`]); see "On the
+//! ([`PrefixCache`]) and deterministic synthetic KV data ([`synthetic`]); see "On the
 //! device" below and `docs/prefix-sharing.md`.
 //!
 //! ## Geometry
@@ -138,8 +138,8 @@
 //!   [`KvCacheError::Backpressure`] carries the governor's `Backpressure { needed, available,
 //!   retry_after, .. }` ([`KvCacheError::retry_after`], [`KvCacheError::needed`],
 //!   [`KvCacheError::available`]): answer 429 with `Retry-After`.
-//! * [`decode::run_decode_loop`]: a synthetic generation loop over any backend that writes,
-//!   grows, shares a prompt prefix among many sequences and verifies every byte.
+//! * [`synthetic`]: deterministic token ids and KV bytes for tests and demos (the decode
+//!   benchmark that uses them is `kvvm-bench`).
 //!
 //! ## Errors
 //!
@@ -149,11 +149,11 @@
 #![forbid(unsafe_code)]
 
 mod cache;
-pub mod decode;
 mod error;
 pub mod precommit;
 mod prefix;
 mod sequence;
+pub mod synthetic;
 
 pub use cache::{Admission, PrefixCache, PrefixCacheConfig, PrefixCacheStats, PublishOutcome};
 pub use error::KvCacheError;

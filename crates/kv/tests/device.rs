@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvvm_governor::{Governor, GovernorConfig};
 use kvvm_hal::{DeviceAddress, DeviceId, ErrorKind, Operation, VirtualMemoryBackend};
-use kvvm_kv::decode::token_kv_bytes;
+use kvvm_kv::synthetic::token_kv_bytes;
 use kvvm_kv::{
     KvCacheError, KvDtype, KvGeometry, KvKind, KvLayout, LayoutPlan, PrefixCache,
     PrefixCacheConfig, PublishOutcome, SequenceKv, SharedDevicePrefix,

@@ -128,7 +128,6 @@
 //! # }
 //! ```
 
-pub mod bench;
 mod commit;
 mod config;
 mod device;

@@ -1,19 +1,19 @@
-//! Runs the manager's side-by-side benchmark ([`kvvm_vmm::bench`]) on a backend.
+//! Runs the manager's side-by-side benchmark ([`kvvm_bench::vmm`]) on a backend.
 //!
 //! This example runs it on the simulator (with the H200 latency model spent as real time, so
 //! the numbers look like the GPU's); the `kvvm` CLI runs the same code on a real backend
 //! (`kvvm bench vmm --backend cuda`). Usage:
 //!
 //! ```text
-//! cargo run --release -p kvvm-vmm --example gpu_bench [-- --tiny]
+//! cargo run --release -p kvvm-bench --example vmm_bench [-- --tiny]
 //! ```
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
 
+use kvvm_bench::vmm::{run_all, BenchConfig};
 use kvvm_hal::VirtualMemoryBackend;
 use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig, H200_GRANULE, H200_GRANULES};
-use kvvm_vmm::bench::{run_all, BenchConfig};
 
 /// Runs the benchmark on `backend` and prints the report: the entry point a real backend is
 /// plugged into.

@@ -1,12 +1,12 @@
 //! A synthetic generation loop over any backend: it writes each token's K and V bytes at the
 //! layout's offsets, grows the sequences step by step, shares one prompt prefix among many
 //! sequences through the [`PrefixCache`], and at the end reads everything back and verifies
-//! every byte. It also measures, for issue 6's acceptance, the bytes committed with and
+//! every byte. It also measures the bytes committed with and
 //! without sharing and the time to attach a shared prefix against copying it.
 //!
 //! ```
 //! use std::sync::Arc;
-//! use kvvm_kv::decode::{run_decode_loop, DecodeLoopConfig};
+//! use kvvm_bench::decode::{run_decode_loop, DecodeLoopConfig};
 //! use kvvm_kv::{KvDtype, KvGeometry, KvLayout};
 //! use kvvm_sim::{SimBackend, SimConfig};
 //!
@@ -26,23 +26,18 @@
 //! # }
 //! ```
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvvm_governor::{Governor, GovernorConfig};
 use kvvm_hal::{DeviceId, VirtualMemoryBackend};
+use kvvm_kv::synthetic::{decode_token_id, fill_tokens, prompt_token_id};
+use kvvm_kv::{KvCacheError, PrefixCache, SequenceKv, SharedDevicePrefix};
+use kvvm_layout::{KvDtype, KvError, KvGeometry, KvLayout, LayoutPlan};
+use kvvm_num::{mul, to_usize};
 use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
 
-use crate::cache::{PrefixCache, PrefixCacheStats};
-use kvvm_layout::KvError;
-use kvvm_num::{mul, to_usize};
-
-use crate::error::KvCacheError;
-use crate::prefix::SharedDevicePrefix;
-use crate::sequence::SequenceKv;
-use kvvm_layout::{KvDtype, KvGeometry};
-use kvvm_layout::{KvLayout, LayoutPlan};
+pub use crate::decode_report::DecodeLoopReport;
 
 /// Host bytes per verification / write chunk.
 const CHUNK_BYTES: u64 = 64 << 20;
@@ -81,7 +76,7 @@ pub struct DecodeLoopConfig {
 }
 
 impl DecodeLoopConfig {
-    /// Issue 6's acceptance run: llama-3-8b fp16, seq-major, 64 sequences sharing a
+    /// The reference run: llama-3-8b fp16, seq-major, 64 sequences sharing a
     /// 4096-token prompt, 64 decode tokens each in steps of 16, verified, 5 attach/copy
     /// samples.
     pub fn acceptance() -> Result<Self, KvError> {
@@ -101,228 +96,6 @@ impl DecodeLoopConfig {
             attach_copy_samples: 5,
             budget_bytes: None,
         })
-    }
-}
-
-/// What [`run_decode_loop`] measured.
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub struct DecodeLoopReport {
-    /// Backend name.
-    pub backend: String,
-    /// Model label.
-    pub model: String,
-    /// Layout.
-    pub layout: KvLayout,
-    /// Granule used.
-    pub granule: u64,
-    /// Sequences.
-    pub sequences: u32,
-    /// Prompt tokens.
-    pub prompt_tokens: u64,
-    /// Decode tokens per sequence.
-    pub decode_tokens: u64,
-    /// Bytes per token (all layers, K and V).
-    pub bytes_per_token: u64,
-    /// Whether the prompt was shared.
-    pub share_prefix: bool,
-    /// Prefix-cache block size in tokens.
-    pub block_tokens: u64,
-    /// Prompt tokens each sharer found in the cache.
-    pub hit_tokens: u64,
-    /// Whether the whole prompt is shareable under the layout and granule (when not, the
-    /// attach figures are zero and `prompt_refusal` says why).
-    pub prompt_shareable: bool,
-    /// The shareability verdict's refusal reason for the prompt, if any.
-    pub prompt_refusal: Option<String>,
-    /// Physical bytes of the shared prompt prefix (billed once).
-    pub shared_prefix_bytes: u64,
-    /// Physical bytes held when every sequence reached its final length, measured (the
-    /// governor's used bytes: private windows + the shared prefix once).
-    pub committed_bytes_with_sharing: u64,
-    /// Physical bytes the same sequences hold without sharing:
-    /// `sequences x committed_bytes_for_tokens(prompt + decode)` (measured instead when
-    /// `share_prefix` is false).
-    pub committed_bytes_without_sharing: u64,
-    /// Median time to attach the shared prompt prefix read-only
-    /// ([`SharedDevicePrefix::map_shared_prefix_readonly`]: reserve + map + set access).
-    pub attach_median: Duration,
-    /// Fastest attach.
-    pub attach_min: Duration,
-    /// Median time of a sharer's [`PrefixCache::admit`] in the loop (lookup, reserve, map,
-    /// commit of the rest of the prompt).
-    pub admit_hit_median: Duration,
-    /// Median time to copy the prompt prefix into a private reservation instead (reserve +
-    /// commit + host-to-device copy of the prefix's bytes, generated beforehand).
-    pub copy_median: Duration,
-    /// Fastest copy.
-    pub copy_min: Duration,
-    /// Bytes one copy writes (`prompt x bytes_per_token`).
-    pub copy_bytes: u64,
-    /// Time of the prefill phase (admissions and prompt writes).
-    pub prefill_time: Duration,
-    /// Time of the decode phase.
-    pub decode_time: Duration,
-    /// Time of the verification.
-    pub verify_time: Duration,
-    /// Host bytes written to the device by the loop.
-    pub bytes_written: u64,
-    /// Bytes read back and compared (0 when not verifying).
-    pub bytes_verified: u64,
-    /// Whether every byte was verified equal.
-    pub verified: bool,
-    /// Prefix-cache counters at the end of the loop.
-    pub cache: PrefixCacheStats,
-    /// The governor's used bytes after everything was released (0 expected).
-    pub used_bytes_at_end: u64,
-}
-
-impl DecodeLoopReport {
-    /// Bytes saved by sharing.
-    pub fn bytes_saved(&self) -> u64 {
-        self.committed_bytes_without_sharing
-            .saturating_sub(self.committed_bytes_with_sharing)
-    }
-
-    /// A Markdown table of the figures.
-    pub fn to_markdown(&self) -> String {
-        let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            "### KV decode loop: {} {}, {} sequences x {}-token prompt + {} decode tokens ({}, granule {} KiB)\n",
-            self.model,
-            self.layout,
-            self.sequences,
-            self.prompt_tokens,
-            self.decode_tokens,
-            self.backend,
-            self.granule >> 10
-        );
-        let _ = writeln!(s, "| figure | value |\n|---|---|");
-        let _ = writeln!(
-            s,
-            "| prompt shared | {} (block {} tokens, hit {} tokens per sharer) |",
-            self.share_prefix, self.block_tokens, self.hit_tokens
-        );
-        let _ = writeln!(
-            s,
-            "| committed with sharing | {} B ({:.1} MiB) |",
-            self.committed_bytes_with_sharing,
-            mib(self.committed_bytes_with_sharing)
-        );
-        let _ = writeln!(
-            s,
-            "| committed without sharing | {} B ({:.1} MiB) |",
-            self.committed_bytes_without_sharing,
-            mib(self.committed_bytes_without_sharing)
-        );
-        let ratio = if self.committed_bytes_with_sharing > 0 {
-            self.committed_bytes_without_sharing as f64 / self.committed_bytes_with_sharing as f64
-        } else {
-            0.0
-        };
-        let _ = writeln!(
-            s,
-            "| saved | {} B ({:.1} MiB, {:.1}x less) |",
-            self.bytes_saved(),
-            mib(self.bytes_saved()),
-            ratio
-        );
-        let _ = writeln!(
-            s,
-            "| shared prefix (billed once) | {} B ({:.1} MiB) |",
-            self.shared_prefix_bytes,
-            mib(self.shared_prefix_bytes)
-        );
-        if let Some(r) = &self.prompt_refusal {
-            let _ = writeln!(s, "| prompt not shareable | {r} |");
-        }
-        let _ = writeln!(
-            s,
-            "| attach shared prefix (map_shared_prefix_readonly), median / min | {:?} / {:?} |",
-            self.attach_median, self.attach_min
-        );
-        let _ = writeln!(
-            s,
-            "| admit with a cache hit, median | {:?} |",
-            self.admit_hit_median
-        );
-        let _ = writeln!(
-            s,
-            "| copy prefix into a private reservation ({:.1} MiB), median / min | {:?} / {:?} |",
-            mib(self.copy_bytes),
-            self.copy_median,
-            self.copy_min
-        );
-        let speedup = if self.attach_median.as_nanos() > 0 {
-            self.copy_median.as_secs_f64() / self.attach_median.as_secs_f64()
-        } else {
-            0.0
-        };
-        let _ = writeln!(s, "| copy / attach | {speedup:.1}x |");
-        let _ = writeln!(
-            s,
-            "| prefill / decode / verify | {:?} / {:?} / {:?} |",
-            self.prefill_time, self.decode_time, self.verify_time
-        );
-        let _ = writeln!(
-            s,
-            "| bytes written / verified | {} / {} |",
-            self.bytes_written, self.bytes_verified
-        );
-        let _ = writeln!(s, "| every byte verified | {} |", self.verified);
-        let _ = writeln!(
-            s,
-            "| cache: hits / misses / tokens saved / bytes saved | {} / {} / {} / {} |",
-            self.cache.hits, self.cache.misses, self.cache.tokens_saved, self.cache.bytes_saved
-        );
-        let _ = writeln!(s, "| used bytes at the end | {} |", self.used_bytes_at_end);
-        s
-    }
-}
-
-/// The first SplitMix64 draw for seed `x`: a deterministic per-position value.
-fn splitmix(x: u64) -> u64 {
-    kvvm_num::SplitMix64::new(x).next_u64()
-}
-
-/// Token id of prompt position `i` (the same for every sequence).
-pub fn prompt_token_id(i: u64) -> u32 {
-    (splitmix(i ^ 0x7072_6f6d_7074) % 128_000) as u32
-}
-
-/// Token id sequence `seq` generates at position `pos`.
-pub fn decode_token_id(seq: u64, pos: u64) -> u32 {
-    (splitmix(pos ^ seq.wrapping_mul(0x1000_0000_01b3) ^ 0x6465_636f_6465) % 128_000) as u32
-}
-
-/// Fills `out` (`bytes_per_token` bytes, host layout `[layer][K, V][kv_head][head_dim]`) with
-/// the synthetic KV of token `token_id` at `position`: a deterministic function of token id,
-/// position, layer, K/V, head and byte, so identical prefixes give identical bytes.
-pub fn token_kv_bytes(geometry: &KvGeometry, token_id: u32, position: u64, out: &mut [u8]) {
-    let head = usize::try_from(geometry.head_bytes())
-        .unwrap_or(usize::MAX)
-        .max(1);
-    let base = splitmix(u64::from(token_id) ^ position.rotate_left(32));
-    for (i, chunk) in out.chunks_mut(head).enumerate() {
-        // i = (layer x 2 + kv) x kv_heads + head.
-        let seed = splitmix(base ^ (i as u64).wrapping_mul(0xa076_1d64_78bd_642f));
-        for (j, w) in chunk.chunks_mut(8).enumerate() {
-            let v = splitmix(seed.wrapping_add(j as u64)).to_le_bytes();
-            w.copy_from_slice(&v[..w.len()]);
-        }
-    }
-}
-
-/// Fills `out` with tokens `first..first + n` of a sequence whose ids are `id(pos)`.
-fn fill_tokens(geometry: &KvGeometry, first: u64, out: &mut [u8], id: &dyn Fn(u64) -> u32) {
-    let bpt = usize::try_from(geometry.bytes_per_token())
-        .unwrap_or(usize::MAX)
-        .max(1);
-    for (k, tok) in out.chunks_mut(bpt).enumerate() {
-        let pos = first + k as u64;
-        token_kv_bytes(geometry, id(pos), pos, tok);
     }
 }
 
@@ -545,7 +318,7 @@ pub fn run_decode_loop(
     // ---- attach vs copy ----
     let mut attach = Vec::new();
     let mut copy = Vec::new();
-    let verdict = crate::evaluate_prefix_shareability(
+    let verdict = kvvm_layout::evaluate_prefix_shareability(
         &geometry,
         config.layout,
         config.prompt_tokens,

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvvm_kv::decode::{run_decode_loop, DecodeLoopConfig};
+use kvvm_bench::decode::{run_decode_loop, DecodeLoopConfig};
 use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan};
 use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
 use kvvm_vmm::GranularityChoice;

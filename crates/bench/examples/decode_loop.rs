@@ -1,14 +1,14 @@
 //! The synthetic decode loop on the simulated H200 (2 MiB granule).
 //!
-//! `cargo run --release -p kvvm-kv --example decode_loop -- [sequences] [prompt] [layout]`
-//! (defaults: issue 6's acceptance run, 64 sequences sharing a 4096-token prompt of
-//! llama-3-8b fp16, seq-major). On a GPU, call `kvvm_kv::decode::run_decode_loop` with the
+//! `cargo run --release -p kvvm-bench --example decode_loop -- [sequences] [prompt] [layout]`
+//! (defaults: the reference run, 64 sequences sharing a 4096-token prompt of
+//! llama-3-8b fp16, seq-major). On a GPU, call `kvvm_bench::decode::run_decode_loop` with the
 //! CUDA backend instead (`kvvm bench kv --backend cuda`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
 
-use kvvm_kv::decode::{run_decode_loop, DecodeLoopConfig};
+use kvvm_bench::decode::{run_decode_loop, DecodeLoopConfig};
 use kvvm_kv::{KvDtype, KvGeometry, KvLayout};
 use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
 

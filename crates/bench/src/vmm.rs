@@ -2,11 +2,11 @@
 //!
 //! [`run_all`] measures, in one run:
 //!
-//! 1. a manager commit of `k` granules ([`Reservation::commit`]) against the minimal raw
+//! 1. a manager commit of `k` granules ([`Reservation::commit`](kvvm_vmm::Reservation::commit)) against the minimal raw
 //!    driver sequence (create and map per granule, one set access) for each `k` of
 //!    [`BenchConfig::commit_granules`];
 //! 2. a commit served from the handle pool (remap) and one served from windows parked in the
-//!    same reservation ([`VmmConfig::park_released`]: no driver call) against a fresh commit,
+//!    same reservation ([`VmmConfig::park_released`](kvvm_vmm::VmmConfig::park_released): no driver call) against a fresh commit,
 //!    at [`BenchConfig::pool_granules`];
 //! 3. growing a buffer of each size of [`BenchConfig::growth_sizes`] by one granule with the
 //!    manager, against the raw create + map + set access of one granule, with a slot for the
@@ -22,7 +22,7 @@
 //! ```
 //! use std::sync::Arc;
 //! use kvvm_sim::{SimBackend, SimConfig};
-//! use kvvm_vmm::bench::{run_all, BenchConfig};
+//! use kvvm_bench::vmm::{run_all, BenchConfig};
 //!
 //! let g = 64 << 10;
 //! let sim = Arc::new(SimBackend::new(SimConfig::single(g, 1 << 30)));
@@ -31,19 +31,16 @@
 //! assert!(sim.ledger().is_empty());
 //! ```
 
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvvm_governor::Governor;
-use kvvm_hal::{
-    AccessDescriptor, AllocationProperties, BackendError, DeviceAddress, DeviceId, PhysicalHandle,
-    VirtualMemoryBackend,
-};
+use kvvm_hal::{BackendError, DeviceId, VirtualMemoryBackend};
+use kvvm_vmm::{GranularityChoice, Reservation, VirtualMemory, VmmConfig, VmmError, VmmResult};
 
-use crate::error::{VmmError, VmmResult};
-use crate::Reservation;
-use crate::{GranularityChoice, VirtualMemory, VmmConfig};
+use crate::raw::RawRange;
+pub use crate::stats::Stats;
+pub use crate::vmm_report::{BenchReport, CommitRow, GrowthRow, PoolRow};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -93,105 +90,6 @@ impl BenchConfig {
             warmup: 1,
         }
     }
-}
-
-/// Summary of the samples of one case.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stats {
-    /// Number of samples.
-    pub samples: usize,
-    /// Fastest sample.
-    pub min: Duration,
-    /// Median (nearest rank).
-    pub median: Duration,
-    /// 90th percentile (nearest rank).
-    pub p90: Duration,
-}
-
-impl Stats {
-    /// Summarises samples (`None` if there are none).
-    pub fn from_samples(mut samples: Vec<Duration>) -> Option<Stats> {
-        if samples.is_empty() {
-            return None;
-        }
-        samples.sort_unstable();
-        let n = samples.len();
-        let rank = |p: usize| {
-            // Nearest rank: ceil(p/100 * n), 1-based.
-            let r = (p.saturating_mul(n)).div_ceil(100).clamp(1, n);
-            samples.get(r - 1).copied().unwrap_or_default()
-        };
-        Some(Stats {
-            samples: n,
-            min: samples.first().copied().unwrap_or_default(),
-            median: rank(50),
-            p90: rank(90),
-        })
-    }
-}
-
-/// Manager commit against the raw driver sequence, for one `k`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CommitRow {
-    /// Granules per commit.
-    pub granules: u64,
-    /// Bytes per commit.
-    pub bytes: u64,
-    /// The manager's commit (pool disabled).
-    pub manager: Stats,
-    /// The raw sequence: create + map per granule, one set access.
-    pub raw: Stats,
-}
-
-/// Commit served from the pool against a fresh commit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PoolRow {
-    /// Granules per commit.
-    pub granules: u64,
-    /// Every handle from the free-handle pool (map + one set access).
-    pub from_pool: Stats,
-    /// Every window parked by the previous release of the same reservation
-    /// ([`VmmConfig::park_released`]): no driver call.
-    pub from_parked: Stats,
-    /// Every handle created.
-    pub fresh: Stats,
-}
-
-/// Growth of a buffer of `size` bytes by one granule.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct GrowthRow {
-    /// The buffer's size before growing.
-    pub size: u64,
-    /// The manager's commit of one more granule (pointer unchanged).
-    pub manager: Option<Stats>,
-    /// The raw create + map + set access of one granule.
-    pub raw: Option<Stats>,
-    /// Allocate size + granule, copy, free (pointer changes): filled by a backend-specific
-    /// function, `None` until then.
-    pub realloc_copy: Option<Stats>,
-    /// Why the size was skipped, if it was.
-    pub skipped: Option<String>,
-}
-
-/// Everything [`run_all`] measured.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BenchReport {
-    /// The backend's name.
-    pub backend: String,
-    /// The device.
-    pub device: DeviceId,
-    /// The granule used.
-    pub granule: u64,
-    /// Measured iterations per case.
-    pub iterations: usize,
-    /// Manager vs raw commits.
-    pub commit: Vec<CommitRow>,
-    /// Pool vs fresh.
-    pub pool: Option<PoolRow>,
-    /// Growth by one granule.
-    pub growth: Vec<GrowthRow>,
-    /// Remarks (skipped cases, ...).
-    pub notes: Vec<String>,
 }
 
 /// A backend-specific "realloc and copy" measurement: given the buffer size and the granule,
@@ -416,271 +314,11 @@ fn time_commit(res: &mut Reservation, bytes: u64) -> VmmResult<Duration> {
     Ok(t)
 }
 
-/// A range driven with raw driver calls (the baseline).
-struct RawRange<'a> {
-    backend: &'a dyn VirtualMemoryBackend,
-    device: DeviceId,
-    base: DeviceAddress,
-    size: u64,
-    /// Whether this range reserved its address space (and frees it).
-    owned: bool,
-}
-
-impl<'a> RawRange<'a> {
-    fn reserve(
-        backend: &'a dyn VirtualMemoryBackend,
-        device: DeviceId,
-        size: u64,
-    ) -> VmmResult<Self> {
-        let base = backend.reserve(size, 0, None)?;
-        Ok(RawRange {
-            backend,
-            device,
-            base,
-            size,
-            owned: true,
-        })
-    }
-
-    /// Times create + map of `k` granules and one set access, then (untimed) unmaps and
-    /// releases them.
-    fn time_commit(&self, k: u64, g: u64) -> VmmResult<Duration> {
-        let props = AllocationProperties::device(self.device);
-        let access = [AccessDescriptor::read_write(self.device)];
-        let mut handles: Vec<PhysicalHandle> = Vec::new();
-        let mut mapped = 0u64;
-        let t0 = Instant::now();
-        let mut result: Result<(), BackendError> = Ok(());
-        for i in 0..k {
-            let addr = DeviceAddress(self.base.0.saturating_add(i.saturating_mul(g)));
-            match self.backend.create(g, &props) {
-                Ok(h) => {
-                    handles.push(h);
-                    if let Err(e) = self.backend.map(addr, g, h) {
-                        result = Err(e);
-                        break;
-                    }
-                    mapped = mapped.saturating_add(1);
-                }
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            }
-        }
-        if result.is_ok() {
-            result = self
-                .backend
-                .set_access(self.base, k.saturating_mul(g), &access);
-        }
-        let elapsed = t0.elapsed();
-        // Clean up (untimed), whatever happened.
-        let mut cleanup: Result<(), BackendError> = Ok(());
-        if self.backend.capabilities().unmap_spans_mappings && mapped > 0 {
-            if let Err(e) = self.backend.unmap(self.base, mapped.saturating_mul(g)) {
-                cleanup = Err(e);
-            }
-        } else {
-            for i in (0..mapped).rev() {
-                let addr = DeviceAddress(self.base.0.saturating_add(i.saturating_mul(g)));
-                if let Err(e) = self.backend.unmap(addr, g) {
-                    cleanup = cleanup.and(Err(e));
-                }
-            }
-        }
-        for h in handles {
-            if let Err(e) = self.backend.release(h) {
-                cleanup = cleanup.and(Err(e));
-            }
-        }
-        result?;
-        cleanup?;
-        Ok(elapsed)
-    }
-
-    fn free(self) -> VmmResult<()> {
-        if self.owned {
-            self.backend.free(self.base, self.size)?;
-        }
-        Ok(())
-    }
-}
-
-fn fmt_bytes(b: u64) -> String {
-    let multiple = |unit: u64| b >= unit && b.checked_rem(unit) == Some(0);
-    if multiple(GIB) {
-        format!("{} GiB", b / GIB)
-    } else if multiple(MIB) {
-        format!("{} MiB", b / MIB)
-    } else if multiple(1024) {
-        format!("{} KiB", b / 1024)
-    } else {
-        format!("{b} B")
-    }
-}
-
-fn us(d: Duration) -> String {
-    format!("{:.1} us", d.as_secs_f64() * 1e6)
-}
-
-fn ratio(a: Duration, b: Duration) -> String {
-    if b.is_zero() {
-        "-".to_owned()
-    } else {
-        format!("{:.2}x", a.as_secs_f64() / b.as_secs_f64())
-    }
-}
-
-fn opt(s: Option<Stats>, f: impl Fn(Stats) -> Duration) -> String {
-    s.map_or_else(|| "-".to_owned(), |s| us(f(s)))
-}
-
-impl BenchReport {
-    /// Fills the realloc-and-copy slot of the growth row of `size`.
-    pub fn set_realloc_baseline(&mut self, size: u64, stats: Stats) {
-        if let Some(row) = self.growth.iter_mut().find(|r| r.size == size) {
-            row.realloc_copy = Some(stats);
-        }
-    }
-
-    /// The report as Markdown tables: medians, 90th percentiles and ratios.
-    pub fn to_markdown(&self) -> String {
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            "## kvvm vmm bench: backend `{}`, {}, granule {}, {} iterations\n",
-            self.backend,
-            self.device,
-            fmt_bytes(self.granule),
-            self.iterations
-        );
-        let _ = writeln!(
-            s,
-            "### Commit of k granules: manager vs raw driver sequence\n"
-        );
-        let _ = writeln!(
-            s,
-            "| k | bytes | manager p50 | manager p90 | raw p50 | raw p90 | manager/raw |"
-        );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|");
-        for r in &self.commit {
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} | {} | {} | {} |",
-                r.granules,
-                fmt_bytes(r.bytes),
-                us(r.manager.median),
-                us(r.manager.p90),
-                us(r.raw.median),
-                us(r.raw.p90),
-                ratio(r.manager.median, r.raw.median)
-            );
-        }
-        if let Some(p) = &self.pool {
-            let _ = writeln!(
-                s,
-                "\n### Commit of {} granules: from the pool vs fresh\n",
-                p.granules
-            );
-            let _ = writeln!(s, "| case | p50 | p90 |");
-            let _ = writeln!(s, "|---|---|---|");
-            let _ = writeln!(
-                s,
-                "| from pool | {} | {} |",
-                us(p.from_pool.median),
-                us(p.from_pool.p90)
-            );
-            let _ = writeln!(
-                s,
-                "| from parked windows (same reservation) | {} | {} |",
-                us(p.from_parked.median),
-                us(p.from_parked.p90)
-            );
-            let _ = writeln!(
-                s,
-                "| fresh | {} | {} |",
-                us(p.fresh.median),
-                us(p.fresh.p90)
-            );
-            let _ = writeln!(
-                s,
-                "\nfresh/pool = {}, fresh/parked = {}",
-                ratio(p.fresh.median, p.from_pool.median),
-                ratio(p.fresh.median, p.from_parked.median)
-            );
-        }
-        let _ = writeln!(s, "\n### Growing a buffer by one granule\n");
-        let _ = writeln!(
-            s,
-            "| size | manager p50 | manager p90 | raw VMM p50 | raw VMM p90 | realloc+copy p50 | realloc+copy p90 | realloc/manager |"
-        );
-        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
-        for r in &self.growth {
-            if let Some(why) = &r.skipped {
-                let _ = writeln!(s, "| {} | skipped: {why} | | | | | | |", fmt_bytes(r.size));
-                continue;
-            }
-            let rr = match (r.realloc_copy, r.manager) {
-                (Some(a), Some(m)) => ratio(a.median, m.median),
-                _ => "-".to_owned(),
-            };
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} |",
-                fmt_bytes(r.size),
-                opt(r.manager, |x| x.median),
-                opt(r.manager, |x| x.p90),
-                opt(r.raw, |x| x.median),
-                opt(r.raw, |x| x.p90),
-                opt(r.realloc_copy, |x| x.median),
-                opt(r.realloc_copy, |x| x.p90),
-                rr
-            );
-        }
-        if self
-            .growth
-            .iter()
-            .any(|r| r.realloc_copy.is_none() && r.skipped.is_none())
-        {
-            let _ = writeln!(
-                s,
-                "\nrealloc+copy: not measured by this backend (needs a device allocation and a \
-                 device-to-device copy, outside the VMM trait)."
-            );
-        }
-        for n in &self.notes {
-            let _ = writeln!(s, "\nnote: {n}");
-        }
-        s
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
     use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
-
-    #[test]
-    fn stats_nearest_rank() {
-        let v: Vec<Duration> = (1..=10).map(Duration::from_micros).collect();
-        let s = Stats::from_samples(v).unwrap();
-        assert_eq!(
-            (s.samples, s.min, s.median, s.p90),
-            (
-                10,
-                Duration::from_micros(1),
-                Duration::from_micros(5),
-                Duration::from_micros(9)
-            )
-        );
-        assert_eq!(Stats::from_samples(Vec::new()), None);
-        let one = Stats::from_samples(vec![Duration::from_micros(7)]).unwrap();
-        assert_eq!(
-            (one.median, one.p90),
-            (Duration::from_micros(7), Duration::from_micros(7))
-        );
-    }
 
     #[test]
     fn runs_on_the_sim_and_leaves_nothing() {
