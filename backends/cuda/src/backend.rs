@@ -2,20 +2,21 @@
 
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::ptr;
 use std::sync::Mutex;
 
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdevice_attribute, CUmemAccessDesc, CUmemAccess_flags,
-    CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
-    CUmemAllocationProp_st__bindgen_ty_1, CUmemAllocationType, CUmemLocation, CUmemLocationType,
+    CUcontext, CUdevice, CUdevice_attribute, CUmemAccessDesc, CUmemAllocationGranularity_flags,
+    CUmemLocation, CUmemLocationType,
 };
 use kvvm_hal::{
-    Access, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
+    AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
-    Operation, PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
+    Operation, PhysicalHandle, VirtualMemoryBackend,
 };
 
+use crate::conv::{
+    access_flags, allocation_prop, format_driver_version, ordinal, to_u64, to_usize,
+};
 use crate::driver::{self, Driver};
 use crate::error::CuCode;
 use crate::probe::ProbeModule;
@@ -77,78 +78,11 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
-/// Formats `cuDriverGetVersion`'s value (`1000 * major + 10 * minor`) as
-/// `"CUDA 13.0 (driver 13000)"`.
-pub fn format_driver_version(version: i32) -> String {
-    format!(
-        "CUDA {}.{} (driver {version})",
-        version / 1000,
-        (version % 1000) / 10
-    )
-}
-
-fn to_usize(op: Operation, what: &str, value: u64) -> BackendResult<usize> {
-    usize::try_from(value).map_err(|_| {
-        BackendError::raised(
-            op,
-            ErrorKind::InvalidValue,
-            format!("{what} {value} does not fit in usize"),
-        )
-    })
-}
-
-fn to_u64(value: usize) -> u64 {
-    // usize is at most 64 bits on every target the driver supports.
-    u64::try_from(value).unwrap_or(u64::MAX)
-}
-
-fn ordinal(op: Operation, device: DeviceId) -> BackendResult<c_int> {
-    c_int::try_from(device.0).map_err(|_| {
-        BackendError::new(
-            op,
-            ErrorKind::InvalidValue,
-            101,
-            "CUDA_ERROR_INVALID_DEVICE",
-        )
-        .with_detail(format!("{device} does not fit a CUDA ordinal"))
-    })
-}
-
-/// The `CUmemAllocationProp` of pinned device memory on `ordinal`.
-fn allocation_prop(ordinal: c_int, handle_type: ShareableHandleType) -> CUmemAllocationProp {
-    CUmemAllocationProp {
-        type_: CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: match handle_type {
-            ShareableHandleType::None => CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-            ShareableHandleType::PosixFd => {
-                CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-            }
-        },
-        location: CUmemLocation {
-            type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ordinal,
-        },
-        win32HandleMetaData: ptr::null_mut(),
-        allocFlags: CUmemAllocationProp_st__bindgen_ty_1 {
-            compressionType: 0,
-            gpuDirectRDMACapable: 0,
-            usage: 0,
-            reserved: [0; 4],
-        },
-    }
-}
-
-/// The `CUmemAccess_flags` of a neutral [`Access`].
-pub(crate) fn access_flags(access: Access) -> CUmemAccess_flags {
-    match access {
-        Access::None => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
-        Access::Read => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
-        Access::ReadWrite => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    }
-}
-
 /// Runs `f` inside a debug span and logs its outcome.
-fn traced<T>(span: tracing::Span, f: impl FnOnce() -> BackendResult<T>) -> BackendResult<T> {
+pub(crate) fn traced<T>(
+    span: tracing::Span,
+    f: impl FnOnce() -> BackendResult<T>,
+) -> BackendResult<T> {
     let _entered = span.enter();
     let result = f();
     match &result {
@@ -315,57 +249,6 @@ impl CudaBackend {
         // SAFETY: `device.ctx` is a primary context retained by `open` and released only in
         // `Drop`, so it is live.
         self.check(op, unsafe { self.driver.ctx_set_current(device.ctx.0) })
-    }
-
-    /// Allocates `bytes` of plain device memory on `device` (`cuMemAlloc`), outside the VMM
-    /// API: what growing a buffer without virtual memory uses (the realloc-and-copy baseline
-    /// of the benchmarks). The caller frees it with [`mem_free`](Self::mem_free).
-    pub fn mem_alloc(&self, device: DeviceId, bytes: u64) -> BackendResult<DeviceAddress> {
-        let op = Operation::CopyToDevice;
-        traced(
-            tracing::debug_span!("kvvm_cuda", op = "cuMemAlloc", %device, bytes),
-            || {
-                let dev = self.device(op, device)?;
-                self.make_current(op, dev)?;
-                let len = to_usize(op, "size", bytes)?;
-                self.check(op, self.driver.mem_alloc(len))
-                    .map(DeviceAddress)
-            },
-        )
-    }
-
-    /// Frees memory from [`mem_alloc`](Self::mem_alloc) (`cuMemFree`).
-    pub fn mem_free(&self, device: DeviceId, ptr: DeviceAddress) -> BackendResult<()> {
-        let op = Operation::CopyToDevice;
-        traced(
-            tracing::debug_span!("kvvm_cuda", op = "cuMemFree", %device, %ptr),
-            || {
-                let dev = self.device(op, device)?;
-                self.make_current(op, dev)?;
-                self.check(op, self.driver.mem_free(ptr.0))
-            },
-        )
-    }
-
-    /// Copies `bytes` device to device (`cuMemcpyDtoD`) on `device`; the copy is complete
-    /// once the device is synchronized.
-    pub fn copy_device_to_device(
-        &self,
-        device: DeviceId,
-        dst: DeviceAddress,
-        src: DeviceAddress,
-        bytes: u64,
-    ) -> BackendResult<()> {
-        let op = Operation::CopyToDevice;
-        traced(
-            tracing::debug_span!("kvvm_cuda", op = "cuMemcpyDtoD", %device, bytes),
-            || {
-                let dev = self.device(op, device)?;
-                self.make_current(op, dev)?;
-                let len = to_usize(op, "size", bytes)?;
-                self.check(op, self.driver.memcpy_dtod(dst.0, src.0, len))
-            },
-        )
     }
 
     /// Makes one of this backend's contexts current on this thread: the current one if it is
@@ -670,54 +553,5 @@ impl VirtualMemoryBackend for CudaBackend {
 
     fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
         Some(self)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn driver_version_string() {
-        assert_eq!(format_driver_version(13000), "CUDA 13.0 (driver 13000)");
-        assert_eq!(format_driver_version(12080), "CUDA 12.8 (driver 12080)");
-        assert_eq!(format_driver_version(11040), "CUDA 11.4 (driver 11040)");
-    }
-
-    #[test]
-    fn access_flags_match_cuda() {
-        assert_eq!(access_flags(Access::None) as u32, 0);
-        assert_eq!(access_flags(Access::Read) as u32, 1);
-        assert_eq!(access_flags(Access::ReadWrite) as u32, 3);
-    }
-
-    #[test]
-    fn allocation_prop_is_pinned_device_memory() {
-        let p = allocation_prop(3, ShareableHandleType::None);
-        assert_eq!(p.type_ as u32, 1);
-        assert_eq!(p.location.type_ as u32, 1);
-        assert_eq!(p.location.id, 3);
-        assert_eq!(p.requestedHandleTypes.0, 0);
-        assert!(p.win32HandleMetaData.is_null());
-        let p = allocation_prop(0, ShareableHandleType::PosixFd);
-        assert_eq!(p.requestedHandleTypes.0, 1);
-    }
-
-    #[test]
-    fn struct_layouts_match_cuda_h() {
-        // cuda.h (12.x / 13.0): CUmemAllocationProp is 32 bytes, CUmemAccessDesc 12.
-        assert_eq!(std::mem::size_of::<CUmemAllocationProp>(), 32);
-        assert_eq!(std::mem::size_of::<CUmemAccessDesc>(), 12);
-        assert_eq!(std::mem::size_of::<CUmemLocation>(), 8);
-    }
-
-    #[test]
-    fn out_of_range_values_are_invalid() {
-        assert_eq!(
-            ordinal(Operation::Map, DeviceId(u32::MAX)).map_err(|e| e.kind),
-            Err(ErrorKind::InvalidValue)
-        );
-        assert_eq!(ordinal(Operation::Map, DeviceId(2)).ok(), Some(2));
-        assert_eq!(to_usize(Operation::Map, "size", 4096).ok(), Some(4096));
     }
 }

@@ -152,6 +152,7 @@ mod cache;
 mod error;
 pub mod precommit;
 mod prefix;
+mod prefix_setup;
 mod sequence;
 pub mod synthetic;
 
