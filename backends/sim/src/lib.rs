@@ -48,9 +48,13 @@
 
 #![forbid(unsafe_code)]
 
+mod address;
 mod config;
+mod data;
 mod faults;
 mod ledger;
+mod mapping;
+mod physical;
 mod state;
 
 pub use config::{

@@ -1,7 +1,7 @@
 //! One live sequence's KV cache: a [`SequenceKv`] reserved once under the service's
 //! [`LayoutPlan`], admitted through the [`PrefixCache`] when the client sends token ids.
 //!
-//! This is the only module that calls the KV layer; the [`KvService`](crate::KvService) owns
+//! This is the only module that calls the KV layer; the `KvService` owns
 //! the table of these, the plan and the cache.
 
 use kvvm_kv::{KvCacheError, LayoutPlan, PrefixCache, PublishOutcome, SequenceKv};

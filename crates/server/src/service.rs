@@ -1,6 +1,6 @@
 //! The server's core: [`KvService`] owns the backend, the manager, the governor and the table
 //! of live sequences, and is the only place that calls the KV layer. The HTTP layer
-//! ([`crate::router`]) only parses, calls one method here and renders the result.
+//! (`router.rs`) only parses, calls one method here and renders the result.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
