@@ -64,8 +64,10 @@
 //! fragment's part of it is smaller than a granule), the refusal reason is reported and the
 //! policy runs without sharing.
 
+mod classic_policy;
 mod driver;
 mod error;
+mod kvvm_policy;
 mod policy;
 mod render;
 mod replay;

@@ -8,8 +8,10 @@ use kvvm_hal::{AllocationProperties, DeviceId, VirtualMemoryBackend};
 use kvvm_layout::{KvDtype, KvGeometry, PrefixShareability};
 use serde::Serialize;
 
+use crate::classic_policy::ClassicPolicy;
 use crate::error::{WorkloadError, WorkloadResult};
-use crate::policy::{ClassicPolicy, Costs, KvvmPolicy, Outcome, Policy, PolicyKind, Shape};
+use crate::kvvm_policy::KvvmPolicy;
+use crate::policy::{Costs, Outcome, Policy, PolicyKind, Shape};
 use crate::trace::{Trace, TraceSource};
 
 /// Default memory budget: 40 GiB. On the default trace `static-max` (4 GiB a request at the
