@@ -9,7 +9,7 @@ use cudarc::driver::sys::{
     CUmemLocation, CUmemLocationType,
 };
 use kvvm_hal::{
-    AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
+    traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
     Operation, PhysicalHandle, VirtualMemoryBackend,
 };
@@ -76,20 +76,6 @@ impl std::fmt::Debug for CudaBackend {
             .field("posix_fd", &self.posix_fd)
             .finish()
     }
-}
-
-/// Runs `f` inside a debug span and logs its outcome.
-pub(crate) fn traced<T>(
-    span: tracing::Span,
-    f: impl FnOnce() -> BackendResult<T>,
-) -> BackendResult<T> {
-    let _entered = span.enter();
-    let result = f();
-    match &result {
-        Ok(_) => tracing::debug!(ok = true),
-        Err(e) => tracing::debug!(ok = false, error = %e),
-    }
-    result
 }
 
 impl CudaBackend {

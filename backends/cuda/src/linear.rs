@@ -1,9 +1,9 @@
 //! Plain device memory outside the VMM API (`cuMemAlloc`, `cuMemcpyDtoD`, `cuMemFree`): what
 //! growing a buffer without virtual memory uses, for the realloc-and-copy baseline.
 
-use kvvm_hal::{BackendResult, DeviceAddress, DeviceId, Operation};
+use kvvm_hal::{traced, BackendResult, DeviceAddress, DeviceId, Operation};
 
-use crate::backend::{traced, CudaBackend};
+use crate::backend::CudaBackend;
 use crate::conv::to_usize;
 
 impl CudaBackend {

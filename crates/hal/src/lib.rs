@@ -59,8 +59,9 @@
 //!   or shed load; the device is still usable.
 //! * [`ErrorKind::InvalidValue`]: the arguments were wrong for the driver's current state. This
 //!   is a bug in the caller (or an injected fault in tests).
-//! * [`ErrorKind::NotSupported`]: the driver cannot do this (a map over a live mapping, an
-//!   unaligned map, an export type the device lacks).
+//! * [`ErrorKind::NotSupported`]: the driver cannot do this (a map of part of a handle, an
+//!   export type the device lacks). A map over a live mapping or at an unaligned address is
+//!   `InvalidValue`, as the table above says.
 //! * [`ErrorKind::Unavailable`]: the backend cannot be used at all here: library, symbol or
 //!   device missing, or the runtime too old. The message says which. Choose another backend.
 //! * [`ErrorKind::DeviceLost`]: the context is unusable (a kernel fault, a lost device). Memory
@@ -70,9 +71,11 @@
 #![forbid(unsafe_code)]
 
 mod error;
+mod trace;
 mod types;
 
 pub use error::{BackendError, ErrorKind, Operation};
+pub use trace::traced;
 pub use types::{
     Access, AccessDescriptor, AllocationProperties, Capabilities, DeviceAddress, DeviceId,
     DeviceInfo, Granularity, KernelProbeOp, MemoryInfo, PhysicalHandle, ShareableHandleType,

@@ -1,4 +1,5 @@
-//! HIP return codes: their names and the [`ErrorKind`] each maps onto.
+//! HIP return codes: the raw code type, one table of `(code, name, kind)`, and the
+//! [`BackendError`] a failed call becomes.
 //!
 //! The table is ours (written from ROCm 5.2's `hip_runtime_api.h`, whose values are unchanged
 //! in 6.x/7.x), so that a name is available even when the runtime lacks `hipGetErrorName` and
@@ -6,9 +7,14 @@
 //! classified [`ErrorKind::Other`] and named by `hipGetErrorName` when available, or
 //! `"hipError(<n>)"`.
 
-use kvvm_hal::ErrorKind;
+use kvvm_hal::{BackendError, ErrorKind, Operation};
 
-use crate::sys::HipErrorCode;
+/// A raw `hipError_t` value (0 is `hipSuccess`). Never a Rust enum: a newer runtime may return
+/// a code this crate does not know, and an out-of-range enum value is undefined behaviour.
+pub type HipErrorCode = i32;
+
+/// `hipSuccess`.
+pub const HIP_SUCCESS: HipErrorCode = 0;
 
 /// `hipErrorInvalidValue`.
 pub const HIP_ERROR_INVALID_VALUE: HipErrorCode = 1;
@@ -150,6 +156,16 @@ pub fn error_kind(code: HipErrorCode) -> ErrorKind {
 /// The fallback name of a code nobody could name.
 pub fn unnamed(code: HipErrorCode) -> String {
     format!("hipError({code})")
+}
+
+/// The error of a call that returned `rc`, named `name` (see `result::error_name`).
+pub(crate) fn call_error(op: Operation, rc: HipErrorCode, name: String) -> BackendError {
+    BackendError::new(op, error_kind(rc), i64::from(rc), name)
+}
+
+/// An open-time failure: the backend cannot be used, whatever the code.
+pub(crate) fn unavailable(rc: HipErrorCode, name: String) -> BackendError {
+    BackendError::new(Operation::Load, ErrorKind::Unavailable, i64::from(rc), name)
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
-//! The raw HIP ABI this backend speaks: hand-written `#[repr(C)]` structs, enum values and
-//! function-pointer types, plus [`HipApi`], every symbol resolved up front.
+//! The loaded symbol table and the raw HIP ABI it speaks: hand-written `#[repr(C)]` structs,
+//! enum values and function-pointer types, plus [`HipApi`], every symbol resolved up front.
+//! Calling them is `result.rs`'s job.
 //!
 //! Nothing here is generated from headers at build time. Each struct layout is written from a
 //! named ROCm header and pinned by `offset_of!`/`size_of` assertions that fail the *build* if
@@ -7,7 +8,7 @@
 //!
 //! * Return codes are raw `i32` ([`HipErrorCode`]), never a Rust enum: a newer runtime may
 //!   return a code this crate does not know, and an out-of-range enum value is undefined
-//!   behaviour. [`crate::codes`] classifies them.
+//!   behaviour. `error.rs` classifies them.
 //! * C enums are passed as `u32`/`i32` of the same size (every HIP enum used here fits in a
 //!   C `int`).
 //! * Handles (`hipMemGenericAllocationHandle_t`) and device addresses are pointers.
@@ -18,11 +19,7 @@ use std::mem::{offset_of, size_of};
 use kvvm_hal::{BackendError, Operation};
 use libloading::Library;
 
-/// A raw `hipError_t` value (0 is `hipSuccess`).
-pub type HipErrorCode = i32;
-
-/// `hipSuccess`.
-pub const HIP_SUCCESS: HipErrorCode = 0;
+pub use crate::error::{HipErrorCode, HIP_SUCCESS};
 
 /// `hipMemAllocationTypePinned`.
 pub const HIP_MEM_ALLOCATION_TYPE_PINNED: u32 = 1;
@@ -285,7 +282,7 @@ pub type FnHipMemImportFromShareableHandle =
 /// Every HIP entry point the backend uses, resolved once when the library is loaded.
 ///
 /// The pointers stay valid for as long as the library stays loaded; the backend never unloads
-/// it (see [`crate::HipRuntime`]).
+/// it (see `HipRuntime`).
 #[derive(Debug, Clone, Copy)]
 pub struct HipApi {
     /// `hipInit`.
