@@ -132,15 +132,11 @@ impl CudaBackend {
             .device_count()
             .map_err(|c| unavailable("cuDeviceGetCount", c))?;
         if count <= 0 {
-            return Err(BackendError::new(
-                Operation::Load,
-                ErrorKind::Unavailable,
-                100,
-                "CUDA_ERROR_NO_DEVICE",
-            )
-            .with_detail(format!(
-                "no CUDA device ({version} reports {count} devices)"
-            )));
+            return Err(CuCode::NO_DEVICE
+                .to_error(Operation::Load)
+                .with_detail(format!(
+                    "no CUDA device ({version} reports {count} devices)"
+                )));
         }
 
         // Built incrementally so that `Drop` releases the contexts retained so far on error.
@@ -216,13 +212,9 @@ impl CudaBackend {
             .ok()
             .and_then(|i| self.devices.get(i))
             .ok_or_else(|| {
-                BackendError::new(
-                    op,
-                    ErrorKind::InvalidValue,
-                    101,
-                    "CUDA_ERROR_INVALID_DEVICE",
-                )
-                .with_detail(format!("no {id} ({} devices)", self.devices.len()))
+                CuCode::INVALID_DEVICE
+                    .to_error(op)
+                    .with_detail(format!("no {id} ({} devices)", self.devices.len()))
             })
     }
 
@@ -503,21 +495,18 @@ impl VirtualMemoryBackend for CudaBackend {
         let span = tracing::debug_span!("kvvm_cuda", op = "cuMemExportToShareableHandle", %handle);
         traced(span, || {
             if !self.posix_fd {
-                return Err(BackendError::new(
-                    op,
-                    ErrorKind::NotSupported,
-                    801,
-                    "CUDA_ERROR_NOT_SUPPORTED",
-                )
-                .with_detail("a device lacks POSIX file descriptor handle support"));
+                return Err(CuCode::NOT_SUPPORTED
+                    .to_error(op)
+                    .with_detail("a device lacks POSIX file descriptor handle support"));
             }
             self.any_context(op)?;
             let fd = self.check(op, self.driver.export_posix_fd(handle.0))?;
             if fd < 0 {
-                return Err(
-                    BackendError::new(op, ErrorKind::Other, 0, "invalid file descriptor")
-                        .with_detail(format!("the driver returned fd {fd}")),
-                );
+                return Err(BackendError::raised(
+                    op,
+                    ErrorKind::Other,
+                    format!("the driver returned fd {fd}"),
+                ));
             }
             // SAFETY: on success the driver returns a newly opened file descriptor that the
             // caller owns (cuda.h); nothing else holds or closes it.

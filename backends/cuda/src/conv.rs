@@ -40,13 +40,11 @@ pub(crate) fn to_u64(value: usize) -> u64 {
 
 pub(crate) fn ordinal(op: Operation, device: DeviceId) -> BackendResult<c_int> {
     c_int::try_from(device.0).map_err(|_| {
-        BackendError::new(
+        BackendError::raised(
             op,
             ErrorKind::InvalidValue,
-            101,
-            "CUDA_ERROR_INVALID_DEVICE",
+            format!("{device} does not fit a CUDA ordinal"),
         )
-        .with_detail(format!("{device} does not fit a CUDA ordinal"))
     })
 }
 

@@ -537,16 +537,13 @@ impl HipRuntime {
             format!("; hipInit(0) returned {}", error_name(&api, init_rc))
         };
         if count_rc == HIP_ERROR_NO_DEVICE || (count_rc == HIP_SUCCESS && count <= 0) {
-            return Err(BackendError::new(
-                Operation::Load,
-                ErrorKind::Unavailable,
-                i64::from(HIP_ERROR_NO_DEVICE),
-                "hipErrorNoDevice",
-            )
-            .with_detail(format!(
+            return Err(
+                unavailable(HIP_ERROR_NO_DEVICE, error_name(&api, HIP_ERROR_NO_DEVICE))
+                    .with_detail(format!(
                 "no HIP device (hipErrorNoDevice, HIP runtime {version}){init_note}; library {}",
                 self.path
-            )));
+            )),
+            );
         }
         if count_rc != HIP_SUCCESS {
             return Err(
