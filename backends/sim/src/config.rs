@@ -9,9 +9,9 @@ pub const MIB: u64 = 1 << 20;
 /// One GiB.
 pub const GIB: u64 = 1 << 30;
 
-/// Granule of the H200 (minimum = recommended = 2 MiB, driver-facts.md).
+/// Granule of the H200 (minimum = recommended = 2 MiB, measured).
 pub const H200_GRANULE: u64 = 2 * MIB;
-/// Granules the H200 could create before `CUDA_ERROR_OUT_OF_MEMORY` (driver-facts.md).
+/// Granules the H200 could create before `CUDA_ERROR_OUT_OF_MEMORY` (measured).
 pub const H200_GRANULES: u64 = 71_313;
 
 /// One simulated device.
@@ -85,7 +85,7 @@ pub enum LatencyMode {
 /// Modelled cost of each driver call.
 ///
 /// The defaults ([`LatencyModel::h200`]) are the medians measured on an NVIDIA H200 (driver
-/// 580.159.04, CUDA 13.0, 2026-11-29; `shared/reference/driver-facts.md`).
+/// 580.159.04, CUDA 13.0, 2026-11-29; `docs/driver-semantics.md`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LatencyModel {
     /// `reserve` (2-25 us measured; 10 us modelled).
@@ -115,7 +115,7 @@ pub struct LatencyModel {
 }
 
 impl LatencyModel {
-    /// The H200 medians of driver-facts.md.
+    /// The H200 medians (`docs/driver-semantics.md`).
     pub fn h200() -> Self {
         LatencyModel {
             reserve: Duration::from_micros(10),

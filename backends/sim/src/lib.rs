@@ -1,7 +1,7 @@
 //! # kvvm-sim: a simulated GPU virtual-memory driver
 //!
 //! [`SimBackend`] implements [`VirtualMemoryBackend`] in process, reproducing the semantics the
-//! CUDA driver showed on an NVIDIA H200 (`shared/reference/driver-facts.md`, summarised in the
+//! CUDA driver showed on an NVIDIA H200 (`docs/driver-semantics.md`, summarised in the
 //! `kvvm-hal` crate docs): the same [`ErrorKind`] for the same misuse, deferred free of a
 //! released-but-mapped handle, unreported double unmap, access enforcement on copies, and
 //! granularity rules. Where the real driver is silent about a misuse (a map that runs past the

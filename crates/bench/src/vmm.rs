@@ -63,7 +63,7 @@ pub struct BenchConfig {
 }
 
 impl Default for BenchConfig {
-    /// The sizes: k = 1, 8, 64, 512; pool at 64; growth of 256 MiB, 1, 4, 16 GiB;
+    /// The reference sizes: k = 1, 8, 64, 512; pool at 64; growth of 256 MiB, 1, 4, 16 GiB;
     /// 20 iterations after 2 of warm-up.
     fn default() -> Self {
         BenchConfig {

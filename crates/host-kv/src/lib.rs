@@ -1,11 +1,11 @@
 //! # kvvm-host-kv: a host paged KV cache with true copy-on-write
 //!
-//! Subsystem B of kvvm (no GPU): a sequence's KV cache lives in host RAM on fixed-size pages
+//! The host side of kvvm (no GPU): a sequence's KV cache lives in host RAM on fixed-size pages
 //! ([`HostPageStore`]), mapped by a [`PageTable`] of reference-counted physical pages.
 //! [`PagedKvCache::fork`] shares every page of a sequence with a new one by bumping reference
 //! counts (no byte is copied); a page is copied only when a fork writes into it while another
-//! fork still maps it ([`PagedKvCache::ensure_page_for_write`]). This is the host-side CoW of
-//! the seed; the GPU-side shared prefix (kvvm-vmm) is read-only by contract and has no CoW.
+//! fork still maps it ([`PagedKvCache::ensure_page_for_write`]). This is copy-on-write on the
+//! host; the GPU-side shared prefix (kvvm-vmm) is read-only by contract and has no CoW.
 //! A "page" here is a logical reference-counting unit, not a kernel-visible block table.
 //!
 //! ## Pages

@@ -28,7 +28,7 @@ pub(crate) const FILL_BATCH_BYTES: u64 = 32 << 20;
 ///   the sharers' sequences, a prefix cache) keeps the handles alive; they are released only
 ///   when the last is gone. The owner may finish first.
 /// * **Reference count per handle**: [`mapped_count`](Self::mapped_count) is the number of
-///   live window mappings (`note_shared_map` / `note_unmapped` in the seed's words).
+///   live window mappings (`note_shared_map` / `note_unmapped`).
 /// * **Read-only**: the owner writes the prefix through its read-write mapping and seals it;
 ///   after that nobody writes it (sharers map it with `Read` access, and a write into it is
 ///   refused with [`KvCacheError::WriteIntoSharedPrefix`] before any driver call). There is

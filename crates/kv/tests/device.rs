@@ -65,7 +65,7 @@ fn tokens_bytes(g: &KvGeometry, seq: u64, first: u64, n: u64, prefix: u64) -> Ve
         .collect()
 }
 
-/// DESIGN invariant 2: governor used = physical bytes owned + shared bytes counted once =
+/// Invariant 2: governor used = physical bytes owned + shared bytes counted once =
 /// the driver's physical bytes; nothing pending; no accounting error.
 fn check_books(w: &World, seqs: &[&SequenceKv], shared_sets: &[&SharedDevicePrefix]) {
     let snap = w.gov.snapshot().device(D0);

@@ -60,16 +60,16 @@
 pub use kvvm_cuda as cuda;
 pub use kvvm_governor as governor;
 pub use kvvm_hal as hal;
-pub use kvvm_kv as kv;
-pub use kvvm_layout as layout;
-pub use kvvm_vmm as vmm;
 pub use kvvm_hal::{
     Access, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, MemoryInfo, Operation,
     PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
 };
 pub use kvvm_hip as hip;
+pub use kvvm_kv as kv;
+pub use kvvm_layout as layout;
 pub use kvvm_sim as sim;
+pub use kvvm_vmm as vmm;
 
 /// The names most programs use: open a backend, make a manager, plan a layout, hold
 /// sequences and shared prefixes.

@@ -1,5 +1,5 @@
 //! Whether a prefix of a KV cache can be shared by mapping whole granules at several virtual
-//! addresses: the seed's arithmetic, with the refusal as a value.
+//! addresses: the arithmetic, with the refusal as a value.
 
 use kvvm_num::mul;
 
@@ -48,7 +48,7 @@ pub struct PrefixShareability {
 }
 
 impl PrefixShareability {
-    /// `None` when shareable; otherwise why not, in the seed's words and with the numbers.
+    /// `None` when shareable; otherwise why not, in words and with the numbers.
     pub fn refusal_reason(&self) -> Option<String> {
         if self.shareable {
             return None;

@@ -22,7 +22,7 @@ use crate::state::DeviceState;
 /// the owner and every sharer unmapped them (invariant 4). The owner may finish first.
 ///
 /// [`mapped_count`](Self::mapped_count) is the pool's reference count of live mappings
-/// (`note_shared_map` / `note_unmapped` in the seed's words).
+/// (`note_shared_map` / `note_unmapped`).
 pub struct SharedHandles {
     vm: Arc<DeviceState>,
     windows: Vec<(u64, PhysicalHandle)>,

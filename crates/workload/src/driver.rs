@@ -204,7 +204,7 @@ impl VirtualMemoryBackend for CountingBackend {
 }
 
 /// Modelled cost of the calls of the policies that use `cudaMalloc`-style allocations instead
-/// of the virtual-memory API, derived from `shared/reference/driver-facts.md` (H200).
+/// of the virtual-memory API, derived from the H200 measurements of `docs/driver-semantics.md`.
 pub mod classic {
     use std::time::Duration;
 
