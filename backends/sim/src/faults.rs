@@ -80,10 +80,6 @@ pub struct FaultPlan {
     rules: Vec<Installed>,
 }
 
-pub(crate) fn op_index(op: Operation) -> usize {
-    Operation::ALL.iter().position(|o| *o == op).unwrap_or(0)
-}
-
 impl FaultPlan {
     pub(crate) fn install(&mut self, rule: FaultRule, counts: &[u64; Operation::ALL.len()]) {
         let rng = SplitMix64::new(match &rule {
@@ -112,7 +108,7 @@ impl FaultPlan {
         op: Operation,
         counts: &[u64; Operation::ALL.len()],
     ) -> Option<ErrorKind> {
-        let i = op_index(op);
+        let i = op.index();
         let mut hit = None;
         for installed in &mut self.rules {
             let n_since = counts[i].saturating_sub(installed.base[i]);
@@ -148,7 +144,7 @@ mod tests {
 
     fn counts_with(op: Operation, n: u64) -> [u64; Operation::ALL.len()] {
         let mut c = [0; Operation::ALL.len()];
-        c[op_index(op)] = n;
+        c[op.index()] = n;
         c
     }
 

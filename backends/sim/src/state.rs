@@ -8,12 +8,12 @@ use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 use kvvm_hal::{
-    Access, AccessDescriptor, BackendError, DeviceAddress, DeviceId, ErrorKind, MemoryInfo,
-    Operation, PhysicalHandle, ShareableHandleType,
+    Access, AccessDescriptor, BackendError, CallCounts, DeviceAddress, DeviceId, ErrorKind,
+    MemoryInfo, Operation, PhysicalHandle, ShareableHandleType,
 };
 
 use crate::config::{SimConfig, SimDeviceConfig, SimQuirks};
-use crate::faults::{op_index, FaultPlan, FaultRule};
+use crate::faults::{FaultPlan, FaultRule};
 use crate::ledger::{Ledger, LedgerAllocation, LedgerHandle, LedgerMapping, LedgerReservation};
 use crate::sim_error;
 
@@ -61,7 +61,7 @@ pub(crate) struct State {
     pub(crate) allocations: HashMap<u64, Allocation>,
     pub(crate) next_handle: u64,
     pub(crate) next_allocation: u64,
-    pub(crate) counts: [u64; Operation::ALL.len()],
+    pub(crate) counts: CallCounts,
     pub(crate) faults: FaultPlan,
     pub(crate) driver_time: Duration,
 }
@@ -100,7 +100,7 @@ impl State {
             allocations: HashMap::new(),
             next_handle: 0x1000,
             next_allocation: 1,
-            counts: [0; Operation::ALL.len()],
+            counts: CallCounts::default(),
             faults: FaultPlan::default(),
             driver_time: Duration::ZERO,
         }
@@ -111,7 +111,7 @@ impl State {
     }
 
     pub(crate) fn inject(&mut self, rule: FaultRule) {
-        let counts = self.counts;
+        let counts = self.counts.snapshot();
         self.faults.install(rule, &counts);
     }
 
@@ -120,7 +120,7 @@ impl State {
     }
 
     pub(crate) fn calls(&self, op: Operation) -> u64 {
-        self.counts[op_index(op)]
+        self.counts.get(op)
     }
 
     pub(crate) fn driver_time(&self) -> Duration {
@@ -132,18 +132,17 @@ impl State {
     }
 
     pub(crate) fn reset_counters(&mut self) {
-        self.counts = [0; Operation::ALL.len()];
+        self.counts.reset();
         self.driver_time = Duration::ZERO;
         self.faults.clear();
     }
 
     pub(crate) fn count_and_check(&mut self, op: Operation) -> Option<ErrorKind> {
-        let i = op_index(op);
-        self.counts[i] = self.counts[i].saturating_add(1);
+        self.counts.record(op);
         if self.faults.is_empty() {
             return None;
         }
-        let counts = self.counts;
+        let counts = self.counts.snapshot();
         self.faults.check(op, &counts)
     }
 

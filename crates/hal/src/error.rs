@@ -42,6 +42,12 @@ pub enum Operation {
 }
 
 impl Operation {
+    /// The position of this operation in [`ALL`](Self::ALL) (what per-operation arrays are
+    /// indexed by).
+    pub fn index(self) -> usize {
+        Operation::ALL.iter().position(|o| *o == self).unwrap_or(0)
+    }
+
     /// Every operation, in declaration order (for per-operation tables and fault plans).
     pub const ALL: [Operation; 17] = [
         Operation::Load,

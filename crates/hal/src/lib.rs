@@ -70,10 +70,14 @@
 
 #![forbid(unsafe_code)]
 
+mod calls;
+mod cost;
 mod error;
 mod trace;
 mod types;
 
+pub use calls::CallCounts;
+pub use cost::LatencyModel;
 pub use error::{BackendError, ErrorKind, Operation};
 pub use trace::traced;
 pub use types::{
