@@ -154,6 +154,7 @@ pub mod precommit;
 mod prefix;
 mod prefix_setup;
 mod sequence;
+mod sequence_copy;
 pub mod synthetic;
 
 pub use cache::{Admission, PrefixCache, PrefixCacheConfig, PrefixCacheStats, PublishOutcome};
