@@ -25,6 +25,8 @@ pub(crate) struct DeviceBooks {
     pending: u64,
     /// (time, bytes) of recent frees, oldest first.
     pub(crate) frees: VecDeque<(Instant, u64)>,
+    /// (time, bytes) of recent releases by consumers (to a pool or the driver), oldest first.
+    releases: VecDeque<(Instant, u64)>,
 }
 
 impl DeviceBooks {
@@ -129,6 +131,38 @@ impl Ledger {
             prune(&mut d.frees, now, window);
             d.frees
                 .iter()
+                .map(|(_, b)| *b)
+                .fold(0u64, u64::saturating_add)
+        })
+    }
+
+    /// A consumer released `bytes` on `device` at `now` (whether they went back to the driver
+    /// or to a pool, they are available to the next consumer).
+    pub(crate) fn note_released(
+        &self,
+        device: DeviceId,
+        bytes: u64,
+        now: Instant,
+        window: Duration,
+    ) {
+        let mut books = lock(&self.books);
+        let d = books.devices.entry(device).or_default();
+        d.releases.push_back((now, bytes));
+        prune(&mut d.releases, now, window);
+    }
+
+    /// Bytes consumers released on `device` during the last `window` before `now`.
+    pub(crate) fn released_in_window(
+        &self,
+        device: DeviceId,
+        now: Instant,
+        window: Duration,
+    ) -> u64 {
+        let books = lock(&self.books);
+        books.devices.get(&device).map_or(0, |d| {
+            d.releases
+                .iter()
+                .filter(|(t, _)| now.saturating_duration_since(*t) <= window)
                 .map(|(_, b)| *b)
                 .fold(0u64, u64::saturating_add)
         })

@@ -169,6 +169,29 @@ impl Governor {
         policy.estimate(shortfall, freed)
     }
 
+    /// Records that a consumer (a server's sequence, say) released `bytes` on `device` now,
+    /// whether they went back to the driver or to a pool: the release rate of
+    /// [`estimate_retry_after_released`](Self::estimate_retry_after_released).
+    pub fn note_released(&self, device: DeviceId, bytes: u64) {
+        let now = self.inner.config.clock.now();
+        let window = self.inner.config.retry.window;
+        self.inner.ledger.note_released(device, bytes, now, window);
+    }
+
+    /// The [`RetryPolicy`](crate::RetryPolicy) applied to the bytes consumers released on
+    /// `device` during the last window ([`note_released`](Self::note_released)): most of them
+    /// go to a pool, which the driver-side estimate ([`estimate_retry_after`](Self::estimate_retry_after))
+    /// does not see.
+    pub fn estimate_retry_after_released(&self, device: DeviceId, shortfall: u64) -> Duration {
+        let policy = self.inner.config.retry;
+        let now = self.inner.config.clock.now();
+        let released = self
+            .inner
+            .ledger
+            .released_in_window(device, now, policy.window);
+        policy.estimate(shortfall, released)
+    }
+
     /// Moves `bytes` on `device` from one bucket to another (a handle returned to the pool,
     /// taken from the pool, quarantined, ...).
     pub fn transfer(

@@ -219,7 +219,6 @@ fn write_placeholder(
 /// out-of-memory become [`ServiceError::Backpressure`]; token counts out of range are the
 /// client's; anything else is internal.
 fn kv_error(vm: &VirtualMemory, e: KvCacheError, needed: u64) -> ServiceError {
-    let device = vm.device();
     if let Some(bp) = e.backpressure() {
         return ServiceError::Backpressure {
             needed_bytes: bp.needed,
@@ -228,19 +227,12 @@ fn kv_error(vm: &VirtualMemory, e: KvCacheError, needed: u64) -> ServiceError {
         };
     }
     if e.is_retryable() {
-        // The governor granted it but the driver ran out: what the driver has left.
-        let governor_free = vm.governor().snapshot().device(device).free();
-        let driver_free = vm
-            .backend()
-            .memory_info(device)
-            .map_or(governor_free, |m| m.free);
-        let available = governor_free.min(driver_free);
+        // The governor granted it but the driver ran out: the manager says what is left.
+        let bp = vm.backpressure(needed);
         return ServiceError::Backpressure {
-            needed_bytes: needed,
-            available_bytes: available,
-            retry_after: vm
-                .governor()
-                .estimate_retry_after(device, needed.saturating_sub(available)),
+            needed_bytes: bp.needed,
+            available_bytes: bp.available,
+            retry_after: bp.retry_after,
         };
     }
     match e {

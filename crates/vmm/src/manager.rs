@@ -5,7 +5,7 @@
 use std::fmt;
 use std::sync::{Arc, Weak};
 
-use kvvm_governor::{Governor, MappedGrowthGrant, Reclaimer};
+use kvvm_governor::{Backpressure, Governor, MappedGrowthGrant, Reclaimer};
 use kvvm_hal::{
     AccessDescriptor, AllocationProperties, Capabilities, DeviceId, PhysicalHandle,
     VirtualMemoryBackend,
@@ -163,6 +163,29 @@ impl VirtualMemory {
             .ctx
             .governor
             .try_grant(self.inner.ctx.device, bytes)?)
+    }
+
+    /// The typed refusal for `needed` bytes when the driver, not the governor, ran out (a
+    /// create that failed with out-of-memory after a grant): available is the smaller of
+    /// the governor's free bytes and the driver's (`memory_info`), and `retry_after` the
+    /// governor's estimate for the shortfall.
+    pub fn backpressure(&self, needed: u64) -> Backpressure {
+        let ctx = &self.inner.ctx;
+        let device = ctx.device;
+        let governor_free = ctx.governor.snapshot().device(device).free();
+        let driver_free = ctx
+            .backend
+            .memory_info(device)
+            .map_or(governor_free, |m| m.free);
+        let available = governor_free.min(driver_free);
+        Backpressure {
+            device,
+            needed,
+            available,
+            retry_after: ctx
+                .governor
+                .estimate_retry_after(device, needed.saturating_sub(available)),
+        }
     }
 
     /// Bytes held by the pool: free handles and parked windows.
