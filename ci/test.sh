@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (the README's): formatting, lints, every workspace test, and the
-# simulated backend's conformance suite in full. Runs on a machine with no GPU: GPU-only tests
-# print "skipped: no CUDA driver (...)" / "skipped: ..." and every other test still runs.
+# conformance suite in full on the simulated and the host backends. Runs on a machine with no
+# GPU: GPU-only tests print "skipped: no CUDA driver (...)" / "skipped: ..." and every other
+# test still runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +35,37 @@ r = json.load(open("target/conformance-sim.json"))
 assert r["failed"] == 0, r
 assert r["passed"] + r["skipped"] + r["failed"] == len(r["cases"]) >= 30, r
 print(f"sim conformance: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped")
+PY
+
+echo "== the host backend (memfd + mmap): conformance, simulate, bench kv, bench host"
+cargo run --release -q -p kvvm-cli -- conformance --backend host
+cargo run --release -q -p kvvm-cli -- conformance --backend host --json > target/conformance-host.json
+# Small runs: every byte is real memory of this machine (the capacity caps what may be held).
+KVVM_HOST_CAPACITY=4G cargo run --release -q -p kvvm-cli -- simulate --backend host \
+  --requests 16 --budget-bytes $((2 << 30)) --policies kvvm-seq-major+prefix,kvvm-token-major \
+  --json > target/simulate-host.json
+cargo run --release -q -p kvvm-cli -- bench kv --backend host --sequences 8 --prompt-tokens 1024 \
+  --json > target/bench-kv-host.json
+cargo run --release -q -p kvvm-cli -- bench host --iterations 3 --json > target/bench-host.json
+python3 - <<'PY'
+import json
+r = json.load(open("target/conformance-host.json"))
+assert r["failed"] == 0, r
+assert r["passed"] + r["skipped"] + r["failed"] == len(r["cases"]) >= 40, r
+store = [c for c in r["cases"] if c["name"] == "kernel_store_through_read_alias_faults"]
+assert store and store[0]["status"] == "pass", store
+print(f"host conformance: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped")
+s = json.load(open("target/simulate-host.json"))
+assert s["ledger_empty_after_run"] is True, s
+assert all(p["completed"] == 16 and p["kv_write_bytes"] > 0 for p in s["policies"]), s["policies"]
+k = json.load(open("target/bench-kv-host.json"))
+assert k["verified"] and k["bytes_verified"] > 0 and k["used_bytes_at_end"] == 0, k
+assert k["ledger_empty_after_run"] is True, k
+b = json.load(open("target/bench-host.json"))
+assert b["ledger_empty_after_run"] is True, b
+print(f"host simulate: ledger empty; bench kv: {k['bytes_verified']} bytes verified, "
+      f"copy/attach {k['copy_median_us'] / max(k['attach_median_us'], 1e-9):.0f}x; "
+      f"bench host: memcpy/attach {b['memcpy_over_attach']:.0f}x")
 PY
 
 echo "== conformance on the GPU backends (skips expected without a GPU)"

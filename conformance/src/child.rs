@@ -5,6 +5,11 @@
 //! [`requested_child`] first thing in `main` and, when it returns a request, open the named
 //! backend and hand it to `run_child`, then exit with the code it returns. The child prints
 //! one verdict line on stdout, which the parent reads.
+//!
+//! A fault may also end the child before it can print a verdict: on a backend whose "kernels"
+//! are CPU code (the host), a store through a `Read` mapping is stopped by the MMU and the
+//! process dies of `SIGSEGV`. The child prints an *armed* line just before the operation that
+//! may fault; a child that printed it and was then killed by `SIGSEGV` or `SIGBUS` faulted.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -17,6 +22,26 @@ pub const CHILD_BACKEND_ENV: &str = "KVVM_CONFORMANCE_CHILD_BACKEND";
 pub const CHILD_KERNEL_STORE: &str = "kernel_store";
 
 const VERDICT_PREFIX: &str = "KVVM_CHILD_VERDICT ";
+const ARMED_LINE: &str = "KVVM_CHILD_ARMED";
+
+/// Prints the armed line (see the module docs), flushed, right before a possibly faulting step.
+pub(crate) fn arm() {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{ARMED_LINE}");
+    let _ = out.flush();
+}
+
+/// The memory-fault signal that ended a child, by name, if one did (`SIGSEGV`, `SIGBUS`).
+fn memory_fault_signal(status: &std::process::ExitStatus) -> Option<&'static str> {
+    use std::os::unix::process::ExitStatusExt as _;
+    match status.signal()? {
+        11 => Some("SIGSEGV"),
+        7 if cfg!(target_os = "linux") => Some("SIGBUS"),
+        10 if !cfg!(target_os = "linux") => Some("SIGBUS"),
+        _ => None,
+    }
+}
 
 /// What a child case reports.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,13 +108,20 @@ impl ChildRunner {
             .output()
             .map_err(|e| format!("cannot start {}: {e}", self.program.display()))?;
         let stdout = String::from_utf8_lossy(&out.stdout);
-        ChildVerdict::parse(&stdout).ok_or_else(|| {
-            format!(
-                "child exited with {} and no verdict; stderr: {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            )
-        })
+        if let Some(verdict) = ChildVerdict::parse(&stdout) {
+            return Ok(verdict);
+        }
+        let armed = stdout.lines().any(|l| l == ARMED_LINE);
+        if let (true, Some(signal)) = (armed, memory_fault_signal(&out.status)) {
+            return Ok(ChildVerdict::Fault(format!(
+                "the child was killed by {signal} at the faulting access"
+            )));
+        }
+        Err(format!(
+            "child exited with {} and no verdict; stderr: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
     }
 }
 
@@ -121,5 +153,29 @@ mod tests {
             assert_eq!(ChildVerdict::parse(&text), Some(v));
         }
         assert_eq!(ChildVerdict::parse("nothing here"), None);
+    }
+
+    fn sh(script: &str) -> ChildRunner {
+        ChildRunner::new("sh", vec!["-c".into(), script.into()])
+    }
+
+    #[test]
+    fn a_child_killed_by_sigsegv_after_arming_faulted() {
+        let armed = sh(&format!("echo {ARMED_LINE}; kill -SEGV $$"));
+        match armed.run("host", CHILD_KERNEL_STORE) {
+            Ok(ChildVerdict::Fault(m)) => assert!(m.contains("SIGSEGV"), "{m}"),
+            other => panic!("expected a fault, got {other:?}"),
+        }
+        // Killed before arming (in its set-up): no verdict, an error.
+        assert!(sh("kill -SEGV $$").run("host", CHILD_KERNEL_STORE).is_err());
+        // Armed but killed by another signal: not a memory fault.
+        let killed = sh(&format!("echo {ARMED_LINE}; kill -TERM $$"));
+        assert!(killed.run("host", CHILD_KERNEL_STORE).is_err());
+        // A verdict line wins.
+        let verdict = sh(&format!("echo {ARMED_LINE}; echo {VERDICT_PREFIX}no-fault"));
+        assert_eq!(
+            verdict.run("host", CHILD_KERNEL_STORE),
+            Ok(ChildVerdict::NoFault)
+        );
     }
 }

@@ -28,13 +28,22 @@ pub(crate) fn kernel_store_child(ctx: &Ctx<'_>) -> ChildVerdict {
     };
     let setup = || -> Result<_, Verdict> {
         let (s, rw, ro, _) = aliased(ctx)?;
-        ctx.backend.copy_to_device(rw, &pattern(256, 29))?;
+        let p = pattern(256, 29);
+        ctx.backend.copy_to_device(rw, &p)?;
+        // Loads through the alias see the owner's bytes before the store is tried.
+        let expected: u64 = p.iter().map(|b| u64::from(*b)).sum();
+        let sum = probe.run(ctx.device, KernelProbeOp::Load, ro, 256, 0)?;
+        ensure(
+            sum == expected,
+            format!("load through the alias summed {sum}, expected {expected}"),
+        )?;
         Ok((s, ro))
     };
     let (s, ro) = match setup() {
         Ok(v) => v,
         Err(Verdict::Fail(m) | Verdict::Skip(m)) => return ChildVerdict::Error(m),
     };
+    crate::child::arm();
     let verdict = match probe.run(ctx.device, KernelProbeOp::Store, ro, 256, 0xAB) {
         Ok(_) => ChildVerdict::NoFault,
         Err(e) if e.kind == ErrorKind::DeviceLost => ChildVerdict::Fault(e.to_string()),

@@ -28,12 +28,15 @@ enum BenchCommand {
     /// Latency of `ensure_tokens` on the decode path: commits inline vs a background
     /// pre-committer, side by side in one run.
     Decode(DecodeBenchArgs),
+    /// The host backend against plain memory: a 64 MiB commit through the manager (and its
+    /// first touch) vs mmap + first touch; attaching a shared prefix vs memcpy of it.
+    Host(crate::bench_host::HostBenchArgs),
 }
 
 /// Arguments of `kvvm bench decode`.
 #[derive(Debug, Args)]
 pub struct DecodeBenchArgs {
-    /// Backend: sim, cuda, hip or auto.
+    /// Backend: sim, cuda, hip, host or auto.
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Latency model of the simulated backend: h200 (driver calls cost their H200 medians,
@@ -57,7 +60,7 @@ pub struct DecodeBenchArgs {
 /// Arguments of `kvvm bench kv`.
 #[derive(Debug, Args)]
 pub struct KvBenchArgs {
-    /// Backend: sim, cuda, hip or auto.
+    /// Backend: sim, cuda, hip, host or auto.
     #[arg(long, default_value = "auto")]
     backend: String,
     /// KV layout: head-major, seq-major or token-major.
@@ -83,7 +86,7 @@ pub struct KvBenchArgs {
 /// Arguments of `kvvm bench vmm`.
 #[derive(Debug, Args)]
 pub struct VmmBenchArgs {
-    /// Backend: sim, cuda, hip or auto.
+    /// Backend: sim, cuda, hip, host or auto.
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Measured iterations per case.
@@ -190,10 +193,17 @@ fn run_vmm(args: &VmmBenchArgs) -> Result<ExitCode, String> {
 }
 
 fn run_kv(args: &KvBenchArgs) -> Result<ExitCode, String> {
-    let opened = kvvm::open_backend_verbose(&args.backend).map_err(|e| e.to_string())?;
-    if let Some(n) = &opened.notice {
-        eprintln!("{n}");
-    }
+    // The host backend is opened directly, for its leak record after the run.
+    let (backend, host): (Arc<dyn VirtualMemoryBackend>, _) = if args.backend == "host" {
+        let h = Arc::new(kvvm::host::HostBackend::open().map_err(|e| e.to_string())?);
+        (h.clone(), Some(h))
+    } else {
+        let opened = kvvm::open_backend_verbose(&args.backend).map_err(|e| e.to_string())?;
+        if let Some(n) = &opened.notice {
+            eprintln!("{n}");
+        }
+        (opened.backend, None)
+    };
     let mut config =
         kvvm_bench::decode::DecodeLoopConfig::acceptance().map_err(|e| e.to_string())?;
     config.layout = args.layout.parse().map_err(|e| format!("{e}"))?;
@@ -201,8 +211,8 @@ fn run_kv(args: &KvBenchArgs) -> Result<ExitCode, String> {
     config.prompt_tokens = args.prompt_tokens;
     config.share_prefix = !args.no_sharing;
     config.verify = !args.no_verify;
-    let r =
-        kvvm_bench::decode::run_decode_loop(opened.backend, &config).map_err(|e| e.to_string())?;
+    let r = kvvm_bench::decode::run_decode_loop(backend, &config).map_err(|e| e.to_string())?;
+    let leak_free = host.as_ref().map(|h| h.ledger().is_empty());
     if args.json {
         let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
         println!(
@@ -229,10 +239,20 @@ fn run_kv(args: &KvBenchArgs) -> Result<ExitCode, String> {
                 "verified": r.verified,
                 "used_bytes_at_end": r.used_bytes_at_end,
                 "prefix_hits": r.cache.hits,
+                "ledger_empty_after_run": leak_free,
             })
         );
     } else {
         print!("{}", r.to_markdown());
+        if let Some(empty) = leak_free {
+            println!(
+                "host backend ledger after the run: {}",
+                if empty { "empty" } else { "NOT EMPTY (leak)" }
+            );
+        }
+    }
+    if leak_free == Some(false) {
+        return Ok(ExitCode::from(1));
     }
     Ok(if r.verified || !config.verify {
         ExitCode::SUCCESS
@@ -325,5 +345,6 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode, String> {
         BenchCommand::Vmm(a) => run_vmm(a),
         BenchCommand::Kv(a) => run_kv(a),
         BenchCommand::Decode(a) => run_decode(a),
+        BenchCommand::Host(a) => crate::bench_host::run(a),
     }
 }

@@ -8,7 +8,7 @@ use kvvm_conformance::{run_suite, unavailable_report, ChildRunner, RunOptions};
 /// Arguments of `kvvm conformance`.
 #[derive(Debug, Args)]
 pub struct ConformanceArgs {
-    /// Backend to test: sim, cuda, hip or auto.
+    /// Backend to test: sim, cuda, hip, host or auto.
     #[arg(long, default_value = "sim")]
     backend: String,
     /// Print the report as JSON instead of a table.

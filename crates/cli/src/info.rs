@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 /// Arguments of `kvvm info`.
 #[derive(Debug, Args)]
 pub struct InfoArgs {
-    /// Only this backend (default: cuda, hip and sim).
+    /// Only this backend (default: cuda, hip, sim and host).
     #[arg(long)]
     backend: Option<String>,
     /// Print JSON instead of text.
@@ -137,7 +137,7 @@ fn print_text(v: &Value) {
 pub fn run(args: &InfoArgs) -> Result<ExitCode, String> {
     let names: Vec<&str> = match &args.backend {
         Some(b) => vec![b.as_str()],
-        None => vec!["cuda", "hip", "sim"],
+        None => vec!["cuda", "hip", "sim", "host"],
     };
     let mut out = Vec::new();
     for name in names {

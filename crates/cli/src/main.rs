@@ -1,6 +1,7 @@
 //! `kvvm`: inspect backends, run the conformance suite, plan, simulate and serve.
 
 mod bench;
+mod bench_host;
 mod conformance;
 mod info;
 mod plan;
@@ -27,7 +28,7 @@ enum Command {
     Conformance(conformance::ConformanceArgs),
     /// Shareability verdict, fragments and commit lower bound for a model and layout.
     Plan(plan::PlanArgs),
-    /// Benchmarks measured side by side in one run (`kvvm bench vmm`).
+    /// Benchmarks measured side by side in one run (`kvvm bench vmm`, `kv`, `decode`, `host`).
     Bench(bench::BenchArgs),
     /// Replay a serving trace through every KV memory policy, side by side (table, JSON, SVG).
     Simulate(simulate::SimulateArgs),

@@ -17,7 +17,7 @@ use kvvm_workload::{
 /// Arguments of `kvvm simulate`.
 #[derive(Debug, Args)]
 pub struct SimulateArgs {
-    /// Backend for the kvvm policies: auto, sim, cuda or hip (auto: the simulator when no GPU).
+    /// Backend for the kvvm policies: auto, sim, cuda, hip or host (auto: the simulator when no GPU).
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Model preset (llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b).
@@ -155,11 +155,18 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode, String> {
     // The simulator is opened here (not through the facade) so that its ledger can be
     // checked after the run.
     let mut sim: Option<Arc<SimBackend>> = None;
+    let mut host: Option<Arc<kvvm::host::HostBackend>> = None;
     let backend: Arc<dyn VirtualMemoryBackend> = match args.backend.as_str() {
         "sim" => {
             let s = Arc::new(SimBackend::h200());
             sim = Some(s.clone());
             s
+        }
+        // Opened here too, for its leak record after the run.
+        "host" => {
+            let h = Arc::new(kvvm::host::HostBackend::open().map_err(|e| e.to_string())?);
+            host = Some(h.clone());
+            h
         }
         name => {
             let opened = kvvm::open_backend_verbose(name).map_err(|e| e.to_string())?;
@@ -188,7 +195,10 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode, String> {
     let result = simulate(&trace, backend, &config, &mut |p| bar.update(p));
     bar.finish();
     let report = result.map_err(|e| e.to_string())?;
-    let ledger_empty = sim.as_ref().map(|s| s.ledger().is_empty());
+    let ledger_empty = sim
+        .as_ref()
+        .map(|s| s.ledger().is_empty())
+        .or_else(|| host.as_ref().map(|h| h.ledger().is_empty()));
     if let Some(path) = &args.plot {
         std::fs::write(path, render_svg(&report))
             .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
@@ -206,7 +216,12 @@ pub fn run(args: &SimulateArgs) -> Result<ExitCode, String> {
         print!("{}", render_table(&report));
         if let Some(empty) = ledger_empty {
             println!(
-                "simulated driver ledger after the run: {}",
+                "{} ledger after the run: {}",
+                if host.is_some() {
+                    "host backend"
+                } else {
+                    "simulated driver"
+                },
                 if empty { "empty" } else { "NOT EMPTY (leak)" }
             );
         }

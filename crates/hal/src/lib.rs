@@ -1,7 +1,8 @@
 //! # kvvm-hal: the backend-neutral virtual-memory interface
 //!
 //! This crate defines [`VirtualMemoryBackend`], the one trait every vendor plugin of kvvm
-//! implements (the simulated driver, the CUDA driver, the HIP runtime), together with the
+//! implements (the simulated driver, the CUDA driver, the HIP runtime, the host's own virtual
+//! memory), together with the
 //! neutral types it speaks ([`DeviceAddress`], [`PhysicalHandle`], [`DeviceId`], [`Access`]) and
 //! its error type [`BackendError`].
 //!
@@ -17,7 +18,9 @@
 //!   passes arguments through and maps the driver's return code onto an [`ErrorKind`]. Where
 //!   a real driver is *silent* about a misuse (a map that runs past the end of its reservation
 //!   succeeds on CUDA), the simulated backend refuses with [`ErrorKind::InvalidValue`] so that
-//!   such bugs surface in tests; real backends do not add checks of their own.
+//!   such bugs surface in tests; real backends do not add checks of their own, except where
+//!   the OS underneath would silently do something else (the host backend, over `mmap`, keeps
+//!   the driver's bookkeeping and refuses as the driver does).
 //! * **A backend never panics.** A missing library, a missing symbol, a missing device or an
 //!   unknown return code is a [`BackendError`], never a panic or undefined behaviour.
 //! * **Err does not always mean nothing happened.** A single driver call is all-or-nothing as
@@ -121,7 +124,7 @@ pub trait KernelProbe: Send + Sync {
 /// `create`, `map`, `set_access` and `unmap` must be a multiple of the device's minimum
 /// granularity ([`VirtualMemoryBackend::granularity`]).
 pub trait VirtualMemoryBackend: Send + Sync {
-    /// The backend's short name: `"sim"`, `"cuda"` or `"hip"`.
+    /// The backend's short name: `"sim"`, `"cuda"`, `"hip"` or `"host"`.
     fn name(&self) -> &str;
 
     /// What this backend and its driver can do; the manager adapts to it.

@@ -93,6 +93,24 @@ pub struct Admission {
     pub committed_bytes: u64,
 }
 
+/// What [`PrefixCache::admit_into`] did to the caller's sequence (the fields of
+/// [`Admission`] beside the sequence).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AdmissionInfo {
+    /// Prompt tokens found in the cache (a multiple of the block size).
+    pub hit_tokens: u64,
+    /// Prompt tokens (`token_ids.len()`).
+    pub prompt_tokens: u64,
+    /// Tokens of the new shared prefix segment the sequence owns, to be published once
+    /// written; 0 when there is nothing new to publish.
+    pub owned_prefix_tokens: u64,
+    /// Physical bytes mapped read-only from the cache.
+    pub shared_bytes: u64,
+    /// Physical bytes this admission committed.
+    pub committed_bytes: u64,
+}
+
 /// What [`PrefixCache::publish`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -297,6 +315,35 @@ impl PrefixCache {
     /// driver failures. On error nothing of the request is left.
     pub fn admit(&self, token_ids: &[u32], max_tokens: u64) -> Result<Admission, KvCacheError> {
         let prompt = token_ids.len() as u64;
+        if prompt > max_tokens {
+            return Err(KvCacheError::TooManyTokens {
+                tokens: prompt,
+                max_tokens,
+            });
+        }
+        let mut seq = SequenceKv::new(&self.vm, &self.plan, max_tokens)?;
+        let a = self.admit_into(token_ids, &mut seq)?;
+        Ok(Admission {
+            sequence: seq,
+            hit_tokens: a.hit_tokens,
+            prompt_tokens: a.prompt_tokens,
+            owned_prefix_tokens: a.owned_prefix_tokens,
+            shared_bytes: a.shared_bytes,
+            committed_bytes: a.committed_bytes,
+        })
+    }
+
+    /// Like [`admit`](Self::admit), into `seq`: an empty sequence (fresh or released) of this
+    /// cache's plan made by the caller, for example one slot of a strided batch. Returns what
+    /// `admit` returns beside the sequence. On error `seq` is released again (empty) and the
+    /// cache is unchanged.
+    pub fn admit_into(
+        &self,
+        token_ids: &[u32],
+        seq: &mut SequenceKv,
+    ) -> Result<AdmissionInfo, KvCacheError> {
+        let prompt = token_ids.len() as u64;
+        let max_tokens = seq.max_tokens();
         let span = tracing::debug_span!("kv.admit", prompt, max_tokens);
         let _e = span.enter();
         if prompt > max_tokens {
@@ -305,6 +352,27 @@ impl PrefixCache {
                 max_tokens,
             });
         }
+        if seq.plan() != &self.plan {
+            return Err(KvCacheError::PlanMismatch {
+                reason: "the sequence was laid out under another plan than the cache's".to_owned(),
+            });
+        }
+        seq.check_empty()?;
+        match self.admit_empty(token_ids, seq) {
+            Ok(info) => Ok(info),
+            Err(e) => {
+                seq.release_after_error();
+                Err(e)
+            }
+        }
+    }
+
+    fn admit_empty(
+        &self,
+        token_ids: &[u32],
+        seq: &mut SequenceKv,
+    ) -> Result<AdmissionInfo, KvCacheError> {
+        let prompt = token_ids.len() as u64;
         let hashes = self.block_hashes(token_ids);
         let blocks = hashes.len() as u64;
         let bt = usize::try_from(self.block_tokens).unwrap_or(usize::MAX);
@@ -340,7 +408,6 @@ impl PrefixCache {
                 None => (0, Vec::new()),
             }
         };
-        let mut seq = SequenceKv::new(&self.vm, &self.plan, max_tokens)?;
         let mut shared_bytes = 0u64;
         for s in &segments {
             shared_bytes =
@@ -390,8 +457,7 @@ impl PrefixCache {
             }
         }
         tracing::debug!(hit_tokens, owned_prefix_tokens, shared_bytes, "admitted");
-        Ok(Admission {
-            sequence: seq,
+        Ok(AdmissionInfo {
             hit_tokens,
             prompt_tokens: prompt,
             owned_prefix_tokens,

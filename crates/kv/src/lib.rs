@@ -157,7 +157,9 @@ mod sequence;
 mod sequence_copy;
 pub mod synthetic;
 
-pub use cache::{Admission, PrefixCache, PrefixCacheConfig, PrefixCacheStats, PublishOutcome};
+pub use cache::{
+    Admission, AdmissionInfo, PrefixCache, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
+};
 pub use error::KvCacheError;
 pub use prefix::SharedDevicePrefix;
 pub use sequence::{LayerPointers, SequenceKv};

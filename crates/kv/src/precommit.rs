@@ -529,9 +529,26 @@ impl PrecommittedSequence {
         Ok(Ensured::Inline(bytes))
     }
 
-    /// Runs `f` on the sequence (to write or read tokens, get pointers, ...), under its lock.
+    /// Runs `f` on the sequence (to write or read tokens, get pointers, shrink, attach a
+    /// prefix, ...), under its lock. Afterwards the committed count the hot path reads is
+    /// set from the sequence again, so that whatever `f` unmapped is never answered
+    /// [`Ensured::Ready`].
     pub fn with_sequence<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R) -> R {
-        f(&mut lock(&self.cell.seq))
+        let mut seq = lock(&self.cell.seq);
+        let out = f(&mut seq);
+        let committed = seq.committed_tokens();
+        self.cell.ready.store(committed, Ordering::Release);
+        let live = self
+            .cell
+            .live
+            .fetch_min(committed, Ordering::AcqRel)
+            .min(committed);
+        drop(seq);
+        self.inner.set_ahead(
+            &self.cell,
+            Inner::ahead_bytes(&self.cell.plan, live, committed),
+        );
+        out
     }
 
     /// Tokens committed right now.

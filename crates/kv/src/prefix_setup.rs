@@ -1,6 +1,6 @@
 //! Making and mapping a [`SharedDevicePrefix`] with sequences: the owner's
-//! `reserve_and_map_shared_prefix` / `reserve_unwritten` and a sharer's
-//! `map_shared_prefix_readonly`. The prefix itself is `prefix.rs`; the sequence `sequence.rs`.
+//! `reserve_and_map_shared_prefix` / `reserve_unwritten` / `own_in` and a sharer's
+//! `map_shared_prefix_readonly` / `attach_to`. The prefix itself is `prefix.rs`; the sequence `sequence.rs`.
 
 use std::sync::Arc;
 
@@ -83,11 +83,89 @@ impl SharedDevicePrefix {
                 max_tokens,
             });
         }
-        let k = verdict.shareable_granules_per_fragment;
         let mut owner = SequenceKv::new(vm, plan, max_tokens)?;
-        let prefix = owner.create_owned_segment(0, k, prefix_len, verdict)?;
-        owner.ensure_tokens(prefix_len)?;
+        let prefix = Self::own_in(&mut owner, prefix_len)?;
         Ok((prefix, owner))
+    }
+
+    /// Makes `owner`, an empty sequence (fresh, or released), the owner of a new prefix of
+    /// `prefix_len` tokens: commits the prefix's windows as shared handles mapped read-write
+    /// (and the rest of the first `prefix_len` tokens privately). The owner writes the prefix
+    /// through [`SequenceKv::write_tokens`] and then calls [`seal`](Self::seal).
+    ///
+    /// Errors: [`KvCacheError::NotShareable`] with the reason; [`KvCacheError::TooManyTokens`];
+    /// [`KvCacheError::PlanMismatch`] when `owner` is not empty; backpressure and driver
+    /// failures, after which `owner` is released again (empty).
+    pub fn own_in(
+        owner: &mut SequenceKv,
+        prefix_len: u64,
+    ) -> Result<Arc<SharedDevicePrefix>, KvCacheError> {
+        let plan = *owner.plan();
+        let verdict = evaluate_prefix_shareability(
+            plan.geometry(),
+            plan.layout(),
+            prefix_len,
+            plan.granule(),
+        )?;
+        if let Some(reason) = verdict.refusal_reason() {
+            return Err(KvCacheError::NotShareable { reason });
+        }
+        if prefix_len > owner.max_tokens() {
+            return Err(KvCacheError::TooManyTokens {
+                tokens: prefix_len,
+                max_tokens: owner.max_tokens(),
+            });
+        }
+        owner.check_empty()?;
+        let k = verdict.shareable_granules_per_fragment;
+        let made = owner
+            .create_owned_segment(0, k, prefix_len, verdict)
+            .and_then(|prefix| owner.ensure_tokens(prefix_len).map(|_| prefix));
+        match made {
+            Ok(prefix) => Ok(prefix),
+            Err(e) => {
+                owner.release_after_error();
+                Err(e)
+            }
+        }
+    }
+
+    /// The sharer's side for a sequence made by the caller: maps every window of the prefix
+    /// read-only at the same offsets of `seq`, an empty sequence (fresh or released) of the
+    /// prefix's plan, as [`map_shared_prefix_readonly`](Self::map_shared_prefix_readonly)
+    /// does for a new one. Returns the bytes mapped (shared, not billed to `seq`).
+    ///
+    /// Errors: those of `map_shared_prefix_readonly`, and [`KvCacheError::PlanMismatch`] when
+    /// `seq` is not empty; on a driver failure `seq` is released again (empty).
+    pub fn attach_to(self: &Arc<Self>, seq: &mut SequenceKv) -> Result<u64, KvCacheError> {
+        let span = tracing::debug_span!(
+            "kv.attach_shared_prefix",
+            windows = self.set.len(),
+            prefix_len = self.prefix_len
+        );
+        let _e = span.enter();
+        if !self.is_sealed() {
+            return Err(KvCacheError::PrefixNotWritten {
+                written: 0,
+                needed: self.prefix_len,
+            });
+        }
+        if self.first_window != 0 {
+            return Err(KvCacheError::PlanMismatch {
+                reason: "this shared segment does not start at token 0; attach it through its prefix cache".to_owned(),
+            });
+        }
+        seq.check_empty()?;
+        match seq.attach_readonly(self, self.end_window) {
+            Ok(bytes) => {
+                seq.set_attached_prefix_tokens(self.prefix_len);
+                Ok(bytes)
+            }
+            Err(e) => {
+                seq.release_after_error();
+                Err(e)
+            }
+        }
     }
 
     /// The sharer's side: reserves a sequence of at most `max_tokens` under the prefix's plan

@@ -113,6 +113,70 @@ impl SequenceKv {
         plan: &LayoutPlan,
         max_tokens: u64,
     ) -> Result<SequenceKv, KvCacheError> {
+        Self::check_new(vm, plan, max_tokens)?;
+        let span = tracing::debug_span!(
+            "kv.sequence_new",
+            layout = plan.layout().as_str(),
+            max_tokens,
+            bytes = plan.reservation_bytes()
+        );
+        let _e = span.enter();
+        let reservation = vm.reserve(plan.reservation_bytes())?;
+        Self::in_reservation(vm, plan, max_tokens, reservation)
+    }
+
+    /// A sequence in a reservation made by the caller, for example one slot of
+    /// [`VirtualMemory::reserve_strided`] (so that a batch of sequences sits at a constant
+    /// stride and one layer of all of them is one strided array). The reservation must be of
+    /// the manager `vm`, hold nothing yet, and be at least `plan.reservation_bytes()` long.
+    ///
+    /// Errors: those of [`new`](Self::new), and [`KvCacheError::PlanMismatch`] when the
+    /// reservation is too small, of another granule, or already holds mappings.
+    pub fn in_reservation(
+        vm: &VirtualMemory,
+        plan: &LayoutPlan,
+        max_tokens: u64,
+        reservation: Reservation,
+    ) -> Result<SequenceKv, KvCacheError> {
+        Self::check_new(vm, plan, max_tokens)?;
+        if reservation.size() < plan.reservation_bytes()
+            || reservation.granule() != plan.granule()
+            || reservation.committed_bytes() != 0
+            || !reservation.parked().is_empty()
+        {
+            return Err(KvCacheError::PlanMismatch {
+                reason: format!(
+                    "the reservation ({} B, granule {} B, {} B committed) cannot hold a fresh \
+                     sequence of the plan ({} B, granule {} B)",
+                    reservation.size(),
+                    reservation.granule(),
+                    reservation.committed_bytes(),
+                    plan.reservation_bytes(),
+                    plan.granule()
+                ),
+            });
+        }
+        Ok(SequenceKv {
+            vm: vm.clone(),
+            plan: *plan,
+            fragments: plan.fragments()?,
+            reservation,
+            max_tokens,
+            committed_tokens: 0,
+            written_tokens: 0,
+            prefix_tokens: 0,
+            readonly: Vec::new(),
+            readonly_windows: 0,
+            owned: None,
+            pending: None,
+        })
+    }
+
+    fn check_new(
+        vm: &VirtualMemory,
+        plan: &LayoutPlan,
+        max_tokens: u64,
+    ) -> Result<(), KvCacheError> {
         if vm.granule() != plan.granule() {
             return Err(KvCacheError::PlanMismatch {
                 reason: format!(
@@ -129,28 +193,7 @@ impl SequenceKv {
                 max_tokens: capacity,
             });
         }
-        let span = tracing::debug_span!(
-            "kv.sequence_new",
-            layout = plan.layout().as_str(),
-            max_tokens,
-            bytes = plan.reservation_bytes()
-        );
-        let _e = span.enter();
-        let reservation = vm.reserve(plan.reservation_bytes())?;
-        Ok(SequenceKv {
-            vm: vm.clone(),
-            plan: *plan,
-            fragments: plan.fragments()?,
-            reservation,
-            max_tokens,
-            committed_tokens: 0,
-            written_tokens: 0,
-            prefix_tokens: 0,
-            readonly: Vec::new(),
-            readonly_windows: 0,
-            owned: None,
-            pending: None,
-        })
+        Ok(())
     }
 
     /// The plan.
@@ -356,7 +399,38 @@ impl SequenceKv {
         Ok(bytes)
     }
 
+    /// Whether nothing is mapped and no prefix is attached or owned: what a fresh or released
+    /// sequence looks like.
+    pub fn is_empty(&self) -> bool {
+        self.reservation.committed_bytes() == 0
+            && self.readonly.is_empty()
+            && self.owned.is_none()
+            && self.committed_tokens == 0
+    }
+
     // ---- crate-internal: shared prefix plumbing ----
+
+    /// Refuses a sequence that is not [empty](Self::is_empty).
+    pub(crate) fn check_empty(&self) -> Result<(), KvCacheError> {
+        if self.is_empty() {
+            return Ok(());
+        }
+        Err(KvCacheError::PlanMismatch {
+            reason: format!(
+                "the sequence is in use ({} tokens committed, {} B mapped): release it first",
+                self.committed_tokens,
+                self.reservation.committed_bytes()
+            ),
+        })
+    }
+
+    /// Undoes a half-made admission: releases everything; a release that fails leaves what it
+    /// could not unmap recorded in the reservation (it is still mapped), as `release` does.
+    pub(crate) fn release_after_error(&mut self) {
+        if let Err(e) = self.release() {
+            tracing::warn!(error = %e, "release after a failed admission failed");
+        }
+    }
 
     /// Maps windows `[prefix.first_window(), end_window)` of every fragment of `prefix`
     /// read-only; they must continue the read-only part already attached.

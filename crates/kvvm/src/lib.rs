@@ -9,7 +9,7 @@
 //! | path | crate | what |
 //! |---|---|---|
 //! | `kvvm::hal` (and the root) | `kvvm-hal` | the driver interface and its neutral types |
-//! | `kvvm::sim`, `kvvm::cuda`, `kvvm::hip` | the backends | the simulated driver, CUDA, HIP |
+//! | `kvvm::sim`, `kvvm::cuda`, `kvvm::hip`, `kvvm::host` | the backends | the simulated driver, CUDA, HIP, the host's virtual memory |
 //! | [`kvvm::governor`](governor) | `kvvm-governor` | byte budgets, grants, backpressure |
 //! | [`kvvm::vmm`](vmm) | `kvvm-vmm` | the manager: reservations, commit, pool, quarantine |
 //! | [`kvvm::layout`](layout) | `kvvm-layout` | KV geometry, layouts, shareability arithmetic |
@@ -21,7 +21,8 @@
 //! | `"cuda"` | the CUDA driver (libcuda, loaded at run time) |
 //! | `"hip"` | the HIP runtime (libamdhip64, loaded at run time; `KVVM_HIP_LIBRARY` overrides) |
 //! | `"sim"` | the in-process simulated driver (one simulated H200) |
-//! | `"auto"` | CUDA if it opens, else HIP, else the simulator, with a notice saying why |
+//! | `"host"` | the host's own virtual memory (memfd + mmap; Linux): addressable KV bytes on the CPU |
+//! | `"auto"` | CUDA if it opens, else HIP, else the simulator, with a notice saying why (never `host`: it is chosen by name) |
 //!
 //! ```
 //! use kvvm::prelude::*;
@@ -66,6 +67,7 @@ pub use kvvm_hal::{
     PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
 };
 pub use kvvm_hip as hip;
+pub use kvvm_host as host;
 pub use kvvm_kv as kv;
 pub use kvvm_layout as layout;
 pub use kvvm_sim as sim;
@@ -87,13 +89,13 @@ pub mod prelude {
 use std::sync::Arc;
 
 /// The names [`open_backend`] accepts.
-pub const BACKEND_NAMES: [&str; 4] = ["auto", "cuda", "hip", "sim"];
+pub const BACKEND_NAMES: [&str; 5] = ["auto", "cuda", "hip", "sim", "host"];
 
 /// Why a backend could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
     /// The name is not one of [`BACKEND_NAMES`].
-    #[error("unknown backend {0:?} (expected one of: auto, cuda, hip, sim)")]
+    #[error("unknown backend {0:?} (expected one of: auto, cuda, hip, sim, host)")]
     UnknownBackend(String),
     /// The backend exists but cannot be used here (library, symbol or device missing, ...).
     #[error("backend {name} is unavailable: {source}")]
@@ -151,6 +153,15 @@ fn open_hip() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
         })
 }
 
+fn open_host() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
+    kvvm_host::HostBackend::open()
+        .map(|b| Arc::new(b) as Arc<dyn VirtualMemoryBackend>)
+        .map_err(|source| OpenError::Backend {
+            name: "host".into(),
+            source,
+        })
+}
+
 /// Opens the backend called `name` (see [`BACKEND_NAMES`]).
 ///
 /// `"auto"` picks CUDA when it opens, else HIP, else the simulator; the fallback is logged
@@ -169,6 +180,7 @@ pub fn open_backend_verbose(name: &str) -> Result<OpenedBackend, OpenError> {
         "sim" => Ok(plain(Arc::new(kvvm_sim::SimBackend::h200()))),
         "cuda" => open_cuda().map(plain),
         "hip" => open_hip().map(plain),
+        "host" => open_host().map(plain),
         "auto" => {
             let cuda = match open_cuda() {
                 Ok(b) => return Ok(plain(b)),
@@ -210,7 +222,23 @@ mod tests {
     fn unknown_name_is_a_typed_error() {
         let e = open_backend("metal").unwrap_err();
         assert!(matches!(e, OpenError::UnknownBackend(_)));
-        assert!(e.to_string().contains("auto, cuda, hip, sim"));
+        assert!(e.to_string().contains("auto, cuda, hip, sim, host"));
+    }
+
+    #[test]
+    fn host_opens_by_name_and_never_through_auto() {
+        match open_backend("host") {
+            Ok(b) => assert_eq!(b.name(), "host"),
+            Err(e) => {
+                assert_eq!(
+                    e.backend_error().map(|b| b.kind),
+                    Some(ErrorKind::Unavailable)
+                );
+                println!("skipped: no host backend here ({e})");
+            }
+        }
+        let auto = open_backend("auto").unwrap();
+        assert_ne!(auto.name(), "host");
     }
 
     #[test]

@@ -98,6 +98,7 @@
 //! | `commit.rs` | the commit transaction and its rollback |
 //! | `sharing.rs`, `shared.rs` | shared mappings, and the [`SharedHandles`] set |
 //! | `release.rs`, `teardown.rs` | release / truncate (unmap runs), and drop |
+//! | `strided.rs` | the driver range shared by strided reservations (`reserve_strided`) |
 //! | `mapping.rs`, `error.rs` | reported records ([`MappedBlock`], [`Commit`]) and [`VmmError`] |
 //!
 //! ## Example
@@ -143,6 +144,7 @@ mod reservation;
 mod shared;
 mod sharing;
 mod state;
+mod strided;
 mod sync;
 mod teardown;
 

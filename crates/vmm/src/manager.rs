@@ -19,6 +19,7 @@ use crate::pool::HandlePool;
 use crate::quarantine::QuarantineEntry;
 use crate::reservation::Reservation;
 use crate::state::DeviceState;
+use crate::strided::SharedRange;
 
 /// The virtual-memory manager of one device. Cheap to clone (clones share the pool, the
 /// quarantine and the governor); `Send + Sync`.
@@ -152,6 +153,63 @@ impl VirtualMemory {
             });
         }
         Ok(Reservation::new(self.inner.clone(), base, size))
+    }
+
+    /// Reserves `count` ranges of `bytes_each` bytes (each rounded up to the granule: the
+    /// *stride*) in one driver reservation, at a constant stride from one another, and returns
+    /// them in address order. No physical memory is used until they commit.
+    ///
+    /// Each returned [`Reservation`] behaves like one from [`reserve`](Self::reserve) (its own
+    /// commits, shared mappings, release and teardown); the driver's range is freed when the
+    /// last of them is dropped (`strided.rs`). [`Reservation::address`] of slot `i` is
+    /// `base + i x stride`.
+    ///
+    /// Errors: [`VmmError::ZeroSize`] when `count` or `bytes_each` is 0;
+    /// [`VmmError::SizeOverflow`] when the total does not fit in the address space; a failed
+    /// driver reservation.
+    pub fn reserve_strided(&self, count: u64, bytes_each: u64) -> VmmResult<Vec<Reservation>> {
+        let ctx = &self.inner.ctx;
+        let span = tracing::debug_span!(
+            "vmm.reserve_strided",
+            device = ctx.device.0,
+            count,
+            bytes_each
+        );
+        let _e = span.enter();
+        if count == 0 || bytes_each == 0 {
+            return Err(VmmError::ZeroSize);
+        }
+        let stride = self.round_up(bytes_each)?;
+        let total = stride.checked_mul(count).ok_or(VmmError::SizeOverflow {
+            what: "strided reservation size",
+        })?;
+        // One Vec entry per slot: refuse counts that could not be held before asking the driver.
+        let slots = usize::try_from(count).map_err(|_| VmmError::SizeOverflow {
+            what: "strided reservation count",
+        })?;
+        let g = ctx.granule;
+        let alignment = if g.is_power_of_two() { g } else { 0 };
+        let base = ctx.backend.reserve(total, alignment, None)?;
+        let range = Arc::new(SharedRange::new(Arc::clone(&self.inner), base, total));
+        if base.checked_add(total).is_none() {
+            // Dropping `range` gives the wrapping range back (or quarantines it).
+            drop(range);
+            return Err(VmmError::SizeOverflow {
+                what: "reservation end address",
+            });
+        }
+        let mut out = Vec::with_capacity(slots);
+        for i in 0..count {
+            // In range: i < count and base + count x stride did not overflow.
+            let addr = base.offset(i.saturating_mul(stride));
+            out.push(Reservation::new_in_range(
+                Arc::clone(&self.inner),
+                addr,
+                stride,
+                Arc::clone(&range),
+            ));
+        }
+        Ok(out)
     }
 
     /// Asks the governor for a grant of `bytes` rounded up to whole granules, for

@@ -12,6 +12,7 @@ use crate::mapping::{BlockKind, MappedBlock};
 use crate::parking::ParkedWindows;
 use crate::shared::SharedHandles;
 use crate::state::DeviceState;
+use crate::strided::SharedRange;
 
 /// One mapped granule window of a reservation.
 #[derive(Debug, Clone)]
@@ -44,6 +45,10 @@ pub(crate) struct ReservedRange {
     pub(crate) blocks: Vec<Block>,
     /// Released windows kept mapped for reuse (when the manager parks released windows).
     pub(crate) parked: Option<Arc<ParkedWindows>>,
+    /// The driver range this reservation is a slot of, when it was carved out of a larger
+    /// one (`VirtualMemory::reserve_strided`): the range is freed when its last slot is gone,
+    /// not by this reservation.
+    pub(crate) shared_range: Option<Arc<SharedRange>>,
 }
 
 impl ReservedRange {
@@ -55,6 +60,7 @@ impl ReservedRange {
             size,
             blocks: Vec::new(),
             parked,
+            shared_range: None,
         }
     }
 

@@ -14,6 +14,7 @@ use crate::mapping::{Commit, MappedBlock};
 use crate::range::ReservedRange;
 use crate::shared::SharedHandles;
 use crate::state::DeviceState;
+use crate::strided::SharedRange;
 
 /// A reserved device address range whose base never changes, committed granule by granule.
 ///
@@ -40,6 +41,24 @@ impl Reservation {
         Reservation {
             range: ReservedRange::new(state, base, size),
         }
+    }
+
+    /// A reservation of `[base, base + size)` inside the shared driver range `shared`.
+    pub(crate) fn new_in_range(
+        state: Arc<DeviceState>,
+        base: DeviceAddress,
+        size: u64,
+        shared: Arc<SharedRange>,
+    ) -> Self {
+        let mut r = Reservation::new(state, base, size);
+        r.range.shared_range = Some(shared);
+        r
+    }
+
+    /// Whether this reservation is a slot of a range shared with other reservations
+    /// ([`VirtualMemory::reserve_strided`](crate::VirtualMemory::reserve_strided)).
+    pub fn is_strided_slot(&self) -> bool {
+        self.range.shared_range.is_some()
     }
 
     /// The base address; it never changes while the reservation lives.

@@ -4,7 +4,8 @@
 //! synchronized first; if that fails, the memory cannot be proven idle and **nothing** is
 //! unmapped, released or freed: the blocks and the range go to quarantine. Otherwise the blocks
 //! are unmapped (as in release) and the range is freed; an unmap that fails quarantines the
-//! remaining blocks and the range, a free that fails quarantines the range.
+//! remaining blocks and the range, a free that fails quarantines the range. A slot of a
+//! strided range does not free it: the range goes with its last slot (`strided.rs`).
 
 use std::sync::Arc;
 
@@ -43,6 +44,16 @@ impl ReservedRange {
     }
 }
 
+impl ReservedRange {
+    /// Keeps a shared driver range reserved forever: called when this reservation's memory
+    /// is quarantined (still mapped), so that neither it nor its sibling slots free the range.
+    fn pin_shared_range(&mut self) {
+        if let Some(range) = self.shared_range.take() {
+            std::mem::forget(range);
+        }
+    }
+}
+
 impl Drop for ReservedRange {
     fn drop(&mut self) {
         let st = Arc::clone(&self.state);
@@ -69,14 +80,21 @@ impl Drop for ReservedRange {
                      and address range (nothing unmapped, released or freed)"
                 );
                 self.quarantine_blocks(QuarantineReason::TeardownSyncFailed, error);
+                self.pin_shared_range();
                 return;
             }
             if let (_, Some(error)) = self.unmap_from(&st, 0) {
                 if !self.blocks.is_empty() {
                     self.quarantine_blocks(QuarantineReason::UnmapFailed, error);
+                    self.pin_shared_range();
                     return;
                 }
             }
+        }
+        if let Some(range) = self.shared_range.take() {
+            // A slot: the shared range is freed with its last slot.
+            drop(range);
+            return;
         }
         if let Err(error) = ctx.backend.free(self.base, self.size) {
             tracing::warn!(base = %self.base, size = self.size, %error, "address free failed; range quarantined");

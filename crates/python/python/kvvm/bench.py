@@ -1,0 +1,449 @@
+"""End-to-end benchmark: a Llama-architecture model generating on kvvm memory.
+
+``python -m kvvm.bench generate`` builds a model from a config with random weights (no
+download; the Llama-3.1-8B shape in bf16 with SDPA by default) and runs, side by side in one
+process, greedy decoding with ``DynamicCache``, ``StaticCache`` and :class:`KvvmCache`
+(seq-major and token-major) at several batch x prompt points, then the shared-prompt case.
+For every point it reports:
+
+* correctness: KvvmCache is teacher-forced on DynamicCache's tokens and its per-step logits
+  are compared (max |diff|, argmax agreement wherever the top two logits are further apart
+  than the bf16 tolerance);
+* decode step p50 (CUDA events, after warm-up steps) and tokens/s, and the GPU time per step
+  of the kernels that update the cache or run attention (torch profiler, by kernel name);
+* memory: KV bytes held at the end of decoding (tensor bytes for DynamicCache, preallocated
+  bytes for StaticCache, committed bytes for kvvm), the live KV bytes, and PyTorch's peak
+  allocated/reserved memory during decoding (after prefill).
+
+The shared-prompt case prefills a system prompt once into shared memory, attaches it
+read-only to N requests and prefills only their suffixes, against DynamicCache prefilling
+every full prompt: time to first token of the batch and KV bytes.
+
+``--tiny --device cpu --backend host`` runs the same code on a small model on the CPU (what
+the test suite does); the figures that matter come from a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+import kvvm
+from kvvm.transformers import KvvmCache, KvvmPrefix
+
+KV_KERNEL_WORDS = ("flash", "fmha", "attention", "sdpa", "cat", "copy", "index", "repeat")
+
+
+@dataclass
+class RunResult:
+    """One cache at one point."""
+
+    cache: str
+    batch: int
+    prompt: int
+    new_tokens: int
+    prefill_ms: float
+    step_p50_ms: float
+    tokens_per_s: float
+    kv_gpu_us_per_step: float | None
+    kv_bytes_held: int
+    kv_bytes_live: int
+    peak_allocated_decode: int
+    peak_reserved_decode: int
+    max_abs_logit_diff: float | None = None
+    argmax_checked: int | None = None
+    argmax_disagree: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timer(dev: torch.device) -> Any:
+    if dev.type == "cuda":
+        return torch.cuda.Event(enable_timing=True)
+    return None
+
+
+def _build_model(args: argparse.Namespace) -> tuple[Any, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if args.tiny:
+        cfg = LlamaConfig(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=2048,
+            max_position_embeddings=16384,
+        )
+    else:
+        cfg = LlamaConfig(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=16384,
+            rope_theta=500000.0,
+        )
+    cfg._attn_implementation = "sdpa"
+    dtype = getattr(torch, args.dtype)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    return model, cfg
+
+
+def _kv_live_bytes(cfg: Any, batch: int, tokens: int, elem: int) -> int:
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return batch * tokens * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * elem
+
+
+def _make_cache(kind: str, cfg: Any, args: argparse.Namespace, batch: int, total: int) -> Any:
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=cfg)
+    if kind == "static":
+        return StaticCache(config=cfg, max_cache_len=total + 1024)
+    layout = kind.split(":", 1)[1]
+    return KvvmCache(
+        cfg,
+        batch,
+        total + 1024,
+        backend=args.backend,
+        layout=layout,
+        dtype=args.dtype,
+        precommit=True,
+        headroom_tokens=args.headroom,
+    )
+
+
+def _kv_held(kind: str, cache: Any) -> int:
+    if kind.startswith("kvvm"):
+        return int(cache.committed_bytes)
+    total = 0
+    for layer in cache.layers:
+        if layer.keys is not None:
+            total += layer.keys.numel() * layer.keys.element_size()
+            total += layer.values.numel() * layer.values.element_size()
+    return total
+
+
+def _kv_kernel_us(prof: Any, steps: int) -> float:
+    total = 0.0
+    for evt in prof.key_averages():
+        name = evt.key.lower()
+        if any(w in name for w in KV_KERNEL_WORDS):
+            total += float(getattr(evt, "self_device_time_total", 0.0))
+    return total / max(steps, 1)
+
+
+@torch.no_grad()
+def run_point(
+    model: Any,
+    cfg: Any,
+    args: argparse.Namespace,
+    kind: str,
+    ids: torch.Tensor,
+    reference: dict[str, Any] | None,
+) -> tuple[RunResult, dict[str, Any] | None]:
+    """Prefill `ids`, then `args.new` greedy steps. Dynamic records its tokens and logits as
+    the reference; kvvm is teacher-forced on them and compared."""
+    dev = torch.device(args.device)
+    batch, prompt = ids.shape
+    elem = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    _sync(dev)
+    cache = _make_cache(kind, cfg, args, batch, prompt + args.new)
+    pos = torch.arange(prompt, device=dev)
+    t0 = time.perf_counter()
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=pos, logits_to_keep=1)
+    _sync(dev)
+    prefill_ms = (time.perf_counter() - t0) * 1000
+    tok = out.logits[:, -1:].argmax(-1)
+    del out
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    record = reference is None and kind == "dynamic"
+    ref_tokens: list[torch.Tensor] = []
+    ref_logits: list[torch.Tensor] = []
+    steps: list[float] = []
+    max_diff = 0.0
+    checked = disagree = 0
+    for i in range(args.new):
+        if reference is not None:
+            tok = reference["tokens"][i]
+        if record:
+            ref_tokens.append(tok)
+        p = torch.tensor([prompt + i], device=dev)
+        e0, e1 = _timer(dev), _timer(dev)
+        w0 = time.perf_counter()
+        if e0 is not None:
+            e0.record()
+        out = model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=p)
+        logits = out.logits[:, -1]
+        nxt = logits.argmax(-1, keepdim=True)
+        if e1 is not None:
+            e1.record()
+            torch.cuda.synchronize(dev)
+            steps.append(e0.elapsed_time(e1))
+        else:
+            steps.append((time.perf_counter() - w0) * 1000)
+        if record:
+            ref_logits.append(logits.clone())
+        if reference is not None:
+            ref = reference["logits"][i].float()
+            got = logits.float()
+            max_diff = max(max_diff, (ref - got).abs().max().item())
+            tol = reference["tol"] * ref.abs().max().item()
+            top2 = ref.topk(2, dim=-1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
+            agree = ref.argmax(-1) == got.argmax(-1)
+            checked += int(clear.sum().item())
+            disagree += int((clear & ~agree).sum().item())
+        tok = nxt
+        del out
+    kv_us: float | None = None
+    if dev.type == "cuda" and args.profile:
+        # Kernel times of a few more steps, outside the timed ones (the profiler costs time).
+        prof_steps = 3
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for j in range(prof_steps):
+                p = torch.tensor([prompt + args.new + j], device=dev)
+                out = model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=p)
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                del out
+            torch.cuda.synchronize(dev)
+        kv_us = _kv_kernel_us(prof, prof_steps)
+        # Memory is reported at the end of the timed decode: count the extra tokens out.
+        if kind == "dynamic" or kind.startswith("kvvm"):
+            cache.crop(-prof_steps)
+    steady = sorted(steps[args.warmup :]) or sorted(steps)
+    p50 = statistics.median(steady)
+    peak_alloc = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+    peak_res = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else 0
+    held = _kv_held(kind, cache)
+    res = RunResult(
+        cache=kind,
+        batch=batch,
+        prompt=prompt,
+        new_tokens=args.new,
+        prefill_ms=round(prefill_ms, 2),
+        step_p50_ms=round(p50, 3),
+        tokens_per_s=round(batch * 1000 / p50, 1),
+        kv_gpu_us_per_step=None if kv_us is None else round(kv_us, 1),
+        kv_bytes_held=held,
+        kv_bytes_live=_kv_live_bytes(cfg, batch, prompt + args.new, elem),
+        peak_allocated_decode=peak_alloc,
+        peak_reserved_decode=peak_res,
+    )
+    if reference is not None:
+        res.max_abs_logit_diff = max_diff
+        res.argmax_checked = checked
+        res.argmax_disagree = disagree
+    if kind.startswith("kvvm"):
+        stats = cache.manager.precommit_stats()
+        if stats:
+            res.notes.append(
+                f"precommit ready {stats['ready']} inline {stats['inline_commits']} "
+                f"background {stats['background_commits']}"
+            )
+        cache.release()
+    del cache
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    new_ref = None
+    if record:
+        new_ref = {"tokens": ref_tokens, "logits": ref_logits, "tol": args.tol}
+    return res, new_ref
+
+
+@torch.no_grad()
+def run_shared_prompt(model: Any, cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """N requests sharing a system prompt with private suffixes: kvvm prefix sharing vs
+    DynamicCache prefilling every full prompt."""
+    from transformers import DynamicCache
+
+    dev = torch.device(args.device)
+    n, sys_len, suf = args.shared_requests, args.shared_prompt, args.shared_suffix
+    elem = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    system = torch.randint(0, cfg.vocab_size, (1, sys_len), device=dev)
+    suffix = torch.randint(0, cfg.vocab_size, (n, suf), device=dev)
+    full = torch.cat([system.expand(n, -1), suffix], dim=1)
+    out: dict[str, Any] = {"requests": n, "system_prompt": sys_len, "suffix": suf}
+    # DynamicCache: every request prefills its whole prompt.
+    _sync(dev)
+    t0 = time.perf_counter()
+    dc = DynamicCache(config=cfg)
+    o = model(input_ids=full, past_key_values=dc, use_cache=True, logits_to_keep=1)
+    first_dyn = o.logits[:, -1].argmax(-1)
+    _sync(dev)
+    out["dynamic_ttft_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+    out["dynamic_kv_bytes"] = _kv_held("dynamic", dc)
+    ref_logits = o.logits[:, -1].float()
+    del o, dc
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    for layout in args.shared_layouts:
+        mgr = kvvm.Manager(args.backend, precommit=True, headroom_tokens=args.headroom)
+        total = sys_len + suf + args.new + 1024
+        _sync(dev)
+        t0 = time.perf_counter()
+        prefix = KvvmPrefix.build(
+            model, system, manager=mgr, max_cache_len=total, layout=layout, dtype=args.dtype
+        )
+        _sync(dev)
+        t1 = time.perf_counter()
+        cache = KvvmCache.from_prefix(prefix, n, total)
+        pos = torch.arange(sys_len, sys_len + suf, device=dev)
+        o = model(input_ids=suffix, past_key_values=cache, use_cache=True, cache_position=pos, logits_to_keep=1)
+        first = o.logits[:, -1].argmax(-1)
+        _sync(dev)
+        t2 = time.perf_counter()
+        snap = mgr.snapshot()
+        got = o.logits[:, -1].float()
+        key = layout.replace("-", "_")
+        out[f"kvvm_{key}_prefix_prefill_ms"] = round((t1 - t0) * 1000, 2)
+        out[f"kvvm_{key}_attach_and_suffix_ms"] = round((t2 - t1) * 1000, 2)
+        out[f"kvvm_{key}_ttft_cold_ms"] = round((t2 - t0) * 1000, 2)
+        out[f"kvvm_{key}_kv_bytes"] = snap.committed + snap.shared
+        out[f"kvvm_{key}_shared_bytes"] = snap.shared
+        out[f"kvvm_{key}_max_abs_logit_diff"] = (got - ref_logits).abs().max().item()
+        out[f"kvvm_{key}_first_token_agree"] = int((first == first_dyn).sum().item())
+        out[f"kvvm_{key}_bytes_ratio"] = round((snap.committed + snap.shared) / out["dynamic_kv_bytes"], 4)
+        out[f"kvvm_{key}_ttft_speedup_warm"] = round(out["dynamic_ttft_ms"] / max((t2 - t1) * 1000, 1e-6), 2)
+        out[f"kvvm_{key}_ttft_speedup_cold"] = round(out["dynamic_ttft_ms"] / max((t2 - t0) * 1000, 1e-6), 2)
+        del o
+        cache.release()
+        prefix.cache.release()
+        del cache, prefix
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    out["live_kv_bytes_unshared"] = _kv_live_bytes(cfg, n, sys_len + suf, elem)
+    return out
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _markdown(results: list[RunResult], shared: dict[str, Any] | None, meta: dict[str, Any]) -> str:
+    lines = [
+        f"device: {meta['device_name']}, driver {meta.get('driver', '?')}, torch {meta['torch']}, "
+        f"transformers {meta['transformers']}, kvvm {meta['kvvm']}, {meta['date']}",
+        "",
+        "| cache | batch x prompt | prefill ms | step p50 ms | tokens/s | KV GPU us/step | KV held | "
+        "live KV | peak alloc (decode) | peak reserved | max abs logit diff | argmax (disagree/checked) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        agree = "" if r.argmax_checked is None else f"{r.argmax_disagree}/{r.argmax_checked}"
+        diff = "" if r.max_abs_logit_diff is None else f"{r.max_abs_logit_diff:.4g}"
+        kv = "" if r.kv_gpu_us_per_step is None else f"{r.kv_gpu_us_per_step:.0f}"
+        lines.append(
+            f"| {r.cache} | {r.batch} x {r.prompt} | {r.prefill_ms:.0f} | {r.step_p50_ms:.2f} | "
+            f"{r.tokens_per_s:.1f} | {kv} | {_fmt_bytes(r.kv_bytes_held)} | {_fmt_bytes(r.kv_bytes_live)} | "
+            f"{_fmt_bytes(r.peak_allocated_decode)} | {_fmt_bytes(r.peak_reserved_decode)} | {diff} | {agree} |"
+        )
+    if shared:
+        lines += ["", "shared prompt: " + json.dumps(shared)]
+    return "\n".join(lines)
+
+
+def _parse_points(text: str) -> list[tuple[int, int]]:
+    pts = []
+    for part in text.split(","):
+        b, s = part.lower().split("x")
+        pts.append((int(b), int(s)))
+    return pts
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m kvvm.bench``."""
+    ap = argparse.ArgumentParser(prog="python -m kvvm.bench", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="DynamicCache vs StaticCache vs KvvmCache on a Llama model")
+    g.add_argument("--points", default="1x4096,16x2048,16x4096,64x2048", help="batch x prompt list")
+    g.add_argument("--new", type=int, default=48, help="new tokens per point (>= 48 for the report)")
+    g.add_argument("--warmup", type=int, default=4, help="decode steps left out of the p50")
+    g.add_argument("--caches", default="dynamic,static,kvvm:seq-major,kvvm:token-major")
+    g.add_argument("--device", default="cuda")
+    g.add_argument("--backend", default="auto", help="kvvm backend (cuda on a GPU, host on a CPU)")
+    g.add_argument("--dtype", default="bfloat16")
+    g.add_argument("--tiny", action="store_true", help="a small model (for tests on the CPU)")
+    g.add_argument("--tol", type=float, default=2.0**-7, help="relative logit tolerance (bf16)")
+    g.add_argument("--headroom", type=int, default=16, help="pre-commit headroom tokens")
+    g.add_argument("--no-profile", dest="profile", action="store_false")
+    g.add_argument("--shared-requests", type=int, default=16)
+    g.add_argument("--shared-prompt", type=int, default=4096)
+    g.add_argument("--shared-suffix", type=int, default=128)
+    g.add_argument("--shared-layouts", default="token-major,seq-major")
+    g.add_argument("--no-shared", dest="shared", action="store_false")
+    g.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    args.shared_layouts = [s for s in args.shared_layouts.split(",") if s]
+    if args.new <= args.warmup:
+        ap.error("--new must exceed --warmup")
+    if args.dtype not in ("bfloat16", "float16", "float32"):
+        ap.error("--dtype must be bfloat16, float16 or float32")
+    torch.manual_seed(0)
+    import transformers
+
+    dev = torch.device(args.device)
+    meta: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "kvvm": kvvm.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    }
+    if dev.type == "cuda":
+        meta["driver"] = kvvm.Backend(args.backend).devices()[0].get("driver_version", "?")
+    t0 = time.perf_counter()
+    model, cfg = _build_model(args)
+    print(f"model built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    kinds = [k for k in args.caches.split(",") if k]
+    results: list[RunResult] = []
+    for batch, prompt in _parse_points(args.points):
+        ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=dev)
+        reference = None
+        if "dynamic" in kinds:
+            res, reference = run_point(model, cfg, args, "dynamic", ids, None)
+            results.append(res)
+            print(json.dumps(asdict(res)), file=sys.stderr, flush=True)
+        for kind in kinds:
+            if kind == "dynamic":
+                continue
+            ref = reference if kind.startswith("kvvm") else None
+            try:
+                res, _ = run_point(model, cfg, args, kind, ids, ref)
+            except torch.OutOfMemoryError as e:
+                print(f"{kind} {batch}x{prompt}: out of memory: {e}", file=sys.stderr)
+                torch.cuda.empty_cache()
+                continue
+            results.append(res)
+            print(json.dumps(asdict(res)), file=sys.stderr, flush=True)
+        del reference
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    shared = run_shared_prompt(model, cfg, args) if args.shared else None
+    print(_markdown(results, shared, meta))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": [asdict(r) for r in results], "shared": shared}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,221 @@
+//! `kvvm.SequenceBatch`: sequences in the slots of one strided reservation, so that one layer's
+//! K (or V) of a run of slots is one strided tensor `[batch, kv_heads, tokens, head_dim]`,
+//! while each sequence still grows, shares and releases on its own.
+
+use std::sync::Arc;
+
+use kvvm_kv::SequenceKv;
+use pyo3::prelude::*;
+
+use crate::cell::SeqCell;
+use crate::errors;
+use crate::geometry::PyPlan;
+use crate::manager::Manager;
+use crate::sequence::{max_tokens_arg, Sequence};
+use crate::view::TensorView;
+use crate::views::{busy_error, kind_arg, make_view, ViewRequest};
+
+/// A batch of sequences at a constant address stride (one slot each).
+#[pyclass(frozen, module = "kvvm._native")]
+pub struct SequenceBatch {
+    cells: Vec<Arc<SeqCell>>,
+    stride: u64,
+}
+
+impl SequenceBatch {
+    fn slots(
+        &self,
+        py: Python<'_>,
+        first: usize,
+        count: Option<usize>,
+    ) -> PyResult<&[Arc<SeqCell>]> {
+        let n = self.cells.len();
+        let count = count.unwrap_or(n.saturating_sub(first));
+        let end = first.checked_add(count).filter(|&e| e <= n && count > 0);
+        match end {
+            Some(end) => Ok(&self.cells[first..end]),
+            None => Err(errors::invalid(
+                py,
+                format!(
+                    "slots {first}..{first}+{count} are not a non-empty range of the batch's {n}"
+                ),
+            )),
+        }
+    }
+}
+
+#[pymethods]
+impl SequenceBatch {
+    /// Reserves `slots` sequences of at most `max_tokens` tokens (default: the geometry's)
+    /// under `plan` in one address range, at a stride of ``plan.reservation_bytes``.
+    #[new]
+    #[pyo3(signature = (manager, plan, slots, max_tokens = None, precommit = false))]
+    fn new(
+        py: Python<'_>,
+        manager: &Manager,
+        plan: &PyPlan,
+        slots: u64,
+        max_tokens: Option<u64>,
+        precommit: bool,
+    ) -> PyResult<Self> {
+        let max_tokens = max_tokens_arg(py, plan, max_tokens)?;
+        if slots == 0 {
+            return Err(errors::invalid(py, "a batch needs at least one slot"));
+        }
+        let state = Arc::clone(&manager.state);
+        let limits = state.limits;
+        let p = plan.plan;
+        let vm = state.vm.clone();
+        let seqs = py
+            .detach(move || -> Result<Vec<SequenceKv>, kvvm_kv::KvCacheError> {
+                vm.reserve_strided(slots, p.reservation_bytes())?
+                    .into_iter()
+                    .map(|r| SequenceKv::in_reservation(&vm, &p, max_tokens, r))
+                    .collect()
+            })
+            .map_err(|e| errors::kv(py, &e, limits))?;
+        let stride = match (seqs.first(), seqs.get(1)) {
+            (Some(a), Some(b)) => b.address().0.saturating_sub(a.address().0),
+            _ => p.reservation_bytes(),
+        };
+        let cells = seqs
+            .into_iter()
+            .map(|s| Arc::new(SeqCell::new(Arc::clone(&state), s, plan.dtype, precommit)))
+            .collect();
+        Ok(SequenceBatch { cells, stride })
+    }
+
+    fn __len__(&self) -> usize {
+        self.cells.len()
+    }
+
+    /// The sequence in slot `index`.
+    fn __getitem__(&self, py: Python<'_>, index: isize) -> PyResult<Sequence> {
+        let n = self.cells.len() as isize;
+        let i = if index < 0 { index + n } else { index };
+        if i < 0 || i >= n {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
+                "slot {index} out of range for a batch of {n}"
+            )));
+        }
+        let _ = py;
+        Ok(Sequence {
+            cell: Arc::clone(&self.cells[i as usize]),
+        })
+    }
+
+    /// Bytes between consecutive slots.
+    #[getter]
+    fn slot_stride(&self) -> u64 {
+        self.stride
+    }
+
+    /// Bytes mapped in all slots (shared windows counted in every slot that maps them).
+    #[getter]
+    fn committed_bytes(&self) -> u64 {
+        self.cells
+            .iter()
+            .map(|c| c.with(|s| s.committed_bytes()))
+            .sum()
+    }
+
+    /// Physical bytes the slots hold on their own (shared prefixes excluded).
+    #[getter]
+    fn owned_bytes(&self) -> u64 {
+        self.cells
+            .iter()
+            .map(|c| c.with(|s| s.additional_owned_bytes()))
+            .sum()
+    }
+
+    /// Makes the first `tokens` tokens of slots `first..first+count` (default: all)
+    /// committed, slot by slot; returns the bytes committed by this call. On an error the
+    /// slots done so far keep their commits (each slot's commit is its own transaction).
+    #[pyo3(signature = (tokens, first = 0, count = None))]
+    fn ensure(
+        &self,
+        py: Python<'_>,
+        tokens: u64,
+        first: usize,
+        count: Option<usize>,
+    ) -> PyResult<u64> {
+        let cells: Vec<Arc<SeqCell>> = self.slots(py, first, count)?.to_vec();
+        let limits = self.cells[0].manager.limits;
+        py.detach(move || {
+            let mut bytes = 0u64;
+            for c in &cells {
+                bytes = bytes.saturating_add(c.ensure(tokens)?);
+            }
+            Ok(bytes)
+        })
+        .map_err(|e: kvvm_kv::KvCacheError| errors::kv(py, &e, limits))
+    }
+
+    /// Releases every slot (see :meth:`Sequence.release`); returns the bytes unmapped.
+    /// Refused, with nothing released, while a view of any slot is alive.
+    fn release(&self, py: Python<'_>) -> PyResult<u64> {
+        if let Some(c) = self.cells.iter().find(|c| c.views() > 0) {
+            return Err(busy_error(
+                py,
+                crate::cell::Busy::Viewed(c.views()),
+                "release the batch",
+            ));
+        }
+        let cells = self.cells.clone();
+        let limits = self.cells[0].manager.limits;
+        let out = py.detach(move || {
+            let mut bytes = 0u64;
+            for c in &cells {
+                match c.unmapping(|s| s.release()) {
+                    Ok(Ok(b)) => bytes = bytes.saturating_add(b),
+                    Ok(Err(e)) => return Err(Ok(e)),
+                    Err(busy) => return Err(Err(busy)),
+                }
+            }
+            Ok(bytes)
+        });
+        match out {
+            Ok(b) => Ok(b),
+            Err(Ok(e)) => Err(errors::kv(py, &e, limits)),
+            Err(Err(busy)) => Err(busy_error(py, busy, "release the batch")),
+        }
+    }
+
+    /// One strided view of layer `layer`'s K or V over slots `first..first+count` (default:
+    /// all), tokens `start..end` (default: the fewest committed of those slots): shape
+    /// ``[batch, kv_heads, tokens, head_dim]``. See :meth:`Sequence.view` for
+    /// `allow_uncommitted`.
+    #[pyo3(signature = (layer, kind = "key", start = 0, end = None, first = 0, count = None,
+        allow_uncommitted = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn view(
+        &self,
+        py: Python<'_>,
+        layer: u32,
+        kind: &str,
+        start: u64,
+        end: Option<u64>,
+        first: usize,
+        count: Option<usize>,
+        allow_uncommitted: bool,
+    ) -> PyResult<TensorView> {
+        let cells = self.slots(py, first, count)?;
+        let req = ViewRequest {
+            layer,
+            kind: kind_arg(py, kind)?,
+            start,
+            end,
+            allow_uncommitted,
+        };
+        make_view(py, cells, self.stride, true, &req)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SequenceBatch(slots={}, slot_stride={}, layout={:?})",
+            self.cells.len(),
+            self.stride,
+            self.cells[0].plan.layout().as_str()
+        )
+    }
+}

@@ -1,0 +1,181 @@
+//! [`SeqCell`]: one sequence's KV cache as the Python objects share it, plain or handed to the
+//! background pre-committer, with the count of live views that keeps its memory mapped.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kvvm_kv::precommit::{Ensured, PrecommittedSequence};
+use kvvm_kv::{KvCacheError, KvDtype, KvKind, LayoutPlan, SequenceKv};
+
+use crate::manager::ManagerState;
+
+/// Set in [`SeqCell::views`] while a release or shrink is unmapping: no view may start.
+const UNMAPPING: u64 = 1 << 63;
+
+enum Kind {
+    Plain(Box<Mutex<SequenceKv>>),
+    Pre(PrecommittedSequence),
+}
+
+/// Why a view or an unmap cannot start now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Busy {
+    /// This many views are alive.
+    Viewed(u64),
+    /// The sequence is being unmapped by another thread.
+    Unmapping,
+}
+
+/// One sequence, shared by its Python object, its batch and its views.
+pub(crate) struct SeqCell {
+    kind: Kind,
+    pub(crate) manager: Arc<ManagerState>,
+    pub(crate) plan: LayoutPlan,
+    pub(crate) dtype: KvDtype,
+    /// Base address of the reservation (it never changes).
+    pub(crate) base: u64,
+    pub(crate) max_tokens: u64,
+    views: AtomicU64,
+    /// The most tokens the user asked for since the last release (0: the sequence is unused,
+    /// whatever the pre-committer mapped ahead).
+    asked: AtomicU64,
+}
+
+impl SeqCell {
+    /// Wraps `seq`; hands it to the manager's pre-committer when `precommit` and one runs.
+    pub(crate) fn new(
+        manager: Arc<ManagerState>,
+        seq: SequenceKv,
+        dtype: KvDtype,
+        precommit: bool,
+    ) -> SeqCell {
+        let plan = *seq.plan();
+        let base = seq.address().0;
+        let max_tokens = seq.max_tokens();
+        let kind = match (&manager.precommit, precommit) {
+            (Some(p), true) => Kind::Pre(p.attach(seq)),
+            _ => Kind::Plain(Box::new(Mutex::new(seq))),
+        };
+        SeqCell {
+            kind,
+            manager,
+            plan,
+            dtype,
+            base,
+            max_tokens,
+            views: AtomicU64::new(0),
+            asked: AtomicU64::new(0),
+        }
+    }
+
+    /// Whether the pre-committer grows this sequence ahead of need.
+    pub(crate) fn is_precommitted(&self) -> bool {
+        matches!(self.kind, Kind::Pre(_))
+    }
+
+    /// Runs `f` on the sequence under its lock.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R) -> R {
+        match &self.kind {
+            Kind::Plain(m) => f(&mut m.lock().unwrap_or_else(|e| e.into_inner())),
+            Kind::Pre(p) => p.with_sequence(f),
+        }
+    }
+
+    /// Makes the first `n` tokens committed; returns the bytes committed by this call (0 when
+    /// they were ready: for a pre-committed sequence, with no lock and no driver call).
+    pub(crate) fn ensure(&self, n: u64) -> Result<u64, KvCacheError> {
+        self.asked.fetch_max(n, Ordering::AcqRel);
+        match &self.kind {
+            Kind::Plain(m) => m.lock().unwrap_or_else(|e| e.into_inner()).ensure_tokens(n),
+            Kind::Pre(p) => p.ensure_tokens(n).map(|e| match e {
+                Ensured::Ready => 0,
+                Ensured::Inline(b) => b,
+            }),
+        }
+    }
+
+    /// Tokens committed now.
+    pub(crate) fn committed_tokens(&self) -> u64 {
+        match &self.kind {
+            Kind::Plain(_) => self.with(|s| s.committed_tokens()),
+            Kind::Pre(p) => p.committed_tokens(),
+        }
+    }
+
+    /// Runs an admission `f` (attach a prefix, own one, admit from a prefix cache) on a
+    /// sequence that must be empty. A pre-committed sequence the user never used may hold
+    /// windows the worker committed ahead: they are released first, under the same lock, so
+    /// that the worker cannot commit in between. Afterwards what `f` mapped counts as in use.
+    pub(crate) fn admission<R>(
+        &self,
+        f: impl FnOnce(&mut SequenceKv) -> Result<R, KvCacheError>,
+    ) -> Result<R, KvCacheError> {
+        let unused = self.is_precommitted() && self.asked.load(Ordering::Acquire) == 0;
+        let out = self.with(|s| {
+            if unused && !s.is_empty() && s.written_tokens() == 0 && s.prefix_tokens() == 0 {
+                s.release()?;
+            }
+            f(s)
+        })?;
+        let committed = self.committed_tokens();
+        self.ensure(committed)?;
+        Ok(out)
+    }
+
+    /// Counts a new view, unless an unmap is running.
+    pub(crate) fn try_view(&self) -> Result<(), Busy> {
+        self.views
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                (v & UNMAPPING == 0).then_some(v.saturating_add(1))
+            })
+            .map(|_| ())
+            .map_err(|_| Busy::Unmapping)
+    }
+
+    /// Counts a view gone.
+    pub(crate) fn unview(&self) {
+        let _ = self
+            .views
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| {
+                Some((v & UNMAPPING) | (v & !UNMAPPING).saturating_sub(1))
+            });
+    }
+
+    /// Live views.
+    pub(crate) fn views(&self) -> u64 {
+        self.views.load(Ordering::Acquire) & !UNMAPPING
+    }
+
+    /// Runs `f` (which unmaps) only while no view is alive, and blocks new views meanwhile.
+    /// The device is synchronized first: kernels launched on the memory must be done.
+    pub(crate) fn unmapping<R>(
+        &self,
+        f: impl FnOnce(&mut SequenceKv) -> Result<R, KvCacheError>,
+    ) -> Result<Result<R, KvCacheError>, Busy> {
+        match self
+            .views
+            .compare_exchange(0, UNMAPPING, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => {}
+            Err(v) if v & UNMAPPING != 0 => return Err(Busy::Unmapping),
+            Err(v) => return Err(Busy::Viewed(v)),
+        }
+        let out = match self.manager.synchronize() {
+            Ok(()) => self.with(|s| {
+                let r = f(s);
+                if s.is_empty() {
+                    self.asked.store(0, Ordering::Release);
+                }
+                r
+            }),
+            Err(e) => Err(KvCacheError::Backend(e)),
+        };
+        self.views.fetch_and(!UNMAPPING, Ordering::AcqRel);
+        Ok(out)
+    }
+
+    /// Byte offset of `(layer, kv, head 0, token)` in the sequence.
+    pub(crate) fn offset(&self, layer: u32, kv: KvKind, token: u64) -> Result<u64, KvCacheError> {
+        Ok(self.plan.offset(layer, kv, 0, token)?)
+    }
+}

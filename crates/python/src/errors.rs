@@ -1,0 +1,179 @@
+//! Rust errors as the Python exceptions of `kvvm.errors`.
+//!
+//! The exception classes are written in Python (`kvvm/errors.py`, with their attributes and
+//! docs); this module picks the class that says what the caller can do and fills its
+//! attributes. Nothing here panics: if the module cannot be imported, a `RuntimeError` with the
+//! same message is raised instead.
+
+use kvvm::OpenError;
+use kvvm_governor::Backpressure;
+use kvvm_hal::{BackendError, ErrorKind};
+use kvvm_kv::{KvCacheError, KvError};
+use kvvm_vmm::VmmError;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// The limits against which a refused request is judged retryable or never-fitting.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Limits {
+    /// The governor's budget for the device, if any.
+    pub(crate) budget: Option<u64>,
+    /// The device's total memory.
+    pub(crate) device_bytes: Option<u64>,
+}
+
+/// An attribute value of an exception.
+pub(crate) enum Attr {
+    Int(u64),
+    Float(f64),
+    Str(String),
+}
+
+/// Builds `kvvm.errors.<class>(message, **attrs)` as a Python exception.
+pub(crate) fn raise(py: Python<'_>, class: &str, message: String, attrs: &[(&str, Attr)]) -> PyErr {
+    let build = || -> PyResult<PyErr> {
+        let module = py.import("kvvm.errors")?;
+        let cls = module.getattr(class)?;
+        let kwargs = PyDict::new(py);
+        for (k, v) in attrs {
+            match v {
+                Attr::Int(i) => kwargs.set_item(*k, *i)?,
+                Attr::Float(f) => kwargs.set_item(*k, *f)?,
+                Attr::Str(s) => kwargs.set_item(*k, s.as_str())?,
+            }
+        }
+        let value = cls.call((message.clone(),), Some(&kwargs))?;
+        Ok(PyErr::from_value(value))
+    };
+    match build() {
+        Ok(e) => e,
+        Err(_) => PyRuntimeError::new_err(message),
+    }
+}
+
+/// `kvvm.errors.InvalidArgumentError(message)`.
+pub(crate) fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
+    raise(py, "InvalidArgumentError", message.into(), &[])
+}
+
+/// A refusal by the governor: never-fits when no freeing can help, backpressure otherwise.
+pub(crate) fn backpressure(py: Python<'_>, b: &Backpressure, limits: Limits) -> PyErr {
+    let never = match (limits.budget, limits.device_bytes) {
+        (Some(budget), _) if b.needed > budget => Some((budget, "budget")),
+        (_, Some(dev)) if b.needed > dev => Some((dev, "device")),
+        _ => None,
+    };
+    if let Some((limit_bytes, limit)) = never {
+        return raise(
+            py,
+            "NeverFitsError",
+            format!(
+                "the request needs {} bytes, more than the {limit} of {limit_bytes} bytes: it can never fit",
+                b.needed
+            ),
+            &[
+                ("needed_bytes", Attr::Int(b.needed)),
+                ("limit_bytes", Attr::Int(limit_bytes)),
+                ("limit", Attr::Str(limit.to_owned())),
+            ],
+        );
+    }
+    raise(
+        py,
+        "BackpressureError",
+        b.to_string(),
+        &[
+            ("retry_after", Attr::Float(b.retry_after.as_secs_f64())),
+            ("needed_bytes", Attr::Int(b.needed)),
+            ("available_bytes", Attr::Int(b.available)),
+            ("device", Attr::Int(u64::from(b.device.0))),
+        ],
+    )
+}
+
+/// A driver error by its kind.
+pub(crate) fn backend(py: Python<'_>, e: &BackendError) -> PyErr {
+    let class = match e.kind {
+        ErrorKind::Unavailable => "UnavailableError",
+        ErrorKind::OutOfMemory => "OutOfMemoryError",
+        _ => "DriverError",
+    };
+    if class == "UnavailableError" {
+        return raise(py, class, e.to_string(), &[]);
+    }
+    raise(
+        py,
+        class,
+        e.to_string(),
+        &[
+            ("op", Attr::Str(e.op.as_str().to_owned())),
+            ("kind", Attr::Str(e.kind.as_str().to_owned())),
+            ("code", Attr::Int(e.code.unsigned_abs())),
+            ("code_name", Attr::Str(e.code_name.clone())),
+        ],
+    )
+}
+
+/// A manager error.
+pub(crate) fn vmm(py: Python<'_>, e: &VmmError, limits: Limits) -> PyErr {
+    match e {
+        VmmError::Backpressure(b) => backpressure(py, b, limits),
+        VmmError::Backend(b) => backend(py, b),
+        VmmError::OutOfBounds { .. }
+        | VmmError::SizeOverflow { .. }
+        | VmmError::ZeroSize
+        | VmmError::GrantMismatch { .. }
+        | VmmError::AlreadyMapped { .. } => invalid(py, e.to_string()),
+        VmmError::BadGranularity { .. } | VmmError::Accounting(_) => {
+            raise(py, "KvvmError", e.to_string(), &[])
+        }
+    }
+}
+
+/// A layout error (bad geometry, overflow, unknown names).
+pub(crate) fn layout(py: Python<'_>, e: &KvError) -> PyErr {
+    invalid(py, e.to_string())
+}
+
+/// A KV-layer error.
+pub(crate) fn kv(py: Python<'_>, e: &KvCacheError, limits: Limits) -> PyErr {
+    match e {
+        KvCacheError::Backpressure(b) => backpressure(py, b, limits),
+        KvCacheError::Vmm(v) => vmm(py, v, limits),
+        KvCacheError::Backend(b) => backend(py, b),
+        KvCacheError::Layout(l) => layout(py, l),
+        KvCacheError::NotShareable { .. } => raise(py, "NotShareableError", e.to_string(), &[]),
+        KvCacheError::WriteIntoSharedPrefix { .. } => {
+            raise(py, "WriteIntoSharedPrefixError", e.to_string(), &[])
+        }
+        KvCacheError::NotCommitted { .. } => raise(py, "NotCommittedError", e.to_string(), &[]),
+        KvCacheError::TooManyTokens { tokens, max_tokens } => raise(
+            py,
+            "TooManyTokensError",
+            e.to_string(),
+            &[
+                ("tokens", Attr::Int(*tokens)),
+                ("max_tokens", Attr::Int(*max_tokens)),
+            ],
+        ),
+        KvCacheError::BadLength { .. } | KvCacheError::PlanMismatch { .. } => {
+            invalid(py, e.to_string())
+        }
+        KvCacheError::PrefixNotWritten { .. } => {
+            raise(py, "PrefixNotWrittenError", e.to_string(), &[])
+        }
+        _ => raise(py, "KvvmError", e.to_string(), &[]),
+    }
+}
+
+/// A backend that could not be opened.
+pub(crate) fn open(py: Python<'_>, e: &OpenError) -> PyErr {
+    match e {
+        OpenError::UnknownBackend(_) => invalid(py, e.to_string()),
+        OpenError::Backend { source, .. } if source.kind == ErrorKind::Unavailable => {
+            raise(py, "UnavailableError", e.to_string(), &[])
+        }
+        OpenError::Backend { source, .. } => backend(py, source),
+    }
+}

@@ -1,0 +1,54 @@
+//! # kvvm-python: the native half of the `kvvm` Python package
+//!
+//! PyO3 bindings over the kvvm stack (facade, manager, governor, KV layer), built by maturin
+//! as the extension module `kvvm._native` (abi3: one wheel for every CPython >= 3.11). The
+//! pure-Python half (`python/kvvm`) re-exports these classes, defines the exceptions
+//! (`kvvm.errors`) and the Hugging Face transformers cache (`kvvm.transformers`).
+//!
+//! | class | what it wraps |
+//! |---|---|
+//! | `Backend` | `kvvm::open_backend` (`auto`, `cuda`, `hip`, `host`, `sim`) |
+//! | `Manager` | `VirtualMemory` + `Governor` (+ an optional `Precommitter`) |
+//! | `KvGeometry`, `LayoutPlan` | the KV geometry and its layout for a granule |
+//! | `Sequence` | `SequenceKv` (plain or pre-committed) |
+//! | `SequenceBatch` | sequences in the slots of one strided reservation |
+//! | `SharedPrefix`, `PrefixCache` | `SharedDevicePrefix`, `PrefixCache` |
+//! | `TensorView` | a DLPack export of one layer's K or V (zero-copy) |
+//!
+//! Every call that may reach the driver releases the GIL. Errors become the exceptions of
+//! `kvvm.errors` (backpressure with `retry_after`, never-fits, unavailable, invalid argument,
+//! driver error with op and code, ...); nothing panics on bad input.
+//!
+//! Lifetimes: a `TensorView`, and every tensor exported from it, keeps the sequences it covers
+//! alive and counts as a view of each; `release` and `shrink` are refused with
+//! `ViewsAliveError` while a view lives, so no tensor ever points at unmapped memory.
+
+mod batch;
+mod cell;
+mod errors;
+mod geometry;
+mod manager;
+mod prefix;
+mod sequence;
+mod view;
+mod views;
+
+use pyo3::prelude::*;
+
+/// The native module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<manager::Backend>()?;
+    m.add_class::<manager::Manager>()?;
+    m.add_class::<manager::MemorySnapshot>()?;
+    m.add_class::<geometry::PyGeometry>()?;
+    m.add_class::<geometry::PyPlan>()?;
+    m.add_class::<sequence::Sequence>()?;
+    m.add_class::<batch::SequenceBatch>()?;
+    m.add_class::<prefix::SharedPrefix>()?;
+    m.add_class::<prefix::PrefixCache>()?;
+    m.add_class::<view::TensorView>()?;
+    m.add("BACKEND_NAMES", kvvm::BACKEND_NAMES.to_vec())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

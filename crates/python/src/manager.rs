@@ -1,0 +1,418 @@
+//! `kvvm.Backend` and `kvvm.Manager`: a driver opened by name, and the memory manager of one
+//! of its devices (byte budget, handle pool, optional background pre-committer).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlpark::ffi::{DLDevice, DLDeviceType};
+use kvvm_governor::{Governor, GovernorConfig};
+use kvvm_hal::{DeviceId, VirtualMemoryBackend};
+use kvvm_kv::precommit::{PrecommitConfig, Precommitter};
+use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{self, Limits};
+
+/// A driver backend opened by name (`"auto"`, `"cuda"`, `"hip"`, `"host"`, `"sim"`).
+#[pyclass(frozen, module = "kvvm._native")]
+pub struct Backend {
+    pub(crate) backend: Arc<dyn VirtualMemoryBackend>,
+    notice: Option<String>,
+}
+
+#[pymethods]
+impl Backend {
+    /// Opens the backend `name`. `"auto"` picks CUDA, then HIP, then the simulator, and says
+    /// why in :attr:`notice` when it falls back.
+    #[new]
+    #[pyo3(signature = (name = "auto"))]
+    fn new(py: Python<'_>, name: &str) -> PyResult<Self> {
+        let name = name.to_owned();
+        let opened = py
+            .detach(move || kvvm::open_backend_verbose(&name))
+            .map_err(|e| errors::open(py, &e))?;
+        Ok(Backend {
+            backend: opened.backend,
+            notice: opened.notice,
+        })
+    }
+
+    /// The backend's name (`"cuda"`, `"hip"`, `"host"`, `"sim"`).
+    #[getter]
+    fn name(&self) -> String {
+        self.backend.name().to_owned()
+    }
+
+    /// Why `auto` did not choose a better backend, or None.
+    #[getter]
+    fn notice(&self) -> Option<String> {
+        self.notice.clone()
+    }
+
+    /// Whether the memory is addressable by tensors (DLPack views): true for CUDA, HIP and
+    /// the host backend, false for the simulator.
+    #[getter]
+    fn addressable(&self) -> bool {
+        dl_device(self.backend.name(), 0).is_some()
+    }
+
+    /// The devices: a list of dicts with ``ordinal``, ``name``, ``total_memory``,
+    /// ``free_memory``, ``granularity`` (minimum) and ``recommended_granularity``.
+    fn devices<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let b = Arc::clone(&self.backend);
+        let infos = py
+            .detach(move || -> Result<_, kvvm_hal::BackendError> {
+                let mut out = Vec::new();
+                for d in b.devices()? {
+                    let mem = b.memory_info(d.id)?;
+                    let props = kvvm_hal::AllocationProperties::device(d.id);
+                    let gran = b.granularity(&props)?;
+                    out.push((d, mem, gran));
+                }
+                Ok(out)
+            })
+            .map_err(|e| errors::backend(py, &e))?;
+        let mut list = Vec::new();
+        for (d, mem, gran) in infos {
+            let dict = PyDict::new(py);
+            dict.set_item("ordinal", d.id.0)?;
+            dict.set_item("name", d.name)?;
+            dict.set_item("driver_version", d.driver_version)?;
+            dict.set_item("total_memory", mem.total)?;
+            dict.set_item("free_memory", mem.free)?;
+            dict.set_item("granularity", gran.minimum)?;
+            dict.set_item("recommended_granularity", gran.recommended)?;
+            list.push(dict);
+        }
+        Ok(list)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Backend({:?})", self.backend.name())
+    }
+}
+
+/// The DLPack device of a backend's memory, or None when it is not addressable.
+pub(crate) fn dl_device(backend: &str, ordinal: u32) -> Option<DLDevice> {
+    let id = i32::try_from(ordinal).ok()?;
+    let device_type = match backend {
+        "cuda" => DLDeviceType::CUDA,
+        "hip" => DLDeviceType::ROCM,
+        "host" => DLDeviceType::CPU,
+        _ => return None,
+    };
+    Some(DLDevice {
+        device_type,
+        device_id: if backend == "host" { 0 } else { id },
+    })
+}
+
+/// What every object made from one manager shares.
+pub(crate) struct ManagerState {
+    pub(crate) backend: Arc<dyn VirtualMemoryBackend>,
+    pub(crate) vm: VirtualMemory,
+    pub(crate) governor: Governor,
+    pub(crate) device: DeviceId,
+    pub(crate) precommit: Option<Precommitter>,
+    pub(crate) limits: Limits,
+    pub(crate) dl_device: Option<DLDevice>,
+}
+
+impl ManagerState {
+    /// Synchronizes the device before memory that kernels may have touched is unmapped.
+    pub(crate) fn synchronize(&self) -> Result<(), kvvm_hal::BackendError> {
+        self.backend.synchronize(self.device)
+    }
+}
+
+/// A byte-budgeted manager of one device's virtual memory.
+#[pyclass(frozen, module = "kvvm._native")]
+pub struct Manager {
+    pub(crate) state: Arc<ManagerState>,
+}
+
+fn backend_arg(
+    py: Python<'_>,
+    backend: &Bound<'_, PyAny>,
+) -> PyResult<Arc<dyn VirtualMemoryBackend>> {
+    if let Ok(b) = backend.cast::<Backend>() {
+        return Ok(Arc::clone(&b.get().backend));
+    }
+    if let Ok(name) = backend.extract::<String>() {
+        return Ok(Backend::new(py, &name)?.backend);
+    }
+    Err(errors::invalid(
+        py,
+        "backend must be a kvvm.Backend or a backend name such as 'auto'",
+    ))
+}
+
+#[pymethods]
+impl Manager {
+    /// A manager of `device` of `backend` (a :class:`Backend` or a name).
+    ///
+    /// Args:
+    ///     budget_bytes: the most physical bytes this manager may hold (committed, pooled,
+    ///         shared, quarantined); None for no limit beyond the device.
+    ///     pool_cap_bytes: the most bytes of released handles kept for reuse.
+    ///     park_released: keep released windows mapped for a cheap recommit.
+    ///     granularity: ``"recommended"`` (default) or ``"minimum"``.
+    ///     precommit: start the background pre-committer (sequences made with
+    ///         ``precommit=True`` grow ahead of need, off the decode path).
+    ///     headroom_tokens, max_headroom_bytes: the pre-committer's headroom per sequence
+    ///         and in all.
+    #[new]
+    #[pyo3(signature = (backend = None, device = 0, budget_bytes = None, pool_cap_bytes = None,
+        park_released = false, granularity = "recommended", precommit = false,
+        headroom_tokens = 64, max_headroom_bytes = 1u64 << 30))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        backend: Option<&Bound<'_, PyAny>>,
+        device: u32,
+        budget_bytes: Option<u64>,
+        pool_cap_bytes: Option<u64>,
+        park_released: bool,
+        granularity: &str,
+        precommit: bool,
+        headroom_tokens: u64,
+        max_headroom_bytes: u64,
+    ) -> PyResult<Self> {
+        let backend = match backend {
+            Some(b) => backend_arg(py, b)?,
+            None => Backend::new(py, "auto")?.backend,
+        };
+        let choice = match granularity {
+            "recommended" => GranularityChoice::Recommended,
+            "minimum" => GranularityChoice::Minimum,
+            other => {
+                return Err(errors::invalid(
+                    py,
+                    format!("granularity must be 'recommended' or 'minimum', not {other:?}"),
+                ))
+            }
+        };
+        if budget_bytes == Some(0) {
+            return Err(errors::invalid(
+                py,
+                "budget_bytes must be positive (or None)",
+            ));
+        }
+        if precommit && headroom_tokens == 0 {
+            return Err(errors::invalid(py, "headroom_tokens must be positive"));
+        }
+        let id = DeviceId(device);
+        let b = Arc::clone(&backend);
+        let made = py.detach(move || -> Result<_, kvvm_vmm::VmmError> {
+            let count = b.devices()?.len();
+            if usize::try_from(device).map_or(true, |d| d >= count) {
+                return Err(kvvm_vmm::VmmError::Backend(kvvm_hal::BackendError {
+                    op: kvvm_hal::Operation::Devices,
+                    kind: kvvm_hal::ErrorKind::InvalidValue,
+                    code: 0,
+                    code_name: String::new(),
+                    detail: Some(format!("no device {device}: the backend has {count}")),
+                }));
+            }
+            let total = b.memory_info(id).ok().map(|m| m.total);
+            let mut config = GovernorConfig::default();
+            if let Some(bytes) = budget_bytes {
+                config = config.device_budget(id, bytes);
+            }
+            let governor = Governor::new(config);
+            let mut vmm = VmmConfig::default()
+                .granularity(choice)
+                .park_released(park_released);
+            if let Some(cap) = pool_cap_bytes {
+                vmm = vmm.pool_cap_bytes(cap);
+            }
+            let vm = VirtualMemory::new(Arc::clone(&b), id, governor.clone(), vmm)?;
+            Ok((vm, governor, total))
+        });
+        let (vm, governor, total) = made.map_err(|e| match &e {
+            kvvm_vmm::VmmError::Backend(be)
+                if be.kind == kvvm_hal::ErrorKind::InvalidValue && be.code == 0 =>
+            {
+                errors::invalid(py, be.detail.clone().unwrap_or_else(|| be.to_string()))
+            }
+            _ => errors::vmm(py, &e, Limits::default()),
+        })?;
+        let precommitter = if precommit {
+            let config = PrecommitConfig {
+                headroom_tokens,
+                max_headroom_bytes,
+                poll_interval: Duration::from_micros(200),
+            };
+            Some(
+                Precommitter::start(&vm, config)
+                    .map_err(|e| errors::kv(py, &e, Limits::default()))?,
+            )
+        } else {
+            None
+        };
+        let limits = Limits {
+            budget: budget_bytes,
+            device_bytes: total,
+        };
+        let dl = dl_device(backend.name(), device);
+        Ok(Manager {
+            state: Arc::new(ManagerState {
+                backend,
+                vm,
+                governor,
+                device: id,
+                precommit: precommitter,
+                limits,
+                dl_device: dl,
+            }),
+        })
+    }
+
+    /// The backend's name.
+    #[getter]
+    fn backend(&self) -> String {
+        self.state.backend.name().to_owned()
+    }
+
+    /// The device ordinal.
+    #[getter]
+    fn device(&self) -> u32 {
+        self.state.device.0
+    }
+
+    /// The mapping granule in bytes (queried from the driver).
+    #[getter]
+    fn granule(&self) -> u64 {
+        self.state.vm.granule()
+    }
+
+    /// The byte budget, or None.
+    #[getter]
+    fn budget_bytes(&self) -> Option<u64> {
+        self.state.limits.budget
+    }
+
+    /// Whether the background pre-committer runs.
+    #[getter]
+    fn precommit(&self) -> bool {
+        self.state.precommit.is_some()
+    }
+
+    /// Whether tensors can view this manager's memory (DLPack).
+    #[getter]
+    fn addressable(&self) -> bool {
+        self.state.dl_device.is_some()
+    }
+
+    /// The governor's books right now: a :class:`MemorySnapshot`.
+    fn snapshot(&self) -> MemorySnapshot {
+        let s = self.state.governor.snapshot().device(self.state.device);
+        MemorySnapshot {
+            committed: s.committed,
+            pooled: s.pooled,
+            shared: s.shared,
+            quarantined: s.quarantined,
+            pending: s.pending,
+            used: s.used(),
+            budget: self.state.limits.budget,
+            free: self.state.limits.budget.map(|b| b.saturating_sub(s.used())),
+        }
+    }
+
+    /// Releases pooled handles until at most `keep_bytes` stay; returns the bytes released.
+    #[pyo3(signature = (keep_bytes = 0))]
+    fn trim_pool(&self, py: Python<'_>, keep_bytes: u64) -> u64 {
+        let vm = self.state.vm.clone();
+        py.detach(move || vm.trim_pool(keep_bytes))
+    }
+
+    /// The pre-committer's counters (a dict), or None when it does not run.
+    fn precommit_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(p) = &self.state.precommit else {
+            return Ok(None);
+        };
+        let s = p.stats();
+        let d = PyDict::new(py);
+        d.set_item("ready", s.ready)?;
+        d.set_item("inline_commits", s.inline_commits)?;
+        d.set_item("background_commits", s.background_commits)?;
+        d.set_item("background_refused", s.background_refused)?;
+        d.set_item("background_failures", s.background_failures)?;
+        d.set_item("headroom_bytes", s.headroom_bytes)?;
+        d.set_item("peak_headroom_bytes", s.peak_headroom_bytes)?;
+        d.set_item("reclaimed_bytes", s.reclaimed_bytes)?;
+        Ok(Some(d))
+    }
+
+    /// Blocks until the pre-committer has nothing left to commit (for tests and orderly
+    /// measurements); returns at once without one.
+    fn wait_precommit_idle(&self, py: Python<'_>) {
+        let state = Arc::clone(&self.state);
+        py.detach(move || {
+            if let Some(p) = &state.precommit {
+                p.wait_idle();
+            }
+        });
+    }
+
+    /// Synchronizes the device (waits for every kernel that may touch its memory).
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let state = Arc::clone(&self.state);
+        py.detach(move || state.synchronize())
+            .map_err(|e| errors::backend(py, &e))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Manager(backend={:?}, device={}, granule={}, budget_bytes={})",
+            self.state.backend.name(),
+            self.state.device.0,
+            self.state.vm.granule(),
+            py_opt(self.state.limits.budget)
+        )
+    }
+}
+
+/// The governor's books for one device, in bytes.
+#[pyclass(frozen, get_all, module = "kvvm._native")]
+#[derive(Debug, Clone, Copy)]
+pub struct MemorySnapshot {
+    /// Bytes committed privately by sequences.
+    pub committed: u64,
+    /// Bytes held by the handle pool and parked windows (reusable, still physical).
+    pub pooled: u64,
+    /// Bytes of shared prefixes (each counted once).
+    pub shared: u64,
+    /// Bytes that could not be proven idle (never reused, never reported free).
+    pub quarantined: u64,
+    /// Bytes granted but not yet settled (a commit in flight).
+    pub pending: u64,
+    /// Everything the budget counts: committed + pooled + shared + quarantined + pending.
+    pub used: u64,
+    /// The budget, or None.
+    pub budget: Option<u64>,
+    /// Budget minus used, or None without a budget.
+    pub free: Option<u64>,
+}
+
+#[pymethods]
+impl MemorySnapshot {
+    fn __repr__(&self) -> String {
+        format!(
+            "MemorySnapshot(used={}, committed={}, pooled={}, shared={}, quarantined={}, pending={}, budget={})",
+            self.used,
+            self.committed,
+            self.pooled,
+            self.shared,
+            self.quarantined,
+            self.pending,
+            py_opt(self.budget)
+        )
+    }
+}
+
+/// `None` or the number, as Python prints it.
+fn py_opt(v: Option<u64>) -> String {
+    v.map_or_else(|| "None".to_owned(), |b| b.to_string())
+}

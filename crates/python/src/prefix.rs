@@ -1,0 +1,178 @@
+//! `kvvm.SharedPrefix` and `kvvm.PrefixCache`: a prompt prefix mapped read-only into many
+//! sequences and billed once, and the automatic cache that finds the longest one by token ids.
+
+use std::sync::Arc;
+
+use kvvm_kv::{
+    PrefixCache as KvPrefixCache, PrefixCacheConfig, PublishOutcome, SharedDevicePrefix,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{self, Limits};
+use crate::geometry::PyPlan;
+use crate::manager::Manager;
+use crate::sequence::Sequence;
+
+/// A prefix one sequence owns (read-write until sealed) and others map read-only.
+#[pyclass(frozen, module = "kvvm._native")]
+pub struct SharedPrefix {
+    pub(crate) prefix: Arc<SharedDevicePrefix>,
+    pub(crate) limits: Limits,
+}
+
+#[pymethods]
+impl SharedPrefix {
+    /// Seals the prefix read-only: call after the owner wrote its tokens, before attaching.
+    fn seal(&self) {
+        self.prefix.seal();
+    }
+
+    /// Whether the prefix is sealed.
+    #[getter]
+    fn sealed(&self) -> bool {
+        self.prefix.is_sealed()
+    }
+
+    /// The prefix's length in tokens.
+    #[getter]
+    fn tokens(&self) -> u64 {
+        self.prefix.prefix_len()
+    }
+
+    /// Tokens lying wholly in the shared windows (the rest of the prefix, in partial tail
+    /// windows, is each sequence's own and must be written by each).
+    #[getter]
+    fn shared_tokens(&self) -> u64 {
+        self.prefix.shared_tokens()
+    }
+
+    /// Physical bytes of the shared windows (billed once).
+    #[getter]
+    fn bytes(&self) -> u64 {
+        self.prefix.bytes()
+    }
+
+    /// Maps the prefix read-only into `sequence` (empty, of the same plan); returns the bytes
+    /// mapped (shared, not billed to the sequence). Its first :attr:`shared_tokens` tokens
+    /// are readable at once; the tail tokens, if any, are the sequence's own: ensure and
+    /// write them.
+    fn attach(&self, py: Python<'_>, sequence: &Sequence) -> PyResult<u64> {
+        let cell = Arc::clone(&sequence.cell);
+        let prefix = Arc::clone(&self.prefix);
+        py.detach(move || cell.admission(|s| prefix.attach_to(s)))
+            .map_err(|e| errors::kv(py, &e, self.limits))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SharedPrefix(tokens={}, shared_tokens={}, bytes={}, sealed={})",
+            self.prefix.prefix_len(),
+            self.prefix.shared_tokens(),
+            self.prefix.bytes(),
+            self.prefix.is_sealed()
+        )
+    }
+}
+
+/// An automatic prefix cache: longest cached prefix by token ids, LRU, evicted by the budget
+/// before it refuses.
+#[pyclass(frozen, module = "kvvm._native")]
+pub struct PrefixCache {
+    cache: Arc<KvPrefixCache>,
+    limits: Limits,
+}
+
+#[pymethods]
+impl PrefixCache {
+    /// A cache for sequences of `plan` on `manager`, holding at most `max_cached_bytes` of
+    /// idle prefixes (None: only the budget limits it).
+    #[new]
+    #[pyo3(signature = (manager, plan, max_cached_bytes = None))]
+    fn new(
+        py: Python<'_>,
+        manager: &Manager,
+        plan: &PyPlan,
+        max_cached_bytes: Option<u64>,
+    ) -> PyResult<Self> {
+        let limits = manager.state.limits;
+        let config = PrefixCacheConfig::default().max_cached_bytes(max_cached_bytes);
+        let cache = KvPrefixCache::with_config(manager.state.vm.clone(), plan.plan, config)
+            .map_err(|e| errors::kv(py, &e, limits))?;
+        Ok(PrefixCache { cache, limits })
+    }
+
+    /// Tokens per cached block (prefixes are found in whole blocks).
+    #[getter]
+    fn block_tokens(&self) -> u64 {
+        self.cache.block_tokens()
+    }
+
+    /// Admits a request into `sequence` (empty): maps the longest cached prefix of
+    /// `token_ids` read-only, makes the sequence the owner of its new full blocks, and commits
+    /// the rest of the prompt. Returns a dict with ``hit_tokens``, ``prompt_tokens``,
+    /// ``owned_prefix_tokens``, ``shared_bytes``, ``committed_bytes``. Write tokens
+    /// ``hit_tokens..prompt_tokens``, then :meth:`publish`.
+    fn admit<'py>(
+        &self,
+        py: Python<'py>,
+        sequence: &Sequence,
+        token_ids: Vec<u32>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let cell = Arc::clone(&sequence.cell);
+        let cache = Arc::clone(&self.cache);
+        let info = py
+            .detach(move || cell.admission(|s| cache.admit_into(&token_ids, s)))
+            .map_err(|e| errors::kv(py, &e, self.limits))?;
+        let d = PyDict::new(py);
+        d.set_item("hit_tokens", info.hit_tokens)?;
+        d.set_item("prompt_tokens", info.prompt_tokens)?;
+        d.set_item("owned_prefix_tokens", info.owned_prefix_tokens)?;
+        d.set_item("shared_bytes", info.shared_bytes)?;
+        d.set_item("committed_bytes", info.committed_bytes)?;
+        Ok(d)
+    }
+
+    /// Publishes the prefix `sequence` owns once its tokens are written. Returns
+    /// ``"published"``, ``"already_cached"`` or ``"nothing"``.
+    fn publish(&self, py: Python<'_>, sequence: &Sequence) -> PyResult<&'static str> {
+        let cell = Arc::clone(&sequence.cell);
+        let cache = Arc::clone(&self.cache);
+        let out = py
+            .detach(move || cell.with(|s| cache.publish(s)))
+            .map_err(|e| errors::kv(py, &e, self.limits))?;
+        Ok(match out {
+            PublishOutcome::Published { .. } => "published",
+            PublishOutcome::AlreadyCached => "already_cached",
+            _ => "nothing",
+        })
+    }
+
+    /// The cache's counters (a dict).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.cache.stats();
+        let d = PyDict::new(py);
+        d.set_item("lookups", s.lookups)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("tokens_saved", s.tokens_saved)?;
+        d.set_item("bytes_saved", s.bytes_saved)?;
+        d.set_item("cached_entries", s.cached_entries)?;
+        d.set_item("cached_bytes", s.cached_bytes)?;
+        d.set_item("idle_bytes", s.idle_bytes)?;
+        d.set_item("evictions", s.evictions)?;
+        Ok(d)
+    }
+
+    /// Evicts idle prefixes until `bytes` are freed (or none is idle); returns the bytes freed.
+    fn evict(&self, py: Python<'_>, bytes: u64) -> u64 {
+        let cache = Arc::clone(&self.cache);
+        py.detach(move || cache.evict(bytes))
+    }
+
+    /// Drops every cached prefix (those still mapped by sequences live on with them).
+    fn clear(&self, py: Python<'_>) -> u64 {
+        let cache = Arc::clone(&self.cache);
+        py.detach(move || cache.clear())
+    }
+}

@@ -1,0 +1,255 @@
+//! `kvvm.Sequence`: one request's KV cache, reserved once at its maximum length and committed
+//! window by window as it grows; its layers are zero-copy tensor views.
+
+use std::sync::Arc;
+
+use kvvm_kv::SequenceKv;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::cell::SeqCell;
+use crate::errors;
+use crate::geometry::PyPlan;
+use crate::manager::Manager;
+use crate::prefix::SharedPrefix;
+use crate::view::TensorView;
+use crate::views::{busy_error, kind_arg, make_view, ViewRequest};
+
+/// One request's KV cache (see the module docs of :mod:`kvvm`).
+#[pyclass(frozen, module = "kvvm._native")]
+pub struct Sequence {
+    pub(crate) cell: Arc<SeqCell>,
+}
+
+/// The most tokens a sequence of `plan` may hold: `max_tokens`, or the geometry's.
+pub(crate) fn max_tokens_arg(
+    py: Python<'_>,
+    plan: &PyPlan,
+    max_tokens: Option<u64>,
+) -> PyResult<u64> {
+    let cap = plan.plan.geometry().max_tokens();
+    match max_tokens {
+        None => Ok(cap),
+        Some(0) => Err(errors::invalid(py, "max_tokens must be positive")),
+        Some(n) if n > cap => Err(errors::raise(
+            py,
+            "TooManyTokensError",
+            format!("max_tokens {n} exceeds the geometry's {cap}"),
+            &[
+                ("tokens", errors::Attr::Int(n)),
+                ("max_tokens", errors::Attr::Int(cap)),
+            ],
+        )),
+        Some(n) => Ok(n),
+    }
+}
+
+#[pymethods]
+impl Sequence {
+    /// Reserves the address range of a sequence of at most `max_tokens` tokens (default: the
+    /// geometry's) under `plan`; commits nothing. With `precommit=True` (and a manager started
+    /// with ``precommit=True``) a background worker commits windows ahead of need.
+    #[new]
+    #[pyo3(signature = (manager, plan, max_tokens = None, precommit = false))]
+    fn new(
+        py: Python<'_>,
+        manager: &Manager,
+        plan: &PyPlan,
+        max_tokens: Option<u64>,
+        precommit: bool,
+    ) -> PyResult<Self> {
+        let max_tokens = max_tokens_arg(py, plan, max_tokens)?;
+        let state = Arc::clone(&manager.state);
+        let p = plan.plan;
+        let limits = state.limits;
+        let vm = state.vm.clone();
+        let seq = py
+            .detach(move || SequenceKv::new(&vm, &p, max_tokens))
+            .map_err(|e| errors::kv(py, &e, limits))?;
+        Ok(Sequence {
+            cell: Arc::new(SeqCell::new(state, seq, plan.dtype, precommit)),
+        })
+    }
+
+    /// The most tokens this sequence holds.
+    #[getter]
+    fn max_tokens(&self) -> u64 {
+        self.cell.max_tokens
+    }
+
+    /// Tokens whose windows are all mapped.
+    #[getter]
+    fn committed_tokens(&self) -> u64 {
+        self.cell.committed_tokens()
+    }
+
+    /// Bytes mapped in this sequence's range (shared windows included).
+    #[getter]
+    fn committed_bytes(&self) -> u64 {
+        self.cell.with(|s| s.committed_bytes())
+    }
+
+    /// Physical bytes this sequence holds on its own (shared prefix windows excluded).
+    #[getter]
+    fn owned_bytes(&self) -> u64 {
+        self.cell.with(|s| s.additional_owned_bytes())
+    }
+
+    /// Tokens lying wholly in read-only shared prefix windows (writes there are refused).
+    #[getter]
+    fn shared_tokens(&self) -> u64 {
+        self.cell.with(|s| s.shared_tokens())
+    }
+
+    /// Tokens of the prefix this sequence shares or owns.
+    #[getter]
+    fn prefix_tokens(&self) -> u64 {
+        self.cell.with(|s| s.prefix_tokens())
+    }
+
+    /// The base address (it never changes).
+    #[getter]
+    fn address(&self) -> u64 {
+        self.cell.base
+    }
+
+    /// Live tensor views of this sequence (release and shrink wait for 0).
+    #[getter]
+    fn views(&self) -> u64 {
+        self.cell.views()
+    }
+
+    /// Whether the background pre-committer grows this sequence.
+    #[getter]
+    fn precommitted(&self) -> bool {
+        self.cell.is_precommitted()
+    }
+
+    /// Whether nothing is mapped and no prefix is attached (fresh or released).
+    #[getter]
+    fn is_empty(&self) -> bool {
+        self.cell.with(|s| s.is_empty())
+    }
+
+    /// Makes the first `tokens` tokens committed (one transaction through the budget);
+    /// returns the bytes committed by this call (0 when they were ready).
+    ///
+    /// Raises BackpressureError (retry later), NeverFitsError, TooManyTokensError or
+    /// DriverError (rolled back).
+    fn ensure(&self, py: Python<'_>, tokens: u64) -> PyResult<u64> {
+        let cell = Arc::clone(&self.cell);
+        py.detach(move || cell.ensure(tokens))
+            .map_err(|e| errors::kv(py, &e, self.cell.manager.limits))
+    }
+
+    /// Gives back the windows holding no byte of the first `tokens` tokens (written tokens
+    /// and shared windows are kept); returns the bytes unmapped. Refused while views live.
+    fn shrink(&self, py: Python<'_>, tokens: u64) -> PyResult<u64> {
+        let cell = Arc::clone(&self.cell);
+        let out = py.detach(move || cell.unmapping(|s| s.shrink_committed(tokens)));
+        match out {
+            Err(busy) => Err(busy_error(py, busy, "shrink")),
+            Ok(r) => r.map_err(|e| errors::kv(py, &e, self.cell.manager.limits)),
+        }
+    }
+
+    /// Unmaps everything and detaches from shared prefixes, keeping the address range (the
+    /// sequence can grow again); returns the bytes unmapped. Refused (ViewsAliveError) while
+    /// a view or a tensor made from one is alive; the device is synchronized first.
+    fn release(&self, py: Python<'_>) -> PyResult<u64> {
+        let cell = Arc::clone(&self.cell);
+        let out = py.detach(move || cell.unmapping(|s| s.release()));
+        match out {
+            Err(busy) => Err(busy_error(py, busy, "release")),
+            Ok(r) => r.map_err(|e| errors::kv(py, &e, self.cell.manager.limits)),
+        }
+    }
+
+    /// Writes tokens `first..` from `data`: whole tokens in the host layout
+    /// `[token][layer][K, V][kv_head][head_dim]` (``geometry.bytes_per_token`` bytes each).
+    fn write_tokens(&self, py: Python<'_>, first: u64, data: &[u8]) -> PyResult<()> {
+        let cell = Arc::clone(&self.cell);
+        let bytes = data.to_vec();
+        py.detach(move || cell.with(|s| s.write_tokens(first, &bytes)))
+            .map_err(|e| errors::kv(py, &e, self.cell.manager.limits))
+    }
+
+    /// Reads `count` tokens from `first` in the host layout of :meth:`write_tokens`.
+    fn read_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        first: u64,
+        count: u64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let bpt = self.cell.plan.geometry().bytes_per_token();
+        let len = count
+            .checked_mul(bpt)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| errors::invalid(py, format!("{count} tokens is too many to read")))?;
+        if count > self.cell.max_tokens {
+            return Err(errors::invalid(
+                py,
+                format!(
+                    "{count} tokens asked for, the sequence holds at most {}",
+                    self.cell.max_tokens
+                ),
+            ));
+        }
+        let cell = Arc::clone(&self.cell);
+        let out = py
+            .detach(move || {
+                let mut buf = vec![0u8; len];
+                cell.with(|s| s.read_tokens(first, &mut buf)).map(|()| buf)
+            })
+            .map_err(|e| errors::kv(py, &e, self.cell.manager.limits))?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// A zero-copy view of layer `layer`'s K (`kind="key"`) or V, tokens `start..end`
+    /// (default: the committed tokens), shape ``[kv_heads, tokens, head_dim]``. A view past the
+    /// committed tokens needs `allow_uncommitted=True`: the caller then promises to touch
+    /// only committed tokens (uncommitted ones fault).
+    #[pyo3(signature = (layer, kind = "key", start = 0, end = None, allow_uncommitted = false))]
+    fn view(
+        &self,
+        py: Python<'_>,
+        layer: u32,
+        kind: &str,
+        start: u64,
+        end: Option<u64>,
+        allow_uncommitted: bool,
+    ) -> PyResult<TensorView> {
+        let req = ViewRequest {
+            layer,
+            kind: kind_arg(py, kind)?,
+            start,
+            end,
+            allow_uncommitted,
+        };
+        make_view(py, std::slice::from_ref(&self.cell), 0, false, &req)
+    }
+
+    /// Makes this empty sequence the owner of a new shared prefix of `tokens` tokens: its
+    /// windows are committed as shared memory, read-write for this sequence. Write the
+    /// prefix's tokens, then :meth:`SharedPrefix.seal` it and attach it to other sequences.
+    fn own_prefix(&self, py: Python<'_>, tokens: u64) -> PyResult<SharedPrefix> {
+        let cell = Arc::clone(&self.cell);
+        let prefix = py
+            .detach(move || cell.admission(|s| kvvm_kv::SharedDevicePrefix::own_in(s, tokens)))
+            .map_err(|e| errors::kv(py, &e, self.cell.manager.limits))?;
+        Ok(SharedPrefix {
+            prefix,
+            limits: self.cell.manager.limits,
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Sequence(address={:#x}, layout={:?}, max_tokens={}, committed_tokens={})",
+            self.cell.base,
+            self.cell.plan.layout().as_str(),
+            self.cell.max_tokens,
+            self.cell.committed_tokens()
+        )
+    }
+}

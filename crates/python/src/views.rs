@@ -1,0 +1,177 @@
+//! Building [`TensorView`]s of one layer's K or V over one sequence or a run of strided slots.
+
+use std::sync::Arc;
+
+use kvvm_kv::KvKind;
+use pyo3::prelude::*;
+
+use crate::cell::{Busy, SeqCell};
+use crate::errors::{self, Attr};
+use crate::view::TensorView;
+
+/// Parses ``"key"``/``"k"`` or ``"value"``/``"v"``.
+pub(crate) fn kind_arg(py: Python<'_>, kind: &str) -> PyResult<KvKind> {
+    match kind {
+        "key" | "k" | "K" => Ok(KvKind::Key),
+        "value" | "v" | "V" => Ok(KvKind::Value),
+        other => Err(errors::invalid(
+            py,
+            format!("kind must be 'key' or 'value', not {other:?}"),
+        )),
+    }
+}
+
+/// What a view asks for.
+pub(crate) struct ViewRequest {
+    pub(crate) layer: u32,
+    pub(crate) kind: KvKind,
+    pub(crate) start: u64,
+    pub(crate) end: Option<u64>,
+    pub(crate) allow_uncommitted: bool,
+}
+
+fn to_i64(py: Python<'_>, v: u64, what: &str) -> PyResult<i64> {
+    i64::try_from(v).map_err(|_| errors::invalid(py, format!("{what} {v} does not fit a tensor")))
+}
+
+/// A view of layer `req.layer`'s K or V, tokens `start..end`, over `cells` (one sequence, or
+/// slots at a constant `slot_stride` with `batched`): shape `[H, T, D]` or `[B, H, T, D]`.
+pub(crate) fn make_view(
+    py: Python<'_>,
+    cells: &[Arc<SeqCell>],
+    slot_stride: u64,
+    batched: bool,
+    req: &ViewRequest,
+) -> PyResult<TensorView> {
+    let Some(first) = cells.first() else {
+        return Err(errors::invalid(py, "a view needs at least one sequence"));
+    };
+    let Some(device) = first.manager.dl_device else {
+        return Err(errors::raise(
+            py,
+            "UnavailableError",
+            format!(
+                "the {} backend's memory is not addressable by tensors; use the 'host' backend \
+                 on a CPU or a GPU backend",
+                first.manager.backend.name()
+            ),
+            &[],
+        ));
+    };
+    let geo = *first.plan.geometry();
+    if req.layer >= geo.layers() {
+        return Err(errors::invalid(
+            py,
+            format!(
+                "layer {} out of range: the model has {} layers",
+                req.layer,
+                geo.layers()
+            ),
+        ));
+    }
+    let end = req.end.unwrap_or_else(|| {
+        cells
+            .iter()
+            .map(|c| c.committed_tokens())
+            .min()
+            .unwrap_or(0)
+    });
+    if req.start > end || end > first.max_tokens {
+        return Err(errors::raise(
+            py,
+            "TooManyTokensError",
+            format!(
+                "tokens {}..{end} are not a range inside the sequence's {} tokens",
+                req.start, first.max_tokens
+            ),
+            &[
+                ("tokens", Attr::Int(end)),
+                ("max_tokens", Attr::Int(first.max_tokens)),
+            ],
+        ));
+    }
+    let mut readonly = end > req.start;
+    for c in cells {
+        let committed = c.committed_tokens();
+        if !req.allow_uncommitted && end > committed {
+            return Err(errors::raise(
+                py,
+                "NotCommittedError",
+                format!(
+                    "tokens {}..{end} are not all committed: {committed} tokens are (call ensure)",
+                    req.start
+                ),
+                &[],
+            ));
+        }
+        let shared = c.with(|s| s.shared_tokens());
+        readonly &= end <= shared;
+    }
+    let e = u64::from(geo.dtype_bytes().max(1));
+    let strides = first.plan.strides();
+    let offset = first
+        .offset(req.layer, req.kind, req.start)
+        .map_err(|err| errors::kv(py, &err, first.manager.limits))?;
+    let ptr = first
+        .base
+        .checked_add(offset)
+        .ok_or_else(|| errors::invalid(py, "view address overflows"))?;
+    let mut shape = vec![
+        i64::from(geo.kv_heads()),
+        to_i64(py, end - req.start, "token count")?,
+        i64::from(geo.head_dim()),
+    ];
+    let mut el_strides = vec![
+        to_i64(py, strides.head / e, "head stride")?,
+        to_i64(py, strides.token / e, "token stride")?,
+        1,
+    ];
+    if batched {
+        shape.insert(0, to_i64(py, cells.len() as u64, "batch")?);
+        el_strides.insert(0, to_i64(py, slot_stride / e, "slot stride")?);
+    }
+    // Count the view on every sequence; undo on a sequence being unmapped.
+    for (i, c) in cells.iter().enumerate() {
+        if let Err(Busy::Unmapping | Busy::Viewed(_)) = c.try_view() {
+            for done in &cells[..i] {
+                done.unview();
+            }
+            return Err(errors::raise(
+                py,
+                "ViewsAliveError",
+                "the sequence is being released or shrunk by another thread".to_owned(),
+                &[],
+            ));
+        }
+    }
+    Ok(TensorView::new(
+        cells.to_vec(),
+        ptr,
+        shape,
+        el_strides,
+        first.dtype,
+        device,
+        readonly,
+    ))
+}
+
+/// The error of an unmap refused because views are alive.
+pub(crate) fn busy_error(py: Python<'_>, busy: Busy, what: &str) -> PyErr {
+    match busy {
+        Busy::Viewed(n) => errors::raise(
+            py,
+            "ViewsAliveError",
+            format!(
+                "cannot {what}: {n} tensor view(s) of this sequence are alive; delete them \
+                 (and the tensors made from them) first"
+            ),
+            &[("views", Attr::Int(n))],
+        ),
+        Busy::Unmapping => errors::raise(
+            py,
+            "ViewsAliveError",
+            format!("cannot {what}: another thread is releasing or shrinking this sequence"),
+            &[("views", Attr::Int(0))],
+        ),
+    }
+}
