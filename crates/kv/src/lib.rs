@@ -149,6 +149,7 @@
 #![forbid(unsafe_code)]
 
 mod cache;
+mod cache_records;
 mod error;
 pub mod precommit;
 mod prefix;
@@ -157,8 +158,9 @@ mod sequence;
 mod sequence_copy;
 pub mod synthetic;
 
-pub use cache::{
-    Admission, AdmissionInfo, PrefixCache, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
+pub use cache::PrefixCache;
+pub use cache_records::{
+    Admission, AdmissionInfo, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
 };
 pub use error::KvCacheError;
 pub use prefix::SharedDevicePrefix;
