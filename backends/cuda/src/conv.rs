@@ -23,19 +23,14 @@ pub fn format_driver_version(version: i32) -> String {
     )
 }
 
+/// `value` as the `size_t` of a driver call ([`BackendError::usize_arg`]).
 pub(crate) fn to_usize(op: Operation, what: &str, value: u64) -> BackendResult<usize> {
-    usize::try_from(value).map_err(|_| {
-        BackendError::raised(
-            op,
-            ErrorKind::InvalidValue,
-            format!("{what} {value} does not fit in usize"),
-        )
-    })
+    BackendError::usize_arg(op, what, value)
 }
 
+/// A `size_t` the driver returned, as bytes ([`kvvm_num::to_u64`]).
 pub(crate) fn to_u64(value: usize) -> u64 {
-    // usize is at most 64 bits on every target the driver supports.
-    u64::try_from(value).unwrap_or(u64::MAX)
+    kvvm_num::to_u64(value)
 }
 
 pub(crate) fn ordinal(op: Operation, device: DeviceId) -> BackendResult<c_int> {

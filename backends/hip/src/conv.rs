@@ -28,18 +28,12 @@ pub(crate) fn ordinal(op: Operation, device: DeviceId) -> BackendResult<c_int> {
     })
 }
 
-/// `value` as the `size_t` of a HIP call.
+/// `value` as the `size_t` of a driver call ([`BackendError::usize_arg`]).
 pub(crate) fn to_usize(op: Operation, what: &str, value: u64) -> BackendResult<usize> {
-    usize::try_from(value).map_err(|_| {
-        BackendError::raised(
-            op,
-            ErrorKind::InvalidValue,
-            format!("{what} {value} does not fit in usize"),
-        )
-    })
+    BackendError::usize_arg(op, what, value)
 }
 
-/// A `size_t` HIP returned, as bytes (a `usize` is 64 bits on every supported target).
+/// A `size_t` the driver returned, as bytes ([`kvvm_num::to_u64`]).
 pub(crate) fn to_u64(value: usize) -> u64 {
     kvvm_num::to_u64(value)
 }

@@ -217,6 +217,19 @@ impl BackendError {
         }
     }
 
+    /// `value` as the `usize` (`size_t`) a driver call of `op` takes, or the `InvalidValue` a
+    /// backend raises itself when it does not fit (on a 32-bit target): the one checked
+    /// conversion every vendor backend uses for sizes.
+    pub fn usize_arg(op: Operation, what: &str, value: u64) -> Result<usize, BackendError> {
+        kvvm_num::to_usize(value, "driver argument").map_err(|_| {
+            BackendError::raised(
+                op,
+                ErrorKind::InvalidValue,
+                format!("{what} {value} does not fit in usize"),
+            )
+        })
+    }
+
     /// Adds context to the error.
     #[must_use]
     pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
