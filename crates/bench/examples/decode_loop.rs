@@ -14,7 +14,7 @@ use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut config = DecodeLoopConfig::acceptance().unwrap();
+    let mut config = DecodeLoopConfig::reference().unwrap();
     if let Some(s) = args.first() {
         config.sequences = s.parse().expect("sequences");
     }

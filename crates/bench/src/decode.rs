@@ -12,7 +12,7 @@
 //!
 //! # fn main() -> Result<(), kvvm_kv::KvCacheError> {
 //! let sim = Arc::new(SimBackend::new(SimConfig::single(64 << 10, 1 << 30)));
-//! let mut config = DecodeLoopConfig::acceptance()?;
+//! let mut config = DecodeLoopConfig::reference()?;
 //! config.geometry = KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, 1)?;   // a tiny model
 //! config.layout = KvLayout::SeqMajor;
 //! config.sequences = 4;
@@ -79,7 +79,7 @@ impl DecodeLoopConfig {
     /// The reference run: llama-3-8b fp16, seq-major, 64 sequences sharing a
     /// 4096-token prompt, 64 decode tokens each in steps of 16, verified, 5 attach/copy
     /// samples.
-    pub fn acceptance() -> Result<Self, KvError> {
+    pub fn reference() -> Result<Self, KvError> {
         let geometry = KvGeometry::preset("llama-3-8b", KvDtype::F16, 4096 + 64)?;
         Ok(DecodeLoopConfig {
             geometry,

@@ -16,7 +16,7 @@ fn sim(g: u64) -> Arc<SimBackend> {
 }
 
 fn config(layout: KvLayout, prompt: u64, share: bool) -> DecodeLoopConfig {
-    let mut c = DecodeLoopConfig::acceptance().unwrap();
+    let mut c = DecodeLoopConfig::reference().unwrap();
     // 2 layers, 2 KV heads, head_dim 32, fp16: 512 B per token.
     c.geometry = KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, 1).unwrap();
     c.model = "tiny".to_owned();

@@ -16,7 +16,7 @@ fn the_kv_decode_loop_verifies_every_byte_on_every_layout() {
         KvLayout::TokenMajor,
     ] {
         let host = Arc::new(HostBackend::open().unwrap());
-        let mut config = DecodeLoopConfig::acceptance().unwrap();
+        let mut config = DecodeLoopConfig::reference().unwrap();
         config.geometry = KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, 1).unwrap();
         config.layout = layout;
         config.granularity = kvvm_vmm::GranularityChoice::Minimum;

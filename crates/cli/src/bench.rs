@@ -205,7 +205,7 @@ fn run_kv(args: &KvBenchArgs) -> Result<ExitCode, String> {
         (opened.backend, None)
     };
     let mut config =
-        kvvm_bench::decode::DecodeLoopConfig::acceptance().map_err(|e| e.to_string())?;
+        kvvm_bench::decode::DecodeLoopConfig::reference().map_err(|e| e.to_string())?;
     config.layout = args.layout.parse().map_err(|e| format!("{e}"))?;
     config.sequences = args.sequences;
     config.prompt_tokens = args.prompt_tokens;
