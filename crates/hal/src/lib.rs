@@ -71,6 +71,16 @@
 //!   on that device cannot be proven idle; the manager quarantines it.
 //! * [`ErrorKind::Other`]: any other driver code, reported with its number and name.
 
+//!
+//! ## Shared by every backend
+//!
+//! * [`traced`]: the one tracing span a backend opens per driver call;
+//! * [`LatencyModel`]: the modelled cost of each call (the H200 medians by default), spent or
+//!   accounted by the simulator and used by the workload's counting wrapper;
+//! * [`CallCounts`]: calls counted per [`Operation`];
+//! * [`BackendError::raised`] and [`BackendError::usize_arg`]: errors a backend raises itself,
+//!   with no vendor code.
+
 #![forbid(unsafe_code)]
 
 mod calls;
