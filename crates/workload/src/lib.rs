@@ -71,6 +71,7 @@ mod kvvm_policy;
 mod policy;
 mod render;
 mod replay;
+mod report;
 mod trace;
 
 pub use driver::{classic, CountingBackend, DriverTally};
@@ -78,8 +79,6 @@ pub use error::{WorkloadError, WorkloadResult};
 pub use kvvm_num::SplitMix64;
 pub use policy::{PolicyKind, PAGED_BLOCK_TOKENS};
 pub use render::{render_svg, render_table};
-pub use replay::{
-    simulate, PolicyReport, Progress, Sample, SimulationConfig, SimulationReport, TraceSummary,
-    DEFAULT_BUDGET_BYTES,
-};
+pub use replay::{simulate, Progress, SimulationConfig, DEFAULT_BUDGET_BYTES};
+pub use report::{PolicyReport, Sample, SimulationReport, TraceSummary};
 pub use trace::{Request, SyntheticTrace, Trace, TraceSource};
