@@ -73,7 +73,25 @@ cargo run --release -q -p kvvm-cli -- conformance --backend cuda | tail -n 1
 cargo run --release -q -p kvvm-cli -- conformance --backend hip | tail -n 1
 cargo run --release -q -p kvvm-cli -- info
 
-# The closing line CI reads: the workspace test totals.
+echo "== the Python package: pip install . into a fresh virtual environment, then pytest"
+# numpy only: torch and transformers are not installed here, so their tests (and the CUDA ones)
+# report "skipped: no torch" / "skipped: no CUDA ..." and every other test runs.
+rm -rf target/pyenv
+python3 -m venv target/pyenv
+target/pyenv/bin/python -m pip install -q --upgrade pip
+target/pyenv/bin/python -m pip install -q numpy pytest
+target/pyenv/bin/python -m pip install -q .
+(cd target && pyenv/bin/python -c "import kvvm; print('import kvvm', kvvm.__version__, 'from', kvvm.__file__)")
+set +e
+(cd target && pyenv/bin/python -m pytest ../crates/python/tests -rs -p no:cacheprovider) 2>&1 | tee target/pytest-output.log
+pystatus=${PIPESTATUS[0]}
+set -e
+if [ "$pystatus" -ne 0 ]; then
+  echo "pytest failed (exit $pystatus)" >&2
+  exit "$pystatus"
+fi
+
+# The closing line CI reads: the workspace and Python test totals.
 python3 - <<'PY'
 import re
 p = f = 0
@@ -82,5 +100,14 @@ for line in open("target/test-output.log"):
     m = re.match(r"test result: \w+\. (\d+) passed; (\d+) failed; (\d+) ignored", line)
     if m:
         p += int(m.group(1)); f += int(m.group(2)); ig += int(m.group(3))
+for line in open("target/pytest-output.log"):
+    if re.match(r"=+ .*(passed|failed).* in [\d.]+s", line):
+        for n, what in re.findall(r"(\d+) (passed|failed|skipped)", line):
+            if what == "passed":
+                p += int(n)
+            elif what == "failed":
+                f += int(n)
+            else:
+                ig += int(n)
 print(f"{p} passed, {f} failed, {ig} skipped")
 PY

@@ -139,8 +139,18 @@ impl SequenceBatch {
         first: usize,
         count: Option<usize>,
     ) -> PyResult<u64> {
-        let cells: Vec<Arc<SeqCell>> = self.slots(py, first, count)?.to_vec();
+        let slots = self.slots(py, first, count)?;
         let limits = self.cells[0].manager.limits;
+        // The decode path: every slot has its tokens already (committed ahead by the
+        // pre-committer). Nothing can block, so the GIL is kept (releasing and taking it back
+        // costs more than the check).
+        if slots.iter().all(|c| c.committed_tokens() >= tokens) {
+            for c in slots {
+                c.ensure(tokens).map_err(|e| errors::kv(py, &e, limits))?;
+            }
+            return Ok(0);
+        }
+        let cells: Vec<Arc<SeqCell>> = slots.to_vec();
         py.detach(move || {
             let mut bytes = 0u64;
             for c in &cells {

@@ -162,10 +162,11 @@ impl Manager {
     ///         ``precommit=True`` grow ahead of need, off the decode path).
     ///     headroom_tokens, max_headroom_bytes: the pre-committer's headroom per sequence
     ///         and in all.
+    ///     poll_interval_us: how often the pre-committer looks at its sequences.
     #[new]
     #[pyo3(signature = (backend = None, device = 0, budget_bytes = None, pool_cap_bytes = None,
         park_released = false, granularity = "recommended", precommit = false,
-        headroom_tokens = 64, max_headroom_bytes = 1u64 << 30))]
+        headroom_tokens = 64, max_headroom_bytes = 1u64 << 30, poll_interval_us = 1000))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -178,6 +179,7 @@ impl Manager {
         precommit: bool,
         headroom_tokens: u64,
         max_headroom_bytes: u64,
+        poll_interval_us: u64,
     ) -> PyResult<Self> {
         let backend = match backend {
             Some(b) => backend_arg(py, b)?,
@@ -242,7 +244,7 @@ impl Manager {
             let config = PrecommitConfig {
                 headroom_tokens,
                 max_headroom_bytes,
-                poll_interval: Duration::from_micros(200),
+                poll_interval: Duration::from_micros(poll_interval_us.max(1)),
             };
             Some(
                 Precommitter::start(&vm, config)
@@ -352,6 +354,17 @@ impl Manager {
         py.detach(move || {
             if let Some(p) = &state.precommit {
                 p.wait_idle();
+            }
+        });
+    }
+
+    /// Stops the pre-committer's worker for good (sequences keep working: what they have not
+    /// committed is then committed inline when asked for). No-op without one.
+    fn stop_precommit(&self, py: Python<'_>) {
+        let state = Arc::clone(&self.state);
+        py.detach(move || {
+            if let Some(p) = &state.precommit {
+                p.shutdown();
             }
         });
     }

@@ -16,6 +16,7 @@ Requires torch and transformers (5.x); the rest of kvvm does not.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +34,12 @@ from . import (
 )
 from .errors import InvalidArgumentError
 
-__all__ = ["KvvmCache", "KvvmLayer", "KvvmPrefix"]
+__all__ = ["ATTENTION", "KvvmCache", "KvvmLayer", "KvvmPrefix", "register_attention", "use_kvvm_attention"]
+
+#: The transformers attention implementation :func:`register_attention` registers: SDPA with
+#: its own GQA (no mask, no ``repeat_kv``), restricted to the FlashAttention, memory-efficient
+#: and math kernels.
+ATTENTION = "kvvm_sdpa"
 
 _TORCH_DTYPES = {
     "bf16": torch.bfloat16,
@@ -47,6 +53,48 @@ def _torch_dtype(name: str) -> torch.dtype:
         return _TORCH_DTYPES[name]
     except KeyError:
         raise InvalidArgumentError(f"KvvmCache does not support the KV dtype {name}") from None
+
+
+def _kvvm_sdpa_forward(*args: Any, **kwargs: Any) -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    # cuDNN's SDPA builds a new execution plan for every new KV length, on the CPU: 1.3 ms per
+    # layer and step on an H200 with torch 2.11, which makes a decode step host-bound. An
+    # exact-length cache changes the length at every step, so it asks for the kernels that
+    # take any length as it comes.
+    with sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    ):
+        return sdpa_attention_forward(*args, **kwargs)
+
+
+def register_attention() -> str:
+    """Registers :data:`ATTENTION` with transformers (attention and mask interfaces; idempotent)
+    and returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _kvvm_sdpa_forward)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    return ATTENTION
+
+
+def use_kvvm_attention(model: Any, enable: bool = True) -> None:
+    """Makes ``model`` attend with :data:`ATTENTION` (or, with ``enable=False``, with plain
+    ``"sdpa"`` again). Recommended with :class:`KvvmCache` on GPUs: the cache hands attention
+    exact-length K/V views, so no mask is needed and SDPA runs its own GQA; this picks the
+    kernels that need no per-length planning on the CPU."""
+    name = register_attention() if enable else "sdpa"
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        try:
+            setter(name)
+            return
+        except (ValueError, KeyError, TypeError):
+            pass
+    for cfg in {id(c): c for c in (model.config, _decoder_config(model.config))}.values():
+        cfg._attn_implementation = name
 
 
 def _decoder_config(config: Any) -> Any:
@@ -80,7 +128,8 @@ class KvvmLayer(CacheLayerMixin):
 
     def __init__(self, cache: KvvmCache, index: int) -> None:
         super().__init__()
-        self._cache = cache
+        # A proxy, not a reference: no cycle keeps the cache (and its manager's worker) alive.
+        self._cache: KvvmCache = weakref.proxy(cache)
         self._index = index
         self._k_full: torch.Tensor | None = None
         self._v_full: torch.Tensor | None = None
@@ -108,23 +157,29 @@ class KvvmLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes ``key_states``/``value_states`` (``[batch, kv_heads, q, head_dim]``) after the
         live tokens, in place, and returns the live views including them."""
-        if self._k_full is None:
+        k_full = self._k_full
+        if k_full is None:
             self.lazy_initialization(key_states, value_states)
-        k_full, v_full = self._k_full, self._v_full
+            k_full = self._k_full
+        v_full = self._v_full
         assert k_full is not None and v_full is not None
-        start = self.length
-        end = start + key_states.shape[-2]
         if key_states.shape[0] != k_full.shape[0]:
             raise InvalidArgumentError(
                 f"batch of {key_states.shape[0]} for a KvvmCache of {k_full.shape[0]} slots"
             )
-        self._cache._ensure(end)
-        k_full[:, :, start:end].copy_(key_states)
-        v_full[:, :, start:end].copy_(value_states)
+        start = self.length
+        q = key_states.shape[-2]
+        end = start + q
+        cache = self._cache
+        if end > cache._ensured:
+            cache._ensure(end)
+        # narrow() is the cheapest view on the host: a decode step is host-bound.
+        k_full.narrow(2, start, q).copy_(key_states)
+        v_full.narrow(2, start, q).copy_(value_states)
         self.length = end
-        self.keys = k_full[:, :, :end]
-        self.values = v_full[:, :, :end]
-        return self.keys, self.values
+        keys = self.keys = k_full.narrow(2, 0, end)
+        values = self.values = v_full.narrow(2, 0, end)
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)``: the exact live length (no padding, so no mask is needed
@@ -213,6 +268,7 @@ class KvvmCache(Cache):
         _check_full_attention(cfg)
         if batch_size <= 0 or max_cache_len <= 0:
             raise InvalidArgumentError("batch_size and max_cache_len must be positive")
+        self._owns_manager = manager is None
         if manager is None:
             manager = Manager(
                 backend,
@@ -365,6 +421,9 @@ class KvvmCache(Cache):
         self._unbind()
         freed = self.batch.release()
         self._released = True
+        if self._owns_manager:
+            # The manager was made for this cache: its pre-commit worker has nothing left to do.
+            self.manager.stop_precommit()
         return freed
 
     def __enter__(self) -> KvvmCache:

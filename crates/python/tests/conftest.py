@@ -1,0 +1,48 @@
+"""Fixtures: managers on the host backend (addressable memory, no GPU) and on the simulator."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+import kvvm
+
+MiB = 1 << 20
+
+
+def host_available() -> bool:
+    """Whether the host backend opens here (Linux with memfd)."""
+    try:
+        kvvm.Backend("host")
+    except kvvm.KvvmError:
+        return False
+    return True
+
+
+needs_host = pytest.mark.skipif(
+    not host_available(), reason=f"skipped: no host backend on {sys.platform}"
+)
+
+
+@pytest.fixture
+def host() -> Iterator[kvvm.Manager]:
+    """A host-backend manager with a 256 MiB budget."""
+    if not host_available():
+        pytest.skip(f"skipped: no host backend on {sys.platform}")
+    mgr = kvvm.Manager("host", budget_bytes=256 * MiB)
+    yield mgr
+    snap = mgr.snapshot()
+    assert snap.quarantined == 0, snap
+
+
+@pytest.fixture
+def sim() -> kvvm.Manager:
+    """A simulator manager with a 1 GiB budget."""
+    return kvvm.Manager("sim", budget_bytes=1 << 30)
+
+
+def tiny_geometry(max_tokens: int = 1024, dtype: str = "fp16") -> kvvm.KvGeometry:
+    """2 layers, 2 KV heads, head_dim 32: 512 B per token in fp16."""
+    return kvvm.KvGeometry(layers=2, kv_heads=2, head_dim=32, max_tokens=max_tokens, dtype=dtype)
