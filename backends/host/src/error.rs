@@ -17,6 +17,9 @@
 //! Nothing maps onto `DeviceLost`: the CPU has no sticky context error. A faulting access
 //! through a mapping is a `SIGSEGV` that ends the process (see the crate docs).
 
+// The refusal helpers are used by the Linux implementation only.
+#![cfg_attr(not(target_os = "linux"), allow(dead_code))]
+
 use kvvm_hal::{BackendError, ErrorKind, Operation};
 
 /// A raw `errno` value, as the kernel returned it.
