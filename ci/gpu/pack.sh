@@ -45,6 +45,8 @@ cargo build --release -p kvvm-cli -p kvvm-hip-on-cuda
 cp target/release/kvvm "$bundle/"
 cp target/release/libhip_on_cuda.so "$bundle/"
 cp ci/gpu/run.sh ci/gpu/smoke-serve.sh "$bundle/"
+# The Python wheel (abi3: built for 3.11 here, it loads into the GPU machine's 3.12).
+python3 -m pip wheel -q --no-deps -w "$bundle/wheels" .
 strip "$bundle"/kvvm "$bundle"/tests/* 2>/dev/null || true
 git rev-parse --short HEAD > "$bundle/COMMIT" 2>/dev/null || true
 du -sh "$bundle"
