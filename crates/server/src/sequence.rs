@@ -16,7 +16,6 @@ const WRITE_CHUNK_BYTES: u64 = 8 << 20;
 #[derive(Debug)]
 pub(crate) struct LiveSequence {
     kv: SequenceKv,
-    tokens: u64,
     hit_tokens: u64,
     shared_bytes: u64,
 }
@@ -47,7 +46,6 @@ impl LiveSequence {
             .map_err(|e| kv_error(vm, e, needed))?;
         let seq = LiveSequence {
             kv,
-            tokens,
             hit_tokens: 0,
             shared_bytes: 0,
         };
@@ -91,7 +89,6 @@ impl LiveSequence {
         }
         let seq = LiveSequence {
             kv,
-            tokens: prompt,
             hit_tokens: admission.hit_tokens,
             shared_bytes: admission.shared_bytes,
         };
@@ -104,9 +101,10 @@ impl LiveSequence {
         ))
     }
 
-    /// Live tokens.
+    /// Live tokens: the tokens the sequence has committed (asked of the KV layer, not
+    /// counted twice).
     pub(crate) fn tokens(&self) -> u64 {
-        self.tokens
+        self.kv.committed_tokens()
     }
 
     /// The most tokens this sequence may hold.
@@ -155,7 +153,6 @@ impl LiveSequence {
             .kv
             .ensure_tokens(tokens)
             .map_err(|e| kv_error(vm, e, needed))?;
-        self.tokens = tokens;
         Ok(added)
     }
 
