@@ -192,8 +192,11 @@ impl Inner {
         self.wake.notify_one();
     }
 
-    /// One worker pass over one sequence; returns whether it committed something.
+    /// One worker pass over one sequence; returns whether it committed something. While it
+    /// commits, this thread's grants do not reclaim other sequences' headroom (see
+    /// [`WorkerCommit`]).
     fn precommit(&self, cell: &Cell) -> bool {
+        let _worker = WorkerCommit::enter();
         let live = cell.live.load(Ordering::Acquire);
         let target = live
             .saturating_add(self.config.headroom_tokens.saturating_mul(2))
@@ -291,9 +294,37 @@ impl Inner {
     }
 }
 
+thread_local! {
+    /// Set while this thread is the pre-commit worker committing ahead.
+    static IN_WORKER_COMMIT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the current thread as committing headroom until dropped. A grant the worker asks for
+/// must not be paid for by shrinking another sequence's headroom: that would only move
+/// headroom around, and the next scan would move it back (a livelock: every scan "works",
+/// `wait_idle` never returns). Without the memory, the worker's commit is refused instead.
+struct WorkerCommit;
+
+impl WorkerCommit {
+    fn enter() -> WorkerCommit {
+        IN_WORKER_COMMIT.with(|f| f.set(true));
+        WorkerCommit
+    }
+
+    fn active() -> bool {
+        IN_WORKER_COMMIT.with(|f| f.get())
+    }
+}
+
+impl Drop for WorkerCommit {
+    fn drop(&mut self) {
+        IN_WORKER_COMMIT.with(|f| f.set(false));
+    }
+}
+
 impl Reclaimer for Inner {
     fn reclaim(&self, device: DeviceId, bytes: u64) -> u64 {
-        if device != self.vm.device() {
+        if device != self.vm.device() || WorkerCommit::active() {
             return 0;
         }
         let cells: Vec<Arc<Cell>> = {

@@ -315,3 +315,36 @@ proptest! {
         prop_assert_eq!(w.gov.snapshot().device(D0).used(), 0);
     }
 }
+
+/// Two sequences whose headroom cannot both fit the budget: the worker's own commits must not
+/// take one sequence's headroom to give it to the other (they would trade it back at every
+/// scan and `wait_idle` would never return); the worker's commit is refused instead.
+#[test]
+fn headroom_is_never_reclaimed_to_make_headroom() {
+    // 4 windows of budget; each sequence uses 1 and wants 2 more (headroom 64 tokens, up to 128).
+    let w = world(Some(4), 0);
+    let pre = Arc::new(Precommitter::start(&w.vm, config(64, 64)).unwrap());
+    let a = pre.attach(SequenceKv::new(&w.vm, &w.plan, 4096).unwrap());
+    let b = pre.attach(SequenceKv::new(&w.vm, &w.plan, 4096).unwrap());
+    a.ensure_tokens(1).unwrap();
+    b.ensure_tokens(1).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = Arc::clone(&pre);
+    std::thread::spawn(move || {
+        waiter.wait_idle();
+        let _ = tx.send(());
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_secs(20)).is_ok(),
+        "wait_idle did not return: the worker keeps trading headroom between sequences"
+    );
+    let stats = pre.stats();
+    assert_eq!(stats.reclaimed_bytes, 0, "{stats:?}");
+    check_books(&w);
+    // The decode path still takes headroom back under pressure: it is not the worker.
+    let c = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    let c = pre.attach(c);
+    let _ = c.ensure_tokens(1);
+    pre.shutdown();
+    check_books(&w);
+}
