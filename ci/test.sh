@@ -12,6 +12,9 @@ cargo fmt --all -- --check
 echo "== cargo clippy (workspace, all targets, -D warnings)"
 cargo clippy --workspace --all-targets -- -D warnings
 
+echo "== structure: no source file over 700 lines, no file-level import cycle in a crate"
+python3 ci/structure.py
+
 echo "== cargo test (workspace)"
 mkdir -p target
 set +e

@@ -3,7 +3,7 @@
 //! The parent re-runs a program (by default its own executable) with the environment
 //! variables [`CHILD_ENV`] and [`CHILD_BACKEND_ENV`] set. That program must call
 //! [`requested_child`] first thing in `main` and, when it returns a request, open the named
-//! backend and hand it to [`run_child`], then exit with the code it returns. The child prints
+//! backend and hand it to `run_child`, then exit with the code it returns. The child prints
 //! one verdict line on stdout, which the parent reads.
 //!
 //! A fault may also end the child before it can print a verdict: on a backend whose "kernels"
@@ -13,10 +13,6 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-
-use kvvm_hal::{DeviceId, VirtualMemoryBackend};
-
-use crate::Ctx;
 
 /// Environment variable naming the child case to run.
 pub const CHILD_ENV: &str = "KVVM_CONFORMANCE_CHILD";
@@ -59,7 +55,7 @@ pub enum ChildVerdict {
 }
 
 impl ChildVerdict {
-    fn to_line(&self) -> String {
+    pub(crate) fn to_line(&self) -> String {
         match self {
             ChildVerdict::Fault(m) => format!("{VERDICT_PREFIX}fault {m}"),
             ChildVerdict::NoFault => format!("{VERDICT_PREFIX}no-fault"),
@@ -134,22 +130,6 @@ pub fn requested_child() -> Option<(String, String)> {
     let case = std::env::var(CHILD_ENV).ok()?;
     let backend = std::env::var(CHILD_BACKEND_ENV).unwrap_or_else(|_| "auto".to_owned());
     Some((backend, case))
-}
-
-/// Runs child case `case` on `backend`, prints the verdict line, returns the exit code.
-pub fn run_child(backend: &dyn VirtualMemoryBackend, case: &str) -> i32 {
-    let verdict = match case {
-        CHILD_KERNEL_STORE => match Ctx::new(backend, DeviceId(0), None) {
-            Ok(ctx) => crate::cases::kernel_store_child(&ctx),
-            Err(e) => ChildVerdict::Error(e.to_string()),
-        },
-        other => ChildVerdict::Error(format!("unknown child case {other:?}")),
-    };
-    println!("{}", verdict.to_line());
-    match verdict {
-        ChildVerdict::Error(_) => 2,
-        _ => 0,
-    }
 }
 
 /// Prints an error verdict (for a child that could not open its backend); returns the code.

@@ -23,146 +23,22 @@
 //! assert!(report.passed >= 30);
 //! ```
 
+mod case;
 mod cases;
 mod child;
+mod ctx;
 mod report;
 mod scratch;
+mod suite;
+mod verdict;
 
-pub use cases::{all_cases, Case, Outcome, Verdict};
+pub use case::Case;
+pub use cases::all_cases;
 pub use child::{
-    report_child_error, requested_child, run_child, ChildRunner, ChildVerdict, CHILD_BACKEND_ENV,
-    CHILD_ENV, CHILD_KERNEL_STORE,
+    report_child_error, requested_child, ChildRunner, ChildVerdict, CHILD_BACKEND_ENV, CHILD_ENV,
+    CHILD_KERNEL_STORE,
 };
+pub use ctx::Ctx;
 pub use report::{CaseResult, Report, Status};
-
-use std::time::Instant;
-
-use kvvm_hal::{AllocationProperties, BackendError, DeviceId, KernelProbe, VirtualMemoryBackend};
-
-use scratch::Scratch;
-
-/// What a case sees: the backend, the device under test and its minimum granularity.
-pub struct Ctx<'a> {
-    backend: &'a dyn VirtualMemoryBackend,
-    device: DeviceId,
-    granule: u64,
-    child: Option<&'a ChildRunner>,
-}
-
-impl<'a> Ctx<'a> {
-    fn new(
-        backend: &'a dyn VirtualMemoryBackend,
-        device: DeviceId,
-        child: Option<&'a ChildRunner>,
-    ) -> Result<Self, BackendError> {
-        let granule = backend
-            .granularity(&AllocationProperties::device(device))?
-            .minimum;
-        Ok(Ctx {
-            backend,
-            device,
-            granule,
-            child,
-        })
-    }
-
-    fn scratch(&self) -> Scratch<'a> {
-        Scratch::new(self.backend, self.device)
-    }
-
-    fn require_posix_fd(&self) -> Outcome {
-        if self.backend.capabilities().posix_fd_handles {
-            Ok(())
-        } else {
-            Err(Verdict::Skip(format!(
-                "backend {} cannot export POSIX fd handles",
-                self.backend.name()
-            )))
-        }
-    }
-
-    fn require_kernels(&self) -> Result<&'a dyn KernelProbe, Verdict> {
-        match self.backend.kernel_probe() {
-            Some(p) if self.backend.capabilities().kernels => Ok(p),
-            _ => Err(Verdict::Skip(format!(
-                "backend {} cannot launch kernels",
-                self.backend.name()
-            ))),
-        }
-    }
-}
-
-/// Options of a run.
-#[derive(Debug, Clone, Default)]
-pub struct RunOptions {
-    /// The device to test (default device 0).
-    pub device: DeviceId,
-    /// Run only the cases whose name contains one of these strings (empty: all).
-    pub filter: Vec<String>,
-    /// How to start child processes; without one, child-process cases are skipped.
-    pub child: Option<ChildRunner>,
-}
-
-/// Runs the suite against `backend`.
-pub fn run_suite(backend: &dyn VirtualMemoryBackend, options: &RunOptions) -> Report {
-    let device_name = backend
-        .devices()
-        .ok()
-        .and_then(|d| d.into_iter().find(|d| d.id == options.device))
-        .map(|d| d.name)
-        .unwrap_or_else(|| "none".to_owned());
-    let selected: Vec<Case> = all_cases()
-        .into_iter()
-        .filter(|c| options.filter.is_empty() || options.filter.iter().any(|f| c.name.contains(f)))
-        .collect();
-    let ctx = match Ctx::new(backend, options.device, options.child.as_ref()) {
-        Ok(ctx) => ctx,
-        Err(e) => {
-            let reason = format!("cannot query granularity: {e}");
-            let cases = selected
-                .iter()
-                .map(|c| CaseResult {
-                    name: c.name.to_owned(),
-                    status: Status::Fail,
-                    reason: Some(reason.clone()),
-                    micros: 0,
-                })
-                .collect();
-            return Report::new(backend.name(), device_name, cases);
-        }
-    };
-    let cases = selected
-        .iter()
-        .map(|case| {
-            let start = Instant::now();
-            let outcome = (case.run)(&ctx);
-            let micros = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX);
-            let (status, reason) = match outcome {
-                Ok(()) => (Status::Pass, None),
-                Err(Verdict::Fail(m)) => (Status::Fail, Some(m)),
-                Err(Verdict::Skip(m)) => (Status::Skip, Some(m)),
-            };
-            CaseResult {
-                name: case.name.to_owned(),
-                status,
-                reason,
-                micros,
-            }
-        })
-        .collect();
-    Report::new(backend.name(), device_name, cases)
-}
-
-/// The report of a backend that could not be opened: every case `skip`, with `reason`.
-pub fn unavailable_report(backend: &str, reason: &str) -> Report {
-    let cases = all_cases()
-        .iter()
-        .map(|c| CaseResult {
-            name: c.name.to_owned(),
-            status: Status::Skip,
-            reason: Some(reason.to_owned()),
-            micros: 0,
-        })
-        .collect();
-    Report::new(backend, "none", cases)
-}
+pub use suite::{run_child, run_suite, unavailable_report, RunOptions};
+pub use verdict::{Outcome, Verdict};

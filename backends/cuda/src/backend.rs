@@ -2,20 +2,21 @@
 
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::ptr;
 use std::sync::Mutex;
 
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdevice_attribute, CUmemAccessDesc, CUmemAccess_flags,
-    CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
-    CUmemAllocationProp_st__bindgen_ty_1, CUmemAllocationType, CUmemLocation, CUmemLocationType,
+    CUcontext, CUdevice, CUdevice_attribute, CUmemAccessDesc, CUmemAllocationGranularity_flags,
+    CUmemLocation, CUmemLocationType,
 };
 use kvvm_hal::{
-    Access, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
+    traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
-    Operation, PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
+    Operation, PhysicalHandle, VirtualMemoryBackend,
 };
 
+use crate::conv::{
+    access_flags, allocation_prop, format_driver_version, ordinal, to_u64, to_usize,
+};
 use crate::driver::{self, Driver};
 use crate::error::CuCode;
 use crate::probe::ProbeModule;
@@ -77,84 +78,6 @@ impl std::fmt::Debug for CudaBackend {
     }
 }
 
-/// Formats `cuDriverGetVersion`'s value (`1000 * major + 10 * minor`) as
-/// `"CUDA 13.0 (driver 13000)"`.
-pub fn format_driver_version(version: i32) -> String {
-    format!(
-        "CUDA {}.{} (driver {version})",
-        version / 1000,
-        (version % 1000) / 10
-    )
-}
-
-fn to_usize(op: Operation, what: &str, value: u64) -> BackendResult<usize> {
-    usize::try_from(value).map_err(|_| {
-        BackendError::new(op, ErrorKind::InvalidValue, 0, "value out of range")
-            .with_detail(format!("{what} {value} does not fit in usize"))
-    })
-}
-
-fn to_u64(value: usize) -> u64 {
-    // usize is at most 64 bits on every target the driver supports.
-    u64::try_from(value).unwrap_or(u64::MAX)
-}
-
-fn ordinal(op: Operation, device: DeviceId) -> BackendResult<c_int> {
-    c_int::try_from(device.0).map_err(|_| {
-        BackendError::new(
-            op,
-            ErrorKind::InvalidValue,
-            101,
-            "CUDA_ERROR_INVALID_DEVICE",
-        )
-        .with_detail(format!("{device} does not fit a CUDA ordinal"))
-    })
-}
-
-/// The `CUmemAllocationProp` of pinned device memory on `ordinal`.
-fn allocation_prop(ordinal: c_int, handle_type: ShareableHandleType) -> CUmemAllocationProp {
-    CUmemAllocationProp {
-        type_: CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: match handle_type {
-            ShareableHandleType::None => CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
-            ShareableHandleType::PosixFd => {
-                CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-            }
-        },
-        location: CUmemLocation {
-            type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ordinal,
-        },
-        win32HandleMetaData: ptr::null_mut(),
-        allocFlags: CUmemAllocationProp_st__bindgen_ty_1 {
-            compressionType: 0,
-            gpuDirectRDMACapable: 0,
-            usage: 0,
-            reserved: [0; 4],
-        },
-    }
-}
-
-/// The `CUmemAccess_flags` of a neutral [`Access`].
-pub(crate) fn access_flags(access: Access) -> CUmemAccess_flags {
-    match access {
-        Access::None => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
-        Access::Read => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
-        Access::ReadWrite => CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    }
-}
-
-/// Runs `f` inside a debug span and logs its outcome.
-fn traced<T>(span: tracing::Span, f: impl FnOnce() -> BackendResult<T>) -> BackendResult<T> {
-    let _entered = span.enter();
-    let result = f();
-    match &result {
-        Ok(_) => tracing::debug!(ok = true),
-        Err(e) => tracing::debug!(ok = false, error = %e),
-    }
-    result
-}
-
 impl CudaBackend {
     /// Loads the CUDA driver library, initialises it, and retains the primary context of every
     /// device.
@@ -209,15 +132,11 @@ impl CudaBackend {
             .device_count()
             .map_err(|c| unavailable("cuDeviceGetCount", c))?;
         if count <= 0 {
-            return Err(BackendError::new(
-                Operation::Load,
-                ErrorKind::Unavailable,
-                100,
-                "CUDA_ERROR_NO_DEVICE",
-            )
-            .with_detail(format!(
-                "no CUDA device ({version} reports {count} devices)"
-            )));
+            return Err(CuCode::NO_DEVICE
+                .to_error(Operation::Load)
+                .with_detail(format!(
+                    "no CUDA device ({version} reports {count} devices)"
+                )));
         }
 
         // Built incrementally so that `Drop` releases the contexts retained so far on error.
@@ -293,13 +212,9 @@ impl CudaBackend {
             .ok()
             .and_then(|i| self.devices.get(i))
             .ok_or_else(|| {
-                BackendError::new(
-                    op,
-                    ErrorKind::InvalidValue,
-                    101,
-                    "CUDA_ERROR_INVALID_DEVICE",
-                )
-                .with_detail(format!("no {id} ({} devices)", self.devices.len()))
+                CuCode::INVALID_DEVICE
+                    .to_error(op)
+                    .with_detail(format!("no {id} ({} devices)", self.devices.len()))
             })
     }
 
@@ -312,52 +227,6 @@ impl CudaBackend {
         // SAFETY: `device.ctx` is a primary context retained by `open` and released only in
         // `Drop`, so it is live.
         self.check(op, unsafe { self.driver.ctx_set_current(device.ctx.0) })
-    }
-
-    /// The naive way to grow a device buffer, for benchmarks: with a buffer of `size` bytes
-    /// already allocated (`cuMemAlloc`, not timed), time `cuMemAlloc(size + extra)`,
-    /// `cuMemcpyDtoD` of `size` bytes, a context synchronize (so the copy is complete) and
-    /// `cuMemFree` of the old buffer. This is what growing without virtual memory costs; the
-    /// pointer changes each time. Everything allocated is freed before returning.
-    pub fn time_realloc_copy(
-        &self,
-        device: DeviceId,
-        size: u64,
-        extra: u64,
-    ) -> BackendResult<std::time::Duration> {
-        let op = Operation::CopyToDevice;
-        let dev = self.device(op, device)?;
-        self.make_current(op, dev)?;
-        let to_usize = |v: u64| {
-            usize::try_from(v).map_err(|_| {
-                BackendError::new(op, ErrorKind::InvalidValue, 1, "CUDA_ERROR_INVALID_VALUE")
-                    .with_detail("size does not fit in usize")
-            })
-        };
-        let old_len = to_usize(size)?;
-        let new_len = to_usize(size.checked_add(extra).ok_or_else(|| {
-            BackendError::new(op, ErrorKind::InvalidValue, 1, "CUDA_ERROR_INVALID_VALUE")
-                .with_detail("size + extra overflows")
-        })?)?;
-        let old = self.check(op, self.driver.mem_alloc(old_len))?;
-        let start = std::time::Instant::now();
-        let new = match self.check(op, self.driver.mem_alloc(new_len)) {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = self.driver.mem_free(old);
-                return Err(e);
-            }
-        };
-        let copied = self
-            .check(op, self.driver.memcpy_dtod(new, old, old_len))
-            .and_then(|()| self.check(Operation::Synchronize, self.driver.ctx_synchronize()));
-        let freed_old = self.check(op, self.driver.mem_free(old));
-        let elapsed = start.elapsed();
-        let freed_new = self.check(op, self.driver.mem_free(new));
-        copied?;
-        freed_old?;
-        freed_new?;
-        Ok(elapsed)
     }
 
     /// Makes one of this backend's contexts current on this thread: the current one if it is
@@ -626,21 +495,18 @@ impl VirtualMemoryBackend for CudaBackend {
         let span = tracing::debug_span!("kvvm_cuda", op = "cuMemExportToShareableHandle", %handle);
         traced(span, || {
             if !self.posix_fd {
-                return Err(BackendError::new(
-                    op,
-                    ErrorKind::NotSupported,
-                    801,
-                    "CUDA_ERROR_NOT_SUPPORTED",
-                )
-                .with_detail("a device lacks POSIX file descriptor handle support"));
+                return Err(CuCode::NOT_SUPPORTED
+                    .to_error(op)
+                    .with_detail("a device lacks POSIX file descriptor handle support"));
             }
             self.any_context(op)?;
             let fd = self.check(op, self.driver.export_posix_fd(handle.0))?;
             if fd < 0 {
-                return Err(
-                    BackendError::new(op, ErrorKind::Other, 0, "invalid file descriptor")
-                        .with_detail(format!("the driver returned fd {fd}")),
-                );
+                return Err(BackendError::raised(
+                    op,
+                    ErrorKind::Other,
+                    format!("the driver returned fd {fd}"),
+                ));
             }
             // SAFETY: on success the driver returns a newly opened file descriptor that the
             // caller owns (cuda.h); nothing else holds or closes it.
@@ -662,54 +528,5 @@ impl VirtualMemoryBackend for CudaBackend {
 
     fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
         Some(self)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn driver_version_string() {
-        assert_eq!(format_driver_version(13000), "CUDA 13.0 (driver 13000)");
-        assert_eq!(format_driver_version(12080), "CUDA 12.8 (driver 12080)");
-        assert_eq!(format_driver_version(11040), "CUDA 11.4 (driver 11040)");
-    }
-
-    #[test]
-    fn access_flags_match_cuda() {
-        assert_eq!(access_flags(Access::None) as u32, 0);
-        assert_eq!(access_flags(Access::Read) as u32, 1);
-        assert_eq!(access_flags(Access::ReadWrite) as u32, 3);
-    }
-
-    #[test]
-    fn allocation_prop_is_pinned_device_memory() {
-        let p = allocation_prop(3, ShareableHandleType::None);
-        assert_eq!(p.type_ as u32, 1);
-        assert_eq!(p.location.type_ as u32, 1);
-        assert_eq!(p.location.id, 3);
-        assert_eq!(p.requestedHandleTypes.0, 0);
-        assert!(p.win32HandleMetaData.is_null());
-        let p = allocation_prop(0, ShareableHandleType::PosixFd);
-        assert_eq!(p.requestedHandleTypes.0, 1);
-    }
-
-    #[test]
-    fn struct_layouts_match_cuda_h() {
-        // cuda.h (12.x / 13.0): CUmemAllocationProp is 32 bytes, CUmemAccessDesc 12.
-        assert_eq!(std::mem::size_of::<CUmemAllocationProp>(), 32);
-        assert_eq!(std::mem::size_of::<CUmemAccessDesc>(), 12);
-        assert_eq!(std::mem::size_of::<CUmemLocation>(), 8);
-    }
-
-    #[test]
-    fn out_of_range_values_are_invalid() {
-        assert_eq!(
-            ordinal(Operation::Map, DeviceId(u32::MAX)).map_err(|e| e.kind),
-            Err(ErrorKind::InvalidValue)
-        );
-        assert_eq!(ordinal(Operation::Map, DeviceId(2)).ok(), Some(2));
-        assert_eq!(to_usize(Operation::Map, "size", 4096).ok(), Some(4096));
     }
 }

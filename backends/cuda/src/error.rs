@@ -25,6 +25,12 @@ pub struct CuCode(pub u32);
 impl CuCode {
     /// `CUDA_SUCCESS`.
     pub const SUCCESS: CuCode = CuCode(0);
+    /// `CUDA_ERROR_NO_DEVICE`.
+    pub const NO_DEVICE: CuCode = CuCode(100);
+    /// `CUDA_ERROR_INVALID_DEVICE`.
+    pub const INVALID_DEVICE: CuCode = CuCode(101);
+    /// `CUDA_ERROR_NOT_SUPPORTED`.
+    pub const NOT_SUPPORTED: CuCode = CuCode(801);
 
     /// Whether the code is `CUDA_SUCCESS`.
     pub fn is_success(self) -> bool {
@@ -51,144 +57,252 @@ impl CuCode {
     }
 }
 
+/// `(code, name, kind)` of every `CUresult` this crate knows: one table, read by
+/// [`code_name`] and [`classify`] (see the module documentation for the classification).
+const TABLE: &[(u32, &str, ErrorKind)] = &[
+    (0, "CUDA_SUCCESS", ErrorKind::Other),
+    (1, "CUDA_ERROR_INVALID_VALUE", ErrorKind::InvalidValue),
+    (2, "CUDA_ERROR_OUT_OF_MEMORY", ErrorKind::OutOfMemory),
+    (3, "CUDA_ERROR_NOT_INITIALIZED", ErrorKind::Unavailable),
+    (4, "CUDA_ERROR_DEINITIALIZED", ErrorKind::Unavailable),
+    (5, "CUDA_ERROR_PROFILER_DISABLED", ErrorKind::Other),
+    (6, "CUDA_ERROR_PROFILER_NOT_INITIALIZED", ErrorKind::Other),
+    (7, "CUDA_ERROR_PROFILER_ALREADY_STARTED", ErrorKind::Other),
+    (8, "CUDA_ERROR_PROFILER_ALREADY_STOPPED", ErrorKind::Other),
+    (34, "CUDA_ERROR_STUB_LIBRARY", ErrorKind::Unavailable),
+    (
+        36,
+        "CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER",
+        ErrorKind::Unavailable,
+    ),
+    (46, "CUDA_ERROR_DEVICE_UNAVAILABLE", ErrorKind::Unavailable),
+    (47, "CUDA_ERROR_MULTICAST_RESOURCE_FULL", ErrorKind::Other),
+    (100, "CUDA_ERROR_NO_DEVICE", ErrorKind::Unavailable),
+    (101, "CUDA_ERROR_INVALID_DEVICE", ErrorKind::InvalidValue),
+    (
+        102,
+        "CUDA_ERROR_DEVICE_NOT_LICENSED",
+        ErrorKind::Unavailable,
+    ),
+    (200, "CUDA_ERROR_INVALID_IMAGE", ErrorKind::Other),
+    (201, "CUDA_ERROR_INVALID_CONTEXT", ErrorKind::InvalidValue),
+    (202, "CUDA_ERROR_CONTEXT_ALREADY_CURRENT", ErrorKind::Other),
+    (205, "CUDA_ERROR_MAP_FAILED", ErrorKind::Other),
+    (206, "CUDA_ERROR_UNMAP_FAILED", ErrorKind::Other),
+    (207, "CUDA_ERROR_ARRAY_IS_MAPPED", ErrorKind::Other),
+    (208, "CUDA_ERROR_ALREADY_MAPPED", ErrorKind::Other),
+    (209, "CUDA_ERROR_NO_BINARY_FOR_GPU", ErrorKind::NotSupported),
+    (210, "CUDA_ERROR_ALREADY_ACQUIRED", ErrorKind::Other),
+    (211, "CUDA_ERROR_NOT_MAPPED", ErrorKind::Other),
+    (212, "CUDA_ERROR_NOT_MAPPED_AS_ARRAY", ErrorKind::Other),
+    (213, "CUDA_ERROR_NOT_MAPPED_AS_POINTER", ErrorKind::Other),
+    (214, "CUDA_ERROR_ECC_UNCORRECTABLE", ErrorKind::DeviceLost),
+    (215, "CUDA_ERROR_UNSUPPORTED_LIMIT", ErrorKind::Other),
+    (216, "CUDA_ERROR_CONTEXT_ALREADY_IN_USE", ErrorKind::Other),
+    (217, "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED", ErrorKind::Other),
+    (218, "CUDA_ERROR_INVALID_PTX", ErrorKind::Other),
+    (219, "CUDA_ERROR_INVALID_GRAPHICS_CONTEXT", ErrorKind::Other),
+    (
+        220,
+        "CUDA_ERROR_NVLINK_UNCORRECTABLE",
+        ErrorKind::DeviceLost,
+    ),
+    (
+        221,
+        "CUDA_ERROR_JIT_COMPILER_NOT_FOUND",
+        ErrorKind::NotSupported,
+    ),
+    (
+        222,
+        "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
+        ErrorKind::NotSupported,
+    ),
+    (
+        223,
+        "CUDA_ERROR_JIT_COMPILATION_DISABLED",
+        ErrorKind::NotSupported,
+    ),
+    (
+        224,
+        "CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY",
+        ErrorKind::Other,
+    ),
+    (225, "CUDA_ERROR_UNSUPPORTED_DEVSIDE_SYNC", ErrorKind::Other),
+    (226, "CUDA_ERROR_CONTAINED", ErrorKind::DeviceLost),
+    (
+        227,
+        "CUDA_ERROR_INSUFFICIENT_LOADER_VERSION",
+        ErrorKind::Unavailable,
+    ),
+    (300, "CUDA_ERROR_INVALID_SOURCE", ErrorKind::Other),
+    (301, "CUDA_ERROR_FILE_NOT_FOUND", ErrorKind::Other),
+    (
+        302,
+        "CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND",
+        ErrorKind::Unavailable,
+    ),
+    (
+        303,
+        "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED",
+        ErrorKind::Unavailable,
+    ),
+    (304, "CUDA_ERROR_OPERATING_SYSTEM", ErrorKind::Other),
+    (400, "CUDA_ERROR_INVALID_HANDLE", ErrorKind::InvalidValue),
+    (401, "CUDA_ERROR_ILLEGAL_STATE", ErrorKind::InvalidValue),
+    (402, "CUDA_ERROR_LOSSY_QUERY", ErrorKind::Other),
+    (500, "CUDA_ERROR_NOT_FOUND", ErrorKind::Other),
+    (600, "CUDA_ERROR_NOT_READY", ErrorKind::Other),
+    (700, "CUDA_ERROR_ILLEGAL_ADDRESS", ErrorKind::DeviceLost),
+    (701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", ErrorKind::Other),
+    (702, "CUDA_ERROR_LAUNCH_TIMEOUT", ErrorKind::DeviceLost),
+    (
+        703,
+        "CUDA_ERROR_LAUNCH_INCOMPATIBLE_TEXTURING",
+        ErrorKind::Other,
+    ),
+    (
+        704,
+        "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED",
+        ErrorKind::Other,
+    ),
+    (705, "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED", ErrorKind::Other),
+    (708, "CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE", ErrorKind::Other),
+    (
+        709,
+        "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        ErrorKind::DeviceLost,
+    ),
+    (710, "CUDA_ERROR_ASSERT", ErrorKind::DeviceLost),
+    (711, "CUDA_ERROR_TOO_MANY_PEERS", ErrorKind::Other),
+    (
+        712,
+        "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+        ErrorKind::Other,
+    ),
+    (
+        713,
+        "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+        ErrorKind::Other,
+    ),
+    (
+        714,
+        "CUDA_ERROR_HARDWARE_STACK_ERROR",
+        ErrorKind::DeviceLost,
+    ),
+    (715, "CUDA_ERROR_ILLEGAL_INSTRUCTION", ErrorKind::DeviceLost),
+    (716, "CUDA_ERROR_MISALIGNED_ADDRESS", ErrorKind::DeviceLost),
+    (
+        717,
+        "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+        ErrorKind::DeviceLost,
+    ),
+    (718, "CUDA_ERROR_INVALID_PC", ErrorKind::DeviceLost),
+    (719, "CUDA_ERROR_LAUNCH_FAILED", ErrorKind::DeviceLost),
+    (
+        720,
+        "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE",
+        ErrorKind::Other,
+    ),
+    (721, "CUDA_ERROR_TENSOR_MEMORY_LEAK", ErrorKind::DeviceLost),
+    (800, "CUDA_ERROR_NOT_PERMITTED", ErrorKind::NotSupported),
+    (801, "CUDA_ERROR_NOT_SUPPORTED", ErrorKind::NotSupported),
+    (802, "CUDA_ERROR_SYSTEM_NOT_READY", ErrorKind::Unavailable),
+    (
+        803,
+        "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
+        ErrorKind::Unavailable,
+    ),
+    (
+        804,
+        "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE",
+        ErrorKind::Unavailable,
+    ),
+    (
+        805,
+        "CUDA_ERROR_MPS_CONNECTION_FAILED",
+        ErrorKind::Unavailable,
+    ),
+    (806, "CUDA_ERROR_MPS_RPC_FAILURE", ErrorKind::Other),
+    (
+        807,
+        "CUDA_ERROR_MPS_SERVER_NOT_READY",
+        ErrorKind::Unavailable,
+    ),
+    (
+        808,
+        "CUDA_ERROR_MPS_MAX_CLIENTS_REACHED",
+        ErrorKind::Unavailable,
+    ),
+    (
+        809,
+        "CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED",
+        ErrorKind::Unavailable,
+    ),
+    (
+        810,
+        "CUDA_ERROR_MPS_CLIENT_TERMINATED",
+        ErrorKind::DeviceLost,
+    ),
+    (811, "CUDA_ERROR_CDP_NOT_SUPPORTED", ErrorKind::Other),
+    (812, "CUDA_ERROR_CDP_VERSION_MISMATCH", ErrorKind::Other),
+    (
+        900,
+        "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        ErrorKind::Other,
+    ),
+    (
+        901,
+        "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+        ErrorKind::Other,
+    ),
+    (902, "CUDA_ERROR_STREAM_CAPTURE_MERGE", ErrorKind::Other),
+    (903, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", ErrorKind::Other),
+    (904, "CUDA_ERROR_STREAM_CAPTURE_UNJOINED", ErrorKind::Other),
+    (905, "CUDA_ERROR_STREAM_CAPTURE_ISOLATION", ErrorKind::Other),
+    (906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT", ErrorKind::Other),
+    (907, "CUDA_ERROR_CAPTURED_EVENT", ErrorKind::Other),
+    (
+        908,
+        "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+        ErrorKind::Other,
+    ),
+    (909, "CUDA_ERROR_TIMEOUT", ErrorKind::Other),
+    (
+        910,
+        "CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE",
+        ErrorKind::Other,
+    ),
+    (911, "CUDA_ERROR_EXTERNAL_DEVICE", ErrorKind::Other),
+    (912, "CUDA_ERROR_INVALID_CLUSTER_SIZE", ErrorKind::Other),
+    (913, "CUDA_ERROR_FUNCTION_NOT_LOADED", ErrorKind::Other),
+    (914, "CUDA_ERROR_INVALID_RESOURCE_TYPE", ErrorKind::Other),
+    (
+        915,
+        "CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION",
+        ErrorKind::Other,
+    ),
+    (916, "CUDA_ERROR_KEY_ROTATION", ErrorKind::Other),
+    (917, "CUDA_ERROR_STREAM_DETACHED", ErrorKind::Other),
+    (918, "CUDA_ERROR_GRAPH_RECAPTURE_FAILURE", ErrorKind::Other),
+    (919, "CUDA_ERROR_FABRIC_NOT_READY", ErrorKind::Other),
+    (999, "CUDA_ERROR_UNKNOWN", ErrorKind::Other),
+];
+
 /// The name of a `CUresult` code, or `None` if the code is unknown to this table.
 pub fn code_name(code: u32) -> Option<&'static str> {
-    let name = match code {
-        0 => "CUDA_SUCCESS",
-        1 => "CUDA_ERROR_INVALID_VALUE",
-        2 => "CUDA_ERROR_OUT_OF_MEMORY",
-        3 => "CUDA_ERROR_NOT_INITIALIZED",
-        4 => "CUDA_ERROR_DEINITIALIZED",
-        5 => "CUDA_ERROR_PROFILER_DISABLED",
-        6 => "CUDA_ERROR_PROFILER_NOT_INITIALIZED",
-        7 => "CUDA_ERROR_PROFILER_ALREADY_STARTED",
-        8 => "CUDA_ERROR_PROFILER_ALREADY_STOPPED",
-        34 => "CUDA_ERROR_STUB_LIBRARY",
-        36 => "CUDA_ERROR_CALL_REQUIRES_NEWER_DRIVER",
-        46 => "CUDA_ERROR_DEVICE_UNAVAILABLE",
-        47 => "CUDA_ERROR_MULTICAST_RESOURCE_FULL",
-        100 => "CUDA_ERROR_NO_DEVICE",
-        101 => "CUDA_ERROR_INVALID_DEVICE",
-        102 => "CUDA_ERROR_DEVICE_NOT_LICENSED",
-        200 => "CUDA_ERROR_INVALID_IMAGE",
-        201 => "CUDA_ERROR_INVALID_CONTEXT",
-        202 => "CUDA_ERROR_CONTEXT_ALREADY_CURRENT",
-        205 => "CUDA_ERROR_MAP_FAILED",
-        206 => "CUDA_ERROR_UNMAP_FAILED",
-        207 => "CUDA_ERROR_ARRAY_IS_MAPPED",
-        208 => "CUDA_ERROR_ALREADY_MAPPED",
-        209 => "CUDA_ERROR_NO_BINARY_FOR_GPU",
-        210 => "CUDA_ERROR_ALREADY_ACQUIRED",
-        211 => "CUDA_ERROR_NOT_MAPPED",
-        212 => "CUDA_ERROR_NOT_MAPPED_AS_ARRAY",
-        213 => "CUDA_ERROR_NOT_MAPPED_AS_POINTER",
-        214 => "CUDA_ERROR_ECC_UNCORRECTABLE",
-        215 => "CUDA_ERROR_UNSUPPORTED_LIMIT",
-        216 => "CUDA_ERROR_CONTEXT_ALREADY_IN_USE",
-        217 => "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
-        218 => "CUDA_ERROR_INVALID_PTX",
-        219 => "CUDA_ERROR_INVALID_GRAPHICS_CONTEXT",
-        220 => "CUDA_ERROR_NVLINK_UNCORRECTABLE",
-        221 => "CUDA_ERROR_JIT_COMPILER_NOT_FOUND",
-        222 => "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
-        223 => "CUDA_ERROR_JIT_COMPILATION_DISABLED",
-        224 => "CUDA_ERROR_UNSUPPORTED_EXEC_AFFINITY",
-        225 => "CUDA_ERROR_UNSUPPORTED_DEVSIDE_SYNC",
-        226 => "CUDA_ERROR_CONTAINED",
-        227 => "CUDA_ERROR_INSUFFICIENT_LOADER_VERSION",
-        300 => "CUDA_ERROR_INVALID_SOURCE",
-        301 => "CUDA_ERROR_FILE_NOT_FOUND",
-        302 => "CUDA_ERROR_SHARED_OBJECT_SYMBOL_NOT_FOUND",
-        303 => "CUDA_ERROR_SHARED_OBJECT_INIT_FAILED",
-        304 => "CUDA_ERROR_OPERATING_SYSTEM",
-        400 => "CUDA_ERROR_INVALID_HANDLE",
-        401 => "CUDA_ERROR_ILLEGAL_STATE",
-        402 => "CUDA_ERROR_LOSSY_QUERY",
-        500 => "CUDA_ERROR_NOT_FOUND",
-        600 => "CUDA_ERROR_NOT_READY",
-        700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
-        701 => "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
-        702 => "CUDA_ERROR_LAUNCH_TIMEOUT",
-        703 => "CUDA_ERROR_LAUNCH_INCOMPATIBLE_TEXTURING",
-        704 => "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED",
-        705 => "CUDA_ERROR_PEER_ACCESS_NOT_ENABLED",
-        708 => "CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE",
-        709 => "CUDA_ERROR_CONTEXT_IS_DESTROYED",
-        710 => "CUDA_ERROR_ASSERT",
-        711 => "CUDA_ERROR_TOO_MANY_PEERS",
-        712 => "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
-        713 => "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
-        714 => "CUDA_ERROR_HARDWARE_STACK_ERROR",
-        715 => "CUDA_ERROR_ILLEGAL_INSTRUCTION",
-        716 => "CUDA_ERROR_MISALIGNED_ADDRESS",
-        717 => "CUDA_ERROR_INVALID_ADDRESS_SPACE",
-        718 => "CUDA_ERROR_INVALID_PC",
-        719 => "CUDA_ERROR_LAUNCH_FAILED",
-        720 => "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE",
-        721 => "CUDA_ERROR_TENSOR_MEMORY_LEAK",
-        800 => "CUDA_ERROR_NOT_PERMITTED",
-        801 => "CUDA_ERROR_NOT_SUPPORTED",
-        802 => "CUDA_ERROR_SYSTEM_NOT_READY",
-        803 => "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
-        804 => "CUDA_ERROR_COMPAT_NOT_SUPPORTED_ON_DEVICE",
-        805 => "CUDA_ERROR_MPS_CONNECTION_FAILED",
-        806 => "CUDA_ERROR_MPS_RPC_FAILURE",
-        807 => "CUDA_ERROR_MPS_SERVER_NOT_READY",
-        808 => "CUDA_ERROR_MPS_MAX_CLIENTS_REACHED",
-        809 => "CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED",
-        810 => "CUDA_ERROR_MPS_CLIENT_TERMINATED",
-        811 => "CUDA_ERROR_CDP_NOT_SUPPORTED",
-        812 => "CUDA_ERROR_CDP_VERSION_MISMATCH",
-        900 => "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
-        901 => "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
-        902 => "CUDA_ERROR_STREAM_CAPTURE_MERGE",
-        903 => "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED",
-        904 => "CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
-        905 => "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
-        906 => "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
-        907 => "CUDA_ERROR_CAPTURED_EVENT",
-        908 => "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
-        909 => "CUDA_ERROR_TIMEOUT",
-        910 => "CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE",
-        911 => "CUDA_ERROR_EXTERNAL_DEVICE",
-        912 => "CUDA_ERROR_INVALID_CLUSTER_SIZE",
-        913 => "CUDA_ERROR_FUNCTION_NOT_LOADED",
-        914 => "CUDA_ERROR_INVALID_RESOURCE_TYPE",
-        915 => "CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION",
-        916 => "CUDA_ERROR_KEY_ROTATION",
-        917 => "CUDA_ERROR_STREAM_DETACHED",
-        918 => "CUDA_ERROR_GRAPH_RECAPTURE_FAILURE",
-        919 => "CUDA_ERROR_FABRIC_NOT_READY",
-        999 => "CUDA_ERROR_UNKNOWN",
-        _ => return None,
-    };
-    Some(name)
+    TABLE
+        .iter()
+        .find(|(c, _, _)| *c == code)
+        .map(|(_, n, _)| *n)
 }
 
-/// The [`ErrorKind`] a `CUresult` code maps onto (see the module documentation).
+/// The [`ErrorKind`] a `CUresult` code maps onto (see the module documentation); `Other` for
+/// a code this table does not know.
 pub fn classify(code: u32) -> ErrorKind {
-    match code {
-        // OUT_OF_MEMORY
-        2 => ErrorKind::OutOfMemory,
-        // INVALID_VALUE, INVALID_DEVICE, INVALID_CONTEXT, INVALID_HANDLE, ILLEGAL_STATE
-        1 | 101 | 201 | 400 | 401 => ErrorKind::InvalidValue,
-        // NOT_SUPPORTED, NOT_PERMITTED; no binary for the GPU, PTX JIT missing, too new or off
-        801 | 800 | 209 | 221 | 222 | 223 => ErrorKind::NotSupported,
-        // NOT_INITIALIZED, DEINITIALIZED, STUB_LIBRARY, CALL_REQUIRES_NEWER_DRIVER,
-        // DEVICE_UNAVAILABLE, NO_DEVICE, DEVICE_NOT_LICENSED, INSUFFICIENT_LOADER_VERSION,
-        // SHARED_OBJECT_SYMBOL_NOT_FOUND, SHARED_OBJECT_INIT_FAILED, SYSTEM_NOT_READY,
-        // SYSTEM_DRIVER_MISMATCH, COMPAT_NOT_SUPPORTED_ON_DEVICE, MPS connection/server/limits
-        3 | 4 | 34 | 36 | 46 | 100 | 102 | 227 | 302 | 303 | 802 | 803 | 804 | 805 | 807 | 808
-        | 809 => ErrorKind::Unavailable,
-        // ECC_UNCORRECTABLE, NVLINK_UNCORRECTABLE, CONTAINED, ILLEGAL_ADDRESS, LAUNCH_TIMEOUT,
-        // CONTEXT_IS_DESTROYED, ASSERT, HARDWARE_STACK_ERROR, ILLEGAL_INSTRUCTION,
-        // MISALIGNED_ADDRESS, INVALID_ADDRESS_SPACE, INVALID_PC, LAUNCH_FAILED,
-        // TENSOR_MEMORY_LEAK, MPS_CLIENT_TERMINATED: the context is unusable (sticky).
-        214 | 220 | 226 | 700 | 702 | 709 | 710 | 714 | 715 | 716 | 717 | 718 | 719 | 721 | 810 => {
-            ErrorKind::DeviceLost
-        }
-        _ => ErrorKind::Other,
-    }
+    TABLE
+        .iter()
+        .find(|(c, _, _)| *c == code)
+        .map_or(ErrorKind::Other, |(_, _, k)| *k)
 }
 
 #[cfg(test)]
@@ -325,6 +439,23 @@ mod tests {
             let debug = format!("{r:?}");
             assert_eq!(code_name(r as u32), Some(debug.as_str()));
         }
+    }
+
+    #[test]
+    fn table_has_no_duplicate_codes_and_the_constants_agree() {
+        let mut codes: Vec<u32> = TABLE.iter().map(|(c, _, _)| *c).collect();
+        codes.sort_unstable();
+        codes.dedup();
+        assert_eq!(codes.len(), TABLE.len());
+        assert_eq!(CuCode::NO_DEVICE.name(), Some("CUDA_ERROR_NO_DEVICE"));
+        assert_eq!(
+            CuCode::INVALID_DEVICE.name(),
+            Some("CUDA_ERROR_INVALID_DEVICE")
+        );
+        assert_eq!(
+            CuCode::NOT_SUPPORTED.name(),
+            Some("CUDA_ERROR_NOT_SUPPORTED")
+        );
     }
 
     #[test]

@@ -20,7 +20,10 @@
 //!   code newer than the bindings cannot be undefined behaviour);
 //! * `result`: thin wrappers, `MaybeUninit` out-parameters in, `Result<_, CuCode>` out;
 //! * [`error`]: names and classification of `CUresult` codes;
-//! * `backend` and `probe`: the trait implementations.
+//! * `conv`: checked conversions between the neutral types and the driver's;
+//! * `backend`: [`VirtualMemoryBackend`](kvvm_hal::VirtualMemoryBackend); `kernel` (with the
+//!   PTX of `probe`): [`KernelProbe`](kvvm_hal::KernelProbe); `linear`: plain device memory
+//!   for the realloc-and-copy baseline.
 //!
 //! ## Contexts and threads
 //!
@@ -36,12 +39,16 @@
 //! `CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED`.
 
 mod backend;
+mod conv;
 mod driver;
 pub mod error;
+mod kernel;
+mod linear;
 mod probe;
 mod result;
 
-pub use backend::{format_driver_version, CudaBackend};
+pub use backend::CudaBackend;
+pub use conv::format_driver_version;
 pub use error::CuCode;
 pub use probe::{LOAD_KERNEL, PROBE_PTX, STORE_KERNEL};
 

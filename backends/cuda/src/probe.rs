@@ -1,4 +1,5 @@
-//! The probe kernels of [`KernelProbe`]: hand-written PTX, JIT-compiled by the driver.
+//! The probe kernels of `KernelProbe`: hand-written PTX, JIT-compiled by the driver, and the
+//! module that holds them on a device. The trait implementation is `kernel.rs`.
 //!
 //! `kvvm_probe_load(ptr, len, out)` sums the `len` bytes at `ptr` with `ld.global.u8` (a
 //! grid-stride loop; each thread adds its partial sum to `*out` with one `atom.global.add`),
@@ -6,14 +7,11 @@
 //! The module is loaded lazily, once per device, in that device's primary context, together
 //! with an 8-byte `cuMemAlloc` buffer for `out`.
 
-use std::ffi::{c_uint, c_void, CStr};
+use std::ffi::{c_uint, CStr};
 
-use cudarc::driver::sys::{CUdeviceptr, CUfunction, CUmodule};
-use kvvm_hal::{BackendResult, DeviceAddress, DeviceId, KernelProbe, KernelProbeOp, Operation};
-
-use crate::backend::CudaBackend;
 use crate::driver::Driver;
 use crate::result::CuResult;
+use cudarc::driver::sys::{CUdeviceptr, CUfunction, CUmodule};
 
 /// The PTX text of the probe kernels (ISA 7.0, sm_70: the driver JITs it for newer GPUs).
 pub const PROBE_PTX: &CStr = cr#"
@@ -102,7 +100,7 @@ pub const LOAD_KERNEL: &CStr = c"kvvm_probe_load";
 pub const STORE_KERNEL: &CStr = c"kvvm_probe_store";
 
 /// Threads per block of a probe launch.
-const BLOCK: u64 = 256;
+pub(crate) const BLOCK: u64 = 256;
 /// Most blocks of a probe launch (the kernels loop over the rest).
 const MAX_BLOCKS: u64 = 1024;
 
@@ -116,9 +114,9 @@ pub(crate) fn grid_for(len: u64) -> c_uint {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ProbeModule {
     module: CUmodule,
-    load: CUfunction,
-    store: CUfunction,
-    out: CUdeviceptr,
+    pub(crate) load: CUfunction,
+    pub(crate) store: CUfunction,
+    pub(crate) out: CUdeviceptr,
 }
 
 // SAFETY: module and function handles are driver objects usable from any thread once their
@@ -127,7 +125,7 @@ unsafe impl Send for ProbeModule {}
 
 impl ProbeModule {
     /// Loads the probe module in the current context (which must be the device's).
-    fn load(driver: &Driver) -> CuResult<ProbeModule> {
+    pub(crate) fn load(driver: &Driver) -> CuResult<ProbeModule> {
         let module = driver.module_load_data(PROBE_PTX)?;
         let rest = (|| {
             // SAFETY: `module` was just loaded and is not unloaded before these calls.
@@ -161,87 +159,6 @@ impl ProbeModule {
         // SAFETY: the caller guarantees the module is no longer used.
         let unloaded = unsafe { driver.module_unload(self.module) };
         freed.and(unloaded)
-    }
-}
-
-impl KernelProbe for CudaBackend {
-    fn run(
-        &self,
-        device: DeviceId,
-        op: KernelProbeOp,
-        address: DeviceAddress,
-        len: u64,
-        value: u8,
-    ) -> BackendResult<u64> {
-        let kop = Operation::Kernel;
-        let span = tracing::debug_span!(
-            "kvvm_cuda",
-            op = "cuLaunchKernel",
-            %device,
-            probe = ?op,
-            %address,
-            len
-        );
-        let _entered = span.enter();
-        let dev = self.device(kop, device)?;
-        self.make_current(kop, dev)?;
-        // One probe at a time per device: the `out` buffer is shared. The lock is held until
-        // the probe has finished.
-        let mut slot = dev
-            .probe
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let module = match *slot {
-            Some(module) => module,
-            None => {
-                let module = self.check(kop, ProbeModule::load(&self.driver))?;
-                *slot = Some(module);
-                module
-            }
-        };
-        let grid = grid_for(len);
-        let block = c_uint::try_from(BLOCK).unwrap_or(256);
-        let mut ptr: u64 = address.0;
-        let mut count: u64 = len;
-        let result = match op {
-            KernelProbeOp::Load => {
-                self.check(kop, self.driver.memcpy_htod(module.out, &[0u8; 8]))?;
-                let mut out: u64 = module.out;
-                let mut params = [
-                    (&mut ptr as *mut u64).cast::<c_void>(),
-                    (&mut count as *mut u64).cast::<c_void>(),
-                    (&mut out as *mut u64).cast::<c_void>(),
-                ];
-                // SAFETY: `module.load` belongs to the module loaded in this (current)
-                // context, and `params` points to three u64 values, the kernel's three .u64
-                // parameters.
-                self.check(kop, unsafe {
-                    self.driver.launch(module.load, grid, block, &mut params)
-                })?;
-                self.check(kop, self.driver.ctx_synchronize())?;
-                let mut bytes = [0u8; 8];
-                self.check(kop, self.driver.memcpy_dtoh(&mut bytes, module.out))?;
-                u64::from_le_bytes(bytes)
-            }
-            KernelProbeOp::Store => {
-                let mut v = u32::from(value);
-                let mut params = [
-                    (&mut ptr as *mut u64).cast::<c_void>(),
-                    (&mut count as *mut u64).cast::<c_void>(),
-                    (&mut v as *mut u32).cast::<c_void>(),
-                ];
-                // SAFETY: `module.store` belongs to the module loaded in this (current)
-                // context, and `params` points to two u64 values and one u32, the kernel's
-                // .u64, .u64, .u32 parameters.
-                self.check(kop, unsafe {
-                    self.driver.launch(module.store, grid, block, &mut params)
-                })?;
-                self.check(kop, self.driver.ctx_synchronize())?;
-                0
-            }
-        };
-        tracing::debug!(result, "probe done");
-        Ok(result)
     }
 }
 

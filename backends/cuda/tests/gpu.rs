@@ -170,7 +170,7 @@ fn driver_semantics_map_onto_error_kinds() {
     let props = AllocationProperties::device(DEV);
 
     // Map of a whole handle over an already-mapped VA: InvalidValue (measured on the H200;
-    // the NotSupported of driver-facts.md comes from mapping part of a handle).
+    // the NotSupported of the first measurements comes from mapping part of a handle).
     let h2 = b.create(g, &props).expect("create");
     let e = b.map(m.base, g, h2).unwrap_err();
     assert_eq!(e.kind, ErrorKind::InvalidValue, "{e}");

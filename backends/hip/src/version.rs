@@ -40,12 +40,12 @@ impl fmt::Display for RuntimeVersion {
     }
 }
 
-/// Which `hipMemAllocationProp` layout a runtime expects (see [`crate::sys`]).
+/// Which `hipMemAllocationProp` layout a runtime expects (see [`crate::driver`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PropLayout {
-    /// ROCm 5.2: `compressionType` first ([`crate::sys::HipMemAllocationPropV52`]).
+    /// ROCm 5.2: `compressionType` first ([`crate::driver::HipMemAllocationPropV52`]).
     Rocm52,
-    /// ROCm >= 5.4 (and 6.x, 7.x): CUDA's layout ([`crate::sys::HipMemAllocationPropV54`]).
+    /// ROCm >= 5.4 (and 6.x, 7.x): CUDA's layout ([`crate::driver::HipMemAllocationPropV54`]).
     Rocm54,
 }
 

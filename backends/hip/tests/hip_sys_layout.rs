@@ -9,7 +9,7 @@
 use std::mem::{align_of, offset_of, size_of};
 
 use hip_sys::hiprt;
-use kvvm_hip::sys::{
+use kvvm_hip::driver::{
     HipMemAccessDesc, HipMemAllocationPropV54, HipMemLocation, HIP_MEM_ACCESS_FLAGS_PROT_READ,
     HIP_MEM_ACCESS_FLAGS_PROT_READ_WRITE, HIP_MEM_ALLOCATION_GRANULARITY_RECOMMENDED,
     HIP_MEM_ALLOCATION_TYPE_PINNED, HIP_MEM_HANDLE_TYPE_POSIX_FD, HIP_MEM_LOCATION_TYPE_DEVICE,

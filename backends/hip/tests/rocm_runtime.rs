@@ -10,7 +10,7 @@ use std::mem::{offset_of, size_of};
 use std::time::{Duration, Instant};
 
 use kvvm_hal::{BackendError, ErrorKind, Operation};
-use kvvm_hip::sys::{HipMemAllocationPropV52, HipMemAllocationPropV54};
+use kvvm_hip::driver::{HipMemAllocationPropV52, HipMemAllocationPropV54};
 use kvvm_hip::{HipRuntime, PropLayout, RuntimeVersion};
 
 /// The system runtime, or `Ok(None)` (with the skip line printed) when none is installed.

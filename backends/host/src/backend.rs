@@ -5,7 +5,7 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use kvvm_hal::{
-    AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
+    traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
     Operation, PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
 };
@@ -42,16 +42,6 @@ impl std::fmt::Debug for HostBackend {
             .field("ledger", &self.ledger())
             .finish()
     }
-}
-
-/// Runs one trait call inside its span, logging a refusal or failure.
-fn traced<T>(span: tracing::Span, f: impl FnOnce() -> BackendResult<T>) -> BackendResult<T> {
-    let _entered = span.enter();
-    let result = f();
-    if let Err(e) = &result {
-        tracing::debug!(error = %e, "refused or failed");
-    }
-    result
 }
 
 impl HostBackend {

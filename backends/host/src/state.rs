@@ -5,18 +5,18 @@
 //! closes someone else's descriptor), so the backend keeps what it needs to refuse exactly
 //! what the CUDA driver refuses (`docs/driver-semantics.md`), in the driver's order, and to
 //! make every `MAP_FIXED`, `mprotect` and `munmap` provably touch only its own ranges. The
-//! methods here only check and record; `backend.rs` makes the system calls in between.
+//! methods here only check and record; `backend.rs` makes the system calls in between. The
+//! records and the ledger are here; the checks of each kind of call are `address.rs`
+//! (reserve, free), `physical.rs` (create, release, export) and `mapping.rs` (map, set
+//! access, unmap, copies).
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::OwnedFd;
 
-use kvvm_hal::{
-    Access, AccessDescriptor, BackendResult, DeviceAddress, DeviceId, ErrorKind, Operation,
-    PhysicalHandle,
-};
+use kvvm_hal::{Access, BackendResult, DeviceId, Operation};
 
-use crate::conv::{end_of, is_multiple};
-use crate::error::{invalid, not_supported, refused};
+use crate::conv::is_multiple;
+use crate::error::invalid;
 use crate::HostLedger;
 
 /// A physical allocation is one memfd, identified by its file (`st_dev`, `st_ino`): a handle
@@ -24,49 +24,49 @@ use crate::HostLedger;
 pub(crate) type AllocationKey = (u64, u64);
 
 #[derive(Debug)]
-struct Reservation {
-    size: u64,
+pub(crate) struct Reservation {
+    pub(crate) size: u64,
 }
 
 #[derive(Debug)]
-struct Mapping {
-    size: u64,
-    allocation: AllocationKey,
-    access: Access,
+pub(crate) struct Mapping {
+    pub(crate) size: u64,
+    pub(crate) allocation: AllocationKey,
+    pub(crate) access: Access,
 }
 
 #[derive(Debug)]
-struct Handle {
+pub(crate) struct Handle {
     /// The memfd (closed when the handle is released).
-    fd: OwnedFd,
-    allocation: AllocationKey,
+    pub(crate) fd: OwnedFd,
+    pub(crate) allocation: AllocationKey,
     /// Created exportable (`ShareableHandleType::PosixFd`) or imported.
-    exportable: bool,
+    pub(crate) exportable: bool,
 }
 
 #[derive(Debug)]
-struct Allocation {
-    size: u64,
+pub(crate) struct Allocation {
+    pub(crate) size: u64,
     /// Live handles of it in this backend.
-    handles: u64,
+    pub(crate) handles: u64,
     /// Live mappings of it in this backend.
-    mappings: u64,
+    pub(crate) mappings: u64,
 }
 
 #[derive(Debug)]
 pub(crate) struct State {
     /// The minimum granularity: the page size.
-    granule: u64,
+    pub(crate) granule: u64,
     /// Physical bytes the backend may hold.
-    capacity: u64,
+    pub(crate) capacity: u64,
     /// Bytes of live allocations.
-    used: u64,
-    reservations: BTreeMap<u64, Reservation>,
-    mappings: BTreeMap<u64, Mapping>,
-    handles: HashMap<u64, Handle>,
-    allocations: HashMap<AllocationKey, Allocation>,
+    pub(crate) used: u64,
+    pub(crate) reservations: BTreeMap<u64, Reservation>,
+    pub(crate) mappings: BTreeMap<u64, Mapping>,
+    pub(crate) handles: HashMap<u64, Handle>,
+    pub(crate) allocations: HashMap<AllocationKey, Allocation>,
     /// Handle ids are never reused, so a second release is always detected.
-    next_handle: u64,
+    pub(crate) next_handle: u64,
 }
 
 impl State {
@@ -104,7 +104,7 @@ impl State {
         }
     }
 
-    fn check_size(&self, op: Operation, size: u64) -> BackendResult<()> {
+    pub(crate) fn check_size(&self, op: Operation, size: u64) -> BackendResult<()> {
         if size != 0 && is_multiple(size, self.granule) {
             Ok(())
         } else {
@@ -114,394 +114,6 @@ impl State {
             ))
         }
     }
-
-    // ---- address space ----
-
-    /// Checks a reservation's size and alignment; returns the alignment to honour.
-    pub(crate) fn check_reserve(&self, size: u64, alignment: u64) -> BackendResult<u64> {
-        let op = Operation::Reserve;
-        self.check_size(op, size)?;
-        if alignment != 0 && !alignment.is_power_of_two() {
-            return Err(invalid(
-                op,
-                format!("alignment {alignment} is not a power of two"),
-            ));
-        }
-        Ok(alignment.max(self.granule))
-    }
-
-    pub(crate) fn record_reservation(&mut self, address: u64, size: u64) {
-        self.reservations.insert(address, Reservation { size });
-    }
-
-    /// Checks that `[address, address + size)` is exactly a live reservation holding no
-    /// live mapping.
-    pub(crate) fn check_free(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        let op = Operation::Free;
-        let r = self
-            .reservations
-            .get(&address.0)
-            .ok_or_else(|| invalid(op, format!("no reservation at {address}")))?;
-        if r.size != size {
-            return Err(invalid(
-                op,
-                format!("size {size} differs from the reserved {}", r.size),
-            ));
-        }
-        let end = end_of(op, address.0, size)?;
-        if self.mappings.range(address.0..end).next().is_some() {
-            return Err(invalid(op, "a mapping inside the range is still live"));
-        }
-        Ok(())
-    }
-
-    pub(crate) fn remove_reservation(&mut self, address: u64) {
-        self.reservations.remove(&address);
-    }
-
-    /// Every live reservation (for teardown).
-    pub(crate) fn reservation_ranges(&self) -> Vec<(u64, u64)> {
-        self.reservations
-            .iter()
-            .map(|(a, r)| (*a, r.size))
-            .collect()
-    }
-
-    fn reservation_containing(&self, address: u64) -> Option<(u64, u64)> {
-        self.reservations
-            .range(..=address)
-            .next_back()
-            .filter(|(s, r)| address < s.saturating_add(r.size))
-            .map(|(s, r)| (*s, r.size))
-    }
-
-    // ---- physical memory ----
-
-    /// Checks a creation of `size` bytes against the granularity and the capacity.
-    pub(crate) fn check_create(&self, size: u64) -> BackendResult<()> {
-        let op = Operation::Create;
-        self.check_size(op, size)?;
-        if self
-            .used
-            .checked_add(size)
-            .is_none_or(|u| u > self.capacity)
-        {
-            return Err(refused(
-                op,
-                ErrorKind::OutOfMemory,
-                format!(
-                    "{size} bytes requested, {} of the capacity of {} free",
-                    self.capacity.saturating_sub(self.used),
-                    self.capacity
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Records a new handle of the allocation `key` (of `size` bytes) that owns `fd`.
-    pub(crate) fn record_handle(
-        &mut self,
-        fd: OwnedFd,
-        key: AllocationKey,
-        size: u64,
-        exportable: bool,
-    ) -> PhysicalHandle {
-        let a = self.allocations.entry(key).or_insert_with(|| Allocation {
-            size,
-            handles: 0,
-            mappings: 0,
-        });
-        if a.handles == 0 && a.mappings == 0 {
-            self.used = self.used.saturating_add(size);
-        }
-        a.handles = a.handles.saturating_add(1);
-        let id = self.next_handle;
-        self.next_handle = self.next_handle.saturating_add(0x10);
-        self.handles.insert(
-            id,
-            Handle {
-                fd,
-                allocation: key,
-                exportable,
-            },
-        );
-        PhysicalHandle(id)
-    }
-
-    /// Forgets a handle and returns its memfd (closing it releases the handle); the
-    /// allocation lives on while a mapping of it does.
-    pub(crate) fn release(&mut self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {
-        let h = self
-            .handles
-            .remove(&handle.0)
-            .ok_or_else(|| invalid(Operation::Release, format!("{handle} is not live")))?;
-        if let Some(a) = self.allocations.get_mut(&h.allocation) {
-            a.handles = a.handles.saturating_sub(1);
-        }
-        self.maybe_free_allocation(h.allocation);
-        Ok(h.fd)
-    }
-
-    fn maybe_free_allocation(&mut self, key: AllocationKey) {
-        let dead = self
-            .allocations
-            .get(&key)
-            .is_some_and(|a| a.handles == 0 && a.mappings == 0);
-        if dead {
-            if let Some(a) = self.allocations.remove(&key) {
-                self.used = self.used.saturating_sub(a.size);
-            }
-        }
-    }
-
-    fn handle(&self, op: Operation, handle: PhysicalHandle) -> BackendResult<&Handle> {
-        self.handles
-            .get(&handle.0)
-            .ok_or_else(|| invalid(op, format!("{handle} is not live")))
-    }
-
-    /// The memfd of a handle that may be exported (`InvalidValue` otherwise, like a handle
-    /// created without `ShareableHandleType::PosixFd` on CUDA).
-    pub(crate) fn check_export(&self, handle: PhysicalHandle) -> BackendResult<BorrowedFd<'_>> {
-        let op = Operation::Export;
-        let h = self.handle(op, handle)?;
-        if !h.exportable {
-            return Err(invalid(
-                op,
-                format!("{handle} was not created exportable as a POSIX fd"),
-            ));
-        }
-        Ok(h.fd.as_fd())
-    }
-
-    // ---- mappings ----
-
-    /// Checks a map of `handle` at `address`, in the driver's order: the handle is live; the
-    /// size is the handle's (a part of a handle is `NotSupported`, before any address
-    /// check); the address is aligned, inside one reservation to its end, and not mapped.
-    /// Returns the memfd to map.
-    pub(crate) fn check_map(
-        &self,
-        address: DeviceAddress,
-        size: u64,
-        handle: PhysicalHandle,
-    ) -> BackendResult<BorrowedFd<'_>> {
-        let op = Operation::Map;
-        let h = self.handle(op, handle)?;
-        let a_size = self
-            .allocations
-            .get(&h.allocation)
-            .map(|a| a.size)
-            .ok_or_else(|| invalid(op, format!("{handle} has no allocation")))?;
-        if size == 0 {
-            return Err(invalid(op, "size 0"));
-        }
-        if size > a_size {
-            return Err(invalid(
-                op,
-                format!("size {size} exceeds the handle's {a_size}"),
-            ));
-        }
-        if size != a_size {
-            return Err(not_supported(
-                op,
-                format!("map of {size} bytes of a {a_size}-byte handle (a handle is mapped whole)"),
-            ));
-        }
-        if !is_multiple(address.0, self.granule) {
-            return Err(invalid(
-                op,
-                format!("{address} is not aligned to {}", self.granule),
-            ));
-        }
-        let end = end_of(op, address.0, size)?;
-        let (r_start, r_size) = self
-            .reservation_containing(address.0)
-            .ok_or_else(|| invalid(op, format!("{address} is not reserved")))?;
-        if end > r_start.saturating_add(r_size) {
-            // CUDA does not check this; the host must, or MAP_FIXED would replace whatever the
-            // process has mapped after the reservation.
-            return Err(invalid(
-                op,
-                format!("map of {size} bytes at {address} runs past its reservation"),
-            ));
-        }
-        let overlaps = self
-            .mappings
-            .range(..end)
-            .next_back()
-            .is_some_and(|(s, m)| s.saturating_add(m.size) > address.0);
-        if overlaps {
-            return Err(invalid(op, format!("{address} is already mapped")));
-        }
-        Ok(h.fd.as_fd())
-    }
-
-    /// Records a map that [`check_map`](Self::check_map) allowed and the kernel made.
-    pub(crate) fn record_map(&mut self, address: DeviceAddress, size: u64, handle: PhysicalHandle) {
-        let Some(key) = self.handles.get(&handle.0).map(|h| h.allocation) else {
-            return;
-        };
-        if let Some(a) = self.allocations.get_mut(&key) {
-            a.mappings = a.mappings.saturating_add(1);
-        }
-        self.mappings.insert(
-            address.0,
-            Mapping {
-                size,
-                allocation: key,
-                access: Access::None,
-            },
-        );
-    }
-
-    /// The starts of the mappings that cover `[start, end)` exactly and contiguously.
-    fn whole_mappings(&self, op: Operation, start: u64, end: u64) -> BackendResult<Vec<u64>> {
-        if let Some((s, m)) = self.mappings.range(..start).next_back() {
-            if s.saturating_add(m.size) > start {
-                return Err(invalid(op, "range starts inside a mapping"));
-            }
-        }
-        let mut cursor = start;
-        let mut out = Vec::new();
-        for (&s, m) in self.mappings.range(start..end) {
-            if s != cursor {
-                return Err(invalid(op, format!("{cursor:#x} is not mapped")));
-            }
-            let e = s.saturating_add(m.size);
-            if e > end {
-                return Err(invalid(op, "range ends inside a mapping"));
-            }
-            out.push(s);
-            cursor = e;
-        }
-        if cursor != end {
-            return Err(invalid(op, format!("{cursor:#x} is not mapped")));
-        }
-        Ok(out)
-    }
-
-    /// Checks a set access over whole mappings; returns the access to apply (the last
-    /// descriptor's, all of them being the host's).
-    pub(crate) fn check_set_access(
-        &self,
-        address: DeviceAddress,
-        size: u64,
-        access: &[AccessDescriptor],
-    ) -> BackendResult<Access> {
-        let op = Operation::SetAccess;
-        let last = access
-            .last()
-            .ok_or_else(|| invalid(op, "empty access list"))?;
-        for d in access {
-            Self::check_device(op, d.device)?;
-        }
-        if size == 0 {
-            return Err(invalid(op, "size 0"));
-        }
-        let end = end_of(op, address.0, size)?;
-        self.whole_mappings(op, address.0, end)?;
-        Ok(last.access)
-    }
-
-    /// Records the access of the mappings in `[address, address + size)`.
-    pub(crate) fn record_access(&mut self, address: DeviceAddress, size: u64, access: Access) {
-        let end = address.0.saturating_add(size);
-        for (_, m) in self.mappings.range_mut(address.0..end) {
-            m.access = access;
-        }
-    }
-
-    /// The mappings `[address, address + size)` unmaps, merged into runs of adjacent
-    /// mappings `(start, len)`: every mapping must be covered whole; none is fine.
-    pub(crate) fn check_unmap(
-        &self,
-        address: DeviceAddress,
-        size: u64,
-    ) -> BackendResult<Vec<(u64, u64)>> {
-        let op = Operation::Unmap;
-        if size == 0 {
-            return Err(invalid(op, "size 0"));
-        }
-        let end = end_of(op, address.0, size)?;
-        if let Some((s, m)) = self.mappings.range(..address.0).next_back() {
-            if s.saturating_add(m.size) > address.0 {
-                return Err(invalid(op, "unmap of part of a mapping"));
-            }
-        }
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        for (&s, m) in self.mappings.range(address.0..end) {
-            let e = end_of(op, s, m.size)?;
-            if e > end {
-                return Err(invalid(op, "unmap of part of a mapping"));
-            }
-            match runs.last_mut() {
-                Some((rs, rl)) if rs.saturating_add(*rl) == s => *rl = rl.saturating_add(m.size),
-                _ => runs.push((s, m.size)),
-            }
-        }
-        Ok(runs)
-    }
-
-    /// Forgets the mappings inside `[start, start + len)` (a run the kernel has unmapped);
-    /// an allocation with no handle nor mapping left is freed. Returns the mappings removed.
-    pub(crate) fn record_unmap(&mut self, start: u64, len: u64) -> u64 {
-        let end = start.saturating_add(len);
-        let starts: Vec<u64> = self.mappings.range(start..end).map(|(s, _)| *s).collect();
-        for s in &starts {
-            if let Some(m) = self.mappings.remove(s) {
-                if let Some(a) = self.allocations.get_mut(&m.allocation) {
-                    a.mappings = a.mappings.saturating_sub(1);
-                }
-                self.maybe_free_allocation(m.allocation);
-            }
-        }
-        u64::try_from(starts.len()).unwrap_or(u64::MAX)
-    }
-
-    /// Checks that every byte of `[start, start + len)` is mapped, with write access when
-    /// `write` and read access otherwise; `need_access: false` checks only that it is mapped
-    /// (the probes, whose accesses the MMU checks).
-    pub(crate) fn check_range(
-        &self,
-        op: Operation,
-        start: u64,
-        len: u64,
-        need: Option<bool>,
-    ) -> BackendResult<()> {
-        let end = end_of(op, start, len)?;
-        let mut cursor = start;
-        while cursor < end {
-            let (ms, m) = self
-                .mappings
-                .range(..=cursor)
-                .next_back()
-                .filter(|(s, m)| cursor < s.saturating_add(m.size))
-                .ok_or_else(|| invalid(op, format!("{cursor:#x} is not mapped")))?;
-            if let Some(write) = need {
-                let allowed = if write {
-                    m.access.can_write()
-                } else {
-                    m.access.can_read()
-                };
-                if !allowed {
-                    return Err(invalid(
-                        op,
-                        format!(
-                            "{cursor:#x} has access {:?}, {} needed",
-                            m.access,
-                            if write { "write" } else { "read" }
-                        ),
-                    ));
-                }
-            }
-            cursor = ms.saturating_add(m.size);
-        }
-        Ok(())
-    }
-
-    // ---- import ----
 
     /// The allocation a descriptor's file is, if this backend holds it already.
     pub(crate) fn allocation_size(&self, key: AllocationKey) -> Option<u64> {
@@ -533,6 +145,7 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvvm_hal::{AccessDescriptor, DeviceAddress, ErrorKind};
 
     const G: u64 = 4096;
 

@@ -325,30 +325,3 @@ fn errors_carry_errno_names() {
     host.release(h).unwrap();
     host.free(va, 2 * p).unwrap();
 }
-
-#[test]
-fn the_kv_decode_loop_verifies_every_byte_on_every_layout() {
-    use kvvm_kv::decode::{run_decode_loop, DecodeLoopConfig};
-    use kvvm_kv::{KvDtype, KvGeometry, KvLayout};
-    for layout in [
-        KvLayout::HeadMajor,
-        KvLayout::SeqMajor,
-        KvLayout::TokenMajor,
-    ] {
-        let host = Arc::new(HostBackend::open().unwrap());
-        let mut config = DecodeLoopConfig::acceptance().unwrap();
-        config.geometry = KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, 1).unwrap();
-        config.layout = layout;
-        config.granularity = kvvm_vmm::GranularityChoice::Minimum;
-        config.sequences = 4;
-        config.prompt_tokens = 1000;
-        config.decode_tokens = 40;
-        let r = run_decode_loop(host.clone(), &config).unwrap();
-        assert!(r.verified && r.bytes_verified > 0, "{layout:?}: {r:?}");
-        assert_eq!(r.used_bytes_at_end, 0);
-        if r.prompt_shareable {
-            assert!(r.committed_bytes_with_sharing < r.committed_bytes_without_sharing);
-        }
-        assert!(host.ledger().is_empty(), "{layout:?}: {:?}", host.ledger());
-    }
-}

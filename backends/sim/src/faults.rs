@@ -1,6 +1,7 @@
 //! Fault injection: make chosen driver calls fail with a chosen [`ErrorKind`].
 
 use kvvm_hal::{ErrorKind, Operation};
+use kvvm_num::SplitMix64;
 
 /// One rule of a [`FaultPlan`]. Call numbers count calls of that operation from the moment
 /// the rule was installed, starting at 1.
@@ -70,7 +71,7 @@ impl FaultRule {
 struct Installed {
     rule: FaultRule,
     base: [u64; Operation::ALL.len()],
-    rng: u64,
+    rng: SplitMix64,
 }
 
 /// A set of fault rules, consulted on every call.
@@ -79,24 +80,12 @@ pub struct FaultPlan {
     rules: Vec<Installed>,
 }
 
-pub(crate) fn op_index(op: Operation) -> usize {
-    Operation::ALL.iter().position(|o| *o == op).unwrap_or(0)
-}
-
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 impl FaultPlan {
     pub(crate) fn install(&mut self, rule: FaultRule, counts: &[u64; Operation::ALL.len()]) {
-        let rng = match &rule {
+        let rng = SplitMix64::new(match &rule {
             FaultRule::Random { seed, .. } => *seed,
             _ => 0,
-        };
+        });
         self.rules.push(Installed {
             rule,
             base: *counts,
@@ -119,7 +108,7 @@ impl FaultPlan {
         op: Operation,
         counts: &[u64; Operation::ALL.len()],
     ) -> Option<ErrorKind> {
-        let i = op_index(op);
+        let i = op.index();
         let mut hit = None;
         for installed in &mut self.rules {
             let n_since = counts[i].saturating_sub(installed.base[i]);
@@ -130,10 +119,8 @@ impl FaultPlan {
                     probability, ops, ..
                 } => {
                     if ops.is_empty() || ops.contains(&op) {
-                        let draw = splitmix64(&mut installed.rng);
                         // 53 random bits as a uniform value in [0, 1).
-                        let unit = (draw >> 11) as f64 / (1u64 << 53) as f64;
-                        unit < *probability
+                        installed.rng.next_f64() < *probability
                     } else {
                         false
                     }
@@ -157,7 +144,7 @@ mod tests {
 
     fn counts_with(op: Operation, n: u64) -> [u64; Operation::ALL.len()] {
         let mut c = [0; Operation::ALL.len()];
-        c[op_index(op)] = n;
+        c[op.index()] = n;
         c
     }
 

@@ -1,7 +1,7 @@
 //! # kvvm-sim: a simulated GPU virtual-memory driver
 //!
 //! [`SimBackend`] implements [`VirtualMemoryBackend`] in process, reproducing the semantics the
-//! CUDA driver showed on an NVIDIA H200 (`shared/reference/driver-facts.md`, summarised in the
+//! CUDA driver showed on an NVIDIA H200 (`docs/driver-semantics.md`, summarised in the
 //! `kvvm-hal` crate docs): the same [`ErrorKind`] for the same misuse, deferred free of a
 //! released-but-mapped handle, unreported double unmap, access enforcement on copies, and
 //! granularity rules. Where the real driver is silent about a misuse (a map that runs past the
@@ -48,16 +48,21 @@
 
 #![forbid(unsafe_code)]
 
+mod address;
 mod config;
+mod data;
 mod faults;
 mod ledger;
+mod mapping;
+mod physical;
 mod state;
 
 pub use config::{
-    LatencyMode, LatencyModel, SimConfig, SimDeviceConfig, SimQuirks, GIB, H200_GRANULE,
-    H200_GRANULES, MIB,
+    LatencyMode, SimConfig, SimDeviceConfig, SimQuirks, GIB, H200_GRANULE, H200_GRANULES, MIB,
 };
 pub use faults::{FaultPlan, FaultRule};
+/// The cost model (defined in `kvvm-hal`, re-exported where the simulator is configured).
+pub use kvvm_hal::LatencyModel;
 pub use ledger::{Ledger, LedgerAllocation, LedgerHandle, LedgerMapping, LedgerReservation};
 
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -65,7 +70,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvvm_hal::{
-    AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
+    traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, MemoryInfo, Operation,
     PhysicalHandle, VirtualMemoryBackend,
 };
@@ -164,8 +169,19 @@ impl SimBackend {
         self.lock().reset_counters();
     }
 
-    /// Runs `f` on the locked state, accounts its latency, and spins for it if configured.
+    /// Runs `f` on the locked state inside one tracing span (the driver call), accounts its
+    /// latency, and spins for it if configured.
     fn call<T>(
+        &self,
+        op: Operation,
+        f: impl FnOnce(&mut State) -> Result<(T, u64), BackendError>,
+    ) -> BackendResult<T> {
+        traced(tracing::debug_span!("kvvm_sim", op = op.as_str()), || {
+            self.call_untraced(op, f)
+        })
+    }
+
+    fn call_untraced<T>(
         &self,
         op: Operation,
         f: impl FnOnce(&mut State) -> Result<(T, u64), BackendError>,

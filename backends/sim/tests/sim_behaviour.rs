@@ -148,7 +148,7 @@ fn latency_model_accounts_driver_time() {
     let expected =
         m.reserve + m.create * 4 + m.map * 4 + m.set_access + m.set_access_per_extra_granule * 3;
     assert_eq!(s.estimated_driver_time(), expected);
-    // One unmap over four mappings costs four unmaps (driver-facts: no cheaper per granule).
+    // One unmap over four mappings costs four unmaps (measured: no cheaper per granule).
     s.reset_counters();
     s.unmap(va, 4 * G).unwrap();
     assert_eq!(s.estimated_driver_time(), m.unmap_per_mapping * 4);

@@ -6,11 +6,11 @@ use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void};
 use std::mem::{offset_of, size_of, ManuallyDrop};
 use std::sync::{Mutex, OnceLock};
 
-use kvvm_hip::codes::{
+use kvvm_hip::error::HipErrorCode;
+use kvvm_hip::error::{
     HIP_ERROR_INSUFFICIENT_DRIVER, HIP_ERROR_INVALID_DEVICE, HIP_ERROR_INVALID_VALUE,
     HIP_ERROR_LAUNCH_FAILURE, HIP_ERROR_UNKNOWN,
 };
-use kvvm_hip::sys::HipErrorCode;
 use libloading::Library;
 
 /// `CUresult`, kept raw.

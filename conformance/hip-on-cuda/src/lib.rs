@@ -41,10 +41,11 @@ pub mod cuda;
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use kvvm_hip::codes::{
+use kvvm_hip::driver::{HipMemAccessDesc, HipMemAllocationPropV54};
+use kvvm_hip::error::HipErrorCode;
+use kvvm_hip::error::{
     HIP_ERROR_INSUFFICIENT_DRIVER, HIP_ERROR_INVALID_VALUE, HIP_ERROR_NO_DEVICE, HIP_ERROR_UNKNOWN,
 };
-use kvvm_hip::sys::{HipErrorCode, HipMemAccessDesc, HipMemAllocationPropV54};
 
 use crate::cuda::{
     cuda, to_hip, CuMemAccessDesc, CuMemAllocFlags, CuMemAllocationProp, CuMemLocation,

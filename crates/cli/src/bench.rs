@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use clap::{Args, Subcommand};
 use kvvm::VirtualMemoryBackend;
-use kvvm_vmm::bench::{run_all_with_baseline, BenchConfig, BenchReport, Stats};
+use kvvm_bench::realloc::BenchBackend;
+use kvvm_bench::vmm::{run_all_with_baseline, BenchConfig, BenchReport, Stats};
 use serde_json::{json, Value};
 
 /// Arguments of `kvvm bench`.
@@ -159,21 +160,11 @@ fn run_vmm(args: &VmmBenchArgs) -> Result<ExitCode, String> {
         ..BenchConfig::default()
     };
     // CUDA gets the realloc-and-copy baseline, which needs driver calls outside the trait.
-    let (backend, cuda): (
-        Arc<dyn VirtualMemoryBackend>,
-        Option<Arc<kvvm::cuda::CudaBackend>>,
-    ) = if args.backend == "cuda"
-        || (args.backend == "auto" && kvvm::cuda::CudaBackend::open().is_ok())
-    {
-        let c = Arc::new(kvvm::cuda::CudaBackend::open().map_err(|e| e.to_string())?);
-        (c.clone(), Some(c))
-    } else {
-        let opened = kvvm::open_backend_verbose(&args.backend).map_err(|e| e.to_string())?;
-        if let Some(n) = &opened.notice {
-            eprintln!("{n}");
-        }
-        (opened.backend, None)
-    };
+    let opened = BenchBackend::open(&args.backend)?;
+    if let Some(n) = &opened.notice {
+        eprintln!("{n}");
+    }
+    let backend = Arc::clone(&opened.backend);
     if args.quick {
         let g = backend
             .granularity(&kvvm::AllocationProperties::device(config.device))
@@ -181,13 +172,14 @@ fn run_vmm(args: &VmmBenchArgs) -> Result<ExitCode, String> {
             .minimum;
         config = BenchConfig::tiny(g);
     }
-    let device = config.device;
-    let mut baseline =
-        cuda.map(|c| move |size: u64, extra: u64| c.time_realloc_copy(device, size, extra));
+    let mut baseline = opened.realloc_baseline(config.device);
+    let mut realloc = baseline
+        .as_mut()
+        .map(|b| move |size: u64, extra: u64| b.time(size, extra));
     let report = run_all_with_baseline(
         backend,
         &config,
-        baseline
+        realloc
             .as_mut()
             .map(|f| f as &mut dyn FnMut(u64, u64) -> Result<_, _>),
     )
@@ -212,13 +204,14 @@ fn run_kv(args: &KvBenchArgs) -> Result<ExitCode, String> {
         }
         (opened.backend, None)
     };
-    let mut config = kvvm_kv::decode::DecodeLoopConfig::acceptance().map_err(|e| e.to_string())?;
+    let mut config =
+        kvvm_bench::decode::DecodeLoopConfig::reference().map_err(|e| e.to_string())?;
     config.layout = args.layout.parse().map_err(|e| format!("{e}"))?;
     config.sequences = args.sequences;
     config.prompt_tokens = args.prompt_tokens;
     config.share_prefix = !args.no_sharing;
     config.verify = !args.no_verify;
-    let r = kvvm_kv::decode::run_decode_loop(backend, &config).map_err(|e| e.to_string())?;
+    let r = kvvm_bench::decode::run_decode_loop(backend, &config).map_err(|e| e.to_string())?;
     let leak_free = host.as_ref().map(|h| h.ledger().is_empty());
     if args.json {
         let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
@@ -293,13 +286,13 @@ fn run_decode(args: &DecodeBenchArgs) -> Result<ExitCode, String> {
         }
     };
     let mut config =
-        kvvm_kv::precommit::DecodeBenchConfig::standard().map_err(|e| e.to_string())?;
+        kvvm_bench::precommit::DecodeBenchConfig::standard().map_err(|e| e.to_string())?;
     config.sequences = args.sequences.max(1);
     config.decode_tokens = args.steps.max(1);
     config.step_time = std::time::Duration::from_micros(args.step_us);
     config.precommit.max_headroom_bytes = u64::from(config.sequences) * 3 * (2 << 20);
-    let r = kvvm_kv::precommit::run_decode_bench(backend, &config).map_err(|e| e.to_string())?;
-    let lat = |l: &kvvm_kv::precommit::LatencySummary| {
+    let r = kvvm_bench::precommit::run_decode_bench(backend, &config).map_err(|e| e.to_string())?;
+    let lat = |l: &kvvm_bench::precommit::LatencySummary| {
         json!({"p50_us": l.p50_us, "p99_us": l.p99_us, "max_us": l.max_us,
                "calls": l.calls, "inline_commits": l.inline_commits})
     };

@@ -1,4 +1,5 @@
-//! `kvvm bench host`: the host backend against plain memory, side by side in one run.
+//! `kvvm bench host`: the host backend against plain memory, side by side in one run (the
+//! measurement is `kvvm_bench::host`; this is its command line and its table).
 //!
 //! 1. a commit of `--bytes` (64 MiB) through the manager on `host` (create, map and set access
 //!    of each 2 MiB granule; a fresh commit, no pool), then the first touch of its pages,
@@ -9,12 +10,13 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Args;
-use kvvm::host::{mmap_first_touch, HostBackend};
-use kvvm::{Access, DeviceId, VirtualMemoryBackend};
-use kvvm_vmm::{Governor, VirtualMemory, VmmConfig};
+use kvvm::host::HostBackend;
+use kvvm::{DeviceId, VirtualMemoryBackend};
+use kvvm_bench::host::measure_host;
+use kvvm_bench::vmm::Stats;
 use serde_json::{json, Value};
 
 /// Arguments of `kvvm bench host`.
@@ -38,17 +40,17 @@ struct Summary {
     p90: Duration,
 }
 
-fn summary(mut samples: Vec<Duration>) -> Summary {
-    samples.sort_unstable();
-    let n = samples.len();
-    let rank = |p: usize| {
-        let r = p.saturating_mul(n).div_ceil(100).clamp(1, n.max(1));
-        samples.get(r - 1).copied().unwrap_or_default()
-    };
-    Summary {
-        median: rank(50),
-        p90: rank(90),
-    }
+fn summary(samples: Vec<Duration>) -> Summary {
+    Stats::from_samples(samples).map_or(
+        Summary {
+            median: Duration::ZERO,
+            p90: Duration::ZERO,
+        },
+        |st| Summary {
+            median: st.median,
+            p90: st.p90,
+        },
+    )
 }
 
 fn us(d: Duration) -> f64 {
@@ -63,97 +65,6 @@ fn ratio(a: Duration, b: Duration) -> f64 {
     }
 }
 
-struct Samples {
-    commit: Vec<Duration>,
-    touch: Vec<Duration>,
-    commit_touch: Vec<Duration>,
-    mmap_touch: Vec<Duration>,
-    attach: Vec<Duration>,
-    memcpy: Vec<Duration>,
-}
-
-fn measure(host: &Arc<HostBackend>, bytes: u64, iterations: usize) -> Result<Samples, String> {
-    let err = |e: &dyn std::fmt::Display| e.to_string();
-    let backend: Arc<dyn VirtualMemoryBackend> = host.clone();
-    let vm = VirtualMemory::new(
-        backend,
-        DeviceId(0),
-        Governor::unlimited(),
-        VmmConfig::default().pool_cap_bytes(0),
-    )
-    .map_err(|e| err(&e))?;
-    let len = usize::try_from(bytes).map_err(|e| err(&e))?;
-    let mut s = Samples {
-        commit: Vec::new(),
-        touch: Vec::new(),
-        commit_touch: Vec::new(),
-        mmap_touch: Vec::new(),
-        attach: Vec::new(),
-        memcpy: Vec::new(),
-    };
-
-    // The owner of a shared prefix of `bytes`, written once.
-    let prefix: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-    let mut owner = vm.reserve(bytes).map_err(|e| err(&e))?;
-    let set = owner.commit_shared(&[(0, bytes)]).map_err(|e| err(&e))?;
-    host.copy_to_device(owner.address(), &prefix)
-        .map_err(|e| err(&e))?;
-    let windows: Vec<usize> = (0..set.len()).collect();
-    let mut copy_dst = vec![1u8; len];
-
-    for i in 0..=iterations {
-        let keep = i > 0; // sample 0 is the warm-up
-                          // Commit through the manager, then first touch.
-        let mut r = vm.reserve(bytes).map_err(|e| err(&e))?;
-        let t = Instant::now();
-        r.commit(bytes).map_err(|e| err(&e))?;
-        let commit = t.elapsed();
-        let t = Instant::now();
-        host.touch_pages(r.address(), bytes).map_err(|e| err(&e))?;
-        let touch = t.elapsed();
-        r.release().map_err(|e| err(&e))?;
-        drop(r);
-        // Plain mmap and first touch of the same bytes.
-        let plain = mmap_first_touch(bytes).map_err(|e| err(&e))?;
-        // Attach the prefix read-only vs copy it.
-        let t = Instant::now();
-        let mut sharer = vm.reserve(bytes).map_err(|e| err(&e))?;
-        sharer
-            .map_shared(&set, &windows, Access::Read)
-            .map_err(|e| err(&e))?;
-        let attach = t.elapsed();
-        let mut probe = [0u8; 64];
-        let last = sharer
-            .address()
-            .checked_add(bytes - 64)
-            .ok_or("address overflow")?;
-        host.copy_from_device(&mut probe, last)
-            .map_err(|e| err(&e))?;
-        if probe[..] != prefix[len - 64..] {
-            return Err("the attached prefix does not show the owner's bytes".into());
-        }
-        sharer.release().map_err(|e| err(&e))?;
-        drop(sharer);
-        let t = Instant::now();
-        copy_dst.copy_from_slice(&prefix);
-        let memcpy = t.elapsed();
-        std::hint::black_box(&copy_dst);
-        if keep {
-            s.commit.push(commit);
-            s.touch.push(touch);
-            s.commit_touch.push(commit + touch);
-            s.mmap_touch.push(plain);
-            s.attach.push(attach);
-            s.memcpy.push(memcpy);
-        }
-    }
-    owner.release().map_err(|e| err(&e))?;
-    drop(owner);
-    drop(set);
-    drop(vm);
-    Ok(s)
-}
-
 /// Runs `kvvm bench host`.
 pub fn run(args: &HostBenchArgs) -> Result<ExitCode, String> {
     let host = Arc::new(HostBackend::open().map_err(|e| e.to_string())?);
@@ -162,7 +73,7 @@ pub fn run(args: &HostBenchArgs) -> Result<ExitCode, String> {
         .map_err(|e| e.to_string())?
         .recommended;
     let bytes = args.bytes.div_ceil(granule).max(1) * granule;
-    let s = measure(&host, bytes, args.iterations.max(1))?;
+    let s = measure_host(&host, bytes, args.iterations.max(1))?;
     let ledger = host.ledger();
     let device = host
         .devices()

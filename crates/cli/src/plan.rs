@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Args;
-use kvvm_kv::{
+use kvvm_layout::{
     commit_lower_bound, evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, LayoutPlan,
 };
 use serde_json::json;

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvvm::DeviceId;
-use kvvm_kv::{KvDtype, KvLayout};
+use kvvm_layout::{KvDtype, KvLayout};
 use kvvm_server::{ServiceConfig, DEFAULT_BODY_LIMIT};
 
 /// Arguments of `kvvm serve`.

@@ -42,6 +42,12 @@ pub enum Operation {
 }
 
 impl Operation {
+    /// The position of this operation in [`ALL`](Self::ALL) (what per-operation arrays are
+    /// indexed by).
+    pub fn index(self) -> usize {
+        Operation::ALL.iter().position(|o| *o == self).unwrap_or(0)
+    }
+
     /// Every operation, in declaration order (for per-operation tables and fault plans).
     pub const ALL: [Operation; 17] = [
         Operation::Load,
@@ -195,6 +201,33 @@ impl BackendError {
             code_name: "unavailable".to_owned(),
             detail: Some(reason.into()),
         }
+    }
+
+    /// An error a backend (or a layer above it) raises itself, not from a driver call: an
+    /// argument that cannot be passed to the driver (a size that does not fit its type), a
+    /// missing device. It carries no vendor code (`code` 0, `code_name` the kind's name), so
+    /// it is never mistaken for the driver's answer.
+    pub fn raised(op: Operation, kind: ErrorKind, detail: impl Into<String>) -> Self {
+        BackendError {
+            op,
+            kind,
+            code: 0,
+            code_name: kind.as_str().to_owned(),
+            detail: Some(detail.into()),
+        }
+    }
+
+    /// `value` as the `usize` (`size_t`) a driver call of `op` takes, or the `InvalidValue` a
+    /// backend raises itself when it does not fit (on a 32-bit target): the one checked
+    /// conversion every vendor backend uses for sizes.
+    pub fn usize_arg(op: Operation, what: &str, value: u64) -> Result<usize, BackendError> {
+        kvvm_num::to_usize(value, "driver argument").map_err(|_| {
+            BackendError::raised(
+                op,
+                ErrorKind::InvalidValue,
+                format!("{what} {value} does not fit in usize"),
+            )
+        })
     }
 
     /// Adds context to the error.

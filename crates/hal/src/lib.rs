@@ -62,20 +62,37 @@
 //!   or shed load; the device is still usable.
 //! * [`ErrorKind::InvalidValue`]: the arguments were wrong for the driver's current state. This
 //!   is a bug in the caller (or an injected fault in tests).
-//! * [`ErrorKind::NotSupported`]: the driver cannot do this (a map over a live mapping, an
-//!   unaligned map, an export type the device lacks).
+//! * [`ErrorKind::NotSupported`]: the driver cannot do this (a map of part of a handle, an
+//!   export type the device lacks). A map over a live mapping or at an unaligned address is
+//!   `InvalidValue`, as the table above says.
 //! * [`ErrorKind::Unavailable`]: the backend cannot be used at all here: library, symbol or
 //!   device missing, or the runtime too old. The message says which. Choose another backend.
 //! * [`ErrorKind::DeviceLost`]: the context is unusable (a kernel fault, a lost device). Memory
 //!   on that device cannot be proven idle; the manager quarantines it.
 //! * [`ErrorKind::Other`]: any other driver code, reported with its number and name.
 
+//!
+//! ## Shared by every backend
+//!
+//! * [`traced`]: the one tracing span a backend opens per driver call;
+//! * [`LatencyModel`]: the modelled cost of each call (the H200 medians by default), spent or
+//!   accounted by the simulator and used by the workload's counting wrapper;
+//! * [`CallCounts`]: calls counted per [`Operation`];
+//! * [`BackendError::raised`] and [`BackendError::usize_arg`]: errors a backend raises itself,
+//!   with no vendor code.
+
 #![forbid(unsafe_code)]
 
+mod calls;
+mod cost;
 mod error;
+mod trace;
 mod types;
 
+pub use calls::CallCounts;
+pub use cost::LatencyModel;
 pub use error::{BackendError, ErrorKind, Operation};
+pub use trace::traced;
 pub use types::{
     Access, AccessDescriptor, AllocationProperties, Capabilities, DeviceAddress, DeviceId,
     DeviceInfo, Granularity, KernelProbeOp, MemoryInfo, PhysicalHandle, ShareableHandleType,

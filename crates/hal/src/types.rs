@@ -16,6 +16,13 @@ impl DeviceAddress {
     pub fn checked_add(self, bytes: u64) -> Option<DeviceAddress> {
         self.0.checked_add(bytes).map(DeviceAddress)
     }
+
+    /// The address `bytes` further on, saturating at the top of the address space: for an
+    /// offset already known to lie inside a range whose end was checked (a wrap is impossible
+    /// there, and a driver refuses a saturated address anyway).
+    pub fn offset(self, bytes: u64) -> DeviceAddress {
+        DeviceAddress(self.0.saturating_add(bytes))
+    }
 }
 
 impl fmt::Display for DeviceAddress {

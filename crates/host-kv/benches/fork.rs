@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BatchSize, BenchmarkId, Criterion};
 use kvvm_host_kv::{HostPageStore, PagedKvCache};
-use kvvm_kv::KvGeometry;
+use kvvm_layout::KvGeometry;
 
 const TOKENS: [u64; 3] = [1 << 10, 32 << 10, 128 << 10];
 const TOKENS_PER_PAGE: u32 = 16;

@@ -2,9 +2,11 @@
 
 use std::ops::Range;
 
-use kvvm_kv::{KvGeometry, KvKind};
+use kvvm_layout::{KvGeometry, KvKind};
 
-use crate::error::{add, mul, to_usize, HostKvError};
+use kvvm_num::{add, mul, to_usize};
+
+use crate::error::HostKvError;
 use crate::store::{HostPageStore, PhysicalPageId};
 use crate::table::{PageTable, PageWrite};
 
@@ -40,7 +42,7 @@ impl PageLayout {
             slot,
             "page offset",
         )?;
-        mul(cell, self.per_kv, "page offset")
+        Ok(mul(cell, self.per_kv, "page offset")?)
     }
 
     /// Byte range of the K or V run of `layer` for slots `0..slots`.
@@ -419,7 +421,7 @@ impl<'a> PageView<'a> {
     /// Errors: [`HostKvError::Geometry`] for a layer out of range.
     pub fn kv(&self, layer: u32, kind: KvKind) -> Result<&'a [u8], HostKvError> {
         if layer >= self.layers {
-            return Err(kvvm_kv::KvError::LayerOutOfRange {
+            return Err(kvvm_layout::KvError::LayerOutOfRange {
                 layer,
                 layers: self.layers,
             }

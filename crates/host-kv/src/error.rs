@@ -1,6 +1,6 @@
 //! Typed errors of the host paged KV cache.
 
-use kvvm_kv::KvError;
+use kvvm_layout::KvError;
 
 /// Every failure of `kvvm-host-kv`. Nothing in this crate panics on bad input.
 ///
@@ -16,7 +16,7 @@ use kvvm_kv::KvError;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum HostKvError {
-    /// Geometry arithmetic or an index rejected by `kvvm-kv`.
+    /// Geometry arithmetic or an index rejected by `kvvm-layout`.
     #[error(transparent)]
     Geometry(#[from] KvError),
     /// `tokens_per_page` was zero.
@@ -100,17 +100,8 @@ pub enum HostKvError {
     },
 }
 
-/// `a * b` in `usize`, or [`HostKvError::Overflow`].
-pub(crate) fn mul(a: usize, b: usize, what: &'static str) -> Result<usize, HostKvError> {
-    a.checked_mul(b).ok_or(HostKvError::Overflow { what })
-}
-
-/// `a + b` in `usize`, or [`HostKvError::Overflow`].
-pub(crate) fn add(a: usize, b: usize, what: &'static str) -> Result<usize, HostKvError> {
-    a.checked_add(b).ok_or(HostKvError::Overflow { what })
-}
-
-/// `value` as `usize`, or [`HostKvError::Overflow`].
-pub(crate) fn to_usize(value: u64, what: &'static str) -> Result<usize, HostKvError> {
-    usize::try_from(value).map_err(|_| HostKvError::Overflow { what })
+impl From<kvvm_num::Overflow> for HostKvError {
+    fn from(o: kvvm_num::Overflow) -> Self {
+        HostKvError::Overflow { what: o.what }
+    }
 }

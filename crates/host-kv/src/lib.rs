@@ -1,16 +1,16 @@
 //! # kvvm-host-kv: a host paged KV cache with true copy-on-write
 //!
-//! Subsystem B of kvvm (no GPU): a sequence's KV cache lives in host RAM on fixed-size pages
+//! The host side of kvvm (no GPU): a sequence's KV cache lives in host RAM on fixed-size pages
 //! ([`HostPageStore`]), mapped by a [`PageTable`] of reference-counted physical pages.
 //! [`PagedKvCache::fork`] shares every page of a sequence with a new one by bumping reference
 //! counts (no byte is copied); a page is copied only when a fork writes into it while another
-//! fork still maps it ([`PagedKvCache::ensure_page_for_write`]). This is the host-side CoW of
-//! the seed; the GPU-side shared prefix (kvvm-vmm) is read-only by contract and has no CoW.
+//! fork still maps it ([`PagedKvCache::ensure_page_for_write`]). This is copy-on-write on the
+//! host; the GPU-side shared prefix (kvvm-vmm) is read-only by contract and has no CoW.
 //! A "page" here is a logical reference-counting unit, not a kernel-visible block table.
 //!
 //! ## Pages
 //!
-//! The store's [`KvGeometry`](kvvm_kv::KvGeometry) gives the per-token shape; a page holds
+//! The store's [`KvGeometry`](kvvm_layout::KvGeometry) gives the per-token shape; a page holds
 //! `tokens_per_page` tokens, laid out `[layer][K, V][slot][kv_head][head_dim]`, so the keys
 //! (or values) of one layer for all tokens of a page are one contiguous slice
 //! ([`PageView::keys`]). Tokens enter and leave the API as `[layer][K, V][kv_head][head_dim]`
@@ -52,7 +52,7 @@
 //!
 //! ```
 //! use kvvm_host_kv::{HostKvError, HostPageStore, PageWrite, PagedKvCache};
-//! use kvvm_kv::KvGeometry;
+//! use kvvm_layout::KvGeometry;
 //!
 //! # fn main() -> Result<(), HostKvError> {
 //! // 2 layers x 2 KV heads x head_dim 4, fp16: 64 bytes per token; 16 tokens per page.

@@ -3,9 +3,11 @@
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use kvvm_kv::KvGeometry;
+use kvvm_layout::KvGeometry;
 
-use crate::error::{mul, to_usize, HostKvError};
+use kvvm_num::{mul, to_usize};
+
+use crate::error::HostKvError;
 
 /// Identity of a physical page buffer of one store, stable while the buffer lives (also across
 /// reuse from the free list).

@@ -2,7 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvvm_host_kv::{HostKvError, HostPageStore, PageWrite, PagedKvCache};
-use kvvm_kv::{KvError, KvGeometry, KvKind};
+use kvvm_layout::{KvError, KvGeometry, KvKind};
 
 /// 2 layers x 2 KV heads x head_dim 4, fp16: 64 bytes per token; per K/V per layer 16 bytes.
 fn geometry(max_tokens: u64) -> KvGeometry {

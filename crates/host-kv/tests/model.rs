@@ -2,7 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use kvvm_host_kv::{HostKvError, HostPageStore, PagedKvCache};
-use kvvm_kv::KvGeometry;
+use kvvm_layout::KvGeometry;
 use proptest::prelude::*;
 
 const MAX_TOKENS: u64 = 40;

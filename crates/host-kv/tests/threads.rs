@@ -5,7 +5,7 @@ use std::sync::{Arc, Barrier};
 use std::thread;
 
 use kvvm_host_kv::{HostPageStore, PagedKvCache};
-use kvvm_kv::KvGeometry;
+use kvvm_layout::KvGeometry;
 
 fn geometry() -> KvGeometry {
     // 2 layers x 1 KV head x head_dim 4, fp16: 32 bytes per token.

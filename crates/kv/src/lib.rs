@@ -1,6 +1,6 @@
 //! # kvvm-kv: KV-cache geometry, layouts, shareability, sequences and the prefix cache
 //!
-//! Two halves. **The arithmetic** (no GPU): given the shape of a model's KV cache ([`KvGeometry`]), a physical
+//! Two halves. **The arithmetic** (no GPU; it is `kvvm-layout`, re-exported here): given the shape of a model's KV cache ([`KvGeometry`]), a physical
 //! layout ([`KvLayout`]) and the device's mapping granule (queried from the driver, never
 //! hard-coded), this crate says where every byte lives ([`LayoutPlan::offset`]), how many
 //! bytes must be committed for `n` live tokens ([`LayoutPlan::committed_bytes_for_tokens`],
@@ -8,7 +8,7 @@
 //! allocation at several addresses ([`evaluate_prefix_shareability`]). **The device side**
 //! (over `kvvm-vmm`): one request's cache ([`SequenceKv`]), a prefix mapped read-only by many
 //! requests and billed once ([`SharedDevicePrefix`]), an automatic prefix cache
-//! ([`PrefixCache`]) and a synthetic decode loop ([`decode::run_decode_loop`]); see "On the
+//! ([`PrefixCache`]) and deterministic synthetic KV data ([`synthetic`]); see "On the
 //! device" below and `docs/prefix-sharing.md`.
 //!
 //! ## Geometry
@@ -138,8 +138,8 @@
 //!   [`KvCacheError::Backpressure`] carries the governor's `Backpressure { needed, available,
 //!   retry_after, .. }` ([`KvCacheError::retry_after`], [`KvCacheError::needed`],
 //!   [`KvCacheError::available`]): answer 429 with `Retry-After`.
-//! * [`decode::run_decode_loop`]: a synthetic generation loop over any backend that writes,
-//!   grows, shares a prompt prefix among many sequences and verifies every byte.
+//! * [`synthetic`]: deterministic token ids and KV bytes for tests and demos (the decode
+//!   benchmark that uses them is `kvvm-bench`).
 //!
 //! ## Errors
 //!
@@ -149,23 +149,27 @@
 #![forbid(unsafe_code)]
 
 mod cache;
-pub mod decode;
+mod cache_records;
 mod error;
-mod geometry;
-mod layout;
 pub mod precommit;
 mod prefix;
+mod prefix_setup;
 mod sequence;
-mod shareability;
+mod sequence_copy;
+pub mod synthetic;
 
-pub use cache::{
-    Admission, AdmissionInfo, PrefixCache, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
+pub use cache::PrefixCache;
+pub use cache_records::{
+    Admission, AdmissionInfo, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
 };
-pub use error::{KvCacheError, KvError};
-pub use geometry::{KvDtype, KvGeometry, ModelPreset, PRESETS};
-pub use layout::{Fragment, KvKind, KvLayout, LayoutPlan, LayoutStrides};
+pub use error::KvCacheError;
 pub use prefix::SharedDevicePrefix;
 pub use sequence::{LayerPointers, SequenceKv};
-pub use shareability::{
-    commit_lower_bound, evaluate_prefix_shareability, min_shareable_prefix, PrefixShareability,
+
+/// The layout arithmetic (`kvvm-layout`), re-exported: every path `kvvm_kv::KvGeometry`, ...
+/// keeps working.
+pub use kvvm_layout::{
+    commit_lower_bound, evaluate_prefix_shareability, min_shareable_prefix, Fragment, KvDtype,
+    KvError, KvGeometry, KvKind, KvLayout, LayoutPlan, LayoutStrides, ModelPreset,
+    PrefixShareability, PRESETS,
 };

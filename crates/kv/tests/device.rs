@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kvvm_governor::{Governor, GovernorConfig};
 use kvvm_hal::{DeviceAddress, DeviceId, ErrorKind, Operation, VirtualMemoryBackend};
-use kvvm_kv::decode::token_kv_bytes;
+use kvvm_kv::synthetic::token_kv_bytes;
 use kvvm_kv::{
     KvCacheError, KvDtype, KvGeometry, KvKind, KvLayout, LayoutPlan, PrefixCache,
     PrefixCacheConfig, PublishOutcome, SequenceKv, SharedDevicePrefix,
@@ -65,7 +65,7 @@ fn tokens_bytes(g: &KvGeometry, seq: u64, first: u64, n: u64, prefix: u64) -> Ve
         .collect()
 }
 
-/// DESIGN invariant 2: governor used = physical bytes owned + shared bytes counted once =
+/// Invariant 2: governor used = physical bytes owned + shared bytes counted once =
 /// the driver's physical bytes; nothing pending; no accounting error.
 fn check_books(w: &World, seqs: &[&SequenceKv], shared_sets: &[&SharedDevicePrefix]) {
     let snap = w.gov.snapshot().device(D0);

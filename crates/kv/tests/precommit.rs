@@ -55,7 +55,7 @@ fn config(headroom_tokens: u64, max_windows: u64) -> PrecommitConfig {
     }
 }
 
-/// DESIGN invariant 2 (no commit in flight): governor used = the driver's physical bytes.
+/// Invariant 2 (no commit in flight): governor used = the driver's physical bytes.
 fn check_books(w: &World) {
     let snap = w.gov.snapshot().device(D0);
     assert_eq!(snap.pending, 0, "{snap:?}");

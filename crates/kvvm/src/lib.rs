@@ -4,7 +4,17 @@
 //! cache grows (no copy, the pointer never changes), shares prompt prefixes by mapping one
 //! physical allocation read-only at several addresses (billed once), and turns memory
 //! exhaustion into backpressure instead of a crash. This crate is the facade: it opens a
-//! backend by name and re-exports the backend-neutral interface.
+//! backend by name and re-exports the whole stack, so one dependency gives a user everything:
+//!
+//! | path | crate | what |
+//! |---|---|---|
+//! | `kvvm::hal` (and the root) | `kvvm-hal` | the driver interface and its neutral types |
+//! | `kvvm::sim`, `kvvm::cuda`, `kvvm::hip`, `kvvm::host` | the backends | the simulated driver, CUDA, HIP, the host's virtual memory |
+//! | [`kvvm::governor`](governor) | `kvvm-governor` | byte budgets, grants, backpressure |
+//! | [`kvvm::vmm`](vmm) | `kvvm-vmm` | the manager: reservations, commit, pool, quarantine |
+//! | [`kvvm::layout`](layout) | `kvvm-layout` | KV geometry, layouts, shareability arithmetic |
+//! | [`kvvm::kv`](kv) | `kvvm-kv` | sequences, shared prefixes, the prefix cache, pre-commit |
+//! | [`kvvm::prelude`](prelude) | | the names most programs use |
 //!
 //! | name | backend |
 //! |---|---|
@@ -13,6 +23,24 @@
 //! | `"sim"` | the in-process simulated driver (one simulated H200) |
 //! | `"host"` | the host's own virtual memory (memfd + mmap; Linux): addressable KV bytes on the CPU |
 //! | `"auto"` | CUDA if it opens, else HIP, else the simulator, with a notice saying why (never `host`: it is chosen by name) |
+//!
+//! ```
+//! use kvvm::prelude::*;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let backend = kvvm::open_backend("sim")?;
+//! let vm = VirtualMemory::new(backend, DeviceId(0), Governor::unlimited(), VmmConfig::default())?;
+//! let plan = LayoutPlan::new(
+//!     KvGeometry::preset("llama-3-8b", KvDtype::F16, 4096)?,
+//!     KvLayout::TokenMajor,
+//!     vm.granule(),
+//! )?;
+//! let mut seq = SequenceKv::new(&vm, &plan, 4096)?;
+//! seq.ensure_tokens(100)?;
+//! assert!(seq.committed_bytes() > 0);
+//! # Ok(())
+//! # }
+//! ```
 //!
 //! ```
 //! let opened = kvvm::open_backend_verbose("auto").unwrap();
@@ -31,6 +59,7 @@
 //! cheapest driver call (a map) costs about a microsecond.
 
 pub use kvvm_cuda as cuda;
+pub use kvvm_governor as governor;
 pub use kvvm_hal as hal;
 pub use kvvm_hal::{
     Access, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
@@ -39,7 +68,23 @@ pub use kvvm_hal::{
 };
 pub use kvvm_hip as hip;
 pub use kvvm_host as host;
+pub use kvvm_kv as kv;
+pub use kvvm_layout as layout;
 pub use kvvm_sim as sim;
+pub use kvvm_vmm as vmm;
+
+/// The names most programs use: open a backend, make a manager, plan a layout, hold
+/// sequences and shared prefixes.
+pub mod prelude {
+    pub use crate::{open_backend, open_backend_verbose};
+    pub use kvvm_governor::{Backpressure, Governor, GovernorConfig};
+    pub use kvvm_hal::{BackendError, DeviceAddress, DeviceId, ErrorKind, VirtualMemoryBackend};
+    pub use kvvm_kv::{KvCacheError, PrefixCache, SequenceKv, SharedDevicePrefix};
+    pub use kvvm_layout::{
+        evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, LayoutPlan,
+    };
+    pub use kvvm_vmm::{Reservation, VirtualMemory, VmmConfig, VmmError};
+}
 
 use std::sync::Arc;
 

@@ -30,6 +30,7 @@ mod geometry;
 mod manager;
 mod prefix;
 mod sequence;
+mod shared_prefix;
 mod view;
 mod views;
 

@@ -3,9 +3,7 @@
 
 use std::sync::Arc;
 
-use kvvm_kv::{
-    PrefixCache as KvPrefixCache, PrefixCacheConfig, PublishOutcome, SharedDevicePrefix,
-};
+use kvvm_kv::{PrefixCache as KvPrefixCache, PrefixCacheConfig, PublishOutcome};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -13,13 +11,7 @@ use crate::errors::{self, Limits};
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
 use crate::sequence::Sequence;
-
-/// A prefix one sequence owns (read-write until sealed) and others map read-only.
-#[pyclass(frozen, module = "kvvm._native")]
-pub struct SharedPrefix {
-    pub(crate) prefix: Arc<SharedDevicePrefix>,
-    pub(crate) limits: Limits,
-}
+pub use crate::shared_prefix::SharedPrefix;
 
 #[pymethods]
 impl SharedPrefix {

@@ -11,7 +11,7 @@ use crate::cell::SeqCell;
 use crate::errors;
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
-use crate::prefix::SharedPrefix;
+use crate::shared_prefix::SharedPrefix;
 use crate::view::TensorView;
 use crate::views::{busy_error, kind_arg, make_view, ViewRequest};
 

@@ -50,6 +50,7 @@
 //! # }
 //! ```
 
+mod api;
 mod error;
 pub mod metrics;
 mod router;
@@ -60,12 +61,12 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+pub use api::{
+    AppendTokens, Counters, CreateSequence, MetricsSnapshot, Released, SequenceInfo, ShutdownReport,
+};
 pub use error::{retry_after_header, ServeError, ServiceError};
 pub use router::router;
-pub use service::{
-    AppendTokens, Counters, CreateSequence, KvService, MetricsSnapshot, Released, SequenceInfo,
-    ServiceConfig, ShutdownReport,
-};
+pub use service::{KvService, ServiceConfig};
 
 pub use tokio::net::TcpListener;
 

@@ -2,7 +2,7 @@
 
 use std::fmt::Write;
 
-use crate::service::MetricsSnapshot;
+use crate::api::MetricsSnapshot;
 
 /// The content type of [`render`]'s output.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -171,7 +171,7 @@ pub fn render(m: &MetricsSnapshot) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::service::Counters;
+    use crate::api::Counters;
     use kvvm::DeviceId;
     use kvvm_governor::{DeviceSnapshot, GovernorSnapshot};
     use kvvm_kv::PrefixCacheStats;

@@ -13,8 +13,9 @@ use axum::Router;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::api::{AppendTokens, CreateSequence};
 use crate::error::ServiceError;
-use crate::service::{AppendTokens, CreateSequence, KvService};
+use crate::service::KvService;
 
 /// Shared state of the handlers.
 #[derive(Debug, Clone)]

@@ -1,7 +1,7 @@
 //! One live sequence's KV cache: a [`SequenceKv`] reserved once under the service's
 //! [`LayoutPlan`], admitted through the [`PrefixCache`] when the client sends token ids.
 //!
-//! This is the only module that calls the KV layer; the [`KvService`](crate::KvService) owns
+//! This is the only module that calls the KV layer; the `KvService` owns
 //! the table of these, the plan and the cache.
 
 use kvvm_kv::{KvCacheError, LayoutPlan, PrefixCache, PublishOutcome, SequenceKv};
@@ -16,7 +16,6 @@ const WRITE_CHUNK_BYTES: u64 = 8 << 20;
 #[derive(Debug)]
 pub(crate) struct LiveSequence {
     kv: SequenceKv,
-    tokens: u64,
     hit_tokens: u64,
     shared_bytes: u64,
 }
@@ -47,7 +46,6 @@ impl LiveSequence {
             .map_err(|e| kv_error(vm, e, needed))?;
         let seq = LiveSequence {
             kv,
-            tokens,
             hit_tokens: 0,
             shared_bytes: 0,
         };
@@ -91,7 +89,6 @@ impl LiveSequence {
         }
         let seq = LiveSequence {
             kv,
-            tokens: prompt,
             hit_tokens: admission.hit_tokens,
             shared_bytes: admission.shared_bytes,
         };
@@ -104,9 +101,10 @@ impl LiveSequence {
         ))
     }
 
-    /// Live tokens.
+    /// Live tokens: the tokens the sequence has committed (asked of the KV layer, not
+    /// counted twice).
     pub(crate) fn tokens(&self) -> u64 {
-        self.tokens
+        self.kv.committed_tokens()
     }
 
     /// The most tokens this sequence may hold.
@@ -155,7 +153,6 @@ impl LiveSequence {
             .kv
             .ensure_tokens(tokens)
             .map_err(|e| kv_error(vm, e, needed))?;
-        self.tokens = tokens;
         Ok(added)
     }
 
@@ -219,7 +216,6 @@ fn write_placeholder(
 /// out-of-memory become [`ServiceError::Backpressure`]; token counts out of range are the
 /// client's; anything else is internal.
 fn kv_error(vm: &VirtualMemory, e: KvCacheError, needed: u64) -> ServiceError {
-    let device = vm.device();
     if let Some(bp) = e.backpressure() {
         return ServiceError::Backpressure {
             needed_bytes: bp.needed,
@@ -228,19 +224,12 @@ fn kv_error(vm: &VirtualMemory, e: KvCacheError, needed: u64) -> ServiceError {
         };
     }
     if e.is_retryable() {
-        // The governor granted it but the driver ran out: what the driver has left.
-        let governor_free = vm.governor().snapshot().device(device).free();
-        let driver_free = vm
-            .backend()
-            .memory_info(device)
-            .map_or(governor_free, |m| m.free);
-        let available = governor_free.min(driver_free);
+        // The governor granted it but the driver ran out: the manager says what is left.
+        let bp = vm.backpressure(needed);
         return ServiceError::Backpressure {
-            needed_bytes: needed,
-            available_bytes: available,
-            retry_after: vm
-                .governor()
-                .estimate_retry_after(device, needed.saturating_sub(available)),
+            needed_bytes: bp.needed,
+            available_bytes: bp.available,
+            retry_after: bp.retry_after,
         };
     }
     match e {

@@ -1,18 +1,20 @@
 //! The server's core: [`KvService`] owns the backend, the manager, the governor and the table
 //! of live sequences, and is the only place that calls the KV layer. The HTTP layer
-//! ([`crate::router`]) only parses, calls one method here and renders the result.
+//! (`router.rs`) only parses, calls one method here and renders the result.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvvm::{DeviceId, VirtualMemoryBackend};
-use kvvm_governor::{Governor, GovernorConfig, GovernorSnapshot};
-use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixCache, PrefixCacheStats};
+use kvvm_governor::{Governor, GovernorConfig};
+use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixCache};
 use kvvm_vmm::{VirtualMemory, VmmConfig};
-use serde::{Deserialize, Serialize};
 
+use crate::api::{
+    AppendTokens, Counters, CreateSequence, MetricsSnapshot, Released, SequenceInfo, ShutdownReport,
+};
 use crate::error::{ServeError, ServiceError};
 use crate::sequence::LiveSequence;
 
@@ -75,102 +77,6 @@ impl ServiceConfig {
     }
 }
 
-/// `POST /v1/sequences`: open a sequence.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct CreateSequence {
-    /// Tokens of the prompt (committed now). Optional when `token_ids` is given (its length);
-    /// when both are given they must agree.
-    #[serde(default)]
-    pub prompt_tokens: Option<u64>,
-    /// The most tokens the sequence will hold (its address space is reserved for this many);
-    /// default: the model's limit.
-    #[serde(default)]
-    pub max_tokens: Option<u64>,
-    /// The prompt's token ids, used to find a shared prefix.
-    #[serde(default)]
-    pub token_ids: Option<Vec<u32>>,
-}
-
-/// `POST /v1/sequences/{id}/append`: grow a sequence.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct AppendTokens {
-    /// Tokens to add (at least 1).
-    pub tokens: u64,
-}
-
-/// A live sequence as the API shows it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SequenceInfo {
-    /// The sequence's id.
-    pub id: u64,
-    /// Live tokens.
-    pub tokens: u64,
-    /// The most tokens it may hold.
-    pub max_tokens: u64,
-    /// Bytes mapped for it: granule x windows holding live bytes, its read-only shared
-    /// prefix windows included.
-    pub committed_bytes: u64,
-    /// Physical bytes it owns alone (shared prefix windows are billed once, to the prefix).
-    pub owned_bytes: u64,
-    /// Bytes mapped read-only from the prefix cache (not committed for it).
-    pub shared_bytes: u64,
-    /// Bytes of address space reserved for it (never committed as a whole).
-    pub reserved_bytes: u64,
-    /// Bytes committed by this request (0 when every needed window was already mapped).
-    pub added_bytes: u64,
-    /// Tokens of the prompt served from a shared prefix (not committed again).
-    pub prefix_hit_tokens: u64,
-    /// The base device address of its KV cache (never changes while it lives).
-    pub address: u64,
-}
-
-/// `DELETE /v1/sequences/{id}`: what was released.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Released {
-    /// The sequence's id.
-    pub id: u64,
-    /// Tokens it held.
-    pub tokens: u64,
-    /// Bytes it had committed.
-    pub released_bytes: u64,
-}
-
-/// What [`KvService::shutdown`] released.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ShutdownReport {
-    /// Sequences released.
-    pub sequences: u64,
-    /// Bytes they had committed.
-    pub released_bytes: u64,
-    /// Releases that failed (their memory is quarantined by the manager, never forgotten).
-    pub failures: u64,
-}
-
-/// Counters of the service, as `/metrics` shows them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Counters {
-    /// Sequences opened.
-    pub sequences_created: u64,
-    /// Sequences released (by `DELETE` or at shutdown).
-    pub sequences_released: u64,
-    /// Successful appends.
-    pub appends: u64,
-    /// Requests refused for lack of memory (429).
-    pub grants_refused: u64,
-    /// Requests refused as the client's error (4xx other than 429).
-    pub bad_requests: u64,
-    /// Requests that failed for another reason (5xx).
-    pub internal_errors: u64,
-    /// Sequences whose prompt hit a shared prefix.
-    pub prefix_hits: u64,
-    /// Prompt tokens served from shared prefixes.
-    pub prefix_hit_tokens: u64,
-    /// Prefixes published to the prefix cache by this server's requests.
-    pub prefixes_published: u64,
-}
-
 #[derive(Debug, Default)]
 struct AtomicCounters {
     sequences_created: AtomicU64,
@@ -204,25 +110,6 @@ fn lock_slot(slot: &Slot) -> MutexGuard<'_, Option<LiveSequence>> {
     slot.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A point-in-time view of the service for `/metrics`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MetricsSnapshot {
-    /// The governor's books.
-    pub governor: GovernorSnapshot,
-    /// The device served.
-    pub device: DeviceId,
-    /// Live sequences.
-    pub live_sequences: u64,
-    /// Live tokens over all sequences.
-    pub live_tokens: u64,
-    /// The counters.
-    pub counters: Counters,
-    /// The manager's granule.
-    pub granule: u64,
-    /// The prefix cache's counters and sizes (`None` when it is off).
-    pub prefix_cache: Option<PrefixCacheStats>,
-}
-
 /// The server's core: backend, manager, governor, layout plan, prefix cache and the table of
 /// live sequences.
 ///
@@ -231,21 +118,19 @@ pub struct MetricsSnapshot {
 /// own lock, held across its driver calls, so operations on different sequences run in
 /// parallel and operations on one sequence one after the other. Each operation is
 /// all-or-nothing: an error leaves the table and the books as they were.
+///
+/// The service keeps one set of books: what the manager knows (backend, device, governor,
+/// granule) is asked of the manager, what the plan knows (layout, the model's token limit) of
+/// the plan, sequence releases are recorded with the governor. It keeps only the table of
+/// live sequences, its counters, and the names it serves (model preset, element type).
 pub struct KvService {
-    backend: Arc<dyn VirtualMemoryBackend>,
     vm: VirtualMemory,
-    governor: Governor,
     plan: LayoutPlan,
     cache: Option<Arc<PrefixCache>>,
-    device: DeviceId,
     model: String,
     dtype: KvDtype,
-    layout: KvLayout,
-    max_tokens: u64,
     state: Mutex<State>,
     counters: AtomicCounters,
-    /// (time, bytes) of recent sequence releases, oldest first (for `retry_after`).
-    releases: Mutex<VecDeque<(Instant, u64)>>,
     /// Live tokens over all sequences.
     live_tokens: AtomicU64,
 }
@@ -253,11 +138,11 @@ pub struct KvService {
 impl std::fmt::Debug for KvService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvService")
-            .field("backend", &self.backend.name())
-            .field("device", &self.device)
+            .field("backend", &self.backend_name())
+            .field("device", &self.vm.device())
             .field("model", &self.model)
-            .field("layout", &self.layout)
-            .field("max_tokens", &self.max_tokens)
+            .field("layout", &self.layout())
+            .field("max_tokens", &self.max_tokens())
             .finish_non_exhaustive()
     }
 }
@@ -291,7 +176,7 @@ impl KvService {
         if let Some(cap) = pool_cap_bytes {
             vmm_config = vmm_config.pool_cap_bytes(cap);
         }
-        let vm = VirtualMemory::new(backend.clone(), device, governor.clone(), vmm_config)?;
+        let vm = VirtualMemory::new(backend, device, governor, vmm_config)?;
         let plan = LayoutPlan::new(geometry, layout, vm.granule())
             .map_err(|e| ServeError::Config(e.to_string()))?;
         let cache = if prefix_cache {
@@ -303,56 +188,33 @@ impl KvService {
             None
         };
         Ok(KvService {
-            backend,
             vm,
-            governor,
             plan,
             cache,
-            device,
             model,
             dtype,
-            layout,
-            max_tokens,
             state: Mutex::new(State {
                 sequences: BTreeMap::new(),
                 next_id: 1,
                 closed: false,
             }),
             counters: AtomicCounters::default(),
-            releases: Mutex::new(VecDeque::new()),
             live_tokens: AtomicU64::new(0),
         })
     }
 
-    /// Records `bytes` released by a sequence now.
+    /// Records `bytes` released by a sequence now (with the governor).
     fn note_release(&self, bytes: u64) {
-        let now = self.governor.config().clock.now();
-        let window = self.governor.config().retry.window;
-        let mut r = self.releases.lock().unwrap_or_else(|p| p.into_inner());
-        r.push_back((now, bytes));
-        while r
-            .front()
-            .is_some_and(|(t, _)| now.saturating_duration_since(*t) > window)
-        {
-            r.pop_front();
-        }
+        self.vm.governor().note_released(self.vm.device(), bytes);
     }
 
     /// The governor's `RetryPolicy` applied to the bytes released by sequences during the
     /// last window (whether their handles went back to the driver or to the pool, they are
     /// available to the next sequence).
     fn release_estimate(&self, shortfall: u64) -> Duration {
-        let config = self.governor.config();
-        let now = config.clock.now();
-        let released = self
-            .releases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter(|(t, _)| now.saturating_duration_since(*t) <= config.retry.window)
-            .map(|(_, b)| *b)
-            .fold(0u64, u64::saturating_add);
-        config.retry.estimate(shortfall, released)
+        self.vm
+            .governor()
+            .estimate_retry_after_released(self.vm.device(), shortfall)
     }
 
     /// Backpressure suggests the sooner of the governor's estimate (bytes given back to the
@@ -412,7 +274,7 @@ impl KvService {
 
     /// The backend's name.
     pub fn backend_name(&self) -> &str {
-        self.backend.name()
+        self.vm.backend().name()
     }
 
     /// The model preset served.
@@ -427,17 +289,17 @@ impl KvService {
 
     /// The layout served.
     pub fn layout(&self) -> KvLayout {
-        self.layout
+        self.plan.layout()
     }
 
     /// The model's context limit.
     pub fn max_tokens(&self) -> u64 {
-        self.max_tokens
+        self.plan.geometry().max_tokens()
     }
 
     /// The governor (budget and books).
     pub fn governor(&self) -> &Governor {
-        &self.governor
+        self.vm.governor()
     }
 
     /// The manager.
@@ -489,16 +351,16 @@ impl KvService {
                 ))
             }
         };
-        let max = req.max_tokens.unwrap_or(self.max_tokens);
+        let limit = self.max_tokens();
+        let max = req.max_tokens.unwrap_or(limit);
         if max == 0 {
             return Err(ServiceError::InvalidRequest(
                 "max_tokens must be at least 1".into(),
             ));
         }
-        if max > self.max_tokens {
+        if max > limit {
             return Err(ServiceError::InvalidRequest(format!(
-                "max_tokens {max} exceeds the model's limit of {} tokens",
-                self.max_tokens
+                "max_tokens {max} exceeds the model's limit of {limit} tokens"
             )));
         }
         if prompt > max {
@@ -666,8 +528,8 @@ impl KvService {
         let live_sequences = self.lock().sequences.len() as u64;
         let live_tokens = self.live_tokens.load(Ordering::Relaxed);
         MetricsSnapshot {
-            governor: self.governor.snapshot(),
-            device: self.device,
+            governor: self.vm.governor().snapshot(),
+            device: self.vm.device(),
             live_sequences,
             live_tokens,
             counters: self.counters(),

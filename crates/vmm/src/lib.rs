@@ -8,7 +8,7 @@
 //! * [`VirtualMemory`]: one per device (`Send + Sync`, cheap to clone). It knows the
 //!   granule (queried from the driver, never hard-coded), owns the handle pool and the
 //!   quarantine, and charges a [`Governor`].
-//! * [`Reservation`]: a reserved range whose base address never changes (DESIGN invariant 5).
+//! * [`Reservation`]: a reserved range whose base address never changes (invariant 5).
 //!
 //! ## Commit is a transaction
 //!
@@ -59,7 +59,7 @@
 //! release handles ("evict before refusing"). [`VirtualMemory::trim_pool`] trims it on demand;
 //! the pool is released when the last clone of the manager and the last reservation are gone.
 //!
-//! ## Accounting (DESIGN invariants 1-3)
+//! ## Accounting (invariants 1-3)
 //!
 //! * committed bytes of a reservation = granule x mapped blocks
 //!   ([`Reservation::committed_bytes`]);
@@ -82,6 +82,24 @@
 //! [`Reservation::commit_range`] commits the unmapped windows of any ranges (not only after the
 //! committed end), which is what a KV layout whose live bytes are spread over many fragments
 //! needs.
+//!
+//! ## Where each part lives
+//!
+//! | file | what |
+//! |---|---|
+//! | `manager.rs`, `config.rs` | [`VirtualMemory`] and [`VmmConfig`] |
+//! | `state.rs` | the per-device state every reservation and shared set holds; the reclaimer |
+//! | `device.rs` | the backend, granule, access, governor and accounting of one device |
+//! | `pool.rs` | the handle pool (free handles and the parked-bytes count, under one cap) |
+//! | `parking.rs` | parked windows: park, take back, evict, unpark under pressure |
+//! | `quarantine.rs` | [`QuarantineEntry`], its constructors, the quarantine list |
+//! | `reservation.rs` | [`Reservation`], the public API of a reserved range |
+//! | `range.rs` | a reservation's records (blocks, parked set) and bounds checks |
+//! | `commit.rs` | the commit transaction and its rollback |
+//! | `sharing.rs`, `shared.rs` | shared mappings, and the [`SharedHandles`] set |
+//! | `release.rs`, `teardown.rs` | release / truncate (unmap runs), and drop |
+//! | `strided.rs` | the driver range shared by strided reservations (`reserve_strided`) |
+//! | `mapping.rs`, `error.rs` | reported records ([`MappedBlock`], [`Commit`]) and [`VmmError`] |
 //!
 //! ## Example
 //!
@@ -111,16 +129,31 @@
 //! # }
 //! ```
 
-pub mod bench;
+mod commit;
+mod config;
+mod device;
 mod error;
 mod manager;
+mod mapping;
+mod parking;
+mod pool;
+mod quarantine;
+mod range;
+mod release;
 mod reservation;
 mod shared;
+mod sharing;
+mod state;
 mod strided;
+mod sync;
+mod teardown;
 
+pub use config::{GranularityChoice, VmmConfig};
 pub use error::{VmmError, VmmResult};
-pub use manager::{GranularityChoice, QuarantineEntry, QuarantineReason, VirtualMemory, VmmConfig};
-pub use reservation::{BlockKind, Commit, MappedBlock, Reservation};
+pub use manager::VirtualMemory;
+pub use mapping::{BlockKind, Commit, MappedBlock};
+pub use quarantine::{QuarantineEntry, QuarantineReason};
+pub use reservation::Reservation;
 pub use shared::SharedHandles;
 
 pub use kvvm_governor::{Backpressure, Governor, GovernorSnapshot, MappedGrowthGrant};

@@ -8,7 +8,8 @@ use std::sync::Arc;
 use kvvm_governor::Bucket;
 use kvvm_hal::PhysicalHandle;
 
-use crate::manager::{Inner, Source};
+use crate::device::Source;
+use crate::state::DeviceState;
 
 /// A set of physical handles that several reservations map at the same offsets: the granule
 /// windows of a shared prefix.
@@ -18,12 +19,12 @@ use crate::manager::{Inner, Source};
 /// and mapped by sharers with [`Reservation::map_shared`](crate::Reservation::map_shared).
 /// Every mapping holds a reference to the set, and so may a prefix cache: the handles are
 /// released (to the pool or the driver) only when the last reference is gone, which is after
-/// the owner and every sharer unmapped them (DESIGN invariant 4). The owner may finish first.
+/// the owner and every sharer unmapped them (invariant 4). The owner may finish first.
 ///
 /// [`mapped_count`](Self::mapped_count) is the pool's reference count of live mappings
-/// (`note_shared_map` / `note_unmapped` in the seed's words).
+/// (`note_shared_map` / `note_unmapped`).
 pub struct SharedHandles {
-    vm: Arc<Inner>,
+    vm: Arc<DeviceState>,
     windows: Vec<(u64, PhysicalHandle)>,
     mappings: AtomicU64,
     quarantined: AtomicBool,
@@ -39,7 +40,7 @@ impl fmt::Debug for SharedHandles {
 }
 
 impl SharedHandles {
-    pub(crate) fn new(vm: Arc<Inner>, windows: Vec<(u64, PhysicalHandle)>) -> Self {
+    pub(crate) fn new(vm: Arc<DeviceState>, windows: Vec<(u64, PhysicalHandle)>) -> Self {
         SharedHandles {
             vm,
             windows,
@@ -70,7 +71,7 @@ impl SharedHandles {
 
     /// Physical bytes the set holds (billed once, however many map it).
     pub fn bytes(&self) -> u64 {
-        (self.windows.len() as u64).saturating_mul(self.vm.granule)
+        (self.windows.len() as u64).saturating_mul(self.vm.ctx.granule)
     }
 
     /// Live mappings of the set's handles (owner's and sharers'), counted per window.
@@ -78,7 +79,7 @@ impl SharedHandles {
         self.mappings.load(Ordering::Acquire)
     }
 
-    pub(crate) fn is_from(&self, vm: &Arc<Inner>) -> bool {
+    pub(crate) fn is_from(&self, vm: &Arc<DeviceState>) -> bool {
         Arc::ptr_eq(&self.vm, vm)
     }
 
@@ -107,7 +108,7 @@ impl Drop for SharedHandles {
         }
         let _span = tracing::debug_span!(
             "vmm.shared_release",
-            device = self.vm.device.0,
+            device = self.vm.ctx.device.0,
             windows = self.windows.len()
         )
         .entered();

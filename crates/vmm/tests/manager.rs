@@ -1,5 +1,5 @@
 //! Behaviour of the manager on the simulator, and exhaustive fault injection: for every
-//! multi-step operation, every driver call of a clean run is failed once, and DESIGN.md
+//! multi-step operation, every driver call of a clean run is failed once, and the
 //! invariants 1-3 are checked against the simulator's ledger afterwards.
 #![allow(
     clippy::unwrap_used,

@@ -7,11 +7,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvvm_hal::{
-    AccessDescriptor, AllocationProperties, BackendResult, Capabilities, DeviceAddress, DeviceId,
-    DeviceInfo, Granularity, KernelProbe, MemoryInfo, Operation, PhysicalHandle,
-    VirtualMemoryBackend,
+    AccessDescriptor, AllocationProperties, BackendResult, CallCounts, Capabilities, DeviceAddress,
+    DeviceId, DeviceInfo, Granularity, KernelProbe, LatencyModel, MemoryInfo, Operation,
+    PhysicalHandle, VirtualMemoryBackend,
 };
-use kvvm_sim::LatencyModel;
 
 /// The operations counted as driver calls (copies of KV bytes are counted apart).
 const COUNTED: [Operation; 8] = Operation::VMM_CALLS;
@@ -20,10 +19,9 @@ fn slot(op: Operation) -> Option<usize> {
     COUNTED.iter().position(|o| *o == op)
 }
 
-/// Counts of one operation.
+/// Time spent in one operation (its calls are in the backend's [`CallCounts`]).
 #[derive(Debug, Default)]
-struct OpCounter {
-    calls: AtomicU64,
+struct OpTime {
     modelled_ns: AtomicU64,
     measured_ns: AtomicU64,
 }
@@ -54,7 +52,8 @@ pub struct CountingBackend {
     inner: Arc<dyn VirtualMemoryBackend>,
     granule: u64,
     model: LatencyModel,
-    ops: [OpCounter; 8],
+    calls: CallCounts,
+    ops: [OpTime; 8],
     kv_copies: AtomicU64,
     kv_copy_bytes: AtomicU64,
 }
@@ -75,6 +74,7 @@ impl CountingBackend {
             inner,
             granule: granule.max(1),
             model: LatencyModel::h200(),
+            calls: CallCounts::default(),
             ops: Default::default(),
             kv_copies: AtomicU64::new(0),
             kv_copy_bytes: AtomicU64::new(0),
@@ -85,7 +85,7 @@ impl CountingBackend {
     pub fn tally(&self) -> DriverTally {
         let mut t = DriverTally::default();
         for (op, c) in COUNTED.iter().zip(&self.ops) {
-            let calls = c.calls.load(Ordering::Relaxed);
+            let calls = self.calls.get(*op);
             t.calls = t.calls.saturating_add(calls);
             t.modelled = t
                 .modelled
@@ -109,7 +109,7 @@ impl CountingBackend {
         let out = f();
         let took = start.elapsed();
         if let Some(c) = slot(op).and_then(|i| self.ops.get(i)) {
-            c.calls.fetch_add(1, Ordering::Relaxed);
+            self.calls.record(op);
             let modelled = u64::try_from(self.model.cost(op, units).as_nanos()).unwrap_or(u64::MAX);
             c.modelled_ns.fetch_add(modelled, Ordering::Relaxed);
             let measured = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
@@ -204,7 +204,7 @@ impl VirtualMemoryBackend for CountingBackend {
 }
 
 /// Modelled cost of the calls of the policies that use `cudaMalloc`-style allocations instead
-/// of the virtual-memory API, derived from `shared/reference/driver-facts.md` (H200).
+/// of the virtual-memory API, derived from the H200 measurements of `docs/driver-semantics.md`.
 pub mod classic {
     use std::time::Duration;
 

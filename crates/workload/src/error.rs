@@ -1,7 +1,8 @@
 //! Typed errors of the workload crate.
 
 use kvvm_hal::BackendError;
-use kvvm_kv::{KvCacheError, KvError};
+use kvvm_kv::KvCacheError;
+use kvvm_layout::KvError;
 use kvvm_vmm::VmmError;
 
 /// An error of trace loading, validation or replay.
@@ -76,12 +77,8 @@ pub enum WorkloadError {
 /// Result type of this crate.
 pub type WorkloadResult<T> = Result<T, WorkloadError>;
 
-/// `a * b`, or [`WorkloadError::Overflow`].
-pub(crate) fn mul(a: u64, b: u64, what: &'static str) -> WorkloadResult<u64> {
-    a.checked_mul(b).ok_or(WorkloadError::Overflow(what))
-}
-
-/// `a + b`, or [`WorkloadError::Overflow`].
-pub(crate) fn add(a: u64, b: u64, what: &'static str) -> WorkloadResult<u64> {
-    a.checked_add(b).ok_or(WorkloadError::Overflow(what))
+impl From<kvvm_num::Overflow> for WorkloadError {
+    fn from(o: kvvm_num::Overflow) -> Self {
+        WorkloadError::Overflow(o.what)
+    }
 }

@@ -46,7 +46,7 @@
 //! A kvvm policy opens a [`VirtualMemory`](kvvm_vmm::VirtualMemory) on the backend with a
 //! [`Governor`](kvvm_vmm::Governor) holding the budget (its clock follows the replay's time)
 //! and runs every request as a [`SequenceKv`](kvvm_kv::SequenceKv) of the KV layer: reserved
-//! at the maximum context under the layout ([`LayoutPlan`](kvvm_kv::LayoutPlan)), grown with
+//! at the maximum context under the layout ([`LayoutPlan`](kvvm_layout::LayoutPlan)), grown with
 //! `ensure_tokens` whenever a token needs a new granule window (the windows holding live
 //! bytes, one run per fragment, committed as one transaction through the governor:
 //! `Reservation::commit_ranges`), and released when the request ends. Every driver call goes
@@ -60,25 +60,25 @@
 //! then sealed), and every later one maps it read-only (`map_shared_prefix_readonly`) and
 //! commits only the windows after it. The policy holds the prefix while a sharer runs and
 //! drops it with the last one (the owner may finish first). When the layout cannot share the
-//! prompt ([`evaluate_prefix_shareability`](kvvm_kv::evaluate_prefix_shareability): every
+//! prompt ([`evaluate_prefix_shareability`](kvvm_layout::evaluate_prefix_shareability): every
 //! fragment's part of it is smaller than a granule), the refusal reason is reported and the
 //! policy runs without sharing.
 
+mod classic_policy;
 mod driver;
 mod error;
+mod kvvm_policy;
 mod policy;
 mod render;
 mod replay;
-mod rng;
+mod report;
 mod trace;
 
 pub use driver::{classic, CountingBackend, DriverTally};
 pub use error::{WorkloadError, WorkloadResult};
+pub use kvvm_num::SplitMix64;
 pub use policy::{PolicyKind, PAGED_BLOCK_TOKENS};
 pub use render::{render_svg, render_table};
-pub use replay::{
-    simulate, PolicyReport, Progress, Sample, SimulationConfig, SimulationReport, TraceSummary,
-    DEFAULT_BUDGET_BYTES,
-};
-pub use rng::SplitMix64;
+pub use replay::{simulate, Progress, SimulationConfig, DEFAULT_BUDGET_BYTES};
+pub use report::{PolicyReport, Sample, SimulationReport, TraceSummary};
 pub use trace::{Request, SyntheticTrace, Trace, TraceSource};

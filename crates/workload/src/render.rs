@@ -2,7 +2,7 @@
 
 use std::fmt::Write as _;
 
-use crate::replay::SimulationReport;
+use crate::report::SimulationReport;
 
 fn gib(b: u64) -> String {
     format!("{:.2}", b as f64 / (1u64 << 30) as f64)

@@ -5,7 +5,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{WorkloadError, WorkloadResult};
-use crate::rng::SplitMix64;
+use kvvm_num::SplitMix64;
 
 /// One request of a trace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -1,4 +1,4 @@
-//! Test helpers: a world on the simulator and the DESIGN.md invariant checks.
+//! Test helpers: a world on the simulator and the invariant checks (docs/architecture.md).
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -73,7 +73,7 @@ impl World {
         World::new(c)
     }
 
-    /// DESIGN invariants 1-3 between the manager (the live `reservations`, the pool and the
+    /// Invariants 1-3 between the manager (the live `reservations`, the pool and the
     /// quarantine) and the simulator's ledger. Requires no commit in flight.
     pub fn check(&self, reservations: &[&Reservation]) {
         check(&self.sim, &self.vm, &self.gov, reservations);

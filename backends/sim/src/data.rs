@@ -1,0 +1,147 @@
+//! Data: copies between the host and mapped device memory, stored lazily in chunks behind
+//! each allocation (a 64 TiB reservation costs nothing until written).
+
+use std::collections::HashMap;
+
+use kvvm_hal::{Access, BackendError, DeviceAddress, Operation};
+
+use crate::state::{end_of, invalid, State};
+
+/// Data behind a handle is stored in chunks of this many bytes, allocated on first write.
+const CHUNK: u64 = 64 * 1024;
+
+impl State {
+    /// Splits `[start, start + len)` into (allocation, offset in allocation, length) pieces,
+    /// checking that every byte is mapped with the needed access.
+    pub(crate) fn pieces(
+        &self,
+        op: Operation,
+        start: u64,
+        len: u64,
+        write: bool,
+    ) -> Result<Vec<(u64, u64, u64)>, BackendError> {
+        let end = end_of(op, start, len)?;
+        let mut out = Vec::new();
+        let mut cursor = start;
+        while cursor < end {
+            let (ms, m) = self
+                .mappings
+                .range(..=cursor)
+                .next_back()
+                .filter(|(s, m)| cursor < s.saturating_add(m.size))
+                .ok_or_else(|| invalid(op, format!("{cursor:#x} is not mapped")))?;
+            let a = self
+                .allocations
+                .get(&m.allocation)
+                .ok_or_else(|| invalid(op, "mapping without allocation"))?;
+            let access = m
+                .access
+                .get(a.device.0 as usize)
+                .copied()
+                .unwrap_or(Access::None);
+            let allowed = if write {
+                access.can_write() || (self.quirks.ignore_read_only && access.can_read())
+            } else {
+                access.can_read()
+            };
+            if !allowed {
+                return Err(invalid(
+                    op,
+                    format!(
+                        "{cursor:#x} has access {access:?} for {}, {} needed",
+                        a.device,
+                        if write { "write" } else { "read" }
+                    ),
+                ));
+            }
+            let piece_end = ms.saturating_add(m.size).min(end);
+            out.push((m.allocation, cursor - ms, piece_end - cursor));
+            cursor = piece_end;
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn copy_to_device(
+        &mut self,
+        dst: DeviceAddress,
+        src: &[u8],
+    ) -> Result<(), BackendError> {
+        let pieces = self.pieces(Operation::CopyToDevice, dst.0, src.len() as u64, true)?;
+        let mut consumed = 0usize;
+        for (alloc, offset, len) in pieces {
+            let len = len as usize;
+            if let Some(a) = self.allocations.get_mut(&alloc) {
+                write_bytes(&mut a.data, offset, &src[consumed..consumed + len]);
+            }
+            consumed += len;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn copy_from_device(
+        &self,
+        dst: &mut [u8],
+        src: DeviceAddress,
+    ) -> Result<(), BackendError> {
+        let pieces = self.pieces(Operation::CopyFromDevice, src.0, dst.len() as u64, false)?;
+        let mut filled = 0usize;
+        for (alloc, offset, len) in pieces {
+            let len = len as usize;
+            if let Some(a) = self.allocations.get(&alloc) {
+                read_bytes(&a.data, offset, &mut dst[filled..filled + len]);
+            }
+            filled += len;
+        }
+        Ok(())
+    }
+}
+
+fn write_bytes(data: &mut HashMap<u64, Box<[u8]>>, offset: u64, src: &[u8]) {
+    let mut pos = offset;
+    let mut done = 0usize;
+    while done < src.len() {
+        let chunk = pos / CHUNK;
+        let within = (pos % CHUNK) as usize;
+        let n = (CHUNK as usize - within).min(src.len() - done);
+        let buf = data
+            .entry(chunk)
+            .or_insert_with(|| vec![0u8; CHUNK as usize].into_boxed_slice());
+        buf[within..within + n].copy_from_slice(&src[done..done + n]);
+        done += n;
+        pos += n as u64;
+    }
+}
+
+fn read_bytes(data: &HashMap<u64, Box<[u8]>>, offset: u64, dst: &mut [u8]) {
+    let mut pos = offset;
+    let mut done = 0usize;
+    while done < dst.len() {
+        let chunk = pos / CHUNK;
+        let within = (pos % CHUNK) as usize;
+        let n = (CHUNK as usize - within).min(dst.len() - done);
+        match data.get(&chunk) {
+            Some(buf) => dst[done..done + n].copy_from_slice(&buf[within..within + n]),
+            None => dst[done..done + n].fill(0),
+        }
+        done += n;
+        pos += n as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    pub(crate) fn chunked_bytes_roundtrip_across_chunk_boundaries() {
+        let mut data = HashMap::new();
+        let src: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        write_bytes(&mut data, CHUNK - 7, &src);
+        let mut back = vec![0u8; src.len()];
+        read_bytes(&data, CHUNK - 7, &mut back);
+        assert_eq!(back, src);
+        let mut zeros = vec![1u8; 16];
+        read_bytes(&data, 40 * CHUNK, &mut zeros);
+        assert!(zeros.iter().all(|b| *b == 0));
+    }
+}

@@ -1,0 +1,103 @@
+//! Running the suite: [`run_suite`], [`unavailable_report`], and [`run_child`] (the child-process
+//! side of the cases that need one).
+
+use std::time::Instant;
+
+use kvvm_hal::{DeviceId, VirtualMemoryBackend};
+
+use crate::case::{Case, Verdict};
+use crate::cases::{all_cases, kernels};
+use crate::child::{ChildRunner, ChildVerdict, CHILD_KERNEL_STORE};
+use crate::ctx::Ctx;
+use crate::report::{CaseResult, Report, Status};
+
+/// Options of a run.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// The device to test (default device 0).
+    pub device: DeviceId,
+    /// Run only the cases whose name contains one of these strings (empty: all).
+    pub filter: Vec<String>,
+    /// How to start child processes; without one, child-process cases are skipped.
+    pub child: Option<ChildRunner>,
+}
+
+/// Runs the suite against `backend`.
+pub fn run_suite(backend: &dyn VirtualMemoryBackend, options: &RunOptions) -> Report {
+    let device_name = backend
+        .devices()
+        .ok()
+        .and_then(|d| d.into_iter().find(|d| d.id == options.device))
+        .map(|d| d.name)
+        .unwrap_or_else(|| "none".to_owned());
+    let selected: Vec<Case> = all_cases()
+        .into_iter()
+        .filter(|c| options.filter.is_empty() || options.filter.iter().any(|f| c.name.contains(f)))
+        .collect();
+    let ctx = match Ctx::new(backend, options.device, options.child.as_ref()) {
+        Ok(ctx) => ctx,
+        Err(e) => {
+            let reason = format!("cannot query granularity: {e}");
+            let cases = selected
+                .iter()
+                .map(|c| CaseResult {
+                    name: c.name.to_owned(),
+                    status: Status::Fail,
+                    reason: Some(reason.clone()),
+                    micros: 0,
+                })
+                .collect();
+            return Report::new(backend.name(), device_name, cases);
+        }
+    };
+    let cases = selected
+        .iter()
+        .map(|case| {
+            let start = Instant::now();
+            let outcome = (case.run)(&ctx);
+            let micros = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX);
+            let (status, reason) = match outcome {
+                Ok(()) => (Status::Pass, None),
+                Err(Verdict::Fail(m)) => (Status::Fail, Some(m)),
+                Err(Verdict::Skip(m)) => (Status::Skip, Some(m)),
+            };
+            CaseResult {
+                name: case.name.to_owned(),
+                status,
+                reason,
+                micros,
+            }
+        })
+        .collect();
+    Report::new(backend.name(), device_name, cases)
+}
+
+/// The report of a backend that could not be opened: every case `skip`, with `reason`.
+pub fn unavailable_report(backend: &str, reason: &str) -> Report {
+    let cases = all_cases()
+        .iter()
+        .map(|c| CaseResult {
+            name: c.name.to_owned(),
+            status: Status::Skip,
+            reason: Some(reason.to_owned()),
+            micros: 0,
+        })
+        .collect();
+    Report::new(backend, "none", cases)
+}
+
+/// Runs child case `case` on `backend`, prints the verdict line, returns the exit code.
+pub fn run_child(backend: &dyn VirtualMemoryBackend, case: &str) -> i32 {
+    let verdict = match case {
+        CHILD_KERNEL_STORE => match Ctx::new(backend, DeviceId(0), None) {
+            Ok(ctx) => kernels::kernel_store_child(&ctx),
+            Err(e) => ChildVerdict::Error(e.to_string()),
+        },
+        other => ChildVerdict::Error(format!("unknown child case {other:?}")),
+    };
+    println!("{}", verdict.to_line());
+    match verdict {
+        ChildVerdict::Error(_) => 2,
+        _ => 0,
+    }
+}

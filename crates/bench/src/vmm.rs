@@ -1,0 +1,360 @@
+//! Side-by-side measurements of the manager against the raw driver sequence, on any backend.
+//!
+//! [`run_all`] measures, in one run:
+//!
+//! 1. a manager commit of `k` granules ([`Reservation::commit`](kvvm_vmm::Reservation::commit)) against the minimal raw
+//!    driver sequence (create and map per granule, one set access) for each `k` of
+//!    [`BenchConfig::commit_granules`];
+//! 2. a commit served from the handle pool (remap) and one served from windows parked in the
+//!    same reservation ([`VmmConfig::park_released`](kvvm_vmm::VmmConfig::park_released): no driver call) against a fresh commit,
+//!    at [`BenchConfig::pool_granules`];
+//! 3. growing a buffer of each size of [`BenchConfig::growth_sizes`] by one granule with the
+//!    manager, against the raw create + map + set access of one granule, with a slot for the
+//!    "realloc and copy" baseline (allocate size + granule, copy device to device, free the
+//!    old buffer). The trait has no plain allocation nor device-to-device copy, so that
+//!    baseline is supplied by a backend-specific closure ([`run_all_with_baseline`]); without
+//!    one the slot stays empty and [`BenchReport::set_realloc_baseline`] can fill it later.
+//!
+//! Only the measured steps are timed; set-up and clean-up (release, unmap) are not. Sizes
+//! that do not fit the device's free memory are skipped with a note. Results are medians and
+//! 90th percentiles; [`BenchReport::to_markdown`] prints them with ratios.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use kvvm_sim::{SimBackend, SimConfig};
+//! use kvvm_bench::vmm::{run_all, BenchConfig};
+//!
+//! let g = 64 << 10;
+//! let sim = Arc::new(SimBackend::new(SimConfig::single(g, 1 << 30)));
+//! let report = run_all(sim.clone(), &BenchConfig::tiny(g)).unwrap();
+//! assert!(report.to_markdown().contains("manager/raw"));
+//! assert!(sim.ledger().is_empty());
+//! ```
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvvm_governor::Governor;
+use kvvm_hal::{BackendError, DeviceId, VirtualMemoryBackend};
+use kvvm_vmm::{GranularityChoice, Reservation, VirtualMemory, VmmConfig, VmmError, VmmResult};
+
+use crate::raw::RawRange;
+pub use crate::stats::Stats;
+pub use crate::vmm_report::{BenchReport, CommitRow, GrowthRow, PoolRow};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// What to measure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BenchConfig {
+    /// The device.
+    pub device: DeviceId,
+    /// Commit sizes in granules for the manager-vs-raw comparison.
+    pub commit_granules: Vec<u64>,
+    /// Commit size in granules for the pool-vs-fresh comparison (0: skip).
+    pub pool_granules: u64,
+    /// Buffer sizes in bytes grown by one granule.
+    pub growth_sizes: Vec<u64>,
+    /// Measured iterations per case.
+    pub iterations: usize,
+    /// Unmeasured iterations before each case.
+    pub warmup: usize,
+}
+
+impl Default for BenchConfig {
+    /// The reference sizes: k = 1, 8, 64, 512; pool at 64; growth of 256 MiB, 1, 4, 16 GiB;
+    /// 20 iterations after 2 of warm-up.
+    fn default() -> Self {
+        BenchConfig {
+            device: DeviceId(0),
+            commit_granules: vec![1, 8, 64, 512],
+            pool_granules: 64,
+            growth_sizes: vec![256 * MIB, GIB, 4 * GIB, 16 * GIB],
+            iterations: 20,
+            warmup: 2,
+        }
+    }
+}
+
+impl BenchConfig {
+    /// Tiny sizes for a smoke run on the simulator: k = 1, 2, 4; pool at 4; growth of 4 and 16
+    /// granules; 3 iterations.
+    pub fn tiny(granule: u64) -> Self {
+        BenchConfig {
+            device: DeviceId(0),
+            commit_granules: vec![1, 2, 4],
+            pool_granules: 4,
+            growth_sizes: vec![4 * granule, 16 * granule],
+            iterations: 3,
+            warmup: 1,
+        }
+    }
+}
+
+/// A backend-specific "realloc and copy" measurement: given the buffer size and the granule,
+/// allocate `size + granule`, copy `size` bytes device to device, free the old buffer, and
+/// return the time it took.
+pub type ReallocBaseline<'a> = &'a mut dyn FnMut(u64, u64) -> Result<Duration, BackendError>;
+
+/// Runs every measurement of `config` on `backend` (no realloc baseline).
+pub fn run_all(
+    backend: Arc<dyn VirtualMemoryBackend>,
+    config: &BenchConfig,
+) -> VmmResult<BenchReport> {
+    run_all_with_baseline(backend, config, None)
+}
+
+/// Runs every measurement of `config` on `backend`, measuring the realloc-and-copy baseline
+/// of each growth size with `realloc` when given.
+pub fn run_all_with_baseline(
+    backend: Arc<dyn VirtualMemoryBackend>,
+    config: &BenchConfig,
+    mut realloc: Option<ReallocBaseline<'_>>,
+) -> VmmResult<BenchReport> {
+    let span = tracing::info_span!("vmm.bench", backend = backend.name());
+    let _e = span.enter();
+    let device = config.device;
+    let fresh_vm = VirtualMemory::new(
+        backend.clone(),
+        device,
+        Governor::unlimited(),
+        VmmConfig::default()
+            .pool_cap_bytes(0)
+            .granularity(GranularityChoice::Minimum),
+    )?;
+    let g = fresh_vm.granule();
+    let mut report = BenchReport {
+        backend: backend.name().to_owned(),
+        device,
+        granule: g,
+        iterations: config.iterations,
+        commit: Vec::new(),
+        pool: None,
+        growth: Vec::new(),
+        notes: Vec::new(),
+    };
+    let rounds = config.warmup.saturating_add(config.iterations);
+    let free_memory = |b: &dyn VirtualMemoryBackend| b.memory_info(device).map(|m| m.free);
+
+    for &k in &config.commit_granules {
+        let bytes = k.checked_mul(g).ok_or(VmmError::SizeOverflow {
+            what: "bench commit size",
+        })?;
+        if k == 0 || free_memory(&*backend)? < bytes {
+            report.notes.push(format!(
+                "commit of {k} granules skipped: does not fit free memory"
+            ));
+            continue;
+        }
+        let mut res = fresh_vm.reserve(bytes)?;
+        let raw = RawRange::reserve(&*backend, device, bytes)?;
+        let (mut manager, mut raw_samples) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let t = time_commit(&mut res, bytes)?;
+            let r = raw.time_commit(k, g);
+            let r = r?;
+            if round >= config.warmup {
+                manager.push(t);
+                raw_samples.push(r);
+            }
+        }
+        drop(res);
+        raw.free()?;
+        if let (Some(manager), Some(raw)) = (
+            Stats::from_samples(manager),
+            Stats::from_samples(raw_samples),
+        ) {
+            report.commit.push(CommitRow {
+                granules: k,
+                bytes,
+                manager,
+                raw,
+            });
+        }
+    }
+
+    let k = config.pool_granules;
+    if k > 0 {
+        let bytes = k.checked_mul(g).ok_or(VmmError::SizeOverflow {
+            what: "bench pool size",
+        })?;
+        if free_memory(&*backend)? < bytes {
+            report.notes.push(format!(
+                "pool case of {k} granules skipped: does not fit free memory"
+            ));
+        } else {
+            let pool_vm = VirtualMemory::new(
+                backend.clone(),
+                device,
+                Governor::unlimited(),
+                VmmConfig::default()
+                    .pool_cap_bytes(bytes)
+                    .granularity(GranularityChoice::Minimum),
+            )?;
+            let park_vm = VirtualMemory::new(
+                backend.clone(),
+                device,
+                Governor::unlimited(),
+                VmmConfig::default()
+                    .pool_cap_bytes(bytes)
+                    .granularity(GranularityChoice::Minimum)
+                    .park_released(true),
+            )?;
+            let mut pooled_res = pool_vm.reserve(bytes)?;
+            pooled_res.commit(bytes)?;
+            pooled_res.release()?;
+            let mut parked_res = park_vm.reserve(bytes)?;
+            parked_res.commit(bytes)?;
+            parked_res.release()?;
+            let mut fresh_res = fresh_vm.reserve(bytes)?;
+            let (mut pooled, mut parked, mut fresh) = (Vec::new(), Vec::new(), Vec::new());
+            for round in 0..rounds {
+                let p = time_commit(&mut pooled_res, bytes)?;
+                let q = time_commit(&mut parked_res, bytes)?;
+                let f = time_commit(&mut fresh_res, bytes)?;
+                if round >= config.warmup {
+                    pooled.push(p);
+                    parked.push(q);
+                    fresh.push(f);
+                }
+            }
+            drop(pooled_res);
+            drop(parked_res);
+            drop(fresh_res);
+            pool_vm.trim_pool(0);
+            park_vm.trim_pool(0);
+            if let (Some(from_pool), Some(from_parked), Some(fresh)) = (
+                Stats::from_samples(pooled),
+                Stats::from_samples(parked),
+                Stats::from_samples(fresh),
+            ) {
+                report.pool = Some(PoolRow {
+                    granules: k,
+                    from_pool,
+                    from_parked,
+                    fresh,
+                });
+            }
+        }
+    }
+
+    for &size in &config.growth_sizes {
+        let mut row = GrowthRow {
+            size,
+            manager: None,
+            raw: None,
+            realloc_copy: None,
+            skipped: None,
+        };
+        let base = fresh_vm.round_up(size)?;
+        // Room for the buffer, one more granule, and (for the baseline) a second copy.
+        let needed = base
+            .checked_mul(2)
+            .and_then(|b| b.checked_add(g.saturating_mul(2)))
+            .ok_or(VmmError::SizeOverflow {
+                what: "bench growth size",
+            })?;
+        if free_memory(&*backend)? < needed {
+            row.skipped = Some(format!("needs {needed} bytes free, the device has less"));
+            report.growth.push(row);
+            continue;
+        }
+        let mut res = fresh_vm.reserve(base.saturating_add(g))?;
+        res.commit(base)?;
+        let tail = res
+            .address()
+            .checked_add(base)
+            .ok_or(VmmError::SizeOverflow {
+                what: "bench growth tail",
+            })?;
+        let raw = RawRange {
+            backend: &*backend,
+            device,
+            base: tail,
+            size: g,
+            owned: false,
+        };
+        let (mut manager, mut raw_samples) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let t0 = Instant::now();
+            res.commit(g)?;
+            let t = t0.elapsed();
+            res.truncate(base)?;
+            // The raw growth maps the same tail granule the manager just released.
+            let r = raw.time_commit(1, g)?;
+            if round >= config.warmup {
+                manager.push(t);
+                raw_samples.push(r);
+            }
+        }
+        drop(res);
+        row.manager = Stats::from_samples(manager);
+        row.raw = Stats::from_samples(raw_samples);
+        if let Some(f) = realloc.as_mut() {
+            let mut samples = Vec::new();
+            for round in 0..rounds {
+                let t = f(size, g)?;
+                if round >= config.warmup {
+                    samples.push(t);
+                }
+            }
+            row.realloc_copy = Stats::from_samples(samples);
+        }
+        report.growth.push(row);
+    }
+    Ok(report)
+}
+
+fn time_commit(res: &mut Reservation, bytes: u64) -> VmmResult<Duration> {
+    let t0 = Instant::now();
+    res.commit(bytes)?;
+    let t = t0.elapsed();
+    res.release()?;
+    Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
+
+    #[test]
+    fn runs_on_the_sim_and_leaves_nothing() {
+        let g = 64 << 10;
+        let sim = Arc::new(SimBackend::new(
+            SimConfig::single(g, 256 * g).with_latency(LatencyModel::zero(), LatencyMode::Account),
+        ));
+        let mut calls = 0;
+        let mut realloc = |size: u64, granule: u64| {
+            calls += 1;
+            assert_eq!(granule, g);
+            Ok(Duration::from_micros(size / g))
+        };
+        let mut cfg = BenchConfig::tiny(g);
+        cfg.growth_sizes.push(1 << 40); // does not fit: skipped
+        let mut report = run_all_with_baseline(sim.clone(), &cfg, Some(&mut realloc)).unwrap();
+        assert_eq!(calls, 2 * (cfg.iterations + cfg.warmup));
+        assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
+        assert_eq!(report.commit.len(), 3);
+        assert_eq!(report.commit[2].granules, 4);
+        assert!(report.pool.is_some());
+        assert_eq!(report.growth.len(), 3);
+        assert!(report.growth[2].skipped.is_some());
+        assert_eq!(
+            report.growth[1].realloc_copy.unwrap().median,
+            Duration::from_micros(16)
+        );
+        let md = report.to_markdown();
+        for needle in ["manager/raw", "from pool", "realloc/manager", "skipped"] {
+            assert!(md.contains(needle), "{needle} missing from {md}");
+        }
+        assert!(md.contains("| 4 | 256 KiB |"), "{md}");
+        assert!(md.contains("fresh/pool"), "{md}");
+        assert!(md.contains("| 1 MiB |"), "{md}");
+        let stats = report.growth[0].manager.unwrap();
+        report.set_realloc_baseline(4 * g, stats);
+        assert_eq!(report.growth[0].realloc_copy, Some(stats));
+    }
+}

@@ -1,0 +1,224 @@
+//! [`BenchReport`]: what the manager benchmark measured, and its Markdown table.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use kvvm_hal::DeviceId;
+
+use crate::stats::Stats;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// Manager commit against the raw driver sequence, for one `k`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommitRow {
+    /// Granules per commit.
+    pub granules: u64,
+    /// Bytes per commit.
+    pub bytes: u64,
+    /// The manager's commit (pool disabled).
+    pub manager: Stats,
+    /// The raw sequence: create + map per granule, one set access.
+    pub raw: Stats,
+}
+
+/// Commit served from the pool against a fresh commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolRow {
+    /// Granules per commit.
+    pub granules: u64,
+    /// Every handle from the free-handle pool (map + one set access).
+    pub from_pool: Stats,
+    /// Every window parked by the previous release of the same reservation
+    /// (`VmmConfig::park_released`): no driver call.
+    pub from_parked: Stats,
+    /// Every handle created.
+    pub fresh: Stats,
+}
+
+/// Growth of a buffer of `size` bytes by one granule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GrowthRow {
+    /// The buffer's size before growing.
+    pub size: u64,
+    /// The manager's commit of one more granule (pointer unchanged).
+    pub manager: Option<Stats>,
+    /// The raw create + map + set access of one granule.
+    pub raw: Option<Stats>,
+    /// Allocate size + granule, copy, free (pointer changes): filled by a backend-specific
+    /// function, `None` until then.
+    pub realloc_copy: Option<Stats>,
+    /// Why the size was skipped, if it was.
+    pub skipped: Option<String>,
+}
+
+/// Everything `run_all` measured.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BenchReport {
+    /// The backend's name.
+    pub backend: String,
+    /// The device.
+    pub device: DeviceId,
+    /// The granule used.
+    pub granule: u64,
+    /// Measured iterations per case.
+    pub iterations: usize,
+    /// Manager vs raw commits.
+    pub commit: Vec<CommitRow>,
+    /// Pool vs fresh.
+    pub pool: Option<PoolRow>,
+    /// Growth by one granule.
+    pub growth: Vec<GrowthRow>,
+    /// Remarks (skipped cases, ...).
+    pub notes: Vec<String>,
+}
+
+fn fmt_bytes(b: u64) -> String {
+    let multiple = |unit: u64| b >= unit && b.checked_rem(unit) == Some(0);
+    if multiple(GIB) {
+        format!("{} GiB", b / GIB)
+    } else if multiple(MIB) {
+        format!("{} MiB", b / MIB)
+    } else if multiple(1024) {
+        format!("{} KiB", b / 1024)
+    } else {
+        format!("{b} B")
+    }
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.1} us", d.as_secs_f64() * 1e6)
+}
+
+fn ratio(a: Duration, b: Duration) -> String {
+    if b.is_zero() {
+        "-".to_owned()
+    } else {
+        format!("{:.2}x", a.as_secs_f64() / b.as_secs_f64())
+    }
+}
+
+fn opt(s: Option<Stats>, f: impl Fn(Stats) -> Duration) -> String {
+    s.map_or_else(|| "-".to_owned(), |s| us(f(s)))
+}
+
+impl BenchReport {
+    /// Fills the realloc-and-copy slot of the growth row of `size`.
+    pub fn set_realloc_baseline(&mut self, size: u64, stats: Stats) {
+        if let Some(row) = self.growth.iter_mut().find(|r| r.size == size) {
+            row.realloc_copy = Some(stats);
+        }
+    }
+
+    /// The report as Markdown tables: medians, 90th percentiles and ratios.
+    pub fn to_markdown(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "## kvvm vmm bench: backend `{}`, {}, granule {}, {} iterations\n",
+            self.backend,
+            self.device,
+            fmt_bytes(self.granule),
+            self.iterations
+        );
+        let _ = writeln!(
+            s,
+            "### Commit of k granules: manager vs raw driver sequence\n"
+        );
+        let _ = writeln!(
+            s,
+            "| k | bytes | manager p50 | manager p90 | raw p50 | raw p90 | manager/raw |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|");
+        for r in &self.commit {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                r.granules,
+                fmt_bytes(r.bytes),
+                us(r.manager.median),
+                us(r.manager.p90),
+                us(r.raw.median),
+                us(r.raw.p90),
+                ratio(r.manager.median, r.raw.median)
+            );
+        }
+        if let Some(p) = &self.pool {
+            let _ = writeln!(
+                s,
+                "\n### Commit of {} granules: from the pool vs fresh\n",
+                p.granules
+            );
+            let _ = writeln!(s, "| case | p50 | p90 |");
+            let _ = writeln!(s, "|---|---|---|");
+            let _ = writeln!(
+                s,
+                "| from pool | {} | {} |",
+                us(p.from_pool.median),
+                us(p.from_pool.p90)
+            );
+            let _ = writeln!(
+                s,
+                "| from parked windows (same reservation) | {} | {} |",
+                us(p.from_parked.median),
+                us(p.from_parked.p90)
+            );
+            let _ = writeln!(
+                s,
+                "| fresh | {} | {} |",
+                us(p.fresh.median),
+                us(p.fresh.p90)
+            );
+            let _ = writeln!(
+                s,
+                "\nfresh/pool = {}, fresh/parked = {}",
+                ratio(p.fresh.median, p.from_pool.median),
+                ratio(p.fresh.median, p.from_parked.median)
+            );
+        }
+        let _ = writeln!(s, "\n### Growing a buffer by one granule\n");
+        let _ = writeln!(
+            s,
+            "| size | manager p50 | manager p90 | raw VMM p50 | raw VMM p90 | realloc+copy p50 | realloc+copy p90 | realloc/manager |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+        for r in &self.growth {
+            if let Some(why) = &r.skipped {
+                let _ = writeln!(s, "| {} | skipped: {why} | | | | | | |", fmt_bytes(r.size));
+                continue;
+            }
+            let rr = match (r.realloc_copy, r.manager) {
+                (Some(a), Some(m)) => ratio(a.median, m.median),
+                _ => "-".to_owned(),
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                fmt_bytes(r.size),
+                opt(r.manager, |x| x.median),
+                opt(r.manager, |x| x.p90),
+                opt(r.raw, |x| x.median),
+                opt(r.raw, |x| x.p90),
+                opt(r.realloc_copy, |x| x.median),
+                opt(r.realloc_copy, |x| x.p90),
+                rr
+            );
+        }
+        if self
+            .growth
+            .iter()
+            .any(|r| r.realloc_copy.is_none() && r.skipped.is_none())
+        {
+            let _ = writeln!(
+                s,
+                "\nrealloc+copy: not measured by this backend (needs a device allocation and a \
+                 device-to-device copy, outside the VMM trait)."
+            );
+        }
+        for n in &self.notes {
+            let _ = writeln!(s, "\nnote: {n}");
+        }
+        s
+    }
+}

@@ -1,0 +1,115 @@
+//! The synthetic decode loop on the simulator: every byte verified at two granularities and
+//! all three layouts, with and without sharing; the sim ledger empty at the end.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+
+use kvvm_bench::decode::{run_decode_loop, DecodeLoopConfig};
+use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan};
+use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
+use kvvm_vmm::GranularityChoice;
+
+fn sim(g: u64) -> Arc<SimBackend> {
+    Arc::new(SimBackend::new(
+        SimConfig::single(g, 1 << 34).with_latency(LatencyModel::zero(), LatencyMode::Account),
+    ))
+}
+
+fn config(layout: KvLayout, prompt: u64, share: bool) -> DecodeLoopConfig {
+    let mut c = DecodeLoopConfig::reference().unwrap();
+    // 2 layers, 2 KV heads, head_dim 32, fp16: 512 B per token.
+    c.geometry = KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, 1).unwrap();
+    c.model = "tiny".to_owned();
+    c.layout = layout;
+    c.granularity = GranularityChoice::Minimum;
+    c.sequences = 6;
+    c.prompt_tokens = prompt;
+    c.decode_tokens = 37;
+    c.step_tokens = 5;
+    c.share_prefix = share;
+    c.attach_copy_samples = 2;
+    c
+}
+
+#[test]
+fn every_byte_verified_at_two_granularities_and_three_layouts() {
+    for g in [4096u64, 64 << 10] {
+        for layout in KvLayout::ALL {
+            // A prompt of 2.5 prefix-cache blocks, so the tail is private to each sharer.
+            let plan_g = KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, 1 << 20).unwrap();
+            let plan = LayoutPlan::new(plan_g, layout, g).unwrap();
+            let block = kvvm_kv::PrefixCache::block_tokens_for(&plan).unwrap();
+            let prompt = block * 5 / 2;
+            for share in [true, false] {
+                let s = sim(g);
+                let r = run_decode_loop(s.clone(), &config(layout, prompt, share)).unwrap();
+                assert!(r.verified);
+                let total = prompt + 37;
+                assert_eq!(r.bytes_verified, 6 * total * 512, "{layout} g={g}");
+                assert_eq!(r.used_bytes_at_end, 0);
+                assert_eq!(
+                    r.committed_bytes_without_sharing,
+                    6 * plan.with_max_tokens_committed(total)
+                );
+                if share {
+                    assert_eq!(r.hit_tokens, 2 * block, "{layout} g={g}");
+                    assert_eq!(r.cache.hits, 5);
+                    assert_eq!(r.cache.misses, 1);
+                    // Shared: the prefix's 2 blocks once, every sequence's private rest.
+                    assert_eq!(
+                        r.committed_bytes_with_sharing + 5 * r.shared_prefix_bytes,
+                        r.committed_bytes_without_sharing,
+                        "{layout} g={g}"
+                    );
+                } else {
+                    assert_eq!(
+                        r.committed_bytes_with_sharing,
+                        r.committed_bytes_without_sharing
+                    );
+                }
+                drop(r);
+                assert!(s.ledger().is_empty(), "{layout} g={g} share={share}");
+            }
+        }
+    }
+}
+
+/// Helper trait: the commit lower bound of a plan re-instantiated at `total` tokens, which is
+/// what the loop lays out.
+trait Committed {
+    fn with_max_tokens_committed(&self, total: u64) -> u64;
+}
+
+impl Committed for LayoutPlan {
+    fn with_max_tokens_committed(&self, total: u64) -> u64 {
+        let g = self.geometry().with_max_tokens(total).unwrap();
+        LayoutPlan::new(g, self.layout(), self.granule())
+            .unwrap()
+            .committed_bytes_for_tokens(total)
+            .unwrap()
+    }
+}
+
+/// Head-major with a prompt shorter than a block: nothing is shared, the report says why,
+/// every byte is still verified.
+#[test]
+fn unshareable_prompt_is_reported_with_the_reason() {
+    let g = 4096;
+    let s = sim(g);
+    // head-major: 64 B per token per fragment, a block is 64 tokens.
+    let r = run_decode_loop(s.clone(), &config(KvLayout::HeadMajor, 40, true)).unwrap();
+    assert!(r.verified);
+    assert!(!r.prompt_shareable);
+    assert!(r
+        .prompt_refusal
+        .as_deref()
+        .is_some_and(|x| x.contains("prefix not shareable")));
+    assert_eq!(r.hit_tokens, 0);
+    assert_eq!(
+        r.committed_bytes_with_sharing,
+        r.committed_bytes_without_sharing
+    );
+    assert!(r.to_markdown().contains("prompt not shareable"));
+    drop(r);
+    assert!(s.ledger().is_empty());
+}

@@ -1,0 +1,255 @@
+//! [`Ledger`]: the books behind a governor, one [`DeviceBooks`] per device, updated with
+//! checked arithmetic (an underflow or overflow is a [`GovernorError`], never a wrap), and the
+//! recent frees the release rate is measured over.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use kvvm_hal::DeviceId;
+
+use crate::bucket::Bucket;
+use crate::error::GovernorError;
+use crate::snapshot::DeviceSnapshot;
+
+/// Most free events kept per device (older ones are merged into their neighbour).
+pub(crate) const MAX_FREE_EVENTS: usize = 1024;
+
+/// One device's books.
+#[derive(Debug, Default)]
+pub(crate) struct DeviceBooks {
+    committed: u64,
+    pooled: u64,
+    shared: u64,
+    quarantined: u64,
+    pending: u64,
+    /// (time, bytes) of recent frees, oldest first.
+    pub(crate) frees: VecDeque<(Instant, u64)>,
+    /// (time, bytes) of recent releases by consumers (to a pool or the driver), oldest first.
+    releases: VecDeque<(Instant, u64)>,
+}
+
+impl DeviceBooks {
+    fn bucket(&mut self, b: Bucket) -> &mut u64 {
+        match b {
+            Bucket::Committed => &mut self.committed,
+            Bucket::Pooled => &mut self.pooled,
+            Bucket::Shared => &mut self.shared,
+            Bucket::Quarantined => &mut self.quarantined,
+        }
+    }
+
+    fn used_and_pending(&self) -> u64 {
+        self.committed
+            .saturating_add(self.pooled)
+            .saturating_add(self.shared)
+            .saturating_add(self.quarantined)
+            .saturating_add(self.pending)
+    }
+}
+
+/// Every device's books.
+#[derive(Default)]
+pub(crate) struct Books {
+    pub(crate) devices: BTreeMap<DeviceId, DeviceBooks>,
+}
+
+/// The books behind one governor and its grants.
+#[derive(Default)]
+pub(crate) struct Ledger {
+    pub(crate) books: Mutex<Books>,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The books are plain integers updated in single statements; a panic elsewhere while the
+    // lock was held cannot leave them half-written, so recover instead of panicking.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn take(
+    device: DeviceId,
+    bucket: &'static str,
+    slot: &mut u64,
+    bytes: u64,
+) -> Result<(), GovernorError> {
+    *slot = slot.checked_sub(bytes).ok_or(GovernorError::Underflow {
+        device,
+        bucket,
+        bytes,
+        held: *slot,
+    })?;
+    Ok(())
+}
+
+fn put(device: DeviceId, slot: &mut u64, bytes: u64) -> Result<(), GovernorError> {
+    *slot = slot
+        .checked_add(bytes)
+        .ok_or(GovernorError::Overflow { device })?;
+    Ok(())
+}
+
+fn prune(frees: &mut VecDeque<(Instant, u64)>, now: Instant, window: Duration) {
+    while let Some((t, _)) = frees.front() {
+        if now.saturating_duration_since(*t) > window {
+            frees.pop_front();
+        } else {
+            break;
+        }
+    }
+}
+
+impl Ledger {
+    /// Used plus pending bytes of `device`.
+    pub(crate) fn device_used(books: &Books, device: DeviceId) -> u64 {
+        books
+            .devices
+            .get(&device)
+            .map_or(0, DeviceBooks::used_and_pending)
+    }
+
+    /// Used plus pending bytes of every device.
+    pub(crate) fn process_used(books: &Books) -> u64 {
+        books
+            .devices
+            .values()
+            .map(DeviceBooks::used_and_pending)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Adds `bytes` to the pending bytes of `device` (a grant was given).
+    pub(crate) fn add_pending(books: &mut Books, device: DeviceId, bytes: u64) {
+        let d = books.devices.entry(device).or_default();
+        // Cannot overflow: bytes <= available <= budget - used - pending; unlimited budgets
+        // saturate instead.
+        d.pending = d.pending.saturating_add(bytes);
+    }
+
+    /// Bytes freed on `device` during the last `window` before `now`.
+    pub(crate) fn freed_in_window(&self, device: DeviceId, now: Instant, window: Duration) -> u64 {
+        let mut books = lock(&self.books);
+        books.devices.get_mut(&device).map_or(0, |d| {
+            prune(&mut d.frees, now, window);
+            d.frees
+                .iter()
+                .map(|(_, b)| *b)
+                .fold(0u64, u64::saturating_add)
+        })
+    }
+
+    /// A consumer released `bytes` on `device` at `now` (whether they went back to the driver
+    /// or to a pool, they are available to the next consumer).
+    pub(crate) fn note_released(
+        &self,
+        device: DeviceId,
+        bytes: u64,
+        now: Instant,
+        window: Duration,
+    ) {
+        let mut books = lock(&self.books);
+        let d = books.devices.entry(device).or_default();
+        d.releases.push_back((now, bytes));
+        prune(&mut d.releases, now, window);
+    }
+
+    /// Bytes consumers released on `device` during the last `window` before `now`.
+    pub(crate) fn released_in_window(
+        &self,
+        device: DeviceId,
+        now: Instant,
+        window: Duration,
+    ) -> u64 {
+        let books = lock(&self.books);
+        books.devices.get(&device).map_or(0, |d| {
+            d.releases
+                .iter()
+                .filter(|(t, _)| now.saturating_duration_since(*t) <= window)
+                .map(|(_, b)| *b)
+                .fold(0u64, u64::saturating_add)
+        })
+    }
+
+    /// Moves `bytes` on `device` from one bucket to another.
+    pub(crate) fn transfer(
+        &self,
+        device: DeviceId,
+        from: Bucket,
+        to: Bucket,
+        bytes: u64,
+    ) -> Result<(), GovernorError> {
+        if bytes == 0 || from == to {
+            return Ok(());
+        }
+        let mut books = lock(&self.books);
+        let d = books.devices.entry(device).or_default();
+        take(device, from.as_str(), d.bucket(from), bytes)?;
+        if let Err(e) = put(device, d.bucket(to), bytes) {
+            // Undo the take so the books stay whole.
+            let _ = put(device, d.bucket(from), bytes);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// `bytes` of `from` on `device` were released to the driver at `now`: they leave the
+    /// books and count towards the release rate.
+    pub(crate) fn free(
+        &self,
+        device: DeviceId,
+        from: Bucket,
+        bytes: u64,
+        now: Instant,
+        window: Duration,
+    ) -> Result<(), GovernorError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let mut books = lock(&self.books);
+        let d = books.devices.entry(device).or_default();
+        take(device, from.as_str(), d.bucket(from), bytes)?;
+        prune(&mut d.frees, now, window);
+        if d.frees.len() >= MAX_FREE_EVENTS {
+            // Merge the oldest event into the next one: the sum in the window is kept.
+            if let Some((_, b)) = d.frees.pop_front() {
+                if let Some(next) = d.frees.front_mut() {
+                    next.1 = next.1.saturating_add(b);
+                }
+            }
+        }
+        d.frees.push_back((now, bytes));
+        Ok(())
+    }
+
+    /// Settles `bytes` of a grant on `device`: out of pending, into `to` (or back to the
+    /// budget when `None`).
+    pub(crate) fn settle_pending(&self, device: DeviceId, bytes: u64, to: Option<Bucket>) {
+        if bytes == 0 {
+            return;
+        }
+        let mut books = lock(&self.books);
+        let d = books.devices.entry(device).or_default();
+        // A grant only settles what it holds, so pending always covers it; saturate anyway.
+        d.pending = d.pending.saturating_sub(bytes);
+        if let Some(b) = to {
+            let slot = d.bucket(b);
+            *slot = slot.saturating_add(bytes);
+        }
+    }
+
+    /// One snapshot per device seen, with its budget.
+    pub(crate) fn snapshot(&self, budget: impl Fn(DeviceId) -> Option<u64>) -> Vec<DeviceSnapshot> {
+        let books = lock(&self.books);
+        books
+            .devices
+            .iter()
+            .map(|(id, d)| DeviceSnapshot {
+                device: *id,
+                budget: budget(*id),
+                committed: d.committed,
+                pooled: d.pooled,
+                shared: d.shared,
+                quarantined: d.quarantined,
+                pending: d.pending,
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,442 @@
+//! [`Governor`]: grants growth within the budgets, asks reclaimers before refusing, keeps the
+//! books (through its [`Ledger`]) and estimates `retry_after`.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use kvvm_hal::DeviceId;
+
+use crate::books::{lock, Books, Ledger};
+use crate::bucket::Bucket;
+use crate::config::GovernorConfig;
+use crate::error::{Backpressure, GovernorError};
+use crate::grant::MappedGrowthGrant;
+use crate::reclaim::Reclaimer;
+use crate::snapshot::GovernorSnapshot;
+
+struct Inner {
+    config: GovernorConfig,
+    ledger: Arc<Ledger>,
+    reclaimers: Mutex<Vec<Weak<dyn Reclaimer>>>,
+}
+
+/// The budget of a process's device memory. Cheap to clone: clones share the same books.
+#[derive(Clone)]
+pub struct Governor {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Governor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Governor")
+            .field("config", &self.inner.config)
+            .field("snapshot", &self.snapshot())
+            .finish()
+    }
+}
+
+impl Default for Governor {
+    fn default() -> Self {
+        Governor::unlimited()
+    }
+}
+
+impl Governor {
+    /// A governor with `config`.
+    pub fn new(config: GovernorConfig) -> Self {
+        Governor {
+            inner: Arc::new(Inner {
+                config,
+                ledger: Arc::new(Ledger::default()),
+                reclaimers: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// A governor that never refuses (it still keeps the books).
+    pub fn unlimited() -> Self {
+        Governor::new(GovernorConfig::unlimited())
+    }
+
+    /// A governor with one budget for every device.
+    pub fn with_device_budget(bytes: u64) -> Self {
+        Governor::new(GovernorConfig::default().default_device_budget(bytes))
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GovernorConfig {
+        &self.inner.config
+    }
+
+    /// The budget of `device` (`None`: unlimited).
+    pub fn device_budget(&self, device: DeviceId) -> Option<u64> {
+        self.inner
+            .config
+            .devices
+            .get(&device)
+            .copied()
+            .or(self.inner.config.default_device_budget)
+    }
+
+    /// Registers a reclaimer, asked to free memory before a grant is refused. It is held
+    /// weakly: once its owner is dropped it is forgotten.
+    pub fn register_reclaimer(&self, reclaimer: Weak<dyn Reclaimer>) {
+        let mut r = lock(&self.inner.reclaimers);
+        r.retain(|w| w.strong_count() > 0);
+        r.push(reclaimer);
+    }
+
+    /// Bytes grantable on `device` right now, the tighter of its budget and the process budget.
+    fn available(&self, books: &Books, device: DeviceId) -> u64 {
+        let dev = match self.device_budget(device) {
+            Some(b) => b.saturating_sub(Ledger::device_used(books, device)),
+            None => u64::MAX,
+        };
+        let process = match self.inner.config.process_budget {
+            Some(b) => b.saturating_sub(Ledger::process_used(books)),
+            None => u64::MAX,
+        };
+        dev.min(process)
+    }
+
+    fn try_grant_locked(&self, device: DeviceId, bytes: u64) -> Result<MappedGrowthGrant, u64> {
+        let mut books = lock(&self.inner.ledger.books);
+        let available = self.available(&books, device);
+        if bytes > available {
+            return Err(available);
+        }
+        Ledger::add_pending(&mut books, device, bytes);
+        Ok(MappedGrowthGrant::new(
+            Arc::clone(&self.inner.ledger),
+            device,
+            bytes,
+        ))
+    }
+
+    /// Grants `bytes` of growth on `device`, or refuses with [`Backpressure`].
+    ///
+    /// When the budget is short, every registered [`Reclaimer`] is first asked to free the
+    /// shortfall ("evict before refusing"); the grant is refused only if it still does not fit.
+    pub fn try_grant(
+        &self,
+        device: DeviceId,
+        bytes: u64,
+    ) -> Result<MappedGrowthGrant, Backpressure> {
+        let span = tracing::debug_span!("governor.try_grant", device = device.0, bytes);
+        let _e = span.enter();
+        let available = match self.try_grant_locked(device, bytes) {
+            Ok(g) => return Ok(g),
+            Err(available) => available,
+        };
+        let mut shortfall = bytes.saturating_sub(available);
+        let reclaimers: Vec<Arc<dyn Reclaimer>> = lock(&self.inner.reclaimers)
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for r in reclaimers {
+            if shortfall == 0 {
+                break;
+            }
+            let freed = r.reclaim(device, shortfall);
+            shortfall = shortfall.saturating_sub(freed);
+        }
+        match self.try_grant_locked(device, bytes) {
+            Ok(g) => Ok(g),
+            Err(available) => {
+                let shortfall = bytes.saturating_sub(available);
+                let retry_after = self.estimate_retry_after(device, shortfall);
+                tracing::debug!(needed = bytes, available, ?retry_after, "grant refused");
+                Err(Backpressure {
+                    device,
+                    needed: bytes,
+                    available,
+                    retry_after,
+                })
+            }
+        }
+    }
+
+    /// The `retry_after` the governor would suggest now for a shortfall of `shortfall` bytes
+    /// on `device` (see the crate docs).
+    pub fn estimate_retry_after(&self, device: DeviceId, shortfall: u64) -> Duration {
+        let policy = self.inner.config.retry;
+        let now = self.inner.config.clock.now();
+        let freed = self
+            .inner
+            .ledger
+            .freed_in_window(device, now, policy.window);
+        policy.estimate(shortfall, freed)
+    }
+
+    /// Records that a consumer (a server's sequence, say) released `bytes` on `device` now,
+    /// whether they went back to the driver or to a pool: the release rate of
+    /// [`estimate_retry_after_released`](Self::estimate_retry_after_released).
+    pub fn note_released(&self, device: DeviceId, bytes: u64) {
+        let now = self.inner.config.clock.now();
+        let window = self.inner.config.retry.window;
+        self.inner.ledger.note_released(device, bytes, now, window);
+    }
+
+    /// The [`RetryPolicy`](crate::RetryPolicy) applied to the bytes consumers released on
+    /// `device` during the last window ([`note_released`](Self::note_released)): most of them
+    /// go to a pool, which the driver-side estimate ([`estimate_retry_after`](Self::estimate_retry_after))
+    /// does not see.
+    pub fn estimate_retry_after_released(&self, device: DeviceId, shortfall: u64) -> Duration {
+        let policy = self.inner.config.retry;
+        let now = self.inner.config.clock.now();
+        let released = self
+            .inner
+            .ledger
+            .released_in_window(device, now, policy.window);
+        policy.estimate(shortfall, released)
+    }
+
+    /// Moves `bytes` on `device` from one bucket to another (a handle returned to the pool,
+    /// taken from the pool, quarantined, ...).
+    pub fn transfer(
+        &self,
+        device: DeviceId,
+        from: Bucket,
+        to: Bucket,
+        bytes: u64,
+    ) -> Result<(), GovernorError> {
+        self.inner.ledger.transfer(device, from, to, bytes)
+    }
+
+    /// Records that `bytes` of `from` on `device` were released to the driver (they leave the
+    /// books and count towards the release rate).
+    pub fn free(&self, device: DeviceId, from: Bucket, bytes: u64) -> Result<(), GovernorError> {
+        let now = self.inner.config.clock.now();
+        let window = self.inner.config.retry.window;
+        self.inner.ledger.free(device, from, bytes, now, window)
+    }
+
+    /// A copy of the books.
+    pub fn snapshot(&self) -> GovernorSnapshot {
+        GovernorSnapshot {
+            devices: self.inner.ledger.snapshot(|d| self.device_budget(d)),
+            process_budget: self.inner.config.process_budget,
+        }
+    }
+}
+
+impl MappedGrowthGrant {
+    /// Whether `governor` issued this grant.
+    pub fn is_from(&self, governor: &Governor) -> bool {
+        Arc::ptr_eq(self.ledger(), &governor.inner.ledger)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::books::MAX_FREE_EVENTS;
+    use crate::{GovernorConfig, ManualClock, RetryPolicy};
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    const D0: DeviceId = DeviceId(0);
+    const D1: DeviceId = DeviceId(1);
+    const MIB: u64 = 1 << 20;
+
+    fn governor(budget: u64) -> (Governor, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new());
+        let g = Governor::new(
+            GovernorConfig::default()
+                .default_device_budget(budget)
+                .clock(clock.clone()),
+        );
+        (g, clock)
+    }
+
+    #[test]
+    fn grant_commit_and_rollback_keep_books() {
+        let (g, _) = governor(10 * MIB);
+        let a = g.try_grant(D0, 4 * MIB).unwrap();
+        assert_eq!(g.snapshot().device(D0).pending, 4 * MIB);
+        assert_eq!(g.snapshot().device(D0).free(), 6 * MIB);
+        a.commit();
+        let s = g.snapshot().device(D0);
+        assert_eq!((s.committed, s.pending, s.used()), (4 * MIB, 0, 4 * MIB));
+        let b = g.try_grant(D0, 6 * MIB).unwrap();
+        let err = g.try_grant(D0, 1).unwrap_err();
+        assert_eq!((err.needed, err.available), (1, 0));
+        b.rollback();
+        {
+            let _c = g.try_grant(D0, 6 * MIB).unwrap();
+            assert_eq!(g.snapshot().device(D0).pending, 6 * MIB);
+        }
+        assert_eq!(g.snapshot().device(D0).pending, 0, "drop rolls back");
+    }
+
+    #[test]
+    fn partial_settle_and_give_back() {
+        let (g, _) = governor(10 * MIB);
+        let mut a = g.try_grant(D0, 8 * MIB).unwrap();
+        a.settle(2 * MIB, Bucket::Committed).unwrap();
+        a.settle(MIB, Bucket::Pooled).unwrap();
+        a.give_back(MIB).unwrap();
+        assert!(a.settle(5 * MIB, Bucket::Committed).is_err());
+        assert_eq!(a.bytes(), 4 * MIB);
+        drop(a);
+        let s = g.snapshot().device(D0);
+        assert_eq!((s.committed, s.pooled, s.pending), (2 * MIB, MIB, 0));
+    }
+
+    #[test]
+    fn transfer_free_and_underflow() {
+        let (g, _) = governor(10 * MIB);
+        g.try_grant(D0, 4 * MIB).unwrap().commit();
+        g.transfer(D0, Bucket::Committed, Bucket::Pooled, MIB)
+            .unwrap();
+        g.transfer(D0, Bucket::Committed, Bucket::Quarantined, MIB)
+            .unwrap();
+        g.transfer(D0, Bucket::Committed, Bucket::Shared, MIB)
+            .unwrap();
+        let s = g.snapshot().device(D0);
+        assert_eq!(
+            (s.committed, s.pooled, s.shared, s.quarantined),
+            (MIB, MIB, MIB, MIB)
+        );
+        assert_eq!(s.used(), 4 * MIB);
+        let e = g
+            .transfer(D0, Bucket::Pooled, Bucket::Committed, 2 * MIB)
+            .unwrap_err();
+        assert!(matches!(e, GovernorError::Underflow { .. }));
+        assert_eq!(
+            g.snapshot().device(D0),
+            s,
+            "a failed transfer changes nothing"
+        );
+        g.free(D0, Bucket::Pooled, MIB).unwrap();
+        assert!(g.free(D0, Bucket::Pooled, 1).is_err());
+        assert_eq!(g.snapshot().device(D0).used(), 3 * MIB);
+    }
+
+    #[test]
+    fn process_budget_spans_devices() {
+        let g = Governor::new(
+            GovernorConfig::default()
+                .default_device_budget(8 * MIB)
+                .process_budget(10 * MIB),
+        );
+        g.try_grant(D0, 6 * MIB).unwrap().commit();
+        let e = g.try_grant(D1, 6 * MIB).unwrap_err();
+        assert_eq!((e.device, e.needed, e.available), (D1, 6 * MIB, 4 * MIB));
+        g.try_grant(D1, 4 * MIB).unwrap().commit();
+        assert_eq!(g.snapshot().used(), 10 * MIB);
+        assert_eq!(g.snapshot().process_free(), 0);
+    }
+
+    #[test]
+    fn unlimited_never_refuses() {
+        let g = Governor::unlimited();
+        g.try_grant(D0, u64::MAX / 2).unwrap().commit();
+        g.try_grant(D0, u64::MAX / 2).unwrap().commit();
+        assert_eq!(g.snapshot().device(D0).free(), u64::MAX);
+    }
+
+    #[test]
+    fn retry_estimate_is_clamped_rate() {
+        let p = RetryPolicy {
+            window: Duration::from_secs(1),
+            floor: Duration::from_millis(10),
+            cap: Duration::from_secs(5),
+        };
+        assert_eq!(p.estimate(0, 0), p.floor);
+        assert_eq!(p.estimate(MIB, 0), p.cap);
+        assert_eq!(p.estimate(50 * MIB, 100 * MIB), Duration::from_millis(500));
+        assert_eq!(
+            p.estimate(MIB, 1000 * MIB),
+            Duration::from_millis(10),
+            "floor"
+        );
+        assert_eq!(p.estimate(1000 * MIB, MIB), Duration::from_secs(5), "cap");
+        assert_eq!(
+            p.estimate(u64::MAX, 1),
+            Duration::from_secs(5),
+            "no overflow"
+        );
+    }
+
+    #[test]
+    fn retry_after_follows_recent_release_rate() {
+        let (g, clock) = governor(10 * MIB);
+        g.try_grant(D0, 10 * MIB).unwrap().commit();
+        // Nothing freed yet: the cap.
+        let e = g.try_grant(D0, 2 * MIB).unwrap_err();
+        assert_eq!(e.retry_after, RetryPolicy::default().cap);
+        // 4 MiB freed within the window: 4 MiB/s. Asking 6 MiB with 4 MiB free: 2 MiB short,
+        // so 500 ms.
+        g.free(D0, Bucket::Committed, 4 * MIB).unwrap();
+        clock.advance(Duration::from_millis(100));
+        let e = g.try_grant(D0, 6 * MIB).unwrap_err();
+        assert_eq!((e.needed, e.available), (6 * MIB, 4 * MIB));
+        assert_eq!(e.retry_after, Duration::from_millis(500));
+        // Once the window has passed, the free no longer counts.
+        clock.advance(Duration::from_secs(2));
+        let e = g.try_grant(D0, 6 * MIB).unwrap_err();
+        assert_eq!(e.retry_after, RetryPolicy::default().cap);
+    }
+
+    struct Pool {
+        g: Governor,
+        held: AtomicU64,
+        calls: AtomicU64,
+    }
+
+    impl Reclaimer for Pool {
+        fn reclaim(&self, device: DeviceId, bytes: u64) -> u64 {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            let n = bytes.min(self.held.load(Ordering::SeqCst));
+            self.held.fetch_sub(n, Ordering::SeqCst);
+            self.g.free(device, Bucket::Pooled, n).unwrap();
+            n
+        }
+    }
+
+    #[test]
+    fn evicts_before_refusing() {
+        let (g, _) = governor(10 * MIB);
+        g.try_grant(D0, 10 * MIB).unwrap().commit();
+        g.transfer(D0, Bucket::Committed, Bucket::Pooled, 3 * MIB)
+            .unwrap();
+        let pool = Arc::new(Pool {
+            g: g.clone(),
+            held: AtomicU64::new(3 * MIB),
+            calls: AtomicU64::new(0),
+        });
+        let weak: Weak<dyn Reclaimer> = Arc::downgrade(&(pool.clone() as Arc<dyn Reclaimer>));
+        g.register_reclaimer(weak);
+        let grant = g.try_grant(D0, 2 * MIB).unwrap();
+        assert_eq!(pool.calls.load(Ordering::SeqCst), 1);
+        assert_eq!(g.snapshot().device(D0).pooled, MIB);
+        grant.commit();
+        // Only 1 MiB left to reclaim: refused after trying.
+        let e = g.try_grant(D0, 2 * MIB).unwrap_err();
+        assert_eq!(e.available, MIB);
+        assert_eq!(pool.calls.load(Ordering::SeqCst), 2);
+        // The reclaimer is held weakly.
+        drop(pool);
+        assert!(g.try_grant(D0, 2 * MIB).is_err());
+    }
+
+    #[test]
+    fn free_events_are_bounded() {
+        let (g, _) = governor(u64::MAX);
+        g.try_grant(D0, 4 * MAX_FREE_EVENTS as u64)
+            .unwrap()
+            .commit();
+        for _ in 0..(4 * MAX_FREE_EVENTS) {
+            g.free(D0, Bucket::Committed, 1).unwrap();
+        }
+        let books = lock(&g.inner.ledger.books);
+        let d = books.devices.get(&D0).unwrap();
+        assert!(d.frees.len() <= MAX_FREE_EVENTS);
+        assert_eq!(
+            d.frees.iter().map(|(_, b)| b).sum::<u64>(),
+            4 * MAX_FREE_EVENTS as u64
+        );
+    }
+}

@@ -1,0 +1,113 @@
+//! The records of the prefix cache: its configuration, its counters, what an admission and a
+//! publication did. Plain data; the behaviour is `cache.rs`.
+
+use crate::sequence::SequenceKv;
+
+/// Configuration of a `PrefixCache`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct PrefixCacheConfig {
+    /// Most physical bytes of published prefixes to keep (`None`: no cap; the governor's
+    /// budget and the reclaimer bound them). Beyond it, least recently used prefixes that no
+    /// sequence maps are evicted at publish time.
+    pub max_cached_bytes: Option<u64>,
+}
+
+impl PrefixCacheConfig {
+    /// Sets [`max_cached_bytes`](Self::max_cached_bytes).
+    #[must_use]
+    pub fn max_cached_bytes(mut self, bytes: Option<u64>) -> Self {
+        self.max_cached_bytes = bytes;
+        self
+    }
+}
+
+/// Counters of a `PrefixCache` (`PrefixCache::stats`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct PrefixCacheStats {
+    /// Tokens per hashed block (see `PrefixCache::block_tokens_for`).
+    pub block_tokens: u64,
+    /// Admissions looked up.
+    pub lookups: u64,
+    /// Admissions that attached a cached prefix (at least one block).
+    pub hits: u64,
+    /// Admissions that found nothing.
+    pub misses: u64,
+    /// Prompt tokens attached from the cache instead of being computed and written.
+    pub tokens_saved: u64,
+    /// Physical bytes attached read-only instead of committed privately.
+    pub bytes_saved: u64,
+    /// Prefixes published.
+    pub published: u64,
+    /// Publications skipped because the same blocks were already cached.
+    pub already_cached: u64,
+    /// Prefixes in the cache now.
+    pub cached_entries: u64,
+    /// Physical bytes the cached prefixes hold (each shared set counted once).
+    pub cached_bytes: u64,
+    /// Of those, bytes no live sequence maps (what eviction would free now).
+    pub idle_bytes: u64,
+    /// Prefixes evicted (by the LRU cap or the governor's reclaim).
+    pub evictions: u64,
+    /// Physical bytes freed by eviction.
+    pub evicted_bytes: u64,
+}
+
+/// What `PrefixCache::admit` returns: the request's sequence, with its cached prefix mapped
+/// read-only and the rest of its prompt committed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Admission {
+    /// The request's KV cache: `prompt_tokens` tokens committed; tokens `0..hit_tokens` are
+    /// the cached prefix (already written, read-only); the caller writes
+    /// `hit_tokens..prompt_tokens` and then calls `PrefixCache::publish`.
+    pub sequence: SequenceKv,
+    /// Prompt tokens found in the cache (a multiple of the block size).
+    pub hit_tokens: u64,
+    /// Prompt tokens (`token_ids.len()`).
+    pub prompt_tokens: u64,
+    /// Tokens of the new shared prefix segment this request owns (its full blocks past the
+    /// hit), to be published once written; 0 when there is nothing new to publish.
+    pub owned_prefix_tokens: u64,
+    /// Physical bytes mapped read-only from the cache (not committed by this request).
+    pub shared_bytes: u64,
+    /// Physical bytes this admission committed (private windows and a new owned segment).
+    pub committed_bytes: u64,
+}
+
+/// What `PrefixCache::admit_into` did to the caller's sequence (the fields of
+/// [`Admission`] beside the sequence).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AdmissionInfo {
+    /// Prompt tokens found in the cache (a multiple of the block size).
+    pub hit_tokens: u64,
+    /// Prompt tokens (`token_ids.len()`).
+    pub prompt_tokens: u64,
+    /// Tokens of the new shared prefix segment the sequence owns, to be published once
+    /// written; 0 when there is nothing new to publish.
+    pub owned_prefix_tokens: u64,
+    /// Physical bytes mapped read-only from the cache.
+    pub shared_bytes: u64,
+    /// Physical bytes this admission committed.
+    pub committed_bytes: u64,
+}
+
+/// What `PrefixCache::publish` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PublishOutcome {
+    /// The prefix is in the cache now.
+    Published {
+        /// Tokens of the cached prefix (full blocks).
+        tokens: u64,
+        /// Physical bytes newly held by the cache.
+        bytes: u64,
+    },
+    /// Another request published the same blocks first; this one's segment stays private to
+    /// its sequence (it is freed when the sequence is).
+    AlreadyCached,
+    /// The sequence owns nothing to publish.
+    NothingToPublish,
+}

@@ -1,0 +1,122 @@
+//! What the API exchanges: the request bodies, the answers, the service's counters and the
+//! `/metrics` snapshot. Plain serializable records; the behaviour is `service.rs`.
+
+use kvvm::DeviceId;
+use kvvm_governor::GovernorSnapshot;
+use kvvm_kv::PrefixCacheStats;
+use serde::{Deserialize, Serialize};
+
+/// `POST /v1/sequences`: open a sequence.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSequence {
+    /// Tokens of the prompt (committed now). Optional when `token_ids` is given (its length);
+    /// when both are given they must agree.
+    #[serde(default)]
+    pub prompt_tokens: Option<u64>,
+    /// The most tokens the sequence will hold (its address space is reserved for this many);
+    /// default: the model's limit.
+    #[serde(default)]
+    pub max_tokens: Option<u64>,
+    /// The prompt's token ids, used to find a shared prefix.
+    #[serde(default)]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// `POST /v1/sequences/{id}/append`: grow a sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AppendTokens {
+    /// Tokens to add (at least 1).
+    pub tokens: u64,
+}
+
+/// A live sequence as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequenceInfo {
+    /// The sequence's id.
+    pub id: u64,
+    /// Live tokens.
+    pub tokens: u64,
+    /// The most tokens it may hold.
+    pub max_tokens: u64,
+    /// Bytes mapped for it: granule x windows holding live bytes, its read-only shared
+    /// prefix windows included.
+    pub committed_bytes: u64,
+    /// Physical bytes it owns alone (shared prefix windows are billed once, to the prefix).
+    pub owned_bytes: u64,
+    /// Bytes mapped read-only from the prefix cache (not committed for it).
+    pub shared_bytes: u64,
+    /// Bytes of address space reserved for it (never committed as a whole).
+    pub reserved_bytes: u64,
+    /// Bytes committed by this request (0 when every needed window was already mapped).
+    pub added_bytes: u64,
+    /// Tokens of the prompt served from a shared prefix (not committed again).
+    pub prefix_hit_tokens: u64,
+    /// The base device address of its KV cache (never changes while it lives).
+    pub address: u64,
+}
+
+/// `DELETE /v1/sequences/{id}`: what was released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Released {
+    /// The sequence's id.
+    pub id: u64,
+    /// Tokens it held.
+    pub tokens: u64,
+    /// Bytes it had committed.
+    pub released_bytes: u64,
+}
+
+/// What `KvService::shutdown` released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShutdownReport {
+    /// Sequences released.
+    pub sequences: u64,
+    /// Bytes they had committed.
+    pub released_bytes: u64,
+    /// Releases that failed (their memory is quarantined by the manager, never forgotten).
+    pub failures: u64,
+}
+
+/// Counters of the service, as `/metrics` shows them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Counters {
+    /// Sequences opened.
+    pub sequences_created: u64,
+    /// Sequences released (by `DELETE` or at shutdown).
+    pub sequences_released: u64,
+    /// Successful appends.
+    pub appends: u64,
+    /// Requests refused for lack of memory (429).
+    pub grants_refused: u64,
+    /// Requests refused as the client's error (4xx other than 429).
+    pub bad_requests: u64,
+    /// Requests that failed for another reason (5xx).
+    pub internal_errors: u64,
+    /// Sequences whose prompt hit a shared prefix.
+    pub prefix_hits: u64,
+    /// Prompt tokens served from shared prefixes.
+    pub prefix_hit_tokens: u64,
+    /// Prefixes published to the prefix cache by this server's requests.
+    pub prefixes_published: u64,
+}
+
+/// A point-in-time view of the service for `/metrics`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricsSnapshot {
+    /// The governor's books.
+    pub governor: GovernorSnapshot,
+    /// The device served.
+    pub device: DeviceId,
+    /// Live sequences.
+    pub live_sequences: u64,
+    /// Live tokens over all sequences.
+    pub live_tokens: u64,
+    /// The counters.
+    pub counters: Counters,
+    /// The manager's granule.
+    pub granule: u64,
+    /// The prefix cache's counters and sizes (`None` when it is off).
+    pub prefix_cache: Option<PrefixCacheStats>,
+}

@@ -1,0 +1,314 @@
+//! The commit transaction and its rollback.
+//!
+//! A commit maps granule windows of a reservation in one transaction: parked windows of the
+//! same reservation are taken back first (no driver call), then the pool supplies what it can
+//! (no create), the governor grants the rest (no grant, no commit), each window is created and
+//! mapped, and access is set once over each contiguous run. Any failure unmaps what this
+//! commit mapped, last first, returns the handles to the pool and rolls the grant back; a block
+//! whose unmap fails stays recorded (it is still mapped) and is accounted as committed.
+
+use std::sync::Arc;
+
+use kvvm_governor::{Bucket, MappedGrowthGrant};
+use kvvm_hal::{BackendError, PhysicalHandle};
+
+use crate::device::Source;
+use crate::error::{VmmError, VmmResult};
+use crate::mapping::{BlockKind, Commit};
+use crate::range::{runs, Block, ReservedRange};
+use crate::state::DeviceState;
+
+/// Where a handle of a commit in progress came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    Pool,
+    Created,
+}
+
+impl ReservedRange {
+    /// Why `grant` cannot pay for a commit here, if it cannot: another device or governor,
+    /// or not a whole number of granules.
+    pub(crate) fn grant_mismatch(&self, grant: &MappedGrowthGrant) -> Option<String> {
+        let ctx = &self.state.ctx;
+        let g = ctx.granule;
+        if grant.device() != ctx.device {
+            Some(format!(
+                "grant is for {}, manager for {}",
+                grant.device(),
+                ctx.device
+            ))
+        } else if !grant.is_from(&ctx.governor) {
+            Some("grant is from another governor".to_owned())
+        } else if grant.bytes().checked_rem(g) != Some(0) {
+            Some(format!(
+                "{} bytes is not a multiple of the granule {g}",
+                grant.bytes()
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// Commits `granules` windows after the committed end.
+    pub(crate) fn commit_granules(
+        &mut self,
+        granules: u64,
+        grant: Option<MappedGrowthGrant>,
+    ) -> VmmResult<Commit> {
+        let g = self.granule();
+        let offset = self.committed_end();
+        let bytes = granules.checked_mul(g).ok_or(VmmError::SizeOverflow {
+            what: "commit size",
+        })?;
+        if granules == 0 {
+            // A grant handed in is rolled back by its drop.
+            return Ok(Commit::empty(self.addr(offset)?));
+        }
+        self.checked_end(offset, bytes, "commit end")?;
+        let offsets: Vec<u64> = (0..granules)
+            .map(|i| offset.saturating_add(i.saturating_mul(g)))
+            .collect();
+        self.commit_windows(&offsets, grant, None)
+    }
+
+    /// The commit transaction over sorted, distinct, unmapped, in-bounds window offsets.
+    /// With `shared`, the new handles form a shared set (accounted once, as shared) that this
+    /// reservation maps read-write as its owner.
+    pub(crate) fn commit_windows(
+        &mut self,
+        offsets: &[u64],
+        grant: Option<MappedGrowthGrant>,
+        shared: Option<&mut Vec<(u64, PhysicalHandle)>>,
+    ) -> VmmResult<Commit> {
+        let st = Arc::clone(&self.state);
+        let ctx = &st.ctx;
+        let g = ctx.granule;
+        let granules = offsets.len() as u64;
+        let span = tracing::debug_span!(
+            "vmm.commit",
+            device = ctx.device.0,
+            base = self.base.0,
+            granules
+        );
+        let _e = span.enter();
+        let first = offsets.first().copied().unwrap_or(0);
+        let start = self.addr(first)?;
+        let bytes = granules.checked_mul(g).ok_or(VmmError::SizeOverflow {
+            what: "commit size",
+        })?;
+        // Every window must be in bounds and unmapped: the driver checks neither.
+        for &o in offsets {
+            self.check_free_window(o)?;
+        }
+        let target = if shared.is_some() {
+            Bucket::Shared
+        } else {
+            Bucket::Committed
+        };
+
+        // Parked windows of this reservation at these offsets: reused as they are (no driver
+        // call) for a private commit; unmapped first for a shared one.
+        let reused: Vec<(u64, PhysicalHandle)> = match (&self.parked, shared.is_some()) {
+            (None, _) => Vec::new(),
+            (Some(parked), true) => {
+                parked.evict(ctx, &st.pool, offsets)?;
+                Vec::new()
+            }
+            (Some(parked), false) => parked.take(&st.pool, g, offsets),
+        };
+        if !reused.is_empty() {
+            return self.commit_reusing_parked(offsets, reused, grant, start, bytes);
+        }
+
+        // Pool first: a hit needs neither a create nor any new budget.
+        let mut pooled = st.pool.take(granules);
+        let from_pool = pooled.len() as u64;
+        let new_bytes = (granules.saturating_sub(from_pool)).saturating_mul(g);
+        let mut grant = match grant {
+            Some(grant) => grant,
+            None => match ctx.governor.try_grant(ctx.device, new_bytes) {
+                Ok(grant) => grant,
+                Err(bp) => {
+                    st.pool.untake(ctx, pooled);
+                    return Err(bp.into());
+                }
+            },
+        };
+
+        // Create (or take) and map window by window.
+        let mut mapped: Vec<(u64, PhysicalHandle, Origin)> = Vec::new();
+        let mut failure: Option<BackendError> = None;
+        for &o in offsets {
+            let addr = self.at(o);
+            let (handle, origin) = match pooled.pop() {
+                Some(h) => (h, Origin::Pool),
+                None => match ctx.backend.create(g, &ctx.props) {
+                    Ok(h) => (h, Origin::Created),
+                    Err(e) => {
+                        failure = Some(e);
+                        break;
+                    }
+                },
+            };
+            if let Err(e) = ctx.backend.map(addr, g, handle) {
+                // A failed release is quarantined inside; the map error is the one reported.
+                let _ = match origin {
+                    Origin::Pool => st.dispose(handle, Source::Bucket(Bucket::Pooled)),
+                    Origin::Created => st.dispose(handle, Source::Grant(&mut grant)),
+                };
+                failure = Some(e);
+                break;
+            }
+            mapped.push((o, handle, origin));
+        }
+
+        // One set access over each contiguous run, retried as the backend asks.
+        if failure.is_none() {
+            for (run_offset, run_bytes) in runs(offsets, g) {
+                let addr = self.at(run_offset);
+                if let Err(e) = ctx.set_access_retrying(addr, run_bytes, &ctx.access) {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+
+        // Handles taken from the pool but not reached go back.
+        st.pool.untake(ctx, pooled);
+
+        if let Some(error) = failure {
+            tracing::debug!(%error, mapped = mapped.len(), "commit failed; rolling back");
+            self.rollback(&st, mapped, &mut grant);
+            grant.rollback();
+            return Err(error.into());
+        }
+
+        let created = (mapped
+            .iter()
+            .filter(|(_, _, o)| *o == Origin::Created)
+            .count() as u64)
+            .saturating_mul(g);
+        let reused = from_pool.saturating_mul(g);
+        ctx.account(grant.settle(created, target));
+        ctx.account(
+            ctx.governor
+                .transfer(ctx.device, Bucket::Pooled, target, reused),
+        );
+        grant.rollback();
+        let kind = match shared {
+            Some(set) => {
+                set.extend(mapped.iter().map(|(o, h, _)| (*o, *h)));
+                BlockKind::Shared { writable: true }
+            }
+            None => BlockKind::Owned,
+        };
+        self.insert_blocks(mapped.into_iter().map(|(offset, handle, _)| Block {
+            offset,
+            handle,
+            kind,
+            shared: None,
+        }));
+        Ok(Commit {
+            address: start,
+            bytes,
+            granules,
+            from_pool,
+        })
+    }
+
+    /// A private commit some of whose windows are parked here: the others are committed as
+    /// usual, then the parked ones become blocks again (pooled to committed). If the fresh
+    /// part fails, the parked windows go back to parking.
+    fn commit_reusing_parked(
+        &mut self,
+        offsets: &[u64],
+        reused: Vec<(u64, PhysicalHandle)>,
+        grant: Option<MappedGrowthGrant>,
+        start: kvvm_hal::DeviceAddress,
+        bytes: u64,
+    ) -> VmmResult<Commit> {
+        let st = Arc::clone(&self.state);
+        let ctx = &st.ctx;
+        let g = ctx.granule;
+        let fresh: Vec<u64> = offsets
+            .iter()
+            .copied()
+            .filter(|o| reused.binary_search_by_key(o, |(r, _)| *r).is_err())
+            .collect();
+        let reused_bytes = ctx.granules(reused.len());
+        let result = if fresh.is_empty() {
+            if let Some(grant) = grant {
+                grant.rollback();
+            }
+            Ok(Commit::empty(start))
+        } else {
+            self.commit_windows(&fresh, grant, None)
+        };
+        match result {
+            Ok(c) => {
+                ctx.account(ctx.governor.transfer(
+                    ctx.device,
+                    Bucket::Pooled,
+                    Bucket::Committed,
+                    reused_bytes,
+                ));
+                let n = reused.len() as u64;
+                self.insert_blocks(reused.into_iter().map(|(o, h)| Block::owned(o, h)));
+                Ok(Commit {
+                    address: start,
+                    bytes,
+                    granules: offsets.len() as u64,
+                    from_pool: c.from_pool.saturating_add(n),
+                })
+            }
+            Err(e) => {
+                if let Some(parked) = &self.parked {
+                    parked.put_back(&st.pool, g, reused);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Undoes the maps of a failed commit in reverse order. A block whose unmap fails stays
+    /// recorded (it is still mapped) and its bytes are accounted as committed.
+    fn rollback(
+        &mut self,
+        st: &DeviceState,
+        mapped: Vec<(u64, PhysicalHandle, Origin)>,
+        grant: &mut MappedGrowthGrant,
+    ) {
+        let ctx = &st.ctx;
+        let g = ctx.granule;
+        let mut kept = Vec::new();
+        for (block_offset, handle, origin) in mapped.into_iter().rev() {
+            let addr = self.at(block_offset);
+            match ctx.backend.unmap(addr, g) {
+                Ok(()) => {
+                    // A failed release is quarantined inside; the commit's error is reported.
+                    let _ = match origin {
+                        Origin::Pool => st.dispose(handle, Source::Bucket(Bucket::Pooled)),
+                        Origin::Created => st.dispose(handle, Source::Grant(grant)),
+                    };
+                }
+                Err(error) => {
+                    tracing::warn!(%addr, %error, "rollback unmap failed; block stays recorded");
+                    // Still mapped: it stays as an owned block of this reservation, even when
+                    // the commit was for a shared set (the set never saw it).
+                    let r = match origin {
+                        Origin::Pool => {
+                            ctx.governor
+                                .transfer(ctx.device, Bucket::Pooled, Bucket::Committed, g)
+                        }
+                        Origin::Created => grant.settle(g, Bucket::Committed),
+                    };
+                    ctx.account(r);
+                    kept.push(Block::owned(block_offset, handle));
+                }
+            }
+        }
+        if !kept.is_empty() {
+            self.insert_blocks(kept.into_iter());
+        }
+    }
+}

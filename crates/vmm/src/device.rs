@@ -1,0 +1,146 @@
+//! [`DeviceContext`]: what every part of the manager needs to talk to one device's driver and
+//! keep its books: the backend, the granule, the access it sets, the governor it charges, the
+//! quarantine and the count of accounting failures.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use kvvm_governor::{Bucket, Governor, GovernorError, MappedGrowthGrant};
+use kvvm_hal::{
+    AccessDescriptor, AllocationProperties, BackendError, Capabilities, DeviceAddress, DeviceId,
+    PhysicalHandle, VirtualMemoryBackend,
+};
+
+use crate::quarantine::{Quarantine, QuarantineEntry};
+
+/// Where the bytes of a handle being disposed of are accounted.
+pub(crate) enum Source<'a> {
+    /// A bucket of the governor.
+    Bucket(Bucket),
+    /// A grant not yet settled (a handle created by a failing commit).
+    Grant(&'a mut MappedGrowthGrant),
+}
+
+impl Source<'_> {
+    /// Moves `bytes` from this source to `to` (still held by the process).
+    pub(crate) fn settle(
+        self,
+        ctx: &DeviceContext,
+        to: Bucket,
+        bytes: u64,
+    ) -> Result<(), GovernorError> {
+        match self {
+            Source::Bucket(b) => ctx.governor.transfer(ctx.device, b, to, bytes),
+            Source::Grant(grant) => grant.settle(bytes, to),
+        }
+    }
+
+    /// `bytes` from this source went back to the driver.
+    fn free(self, ctx: &DeviceContext, bytes: u64) -> Result<(), GovernorError> {
+        match self {
+            Source::Bucket(b) => ctx.governor.free(ctx.device, b, bytes),
+            Source::Grant(grant) => grant.give_back(bytes),
+        }
+    }
+}
+
+/// One device as the manager sees it. Immutable after creation except for the quarantine and
+/// the accounting-error count.
+pub(crate) struct DeviceContext {
+    pub(crate) backend: Arc<dyn VirtualMemoryBackend>,
+    pub(crate) device: DeviceId,
+    pub(crate) props: AllocationProperties,
+    /// The granule every commit is made of.
+    pub(crate) granule: u64,
+    pub(crate) caps: Capabilities,
+    /// The access set on every commit.
+    pub(crate) access: Vec<AccessDescriptor>,
+    pub(crate) governor: Governor,
+    pub(crate) quarantine: Quarantine,
+    accounting_errors: AtomicU64,
+}
+
+impl DeviceContext {
+    pub(crate) fn new(
+        backend: Arc<dyn VirtualMemoryBackend>,
+        props: AllocationProperties,
+        granule: u64,
+        access: Vec<AccessDescriptor>,
+        governor: Governor,
+    ) -> Self {
+        let caps = backend.capabilities();
+        DeviceContext {
+            backend,
+            device: props.device,
+            props,
+            granule,
+            caps,
+            access,
+            governor,
+            quarantine: Quarantine::default(),
+            accounting_errors: AtomicU64::new(0),
+        }
+    }
+
+    /// Records an accounting failure (a manager bug) without failing the operation.
+    pub(crate) fn account(&self, r: Result<(), GovernorError>) {
+        if let Err(e) = r {
+            self.accounting_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::error!(error = %e, "governor accounting failed");
+        }
+    }
+
+    /// How many governor updates failed.
+    pub(crate) fn accounting_errors(&self) -> u64 {
+        self.accounting_errors.load(Ordering::Relaxed)
+    }
+
+    /// `n` granules in bytes.
+    pub(crate) fn granules(&self, n: usize) -> u64 {
+        (n as u64).saturating_mul(self.granule)
+    }
+
+    /// Releases an unmapped handle of one granule; a failure quarantines it (and is returned
+    /// after that). Returns the bytes released.
+    pub(crate) fn release_handle(
+        &self,
+        handle: PhysicalHandle,
+        source: Source<'_>,
+    ) -> Result<u64, BackendError> {
+        let g = self.granule;
+        match self.backend.release(handle) {
+            Ok(()) => {
+                self.account(source.free(self, g));
+                Ok(g)
+            }
+            Err(error) => {
+                tracing::warn!(%handle, %error, "release failed; handle quarantined");
+                self.account(source.settle(self, Bucket::Quarantined, g));
+                self.quarantine
+                    .add(QuarantineEntry::release_failed(handle, g, error.clone()));
+                Err(error)
+            }
+        }
+    }
+
+    /// Sets `access` over `[addr, addr + bytes)`, retried
+    /// [`Capabilities::set_access_retries`] extra times.
+    pub(crate) fn set_access_retrying(
+        &self,
+        addr: DeviceAddress,
+        bytes: u64,
+        access: &[AccessDescriptor],
+    ) -> Result<(), BackendError> {
+        let mut attempt = 0u32;
+        loop {
+            match self.backend.set_access(addr, bytes, access) {
+                Ok(()) => return Ok(()),
+                Err(e) if attempt < self.caps.set_access_retries => {
+                    tracing::debug!(error = %e, attempt, "set_access failed; retrying");
+                    attempt = attempt.saturating_add(1);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! Parked windows (`VmmConfig::park_released`): windows a
+//! reservation released but kept mapped, access still set, so that a later commit of the same
+//! windows in the same reservation takes them back with no driver call at all.
+//!
+//! Everything about parking lives here: the per-reservation set ([`ParkedWindows`]), the
+//! device-wide registry that the reclaimer walks ([`ParkingLot`]), parking released windows
+//! within the pool cap, taking them back on commit, evicting them for a shared mapping, and
+//! handing them to teardown. Parked bytes are *pooled* for the governor and count against the
+//! pool cap (the count lives in the [`HandlePool`]).
+
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use kvvm_governor::Bucket;
+use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
+
+use crate::device::{DeviceContext, Source};
+use crate::mapping::{BlockKind, MappedBlock};
+use crate::pool::HandlePool;
+use crate::sync::lock;
+
+/// A parked window: its offset in the reservation and the handle mapped there.
+pub(crate) type Window = (u64, PhysicalHandle);
+
+/// The parked windows of one reservation: still mapped at `base + offset` with the manager's
+/// access, their handles accounted as pooled.
+#[derive(Debug)]
+pub(crate) struct ParkedWindows {
+    base: DeviceAddress,
+    windows: Mutex<Vec<Window>>,
+}
+
+/// Every live reservation's parked set, for the reclaimer.
+#[derive(Debug)]
+pub(crate) struct ParkingLot {
+    enabled: bool,
+    sets: Mutex<Vec<Weak<ParkedWindows>>>,
+}
+
+impl ParkingLot {
+    pub(crate) fn new(enabled: bool) -> Self {
+        ParkingLot {
+            enabled,
+            sets: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A parked set for a new reservation at `base`, registered here; `None` when the
+    /// manager does not park.
+    pub(crate) fn open(&self, base: DeviceAddress) -> Option<Arc<ParkedWindows>> {
+        self.enabled.then(|| {
+            let set = Arc::new(ParkedWindows {
+                base,
+                windows: Mutex::new(Vec::new()),
+            });
+            lock(&self.sets).push(Arc::downgrade(&set));
+            set
+        })
+    }
+
+    /// Unmaps and releases parked windows (any reservation's) until `bytes` are released or
+    /// none is left; returns the bytes released. A reservation busy on another thread is
+    /// skipped (never waited for: the caller may be that thread, asking for memory).
+    pub(crate) fn unpark(&self, ctx: &DeviceContext, pool: &HandlePool, bytes: u64) -> u64 {
+        if bytes == 0 || pool.parked_bytes() == 0 {
+            return 0;
+        }
+        let sets: Vec<Arc<ParkedWindows>> = {
+            let mut sets = lock(&self.sets);
+            sets.retain(|w| w.strong_count() > 0);
+            sets.iter().filter_map(Weak::upgrade).collect()
+        };
+        let g = ctx.granule;
+        let mut released = 0u64;
+        for set in sets {
+            let Ok(mut windows) = set.windows.try_lock() else {
+                continue;
+            };
+            while released < bytes {
+                let Some((offset, handle)) = windows.pop() else {
+                    break;
+                };
+                let addr = set.base.offset(offset);
+                if let Err(error) = ctx.backend.unmap(addr, g) {
+                    tracing::warn!(%addr, %error, "unmap of a parked window failed; it stays parked");
+                    windows.push((offset, handle));
+                    break;
+                }
+                pool.remove_parked(g);
+                released = released.saturating_add(
+                    ctx.release_handle(handle, Source::Bucket(Bucket::Pooled))
+                        .unwrap_or(0),
+                );
+            }
+            if released >= bytes {
+                break;
+            }
+        }
+        released
+    }
+}
+
+impl ParkedWindows {
+    fn windows(&self) -> MutexGuard<'_, Vec<Window>> {
+        lock(&self.windows)
+    }
+
+    /// The parked windows as mappings.
+    pub(crate) fn list(&self, g: u64) -> Vec<MappedBlock> {
+        self.windows()
+            .iter()
+            .map(|&(o, h)| MappedBlock {
+                address: self.base.offset(o),
+                size: g,
+                handle: h,
+                kind: BlockKind::Owned,
+            })
+            .collect()
+    }
+
+    /// Parks the blocks of `blocks` that `window` says are parkable, as many as the pool cap
+    /// allows: they stay mapped, their bytes move from committed to pooled. Returns the
+    /// others, in order, for unmapping.
+    pub(crate) fn park<B>(
+        &self,
+        ctx: &DeviceContext,
+        pool: &HandlePool,
+        blocks: Vec<B>,
+        window: impl Fn(&B) -> Option<Window>,
+    ) -> Vec<B> {
+        let g = ctx.granule;
+        let mut keep = Vec::new();
+        let mut parked = Vec::new();
+        for b in blocks {
+            match window(&b) {
+                Some(w) if pool.try_add_parked(g) => parked.push(w),
+                _ => keep.push(b),
+            }
+        }
+        if !parked.is_empty() {
+            let bytes = ctx.granules(parked.len());
+            ctx.account(ctx.governor.transfer(
+                ctx.device,
+                Bucket::Committed,
+                Bucket::Pooled,
+                bytes,
+            ));
+            let mut set = self.windows();
+            set.extend(parked);
+            set.sort_unstable_by_key(|(o, _)| *o);
+        }
+        keep
+    }
+
+    /// Takes the parked windows at `offsets` (sorted) out of the set; they stay mapped and
+    /// accounted as pooled until the caller settles them.
+    pub(crate) fn take(&self, pool: &HandlePool, g: u64, offsets: &[u64]) -> Vec<Window> {
+        let mut taken = Vec::new();
+        self.windows().retain(|&(o, h)| {
+            if offsets.binary_search(&o).is_ok() {
+                taken.push((o, h));
+                false
+            } else {
+                true
+            }
+        });
+        pool.remove_parked(g.saturating_mul(taken.len() as u64));
+        taken
+    }
+
+    /// Puts windows taken by [`take`](Self::take) back.
+    pub(crate) fn put_back(&self, pool: &HandlePool, g: u64, windows: Vec<Window>) {
+        if windows.is_empty() {
+            return;
+        }
+        let n = windows.len() as u64;
+        {
+            let mut set = self.windows();
+            set.extend(windows);
+            set.sort_unstable_by_key(|(o, _)| *o);
+        }
+        // They were counted out by `take`: count them back in (the cap was checked when they
+        // were first parked).
+        pool.add_parked(n.saturating_mul(g));
+    }
+
+    /// Unmaps the parked windows at `offsets` and returns their handles to the pool (or
+    /// releases them), so that something else can be mapped there. A window whose unmap
+    /// fails stays parked; the first error is returned.
+    pub(crate) fn evict(
+        &self,
+        ctx: &DeviceContext,
+        pool: &HandlePool,
+        offsets: &[u64],
+    ) -> Result<(), BackendError> {
+        let g = ctx.granule;
+        let victims = self.take(pool, g, offsets);
+        let mut failed = Vec::new();
+        let mut first_error = None;
+        for (o, h) in victims {
+            match ctx.backend.unmap(self.base.offset(o), g) {
+                Ok(()) => {
+                    // A failed release is quarantined inside.
+                    let _ = pool.dispose(ctx, h, Source::Bucket(Bucket::Pooled));
+                }
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    failed.push((o, h));
+                }
+            }
+        }
+        self.put_back(pool, g, failed);
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Takes every parked window out for teardown, which treats them like committed ones:
+    /// their bytes move from pooled back to committed.
+    pub(crate) fn take_all(&self, ctx: &DeviceContext, pool: &HandlePool) -> Vec<Window> {
+        let windows = std::mem::take(&mut *self.windows());
+        if !windows.is_empty() {
+            let bytes = ctx.granules(windows.len());
+            pool.remove_parked(bytes);
+            ctx.account(ctx.governor.transfer(
+                ctx.device,
+                Bucket::Pooled,
+                Bucket::Committed,
+                bytes,
+            ));
+        }
+        windows
+    }
+}

@@ -1,0 +1,195 @@
+//! [`ReservedRange`]: what a reservation records (its range, its mapped blocks sorted by
+//! offset, its parked windows) and the bounds checks every operation on it starts with. The
+//! operations themselves are in `commit.rs`, `sharing.rs`, `release.rs` and `teardown.rs`;
+//! the public face is `reservation.rs`.
+
+use std::sync::Arc;
+
+use kvvm_hal::{DeviceAddress, PhysicalHandle};
+
+use crate::error::{VmmError, VmmResult};
+use crate::mapping::{BlockKind, MappedBlock};
+use crate::parking::ParkedWindows;
+use crate::shared::SharedHandles;
+use crate::state::DeviceState;
+use crate::strided::SharedRange;
+
+/// One mapped granule window of a reservation.
+#[derive(Debug, Clone)]
+pub(crate) struct Block {
+    pub(crate) offset: u64,
+    pub(crate) handle: PhysicalHandle,
+    pub(crate) kind: BlockKind,
+    /// For shared blocks: the set the handle belongs to (keeps it alive while mapped).
+    pub(crate) shared: Option<Arc<SharedHandles>>,
+}
+
+impl Block {
+    /// A block whose handle the reservation owns.
+    pub(crate) fn owned(offset: u64, handle: PhysicalHandle) -> Self {
+        Block {
+            offset,
+            handle,
+            kind: BlockKind::Owned,
+            shared: None,
+        }
+    }
+}
+
+/// A reserved range and its records. Dropping it tears it down (`teardown.rs`).
+pub(crate) struct ReservedRange {
+    pub(crate) state: Arc<DeviceState>,
+    pub(crate) base: DeviceAddress,
+    pub(crate) size: u64,
+    /// Mapped blocks, sorted by offset, each one granule.
+    pub(crate) blocks: Vec<Block>,
+    /// Released windows kept mapped for reuse (when the manager parks released windows).
+    pub(crate) parked: Option<Arc<ParkedWindows>>,
+    /// The driver range this reservation is a slot of, when it was carved out of a larger
+    /// one (`VirtualMemory::reserve_strided`): the range is freed when its last slot is gone,
+    /// not by this reservation.
+    pub(crate) shared_range: Option<Arc<SharedRange>>,
+}
+
+impl ReservedRange {
+    pub(crate) fn new(state: Arc<DeviceState>, base: DeviceAddress, size: u64) -> Self {
+        let parked = state.parking.open(base);
+        ReservedRange {
+            state,
+            base,
+            size,
+            blocks: Vec::new(),
+            parked,
+            shared_range: None,
+        }
+    }
+
+    /// The granule.
+    pub(crate) fn granule(&self) -> u64 {
+        self.state.ctx.granule
+    }
+
+    /// The address of `offset`, an offset inside the range (its end was checked at reserve).
+    pub(crate) fn at(&self, offset: u64) -> DeviceAddress {
+        self.base.offset(offset)
+    }
+
+    /// The address of `offset`, refused on overflow.
+    pub(crate) fn addr(&self, offset: u64) -> VmmResult<DeviceAddress> {
+        self.base.checked_add(offset).ok_or(VmmError::SizeOverflow {
+            what: "block address",
+        })
+    }
+
+    /// Committed bytes: granule x mapped blocks (invariant 1).
+    pub(crate) fn committed_bytes(&self) -> u64 {
+        self.state.ctx.granules(self.blocks.len())
+    }
+
+    /// Offset just past the last mapped block.
+    pub(crate) fn committed_end(&self) -> u64 {
+        self.blocks
+            .last()
+            .map_or(0, |b| b.offset.saturating_add(self.granule()))
+    }
+
+    /// Whether the granule window starting at `offset` is mapped.
+    pub(crate) fn is_mapped(&self, offset: u64) -> bool {
+        self.blocks
+            .binary_search_by_key(&offset, |b| b.offset)
+            .is_ok()
+    }
+
+    /// The blocks as the manager reports them.
+    pub(crate) fn mappings(&self) -> Vec<MappedBlock> {
+        self.blocks
+            .iter()
+            .map(|b| MappedBlock {
+                address: self.at(b.offset),
+                size: self.granule(),
+                handle: b.handle,
+                kind: b.kind,
+            })
+            .collect()
+    }
+
+    /// Inserts blocks and keeps the list sorted by offset.
+    pub(crate) fn insert_blocks(&mut self, new: impl Iterator<Item = Block>) {
+        let before = self.blocks.len();
+        self.blocks.extend(new);
+        let sorted_tail = self.blocks[before..]
+            .first()
+            .is_none_or(|b| before == 0 || self.blocks[before - 1].offset < b.offset);
+        if !sorted_tail {
+            self.blocks.sort_by_key(|b| b.offset);
+        }
+    }
+
+    /// The end of `[offset, offset + len)`, refused when it overflows or runs past the
+    /// reservation (the driver does not check reservation bounds; the manager always does).
+    pub(crate) fn checked_end(&self, offset: u64, len: u64, what: &'static str) -> VmmResult<u64> {
+        let end = offset
+            .checked_add(len)
+            .ok_or(VmmError::SizeOverflow { what })?;
+        if end > self.size {
+            return Err(VmmError::OutOfBounds {
+                offset,
+                requested: len,
+                reserved: self.size,
+            });
+        }
+        Ok(end)
+    }
+
+    /// A free window of this reservation: in bounds, granule-aligned, not mapped.
+    pub(crate) fn check_free_window(&self, offset: u64) -> VmmResult<()> {
+        let g = self.granule();
+        self.checked_end(offset, g, "window end")?;
+        if !offset.is_multiple_of(g) {
+            return Err(VmmError::OutOfBounds {
+                offset,
+                requested: g,
+                reserved: self.size,
+            });
+        }
+        if self.is_mapped(offset) {
+            return Err(VmmError::AlreadyMapped { offset });
+        }
+        Ok(())
+    }
+
+    /// The sorted, unmapped window offsets overlapping `ranges`, bounds-checked.
+    pub(crate) fn missing_windows(&self, ranges: &[(u64, u64)]) -> VmmResult<Vec<u64>> {
+        let g = self.granule();
+        let mut offsets = Vec::new();
+        for &(offset, len) in ranges {
+            if len == 0 {
+                continue;
+            }
+            let end = self.checked_end(offset, len, "range end")?;
+            let first = offset / g;
+            let last = end.div_ceil(g);
+            for w in first..last {
+                let o = w.saturating_mul(g);
+                if !self.is_mapped(o) {
+                    offsets.push(o);
+                }
+            }
+        }
+        offsets.sort_unstable();
+        offsets.dedup();
+        Ok(offsets)
+    }
+}
+
+/// Contiguous runs `(offset, bytes)` of sorted window offsets.
+pub(crate) fn runs(offsets: &[u64], g: u64) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for &o in offsets {
+        match out.last_mut() {
+            Some((start, len)) if start.saturating_add(*len) == o => *len = len.saturating_add(g),
+            _ => out.push((o, g)),
+        }
+    }
+    out
+}

@@ -1,0 +1,150 @@
+//! Release and truncate: unmapping a reservation's blocks while keeping its address range.
+//!
+//! Runs of adjacent blocks are unmapped with one call where the backend allows it
+//! ([`Capabilities::unmap_spans_mappings`](kvvm_hal::Capabilities)), one call per block
+//! otherwise. Owned handles go to the pool or the driver; a shared block only drops its
+//! reference to its set. Blocks whose unmap fails stay recorded (still mapped), handles whose
+//! release fails are quarantined, and the first error is returned after every other block was
+//! processed. With parking on, released owned windows are parked first (`parking.rs`).
+
+use std::sync::Arc;
+
+use kvvm_governor::Bucket;
+use kvvm_hal::BackendError;
+
+use crate::device::Source;
+use crate::error::VmmResult;
+use crate::mapping::BlockKind;
+use crate::range::{Block, ReservedRange};
+use crate::state::DeviceState;
+
+impl ReservedRange {
+    /// Releases every block at or beyond `len` bytes from the base (blocks holding a byte
+    /// below `len` stay). Returns the bytes unmapped.
+    pub(crate) fn truncate(&mut self, len: u64) -> VmmResult<u64> {
+        let st = Arc::clone(&self.state);
+        let g = st.ctx.granule;
+        let span = tracing::debug_span!(
+            "vmm.release",
+            device = st.ctx.device.0,
+            base = self.base.0,
+            len
+        );
+        let _e = span.enter();
+        let keep_end = len.div_ceil(g).saturating_mul(g);
+        let first = self.blocks.partition_point(|b| b.offset < keep_end);
+        if let Some(parked) = self.parked.clone() {
+            let tail = self.blocks.split_off(first.min(self.blocks.len()));
+            let keep = parked.park(&st.ctx, &st.pool, tail, |b| {
+                (b.shared.is_none() && b.kind == BlockKind::Owned).then_some((b.offset, b.handle))
+            });
+            self.blocks.extend(keep);
+        }
+        match self.unmap_from(&st, first) {
+            (bytes, None) => Ok(bytes),
+            (_, Some(e)) => Err(e.into()),
+        }
+    }
+
+    /// Releases the blocks whose whole window lies inside one of `ranges` (offsets from the
+    /// base); blocks outside the ranges stay. Returns the bytes unmapped.
+    pub(crate) fn release_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<u64> {
+        let st = Arc::clone(&self.state);
+        let g = st.ctx.granule;
+        let span = tracing::debug_span!(
+            "vmm.release_ranges",
+            device = st.ctx.device.0,
+            base = self.base.0,
+            ranges = ranges.len()
+        );
+        let _e = span.enter();
+        let inside = |o: u64| {
+            ranges
+                .iter()
+                .any(|&(start, len)| o >= start && o.saturating_add(g) <= start.saturating_add(len))
+        };
+        let (todo, keep): (Vec<Block>, Vec<Block>) = std::mem::take(&mut self.blocks)
+            .into_iter()
+            .partition(|b| inside(b.offset));
+        self.blocks = keep;
+        match self.unmap_blocks(&st, todo) {
+            (bytes, None) => Ok(bytes),
+            (_, Some(e)) => Err(e.into()),
+        }
+    }
+
+    /// Unmaps the blocks from index `first` on, last first, in runs of adjacent blocks where
+    /// allowed. Returns the bytes unmapped and the first error.
+    pub(crate) fn unmap_from(
+        &mut self,
+        st: &DeviceState,
+        first: usize,
+    ) -> (u64, Option<BackendError>) {
+        let todo = self.blocks.split_off(first.min(self.blocks.len()));
+        self.unmap_blocks(st, todo)
+    }
+
+    /// Unmaps `todo` (sorted blocks taken out of `self.blocks`), last first, in runs of
+    /// adjacent blocks where allowed; blocks whose unmap fails go back into `self.blocks`.
+    fn unmap_blocks(
+        &mut self,
+        st: &DeviceState,
+        mut todo: Vec<Block>,
+    ) -> (u64, Option<BackendError>) {
+        let ctx = &st.ctx;
+        let g = ctx.granule;
+        let span_runs = ctx.caps.unmap_spans_mappings;
+        let mut first_error: Option<BackendError> = None;
+        let mut unmapped = 0u64;
+        let mut kept_rev: Vec<Block> = Vec::new();
+        while let Some(last) = todo.last().cloned() {
+            // The run: trailing blocks of `todo` adjacent to each other.
+            let mut run_start = todo.len().saturating_sub(1);
+            if span_runs {
+                while run_start > 0 {
+                    let prev = todo[run_start - 1].offset;
+                    if prev.saturating_add(g) == todo[run_start].offset {
+                        run_start -= 1;
+                    } else {
+                        break;
+                    }
+                }
+            }
+            let run = todo.split_off(run_start);
+            let run_offset = run.first().map_or(last.offset, |b| b.offset);
+            let run_bytes = ctx.granules(run.len());
+            let addr = self.at(run_offset);
+            match ctx.backend.unmap(addr, run_bytes) {
+                Ok(()) => {
+                    unmapped = unmapped.saturating_add(run_bytes);
+                    for b in run.into_iter().rev() {
+                        match (b.kind, b.shared) {
+                            (BlockKind::Shared { .. }, Some(set)) => {
+                                // Only a reference goes; the set releases its handles when
+                                // its last holder (mapping, owner, cache) is gone.
+                                set.note_unmapped();
+                                drop(set);
+                            }
+                            _ => {
+                                if let Err(error) =
+                                    st.dispose(b.handle, Source::Bucket(Bucket::Committed))
+                                {
+                                    // The handle is quarantined; report the first error.
+                                    first_error.get_or_insert(error);
+                                }
+                            }
+                        }
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%addr, bytes = run_bytes, %error, "unmap failed; blocks stay recorded");
+                    first_error.get_or_insert(error);
+                    kept_rev.extend(run.into_iter().rev());
+                }
+            }
+        }
+        kept_rev.reverse();
+        self.insert_blocks(kept_rev.into_iter());
+        (unmapped, first_error)
+    }
+}

@@ -1,0 +1,226 @@
+//! The three policies that do not use the virtual-memory API (static-max, realloc-copy,
+//! paged-16), accounted by formula with the driver costs of `driver.rs`.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use kvvm_num::{add, mul};
+
+use crate::driver::classic;
+use crate::error::{WorkloadError, WorkloadResult};
+use crate::policy::{Costs, Outcome, Policy, PolicyKind, Shape, PAGED_BLOCK_TOKENS};
+use crate::trace::Request;
+
+#[derive(Debug, Clone, Copy)]
+struct ClassicSeq {
+    tokens: u64,
+    capacity_tokens: u64,
+}
+
+/// The three policies that do not use the virtual-memory API, accounted by formula.
+#[derive(Debug)]
+pub(crate) struct ClassicPolicy {
+    kind: PolicyKind,
+    shape: Shape,
+    seqs: HashMap<usize, ClassicSeq>,
+    committed: u64,
+    live: u64,
+    transient_peak: u64,
+    calls: u64,
+    time: Duration,
+    copy_bytes: u64,
+}
+
+impl ClassicPolicy {
+    pub fn new(kind: PolicyKind, shape: Shape) -> Self {
+        ClassicPolicy {
+            kind,
+            shape,
+            seqs: HashMap::new(),
+            committed: 0,
+            live: 0,
+            transient_peak: 0,
+            calls: 0,
+            time: Duration::ZERO,
+            copy_bytes: 0,
+        }
+    }
+
+    fn capacity_for(&self, tokens: u64, current: u64) -> u64 {
+        let max = self.shape.max_context;
+        match self.kind {
+            PolicyKind::StaticMax => max,
+            PolicyKind::Paged16 => tokens
+                .div_ceil(PAGED_BLOCK_TOKENS)
+                .saturating_mul(PAGED_BLOCK_TOKENS),
+            _ => {
+                if current == 0 {
+                    tokens
+                        .max(16)
+                        .checked_next_power_of_two()
+                        .unwrap_or(max)
+                        .min(max)
+                } else {
+                    current.saturating_mul(2).max(tokens).min(max)
+                }
+            }
+        }
+    }
+
+    fn pool_bytes(&self) -> u64 {
+        let block = self
+            .shape
+            .bytes_per_token
+            .saturating_mul(PAGED_BLOCK_TOKENS);
+        if block == 0 {
+            return 0;
+        }
+        (self.shape.budget / block).saturating_mul(block)
+    }
+
+    fn limit(&self) -> u64 {
+        match self.kind {
+            PolicyKind::Paged16 => self.pool_bytes(),
+            _ => self.shape.budget,
+        }
+    }
+
+    fn set_tokens(&mut self, id: usize, old: u64, tokens: u64) -> WorkloadResult<()> {
+        let bpt = self.shape.bytes_per_token;
+        self.live = add(
+            self.live.saturating_sub(mul(old, bpt, "live bytes")?),
+            mul(tokens, bpt, "live bytes")?,
+            "live bytes",
+        )?;
+        if let Some(s) = self.seqs.get_mut(&id) {
+            s.tokens = tokens;
+        }
+        Ok(())
+    }
+}
+
+impl Policy for ClassicPolicy {
+    fn admit(&mut self, id: usize, _req: &Request, tokens: u64) -> WorkloadResult<Outcome> {
+        let cap = self.capacity_for(tokens, 0);
+        let bytes = mul(cap, self.shape.bytes_per_token, "allocation bytes")?;
+        if add(self.committed, bytes, "committed bytes")? > self.limit() {
+            return Ok(Outcome::Refused(None));
+        }
+        self.committed = add(self.committed, bytes, "committed bytes")?;
+        if self.kind != PolicyKind::Paged16 {
+            self.calls = self.calls.saturating_add(1);
+            self.time = self.time.saturating_add(classic::ALLOC);
+        }
+        self.seqs.insert(
+            id,
+            ClassicSeq {
+                tokens: 0,
+                capacity_tokens: cap,
+            },
+        );
+        self.set_tokens(id, 0, tokens)?;
+        Ok(Outcome::Done)
+    }
+
+    fn grow(&mut self, id: usize, tokens: u64) -> WorkloadResult<Outcome> {
+        let seq = *self
+            .seqs
+            .get(&id)
+            .ok_or_else(|| WorkloadError::Config(format!("grow of unknown sequence {id}")))?;
+        if tokens > seq.capacity_tokens {
+            let bpt = self.shape.bytes_per_token;
+            let cap = self.capacity_for(tokens, seq.capacity_tokens);
+            let old_bytes = mul(seq.capacity_tokens, bpt, "allocation bytes")?;
+            let new_bytes = mul(cap, bpt, "allocation bytes")?;
+            match self.kind {
+                PolicyKind::ReallocCopy => {
+                    // Allocate the new buffer while the old one is still held, copy, free.
+                    let during = add(self.committed, new_bytes, "committed bytes")?;
+                    if during > self.limit() {
+                        return Ok(Outcome::Refused(None));
+                    }
+                    self.transient_peak = self.transient_peak.max(during);
+                    self.calls = self.calls.saturating_add(3);
+                    self.time = self.time.saturating_add(classic::growth(new_bytes));
+                    self.copy_bytes = add(
+                        self.copy_bytes,
+                        mul(seq.tokens, bpt, "copy bytes")?,
+                        "copy bytes",
+                    )?;
+                }
+                _ => {
+                    let extra = new_bytes.saturating_sub(old_bytes);
+                    if add(self.committed, extra, "committed bytes")? > self.limit() {
+                        return Ok(Outcome::Refused(None));
+                    }
+                }
+            }
+            self.committed = add(
+                self.committed.saturating_sub(old_bytes),
+                new_bytes,
+                "committed",
+            )?;
+            if let Some(s) = self.seqs.get_mut(&id) {
+                s.capacity_tokens = cap;
+            }
+        }
+        self.set_tokens(id, seq.tokens, tokens)?;
+        Ok(Outcome::Done)
+    }
+
+    fn finish(&mut self, id: usize) -> WorkloadResult<()> {
+        let seq = self
+            .seqs
+            .remove(&id)
+            .ok_or_else(|| WorkloadError::Config(format!("finish of unknown sequence {id}")))?;
+        let bpt = self.shape.bytes_per_token;
+        self.committed =
+            self.committed
+                .saturating_sub(mul(seq.capacity_tokens, bpt, "allocation bytes")?);
+        self.live = self
+            .live
+            .saturating_sub(mul(seq.tokens, bpt, "live bytes")?);
+        if self.kind != PolicyKind::Paged16 {
+            self.calls = self.calls.saturating_add(1);
+            self.time = self.time.saturating_add(classic::FREE);
+        }
+        Ok(())
+    }
+
+    fn committed_bytes(&self) -> u64 {
+        self.committed
+    }
+
+    fn held_bytes(&self) -> u64 {
+        match self.kind {
+            PolicyKind::Paged16 => self.pool_bytes(),
+            _ => self.committed,
+        }
+    }
+
+    fn live_bytes(&self) -> u64 {
+        self.live
+    }
+
+    fn transient_peak(&self) -> u64 {
+        self.transient_peak
+    }
+
+    fn close(&mut self) -> WorkloadResult<Costs> {
+        if self.kind == PolicyKind::Paged16 {
+            // One allocation of the whole pool at start, one free at the end.
+            self.calls = self.calls.saturating_add(2);
+            self.time = self
+                .time
+                .saturating_add(classic::ALLOC)
+                .saturating_add(classic::FREE);
+        }
+        Ok(Costs {
+            driver_calls: self.calls,
+            driver_time: self.time,
+            measured: false,
+            copy_bytes: self.copy_bytes,
+            ..Costs::default()
+        })
+    }
+}
