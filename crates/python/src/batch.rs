@@ -8,6 +8,7 @@ use kvvm_kv::SequenceKv;
 use pyo3::prelude::*;
 
 use crate::cell::SeqCell;
+use crate::count::{Count, Dim};
 use crate::errors;
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
@@ -54,11 +55,12 @@ impl SequenceBatch {
         py: Python<'_>,
         manager: &Manager,
         plan: &PyPlan,
-        slots: u64,
-        max_tokens: Option<u64>,
+        slots: Count,
+        max_tokens: Option<Count>,
         precommit: bool,
     ) -> PyResult<Self> {
-        let max_tokens = max_tokens_arg(py, plan, max_tokens)?;
+        let slots = slots.0;
+        let max_tokens = max_tokens_arg(py, plan, max_tokens.map(|c| c.0))?;
         if slots == 0 {
             return Err(errors::invalid(py, "a batch needs at least one slot"));
         }
@@ -135,10 +137,11 @@ impl SequenceBatch {
     fn ensure(
         &self,
         py: Python<'_>,
-        tokens: u64,
+        tokens: Count,
         first: usize,
         count: Option<usize>,
     ) -> PyResult<u64> {
+        let tokens = tokens.0;
         let slots = self.slots(py, first, count)?;
         let limits = self.cells[0].manager.limits;
         // The decode path: every slot has its tokens already (committed ahead by the
@@ -195,26 +198,26 @@ impl SequenceBatch {
     /// all), tokens `start..end` (default: the fewest committed of those slots): shape
     /// ``[batch, kv_heads, tokens, head_dim]``. See :meth:`Sequence.view` for
     /// `allow_uncommitted`.
-    #[pyo3(signature = (layer, kind = "key", start = 0, end = None, first = 0, count = None,
+    #[pyo3(signature = (layer, kind = "key", start = Count(0), end = None, first = 0, count = None,
         allow_uncommitted = false))]
     #[allow(clippy::too_many_arguments)]
     fn view(
         &self,
         py: Python<'_>,
-        layer: u32,
+        layer: Dim,
         kind: &str,
-        start: u64,
-        end: Option<u64>,
+        start: Count,
+        end: Option<Count>,
         first: usize,
         count: Option<usize>,
         allow_uncommitted: bool,
     ) -> PyResult<TensorView> {
         let cells = self.slots(py, first, count)?;
         let req = ViewRequest {
-            layer,
+            layer: layer.0,
             kind: kind_arg(py, kind)?,
-            start,
-            end,
+            start: start.0,
+            end: end.map(|c| c.0),
             allow_uncommitted,
         };
         make_view(py, cells, self.stride, true, &req)

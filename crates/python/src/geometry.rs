@@ -5,6 +5,7 @@ use kvvm_kv::{evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, Layou
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::count::{Count, Dim};
 use crate::errors;
 
 /// The shape of one sequence's KV cache: `layers x {K, V} x kv_heads x max_tokens x head_dim`
@@ -28,12 +29,14 @@ impl PyGeometry {
     #[pyo3(signature = (layers, kv_heads, head_dim, max_tokens, dtype = "bf16"))]
     fn new(
         py: Python<'_>,
-        layers: u32,
-        kv_heads: u32,
-        head_dim: u32,
-        max_tokens: u64,
+        layers: Dim,
+        kv_heads: Dim,
+        head_dim: Dim,
+        max_tokens: Count,
         dtype: &str,
     ) -> PyResult<Self> {
+        let (layers, kv_heads, head_dim, max_tokens) =
+            (layers.0, kv_heads.0, head_dim.0, max_tokens.0);
         let dtype = dtype_arg(py, dtype)?;
         let geometry = KvGeometry::with_dtype(layers, kv_heads, head_dim, dtype, max_tokens)
             .map_err(|e| errors::layout(py, &e))?;

@@ -25,6 +25,7 @@
 
 mod batch;
 mod cell;
+mod count;
 mod errors;
 mod geometry;
 mod manager;

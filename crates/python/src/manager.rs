@@ -12,6 +12,7 @@ use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::count::{Count, Dim};
 use crate::errors::{self, Limits};
 
 /// A driver backend opened by name (`"auto"`, `"cuda"`, `"hip"`, `"host"`, `"sim"`).
@@ -164,23 +165,31 @@ impl Manager {
     ///         and in all.
     ///     poll_interval_us: how often the pre-committer looks at its sequences.
     #[new]
-    #[pyo3(signature = (backend = None, device = 0, budget_bytes = None, pool_cap_bytes = None,
+    #[pyo3(signature = (backend = None, device = Dim(0), budget_bytes = None, pool_cap_bytes = None,
         park_released = false, granularity = "recommended", precommit = false,
-        headroom_tokens = 64, max_headroom_bytes = 1u64 << 30, poll_interval_us = 1000))]
+        headroom_tokens = Count(64), max_headroom_bytes = Count(1u64 << 30),
+        poll_interval_us = Count(1000)))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         backend: Option<&Bound<'_, PyAny>>,
-        device: u32,
-        budget_bytes: Option<u64>,
-        pool_cap_bytes: Option<u64>,
+        device: Dim,
+        budget_bytes: Option<Count>,
+        pool_cap_bytes: Option<Count>,
         park_released: bool,
         granularity: &str,
         precommit: bool,
-        headroom_tokens: u64,
-        max_headroom_bytes: u64,
-        poll_interval_us: u64,
+        headroom_tokens: Count,
+        max_headroom_bytes: Count,
+        poll_interval_us: Count,
     ) -> PyResult<Self> {
+        let (device, budget_bytes, pool_cap_bytes) = (
+            device.0,
+            budget_bytes.map(|c| c.0),
+            pool_cap_bytes.map(|c| c.0),
+        );
+        let (headroom_tokens, max_headroom_bytes, poll_interval_us) =
+            (headroom_tokens.0, max_headroom_bytes.0, poll_interval_us.0);
         let backend = match backend {
             Some(b) => backend_arg(py, b)?,
             None => Backend::new(py, "auto")?.backend,

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::cell::SeqCell;
+use crate::count::{Count, Dim};
 use crate::errors;
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
@@ -55,10 +56,10 @@ impl Sequence {
         py: Python<'_>,
         manager: &Manager,
         plan: &PyPlan,
-        max_tokens: Option<u64>,
+        max_tokens: Option<Count>,
         precommit: bool,
     ) -> PyResult<Self> {
-        let max_tokens = max_tokens_arg(py, plan, max_tokens)?;
+        let max_tokens = max_tokens_arg(py, plan, max_tokens.map(|c| c.0))?;
         let state = Arc::clone(&manager.state);
         let p = plan.plan;
         let limits = state.limits;
@@ -136,7 +137,8 @@ impl Sequence {
     ///
     /// Raises BackpressureError (retry later), NeverFitsError, TooManyTokensError or
     /// DriverError (rolled back).
-    fn ensure(&self, py: Python<'_>, tokens: u64) -> PyResult<u64> {
+    fn ensure(&self, py: Python<'_>, tokens: Count) -> PyResult<u64> {
+        let tokens = tokens.0;
         let cell = Arc::clone(&self.cell);
         py.detach(move || cell.ensure(tokens))
             .map_err(|e| errors::kv(py, &e, self.cell.manager.limits))
@@ -144,7 +146,8 @@ impl Sequence {
 
     /// Gives back the windows holding no byte of the first `tokens` tokens (written tokens
     /// and shared windows are kept); returns the bytes unmapped. Refused while views live.
-    fn shrink(&self, py: Python<'_>, tokens: u64) -> PyResult<u64> {
+    fn shrink(&self, py: Python<'_>, tokens: Count) -> PyResult<u64> {
+        let tokens = tokens.0;
         let cell = Arc::clone(&self.cell);
         let out = py.detach(move || cell.unmapping(|s| s.shrink_committed(tokens)));
         match out {
@@ -167,7 +170,8 @@ impl Sequence {
 
     /// Writes tokens `first..` from `data`: whole tokens in the host layout
     /// `[token][layer][K, V][kv_head][head_dim]` (``geometry.bytes_per_token`` bytes each).
-    fn write_tokens(&self, py: Python<'_>, first: u64, data: &[u8]) -> PyResult<()> {
+    fn write_tokens(&self, py: Python<'_>, first: Count, data: &[u8]) -> PyResult<()> {
+        let first = first.0;
         let cell = Arc::clone(&self.cell);
         let bytes = data.to_vec();
         py.detach(move || cell.with(|s| s.write_tokens(first, &bytes)))
@@ -178,9 +182,10 @@ impl Sequence {
     fn read_tokens<'py>(
         &self,
         py: Python<'py>,
-        first: u64,
-        count: u64,
+        first: Count,
+        count: Count,
     ) -> PyResult<Bound<'py, PyBytes>> {
+        let (first, count) = (first.0, count.0);
         let bpt = self.cell.plan.geometry().bytes_per_token();
         let len = count
             .checked_mul(bpt)
@@ -209,21 +214,21 @@ impl Sequence {
     /// (default: the committed tokens), shape ``[kv_heads, tokens, head_dim]``. A view past the
     /// committed tokens needs `allow_uncommitted=True`: the caller then promises to touch
     /// only committed tokens (uncommitted ones fault).
-    #[pyo3(signature = (layer, kind = "key", start = 0, end = None, allow_uncommitted = false))]
+    #[pyo3(signature = (layer, kind = "key", start = Count(0), end = None, allow_uncommitted = false))]
     fn view(
         &self,
         py: Python<'_>,
-        layer: u32,
+        layer: Dim,
         kind: &str,
-        start: u64,
-        end: Option<u64>,
+        start: Count,
+        end: Option<Count>,
         allow_uncommitted: bool,
     ) -> PyResult<TensorView> {
         let req = ViewRequest {
-            layer,
+            layer: layer.0,
             kind: kind_arg(py, kind)?,
-            start,
-            end,
+            start: start.0,
+            end: end.map(|c| c.0),
             allow_uncommitted,
         };
         make_view(py, std::slice::from_ref(&self.cell), 0, false, &req)
@@ -232,7 +237,8 @@ impl Sequence {
     /// Makes this empty sequence the owner of a new shared prefix of `tokens` tokens: its
     /// windows are committed as shared memory, read-write for this sequence. Write the
     /// prefix's tokens, then :meth:`SharedPrefix.seal` it and attach it to other sequences.
-    fn own_prefix(&self, py: Python<'_>, tokens: u64) -> PyResult<SharedPrefix> {
+    fn own_prefix(&self, py: Python<'_>, tokens: Count) -> PyResult<SharedPrefix> {
+        let tokens = tokens.0;
         let cell = Arc::clone(&self.cell);
         let prefix = py
             .detach(move || cell.admission(|s| kvvm_kv::SharedDevicePrefix::own_in(s, tokens)))

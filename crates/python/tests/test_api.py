@@ -37,7 +37,7 @@ def test_manager_arguments_are_checked(sim: kvvm.Manager) -> None:
         kvvm.Manager("sim", device=7)
     with pytest.raises(kvvm.InvalidArgumentError):
         kvvm.Manager(42)  # type: ignore[arg-type]
-    with pytest.raises(OverflowError):
+    with pytest.raises(kvvm.InvalidArgumentError, match="not a count or size"):
         kvvm.Manager("sim", budget_bytes=-1)
     assert sim.granule == 2 * MiB and sim.budget_bytes == 1 << 30
 
@@ -49,7 +49,7 @@ def test_geometry_and_plan() -> None:
         kvvm.KvGeometry(0, 2, 32, 10)
     with pytest.raises(kvvm.InvalidArgumentError):
         kvvm.KvGeometry(2, 2, 32, 10, dtype="int3")
-    with pytest.raises(OverflowError):
+    with pytest.raises(kvvm.InvalidArgumentError, match="not a count or size"):
         kvvm.KvGeometry(2, 2, -32, 10)
     p = kvvm.LayoutPlan(g, "seq-major", 4096)
     assert p.layout == "seq-major" and p.fragments == 4
@@ -91,7 +91,7 @@ def test_sequences_grow_shrink_release_and_keep_the_books(sim: kvvm.Manager) -> 
     with pytest.raises(kvvm.TooManyTokensError) as e:
         s.ensure(1025)
     assert e.value.max_tokens == 1024
-    with pytest.raises(OverflowError):
+    with pytest.raises(kvvm.InvalidArgumentError, match="not a count or size"):
         s.ensure(-1)
 
 
@@ -176,3 +176,19 @@ def test_pre_committed_sequences_grow_ahead() -> None:
     assert s.shrink(5000) == 0 and s.committed_tokens == 5000
     with pytest.raises(kvvm.InvalidArgumentError):
         kvvm.Manager("sim", precommit=True, headroom_tokens=0)
+
+
+def test_counts_and_sizes_out_of_range_are_invalid_arguments(sim: kvvm.Manager) -> None:
+    plan = kvvm.LayoutPlan(tiny_geometry(), "token-major", sim.granule)
+    s = kvvm.Sequence(sim, plan)
+    for bad in (-1, 1 << 64, -(1 << 70)):
+        with pytest.raises(kvvm.InvalidArgumentError, match="not a count or size"):
+            s.ensure(bad)
+    with pytest.raises(kvvm.InvalidArgumentError):
+        kvvm.SequenceBatch(sim, plan, -3)
+    with pytest.raises(kvvm.InvalidArgumentError):
+        kvvm.KvGeometry(2, 1 << 40, 32, 10)
+    with pytest.raises(TypeError):
+        s.ensure("ten")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        s.ensure(1.5)  # type: ignore[arg-type]

@@ -1,0 +1,58 @@
+//! Argument types for counts and sizes: a negative or too large Python int is an
+//! `InvalidArgumentError` that names the argument's limit, not an `OverflowError`.
+
+use pyo3::prelude::*;
+use pyo3::types::PyInt;
+use pyo3::Borrowed;
+
+use crate::errors;
+
+/// A non-negative count or size that fits `u64`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Count(pub(crate) u64);
+
+/// A non-negative dimension that fits `u32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Dim(pub(crate) u32);
+
+fn refuse(obj: Borrowed<'_, '_, PyAny>, max: &str) -> PyErr {
+    let py = obj.py();
+    let shown = obj
+        .repr()
+        .map(|r| r.to_string())
+        .unwrap_or_else(|_| "the value".to_owned());
+    errors::invalid(
+        py,
+        format!("{shown} is not a count or size: expected an int in 0..={max}"),
+    )
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Count {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<u64>() {
+            Ok(v) => Ok(Count(v)),
+            Err(e) if obj.is_instance_of::<PyInt>() => {
+                drop(e);
+                Err(refuse(obj, &u64::MAX.to_string()))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Dim {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<u32>() {
+            Ok(v) => Ok(Dim(v)),
+            Err(e) if obj.is_instance_of::<PyInt>() => {
+                drop(e);
+                Err(refuse(obj, &u32::MAX.to_string()))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
