@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvvm_layout::{evaluate_prefix_shareability, LayoutPlan};
+use kvvm_layout::{evaluate_prefix_shareability, LayoutPlan, PrefixShareability};
 use kvvm_num::mul;
 use kvvm_vmm::VirtualMemory;
 
@@ -68,6 +68,20 @@ impl SharedDevicePrefix {
         prefix_len: u64,
         max_tokens: u64,
     ) -> Result<(Arc<SharedDevicePrefix>, SequenceKv), KvCacheError> {
+        // Refused before anything is reserved.
+        let verdict = Self::owner_verdict(plan, prefix_len, max_tokens)?;
+        let mut owner = SequenceKv::new(vm, plan, max_tokens)?;
+        let prefix = Self::own_checked(&mut owner, prefix_len, verdict)?;
+        Ok((prefix, owner))
+    }
+
+    /// The shareability of a prefix of `prefix_len` tokens for an owner of at most
+    /// `max_tokens`, refused with the reason when it cannot be shared.
+    fn owner_verdict(
+        plan: &LayoutPlan,
+        prefix_len: u64,
+        max_tokens: u64,
+    ) -> Result<PrefixShareability, KvCacheError> {
         let verdict = evaluate_prefix_shareability(
             plan.geometry(),
             plan.layout(),
@@ -83,9 +97,23 @@ impl SharedDevicePrefix {
                 max_tokens,
             });
         }
-        let mut owner = SequenceKv::new(vm, plan, max_tokens)?;
-        let prefix = Self::own_in(&mut owner, prefix_len)?;
-        Ok((prefix, owner))
+        Ok(verdict)
+    }
+
+    /// Refuses to attach a prefix that is not sealed or does not start at token 0.
+    fn check_attachable(&self) -> Result<(), KvCacheError> {
+        if !self.is_sealed() {
+            return Err(KvCacheError::PrefixNotWritten {
+                written: 0,
+                needed: self.prefix_len,
+            });
+        }
+        if self.first_window != 0 {
+            return Err(KvCacheError::PlanMismatch {
+                reason: "this shared segment does not start at token 0; attach it through its prefix cache".to_owned(),
+            });
+        }
+        Ok(())
     }
 
     /// Makes `owner`, an empty sequence (fresh, or released), the owner of a new prefix of
@@ -100,22 +128,16 @@ impl SharedDevicePrefix {
         owner: &mut SequenceKv,
         prefix_len: u64,
     ) -> Result<Arc<SharedDevicePrefix>, KvCacheError> {
-        let plan = *owner.plan();
-        let verdict = evaluate_prefix_shareability(
-            plan.geometry(),
-            plan.layout(),
-            prefix_len,
-            plan.granule(),
-        )?;
-        if let Some(reason) = verdict.refusal_reason() {
-            return Err(KvCacheError::NotShareable { reason });
-        }
-        if prefix_len > owner.max_tokens() {
-            return Err(KvCacheError::TooManyTokens {
-                tokens: prefix_len,
-                max_tokens: owner.max_tokens(),
-            });
-        }
+        let verdict = Self::owner_verdict(owner.plan(), prefix_len, owner.max_tokens())?;
+        Self::own_checked(owner, prefix_len, verdict)
+    }
+
+    /// [`own_in`](Self::own_in) once the verdict is known.
+    fn own_checked(
+        owner: &mut SequenceKv,
+        prefix_len: u64,
+        verdict: PrefixShareability,
+    ) -> Result<Arc<SharedDevicePrefix>, KvCacheError> {
         owner.check_empty()?;
         let k = verdict.shareable_granules_per_fragment;
         let made = owner
@@ -144,17 +166,7 @@ impl SharedDevicePrefix {
             prefix_len = self.prefix_len
         );
         let _e = span.enter();
-        if !self.is_sealed() {
-            return Err(KvCacheError::PrefixNotWritten {
-                written: 0,
-                needed: self.prefix_len,
-            });
-        }
-        if self.first_window != 0 {
-            return Err(KvCacheError::PlanMismatch {
-                reason: "this shared segment does not start at token 0; attach it through its prefix cache".to_owned(),
-            });
-        }
+        self.check_attachable()?;
         seq.check_empty()?;
         match seq.attach_readonly(self, self.end_window) {
             Ok(bytes) => {
@@ -192,17 +204,7 @@ impl SharedDevicePrefix {
             prefix_len = self.prefix_len
         );
         let _e = span.enter();
-        if !self.is_sealed() {
-            return Err(KvCacheError::PrefixNotWritten {
-                written: 0,
-                needed: self.prefix_len,
-            });
-        }
-        if self.first_window != 0 {
-            return Err(KvCacheError::PlanMismatch {
-                reason: "this shared segment does not start at token 0; attach it through its prefix cache".to_owned(),
-            });
-        }
+        self.check_attachable()?;
         let mut seq = SequenceKv::new(vm, &self.plan, max_tokens)?;
         seq.attach_readonly(self, self.end_window)?;
         seq.set_attached_prefix_tokens(self.prefix_len);
