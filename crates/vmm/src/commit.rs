@@ -15,7 +15,7 @@ use kvvm_hal::{BackendError, PhysicalHandle};
 use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{BlockKind, Commit};
-use crate::range::{runs, Block, ReservedRange};
+use crate::range::{runs, window_list, Block, ReservedRange};
 use crate::state::DeviceState;
 
 /// Where a handle of a commit in progress came from.
@@ -65,9 +65,13 @@ impl ReservedRange {
             return Ok(Commit::empty(self.addr(offset)?));
         }
         self.checked_end(offset, bytes, "commit end")?;
-        let offsets: Vec<u64> = (0..granules)
-            .map(|i| offset.saturating_add(i.saturating_mul(g)))
-            .collect();
+        // Priced before any per-window record is built: a request that can never fit is
+        // refused in O(1) memory, however many granules it names.
+        if grant.is_none() {
+            self.price(granules)?;
+        }
+        let mut offsets = window_list(granules)?;
+        offsets.extend((0..granules).map(|i| offset.saturating_add(i.saturating_mul(g))));
         self.commit_windows(&offsets, grant, None)
     }
 
@@ -124,6 +128,12 @@ impl ReservedRange {
         let mut pooled = st.pool.take(granules);
         let from_pool = pooled.len() as u64;
         let new_bytes = (granules.saturating_sub(from_pool)).saturating_mul(g);
+        if grant.is_none() {
+            if let Err(never) = ctx.check_fits(new_bytes) {
+                st.pool.untake(ctx, pooled);
+                return Err(never.into());
+            }
+        }
         let mut grant = match grant {
             Some(grant) => grant,
             None => match ctx.governor.try_grant(ctx.device, new_bytes) {

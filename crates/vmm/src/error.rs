@@ -1,6 +1,6 @@
 //! Typed errors of the manager.
 
-use kvvm_governor::{Backpressure, GovernorError};
+use kvvm_governor::{Backpressure, GovernorError, NeverFits, Refusal};
 use kvvm_hal::{BackendError, DeviceId, ErrorKind};
 
 /// An error of a manager operation.
@@ -11,9 +11,13 @@ use kvvm_hal::{BackendError, DeviceId, ErrorKind};
 /// manager's books equal the driver's truth.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum VmmError {
-    /// The governor refused the grant: retry after `retry_after` or shed load.
+    /// The governor refused the grant for now: retry after `retry_after` or shed load.
     #[error(transparent)]
     Backpressure(#[from] Backpressure),
+    /// The request is larger than a limit no freeing can raise (a budget less its quarantine,
+    /// or the device's memory): retrying never helps. Nothing was done.
+    #[error(transparent)]
+    NeverFits(#[from] NeverFits),
     /// A driver call failed (the operation was rolled back or its remains recorded).
     #[error(transparent)]
     Backend(#[from] BackendError),
@@ -71,6 +75,7 @@ pub enum VmmError {
 
 impl VmmError {
     /// Whether retrying later may succeed: backpressure, or the driver ran out of memory.
+    /// [`VmmError::NeverFits`] is not retryable.
     pub fn is_retryable(&self) -> bool {
         match self {
             VmmError::Backpressure(_) => true,
@@ -84,6 +89,15 @@ impl VmmError {
         match self {
             VmmError::Backend(e) => Some(e),
             _ => None,
+        }
+    }
+}
+
+impl From<Refusal> for VmmError {
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::Backpressure(b) => VmmError::Backpressure(b),
+            Refusal::NeverFits(n) => VmmError::NeverFits(n),
         }
     }
 }

@@ -113,14 +113,10 @@ impl ReservedRange {
             .collect()
     }
 
-    /// Inserts blocks and keeps the list sorted by offset.
+    /// Inserts blocks, in any order, and keeps the list sorted by offset.
     pub(crate) fn insert_blocks(&mut self, new: impl Iterator<Item = Block>) {
-        let before = self.blocks.len();
         self.blocks.extend(new);
-        let sorted_tail = self.blocks[before..]
-            .first()
-            .is_none_or(|b| before == 0 || self.blocks[before - 1].offset < b.offset);
-        if !sorted_tail {
+        if !self.blocks.is_sorted_by_key(|b| b.offset) {
             self.blocks.sort_by_key(|b| b.offset);
         }
     }
@@ -158,17 +154,35 @@ impl ReservedRange {
         Ok(())
     }
 
-    /// The sorted, unmapped window offsets overlapping `ranges`, bounds-checked.
+    /// Refuses, in O(1), a commit of `windows` granule windows that could never fit even if
+    /// the pool supplied every handle it holds.
+    pub(crate) fn price(&self, windows: u64) -> VmmResult<()> {
+        let ctx = &self.state.ctx;
+        let needed = windows.saturating_mul(ctx.granule);
+        let new_bytes = needed.saturating_sub(self.state.pooled_bytes());
+        ctx.check_fits(new_bytes)?;
+        Ok(())
+    }
+
+    /// The sorted, unmapped window offsets overlapping `ranges`, bounds-checked. The windows
+    /// are counted and priced ([`price`](Self::price)) before they are listed.
     pub(crate) fn missing_windows(&self, ranges: &[(u64, u64)]) -> VmmResult<Vec<u64>> {
         let g = self.granule();
-        let mut offsets = Vec::new();
+        let mut spans = Vec::with_capacity(ranges.len());
+        let mut total = 0u64;
         for &(offset, len) in ranges {
             if len == 0 {
                 continue;
             }
             let end = self.checked_end(offset, len, "range end")?;
-            let first = offset / g;
-            let last = end.div_ceil(g);
+            let (first, last) = (offset / g, end.div_ceil(g));
+            total = total.saturating_add(last.saturating_sub(first));
+            spans.push((first, last));
+        }
+        let mapped = self.blocks.len() as u64;
+        self.price(total.saturating_sub(mapped))?;
+        let mut offsets = window_list(total)?;
+        for (first, last) in spans {
             for w in first..last {
                 let o = w.saturating_mul(g);
                 if !self.is_mapped(o) {
@@ -180,6 +194,18 @@ impl ReservedRange {
         offsets.dedup();
         Ok(offsets)
     }
+}
+
+/// An empty list with room for `windows` offsets, refused (not aborted) when that much memory
+/// cannot be had.
+pub(crate) fn window_list(windows: u64) -> VmmResult<Vec<u64>> {
+    let too_many = VmmError::SizeOverflow {
+        what: "window list",
+    };
+    let n = usize::try_from(windows).map_err(|_| too_many.clone())?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| too_many)?;
+    Ok(v)
 }
 
 /// Contiguous runs `(offset, bytes)` of sorted window offsets.
