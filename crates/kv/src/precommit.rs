@@ -102,8 +102,18 @@ pub enum Ensured {
     Inline(u64),
 }
 
+/// One sequence of the pre-committer.
+///
+/// `ready` and `live` follow one rule: **`ready` never exceeds what is mapped.** It is raised
+/// only after a commit completed, and lowered *before* anything is unmapped. The decode path
+/// claims its tokens in `live` first and reads `ready` second; a shrink lowers `ready` first
+/// and reads `live` second (all four `SeqCst`), so at least one of them sees the other: either
+/// the shrink keeps the claimed tokens, or the decode path sees the lower count and commits
+/// inline (waiting for the shrink's lock).
 struct Cell {
     seq: Mutex<SequenceKv>,
+    /// Signalled when a background commit of this sequence finished.
+    settled: Condvar,
     /// Tokens committed (published after the commit completed).
     ready: AtomicU64,
     /// The highest token count the decode path asked for.
@@ -150,6 +160,18 @@ struct Inner {
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Cell {
+    /// The sequence's lock, once no background commit of it is in flight: for anything that
+    /// may change its mappings. Writes and reads of committed tokens need not wait.
+    fn lock_settled(&self) -> MutexGuard<'_, SequenceKv> {
+        let mut seq = lock(&self.seq);
+        while seq.has_commit_in_flight() {
+            seq = self.settled.wait(seq).unwrap_or_else(|p| p.into_inner());
+        }
+        seq
+    }
 }
 
 impl Inner {
@@ -204,7 +226,7 @@ impl Inner {
         if cell.ready.load(Ordering::Acquire) >= target {
             return false;
         }
-        let mut seq = lock(&cell.seq);
+        let seq = cell.lock_settled();
         let have = seq.committed_tokens();
         if have >= target {
             return false;
@@ -217,22 +239,21 @@ impl Inner {
                 .fetch_add(1, Ordering::Relaxed);
             return false;
         }
+        drop(seq);
         let span = tracing::debug_span!("kv.precommit", live, target);
         let _e = span.enter();
-        let mut result = seq.ensure_tokens(target);
+        let mut result = Inner::commit_unlocked(cell, target);
         let fallback = live
             .saturating_add(self.config.headroom_tokens)
             .min(cell.max_tokens);
         if matches!(&result, Err(e) if e.is_retryable()) && fallback > have && fallback < target {
             // Refused whole: ask for the smaller headroom instead.
-            result = seq.ensure_tokens(fallback);
+            result = Inner::commit_unlocked(cell, fallback);
         }
         match result {
-            Ok(bytes) => {
-                let committed = seq.committed_tokens();
-                let live_now = cell.live.load(Ordering::Acquire);
+            Ok((bytes, committed)) => {
+                let live_now = cell.live.load(Ordering::SeqCst);
                 self.set_ahead(cell, Inner::ahead_bytes(&cell.plan, live_now, committed));
-                cell.ready.store(committed, Ordering::Release);
                 if bytes > 0 {
                     self.counters
                         .background_commits
@@ -255,6 +276,31 @@ impl Inner {
                 false
             }
         }
+    }
+
+    /// Commits `cell`'s first `target` tokens with the sequence's lock held only to begin and
+    /// to finish: the driver calls run unlocked, so the decode thread's writes and reads never
+    /// wait behind them. Returns the bytes committed and the committed count, published.
+    fn commit_unlocked(cell: &Cell, target: u64) -> Result<(u64, u64), KvCacheError> {
+        let job = cell.lock_settled().begin_ensure(target);
+        let mut job = match job {
+            Ok(Some(job)) => job,
+            Ok(None) => {
+                let seq = lock(&cell.seq);
+                let committed = seq.committed_tokens();
+                cell.ready.store(committed, Ordering::SeqCst);
+                return Ok((0, committed));
+            }
+            Err(e) => return Err(e),
+        };
+        job.run();
+        let mut seq = lock(&cell.seq);
+        let result = seq.finish_ensure(job);
+        let committed = seq.committed_tokens();
+        cell.ready.store(committed, Ordering::SeqCst);
+        drop(seq);
+        cell.settled.notify_all();
+        result.map(|bytes| (bytes, committed))
     }
 
     fn run_worker(self: Arc<Self>) {
@@ -341,15 +387,27 @@ impl Reclaimer for Inner {
             let Ok(mut seq) = cell.seq.try_lock() else {
                 continue;
             };
-            let live = cell.live.load(Ordering::Acquire);
-            if seq.committed_tokens() <= live {
+            if seq.has_commit_in_flight() {
                 continue;
             }
-            match seq.shrink_committed(live) {
+            let claimed = cell.live.load(Ordering::SeqCst);
+            if seq.committed_tokens() <= claimed {
+                continue;
+            }
+            // Lower the count the decode path reads before unmapping anything, then read the
+            // claims again: a claim made meanwhile is kept (see `Cell`).
+            cell.ready.store(claimed, Ordering::SeqCst);
+            let keep = claimed.max(cell.live.load(Ordering::SeqCst));
+            let result = seq.shrink_committed(keep);
+            cell.ready.store(seq.committed_tokens(), Ordering::SeqCst);
+            match result {
                 Ok(b) => {
                     freed = freed.saturating_add(b);
-                    cell.ready.store(seq.committed_tokens(), Ordering::Release);
-                    self.set_ahead(&cell, 0);
+                    let live_now = cell.live.load(Ordering::SeqCst);
+                    self.set_ahead(
+                        &cell,
+                        Inner::ahead_bytes(&cell.plan, live_now, seq.committed_tokens()),
+                    );
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "giving back pre-committed windows failed");
@@ -435,6 +493,7 @@ impl Precommitter {
         let cell = Arc::new(Cell {
             plan,
             seq: Mutex::new(sequence),
+            settled: Condvar::new(),
             ready: AtomicU64::new(ready),
             // What is committed at attach time (a prompt) counts as in use.
             live: AtomicU64::new(ready),
@@ -536,9 +595,11 @@ impl PrecommittedSequence {
     pub fn ensure_tokens(&self, n: u64) -> Result<Ensured, KvCacheError> {
         let cell = &self.cell;
         let c = &self.inner.counters;
-        let ready = cell.ready.load(Ordering::Acquire);
+        // Claim first, read second (see `Cell`): a shrink either sees this claim or is seen.
+        let claimed = cell.live.fetch_max(n, Ordering::SeqCst);
+        let ready = cell.ready.load(Ordering::SeqCst);
         if n <= ready {
-            if n > cell.live.fetch_max(n, Ordering::AcqRel) {
+            if n > claimed {
                 // Live tokens moved into pre-committed windows: less is ahead now.
                 self.inner
                     .set_ahead(cell, Inner::ahead_bytes(&cell.plan, n, ready));
@@ -546,11 +607,11 @@ impl PrecommittedSequence {
             c.ready.fetch_add(1, Ordering::Relaxed);
             return Ok(Ensured::Ready);
         }
-        cell.live.fetch_max(n, Ordering::AcqRel);
         let bytes = {
-            let mut seq = lock(&cell.seq);
-            let bytes = seq.ensure_tokens(n)?;
-            cell.ready.store(seq.committed_tokens(), Ordering::Release);
+            let mut seq = cell.lock_settled();
+            let result = seq.ensure_tokens(n);
+            cell.ready.store(seq.committed_tokens(), Ordering::SeqCst);
+            let bytes = result?;
             self.inner.set_ahead(cell, 0);
             bytes
         };
@@ -564,11 +625,17 @@ impl PrecommittedSequence {
     /// prefix, ...), under its lock. Afterwards the committed count the hot path reads is
     /// set from the sequence again, so that whatever `f` unmapped is never answered
     /// [`Ensured::Ready`].
+    ///
+    /// `f` may unmap windows, so the hot path answers no `Ready` while it runs (its calls
+    /// commit inline, after `f`), and `f` waits for a background commit in flight to finish.
+    /// To write or read committed tokens, [`write_tokens`](Self::write_tokens) and
+    /// [`read_tokens`](Self::read_tokens) do neither.
     pub fn with_sequence<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R) -> R {
-        let mut seq = lock(&self.cell.seq);
+        let mut seq = self.cell.lock_settled();
+        self.cell.ready.store(0, Ordering::SeqCst);
         let out = f(&mut seq);
         let committed = seq.committed_tokens();
-        self.cell.ready.store(committed, Ordering::Release);
+        self.cell.ready.store(committed, Ordering::SeqCst);
         let live = self
             .cell
             .live
@@ -582,6 +649,18 @@ impl PrecommittedSequence {
         out
     }
 
+    /// Writes tokens `first..` (see [`SequenceKv::write_tokens`]) without waiting for a
+    /// background commit in flight: only committed tokens are written.
+    pub fn write_tokens(&self, first: u64, src: &[u8]) -> Result<(), KvCacheError> {
+        lock(&self.cell.seq).write_tokens(first, src)
+    }
+
+    /// Reads tokens `first..` (see [`SequenceKv::read_tokens`]) without waiting for a
+    /// background commit in flight.
+    pub fn read_tokens(&self, first: u64, out: &mut [u8]) -> Result<(), KvCacheError> {
+        lock(&self.cell.seq).read_tokens(first, out)
+    }
+
     /// Tokens committed right now.
     pub fn committed_tokens(&self) -> u64 {
         self.cell.ready.load(Ordering::Acquire)
@@ -590,12 +669,18 @@ impl PrecommittedSequence {
     /// Releases the sequence's windows (keeping its address range), like
     /// [`SequenceKv::release`].
     pub fn release(&self) -> Result<u64, KvCacheError> {
-        let mut seq = lock(&self.cell.seq);
-        let bytes = seq.release()?;
-        self.cell.ready.store(0, Ordering::Release);
-        self.cell.live.store(0, Ordering::Release);
+        let mut seq = self.cell.lock_settled();
+        // Nothing is answered `Ready` from here on, before anything is unmapped.
+        self.cell.ready.store(0, Ordering::SeqCst);
+        let result = seq.release();
+        self.cell
+            .ready
+            .store(seq.committed_tokens(), Ordering::SeqCst);
+        self.cell
+            .live
+            .store(seq.committed_tokens(), Ordering::SeqCst);
         self.inner.set_ahead(&self.cell, 0);
-        Ok(bytes)
+        result
     }
 }
 

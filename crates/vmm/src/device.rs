@@ -102,17 +102,23 @@ impl DeviceContext {
     /// the device holds, or than the governor's limits allow once everything but the
     /// quarantine is freed.
     pub(crate) fn check_fits(&self, new_bytes: u64) -> Result<(), NeverFits> {
-        if let Some(total) = self.capacity {
-            if new_bytes > total {
-                return Err(NeverFits {
-                    device: self.device,
-                    needed: new_bytes,
-                    limit: Limit::DeviceMemory,
-                    limit_bytes: total,
-                });
-            }
+        let device = self
+            .capacity
+            .filter(|&t| new_bytes > t)
+            .map(|total| NeverFits {
+                device: self.device,
+                needed: new_bytes,
+                limit: Limit::DeviceMemory,
+                limit_bytes: total,
+            });
+        let budget = self.governor.check_fits(self.device, new_bytes).err();
+        // The tighter limit is the one reported.
+        match (device, budget) {
+            (Some(d), Some(b)) if d.limit_bytes < b.limit_bytes => Err(d),
+            (_, Some(b)) => Err(b),
+            (Some(d), None) => Err(d),
+            (None, None) => Ok(()),
         }
-        self.governor.check_fits(self.device, new_bytes)
     }
 
     /// How many governor updates failed.

@@ -68,6 +68,21 @@ pub enum VmmError {
         /// Offset of the window in the reservation.
         offset: u64,
     },
+    /// The arguments do not describe a valid request (overlapping ranges, nothing to do where
+    /// something must be done); `reason` says what is wrong. Nothing was done.
+    #[error("invalid argument: {reason}")]
+    InvalidArgument {
+        /// What is wrong, with the numbers.
+        reason: String,
+    },
+    /// A window is being committed or given back by another thread right now (a background
+    /// commit in flight, a parked window being unmapped); retry once it is done. Nothing was
+    /// done.
+    #[error("the granule window at offset {offset} is busy: a commit or unmap is in flight")]
+    Busy {
+        /// Offset of the window in the reservation.
+        offset: u64,
+    },
     /// The governor's books refused an update: a bug in the manager.
     #[error(transparent)]
     Accounting(#[from] GovernorError),
@@ -78,7 +93,7 @@ impl VmmError {
     /// [`VmmError::NeverFits`] is not retryable.
     pub fn is_retryable(&self) -> bool {
         match self {
-            VmmError::Backpressure(_) => true,
+            VmmError::Backpressure(_) | VmmError::Busy { .. } => true,
             VmmError::Backend(e) => e.kind == ErrorKind::OutOfMemory,
             _ => false,
         }

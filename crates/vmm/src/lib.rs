@@ -137,6 +137,7 @@ mod commit;
 mod config;
 mod device;
 mod error;
+mod job;
 mod manager;
 mod mapping;
 mod parking;
@@ -154,6 +155,7 @@ mod teardown;
 
 pub use config::{GranularityChoice, VmmConfig};
 pub use error::{VmmError, VmmResult};
+pub use job::CommitJob;
 pub use manager::VirtualMemory;
 pub use mapping::{BlockKind, Commit, MappedBlock};
 pub use quarantine::{QuarantineEntry, QuarantineReason};

@@ -3,7 +3,7 @@
 //! operations themselves are in `commit.rs`, `sharing.rs`, `release.rs` and `teardown.rs`;
 //! the public face is `reservation.rs`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use kvvm_hal::{DeviceAddress, PhysicalHandle};
 
@@ -49,6 +49,22 @@ pub(crate) struct ReservedRange {
     /// one (`VirtualMemory::reserve_strided`): the range is freed when its last slot is gone,
     /// not by this reservation.
     pub(crate) shared_range: Option<Arc<SharedRange>>,
+    /// Windows a background commit ([`CommitJob`](crate::CommitJob)) is mapping right now.
+    pub(crate) in_flight: Option<InFlight>,
+}
+
+/// The windows of a commit job between its begin and its finish. The mark is the job's: once
+/// the job is gone (finished or dropped) the windows are free again.
+pub(crate) struct InFlight {
+    pub(crate) mark: Weak<()>,
+    pub(crate) offsets: Vec<u64>,
+}
+
+impl InFlight {
+    /// Whether the window at `offset` is being committed by a live job.
+    pub(crate) fn holds(&self, offset: u64) -> bool {
+        self.mark.strong_count() > 0 && self.offsets.binary_search(&offset).is_ok()
+    }
 }
 
 impl ReservedRange {
@@ -61,6 +77,7 @@ impl ReservedRange {
             blocks: Vec::new(),
             parked,
             shared_range: None,
+            in_flight: None,
         }
     }
 
@@ -98,6 +115,15 @@ impl ReservedRange {
         self.blocks
             .binary_search_by_key(&offset, |b| b.offset)
             .is_ok()
+    }
+
+    /// The kind of the block mapped at `offset`, if any.
+    pub(crate) fn window_kind(&self, offset: u64) -> Option<BlockKind> {
+        self.blocks
+            .binary_search_by_key(&offset, |b| b.offset)
+            .ok()
+            .and_then(|i| self.blocks.get(i))
+            .map(|b| b.kind)
     }
 
     /// The blocks as the manager reports them.
@@ -150,6 +176,9 @@ impl ReservedRange {
         }
         if self.is_mapped(offset) {
             return Err(VmmError::AlreadyMapped { offset });
+        }
+        if self.in_flight.as_ref().is_some_and(|f| f.holds(offset)) {
+            return Err(VmmError::Busy { offset });
         }
         Ok(())
     }
