@@ -71,6 +71,23 @@ print(f"host simulate: ledger empty; bench kv: {k['bytes_verified']} bytes verif
       f"bench host: memcpy/attach {b['memcpy_over_attach']:.0f}x")
 PY
 
+echo "== the behaviour suite (every single and double fault) on the simulated and host backends"
+for b in sim host; do
+  cargo run --release -q -p kvvm-cli -- behaviour --backend "$b" --json > "target/behaviour-$b.json"
+done
+python3 - <<'PY'
+import json
+for b in ("sim", "host"):
+    r = json.load(open(f"target/behaviour-{b}.json"))
+    bad = [c for c in r["cases"] if c["status"] != "pass"]
+    assert r["failed"] == 0 and not bad, bad
+    assert r["depth"] == "pairs" and len(r["faults"]) >= 17, r["faults"]
+    assert all(f["steps"] > 0 for f in r["faults"]), r["faults"]
+    assert r["driver_free_before"] == r["driver_free_after"], r
+    print(f"{b} behaviour: {r['passed']} passed, {r['failed']} failed; "
+          f"{r['fault_runs']} fault runs, {r['faults_fired']} faults fired, driver free memory unchanged")
+PY
+
 echo "== conformance on the GPU backends (skips expected without a GPU)"
 cargo run --release -q -p kvvm-cli -- conformance --backend cuda | tail -n 1
 cargo run --release -q -p kvvm-cli -- conformance --backend hip | tail -n 1

@@ -1,5 +1,6 @@
 //! `kvvm`: inspect backends, run the conformance suite, plan, simulate and serve.
 
+mod behaviour;
 mod bench;
 mod bench_host;
 mod conformance;
@@ -26,6 +27,9 @@ enum Command {
     Info(info::InfoArgs),
     /// Run the conformance suite against a backend.
     Conformance(conformance::ConformanceArgs),
+    /// Run the manager's behaviour suite, with single and double fault injection, against a
+    /// backend.
+    Behaviour(behaviour::BehaviourArgs),
     /// Shareability verdict, fragments and commit lower bound for a model and layout.
     Plan(plan::PlanArgs),
     /// Benchmarks measured side by side in one run (`kvvm bench vmm`, `kv`, `decode`, `host`).
@@ -49,6 +53,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Info(args) => info::run(&args),
         Command::Conformance(args) => conformance::run(&args),
+        Command::Behaviour(args) => behaviour::run(&args),
         Command::Plan(args) => plan::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Simulate(args) => simulate::run(&args),

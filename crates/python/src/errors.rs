@@ -115,7 +115,9 @@ pub(crate) fn vmm(py: Python<'_>, e: &VmmError) -> PyErr {
         | VmmError::SizeOverflow { .. }
         | VmmError::ZeroSize
         | VmmError::GrantMismatch { .. }
-        | VmmError::AlreadyMapped { .. } => invalid(py, e.to_string()),
+        | VmmError::AlreadyMapped { .. }
+        | VmmError::InvalidArgument { .. } => invalid(py, e.to_string()),
+        VmmError::Busy { .. } => raise(py, "BusyError", e.to_string(), &[]),
         VmmError::BadGranularity { .. } | VmmError::Accounting(_) => {
             raise(py, "KvvmError", e.to_string(), &[])
         }

@@ -2,8 +2,8 @@
 //! lock on the reservation.
 //!
 //! A background committer (the KV layer's pre-committer) holds a sequence's lock only to
-//! [begin](crate::Reservation::begin_commit_ranges) a job (choose and mark the windows) and to
-//! [finish](crate::Reservation::finish_commit) it (record the blocks); the create, map and set
+//! begin (`Reservation::begin_commit_ranges`) a job (choose and mark the windows) and to
+//! finish (`Reservation::finish_commit`) it (record the blocks); the create, map and set
 //! access calls of [`CommitJob::run`] happen in between, while the owner of the sequence keeps
 //! writing the tokens already committed. The windows of a job are *in flight*: any other
 //! commit of them is refused with [`VmmError::Busy`](crate::VmmError::Busy) until the job is
@@ -25,7 +25,7 @@ use crate::quarantine::{QuarantineEntry, QuarantineReason};
 use crate::range::{InFlight, ReservedRange};
 
 /// A commit begun on a reservation whose driver work runs without borrowing it (see the
-/// module docs). Made by [`Reservation::begin_commit_ranges`](crate::Reservation::begin_commit_ranges).
+/// module docs). Made by `Reservation::begin_commit_ranges`.
 pub struct CommitJob {
     target: Target,
     offsets: Vec<u64>,
@@ -45,7 +45,7 @@ impl std::fmt::Debug for CommitJob {
 
 impl CommitJob {
     /// Runs the commit's driver calls (pool, grant, create, map, set access, rollback on
-    /// failure). Running twice does nothing more; [`finish_commit`](crate::Reservation::finish_commit)
+    /// failure). Running twice does nothing more; `Reservation::finish_commit`
     /// runs it if it has not run.
     pub fn run(&mut self) {
         if self.applied.is_none() {

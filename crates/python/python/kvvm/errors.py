@@ -22,6 +22,7 @@ __all__ = [
     "KvvmError",
     "BackpressureError",
     "NeverFitsError",
+    "BusyError",
     "UnavailableError",
     "InvalidArgumentError",
     "TooManyTokensError",
@@ -90,6 +91,11 @@ class NeverFitsError(KvvmError):
         self.limit_bytes = limit_bytes
         self.limit = limit
         self.limit_kind = limit_kind
+
+
+class BusyError(KvvmError):
+    """A window is being committed or given back by another thread right now (a background
+    commit in flight); nothing was done. Retry once it is done."""
 
 
 class UnavailableError(KvvmError):
