@@ -42,6 +42,10 @@ use kvvm_governor::Reclaimer;
 use kvvm_hal::DeviceId;
 use kvvm_vmm::VirtualMemory;
 
+mod handle;
+
+pub use handle::PrecommittedSequence;
+
 use crate::error::KvCacheError;
 use crate::sequence::SequenceKv;
 use kvvm_layout::LayoutPlan;
@@ -110,18 +114,18 @@ pub enum Ensured {
 /// and reads `live` second (all four `SeqCst`), so at least one of them sees the other: either
 /// the shrink keeps the claimed tokens, or the decode path sees the lower count and commits
 /// inline (waiting for the shrink's lock).
-struct Cell {
-    seq: Mutex<SequenceKv>,
+pub(crate) struct Cell {
+    pub(crate) seq: Mutex<SequenceKv>,
     /// Signalled when a background commit of this sequence finished.
-    settled: Condvar,
+    pub(crate) settled: Condvar,
     /// Tokens committed (published after the commit completed).
-    ready: AtomicU64,
+    pub(crate) ready: AtomicU64,
     /// The highest token count the decode path asked for.
-    live: AtomicU64,
+    pub(crate) live: AtomicU64,
     /// Bytes this sequence has committed ahead of `live` (part of the global headroom).
-    ahead: AtomicU64,
-    max_tokens: u64,
-    plan: LayoutPlan,
+    pub(crate) ahead: AtomicU64,
+    pub(crate) max_tokens: u64,
+    pub(crate) plan: LayoutPlan,
 }
 
 struct Queue {
@@ -135,9 +139,9 @@ struct Queue {
 }
 
 #[derive(Default)]
-struct Counters {
-    ready: AtomicU64,
-    inline_commits: AtomicU64,
+pub(crate) struct Counters {
+    pub(crate) ready: AtomicU64,
+    pub(crate) inline_commits: AtomicU64,
     background_commits: AtomicU64,
     background_refused: AtomicU64,
     background_failures: AtomicU64,
@@ -147,25 +151,25 @@ struct Counters {
     reclaimed_bytes: AtomicU64,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     config: PrecommitConfig,
     vm: VirtualMemory,
     queue: Mutex<Queue>,
     wake: Condvar,
     idle: Condvar,
     cells: Mutex<Vec<Weak<Cell>>>,
-    counters: Counters,
+    pub(crate) counters: Counters,
     last_error: Mutex<Option<KvCacheError>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Cell {
     /// The sequence's lock, once no background commit of it is in flight: for anything that
     /// may change its mappings. Writes and reads of committed tokens need not wait.
-    fn lock_settled(&self) -> MutexGuard<'_, SequenceKv> {
+    pub(crate) fn lock_settled(&self) -> MutexGuard<'_, SequenceKv> {
         let mut seq = lock(&self.seq);
         while seq.has_commit_in_flight() {
             seq = self.settled.wait(seq).unwrap_or_else(|p| p.into_inner());
@@ -176,13 +180,13 @@ impl Cell {
 
 impl Inner {
     /// Bytes committed for `tokens` tokens beyond those for `live`, by the sequence's plan.
-    fn ahead_bytes(plan: &LayoutPlan, live: u64, tokens: u64) -> u64 {
+    pub(crate) fn ahead_bytes(plan: &LayoutPlan, live: u64, tokens: u64) -> u64 {
         let at = |n: u64| plan.committed_bytes_for_tokens(n).unwrap_or(0);
         at(tokens).saturating_sub(at(live))
     }
 
     /// Records `cell`'s bytes ahead of its live end as `new`, keeping the global total.
-    fn set_ahead(&self, cell: &Cell, new: u64) {
+    pub(crate) fn set_ahead(&self, cell: &Cell, new: u64) {
         let old = cell.ahead.swap(new, Ordering::AcqRel);
         let c = &self.counters;
         if new >= old {
@@ -208,7 +212,7 @@ impl Inner {
     }
 
     /// Asks the worker for a scan now.
-    fn kick(&self) {
+    pub(crate) fn kick(&self) {
         let mut q = lock(&self.queue);
         q.kick = true;
         self.wake.notify_one();
@@ -570,122 +574,5 @@ impl Precommitter {
 impl Drop for Precommitter {
     fn drop(&mut self) {
         self.shutdown();
-    }
-}
-
-/// A [`SequenceKv`] whose windows a [`Precommitter`] commits ahead of need.
-pub struct PrecommittedSequence {
-    cell: Arc<Cell>,
-    inner: Arc<Inner>,
-}
-
-impl std::fmt::Debug for PrecommittedSequence {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PrecommittedSequence")
-            .field("ready", &self.cell.ready.load(Ordering::Relaxed))
-            .field("live", &self.cell.live.load(Ordering::Relaxed))
-            .finish()
-    }
-}
-
-impl PrecommittedSequence {
-    /// Makes the first `n` tokens committed. The hot path (tokens already committed by the
-    /// worker) takes no lock, makes no driver call and no system call; otherwise the commit is
-    /// made inline and the worker is woken.
-    pub fn ensure_tokens(&self, n: u64) -> Result<Ensured, KvCacheError> {
-        let cell = &self.cell;
-        let c = &self.inner.counters;
-        // Claim first, read second (see `Cell`): a shrink either sees this claim or is seen.
-        let claimed = cell.live.fetch_max(n, Ordering::SeqCst);
-        let ready = cell.ready.load(Ordering::SeqCst);
-        if n <= ready {
-            if n > claimed {
-                // Live tokens moved into pre-committed windows: less is ahead now.
-                self.inner
-                    .set_ahead(cell, Inner::ahead_bytes(&cell.plan, n, ready));
-            }
-            c.ready.fetch_add(1, Ordering::Relaxed);
-            return Ok(Ensured::Ready);
-        }
-        let bytes = {
-            let mut seq = cell.lock_settled();
-            let result = seq.ensure_tokens(n);
-            cell.ready.store(seq.committed_tokens(), Ordering::SeqCst);
-            let bytes = result?;
-            self.inner.set_ahead(cell, 0);
-            bytes
-        };
-        c.inline_commits.fetch_add(1, Ordering::Relaxed);
-        // The worker is behind: ask for a scan now.
-        self.inner.kick();
-        Ok(Ensured::Inline(bytes))
-    }
-
-    /// Runs `f` on the sequence (to write or read tokens, get pointers, shrink, attach a
-    /// prefix, ...), under its lock. Afterwards the committed count the hot path reads is
-    /// set from the sequence again, so that whatever `f` unmapped is never answered
-    /// [`Ensured::Ready`].
-    ///
-    /// `f` may unmap windows, so the hot path answers no `Ready` while it runs (its calls
-    /// commit inline, after `f`), and `f` waits for a background commit in flight to finish.
-    /// To write or read committed tokens, [`write_tokens`](Self::write_tokens) and
-    /// [`read_tokens`](Self::read_tokens) do neither.
-    pub fn with_sequence<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R) -> R {
-        let mut seq = self.cell.lock_settled();
-        self.cell.ready.store(0, Ordering::SeqCst);
-        let out = f(&mut seq);
-        let committed = seq.committed_tokens();
-        self.cell.ready.store(committed, Ordering::SeqCst);
-        let live = self
-            .cell
-            .live
-            .fetch_min(committed, Ordering::AcqRel)
-            .min(committed);
-        drop(seq);
-        self.inner.set_ahead(
-            &self.cell,
-            Inner::ahead_bytes(&self.cell.plan, live, committed),
-        );
-        out
-    }
-
-    /// Writes tokens `first..` (see [`SequenceKv::write_tokens`]) without waiting for a
-    /// background commit in flight: only committed tokens are written.
-    pub fn write_tokens(&self, first: u64, src: &[u8]) -> Result<(), KvCacheError> {
-        lock(&self.cell.seq).write_tokens(first, src)
-    }
-
-    /// Reads tokens `first..` (see [`SequenceKv::read_tokens`]) without waiting for a
-    /// background commit in flight.
-    pub fn read_tokens(&self, first: u64, out: &mut [u8]) -> Result<(), KvCacheError> {
-        lock(&self.cell.seq).read_tokens(first, out)
-    }
-
-    /// Tokens committed right now.
-    pub fn committed_tokens(&self) -> u64 {
-        self.cell.ready.load(Ordering::Acquire)
-    }
-
-    /// Releases the sequence's windows (keeping its address range), like
-    /// [`SequenceKv::release`].
-    pub fn release(&self) -> Result<u64, KvCacheError> {
-        let mut seq = self.cell.lock_settled();
-        // Nothing is answered `Ready` from here on, before anything is unmapped.
-        self.cell.ready.store(0, Ordering::SeqCst);
-        let result = seq.release();
-        self.cell
-            .ready
-            .store(seq.committed_tokens(), Ordering::SeqCst);
-        self.cell
-            .live
-            .store(seq.committed_tokens(), Ordering::SeqCst);
-        self.inner.set_ahead(&self.cell, 0);
-        result
-    }
-}
-
-impl Drop for PrecommittedSequence {
-    fn drop(&mut self) {
-        self.inner.set_ahead(&self.cell, 0);
     }
 }
