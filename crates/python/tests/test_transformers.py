@@ -141,3 +141,34 @@ def test_the_benchmark_runs_end_to_end_on_the_cpu(capsys) -> None:
     assert rc == 0
     out = capsys.readouterr().out
     assert "kvvm:seq-major" in out and "kvvm:token-major" in out and "shared prompt" in out
+
+
+def test_kvvm_attention_sets_the_kernels_once_per_forward_and_unwraps(model, mgr, monkeypatch) -> None:
+    import torch.nn.attention as attention
+
+    from kvvm import transformers as kt
+
+    entered: list[int] = []
+    real = attention.sdpa_kernel
+
+    def counting(*args, **kwargs):
+        entered.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_kernel", counting)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        kt.use_kvvm_attention(model)
+        assert "_kvvm_original_forward" in model.__dict__
+        kt.use_kvvm_attention(model)  # idempotent: wrapped once
+        cache = KvvmCache(model.config, 2, 64, manager=mgr, dtype="fp32")
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        # Two layers, one forward: the kernel scope was entered once, not once per layer.
+        assert len(entered) == 1
+        assert not getattr(kt._SCOPE, "active", False), "the scope ends with the forward"
+        kt.use_kvvm_attention(model, enable=False)
+        assert "forward" not in model.__dict__ and "_kvvm_original_forward" not in model.__dict__
+        again = model(input_ids=ids).logits
+    assert torch.allclose(out, ref, atol=1e-5) and torch.equal(again, ref)
+    cache.release()
