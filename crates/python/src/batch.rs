@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvvm_kv::SequenceKv;
+use kvvm_kv::{KvKind, SequenceKv};
 use pyo3::prelude::*;
 
 use crate::cell::SeqCell;
@@ -216,6 +216,34 @@ impl SequenceBatch {
             start: start.0,
             end: end.map(|c| c.0),
             allow_uncommitted,
+            all_layers: false,
+        };
+        make_view(py, cells, self.stride, true, &req)
+    }
+
+    /// One strided view of every layer's K and V over slots `first..first+count` (default:
+    /// all), tokens `start..end` (as :meth:`view`): shape
+    /// ``[layers, 2, batch, kv_heads, tokens, head_dim]``, index 0 of the second dimension K,
+    /// 1 V. A decode step slices it once for all layers instead of once per layer.
+    #[pyo3(signature = (start = Count(0), end = None, first = 0, count = None,
+        allow_uncommitted = false))]
+    fn view_all(
+        &self,
+        py: Python<'_>,
+        start: Count,
+        end: Option<Count>,
+        first: usize,
+        count: Option<usize>,
+        allow_uncommitted: bool,
+    ) -> PyResult<TensorView> {
+        let cells = self.slots(py, first, count)?;
+        let req = ViewRequest {
+            layer: 0,
+            kind: KvKind::Key,
+            start: start.0,
+            end: end.map(|c| c.0),
+            allow_uncommitted,
+            all_layers: true,
         };
         make_view(py, cells, self.stride, true, &req)
     }

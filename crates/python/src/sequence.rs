@@ -229,6 +229,7 @@ impl Sequence {
             start: start.0,
             end: end.map(|c| c.0),
             allow_uncommitted,
+            all_layers: false,
         };
         make_view(py, std::slice::from_ref(&self.cell), 0, false, &req)
     }

@@ -28,6 +28,9 @@ pub(crate) struct ViewRequest {
     pub(crate) start: u64,
     pub(crate) end: Option<u64>,
     pub(crate) allow_uncommitted: bool,
+    /// Every layer's K and V at once: shape `[layers, 2, (B,) H, T, D]` (`layer` and `kind`
+    /// are then ignored).
+    pub(crate) all_layers: bool,
 }
 
 fn to_i64(py: Python<'_>, v: u64, what: &str) -> PyResult<i64> {
@@ -59,7 +62,7 @@ pub(crate) fn make_view(
         ));
     };
     let geo = *first.plan.geometry();
-    if req.layer >= geo.layers() {
+    if !req.all_layers && req.layer >= geo.layers() {
         return Err(errors::invalid(
             py,
             format!(
@@ -109,8 +112,13 @@ pub(crate) fn make_view(
     }
     let e = u64::from(geo.dtype_bytes().max(1));
     let strides = first.plan.strides();
+    let (layer, kind) = if req.all_layers {
+        (0, KvKind::Key)
+    } else {
+        (req.layer, req.kind)
+    };
     let offset = first
-        .offset(req.layer, req.kind, req.start)
+        .offset(layer, kind, req.start)
         .map_err(|err| errors::kv(py, &err))?;
     let ptr = first
         .base
@@ -129,6 +137,16 @@ pub(crate) fn make_view(
     if batched {
         shape.insert(0, to_i64(py, cells.len() as u64, "batch")?);
         el_strides.insert(0, to_i64(py, slot_stride / e, "slot stride")?);
+    }
+    if req.all_layers {
+        shape.splice(0..0, [i64::from(geo.layers()), 2]);
+        el_strides.splice(
+            0..0,
+            [
+                to_i64(py, strides.layer / e, "layer stride")?,
+                to_i64(py, strides.kv / e, "K/V stride")?,
+            ],
+        );
     }
     // Count the view on every sequence; undo on a sequence being unmapped.
     for (i, c) in cells.iter().enumerate() {

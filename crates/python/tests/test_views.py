@@ -65,6 +65,31 @@ def test_one_strided_array_per_layer_over_a_batch(host: kvvm.Manager, layout: st
 
 
 @needs_host
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_array_of_every_layer_aliases_the_per_layer_views(host: kvvm.Manager, layout: str) -> None:
+    geo = tiny_geometry()
+    plan = kvvm.LayoutPlan(geo, layout, host.granule)
+    batch = kvvm.SequenceBatch(host, plan, 3, max_tokens=512)
+    batch.ensure(16)
+    every = np.from_dlpack(batch.view_all())
+    assert every.shape == (geo.layers, 2, 3, geo.kv_heads, 16, geo.head_dim)
+    for layer in range(geo.layers):
+        for kv, kind in enumerate(("key", "value")):
+            every[layer, kv, :, :, 7, :] = 10 * layer + kv + 1
+    for layer in range(geo.layers):
+        for kv, kind in enumerate(("key", "value")):
+            one = np.from_dlpack(batch.view(layer, kind, start=7, end=8))
+            assert (one == 10 * layer + kv + 1).all(), (layer, kind)
+            del one
+    part = np.from_dlpack(batch.view_all(start=7, end=8, first=1, count=2))
+    assert part.shape == (geo.layers, 2, 2, geo.kv_heads, 1, geo.head_dim)
+    with pytest.raises(kvvm.NotCommittedError):
+        batch.view_all(end=17)
+    del every, part
+    assert batch.release() > 0
+
+
+@needs_host
 def test_views_are_refused_past_the_committed_tokens_unless_asked(host: kvvm.Manager) -> None:
     plan = kvvm.LayoutPlan(tiny_geometry(), "seq-major", host.granule)
     s = kvvm.Sequence(host, plan)

@@ -225,6 +225,14 @@ class SequenceBatch:
         count: int | None = None,
         allow_uncommitted: bool = False,
     ) -> TensorView: ...
+    def view_all(
+        self,
+        start: int = 0,
+        end: int | None = None,
+        first: int = 0,
+        count: int | None = None,
+        allow_uncommitted: bool = False,
+    ) -> TensorView: ...
 
 class PrefixCache:
     """An automatic prefix cache over token ids."""

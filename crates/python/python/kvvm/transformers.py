@@ -230,12 +230,14 @@ class KvvmLayer(CacheLayerMixin):
         cache = self._cache
         if end > cache._ensured:
             cache._ensure(end)
-        # narrow() is the cheapest view on the host: a decode step is host-bound.
-        k_full.narrow(2, start, q).copy_(key_states)
-        v_full.narrow(2, start, q).copy_(value_states)
+        # The step's slices are made once for all layers: per layer, two copies and no view.
+        k_dst, v_dst, k_live, v_live = cache._step_views(start, q)
+        i = self._index
+        k_dst[i].copy_(key_states)
+        v_dst[i].copy_(value_states)
         self.length = end
-        keys = self.keys = k_full.narrow(2, 0, end)
-        values = self.values = v_full.narrow(2, 0, end)
+        keys = self.keys = k_live[i]
+        values = self.values = v_live[i]
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -354,6 +356,14 @@ class KvvmCache(Cache):
         self._start = start_tokens
         self._released = False
         self._bound = False
+        # Every layer's K and V as two tensors [layers, batch, heads, max_len, head_dim].
+        self._k_all: torch.Tensor | None = None
+        self._v_all: torch.Tensor | None = None
+        # One decode step's slices of them, shared by every layer: (start, q) and, per layer,
+        # the views to write the new tokens into and the live views to hand to attention.
+        self._step: tuple[int, int] = (-1, -1)
+        self._step_dst: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
+        self._step_live: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
         layers = [KvvmLayer(self, i) for i in range(geometry.layers)]
         super().__init__(layers=layers)
         self._bind_layers()
@@ -414,15 +424,30 @@ class KvvmCache(Cache):
             raise ReleasedError("the KvvmCache was released")
         if self._bound:
             return
-        to_torch = torch.from_dlpack
+        kv = torch.from_dlpack(self.batch.view_all(0, self._max_len, allow_uncommitted=True))
+        if kv.dtype != self._torch_dtype:
+            raise InvalidArgumentError(f"view dtype {kv.dtype}, expected {self._torch_dtype}")
+        self._k_all, self._v_all = kv[:, 0], kv[:, 1]
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, KvvmLayer)
-            k = to_torch(self.batch.view(i, "key", 0, self._max_len, allow_uncommitted=True))
-            v = to_torch(self.batch.view(i, "value", 0, self._max_len, allow_uncommitted=True))
-            if k.dtype != self._torch_dtype:
-                raise InvalidArgumentError(f"view dtype {k.dtype}, expected {self._torch_dtype}")
-            layer._bind(k, v, self._start)
+            layer._bind(self._k_all[i], self._v_all[i], self._start)
+        self._step = (-1, -1)
         self._bound = True
+
+    def _step_views(
+        self, start: int, q: int
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Per layer: where tokens ``start..start+q`` go (K, V) and the live views of
+        ``0..start+q`` (K, V). Made once per step for all layers (eight calls instead of four
+        per layer: the step is host-bound)."""
+        if self._step != (start, q):
+            k_all, v_all = self._k_all, self._v_all
+            assert k_all is not None and v_all is not None
+            self._step_dst = (k_all.narrow(3, start, q).unbind(0), v_all.narrow(3, start, q).unbind(0))
+            end = start + q
+            self._step_live = (k_all.narrow(3, 0, end).unbind(0), v_all.narrow(3, 0, end).unbind(0))
+            self._step = (start, q)
+        return self._step_dst[0], self._step_dst[1], self._step_live[0], self._step_live[1]
 
     def _ensure(self, tokens: int) -> None:
         if tokens > self._ensured:
@@ -467,6 +492,9 @@ class KvvmCache(Cache):
         for layer in self.layers:
             assert isinstance(layer, KvvmLayer)
             layer._unbind()
+        self._k_all = self._v_all = None
+        self._step = (-1, -1)
+        self._step_dst = self._step_live = ((), ())
         self._bound = False
 
     def release(self) -> int:
