@@ -53,8 +53,10 @@ pub struct SequenceInfo {
     pub added_bytes: u64,
     /// Tokens of the prompt served from a shared prefix (not committed again).
     pub prefix_hit_tokens: u64,
-    /// The base device address of its KV cache (never changes while it lives).
-    pub address: u64,
+    /// The base device address of its KV cache (never changes while it lives); shown only
+    /// to a request that asks for it (`?address=true`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<u64>,
 }
 
 /// `DELETE /v1/sequences/{id}`: what was released.
@@ -73,8 +75,13 @@ pub struct Released {
 pub struct ShutdownReport {
     /// Sequences released.
     pub sequences: u64,
-    /// Bytes they had committed.
+    /// Device bytes given back: the sequences' own windows, every cached prefix (each
+    /// counted once) and the handle pool.
     pub released_bytes: u64,
+    /// Device bytes still held afterwards (quarantine: memory that could not be proven idle).
+    pub held_bytes: u64,
+    /// Requests still running when the shutdown deadline passed (their connections closed).
+    pub abandoned_requests: u64,
     /// Releases that failed (their memory is quarantined by the manager, never forgotten).
     pub failures: u64,
 }
@@ -84,22 +91,33 @@ pub struct ShutdownReport {
 pub struct Counters {
     /// Sequences opened.
     pub sequences_created: u64,
-    /// Sequences released (by `DELETE` or at shutdown).
+    /// Sequences released (by `DELETE`, idle expiry or at shutdown).
     pub sequences_released: u64,
+    /// Sequences released because nobody used them for the idle timeout.
+    pub sequences_expired: u64,
     /// Successful appends.
     pub appends: u64,
     /// Requests refused for lack of memory (429).
     pub grants_refused: u64,
     /// Requests refused as the client's error (4xx other than 429).
     pub bad_requests: u64,
-    /// Requests that failed for another reason (5xx).
+    /// Requests that failed for another reason (5xx other than 503).
     pub internal_errors: u64,
+    /// Requests answered 503 (load shedding, too many connections, shutting down).
+    pub unavailable: u64,
     /// Sequences whose prompt hit a shared prefix.
     pub prefix_hits: u64,
     /// Prompt tokens served from shared prefixes.
     pub prefix_hit_tokens: u64,
     /// Prefixes published to the prefix cache by this server's requests.
     pub prefixes_published: u64,
+}
+
+/// `GET /v1/sequences`: the caller's own live sequences.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequenceList {
+    /// Its sequences, by id.
+    pub sequences: Vec<SequenceInfo>,
 }
 
 /// A point-in-time view of the service for `/metrics`.
@@ -117,6 +135,7 @@ pub struct MetricsSnapshot {
     pub counters: Counters,
     /// The manager's granule.
     pub granule: u64,
-    /// The prefix cache's counters and sizes (`None` when it is off).
+    /// The prefix caches' counters and sizes, summed over every key's cache (`None` when
+    /// the cache is off).
     pub prefix_cache: Option<PrefixCacheStats>,
 }

@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvvm::VirtualMemoryBackend;
-use kvvm_server::{KvService, ServeError, ServiceConfig, ShutdownReport};
+use kvvm_server::{HttpConfig, KvService, ServeError, ServiceConfig, ShutdownReport};
 use kvvm_sim::SimBackend;
 
 /// 2 MiB, the simulated H200's granule.
@@ -59,6 +59,15 @@ impl TestServer {
 
     /// Starts a server with `config` over `sim` and a body limit.
     pub fn start_with(sim: Arc<SimBackend>, config: ServiceConfig, body_limit: usize) -> Self {
+        let http = HttpConfig {
+            body_limit,
+            ..HttpConfig::default()
+        };
+        TestServer::start_http(sim, config, http)
+    }
+
+    /// Starts a server with `config` over `sim` and the HTTP settings `http`.
+    pub fn start_http(sim: Arc<SimBackend>, config: ServiceConfig, http: HttpConfig) -> Self {
         let service = Arc::new(KvService::new(config).expect("service"));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
@@ -73,7 +82,7 @@ impl TestServer {
                 let listener = kvvm_server::bind("127.0.0.1:0").await?;
                 let addr = listener.local_addr().expect("local addr");
                 addr_tx.send(addr).expect("send addr");
-                kvvm_server::serve(listener, svc, body_limit, async move {
+                kvvm_server::serve(listener, svc, http, async move {
                     let _ = stop_rx.await;
                 })
                 .await
@@ -95,6 +104,25 @@ impl TestServer {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// Asks the server to stop (the stand-in for SIGTERM) without waiting for it.
+    pub fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+
+    /// Waits for the server to have stopped (after [`stop`](Self::stop)).
+    pub fn join(mut self) -> (ShutdownReport, Arc<SimBackend>, Arc<KvService>) {
+        let report = self
+            .thread
+            .take()
+            .expect("thread")
+            .join()
+            .expect("server thread panicked")
+            .expect("serve failed");
+        (report, self.sim.clone(), self.service.clone())
     }
 
     pub fn post(&self, path: &str, body: &str) -> Reply {
