@@ -71,7 +71,7 @@ pub struct ServeFlags {
     #[arg(long, default_value_t = 4096)]
     max_connections: usize,
     /// Most requests handled at once; past it a request is shed with 503 + Retry-After.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 64)]
     max_in_flight: usize,
     /// Most live sequences in total.
     #[arg(long, default_value_t = Limits::default().max_sequences)]

@@ -33,9 +33,11 @@ use crate::service::KvService;
 const FD_RESERVE: u64 = 64;
 /// Connections past the cap that still get their 503 (beyond: closed at once).
 const OVERFLOW: usize = 64;
-/// Largest read buffer of a connection: bounds a request head (431 beyond) and the memory a
-/// connection holds while its body is read.
+/// Largest read buffer of a connection: bounds the memory a connection holds while its body
+/// is read.
 const MAX_BUF: usize = 64 << 10;
+/// Largest request head (request line and headers): 431 beyond.
+const MAX_HEAD: usize = 32 << 10;
 
 /// The connection cap in force: the configured one, lowered to fit the open-file limit.
 pub fn effective_max_connections(configured: usize) -> usize {
@@ -91,6 +93,7 @@ async fn connection(
         .timer(TokioTimer::new())
         .header_read_timeout(http.header_timeout)
         .max_buf_size(MAX_BUF)
+        .max_header_size(MAX_HEAD)
         .keep_alive(true);
     let conn = builder.serve_connection(io, TowerToHyperService::new(svc));
     tokio::pin!(conn);
@@ -146,6 +149,7 @@ async fn refuse(stream: TcpStream, header_timeout: Duration) {
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout.min(Duration::from_secs(2)))
         .max_buf_size(MAX_BUF)
+        .max_header_size(MAX_HEAD)
         .keep_alive(false);
     let _ = builder.serve_connection(TokioIo::new(stream), svc).await;
 }

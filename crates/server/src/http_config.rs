@@ -40,7 +40,7 @@ pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
 
 impl Default for HttpConfig {
     /// 1 MiB bodies, header 10 s, body 10 s, keep-alive 5 s, 4096 connections (fewer when
-    /// the open-file limit is lower), 256 requests in flight, a 10 s shutdown deadline, no
+    /// the open-file limit is lower), 64 requests in flight, a 10 s shutdown deadline, no
     /// keys.
     fn default() -> Self {
         HttpConfig {
@@ -49,7 +49,7 @@ impl Default for HttpConfig {
             body_timeout: Duration::from_secs(10),
             keep_alive_timeout: Duration::from_secs(5),
             max_connections: 4096,
-            max_in_flight: 256,
+            max_in_flight: 64,
             shutdown_timeout: Duration::from_secs(10),
             api_keys: ApiKeys::none(),
             allow_unauthenticated: false,

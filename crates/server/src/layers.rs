@@ -10,8 +10,8 @@
 //!    checked where a route reads one, after the route and method matched);
 //! 5. [`authenticate`]: the bearer key's [`Principal`](crate::Principal) (none needed for
 //!    `/healthz`);
-//! 6. load shedding over a global limit of requests in flight (tower): 503 `overloaded` with
-//!    `Retry-After` at once instead of a queue;
+//! 6. on the API routes (not `/healthz`): load shedding over a global limit of requests in
+//!    flight (tower): 503 `overloaded` with `Retry-After` at once instead of a queue;
 //! 7. the body limit (tower-http): a `Content-Length` over it is 413 before any byte is read
 //!    and before `100 Continue` is sent.
 
@@ -86,8 +86,8 @@ fn span(req: &axum::http::Request<Body>) -> tracing::Span {
     )
 }
 
-/// Applies the middleware to `router`.
-pub(crate) fn apply(router: Router<()>, app: &App, max_in_flight: usize) -> Router<()> {
+/// Applies the middleware every request passes (1 to 5) to `router`.
+pub(crate) fn apply(router: Router<()>, app: &App) -> Router<()> {
     let stack = ServiceBuilder::new()
         .layer(SetRequestIdLayer::x_request_id(ids()))
         .layer(
@@ -106,7 +106,14 @@ pub(crate) fn apply(router: Router<()>, app: &App, max_in_flight: usize) -> Rout
         .layer(from_fn_with_state(app.clone(), observe))
         .layer(from_fn_with_state(app.clone(), drain))
         .layer(from_fn_with_state(app.clone(), strict))
-        .layer(from_fn_with_state(app.clone(), authenticate))
+        .layer(from_fn_with_state(app.clone(), authenticate));
+    router.layer(stack)
+}
+
+/// Applies load shedding and the body limit (6 and 7) to the API routes of `router`
+/// (`/healthz` stays out: a probe must see a loaded server alive).
+pub(crate) fn shed_and_limit(router: Router<App>, app: &App, max_in_flight: usize) -> Router<App> {
+    let stack = ServiceBuilder::new()
         .layer(HandleErrorLayer::new(shed))
         .load_shed()
         .layer(tower::limit::GlobalConcurrencyLimitLayer::new(

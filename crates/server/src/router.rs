@@ -42,7 +42,7 @@ pub(crate) fn router_with(
         body_limit: http.body_limit,
         body_timeout: http.body_timeout,
     };
-    let routes = Router::new()
+    let api = Router::new()
         .route(
             "/v1/sequences",
             get(list).post(create).fallback(method_not_allowed),
@@ -57,11 +57,12 @@ pub(crate) fn router_with(
             "/v1/sequences/{id}/append",
             axum::routing::post(append).fallback(method_not_allowed),
         )
-        .route("/metrics", get(metrics).fallback(method_not_allowed))
+        .route("/metrics", get(metrics).fallback(method_not_allowed));
+    let routes = crate::layers::shed_and_limit(api, &app, http.max_in_flight)
         .route("/healthz", get(healthz).fallback(method_not_allowed))
         .fallback(|| async { crate::layers::not_found() })
         .with_state(app.clone());
-    crate::layers::apply(routes, &app, http.max_in_flight)
+    crate::layers::apply(routes, &app)
 }
 
 /// The raw (not percent-decoded) id segment of `/v1/sequences/{id}[/append]`.
