@@ -6,6 +6,8 @@ use kvvm_governor::GovernorSnapshot;
 use kvvm_kv::PrefixCacheStats;
 use serde::{Deserialize, Serialize};
 
+use crate::error::ServiceError;
+
 /// `POST /v1/sequences`: open a sequence.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -21,6 +23,46 @@ pub struct CreateSequence {
     /// The prompt's token ids, used to find a shared prefix.
     #[serde(default)]
     pub token_ids: Option<Vec<u32>>,
+}
+
+impl CreateSequence {
+    /// The prompt's tokens and the sequence's `max_tokens`, checked against the model's
+    /// `limit`: 422 when they do not make sense together.
+    pub(crate) fn checked(&self, limit: u64) -> Result<(u64, u64), ServiceError> {
+        let prompt = match (self.prompt_tokens, &self.token_ids) {
+            (Some(n), Some(ids)) if u64::try_from(ids.len()).ok() != Some(n) => {
+                return Err(ServiceError::InvalidRequest(format!(
+                    "prompt_tokens is {n} but token_ids holds {} ids",
+                    ids.len()
+                )))
+            }
+            (Some(n), _) => n,
+            (None, Some(ids)) => u64::try_from(ids.len())
+                .map_err(|_| ServiceError::InvalidRequest("too many token_ids".into()))?,
+            (None, None) => {
+                return Err(ServiceError::InvalidRequest(
+                    "prompt_tokens (or token_ids) is required".into(),
+                ))
+            }
+        };
+        let max = self.max_tokens.unwrap_or(limit);
+        if max == 0 {
+            return Err(ServiceError::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
+        }
+        if max > limit {
+            return Err(ServiceError::InvalidRequest(format!(
+                "max_tokens {max} exceeds the model's limit of {limit} tokens"
+            )));
+        }
+        if prompt > max {
+            return Err(ServiceError::InvalidRequest(format!(
+                "prompt_tokens {prompt} exceeds max_tokens {max}"
+            )));
+        }
+        Ok((prompt, max))
+    }
 }
 
 /// `POST /v1/sequences/{id}/append`: grow a sequence.

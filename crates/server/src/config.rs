@@ -1,4 +1,4 @@
-//! How a [`KvService`](crate::KvService) is set up: the device, the model, the budget, the
+//! How a `KvService` is set up: the device, the model, the budget, the
 //! prefix cache, the server's own limits and the idle expiry of sequences.
 
 use std::sync::Arc;
@@ -9,7 +9,7 @@ use kvvm_kv::{KvDtype, KvLayout};
 
 use crate::limits::Limits;
 
-/// How a [`KvService`](crate::KvService) is set up.
+/// How a `KvService` is set up.
 #[derive(Clone)]
 pub struct ServiceConfig {
     /// The driver backend (see [`kvvm::open_backend`]).

@@ -69,6 +69,7 @@ mod api;
 mod app;
 mod auth;
 mod body;
+mod caches;
 mod config;
 mod conn;
 mod counters;

@@ -2,19 +2,20 @@
 //! caches and the table of live sequences, and is the only place that calls the KV layer.
 //! The HTTP layer (`router.rs`) only parses, calls one method here and renders the result.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvvm_governor::{Governor, GovernorConfig};
-use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixCache, PrefixCacheStats};
+use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixCache};
 use kvvm_vmm::{VirtualMemory, VmmConfig};
 
 use crate::api::{
     AppendTokens, Counters, CreateSequence, MetricsSnapshot, Released, SequenceInfo, ShutdownReport,
 };
 use crate::auth::Owner;
+use crate::caches::PrefixCaches;
 use crate::config::ServiceConfig;
 use crate::counters::{bump, AtomicCounters};
 use crate::error::{ServeError, ServiceError};
@@ -60,11 +61,7 @@ impl Entry {
 pub struct KvService {
     vm: VirtualMemory,
     plan: LayoutPlan,
-    /// The cache of [`Owner::ANONYMOUS`], also every key's when the cache is shared.
-    cache: Option<Arc<PrefixCache>>,
-    /// Each key's own cache, made on its first prompt with token ids.
-    key_caches: Mutex<HashMap<Owner, Arc<PrefixCache>>>,
-    shared_cache: bool,
+    caches: PrefixCaches,
     model: String,
     dtype: KvDtype,
     state: Mutex<State>,
@@ -135,9 +132,7 @@ impl KvService {
         Ok(KvService {
             vm,
             plan,
-            cache,
-            key_caches: Mutex::new(HashMap::new()),
-            shared_cache: shared_prefix_cache,
+            caches: PrefixCaches::new(cache, shared_prefix_cache),
             model,
             dtype,
             state: Mutex::new(State {
@@ -210,32 +205,6 @@ impl KvService {
         Ok(entry)
     }
 
-    /// The prefix cache `owner`'s prompts go through (`None` when the cache is off).
-    fn cache_for(&self, owner: Owner) -> Result<Option<Arc<PrefixCache>>, ServiceError> {
-        let Some(shared) = &self.cache else {
-            return Ok(None);
-        };
-        if owner == Owner::ANONYMOUS || self.shared_cache {
-            return Ok(Some(shared.clone()));
-        }
-        let mut caches = self.key_caches.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = caches.get(&owner) {
-            return Ok(Some(c.clone()));
-        }
-        let c = PrefixCache::new(self.vm.clone(), self.plan)
-            .map_err(|e| ServiceError::Internal(format!("prefix cache: {e}")))?;
-        caches.insert(owner, c.clone());
-        Ok(Some(c))
-    }
-
-    /// Every prefix cache: the shared one and each key's.
-    fn caches(&self) -> Vec<Arc<PrefixCache>> {
-        let mut all: Vec<_> = self.cache.iter().cloned().collect();
-        let keys = self.key_caches.lock().unwrap_or_else(|p| p.into_inner());
-        all.extend(keys.values().cloned());
-        all
-    }
-
     /// Closes a sequence that was taken out of the table: releases it, gives its share of
     /// the limits back and records the release. Returns the bytes it had mapped.
     fn close(&self, owner: Owner, seq: LiveSequence) -> Result<u64, ServiceError> {
@@ -258,7 +227,7 @@ impl KvService {
     /// Gives back what the service still holds after every sequence is gone: the prefix
     /// caches' entries and the handle pool.
     fn drain(&self) {
-        for cache in self.caches() {
+        for cache in self.caches.all() {
             cache.clear();
         }
         self.vm.trim_pool(0);
@@ -307,7 +276,7 @@ impl KvService {
     /// The prefix cache of anonymous clients (and of every key when it is shared), when
     /// the cache is on.
     pub fn prefix_cache(&self) -> Option<&Arc<PrefixCache>> {
-        self.cache.as_ref()
+        self.caches.default_cache()
     }
 
     /// The idle timeout after which unused sequences are released.
@@ -339,39 +308,7 @@ impl KvService {
     /// Opens a sequence for `owner`: checks the numbers and the limits, reserves its address
     /// space and commits the prompt. On error nothing changed.
     pub fn create(&self, owner: Owner, req: &CreateSequence) -> Result<SequenceInfo, ServiceError> {
-        let prompt = match (req.prompt_tokens, &req.token_ids) {
-            (Some(n), Some(ids)) if u64::try_from(ids.len()).ok() != Some(n) => {
-                return Err(ServiceError::InvalidRequest(format!(
-                    "prompt_tokens is {n} but token_ids holds {} ids",
-                    ids.len()
-                )))
-            }
-            (Some(n), _) => n,
-            (None, Some(ids)) => u64::try_from(ids.len())
-                .map_err(|_| ServiceError::InvalidRequest("too many token_ids".into()))?,
-            (None, None) => {
-                return Err(ServiceError::InvalidRequest(
-                    "prompt_tokens (or token_ids) is required".into(),
-                ))
-            }
-        };
-        let limit = self.max_tokens();
-        let max = req.max_tokens.unwrap_or(limit);
-        if max == 0 {
-            return Err(ServiceError::InvalidRequest(
-                "max_tokens must be at least 1".into(),
-            ));
-        }
-        if max > limit {
-            return Err(ServiceError::InvalidRequest(format!(
-                "max_tokens {max} exceeds the model's limit of {limit} tokens"
-            )));
-        }
-        if prompt > max {
-            return Err(ServiceError::InvalidRequest(format!(
-                "prompt_tokens {prompt} exceeds max_tokens {max}"
-            )));
-        }
+        let (prompt, max) = req.checked(self.max_tokens())?;
         if self.lock().closed {
             return Err(ServiceError::ShuttingDown);
         }
@@ -383,7 +320,7 @@ impl KvService {
         };
         self.limits.take(owner, share)?;
         // The driver calls run without the table lock: other sequences proceed meanwhile.
-        let opened = match self.cache_for(owner) {
+        let opened = match self.caches.for_owner(owner, &self.vm, &self.plan) {
             Ok(cache) => match (cache, &req.token_ids) {
                 (Some(cache), Some(ids)) => LiveSequence::admit(&self.vm, &cache, ids, max),
                 _ => LiveSequence::open(&self.vm, &self.plan, max, prompt),
@@ -615,29 +552,6 @@ impl KvService {
         self.counters.snapshot()
     }
 
-    /// The prefix caches' counters and sizes summed (`None` when the cache is off).
-    fn cache_stats(&self) -> Option<PrefixCacheStats> {
-        self.cache.as_ref()?;
-        let mut sum = PrefixCacheStats::default();
-        for c in self.caches() {
-            let s = c.stats();
-            sum.block_tokens = s.block_tokens;
-            sum.lookups += s.lookups;
-            sum.hits += s.hits;
-            sum.misses += s.misses;
-            sum.tokens_saved += s.tokens_saved;
-            sum.bytes_saved += s.bytes_saved;
-            sum.published += s.published;
-            sum.already_cached += s.already_cached;
-            sum.cached_entries += s.cached_entries;
-            sum.cached_bytes += s.cached_bytes;
-            sum.idle_bytes += s.idle_bytes;
-            sum.evictions += s.evictions;
-            sum.evicted_bytes += s.evicted_bytes;
-        }
-        Some(sum)
-    }
-
     /// A point-in-time view for `/metrics`.
     pub fn metrics(&self) -> MetricsSnapshot {
         let live_sequences = self.lock().sequences.len() as u64;
@@ -649,7 +563,7 @@ impl KvService {
             live_tokens,
             counters: self.counters(),
             granule: self.vm.granule(),
-            prefix_cache: self.cache_stats(),
+            prefix_cache: self.caches.stats(),
         }
     }
 
