@@ -122,8 +122,8 @@ pub struct ShutdownReport {
     pub released_bytes: u64,
     /// Device bytes still held afterwards (quarantine: memory that could not be proven idle).
     pub held_bytes: u64,
-    /// Requests still running when the shutdown deadline passed (their connections closed).
-    pub abandoned_requests: u64,
+    /// Connections still open when the shutdown deadline passed (closed then).
+    pub abandoned_connections: u64,
     /// Releases that failed (their memory is quarantined by the manager, never forgotten).
     pub failures: u64,
 }

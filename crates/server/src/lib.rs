@@ -183,7 +183,7 @@ where
         Ok(report) => report,
         Err(_) => service.shutdown(),
     };
-    report.abandoned_requests = served.abandoned;
+    report.abandoned_connections = served.abandoned;
     Ok(report)
 }
 

@@ -91,7 +91,7 @@ fn a_stalled_client_cannot_hold_the_shutdown_past_its_deadline() {
     assert!(took < deadline + Duration::from_secs(8), "{took:?}");
     assert!(closed_within(&mut upload, Duration::from_secs(5)));
     assert_eq!(report.sequences, 2);
-    assert!(report.abandoned_requests >= 1, "{report:?}");
+    assert!(report.abandoned_connections >= 1, "{report:?}");
     assert_eq!(report.held_bytes, 0);
     // 40 tokens, 16 a window: two shared windows (the 32-token prefix) counted once, and
     // each sequence's own third window.
