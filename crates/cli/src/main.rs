@@ -7,6 +7,7 @@ mod conformance;
 mod info;
 mod plan;
 mod serve;
+mod serve_flags;
 mod simulate;
 
 use std::process::ExitCode;

@@ -5,7 +5,9 @@ use std::process::ExitCode;
 use clap::Args;
 use kvvm::DeviceId;
 use kvvm_layout::{KvDtype, KvLayout};
-use kvvm_server::{ServiceConfig, DEFAULT_BODY_LIMIT};
+use kvvm_server::ServiceConfig;
+
+use crate::serve_flags::{parse_bytes, ServeFlags};
 
 /// Arguments of `kvvm serve`.
 #[derive(Debug, Args)]
@@ -41,37 +43,16 @@ pub struct ServeArgs {
     /// Do not look prompts sent with token_ids up in the prefix cache (no sharing).
     #[arg(long)]
     no_prefix_cache: bool,
-    /// Largest request body accepted, in bytes (larger: 413).
-    #[arg(long, value_parser = parse_bytes, default_value_t = DEFAULT_BODY_LIMIT as u64)]
-    body_limit_bytes: u64,
-}
-
-/// `N`, or `N` followed by KiB, MiB, GiB or TiB (or K, M, G, T).
-fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (digits, unit) = s.split_at(split);
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{s:?} is not a byte count (e.g. 8589934592 or 8GiB)"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kib" => 10,
-        "m" | "mib" => 20,
-        "g" | "gib" => 30,
-        "t" | "tib" => 40,
-        other => return Err(format!("unknown unit {other:?} (use KiB, MiB, GiB or TiB)")),
-    };
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("{s:?} does not fit in 64 bits"))
+    /// Timeouts, caps, API keys, limits and the log.
+    #[command(flatten)]
+    net: ServeFlags,
 }
 
 /// Serves until Ctrl-C or SIGTERM, then releases everything.
 pub fn run(args: &ServeArgs) -> Result<ExitCode, String> {
     let dtype: KvDtype = args.dtype.parse().map_err(|e| format!("{e}"))?;
     let layout: KvLayout = args.layout.parse().map_err(|e| format!("{e}"))?;
-    let body_limit = usize::try_from(args.body_limit_bytes)
-        .map_err(|_| "--body-limit-bytes is too large".to_owned())?;
+    let net = args.net.settings()?;
     let opened = kvvm::open_backend_verbose(&args.backend).map_err(|e| e.to_string())?;
     if let Some(notice) = &opened.notice {
         eprintln!("kvvm serve: {notice}");
@@ -87,9 +68,12 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode, String> {
         max_tokens: args.max_tokens,
         pool_cap_bytes: args.pool_cap_bytes,
         prefix_cache: !args.no_prefix_cache,
+        shared_prefix_cache: net.shared_prefix_cache,
+        limits: net.limits,
+        idle_timeout: net.idle_timeout,
     };
     let report =
-        kvvm_server::serve_until_signal(config, &args.listen, body_limit, |addr, s| {
+        kvvm_server::serve_until_signal(config, &args.listen, net.http, net.log, |addr, s| {
             let budget = s
                 .governor()
                 .device_budget(DeviceId(args.device))
@@ -106,9 +90,10 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode, String> {
         })
         .map_err(|e| e.to_string())?;
     println!(
-        "kvvm serve: stopped; released {} sequences ({} bytes){}",
+        "kvvm serve: stopped; released {} sequences ({} bytes freed, {} bytes still held){}",
         report.sequences,
         report.released_bytes,
+        report.held_bytes,
         if report.failures > 0 {
             format!(", {} releases failed (quarantined)", report.failures)
         } else {
@@ -116,20 +101,4 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode, String> {
         }
     );
     Ok(ExitCode::SUCCESS)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_bytes;
-
-    #[test]
-    fn byte_counts_with_units() {
-        assert_eq!(parse_bytes("1024"), Ok(1024));
-        assert_eq!(parse_bytes("8GiB"), Ok(8 << 30));
-        assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
-        assert_eq!(parse_bytes("2k"), Ok(2048));
-        assert!(parse_bytes("lots").is_err());
-        assert!(parse_bytes("1XB").is_err());
-        assert!(parse_bytes("99999999TiB").is_err());
-    }
 }

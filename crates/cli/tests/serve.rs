@@ -101,6 +101,98 @@ fn serve_answers_and_releases_everything_on_sigterm() {
     stdout.read_to_string(&mut rest).unwrap();
     assert!(status.success(), "{status:?}: {rest}");
     assert!(rest.contains("released 1 sequences"), "{rest}");
+    assert!(rest.contains("0 bytes still held"), "{rest}");
+}
+
+/// Starts `kvvm serve` on port 0 with `extra` flags; returns the child, its address and its
+/// stdout.
+fn start(
+    extra: &[&str],
+) -> (
+    std::process::Child,
+    String,
+    BufReader<std::process::ChildStdout>,
+) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--backend", "sim", "--listen", "127.0.0.1:0"])
+        .args(["--budget-bytes", "1GiB", "--max-tokens", "4096"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    let addr = first
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{first}"))
+        .to_owned();
+    (child, addr, stdout)
+}
+
+#[cfg(unix)]
+#[test]
+fn sigterm_with_a_stalled_client_exits_within_the_deadline_and_releases_everything() {
+    let (mut child, addr, mut stdout) =
+        start(&["--shutdown-timeout", "2s", "--body-timeout", "60s"]);
+    let (status, body) = http(
+        &addr,
+        "POST",
+        "/v1/sequences",
+        r#"{"prompt_tokens": 100, "max_tokens": 1000}"#,
+    );
+    assert_eq!(status, 201, "{body}");
+    // A client that sends part of its body and stalls.
+    let mut stalled = TcpStream::connect(&addr).unwrap();
+    write!(
+        stalled,
+        "POST /v1/sequences HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: 100\r\n\r\n{{\"prompt_tok"
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let start = Instant::now();
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(12) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvvm serve did not stop within 12 s of SIGTERM (deadline 2 s)");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let took = start.elapsed();
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    assert!(status.success(), "{status:?}: {rest}");
+    assert!(
+        took >= Duration::from_millis(1500),
+        "the deadline was not waited for: {took:?}"
+    );
+    assert!(rest.contains("released 1 sequences"), "{rest}");
+    assert!(rest.contains("0 bytes still held"), "{rest}");
+}
+
+#[test]
+fn serve_refuses_a_network_address_without_keys() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--backend", "sim", "--listen", "0.0.0.0:0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("without API keys"), "{err}");
 }
 
 #[test]

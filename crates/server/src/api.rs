@@ -6,6 +6,8 @@ use kvvm_governor::GovernorSnapshot;
 use kvvm_kv::PrefixCacheStats;
 use serde::{Deserialize, Serialize};
 
+use crate::error::ServiceError;
+
 /// `POST /v1/sequences`: open a sequence.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -21,6 +23,46 @@ pub struct CreateSequence {
     /// The prompt's token ids, used to find a shared prefix.
     #[serde(default)]
     pub token_ids: Option<Vec<u32>>,
+}
+
+impl CreateSequence {
+    /// The prompt's tokens and the sequence's `max_tokens`, checked against the model's
+    /// `limit`: 422 when they do not make sense together.
+    pub(crate) fn checked(&self, limit: u64) -> Result<(u64, u64), ServiceError> {
+        let prompt = match (self.prompt_tokens, &self.token_ids) {
+            (Some(n), Some(ids)) if u64::try_from(ids.len()).ok() != Some(n) => {
+                return Err(ServiceError::InvalidRequest(format!(
+                    "prompt_tokens is {n} but token_ids holds {} ids",
+                    ids.len()
+                )))
+            }
+            (Some(n), _) => n,
+            (None, Some(ids)) => u64::try_from(ids.len())
+                .map_err(|_| ServiceError::InvalidRequest("too many token_ids".into()))?,
+            (None, None) => {
+                return Err(ServiceError::InvalidRequest(
+                    "prompt_tokens (or token_ids) is required".into(),
+                ))
+            }
+        };
+        let max = self.max_tokens.unwrap_or(limit);
+        if max == 0 {
+            return Err(ServiceError::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
+        }
+        if max > limit {
+            return Err(ServiceError::InvalidRequest(format!(
+                "max_tokens {max} exceeds the model's limit of {limit} tokens"
+            )));
+        }
+        if prompt > max {
+            return Err(ServiceError::InvalidRequest(format!(
+                "prompt_tokens {prompt} exceeds max_tokens {max}"
+            )));
+        }
+        Ok((prompt, max))
+    }
 }
 
 /// `POST /v1/sequences/{id}/append`: grow a sequence.
@@ -53,8 +95,10 @@ pub struct SequenceInfo {
     pub added_bytes: u64,
     /// Tokens of the prompt served from a shared prefix (not committed again).
     pub prefix_hit_tokens: u64,
-    /// The base device address of its KV cache (never changes while it lives).
-    pub address: u64,
+    /// The base device address of its KV cache (never changes while it lives); shown only
+    /// to a request that asks for it (`?address=true`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<u64>,
 }
 
 /// `DELETE /v1/sequences/{id}`: what was released.
@@ -73,8 +117,13 @@ pub struct Released {
 pub struct ShutdownReport {
     /// Sequences released.
     pub sequences: u64,
-    /// Bytes they had committed.
+    /// Device bytes given back: the sequences' own windows, every cached prefix (each
+    /// counted once) and the handle pool.
     pub released_bytes: u64,
+    /// Device bytes still held afterwards (quarantine: memory that could not be proven idle).
+    pub held_bytes: u64,
+    /// Connections still open when the shutdown deadline passed (closed then).
+    pub abandoned_connections: u64,
     /// Releases that failed (their memory is quarantined by the manager, never forgotten).
     pub failures: u64,
 }
@@ -84,22 +133,33 @@ pub struct ShutdownReport {
 pub struct Counters {
     /// Sequences opened.
     pub sequences_created: u64,
-    /// Sequences released (by `DELETE` or at shutdown).
+    /// Sequences released (by `DELETE`, idle expiry or at shutdown).
     pub sequences_released: u64,
+    /// Sequences released because nobody used them for the idle timeout.
+    pub sequences_expired: u64,
     /// Successful appends.
     pub appends: u64,
     /// Requests refused for lack of memory (429).
     pub grants_refused: u64,
     /// Requests refused as the client's error (4xx other than 429).
     pub bad_requests: u64,
-    /// Requests that failed for another reason (5xx).
+    /// Requests that failed for another reason (5xx other than 503).
     pub internal_errors: u64,
+    /// Requests answered 503 (load shedding, too many connections, shutting down).
+    pub unavailable: u64,
     /// Sequences whose prompt hit a shared prefix.
     pub prefix_hits: u64,
     /// Prompt tokens served from shared prefixes.
     pub prefix_hit_tokens: u64,
     /// Prefixes published to the prefix cache by this server's requests.
     pub prefixes_published: u64,
+}
+
+/// `GET /v1/sequences`: the caller's own live sequences.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SequenceList {
+    /// Its sequences, by id.
+    pub sequences: Vec<SequenceInfo>,
 }
 
 /// A point-in-time view of the service for `/metrics`.
@@ -117,6 +177,7 @@ pub struct MetricsSnapshot {
     pub counters: Counters,
     /// The manager's granule.
     pub granule: u64,
-    /// The prefix cache's counters and sizes (`None` when it is off).
+    /// The prefix caches' counters and sizes, summed over every key's cache (`None` when
+    /// the cache is off).
     pub prefix_cache: Option<PrefixCacheStats>,
 }

@@ -37,6 +37,52 @@ pub enum ServiceError {
         /// Which limit: `device_budget`, `process_budget` or `device_memory`.
         limit: &'static str,
     },
+    /// A limit of this server (live sequences, reserved address space or committed bytes, per
+    /// key or in total) is reached by what is live now; releasing can help, so this is 429
+    /// with `Retry-After` estimated from what that scope released recently.
+    #[error("{limit} reached: {used} in use, {requested} more requested, the limit is {limit_value}; retry after {retry_after:?}")]
+    LimitReached {
+        /// Which limit, e.g. `max_sequences_per_key` (see `docs/serve.md`).
+        limit: &'static str,
+        /// What the scope holds now (sequences or bytes).
+        used: u64,
+        /// What the request would add.
+        requested: u64,
+        /// The limit.
+        limit_value: u64,
+        /// When a retry is likely to succeed (from the scope's recent releases).
+        retry_after: Duration,
+    },
+    /// No or a wrong API key (401 + `WWW-Authenticate: Bearer`).
+    #[error("{0}")]
+    Unauthorized(String),
+    /// A request body that is not `application/json` (415).
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    /// A request the HTTP rules refuse: no `Host` on HTTP/1.1, a duplicate `Host`, an
+    /// unparsable header (400).
+    #[error("{0}")]
+    BadRequest(String),
+    /// The body did not arrive within the body timeout (408).
+    #[error("{0}")]
+    RequestTimeout(String),
+    /// Too many requests in flight: shed without queueing (503 + `Retry-After`).
+    #[error("the server is at its limit of requests in flight; retry after {retry_after:?}")]
+    Overloaded {
+        /// A hint for the retry.
+        retry_after: Duration,
+    },
+    /// An error status produced below the handlers (the HTTP layer or a tower layer), given
+    /// a JSON body by the error layer.
+    #[error("{message}")]
+    Http {
+        /// The status.
+        status: u16,
+        /// The kind.
+        kind: &'static str,
+        /// What went wrong.
+        message: String,
+    },
     /// The request body is not valid JSON or not the expected object (400).
     #[error("malformed request body: {0}")]
     MalformedBody(String),
@@ -74,8 +120,15 @@ impl ServiceError {
     /// The HTTP status code of this error.
     pub fn status(&self) -> u16 {
         match self {
-            ServiceError::Backpressure { .. } => 429,
-            ServiceError::MalformedBody(_) | ServiceError::InvalidId(_) => 400,
+            ServiceError::Backpressure { .. } | ServiceError::LimitReached { .. } => 429,
+            ServiceError::MalformedBody(_)
+            | ServiceError::InvalidId(_)
+            | ServiceError::BadRequest(_) => 400,
+            ServiceError::Unauthorized(_) => 401,
+            ServiceError::RequestTimeout(_) => 408,
+            ServiceError::UnsupportedMediaType(_) => 415,
+            ServiceError::Overloaded { .. } => 503,
+            ServiceError::Http { status, .. } => *status,
             ServiceError::UnknownSequence(_) | ServiceError::NotFound(_) => 404,
             ServiceError::MethodNotAllowed(_) => 405,
             ServiceError::BodyTooLarge { .. } | ServiceError::NeverFits { .. } => 413,
@@ -89,6 +142,13 @@ impl ServiceError {
     pub fn kind(&self) -> &'static str {
         match self {
             ServiceError::Backpressure { .. } => "backpressure",
+            ServiceError::LimitReached { .. } => "limit_reached",
+            ServiceError::Unauthorized(_) => "unauthorized",
+            ServiceError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ServiceError::BadRequest(_) => "bad_request",
+            ServiceError::RequestTimeout(_) => "request_timeout",
+            ServiceError::Overloaded { .. } => "overloaded",
+            ServiceError::Http { kind, .. } => kind,
             ServiceError::MalformedBody(_) => "malformed_body",
             ServiceError::InvalidId(_) => "invalid_id",
             ServiceError::UnknownSequence(_) => "unknown_sequence",
@@ -102,15 +162,21 @@ impl ServiceError {
         }
     }
 
-    /// The `Retry-After` header value in whole seconds: `ceil(retry_after)`, at least 1.
-    /// `None` unless this is backpressure.
-    pub fn retry_after_secs(&self) -> Option<u64> {
+    /// When a retry can help: backpressure, a limit reached, load shedding. `None` when
+    /// retrying the same request never helps (never-fits, bad input) or the server stops.
+    pub fn retry_after(&self) -> Option<Duration> {
         match self {
-            ServiceError::Backpressure { retry_after, .. } => {
-                Some(retry_after_header(*retry_after))
-            }
+            ServiceError::Backpressure { retry_after, .. }
+            | ServiceError::LimitReached { retry_after, .. }
+            | ServiceError::Overloaded { retry_after } => Some(*retry_after),
             _ => None,
         }
+    }
+
+    /// The `Retry-After` header value in whole seconds: `ceil(retry_after)`, at least 1.
+    /// `None` when [`retry_after`](Self::retry_after) is.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        self.retry_after().map(retry_after_header)
     }
 
     /// Whether this is [`ServiceError::Backpressure`].
@@ -128,15 +194,13 @@ impl ServiceError {
             ServiceError::Backpressure {
                 needed_bytes,
                 available_bytes,
-                retry_after,
+                ..
             },
             Some(map),
         ) = (self, body.as_object_mut())
         {
             map.insert("needed_bytes".into(), (*needed_bytes).into());
             map.insert("available_bytes".into(), (*available_bytes).into());
-            let ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
-            map.insert("retry_after_ms".into(), ms.into());
         }
         if let (
             ServiceError::NeverFits {
@@ -150,6 +214,26 @@ impl ServiceError {
             map.insert("needed_bytes".into(), (*needed_bytes).into());
             map.insert("limit_bytes".into(), (*limit_bytes).into());
             map.insert("limit".into(), (*limit).into());
+        }
+        if let (
+            ServiceError::LimitReached {
+                limit,
+                used,
+                requested,
+                limit_value,
+                ..
+            },
+            Some(map),
+        ) = (self, body.as_object_mut())
+        {
+            map.insert("limit".into(), (*limit).into());
+            map.insert("used".into(), (*used).into());
+            map.insert("requested".into(), (*requested).into());
+            map.insert("limit_value".into(), (*limit_value).into());
+        }
+        if let (Some(retry_after), Some(map)) = (self.retry_after(), body.as_object_mut()) {
+            let ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
+            map.insert("retry_after_ms".into(), ms.into());
         }
         body
     }
@@ -189,6 +273,10 @@ pub enum ServeError {
     /// The configuration is not usable (unknown model, bad layout, zero max tokens, ...).
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The server's own settings refuse to start (no API key on a non-loopback address,
+    /// an unreadable keys file, ...).
+    #[error("{0}")]
+    Refused(String),
     /// The memory manager could not be created on the device.
     #[error("memory manager: {0}")]
     Manager(#[from] VmmError),

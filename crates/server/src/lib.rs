@@ -10,38 +10,52 @@
 //! | method and path | body | success |
 //! |---|---|---|
 //! | `POST /v1/sequences` | `{"prompt_tokens": n, "max_tokens": m, "token_ids": [..]}` | 201 + [`SequenceInfo`] |
+//! | `GET /v1/sequences` | | 200 + [`SequenceList`]: the caller's own |
 //! | `POST /v1/sequences/{id}/append` | `{"tokens": k}` | 200 + [`SequenceInfo`] |
 //! | `GET /v1/sequences/{id}` | | 200 + [`SequenceInfo`] |
 //! | `DELETE /v1/sequences/{id}` | | 200 + [`Released`] |
 //! | `GET /metrics` | | 200, Prometheus text ([`metrics::METRICS`]) |
 //! | `GET /healthz` | | 200 (503 while shutting down) |
 //!
-//! Errors are JSON `{"error": "...", "kind": "..."}` with the status of
-//! [`ServiceError::status`]; a 429 adds `needed_bytes`, `available_bytes` and
-//! `retry_after_ms`, and a `Retry-After` header of `ceil(retry_after)` seconds (at least 1).
-//! A refused request changes nothing. `docs/serve.md` has the details and curl examples.
+//! Every error the server produces is JSON `{"error": "...", "kind": "..."}` with the status
+//! of [`ServiceError::status`]; a 429 or a 503 from load shedding adds `retry_after_ms` and a
+//! `Retry-After` header of `ceil(retry_after)` seconds (at least 1). A request that can never
+//! fit (larger than the budget, the device, a limit of the server) is 413 `never_fits` naming
+//! the limit, never 429. A refused request changes nothing. `docs/serve.md` has the details,
+//! the flags and curl examples.
+//!
+//! ## Fit for a shared network
+//!
+//! [`HttpConfig`]: header, body and keep-alive timeouts, a cap on connections and on requests
+//! in flight (load shedding answers 503 + `Retry-After`), an early 413 from
+//! `Content-Length`, strict requests (`application/json` bodies, `Host`, no duplicate keys,
+//! canonical ids), optional API keys with per-key ownership, prefix-cache namespaces and
+//! [`Limits`], idle-sequence expiry, a shutdown deadline, an access log with request ids
+//! ([`init_logging`]) and per-route metrics.
 //!
 //! ## Structure
 //!
 //! [`KvService`] is the core: it owns the backend, the governor, the manager, the layout plan,
 //! the [`PrefixCache`](kvvm_kv::PrefixCache) and the table of live sequences
 //! ([`SequenceKv`](kvvm_kv::SequenceKv)s), and is the only code that touches the KV layer.
-//! [`router`] is the HTTP layer over it. [`serve`] runs the router on a listener until a
-//! shutdown future completes, then releases every sequence, the prefix cache and the handle
-//! pool ([`KvService::shutdown`]): after it returns the service holds no device memory
-//! (quarantine aside). [`serve_until_signal`] is what the CLI runs (Ctrl-C or SIGTERM).
+//! [`router`] is the HTTP layer over it (`layers.rs` the middleware, `conn.rs` the
+//! connections). [`serve`] runs it on a listener until a shutdown future completes, drains
+//! within the shutdown deadline, then releases every sequence, the prefix caches and the
+//! handle pool ([`KvService::shutdown`]): after it returns the service holds no device
+//! memory (quarantine aside). [`serve_until_signal`] is what the CLI runs (Ctrl-C or
+//! SIGTERM).
 //!
 //! ## Example
 //!
 //! ```no_run
 //! # async fn example() -> Result<(), kvvm_server::ServeError> {
 //! use std::sync::Arc;
-//! use kvvm_server::{serve, KvService, ServiceConfig, DEFAULT_BODY_LIMIT};
+//! use kvvm_server::{serve, HttpConfig, KvService, ServiceConfig};
 //!
 //! let backend = kvvm::open_backend("sim")?;
 //! let service = Arc::new(KvService::new(ServiceConfig::new(backend))?);
 //! let listener = kvvm_server::bind("127.0.0.1:8080").await?;
-//! let report = serve(listener, service, DEFAULT_BODY_LIMIT, async {
+//! let report = serve(listener, service, HttpConfig::default(), async {
 //!     let _ = tokio::signal::ctrl_c().await;
 //! })
 //! .await?;
@@ -50,9 +64,23 @@
 //! # }
 //! ```
 
+mod activity;
 mod api;
+mod app;
+mod auth;
+mod body;
+mod caches;
+mod config;
+mod conn;
+mod counters;
 mod error;
+mod http_config;
+mod http_metrics;
+mod layers;
+mod limits;
+mod logging;
 pub mod metrics;
+mod response;
 mod router;
 mod sequence;
 mod service;
@@ -60,18 +88,24 @@ mod service;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 pub use api::{
-    AppendTokens, Counters, CreateSequence, MetricsSnapshot, Released, SequenceInfo, ShutdownReport,
+    AppendTokens, Counters, CreateSequence, MetricsSnapshot, Released, SequenceInfo, SequenceList,
+    ShutdownReport,
 };
+pub use auth::{ApiKeys, Owner, Principal};
+pub use config::{ServiceConfig, DEFAULT_IDLE_TIMEOUT};
+pub use conn::effective_max_connections;
 pub use error::{retry_after_header, ServeError, ServiceError};
+pub use http_config::{HttpConfig, DEFAULT_BODY_LIMIT};
+pub use http_metrics::HttpMetrics;
+pub use limits::Limits;
+pub use logging::{init_logging, LogFormat};
 pub use router::router;
-pub use service::{KvService, ServiceConfig};
+pub use service::KvService;
 
 pub use tokio::net::TcpListener;
-
-/// The default request body limit: 1 MiB (about 150,000 token ids).
-pub const DEFAULT_BODY_LIMIT: usize = 1 << 20;
 
 /// Binds a TCP listener on `addr` (e.g. `"127.0.0.1:8080"`, or port 0 for an ephemeral port).
 pub async fn bind(addr: &str) -> Result<TcpListener, ServeError> {
@@ -83,33 +117,73 @@ pub async fn bind(addr: &str) -> Result<TcpListener, ServeError> {
         })
 }
 
-/// Serves the API of `service` on `listener` until `shutdown` completes, then lets the
-/// requests in flight finish, releases every sequence and empties the handle pool.
+/// Refuses to serve without API keys on an address other hosts can reach, unless `http`
+/// allows it explicitly.
+fn check_exposure(addr: SocketAddr, http: &HttpConfig) -> Result<(), ServeError> {
+    if addr.ip().is_loopback() || !http.api_keys.is_empty() || http.allow_unauthenticated {
+        return Ok(());
+    }
+    Err(ServeError::Refused(format!(
+        "refusing to listen on {addr} without API keys: any host could use and release every \
+         sequence. Give keys (--api-key, --api-keys-file, KVVM_API_KEYS), listen on a loopback \
+         address, or pass --allow-unauthenticated"
+    )))
+}
+
+/// How often idle sequences are looked for: a quarter of the timeout, within 100 ms..30 s.
+fn expiry_period(idle: Duration) -> Duration {
+    (idle / 4).clamp(Duration::from_millis(100), Duration::from_secs(30))
+}
+
+/// Serves the API of `service` on `listener` until `shutdown` completes; then stops
+/// accepting, answers 503 to new requests while those in flight finish (at most
+/// `http.shutdown_timeout`), closes what remains, releases every sequence and empties the
+/// prefix caches and the handle pool.
 ///
-/// Returns what the shutdown released. Bodies larger than `body_limit` bytes get a 413.
+/// Returns what the shutdown released. Refuses ([`ServeError::Refused`]) a non-loopback
+/// listener without API keys unless `http.allow_unauthenticated`.
 pub async fn serve<F>(
     listener: TcpListener,
     service: Arc<KvService>,
-    body_limit: usize,
+    http: HttpConfig,
     shutdown: F,
 ) -> Result<ShutdownReport, ServeError>
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let app = router(service.clone(), body_limit);
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await;
-    // Release everything even when serving failed.
+    let addr = listener.local_addr().map_err(|source| ServeError::Io {
+        what: "cannot read the listening address".into(),
+        source,
+    })?;
+    check_exposure(addr, &http)?;
+    if let Some(reason) = service.never_fits_reason() {
+        tracing::warn!(%reason, "no sequence can ever be opened with these settings");
+    }
+    let metrics = Arc::new(HttpMetrics::default());
+    let app = router::router_with(service.clone(), &http, metrics.clone());
+    let expiry = service.idle_timeout().map(|idle| {
+        let service = service.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(expiry_period(idle));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let s = service.clone();
+                let _ = tokio::task::spawn_blocking(move || s.expire_idle()).await;
+            }
+        })
+    });
+    let served = conn::accept_loop(listener, app, service.clone(), http, metrics, shutdown).await;
+    if let Some(task) = expiry {
+        task.abort();
+    }
+    // Release everything.
     let worker = service.clone();
-    let report = match tokio::task::spawn_blocking(move || worker.shutdown()).await {
+    let mut report = match tokio::task::spawn_blocking(move || worker.shutdown()).await {
         Ok(report) => report,
         Err(_) => service.shutdown(),
     };
-    served.map_err(|source| ServeError::Io {
-        what: "serving failed".into(),
-        source,
-    })?;
+    report.abandoned_connections = served.abandoned;
     Ok(report)
 }
 
@@ -142,15 +216,17 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// What `kvvm serve` runs: builds a tokio runtime, creates the service, listens on `listen`,
-/// calls `on_listening` with the bound address, and serves until Ctrl-C or SIGTERM; then
-/// releases everything and returns what was released.
+/// What `kvvm serve` runs: installs the log, builds a tokio runtime, creates the service,
+/// listens on `listen`, calls `on_listening` with the bound address, and serves until Ctrl-C
+/// or SIGTERM; then drains, releases everything and returns what was released.
 pub fn serve_until_signal(
     config: ServiceConfig,
     listen: &str,
-    body_limit: usize,
+    http: HttpConfig,
+    log: LogFormat,
     on_listening: impl FnOnce(SocketAddr, &KvService),
 ) -> Result<ShutdownReport, ServeError> {
+    init_logging(log);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -165,7 +241,8 @@ pub fn serve_until_signal(
             what: "cannot read the listening address".into(),
             source,
         })?;
+        check_exposure(addr, &http)?;
         on_listening(addr, &service);
-        serve(listener, service, body_limit, shutdown_signal()).await
+        serve(listener, service, http, shutdown_signal()).await
     })
 }

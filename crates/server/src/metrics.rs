@@ -8,7 +8,7 @@ use crate::api::MetricsSnapshot;
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Every metric [`render`] writes: name, type and help text.
-pub const METRICS: [(&str, &str, &str); 24] = [
+pub const METRICS: [(&str, &str, &str); 27] = [
     (
         "kvvm_budget_bytes",
         "gauge",
@@ -66,16 +66,31 @@ pub const METRICS: [(&str, &str, &str); 24] = [
         "counter",
         "Sequences released (DELETE or shutdown).",
     ),
+    (
+        "kvvm_sequences_expired_total",
+        "counter",
+        "Sequences released because nobody used them for the idle timeout.",
+    ),
     ("kvvm_appends_total", "counter", "Successful appends."),
     (
         "kvvm_grants_refused_total",
         "counter",
-        "Requests refused for lack of memory (HTTP 429).",
+        "Requests refused with HTTP 429: lack of memory or a limit reached.",
     ),
     (
         "kvvm_bad_requests_total",
         "counter",
         "Requests refused as invalid (HTTP 4xx other than 429).",
+    ),
+    (
+        "kvvm_unavailable_total",
+        "counter",
+        "Requests answered 503: load shedding, the connection cap, shutting down.",
+    ),
+    (
+        "kvvm_internal_errors_total",
+        "counter",
+        "Requests that failed with a 5xx other than 503.",
     ),
     (
         "kvvm_prefix_hits_total",
@@ -141,9 +156,12 @@ pub fn render(m: &MetricsSnapshot) -> String {
             "kvvm_live_tokens" => m.live_tokens,
             "kvvm_sequences_created_total" => c.sequences_created,
             "kvvm_sequences_released_total" => c.sequences_released,
+            "kvvm_sequences_expired_total" => c.sequences_expired,
             "kvvm_appends_total" => c.appends,
             "kvvm_grants_refused_total" => c.grants_refused,
             "kvvm_bad_requests_total" => c.bad_requests,
+            "kvvm_unavailable_total" => c.unavailable,
+            "kvvm_internal_errors_total" => c.internal_errors,
             "kvvm_prefix_hits_total" => c.prefix_hits,
             "kvvm_prefix_hit_tokens_total" => c.prefix_hit_tokens,
             "kvvm_prefixes_published_total" => c.prefixes_published,

@@ -1,37 +1,52 @@
-//! The HTTP layer: routes, JSON bodies, status codes and headers. Each handler parses its
-//! input, calls one [`KvService`] method on a blocking thread and renders the result.
+//! The routes: each handler reads its input strictly (`body.rs`), calls one [`KvService`]
+//! method on a blocking thread as the caller's [`Owner`](crate::Owner) and renders the
+//! result. The middleware around them is `layers.rs`.
 
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, State};
-use axum::http::{header, HeaderValue, Method, StatusCode, Uri};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::Router;
+use axum::routing::get;
+use axum::{Extension, Router};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::api::{AppendTokens, CreateSequence};
+use crate::api::{AppendTokens, CreateSequence, SequenceInfo, SequenceList};
+use crate::app::App;
+use crate::auth::Principal;
+use crate::body::{check_content_type, parse, parse_id, read, PARSE_INLINE_MAX};
 use crate::error::ServiceError;
+use crate::http_config::HttpConfig;
+use crate::http_metrics::HttpMetrics;
+use crate::response::{error_response, json};
 use crate::service::KvService;
 
-/// Shared state of the handlers.
-#[derive(Debug, Clone)]
-struct App {
-    service: Arc<KvService>,
-    body_limit: usize,
+/// The router of the API over `service` with every layer of `layers.rs`, configured by
+/// `http` (body limit and timeout, in-flight limit, API keys).
+pub fn router(service: Arc<KvService>, http: &HttpConfig) -> Router {
+    router_with(service, http, Arc::new(HttpMetrics::default()))
 }
 
-/// The router of the API over `service`, refusing bodies larger than `body_limit` bytes (413).
-pub fn router(service: Arc<KvService>, body_limit: usize) -> Router {
+/// [`router`] recording into `metrics` (shared with the accept loop).
+pub(crate) fn router_with(
+    service: Arc<KvService>,
+    http: &HttpConfig,
+    measured: Arc<HttpMetrics>,
+) -> Router {
     let app = App {
         service,
-        body_limit,
+        http: measured,
+        keys: Arc::new(http.api_keys.clone()),
+        body_limit: http.body_limit,
+        body_timeout: http.body_timeout,
     };
-    Router::new()
-        .route("/v1/sequences", post(create).fallback(method_not_allowed))
+    let api = Router::new()
+        .route(
+            "/v1/sequences",
+            get(list).post(create).fallback(method_not_allowed),
+        )
         .route(
             "/v1/sequences/{id}",
             get(get_sequence)
@@ -40,139 +55,169 @@ pub fn router(service: Arc<KvService>, body_limit: usize) -> Router {
         )
         .route(
             "/v1/sequences/{id}/append",
-            post(append).fallback(method_not_allowed),
+            axum::routing::post(append).fallback(method_not_allowed),
         )
-        .route("/metrics", get(metrics).fallback(method_not_allowed))
+        .route("/metrics", get(metrics).fallback(method_not_allowed));
+    let routes = crate::layers::shed_and_limit(api, &app, http.max_in_flight)
         .route("/healthz", get(healthz).fallback(method_not_allowed))
-        .fallback(not_found)
-        .layer(DefaultBodyLimit::max(body_limit))
-        .with_state(app)
+        .fallback(|| async { crate::layers::not_found() })
+        .with_state(app.clone());
+    crate::layers::apply(routes, &app)
 }
 
-/// A JSON response.
-fn json<T: Serialize>(status: StatusCode, value: &T) -> Response {
-    match serde_json::to_vec(value) {
-        Ok(body) => (
-            status,
-            [(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/json"),
-            )],
-            body,
-        )
-            .into_response(),
-        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+/// The raw (not percent-decoded) id segment of `/v1/sequences/{id}[/append]`.
+fn raw_id(uri: &Uri) -> &str {
+    uri.path().split('/').nth(3).unwrap_or("")
+}
+
+/// Whether the request asks for device addresses (`?address=true`).
+fn wants_address(uri: &Uri) -> bool {
+    uri.query().is_some_and(|q| {
+        q.split('&')
+            .any(|kv| kv == "address=true" || kv == "address=1")
+    })
+}
+
+fn shown(mut info: SequenceInfo, address: bool) -> SequenceInfo {
+    if !address {
+        info.address = None;
     }
+    info
 }
 
-/// The response of an error: its status, a JSON body and, for backpressure, `Retry-After`.
-fn error_response(e: &ServiceError) -> Response {
-    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut response = json(status, &e.to_json());
-    if let Some(secs) = e.retry_after_secs() {
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(secs));
-    }
-    response
-}
-
-/// Counts the error and renders it.
-fn refuse(app: &App, e: &ServiceError) -> Response {
-    app.service.note_error(e);
-    error_response(e)
-}
-
-/// Parses a JSON body; any failure is a 4xx and nothing else happens.
-fn parse_body<T: DeserializeOwned>(
-    app: &App,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<T, ServiceError> {
-    let bytes = body.map_err(|r| {
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ServiceError::BodyTooLarge {
-                limit: app.body_limit,
-            }
-        } else {
-            ServiceError::MalformedBody(r.body_text())
-        }
-    })?;
-    let value: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|e| ServiceError::MalformedBody(e.to_string()))?;
-    if !value.is_object() {
-        return Err(ServiceError::MalformedBody("expected a JSON object".into()));
-    }
-    serde_json::from_value(value).map_err(|e| ServiceError::MalformedBody(e.to_string()))
-}
-
-fn parse_id(raw: &str) -> Result<u64, ServiceError> {
-    raw.parse()
-        .map_err(|_| ServiceError::InvalidId(raw.chars().take(64).collect()))
-}
-
-/// Runs `f` on a blocking thread (driver calls block) and renders its result.
-async fn run<T, F>(app: App, success: StatusCode, f: F) -> Response
+/// Runs `f` on a blocking thread (driver calls block, JSON parsing of a large body takes a
+/// while: neither may hold an async worker) and renders its result.
+async fn run<T, F>(app: &App, success: StatusCode, f: F) -> Response
 where
     T: Serialize + Send + 'static,
     F: FnOnce(&KvService) -> Result<T, ServiceError> + Send + 'static,
 {
-    match blocking(&app, f).await.and_then(|r| r) {
-        Ok(value) => json(success, &value),
-        Err(e) => refuse(&app, &e),
+    let service = app.service.clone();
+    match tokio::task::spawn_blocking(move || f(&service)).await {
+        Ok(Ok(value)) => json(success, &value),
+        Ok(Err(e)) => error_response(&e),
+        Err(e) => error_response(&ServiceError::Internal(format!("worker failed: {e}"))),
     }
 }
 
-async fn create(State(app): State<App>, body: Result<Bytes, BytesRejection>) -> Response {
-    let req: CreateSequence = match parse_body(&app, body) {
-        Ok(r) => r,
-        Err(e) => return refuse(&app, &e),
+/// Reads a body; small ones are parsed here, large ones later on the blocking thread.
+enum Input<T> {
+    Parsed(T),
+    Raw(Bytes),
+}
+
+impl<T: DeserializeOwned> Input<T> {
+    async fn read(app: &App, headers: &HeaderMap, body: Body) -> Result<Self, ServiceError> {
+        check_content_type(headers)?;
+        let bytes = read(body, app.body_limit, app.body_timeout).await?;
+        if bytes.len() < PARSE_INLINE_MAX {
+            Ok(Input::Parsed(parse(&bytes)?))
+        } else {
+            Ok(Input::Raw(bytes))
+        }
+    }
+
+    fn get(self) -> Result<T, ServiceError> {
+        match self {
+            Input::Parsed(t) => Ok(t),
+            Input::Raw(bytes) => parse(&bytes),
+        }
+    }
+}
+
+async fn create(
+    State(app): State<App>,
+    Extension(who): Extension<Principal>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let input = match Input::<CreateSequence>::read(&app, &headers, body).await {
+        Ok(i) => i,
+        Err(e) => return error_response(&e),
     };
-    run(app, StatusCode::CREATED, move |s| s.create(&req)).await
+    let address = wants_address(&uri);
+    run(&app, StatusCode::CREATED, move |s| {
+        let req = input.get()?;
+        s.create(who.owner, &req).map(|i| shown(i, address))
+    })
+    .await
 }
 
 async fn append(
     State(app): State<App>,
-    Path(id): Path<String>,
-    body: Result<Bytes, BytesRejection>,
+    Extension(who): Extension<Principal>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
 ) -> Response {
-    let parsed = parse_id(&id).and_then(|id| Ok((id, parse_body::<AppendTokens>(&app, body)?)));
-    let (id, req) = match parsed {
-        Ok(p) => p,
-        Err(e) => return refuse(&app, &e),
-    };
-    run(app, StatusCode::OK, move |s| s.append(id, &req)).await
-}
-
-async fn get_sequence(State(app): State<App>, Path(id): Path<String>) -> Response {
-    let id = match parse_id(&id) {
+    let id = match parse_id(raw_id(&uri)) {
         Ok(id) => id,
-        Err(e) => return refuse(&app, &e),
+        Err(e) => return error_response(&e),
     };
-    run(app, StatusCode::OK, move |s| s.get(id)).await
+    let input = match Input::<AppendTokens>::read(&app, &headers, body).await {
+        Ok(i) => i,
+        Err(e) => return error_response(&e),
+    };
+    let address = wants_address(&uri);
+    run(&app, StatusCode::OK, move |s| {
+        let req = input.get()?;
+        s.append(who.owner, id, &req).map(|i| shown(i, address))
+    })
+    .await
 }
 
-async fn delete(State(app): State<App>, Path(id): Path<String>) -> Response {
-    let id = match parse_id(&id) {
+async fn get_sequence(
+    State(app): State<App>,
+    Extension(who): Extension<Principal>,
+    uri: Uri,
+) -> Response {
+    let id = match parse_id(raw_id(&uri)) {
         Ok(id) => id,
-        Err(e) => return refuse(&app, &e),
+        Err(e) => return error_response(&e),
     };
-    run(app, StatusCode::OK, move |s| s.release(id)).await
+    let address = wants_address(&uri);
+    run(&app, StatusCode::OK, move |s| {
+        s.get(who.owner, id).map(|i| shown(i, address))
+    })
+    .await
 }
 
-/// Runs `f` on a blocking thread: it takes the service's lock, which a driver call may hold
-/// for a while, and an async worker must not wait on it.
-async fn blocking<T: Send + 'static>(
-    app: &App,
-    f: impl FnOnce(&KvService) -> T + Send + 'static,
-) -> Result<T, ServiceError> {
-    let service = app.service.clone();
-    tokio::task::spawn_blocking(move || f(&service))
-        .await
-        .map_err(|e| ServiceError::Internal(format!("worker failed: {e}")))
+async fn list(State(app): State<App>, Extension(who): Extension<Principal>, uri: Uri) -> Response {
+    let address = wants_address(&uri);
+    run(&app, StatusCode::OK, move |s| {
+        let sequences = s
+            .list(who.owner)?
+            .into_iter()
+            .map(|i| shown(i, address))
+            .collect();
+        Ok(SequenceList { sequences })
+    })
+    .await
+}
+
+async fn delete(
+    State(app): State<App>,
+    Extension(who): Extension<Principal>,
+    uri: Uri,
+) -> Response {
+    let id = match parse_id(raw_id(&uri)) {
+        Ok(id) => id,
+        Err(e) => return error_response(&e),
+    };
+    run(&app, StatusCode::OK, move |s| s.release(who.owner, id)).await
 }
 
 async fn metrics(State(app): State<App>) -> Response {
-    match blocking(&app, |s| crate::metrics::render(&s.metrics())).await {
+    let http = app.http.clone();
+    let service = app.service.clone();
+    let text = tokio::task::spawn_blocking(move || {
+        let mut text = crate::metrics::render(&service.metrics());
+        http.render(&mut text);
+        text
+    })
+    .await;
+    match text {
         Ok(text) => (
             StatusCode::OK,
             [(
@@ -182,44 +227,31 @@ async fn metrics(State(app): State<App>) -> Response {
             Body::from(text),
         )
             .into_response(),
-        Err(e) => refuse(&app, &e),
+        Err(e) => error_response(&ServiceError::Internal(format!("worker failed: {e}"))),
     }
 }
 
 async fn healthz(State(app): State<App>) -> Response {
-    let health = blocking(&app, |s| {
-        let closed = s.is_closed();
-        let body = serde_json::json!({
-            "status": if closed { "shutting_down" } else { "ok" },
-            "backend": s.backend_name(),
-            "model": s.model(),
-            "dtype": s.dtype().as_str(),
-            "layout": s.layout().as_str(),
-            "prefix_cache": s.prefix_cache().is_some(),
-            "max_tokens": s.max_tokens(),
-            "granule_bytes": s.manager().granule(),
-            "live_sequences": s.live_sequences(),
-        });
-        (closed, body)
-    })
-    .await;
-    match health {
-        Ok((false, body)) => json(StatusCode::OK, &body),
-        Ok((true, body)) => json(StatusCode::SERVICE_UNAVAILABLE, &body),
-        Err(e) => refuse(&app, &e),
-    }
+    // Only what the service knows without a lock held across a driver call: no blocking.
+    let s = &app.service;
+    let body = serde_json::json!({
+        "status": "ok",
+        "backend": s.backend_name(),
+        "model": s.model(),
+        "dtype": s.dtype().as_str(),
+        "layout": s.layout().as_str(),
+        "prefix_cache": s.prefix_cache().is_some(),
+        "max_tokens": s.max_tokens(),
+        "granule_bytes": s.manager().granule(),
+        "live_sequences": s.live_sequences(),
+        "authentication": !app.keys.is_empty(),
+    });
+    json(StatusCode::OK, &body)
 }
 
-async fn method_not_allowed(State(app): State<App>, method: Method, uri: Uri) -> Response {
-    refuse(
-        &app,
-        &ServiceError::MethodNotAllowed(format!("{method} is not allowed on {}", uri.path())),
-    )
-}
-
-async fn not_found(State(app): State<App>) -> Response {
-    refuse(
-        &app,
-        &ServiceError::NotFound("no such route: see /v1/sequences, /metrics, /healthz".into()),
-    )
+async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    error_response(&ServiceError::MethodNotAllowed(format!(
+        "{method} is not allowed on {}",
+        uri.path()
+    )))
 }

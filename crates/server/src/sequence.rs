@@ -18,6 +18,8 @@ pub(crate) struct LiveSequence {
     kv: SequenceKv,
     hit_tokens: u64,
     shared_bytes: u64,
+    /// Bytes its requests committed (what its owner's committed-bytes limit counts).
+    billed_bytes: u64,
 }
 
 /// What opening a sequence did, beyond the sequence itself.
@@ -48,6 +50,7 @@ impl LiveSequence {
             kv,
             hit_tokens: 0,
             shared_bytes: 0,
+            billed_bytes: committed,
         };
         Ok((
             seq,
@@ -91,6 +94,7 @@ impl LiveSequence {
             kv,
             hit_tokens: admission.hit_tokens,
             shared_bytes: admission.shared_bytes,
+            billed_bytes: admission.committed_bytes,
         };
         Ok((
             seq,
@@ -153,7 +157,13 @@ impl LiveSequence {
             .kv
             .ensure_tokens(tokens)
             .map_err(|e| kv_error(vm, e, needed))?;
+        self.billed_bytes = self.billed_bytes.saturating_add(added);
         Ok(added)
+    }
+
+    /// Bytes its requests committed.
+    pub(crate) fn billed_bytes(&self) -> u64 {
+        self.billed_bytes
     }
 
     /// Unmaps every window (private ones go to the pool or the driver, shared ones drop a
@@ -233,6 +243,19 @@ fn kv_error(vm: &VirtualMemory, e: KvCacheError, needed: u64) -> ServiceError {
     if e.is_retryable() {
         // The governor granted it but the driver ran out: the manager says what is left.
         let bp = vm.backpressure(needed);
+        if bp.available >= needed {
+            // Memory is not what is short: the driver refused the address range (live
+            // reservations use it up). Releasing sequences gives it back.
+            return ServiceError::LimitReached {
+                limit: "device_address_space",
+                used: 0,
+                requested: needed,
+                limit_value: 0,
+                retry_after: vm
+                    .governor()
+                    .estimate_retry_after_released(vm.device(), needed.max(1)),
+            };
+        }
         return ServiceError::Backpressure {
             needed_bytes: bp.needed,
             available_bytes: bp.available,

@@ -1,13 +1,12 @@
-//! The server's core: [`KvService`] owns the backend, the manager, the governor and the table
-//! of live sequences, and is the only place that calls the KV layer. The HTTP layer
-//! (`router.rs`) only parses, calls one method here and renders the result.
+//! The server's core: [`KvService`] owns the backend, the manager, the governor, the prefix
+//! caches and the table of live sequences, and is the only place that calls the KV layer.
+//! The HTTP layer (`router.rs`) only parses, calls one method here and renders the result.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use kvvm::{DeviceId, VirtualMemoryBackend};
 use kvvm_governor::{Governor, GovernorConfig};
 use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixCache};
 use kvvm_vmm::{VirtualMemory, VmmConfig};
@@ -15,122 +14,61 @@ use kvvm_vmm::{VirtualMemory, VmmConfig};
 use crate::api::{
     AppendTokens, Counters, CreateSequence, MetricsSnapshot, Released, SequenceInfo, ShutdownReport,
 };
+use crate::auth::Owner;
+use crate::caches::PrefixCaches;
+use crate::config::ServiceConfig;
+use crate::counters::{bump, AtomicCounters};
 use crate::error::{ServeError, ServiceError};
+use crate::limits::{LimitBooks, Limits, Share};
 use crate::sequence::LiveSequence;
-
-/// How a [`KvService`] is set up.
-#[derive(Clone)]
-pub struct ServiceConfig {
-    /// The driver backend (see [`kvvm::open_backend`]).
-    pub backend: Arc<dyn VirtualMemoryBackend>,
-    /// The device whose memory is served.
-    pub device: DeviceId,
-    /// The memory budget in bytes; `None`: the device's free memory when the service starts
-    /// (unlimited if the driver cannot say).
-    pub budget_bytes: Option<u64>,
-    /// The model preset (see [`KvGeometry::preset`]).
-    pub model: String,
-    /// The KV element type.
-    pub dtype: KvDtype,
-    /// The physical KV layout.
-    pub layout: KvLayout,
-    /// The model's context limit: the largest `max_tokens` a sequence may ask for.
-    pub max_tokens: u64,
-    /// Most bytes of released handles kept for reuse (`None`: the manager's default).
-    pub pool_cap_bytes: Option<u64>,
-    /// Whether prompts sent with `token_ids` go through the prefix cache (shared prefixes
-    /// found automatically and mapped read-only).
-    pub prefix_cache: bool,
-}
-
-impl std::fmt::Debug for ServiceConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServiceConfig")
-            .field("backend", &self.backend.name())
-            .field("device", &self.device)
-            .field("budget_bytes", &self.budget_bytes)
-            .field("model", &self.model)
-            .field("dtype", &self.dtype)
-            .field("layout", &self.layout)
-            .field("max_tokens", &self.max_tokens)
-            .field("pool_cap_bytes", &self.pool_cap_bytes)
-            .field("prefix_cache", &self.prefix_cache)
-            .finish()
-    }
-}
-
-impl ServiceConfig {
-    /// Defaults for `backend`: device 0, llama-3-8b in fp16, seq-major, 8192 tokens, the
-    /// device's free memory as the budget, the prefix cache on.
-    pub fn new(backend: Arc<dyn VirtualMemoryBackend>) -> Self {
-        ServiceConfig {
-            backend,
-            device: DeviceId(0),
-            budget_bytes: None,
-            model: "llama-3-8b".into(),
-            dtype: KvDtype::F16,
-            layout: KvLayout::SeqMajor,
-            max_tokens: 8192,
-            pool_cap_bytes: None,
-            prefix_cache: true,
-        }
-    }
-}
-
-#[derive(Debug, Default)]
-struct AtomicCounters {
-    sequences_created: AtomicU64,
-    sequences_released: AtomicU64,
-    appends: AtomicU64,
-    grants_refused: AtomicU64,
-    bad_requests: AtomicU64,
-    internal_errors: AtomicU64,
-    prefix_hits: AtomicU64,
-    prefix_hit_tokens: AtomicU64,
-    prefixes_published: AtomicU64,
-}
-
-fn bump(c: &AtomicU64, by: u64) {
-    c.fetch_add(by, Ordering::Relaxed);
-}
 
 #[derive(Debug)]
 struct State {
-    sequences: BTreeMap<u64, Arc<Slot>>,
+    sequences: BTreeMap<u64, Arc<Entry>>,
     next_id: u64,
     closed: bool,
 }
 
-/// A table entry: the sequence behind its own lock (`None` once released), so that driver
-/// calls on different sequences do not wait for each other.
-type Slot = Mutex<Option<LiveSequence>>;
-
-fn lock_slot(slot: &Slot) -> MutexGuard<'_, Option<LiveSequence>> {
-    // Every update of a slot is a single assignment: a poisoned lock is still consistent.
-    slot.lock().unwrap_or_else(|p| p.into_inner())
+/// A table entry: its owner, when it was last used, and the sequence behind its own lock
+/// (`None` once released), so that driver calls on different sequences do not wait for each
+/// other.
+#[derive(Debug)]
+struct Entry {
+    owner: Owner,
+    /// Milliseconds since the service started.
+    last_used: AtomicU64,
+    seq: Mutex<Option<LiveSequence>>,
 }
 
-/// The server's core: backend, manager, governor, layout plan, prefix cache and the table of
-/// live sequences.
+impl Entry {
+    fn lock(&self) -> MutexGuard<'_, Option<LiveSequence>> {
+        // Every update of a slot is a single assignment: a poisoned lock is still consistent.
+        self.seq.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The server's core: backend, manager, governor, layout plan, prefix caches and the table
+/// of live sequences with their owners.
 ///
 /// Every method is synchronous (driver calls); the HTTP layer calls them on a blocking
 /// thread. The table's lock is held only to look up, insert or remove; each sequence has its
 /// own lock, held across its driver calls, so operations on different sequences run in
 /// parallel and operations on one sequence one after the other. Each operation is
-/// all-or-nothing: an error leaves the table and the books as they were.
+/// all-or-nothing: an error leaves the table, the limits and the books as they were.
 ///
-/// The service keeps one set of books: what the manager knows (backend, device, governor,
-/// granule) is asked of the manager, what the plan knows (layout, the model's token limit) of
-/// the plan, sequence releases are recorded with the governor. It keeps only the table of
-/// live sequences, its counters, and the names it serves (model preset, element type).
+/// Every sequence has an [`Owner`]; an operation on another owner's sequence is
+/// [`ServiceError::UnknownSequence`], exactly as for an id that does not exist.
 pub struct KvService {
     vm: VirtualMemory,
     plan: LayoutPlan,
-    cache: Option<Arc<PrefixCache>>,
+    caches: PrefixCaches,
     model: String,
     dtype: KvDtype,
     state: Mutex<State>,
     counters: AtomicCounters,
+    limits: LimitBooks,
+    idle_timeout: Option<Duration>,
+    started: Instant,
     /// Live tokens over all sequences.
     live_tokens: AtomicU64,
 }
@@ -160,6 +98,9 @@ impl KvService {
             max_tokens,
             pool_cap_bytes,
             prefix_cache,
+            shared_prefix_cache,
+            limits,
+            idle_timeout,
         } = config;
         // Validate the model and the limit once, up front.
         let geometry = KvGeometry::preset(&model, dtype, max_tokens)
@@ -172,6 +113,7 @@ impl KvService {
             Some(b) => Governor::new(GovernorConfig::default().device_budget(device, b)),
             None => Governor::unlimited(),
         };
+        let policy = governor.config().retry;
         let mut vmm_config = VmmConfig::default();
         if let Some(cap) = pool_cap_bytes {
             vmm_config = vmm_config.pool_cap_bytes(cap);
@@ -190,7 +132,7 @@ impl KvService {
         Ok(KvService {
             vm,
             plan,
-            cache,
+            caches: PrefixCaches::new(cache, shared_prefix_cache),
             model,
             dtype,
             state: Mutex::new(State {
@@ -199,38 +141,42 @@ impl KvService {
                 closed: false,
             }),
             counters: AtomicCounters::default(),
+            limits: LimitBooks::new(limits, policy),
+            idle_timeout,
+            started: Instant::now(),
             live_tokens: AtomicU64::new(0),
         })
     }
 
-    /// Records `bytes` released by a sequence now (with the governor).
-    fn note_release(&self, bytes: u64) {
-        self.vm.governor().note_released(self.vm.device(), bytes);
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// The governor's `RetryPolicy` applied to the bytes released by sequences during the
-    /// last window (whether their handles went back to the driver or to the pool, they are
-    /// available to the next sequence).
-    fn release_estimate(&self, shortfall: u64) -> Duration {
+    /// The bytes a sequence really gives back when it ends: its own windows (its shared
+    /// prefix windows stay cached and free nothing).
+    fn note_release(&self, owned_bytes: u64) {
         self.vm
             .governor()
-            .estimate_retry_after_released(self.vm.device(), shortfall)
+            .note_released(self.vm.device(), owned_bytes);
     }
 
-    /// Backpressure suggests the sooner of the governor's estimate (bytes given back to the
-    /// driver) and [`release_estimate`](Self::release_estimate) (bytes released by sequences,
-    /// most of which go to the handle pool and are not seen by the governor's estimate).
+    /// Backpressure's `Retry-After` is estimated from what sequences really released during
+    /// the last window (their own windows, most of which go to the handle pool): not from
+    /// what the governor saw freed, which also counts the evictions and pool trims that ran
+    /// for this very request and still left it short.
     fn refine(&self, e: ServiceError) -> ServiceError {
         match e {
             ServiceError::Backpressure {
                 needed_bytes,
                 available_bytes,
-                retry_after,
+                ..
             } => ServiceError::Backpressure {
                 needed_bytes,
                 available_bytes,
-                retry_after: retry_after
-                    .min(self.release_estimate(needed_bytes.saturating_sub(available_bytes))),
+                retry_after: self.vm.governor().estimate_retry_after_released(
+                    self.vm.device(),
+                    needed_bytes.saturating_sub(available_bytes),
+                ),
             },
             other => other,
         }
@@ -243,30 +189,45 @@ impl KvService {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The slot of live sequence `id`.
-    fn slot(&self, id: u64) -> Result<Arc<Slot>, ServiceError> {
+    /// The entry of live sequence `id` owned by `owner` (another owner's is unknown).
+    fn entry(&self, owner: Owner, id: u64) -> Result<Arc<Entry>, ServiceError> {
         let state = self.lock();
         if state.closed {
             return Err(ServiceError::ShuttingDown);
         }
-        state
+        let entry = state
             .sequences
             .get(&id)
+            .filter(|e| e.owner == owner)
             .cloned()
-            .ok_or(ServiceError::UnknownSequence(id))
+            .ok_or(ServiceError::UnknownSequence(id))?;
+        entry.last_used.store(self.now_ms(), Ordering::Relaxed);
+        Ok(entry)
     }
 
-    /// Closes a sequence that was released from the table, counting it.
-    fn close(&self, seq: LiveSequence) -> Result<u64, ServiceError> {
+    /// Closes a sequence that was taken out of the table: releases it, gives its share of
+    /// the limits back and records the release. Returns the bytes it had mapped.
+    fn close(&self, owner: Owner, seq: LiveSequence) -> Result<u64, ServiceError> {
         self.live_tokens.fetch_sub(seq.tokens(), Ordering::Relaxed);
         bump(&self.counters.sequences_released, 1);
-        seq.close()
+        let share = Share {
+            sequences: 1,
+            reserved: seq.reserved_bytes(),
+            committed: seq.billed_bytes(),
+        };
+        let owned = seq.owned_bytes();
+        let closed = seq.close();
+        self.limits.give_back(owner, share, true);
+        if closed.is_ok() {
+            self.note_release(owned);
+        }
+        closed
     }
 
     /// Gives back what the service still holds after every sequence is gone: the prefix
-    /// cache's entries and the handle pool.
+    /// caches' entries and the handle pool.
     fn drain(&self) {
-        if let Some(cache) = &self.cache {
+        for cache in self.caches.all() {
             cache.clear();
         }
         self.vm.trim_pool(0);
@@ -312,9 +273,26 @@ impl KvService {
         &self.plan
     }
 
-    /// The prefix cache, when it is on.
+    /// The prefix cache of anonymous clients (and of every key when it is shared), when
+    /// the cache is on.
     pub fn prefix_cache(&self) -> Option<&Arc<PrefixCache>> {
-        self.cache.as_ref()
+        self.caches.default_cache()
+    }
+
+    /// The idle timeout after which unused sequences are released.
+    pub fn idle_timeout(&self) -> Option<Duration> {
+        self.idle_timeout
+    }
+
+    /// Why no sequence can ever be opened under these settings (a reservation at the
+    /// model's limit larger than a limit), if that is so: worth a warning at start.
+    pub fn never_fits_reason(&self) -> Option<String> {
+        let share = Share {
+            sequences: 1,
+            reserved: self.plan.reservation_bytes(),
+            committed: 0,
+        };
+        self.limits.check_fits(share).err().map(|e| e.to_string())
     }
 
     /// Number of live sequences.
@@ -322,67 +300,48 @@ impl KvService {
         self.lock().sequences.len()
     }
 
-    /// Records the outcome of a request in the counters (429s, 4xx, 5xx).
-    pub fn note_error(&self, e: &ServiceError) {
-        let c = &self.counters;
-        match e.status() {
-            429 => bump(&c.grants_refused, 1),
-            400..=499 => bump(&c.bad_requests, 1),
-            _ => bump(&c.internal_errors, 1),
-        }
+    /// Counts a response by its status (429, 503, another 4xx, another 5xx).
+    pub fn note_status(&self, status: u16) {
+        self.counters.note_status(status);
     }
 
-    /// Opens a sequence: checks the numbers, reserves its address space and commits the
-    /// prompt. On error nothing changed.
-    pub fn create(&self, req: &CreateSequence) -> Result<SequenceInfo, ServiceError> {
-        let prompt = match (req.prompt_tokens, &req.token_ids) {
-            (Some(n), Some(ids)) if u64::try_from(ids.len()).ok() != Some(n) => {
-                return Err(ServiceError::InvalidRequest(format!(
-                    "prompt_tokens is {n} but token_ids holds {} ids",
-                    ids.len()
-                )))
-            }
-            (Some(n), _) => n,
-            (None, Some(ids)) => u64::try_from(ids.len())
-                .map_err(|_| ServiceError::InvalidRequest("too many token_ids".into()))?,
-            (None, None) => {
-                return Err(ServiceError::InvalidRequest(
-                    "prompt_tokens (or token_ids) is required".into(),
-                ))
-            }
-        };
-        let limit = self.max_tokens();
-        let max = req.max_tokens.unwrap_or(limit);
-        if max == 0 {
-            return Err(ServiceError::InvalidRequest(
-                "max_tokens must be at least 1".into(),
-            ));
-        }
-        if max > limit {
-            return Err(ServiceError::InvalidRequest(format!(
-                "max_tokens {max} exceeds the model's limit of {limit} tokens"
-            )));
-        }
-        if prompt > max {
-            return Err(ServiceError::InvalidRequest(format!(
-                "prompt_tokens {prompt} exceeds max_tokens {max}"
-            )));
-        }
+    /// Opens a sequence for `owner`: checks the numbers and the limits, reserves its address
+    /// space and commits the prompt. On error nothing changed.
+    pub fn create(&self, owner: Owner, req: &CreateSequence) -> Result<SequenceInfo, ServiceError> {
+        let (prompt, max) = req.checked(self.max_tokens())?;
         if self.lock().closed {
             return Err(ServiceError::ShuttingDown);
         }
-        // The driver calls run without the table lock: other sequences proceed meanwhile.
-        let opened = match (&self.cache, &req.token_ids) {
-            (Some(cache), Some(ids)) => LiveSequence::admit(&self.vm, cache, ids, max),
-            _ => LiveSequence::open(&self.vm, &self.plan, max, prompt),
+        let needed = self.plan.committed_bytes_for_tokens(prompt)?;
+        let share = Share {
+            sequences: 1,
+            reserved: self.plan.reservation_bytes(),
+            committed: needed,
         };
-        let (seq, opened) = opened.map_err(|e| self.refine(e))?;
+        self.limits.take(owner, share)?;
+        // The driver calls run without the table lock: other sequences proceed meanwhile.
+        let opened = match self.caches.for_owner(owner, &self.vm, &self.plan) {
+            Ok(cache) => match (cache, &req.token_ids) {
+                (Some(cache), Some(ids)) => LiveSequence::admit(&self.vm, &cache, ids, max),
+                _ => LiveSequence::open(&self.vm, &self.plan, max, prompt),
+            },
+            Err(e) => Err(e),
+        };
+        let (seq, opened) = match opened {
+            Ok(o) => o,
+            Err(e) => {
+                self.limits.give_back(owner, share, false);
+                return Err(self.refine(e));
+            }
+        };
+        self.limits
+            .settle_committed(owner, needed, opened.committed_bytes);
         let mut state = self.lock();
         if state.closed {
             // Shutdown started meanwhile (a request whose client went away): give back what
             // this one took, as shutdown did for the others.
             drop(state);
-            if let Err(e) = seq.close() {
+            if let Err(e) = self.close(owner, seq) {
                 tracing::warn!(error = %e, "release of a sequence opened during shutdown failed");
             }
             self.drain();
@@ -392,7 +351,12 @@ impl KvService {
         let id = state.next_id;
         state.next_id = id.saturating_add(1);
         let info = info(id, &seq, opened.committed_bytes);
-        state.sequences.insert(id, Arc::new(Mutex::new(Some(seq))));
+        let entry = Entry {
+            owner,
+            last_used: AtomicU64::new(self.now_ms()),
+            seq: Mutex::new(Some(seq)),
+        };
+        state.sequences.insert(id, Arc::new(entry));
         drop(state);
         let c = &self.counters;
         bump(&c.sequences_created, 1);
@@ -406,15 +370,20 @@ impl KvService {
         Ok(info)
     }
 
-    /// Grows sequence `id` by `req.tokens` tokens. On error nothing changed.
-    pub fn append(&self, id: u64, req: &AppendTokens) -> Result<SequenceInfo, ServiceError> {
+    /// Grows `owner`'s sequence `id` by `req.tokens` tokens. On error nothing changed.
+    pub fn append(
+        &self,
+        owner: Owner,
+        id: u64,
+        req: &AppendTokens,
+    ) -> Result<SequenceInfo, ServiceError> {
         if req.tokens == 0 {
             return Err(ServiceError::InvalidRequest(
                 "tokens must be at least 1".into(),
             ));
         }
-        let slot = self.slot(id)?;
-        let mut guard = lock_slot(&slot);
+        let entry = self.entry(owner, id)?;
+        let mut guard = entry.lock();
         // Released while this request waited for the slot.
         let seq = guard.as_mut().ok_or(ServiceError::UnknownSequence(id))?;
         let before = seq.tokens();
@@ -428,13 +397,24 @@ impl KvService {
                     seq.max_tokens()
                 ))
             })?;
+        let needed = self
+            .plan
+            .committed_bytes_for_tokens(target)?
+            .saturating_sub(seq.committed_bytes());
+        let share = Share {
+            committed: needed,
+            ..Share::default()
+        };
+        self.limits.take(owner, share)?;
         let added = match seq.grow_to(&self.vm, target) {
             Ok(added) => added,
             Err(e) => {
                 drop(guard);
+                self.limits.give_back(owner, share, false);
                 return Err(self.refine(e));
             }
         };
+        self.limits.settle_committed(owner, needed, added);
         self.live_tokens.fetch_add(req.tokens, Ordering::Relaxed);
         let info = info(id, seq, added);
         drop(guard);
@@ -442,30 +422,53 @@ impl KvService {
         Ok(info)
     }
 
-    /// The sequence `id`.
-    pub fn get(&self, id: u64) -> Result<SequenceInfo, ServiceError> {
-        let slot = self.slot(id)?;
-        let guard = lock_slot(&slot);
+    /// `owner`'s sequence `id`.
+    pub fn get(&self, owner: Owner, id: u64) -> Result<SequenceInfo, ServiceError> {
+        let entry = self.entry(owner, id)?;
+        let guard = entry.lock();
         let seq = guard.as_ref().ok_or(ServiceError::UnknownSequence(id))?;
         Ok(info(id, seq, 0))
     }
 
-    /// Releases sequence `id` (its memory and its address range).
-    pub fn release(&self, id: u64) -> Result<Released, ServiceError> {
-        let slot = self
-            .lock()
-            .sequences
-            .remove(&id)
-            .ok_or(ServiceError::UnknownSequence(id))?;
+    /// `owner`'s live sequences, by id.
+    pub fn list(&self, owner: Owner) -> Result<Vec<SequenceInfo>, ServiceError> {
+        let entries: Vec<(u64, Arc<Entry>)> = {
+            let state = self.lock();
+            if state.closed {
+                return Err(ServiceError::ShuttingDown);
+            }
+            state
+                .sequences
+                .iter()
+                .filter(|(_, e)| e.owner == owner)
+                .map(|(id, e)| (*id, e.clone()))
+                .collect()
+        };
+        Ok(entries
+            .into_iter()
+            .filter_map(|(id, e)| e.lock().as_ref().map(|s| info(id, s, 0)))
+            .collect())
+    }
+
+    /// Releases `owner`'s sequence `id` (its memory and its address range).
+    pub fn release(&self, owner: Owner, id: u64) -> Result<Released, ServiceError> {
+        let entry = {
+            let mut state = self.lock();
+            match state.sequences.get(&id) {
+                Some(e) if e.owner == owner => state.sequences.remove(&id),
+                _ => None,
+            }
+        }
+        .ok_or(ServiceError::UnknownSequence(id))?;
         // Waits for an operation in progress on this sequence, then takes it.
-        let seq = lock_slot(&slot)
+        let seq = entry
+            .lock()
             .take()
             .ok_or(ServiceError::UnknownSequence(id))?;
         let tokens = seq.tokens();
         // Once out of the table the sequence is gone whatever happens: a failed release is
         // quarantined by the manager, never forgotten.
-        let released_bytes = self.close(seq)?;
-        self.note_release(released_bytes);
+        let released_bytes = self.close(owner, seq)?;
         Ok(Released {
             id,
             tokens,
@@ -473,31 +476,69 @@ impl KvService {
         })
     }
 
-    /// Refuses new work and releases every sequence, then empties the prefix cache and the
+    /// Releases every sequence nobody used for the idle timeout; returns how many.
+    pub fn expire_idle(&self) -> u64 {
+        let Some(idle) = self.idle_timeout else {
+            return 0;
+        };
+        let idle_ms = u64::try_from(idle.as_millis()).unwrap_or(u64::MAX);
+        let now = self.now_ms();
+        let stale = |e: &Entry| now.saturating_sub(e.last_used.load(Ordering::Relaxed)) >= idle_ms;
+        let expired: Vec<(u64, Arc<Entry>)> = {
+            let mut state = self.lock();
+            let ids: Vec<u64> = state
+                .sequences
+                .iter()
+                .filter(|(_, e)| stale(e))
+                .map(|(id, _)| *id)
+                .collect();
+            ids.into_iter()
+                .filter_map(|id| state.sequences.remove(&id).map(|e| (id, e)))
+                .collect()
+        };
+        let mut n = 0;
+        for (id, entry) in expired {
+            let Some(seq) = entry.lock().take() else {
+                continue;
+            };
+            n += 1;
+            bump(&self.counters.sequences_expired, 1);
+            if let Err(e) = self.close(entry.owner, seq) {
+                tracing::warn!(id, error = %e, "release of an idle sequence failed");
+            } else {
+                tracing::info!(id, idle_ms, "released an idle sequence");
+            }
+        }
+        n
+    }
+
+    /// Refuses new work and releases every sequence, then empties the prefix caches and the
     /// manager's handle pool: afterwards the service holds no device memory (quarantine
     /// aside).
     pub fn shutdown(&self) -> ShutdownReport {
+        let device = self.vm.device();
+        let used_before = self.vm.governor().snapshot().device(device).used();
         let sequences = {
             let mut state = self.lock();
             state.closed = true;
             std::mem::take(&mut state.sequences)
         };
         let mut report = ShutdownReport::default();
-        for (id, slot) in sequences {
+        for (id, entry) in sequences {
             // Waits for an operation in progress on this sequence.
-            let Some(seq) = lock_slot(&slot).take() else {
+            let Some(seq) = entry.lock().take() else {
                 continue;
             };
             report.sequences += 1;
-            match self.close(seq) {
-                Ok(bytes) => report.released_bytes = report.released_bytes.saturating_add(bytes),
-                Err(e) => {
-                    report.failures += 1;
-                    tracing::warn!(id, error = %e, "release at shutdown failed");
-                }
+            if let Err(e) = self.close(entry.owner, seq) {
+                report.failures += 1;
+                tracing::warn!(id, error = %e, "release at shutdown failed");
             }
         }
         self.drain();
+        let held = self.vm.governor().snapshot().device(device).used();
+        report.released_bytes = used_before.saturating_sub(held);
+        report.held_bytes = held;
         report
     }
 
@@ -508,19 +549,7 @@ impl KvService {
 
     /// The counters now.
     pub fn counters(&self) -> Counters {
-        let c = &self.counters;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        Counters {
-            sequences_created: get(&c.sequences_created),
-            sequences_released: get(&c.sequences_released),
-            appends: get(&c.appends),
-            grants_refused: get(&c.grants_refused),
-            bad_requests: get(&c.bad_requests),
-            internal_errors: get(&c.internal_errors),
-            prefix_hits: get(&c.prefix_hits),
-            prefix_hit_tokens: get(&c.prefix_hit_tokens),
-            prefixes_published: get(&c.prefixes_published),
-        }
+        self.counters.snapshot()
     }
 
     /// A point-in-time view for `/metrics`.
@@ -534,8 +563,19 @@ impl KvService {
             live_tokens,
             counters: self.counters(),
             granule: self.vm.granule(),
-            prefix_cache: self.cache.as_ref().map(|c| c.stats()),
+            prefix_cache: self.caches.stats(),
         }
+    }
+
+    /// What `owner` holds against the limits: live sequences, reserved and committed bytes.
+    pub fn held_by(&self, owner: Owner) -> (u64, u64, u64) {
+        let s = self.limits.held(owner);
+        (s.sequences, s.reserved, s.committed)
+    }
+
+    /// The limits in force.
+    pub fn limits(&self) -> Limits {
+        *self.limits.limits()
     }
 }
 
@@ -550,6 +590,6 @@ fn info(id: u64, seq: &LiveSequence, added_bytes: u64) -> SequenceInfo {
         reserved_bytes: seq.reserved_bytes(),
         added_bytes,
         prefix_hit_tokens: seq.hit_tokens(),
-        address: seq.address(),
+        address: Some(seq.address()),
     }
 }

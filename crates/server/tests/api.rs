@@ -10,6 +10,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{config, TestServer, MIB2};
+use kvvm_server::Owner;
 use kvvm_sim::{SimBackend, SimConfig};
 
 /// llama-3-8b fp16 seq-major: 64 fragments of 2048 bytes per token.
@@ -27,9 +28,10 @@ fn sequence_lifecycle_metrics_and_clean_shutdown() {
     assert_eq!(h["model"], "llama-3-8b");
     assert_eq!(h["layout"], "seq-major");
 
-    // 100 tokens x 2048 B = 200 KB per fragment: one window each.
+    // 100 tokens x 2048 B = 200 KB per fragment: one window each. The device address is
+    // shown only when asked for.
     let r = server.post(
-        "/v1/sequences",
+        "/v1/sequences?address=true",
         r#"{"prompt_tokens": 100, "max_tokens": 2048}"#,
     );
     assert_eq!(r.status, 201, "{}", r.body);
@@ -52,12 +54,16 @@ fn sequence_lifecycle_metrics_and_clean_shutdown() {
     let r = server.post(&format!("/v1/sequences/{id}/append"), r#"{"tokens": 900}"#);
     assert_eq!(r.status, 200, "{}", r.body);
     let a = r.json();
+    assert!(a.get("address").is_none(), "{a}");
     assert_eq!(a["tokens"], 1000);
     assert_eq!(a["added_bytes"], 0);
     assert_eq!(a["committed_bytes"], FRAGMENTS * MIB2);
 
     // 1100 tokens x 2048 B > 2 MiB: a second window per fragment, same address.
-    let r = server.post(&format!("/v1/sequences/{id}/append"), r#"{"tokens": 100}"#);
+    let r = server.post(
+        &format!("/v1/sequences/{id}/append?address=true"),
+        r#"{"tokens": 100}"#,
+    );
     assert_eq!(r.status, 200, "{}", r.body);
     let a = r.json();
     assert_eq!(a["tokens"], 1100);
@@ -130,7 +136,7 @@ fn state(server: &TestServer, id: u64) -> impl PartialEq + std::fmt::Debug {
         server.sim.ledger(),
         server.service.governor().snapshot(),
         server.service.live_sequences(),
-        server.service.get(id).unwrap(),
+        server.service.get(Owner::ANONYMOUS, id).unwrap(),
     )
 }
 
@@ -388,7 +394,10 @@ fn governor_refusal_is_429_with_retry_after_and_changes_nothing() {
     assert_eq!(r.status, 429, "{}", r.body);
     assert!(r.retry_after.is_some());
     assert_eq!(state(&server, id), before);
-    assert_eq!(server.service.get(id).unwrap().tokens, 1200);
+    assert_eq!(
+        server.service.get(Owner::ANONYMOUS, id).unwrap().tokens,
+        1200
+    );
     assert_eq!(server.metric("kvvm_grants_refused_total"), 2);
 
     // Once it is released, a new sequence fits (its handles come from the pool).
@@ -426,7 +435,7 @@ fn driver_out_of_memory_is_429_not_5xx() {
     );
     assert_eq!(r.status, 201, "{}", r.body);
     let id = r.json()["id"].as_u64().unwrap();
-    let before = server.service.get(id).unwrap();
+    let before = server.service.get(Owner::ANONYMOUS, id).unwrap();
     let r = server.post(
         "/v1/sequences",
         r#"{"prompt_tokens": 10, "max_tokens": 100}"#,
@@ -438,7 +447,7 @@ fn driver_out_of_memory_is_429_not_5xx() {
     assert!(j["needed_bytes"].as_u64().unwrap() > 0);
     // The sequences are as they were (the failed commit's handles went back to the pool,
     // which is the manager's business and shows in kvvm_pooled_bytes).
-    assert_eq!(server.service.get(id).unwrap(), before);
+    assert_eq!(server.service.get(Owner::ANONYMOUS, id).unwrap(), before);
     assert_eq!(server.service.live_sequences(), 1);
     assert_eq!(
         server.service.governor().snapshot().committed(),

@@ -8,7 +8,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use kvvm::VirtualMemoryBackend;
-use kvvm_server::{KvService, ServeError, ServiceConfig, ShutdownReport};
+use kvvm_server::{HttpConfig, KvService, ServeError, ServiceConfig, ShutdownReport};
 use kvvm_sim::SimBackend;
 
 /// 2 MiB, the simulated H200's granule.
@@ -59,6 +59,15 @@ impl TestServer {
 
     /// Starts a server with `config` over `sim` and a body limit.
     pub fn start_with(sim: Arc<SimBackend>, config: ServiceConfig, body_limit: usize) -> Self {
+        let http = HttpConfig {
+            body_limit,
+            ..HttpConfig::default()
+        };
+        TestServer::start_http(sim, config, http)
+    }
+
+    /// Starts a server with `config` over `sim` and the HTTP settings `http`.
+    pub fn start_http(sim: Arc<SimBackend>, config: ServiceConfig, http: HttpConfig) -> Self {
         let service = Arc::new(KvService::new(config).expect("service"));
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
@@ -73,7 +82,7 @@ impl TestServer {
                 let listener = kvvm_server::bind("127.0.0.1:0").await?;
                 let addr = listener.local_addr().expect("local addr");
                 addr_tx.send(addr).expect("send addr");
-                kvvm_server::serve(listener, svc, body_limit, async move {
+                kvvm_server::serve(listener, svc, http, async move {
                     let _ = stop_rx.await;
                 })
                 .await
@@ -95,6 +104,25 @@ impl TestServer {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+
+    /// Asks the server to stop (the stand-in for SIGTERM) without waiting for it.
+    pub fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+
+    /// Waits for the server to have stopped (after [`stop`](Self::stop)).
+    pub fn join(mut self) -> (ShutdownReport, Arc<SimBackend>, Arc<KvService>) {
+        let report = self
+            .thread
+            .take()
+            .expect("thread")
+            .join()
+            .expect("server thread panicked")
+            .expect("serve failed");
+        (report, self.sim.clone(), self.service.clone())
     }
 
     pub fn post(&self, path: &str, body: &str) -> Reply {
@@ -190,4 +218,123 @@ pub fn metric(text: &str, name: &str) -> Option<u64> {
         })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
+}
+
+/// A raw connection to the server (for what an HTTP client library will not send).
+pub fn raw(addr: SocketAddr) -> std::net::TcpStream {
+    let s = std::net::TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("read timeout");
+    s.set_write_timeout(Some(Duration::from_secs(30)))
+        .expect("write timeout");
+    s
+}
+
+/// A raw response: status, the head, the body (as far as `Content-Length` says).
+#[derive(Debug)]
+pub struct RawReply {
+    pub status: u16,
+    pub head: String,
+    pub body: String,
+}
+
+impl RawReply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?} after {}", self.body, self.head))
+    }
+
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim()
+                .eq_ignore_ascii_case(name)
+                .then(|| v.trim().to_owned())
+        })
+    }
+}
+
+/// Reads one response from `s` (`None`: the connection closed first).
+pub fn read_reply(s: &mut std::net::TcpStream) -> Option<RawReply> {
+    use std::io::Read;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let status = head.split(' ').nth(1)?.parse().ok()?;
+    let mut reply = RawReply {
+        status,
+        head,
+        body: String::new(),
+    };
+    let len: usize = reply
+        .header("content-length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    while buf.len() < head_end + len {
+        match s.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let end = buf.len().min(head_end + len);
+    reply.body = String::from_utf8_lossy(&buf[head_end..end]).into_owned();
+    Some(reply)
+}
+
+/// Whether the server closed `s` within `within` (EOF or a reset), reading and dropping
+/// whatever it sends first.
+pub fn closed_within(s: &mut std::net::TcpStream, within: Duration) -> bool {
+    use std::io::Read;
+    let deadline = std::time::Instant::now() + within;
+    let mut chunk = [0u8; 4096];
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        s.set_read_timeout(Some(left)).expect("read timeout");
+        match s.read(&mut chunk) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return false
+            }
+            Err(_) => return true,
+        }
+    }
+}
+
+/// Raises this process's soft open-file limit to its hard limit; returns the soft limit.
+pub fn raise_open_file_limit() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current < limit.maximum {
+        limit.current = limit.maximum;
+        let _ = setrlimit(Resource::Nofile, limit);
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}
+
+/// This process's resident set size in bytes (Linux: /proc/self/status).
+pub fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
 }
