@@ -231,6 +231,20 @@ impl CudaBackend {
 
     /// Makes one of this backend's contexts current on this thread: the current one if it is
     /// ours, else device 0's.
+    /// Makes current the primary context of the device whose memory `address` maps (a copy
+    /// runs on that device's engines; with several devices another one's context may have no
+    /// access). Falls back to [`any_context`](Self::any_context) when the driver cannot say.
+    fn owner_context(&self, op: Operation, address: DeviceAddress) -> BackendResult<()> {
+        if self.devices.len() > 1 {
+            if let Ok(ordinal) = self.driver.pointer_device_ordinal(address.0) {
+                if let Some(dev) = self.devices.iter().find(|d| d.ordinal == ordinal) {
+                    return self.make_current(op, dev);
+                }
+            }
+        }
+        self.any_context(op)
+    }
+
     fn any_context(&self, op: Operation) -> BackendResult<()> {
         let current = self.check(op, self.driver.ctx_current())?;
         if !current.is_null() && self.devices.iter().any(|d| d.ctx.0 == current) {
@@ -476,7 +490,7 @@ impl VirtualMemoryBackend for CudaBackend {
         let op = Operation::CopyToDevice;
         let span = tracing::debug_span!("kvvm_cuda", op = "cuMemcpyHtoD", %dst, bytes = src.len());
         traced(span, || {
-            self.any_context(op)?;
+            self.owner_context(op, dst)?;
             self.check(op, self.driver.memcpy_htod(dst.0, src))
         })
     }
@@ -485,7 +499,7 @@ impl VirtualMemoryBackend for CudaBackend {
         let op = Operation::CopyFromDevice;
         let span = tracing::debug_span!("kvvm_cuda", op = "cuMemcpyDtoH", %src, bytes = dst.len());
         traced(span, || {
-            self.any_context(op)?;
+            self.owner_context(op, src)?;
             self.check(op, self.driver.memcpy_dtoh(dst, src.0))
         })
     }
@@ -514,13 +528,34 @@ impl VirtualMemoryBackend for CudaBackend {
         })
     }
 
-    fn import_posix_fd(&self, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
+    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
+        let op = Operation::Devices;
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuDeviceCanAccessPeer", %device, %peer);
+        traced(span, || {
+            let (d, p) = (self.device(op, device)?, self.device(op, peer)?);
+            if device == peer {
+                return Ok(true);
+            }
+            self.check(op, self.driver.can_access_peer(p.cu, d.cu))
+        })
+    }
+
+    fn import_posix_fd(
+        &self,
+        device: DeviceId,
+        fd: BorrowedFd<'_>,
+    ) -> BackendResult<PhysicalHandle> {
         let op = Operation::Import;
         let raw = fd.as_raw_fd();
-        let span =
-            tracing::debug_span!("kvvm_cuda", op = "cuMemImportFromShareableHandle", fd = raw);
+        let span = tracing::debug_span!(
+            "kvvm_cuda",
+            op = "cuMemImportFromShareableHandle",
+            fd = raw,
+            %device
+        );
         traced(span, || {
-            self.any_context(op)?;
+            let dev = self.device(op, device)?;
+            self.make_current(op, dev)?;
             let handle = self.check(op, self.driver.import_posix_fd(raw))?;
             Ok(PhysicalHandle(handle))
         })

@@ -114,6 +114,8 @@ driver_table! {
     module_load_data = c"cuModuleLoadData": fn(*mut CUmodule, *const c_void);
     module_unload = c"cuModuleUnload": fn(CUmodule);
     module_get_function = c"cuModuleGetFunction": fn(*mut CUfunction, CUmodule, *const c_char);
+    device_can_access_peer = c"cuDeviceCanAccessPeer": fn(*mut c_int, CUdevice, CUdevice);
+    pointer_get_attribute = c"cuPointerGetAttribute": fn(*mut c_void, c_int, CUdeviceptr);
     launch_kernel = c"cuLaunchKernel": fn(
         CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream,
         *mut *mut c_void, *mut *mut c_void,

@@ -163,6 +163,34 @@ impl Driver {
         check(unsafe { (self.ctx_synchronize)() })
     }
 
+    /// `cuDeviceCanAccessPeer`: whether `device` can access memory of `peer`.
+    pub(crate) fn can_access_peer(&self, device: CUdevice, peer: CUdevice) -> CuResult<bool> {
+        let mut v = MaybeUninit::<c_int>::uninit();
+        // SAFETY: valid out-pointer, read only after success; the devices come from
+        // `cuDeviceGet`.
+        unsafe {
+            check((self.device_can_access_peer)(v.as_mut_ptr(), device, peer))?;
+            Ok(v.assume_init() != 0)
+        }
+    }
+
+    /// `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)`: the ordinal of the device
+    /// whose memory `ptr` is mapped to.
+    pub(crate) fn pointer_device_ordinal(&self, ptr: CUdeviceptr) -> CuResult<c_int> {
+        const CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: c_int = 9;
+        let mut v = MaybeUninit::<c_int>::uninit();
+        // SAFETY: the attribute's value is one `int` (cuda.h); valid out-pointer, read only
+        // after success.
+        unsafe {
+            check((self.pointer_get_attribute)(
+                v.as_mut_ptr().cast::<c_void>(),
+                CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                ptr,
+            ))?;
+            Ok(v.assume_init())
+        }
+    }
+
     /// `cuMemGetInfo_v2` of the current context's device: `(free, total)`.
     pub(crate) fn mem_info(&self) -> CuResult<(usize, usize)> {
         let mut free = MaybeUninit::<usize>::uninit();

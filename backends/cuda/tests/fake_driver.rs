@@ -292,7 +292,9 @@ fn full() {
 
     // POSIX FD export and import: the fd travels by value.
     let fd = b.export_posix_fd(h).expect("export");
-    let imported = b.import_posix_fd(fd.as_fd()).expect("import");
+    let imported = b
+        .import_posix_fd(kvvm_hal::DeviceId(0), fd.as_fd())
+        .expect("import");
     assert_eq!(imported, PhysicalHandle(0x100_0000 + fd.as_raw_fd() as u64));
     drop(fd);
 

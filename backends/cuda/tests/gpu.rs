@@ -393,7 +393,9 @@ fn posix_fd_export_import_map_read() {
 
     let fd = b.export_posix_fd(h).expect("export");
     use std::os::fd::AsFd;
-    let imported = b.import_posix_fd(fd.as_fd()).expect("import");
+    let imported = b
+        .import_posix_fd(kvvm_hal::DeviceId(0), fd.as_fd())
+        .expect("import");
     drop(fd);
     let second = DeviceAddress(base.get() + g);
     b.map(second, g, imported).expect("map imported");

@@ -485,15 +485,20 @@ impl VirtualMemoryBackend for HipBackend {
         )
     }
 
-    fn import_posix_fd(&self, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
+    fn import_posix_fd(
+        &self,
+        device: DeviceId,
+        fd: BorrowedFd<'_>,
+    ) -> BackendResult<PhysicalHandle> {
         let op = Operation::Import;
         let raw = fd.as_raw_fd();
         traced(
-            tracing::debug_span!("kvvm_hip", op = "hipMemImportFromShareableHandle", fd = raw),
+            tracing::debug_span!("kvvm_hip", op = "hipMemImportFromShareableHandle", fd = raw, %device),
             || {
                 if !self.posix_fd {
                     return Err(self.not_supported(op));
                 }
+                self.set_device(op, device)?;
                 // As with CUDA, a POSIX fd is passed *by value* in the pointer argument
                 // (`(void*)(uintptr_t)fd`); the runtime does not take ownership of it.
                 let value = usize::try_from(raw).map_err(|_| {

@@ -55,7 +55,7 @@
 //! `memory_info`, `synchronize`) call `hipSetDevice` on the calling thread first. Calls on
 //! addresses or handles (`reserve`, `map`, `set_access`, `unmap`, copies, `release`) act on
 //! process-wide virtual addresses and use whatever device the thread has (device 0 by
-//! default). `import_posix_fd` imports onto the thread's current device, as HIP does.
+//! default). `import_posix_fd` imports onto the device it is given (made current first).
 //!
 //! ## Known ROCm bugs this backend reports through [`Capabilities`]
 //!

@@ -468,10 +468,21 @@ impl VirtualMemoryBackend for HostBackend {
         })
     }
 
-    fn import_posix_fd(&self, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
+    fn import_posix_fd(
+        &self,
+        device: DeviceId,
+        fd: BorrowedFd<'_>,
+    ) -> BackendResult<PhysicalHandle> {
         let op = Operation::Import;
-        let span = tracing::debug_span!("kvvm_host", op = "import_posix_fd");
+        let span = tracing::debug_span!("kvvm_host", op = "import_posix_fd", %device);
         traced(span, || {
+            if device != DeviceId(0) {
+                return Err(BackendError::raised(
+                    op,
+                    ErrorKind::InvalidValue,
+                    format!("no {device}: the host backend has device 0 only"),
+                ));
+            }
             let own = result::dup(fd).map_err(|e| e.to_error(op))?;
             let id = result::fstat(&own).map_err(|e| e.to_error(op))?;
             let seals = result::seals(&own).map_err(|e| {

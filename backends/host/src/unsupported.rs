@@ -119,7 +119,11 @@ impl VirtualMemoryBackend for HostBackend {
     fn export_posix_fd(&self, _handle: PhysicalHandle) -> BackendResult<OwnedFd> {
         match self.never {}
     }
-    fn import_posix_fd(&self, _fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
+    fn import_posix_fd(
+        &self,
+        _device: DeviceId,
+        _fd: BorrowedFd<'_>,
+    ) -> BackendResult<PhysicalHandle> {
         match self.never {}
     }
 }

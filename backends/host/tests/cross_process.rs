@@ -50,7 +50,9 @@ fn child_imports_prefix() {
         .unwrap()
         .recommended;
     let stdin = std::io::stdin();
-    let h = host.import_posix_fd(stdin.as_fd()).expect("import");
+    let h = host
+        .import_posix_fd(kvvm_hal::DeviceId(0), stdin.as_fd())
+        .expect("import");
     let va = host.reserve(g, 0, None).unwrap();
     host.map(va, g, h).unwrap();
     host.set_access(va, g, &[AccessDescriptor::read_only(dev)])

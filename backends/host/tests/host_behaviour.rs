@@ -192,14 +192,18 @@ fn import_accepts_only_size_sealed_memfds() {
     let p = page(&host);
     let null: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
     assert_eq!(
-        host.import_posix_fd(null.as_fd()).unwrap_err().kind,
+        host.import_posix_fd(kvvm_hal::DeviceId(0), null.as_fd())
+            .unwrap_err()
+            .kind,
         ErrorKind::InvalidValue
     );
     // A memfd whose size anyone holding it could still change.
     let loose = rustix::fs::memfd_create("loose", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
     rustix::fs::ftruncate(&loose, p).unwrap();
     assert_eq!(
-        host.import_posix_fd(loose.as_fd()).unwrap_err().kind,
+        host.import_posix_fd(kvvm_hal::DeviceId(0), loose.as_fd())
+            .unwrap_err()
+            .kind,
         ErrorKind::InvalidValue
     );
     // Export needs an exportable handle; an import of our own export is the same memory,
@@ -216,7 +220,9 @@ fn import_accepts_only_size_sealed_memfds() {
     let h = host.create(p, &fd_props).unwrap();
     let fd = host.export_posix_fd(h).unwrap();
     let used = host.ledger().used_bytes;
-    let again = host.import_posix_fd(fd.as_fd()).unwrap();
+    let again = host
+        .import_posix_fd(kvvm_hal::DeviceId(0), fd.as_fd())
+        .unwrap();
     assert_eq!(host.ledger().used_bytes, used);
     assert_eq!(host.ledger().allocations, 2);
     for x in [plain, h, again] {

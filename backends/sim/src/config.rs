@@ -85,6 +85,8 @@ pub enum LatencyMode {
 pub struct SimConfig {
     /// The devices, in ordinal order (at least one).
     pub devices: Vec<SimDeviceConfig>,
+    /// Which devices can be given access to each other's memory.
+    pub peers: PeerLinks,
     /// Size of the virtual address space; a reservation that does not fit is `OutOfMemory`.
     /// Default 2^47 (a 2^46 = 64 TiB reservation succeeds, 2^48 fails, as on the H200).
     pub address_space: u64,
@@ -112,6 +114,13 @@ impl SimConfig {
         SimConfig::uniform(1, granule, capacity)
     }
 
+    /// Replaces the peer links.
+    #[must_use]
+    pub fn with_peers(mut self, peers: PeerLinks) -> Self {
+        self.peers = peers;
+        self
+    }
+
     /// Replaces the quirks.
     #[must_use]
     pub fn with_quirks(mut self, quirks: SimQuirks) -> Self {
@@ -133,10 +142,36 @@ impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
             devices: vec![SimDeviceConfig::h200()],
+            peers: PeerLinks::AllToAll,
             address_space: 1 << 47,
             quirks: SimQuirks::default(),
             latency: LatencyModel::h200(),
             latency_mode: LatencyMode::Account,
         }
+    }
+}
+
+/// The peer links of a simulated node: which devices may be given access to memory of which
+/// (both ways). A device always reaches its own memory.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PeerLinks {
+    /// Every device reaches every other (an NVLink or xGMI node).
+    #[default]
+    AllToAll,
+    /// No device reaches another's memory.
+    None,
+    /// Only these pairs of device ordinals reach each other.
+    Pairs(Vec<(u32, u32)>),
+}
+
+impl PeerLinks {
+    /// Whether `a` and `b` reach each other's memory.
+    pub fn linked(&self, a: u32, b: u32) -> bool {
+        a == b
+            || match self {
+                PeerLinks::AllToAll => true,
+                PeerLinks::None => false,
+                PeerLinks::Pairs(p) => p.iter().any(|&(x, y)| (x, y) == (a, b) || (x, y) == (b, a)),
+            }
     }
 }

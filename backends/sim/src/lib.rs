@@ -58,7 +58,8 @@ mod physical;
 mod state;
 
 pub use config::{
-    LatencyMode, SimConfig, SimDeviceConfig, SimQuirks, GIB, H200_GRANULE, H200_GRANULES, MIB,
+    LatencyMode, PeerLinks, SimConfig, SimDeviceConfig, SimQuirks, GIB, H200_GRANULE,
+    H200_GRANULES, MIB,
 };
 pub use faults::{FaultPlan, FaultRule};
 /// The cost model (defined in `kvvm-hal`, re-exported where the simulator is configured).
@@ -356,7 +357,22 @@ impl VirtualMemoryBackend for SimBackend {
         self.call(Operation::Export, |s| Ok((s.export(handle)?, 1)))
     }
 
-    fn import_posix_fd(&self, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
-        self.call(Operation::Import, |s| Ok((s.import(fd)?, 1)))
+    fn import_posix_fd(
+        &self,
+        device: DeviceId,
+        fd: BorrowedFd<'_>,
+    ) -> BackendResult<PhysicalHandle> {
+        self.call(Operation::Import, |s| {
+            s.device(Operation::Import, device)?;
+            Ok((s.import(device, fd)?, 1))
+        })
+    }
+
+    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
+        self.call(Operation::Devices, |s| {
+            s.device(Operation::Devices, device)?;
+            s.device(Operation::Devices, peer)?;
+            Ok((s.peers.linked(device.0, peer.0), 1))
+        })
     }
 }

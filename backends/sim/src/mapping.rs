@@ -119,6 +119,25 @@ impl State {
         }
         let end = end_of(op, address.0, size)?;
         let starts = self.whole_mappings(op, address.0, end)?;
+        // Access from another device needs a peer link to the memory's device (the driver
+        // refuses the whole call otherwise).
+        for s in &starts {
+            let owner = self
+                .mappings
+                .get(s)
+                .and_then(|m| self.allocations.get(&m.allocation))
+                .map(|a| a.device);
+            for d in access {
+                if let Some(owner) = owner {
+                    if d.access != Access::None && !self.peers.linked(owner.0, d.device.0) {
+                        return Err(not_supported(
+                            op,
+                            format!("{} has no peer link to {owner}", d.device),
+                        ));
+                    }
+                }
+            }
+        }
         for s in starts {
             if let Some(m) = self.mappings.get_mut(&s) {
                 for d in access {

@@ -7,7 +7,8 @@ use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 
 use kvvm_hal::{
-    AllocationProperties, BackendError, ErrorKind, Operation, PhysicalHandle, ShareableHandleType,
+    AllocationProperties, BackendError, DeviceId, ErrorKind, Operation, PhysicalHandle,
+    ShareableHandleType,
 };
 
 use crate::sim_error;
@@ -141,7 +142,13 @@ impl State {
         Ok(fd)
     }
 
-    pub(crate) fn import(&mut self, fd: BorrowedFd<'_>) -> Result<PhysicalHandle, BackendError> {
+    /// Imports on `device`: the memory must be that device's (a handle is imported where it
+    /// was created, as the drivers require).
+    pub(crate) fn import(
+        &mut self,
+        device: DeviceId,
+        fd: BorrowedFd<'_>,
+    ) -> Result<PhysicalHandle, BackendError> {
         let op = Operation::Import;
         let io = |e: std::io::Error| invalid(op, e.to_string());
         let ino = File::from(fd.try_clone_to_owned().map_err(io)?)
@@ -154,6 +161,13 @@ impl State {
             .find(|(_, a)| a.exports.iter().any(|(i, _)| *i == ino))
             .map(|(id, _)| *id)
             .ok_or_else(|| invalid(op, "descriptor was not exported by this driver"))?;
+        let owner = self.allocations.get(&id).map(|a| a.device);
+        if owner.is_some_and(|o| o != device) {
+            return Err(invalid(
+                op,
+                format!("the memory is on {}, not {device}", owner.unwrap_or(device)),
+            ));
+        }
         if let Some(a) = self.allocations.get_mut(&id) {
             a.handles += 1;
         }

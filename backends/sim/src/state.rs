@@ -51,6 +51,7 @@ pub(crate) struct Mapping {
 #[derive(Debug)]
 pub(crate) struct State {
     pub(crate) devices: Vec<SimDeviceConfig>,
+    pub(crate) peers: crate::config::PeerLinks,
     pub(crate) quirks: SimQuirks,
     pub(crate) address_space: u64,
     pub(crate) va_granule: u64,
@@ -90,6 +91,7 @@ impl State {
             .unwrap_or(1);
         State {
             devices: config.devices.clone(),
+            peers: config.peers.clone(),
             quirks: config.quirks,
             address_space: config.address_space,
             va_granule,

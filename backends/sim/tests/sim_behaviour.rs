@@ -226,7 +226,7 @@ fn export_requires_an_exportable_handle_and_import_shares_memory() {
     };
     let h = s.create(G, &fd_props).unwrap();
     let fd = s.export_posix_fd(h).unwrap();
-    let imported = s.import_posix_fd(fd.as_fd()).unwrap();
+    let imported = s.import_posix_fd(DeviceId(0), fd.as_fd()).unwrap();
     assert_ne!(imported, h);
     assert_eq!(s.ledger().allocations.len(), 2, "import adds no allocation");
     s.release(h).unwrap();
@@ -240,7 +240,9 @@ fn export_requires_an_exportable_handle_and_import_shares_memory() {
     assert!(s.ledger().is_empty());
     let stranger = std::fs::File::open("/dev/null").unwrap();
     assert_eq!(
-        s.import_posix_fd(stranger.as_fd()).unwrap_err().kind,
+        s.import_posix_fd(DeviceId(0), stranger.as_fd())
+            .unwrap_err()
+            .kind,
         ErrorKind::InvalidValue
     );
 }

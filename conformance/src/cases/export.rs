@@ -21,7 +21,9 @@ pub(crate) fn export_import_posix_fd(ctx: &Ctx<'_>) -> Outcome {
     let p = pattern(SAMPLE.min(g as usize), 27);
     ctx.backend.copy_to_device(a, &p)?;
     let fd = ctx.backend.export_posix_fd(h)?;
-    let imported = ctx.backend.import_posix_fd(std::os::fd::AsFd::as_fd(&fd))?;
+    let imported = ctx
+        .backend
+        .import_posix_fd(ctx.device, std::os::fd::AsFd::as_fd(&fd))?;
     s.track_handle(imported);
     s.map(b, g, imported)?;
     s.ro(b, g)?;

@@ -208,10 +208,24 @@ pub trait VirtualMemoryBackend: Send + Sync {
     /// Fails with `NotSupported` when [`Capabilities::posix_fd_handles`] is false.
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd>;
 
-    /// Imports a file descriptor made by [`export_posix_fd`](Self::export_posix_fd) (possibly
-    /// in another process) as a new handle to the same physical memory. The new handle is
-    /// released on its own; the memory lives until every handle is released and unmapped.
-    fn import_posix_fd(&self, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle>;
+    /// Imports, on `device` (the device the memory was created on, whose context the driver
+    /// call runs under), a file descriptor made by
+    /// [`export_posix_fd`](Self::export_posix_fd) (possibly in another process) as a new handle
+    /// to the same physical memory. The new handle is released on its own; the memory lives
+    /// until every handle is released and unmapped.
+    fn import_posix_fd(
+        &self,
+        device: DeviceId,
+        fd: BorrowedFd<'_>,
+    ) -> BackendResult<PhysicalHandle>;
+
+    /// Whether memory on `device` can be given access from `peer` (peer access: a
+    /// [`set_access`](Self::set_access) descriptor for `peer` over a mapping of `device`'s
+    /// memory). Always true for `peer == device`. The default, for backends with one device
+    /// or no peer links, says no for every other device.
+    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
+        Ok(device == peer)
+    }
 
     /// Probe kernels, for backends that can launch them (see [`KernelProbe`]).
     fn kernel_probe(&self) -> Option<&dyn KernelProbe> {

@@ -157,6 +157,7 @@ mod prefix_setup;
 mod sequence;
 mod sequence_copy;
 pub mod synthetic;
+mod tensor_parallel;
 
 pub use cache::PrefixCache;
 pub use cache_records::{
@@ -165,6 +166,7 @@ pub use cache_records::{
 pub use error::KvCacheError;
 pub use prefix::SharedDevicePrefix;
 pub use sequence::{EnsureJob, LayerPointers, SequenceKv};
+pub use tensor_parallel::TensorParallelSequence;
 
 /// The layout arithmetic (`kvvm-layout`), re-exported: every path `kvvm_kv::KvGeometry`, ...
 /// keeps working.

@@ -68,6 +68,12 @@ impl EnsureJob {
         self.job.run();
     }
 
+    /// Whether the run committed every window (`None` before it ran); see
+    /// [`kvvm_vmm::CommitJob::succeeded`].
+    pub fn succeeded(&self) -> Option<bool> {
+        self.job.succeeded()
+    }
+
     /// The token count the sequence will have committed once the job is finished.
     pub fn tokens(&self) -> u64 {
         self.tokens
@@ -399,6 +405,24 @@ impl SequenceKv {
         let commit = self.reservation.finish_commit(job.job)?;
         self.committed_tokens = self.committed_tokens.max(tokens);
         Ok(commit.bytes)
+    }
+
+    /// Undoes a job of [`begin_ensure`](Self::begin_ensure): its windows are recorded, then
+    /// released (see [`Reservation::abort_commit`](kvvm_vmm::Reservation::abort_commit)); the
+    /// committed count does not change. Returns the bytes unmapped.
+    pub fn abort_ensure(&mut self, job: EnsureJob) -> Result<u64, KvCacheError> {
+        let result = self.reservation.abort_commit(job.job);
+        if result.is_err() {
+            self.recount_committed(false);
+        }
+        Ok(result?)
+    }
+
+    /// Lowers the committed count to `n` (at most the count now) without unmapping anything:
+    /// the windows stay mapped, only fewer tokens are promised (a transaction over several
+    /// sequences undoing one's growth).
+    pub(crate) fn lower_committed(&mut self, n: u64) {
+        self.committed_tokens = self.committed_tokens.min(n);
     }
 
     /// Whether an [`EnsureJob`] begun on this sequence is not finished yet.

@@ -98,6 +98,27 @@ impl DeviceContext {
         }
     }
 
+    /// Every device that may touch this manager's memory: its own and each device given
+    /// access, once each, in order.
+    pub(crate) fn accessing_devices(&self) -> Vec<DeviceId> {
+        let mut out = vec![self.device];
+        for a in &self.access {
+            if a.access != kvvm_hal::Access::None && !out.contains(&a.device) {
+                out.push(a.device);
+            }
+        }
+        out
+    }
+
+    /// Synchronizes every device that may touch this manager's memory
+    /// ([`accessing_devices`](Self::accessing_devices)); the first failure is returned.
+    pub(crate) fn synchronize_all(&self) -> Result<(), BackendError> {
+        for d in self.accessing_devices() {
+            self.backend.synchronize(d)?;
+        }
+        Ok(())
+    }
+
     /// Refuses, in O(1), `new_bytes` of new physical memory that could never fit: more than
     /// the device holds, or than the governor's limits allow once everything but the
     /// quarantine is freed.

@@ -62,6 +62,13 @@ impl CommitJob {
     pub fn has_run(&self) -> bool {
         self.applied.is_some()
     }
+
+    /// Whether the run committed every window (`None` before it ran). A job that succeeded
+    /// and is dropped unfinished undoes its commit: how a transaction over several
+    /// reservations rolls the others back when one fails.
+    pub fn succeeded(&self) -> Option<bool> {
+        self.applied.as_ref().map(|a| a.result.is_ok())
+    }
 }
 
 impl Drop for CommitJob {
@@ -162,5 +169,16 @@ impl ReservedRange {
         };
         self.insert_blocks(applied.blocks.into_iter());
         applied.result
+    }
+
+    /// Records `job`'s blocks as `finish_commit` does, then releases exactly the windows it
+    /// committed (as `release_ranges` does: a window whose unmap fails stays recorded).
+    /// Returns the bytes unmapped.
+    pub(crate) fn abort_commit(&mut self, job: CommitJob) -> VmmResult<u64> {
+        let g = self.granule();
+        let windows: Vec<(u64, u64)> = job.offsets.iter().map(|&o| (o, g)).collect();
+        // A failed commit's result is not this call's concern: what it left is released too.
+        let _ = self.finish_commit(job);
+        self.release_ranges(&windows)
     }
 }

@@ -74,6 +74,21 @@ impl VirtualMemory {
         } else {
             config.access.clone()
         };
+        // Every other device given access must reach this one's memory (peer access).
+        for a in &access {
+            if a.device != device && a.access != kvvm_hal::Access::None {
+                let ok = backend.can_access_peer(device, a.device)?;
+                if !ok {
+                    return Err(VmmError::InvalidArgument {
+                        reason: format!(
+                            "{} cannot be given access to memory of {device}: the driver reports \
+                             no peer access between them",
+                            a.device
+                        ),
+                    });
+                }
+            }
+        }
         let inner = Arc::new(DeviceState {
             ctx: DeviceContext::new(backend, props, granule, access, governor.clone()),
             pool: HandlePool::new(config.pool_cap_bytes),

@@ -188,6 +188,14 @@ impl Reservation {
         self.range.finish_commit(job)
     }
 
+    /// Undoes a job begun here, recorded first so that a window whose unmap fails stays in
+    /// this reservation's books: runs it if it has not run, then releases exactly its windows
+    /// (a transaction over several reservations rolling back the parts that succeeded).
+    /// Returns the bytes unmapped.
+    pub fn abort_commit(&mut self, job: crate::CommitJob) -> VmmResult<u64> {
+        self.range.abort_commit(job)
+    }
+
     /// Whether a [`CommitJob`](crate::CommitJob) begun here is not finished yet.
     pub fn has_commit_in_flight(&self) -> bool {
         self.range

@@ -81,7 +81,8 @@ impl Drop for ReservedRange {
             self.insert_blocks(windows.into_iter().map(|(o, h)| Block::owned(o, h)));
         }
         if !self.blocks.is_empty() {
-            if let Err(error) = ctx.backend.synchronize(ctx.device) {
+            // Every device given access may still be using the memory.
+            if let Err(error) = ctx.synchronize_all() {
                 tracing::warn!(
                     base = %self.base,
                     blocks = self.blocks.len(),

@@ -418,8 +418,12 @@ impl VirtualMemoryBackend for FlakySetAccess {
     fn export_posix_fd(&self, h: PhysicalHandle) -> BackendResult<std::os::fd::OwnedFd> {
         self.sim.export_posix_fd(h)
     }
-    fn import_posix_fd(&self, fd: std::os::fd::BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
-        self.sim.import_posix_fd(fd)
+    fn import_posix_fd(
+        &self,
+        device: DeviceId,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> BackendResult<PhysicalHandle> {
+        self.sim.import_posix_fd(device, fd)
     }
 }
 

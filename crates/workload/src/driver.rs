@@ -195,8 +195,16 @@ impl VirtualMemoryBackend for CountingBackend {
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {
         self.inner.export_posix_fd(handle)
     }
-    fn import_posix_fd(&self, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
-        self.inner.import_posix_fd(fd)
+    fn import_posix_fd(
+        &self,
+        device: DeviceId,
+        fd: BorrowedFd<'_>,
+    ) -> BackendResult<PhysicalHandle> {
+        self.inner.import_posix_fd(device, fd)
+    }
+
+    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
+        self.inner.can_access_peer(device, peer)
     }
     fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
         self.inner.kernel_probe()

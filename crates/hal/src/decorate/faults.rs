@@ -260,9 +260,18 @@ impl VirtualMemoryBackend for FaultInjecting {
         self.inner.export_posix_fd(handle)
     }
 
-    fn import_posix_fd(&self, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
+    fn import_posix_fd(
+        &self,
+        device: DeviceId,
+        fd: BorrowedFd<'_>,
+    ) -> BackendResult<PhysicalHandle> {
         self.check(Operation::Import)?;
-        self.inner.import_posix_fd(fd)
+        self.inner.import_posix_fd(device, fd)
+    }
+
+    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
+        self.check(Operation::Devices)?;
+        self.inner.can_access_peer(device, peer)
     }
 
     fn kernel_probe(&self) -> Option<&dyn KernelProbe> {

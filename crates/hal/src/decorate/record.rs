@@ -14,6 +14,8 @@ use crate::{
 pub struct RecordedHandle {
     /// The handle.
     pub handle: PhysicalHandle,
+    /// The device it was created (or imported) on.
+    pub device: DeviceId,
     /// Its size in bytes (0 for an imported handle, whose size the import does not say).
     pub size: u64,
     /// Whether it was released (it lives on while mapped).
@@ -61,6 +63,15 @@ impl Record {
     pub fn live_bytes(&self) -> u64 {
         self.handles
             .iter()
+            .map(|h| h.size)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// Bytes of the live handles of `device`.
+    pub fn live_bytes_on(&self, device: DeviceId) -> u64 {
+        self.handles
+            .iter()
+            .filter(|h| h.device == device)
             .map(|h| h.size)
             .fold(0u64, u64::saturating_add)
     }
@@ -249,6 +260,7 @@ impl VirtualMemoryBackend for Recording {
         let mut b = lock(&self.books);
         let fresh = RecordedHandle {
             handle,
+            device: properties.device,
             size,
             released: false,
             mappings: 0,
@@ -379,11 +391,20 @@ impl VirtualMemoryBackend for Recording {
         self.inner.export_posix_fd(handle)
     }
 
-    fn import_posix_fd(&self, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
-        let handle = self.inner.import_posix_fd(fd)?;
+    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
+        self.inner.can_access_peer(device, peer)
+    }
+
+    fn import_posix_fd(
+        &self,
+        device: DeviceId,
+        fd: BorrowedFd<'_>,
+    ) -> BackendResult<PhysicalHandle> {
+        let handle = self.inner.import_posix_fd(device, fd)?;
         let mut b = lock(&self.books);
         let fresh = RecordedHandle {
             handle,
+            device,
             size: 0,
             released: false,
             mappings: 0,

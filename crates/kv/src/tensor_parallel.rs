@@ -1,0 +1,219 @@
+//! [`TensorParallelSequence`]: one request's KV cache sharded over the ranks of a
+//! tensor-parallel group (one [`SequenceKv`] per device, each holding its share of the heads),
+//! grown, shrunk and released as one.
+//!
+//! Every rank's cache grows by the same tokens at the same step. [`ensure_tokens`] is one
+//! transaction over all of them: each rank begins an [`EnsureJob`] (its windows are chosen and
+//! marked), every job runs (on one thread per rank by default: the ranks' drivers work in
+//! parallel), and only when every rank committed are the jobs finished. If any rank fails, the
+//! jobs that succeeded are undone ([`SequenceKv::abort_ensure`]: recorded, then exactly their
+//! windows released; one whose unmap fails stays in that rank's books), the failed one is
+//! finished so that whatever its rollback left mapped stays recorded, and every rank's
+//! committed count is what it was: all ranks or none.
+//! Each rank's governor charge is its own device's.
+//!
+//! Growth ahead of need is the same transaction with a larger count
+//! (`ensure_tokens(live + headroom)`); the background [`Precommitter`](crate::precommit::Precommitter)
+//! works on single sequences.
+//!
+//! [`ensure_tokens`]: TensorParallelSequence::ensure_tokens
+
+use crate::error::KvCacheError;
+use crate::sequence::{EnsureJob, SequenceKv};
+
+/// A request's KV cache over the ranks of a tensor-parallel group (see the module docs).
+#[derive(Debug)]
+pub struct TensorParallelSequence {
+    ranks: Vec<SequenceKv>,
+    parallel: bool,
+}
+
+impl TensorParallelSequence {
+    /// The group of `ranks`, one sequence per device, all of the same maximum length.
+    ///
+    /// Errors: [`KvCacheError::PlanMismatch`] when there is no rank, two ranks share a device,
+    /// or their maximum lengths differ.
+    pub fn new(ranks: Vec<SequenceKv>) -> Result<TensorParallelSequence, KvCacheError> {
+        let mismatch = |reason: String| Err(KvCacheError::PlanMismatch { reason });
+        let Some(first) = ranks.first() else {
+            return mismatch("a tensor-parallel sequence needs at least one rank".to_owned());
+        };
+        let max = first.max_tokens();
+        for (i, r) in ranks.iter().enumerate() {
+            if r.max_tokens() != max {
+                return mismatch(format!(
+                    "rank {i} holds {} tokens at most, rank 0 {max}",
+                    r.max_tokens()
+                ));
+            }
+            if ranks[..i]
+                .iter()
+                .any(|o| o.vm().device() == r.vm().device())
+            {
+                return mismatch(format!(
+                    "rank {i} is on {}, like an earlier rank",
+                    r.vm().device()
+                ));
+            }
+        }
+        let parallel = ranks.len() > 1;
+        Ok(TensorParallelSequence { ranks, parallel })
+    }
+
+    /// Whether the ranks' driver calls run on one thread per rank (the default with more
+    /// than one rank) or one rank after the other (deterministic call order, for tests).
+    #[must_use]
+    pub fn with_parallel(mut self, parallel: bool) -> Self {
+        self.parallel = parallel;
+        self
+    }
+
+    /// The ranks, in order.
+    pub fn ranks(&self) -> &[SequenceKv] {
+        &self.ranks
+    }
+
+    /// The ranks, to write and read their tokens.
+    pub fn ranks_mut(&mut self) -> &mut [SequenceKv] {
+        &mut self.ranks
+    }
+
+    /// Gives the ranks back.
+    pub fn into_ranks(self) -> Vec<SequenceKv> {
+        self.ranks
+    }
+
+    /// Tokens committed on every rank.
+    pub fn committed_tokens(&self) -> u64 {
+        self.ranks
+            .iter()
+            .map(SequenceKv::committed_tokens)
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Makes the first `n` tokens committed on every rank, as one transaction (see the module
+    /// docs). Returns the bytes committed over all ranks. On error every rank has the
+    /// committed count it had, and the error is the first rank's that failed.
+    pub fn ensure_tokens(&mut self, n: u64) -> Result<u64, KvCacheError> {
+        let before: Vec<u64> = self
+            .ranks
+            .iter()
+            .map(SequenceKv::committed_tokens)
+            .collect();
+        let span = tracing::debug_span!("kv.tp_ensure", ranks = self.ranks.len(), tokens = n);
+        let _e = span.enter();
+        // Begin on every rank; a refusal ends the transaction before any driver call.
+        let mut jobs: Vec<Option<EnsureJob>> = Vec::with_capacity(self.ranks.len());
+        for r in &mut self.ranks {
+            match r.begin_ensure(n) {
+                Ok(job) => jobs.push(job),
+                Err(e) => {
+                    drop(jobs);
+                    self.restore(&before);
+                    return Err(e);
+                }
+            }
+        }
+        if self.parallel {
+            std::thread::scope(|s| {
+                for job in jobs.iter_mut().flatten() {
+                    s.spawn(move || job.run());
+                }
+            });
+        } else {
+            for job in jobs.iter_mut().flatten() {
+                job.run();
+            }
+        }
+        let all_ok = jobs.iter().flatten().all(|j| j.succeeded() == Some(true));
+        if all_ok {
+            let mut bytes = 0u64;
+            let mut first_error = None;
+            for (r, job) in self.ranks.iter_mut().zip(jobs) {
+                if let Some(job) = job {
+                    match r.finish_ensure(job) {
+                        Ok(b) => bytes = bytes.saturating_add(b),
+                        Err(e) => {
+                            first_error.get_or_insert(e);
+                        }
+                    }
+                }
+            }
+            return match first_error {
+                None => Ok(bytes),
+                Some(e) => {
+                    // Recording a successful job cannot fail; if it did, promise nothing new.
+                    self.restore(&before);
+                    Err(e)
+                }
+            };
+        }
+        // Roll back: undo the ranks that committed (their windows released again, any that
+        // cannot be unmapped kept in their books), record what the failed ones left.
+        let mut first_error = None;
+        let mut undo_error = None;
+        for (r, job) in self.ranks.iter_mut().zip(jobs) {
+            match job {
+                Some(job) if job.succeeded() == Some(true) => {
+                    if let Err(e) = r.abort_ensure(job) {
+                        undo_error.get_or_insert(e);
+                    }
+                }
+                Some(job) => {
+                    if let Err(e) = r.finish_ensure(job) {
+                        first_error.get_or_insert(e);
+                    }
+                }
+                None => {}
+            }
+        }
+        if let Some(e) = undo_error {
+            tracing::warn!(error = %e, "undoing a rank's commit left windows mapped (recorded)");
+        }
+        self.restore(&before);
+        tracing::debug!("tensor-parallel commit failed; every rank rolled back");
+        Err(first_error.unwrap_or_else(|| KvCacheError::PlanMismatch {
+            reason: "a rank's commit failed without an error".to_owned(),
+        }))
+    }
+
+    /// Every rank back to its committed count of `before` (windows stay mapped).
+    fn restore(&mut self, before: &[u64]) {
+        for (r, &b) in self.ranks.iter_mut().zip(before) {
+            r.lower_committed(b);
+        }
+    }
+
+    /// [`SequenceKv::shrink_committed`] on every rank; the first error after every rank was
+    /// processed. Returns the bytes unmapped over all ranks.
+    pub fn shrink_committed(&mut self, n: u64) -> Result<u64, KvCacheError> {
+        self.each(|r| r.shrink_committed(n))
+    }
+
+    /// [`SequenceKv::release`] on every rank; the first error after every rank was processed.
+    /// Returns the bytes unmapped over all ranks.
+    pub fn release(&mut self) -> Result<u64, KvCacheError> {
+        self.each(SequenceKv::release)
+    }
+
+    fn each(
+        &mut self,
+        mut f: impl FnMut(&mut SequenceKv) -> Result<u64, KvCacheError>,
+    ) -> Result<u64, KvCacheError> {
+        let mut bytes = 0u64;
+        let mut first_error = None;
+        for r in &mut self.ranks {
+            match f(r) {
+                Ok(b) => bytes = bytes.saturating_add(b),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match first_error {
+            None => Ok(bytes),
+            Some(e) => Err(e),
+        }
+    }
+}
