@@ -6,10 +6,13 @@ use kvvm_sim::{SimBackend, SimConfig, SimQuirks, GIB, MIB};
 
 const KIB: u64 = 1024;
 
-/// Cases that need a GPU and are therefore skipped on the simulator.
-const GPU_ONLY: [&str; 2] = [
+/// Cases that need a GPU (or, for the peer cases, a second device) and are therefore skipped
+/// on a one-device simulator.
+const GPU_ONLY: [&str; 4] = [
     "kernel_load_through_read_alias",
     "kernel_store_through_read_alias_faults",
+    "peer_access_is_reported_consistently",
+    "peer_reads_through_a_shared_mapping",
 ];
 
 fn run(config: SimConfig) -> Report {
@@ -157,4 +160,44 @@ fn unavailable_backend_skips_every_case() {
         .cases
         .iter()
         .all(|c| c.reason.as_deref() == Some("no CUDA driver")));
+}
+
+#[test]
+fn peer_cases_pass_on_several_devices_and_skip_without_links() {
+    use kvvm_hal::DeviceId;
+    use kvvm_sim::PeerLinks;
+    for devices in [2u32, 4, 8] {
+        for d in 0..devices {
+            let sim = SimBackend::new(SimConfig::uniform(devices, 64 * KIB, 256 * MIB));
+            let options = RunOptions {
+                device: DeviceId(d),
+                ..RunOptions::default()
+            };
+            let report = run_suite(&sim, &options);
+            assert_eq!(
+                report.failed,
+                0,
+                "{devices} devices, device {d}: {}",
+                report.to_table()
+            );
+            for name in [
+                "peer_access_is_reported_consistently",
+                "peer_reads_through_a_shared_mapping",
+            ] {
+                let c = report.case(name).unwrap();
+                assert_eq!(c.status, Status::Pass, "{name}: {:?}", c.reason);
+            }
+            assert!(sim.ledger().is_empty());
+        }
+    }
+    let lonely =
+        SimBackend::new(SimConfig::uniform(2, 64 * KIB, 256 * MIB).with_peers(PeerLinks::None));
+    let report = run_suite(&lonely, &RunOptions::default());
+    assert_eq!(report.failed, 0, "{}", report.to_table());
+    let c = report.case("peer_reads_through_a_shared_mapping").unwrap();
+    assert_eq!(c.status, Status::Skip);
+    assert!(c
+        .reason
+        .as_deref()
+        .is_some_and(|r| r.contains("no peer access")));
 }

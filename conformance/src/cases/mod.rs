@@ -7,6 +7,7 @@ pub(crate) mod devices;
 pub(crate) mod export;
 pub(crate) mod kernels;
 pub(crate) mod map;
+pub(crate) mod peers;
 pub(crate) mod reserve;
 pub(crate) mod stress;
 pub(crate) mod unmap;
@@ -179,6 +180,14 @@ pub fn all_cases() -> Vec<Case> {
         case!(
             kernels::kernel_store_through_read_alias_faults,
             "a kernel store through a Read alias faults (child process)"
+        ),
+        case!(
+            peers::peer_access_is_reported_consistently,
+            "a device reaches its own memory; peer access is symmetric"
+        ),
+        case!(
+            peers::peer_reads_through_a_shared_mapping,
+            "memory given Read access from a peer device is read there"
         ),
     ]
 }
