@@ -1,24 +1,31 @@
 //! `kvvm serve`: the HTTP server over the memory manager (see `docs/serve.md`).
 
+use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clap::Args;
-use kvvm::DeviceId;
-use kvvm_layout::{KvDtype, KvLayout};
+use kvvm::{DeviceId, VirtualMemoryBackend};
+use kvvm_layout::{KvDtype, KvGeometry, KvLayout};
+use kvvm_num::format_size;
 use kvvm_server::{ServiceConfig, DEFAULT_BODY_LIMIT};
+
+use crate::backend;
+use crate::error::{failed, CliError, CliResult};
+use crate::flags::{self, MAX_CONTEXT_TOKENS};
+use crate::output::Out;
 
 /// Arguments of `kvvm serve`.
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// Backend: auto (CUDA, else HIP, else the simulator, with a notice), cuda, hip or sim.
+    /// Backend: auto (CUDA, else HIP, else the simulator, with a notice), cuda, hip, sim or host.
     #[arg(long, default_value = "auto")]
     backend: String,
     /// Address to listen on (port 0: any free port, printed at start).
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: String,
-    /// Device memory budget in bytes (suffixes KiB, MiB, GiB, TiB accepted); default: the
-    /// device's free memory at start.
-    #[arg(long, value_parser = parse_bytes)]
+    /// Device memory budget (8GiB, 512MiB or bytes; at most the device's memory); default:
+    /// the device's free memory at start.
+    #[arg(long, value_parser = flags::size_in(1, u64::MAX))]
     budget_bytes: Option<u64>,
     /// Model preset (llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b).
     #[arg(long, default_value = "llama-3-8b")]
@@ -30,52 +37,70 @@ pub struct ServeArgs {
     #[arg(long, default_value = "fp16")]
     dtype: String,
     /// The model's context limit: the largest max_tokens a sequence may ask for.
-    #[arg(long, default_value_t = 8192)]
+    #[arg(long, default_value_t = 8192, value_parser = flags::int_in::<u64>(1, MAX_CONTEXT_TOKENS))]
     max_tokens: u64,
-    /// Device index.
-    #[arg(long, default_value_t = 0)]
+    /// Device index (one the backend has).
+    #[arg(long, default_value_t = 0, value_parser = flags::int_in::<u32>(0, u64::from(u32::MAX)))]
     device: u32,
-    /// Most bytes of released handles kept for reuse (default: the manager's, 1 GiB).
-    #[arg(long, value_parser = parse_bytes)]
+    /// Most bytes of released handles kept for reuse (a size; default: the manager's, 1GiB).
+    #[arg(long, value_parser = flags::size_in(0, u64::MAX))]
     pool_cap_bytes: Option<u64>,
     /// Do not look prompts sent with token_ids up in the prefix cache (no sharing).
     #[arg(long)]
     no_prefix_cache: bool,
-    /// Largest request body accepted, in bytes (larger: 413).
-    #[arg(long, value_parser = parse_bytes, default_value_t = DEFAULT_BODY_LIMIT as u64)]
+    /// Largest request body accepted (a size from 1KiB to 1GiB; larger bodies: 413).
+    #[arg(long, default_value_t = DEFAULT_BODY_LIMIT as u64, value_parser = flags::size_in(1 << 10, 1 << 30))]
     body_limit_bytes: u64,
 }
 
-/// `N`, or `N` followed by KiB, MiB, GiB or TiB (or K, M, G, T).
-fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (digits, unit) = s.split_at(split);
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{s:?} is not a byte count (e.g. 8589934592 or 8GiB)"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kib" => 10,
-        "m" | "mib" => 20,
-        "g" | "gib" => 30,
-        "t" | "tib" => 40,
-        other => return Err(format!("unknown unit {other:?} (use KiB, MiB, GiB or TiB)")),
-    };
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("{s:?} does not fit in 64 bits"))
+/// The budget must fit in the device: a larger one would promise memory that is not there.
+fn check_budget(
+    budget: Option<u64>,
+    backend: &dyn VirtualMemoryBackend,
+    device: u32,
+) -> CliResult<()> {
+    let Some(budget) = budget else { return Ok(()) };
+    let devices = backend.devices().map_err(failed)?;
+    let total = devices
+        .iter()
+        .find(|d| d.id == DeviceId(device))
+        .map(|d| d.total_memory)
+        .unwrap_or(0);
+    if total > 0 && budget > total {
+        return Err(CliError::Failed(format!(
+            "--budget-bytes {} ({budget} bytes) exceeds the memory of device {device} of backend {} ({}): allowed 1 B..={}",
+            format_size(budget),
+            backend.name(),
+            format_size(total),
+            format_size(total)
+        )));
+    }
+    Ok(())
 }
 
 /// Serves until Ctrl-C or SIGTERM, then releases everything.
-pub fn run(args: &ServeArgs) -> Result<ExitCode, String> {
-    let dtype: KvDtype = args.dtype.parse().map_err(|e| format!("{e}"))?;
-    let layout: KvLayout = args.layout.parse().map_err(|e| format!("{e}"))?;
+pub fn run(args: &ServeArgs, out: Out<'_>) -> CliResult<ExitCode> {
+    let dtype: KvDtype = args.dtype.parse().map_err(failed)?;
+    let layout: KvLayout = args.layout.parse().map_err(failed)?;
+    KvGeometry::preset(&args.model, dtype, args.max_tokens).map_err(failed)?;
+    args.listen.parse::<SocketAddr>().map_err(|_| {
+        CliError::Failed(format!(
+            "--listen {:?} is not an address (write IP:PORT, e.g. 127.0.0.1:8080; port 0 picks a free one)",
+            args.listen
+        ))
+    })?;
     let body_limit = usize::try_from(args.body_limit_bytes)
-        .map_err(|_| "--body-limit-bytes is too large".to_owned())?;
-    let opened = kvvm::open_backend_verbose(&args.backend).map_err(|e| e.to_string())?;
-    if let Some(notice) = &opened.notice {
-        eprintln!("kvvm serve: {notice}");
-    }
+        .map_err(|_| CliError::Failed("--body-limit-bytes is too large".to_owned()))?;
+    backend::check_name(&args.backend)?;
+    let opened = backend::open("serve", &args.backend)?;
+    let devices = opened.backend.devices().map_err(failed)?;
+    flags::check_device(
+        "--device",
+        args.device,
+        opened.backend.name(),
+        devices.len(),
+    )?;
+    check_budget(args.budget_bytes, &*opened.backend, args.device)?;
     let backend_name = opened.backend.name().to_owned();
     let config = ServiceConfig {
         backend: opened.backend,
@@ -88,48 +113,45 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode, String> {
         pool_cap_bytes: args.pool_cap_bytes,
         prefix_cache: !args.no_prefix_cache,
     };
-    let report =
-        kvvm_server::serve_until_signal(config, &args.listen, body_limit, |addr, s| {
-            let budget = s
-                .governor()
-                .device_budget(DeviceId(args.device))
-                .map_or("unlimited".to_owned(), |b| format!("{b} bytes"));
-            println!(
+    let mut first_line: std::io::Result<()> = Ok(());
+    let report = kvvm_server::serve_until_signal(config, &args.listen, body_limit, |addr, s| {
+        let budget = s
+            .governor()
+            .device_budget(DeviceId(args.device))
+            .map_or("unlimited".to_owned(), |b| {
+                format!("{} ({b} bytes)", format_size(b))
+            });
+        let granule = s.manager().granule();
+        first_line = writeln!(
+            out,
             "kvvm serve: listening on http://{addr} (backend {backend_name}, {} {dtype} {layout}, \
-             max {} tokens, granule {} bytes, budget {budget}, prefix cache {}); Ctrl-C to stop",
+             max {} tokens, granule {} ({granule} bytes), budget {budget}, prefix cache {}); Ctrl-C to stop",
             s.model(),
             s.max_tokens(),
-            s.manager().granule(),
+            format_size(granule),
             s.prefix_cache()
                 .map_or("off".to_owned(), |c| format!("on, {}-token blocks", c.block_tokens())),
-        );
-        })
-        .map_err(|e| e.to_string())?;
-    println!(
-        "kvvm serve: stopped; released {} sequences ({} bytes){}",
+        )
+        .and_then(|()| out.flush());
+    })
+    .map_err(failed)?;
+    // A reader that went away after the first line (`kvvm serve | head -1`) is not an error.
+    if let Err(e) = first_line {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            return Err(e.into());
+        }
+    }
+    writeln!(
+        out,
+        "kvvm serve: stopped; released {} sequences ({}, {} bytes){}",
         report.sequences,
+        format_size(report.released_bytes),
         report.released_bytes,
         if report.failures > 0 {
             format!(", {} releases failed (quarantined)", report.failures)
         } else {
             String::new()
         }
-    );
+    )?;
     Ok(ExitCode::SUCCESS)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_bytes;
-
-    #[test]
-    fn byte_counts_with_units() {
-        assert_eq!(parse_bytes("1024"), Ok(1024));
-        assert_eq!(parse_bytes("8GiB"), Ok(8 << 30));
-        assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
-        assert_eq!(parse_bytes("2k"), Ok(2048));
-        assert!(parse_bytes("lots").is_err());
-        assert!(parse_bytes("1XB").is_err());
-        assert!(parse_bytes("99999999TiB").is_err());
-    }
 }
