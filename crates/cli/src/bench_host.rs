@@ -82,7 +82,7 @@ pub fn run(args: &HostBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
         .granularity(&kvvm::AllocationProperties::device(DeviceId(0)))
         .map_err(failed)?
         .recommended;
-    if granule == 0 || args.bytes % granule != 0 {
+    if granule == 0 || !args.bytes.is_multiple_of(granule) {
         return Err(CliError::Failed(format!(
             "--bytes {} ({} bytes) is not a multiple of the host granule ({}): try {}",
             format_size(args.bytes),

@@ -120,7 +120,8 @@ pub fn run(args: &SimulateArgs, out: Out<'_>) -> CliResult<ExitCode> {
         .map(|s| s.ledger().is_empty())
         .or_else(|| run.host.as_ref().map(|h| h.ledger().is_empty()));
     if let Some(path) = &args.plot {
-        std::fs::write(path, render_svg(&report))
+        let svg = render_svg(&report).map_err(failed)?;
+        std::fs::write(path, svg)
             .map_err(|e| CliError::Failed(format!("cannot write {}: {e}", path.display())))?;
     }
     if args.json {

@@ -17,4 +17,4 @@ mod size;
 
 pub use checked::{add, mul, to_u64, to_usize, CheckedInt, Overflow};
 pub use rng::{mix64, SplitMix64};
-pub use size::{format_size, parse_size, SizeError};
+pub use size::{format_size, format_size_fixed, parse_size, SizeError};

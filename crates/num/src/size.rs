@@ -106,7 +106,7 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
         .map_err(|_| SizeError::NotANumber(s.to_owned()))?;
     let denominator = 10u128.pow(u32::try_from(frac.len()).unwrap_or(18));
     let scaled = numerator << shift;
-    if scaled % denominator != 0 {
+    if !scaled.is_multiple_of(denominator) {
         return Err(SizeError::Fractional(s.to_owned()));
     }
     let extra = u64::try_from(scaled / denominator).map_err(|_| too_large())?;
@@ -137,6 +137,27 @@ pub fn format_size(bytes: u64) -> String {
     let text = format!("{value:.2}");
     let text = text.trim_end_matches('0').trim_end_matches('.');
     format!("{text} {name}")
+}
+
+/// Like [`format_size`] but always with two decimals (`8.00 GiB`, `5.20 GiB`, `512 B`), so
+/// that the figures of a table column line up.
+///
+/// ```
+/// use kvvm_num::format_size_fixed;
+/// assert_eq!(format_size_fixed(5_583_457_485), "5.20 GiB");
+/// assert_eq!(format_size_fixed(40 << 30), "40.00 GiB");
+/// ```
+pub fn format_size_fixed(bytes: u64) -> String {
+    let (name, shift) = UNITS
+        .iter()
+        .rev()
+        .find(|(_, shift)| bytes >> shift > 0)
+        .copied()
+        .unwrap_or(("B", 0));
+    if shift == 0 {
+        return format!("{bytes} B");
+    }
+    format!("{:.2} {name}", bytes as f64 / (1u64 << shift) as f64)
 }
 
 #[cfg(test)]
