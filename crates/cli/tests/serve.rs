@@ -52,7 +52,7 @@ fn serve_answers_and_releases_everything_on_sigterm() {
     let mut first = String::new();
     stdout.read_line(&mut first).unwrap();
     assert!(first.contains("listening on http://127.0.0.1:"), "{first}");
-    assert!(first.contains("backend sim") && first.contains("budget 1073741824 bytes"));
+    assert!(first.contains("backend sim") && first.contains("budget 1 GiB (1073741824 bytes)"));
     let addr = first
         .split("http://")
         .nth(1)
@@ -101,6 +101,12 @@ fn serve_answers_and_releases_everything_on_sigterm() {
     stdout.read_to_string(&mut rest).unwrap();
     assert!(status.success(), "{status:?}: {rest}");
     assert!(rest.contains("released 1 sequences"), "{rest}");
+    let stderr = {
+        let mut e = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+        e
+    };
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 #[test]
@@ -116,5 +122,37 @@ fn serve_rejects_bad_flags() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("gpt-9"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("gpt-9"), "{stderr}");
+    // Flags are checked before the backend is opened: no `auto` notice before the error.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--model", "gpt-9"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!stderr.contains("auto:"), "{stderr}");
+    for (args, flag) in [
+        (vec!["--budget-bytes", "0"], "--budget-bytes"),
+        (vec!["--budget-bytes", "99999TiB"], "--budget-bytes"),
+        (vec!["--max-tokens", "0"], "--max-tokens"),
+        (vec!["--device", "5"], "--device 5"),
+        (vec!["--listen", "nowhere"], "--listen"),
+        (vec!["--body-limit-bytes", "-1"], "--body-limit-bytes"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+            .args(["serve", "--backend", "sim"])
+            .args(&args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(flag), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("allowed")
+                || stderr.contains("has 1 device")
+                || stderr.contains("not an address"),
+            "{args:?}: {stderr}"
+        );
+    }
 }
