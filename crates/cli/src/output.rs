@@ -1,6 +1,6 @@
 //! Where output goes. Commands write their report to the `out` they are given (stdout in the
 //! binary) with `writeln!(out, ...)?`, so a write error (a closed pipe) becomes a
-//! [`CliError::Output`](crate::error::CliError) instead of the panic of `println!`.
+//! `CliError::Output` instead of the panic of `println!`.
 //! Notices and progress go to stderr through [`note`], which never fails.
 
 use std::fmt::Display;

@@ -88,6 +88,11 @@ pub mod prelude {
 
 use std::sync::Arc;
 
+/// The README's Rust examples, compiled and run as doc tests (`cargo test -p kvvm --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
+
 /// The names [`open_backend`] accepts.
 pub const BACKEND_NAMES: [&str; 5] = ["auto", "cuda", "hip", "sim", "host"];
 
@@ -264,6 +269,15 @@ mod tests {
                 notice.contains("cuda") && notice.contains("hip"),
                 "{notice}"
             );
+            let names: Vec<&str> = o
+                .passed_over
+                .iter()
+                .map(|e| match e {
+                    OpenError::Backend { name, .. } => name.as_str(),
+                    OpenError::UnknownBackend(n) => n.as_str(),
+                })
+                .collect();
+            assert_eq!(names, ["cuda", "hip"]);
             println!("skipped: no CUDA driver (auto fell back: {notice})");
         }
     }
