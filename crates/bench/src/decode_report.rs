@@ -103,7 +103,13 @@ impl DecodeLoopReport {
     /// A Markdown table of the figures: sizes in binary units with the exact bytes, times as
     /// measured (labelled when they come from the simulated driver).
     pub fn to_markdown(&self) -> String {
-        let size = |b: u64| format!("{} ({b} B)", format_size(b));
+        let size = |b: u64| {
+            if b < 1024 {
+                format!("{b} B")
+            } else {
+                format!("{} ({b} B)", format_size(b))
+            }
+        };
         let mut s = String::new();
         let _ = writeln!(
             s,

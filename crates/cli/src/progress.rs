@@ -80,16 +80,17 @@ fn line(label: &str, state: &State, elapsed: Duration) -> String {
     )
 }
 
+fn bar_style() -> ProgressStyle {
+    ProgressStyle::with_template("kvvm {prefix} [{bar:30}] {percent:>3}% {msg} ({elapsed})")
+        .map(|s| s.progress_chars("#>."))
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+}
+
 fn bar_for(label: &str, total: Option<u64>) -> ProgressBar {
     let bar = match total {
         Some(n) => {
             let b = ProgressBar::with_draw_target(Some(n), ProgressDrawTarget::stderr());
-            let style = ProgressStyle::with_template(
-                "kvvm {prefix} [{bar:30}] {percent:>3}% {msg} ({elapsed})",
-            )
-            .map(|s| s.progress_chars("#>."))
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
-            b.set_style(style);
+            b.set_style(bar_style());
             b
         }
         None => {
@@ -156,6 +157,10 @@ impl Progress {
         let message = message.into();
         if let Some(bar) = &self.bar {
             if let Some(t) = total {
+                // A spinner becomes a bar once the amount of work is known.
+                if bar.length().is_none() {
+                    bar.set_style(bar_style());
+                }
                 bar.set_length(t);
             }
             bar.set_position(done);

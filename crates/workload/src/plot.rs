@@ -12,7 +12,7 @@ use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::error::{WorkloadError, WorkloadResult};
-use crate::report::{Sample, SimulationReport};
+use crate::report::{PolicyReport, Sample, SimulationReport};
 
 const FONT: &str = "sans-serif";
 /// Font sizes as given to plotters (the SVG's `font-size` is this / 1.24).
@@ -78,26 +78,30 @@ fn svg_px(size: f64) -> f64 {
 }
 
 fn styles(report: &SimulationReport) -> Vec<SeriesStyle> {
-    let n = report.policies.len();
-    (0..n)
-        .map(|i| {
-            let p = &report.policies[i];
-            let same_as = report.policies[..i]
+    let policies = &report.policies;
+    policies
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let same_as = policies
                 .iter()
+                .take(i)
                 .find(|q| q.samples == p.samples)
                 .map(|q| q.name.clone());
             SeriesStyle {
-                color: COLORS[i % COLORS.len()],
+                color: COLORS.get(i % COLORS.len()).copied().unwrap_or(BLACK),
                 dashed: p.name.ends_with("+prefix") || same_as.is_some(),
-                marker: MARKERS[i % MARKERS.len()],
+                marker: MARKERS
+                    .get(i % MARKERS.len())
+                    .copied()
+                    .unwrap_or(Marker::Disc),
                 same_as,
             }
         })
         .collect()
 }
 
-fn legend_label(report: &SimulationReport, i: usize) -> String {
-    let p = &report.policies[i];
+fn legend_label(p: &PolicyReport) -> String {
     format!(
         "{} (peak {:.2} GiB)",
         p.name,
@@ -180,8 +184,8 @@ fn text_style(size: f64, color: &RGBColor, anchor: Pos) -> TextStyle<'_> {
 /// wide as the title.
 fn canvas_width(report: &SimulationReport, styles: &[SeriesStyle], title: &str) -> u32 {
     let mut legend = text_width("policy (peak committed)", svg_px(TEXT_SIZE));
-    for (i, s) in styles.iter().enumerate() {
-        legend = legend.max(50.0 + text_width(&legend_label(report, i), svg_px(TEXT_SIZE)));
+    for (p, s) in report.policies.iter().zip(styles) {
+        legend = legend.max(50.0 + text_width(&legend_label(p), svg_px(TEXT_SIZE)));
         if let Some(note) = legend_note(s) {
             legend = legend.max(50.0 + text_width(&note, svg_px(NOTE_SIZE)));
         }
@@ -343,11 +347,11 @@ fn draw_legend(
         }
         Ok(())
     };
-    for (i, style) in styles.iter().enumerate() {
+    for (p, style) in report.policies.iter().zip(styles) {
         sample(y, &shape(style, 3), style.dashed)?;
         draw_marker(area, (16, y), style)?;
         area.draw(&Text::new(
-            legend_label(report, i),
+            legend_label(p),
             (42, y),
             text_style(TEXT_SIZE, &BLACK, left),
         ))
