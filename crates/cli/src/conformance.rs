@@ -5,13 +5,13 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvvm_conformance::{
-    all_cases, run_suite_with_progress, unavailable_report, ChildRunner, Report, RunOptions, Status,
+    all_cases, run_suite_with_progress, unavailable_report, ChildRunner, Report, RunOptions,
 };
 
 use crate::backend;
 use crate::error::{CliError, CliResult};
 use crate::flags;
-use crate::junit::{self, JunitCase, JunitOutcome};
+use crate::junit;
 use crate::output::{self, note, Out};
 use crate::progress::Progress;
 
@@ -51,35 +51,6 @@ fn check_filters(filters: &[String]) -> CliResult<()> {
         }
     }
     Ok(())
-}
-
-fn junit_of(report: &Report) -> String {
-    let classname = format!("kvvm.conformance.{}", report.backend);
-    let cases: Vec<JunitCase> = report
-        .cases
-        .iter()
-        .map(|c| {
-            let reason = c.reason.clone().unwrap_or_default();
-            JunitCase {
-                name: c.name.clone(),
-                classname: classname.clone(),
-                seconds: c.micros as f64 / 1e6,
-                outcome: match c.status {
-                    Status::Pass => JunitOutcome::Passed,
-                    Status::Fail => JunitOutcome::Failed(reason),
-                    Status::Skip => JunitOutcome::Skipped(reason),
-                },
-            }
-        })
-        .collect();
-    junit::render(
-        "kvvm conformance",
-        &[
-            ("backend", report.backend.clone()),
-            ("device", report.device.clone()),
-        ],
-        &cases,
-    )
 }
 
 fn run_report(args: &ConformanceArgs) -> CliResult<Report> {
@@ -135,8 +106,7 @@ pub fn run(args: &ConformanceArgs, out: Out<'_>) -> CliResult<ExitCode> {
     check_filters(&args.cases)?;
     let report = run_report(args)?;
     if let Some(path) = &args.junit {
-        std::fs::write(path, junit_of(&report))
-            .map_err(|e| CliError::Failed(format!("cannot write {}: {e}", path.display())))?;
+        junit::write_report(path, "kvvm conformance", "conformance", &report)?;
     }
     if args.json {
         output::text(out, &report.to_json())?;

@@ -1,8 +1,14 @@
 //! JUnit XML reports (`--junit FILE`), the format CI systems ingest: one `<testsuite>` per
 //! run, one `<testcase>` per case, `<failure>` and `<skipped>` with their reasons. Written
-//! for any suite (`kvvm conformance`, and any later one) from a list of [`JunitCase`]s.
+//! for any suite from a list of [`JunitCase`]s ([`render`]), or straight from a suite
+//! [`Report`] of pass/fail/skip cases ([`write_report`]).
 
 use std::fmt::Write as _;
+use std::path::Path;
+
+use kvvm_conformance::{Report, Status};
+
+use crate::error::{CliError, CliResult};
 
 /// The outcome of one case.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -110,6 +116,42 @@ pub fn render(name: &str, properties: &[(&str, String)], cases: &[JunitCase]) ->
     }
     x.push_str("  </testsuite>\n</testsuites>\n");
     x
+}
+
+/// The cases of a suite report (`classname` `kvvm.<suite>.<backend>`).
+pub fn cases_of(suite: &str, report: &Report) -> Vec<JunitCase> {
+    let classname = format!("kvvm.{suite}.{}", report.backend);
+    report
+        .cases
+        .iter()
+        .map(|c| {
+            let reason = c.reason.clone().unwrap_or_default();
+            JunitCase {
+                name: c.name.clone(),
+                classname: classname.clone(),
+                seconds: c.micros as f64 / 1e6,
+                outcome: match c.status {
+                    Status::Pass => JunitOutcome::Passed,
+                    Status::Fail => JunitOutcome::Failed(reason),
+                    Status::Skip => JunitOutcome::Skipped(reason),
+                },
+            }
+        })
+        .collect()
+}
+
+/// Writes `report` of suite `suite` (titled `title`) to `path` as JUnit XML.
+pub fn write_report(path: &Path, title: &str, suite: &str, report: &Report) -> CliResult<()> {
+    let xml = render(
+        title,
+        &[
+            ("backend", report.backend.clone()),
+            ("device", report.device.clone()),
+        ],
+        &cases_of(suite, report),
+    );
+    std::fs::write(path, xml)
+        .map_err(|e| CliError::Failed(format!("cannot write {}: {e}", path.display())))
 }
 
 #[cfg(test)]
