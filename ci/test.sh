@@ -70,6 +70,8 @@ info --json
 conformance --backend sim
 conformance --backend sim --json
 conformance --backend cuda
+behaviour --backend sim --faults single
+behaviour --backend sim --faults none --json
 plan --model llama-3-8b --prefix 4096
 plan --model llama-3-8b --json
 bench vmm --backend sim --quick
@@ -122,6 +124,23 @@ assert b["ledger_empty_after_run"] is True, b
 print(f"host simulate: ledger empty; bench kv: {k['bytes_verified']} bytes verified, "
       f"copy/attach {k['copy_median_us'] / max(k['attach_median_us'], 1e-9):.0f}x; "
       f"bench host: memcpy/attach {b['memcpy_over_attach']:.0f}x")
+PY
+
+echo "== the behaviour suite (every single and double fault) on the simulated and host backends"
+for b in sim host; do
+  cargo run --release -q -p kvvm-cli -- behaviour --backend "$b" --json > "target/behaviour-$b.json"
+done
+python3 - <<'PY'
+import json
+for b in ("sim", "host"):
+    r = json.load(open(f"target/behaviour-{b}.json"))
+    bad = [c for c in r["cases"] if c["status"] != "pass"]
+    assert r["failed"] == 0 and not bad, bad
+    assert r["depth"] == "pairs" and len(r["faults"]) >= 17, r["faults"]
+    assert all(f["steps"] > 0 for f in r["faults"]), r["faults"]
+    assert r["driver_free_before"] == r["driver_free_after"], r
+    print(f"{b} behaviour: {r['passed']} passed, {r['failed']} failed; "
+          f"{r['fault_runs']} fault runs, {r['faults_fired']} faults fired, driver free memory unchanged")
 PY
 
 echo "== conformance on the GPU backends (skips expected without a GPU)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine from the repository root: bash gpu-bundle/run.sh [all|info|conformance|tests|serve|simulate|bench]
+# Runs on the GPU machine from the repository root: bash gpu-bundle/run.sh [all|info|conformance|behaviour|tests|serve|simulate|bench]
 # Writes every result under $OUT (or gpu-out/ when OUT is unset).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -49,6 +49,35 @@ fi
 if [ "$only" = all ] || [ "$only" = simulate ]; then
   echo "== kvvm simulate on CUDA"
   "$here/kvvm" simulate --backend cuda --plot "$out/simulate-cuda.svg"
+fi
+
+if [ "$only" = all ] || [ "$only" = behaviour ]; then
+  echo "== behaviour suite with every single and double fault: cuda, hip through the shim"
+  free_mib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -n 1; }
+  echo "GPU memory used before: $(free_mib) MiB"
+  "$here/kvvm" behaviour --backend cuda --json > "$out/behaviour-cuda.json"; echo "cuda exit $?"
+  KVVM_HIP_LIBRARY="$here/libhip_on_cuda.so" "$here/kvvm" behaviour --backend hip --json \
+    > "$out/behaviour-hip-shim.json"; echo "hip exit $?"
+  echo "GPU memory used after: $(free_mib) MiB"
+  if command -v compute-sanitizer > /dev/null; then
+    echo "== the same cuda run under compute-sanitizer --tool memcheck"
+    compute-sanitizer --tool memcheck --show-backtrace no --print-limit 20 \
+      --log-file "$out/memcheck.txt" \
+      "$here/kvvm" behaviour --backend cuda --json > "$out/behaviour-cuda-memcheck.json"
+    echo "memcheck exit $?"
+    tail -n 5 "$out/memcheck.txt"
+    echo "API errors reported: $(grep -c 'Program hit' "$out/memcheck.txt")"
+  fi
+  for f in behaviour-cuda behaviour-hip-shim behaviour-cuda-memcheck; do
+    python3 - "$out/$f.json" <<'PY' || true
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+bad = [(c["name"], c["reason"]) for c in r["cases"] if c["status"] != "pass"]
+print(sys.argv[1].rsplit("/", 1)[-1], r["backend"], r["device"], f"{r['passed']} passed, {r['failed']} failed,",
+      f"{r['fault_runs']} fault runs, {r['faults_fired']} faults,",
+      f"driver free {r['driver_free_before']} -> {r['driver_free_after']}", bad[:3])
+PY
+  done
 fi
 
 if [ "$only" = all ] || [ "$only" = bench ]; then

@@ -8,6 +8,7 @@
 //! [`progress`] (bars on a terminal, periodic lines elsewhere) and [`junit`] (JUnit XML).
 
 mod backend;
+mod behaviour;
 mod bench;
 mod bench_decode;
 mod bench_host;
@@ -46,6 +47,9 @@ enum Command {
     Info(info::InfoArgs),
     /// Run the conformance suite against a backend.
     Conformance(conformance::ConformanceArgs),
+    /// Run the manager's behaviour suite, with single and double fault injection, against a
+    /// backend.
+    Behaviour(behaviour::BehaviourArgs),
     /// Shareability verdict, fragments and commit lower bound for a model and layout.
     Plan(plan::PlanArgs),
     /// Benchmarks measured side by side in one run (`kvvm bench vmm`, `kv`, `decode`, `host`).
@@ -61,6 +65,7 @@ impl Command {
         match self {
             Command::Info(args) => info::run(args, out),
             Command::Conformance(args) => conformance::run(args, out),
+            Command::Behaviour(args) => behaviour::run(args, out),
             Command::Plan(args) => plan::run(args, out),
             Command::Bench(args) => bench::run(args, out),
             Command::Simulate(args) => simulate::run(args, out),

@@ -116,6 +116,20 @@ impl Ledger {
             .fold(0u64, u64::saturating_add)
     }
 
+    /// Quarantined bytes of `device`.
+    pub(crate) fn device_quarantined(books: &Books, device: DeviceId) -> u64 {
+        books.devices.get(&device).map_or(0, |d| d.quarantined)
+    }
+
+    /// Quarantined bytes of every device.
+    pub(crate) fn process_quarantined(books: &Books) -> u64 {
+        books
+            .devices
+            .values()
+            .map(|d| d.quarantined)
+            .fold(0u64, u64::saturating_add)
+    }
+
     /// Adds `bytes` to the pending bytes of `device` (a grant was given).
     pub(crate) fn add_pending(books: &mut Books, device: DeviceId, bytes: u64) {
         let d = books.devices.entry(device).or_default();

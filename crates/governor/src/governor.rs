@@ -10,7 +10,7 @@ use kvvm_hal::DeviceId;
 use crate::books::{lock, Books, Ledger};
 use crate::bucket::Bucket;
 use crate::config::GovernorConfig;
-use crate::error::{Backpressure, GovernorError};
+use crate::error::{Backpressure, GovernorError, Limit, NeverFits, Refusal};
 use crate::grant::MappedGrowthGrant;
 use crate::reclaim::Reclaimer;
 use crate::snapshot::GovernorSnapshot;
@@ -100,11 +100,45 @@ impl Governor {
         dev.min(process)
     }
 
-    fn try_grant_locked(&self, device: DeviceId, bytes: u64) -> Result<MappedGrowthGrant, u64> {
+    /// The tightest limit `bytes` on `device` exceeds even if everything but the quarantine
+    /// were freed, if any.
+    fn never_fits(&self, books: &Books, device: DeviceId, bytes: u64) -> Option<NeverFits> {
+        let refuse = |limit, limit_bytes: u64| {
+            (bytes > limit_bytes).then_some(NeverFits {
+                device,
+                needed: bytes,
+                limit,
+                limit_bytes,
+            })
+        };
+        let dev = self.device_budget(device).and_then(|b| {
+            refuse(
+                Limit::DeviceBudget,
+                b.saturating_sub(Ledger::device_quarantined(books, device)),
+            )
+        });
+        dev.or_else(|| {
+            self.inner.config.process_budget.and_then(|b| {
+                refuse(
+                    Limit::ProcessBudget,
+                    b.saturating_sub(Ledger::process_quarantined(books)),
+                )
+            })
+        })
+    }
+
+    fn try_grant_locked(
+        &self,
+        device: DeviceId,
+        bytes: u64,
+    ) -> Result<MappedGrowthGrant, Result<u64, NeverFits>> {
         let mut books = lock(&self.inner.ledger.books);
+        if let Some(n) = self.never_fits(&books, device, bytes) {
+            return Err(Err(n));
+        }
         let available = self.available(&books, device);
         if bytes > available {
-            return Err(available);
+            return Err(Ok(available));
         }
         Ledger::add_pending(&mut books, device, bytes);
         Ok(MappedGrowthGrant::new(
@@ -114,20 +148,30 @@ impl Governor {
         ))
     }
 
-    /// Grants `bytes` of growth on `device`, or refuses with [`Backpressure`].
+    /// Refuses, in O(1) and without reclaiming anything, a request of `bytes` on `device`
+    /// that no freeing could ever let through ([`NeverFits`]). A request that passes may still
+    /// meet [`Backpressure`] in [`try_grant`](Self::try_grant).
+    pub fn check_fits(&self, device: DeviceId, bytes: u64) -> Result<(), NeverFits> {
+        let books = lock(&self.inner.ledger.books);
+        self.never_fits(&books, device, bytes).map_or(Ok(()), Err)
+    }
+
+    /// Grants `bytes` of growth on `device`, or refuses.
     ///
-    /// When the budget is short, every registered [`Reclaimer`] is first asked to free the
-    /// shortfall ("evict before refusing"); the grant is refused only if it still does not fit.
-    pub fn try_grant(
-        &self,
-        device: DeviceId,
-        bytes: u64,
-    ) -> Result<MappedGrowthGrant, Backpressure> {
+    /// A request larger than a limit freeing cannot raise is [`Refusal::NeverFits`] at once,
+    /// with nothing reclaimed. When the budget is only short now, every registered
+    /// [`Reclaimer`] is first asked to free the shortfall ("evict before refusing"); the grant
+    /// is refused with [`Refusal::Backpressure`] only if it still does not fit.
+    pub fn try_grant(&self, device: DeviceId, bytes: u64) -> Result<MappedGrowthGrant, Refusal> {
         let span = tracing::debug_span!("governor.try_grant", device = device.0, bytes);
         let _e = span.enter();
         let available = match self.try_grant_locked(device, bytes) {
             Ok(g) => return Ok(g),
-            Err(available) => available,
+            Err(Err(never)) => {
+                tracing::debug!(%never, "grant refused for good");
+                return Err(never.into());
+            }
+            Err(Ok(available)) => available,
         };
         let mut shortfall = bytes.saturating_sub(available);
         let reclaimers: Vec<Arc<dyn Reclaimer>> = lock(&self.inner.reclaimers)
@@ -143,7 +187,8 @@ impl Governor {
         }
         match self.try_grant_locked(device, bytes) {
             Ok(g) => Ok(g),
-            Err(available) => {
+            Err(Err(never)) => Err(never.into()),
+            Err(Ok(available)) => {
                 let shortfall = bytes.saturating_sub(available);
                 let retry_after = self.estimate_retry_after(device, shortfall);
                 tracing::debug!(needed = bytes, available, ?retry_after, "grant refused");
@@ -152,7 +197,8 @@ impl Governor {
                     needed: bytes,
                     available,
                     retry_after,
-                })
+                }
+                .into())
             }
         }
     }
@@ -240,6 +286,13 @@ mod tests {
     const D1: DeviceId = DeviceId(1);
     const MIB: u64 = 1 << 20;
 
+    fn bp(r: Result<MappedGrowthGrant, Refusal>) -> Backpressure {
+        match r {
+            Err(Refusal::Backpressure(b)) => b,
+            other => panic!("expected backpressure, got {other:?}"),
+        }
+    }
+
     fn governor(budget: u64) -> (Governor, Arc<ManualClock>) {
         let clock = Arc::new(ManualClock::new());
         let g = Governor::new(
@@ -260,7 +313,7 @@ mod tests {
         let s = g.snapshot().device(D0);
         assert_eq!((s.committed, s.pending, s.used()), (4 * MIB, 0, 4 * MIB));
         let b = g.try_grant(D0, 6 * MIB).unwrap();
-        let err = g.try_grant(D0, 1).unwrap_err();
+        let err = bp(g.try_grant(D0, 1));
         assert_eq!((err.needed, err.available), (1, 0));
         b.rollback();
         {
@@ -322,7 +375,7 @@ mod tests {
                 .process_budget(10 * MIB),
         );
         g.try_grant(D0, 6 * MIB).unwrap().commit();
-        let e = g.try_grant(D1, 6 * MIB).unwrap_err();
+        let e = bp(g.try_grant(D1, 6 * MIB));
         assert_eq!((e.device, e.needed, e.available), (D1, 6 * MIB, 4 * MIB));
         g.try_grant(D1, 4 * MIB).unwrap().commit();
         assert_eq!(g.snapshot().used(), 10 * MIB);
@@ -365,18 +418,18 @@ mod tests {
         let (g, clock) = governor(10 * MIB);
         g.try_grant(D0, 10 * MIB).unwrap().commit();
         // Nothing freed yet: the cap.
-        let e = g.try_grant(D0, 2 * MIB).unwrap_err();
+        let e = bp(g.try_grant(D0, 2 * MIB));
         assert_eq!(e.retry_after, RetryPolicy::default().cap);
         // 4 MiB freed within the window: 4 MiB/s. Asking 6 MiB with 4 MiB free: 2 MiB short,
         // so 500 ms.
         g.free(D0, Bucket::Committed, 4 * MIB).unwrap();
         clock.advance(Duration::from_millis(100));
-        let e = g.try_grant(D0, 6 * MIB).unwrap_err();
+        let e = bp(g.try_grant(D0, 6 * MIB));
         assert_eq!((e.needed, e.available), (6 * MIB, 4 * MIB));
         assert_eq!(e.retry_after, Duration::from_millis(500));
         // Once the window has passed, the free no longer counts.
         clock.advance(Duration::from_secs(2));
-        let e = g.try_grant(D0, 6 * MIB).unwrap_err();
+        let e = bp(g.try_grant(D0, 6 * MIB));
         assert_eq!(e.retry_after, RetryPolicy::default().cap);
     }
 
@@ -414,7 +467,7 @@ mod tests {
         assert_eq!(g.snapshot().device(D0).pooled, MIB);
         grant.commit();
         // Only 1 MiB left to reclaim: refused after trying.
-        let e = g.try_grant(D0, 2 * MIB).unwrap_err();
+        let e = bp(g.try_grant(D0, 2 * MIB));
         assert_eq!(e.available, MIB);
         assert_eq!(pool.calls.load(Ordering::SeqCst), 2);
         // The reclaimer is held weakly.
@@ -438,5 +491,55 @@ mod tests {
             d.frees.iter().map(|(_, b)| b).sum::<u64>(),
             4 * MAX_FREE_EVENTS as u64
         );
+    }
+
+    #[test]
+    fn a_request_over_a_limit_never_fits_and_reclaims_nothing() {
+        struct Counting(AtomicU64);
+        impl Reclaimer for Counting {
+            fn reclaim(&self, _device: DeviceId, _bytes: u64) -> u64 {
+                self.0.fetch_add(1, Ordering::Relaxed);
+                0
+            }
+        }
+        let (g, _) = governor(10 * MIB);
+        let counting = Arc::new(Counting(AtomicU64::new(0)));
+        let r: Arc<dyn Reclaimer> = counting.clone();
+        g.register_reclaimer(Arc::downgrade(&r));
+        let n = g.try_grant(D0, 11 * MIB).unwrap_err();
+        assert_eq!(
+            counting.0.load(Ordering::Relaxed),
+            0,
+            "never-fits reclaims nothing"
+        );
+        let n = n.never_fits().cloned().unwrap();
+        assert_eq!(
+            (n.limit, n.limit_bytes, n.needed),
+            (Limit::DeviceBudget, 10 * MIB, 11 * MIB)
+        );
+        assert_eq!(g.check_fits(D0, 11 * MIB), Err(n));
+        assert!(g.check_fits(D0, 10 * MIB).is_ok());
+        // Quarantined bytes never come back: they lower the ceiling.
+        g.try_grant(D0, 2 * MIB)
+            .unwrap()
+            .settle(2 * MIB, Bucket::Quarantined)
+            .unwrap();
+        let n = g.try_grant(D0, 9 * MIB).unwrap_err();
+        assert_eq!(n.never_fits().map(|n| n.limit_bytes), Some(8 * MIB));
+        // Committed bytes can be freed: a request under the ceiling is backpressure.
+        g.try_grant(D0, 4 * MIB).unwrap().commit();
+        let b = bp(g.try_grant(D0, 6 * MIB));
+        assert_eq!((b.needed, b.available), (6 * MIB, 4 * MIB));
+        assert_eq!(
+            counting.0.load(Ordering::Relaxed),
+            1,
+            "backpressure asked the reclaimer"
+        );
+        drop(r);
+        // Process budget.
+        let p = Governor::new(GovernorConfig::default().process_budget(3 * MIB));
+        let n = p.try_grant(D1, 4 * MIB).unwrap_err();
+        assert_eq!(n.never_fits().map(|n| n.limit), Some(Limit::ProcessBudget));
+        assert!(Governor::unlimited().check_fits(D0, u64::MAX).is_ok());
     }
 }

@@ -10,9 +10,15 @@
 //! * on failure the grant is rolled back ([`MappedGrowthGrant::rollback`], or simply dropped):
 //!   the budget deducted for it is returned.
 //!
-//! When a grant cannot be given the caller gets a typed [`Backpressure`] (bytes needed, bytes
-//! available, and an estimated `retry_after`), never a crash: device-memory pressure is a
-//! signal to retry or shed load (a server maps it to HTTP 429 + `Retry-After`).
+//! When a grant cannot be given the caller gets a typed [`Refusal`], never a crash:
+//!
+//! * [`Backpressure`] (bytes needed, bytes available, and an estimated `retry_after`) when the
+//!   request fits the limits but not what is free now: device-memory pressure is a signal to
+//!   retry or shed load (a server maps it to HTTP 429 + `Retry-After`);
+//! * [`NeverFits`] (the [`Limit`] and its bytes) when the request is larger than a limit no
+//!   freeing can raise: the device or process budget less the bytes in quarantine (which never
+//!   come back). No `retry_after` is offered: clients would retry forever. A manager adds the
+//!   device's physical memory as a limit ([`Governor::check_fits`] is the O(1) price check).
 //!
 //! ## Accounting (invariant 2)
 //!
@@ -76,7 +82,7 @@ mod snapshot;
 pub use bucket::Bucket;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::GovernorConfig;
-pub use error::{Backpressure, GovernorError};
+pub use error::{Backpressure, GovernorError, Limit, NeverFits, Refusal};
 pub use governor::Governor;
 pub use grant::MappedGrowthGrant;
 pub use reclaim::Reclaimer;

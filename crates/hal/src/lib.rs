@@ -79,12 +79,16 @@
 //!   accounted by the simulator and used by the workload's counting wrapper;
 //! * [`CallCounts`]: calls counted per [`Operation`];
 //! * [`BackendError::raised`] and [`BackendError::usize_arg`]: errors a backend raises itself,
-//!   with no vendor code.
+//!   with no vendor code;
+//! * [`decorate`]: backends that wrap any backend, [`decorate::FaultInjecting`] (fail the Nth
+//!   call of chosen operations) and [`decorate::Recording`] (books of every range, handle and
+//!   mapping made through it), so that fault injection and leak checks run on every backend.
 
 #![forbid(unsafe_code)]
 
 mod calls;
 mod cost;
+pub mod decorate;
 mod error;
 mod trace;
 mod types;

@@ -12,6 +12,9 @@ use kvvm_layout::KvError;
 ///   the prefix cache and the handle pool to free some). Retry after
 ///   [`retry_after`](Self::retry_after) or shed load (a server answers 429 + `Retry-After`).
 ///   Nothing was committed by the refused call.
+/// * [`NeverFits`](Self::NeverFits): the request is larger than a limit no freeing can raise
+///   (the budget less its quarantine, the device's memory); retrying never helps, so no
+///   `retry_after` is offered (a server answers 4xx, not 429).
 /// * [`NotShareable`](Self::NotShareable): the prefix cannot be shared under this layout and
 ///   granule; the reason is the one of
 ///   [`PrefixShareability::refusal_reason`](crate::PrefixShareability::refusal_reason).
@@ -27,6 +30,10 @@ pub enum KvCacheError {
     /// The governor refused the grant: retry after `retry_after` or shed load.
     #[error(transparent)]
     Backpressure(#[from] kvvm_governor::Backpressure),
+    /// The request is larger than a limit no freeing can raise (a budget less its
+    /// quarantine, or the device's memory): retrying never helps. Nothing was committed.
+    #[error(transparent)]
+    NeverFits(#[from] kvvm_governor::NeverFits),
     /// A manager operation failed (other than backpressure).
     #[error(transparent)]
     Vmm(kvvm_vmm::VmmError),
@@ -121,6 +128,7 @@ impl From<kvvm_vmm::VmmError> for KvCacheError {
     fn from(e: kvvm_vmm::VmmError) -> Self {
         match e {
             kvvm_vmm::VmmError::Backpressure(b) => KvCacheError::Backpressure(b),
+            kvvm_vmm::VmmError::NeverFits(n) => KvCacheError::NeverFits(n),
             other => KvCacheError::Vmm(other),
         }
     }
@@ -131,6 +139,14 @@ impl KvCacheError {
     pub fn backpressure(&self) -> Option<&kvvm_governor::Backpressure> {
         match self {
             KvCacheError::Backpressure(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    /// The permanent refusal, if the request can never fit.
+    pub fn never_fits(&self) -> Option<&kvvm_governor::NeverFits> {
+        match self {
+            KvCacheError::NeverFits(n) => Some(n),
             _ => None,
         }
     }

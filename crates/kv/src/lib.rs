@@ -164,7 +164,7 @@ pub use cache_records::{
 };
 pub use error::KvCacheError;
 pub use prefix::SharedDevicePrefix;
-pub use sequence::{LayerPointers, SequenceKv};
+pub use sequence::{EnsureJob, LayerPointers, SequenceKv};
 
 /// The layout arithmetic (`kvvm-layout`), re-exported: every path `kvvm_kv::KvGeometry`, ...
 /// keeps working.

@@ -42,6 +42,10 @@ use kvvm_governor::Reclaimer;
 use kvvm_hal::DeviceId;
 use kvvm_vmm::VirtualMemory;
 
+mod handle;
+
+pub use handle::PrecommittedSequence;
+
 use crate::error::KvCacheError;
 use crate::sequence::SequenceKv;
 use kvvm_layout::LayoutPlan;
@@ -102,16 +106,26 @@ pub enum Ensured {
     Inline(u64),
 }
 
-struct Cell {
-    seq: Mutex<SequenceKv>,
+/// One sequence of the pre-committer.
+///
+/// `ready` and `live` follow one rule: **`ready` never exceeds what is mapped.** It is raised
+/// only after a commit completed, and lowered *before* anything is unmapped. The decode path
+/// claims its tokens in `live` first and reads `ready` second; a shrink lowers `ready` first
+/// and reads `live` second (all four `SeqCst`), so at least one of them sees the other: either
+/// the shrink keeps the claimed tokens, or the decode path sees the lower count and commits
+/// inline (waiting for the shrink's lock).
+pub(crate) struct Cell {
+    pub(crate) seq: Mutex<SequenceKv>,
+    /// Signalled when a background commit of this sequence finished.
+    pub(crate) settled: Condvar,
     /// Tokens committed (published after the commit completed).
-    ready: AtomicU64,
+    pub(crate) ready: AtomicU64,
     /// The highest token count the decode path asked for.
-    live: AtomicU64,
+    pub(crate) live: AtomicU64,
     /// Bytes this sequence has committed ahead of `live` (part of the global headroom).
-    ahead: AtomicU64,
-    max_tokens: u64,
-    plan: LayoutPlan,
+    pub(crate) ahead: AtomicU64,
+    pub(crate) max_tokens: u64,
+    pub(crate) plan: LayoutPlan,
 }
 
 struct Queue {
@@ -125,9 +139,9 @@ struct Queue {
 }
 
 #[derive(Default)]
-struct Counters {
-    ready: AtomicU64,
-    inline_commits: AtomicU64,
+pub(crate) struct Counters {
+    pub(crate) ready: AtomicU64,
+    pub(crate) inline_commits: AtomicU64,
     background_commits: AtomicU64,
     background_refused: AtomicU64,
     background_failures: AtomicU64,
@@ -137,30 +151,42 @@ struct Counters {
     reclaimed_bytes: AtomicU64,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     config: PrecommitConfig,
     vm: VirtualMemory,
     queue: Mutex<Queue>,
     wake: Condvar,
     idle: Condvar,
     cells: Mutex<Vec<Weak<Cell>>>,
-    counters: Counters,
+    pub(crate) counters: Counters,
     last_error: Mutex<Option<KvCacheError>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Cell {
+    /// The sequence's lock, once no background commit of it is in flight: for anything that
+    /// may change its mappings. Writes and reads of committed tokens need not wait.
+    pub(crate) fn lock_settled(&self) -> MutexGuard<'_, SequenceKv> {
+        let mut seq = lock(&self.seq);
+        while seq.has_commit_in_flight() {
+            seq = self.settled.wait(seq).unwrap_or_else(|p| p.into_inner());
+        }
+        seq
+    }
 }
 
 impl Inner {
     /// Bytes committed for `tokens` tokens beyond those for `live`, by the sequence's plan.
-    fn ahead_bytes(plan: &LayoutPlan, live: u64, tokens: u64) -> u64 {
+    pub(crate) fn ahead_bytes(plan: &LayoutPlan, live: u64, tokens: u64) -> u64 {
         let at = |n: u64| plan.committed_bytes_for_tokens(n).unwrap_or(0);
         at(tokens).saturating_sub(at(live))
     }
 
     /// Records `cell`'s bytes ahead of its live end as `new`, keeping the global total.
-    fn set_ahead(&self, cell: &Cell, new: u64) {
+    pub(crate) fn set_ahead(&self, cell: &Cell, new: u64) {
         let old = cell.ahead.swap(new, Ordering::AcqRel);
         let c = &self.counters;
         if new >= old {
@@ -186,7 +212,7 @@ impl Inner {
     }
 
     /// Asks the worker for a scan now.
-    fn kick(&self) {
+    pub(crate) fn kick(&self) {
         let mut q = lock(&self.queue);
         q.kick = true;
         self.wake.notify_one();
@@ -204,7 +230,7 @@ impl Inner {
         if cell.ready.load(Ordering::Acquire) >= target {
             return false;
         }
-        let mut seq = lock(&cell.seq);
+        let seq = cell.lock_settled();
         let have = seq.committed_tokens();
         if have >= target {
             return false;
@@ -217,22 +243,21 @@ impl Inner {
                 .fetch_add(1, Ordering::Relaxed);
             return false;
         }
+        drop(seq);
         let span = tracing::debug_span!("kv.precommit", live, target);
         let _e = span.enter();
-        let mut result = seq.ensure_tokens(target);
+        let mut result = Inner::commit_unlocked(cell, target);
         let fallback = live
             .saturating_add(self.config.headroom_tokens)
             .min(cell.max_tokens);
         if matches!(&result, Err(e) if e.is_retryable()) && fallback > have && fallback < target {
             // Refused whole: ask for the smaller headroom instead.
-            result = seq.ensure_tokens(fallback);
+            result = Inner::commit_unlocked(cell, fallback);
         }
         match result {
-            Ok(bytes) => {
-                let committed = seq.committed_tokens();
-                let live_now = cell.live.load(Ordering::Acquire);
+            Ok((bytes, committed)) => {
+                let live_now = cell.live.load(Ordering::SeqCst);
                 self.set_ahead(cell, Inner::ahead_bytes(&cell.plan, live_now, committed));
-                cell.ready.store(committed, Ordering::Release);
                 if bytes > 0 {
                     self.counters
                         .background_commits
@@ -255,6 +280,31 @@ impl Inner {
                 false
             }
         }
+    }
+
+    /// Commits `cell`'s first `target` tokens with the sequence's lock held only to begin and
+    /// to finish: the driver calls run unlocked, so the decode thread's writes and reads never
+    /// wait behind them. Returns the bytes committed and the committed count, published.
+    fn commit_unlocked(cell: &Cell, target: u64) -> Result<(u64, u64), KvCacheError> {
+        let job = cell.lock_settled().begin_ensure(target);
+        let mut job = match job {
+            Ok(Some(job)) => job,
+            Ok(None) => {
+                let seq = lock(&cell.seq);
+                let committed = seq.committed_tokens();
+                cell.ready.store(committed, Ordering::SeqCst);
+                return Ok((0, committed));
+            }
+            Err(e) => return Err(e),
+        };
+        job.run();
+        let mut seq = lock(&cell.seq);
+        let result = seq.finish_ensure(job);
+        let committed = seq.committed_tokens();
+        cell.ready.store(committed, Ordering::SeqCst);
+        drop(seq);
+        cell.settled.notify_all();
+        result.map(|bytes| (bytes, committed))
     }
 
     fn run_worker(self: Arc<Self>) {
@@ -341,15 +391,27 @@ impl Reclaimer for Inner {
             let Ok(mut seq) = cell.seq.try_lock() else {
                 continue;
             };
-            let live = cell.live.load(Ordering::Acquire);
-            if seq.committed_tokens() <= live {
+            if seq.has_commit_in_flight() {
                 continue;
             }
-            match seq.shrink_committed(live) {
+            let claimed = cell.live.load(Ordering::SeqCst);
+            if seq.committed_tokens() <= claimed {
+                continue;
+            }
+            // Lower the count the decode path reads before unmapping anything, then read the
+            // claims again: a claim made meanwhile is kept (see `Cell`).
+            cell.ready.store(claimed, Ordering::SeqCst);
+            let keep = claimed.max(cell.live.load(Ordering::SeqCst));
+            let result = seq.shrink_committed(keep);
+            cell.ready.store(seq.committed_tokens(), Ordering::SeqCst);
+            match result {
                 Ok(b) => {
                     freed = freed.saturating_add(b);
-                    cell.ready.store(seq.committed_tokens(), Ordering::Release);
-                    self.set_ahead(&cell, 0);
+                    let live_now = cell.live.load(Ordering::SeqCst);
+                    self.set_ahead(
+                        &cell,
+                        Inner::ahead_bytes(&cell.plan, live_now, seq.committed_tokens()),
+                    );
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "giving back pre-committed windows failed");
@@ -435,6 +497,7 @@ impl Precommitter {
         let cell = Arc::new(Cell {
             plan,
             seq: Mutex::new(sequence),
+            settled: Condvar::new(),
             ready: AtomicU64::new(ready),
             // What is committed at attach time (a prompt) counts as in use.
             live: AtomicU64::new(ready),
@@ -511,96 +574,5 @@ impl Precommitter {
 impl Drop for Precommitter {
     fn drop(&mut self) {
         self.shutdown();
-    }
-}
-
-/// A [`SequenceKv`] whose windows a [`Precommitter`] commits ahead of need.
-pub struct PrecommittedSequence {
-    cell: Arc<Cell>,
-    inner: Arc<Inner>,
-}
-
-impl std::fmt::Debug for PrecommittedSequence {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PrecommittedSequence")
-            .field("ready", &self.cell.ready.load(Ordering::Relaxed))
-            .field("live", &self.cell.live.load(Ordering::Relaxed))
-            .finish()
-    }
-}
-
-impl PrecommittedSequence {
-    /// Makes the first `n` tokens committed. The hot path (tokens already committed by the
-    /// worker) takes no lock, makes no driver call and no system call; otherwise the commit is
-    /// made inline and the worker is woken.
-    pub fn ensure_tokens(&self, n: u64) -> Result<Ensured, KvCacheError> {
-        let cell = &self.cell;
-        let c = &self.inner.counters;
-        let ready = cell.ready.load(Ordering::Acquire);
-        if n <= ready {
-            if n > cell.live.fetch_max(n, Ordering::AcqRel) {
-                // Live tokens moved into pre-committed windows: less is ahead now.
-                self.inner
-                    .set_ahead(cell, Inner::ahead_bytes(&cell.plan, n, ready));
-            }
-            c.ready.fetch_add(1, Ordering::Relaxed);
-            return Ok(Ensured::Ready);
-        }
-        cell.live.fetch_max(n, Ordering::AcqRel);
-        let bytes = {
-            let mut seq = lock(&cell.seq);
-            let bytes = seq.ensure_tokens(n)?;
-            cell.ready.store(seq.committed_tokens(), Ordering::Release);
-            self.inner.set_ahead(cell, 0);
-            bytes
-        };
-        c.inline_commits.fetch_add(1, Ordering::Relaxed);
-        // The worker is behind: ask for a scan now.
-        self.inner.kick();
-        Ok(Ensured::Inline(bytes))
-    }
-
-    /// Runs `f` on the sequence (to write or read tokens, get pointers, shrink, attach a
-    /// prefix, ...), under its lock. Afterwards the committed count the hot path reads is
-    /// set from the sequence again, so that whatever `f` unmapped is never answered
-    /// [`Ensured::Ready`].
-    pub fn with_sequence<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R) -> R {
-        let mut seq = lock(&self.cell.seq);
-        let out = f(&mut seq);
-        let committed = seq.committed_tokens();
-        self.cell.ready.store(committed, Ordering::Release);
-        let live = self
-            .cell
-            .live
-            .fetch_min(committed, Ordering::AcqRel)
-            .min(committed);
-        drop(seq);
-        self.inner.set_ahead(
-            &self.cell,
-            Inner::ahead_bytes(&self.cell.plan, live, committed),
-        );
-        out
-    }
-
-    /// Tokens committed right now.
-    pub fn committed_tokens(&self) -> u64 {
-        self.cell.ready.load(Ordering::Acquire)
-    }
-
-    /// Releases the sequence's windows (keeping its address range), like
-    /// [`SequenceKv::release`].
-    pub fn release(&self) -> Result<u64, KvCacheError> {
-        let mut seq = lock(&self.cell.seq);
-        let bytes = seq.release()?;
-        self.cell.ready.store(0, Ordering::Release);
-        self.cell.live.store(0, Ordering::Release);
-        self.inner.set_ahead(&self.cell, 0);
-        Ok(bytes)
-    }
-}
-
-impl Drop for PrecommittedSequence {
-    fn drop(&mut self) {
-        self.inner.set_ahead(&self.cell, 0);
     }
 }

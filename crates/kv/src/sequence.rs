@@ -53,6 +53,27 @@ pub(crate) struct PendingPublish {
     pub(crate) cache_id: usize,
 }
 
+/// A commit of a sequence's next windows begun by [`SequenceKv::begin_ensure`]: run it with
+/// no lock held, then hand it back to [`SequenceKv::finish_ensure`]. Dropped unfinished, it
+/// undoes its commit.
+#[derive(Debug)]
+pub struct EnsureJob {
+    job: kvvm_vmm::CommitJob,
+    tokens: u64,
+}
+
+impl EnsureJob {
+    /// Runs the commit's driver calls (see [`kvvm_vmm::CommitJob::run`]).
+    pub fn run(&mut self) {
+        self.job.run();
+    }
+
+    /// The token count the sequence will have committed once the job is finished.
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+}
+
 /// One request's KV cache on the device.
 ///
 /// Reserved at `max_tokens` under a [`LayoutPlan`] (whose every fragment starts on a granule
@@ -339,14 +360,60 @@ impl SequenceKv {
         }
         let span = tracing::debug_span!("kv.ensure_tokens", from = self.committed_tokens, to = n);
         let _e = span.enter();
+        let ranges = self.live_ranges(n)?;
+        let commit = self.reservation.commit_ranges(&ranges)?;
+        self.committed_tokens = n;
+        Ok(commit.map_or(0, |c| c.bytes))
+    }
+
+    /// Begins making the first `n` tokens committed, like [`ensure_tokens`](Self::ensure_tokens),
+    /// as an [`EnsureJob`] whose driver calls ([`EnsureJob::run`]) need no borrow of the
+    /// sequence: a background committer releases its lock on the sequence while they run and
+    /// then calls [`finish_ensure`](Self::finish_ensure). Meanwhile the tokens already
+    /// committed may be written and read; the job's windows are in flight (another commit of
+    /// them is refused as busy). `None` when nothing is missing (the count is then raised).
+    pub fn begin_ensure(&mut self, n: u64) -> Result<Option<EnsureJob>, KvCacheError> {
+        if n > self.max_tokens {
+            return Err(KvCacheError::TooManyTokens {
+                tokens: n,
+                max_tokens: self.max_tokens,
+            });
+        }
+        if n <= self.committed_tokens {
+            return Ok(None);
+        }
+        let ranges = self.live_ranges(n)?;
+        match self.reservation.begin_commit_ranges(&ranges)? {
+            Some(job) => Ok(Some(EnsureJob { job, tokens: n })),
+            None => {
+                self.committed_tokens = n;
+                Ok(None)
+            }
+        }
+    }
+
+    /// Finishes a job of [`begin_ensure`](Self::begin_ensure): records its windows and, on
+    /// success, raises the committed count to the job's tokens. Returns the bytes committed.
+    pub fn finish_ensure(&mut self, job: EnsureJob) -> Result<u64, KvCacheError> {
+        let tokens = job.tokens;
+        let commit = self.reservation.finish_commit(job.job)?;
+        self.committed_tokens = self.committed_tokens.max(tokens);
+        Ok(commit.bytes)
+    }
+
+    /// Whether an [`EnsureJob`] begun on this sequence is not finished yet.
+    pub fn has_commit_in_flight(&self) -> bool {
+        self.reservation.has_commit_in_flight()
+    }
+
+    /// Each fragment's live range of the first `n` tokens, as `(offset, len)`.
+    fn live_ranges(&self, n: u64) -> Result<Vec<(u64, u64)>, KvCacheError> {
         let mut ranges = Vec::with_capacity(self.fragments.len());
         for f in &self.fragments {
             let live = f.live_bytes(n)?;
             ranges.push((live.start, live.end.saturating_sub(live.start)));
         }
-        let commit = self.reservation.commit_ranges(&ranges)?;
-        self.committed_tokens = n;
-        Ok(commit.map_or(0, |c| c.bytes))
+        Ok(ranges)
     }
 
     /// Gives back the private windows committed beyond the first `n` tokens (windows holding
@@ -377,9 +444,56 @@ impl SequenceKv {
         let span =
             tracing::debug_span!("kv.shrink_committed", from = self.committed_tokens, to = n);
         let _e = span.enter();
-        let bytes = self.reservation.release_ranges(&ranges)?;
-        self.committed_tokens = n;
-        Ok(bytes)
+        match self.reservation.release_ranges(&ranges) {
+            Ok(bytes) => {
+                self.committed_tokens = n;
+                Ok(bytes)
+            }
+            Err(e) => {
+                // Some windows were unmapped, others stay: count again what is really there.
+                self.recount_committed(false);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Sets the committed count from the reservation after a failed unmap: the most tokens
+    /// (at most the count before) whose windows are all mapped in every fragment (and, with
+    /// `writable_only`, mapped writable: after a failed release the sequence no longer knows
+    /// a read-only prefix).
+    fn recount_committed(&mut self, writable_only: bool) {
+        let g = self.plan.granule();
+        let all_mapped = |n: u64| {
+            self.fragments.iter().all(|f| {
+                f.live_bytes(n).is_ok_and(|live| {
+                    let (first, last) = (live.start / g, live.end.div_ceil(g));
+                    (first..last).all(
+                        |w| match self.reservation.window_kind(w.saturating_mul(g)) {
+                            None => false,
+                            Some(BlockKind::Shared { writable: false }) => !writable_only,
+                            Some(_) => true,
+                        },
+                    )
+                })
+            })
+        };
+        // The predicate is monotone in n: binary search for the largest n that holds.
+        let (mut lo, mut hi) = (0u64, self.committed_tokens);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if all_mapped(mid) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        tracing::warn!(
+            before = self.committed_tokens,
+            now = lo,
+            "committed tokens recounted after a failed unmap"
+        );
+        self.committed_tokens = lo;
+        self.written_tokens = self.written_tokens.min(lo);
     }
 
     /// Unmaps everything (private windows go to the pool or the driver; shared mappings only
@@ -388,7 +502,20 @@ impl SequenceKv {
     pub fn release(&mut self) -> Result<u64, KvCacheError> {
         let span = tracing::debug_span!("kv.release", tokens = self.committed_tokens);
         let _e = span.enter();
-        let bytes = self.reservation.release()?;
+        let bytes = match self.reservation.release() {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                // What could not be unmapped stays recorded in the reservation; the sequence
+                // forgets its prefixes as on success and counts its tokens again.
+                self.readonly.clear();
+                self.readonly_windows = 0;
+                self.owned = None;
+                self.pending = None;
+                self.prefix_tokens = 0;
+                self.recount_committed(true);
+                return Err(e.into());
+            }
+        };
         self.committed_tokens = 0;
         self.written_tokens = 0;
         self.prefix_tokens = 0;

@@ -164,12 +164,21 @@ fn ensure_tokens_backpressure_is_typed_with_retry_after() {
     let w = world(g, Some(10 * g));
     let mut s = SequenceKv::new(&w.vm, &plan, 1000).unwrap();
     s.ensure_tokens(64).unwrap(); // 4 fragments x 2 windows
-    let e = s.ensure_tokens(200).unwrap_err(); // 4 x 7 windows
+    let e = s.ensure_tokens(100).unwrap_err(); // 4 x 4 windows: 8 more, 2 free
     assert!(e.is_retryable());
     assert!(e.retry_after().is_some());
     let b = e.backpressure().unwrap();
-    assert_eq!(b.needed, 20 * g);
+    assert_eq!(b.needed, 8 * g);
     assert_eq!(b.available, 2 * g);
+    assert_eq!(s.committed_tokens(), 64);
+    // 4 x 7 windows: 20 more than the 10-window budget could ever hold: never fits, no
+    // retry time offered.
+    let e = s.ensure_tokens(200).unwrap_err();
+    assert!(!e.is_retryable());
+    assert!(e.retry_after().is_none());
+    let n = e.never_fits().unwrap();
+    assert_eq!((n.needed, n.limit_bytes), (20 * g, 10 * g));
+    assert_eq!(n.limit, kvvm_governor::Limit::DeviceBudget);
     assert_eq!(s.committed_tokens(), 64);
     assert_eq!(s.committed_bytes(), 8 * g);
     check_books(&w, &[&s], &[]);
@@ -524,7 +533,11 @@ fn eviction_under_pressure() {
     // Now nothing idle: a grant that does not fit is refused, the in-use prefix stays.
     let mut huge = SequenceKv::new(&w.vm, &plan, 1000).unwrap();
     let e = huge.ensure_tokens(1000).unwrap_err();
-    assert!(e.retry_after().is_some());
+    assert!(
+        e.never_fits().is_some(),
+        "125 windows under a 40-window budget: {e}"
+    );
+    assert!(e.retry_after().is_none());
     assert_eq!(cache.stats().cached_entries, 1);
     let attached = user.sequence.attached_prefixes();
     let shared: Vec<&SharedDevicePrefix> = attached.iter().map(|p| &**p).collect();

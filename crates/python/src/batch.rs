@@ -65,7 +65,6 @@ impl SequenceBatch {
             return Err(errors::invalid(py, "a batch needs at least one slot"));
         }
         let state = Arc::clone(&manager.state);
-        let limits = state.limits;
         let p = plan.plan;
         let vm = state.vm.clone();
         let seqs = py
@@ -75,7 +74,7 @@ impl SequenceBatch {
                     .map(|r| SequenceKv::in_reservation(&vm, &p, max_tokens, r))
                     .collect()
             })
-            .map_err(|e| errors::kv(py, &e, limits))?;
+            .map_err(|e| errors::kv(py, &e))?;
         let stride = match (seqs.first(), seqs.get(1)) {
             (Some(a), Some(b)) => b.address().0.saturating_sub(a.address().0),
             _ => p.reservation_bytes(),
@@ -143,13 +142,12 @@ impl SequenceBatch {
     ) -> PyResult<u64> {
         let tokens = tokens.0;
         let slots = self.slots(py, first, count)?;
-        let limits = self.cells[0].manager.limits;
         // The decode path: every slot has its tokens already (committed ahead by the
         // pre-committer). Nothing can block, so the GIL is kept (releasing and taking it back
         // costs more than the check).
         if slots.iter().all(|c| c.committed_tokens() >= tokens) {
             for c in slots {
-                c.ensure(tokens).map_err(|e| errors::kv(py, &e, limits))?;
+                c.ensure(tokens).map_err(|e| errors::kv(py, &e))?;
             }
             return Ok(0);
         }
@@ -161,7 +159,7 @@ impl SequenceBatch {
             }
             Ok(bytes)
         })
-        .map_err(|e: kvvm_kv::KvCacheError| errors::kv(py, &e, limits))
+        .map_err(|e: kvvm_kv::KvCacheError| errors::kv(py, &e))
     }
 
     /// Releases every slot (see :meth:`Sequence.release`); returns the bytes unmapped.
@@ -175,7 +173,6 @@ impl SequenceBatch {
             ));
         }
         let cells = self.cells.clone();
-        let limits = self.cells[0].manager.limits;
         let out = py.detach(move || {
             let mut bytes = 0u64;
             for c in &cells {
@@ -189,7 +186,7 @@ impl SequenceBatch {
         });
         match out {
             Ok(b) => Ok(b),
-            Err(Ok(e)) => Err(errors::kv(py, &e, limits)),
+            Err(Ok(e)) => Err(errors::kv(py, &e)),
             Err(Err(busy)) => Err(busy_error(py, busy, "release the batch")),
         }
     }

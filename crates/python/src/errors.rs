@@ -6,22 +6,13 @@
 //! same message is raised instead.
 
 use kvvm::OpenError;
-use kvvm_governor::Backpressure;
+use kvvm_governor::{Backpressure, Limit, NeverFits};
 use kvvm_hal::{BackendError, ErrorKind};
 use kvvm_kv::{KvCacheError, KvError};
 use kvvm_vmm::VmmError;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-
-/// The limits against which a refused request is judged retryable or never-fitting.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Limits {
-    /// The governor's budget for the device, if any.
-    pub(crate) budget: Option<u64>,
-    /// The device's total memory.
-    pub(crate) device_bytes: Option<u64>,
-}
 
 /// An attribute value of an exception.
 pub(crate) enum Attr {
@@ -57,28 +48,27 @@ pub(crate) fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
     raise(py, "InvalidArgumentError", message.into(), &[])
 }
 
-/// A refusal by the governor: never-fits when no freeing can help, backpressure otherwise.
-pub(crate) fn backpressure(py: Python<'_>, b: &Backpressure, limits: Limits) -> PyErr {
-    let never = match (limits.budget, limits.device_bytes) {
-        (Some(budget), _) if b.needed > budget => Some((budget, "budget")),
-        (_, Some(dev)) if b.needed > dev => Some((dev, "device")),
-        _ => None,
+/// A refusal for good: no freeing can make the request fit.
+pub(crate) fn never_fits(py: Python<'_>, n: &NeverFits) -> PyErr {
+    let limit = match n.limit {
+        Limit::DeviceBudget | Limit::ProcessBudget => "budget",
+        Limit::DeviceMemory => "device",
     };
-    if let Some((limit_bytes, limit)) = never {
-        return raise(
-            py,
-            "NeverFitsError",
-            format!(
-                "the request needs {} bytes, more than the {limit} of {limit_bytes} bytes: it can never fit",
-                b.needed
-            ),
-            &[
-                ("needed_bytes", Attr::Int(b.needed)),
-                ("limit_bytes", Attr::Int(limit_bytes)),
-                ("limit", Attr::Str(limit.to_owned())),
-            ],
-        );
-    }
+    raise(
+        py,
+        "NeverFitsError",
+        format!("{n}: it can never fit"),
+        &[
+            ("needed_bytes", Attr::Int(n.needed)),
+            ("limit_bytes", Attr::Int(n.limit_bytes)),
+            ("limit", Attr::Str(limit.to_owned())),
+            ("limit_kind", Attr::Str(n.limit.as_str().to_owned())),
+        ],
+    )
+}
+
+/// A refusal for now: retry after `retry_after`.
+pub(crate) fn backpressure(py: Python<'_>, b: &Backpressure) -> PyErr {
     raise(
         py,
         "BackpressureError",
@@ -116,15 +106,18 @@ pub(crate) fn backend(py: Python<'_>, e: &BackendError) -> PyErr {
 }
 
 /// A manager error.
-pub(crate) fn vmm(py: Python<'_>, e: &VmmError, limits: Limits) -> PyErr {
+pub(crate) fn vmm(py: Python<'_>, e: &VmmError) -> PyErr {
     match e {
-        VmmError::Backpressure(b) => backpressure(py, b, limits),
+        VmmError::Backpressure(b) => backpressure(py, b),
+        VmmError::NeverFits(n) => never_fits(py, n),
         VmmError::Backend(b) => backend(py, b),
         VmmError::OutOfBounds { .. }
         | VmmError::SizeOverflow { .. }
         | VmmError::ZeroSize
         | VmmError::GrantMismatch { .. }
-        | VmmError::AlreadyMapped { .. } => invalid(py, e.to_string()),
+        | VmmError::AlreadyMapped { .. }
+        | VmmError::InvalidArgument { .. } => invalid(py, e.to_string()),
+        VmmError::Busy { .. } => raise(py, "BusyError", e.to_string(), &[]),
         VmmError::BadGranularity { .. } | VmmError::Accounting(_) => {
             raise(py, "KvvmError", e.to_string(), &[])
         }
@@ -137,10 +130,11 @@ pub(crate) fn layout(py: Python<'_>, e: &KvError) -> PyErr {
 }
 
 /// A KV-layer error.
-pub(crate) fn kv(py: Python<'_>, e: &KvCacheError, limits: Limits) -> PyErr {
+pub(crate) fn kv(py: Python<'_>, e: &KvCacheError) -> PyErr {
     match e {
-        KvCacheError::Backpressure(b) => backpressure(py, b, limits),
-        KvCacheError::Vmm(v) => vmm(py, v, limits),
+        KvCacheError::Backpressure(b) => backpressure(py, b),
+        KvCacheError::NeverFits(n) => never_fits(py, n),
+        KvCacheError::Vmm(v) => vmm(py, v),
         KvCacheError::Backend(b) => backend(py, b),
         KvCacheError::Layout(l) => layout(py, l),
         KvCacheError::NotShareable { .. } => raise(py, "NotShareableError", e.to_string(), &[]),

@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::count::{Count, Dim};
-use crate::errors::{self, Limits};
+use crate::errors;
 
 /// A driver backend opened by name (`"auto"`, `"cuda"`, `"hip"`, `"host"`, `"sim"`).
 #[pyclass(frozen, module = "kvvm._native")]
@@ -116,7 +116,8 @@ pub(crate) struct ManagerState {
     pub(crate) governor: Governor,
     pub(crate) device: DeviceId,
     pub(crate) precommit: Option<Precommitter>,
-    pub(crate) limits: Limits,
+    /// The governor's budget for the device, if any.
+    pub(crate) budget: Option<u64>,
     pub(crate) dl_device: Option<DLDevice>,
 }
 
@@ -226,7 +227,6 @@ impl Manager {
                     detail: Some(format!("no device {device}: the backend has {count}")),
                 }));
             }
-            let total = b.memory_info(id).ok().map(|m| m.total);
             let mut config = GovernorConfig::default();
             if let Some(bytes) = budget_bytes {
                 config = config.device_budget(id, bytes);
@@ -239,15 +239,15 @@ impl Manager {
                 vmm = vmm.pool_cap_bytes(cap);
             }
             let vm = VirtualMemory::new(Arc::clone(&b), id, governor.clone(), vmm)?;
-            Ok((vm, governor, total))
+            Ok((vm, governor))
         });
-        let (vm, governor, total) = made.map_err(|e| match &e {
+        let (vm, governor) = made.map_err(|e| match &e {
             kvvm_vmm::VmmError::Backend(be)
                 if be.kind == kvvm_hal::ErrorKind::InvalidValue && be.code == 0 =>
             {
                 errors::invalid(py, be.detail.clone().unwrap_or_else(|| be.to_string()))
             }
-            _ => errors::vmm(py, &e, Limits::default()),
+            _ => errors::vmm(py, &e),
         })?;
         let precommitter = if precommit {
             let config = PrecommitConfig {
@@ -255,16 +255,9 @@ impl Manager {
                 max_headroom_bytes,
                 poll_interval: Duration::from_micros(poll_interval_us.max(1)),
             };
-            Some(
-                Precommitter::start(&vm, config)
-                    .map_err(|e| errors::kv(py, &e, Limits::default()))?,
-            )
+            Some(Precommitter::start(&vm, config).map_err(|e| errors::kv(py, &e))?)
         } else {
             None
-        };
-        let limits = Limits {
-            budget: budget_bytes,
-            device_bytes: total,
         };
         let dl = dl_device(backend.name(), device);
         Ok(Manager {
@@ -274,7 +267,7 @@ impl Manager {
                 governor,
                 device: id,
                 precommit: precommitter,
-                limits,
+                budget: budget_bytes,
                 dl_device: dl,
             }),
         })
@@ -301,7 +294,7 @@ impl Manager {
     /// The byte budget, or None.
     #[getter]
     fn budget_bytes(&self) -> Option<u64> {
-        self.state.limits.budget
+        self.state.budget
     }
 
     /// Whether the background pre-committer runs.
@@ -326,8 +319,8 @@ impl Manager {
             quarantined: s.quarantined,
             pending: s.pending,
             used: s.used(),
-            budget: self.state.limits.budget,
-            free: self.state.limits.budget.map(|b| b.saturating_sub(s.used())),
+            budget: self.state.budget,
+            free: self.state.budget.map(|b| b.saturating_sub(s.used())),
         }
     }
 
@@ -391,7 +384,7 @@ impl Manager {
             self.state.backend.name(),
             self.state.device.0,
             self.state.vm.granule(),
-            py_opt(self.state.limits.budget)
+            py_opt(self.state.budget)
         )
     }
 }

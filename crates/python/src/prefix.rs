@@ -7,7 +7,7 @@ use kvvm_kv::{PrefixCache as KvPrefixCache, PrefixCacheConfig, PublishOutcome};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::{self, Limits};
+use crate::errors;
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
 use crate::sequence::Sequence;
@@ -53,7 +53,7 @@ impl SharedPrefix {
         let cell = Arc::clone(&sequence.cell);
         let prefix = Arc::clone(&self.prefix);
         py.detach(move || cell.admission(|s| prefix.attach_to(s)))
-            .map_err(|e| errors::kv(py, &e, self.limits))
+            .map_err(|e| errors::kv(py, &e))
     }
 
     fn __repr__(&self) -> String {
@@ -72,7 +72,6 @@ impl SharedPrefix {
 #[pyclass(frozen, module = "kvvm._native")]
 pub struct PrefixCache {
     cache: Arc<KvPrefixCache>,
-    limits: Limits,
 }
 
 #[pymethods]
@@ -87,11 +86,10 @@ impl PrefixCache {
         plan: &PyPlan,
         max_cached_bytes: Option<u64>,
     ) -> PyResult<Self> {
-        let limits = manager.state.limits;
         let config = PrefixCacheConfig::default().max_cached_bytes(max_cached_bytes);
         let cache = KvPrefixCache::with_config(manager.state.vm.clone(), plan.plan, config)
-            .map_err(|e| errors::kv(py, &e, limits))?;
-        Ok(PrefixCache { cache, limits })
+            .map_err(|e| errors::kv(py, &e))?;
+        Ok(PrefixCache { cache })
     }
 
     /// Tokens per cached block (prefixes are found in whole blocks).
@@ -115,7 +113,7 @@ impl PrefixCache {
         let cache = Arc::clone(&self.cache);
         let info = py
             .detach(move || cell.admission(|s| cache.admit_into(&token_ids, s)))
-            .map_err(|e| errors::kv(py, &e, self.limits))?;
+            .map_err(|e| errors::kv(py, &e))?;
         let d = PyDict::new(py);
         d.set_item("hit_tokens", info.hit_tokens)?;
         d.set_item("prompt_tokens", info.prompt_tokens)?;
@@ -132,7 +130,7 @@ impl PrefixCache {
         let cache = Arc::clone(&self.cache);
         let out = py
             .detach(move || cell.with(|s| cache.publish(s)))
-            .map_err(|e| errors::kv(py, &e, self.limits))?;
+            .map_err(|e| errors::kv(py, &e))?;
         Ok(match out {
             PublishOutcome::Published { .. } => "published",
             PublishOutcome::AlreadyCached => "already_cached",

@@ -62,11 +62,10 @@ impl Sequence {
         let max_tokens = max_tokens_arg(py, plan, max_tokens.map(|c| c.0))?;
         let state = Arc::clone(&manager.state);
         let p = plan.plan;
-        let limits = state.limits;
         let vm = state.vm.clone();
         let seq = py
             .detach(move || SequenceKv::new(&vm, &p, max_tokens))
-            .map_err(|e| errors::kv(py, &e, limits))?;
+            .map_err(|e| errors::kv(py, &e))?;
         Ok(Sequence {
             cell: Arc::new(SeqCell::new(state, seq, plan.dtype, precommit)),
         })
@@ -141,7 +140,7 @@ impl Sequence {
         let tokens = tokens.0;
         let cell = Arc::clone(&self.cell);
         py.detach(move || cell.ensure(tokens))
-            .map_err(|e| errors::kv(py, &e, self.cell.manager.limits))
+            .map_err(|e| errors::kv(py, &e))
     }
 
     /// Gives back the windows holding no byte of the first `tokens` tokens (written tokens
@@ -152,7 +151,7 @@ impl Sequence {
         let out = py.detach(move || cell.unmapping(|s| s.shrink_committed(tokens)));
         match out {
             Err(busy) => Err(busy_error(py, busy, "shrink")),
-            Ok(r) => r.map_err(|e| errors::kv(py, &e, self.cell.manager.limits)),
+            Ok(r) => r.map_err(|e| errors::kv(py, &e)),
         }
     }
 
@@ -164,7 +163,7 @@ impl Sequence {
         let out = py.detach(move || cell.unmapping(|s| s.release()));
         match out {
             Err(busy) => Err(busy_error(py, busy, "release")),
-            Ok(r) => r.map_err(|e| errors::kv(py, &e, self.cell.manager.limits)),
+            Ok(r) => r.map_err(|e| errors::kv(py, &e)),
         }
     }
 
@@ -175,7 +174,7 @@ impl Sequence {
         let cell = Arc::clone(&self.cell);
         let bytes = data.to_vec();
         py.detach(move || cell.with(|s| s.write_tokens(first, &bytes)))
-            .map_err(|e| errors::kv(py, &e, self.cell.manager.limits))
+            .map_err(|e| errors::kv(py, &e))
     }
 
     /// Reads `count` tokens from `first` in the host layout of :meth:`write_tokens`.
@@ -206,7 +205,7 @@ impl Sequence {
                 let mut buf = vec![0u8; len];
                 cell.with(|s| s.read_tokens(first, &mut buf)).map(|()| buf)
             })
-            .map_err(|e| errors::kv(py, &e, self.cell.manager.limits))?;
+            .map_err(|e| errors::kv(py, &e))?;
         Ok(PyBytes::new(py, &out))
     }
 
@@ -242,11 +241,8 @@ impl Sequence {
         let cell = Arc::clone(&self.cell);
         let prefix = py
             .detach(move || cell.admission(|s| kvvm_kv::SharedDevicePrefix::own_in(s, tokens)))
-            .map_err(|e| errors::kv(py, &e, self.cell.manager.limits))?;
-        Ok(SharedPrefix {
-            prefix,
-            limits: self.cell.manager.limits,
-        })
+            .map_err(|e| errors::kv(py, &e))?;
+        Ok(SharedPrefix { prefix })
     }
 
     fn __repr__(&self) -> String {

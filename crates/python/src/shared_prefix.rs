@@ -6,11 +6,8 @@ use std::sync::Arc;
 use kvvm_kv::SharedDevicePrefix;
 use pyo3::prelude::*;
 
-use crate::errors::Limits;
-
 /// A prefix one sequence owns (read-write until sealed) and others map read-only.
 #[pyclass(frozen, module = "kvvm._native")]
 pub struct SharedPrefix {
     pub(crate) prefix: Arc<SharedDevicePrefix>,
-    pub(crate) limits: Limits,
 }

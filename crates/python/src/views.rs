@@ -111,7 +111,7 @@ pub(crate) fn make_view(
     let strides = first.plan.strides();
     let offset = first
         .offset(req.layer, req.kind, req.start)
-        .map_err(|err| errors::kv(py, &err, first.manager.limits))?;
+        .map_err(|err| errors::kv(py, &err))?;
     let ptr = first
         .base
         .checked_add(offset)

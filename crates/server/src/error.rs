@@ -25,6 +25,18 @@ pub enum ServiceError {
         /// When a retry is likely to succeed (the governor's estimate).
         retry_after: Duration,
     },
+    /// The request can never fit: it is larger than a limit no freeing can raise (the budget
+    /// less its quarantine, or the device's memory). Retrying never helps, so there is no
+    /// `Retry-After` (413).
+    #[error("the request needs {needed_bytes} bytes, more than the {limit} allows ({limit_bytes} bytes): it can never fit")]
+    NeverFits {
+        /// Bytes the operation needed.
+        needed_bytes: u64,
+        /// The most the limit could ever grant.
+        limit_bytes: u64,
+        /// Which limit: `device_budget`, `process_budget` or `device_memory`.
+        limit: &'static str,
+    },
     /// The request body is not valid JSON or not the expected object (400).
     #[error("malformed request body: {0}")]
     MalformedBody(String),
@@ -66,7 +78,7 @@ impl ServiceError {
             ServiceError::MalformedBody(_) | ServiceError::InvalidId(_) => 400,
             ServiceError::UnknownSequence(_) | ServiceError::NotFound(_) => 404,
             ServiceError::MethodNotAllowed(_) => 405,
-            ServiceError::BodyTooLarge { .. } => 413,
+            ServiceError::BodyTooLarge { .. } | ServiceError::NeverFits { .. } => 413,
             ServiceError::InvalidRequest(_) => 422,
             ServiceError::ShuttingDown => 503,
             ServiceError::Internal(_) => 500,
@@ -84,6 +96,7 @@ impl ServiceError {
             ServiceError::MethodNotAllowed(_) => "method_not_allowed",
             ServiceError::InvalidRequest(_) => "invalid_request",
             ServiceError::BodyTooLarge { .. } => "body_too_large",
+            ServiceError::NeverFits { .. } => "never_fits",
             ServiceError::ShuttingDown => "shutting_down",
             ServiceError::Internal(_) => "internal",
         }
@@ -124,6 +137,19 @@ impl ServiceError {
             map.insert("available_bytes".into(), (*available_bytes).into());
             let ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);
             map.insert("retry_after_ms".into(), ms.into());
+        }
+        if let (
+            ServiceError::NeverFits {
+                needed_bytes,
+                limit_bytes,
+                limit,
+            },
+            Some(map),
+        ) = (self, body.as_object_mut())
+        {
+            map.insert("needed_bytes".into(), (*needed_bytes).into());
+            map.insert("limit_bytes".into(), (*limit_bytes).into());
+            map.insert("limit".into(), (*limit).into());
         }
         body
     }

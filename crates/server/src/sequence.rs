@@ -216,6 +216,13 @@ fn write_placeholder(
 /// out-of-memory become [`ServiceError::Backpressure`]; token counts out of range are the
 /// client's; anything else is internal.
 fn kv_error(vm: &VirtualMemory, e: KvCacheError, needed: u64) -> ServiceError {
+    if let Some(n) = e.never_fits() {
+        return ServiceError::NeverFits {
+            needed_bytes: n.needed,
+            limit_bytes: n.limit_bytes,
+            limit: n.limit.as_str(),
+        };
+    }
     if let Some(bp) = e.backpressure() {
         return ServiceError::Backpressure {
             needed_bytes: bp.needed,

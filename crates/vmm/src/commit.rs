@@ -12,10 +12,13 @@ use std::sync::Arc;
 use kvvm_governor::{Bucket, MappedGrowthGrant};
 use kvvm_hal::{BackendError, PhysicalHandle};
 
+use kvvm_hal::DeviceAddress;
+
 use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{BlockKind, Commit};
-use crate::range::{runs, Block, ReservedRange};
+use crate::parking::ParkedWindows;
+use crate::range::{runs, window_list, Block, ReservedRange};
 use crate::state::DeviceState;
 
 /// Where a handle of a commit in progress came from.
@@ -49,12 +52,22 @@ impl ReservedRange {
         }
     }
 
-    /// Commits `granules` windows after the committed end.
+    /// Whether some window below the committed end is unmapped (a failed rollback or release
+    /// left a block mapped above a hole).
+    pub(crate) fn has_holes(&self) -> bool {
+        self.committed_bytes() != self.committed_end()
+    }
+
+    /// Commits the first `granules` unmapped windows: the holes below the committed end
+    /// first (lowest first), then windows after it.
     pub(crate) fn commit_granules(
         &mut self,
         granules: u64,
         grant: Option<MappedGrowthGrant>,
     ) -> VmmResult<Commit> {
+        if granules > 0 && self.has_holes() {
+            return self.commit_filling_holes(granules, grant);
+        }
         let g = self.granule();
         let offset = self.committed_end();
         let bytes = granules.checked_mul(g).ok_or(VmmError::SizeOverflow {
@@ -65,9 +78,54 @@ impl ReservedRange {
             return Ok(Commit::empty(self.addr(offset)?));
         }
         self.checked_end(offset, bytes, "commit end")?;
-        let offsets: Vec<u64> = (0..granules)
-            .map(|i| offset.saturating_add(i.saturating_mul(g)))
-            .collect();
+        // Priced before any per-window record is built: a request that can never fit is
+        // refused in O(1) memory, however many granules it names.
+        if grant.is_none() {
+            self.price(granules)?;
+        }
+        let mut offsets = window_list(granules)?;
+        offsets.extend((0..granules).map(|i| offset.saturating_add(i.saturating_mul(g))));
+        self.commit_windows(&offsets, grant, None)
+    }
+
+    /// [`commit_granules`](Self::commit_granules) when there are holes.
+    fn commit_filling_holes(
+        &mut self,
+        granules: u64,
+        grant: Option<MappedGrowthGrant>,
+    ) -> VmmResult<Commit> {
+        let g = self.granule();
+        let bytes = granules.checked_mul(g).ok_or(VmmError::SizeOverflow {
+            what: "commit size",
+        })?;
+        // The windows end at most `granules` windows past the committed end.
+        let holes = (self.committed_end() - self.committed_bytes()) / g;
+        let end = self
+            .committed_end()
+            .checked_add(
+                granules
+                    .saturating_sub(holes.min(granules))
+                    .saturating_mul(g),
+            )
+            .ok_or(VmmError::SizeOverflow { what: "commit end" })?;
+        if end > self.size {
+            return Err(VmmError::OutOfBounds {
+                offset: self.committed_end(),
+                requested: bytes,
+                reserved: self.size,
+            });
+        }
+        if grant.is_none() {
+            self.price(granules)?;
+        }
+        let mut offsets = window_list(granules)?;
+        let mut o = 0u64;
+        while (offsets.len() as u64) < granules && o < end {
+            if !self.is_mapped(o) {
+                offsets.push(o);
+            }
+            o = o.saturating_add(g);
+        }
         self.commit_windows(&offsets, grant, None)
     }
 
@@ -80,6 +138,63 @@ impl ReservedRange {
         grant: Option<MappedGrowthGrant>,
         shared: Option<&mut Vec<(u64, PhysicalHandle)>>,
     ) -> VmmResult<Commit> {
+        // Every window must be in bounds, unmapped and not in flight: the driver checks none.
+        for &o in offsets {
+            self.check_free_window(o)?;
+        }
+        let applied = self.target().apply(offsets, grant, shared);
+        self.insert_blocks(applied.blocks.into_iter());
+        applied.result
+    }
+
+    /// What a commit needs of this reservation (not its block list).
+    pub(crate) fn target(&self) -> Target {
+        Target {
+            state: Arc::clone(&self.state),
+            base: self.base,
+            parked: self.parked.clone(),
+        }
+    }
+}
+
+/// What a commit's driver work needs of its reservation: the device state, the base address
+/// and the parked windows; not the block list, so that the work can run while the
+/// reservation is used elsewhere (a background commit, `job.rs`).
+pub(crate) struct Target {
+    pub(crate) state: Arc<DeviceState>,
+    pub(crate) base: DeviceAddress,
+    pub(crate) parked: Option<Arc<ParkedWindows>>,
+}
+
+/// The outcome of a commit's driver work: its result, and the blocks to record (the new ones
+/// on success; on failure those a failed rollback left mapped).
+pub(crate) struct Applied {
+    pub(crate) result: VmmResult<Commit>,
+    pub(crate) blocks: Vec<Block>,
+}
+
+impl Applied {
+    fn failed(e: VmmError) -> Self {
+        Applied {
+            result: Err(e),
+            blocks: Vec::new(),
+        }
+    }
+}
+
+impl Target {
+    fn at(&self, offset: u64) -> DeviceAddress {
+        self.base.offset(offset)
+    }
+
+    /// The transaction over validated window offsets (sorted, distinct, unmapped, in bounds,
+    /// not in flight).
+    pub(crate) fn apply(
+        &self,
+        offsets: &[u64],
+        grant: Option<MappedGrowthGrant>,
+        shared: Option<&mut Vec<(u64, PhysicalHandle)>>,
+    ) -> Applied {
         let st = Arc::clone(&self.state);
         let ctx = &st.ctx;
         let g = ctx.granule;
@@ -92,14 +207,16 @@ impl ReservedRange {
         );
         let _e = span.enter();
         let first = offsets.first().copied().unwrap_or(0);
-        let start = self.addr(first)?;
-        let bytes = granules.checked_mul(g).ok_or(VmmError::SizeOverflow {
-            what: "commit size",
-        })?;
-        // Every window must be in bounds and unmapped: the driver checks neither.
-        for &o in offsets {
-            self.check_free_window(o)?;
-        }
+        let Some(start) = self.base.checked_add(first) else {
+            return Applied::failed(VmmError::SizeOverflow {
+                what: "block address",
+            });
+        };
+        let Some(bytes) = granules.checked_mul(g) else {
+            return Applied::failed(VmmError::SizeOverflow {
+                what: "commit size",
+            });
+        };
         let target = if shared.is_some() {
             Bucket::Shared
         } else {
@@ -111,26 +228,34 @@ impl ReservedRange {
         let reused: Vec<(u64, PhysicalHandle)> = match (&self.parked, shared.is_some()) {
             (None, _) => Vec::new(),
             (Some(parked), true) => {
-                parked.evict(ctx, &st.pool, offsets)?;
+                if let Err(e) = parked.evict(ctx, &st.pool, offsets) {
+                    return Applied::failed(e.into());
+                }
                 Vec::new()
             }
             (Some(parked), false) => parked.take(&st.pool, g, offsets),
         };
         if !reused.is_empty() {
-            return self.commit_reusing_parked(offsets, reused, grant, start, bytes);
+            return self.apply_reusing_parked(offsets, reused, grant, start, bytes);
         }
 
         // Pool first: a hit needs neither a create nor any new budget.
         let mut pooled = st.pool.take(granules);
         let from_pool = pooled.len() as u64;
         let new_bytes = (granules.saturating_sub(from_pool)).saturating_mul(g);
+        if grant.is_none() {
+            if let Err(never) = ctx.check_fits(new_bytes) {
+                st.pool.untake(ctx, pooled);
+                return Applied::failed(never.into());
+            }
+        }
         let mut grant = match grant {
             Some(grant) => grant,
             None => match ctx.governor.try_grant(ctx.device, new_bytes) {
                 Ok(grant) => grant,
-                Err(bp) => {
+                Err(refusal) => {
                     st.pool.untake(ctx, pooled);
-                    return Err(bp.into());
+                    return Applied::failed(refusal.into());
                 }
             },
         };
@@ -178,9 +303,12 @@ impl ReservedRange {
 
         if let Some(error) = failure {
             tracing::debug!(%error, mapped = mapped.len(), "commit failed; rolling back");
-            self.rollback(&st, mapped, &mut grant);
+            let kept = self.rollback(mapped, &mut grant);
             grant.rollback();
-            return Err(error.into());
+            return Applied {
+                result: Err(error.into()),
+                blocks: kept,
+            };
         }
 
         let created = (mapped
@@ -202,31 +330,37 @@ impl ReservedRange {
             }
             None => BlockKind::Owned,
         };
-        self.insert_blocks(mapped.into_iter().map(|(offset, handle, _)| Block {
-            offset,
-            handle,
-            kind,
-            shared: None,
-        }));
-        Ok(Commit {
-            address: start,
-            bytes,
-            granules,
-            from_pool,
-        })
+        let blocks = mapped
+            .into_iter()
+            .map(|(offset, handle, _)| Block {
+                offset,
+                handle,
+                kind,
+                shared: None,
+            })
+            .collect();
+        Applied {
+            result: Ok(Commit {
+                address: start,
+                bytes,
+                granules,
+                from_pool,
+            }),
+            blocks,
+        }
     }
 
     /// A private commit some of whose windows are parked here: the others are committed as
     /// usual, then the parked ones become blocks again (pooled to committed). If the fresh
     /// part fails, the parked windows go back to parking.
-    fn commit_reusing_parked(
-        &mut self,
+    fn apply_reusing_parked(
+        &self,
         offsets: &[u64],
         reused: Vec<(u64, PhysicalHandle)>,
         grant: Option<MappedGrowthGrant>,
         start: kvvm_hal::DeviceAddress,
         bytes: u64,
-    ) -> VmmResult<Commit> {
+    ) -> Applied {
         let st = Arc::clone(&self.state);
         let ctx = &st.ctx;
         let g = ctx.granule;
@@ -236,15 +370,18 @@ impl ReservedRange {
             .filter(|o| reused.binary_search_by_key(o, |(r, _)| *r).is_err())
             .collect();
         let reused_bytes = ctx.granules(reused.len());
-        let result = if fresh.is_empty() {
+        let mut applied = if fresh.is_empty() {
             if let Some(grant) = grant {
                 grant.rollback();
             }
-            Ok(Commit::empty(start))
+            Applied {
+                result: Ok(Commit::empty(start)),
+                blocks: Vec::new(),
+            }
         } else {
-            self.commit_windows(&fresh, grant, None)
+            self.apply(&fresh, grant, None)
         };
-        match result {
+        match applied.result {
             Ok(c) => {
                 ctx.account(ctx.governor.transfer(
                     ctx.device,
@@ -253,19 +390,28 @@ impl ReservedRange {
                     reused_bytes,
                 ));
                 let n = reused.len() as u64;
-                self.insert_blocks(reused.into_iter().map(|(o, h)| Block::owned(o, h)));
-                Ok(Commit {
-                    address: start,
-                    bytes,
-                    granules: offsets.len() as u64,
-                    from_pool: c.from_pool.saturating_add(n),
-                })
+                applied
+                    .blocks
+                    .extend(reused.into_iter().map(|(o, h)| Block::owned(o, h)));
+                applied.blocks.sort_by_key(|b| b.offset);
+                Applied {
+                    result: Ok(Commit {
+                        address: start,
+                        bytes,
+                        granules: offsets.len() as u64,
+                        from_pool: c.from_pool.saturating_add(n),
+                    }),
+                    blocks: applied.blocks,
+                }
             }
             Err(e) => {
                 if let Some(parked) = &self.parked {
                     parked.put_back(&st.pool, g, reused);
                 }
-                Err(e)
+                Applied {
+                    result: Err(e),
+                    blocks: applied.blocks,
+                }
             }
         }
     }
@@ -273,11 +419,11 @@ impl ReservedRange {
     /// Undoes the maps of a failed commit in reverse order. A block whose unmap fails stays
     /// recorded (it is still mapped) and its bytes are accounted as committed.
     fn rollback(
-        &mut self,
-        st: &DeviceState,
+        &self,
         mapped: Vec<(u64, PhysicalHandle, Origin)>,
         grant: &mut MappedGrowthGrant,
-    ) {
+    ) -> Vec<Block> {
+        let st = &*self.state;
         let ctx = &st.ctx;
         let g = ctx.granule;
         let mut kept = Vec::new();
@@ -307,8 +453,6 @@ impl ReservedRange {
                 }
             }
         }
-        if !kept.is_empty() {
-            self.insert_blocks(kept.into_iter());
-        }
+        kept
     }
 }

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use kvvm_governor::{Bucket, Governor, GovernorError, MappedGrowthGrant};
+use kvvm_governor::{Bucket, Governor, GovernorError, Limit, MappedGrowthGrant, NeverFits};
 use kvvm_hal::{
     AccessDescriptor, AllocationProperties, BackendError, Capabilities, DeviceAddress, DeviceId,
     PhysicalHandle, VirtualMemoryBackend,
@@ -57,6 +57,8 @@ pub(crate) struct DeviceContext {
     pub(crate) access: Vec<AccessDescriptor>,
     pub(crate) governor: Governor,
     pub(crate) quarantine: Quarantine,
+    /// The device's physical memory as the driver reported it at creation (`None`: unknown).
+    pub(crate) capacity: Option<u64>,
     accounting_errors: AtomicU64,
 }
 
@@ -69,6 +71,11 @@ impl DeviceContext {
         governor: Governor,
     ) -> Self {
         let caps = backend.capabilities();
+        let capacity = backend
+            .memory_info(props.device)
+            .ok()
+            .map(|m| m.total)
+            .filter(|&t| t > 0);
         DeviceContext {
             backend,
             device: props.device,
@@ -78,6 +85,7 @@ impl DeviceContext {
             access,
             governor,
             quarantine: Quarantine::default(),
+            capacity,
             accounting_errors: AtomicU64::new(0),
         }
     }
@@ -87,6 +95,29 @@ impl DeviceContext {
         if let Err(e) = r {
             self.accounting_errors.fetch_add(1, Ordering::Relaxed);
             tracing::error!(error = %e, "governor accounting failed");
+        }
+    }
+
+    /// Refuses, in O(1), `new_bytes` of new physical memory that could never fit: more than
+    /// the device holds, or than the governor's limits allow once everything but the
+    /// quarantine is freed.
+    pub(crate) fn check_fits(&self, new_bytes: u64) -> Result<(), NeverFits> {
+        let device = self
+            .capacity
+            .filter(|&t| new_bytes > t)
+            .map(|total| NeverFits {
+                device: self.device,
+                needed: new_bytes,
+                limit: Limit::DeviceMemory,
+                limit_bytes: total,
+            });
+        let budget = self.governor.check_fits(self.device, new_bytes).err();
+        // The tighter limit is the one reported.
+        match (device, budget) {
+            (Some(d), Some(b)) if d.limit_bytes < b.limit_bytes => Err(d),
+            (_, Some(b)) => Err(b),
+            (Some(d), None) => Err(d),
+            (None, None) => Ok(()),
         }
     }
 

@@ -1,6 +1,6 @@
 //! Typed errors of the manager.
 
-use kvvm_governor::{Backpressure, GovernorError};
+use kvvm_governor::{Backpressure, GovernorError, NeverFits, Refusal};
 use kvvm_hal::{BackendError, DeviceId, ErrorKind};
 
 /// An error of a manager operation.
@@ -11,9 +11,13 @@ use kvvm_hal::{BackendError, DeviceId, ErrorKind};
 /// manager's books equal the driver's truth.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum VmmError {
-    /// The governor refused the grant: retry after `retry_after` or shed load.
+    /// The governor refused the grant for now: retry after `retry_after` or shed load.
     #[error(transparent)]
     Backpressure(#[from] Backpressure),
+    /// The request is larger than a limit no freeing can raise (a budget less its quarantine,
+    /// or the device's memory): retrying never helps. Nothing was done.
+    #[error(transparent)]
+    NeverFits(#[from] NeverFits),
     /// A driver call failed (the operation was rolled back or its remains recorded).
     #[error(transparent)]
     Backend(#[from] BackendError),
@@ -64,6 +68,21 @@ pub enum VmmError {
         /// Offset of the window in the reservation.
         offset: u64,
     },
+    /// The arguments do not describe a valid request (overlapping ranges, nothing to do where
+    /// something must be done); `reason` says what is wrong. Nothing was done.
+    #[error("invalid argument: {reason}")]
+    InvalidArgument {
+        /// What is wrong, with the numbers.
+        reason: String,
+    },
+    /// A window is being committed or given back by another thread right now (a background
+    /// commit in flight, a parked window being unmapped); retry once it is done. Nothing was
+    /// done.
+    #[error("the granule window at offset {offset} is busy: a commit or unmap is in flight")]
+    Busy {
+        /// Offset of the window in the reservation.
+        offset: u64,
+    },
     /// The governor's books refused an update: a bug in the manager.
     #[error(transparent)]
     Accounting(#[from] GovernorError),
@@ -71,9 +90,10 @@ pub enum VmmError {
 
 impl VmmError {
     /// Whether retrying later may succeed: backpressure, or the driver ran out of memory.
+    /// [`VmmError::NeverFits`] is not retryable.
     pub fn is_retryable(&self) -> bool {
         match self {
-            VmmError::Backpressure(_) => true,
+            VmmError::Backpressure(_) | VmmError::Busy { .. } => true,
             VmmError::Backend(e) => e.kind == ErrorKind::OutOfMemory,
             _ => false,
         }
@@ -84,6 +104,15 @@ impl VmmError {
         match self {
             VmmError::Backend(e) => Some(e),
             _ => None,
+        }
+    }
+}
+
+impl From<Refusal> for VmmError {
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::Backpressure(b) => VmmError::Backpressure(b),
+            Refusal::NeverFits(n) => VmmError::NeverFits(n),
         }
     }
 }

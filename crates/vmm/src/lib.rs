@@ -18,7 +18,10 @@
 //! 1. take up to `k` handles from the pool (a pool hit skips create and release);
 //! 2. **grant first**: ask the governor for the bytes the pool cannot supply
 //!    ([`Reservation::commit_with_grant`] takes a grant obtained earlier). No grant, no commit:
-//!    a refusal is [`VmmError::Backpressure`] with a `retry_after`;
+//!    a refusal is [`VmmError::Backpressure`] with a `retry_after` when freeing can help, and
+//!    [`VmmError::NeverFits`] (no retry time) when the request is larger than the device or
+//!    than the budget less its quarantine; that price is checked in O(1) before anything is
+//!    listed per window;
 //! 3. for each granule: create a handle (unless pooled) and map it;
 //! 4. set access **once** over the whole contiguous range (one call over n granules costs
 //!    about what one call over one granule costs), retrying
@@ -120,7 +123,8 @@
 //! kv.commit(3 * g)?;                          // prefill: three granules
 //! kv.ensure_committed(5 * g)?;                // decode grows: two more, same pointer
 //! assert_eq!((kv.address(), kv.committed_bytes()), (base, 5 * g));
-//! assert!(kv.commit(20 * g).unwrap_err().is_retryable()); // over budget: backpressure
+//! assert!(kv.commit(12 * g).unwrap_err().is_retryable()); // over what is free: backpressure
+//! assert!(matches!(kv.commit(20 * g), Err(kvvm_vmm::VmmError::NeverFits(_)))); // over the budget
 //! kv.release()?;                              // handles go to the pool, address kept
 //! drop(kv);
 //! drop(vm);
@@ -133,6 +137,7 @@ mod commit;
 mod config;
 mod device;
 mod error;
+mod job;
 mod manager;
 mod mapping;
 mod parking;
@@ -150,6 +155,7 @@ mod teardown;
 
 pub use config::{GranularityChoice, VmmConfig};
 pub use error::{VmmError, VmmResult};
+pub use job::CommitJob;
 pub use manager::VirtualMemory;
 pub use mapping::{BlockKind, Commit, MappedBlock};
 pub use quarantine::{QuarantineEntry, QuarantineReason};

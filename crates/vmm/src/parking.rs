@@ -8,7 +8,8 @@
 //! handing them to teardown. Parked bytes are *pooled* for the governor and count against the
 //! pool cap (the count lives in the [`HandlePool`]).
 
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 
 use kvvm_governor::Bucket;
 use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
@@ -23,10 +24,23 @@ pub(crate) type Window = (u64, PhysicalHandle);
 
 /// The parked windows of one reservation: still mapped at `base + offset` with the manager's
 /// access, their handles accounted as pooled.
+///
+/// The lock is held only to edit the lists, never across a driver call: a window being given
+/// back to the driver is listed as *evicting* while its unmap and release run, and a commit of
+/// it meanwhile is refused as busy.
 #[derive(Debug)]
 pub(crate) struct ParkedWindows {
     base: DeviceAddress,
     windows: Mutex<Vec<Window>>,
+    /// Offsets being unmapped by [`ParkingLot::unpark`] right now.
+    evicting: Mutex<Vec<u64>>,
+    /// Signalled when a window stops evicting.
+    evicted: Condvar,
+    /// How many windows are parked (read without the lock: a commit with nothing parked
+    /// takes no lock).
+    parked: AtomicUsize,
+    /// How many windows are evicting.
+    evicting_count: AtomicUsize,
 }
 
 /// Every live reservation's parked set, for the reclaimer.
@@ -51,6 +65,10 @@ impl ParkingLot {
             let set = Arc::new(ParkedWindows {
                 base,
                 windows: Mutex::new(Vec::new()),
+                evicting: Mutex::new(Vec::new()),
+                evicted: Condvar::new(),
+                parked: AtomicUsize::new(0),
+                evicting_count: AtomicUsize::new(0),
             });
             lock(&self.sets).push(Arc::downgrade(&set));
             set
@@ -72,19 +90,18 @@ impl ParkingLot {
         let g = ctx.granule;
         let mut released = 0u64;
         for set in sets {
-            let Ok(mut windows) = set.windows.try_lock() else {
-                continue;
-            };
             while released < bytes {
-                let Some((offset, handle)) = windows.pop() else {
+                // Take one window out under the lock, give it back with the lock released.
+                let Some((offset, handle)) = set.start_evicting() else {
                     break;
                 };
                 let addr = set.base.offset(offset);
                 if let Err(error) = ctx.backend.unmap(addr, g) {
                     tracing::warn!(%addr, %error, "unmap of a parked window failed; it stays parked");
-                    windows.push((offset, handle));
+                    set.stop_evicting(offset, Some((offset, handle)));
                     break;
                 }
+                set.stop_evicting(offset, None);
                 pool.remove_parked(g);
                 released = released.saturating_add(
                     ctx.release_handle(handle, Source::Bucket(Bucket::Pooled))
@@ -102,6 +119,46 @@ impl ParkingLot {
 impl ParkedWindows {
     fn windows(&self) -> MutexGuard<'_, Vec<Window>> {
         lock(&self.windows)
+    }
+
+    /// Keeps the lock-free count equal to the list (called with the list locked).
+    fn recount(&self, windows: &[Window]) {
+        self.parked.store(windows.len(), Ordering::Release);
+    }
+
+    /// Moves the highest parked window to the evicting list and returns it.
+    fn start_evicting(&self) -> Option<Window> {
+        let mut windows = self.windows();
+        let w = windows.pop()?;
+        self.recount(&windows);
+        lock(&self.evicting).push(w.0);
+        self.evicting_count.fetch_add(1, Ordering::AcqRel);
+        Some(w)
+    }
+
+    /// The window at `offset` is no longer evicting; `back` is parked again (its unmap failed).
+    fn stop_evicting(&self, offset: u64, back: Option<Window>) {
+        if let Some(w) = back {
+            let mut windows = self.windows();
+            windows.push(w);
+            windows.sort_unstable_by_key(|(o, _)| *o);
+            self.recount(&windows);
+        }
+        lock(&self.evicting).retain(|&o| o != offset);
+        self.evicting_count.fetch_sub(1, Ordering::AcqRel);
+        self.evicted.notify_all();
+    }
+
+    /// Waits until no window of this set is being unmapped by the reclaimer (teardown must
+    /// not free the range under a mapping).
+    fn wait_evictions(&self) {
+        let mut evicting = lock(&self.evicting);
+        while !evicting.is_empty() {
+            evicting = self
+                .evicted
+                .wait(evicting)
+                .unwrap_or_else(|p| p.into_inner());
+        }
     }
 
     /// The parked windows as mappings.
@@ -147,15 +204,39 @@ impl ParkedWindows {
             let mut set = self.windows();
             set.extend(parked);
             set.sort_unstable_by_key(|(o, _)| *o);
+            self.recount(&set);
         }
         keep
     }
 
     /// Takes the parked windows at `offsets` (sorted) out of the set; they stay mapped and
     /// accounted as pooled until the caller settles them.
+    ///
+    /// A window of `offsets` that the reclaimer is unmapping right now is waited for (one
+    /// unmap and release), so that the caller never maps over it.
     pub(crate) fn take(&self, pool: &HandlePool, g: u64, offsets: &[u64]) -> Vec<Window> {
         let mut taken = Vec::new();
-        self.windows().retain(|&(o, h)| {
+        if self.parked.load(Ordering::Acquire) == 0
+            && self.evicting_count.load(Ordering::Acquire) == 0
+        {
+            return taken;
+        }
+        let mut windows = loop {
+            let windows = self.windows();
+            let evicting = lock(&self.evicting);
+            if !evicting.iter().any(|o| offsets.binary_search(o).is_ok()) {
+                drop(evicting);
+                break windows;
+            }
+            drop(windows);
+            // Wait for that eviction (signalled with the evicting list's lock), then look again.
+            drop(
+                self.evicted
+                    .wait(evicting)
+                    .unwrap_or_else(|p| p.into_inner()),
+            );
+        };
+        windows.retain(|&(o, h)| {
             if offsets.binary_search(&o).is_ok() {
                 taken.push((o, h));
                 false
@@ -163,6 +244,8 @@ impl ParkedWindows {
                 true
             }
         });
+        self.recount(&windows);
+        drop(windows);
         pool.remove_parked(g.saturating_mul(taken.len() as u64));
         taken
     }
@@ -177,6 +260,7 @@ impl ParkedWindows {
             let mut set = self.windows();
             set.extend(windows);
             set.sort_unstable_by_key(|(o, _)| *o);
+            self.recount(&set);
         }
         // They were counted out by `take`: count them back in (the cap was checked when they
         // were first parked).
@@ -218,7 +302,13 @@ impl ParkedWindows {
     /// Takes every parked window out for teardown, which treats them like committed ones:
     /// their bytes move from pooled back to committed.
     pub(crate) fn take_all(&self, ctx: &DeviceContext, pool: &HandlePool) -> Vec<Window> {
-        let windows = std::mem::take(&mut *self.windows());
+        self.wait_evictions();
+        let windows = {
+            let mut set = self.windows();
+            let all = std::mem::take(&mut *set);
+            self.recount(&set);
+            all
+        };
         if !windows.is_empty() {
             let bytes = ctx.granules(windows.len());
             pool.remove_parked(bytes);

@@ -69,6 +69,23 @@ impl QuarantineEntry {
         }
     }
 
+    /// One mapping left in place outside any reservation's records (an unfinished commit job
+    /// whose undo could not unmap it).
+    pub(crate) fn mapped_block(
+        reason: QuarantineReason,
+        block: MappedBlock,
+        error: BackendError,
+    ) -> Self {
+        QuarantineEntry {
+            reason,
+            range: None,
+            bytes: block.size,
+            mappings: vec![block],
+            handles: Vec::new(),
+            error,
+        }
+    }
+
     /// A reservation's range with the mappings left in it (`bytes` of them owned by it).
     pub(crate) fn mapped_range(
         reason: QuarantineReason,

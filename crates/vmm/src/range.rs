@@ -3,7 +3,7 @@
 //! operations themselves are in `commit.rs`, `sharing.rs`, `release.rs` and `teardown.rs`;
 //! the public face is `reservation.rs`.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use kvvm_hal::{DeviceAddress, PhysicalHandle};
 
@@ -49,6 +49,22 @@ pub(crate) struct ReservedRange {
     /// one (`VirtualMemory::reserve_strided`): the range is freed when its last slot is gone,
     /// not by this reservation.
     pub(crate) shared_range: Option<Arc<SharedRange>>,
+    /// Windows a background commit ([`CommitJob`](crate::CommitJob)) is mapping right now.
+    pub(crate) in_flight: Option<InFlight>,
+}
+
+/// The windows of a commit job between its begin and its finish. The mark is the job's: once
+/// the job is gone (finished or dropped) the windows are free again.
+pub(crate) struct InFlight {
+    pub(crate) mark: Weak<()>,
+    pub(crate) offsets: Vec<u64>,
+}
+
+impl InFlight {
+    /// Whether the window at `offset` is being committed by a live job.
+    pub(crate) fn holds(&self, offset: u64) -> bool {
+        self.mark.strong_count() > 0 && self.offsets.binary_search(&offset).is_ok()
+    }
 }
 
 impl ReservedRange {
@@ -61,6 +77,7 @@ impl ReservedRange {
             blocks: Vec::new(),
             parked,
             shared_range: None,
+            in_flight: None,
         }
     }
 
@@ -100,6 +117,15 @@ impl ReservedRange {
             .is_ok()
     }
 
+    /// The kind of the block mapped at `offset`, if any.
+    pub(crate) fn window_kind(&self, offset: u64) -> Option<BlockKind> {
+        self.blocks
+            .binary_search_by_key(&offset, |b| b.offset)
+            .ok()
+            .and_then(|i| self.blocks.get(i))
+            .map(|b| b.kind)
+    }
+
     /// The blocks as the manager reports them.
     pub(crate) fn mappings(&self) -> Vec<MappedBlock> {
         self.blocks
@@ -113,14 +139,10 @@ impl ReservedRange {
             .collect()
     }
 
-    /// Inserts blocks and keeps the list sorted by offset.
+    /// Inserts blocks, in any order, and keeps the list sorted by offset.
     pub(crate) fn insert_blocks(&mut self, new: impl Iterator<Item = Block>) {
-        let before = self.blocks.len();
         self.blocks.extend(new);
-        let sorted_tail = self.blocks[before..]
-            .first()
-            .is_none_or(|b| before == 0 || self.blocks[before - 1].offset < b.offset);
-        if !sorted_tail {
+        if !self.blocks.is_sorted_by_key(|b| b.offset) {
             self.blocks.sort_by_key(|b| b.offset);
         }
     }
@@ -155,20 +177,41 @@ impl ReservedRange {
         if self.is_mapped(offset) {
             return Err(VmmError::AlreadyMapped { offset });
         }
+        if self.in_flight.as_ref().is_some_and(|f| f.holds(offset)) {
+            return Err(VmmError::Busy { offset });
+        }
         Ok(())
     }
 
-    /// The sorted, unmapped window offsets overlapping `ranges`, bounds-checked.
+    /// Refuses, in O(1), a commit of `windows` granule windows that could never fit even if
+    /// the pool supplied every handle it holds.
+    pub(crate) fn price(&self, windows: u64) -> VmmResult<()> {
+        let ctx = &self.state.ctx;
+        let needed = windows.saturating_mul(ctx.granule);
+        let new_bytes = needed.saturating_sub(self.state.pooled_bytes());
+        ctx.check_fits(new_bytes)?;
+        Ok(())
+    }
+
+    /// The sorted, unmapped window offsets overlapping `ranges`, bounds-checked. The windows
+    /// are counted and priced ([`price`](Self::price)) before they are listed.
     pub(crate) fn missing_windows(&self, ranges: &[(u64, u64)]) -> VmmResult<Vec<u64>> {
         let g = self.granule();
-        let mut offsets = Vec::new();
+        let mut spans = Vec::with_capacity(ranges.len());
+        let mut total = 0u64;
         for &(offset, len) in ranges {
             if len == 0 {
                 continue;
             }
             let end = self.checked_end(offset, len, "range end")?;
-            let first = offset / g;
-            let last = end.div_ceil(g);
+            let (first, last) = (offset / g, end.div_ceil(g));
+            total = total.saturating_add(last.saturating_sub(first));
+            spans.push((first, last));
+        }
+        let mapped = self.blocks.len() as u64;
+        self.price(total.saturating_sub(mapped))?;
+        let mut offsets = window_list(total)?;
+        for (first, last) in spans {
             for w in first..last {
                 let o = w.saturating_mul(g);
                 if !self.is_mapped(o) {
@@ -180,6 +223,18 @@ impl ReservedRange {
         offsets.dedup();
         Ok(offsets)
     }
+}
+
+/// An empty list with room for `windows` offsets, refused (not aborted) when that much memory
+/// cannot be had.
+pub(crate) fn window_list(windows: u64) -> VmmResult<Vec<u64>> {
+    let too_many = VmmError::SizeOverflow {
+        what: "window list",
+    };
+    let n = usize::try_from(windows).map_err(|_| too_many.clone())?;
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| too_many)?;
+    Ok(v)
 }
 
 /// Contiguous runs `(offset, bytes)` of sorted window offsets.

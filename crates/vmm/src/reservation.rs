@@ -109,8 +109,15 @@ impl Reservation {
         self.range.is_mapped(offset)
     }
 
+    /// What is mapped in the granule window starting at `offset`, if anything.
+    pub fn window_kind(&self, offset: u64) -> Option<crate::mapping::BlockKind> {
+        self.range.window_kind(offset)
+    }
+
     /// Commits `bytes` (rounded up to whole granules) after the committed end, asking the
-    /// governor for the bytes the pool cannot supply. A zero-byte commit does nothing.
+    /// governor for the bytes the pool cannot supply. A zero-byte commit does nothing. When a
+    /// failed rollback or release left holes below the committed end, they are filled first
+    /// (lowest first), so that the committed bytes grow from the base again.
     pub fn commit(&mut self, bytes: u64) -> VmmResult<Commit> {
         let granules = bytes.div_ceil(self.range.granule());
         self.range.commit_granules(granules, None)
@@ -127,10 +134,13 @@ impl Reservation {
         self.range.commit_granules(granules, Some(grant))
     }
 
-    /// Commits whole granules until at least `len` bytes from the base are committed
-    /// (measured by [`committed_end`](Self::committed_end)). Returns `None` if nothing was
+    /// Commits whole granules until every window holding a byte of `[0, len)` is mapped,
+    /// holes left by a failed rollback or release included. Returns `None` if nothing was
     /// needed.
     pub fn ensure_committed(&mut self, len: u64) -> VmmResult<Option<Commit>> {
+        if self.range.has_holes() {
+            return self.commit_range(0, len);
+        }
         let end = self.committed_end();
         if len <= end {
             return Ok(None);
@@ -154,6 +164,36 @@ impl Reservation {
             return Ok(None);
         }
         self.range.commit_windows(&offsets, None, None).map(Some)
+    }
+
+    /// Begins a commit of every unmapped window overlapping `ranges`, as
+    /// [`commit_ranges`](Self::commit_ranges) would make it, but split so that its driver
+    /// calls ([`CommitJob::run`]) need no borrow of this reservation: the caller may release
+    /// its lock on the reservation while they run, then [`finish_commit`](Self::finish_commit).
+    /// Until then the windows are in flight (another commit of them is
+    /// [`VmmError::Busy`]); one job at a time per reservation. `None` when every window is
+    /// mapped. Blocks released while the job runs are not its windows; its own are recorded by
+    /// `finish_commit`.
+    pub fn begin_commit_ranges(
+        &mut self,
+        ranges: &[(u64, u64)],
+    ) -> VmmResult<Option<crate::CommitJob>> {
+        self.range.begin_commit(ranges)
+    }
+
+    /// Finishes a job begun here: runs it if it has not run, records the windows it mapped
+    /// (or those a failed rollback left mapped) and returns the commit's result. A job of
+    /// another reservation is refused (and undone as it is dropped).
+    pub fn finish_commit(&mut self, job: crate::CommitJob) -> VmmResult<Commit> {
+        self.range.finish_commit(job)
+    }
+
+    /// Whether a [`CommitJob`](crate::CommitJob) begun here is not finished yet.
+    pub fn has_commit_in_flight(&self) -> bool {
+        self.range
+            .in_flight
+            .as_ref()
+            .is_some_and(|f| f.mark.strong_count() > 0)
     }
 
     /// Commits the windows overlapping `ranges` as a new [`SharedHandles`] set that this

@@ -27,7 +27,8 @@ pub struct SharedHandles {
     vm: Arc<DeviceState>,
     windows: Vec<(u64, PhysicalHandle)>,
     mappings: AtomicU64,
-    quarantined: AtomicBool,
+    /// Per window: a mapping of it could not be proven idle, so it is never released.
+    quarantined: Vec<AtomicBool>,
 }
 
 impl fmt::Debug for SharedHandles {
@@ -41,11 +42,12 @@ impl fmt::Debug for SharedHandles {
 
 impl SharedHandles {
     pub(crate) fn new(vm: Arc<DeviceState>, windows: Vec<(u64, PhysicalHandle)>) -> Self {
+        let quarantined = windows.iter().map(|_| AtomicBool::new(false)).collect();
         SharedHandles {
             vm,
             windows,
             mappings: AtomicU64::new(0),
-            quarantined: AtomicBool::new(false),
+            quarantined,
         }
     }
 
@@ -95,24 +97,46 @@ impl SharedHandles {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
 
-    /// A mapping of the set could not be proven idle: never release its handles.
-    pub(crate) fn quarantine(&self) {
-        self.quarantined.store(true, Ordering::Release);
+    /// A mapping of the window at `offset` could not be proven idle: its handle is never
+    /// released. Returns whether this call quarantined it (its bytes then move from shared to
+    /// quarantined, once).
+    pub(crate) fn quarantine_window(&self, offset: u64) -> bool {
+        let Ok(i) = self.windows.binary_search_by_key(&offset, |(o, _)| *o) else {
+            return false;
+        };
+        self.quarantined
+            .get(i)
+            .is_some_and(|q| !q.swap(true, Ordering::AcqRel))
+    }
+
+    /// Bytes of windows quarantined.
+    pub fn quarantined_bytes(&self) -> u64 {
+        let n = self
+            .quarantined
+            .iter()
+            .filter(|q| q.load(Ordering::Acquire))
+            .count();
+        self.vm.ctx.granules(n)
     }
 }
 
 impl Drop for SharedHandles {
     fn drop(&mut self) {
-        if self.quarantined.load(Ordering::Acquire) {
-            return;
-        }
         let _span = tracing::debug_span!(
             "vmm.shared_release",
             device = self.vm.ctx.device.0,
             windows = self.windows.len()
         )
         .entered();
-        for (_, handle) in self.windows.drain(..) {
+        for (i, (_, handle)) in self.windows.drain(..).enumerate() {
+            if self
+                .quarantined
+                .get(i)
+                .is_some_and(|q| q.load(Ordering::Acquire))
+            {
+                // Still mapped where it cannot be proven idle: kept, accounted as quarantined.
+                continue;
+            }
             // A failed release is quarantined inside `dispose`.
             let _ = self.vm.dispose(handle, Source::Bucket(Bucket::Shared));
         }

@@ -8,7 +8,7 @@ use kvvm_hal::{Access, AccessDescriptor, PhysicalHandle};
 
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::BlockKind;
-use crate::range::{runs, Block, ReservedRange};
+use crate::range::{runs, window_list, Block, ReservedRange};
 use crate::shared::SharedHandles;
 
 impl ReservedRange {
@@ -17,30 +17,58 @@ impl ReservedRange {
     /// this mapping). The bytes are granted and billed once, as shared. Every window must be
     /// unmapped; the transaction and rollback are those of a commit.
     pub(crate) fn commit_shared(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Arc<SharedHandles>> {
-        let offsets = self.missing_windows(ranges)?;
-        let mut total = 0u64;
-        for &(o, len) in ranges {
-            let g = self.granule();
-            let first = o / g;
-            let last = o.saturating_add(len).div_ceil(g);
-            total = total.saturating_add(last.saturating_sub(first));
-        }
-        if (offsets.len() as u64) < total {
-            let taken = ranges
-                .iter()
-                .flat_map(|&(o, len)| {
-                    let g = self.granule();
-                    (o / g..o.saturating_add(len).div_ceil(g)).map(move |w| w.saturating_mul(g))
-                })
-                .find(|o| self.is_mapped(*o))
-                .unwrap_or(0);
-            return Err(VmmError::AlreadyMapped { offset: taken });
-        }
+        let offsets = self.shared_windows_of(ranges)?;
         let mut windows = Vec::with_capacity(offsets.len());
         self.commit_windows(&offsets, None, Some(&mut windows))?;
         let set = Arc::new(SharedHandles::new(Arc::clone(&self.state), windows));
         self.attach_shared(&set);
         Ok(set)
+    }
+
+    /// The windows a shared commit of `ranges` names, validated: zero-length ranges name no
+    /// window; ranges may not overlap (in windows) and must name at least one window; every
+    /// window must be in bounds and unmapped.
+    fn shared_windows_of(&self, ranges: &[(u64, u64)]) -> VmmResult<Vec<u64>> {
+        let g = self.granule();
+        let mut spans: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+        let mut total = 0u64;
+        for &(offset, len) in ranges {
+            if len == 0 {
+                continue;
+            }
+            let end = self.checked_end(offset, len, "shared range end")?;
+            let (first, last) = (offset / g, end.div_ceil(g));
+            total = total.saturating_add(last.saturating_sub(first));
+            spans.push((first, last));
+        }
+        spans.sort_unstable();
+        for pair in spans.windows(2) {
+            if let [(a0, a1), (b0, _)] = pair {
+                if b0 < a1 {
+                    return Err(VmmError::InvalidArgument {
+                        reason: format!(
+                            "shared ranges overlap: windows {a0}..{a1} and {b0}.. (granule {g}); \
+                             a window is shared once"
+                        ),
+                    });
+                }
+            }
+        }
+        if spans.is_empty() {
+            return Err(VmmError::InvalidArgument {
+                reason: "a shared commit must name at least one byte".to_owned(),
+            });
+        }
+        self.price(total)?;
+        let mut offsets = window_list(total)?;
+        for (first, last) in spans {
+            for w in first..last {
+                let o = w.saturating_mul(g);
+                self.check_free_window(o)?;
+                offsets.push(o);
+            }
+        }
+        Ok(offsets)
     }
 
     /// Attaches the owner's shared set to the blocks just committed for it.

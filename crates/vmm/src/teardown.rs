@@ -17,27 +17,37 @@ use crate::range::{Block, ReservedRange};
 
 impl ReservedRange {
     /// Moves every block and the range to quarantine: owned bytes from committed to
-    /// quarantined; shared sets still mapped here are never released.
+    /// quarantined; a shared window still mapped here is quarantined in its set (never
+    /// released, its bytes moved from shared to quarantined once), while the set itself is
+    /// dropped as usual so that nothing else is kept alive.
     fn quarantine_blocks(&mut self, reason: QuarantineReason, error: BackendError) {
         let st = Arc::clone(&self.state);
         let ctx = &st.ctx;
         let mappings = self.mappings();
         let owned = self.blocks.iter().filter(|b| b.shared.is_none()).count();
-        let bytes = ctx.granules(owned);
+        let owned_bytes = ctx.granules(owned);
         ctx.account(ctx.governor.transfer(
             ctx.device,
             Bucket::Committed,
             Bucket::Quarantined,
-            bytes,
+            owned_bytes,
         ));
+        let mut shared_windows = 0usize;
         for b in self.blocks.drain(..) {
             if let Some(set) = b.shared {
-                // A shared handle still mapped here cannot be proven idle: its set is never
-                // dropped, so it is never released, and its bytes stay accounted as shared.
-                set.quarantine();
-                std::mem::forget(set);
+                if set.quarantine_window(b.offset) {
+                    shared_windows = shared_windows.saturating_add(1);
+                }
             }
         }
+        let shared_bytes = ctx.granules(shared_windows);
+        ctx.account(ctx.governor.transfer(
+            ctx.device,
+            Bucket::Shared,
+            Bucket::Quarantined,
+            shared_bytes,
+        ));
+        let bytes = owned_bytes.saturating_add(shared_bytes);
         ctx.quarantine.add(QuarantineEntry::mapped_range(
             reason, self.base, self.size, mappings, bytes, error,
         ));

@@ -176,6 +176,9 @@ impl KvvmPolicy {
                 Ok(None)
             }
             Err(VmmError::Backpressure(bp)) => Ok(Some(Outcome::Refused(Some(bp.retry_after)))),
+            // Larger than the budget: refused with no retry time; the replay rejects a request
+            // that stays refused when nothing else holds memory.
+            Err(VmmError::NeverFits(_)) => Ok(Some(Outcome::Refused(None))),
             Err(e) if e.is_retryable() => Ok(Some(Outcome::Refused(None))),
             Err(e) => Err(e.into()),
         }

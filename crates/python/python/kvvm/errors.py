@@ -22,6 +22,7 @@ __all__ = [
     "KvvmError",
     "BackpressureError",
     "NeverFitsError",
+    "BusyError",
     "UnavailableError",
     "InvalidArgumentError",
     "TooManyTokensError",
@@ -70,17 +71,31 @@ class NeverFitsError(KvvmError):
 
     Attributes:
         needed_bytes: bytes the request needs.
-        limit_bytes: the limit it exceeds.
+        limit_bytes: the most that limit could ever grant (a budget less the bytes in
+            quarantine, which never come back; or the device's memory).
         limit: which limit (``"budget"`` or ``"device"``).
+        limit_kind: the precise limit: ``"device_budget"``, ``"process_budget"`` or
+            ``"device_memory"``.
     """
 
     def __init__(
-        self, message: str, needed_bytes: int = 0, limit_bytes: int = 0, limit: str = "budget"
+        self,
+        message: str,
+        needed_bytes: int = 0,
+        limit_bytes: int = 0,
+        limit: str = "budget",
+        limit_kind: str = "device_budget",
     ) -> None:
         super().__init__(message)
         self.needed_bytes = needed_bytes
         self.limit_bytes = limit_bytes
         self.limit = limit
+        self.limit_kind = limit_kind
+
+
+class BusyError(KvvmError):
+    """A window is being committed or given back by another thread right now (a background
+    commit in flight); nothing was done. Retry once it is done."""
 
 
 class UnavailableError(KvvmError):

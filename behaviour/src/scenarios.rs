@@ -1,0 +1,373 @@
+//! The fault scenarios: every multi-step operation of the manager and the KV layer, each as a
+//! setup (run with no fault armed) and the operation itself, whose driver steps the harness
+//! fails one at a time and two at a time (`faults.rs`).
+
+use std::sync::Arc;
+
+use kvvm_hal::Access;
+use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixCache, SequenceKv};
+
+use crate::world::{State, World, WorldSpec};
+
+/// A setup or an operation: an `Err` is an error the operation reported (expected under
+/// faults; a failure of the case only when no fault was armed).
+pub type Step = fn(&World, &mut State) -> Result<(), String>;
+
+/// One fault scenario.
+#[derive(Clone, Copy)]
+pub struct Scenario {
+    /// Stable name (`fault_<name>` in reports).
+    pub name: &'static str,
+    /// What the operation is.
+    pub description: &'static str,
+    /// The manager's settings.
+    pub spec: WorldSpec,
+    /// Builds the state, with no fault armed.
+    pub setup: Step,
+    /// The operation whose driver steps are failed.
+    pub op: Step,
+}
+
+impl std::fmt::Debug for Scenario {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scenario")
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+fn e(x: impl std::fmt::Display) -> String {
+    x.to_string()
+}
+
+/// 1 layer x 1 KV head x 64 dims, fp16: 256 B a token, 4 windows of tokens at most.
+pub(crate) fn plan(w: &World, layout: KvLayout) -> Result<LayoutPlan, String> {
+    let per_token = 256u64;
+    let max_tokens = w.g.saturating_mul(4) / per_token;
+    let geometry = KvGeometry::with_dtype(1, 1, 64, KvDtype::F16, max_tokens).map_err(e)?;
+    LayoutPlan::new(geometry, layout, w.g).map_err(e)
+}
+
+/// Tokens in one window.
+pub(crate) fn window_tokens(w: &World) -> u64 {
+    w.g / 256
+}
+
+fn reserve(w: &World, s: &mut State, granules: u64) -> Result<(), String> {
+    s.res
+        .push(w.vm.reserve(granules.saturating_mul(w.g)).map_err(e)?);
+    Ok(())
+}
+
+fn first(s: &mut State) -> Result<&mut kvvm_vmm::Reservation, String> {
+    s.res.first_mut().ok_or_else(|| "no reservation".to_owned())
+}
+
+fn seq(w: &World, s: &mut State, layout: KvLayout, tokens: u64) -> Result<(), String> {
+    let p = plan(w, layout)?;
+    let mut q = SequenceKv::new(&w.vm, &p, p.geometry().max_tokens()).map_err(e)?;
+    q.ensure_tokens(tokens).map_err(e)?;
+    s.seqs.push(q);
+    Ok(())
+}
+
+fn first_seq(s: &mut State) -> Result<&mut SequenceKv, String> {
+    s.seqs.first_mut().ok_or_else(|| "no sequence".to_owned())
+}
+
+fn owner_and_sharer(w: &World, s: &mut State) -> Result<(), String> {
+    reserve(w, s, 8)?;
+    reserve(w, s, 8)?;
+    let set = first(s)?.commit_shared(&[(0, 2 * w.g)]).map_err(e)?;
+    s.sets.push(set);
+    Ok(())
+}
+
+fn prompt(w: &World, blocks: u64) -> Vec<u32> {
+    (0..blocks.saturating_mul(window_tokens(w)))
+        .map(|i| i as u32 ^ 0x5a5a)
+        .collect()
+}
+
+fn written_admission(w: &World, s: &mut State) -> Result<(), String> {
+    let cache = PrefixCache::new(w.vm.clone(), plan(w, KvLayout::TokenMajor)?).map_err(e)?;
+    let ids = prompt(w, 2);
+    let n = ids.len() as u64;
+    let mut a = cache
+        .admit(&ids, n.saturating_add(window_tokens(w)))
+        .map_err(e)?;
+    let bytes = vec![7u8; usize::try_from(n.saturating_mul(256)).map_err(e)?];
+    a.sequence.write_tokens(0, &bytes).map_err(e)?;
+    s.seqs.push(a.sequence);
+    s.cache = Some(cache);
+    Ok(())
+}
+
+fn published(w: &World, s: &mut State) -> Result<(), String> {
+    written_admission(w, s)?;
+    let cache = s.cache.clone().ok_or("no cache")?;
+    cache.publish(first_seq(s)?).map_err(e)?;
+    Ok(())
+}
+
+fn cache_of(s: &State) -> Result<Arc<PrefixCache>, String> {
+    s.cache.clone().ok_or_else(|| "no cache".to_owned())
+}
+
+/// Every fault scenario, in report order.
+pub fn all_scenarios() -> Vec<Scenario> {
+    let pooled = WorldSpec {
+        pool_granules: 8,
+        ..WorldSpec::default()
+    };
+    let parked = WorldSpec {
+        pool_granules: 8,
+        park: true,
+        ..WorldSpec::default()
+    };
+    vec![
+        Scenario {
+            name: "commit",
+            description: "commit of 3 granules after one committed",
+            spec: WorldSpec::default(),
+            setup: |w, s| {
+                reserve(w, s, 8)?;
+                first(s)?.commit(w.g).map(|_| ()).map_err(e)
+            },
+            op: |w, s| first(s)?.commit(3 * w.g).map(|_| ()).map_err(e),
+        },
+        Scenario {
+            name: "commit_pooled",
+            description: "commit of 3 granules, 2 from the pool",
+            spec: pooled,
+            setup: |w, s| {
+                reserve(w, s, 8)?;
+                first(s)?.commit(2 * w.g).map_err(e)?;
+                first(s)?.release().map(|_| ()).map_err(e)
+            },
+            op: |w, s| first(s)?.commit(3 * w.g).map(|_| ()).map_err(e),
+        },
+        Scenario {
+            name: "commit_ranges",
+            description: "one transaction over two ranges of windows",
+            spec: WorldSpec::default(),
+            setup: |w, s| {
+                reserve(w, s, 8)?;
+                first(s)?.commit(w.g).map(|_| ()).map_err(e)
+            },
+            op: |w, s| {
+                first(s)?
+                    .commit_ranges(&[(2 * w.g, 2 * w.g), (6 * w.g, w.g)])
+                    .map(|_| ())
+                    .map_err(e)
+            },
+        },
+        Scenario {
+            name: "release",
+            description: "release of 4 committed granules (unmap and release)",
+            spec: WorldSpec::default(),
+            setup: |w, s| {
+                reserve(w, s, 8)?;
+                first(s)?.commit(4 * w.g).map(|_| ()).map_err(e)
+            },
+            op: |_, s| first(s)?.release().map(|_| ()).map_err(e),
+        },
+        Scenario {
+            name: "truncate",
+            description: "truncate of 4 granules to 2 (one byte into the second)",
+            spec: WorldSpec::default(),
+            setup: |w, s| {
+                reserve(w, s, 8)?;
+                first(s)?.commit(4 * w.g).map(|_| ()).map_err(e)
+            },
+            op: |w, s| first(s)?.truncate(w.g + 1).map(|_| ()).map_err(e),
+        },
+        Scenario {
+            name: "kv_ensure",
+            description: "a head-major sequence grows to its maximum (2 windows per fragment)",
+            spec: WorldSpec::default(),
+            setup: |w, s| seq(w, s, KvLayout::SeqMajor, 1),
+            op: |w, s| {
+                first_seq(s)?
+                    .ensure_tokens(4 * window_tokens(w))
+                    .map(|_| ())
+                    .map_err(e)
+            },
+        },
+        Scenario {
+            name: "kv_shrink",
+            description: "a sequence gives back the windows committed ahead of its live end",
+            spec: pooled,
+            setup: |w, s| seq(w, s, KvLayout::SeqMajor, 3 * window_tokens(w)),
+            op: |w, s| {
+                first_seq(s)?
+                    .shrink_committed(window_tokens(w) / 2)
+                    .map(|_| ())
+                    .map_err(e)
+            },
+        },
+        Scenario {
+            name: "kv_release",
+            description: "a sequence releases everything and keeps its range",
+            spec: WorldSpec::default(),
+            setup: |w, s| seq(w, s, KvLayout::SeqMajor, 2 * window_tokens(w)),
+            op: |_, s| first_seq(s)?.release().map(|_| ()).map_err(e),
+        },
+        Scenario {
+            name: "precommit_job",
+            description: "the pre-committer's steps: begin, run unlocked, finish",
+            spec: pooled,
+            setup: |w, s| seq(w, s, KvLayout::TokenMajor, 1),
+            op: |w, s| {
+                let q = first_seq(s)?;
+                let job = q.begin_ensure(3 * window_tokens(w)).map_err(e)?;
+                if let Some(mut job) = job {
+                    job.run();
+                    q.finish_ensure(job).map_err(e)?;
+                }
+                Ok(())
+            },
+        },
+        Scenario {
+            name: "shared_commit",
+            description: "an owner commits 2 windows as a shared set",
+            spec: WorldSpec::default(),
+            setup: |w, s| reserve(w, s, 8),
+            op: |w, s| {
+                let set = first(s)?.commit_shared(&[(0, 2 * w.g)]).map_err(e)?;
+                s.sets.push(set);
+                Ok(())
+            },
+        },
+        Scenario {
+            name: "shared_attach",
+            description: "a sharer maps a shared set's 2 windows read-only",
+            spec: WorldSpec::default(),
+            setup: owner_and_sharer,
+            op: |_, s| {
+                let set = s.sets.first().cloned().ok_or("no set")?;
+                let sharer = s.res.get_mut(1).ok_or("no sharer")?;
+                sharer
+                    .map_shared(&set, &[0, 1], Access::Read)
+                    .map(|_| ())
+                    .map_err(e)
+            },
+        },
+        Scenario {
+            name: "shared_withdraw",
+            description: "a sharer unmaps its shared windows after the owner let go",
+            spec: WorldSpec::default(),
+            setup: |w, s| {
+                owner_and_sharer(w, s)?;
+                let set = s.sets.first().cloned().ok_or("no set")?;
+                let sharer = s.res.get_mut(1).ok_or("no sharer")?;
+                sharer.map_shared(&set, &[0, 1], Access::Read).map_err(e)?;
+                first(s)?.release().map(|_| ()).map_err(e)?;
+                s.sets.clear();
+                Ok(())
+            },
+            op: |_, s| {
+                let sharer = s.res.get_mut(1).ok_or("no sharer")?;
+                sharer.release().map(|_| ()).map_err(e)
+            },
+        },
+        Scenario {
+            name: "teardown",
+            description: "dropping a reservation with owned and shared blocks",
+            spec: pooled,
+            setup: |w, s| {
+                owner_and_sharer(w, s)?;
+                let set = s.sets.first().cloned().ok_or("no set")?;
+                let sharer = s.res.get_mut(1).ok_or("no sharer")?;
+                sharer.map_shared(&set, &[0], Access::Read).map_err(e)?;
+                sharer.commit_range(2 * w.g, 2 * w.g).map_err(e)?;
+                Ok(())
+            },
+            op: |_, s| {
+                s.res.truncate(1);
+                Ok(())
+            },
+        },
+        Scenario {
+            name: "unpark",
+            description: "the pool gives back parked windows (unmap and release)",
+            spec: parked,
+            setup: |w, s| {
+                reserve(w, s, 8)?;
+                first(s)?.commit(3 * w.g).map_err(e)?;
+                first(s)?.release().map(|_| ()).map_err(e)
+            },
+            op: |w, _| {
+                w.vm.trim_pool(0);
+                Ok(())
+            },
+        },
+        Scenario {
+            name: "pool_trim",
+            description: "the pool releases its free handles",
+            spec: pooled,
+            setup: |w, s| {
+                reserve(w, s, 8)?;
+                first(s)?.commit(3 * w.g).map_err(e)?;
+                first(s)?.release().map(|_| ()).map_err(e)
+            },
+            op: |w, _| {
+                w.vm.trim_pool(0);
+                Ok(())
+            },
+        },
+        Scenario {
+            name: "prefix_publish",
+            description: "a missed prompt of 2 blocks is admitted, written and published",
+            spec: WorldSpec::default(),
+            setup: |w, s| {
+                let cache = PrefixCache::new(w.vm.clone(), plan(w, KvLayout::TokenMajor)?);
+                s.cache = Some(cache.map_err(e)?);
+                Ok(())
+            },
+            op: |w, s| {
+                let cache = cache_of(s)?;
+                let ids = prompt(w, 2);
+                let n = ids.len() as u64;
+                let mut a = cache
+                    .admit(&ids, n.saturating_add(window_tokens(w)))
+                    .map_err(e)?;
+                let bytes = vec![7u8; usize::try_from(n.saturating_mul(256)).map_err(e)?];
+                let written = a.sequence.write_tokens(0, &bytes).map_err(e);
+                let published = written.and_then(|()| cache.publish(&mut a.sequence).map_err(e));
+                s.seqs.push(a.sequence);
+                published.map(|_| ())
+            },
+        },
+        Scenario {
+            name: "prefix_hit",
+            description: "a second request admits the cached prompt (read-only attach)",
+            spec: WorldSpec::default(),
+            setup: published,
+            op: |w, s| {
+                let cache = cache_of(s)?;
+                let ids = prompt(w, 2);
+                let n = ids.len() as u64;
+                let a = cache
+                    .admit(&ids, n.saturating_add(window_tokens(w)))
+                    .map_err(e)?;
+                s.seqs.push(a.sequence);
+                Ok(())
+            },
+        },
+        Scenario {
+            name: "prefix_evict",
+            description: "the prefix cache evicts an idle prompt",
+            spec: pooled,
+            setup: |w, s| {
+                published(w, s)?;
+                s.seqs.clear();
+                Ok(())
+            },
+            op: |_, s| {
+                cache_of(s)?.evict(u64::MAX);
+                Ok(())
+            },
+        },
+    ]
+}

@@ -1,0 +1,166 @@
+//! [`CommitJob`]: a commit split in three so that its driver calls run without the caller's
+//! lock on the reservation.
+//!
+//! A background committer (the KV layer's pre-committer) holds a sequence's lock only to
+//! begin (`Reservation::begin_commit_ranges`) a job (choose and mark the windows) and to
+//! finish (`Reservation::finish_commit`) it (record the blocks); the create, map and set
+//! access calls of [`CommitJob::run`] happen in between, while the owner of the sequence keeps
+//! writing the tokens already committed. The windows of a job are *in flight*: any other
+//! commit of them is refused with [`VmmError::Busy`](crate::VmmError::Busy) until the job is
+//! finished or dropped. The transaction, rollback, pool and governor are those of a commit.
+//!
+//! A job dropped without being finished undoes what it did: it unmaps its windows, returns the
+//! handles to the pool (or releases them) and gives the bytes back; a window whose unmap fails
+//! is quarantined.
+
+use std::sync::Arc;
+
+use kvvm_governor::Bucket;
+
+use crate::commit::{Applied, Target};
+use crate::device::Source;
+use crate::error::{VmmError, VmmResult};
+use crate::mapping::{Commit, MappedBlock};
+use crate::quarantine::{QuarantineEntry, QuarantineReason};
+use crate::range::{InFlight, ReservedRange};
+
+/// A commit begun on a reservation whose driver work runs without borrowing it (see the
+/// module docs). Made by `Reservation::begin_commit_ranges`.
+pub struct CommitJob {
+    target: Target,
+    offsets: Vec<u64>,
+    mark: Arc<()>,
+    applied: Option<Applied>,
+}
+
+impl std::fmt::Debug for CommitJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommitJob")
+            .field("base", &self.target.base)
+            .field("windows", &self.offsets.len())
+            .field("ran", &self.applied.is_some())
+            .finish()
+    }
+}
+
+impl CommitJob {
+    /// Runs the commit's driver calls (pool, grant, create, map, set access, rollback on
+    /// failure). Running twice does nothing more; `Reservation::finish_commit`
+    /// runs it if it has not run.
+    pub fn run(&mut self) {
+        if self.applied.is_none() {
+            self.applied = Some(self.target.apply(&self.offsets, None, None));
+        }
+    }
+
+    /// Windows this job commits.
+    pub fn windows(&self) -> usize {
+        self.offsets.len()
+    }
+
+    /// Whether [`run`](Self::run) has run.
+    pub fn has_run(&self) -> bool {
+        self.applied.is_some()
+    }
+}
+
+impl Drop for CommitJob {
+    fn drop(&mut self) {
+        let Some(applied) = self.applied.take() else {
+            return;
+        };
+        if applied.blocks.is_empty() {
+            return;
+        }
+        // Run but never finished: nothing records these blocks, so undo them here.
+        let st = &self.target.state;
+        let ctx = &st.ctx;
+        let g = ctx.granule;
+        tracing::warn!(
+            blocks = applied.blocks.len(),
+            "commit job dropped unfinished; undoing it"
+        );
+        for b in applied.blocks {
+            let addr = self.target.base.offset(b.offset);
+            match ctx.backend.unmap(addr, g) {
+                Ok(()) => {
+                    // A failed release is quarantined inside.
+                    let _ = st.dispose(b.handle, Source::Bucket(Bucket::Committed));
+                }
+                Err(error) => {
+                    ctx.account(ctx.governor.transfer(
+                        ctx.device,
+                        Bucket::Committed,
+                        Bucket::Quarantined,
+                        g,
+                    ));
+                    let block = MappedBlock {
+                        address: addr,
+                        size: g,
+                        handle: b.handle,
+                        kind: b.kind,
+                    };
+                    ctx.quarantine.add(QuarantineEntry::mapped_block(
+                        QuarantineReason::UnmapFailed,
+                        block,
+                        error,
+                    ));
+                }
+            }
+        }
+    }
+}
+
+impl ReservedRange {
+    /// Begins a commit of the unmapped windows overlapping `ranges` (`None`: nothing to do).
+    pub(crate) fn begin_commit(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Option<CommitJob>> {
+        let offsets = self.missing_windows(ranges)?;
+        if offsets.is_empty() {
+            return Ok(None);
+        }
+        if let Some(f) = &self.in_flight {
+            if f.mark.strong_count() > 0 {
+                return Err(VmmError::Busy {
+                    offset: f.offsets.first().copied().unwrap_or(0),
+                });
+            }
+        }
+        for &o in &offsets {
+            self.check_free_window(o)?;
+        }
+        let mark = Arc::new(());
+        self.in_flight = Some(InFlight {
+            mark: Arc::downgrade(&mark),
+            offsets: offsets.clone(),
+        });
+        Ok(Some(CommitJob {
+            target: self.target(),
+            offsets,
+            mark,
+            applied: None,
+        }))
+    }
+
+    /// Finishes `job`: runs it if it has not run, records its blocks, frees its windows.
+    pub(crate) fn finish_commit(&mut self, mut job: CommitJob) -> VmmResult<Commit> {
+        let ours = self
+            .in_flight
+            .as_ref()
+            .is_some_and(|f| std::ptr::eq(f.mark.as_ptr(), Arc::as_ptr(&job.mark)));
+        if !ours {
+            // Dropping the job undoes whatever it did.
+            return Err(VmmError::InvalidArgument {
+                reason: "the commit job was begun on another reservation".to_owned(),
+            });
+        }
+        job.run();
+        self.in_flight = None;
+        let Some(applied) = job.applied.take() else {
+            return Err(VmmError::InvalidArgument {
+                reason: "the commit job has no outcome".to_owned(),
+            });
+        };
+        self.insert_blocks(applied.blocks.into_iter());
+        applied.result
+    }
+}
