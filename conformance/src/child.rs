@@ -134,7 +134,12 @@ pub fn requested_child() -> Option<(String, String)> {
 
 /// Prints an error verdict (for a child that could not open its backend); returns the code.
 pub fn report_child_error(message: &str) -> i32 {
-    println!("{}", ChildVerdict::Error(message.to_owned()).to_line());
+    use std::io::Write as _;
+    let _ = writeln!(
+        std::io::stdout(),
+        "{}",
+        ChildVerdict::Error(message.to_owned()).to_line()
+    );
     2
 }
 

@@ -40,5 +40,5 @@ pub use child::{
 };
 pub use ctx::Ctx;
 pub use report::{CaseResult, Report, Status};
-pub use suite::{run_child, run_suite, unavailable_report, RunOptions};
+pub use suite::{run_child, run_suite, run_suite_with_progress, unavailable_report, RunOptions};
 pub use verdict::{Outcome, Verdict};

@@ -87,27 +87,69 @@ impl Report {
             .unwrap_or_else(|e| format!("{{\"error\": \"cannot serialize report: {e}\"}}"))
     }
 
-    /// The report as an aligned text table with a summary line.
+    /// The reasons shared by two skipped cases or more, with their counts, in order of first
+    /// appearance.
+    pub fn shared_skip_reasons(&self) -> Vec<(&str, usize)> {
+        let mut reasons: Vec<(&str, usize)> = Vec::new();
+        for c in self.cases.iter().filter(|c| c.status == Status::Skip) {
+            let r = c.reason.as_deref().unwrap_or("");
+            match reasons.iter_mut().find(|(x, _)| *x == r) {
+                Some((_, n)) => *n += 1,
+                None => reasons.push((r, 1)),
+            }
+        }
+        reasons.retain(|(_, n)| *n >= 2);
+        reasons
+    }
+
+    /// The report as an aligned text table. A skip reason shared by several cases is printed
+    /// once, under the table, with its count (`[1] 3 cases: ...`), and the rows refer to it;
+    /// when every case was skipped for one reason (an unavailable backend) the rows are left
+    /// out. The last line is the summary, `N passed, N failed, N skipped`.
     pub fn to_table(&self) -> String {
-        let width = self
-            .cases
-            .iter()
-            .map(|c| c.name.len())
-            .max()
-            .unwrap_or(4)
-            .max(4);
-        let mut out = format!(
-            "backend: {}   device: {}\n{:<width$}  {:<6} {:>10}  reason\n",
-            self.backend, self.device, "case", "status", "micros"
-        );
-        for c in &self.cases {
+        let shared = self.shared_skip_reasons();
+        let mut out = format!("backend: {}   device: {}\n", self.backend, self.device);
+        let all_one_reason = !self.cases.is_empty()
+            && shared.len() == 1
+            && shared.first().map(|(_, n)| *n) == Some(self.cases.len());
+        if all_one_reason {
+            if let Some((reason, n)) = shared.first() {
+                let reason = reason.strip_prefix("skipped: ").unwrap_or(reason);
+                out.push_str(&format!("every case ({n}) skipped: {reason}\n"));
+            }
+        } else {
+            let width = self
+                .cases
+                .iter()
+                .map(|c| c.name.len())
+                .max()
+                .unwrap_or(4)
+                .max(4);
             out.push_str(&format!(
-                "{:<width$}  {:<6} {:>10}  {}\n",
-                c.name,
-                c.status.as_str(),
-                c.micros,
-                c.reason.as_deref().unwrap_or("")
+                "{:<width$}  {:<6} {:>10}  reason\n",
+                "case", "status", "micros"
             ));
+            for c in &self.cases {
+                let reason = c.reason.as_deref().unwrap_or("");
+                let shown = match shared.iter().position(|(r, _)| *r == reason) {
+                    Some(i) if c.status == Status::Skip => format!("[{}]", i + 1),
+                    _ => reason.to_owned(),
+                };
+                out.push_str(
+                    format!(
+                        "{:<width$}  {:<6} {:>10}  {}",
+                        c.name,
+                        c.status.as_str(),
+                        c.micros,
+                        shown
+                    )
+                    .trim_end(),
+                );
+                out.push('\n');
+            }
+            for (i, (reason, n)) in shared.iter().enumerate() {
+                out.push_str(&format!("[{}] {n} cases skipped: {reason}\n", i + 1));
+            }
         }
         out.push_str(&format!(
             "{} passed, {} failed, {} skipped\n",
@@ -158,5 +200,51 @@ mod tests {
         case_keys.sort();
         assert_eq!(case_keys, ["micros", "name", "reason", "status"]);
         assert!(r.to_table().ends_with("1 passed, 0 failed, 1 skipped\n"));
+    }
+
+    fn case(name: &str, status: Status, reason: Option<&str>) -> CaseResult {
+        CaseResult {
+            name: name.into(),
+            status,
+            reason: reason.map(str::to_owned),
+            micros: 1,
+        }
+    }
+
+    #[test]
+    fn a_shared_skip_reason_is_printed_once() {
+        let r = Report::new(
+            "host",
+            "host memory",
+            vec![
+                case("a", Status::Pass, None),
+                case("b", Status::Skip, Some("no kernels")),
+                case("c", Status::Skip, Some("no kernels")),
+                case("d", Status::Skip, Some("no POSIX fd")),
+            ],
+        );
+        let t = r.to_table();
+        assert_eq!(t.matches("no kernels").count(), 1, "{t}");
+        assert!(t.contains("[1] 2 cases skipped: no kernels\n"), "{t}");
+        assert!(t.contains("no POSIX fd"), "{t}");
+        assert!(t.ends_with("1 passed, 0 failed, 3 skipped\n"), "{t}");
+    }
+
+    #[test]
+    fn an_unavailable_backend_is_one_line() {
+        let cases = (0..40)
+            .map(|i| {
+                case(
+                    &format!("c{i}"),
+                    Status::Skip,
+                    Some("backend cuda is unavailable"),
+                )
+            })
+            .collect();
+        let t = Report::new("cuda", "none", cases).to_table();
+        assert_eq!(
+            t,
+            "backend: cuda   device: none\nevery case (40) skipped: backend cuda is unavailable\n0 passed, 0 failed, 40 skipped\n"
+        );
     }
 }

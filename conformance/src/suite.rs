@@ -1,6 +1,7 @@
 //! Running the suite: [`run_suite`], [`unavailable_report`], and [`run_child`] (the child-process
 //! side of the cases that need one).
 
+use std::io::Write as _;
 use std::time::Instant;
 
 use kvvm_hal::{DeviceId, VirtualMemoryBackend};
@@ -24,6 +25,16 @@ pub struct RunOptions {
 
 /// Runs the suite against `backend`.
 pub fn run_suite(backend: &dyn VirtualMemoryBackend, options: &RunOptions) -> Report {
+    run_suite_with_progress(backend, options, &mut |_, _, _| {})
+}
+
+/// Like [`run_suite`], calling `progress(done, total, next case)` before each case and
+/// `progress(total, total, "")` at the end.
+pub fn run_suite_with_progress(
+    backend: &dyn VirtualMemoryBackend,
+    options: &RunOptions,
+    progress: &mut dyn FnMut(usize, usize, &str),
+) -> Report {
     let device_name = backend
         .devices()
         .ok()
@@ -50,9 +61,12 @@ pub fn run_suite(backend: &dyn VirtualMemoryBackend, options: &RunOptions) -> Re
             return Report::new(backend.name(), device_name, cases);
         }
     };
+    let total = selected.len();
     let cases = selected
         .iter()
-        .map(|case| {
+        .enumerate()
+        .map(|(i, case)| {
+            progress(i, total, case.name);
             let start = Instant::now();
             let outcome = (case.run)(&ctx);
             let micros = u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX);
@@ -69,6 +83,7 @@ pub fn run_suite(backend: &dyn VirtualMemoryBackend, options: &RunOptions) -> Re
             }
         })
         .collect();
+    progress(total, total, "");
     Report::new(backend.name(), device_name, cases)
 }
 
@@ -95,7 +110,8 @@ pub fn run_child(backend: &dyn VirtualMemoryBackend, case: &str) -> i32 {
         },
         other => ChildVerdict::Error(format!("unknown child case {other:?}")),
     };
-    println!("{}", verdict.to_line());
+    // The parent reads this line; if it has gone, there is no one left to tell.
+    let _ = writeln!(std::io::stdout(), "{}", verdict.to_line());
     match verdict {
         ChildVerdict::Error(_) => 2,
         _ => 0,

@@ -148,6 +148,43 @@ pub fn run_decode_loop(
     backend: Arc<dyn VirtualMemoryBackend>,
     config: &DecodeLoopConfig,
 ) -> Result<DecodeLoopReport, KvCacheError> {
+    run_decode_loop_with_progress(backend, config, &mut |_| {})
+}
+
+/// Where a decode loop is: its phase and the units of work done out of the whole run's
+/// (a unit is one sequence's prefill, decode step, verification, or one attach/copy sample).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoopProgress {
+    /// `prefill`, `decode`, `verify` or `attach vs copy`.
+    pub phase: &'static str,
+    /// Units done.
+    pub done: u64,
+    /// Units in the whole run.
+    pub total: u64,
+}
+
+/// Like [`run_decode_loop`], calling `progress` as the work advances.
+pub fn run_decode_loop_with_progress(
+    backend: Arc<dyn VirtualMemoryBackend>,
+    config: &DecodeLoopConfig,
+    progress: &mut dyn FnMut(LoopProgress),
+) -> Result<DecodeLoopReport, KvCacheError> {
+    let seqs_n = u64::from(config.sequences);
+    let steps = config.decode_tokens.div_ceil(config.step_tokens.max(1));
+    let verify_units = if config.verify { seqs_n } else { 0 };
+    let total_units = seqs_n
+        .saturating_mul(steps.saturating_add(1))
+        .saturating_add(verify_units)
+        .saturating_add(u64::from(config.attach_copy_samples));
+    let mut units = 0u64;
+    let mut tick = |phase: &'static str, n: u64| {
+        units = units.saturating_add(n);
+        progress(LoopProgress {
+            phase,
+            done: units.min(total_units),
+            total: total_units,
+        });
+    };
     let span = tracing::info_span!(
         "kv.decode_loop",
         layout = config.layout.as_str(),
@@ -220,6 +257,7 @@ pub fn run_decode_loop(
             froms.push(from);
         }
         seqs.push(seq);
+        tick("prefill", 1);
     }
     // Everyone else writes the part of the prompt it did not find in the cache; each chunk of
     // the prompt is generated once and written to every sequence that needs it.
@@ -266,6 +304,7 @@ pub fn run_decode_loop(
             bytes_written = bytes_written.saturating_add(buf.len() as u64);
         }
         len += n;
+        tick("decode", seqs_n);
     }
     let decode_time = t1.elapsed();
     let committed_measured = governor.snapshot().device(config.device).used();
@@ -306,6 +345,7 @@ pub fn run_decode_loop(
                 bytes_verified = bytes_verified.saturating_add(got.len() as u64);
                 t += n;
             }
+            tick("verify", 1);
         }
     }
     let verify_time = t2.elapsed();
@@ -356,6 +396,7 @@ pub fn run_decode_loop(
             backend.synchronize(config.device)?;
             copy.push(t.elapsed());
             drop(seq);
+            tick("attach vs copy", 1);
         }
         drop(owner);
     }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use kvvm_kv::PrefixCacheStats;
 use kvvm_layout::KvLayout;
+use kvvm_num::format_size;
 
 /// What `run_decode_loop` measured.
 #[derive(Debug, Clone, PartialEq)]
@@ -86,38 +87,55 @@ impl DecodeLoopReport {
             .saturating_sub(self.committed_bytes_with_sharing)
     }
 
-    /// A Markdown table of the figures.
+    /// What the "prompt shared" row says: whether the prompt was shared and, when not, why.
+    fn sharing_text(&self) -> String {
+        match (self.share_prefix, &self.prompt_refusal) {
+            (false, _) => "no: sharing turned off (every sequence commits and writes its own prompt)"
+                .to_owned(),
+            (true, Some(reason)) => format!("no: the prompt is not shareable here: {reason}"),
+            (true, None) => format!(
+                "yes: {} tokens per sharer mapped read-only from the prefix cache (blocks of {} tokens)",
+                self.hit_tokens, self.block_tokens
+            ),
+        }
+    }
+
+    /// A Markdown table of the figures: sizes in binary units with the exact bytes, times as
+    /// measured (labelled when they come from the simulated driver).
     pub fn to_markdown(&self) -> String {
-        let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+        let size = |b: u64| {
+            if b < 1024 {
+                format!("{b} B")
+            } else {
+                format!("{} ({b} B)", format_size(b))
+            }
+        };
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "### KV decode loop: {} {}, {} sequences x {}-token prompt + {} decode tokens ({}, granule {} KiB)\n",
+            "### KV decode loop: {} {}, {} sequences x {}-token prompt + {} decode tokens ({}, granule {})\n",
             self.model,
             self.layout,
             self.sequences,
             self.prompt_tokens,
             self.decode_tokens,
             self.backend,
-            self.granule >> 10
+            format_size(self.granule)
         );
+        if let Some(note) = crate::timing::simulated_timing_note(&self.backend, false) {
+            let _ = writeln!(s, "{note}\n");
+        }
         let _ = writeln!(s, "| figure | value |\n|---|---|");
+        let _ = writeln!(s, "| prompt shared | {} |", self.sharing_text());
         let _ = writeln!(
             s,
-            "| prompt shared | {} (block {} tokens, hit {} tokens per sharer) |",
-            self.share_prefix, self.block_tokens, self.hit_tokens
+            "| committed with sharing | {} |",
+            size(self.committed_bytes_with_sharing)
         );
         let _ = writeln!(
             s,
-            "| committed with sharing | {} B ({:.1} MiB) |",
-            self.committed_bytes_with_sharing,
-            mib(self.committed_bytes_with_sharing)
-        );
-        let _ = writeln!(
-            s,
-            "| committed without sharing | {} B ({:.1} MiB) |",
-            self.committed_bytes_without_sharing,
-            mib(self.committed_bytes_without_sharing)
+            "| committed without sharing | {} |",
+            size(self.committed_bytes_without_sharing)
         );
         let ratio = if self.committed_bytes_with_sharing > 0 {
             self.committed_bytes_without_sharing as f64 / self.committed_bytes_with_sharing as f64
@@ -126,25 +144,26 @@ impl DecodeLoopReport {
         };
         let _ = writeln!(
             s,
-            "| saved | {} B ({:.1} MiB, {:.1}x less) |",
-            self.bytes_saved(),
-            mib(self.bytes_saved()),
-            ratio
+            "| saved | {}, {ratio:.1}x less |",
+            size(self.bytes_saved())
         );
         let _ = writeln!(
             s,
-            "| shared prefix (billed once) | {} B ({:.1} MiB) |",
-            self.shared_prefix_bytes,
-            mib(self.shared_prefix_bytes)
+            "| shared prefix (billed once) | {} |",
+            size(self.shared_prefix_bytes)
         );
-        if let Some(r) = &self.prompt_refusal {
-            let _ = writeln!(s, "| prompt not shareable | {r} |");
+        if self.prompt_shareable {
+            let _ = writeln!(
+                s,
+                "| attach shared prefix (map_shared_prefix_readonly), median / min | {:?} / {:?} |",
+                self.attach_median, self.attach_min
+            );
+        } else {
+            let _ = writeln!(
+                s,
+                "| attach shared prefix (map_shared_prefix_readonly) | not measured: the prompt is not shareable |"
+            );
         }
-        let _ = writeln!(
-            s,
-            "| attach shared prefix (map_shared_prefix_readonly), median / min | {:?} / {:?} |",
-            self.attach_median, self.attach_min
-        );
         let _ = writeln!(
             s,
             "| admit with a cache hit, median | {:?} |",
@@ -152,34 +171,43 @@ impl DecodeLoopReport {
         );
         let _ = writeln!(
             s,
-            "| copy prefix into a private reservation ({:.1} MiB), median / min | {:?} / {:?} |",
-            mib(self.copy_bytes),
+            "| copy prefix into a private reservation ({}), median / min | {:?} / {:?} |",
+            format_size(self.copy_bytes),
             self.copy_median,
             self.copy_min
         );
-        let speedup = if self.attach_median.as_nanos() > 0 {
-            self.copy_median.as_secs_f64() / self.attach_median.as_secs_f64()
-        } else {
-            0.0
-        };
-        let _ = writeln!(s, "| copy / attach | {speedup:.1}x |");
+        if self.attach_median.as_nanos() > 0 {
+            let speedup = self.copy_median.as_secs_f64() / self.attach_median.as_secs_f64();
+            let _ = writeln!(s, "| copy / attach | {speedup:.1}x |");
+        }
         let _ = writeln!(
             s,
             "| prefill / decode / verify | {:?} / {:?} / {:?} |",
             self.prefill_time, self.decode_time, self.verify_time
         );
-        let _ = writeln!(
-            s,
-            "| bytes written / verified | {} / {} |",
-            self.bytes_written, self.bytes_verified
-        );
-        let _ = writeln!(s, "| every byte verified | {} |", self.verified);
+        let _ = writeln!(s, "| bytes written | {} |", size(self.bytes_written));
+        if self.verified {
+            let _ = writeln!(
+                s,
+                "| read back and compared | every byte equal: {} |",
+                size(self.bytes_verified)
+            );
+        } else {
+            let _ = writeln!(s, "| read back and compared | skipped (verification off) |");
+        }
         let _ = writeln!(
             s,
             "| cache: hits / misses / tokens saved / bytes saved | {} / {} / {} / {} |",
-            self.cache.hits, self.cache.misses, self.cache.tokens_saved, self.cache.bytes_saved
+            self.cache.hits,
+            self.cache.misses,
+            self.cache.tokens_saved,
+            size(self.cache.bytes_saved)
         );
-        let _ = writeln!(s, "| used bytes at the end | {} |", self.used_bytes_at_end);
+        let _ = writeln!(
+            s,
+            "| used bytes at the end | {} |",
+            size(self.used_bytes_at_end)
+        );
         s
     }
 }

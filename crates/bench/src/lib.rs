@@ -21,5 +21,6 @@ pub mod precommit;
 mod raw;
 pub mod realloc;
 mod stats;
+pub mod timing;
 pub mod vmm;
 mod vmm_report;

@@ -75,25 +75,39 @@ pub struct BenchBackend {
     pub backend: Arc<dyn VirtualMemoryBackend>,
     /// For `auto`: why the better backends were not chosen, when the choice fell back.
     pub notice: Option<String>,
+    /// For `auto`: the backends tried before the one chosen, and why each failed.
+    pub passed_over: Vec<kvvm::OpenError>,
     cuda: Option<Arc<CudaBackend>>,
 }
 
 impl BenchBackend {
-    /// Opens `name` (`sim`, `cuda`, `hip` or `auto`).
-    pub fn open(name: &str) -> Result<Self, String> {
-        if name == "cuda" || (name == "auto" && CudaBackend::open().is_ok()) {
-            let c = Arc::new(CudaBackend::open().map_err(|e| e.to_string())?);
+    /// Opens `name` (`sim`, `cuda`, `hip`, `host` or `auto`).
+    pub fn open(name: &str) -> Result<Self, kvvm::OpenError> {
+        let cuda = match name {
+            "cuda" => Some(
+                CudaBackend::open().map_err(|source| kvvm::OpenError::Backend {
+                    name: "cuda".into(),
+                    source,
+                })?,
+            ),
+            "auto" => CudaBackend::open().ok(),
+            _ => None,
+        };
+        if let Some(c) = cuda {
+            let c = Arc::new(c);
             let backend: Arc<dyn VirtualMemoryBackend> = c.clone();
             return Ok(BenchBackend {
                 backend,
                 notice: None,
+                passed_over: Vec::new(),
                 cuda: Some(c),
             });
         }
-        let opened = kvvm::open_backend_verbose(name).map_err(|e| e.to_string())?;
+        let opened = kvvm::open_backend_verbose(name)?;
         Ok(BenchBackend {
             backend: opened.backend,
             notice: opened.notice,
+            passed_over: opened.passed_over,
             cuda: None,
         })
     }

@@ -122,6 +122,9 @@ impl BenchReport {
             fmt_bytes(self.granule),
             self.iterations
         );
+        if let Some(note) = crate::timing::simulated_timing_note(&self.backend, false) {
+            let _ = writeln!(s, "{note}\n");
+        }
         let _ = writeln!(
             s,
             "### Commit of k granules: manager vs raw driver sequence\n"

@@ -109,7 +109,13 @@ fn unshareable_prompt_is_reported_with_the_reason() {
         r.committed_bytes_with_sharing,
         r.committed_bytes_without_sharing
     );
-    assert!(r.to_markdown().contains("prompt not shareable"));
+    let md = r.to_markdown();
+    assert!(
+        md.contains("| prompt shared | no: the prompt is not shareable here: prefix not shareable"),
+        "{md}"
+    );
+    assert!(md.contains("simulated timings"), "{md}");
+    assert!(!md.contains("| prompt shared | yes"), "{md}");
     drop(r);
     assert!(s.ledger().is_empty());
 }

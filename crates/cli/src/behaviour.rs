@@ -1,9 +1,17 @@
 //! `kvvm behaviour`: the manager's behaviour suite, with fault injection, against a backend.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
 use kvvm_behaviour::{run_behaviour, BehaviourOptions, FaultDepth};
+
+use crate::backend;
+use crate::error::{failed, CliError, CliResult};
+use crate::flags;
+use crate::junit;
+use crate::output::{self, note, Out};
+use crate::progress::Progress;
 
 /// Arguments of `kvvm behaviour`.
 #[derive(Debug, Args)]
@@ -14,16 +22,19 @@ pub struct BehaviourArgs {
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
-    /// Run only cases whose name contains this text (repeatable).
-    #[arg(long = "case")]
+    /// Run only cases whose name contains this text (repeatable; each must match a case).
+    #[arg(long = "case", value_name = "TEXT")]
     cases: Vec<String>,
-    /// Device ordinal to test.
-    #[arg(long, default_value_t = 0)]
+    /// Device ordinal to test (one the backend has).
+    #[arg(long, default_value_t = 0, value_parser = flags::int_in::<u32>(0, u64::from(u32::MAX)))]
     device: u32,
     /// Faults per run of each fault scenario: none, single (every driver step failing alone)
     /// or pairs (also every ordered pair of steps).
     #[arg(long, default_value = "pairs", value_parser = parse_depth)]
     faults: FaultDepth,
+    /// Also write the report as JUnit XML to FILE (one testcase per case).
+    #[arg(long, value_name = "FILE")]
+    junit: Option<PathBuf>,
 }
 
 fn parse_depth(s: &str) -> Result<FaultDepth, String> {
@@ -32,34 +43,48 @@ fn parse_depth(s: &str) -> Result<FaultDepth, String> {
 
 /// Runs the suite; exits 1 when a case fails. A backend that cannot be opened is an error
 /// (exit 2) with the reason: the suite needs a working backend.
-pub fn run(args: &BehaviourArgs) -> Result<ExitCode, String> {
-    let opened = match kvvm::open_backend_verbose(&args.backend) {
-        Ok(opened) => opened,
-        Err(kvvm::OpenError::UnknownBackend(name)) => {
-            return Err(format!(
-                "unknown backend {name:?} (expected one of: {})",
-                kvvm::BACKEND_NAMES.join(", ")
-            ))
-        }
-        Err(e) => return Err(format!("skipped: {e}")),
-    };
-    if let Some(notice) = &opened.notice {
-        eprintln!("{notice}");
-    }
+pub fn run(args: &BehaviourArgs, out: Out<'_>) -> CliResult<ExitCode> {
+    backend::check_name(&args.backend)?;
+    let opened = backend::open("behaviour", &args.backend)?;
+    let devices = opened.backend.devices().map_err(failed)?;
+    flags::check_device(
+        "--device",
+        args.device,
+        opened.backend.name(),
+        devices.len(),
+    )?;
     let options = BehaviourOptions {
         device: kvvm::DeviceId(args.device),
         filter: args.cases.clone(),
         depth: args.faults,
     };
+    let progress = Progress::start("behaviour", None);
+    progress.message("cases, then every fault scenario");
     let report = run_behaviour(&opened.backend, &options);
-    if args.json {
-        println!("{}", report.to_json());
-    } else {
-        print!("{}", report.to_table());
+    drop(progress);
+    if let Some(f) = args.cases.iter().find(|f| {
+        !report
+            .report
+            .cases
+            .iter()
+            .any(|c| c.name.contains(f.as_str()))
+    }) {
+        return Err(CliError::Failed(format!("--case {f:?} matches no case")));
     }
-    Ok(if report.report.failed > 0 {
-        ExitCode::from(1)
+    if let Some(path) = &args.junit {
+        junit::write_report(path, "kvvm behaviour", "behaviour", &report.report)?;
+    }
+    if args.json {
+        output::text(out, &report.to_json())?;
+        writeln!(out)?;
     } else {
-        ExitCode::SUCCESS
-    })
+        output::text(out, &report.to_table())?;
+    }
+    if report.report.failed > 0 {
+        return Ok(ExitCode::from(1));
+    }
+    if report.report.passed == 0 {
+        note("kvvm behaviour: no case passed");
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -17,16 +17,23 @@ use kvvm::host::HostBackend;
 use kvvm::{DeviceId, VirtualMemoryBackend};
 use kvvm_bench::host::measure_host;
 use kvvm_bench::vmm::Stats;
+use kvvm_num::format_size;
 use serde_json::{json, Value};
+
+use crate::error::{failed, CliError, CliResult};
+use crate::flags;
+use crate::output::{self, Out};
+use crate::progress::Progress;
 
 /// Arguments of `kvvm bench host`.
 #[derive(Debug, Args)]
 pub struct HostBenchArgs {
-    /// Bytes committed, touched, attached and copied per sample.
-    #[arg(long, default_value_t = 64 << 20)]
+    /// Bytes committed, touched, attached and copied per sample (a size, a multiple of the
+    /// host granule, 2MiB, up to 64GiB).
+    #[arg(long, default_value = "64MiB", value_parser = flags::size_in(1, 64 << 30))]
     bytes: u64,
-    /// Measured samples per case (after one unmeasured warm-up).
-    #[arg(long, default_value_t = 20)]
+    /// Measured samples per case, after one unmeasured warm-up (1 to 100000).
+    #[arg(long, default_value_t = 20, value_parser = flags::int_in::<usize>(1, 100_000))]
     iterations: usize,
     /// Print JSON instead of Markdown.
     #[arg(long)]
@@ -66,14 +73,30 @@ fn ratio(a: Duration, b: Duration) -> f64 {
 }
 
 /// Runs `kvvm bench host`.
-pub fn run(args: &HostBenchArgs) -> Result<ExitCode, String> {
-    let host = Arc::new(HostBackend::open().map_err(|e| e.to_string())?);
+pub fn run(args: &HostBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
+    let host = Arc::new(
+        HostBackend::open()
+            .map_err(|e| CliError::Failed(format!("backend host is unavailable: {e}")))?,
+    );
     let granule = host
         .granularity(&kvvm::AllocationProperties::device(DeviceId(0)))
-        .map_err(|e| e.to_string())?
+        .map_err(failed)?
         .recommended;
-    let bytes = args.bytes.div_ceil(granule).max(1) * granule;
-    let s = measure_host(&host, bytes, args.iterations.max(1))?;
+    if granule == 0 || !args.bytes.is_multiple_of(granule) {
+        return Err(CliError::Failed(format!(
+            "--bytes {} ({} bytes) is not a multiple of the host granule ({}): try {}",
+            format_size(args.bytes),
+            args.bytes,
+            format_size(granule),
+            format_size(args.bytes.div_ceil(granule.max(1)).max(1) * granule)
+        )));
+    }
+    let bytes = args.bytes;
+    let progress = Progress::start("bench host", None);
+    progress.message("commit, touch, attach and copy");
+    let s = measure_host(&host, bytes, args.iterations);
+    drop(progress);
+    let s = s.map_err(CliError::Failed)?;
     let ledger = host.ledger();
     let device = host
         .devices()
@@ -94,7 +117,7 @@ pub fn run(args: &HostBenchArgs) -> Result<ExitCode, String> {
             "device": device,
             "bytes": bytes,
             "granule": granule,
-            "samples": args.iterations.max(1),
+            "samples": args.iterations,
             "manager_commit": row(commit),
             "manager_first_touch": row(touch),
             "manager_commit_and_touch": row(commit_touch),
@@ -105,35 +128,44 @@ pub fn run(args: &HostBenchArgs) -> Result<ExitCode, String> {
             "memcpy_over_attach": ratio(memcpy.median, attach.median),
             "ledger_empty_after_run": ledger.is_empty(),
         });
-        println!("{v}");
+        output::json_line(out, &v)?;
     } else {
-        let mib = bytes as f64 / (1u64 << 20) as f64;
         let granules = bytes / granule;
-        println!(
-            "### host backend vs plain memory: {mib:.0} MiB, {granules} granules of {} KiB ({device}), p50 / p90 of {} samples\n",
-            granule >> 10,
-            args.iterations.max(1)
-        );
-        println!("| case | p50 | p90 |");
-        println!("|---|---|---|");
-        let line = |name: &str, x: Summary| {
-            println!("| {name} | {:.1} us | {:.1} us |", us(x.median), us(x.p90));
-        };
-        line(
-            "commit through the manager (create + map + set access)",
-            commit,
-        );
-        line("first touch of the committed pages", touch);
-        line("commit + first touch", commit_touch);
-        line("plain mmap + first touch", mmap_touch);
-        line("attach the shared prefix read-only (reserve + map)", attach);
-        line("memcpy of the prefix (into a touched buffer)", memcpy);
-        println!(
+        writeln!(
+            out,
+            "### host backend vs plain memory: {}, {granules} granules of {} ({device}), p50 / p90 of {} samples\n",
+            format_size(bytes),
+            format_size(granule),
+            args.iterations
+        )?;
+        writeln!(out, "| case | p50 | p90 |")?;
+        writeln!(out, "|---|---|---|")?;
+        let rows = [
+            (
+                "commit through the manager (create + map + set access)",
+                commit,
+            ),
+            ("first touch of the committed pages", touch),
+            ("commit + first touch", commit_touch),
+            ("plain mmap + first touch", mmap_touch),
+            ("attach the shared prefix read-only (reserve + map)", attach),
+            ("memcpy of the prefix (into a touched buffer)", memcpy),
+        ];
+        for (name, x) in rows {
+            writeln!(
+                out,
+                "| {name} | {:.1} us | {:.1} us |",
+                us(x.median),
+                us(x.p90)
+            )?;
+        }
+        writeln!(
+            out,
             "\ncommit + touch / mmap + touch = {:.2}x; memcpy / attach = {:.1}x; host ledger after the run: {}",
             ratio(commit_touch.median, mmap_touch.median),
             ratio(memcpy.median, attach.median),
             if ledger.is_empty() { "empty" } else { "NOT EMPTY (leak)" }
-        );
+        )?;
     }
     Ok(if ledger.is_empty() {
         ExitCode::SUCCESS

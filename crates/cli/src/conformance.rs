@@ -1,9 +1,19 @@
-//! `kvvm conformance`.
+//! `kvvm conformance`: the suite against one backend, as a table, JSON or JUnit XML.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use kvvm_conformance::{run_suite, unavailable_report, ChildRunner, RunOptions};
+use kvvm_conformance::{
+    all_cases, run_suite_with_progress, unavailable_report, ChildRunner, Report, RunOptions,
+};
+
+use crate::backend;
+use crate::error::{CliError, CliResult};
+use crate::flags;
+use crate::junit;
+use crate::output::{self, note, Out};
+use crate::progress::Progress;
 
 /// Arguments of `kvvm conformance`.
 #[derive(Debug, Args)]
@@ -14,48 +24,130 @@ pub struct ConformanceArgs {
     /// Print the report as JSON instead of a table.
     #[arg(long)]
     json: bool,
-    /// Run only cases whose name contains this text (repeatable).
-    #[arg(long = "case")]
+    /// Run only cases whose name contains this text (repeatable; each must match a case).
+    #[arg(long = "case", value_name = "TEXT")]
     cases: Vec<String>,
-    /// Device ordinal to test.
-    #[arg(long, default_value_t = 0)]
+    /// Device ordinal to test (one the backend has).
+    #[arg(long, default_value_t = 0, value_parser = flags::int_in::<u32>(0, u64::from(u32::MAX)))]
     device: u32,
+    /// Exit 1 unless at least one case passed (nothing ran, or everything was skipped, is a
+    /// failure in CI).
+    #[arg(long)]
+    require_pass: bool,
+    /// Also write the report as JUnit XML to FILE (one testcase per case).
+    #[arg(long, value_name = "FILE")]
+    junit: Option<PathBuf>,
 }
 
-/// Runs the suite; exits 1 when a case fails, 0 otherwise (also when every case is skipped
-/// because the backend is unavailable here).
-pub fn run(args: &ConformanceArgs) -> Result<ExitCode, String> {
-    let report = match kvvm::open_backend_verbose(&args.backend) {
-        Ok(opened) => {
-            if let Some(notice) = &opened.notice {
-                eprintln!("{notice}");
-            }
-            let options = RunOptions {
-                device: kvvm::DeviceId(args.device),
-                filter: args.cases.clone(),
-                child: ChildRunner::current_exe().ok(),
-            };
-            run_suite(&*opened.backend, &options)
+/// Every `--case` text must select at least one case.
+fn check_filters(filters: &[String]) -> CliResult<()> {
+    let names: Vec<&str> = all_cases().iter().map(|c| c.name).collect();
+    for f in filters {
+        if !names.iter().any(|n| n.contains(f.as_str())) {
+            return Err(CliError::Failed(format!(
+                "--case {f:?} matches no case; the cases are: {}",
+                names.join(", ")
+            )));
         }
-        Err(kvvm::OpenError::UnknownBackend(name)) => {
-            return Err(format!(
-                "unknown backend {name:?} (expected one of: {})",
-                kvvm::BACKEND_NAMES.join(", ")
-            ))
-        }
+    }
+    Ok(())
+}
+
+fn run_report(args: &ConformanceArgs) -> CliResult<Report> {
+    let opened = match kvvm::open_backend_verbose(&args.backend) {
+        Ok(opened) => opened,
+        Err(kvvm::OpenError::UnknownBackend(name)) => return Err(backend::unknown_backend(&name)),
         Err(e) => {
-            let reason = format!("skipped: {e}");
-            unavailable_report(&args.backend, &reason)
+            let u = backend::unavailable(&args.backend, &e);
+            let reason = format!(
+                "skipped: backend {} is unavailable: {} ({}); fix: {}",
+                args.backend, u.summary, u.code, u.fix
+            );
+            let all = unavailable_report(&args.backend, &reason);
+            let cases = all
+                .cases
+                .into_iter()
+                .filter(|c| args.cases.is_empty() || args.cases.iter().any(|f| c.name.contains(f)))
+                .collect();
+            return Ok(Report::new(all.backend, all.device, cases));
         }
     };
-    if args.json {
-        println!("{}", report.to_json());
-    } else {
-        print!("{}", report.to_table());
+    if let Some(n) = backend::notice("conformance", &opened) {
+        note(n);
     }
-    Ok(if report.failed > 0 {
-        ExitCode::from(1)
+    let devices = opened.backend.devices().map_err(|e| {
+        CliError::Failed(format!(
+            "backend {} cannot list its devices: {e}",
+            opened.backend.name()
+        ))
+    })?;
+    flags::check_device(
+        "--device",
+        args.device,
+        opened.backend.name(),
+        devices.len(),
+    )?;
+    let options = RunOptions {
+        device: kvvm::DeviceId(args.device),
+        filter: args.cases.clone(),
+        child: ChildRunner::current_exe().ok(),
+    };
+    let progress = Progress::start("conformance", None);
+    let report = run_suite_with_progress(&*opened.backend, &options, &mut |done, total, name| {
+        progress.update(done as u64, Some(total as u64), name)
+    });
+    drop(progress);
+    Ok(report)
+}
+
+/// Runs the suite; exits 1 when a case fails (or, with `--require-pass`, when none passed),
+/// 0 otherwise, 2 on bad flags.
+pub fn run(args: &ConformanceArgs, out: Out<'_>) -> CliResult<ExitCode> {
+    check_filters(&args.cases)?;
+    let report = run_report(args)?;
+    if let Some(path) = &args.junit {
+        junit::write_report(path, "kvvm conformance", "conformance", &report)?;
+    }
+    if args.json {
+        output::text(out, &report.to_json())?;
+        writeln!(out)?;
     } else {
-        ExitCode::SUCCESS
-    })
+        output::text(out, &report.to_table())?;
+    }
+    if report.failed > 0 {
+        return Ok(ExitCode::from(1));
+    }
+    if report.passed == 0 {
+        let what = if report.cases.is_empty() {
+            "no case ran".to_owned()
+        } else {
+            format!("every case ({}) was skipped", report.skipped)
+        };
+        if args.require_pass {
+            note(format!("kvvm conformance: --require-pass: {what}"));
+            return Ok(ExitCode::from(1));
+        }
+        note(format!(
+            "kvvm conformance: nothing was tested: {what} (--require-pass makes this exit 1)"
+        ));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn case_filters_must_select_something() {
+        assert!(check_filters(&["granularity".into()]).is_ok());
+        let e = check_filters(&["nosuchcase".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("--case \"nosuchcase\" matches no case"),
+            "{e}"
+        );
+        assert!(e.contains("devices_are_listed"), "{e}");
+    }
 }

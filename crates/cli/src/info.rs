@@ -4,7 +4,12 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvvm::{AllocationProperties, ShareableHandleType, VirtualMemoryBackend};
+use kvvm_num::format_size;
 use serde_json::{json, Value};
+
+use crate::backend;
+use crate::error::CliResult;
+use crate::output::{self, Out};
 
 /// Arguments of `kvvm info`.
 #[derive(Debug, Args)]
@@ -15,19 +20,6 @@ pub struct InfoArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
-}
-
-fn gib(bytes: u64) -> String {
-    format!("{:.1} GiB", bytes as f64 / (1u64 << 30) as f64)
-}
-
-fn size(bytes: u64) -> String {
-    match bytes {
-        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{} GiB", b >> 30),
-        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
-        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
-        b => format!("{b} B"),
-    }
 }
 
 fn describe(backend: &dyn VirtualMemoryBackend) -> Value {
@@ -76,48 +68,53 @@ fn describe(backend: &dyn VirtualMemoryBackend) -> Value {
     })
 }
 
-fn print_text(v: &Value) {
+fn print_text(out: Out<'_>, v: &Value) -> std::io::Result<()> {
     let name = v["backend"].as_str().unwrap_or("?");
     if v["available"] != Value::Bool(true) {
-        println!(
-            "{name}: unavailable: {}",
-            v["reason"].as_str().unwrap_or("?")
+        return writeln!(
+            out,
+            "{name}: unavailable: {} ({}); fix: {}",
+            v["summary"].as_str().unwrap_or("?"),
+            v["code"].as_str().unwrap_or("?"),
+            v["fix"].as_str().unwrap_or("?")
         );
-        return;
     }
-    println!("{name}: available");
+    writeln!(out, "{name}: available")?;
     let c = &v["capabilities"];
-    println!(
+    writeln!(
+        out,
         "  capabilities: unmap spans mappings: {}, POSIX-fd handles: {}, kernels: {}, set-access retries: {}",
         c["unmap_spans_mappings"], c["posix_fd_handles"], c["kernels"], c["set_access_retries"]
-    );
+    )?;
     for d in v["devices"].as_array().into_iter().flatten() {
         if let Some(e) = d["error"].as_str() {
-            println!("  devices: error: {e}");
+            writeln!(out, "  devices: error: {e}")?;
             continue;
         }
         let total = d["total_memory"].as_u64().unwrap_or(0);
         let free = d["free_memory"]
             .as_u64()
-            .map(gib)
+            .map(format_size)
             .unwrap_or_else(|| "?".into());
         let gmin = d["granularity_minimum"]
             .as_u64()
-            .map(size)
+            .map(format_size)
             .unwrap_or_else(|| "?".into());
         let grec = d["granularity_recommended"]
             .as_u64()
-            .map(size)
+            .map(format_size)
             .unwrap_or_else(|| "?".into());
-        println!(
+        writeln!(
+            out,
             "  device {}: {} ({}), memory {} total, {} free",
             d["id"],
             d["name"].as_str().unwrap_or("?"),
             d["driver_version"].as_str().unwrap_or("?"),
-            gib(total),
+            format_size(total),
             free
-        );
-        println!(
+        )?;
+        writeln!(
+            out,
             "    granularity: minimum {gmin}, recommended {grec}; VMM: {}; POSIX fd: {}",
             if d["vmm_supported"] == Value::Bool(true) {
                 "yes"
@@ -129,32 +126,45 @@ fn print_text(v: &Value) {
             } else {
                 "no"
             },
-        );
+        )?;
     }
+    Ok(())
 }
 
-/// Prints every backend (or the one asked for): available with its devices, or why not.
-pub fn run(args: &InfoArgs) -> Result<ExitCode, String> {
+/// Prints every backend (or the one asked for): available with its devices, or one line
+/// saying why not (the driver's code and the fix; `--json` keeps the backend's whole message).
+pub fn run(args: &InfoArgs, out: Out<'_>) -> CliResult<ExitCode> {
     let names: Vec<&str> = match &args.backend {
-        Some(b) => vec![b.as_str()],
+        Some(b) => {
+            backend::check_name(b)?;
+            vec![b.as_str()]
+        }
         None => vec!["cuda", "hip", "sim", "host"],
     };
-    let mut out = Vec::new();
+    let mut all = Vec::new();
     for name in names {
         let v = match kvvm::open_backend(name) {
             Ok(b) => describe(&*b),
-            Err(kvvm::OpenError::UnknownBackend(n)) => {
-                return Err(format!("unknown backend {n:?}"))
+            Err(kvvm::OpenError::UnknownBackend(n)) => return Err(backend::unknown_backend(&n)),
+            Err(e) => {
+                let u = backend::unavailable(name, &e);
+                json!({
+                    "backend": name,
+                    "available": false,
+                    "summary": u.summary,
+                    "code": u.code,
+                    "fix": u.fix,
+                    "reason": u.detail,
+                })
             }
-            Err(e) => json!({"backend": name, "available": false, "reason": e.to_string()}),
         };
-        out.push(v);
+        all.push(v);
     }
     if args.json {
-        println!("{}", Value::Array(out));
+        output::json_line(out, &Value::Array(all))?;
     } else {
-        for v in &out {
-            print_text(v);
+        for v in &all {
+            print_text(out, v)?;
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -1,18 +1,38 @@
-//! `kvvm`: inspect backends, run the conformance suite, plan, simulate and serve.
+//! `kvvm`: inspect backends, run the conformance suite, plan, benchmark, simulate and serve.
+//!
+//! Each subcommand is one module with its clap `Args` and a `run(&args, out)` that writes its
+//! report to `out` and returns the exit code; adding one is a module, a variant of
+//! [`Command`] and a line of [`Command::run`]. The helpers every subcommand shares:
+//! [`flags`] (ranges and the one size syntax), [`output`] (writing without panicking on a
+//! closed pipe), [`error`] (exit codes), [`backend`] (opening a backend, short reasons),
+//! [`progress`] (bars on a terminal, periodic lines elsewhere) and [`junit`] (JUnit XML).
 
+mod backend;
 mod behaviour;
 mod bench;
+mod bench_decode;
 mod bench_host;
+mod bench_kv;
+mod bench_vmm;
 mod conformance;
+mod error;
+mod flags;
 mod info;
+mod junit;
+mod output;
 mod plan;
+mod progress;
 mod serve;
 mod serve_flags;
 mod simulate;
+mod simulate_args;
 
+use std::io::Write;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+
+use crate::error::CliResult;
 
 /// GPU memory for LLM KV caches through the drivers' virtual-memory API.
 #[derive(Debug, Parser)]
@@ -36,9 +56,36 @@ enum Command {
     /// Benchmarks measured side by side in one run (`kvvm bench vmm`, `kv`, `decode`, `host`).
     Bench(bench::BenchArgs),
     /// Replay a serving trace through every KV memory policy, side by side (table, JSON, SVG).
-    Simulate(simulate::SimulateArgs),
+    Simulate(simulate_args::SimulateArgs),
     /// HTTP server over the memory manager: sequences, 429 + Retry-After, Prometheus metrics.
     Serve(serve::ServeArgs),
+}
+
+impl Command {
+    fn run(&self, out: &mut dyn Write) -> CliResult<ExitCode> {
+        match self {
+            Command::Info(args) => info::run(args, out),
+            Command::Conformance(args) => conformance::run(args, out),
+            Command::Behaviour(args) => behaviour::run(args, out),
+            Command::Plan(args) => plan::run(args, out),
+            Command::Bench(args) => bench::run(args, out),
+            Command::Simulate(args) => simulate::run(args, out),
+            Command::Serve(args) => serve::run(args, out),
+        }
+    }
+}
+
+/// Every command and subcommand accepts `-5` as a value, so that a negative number reaches
+/// the flag's parser and gets its range in the error, instead of clap's "unexpected
+/// argument '-5'".
+fn accept_negative_numbers(cmd: clap::Command) -> clap::Command {
+    cmd.allow_negative_numbers(true)
+        .mut_subcommands(accept_negative_numbers)
+}
+
+fn parse() -> Result<Cli, clap::Error> {
+    let matches = accept_negative_numbers(Cli::command()).try_get_matches()?;
+    Cli::from_arg_matches(&matches)
 }
 
 fn main() -> ExitCode {
@@ -50,21 +97,21 @@ fn main() -> ExitCode {
         };
         return ExitCode::from(u8::try_from(code).unwrap_or(2));
     }
-    let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Info(args) => info::run(&args),
-        Command::Conformance(args) => conformance::run(&args),
-        Command::Behaviour(args) => behaviour::run(&args),
-        Command::Plan(args) => plan::run(&args),
-        Command::Bench(args) => bench::run(&args),
-        Command::Simulate(args) => simulate::run(&args),
-        Command::Serve(args) => serve::run(&args),
+    let cli = match parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Help and version go to stdout, usage errors to stderr; a closed pipe is quiet.
+            let _ = e.print();
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
+        }
     };
+    let mut stdout = std::io::stdout();
+    let result = cli.command.run(&mut stdout).and_then(|code| {
+        stdout.flush()?;
+        Ok(code)
+    });
     match result {
         Ok(code) => code,
-        Err(message) => {
-            eprintln!("kvvm: {message}");
-            ExitCode::from(2)
-        }
+        Err(e) => e.report(),
     }
 }

@@ -6,7 +6,12 @@ use clap::Args;
 use kvvm_layout::{
     commit_lower_bound, evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, LayoutPlan,
 };
+use kvvm_num::format_size;
 use serde_json::json;
+
+use crate::error::{failed, CliError, CliResult};
+use crate::flags::{self, MAX_CONTEXT_TOKENS};
+use crate::output::{self, Out};
 
 /// Arguments of `kvvm plan`.
 #[derive(Debug, Args)]
@@ -17,57 +22,71 @@ pub struct PlanArgs {
     /// KV layout: head-major, seq-major or token-major.
     #[arg(long, default_value = "seq-major")]
     layout: String,
-    /// Prefix length in tokens to evaluate for sharing.
-    #[arg(long, default_value_t = 0)]
+    /// Prefix length in tokens to evaluate for sharing (at most --max-tokens).
+    #[arg(long, default_value_t = 0, value_parser = flags::int_in::<u64>(0, MAX_CONTEXT_TOKENS))]
     prefix: u64,
-    /// Mapping granule in bytes (default: the H200's 2 MiB; query yours with `kvvm info`).
-    #[arg(long, default_value_t = 2 << 20)]
+    /// Mapping granule: a power of two from 4KiB to 1GiB (default: the H200's 2MiB; query
+    /// yours with `kvvm info`).
+    #[arg(long, default_value = "2MiB", value_parser = flags::granule)]
     granule: u64,
     /// Element type: fp16, bf16, fp8 or fp32.
     #[arg(long, default_value = "fp16")]
     dtype: String,
     /// Maximum context in tokens (the reservation size).
-    #[arg(long, default_value_t = 32_768)]
+    #[arg(long, default_value_t = 32_768, value_parser = flags::int_in::<u64>(1, MAX_CONTEXT_TOKENS))]
     max_tokens: u64,
-    /// Live tokens for the commit lower bound (default: the prefix, or 1).
-    #[arg(long)]
+    /// Live tokens for the commit lower bound, at most --max-tokens (default: the prefix, or 1).
+    #[arg(long, value_parser = flags::int_in::<u64>(1, MAX_CONTEXT_TOKENS))]
     tokens: Option<u64>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
 }
 
-fn mib(b: u64) -> String {
-    format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64)
+/// `--prefix` and `--tokens` must fit in `--max-tokens`: nothing is raised behind the
+/// user's back.
+fn check_lengths(args: &PlanArgs) -> CliResult<()> {
+    if args.prefix > args.max_tokens {
+        return Err(CliError::Failed(format!(
+            "--prefix {} exceeds --max-tokens {}: allowed 0..={} (raise --max-tokens to plan a longer prefix)",
+            args.prefix, args.max_tokens, args.max_tokens
+        )));
+    }
+    if let Some(t) = args.tokens.filter(|t| *t > args.max_tokens) {
+        return Err(CliError::Failed(format!(
+            "--tokens {t} exceeds --max-tokens {}: allowed 1..={}",
+            args.max_tokens, args.max_tokens
+        )));
+    }
+    Ok(())
 }
 
 /// Prints the plan.
-pub fn run(args: &PlanArgs) -> Result<ExitCode, String> {
-    let dtype: KvDtype = args.dtype.parse().map_err(|e| format!("{e}"))?;
-    let layout: KvLayout = args.layout.parse().map_err(|e| format!("{e}"))?;
-    let max_tokens = args
-        .max_tokens
-        .max(args.prefix)
-        .max(args.tokens.unwrap_or(0));
-    let geometry =
-        KvGeometry::preset(&args.model, dtype, max_tokens).map_err(|e| format!("{e}"))?;
+pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
+    let dtype: KvDtype = args.dtype.parse().map_err(failed)?;
+    let layout: KvLayout = args.layout.parse().map_err(failed)?;
+    check_lengths(args)?;
+    let max_tokens = args.max_tokens;
+    let geometry = KvGeometry::preset(&args.model, dtype, max_tokens).map_err(failed)?;
     let verdict = evaluate_prefix_shareability(&geometry, layout, args.prefix, args.granule)
-        .map_err(|e| format!("{e}"))?;
+        .map_err(failed)?;
     let tokens = args.tokens.unwrap_or(args.prefix.max(1));
     let lower_bound =
-        commit_lower_bound(&geometry, layout, tokens, args.granule).map_err(|e| format!("{e}"))?;
-    let plan = LayoutPlan::new(geometry, layout, args.granule).map_err(|e| format!("{e}"))?;
+        commit_lower_bound(&geometry, layout, tokens, args.granule).map_err(failed)?;
+    let plan = LayoutPlan::new(geometry, layout, args.granule).map_err(failed)?;
     let reservation = plan.reservation_bytes();
     let live = geometry
         .bytes_per_token()
         .checked_mul(tokens)
-        .ok_or("live bytes overflow")?;
+        .ok_or_else(|| CliError::Failed("live bytes overflow".into()))?;
     if args.json {
         let v = json!({
             "model": args.model,
             "dtype": args.dtype,
             "layout": layout.as_str(),
             "granule": args.granule,
+            "max_tokens": max_tokens,
+            "bytes_per_token": geometry.bytes_per_token(),
             "prefix_len": args.prefix,
             "shareable": verdict.shareable,
             "refusal_reason": verdict.refusal_reason(),
@@ -83,41 +102,51 @@ pub fn run(args: &PlanArgs) -> Result<ExitCode, String> {
             "commit_lower_bound_bytes": lower_bound,
             "reservation_bytes": reservation,
         });
-        println!("{v}");
+        output::json_line(out, &v)?;
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
-        "{} ({}), {} layout, granule {}, max {} tokens",
+    writeln!(
+        out,
+        "{} ({}, {} per token), {} layout, granule {}, max {} tokens",
         args.model,
         args.dtype,
+        format_size(geometry.bytes_per_token()),
         layout,
-        mib(args.granule),
+        format_size(args.granule),
         max_tokens
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "  fragments: {} of {} B per token",
         verdict.fragments, verdict.fragment_bytes_per_token
-    );
+    )?;
     match verdict.refusal_reason() {
-        None => println!(
+        None => writeln!(
+            out,
             "  prefix of {} tokens: SHAREABLE: {} whole granules per fragment, {} multi-map operations, {} shared (billed once)",
             args.prefix,
             verdict.shareable_granules_per_fragment,
             verdict.multi_map_ops,
-            mib(verdict.shared_bytes)
-        ),
-        Some(reason) => println!("  prefix of {} tokens: {reason}", args.prefix),
+            format_size(verdict.shared_bytes)
+        )?,
+        Some(reason) => writeln!(out, "  prefix of {} tokens: {reason}", args.prefix)?,
     }
-    println!(
+    writeln!(
+        out,
         "  smallest shareable prefix: {} tokens",
         verdict.min_shareable_prefix
-    );
-    println!(
+    )?;
+    writeln!(
+        out,
         "  {} live tokens ({}): commit lower bound {} (granule x windows holding live bytes)",
         tokens,
-        mib(live),
-        mib(lower_bound)
-    );
-    println!("  reservation (virtual, padded): {}", mib(reservation));
+        format_size(live),
+        format_size(lower_bound)
+    )?;
+    writeln!(
+        out,
+        "  reservation (virtual address space, padded; not memory): {}",
+        format_size(reservation)
+    )?;
     Ok(ExitCode::SUCCESS)
 }

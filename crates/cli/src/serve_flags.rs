@@ -1,92 +1,63 @@
 //! The flags of `kvvm serve` that make it fit for a shared network (timeouts, caps, API keys,
-//! limits, the log format), turned into the server's settings (see `docs/serve.md`).
+//! limits, the log format), turned into the server's settings (see `docs/serve.md`). Like
+//! every flag of the CLI, each is checked against its range ([`crate::flags`]), never
+//! clamped; sizes take the one size syntax, durations `500ms`, `10s`, `2m`, `1h`.
 
 use std::time::Duration;
 
 use clap::Args;
 use kvvm_server::{ApiKeys, HttpConfig, Limits, LogFormat, DEFAULT_BODY_LIMIT};
 
-/// `N`, or `N` followed by KiB, MiB, GiB or TiB (or K, M, G, T).
-pub(crate) fn parse_bytes(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (digits, unit) = s.split_at(split);
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{s:?} is not a byte count (e.g. 8589934592 or 8GiB)"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kib" => 10,
-        "m" | "mib" => 20,
-        "g" | "gib" => 30,
-        "t" | "tib" => 40,
-        other => return Err(format!("unknown unit {other:?} (use KiB, MiB, GiB or TiB)")),
-    };
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("{s:?} does not fit in 64 bits"))
-}
+use crate::flags::{duration_in, int_in, size_in, MAX_DURATION};
 
-/// Seconds (`10`, `10s`), milliseconds (`500ms`) or minutes (`2m`).
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (digits, unit) = s.split_at(split);
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration (e.g. 10s, 500ms, 2m)"))?;
-    match unit.trim() {
-        "" | "s" => Ok(Duration::from_secs(n)),
-        "ms" => Ok(Duration::from_millis(n)),
-        "m" => n
-            .checked_mul(60)
-            .map(Duration::from_secs)
-            .ok_or_else(|| format!("{s:?} is too long")),
-        other => Err(format!("unknown unit {other:?} (use ms, s or m)")),
-    }
-}
+/// The most connections, and requests in flight, a flag accepts.
+const MAX_CONNECTIONS: u64 = 1_000_000;
+/// The shortest timeout that still lets a request through.
+const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
 /// Timeouts, caps, keys and limits of `kvvm serve`.
 #[derive(Debug, Args)]
 pub struct ServeFlags {
-    /// Largest request body accepted, in bytes (larger: 413, from Content-Length before
-    /// anything is read).
-    #[arg(long, value_parser = parse_bytes, default_value_t = DEFAULT_BODY_LIMIT as u64)]
+    /// Largest request body accepted (a size, 1KiB to 1GiB; larger: 413, from Content-Length
+    /// before anything is read).
+    #[arg(long, value_parser = size_in(1 << 10, 1 << 30), default_value_t = DEFAULT_BODY_LIMIT as u64)]
     body_limit_bytes: u64,
     /// A request head must be complete this long after the server starts waiting for it.
-    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    #[arg(long, value_parser = duration_in(MIN_TIMEOUT, MAX_DURATION), default_value = "10s")]
     header_timeout: Duration,
     /// A request body must arrive whole within this long (else 408).
-    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    #[arg(long, value_parser = duration_in(MIN_TIMEOUT, MAX_DURATION), default_value = "10s")]
     body_timeout: Duration,
     /// An idle keep-alive connection is closed after this long.
-    #[arg(long, value_parser = parse_duration, default_value = "5s")]
+    #[arg(long, value_parser = duration_in(MIN_TIMEOUT, MAX_DURATION), default_value = "5s")]
     keep_alive_timeout: Duration,
-    /// On SIGTERM: how long requests in flight may finish before their connections close.
-    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    /// On SIGTERM: how long requests in flight may finish before their connections close
+    /// (0: close them at once).
+    #[arg(long, value_parser = duration_in(Duration::ZERO, MAX_DURATION), default_value = "10s")]
     shutdown_timeout: Duration,
     /// Release a sequence nobody used for this long (0: never).
-    #[arg(long, value_parser = parse_duration, default_value = "10m")]
+    #[arg(long, value_parser = duration_in(Duration::ZERO, MAX_DURATION), default_value = "10m")]
     idle_timeout: Duration,
     /// Most connections open at once (lowered to fit the open-file limit); past it: 503.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 4096, value_parser = int_in::<usize>(1, MAX_CONNECTIONS))]
     max_connections: usize,
     /// Most requests handled at once; past it a request is shed with 503 + Retry-After.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = int_in::<usize>(1, MAX_CONNECTIONS))]
     max_in_flight: usize,
     /// Most live sequences in total.
-    #[arg(long, default_value_t = Limits::default().max_sequences)]
+    #[arg(long, default_value_t = Limits::default().max_sequences, value_parser = int_in::<u64>(1, u64::MAX))]
     max_sequences: u64,
-    /// Most address space reserved by live sequences in total (bytes, units accepted).
-    #[arg(long, value_parser = parse_bytes, default_value_t = Limits::default().max_reserved_bytes)]
+    /// Most address space reserved by live sequences in total (a size).
+    #[arg(long, value_parser = size_in(1, u64::MAX), default_value_t = Limits::default().max_reserved_bytes)]
     max_reserved_bytes: u64,
     /// Most live sequences per API key (without keys: of all clients together).
-    #[arg(long)]
+    #[arg(long, value_parser = int_in::<u64>(1, u64::MAX))]
     max_sequences_per_key: Option<u64>,
-    /// Most address space reserved per API key.
-    #[arg(long, value_parser = parse_bytes)]
+    /// Most address space reserved per API key (a size).
+    #[arg(long, value_parser = size_in(1, u64::MAX))]
     max_reserved_bytes_per_key: Option<u64>,
-    /// Most bytes committed per API key.
-    #[arg(long, value_parser = parse_bytes)]
+    /// Most bytes committed per API key (a size).
+    #[arg(long, value_parser = size_in(1, u64::MAX))]
     max_committed_bytes_per_key: Option<u64>,
     /// An API key (`KEY` or `NAME:KEY`, at least 16 characters); repeatable. Also read: the
     /// comma-separated KVVM_API_KEYS environment variable.
@@ -120,20 +91,23 @@ impl ServeFlags {
     pub fn settings(&self) -> Result<Settings, String> {
         let mut keys = ApiKeys::none();
         for k in &self.api_keys {
-            keys.add(k).map_err(|e| e.to_string())?;
+            keys.add(k).map_err(|e| format!("--api-key: {e}"))?;
         }
         if let Some(path) = &self.api_keys_file {
+            let file = path.display();
             let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-            keys.add_lines(&text).map_err(|e| e.to_string())?;
+                .map_err(|e| format!("--api-keys-file {file}: cannot read it: {e}"))?;
+            keys.add_lines(&text)
+                .map_err(|e| format!("--api-keys-file {file}: {e}"))?;
         }
         if let Ok(list) = std::env::var("KVVM_API_KEYS") {
-            keys.add_list(&list).map_err(|e| e.to_string())?;
+            keys.add_list(&list)
+                .map_err(|e| format!("KVVM_API_KEYS: {e}"))?;
         }
         let log = match self.log_format.as_str() {
             "text" => LogFormat::Text,
             "json" => LogFormat::Json,
-            other => return Err(format!("--log-format {other:?}: use text or json")),
+            other => return Err(format!("--log-format {other:?}: allowed text or json")),
         };
         let body_limit = usize::try_from(self.body_limit_bytes)
             .map_err(|_| "--body-limit-bytes is too large".to_owned())?;
@@ -160,31 +134,5 @@ impl ServeFlags {
             shared_prefix_cache: self.shared_prefix_cache,
             log,
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{parse_bytes, parse_duration};
-    use std::time::Duration;
-
-    #[test]
-    fn byte_counts_with_units() {
-        assert_eq!(parse_bytes("1024"), Ok(1024));
-        assert_eq!(parse_bytes("8GiB"), Ok(8 << 30));
-        assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
-        assert_eq!(parse_bytes("2k"), Ok(2048));
-        assert!(parse_bytes("lots").is_err());
-        assert!(parse_bytes("1XB").is_err());
-        assert!(parse_bytes("99999999TiB").is_err());
-    }
-
-    #[test]
-    fn durations_with_units() {
-        assert_eq!(parse_duration("10"), Ok(Duration::from_secs(10)));
-        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert!(parse_duration("soon").is_err());
-        assert!(parse_duration("3h").is_err());
     }
 }

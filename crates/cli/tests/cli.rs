@@ -119,3 +119,64 @@ fn plan_rejects_bad_input_with_a_message() {
     assert_eq!(code, 2);
     assert!(!stderr.is_empty());
 }
+
+#[test]
+fn info_says_in_one_short_line_why_a_backend_is_unavailable() {
+    let (code, stdout, _) = kvvm(&["info"]);
+    assert_eq!(code, 0);
+    for line in stdout.lines().filter(|l| l.contains(": unavailable")) {
+        assert!(line.contains("; fix: "), "{line}");
+        assert!(line.contains("code"), "{line}");
+        assert!(!line.contains("load failed: unavailable"), "{line}");
+        assert!(line.len() < 300, "{} characters: {line}", line.len());
+    }
+    let (_, stdout, _) = kvvm(&["info", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    for b in v.as_array().unwrap() {
+        if b["available"] == false {
+            for key in ["summary", "code", "fix", "reason"] {
+                assert!(b[key].is_string(), "{key} missing in {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn off_a_terminal_a_long_run_prints_periodic_progress_lines() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args([
+            "simulate",
+            "--backend",
+            "sim",
+            "--requests",
+            "200",
+            "--json",
+        ])
+        .env("KVVM_PROGRESS_INTERVAL_S", "0.05")
+        .output()
+        .expect("run kvvm");
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("kvvm simulate: "))
+        .collect();
+    assert!(!lines.is_empty(), "no progress line: {stderr}");
+    for l in &lines {
+        assert!(l.contains("% (policy ") && l.ends_with(" s elapsed"), "{l}");
+        assert!(!l.contains('\r'), "{l:?}");
+    }
+    // stdout is still exactly the JSON.
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v.is_object());
+    let quiet = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["simulate", "--backend", "sim", "--requests", "20", "--json"])
+        .env("KVVM_PROGRESS_INTERVAL_S", "0")
+        .output()
+        .expect("run kvvm");
+    assert!(
+        quiet.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&quiet.stderr)
+    );
+}

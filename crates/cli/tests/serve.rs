@@ -52,7 +52,7 @@ fn serve_answers_and_releases_everything_on_sigterm() {
     let mut first = String::new();
     stdout.read_line(&mut first).unwrap();
     assert!(first.contains("listening on http://127.0.0.1:"), "{first}");
-    assert!(first.contains("backend sim") && first.contains("budget 1073741824 bytes"));
+    assert!(first.contains("backend sim") && first.contains("budget 1 GiB (1073741824 bytes)"));
     let addr = first
         .split("http://")
         .nth(1)
@@ -102,6 +102,12 @@ fn serve_answers_and_releases_everything_on_sigterm() {
     assert!(status.success(), "{status:?}: {rest}");
     assert!(rest.contains("released 1 sequences"), "{rest}");
     assert!(rest.contains("0 bytes still held"), "{rest}");
+    let stderr = {
+        let mut e = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut e).unwrap();
+        e
+    };
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 /// Starts `kvvm serve` on port 0 with `extra` flags; returns the child, its address and its
@@ -190,9 +196,10 @@ fn serve_refuses_a_network_address_without_keys() {
         .args(["serve", "--backend", "sim", "--listen", "0.0.0.0:0"])
         .output()
         .unwrap();
-    assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("without API keys"), "{err}");
+    assert!(out.stdout.is_empty(), "nothing listened");
 }
 
 #[test]
@@ -208,5 +215,60 @@ fn serve_rejects_bad_flags() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("gpt-9"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("gpt-9"), "{stderr}");
+    // Flags are checked before the backend is opened: no `auto` notice before the error.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--model", "gpt-9"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!stderr.contains("auto:"), "{stderr}");
+    for (args, flag) in [
+        (vec!["--budget-bytes", "0"], "--budget-bytes"),
+        (vec!["--budget-bytes", "99999TiB"], "--budget-bytes"),
+        (vec!["--max-tokens", "0"], "--max-tokens"),
+        (vec!["--device", "5"], "--device 5"),
+        (vec!["--listen", "nowhere"], "--listen"),
+        (vec!["--body-limit-bytes", "-1"], "--body-limit-bytes"),
+        (vec!["--body-limit-bytes", "2GiB"], "--body-limit-bytes"),
+        (vec!["--header-timeout", "0"], "--header-timeout"),
+        (vec!["--body-timeout", "3d"], "--body-timeout"),
+        (vec!["--keep-alive-timeout", "-1"], "--keep-alive-timeout"),
+        (vec!["--shutdown-timeout", "169h"], "--shutdown-timeout"),
+        (vec!["--idle-timeout", "soon"], "--idle-timeout"),
+        (vec!["--max-connections", "0"], "--max-connections"),
+        (vec!["--max-in-flight", "0"], "--max-in-flight"),
+        (vec!["--max-sequences", "0"], "--max-sequences"),
+        (
+            vec!["--max-sequences-per-key", "-2"],
+            "--max-sequences-per-key",
+        ),
+        (vec!["--max-reserved-bytes", "8GB"], "--max-reserved-bytes"),
+        (
+            vec!["--max-reserved-bytes-per-key", "0"],
+            "--max-reserved-bytes-per-key",
+        ),
+        (
+            vec!["--max-committed-bytes-per-key", "x"],
+            "--max-committed-bytes-per-key",
+        ),
+        (vec!["--log-format", "yaml"], "--log-format"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+            .args(["serve", "--backend", "sim"])
+            .args(&args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(flag), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("allowed")
+                || stderr.contains("has 1 device")
+                || stderr.contains("not an address"),
+            "{args:?}: {stderr}"
+        );
+    }
 }

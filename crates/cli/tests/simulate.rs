@@ -95,9 +95,18 @@ fn simulate_prints_a_table_and_writes_a_plot_for_a_jsonl_trace() {
     assert!(stdout.contains("ledger after the run: empty"), "{stdout}");
     // No progress bar when stderr is not a terminal.
     assert!(!stderr.contains('['), "{stderr}");
+    for key in ["completed", "rejected", "waited"] {
+        assert!(stdout.contains(key), "{key}: {stdout}");
+    }
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(plot.starts_with("<svg"));
-    assert_eq!(plot.matches("<polyline").count(), 9);
+    for name in ["static-max", "paged-16", "kvvm-token-major+prefix"] {
+        assert!(
+            plot.contains(&format!("{name} (peak ")),
+            "{name} not in the legend"
+        );
+    }
+    assert!(plot.contains("budget 40.00 GiB"));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

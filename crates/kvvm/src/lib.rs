@@ -88,6 +88,11 @@ pub mod prelude {
 
 use std::sync::Arc;
 
+/// The README's Rust examples, compiled and run as doc tests (`cargo test -p kvvm --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
+
 /// The names [`open_backend`] accepts.
 pub const BACKEND_NAMES: [&str; 5] = ["auto", "cuda", "hip", "sim", "host"];
 
@@ -124,6 +129,9 @@ pub struct OpenedBackend {
     pub backend: Arc<dyn VirtualMemoryBackend>,
     /// For `auto`: why the better backends were not chosen, when the choice fell back.
     pub notice: Option<String>,
+    /// For `auto`: the backends tried before the one chosen and why each could not be
+    /// opened, in the order tried (empty when the first choice opened).
+    pub passed_over: Vec<OpenError>,
 }
 
 impl std::fmt::Debug for OpenedBackend {
@@ -131,6 +139,7 @@ impl std::fmt::Debug for OpenedBackend {
         f.debug_struct("OpenedBackend")
             .field("backend", &self.backend.name())
             .field("notice", &self.notice)
+            .field("passed_over", &self.passed_over)
             .finish()
     }
 }
@@ -175,6 +184,7 @@ pub fn open_backend_verbose(name: &str) -> Result<OpenedBackend, OpenError> {
     let plain = |backend| OpenedBackend {
         backend,
         notice: None,
+        passed_over: Vec::new(),
     };
     match name {
         "sim" => Ok(plain(Arc::new(kvvm_sim::SimBackend::h200()))),
@@ -191,6 +201,7 @@ pub fn open_backend_verbose(name: &str) -> Result<OpenedBackend, OpenError> {
                     return Ok(OpenedBackend {
                         backend: b,
                         notice: Some(format!("auto: using hip ({cuda})")),
+                        passed_over: vec![cuda],
                     })
                 }
                 Err(e) => e,
@@ -202,6 +213,7 @@ pub fn open_backend_verbose(name: &str) -> Result<OpenedBackend, OpenError> {
             Ok(OpenedBackend {
                 backend: Arc::new(kvvm_sim::SimBackend::h200()),
                 notice: Some(notice),
+                passed_over: vec![cuda, hip],
             })
         }
         other => Err(OpenError::UnknownBackend(other.to_owned())),
@@ -257,6 +269,15 @@ mod tests {
                 notice.contains("cuda") && notice.contains("hip"),
                 "{notice}"
             );
+            let names: Vec<&str> = o
+                .passed_over
+                .iter()
+                .map(|e| match e {
+                    OpenError::Backend { name, .. } => name.as_str(),
+                    OpenError::UnknownBackend(n) => n.as_str(),
+                })
+                .collect();
+            assert_eq!(names, ["cuda", "hip"]);
             println!("skipped: no CUDA driver (auto fell back: {notice})");
         }
     }

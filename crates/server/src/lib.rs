@@ -216,9 +216,51 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// Installs the Ctrl-C (SIGINT) and SIGTERM handlers now, in the current tokio runtime, and
+/// returns a future that completes when either arrives. Unlike [`shutdown_signal`], which
+/// installs them when first polled, a signal that arrives any time after this call stops the
+/// server gracefully instead of killing the process with the signal's default action.
+#[cfg(unix)]
+pub fn install_shutdown_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let install = |kind: SignalKind, name: &'static str| match signal(kind) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for {name}");
+            None
+        }
+    };
+    let mut int = install(SignalKind::interrupt(), "Ctrl-C");
+    let mut term = install(SignalKind::terminate(), "SIGTERM");
+    async move {
+        tokio::select! {
+            () = wait_for(int.as_mut()) => {}
+            () = wait_for(term.as_mut()) => {}
+        }
+    }
+}
+
+/// Completes when `signal` arrives; never when it could not be installed.
+#[cfg(unix)]
+async fn wait_for(signal: Option<&mut tokio::signal::unix::Signal>) {
+    match signal {
+        Some(s) => {
+            s.recv().await;
+        }
+        None => std::future::pending::<()>().await,
+    }
+}
+
+/// [`shutdown_signal`] where there are no Unix signals.
+#[cfg(not(unix))]
+pub fn install_shutdown_signal() -> impl std::future::Future<Output = ()> {
+    shutdown_signal()
+}
+
 /// What `kvvm serve` runs: installs the log, builds a tokio runtime, creates the service,
-/// listens on `listen`, calls `on_listening` with the bound address, and serves until Ctrl-C
-/// or SIGTERM; then drains, releases everything and returns what was released.
+/// listens on `listen`, installs the Ctrl-C and SIGTERM handlers, calls `on_listening` with
+/// the bound address, and serves until either signal arrives; then drains, releases
+/// everything and returns what was released.
 pub fn serve_until_signal(
     config: ServiceConfig,
     listen: &str,
@@ -242,7 +284,9 @@ pub fn serve_until_signal(
             source,
         })?;
         check_exposure(addr, &http)?;
+        // The handlers first: whoever is told the address may send SIGTERM at once.
+        let shutdown = install_shutdown_signal();
         on_listening(addr, &service);
-        serve(listener, service, http, shutdown_signal()).await
+        serve(listener, service, http, shutdown).await
     })
 }

@@ -60,6 +60,9 @@ pub enum WorkloadError {
     /// A size or time computation overflowed.
     #[error("arithmetic overflow: {0}")]
     Overflow(&'static str),
+    /// Drawing the plot failed.
+    #[error("cannot draw the plot: {0}")]
+    Plot(String),
     /// The KV layout arithmetic refused.
     #[error(transparent)]
     Kv(#[from] KvError),

@@ -85,6 +85,7 @@ struct Running {
 struct Tally {
     admitted: HashSet<usize>,
     deferred: HashSet<usize>,
+    waited: u64,
     refusals: u64,
     rejected: u64,
     preemptions: u64,
@@ -150,6 +151,7 @@ fn replay_one(
     let mut waiting: VecDeque<(usize, u64)> = VecDeque::new();
     let mut running: Vec<Running> = Vec::new();
     let mut first_admit: Vec<Option<u64>> = vec![None; reqs.len()];
+    let mut waited: Vec<bool> = vec![false; reqs.len()];
     let mut done = 0usize;
     let mut pressure = false;
     let mut idle_steps = 0u64;
@@ -217,6 +219,21 @@ fn replay_one(
                     break;
                 }
             }
+        }
+        // Every request still queued after admission has waited (at least one step before
+        // its first admission). New arrivals are at the back and the first wait is counted
+        // once, so walking back from the end to the first request already counted (or
+        // already admitted once: a preempted one) is enough.
+        for &(id, _) in waiting.iter().rev() {
+            let first_wait = first_admit.get(id).is_some_and(Option::is_none)
+                && waited.get(id).is_some_and(|w| !*w);
+            if !first_wait {
+                break;
+            }
+            if let Some(w) = waited.get_mut(id) {
+                *w = true;
+            }
+            tally.waited = tally.waited.saturating_add(1);
         }
         // One decode step: every running sequence gains a token if its growth is granted.
         for r in running.iter_mut() {
@@ -447,6 +464,7 @@ fn report_of(kind: PolicyKind, tally: &Tally, costs: Costs, trace: &Trace) -> Po
         peak_held_bytes: tally.peak_held.max(tally.peak),
         admitted,
         deferred: tally.deferred.len() as u64,
+        waited: tally.waited,
         refusals: tally.refusals,
         rejected: tally.rejected,
         preemptions: tally.preemptions,

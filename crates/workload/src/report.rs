@@ -37,6 +37,10 @@ pub struct PolicyReport {
     /// Requests refused at least once, at admission or while growing (HTTP 429), that waited
     /// and retried.
     pub deferred: u64,
+    /// Requests that waited in the queue at least one decode step before their first
+    /// admission (or before being rejected), whether they were refused themselves or queued
+    /// behind a refused request: every request that waited.
+    pub waited: u64,
     /// Refusals in total (every 429, retries included).
     pub refusals: u64,
     /// Requests that could never fit the budget, alone, and were dropped.

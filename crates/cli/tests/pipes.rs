@@ -1,0 +1,136 @@
+//! Every subcommand whose reader goes away (`kvvm ... | head -1`, `kvvm ... | true`) exits 0
+//! quietly, as Unix tools do: no panic, no message.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Quick forms of every subcommand, each printing more than one line.
+const COMMANDS: &[&[&str]] = &[
+    &["info"],
+    &["info", "--json"],
+    &["conformance", "--backend", "sim"],
+    &["conformance", "--backend", "sim", "--json"],
+    &["conformance", "--backend", "cuda"],
+    &["behaviour", "--backend", "sim", "--faults", "single"],
+    &[
+        "behaviour",
+        "--backend",
+        "sim",
+        "--faults",
+        "none",
+        "--json",
+    ],
+    &["plan", "--model", "llama-3-8b", "--prefix", "4096"],
+    &["plan", "--model", "llama-3-8b", "--json"],
+    &["bench", "vmm", "--backend", "sim", "--quick"],
+    &["bench", "vmm", "--backend", "sim", "--quick", "--json"],
+    &[
+        "bench",
+        "kv",
+        "--backend",
+        "sim",
+        "--sequences",
+        "2",
+        "--prompt-tokens",
+        "1024",
+    ],
+    &[
+        "bench",
+        "decode",
+        "--backend",
+        "sim",
+        "--steps",
+        "16",
+        "--sequences",
+        "2",
+    ],
+    &["bench", "host", "--iterations", "1", "--bytes", "4MiB"],
+    &["simulate", "--backend", "sim", "--requests", "10"],
+    &["simulate", "--backend", "sim", "--requests", "10", "--json"],
+    &["--help"],
+    &["simulate", "--help"],
+];
+
+fn wait(child: &mut std::process::Child, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} did not finish within 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Runs `args` with stdout a pipe whose reader reads `lines` lines (0: none) and goes away.
+fn run_with_closed_pipe(args: &[&str], lines: usize) -> (Option<i32>, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    if lines > 0 {
+        let mut r = BufReader::new(stdout);
+        for _ in 0..lines {
+            let mut l = String::new();
+            r.read_line(&mut l).unwrap();
+        }
+        drop(r);
+    } else {
+        drop(stdout);
+    }
+    let mut stderr = child.stderr.take().unwrap();
+    let status = wait(&mut child, &args.join(" "));
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut err).unwrap();
+    (status.code(), err)
+}
+
+#[test]
+fn every_subcommand_exits_0_when_its_reader_goes_away() {
+    for args in COMMANDS {
+        for lines in [0, 1] {
+            let (code, stderr) = run_with_closed_pipe(args, lines);
+            let what = format!("kvvm {} (reader took {lines} line)", args.join(" "));
+            assert!(!stderr.contains("panicked"), "{what}: {stderr}");
+            assert!(!stderr.contains("Broken pipe"), "{what}: {stderr}");
+            assert_eq!(code, Some(0), "{what}: {stderr}");
+        }
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn serve_exits_0_after_its_reader_went_away() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--backend", "sim", "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut r = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    r.read_line(&mut first).unwrap();
+    assert!(first.contains("listening on"), "{first}");
+    drop(r);
+    // SIGTERM to the child started above, by its id: it then prints its last line.
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let status = wait(&mut child, "kvvm serve");
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(status.code(), Some(0), "{err}");
+}
