@@ -28,6 +28,13 @@ fn describe(backend: &dyn VirtualMemoryBackend) -> Value {
         Ok(devices) => devices
             .iter()
             .map(|d| {
+                // The other devices this one's memory can be given access from.
+                let peers: Vec<u32> = devices
+                    .iter()
+                    .filter(|p| p.id != d.id)
+                    .filter(|p| backend.can_access_peer(d.id, p.id).unwrap_or(false))
+                    .map(|p| p.id.0)
+                    .collect();
                 let mem = backend.memory_info(d.id).ok();
                 let g = backend
                     .granularity(&AllocationProperties::device(d.id))
@@ -49,6 +56,7 @@ fn describe(backend: &dyn VirtualMemoryBackend) -> Value {
                     "vmm_supported": d.vmm_supported,
                     "posix_fd_supported": d.posix_fd_supported,
                     "driver_version": d.driver_version,
+                    "peers": peers,
                 })
             })
             .collect(),
@@ -126,6 +134,19 @@ fn print_text(out: Out<'_>, v: &Value) -> std::io::Result<()> {
             } else {
                 "no"
             },
+        )?;
+        let peers: Vec<String> = d["peers"]
+            .as_array()
+            .map(|a| a.iter().map(Value::to_string).collect())
+            .unwrap_or_default();
+        writeln!(
+            out,
+            "    peer access from: {}",
+            if peers.is_empty() {
+                "none".to_owned()
+            } else {
+                peers.join(", ")
+            }
         )?;
     }
     Ok(())
