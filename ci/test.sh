@@ -79,6 +79,8 @@ bench vmm --backend sim --quick --json
 bench kv --backend sim --sequences 4 --prompt-tokens 1024
 bench decode --backend sim --steps 32
 bench host --iterations 2 --bytes 8MiB
+bench tp --backend sim --iterations 2
+bench tp --backend sim --iterations 2 --json
 simulate --backend sim
 simulate --backend sim --json
 --help

@@ -22,5 +22,6 @@ mod raw;
 pub mod realloc;
 mod stats;
 pub mod timing;
+pub mod tp;
 pub mod vmm;
 mod vmm_report;

@@ -1,5 +1,5 @@
 //! `kvvm bench`: benchmarks that report ratios measured side by side in one run. One module
-//! per benchmark (`bench_vmm`, `bench_kv`, `bench_decode`, `bench_host`); this one dispatches.
+//! per benchmark (`bench_vmm`, `bench_kv`, `bench_decode`, `bench_host`, `bench_tp`); this one dispatches.
 
 use std::process::ExitCode;
 
@@ -27,6 +27,10 @@ enum BenchCommand {
     /// Latency of `ensure_tokens` on the decode path: commits inline vs a background
     /// pre-committer, side by side in one run.
     Decode(crate::bench_decode::DecodeBenchArgs),
+    /// The tensor-parallel commit: the same tokens committed on every device of the backend
+    /// as one transaction, against the same commits one after the other and the raw driver
+    /// sequence; with a peer device, the cost of granting it access.
+    Tp(crate::bench_tp::TpBenchArgs),
     /// The host backend against plain memory: a 64 MiB commit through the manager (and its
     /// first touch) vs mmap + first touch; attaching a shared prefix vs memcpy of it.
     Host(crate::bench_host::HostBenchArgs),
@@ -39,5 +43,6 @@ pub fn run(args: &BenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
         BenchCommand::Kv(a) => crate::bench_kv::run(a, out),
         BenchCommand::Decode(a) => crate::bench_decode::run(a, out),
         BenchCommand::Host(a) => crate::bench_host::run(a, out),
+        BenchCommand::Tp(a) => crate::bench_tp::run(a, out),
     }
 }

@@ -13,6 +13,7 @@ mod bench;
 mod bench_decode;
 mod bench_host;
 mod bench_kv;
+mod bench_tp;
 mod bench_vmm;
 mod conformance;
 mod error;

@@ -47,6 +47,7 @@ const COMMANDS: &[&[&str]] = &[
         "2",
     ],
     &["bench", "host", "--iterations", "1", "--bytes", "4MiB"],
+    &["bench", "tp", "--backend", "sim", "--iterations", "1"],
     &["simulate", "--backend", "sim", "--requests", "10"],
     &["simulate", "--backend", "sim", "--requests", "10", "--json"],
     &["--help"],
