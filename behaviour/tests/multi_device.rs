@@ -59,9 +59,11 @@ fn manager(
         device: DeviceId(p),
         access: Access::Read,
     }));
+    // No parking: a commit here always reaches the driver (the suite covers parking).
     let mut config = VmmConfig::default()
         .granularity(GranularityChoice::Minimum)
-        .pool_cap_bytes(4 * G);
+        .pool_cap_bytes(4 * G)
+        .park_released(false);
     config.access = access;
     VirtualMemory::new(Arc::clone(backend), DeviceId(d), gov.clone(), config)
 }
@@ -295,6 +297,88 @@ fn the_ranks_commit_in_parallel_and_release_together() {
     assert!(tp.ranks().iter().all(|r| r.committed_tokens() == 300));
     assert!(tp.release().unwrap() > 0);
     assert_eq!(tp.committed_tokens(), 0);
+    drop(tp);
+    drop(vms);
+    assert!(base.ledger().is_empty());
+}
+
+/// The background pre-committer of a group: the worker grows every rank ahead in one
+/// transaction; at every `Ready` the window of the last token is mapped on every rank, while
+/// another thread keeps giving the headroom back; a worker whose commits fail rolls back on
+/// every rank and the decode path commits inline.
+#[test]
+fn the_group_pre_committer_is_ready_only_over_mapped_windows() {
+    use kvvm_kv::precommit::Ensured;
+    use kvvm_kv::PrecommittedGroup;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    let base = sim(2, PeerLinks::AllToAll);
+    let g = group(&base, 2);
+    let Group {
+        recording,
+        faults,
+        vms,
+        tp,
+        gov,
+    } = g;
+    let pre = Arc::new(PrecommittedGroup::start(tp, 64, Duration::from_micros(100)).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let (p2, stop2) = (Arc::clone(&pre), Arc::clone(&stop));
+    let shrinker = std::thread::spawn(move || {
+        while !stop2.load(Ordering::Relaxed) {
+            let _ = p2.shrink_to_live();
+            std::thread::yield_now();
+        }
+    });
+    let bases: Vec<u64> = pre.with_ranks(|r| r.iter().map(|s| s.address().0).collect());
+    let mut readies = 0u64;
+    for round in 0..10 {
+        for n in (101..=512u64).step_by(7) {
+            std::thread::sleep(Duration::from_micros(50));
+            if let Ok(Ensured::Ready) = pre.ensure_tokens(n) {
+                readies += 1;
+                let window = (n - 1) * 512 / G * G;
+                let rec = recording.record();
+                for b in &bases {
+                    assert!(
+                        rec.mappings.iter().any(|m| m.address.0 == b + window),
+                        "round {round}: Ready for {n} tokens over an unmapped window"
+                    );
+                }
+            }
+        }
+        pre.release().unwrap();
+    }
+    stop.store(true, Ordering::Relaxed);
+    shrinker.join().unwrap();
+    assert!(readies > 0, "the worker never got ahead");
+    assert!(pre.stats().background_commits > 0, "{:?}", pre.stats());
+    let pre = Arc::try_unwrap(pre).unwrap();
+    let mut tp = pre.stop();
+    // With the worker stopped: a parallel transaction whose maps all fail rolls back on both
+    // ranks.
+    let before = tp.committed_tokens();
+    faults.arm(
+        &[kvvm_hal::Operation::Map],
+        &(1..=256).collect::<Vec<u64>>(),
+    );
+    let r = tp.ensure_tokens(512);
+    let fired = faults.disarm();
+    assert!(
+        r.is_err() && !fired.is_empty(),
+        "{r:?} {fired:?} before {before}"
+    );
+    assert_eq!(tp.committed_tokens(), before);
+    let rec = recording.record();
+    assert!(rec.anomalies.is_empty(), "{:?}", rec.anomalies);
+    for d in 0..2 {
+        assert_eq!(
+            gov.snapshot().device(DeviceId(d)).used(),
+            rec.live_bytes_on(DeviceId(d))
+        );
+    }
+    tp.release().unwrap();
     drop(tp);
     drop(vms);
     assert!(base.ledger().is_empty());

@@ -158,6 +158,7 @@ mod sequence;
 mod sequence_copy;
 pub mod synthetic;
 mod tensor_parallel;
+mod tensor_parallel_precommit;
 
 pub use cache::PrefixCache;
 pub use cache_records::{
@@ -166,7 +167,8 @@ pub use cache_records::{
 pub use error::KvCacheError;
 pub use prefix::SharedDevicePrefix;
 pub use sequence::{EnsureJob, LayerPointers, SequenceKv};
-pub use tensor_parallel::TensorParallelSequence;
+pub use tensor_parallel::{TensorParallelJob, TensorParallelSequence};
+pub use tensor_parallel_precommit::{GroupPrecommitStats, PrecommittedGroup};
 
 /// The layout arithmetic (`kvvm-layout`), re-exported: every path `kvvm_kv::KvGeometry`, ...
 /// keeps working.

@@ -21,6 +21,33 @@
 use crate::error::KvCacheError;
 use crate::sequence::{EnsureJob, SequenceKv};
 
+/// A tensor-parallel commit begun by [`TensorParallelSequence::begin_ensure`]: every rank's
+/// [`EnsureJob`]. Run it with no lock held, then hand it back to
+/// [`TensorParallelSequence::finish_ensure`]. Dropped unfinished, each rank's job undoes itself.
+#[derive(Debug)]
+pub struct TensorParallelJob {
+    jobs: Vec<Option<EnsureJob>>,
+    before: Vec<u64>,
+    parallel: bool,
+}
+
+impl TensorParallelJob {
+    /// Runs every rank's driver calls, on one thread per rank when the group is parallel.
+    pub fn run(&mut self) {
+        if self.parallel {
+            std::thread::scope(|s| {
+                for job in self.jobs.iter_mut().flatten() {
+                    s.spawn(move || job.run());
+                }
+            });
+        } else {
+            for job in self.jobs.iter_mut().flatten() {
+                job.run();
+            }
+        }
+    }
+}
+
 /// A request's KV cache over the ranks of a tensor-parallel group (see the module docs).
 #[derive(Debug)]
 pub struct TensorParallelSequence {
@@ -60,6 +87,15 @@ impl TensorParallelSequence {
         Ok(TensorParallelSequence { ranks, parallel })
     }
 
+    /// A group of no rank (what a stopped [`PrecommittedGroup`](crate::PrecommittedGroup)
+    /// leaves behind).
+    pub(crate) fn empty() -> TensorParallelSequence {
+        TensorParallelSequence {
+            ranks: Vec::new(),
+            parallel: false,
+        }
+    }
+
     /// Whether the ranks' driver calls run on one thread per rank (the default with more
     /// than one rank) or one rank after the other (deterministic call order, for tests).
     #[must_use]
@@ -96,14 +132,28 @@ impl TensorParallelSequence {
     /// docs). Returns the bytes committed over all ranks. On error every rank has the
     /// committed count it had, and the error is the first rank's that failed.
     pub fn ensure_tokens(&mut self, n: u64) -> Result<u64, KvCacheError> {
+        let span = tracing::debug_span!("kv.tp_ensure", ranks = self.ranks.len(), tokens = n);
+        let _e = span.enter();
+        let Some(mut job) = self.begin_ensure(n)? else {
+            return Ok(0);
+        };
+        job.run();
+        self.finish_ensure(job)
+    }
+
+    /// Begins the transaction of [`ensure_tokens`](Self::ensure_tokens) on every rank (their
+    /// windows chosen and marked; no driver call), so that a background committer can run it
+    /// ([`TensorParallelJob::run`]) without holding its lock on the group and then
+    /// [`finish_ensure`](Self::finish_ensure) it. `None` when every rank has the tokens.
+    pub fn begin_ensure(&mut self, n: u64) -> Result<Option<TensorParallelJob>, KvCacheError> {
         let before: Vec<u64> = self
             .ranks
             .iter()
             .map(SequenceKv::committed_tokens)
             .collect();
-        let span = tracing::debug_span!("kv.tp_ensure", ranks = self.ranks.len(), tokens = n);
-        let _e = span.enter();
-        // Begin on every rank; a refusal ends the transaction before any driver call.
+        if before.iter().all(|&b| b >= n) {
+            return Ok(None);
+        }
         let mut jobs: Vec<Option<EnsureJob>> = Vec::with_capacity(self.ranks.len());
         for r in &mut self.ranks {
             match r.begin_ensure(n) {
@@ -115,17 +165,21 @@ impl TensorParallelSequence {
                 }
             }
         }
-        if self.parallel {
-            std::thread::scope(|s| {
-                for job in jobs.iter_mut().flatten() {
-                    s.spawn(move || job.run());
-                }
-            });
-        } else {
-            for job in jobs.iter_mut().flatten() {
-                job.run();
-            }
+        Ok(Some(TensorParallelJob {
+            jobs,
+            before,
+            parallel: self.parallel,
+        }))
+    }
+
+    /// Finishes a job of [`begin_ensure`](Self::begin_ensure) (running it first if it has not
+    /// run): records every rank's commit when all succeeded, else undoes the ranks that
+    /// succeeded and restores every rank's count (see the module docs).
+    pub fn finish_ensure(&mut self, mut job: TensorParallelJob) -> Result<u64, KvCacheError> {
+        if job.jobs.iter().flatten().any(|j| j.succeeded().is_none()) {
+            job.run();
         }
+        let TensorParallelJob { jobs, before, .. } = job;
         let all_ok = jobs.iter().flatten().all(|j| j.succeeded() == Some(true));
         if all_ok {
             let mut bytes = 0u64;
@@ -176,6 +230,16 @@ impl TensorParallelSequence {
         Err(first_error.unwrap_or_else(|| KvCacheError::PlanMismatch {
             reason: "a rank's commit failed without an error".to_owned(),
         }))
+    }
+
+    /// Whether a [`TensorParallelJob`] begun on this group is not finished yet.
+    pub fn has_commit_in_flight(&self) -> bool {
+        self.ranks.iter().any(SequenceKv::has_commit_in_flight)
+    }
+
+    /// The most tokens every rank may hold.
+    pub fn max_tokens(&self) -> u64 {
+        self.ranks.first().map_or(0, SequenceKv::max_tokens)
     }
 
     /// Every rank back to its committed count of `before` (windows stay mapped).
