@@ -75,6 +75,19 @@ fn first_seq(s: &mut State) -> Result<&mut SequenceKv, String> {
     s.seqs.first_mut().ok_or_else(|| "no sequence".to_owned())
 }
 
+/// 3 granules committed and released: pooled handles, or parked windows with parking.
+fn committed_then_released(w: &World, s: &mut State) -> Result<(), String> {
+    reserve(w, s, 8)?;
+    first(s)?.commit(3 * w.g).map_err(e)?;
+    first(s)?.release().map(|_| ()).map_err(e)
+}
+
+/// The pool gives everything it holds back to the driver.
+fn trim_pool(w: &World, _: &mut State) -> Result<(), String> {
+    w.vm.trim_pool(0);
+    Ok(())
+}
+
 fn owner_and_sharer(w: &World, s: &mut State) -> Result<(), String> {
     reserve(w, s, 8)?;
     reserve(w, s, 8)?;
@@ -292,29 +305,15 @@ pub fn all_scenarios() -> Vec<Scenario> {
             name: "unpark",
             description: "the pool gives back parked windows (unmap and release)",
             spec: parked,
-            setup: |w, s| {
-                reserve(w, s, 8)?;
-                first(s)?.commit(3 * w.g).map_err(e)?;
-                first(s)?.release().map(|_| ()).map_err(e)
-            },
-            op: |w, _| {
-                w.vm.trim_pool(0);
-                Ok(())
-            },
+            setup: committed_then_released,
+            op: trim_pool,
         },
         Scenario {
             name: "pool_trim",
             description: "the pool releases its free handles",
             spec: pooled,
-            setup: |w, s| {
-                reserve(w, s, 8)?;
-                first(s)?.commit(3 * w.g).map_err(e)?;
-                first(s)?.release().map(|_| ()).map_err(e)
-            },
-            op: |w, _| {
-                w.vm.trim_pool(0);
-                Ok(())
-            },
+            setup: committed_then_released,
+            op: trim_pool,
         },
         Scenario {
             name: "prefix_publish",
