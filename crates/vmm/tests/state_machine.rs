@@ -244,7 +244,10 @@ fn run_case(s: &Setup, ops: &[Op]) {
             // its size from the base.
             for b in m.res.mappings() {
                 let (at, n) = ((b.address.0 - m.base.0) / g, b.size / g);
-                assert!(n.is_power_of_two() && n <= s.max_handle && at % n == 0, "{b:?}");
+                assert!(
+                    n.is_power_of_two() && n <= s.max_handle && at % n == 0,
+                    "{b:?}"
+                );
             }
         }
         let refs: Vec<&Reservation> = live.iter().map(|m| &m.res).collect();
