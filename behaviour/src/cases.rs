@@ -81,7 +81,8 @@ pub fn parked_reuse_makes_no_driver_call(w: &World, s: &mut State) -> Result<(),
     let mut r = w.vm.reserve(4 * w.g).map_err(e)?;
     r.commit(2 * w.g).map_err(e)?;
     r.release().map_err(e)?;
-    ensure(r.parked().len() == 2, || "not parked".to_owned())?;
+    let parked: u64 = r.parked().iter().map(|b| b.size).sum();
+    ensure(parked == 2 * w.g, || "not parked".to_owned())?;
     w.faults.arm(&FaultInjecting::STEPS, &[]);
     r.commit(2 * w.g).map_err(e)?;
     let calls = w.faults.counted();
@@ -244,7 +245,11 @@ pub fn precommit_ready_is_always_mapped(w: &World, s: &mut State) -> Result<(), 
                         let window = (n - 1) * 256 / g * g;
                         let at = base.0 + window;
                         let record = rec.record();
-                        if !record.mappings.iter().any(|m| m.address.0 == at) {
+                        if !record
+                            .mappings
+                            .iter()
+                            .any(|m| m.address.0 <= at && at < m.address.0 + m.size)
+                        {
                             return Err(format!(
                                 "round {round}: Ready for {n} tokens, window at {at:#x} unmapped"
                             ));

@@ -9,7 +9,7 @@ use kvvm_vmm::BlockKind;
 
 use crate::world::{State, World};
 
-/// Invariants 1-3 with `state` alive: no rule broken; committed bytes = granule x blocks and
+/// Invariants 1-3 with `state` alive: no rule broken; committed bytes = granule x windows of the blocks and
 /// the driver maps exactly the manager's blocks and parked windows; the governor's used bytes
 /// equal the live physical bytes; nothing pending; no accounting error; every committed token
 /// of a sequence lies in mapped windows.
@@ -51,7 +51,9 @@ pub fn books(w: &World, state: &State) -> Result<(), String> {
     let mut owned = 0u64;
     for r in state.reservations() {
         let blocks = r.mappings();
-        if r.committed_bytes() != w.g.saturating_mul(blocks.len() as u64) {
+        let mapped: u64 = blocks.iter().map(|b| b.size).sum();
+        if blocks.iter().any(|b| b.size == 0 || b.size % w.g != 0) || r.committed_bytes() != mapped
+        {
             return Err(format!(
                 "invariant 1: {r:?} committed {}",
                 r.committed_bytes()

@@ -138,6 +138,13 @@ pub fn all_scenarios() -> Vec<Scenario> {
         park: true,
         ..WorldSpec::default()
     };
+    // Multi-window handles of up to 8 granules, and a pool of 4 (so that some handles are
+    // pooled and the 8-window one is released).
+    let multi = WorldSpec {
+        pool_granules: 4,
+        max_handle_granules: 8,
+        ..WorldSpec::default()
+    };
     vec![
         Scenario {
             name: "commit",
@@ -194,6 +201,44 @@ pub fn all_scenarios() -> Vec<Scenario> {
                 first(s)?.commit(4 * w.g).map(|_| ()).map_err(e)
             },
             op: |w, s| first(s)?.truncate(w.g + 1).map(|_| ()).map_err(e),
+        },
+        Scenario {
+            name: "commit_multi_handle",
+            description: "a commit of 13 windows from window 1 as 5 buddy-aligned handles \
+                          (1, 2, 4, 4, 2 windows; handles of at most 8)",
+            spec: multi,
+            setup: |w, s| {
+                reserve(w, s, 32)?;
+                first(s)?.commit(w.g).map(|_| ()).map_err(e)
+            },
+            op: |w, s| first(s)?.commit(13 * w.g).map(|_| ()).map_err(e),
+        },
+        Scenario {
+            name: "truncate_multi_window",
+            description: "truncate through a 4-window handle: it stays whole, the 2 handles \
+                          past it go (to the pool or the driver)",
+            spec: multi,
+            setup: |w, s| {
+                reserve(w, s, 32)?;
+                first(s)?.commit(15 * w.g).map(|_| ()).map_err(e)
+            },
+            op: |w, s| first(s)?.truncate(9 * w.g + 1).map(|_| ()).map_err(e),
+        },
+        Scenario {
+            name: "release_inside_handle",
+            description: "release of windows 0..10: the 8-window handle goes, the 4-window \
+                          handle it cuts into stays mapped and committed",
+            spec: multi,
+            setup: |w, s| {
+                reserve(w, s, 32)?;
+                first(s)?.commit(12 * w.g).map(|_| ()).map_err(e)
+            },
+            op: |w, s| {
+                first(s)?
+                    .release_ranges(&[(0, 10 * w.g)])
+                    .map(|_| ())
+                    .map_err(e)
+            },
         },
         Scenario {
             name: "kv_ensure",

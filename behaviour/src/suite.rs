@@ -100,6 +100,7 @@ fn plain_cases() -> Vec<Case> {
                 budget_granules: Some(16),
                 pool_granules: 4,
                 park: false,
+                max_handle_granules: 0,
             },
             run: cases::precommit_ready_is_always_mapped,
         },

@@ -18,6 +18,9 @@ pub struct WorldSpec {
     pub pool_granules: u64,
     /// Whether released windows are parked.
     pub park: bool,
+    /// Largest handle a commit creates, in granules (`VmmConfig::max_handle_bytes`); 0 or 1:
+    /// one handle per window.
+    pub max_handle_granules: u64,
 }
 
 /// One run's stack. Everything goes through `recording`, which wraps `faults`, which wraps
@@ -72,7 +75,8 @@ impl World {
             VmmConfig::default()
                 .granularity(GranularityChoice::Minimum)
                 .pool_cap_bytes(spec.pool_granules.saturating_mul(g))
-                .park_released(spec.park),
+                .park_released(spec.park)
+                .max_handle_bytes(spec.max_handle_granules.saturating_mul(g)),
         )
         .map_err(|e| format!("cannot open a manager: {e}"))?;
         Ok(World {

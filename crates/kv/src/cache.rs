@@ -291,13 +291,21 @@ impl PrefixCache {
                 }
             }
             match found {
-                Some((id, i)) => {
-                    let end = i.saturating_mul(self.windows_per_block);
+                Some((id, mut i)) => {
                     let segs = st.entries.get_mut(&id).map_or_else(Vec::new, |e| {
                         e.last_used = tick;
-                        restrict(&e.segments, end)
+                        // Handles are mapped whole: a shorter hit ends where no handle of
+                        // the cached segments is cut.
+                        while i > 0
+                            && !restrict(&e.segments, i.saturating_mul(self.windows_per_block))
+                                .iter()
+                                .all(|s| s.prefix.can_end_at(s.end_window))
+                        {
+                            i -= 1;
+                        }
+                        restrict(&e.segments, i.saturating_mul(self.windows_per_block))
                     });
-                    (i, segs)
+                    (if segs.is_empty() { 0 } else { i }, segs)
                 }
                 None => (0, Vec::new()),
             }
@@ -323,6 +331,7 @@ impl PrefixCache {
                 blocks.saturating_mul(self.windows_per_block),
                 end_tokens,
                 verdict,
+                self.windows_per_block,
             )?;
             let mut all = segments.clone();
             all.push(AttachedSegment {

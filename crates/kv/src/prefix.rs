@@ -143,6 +143,24 @@ impl SharedDevicePrefix {
         &self.set
     }
 
+    /// Whether a sharer may map this prefix up to `end_window` (per fragment): every
+    /// fragment's end falls on a handle boundary of the set. Handles are mapped whole, so a
+    /// partial attach (a prefix-cache hit shorter than the cached prefix) must end where no
+    /// handle is cut; a full attach always may.
+    pub fn can_end_at(&self, end_window: u64) -> bool {
+        let k = self.windows_per_fragment();
+        let take = end_window
+            .min(self.end_window)
+            .saturating_sub(self.first_window);
+        if take == k {
+            return true;
+        }
+        (0..self.plan.slice_count()).all(|f| {
+            let i = f.saturating_mul(k).saturating_add(take);
+            usize::try_from(i).is_ok_and(|i| self.set.starts_handle(i))
+        })
+    }
+
     /// Set indices of windows `[first_window, end_window)` of every fragment.
     pub(crate) fn window_indices(&self, end_window: u64) -> Result<Vec<usize>, KvCacheError> {
         let k = self.windows_per_fragment();

@@ -141,7 +141,7 @@ impl SharedDevicePrefix {
         owner.check_empty()?;
         let k = verdict.shareable_granules_per_fragment;
         let made = owner
-            .create_owned_segment(0, k, prefix_len, verdict)
+            .create_owned_segment(0, k, prefix_len, verdict, 0)
             .and_then(|prefix| owner.ensure_tokens(prefix_len).map(|_| prefix));
         match made {
             Ok(prefix) => Ok(prefix),

@@ -274,14 +274,12 @@ impl SequenceKv {
     /// read-only prefix windows add 0 (they are billed once, to the prefix), and so do the
     /// owner's shared windows (billed to the [`SharedDevicePrefix`]).
     pub fn additional_owned_bytes(&self) -> u64 {
-        let g = self.plan.granule();
-        let owned = self
-            .reservation
+        self.reservation
             .mappings()
             .iter()
             .filter(|b| b.kind == BlockKind::Owned)
-            .count() as u64;
-        owned.saturating_mul(g)
+            .map(|b| b.size)
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Windows per fragment (from the start of each fragment) that are shared and may not
@@ -635,12 +633,16 @@ impl SequenceKv {
 
     /// Commits windows `[first_window, end_window)` of every fragment as a new shared set
     /// owned (read-write) by this sequence; `prefix_len` is the prefix's length in tokens.
+    /// The set is made of as few handles as each fragment's run allows; with `block_windows`
+    /// non-zero, no handle crosses a multiple of `block_windows` windows from
+    /// `first_window` (a prefix cache's blocks: a shorter hit can then map whole handles).
     pub(crate) fn create_owned_segment(
         &mut self,
         first_window: u64,
         end_window: u64,
         prefix_len: u64,
         shareability: crate::PrefixShareability,
+        block_windows: u64,
     ) -> Result<Arc<SharedDevicePrefix>, KvCacheError> {
         if self.owned.is_some() || first_window != self.readonly_windows {
             return Err(KvCacheError::PlanMismatch {
@@ -651,11 +653,21 @@ impl SequenceKv {
         let g = self.plan.granule();
         let start = mul(first_window, g, "segment start")?;
         let len = mul(end_window.saturating_sub(first_window), g, "segment bytes")?;
-        let ranges: Vec<(u64, u64)> = self
-            .fragments
-            .iter()
-            .map(|f| Ok((add(f.offset, start, "segment offset")?, len)))
-            .collect::<Result<_, KvCacheError>>()?;
+        let step = if block_windows == 0 {
+            len.max(1)
+        } else {
+            mul(block_windows, g, "block bytes")?
+        };
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        for f in &self.fragments {
+            let at = add(f.offset, start, "segment offset")?;
+            let mut done = 0u64;
+            while done < len {
+                let n = step.min(len - done);
+                ranges.push((add(at, done, "segment offset")?, n));
+                done = done.saturating_add(n);
+            }
+        }
         let set = self.reservation.commit_shared(&ranges)?;
         let prefix = Arc::new(SharedDevicePrefix::new(
             set,

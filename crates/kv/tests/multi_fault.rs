@@ -62,8 +62,10 @@ fn a_partial_unmap_failure_recounts_the_committed_tokens() {
         let vm = manager(sim.clone(), 0, false);
         let plan = head_major();
         let mut s = SequenceKv::new(&vm, &plan, 4096).unwrap();
-        s.ensure_tokens(2048).unwrap(); // 4 windows in each of 8 fragments
-        assert_eq!(s.reservation().mappings().len(), 32);
+        // 4 windows in each of 8 adjacent fragments: one run, a few large handles.
+        s.ensure_tokens(2048).unwrap();
+        let n = s.reservation().mappings().len();
+        assert!((2..32).contains(&n), "{n} mappings");
         sim.inject(FaultRule::nth(Operation::Unmap, 2, ErrorKind::Other));
         let r = if release {
             s.release()
@@ -72,7 +74,7 @@ fn a_partial_unmap_failure_recounts_the_committed_tokens() {
         };
         assert!(r.is_err());
         sim.clear_faults();
-        assert!(s.reservation().mappings().len() < 32);
+        assert!(s.reservation().mappings().len() < n);
         assert!(
             committed_is_mapped(&s),
             "release={release}: {} tokens reported over unmapped windows",
@@ -199,7 +201,10 @@ fn unparking_holds_no_lock_a_commit_needs_across_a_driver_call() {
     injector.set_hook(Some(gate.hook(Operation::Unmap)));
     let vm = manager(injector.clone(), 8, true);
     let mut r = vm.reserve(4 * G).unwrap();
-    r.commit(4 * G).unwrap();
+    // Four commits of one window: four one-window handles, parked separately.
+    for _ in 0..4 {
+        r.commit(G).unwrap();
+    }
     r.release().unwrap();
     assert_eq!(r.parked().len(), 4);
     gate.arm();

@@ -1,25 +1,36 @@
 //! The commit transaction and its rollback.
 //!
-//! A commit maps granule windows of a reservation in one transaction: parked windows of the
-//! same reservation are taken back first (no driver call), then the pool supplies what it can
-//! (no create), the governor grants the rest (no grant, no commit), each window is created and
-//! mapped, and access is set once over each contiguous run. Any failure unmaps what this
-//! commit mapped, last first, returns the handles to the pool and rolls the grant back; a block
-//! whose unmap fails stays recorded (it is still mapped) and is accounted as committed.
+//! A commit maps granule windows of a reservation in one transaction: parked mappings of the
+//! same reservation lying wholly inside the windows are taken back first (no driver call),
+//! each contiguous run of the rest is cut into as few handles as it allows (`range::pieces`:
+//! largest first, power-of-two numbers of windows aligned to their size from the base, up to
+//! `VmmConfig::max_handle_bytes`), the pool supplies handles of exactly those sizes (no
+//! create), the governor grants the rest (no grant, no commit), each handle is created and
+//! mapped whole, and access is set once over each contiguous run. Any failure unmaps what
+//! this commit mapped, last first, returns the handles to the pool and rolls the grant back;
+//! a mapping whose unmap fails stays recorded (it is still mapped) and is accounted as
+//! committed.
 
 use std::sync::Arc;
 
 use kvvm_governor::{Bucket, MappedGrowthGrant};
-use kvvm_hal::{BackendError, PhysicalHandle};
-
-use kvvm_hal::DeviceAddress;
+use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 
 use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{BlockKind, Commit};
-use crate::parking::ParkedWindows;
-use crate::range::{runs, window_list, Block, ReservedRange};
+use crate::parking::{ParkedWindows, Window};
+use crate::range::{pieces, runs, window_list, Block, ReservedRange};
+use crate::shared::SharedPiece;
 use crate::state::DeviceState;
+
+/// One mapping a commit in progress made.
+struct Mapped {
+    offset: u64,
+    windows: u64,
+    handle: PhysicalHandle,
+    origin: Origin,
+}
 
 /// Where a handle of a commit in progress came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +96,7 @@ impl ReservedRange {
         }
         let mut offsets = window_list(granules)?;
         offsets.extend((0..granules).map(|i| offset.saturating_add(i.saturating_mul(g))));
-        self.commit_windows(&offsets, grant, None)
+        self.commit_windows(&offsets, grant, None, &[])
     }
 
     /// [`commit_granules`](Self::commit_granules) when there are holes.
@@ -126,23 +137,25 @@ impl ReservedRange {
             }
             o = o.saturating_add(g);
         }
-        self.commit_windows(&offsets, grant, None)
+        self.commit_windows(&offsets, grant, None, &[])
     }
 
     /// The commit transaction over sorted, distinct, unmapped, in-bounds window offsets.
     /// With `shared`, the new handles form a shared set (accounted once, as shared) that this
-    /// reservation maps read-write as its owner.
+    /// reservation maps read-write as its owner. No handle crosses one of the sorted offsets
+    /// `cuts`.
     pub(crate) fn commit_windows(
         &mut self,
         offsets: &[u64],
         grant: Option<MappedGrowthGrant>,
-        shared: Option<&mut Vec<(u64, PhysicalHandle)>>,
+        shared: Option<&mut Vec<SharedPiece>>,
+        cuts: &[u64],
     ) -> VmmResult<Commit> {
         // Every window must be in bounds, unmapped and not in flight: the driver checks none.
         for &o in offsets {
             self.check_free_window(o)?;
         }
-        let applied = self.target().apply(offsets, grant, shared);
+        let applied = self.target().apply(offsets, grant, shared, cuts);
         self.insert_blocks(applied.blocks.into_iter());
         applied.result
     }
@@ -188,12 +201,13 @@ impl Target {
     }
 
     /// The transaction over validated window offsets (sorted, distinct, unmapped, in bounds,
-    /// not in flight).
+    /// not in flight); no handle crosses one of the sorted offsets `cuts`.
     pub(crate) fn apply(
         &self,
         offsets: &[u64],
         grant: Option<MappedGrowthGrant>,
-        shared: Option<&mut Vec<(u64, PhysicalHandle)>>,
+        shared: Option<&mut Vec<SharedPiece>>,
+        cuts: &[u64],
     ) -> Applied {
         let st = Arc::clone(&self.state);
         let ctx = &st.ctx;
@@ -223,29 +237,52 @@ impl Target {
             Bucket::Committed
         };
 
-        // Parked windows of this reservation at these offsets: reused as they are (no driver
-        // call) for a private commit; unmapped first for a shared one.
-        let reused: Vec<(u64, PhysicalHandle)> = match (&self.parked, shared.is_some()) {
-            (None, _) => Vec::new(),
-            (Some(parked), true) => {
-                if let Err(e) = parked.evict(ctx, &st.pool, offsets) {
+        // Parked mappings of this reservation at these windows: those lying wholly inside are
+        // reused as they are (no driver call) by a private commit; any other that overlaps
+        // (and every one, for a shared commit) is unmapped first.
+        let reused: Vec<Window> = match &self.parked {
+            None => Vec::new(),
+            Some(parked) => {
+                let whole = shared.is_none();
+                if let Err(e) = parked.evict_overlapping(ctx, &st.pool, offsets, whole) {
                     return Applied::failed(e.into());
                 }
-                Vec::new()
+                if whole {
+                    parked.take(&st.pool, g, offsets)
+                } else {
+                    Vec::new()
+                }
             }
-            (Some(parked), false) => parked.take(&st.pool, g, offsets),
         };
         if !reused.is_empty() {
             return self.apply_reusing_parked(offsets, reused, grant, start, bytes);
         }
 
-        // Pool first: a hit needs neither a create nor any new budget.
-        let mut pooled = st.pool.take(granules);
-        let from_pool = pooled.len() as u64;
-        let new_bytes = (granules.saturating_sub(from_pool)).saturating_mul(g);
+        // One handle per piece; a pooled handle of exactly the piece's size needs neither a
+        // create nor any new budget.
+        let plan: Vec<(u64, u64, Option<PhysicalHandle>)> =
+            pieces(offsets, g, ctx.max_windows, cuts)
+                .into_iter()
+                .map(|(o, n)| (o, n, st.pool.take(n.saturating_mul(g))))
+                .collect();
+        let pooled_bytes = plan
+            .iter()
+            .filter(|p| p.2.is_some())
+            .map(|p| p.1.saturating_mul(g))
+            .fold(0u64, u64::saturating_add);
+        let from_pool = pooled_bytes / g;
+        let new_bytes = bytes.saturating_sub(pooled_bytes);
+        let untake_all = |plan: &[(u64, u64, Option<PhysicalHandle>)]| {
+            st.pool.untake(
+                ctx,
+                plan.iter()
+                    .filter_map(|p| p.2.map(|h| (h, p.1.saturating_mul(g))))
+                    .collect(),
+            );
+        };
         if grant.is_none() {
             if let Err(never) = ctx.check_fits(new_bytes) {
-                st.pool.untake(ctx, pooled);
+                untake_all(&plan);
                 return Applied::failed(never.into());
             }
         }
@@ -254,20 +291,22 @@ impl Target {
             None => match ctx.governor.try_grant(ctx.device, new_bytes) {
                 Ok(grant) => grant,
                 Err(refusal) => {
-                    st.pool.untake(ctx, pooled);
+                    untake_all(&plan);
                     return Applied::failed(refusal.into());
                 }
             },
         };
 
-        // Create (or take) and map window by window.
-        let mut mapped: Vec<(u64, PhysicalHandle, Origin)> = Vec::new();
+        // Create (or take) and map piece by piece, each handle mapped whole.
+        let mut mapped: Vec<Mapped> = Vec::new();
         let mut failure: Option<BackendError> = None;
-        for &o in offsets {
+        let mut rest = plan.into_iter();
+        for (o, n, pooled) in rest.by_ref() {
             let addr = self.at(o);
-            let (handle, origin) = match pooled.pop() {
+            let size = n.saturating_mul(g);
+            let (handle, origin) = match pooled {
                 Some(h) => (h, Origin::Pool),
-                None => match ctx.backend.create(g, &ctx.props) {
+                None => match ctx.backend.create(size, &ctx.props) {
                     Ok(h) => (h, Origin::Created),
                     Err(e) => {
                         failure = Some(e);
@@ -275,17 +314,25 @@ impl Target {
                     }
                 },
             };
-            if let Err(e) = ctx.backend.map(addr, g, handle) {
+            if let Err(e) = ctx.backend.map(addr, size, handle) {
                 // A failed release is quarantined inside; the map error is the one reported.
                 let _ = match origin {
-                    Origin::Pool => st.dispose(handle, Source::Bucket(Bucket::Pooled)),
-                    Origin::Created => st.dispose(handle, Source::Grant(&mut grant)),
+                    Origin::Pool => st.dispose(handle, size, Source::Bucket(Bucket::Pooled)),
+                    Origin::Created => st.dispose(handle, size, Source::Grant(&mut grant)),
                 };
                 failure = Some(e);
                 break;
             }
-            mapped.push((o, handle, origin));
+            mapped.push(Mapped {
+                offset: o,
+                windows: n,
+                handle,
+                origin,
+            });
         }
+        // Handles taken from the pool but not reached go back.
+        let left: Vec<_> = rest.collect();
+        untake_all(&left);
 
         // One set access over each contiguous run, retried as the backend asks.
         if failure.is_none() {
@@ -298,9 +345,6 @@ impl Target {
             }
         }
 
-        // Handles taken from the pool but not reached go back.
-        st.pool.untake(ctx, pooled);
-
         if let Some(error) = failure {
             tracing::debug!(%error, mapped = mapped.len(), "commit failed; rolling back");
             let kept = self.rollback(mapped, &mut grant);
@@ -311,30 +355,35 @@ impl Target {
             };
         }
 
-        let created = (mapped
+        let created = mapped
             .iter()
-            .filter(|(_, _, o)| *o == Origin::Created)
-            .count() as u64)
-            .saturating_mul(g);
-        let reused = from_pool.saturating_mul(g);
+            .filter(|m| m.origin == Origin::Created)
+            .map(|m| m.windows.saturating_mul(g))
+            .fold(0u64, u64::saturating_add);
         ctx.account(grant.settle(created, target));
         ctx.account(
             ctx.governor
-                .transfer(ctx.device, Bucket::Pooled, target, reused),
+                .transfer(ctx.device, Bucket::Pooled, target, pooled_bytes),
         );
         grant.rollback();
         let kind = match shared {
             Some(set) => {
-                set.extend(mapped.iter().map(|(o, h, _)| (*o, *h)));
+                set.extend(mapped.iter().map(|m| SharedPiece {
+                    offset: m.offset,
+                    windows: m.windows,
+                    handle: m.handle,
+                }));
                 BlockKind::Shared { writable: true }
             }
             None => BlockKind::Owned,
         };
+        let handles = mapped.len() as u64;
         let blocks = mapped
             .into_iter()
-            .map(|(offset, handle, _)| Block {
-                offset,
-                handle,
+            .map(|m| Block {
+                offset: m.offset,
+                windows: m.windows,
+                handle: m.handle,
                 kind,
                 shared: None,
             })
@@ -345,6 +394,7 @@ impl Target {
                 bytes,
                 granules,
                 from_pool,
+                mappings: handles,
             }),
             blocks,
         }
@@ -356,20 +406,23 @@ impl Target {
     fn apply_reusing_parked(
         &self,
         offsets: &[u64],
-        reused: Vec<(u64, PhysicalHandle)>,
+        reused: Vec<Window>,
         grant: Option<MappedGrowthGrant>,
-        start: kvvm_hal::DeviceAddress,
+        start: DeviceAddress,
         bytes: u64,
     ) -> Applied {
         let st = Arc::clone(&self.state);
         let ctx = &st.ctx;
         let g = ctx.granule;
-        let fresh: Vec<u64> = offsets
-            .iter()
-            .copied()
-            .filter(|o| reused.binary_search_by_key(o, |(r, _)| *r).is_err())
-            .collect();
-        let reused_bytes = ctx.granules(reused.len());
+        let inside = |o: u64| {
+            let i = reused.partition_point(|w| w.0 <= o);
+            i.checked_sub(1)
+                .and_then(|i| reused.get(i))
+                .is_some_and(|w| o < w.0.saturating_add(w.1.saturating_mul(g)))
+        };
+        let fresh: Vec<u64> = offsets.iter().copied().filter(|&o| !inside(o)).collect();
+        let reused_windows = reused.iter().map(|w| w.1).fold(0u64, u64::saturating_add);
+        let reused_bytes = reused_windows.saturating_mul(g);
         let mut applied = if fresh.is_empty() {
             if let Some(grant) = grant {
                 grant.rollback();
@@ -379,7 +432,7 @@ impl Target {
                 blocks: Vec::new(),
             }
         } else {
-            self.apply(&fresh, grant, None)
+            self.apply(&fresh, grant, None, &[])
         };
         match applied.result {
             Ok(c) => {
@@ -392,14 +445,15 @@ impl Target {
                 let n = reused.len() as u64;
                 applied
                     .blocks
-                    .extend(reused.into_iter().map(|(o, h)| Block::owned(o, h)));
+                    .extend(reused.into_iter().map(|(o, w, h)| Block::owned(o, w, h)));
                 applied.blocks.sort_by_key(|b| b.offset);
                 Applied {
                     result: Ok(Commit {
                         address: start,
                         bytes,
                         granules: offsets.len() as u64,
-                        from_pool: c.from_pool.saturating_add(n),
+                        from_pool: c.from_pool.saturating_add(reused_windows),
+                        mappings: c.mappings.saturating_add(n),
                     }),
                     blocks: applied.blocks,
                 }
@@ -416,40 +470,40 @@ impl Target {
         }
     }
 
-    /// Undoes the maps of a failed commit in reverse order. A block whose unmap fails stays
-    /// recorded (it is still mapped) and its bytes are accounted as committed.
-    fn rollback(
-        &self,
-        mapped: Vec<(u64, PhysicalHandle, Origin)>,
-        grant: &mut MappedGrowthGrant,
-    ) -> Vec<Block> {
+    /// Undoes the maps of a failed commit in reverse order, mapping by mapping. A mapping
+    /// whose unmap fails stays recorded (it is still mapped) and its bytes are accounted as
+    /// committed.
+    fn rollback(&self, mapped: Vec<Mapped>, grant: &mut MappedGrowthGrant) -> Vec<Block> {
         let st = &*self.state;
         let ctx = &st.ctx;
         let g = ctx.granule;
         let mut kept = Vec::new();
-        for (block_offset, handle, origin) in mapped.into_iter().rev() {
-            let addr = self.at(block_offset);
-            match ctx.backend.unmap(addr, g) {
+        for m in mapped.into_iter().rev() {
+            let addr = self.at(m.offset);
+            let size = m.windows.saturating_mul(g);
+            match ctx.backend.unmap(addr, size) {
                 Ok(()) => {
                     // A failed release is quarantined inside; the commit's error is reported.
-                    let _ = match origin {
-                        Origin::Pool => st.dispose(handle, Source::Bucket(Bucket::Pooled)),
-                        Origin::Created => st.dispose(handle, Source::Grant(grant)),
+                    let _ = match m.origin {
+                        Origin::Pool => st.dispose(m.handle, size, Source::Bucket(Bucket::Pooled)),
+                        Origin::Created => st.dispose(m.handle, size, Source::Grant(grant)),
                     };
                 }
                 Err(error) => {
-                    tracing::warn!(%addr, %error, "rollback unmap failed; block stays recorded");
+                    tracing::warn!(%addr, %error, "rollback unmap failed; mapping stays recorded");
                     // Still mapped: it stays as an owned block of this reservation, even when
                     // the commit was for a shared set (the set never saw it).
-                    let r = match origin {
-                        Origin::Pool => {
-                            ctx.governor
-                                .transfer(ctx.device, Bucket::Pooled, Bucket::Committed, g)
-                        }
-                        Origin::Created => grant.settle(g, Bucket::Committed),
+                    let r = match m.origin {
+                        Origin::Pool => ctx.governor.transfer(
+                            ctx.device,
+                            Bucket::Pooled,
+                            Bucket::Committed,
+                            size,
+                        ),
+                        Origin::Created => grant.settle(size, Bucket::Committed),
                     };
                     ctx.account(r);
-                    kept.push(Block::owned(block_offset, handle));
+                    kept.push(Block::owned(m.offset, m.windows, m.handle));
                 }
             }
         }

@@ -13,6 +13,10 @@ pub enum GranularityChoice {
     Recommended,
 }
 
+/// The default [`VmmConfig::max_handle_bytes`]: 512 MiB (on the H200, 8 such handles commit
+/// 4 GiB in 550 us against 73 ms as 2 MiB handles, and a 512 MiB handle can still be pooled).
+pub const DEFAULT_MAX_HANDLE_BYTES: u64 = 512 << 20;
+
 /// Configuration of a [`VirtualMemory`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VmmConfig {
@@ -33,11 +37,21 @@ pub struct VmmConfig {
     /// default. This is what recycling a sequence's reservation for the next request wants:
     /// on the H200 a remap costs about 30 us a window, a parked hit nothing.
     pub park_released: bool,
+    /// Largest physical handle a commit creates, in bytes. A commit maps each contiguous run
+    /// of missing windows with as few handles as the run allows: largest first, each a
+    /// power-of-two number of granules aligned to its own size from the reservation's base
+    /// (buddy style, so that a later release at an aligned boundary frees whole handles), none
+    /// larger than this. The driver's cost is per mapping, not per byte (on the H200 a 512 MiB
+    /// region costs 143 us as one handle, 7.6 ms as 256 granules), so larger is faster; but a
+    /// handle is mapped and released whole, so a window inside a multi-window handle is
+    /// given back only with the whole handle. Default 512 MiB; the granule (or 0) gives one
+    /// handle per granule.
+    pub max_handle_bytes: u64,
 }
 
 impl Default for VmmConfig {
     /// A 1 GiB pool, the recommended granularity, read-write access for the device, handles
-    /// that are not exportable.
+    /// that are not exportable, handles of at most 512 MiB.
     fn default() -> Self {
         VmmConfig {
             pool_cap_bytes: 1 << 30,
@@ -45,6 +59,7 @@ impl Default for VmmConfig {
             access: Vec::new(),
             handle_type: ShareableHandleType::None,
             park_released: false,
+            max_handle_bytes: DEFAULT_MAX_HANDLE_BYTES,
         }
     }
 }
@@ -69,6 +84,14 @@ impl VmmConfig {
     #[must_use]
     pub fn park_released(mut self, park: bool) -> Self {
         self.park_released = park;
+        self
+    }
+
+    /// Sets the largest handle a commit creates (see
+    /// [`max_handle_bytes`](Self::max_handle_bytes)); the granule gives one handle per window.
+    #[must_use]
+    pub fn max_handle_bytes(mut self, bytes: u64) -> Self {
+        self.max_handle_bytes = bytes;
         self
     }
 }

@@ -52,6 +52,8 @@ pub(crate) struct DeviceContext {
     pub(crate) props: AllocationProperties,
     /// The granule every commit is made of.
     pub(crate) granule: u64,
+    /// Most granule windows one handle of a commit spans (a power of two, at least 1).
+    pub(crate) max_windows: u64,
     pub(crate) caps: Capabilities,
     /// The access set on every commit.
     pub(crate) access: Vec<AccessDescriptor>,
@@ -67,9 +69,13 @@ impl DeviceContext {
         backend: Arc<dyn VirtualMemoryBackend>,
         props: AllocationProperties,
         granule: u64,
+        max_handle_bytes: u64,
         access: Vec<AccessDescriptor>,
         governor: Governor,
     ) -> Self {
+        let most = (max_handle_bytes / granule.max(1)).max(1);
+        // The largest power of two not above `most`.
+        let max_windows = 1u64 << (63 - most.leading_zeros());
         let caps = backend.capabilities();
         let capacity = backend
             .memory_info(props.device)
@@ -81,6 +87,7 @@ impl DeviceContext {
             device: props.device,
             props,
             granule,
+            max_windows,
             caps,
             access,
             governor,
@@ -147,19 +154,14 @@ impl DeviceContext {
         self.accounting_errors.load(Ordering::Relaxed)
     }
 
-    /// `n` granules in bytes.
-    pub(crate) fn granules(&self, n: usize) -> u64 {
-        (n as u64).saturating_mul(self.granule)
-    }
-
-    /// Releases an unmapped handle of one granule; a failure quarantines it (and is returned
+    /// Releases an unmapped handle of `g` bytes; a failure quarantines it (and is returned
     /// after that). Returns the bytes released.
     pub(crate) fn release_handle(
         &self,
         handle: PhysicalHandle,
+        g: u64,
         source: Source<'_>,
     ) -> Result<u64, BackendError> {
-        let g = self.granule;
         match self.backend.release(handle) {
             Ok(()) => {
                 self.account(source.free(self, g));

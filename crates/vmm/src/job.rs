@@ -49,7 +49,7 @@ impl CommitJob {
     /// runs it if it has not run.
     pub fn run(&mut self) {
         if self.applied.is_none() {
-            self.applied = Some(self.target.apply(&self.offsets, None, None));
+            self.applied = Some(self.target.apply(&self.offsets, None, None, &[]));
         }
     }
 
@@ -89,21 +89,22 @@ impl Drop for CommitJob {
         );
         for b in applied.blocks {
             let addr = self.target.base.offset(b.offset);
-            match ctx.backend.unmap(addr, g) {
+            let size = b.bytes(g);
+            match ctx.backend.unmap(addr, size) {
                 Ok(()) => {
                     // A failed release is quarantined inside.
-                    let _ = st.dispose(b.handle, Source::Bucket(Bucket::Committed));
+                    let _ = st.dispose(b.handle, size, Source::Bucket(Bucket::Committed));
                 }
                 Err(error) => {
                     ctx.account(ctx.governor.transfer(
                         ctx.device,
                         Bucket::Committed,
                         Bucket::Quarantined,
-                        g,
+                        size,
                     ));
                     let block = MappedBlock {
                         address: addr,
-                        size: g,
+                        size,
                         handle: b.handle,
                         kind: b.kind,
                     };

@@ -22,9 +22,11 @@
 //!    [`VmmError::NeverFits`] (no retry time) when the request is larger than the device or
 //!    than the budget less its quarantine; that price is checked in O(1) before anything is
 //!    listed per window;
-//! 3. for each granule: create a handle (unless pooled) and map it;
-//! 4. set access **once** over the whole contiguous range (one call over n granules costs
-//!    about what one call over one granule costs), retrying
+//! 3. each contiguous run of windows is cut into as few handles as it allows (largest first,
+//!    power-of-two numbers of granules aligned to their size from the base, at most
+//!    [`VmmConfig::max_handle_bytes`]); each handle is created (unless the pool holds one of
+//!    exactly that size) and mapped whole. No over-commit: exactly the windows asked for;
+//! 4. set access **once** over each contiguous run (the driver's cost is per mapping), retrying
 //!    [`Capabilities::set_access_retries`](kvvm_hal::Capabilities) extra times.
 //!
 //! If any step fails, the blocks this commit mapped are unmapped one by one in reverse order
@@ -55,7 +57,7 @@
 //!
 //! ## Handle pool
 //!
-//! Released handles (one granule each) are kept for reuse up to
+//! Released handles are kept for reuse, by size, up to
 //! [`VmmConfig::pool_cap_bytes`]. Pooled bytes are physical memory held, reported as *pooled*
 //! in the governor's snapshot and charged to the budget. The pool registers itself as a
 //! [`Reclaimer`](kvvm_governor::Reclaimer): before refusing a grant the governor asks it to
@@ -64,8 +66,10 @@
 //!
 //! ## Accounting (invariants 1-3)
 //!
-//! * committed bytes of a reservation = granule x mapped blocks
-//!   ([`Reservation::committed_bytes`]);
+//! * committed bytes of a reservation = granule x committed windows
+//!   ([`Reservation::committed_bytes`]). A multi-window handle straddling a release boundary
+//!   stays mapped whole and its windows committed until a release covers all of it (see
+//!   `docs/manager.md`, the partial-release rule): mapped memory is never reported free;
 //! * governor used = committed + pooled + shared + quarantined = physical bytes the process
 //!   holds on the device (what the simulated driver's ledger reports);
 //! * after any error, every recorded block is a live driver mapping and vice versa; every
@@ -153,13 +157,13 @@ mod strided;
 mod sync;
 mod teardown;
 
-pub use config::{GranularityChoice, VmmConfig};
+pub use config::{GranularityChoice, VmmConfig, DEFAULT_MAX_HANDLE_BYTES};
 pub use error::{VmmError, VmmResult};
 pub use job::CommitJob;
 pub use manager::VirtualMemory;
 pub use mapping::{BlockKind, Commit, MappedBlock};
 pub use quarantine::{QuarantineEntry, QuarantineReason};
 pub use reservation::Reservation;
-pub use shared::SharedHandles;
+pub use shared::{SharedHandles, SharedPiece};
 
 pub use kvvm_governor::{Backpressure, Governor, GovernorSnapshot, MappedGrowthGrant};

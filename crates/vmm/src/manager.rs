@@ -90,7 +90,14 @@ impl VirtualMemory {
             }
         }
         let inner = Arc::new(DeviceState {
-            ctx: DeviceContext::new(backend, props, granule, access, governor.clone()),
+            ctx: DeviceContext::new(
+                backend,
+                props,
+                granule,
+                config.max_handle_bytes,
+                access,
+                governor.clone(),
+            ),
             pool: HandlePool::new(config.pool_cap_bytes),
             parking: ParkingLot::new(config.park_released),
         });

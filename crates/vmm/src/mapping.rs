@@ -23,7 +23,7 @@ pub enum BlockKind {
 pub struct MappedBlock {
     /// Where it is mapped.
     pub address: DeviceAddress,
-    /// Its size (one granule).
+    /// Its size: the handle's, a whole number of granules.
     pub size: u64,
     /// The physical handle mapped there.
     pub handle: PhysicalHandle,
@@ -40,8 +40,11 @@ pub struct Commit {
     pub bytes: u64,
     /// Granules newly mapped.
     pub granules: u64,
-    /// Of those, granules whose handle came from the pool (no create).
+    /// Of those, granules whose handle came from the pool or from parking (no create).
     pub from_pool: u64,
+    /// Mappings (one handle each) the commit added: fewer than `granules` when a run of
+    /// windows was mapped with multi-window handles.
+    pub mappings: u64,
 }
 
 impl Commit {
@@ -52,6 +55,7 @@ impl Commit {
             bytes: 0,
             granules: 0,
             from_pool: 0,
+            mappings: 0,
         }
     }
 }

@@ -19,8 +19,17 @@ use crate::mapping::{BlockKind, MappedBlock};
 use crate::pool::HandlePool;
 use crate::sync::lock;
 
-/// A parked window: its offset in the reservation and the handle mapped there.
-pub(crate) type Window = (u64, PhysicalHandle);
+/// A parked mapping: its offset in the reservation, its windows and the handle mapped there
+/// (whole, as it was committed).
+pub(crate) type Window = (u64, u64, PhysicalHandle);
+
+/// How many of the sorted, distinct `offsets` lie in the `windows` windows from `start`.
+fn covered(start: u64, windows: u64, g: u64, offsets: &[u64]) -> u64 {
+    let end = start.saturating_add(windows.saturating_mul(g));
+    let lo = offsets.partition_point(|&o| o < start);
+    let hi = offsets.partition_point(|&o| o < end);
+    hi.saturating_sub(lo) as u64
+}
 
 /// The parked windows of one reservation: still mapped at `base + offset` with the manager's
 /// access, their handles accounted as pooled.
@@ -33,7 +42,7 @@ pub(crate) struct ParkedWindows {
     base: DeviceAddress,
     windows: Mutex<Vec<Window>>,
     /// Offsets being unmapped by [`ParkingLot::unpark`] right now.
-    evicting: Mutex<Vec<u64>>,
+    evicting: Mutex<Vec<(u64, u64)>>,
     /// Signalled when a window stops evicting.
     evicted: Condvar,
     /// How many windows are parked (read without the lock: a commit with nothing parked
@@ -91,20 +100,22 @@ impl ParkingLot {
         let mut released = 0u64;
         for set in sets {
             while released < bytes {
-                // Take one window out under the lock, give it back with the lock released.
-                let Some((offset, handle)) = set.start_evicting() else {
+                // Take one mapping out under the lock, give it back with the lock released.
+                let Some(w) = set.start_evicting() else {
                     break;
                 };
+                let (offset, windows, handle) = w;
+                let size = windows.saturating_mul(g);
                 let addr = set.base.offset(offset);
-                if let Err(error) = ctx.backend.unmap(addr, g) {
-                    tracing::warn!(%addr, %error, "unmap of a parked window failed; it stays parked");
-                    set.stop_evicting(offset, Some((offset, handle)));
+                if let Err(error) = ctx.backend.unmap(addr, size) {
+                    tracing::warn!(%addr, %error, "unmap of a parked mapping failed; it stays parked");
+                    set.stop_evicting(offset, Some(w));
                     break;
                 }
                 set.stop_evicting(offset, None);
-                pool.remove_parked(g);
+                pool.remove_parked(size);
                 released = released.saturating_add(
-                    ctx.release_handle(handle, Source::Bucket(Bucket::Pooled))
+                    ctx.release_handle(handle, size, Source::Bucket(Bucket::Pooled))
                         .unwrap_or(0),
                 );
             }
@@ -131,7 +142,7 @@ impl ParkedWindows {
         let mut windows = self.windows();
         let w = windows.pop()?;
         self.recount(&windows);
-        lock(&self.evicting).push(w.0);
+        lock(&self.evicting).push((w.0, w.1));
         self.evicting_count.fetch_add(1, Ordering::AcqRel);
         Some(w)
     }
@@ -141,10 +152,10 @@ impl ParkedWindows {
         if let Some(w) = back {
             let mut windows = self.windows();
             windows.push(w);
-            windows.sort_unstable_by_key(|(o, _)| *o);
+            windows.sort_unstable_by_key(|w| w.0);
             self.recount(&windows);
         }
-        lock(&self.evicting).retain(|&o| o != offset);
+        lock(&self.evicting).retain(|&(o, _)| o != offset);
         self.evicting_count.fetch_sub(1, Ordering::AcqRel);
         self.evicted.notify_all();
     }
@@ -165,18 +176,18 @@ impl ParkedWindows {
     pub(crate) fn list(&self, g: u64) -> Vec<MappedBlock> {
         self.windows()
             .iter()
-            .map(|&(o, h)| MappedBlock {
+            .map(|&(o, n, h)| MappedBlock {
                 address: self.base.offset(o),
-                size: g,
+                size: n.saturating_mul(g),
                 handle: h,
                 kind: BlockKind::Owned,
             })
             .collect()
     }
 
-    /// Parks the blocks of `blocks` that `window` says are parkable, as many as the pool cap
-    /// allows: they stay mapped, their bytes move from committed to pooled. Returns the
-    /// others, in order, for unmapping.
+    /// Parks the mappings of `blocks` that `window` says are parkable, as many as the pool
+    /// cap allows (each whole): they stay mapped, their bytes move from committed to pooled.
+    /// Returns the others, in order, for unmapping.
     pub(crate) fn park<B>(
         &self,
         ctx: &DeviceContext,
@@ -186,15 +197,15 @@ impl ParkedWindows {
     ) -> Vec<B> {
         let g = ctx.granule;
         let mut keep = Vec::new();
-        let mut parked = Vec::new();
+        let mut parked: Vec<Window> = Vec::new();
         for b in blocks {
             match window(&b) {
-                Some(w) if pool.try_add_parked(g) => parked.push(w),
+                Some(w) if pool.try_add_parked(w.1.saturating_mul(g)) => parked.push(w),
                 _ => keep.push(b),
             }
         }
         if !parked.is_empty() {
-            let bytes = ctx.granules(parked.len());
+            let bytes = windows_bytes(&parked, g);
             ctx.account(ctx.governor.transfer(
                 ctx.device,
                 Bucket::Committed,
@@ -203,14 +214,14 @@ impl ParkedWindows {
             ));
             let mut set = self.windows();
             set.extend(parked);
-            set.sort_unstable_by_key(|(o, _)| *o);
+            set.sort_unstable_by_key(|w| w.0);
             self.recount(&set);
         }
         keep
     }
 
-    /// Takes the parked windows at `offsets` (sorted) out of the set; they stay mapped and
-    /// accounted as pooled until the caller settles them.
+    /// Takes the parked mappings lying wholly inside `offsets` (sorted window offsets) out of
+    /// the set; they stay mapped and accounted as pooled until the caller settles them.
     ///
     /// A window of `offsets` that the reclaimer is unmapping right now is waited for (one
     /// unmap and release), so that the caller never maps over it.
@@ -224,7 +235,7 @@ impl ParkedWindows {
         let mut windows = loop {
             let windows = self.windows();
             let evicting = lock(&self.evicting);
-            if !evicting.iter().any(|o| offsets.binary_search(o).is_ok()) {
+            if !evicting.iter().any(|&(o, n)| covered(o, n, g, offsets) > 0) {
                 drop(evicting);
                 break windows;
             }
@@ -236,9 +247,9 @@ impl ParkedWindows {
                     .unwrap_or_else(|p| p.into_inner()),
             );
         };
-        windows.retain(|&(o, h)| {
-            if offsets.binary_search(&o).is_ok() {
-                taken.push((o, h));
+        windows.retain(|w| {
+            if covered(w.0, w.1, g, offsets) == w.1 {
+                taken.push(*w);
                 false
             } else {
                 true
@@ -246,7 +257,7 @@ impl ParkedWindows {
         });
         self.recount(&windows);
         drop(windows);
-        pool.remove_parked(g.saturating_mul(taken.len() as u64));
+        pool.remove_parked(windows_bytes(&taken, g));
         taken
     }
 
@@ -255,40 +266,65 @@ impl ParkedWindows {
         if windows.is_empty() {
             return;
         }
-        let n = windows.len() as u64;
+        let bytes = windows_bytes(&windows, g);
         {
             let mut set = self.windows();
             set.extend(windows);
-            set.sort_unstable_by_key(|(o, _)| *o);
+            set.sort_unstable_by_key(|w| w.0);
             self.recount(&set);
         }
         // They were counted out by `take`: count them back in (the cap was checked when they
         // were first parked).
-        pool.add_parked(n.saturating_mul(g));
+        pool.add_parked(bytes);
     }
 
-    /// Unmaps the parked windows at `offsets` and returns their handles to the pool (or
-    /// releases them), so that something else can be mapped there. A window whose unmap
-    /// fails stays parked; the first error is returned.
-    pub(crate) fn evict(
+    /// Unmaps the parked mappings overlapping `offsets` (sorted window offsets) and returns
+    /// their handles to the pool (or releases them), so that something else can be mapped
+    /// there; with `keep_whole`, those lying wholly inside `offsets` stay parked (a private
+    /// commit takes them back). A mapping whose unmap fails stays parked; the first error is
+    /// returned.
+    pub(crate) fn evict_overlapping(
         &self,
         ctx: &DeviceContext,
         pool: &HandlePool,
         offsets: &[u64],
+        keep_whole: bool,
     ) -> Result<(), BackendError> {
         let g = ctx.granule;
-        let victims = self.take(pool, g, offsets);
+        if self.parked.load(Ordering::Acquire) == 0
+            && self.evicting_count.load(Ordering::Acquire) == 0
+        {
+            return Ok(());
+        }
+        // Every window of the overlapping mappings, so that `take` returns exactly them.
+        let victims_offsets: Vec<u64> = {
+            let windows = self.windows();
+            windows
+                .iter()
+                .filter(|w| {
+                    let c = covered(w.0, w.1, g, offsets);
+                    c > 0 && !(keep_whole && c == w.1)
+                })
+                .flat_map(|w| (0..w.1).map(move |i| w.0.saturating_add(i.saturating_mul(g))))
+                .collect()
+        };
+        if victims_offsets.is_empty() {
+            return Ok(());
+        }
+        let victims = self.take(pool, g, &victims_offsets);
         let mut failed = Vec::new();
         let mut first_error = None;
-        for (o, h) in victims {
-            match ctx.backend.unmap(self.base.offset(o), g) {
+        for w in victims {
+            let (o, n, h) = w;
+            let size = n.saturating_mul(g);
+            match ctx.backend.unmap(self.base.offset(o), size) {
                 Ok(()) => {
                     // A failed release is quarantined inside.
-                    let _ = pool.dispose(ctx, h, Source::Bucket(Bucket::Pooled));
+                    let _ = pool.dispose(ctx, h, size, Source::Bucket(Bucket::Pooled));
                 }
                 Err(e) => {
                     first_error.get_or_insert(e);
-                    failed.push((o, h));
+                    failed.push(w);
                 }
             }
         }
@@ -310,7 +346,7 @@ impl ParkedWindows {
             all
         };
         if !windows.is_empty() {
-            let bytes = ctx.granules(windows.len());
+            let bytes = windows_bytes(&windows, ctx.granule);
             pool.remove_parked(bytes);
             ctx.account(ctx.governor.transfer(
                 ctx.device,
@@ -321,4 +357,12 @@ impl ParkedWindows {
         }
         windows
     }
+}
+
+/// Bytes of the parked mappings `windows`.
+fn windows_bytes(windows: &[Window], g: u64) -> u64 {
+    windows
+        .iter()
+        .map(|w| w.1.saturating_mul(g))
+        .fold(0u64, u64::saturating_add)
 }

@@ -1,7 +1,9 @@
-//! The handle pool: unmapped handles (one granule each) kept for reuse, and the count of parked
+//! The handle pool: unmapped handles kept for reuse by size (a commit reuses a handle of
+//! exactly the size one of its mappings needs, else creates one), and the count of parked
 //! windows, which are pooled memory too. Both count against one cap; the pool's bytes are
 //! charged to the governor as *pooled*.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -13,11 +15,27 @@ use crate::sync::lock;
 
 #[derive(Debug, Default)]
 struct Free {
-    handles: Vec<PhysicalHandle>,
+    /// Free handles by size in bytes (a handle is reused only for a mapping of its size).
+    by_size: BTreeMap<u64, Vec<PhysicalHandle>>,
+    /// Bytes of the free handles.
+    bytes: u64,
     cap_bytes: u64,
 }
 
-/// Free handles and the parked-bytes count, under one cap.
+impl Free {
+    /// Takes the last handle of `size` out.
+    fn pop(&mut self, size: u64) -> Option<PhysicalHandle> {
+        let list = self.by_size.get_mut(&size)?;
+        let h = list.pop()?;
+        if list.is_empty() {
+            self.by_size.remove(&size);
+        }
+        self.bytes = self.bytes.saturating_sub(size);
+        Some(h)
+    }
+}
+
+/// Free handles (kept by size) and the parked-bytes count, under one cap.
 #[derive(Debug, Default)]
 pub(crate) struct HandlePool {
     free: Mutex<Free>,
@@ -29,84 +47,89 @@ impl HandlePool {
     pub(crate) fn new(cap_bytes: u64) -> Self {
         HandlePool {
             free: Mutex::new(Free {
-                handles: Vec::new(),
+                by_size: BTreeMap::new(),
+                bytes: 0,
                 cap_bytes,
             }),
             parked_bytes: AtomicU64::new(0),
         }
     }
 
-    /// Takes up to `n` handles out of the pool. They stay accounted as pooled until the
-    /// caller settles them.
-    pub(crate) fn take(&self, n: u64) -> Vec<PhysicalHandle> {
-        if n == 0 {
-            return Vec::new();
-        }
-        let mut free = lock(&self.free);
-        let keep = free
-            .handles
-            .len()
-            .saturating_sub(usize::try_from(n).unwrap_or(usize::MAX));
-        free.handles.split_off(keep)
+    /// Takes a handle of exactly `size` bytes out of the pool, if one is there. It stays
+    /// accounted as pooled until the caller settles it.
+    pub(crate) fn take(&self, size: u64) -> Option<PhysicalHandle> {
+        lock(&self.free).pop(size)
     }
 
     /// Puts handles taken by [`take`](Self::take) back (accounted as pooled all along);
     /// releases those that no longer fit.
-    pub(crate) fn untake(&self, ctx: &DeviceContext, handles: Vec<PhysicalHandle>) {
-        for h in handles {
+    pub(crate) fn untake(&self, ctx: &DeviceContext, handles: Vec<(PhysicalHandle, u64)>) {
+        for (h, size) in handles {
             // A failed release is quarantined and logged inside.
-            let _ = self.dispose(ctx, h, Source::Bucket(Bucket::Pooled));
+            let _ = self.dispose(ctx, h, size, Source::Bucket(Bucket::Pooled));
         }
     }
 
-    /// Returns an unmapped handle to the pool if it fits, otherwise releases it; a failed
-    /// release quarantines it (and is returned after that). Returns the bytes released to the
-    /// driver.
+    /// Returns an unmapped handle of `size` bytes to the pool if it fits, otherwise releases
+    /// it; a failed release quarantines it (and is returned after that). Returns the bytes
+    /// released to the driver.
     pub(crate) fn dispose(
         &self,
         ctx: &DeviceContext,
         handle: PhysicalHandle,
+        size: u64,
         source: Source<'_>,
     ) -> Result<u64, BackendError> {
-        let g = ctx.granule;
         {
             let mut free = lock(&self.free);
-            if self.held(&free, g).saturating_add(g) <= free.cap_bytes {
+            if self.held(&free).saturating_add(size) <= free.cap_bytes {
                 // Account before the handle becomes visible to other threads.
-                ctx.account(source.settle(ctx, Bucket::Pooled, g));
-                free.handles.push(handle);
+                ctx.account(source.settle(ctx, Bucket::Pooled, size));
+                free.by_size.entry(size).or_default().push(handle);
+                free.bytes = free.bytes.saturating_add(size);
                 return Ok(0);
             }
         }
-        ctx.release_handle(handle, source)
+        ctx.release_handle(handle, size, source)
     }
 
-    fn held(&self, free: &Free, g: u64) -> u64 {
-        (free.handles.len() as u64)
-            .saturating_mul(g)
-            .saturating_add(self.parked_bytes())
+    fn held(&self, free: &Free) -> u64 {
+        free.bytes.saturating_add(self.parked_bytes())
     }
 
     /// Bytes held: free handles and parked windows.
-    pub(crate) fn held_bytes(&self, g: u64) -> u64 {
-        self.held(&lock(&self.free), g)
+    pub(crate) fn held_bytes(&self) -> u64 {
+        self.held(&lock(&self.free))
     }
 
     /// Releases free handles until at most `keep_bytes` of pooled memory (parked windows
-    /// included) stay, or no free handle is left; returns the bytes released.
+    /// included) stay, or no free handle is left; returns the bytes released. Each step
+    /// releases the smallest handle that covers what is still over, else the largest.
     pub(crate) fn trim_free(&self, ctx: &DeviceContext, keep_bytes: u64) -> u64 {
-        let g = ctx.granule;
         let victims = {
             let mut free = lock(&self.free);
-            let keep = keep_bytes.saturating_sub(self.parked_bytes()) / g;
-            let keep = usize::try_from(keep).unwrap_or(usize::MAX);
-            let keep = free.handles.len().min(keep);
-            free.handles.split_off(keep)
+            let mut victims = Vec::new();
+            loop {
+                let over = self.held(&free).saturating_sub(keep_bytes);
+                if over == 0 {
+                    break;
+                }
+                let size = free
+                    .by_size
+                    .range(over..)
+                    .next()
+                    .or_else(|| free.by_size.iter().next_back())
+                    .map(|(s, _)| *s);
+                let Some(size) = size else { break };
+                let Some(h) = free.pop(size) else { break };
+                victims.push((h, size));
+            }
+            victims
         };
         victims
             .into_iter()
-            .map(|h| {
-                ctx.release_handle(h, Source::Bucket(Bucket::Pooled))
+            .map(|(h, size)| {
+                ctx.release_handle(h, size, Source::Bucket(Bucket::Pooled))
                     .unwrap_or(0)
             })
             .fold(0u64, u64::saturating_add)
@@ -114,7 +137,11 @@ impl HandlePool {
 
     /// The free handles.
     pub(crate) fn handles(&self) -> Vec<PhysicalHandle> {
-        lock(&self.free).handles.clone()
+        lock(&self.free)
+            .by_size
+            .values()
+            .flat_map(|v| v.iter().copied())
+            .collect()
     }
 
     /// The cap in bytes.
@@ -135,7 +162,7 @@ impl HandlePool {
     /// Counts `g` more parked bytes if the cap allows it; returns whether it did.
     pub(crate) fn try_add_parked(&self, g: u64) -> bool {
         let free = lock(&self.free);
-        if self.held(&free, g).saturating_add(g) <= free.cap_bytes {
+        if self.held(&free).saturating_add(g) <= free.cap_bytes {
             self.parked_bytes.fetch_add(g, Ordering::AcqRel);
             true
         } else {

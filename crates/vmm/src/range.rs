@@ -14,10 +14,13 @@ use crate::shared::SharedHandles;
 use crate::state::DeviceState;
 use crate::strided::SharedRange;
 
-/// One mapped granule window of a reservation.
+/// One mapping of a reservation: `windows` granule windows from `offset`, one handle mapped
+/// whole.
 #[derive(Debug, Clone)]
 pub(crate) struct Block {
     pub(crate) offset: u64,
+    /// Granule windows the mapping spans (its handle is `windows x granule` bytes).
+    pub(crate) windows: u64,
     pub(crate) handle: PhysicalHandle,
     pub(crate) kind: BlockKind,
     /// For shared blocks: the set the handle belongs to (keeps it alive while mapped).
@@ -26,13 +29,24 @@ pub(crate) struct Block {
 
 impl Block {
     /// A block whose handle the reservation owns.
-    pub(crate) fn owned(offset: u64, handle: PhysicalHandle) -> Self {
+    pub(crate) fn owned(offset: u64, windows: u64, handle: PhysicalHandle) -> Self {
         Block {
             offset,
+            windows,
             handle,
             kind: BlockKind::Owned,
             shared: None,
         }
+    }
+
+    /// Its size in bytes (the handle's).
+    pub(crate) fn bytes(&self, g: u64) -> u64 {
+        self.windows.saturating_mul(g)
+    }
+
+    /// The offset just past it.
+    pub(crate) fn end(&self, g: u64) -> u64 {
+        self.offset.saturating_add(self.bytes(g))
     }
 }
 
@@ -41,7 +55,7 @@ pub(crate) struct ReservedRange {
     pub(crate) state: Arc<DeviceState>,
     pub(crate) base: DeviceAddress,
     pub(crate) size: u64,
-    /// Mapped blocks, sorted by offset, each one granule.
+    /// Mappings, sorted by offset, each of one or more windows (one handle each).
     pub(crate) blocks: Vec<Block>,
     /// Released windows kept mapped for reuse (when the manager parks released windows).
     pub(crate) parked: Option<Arc<ParkedWindows>>,
@@ -98,41 +112,50 @@ impl ReservedRange {
         })
     }
 
-    /// Committed bytes: granule x mapped blocks (invariant 1).
-    pub(crate) fn committed_bytes(&self) -> u64 {
-        self.state.ctx.granules(self.blocks.len())
+    /// Committed windows: the windows of every mapping.
+    pub(crate) fn committed_windows(&self) -> u64 {
+        self.blocks
+            .iter()
+            .map(|b| b.windows)
+            .fold(0u64, u64::saturating_add)
     }
 
-    /// Offset just past the last mapped block.
+    /// Committed bytes: granule x committed windows (invariant 1).
+    pub(crate) fn committed_bytes(&self) -> u64 {
+        self.committed_windows().saturating_mul(self.granule())
+    }
+
+    /// Offset just past the last mapping.
     pub(crate) fn committed_end(&self) -> u64 {
-        self.blocks
-            .last()
-            .map_or(0, |b| b.offset.saturating_add(self.granule()))
+        let g = self.granule();
+        self.blocks.last().map_or(0, |b| b.end(g))
+    }
+
+    /// The mapping holding the byte at `offset`, if any.
+    pub(crate) fn block_at(&self, offset: u64) -> Option<&Block> {
+        let i = self.blocks.partition_point(|b| b.offset <= offset);
+        let b = self.blocks.get(i.checked_sub(1)?)?;
+        (offset < b.end(self.granule())).then_some(b)
     }
 
     /// Whether the granule window starting at `offset` is mapped.
     pub(crate) fn is_mapped(&self, offset: u64) -> bool {
-        self.blocks
-            .binary_search_by_key(&offset, |b| b.offset)
-            .is_ok()
+        self.block_at(offset).is_some()
     }
 
-    /// The kind of the block mapped at `offset`, if any.
+    /// The kind of the mapping holding the window at `offset`, if any.
     pub(crate) fn window_kind(&self, offset: u64) -> Option<BlockKind> {
-        self.blocks
-            .binary_search_by_key(&offset, |b| b.offset)
-            .ok()
-            .and_then(|i| self.blocks.get(i))
-            .map(|b| b.kind)
+        self.block_at(offset).map(|b| b.kind)
     }
 
-    /// The blocks as the manager reports them.
+    /// The mappings as the manager reports them (one entry per mapping, of its whole size).
     pub(crate) fn mappings(&self) -> Vec<MappedBlock> {
+        let g = self.granule();
         self.blocks
             .iter()
             .map(|b| MappedBlock {
                 address: self.at(b.offset),
-                size: self.granule(),
+                size: b.bytes(g),
                 handle: b.handle,
                 kind: b.kind,
             })
@@ -208,7 +231,7 @@ impl ReservedRange {
             total = total.saturating_add(last.saturating_sub(first));
             spans.push((first, last));
         }
-        let mapped = self.blocks.len() as u64;
+        let mapped = self.committed_windows();
         self.price(total.saturating_sub(mapped))?;
         let mut offsets = window_list(total)?;
         for (first, last) in spans {
@@ -244,6 +267,36 @@ pub(crate) fn runs(offsets: &[u64], g: u64) -> Vec<(u64, u64)> {
         match out.last_mut() {
             Some((start, len)) if start.saturating_add(*len) == o => *len = len.saturating_add(g),
             _ => out.push((o, g)),
+        }
+    }
+    out
+}
+
+/// How a commit maps sorted, distinct window offsets: `(offset, windows)` per handle. Each
+/// contiguous run is cut largest first into power-of-two numbers of windows, each aligned to
+/// its own size from the base (offset 0) and at most `max_windows` (a power of two); no piece
+/// crosses one of the sorted offsets `cuts` (a piece may start there).
+pub(crate) fn pieces(offsets: &[u64], g: u64, max_windows: u64, cuts: &[u64]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let g = g.max(1);
+    for (start, bytes) in runs(offsets, g) {
+        let mut p = start / g;
+        let end = p.saturating_add(bytes / g);
+        while p < end {
+            let left = end - p;
+            let align = if p == 0 {
+                max_windows
+            } else {
+                1u64 << p.trailing_zeros().min(63)
+            };
+            let at = p.saturating_mul(g);
+            let to_cut = cuts
+                .get(cuts.partition_point(|&c| c <= at))
+                .map_or(left, |&c| (c.saturating_sub(at) / g).clamp(1, left));
+            let fit = 1u64 << (63 - to_cut.leading_zeros());
+            let k = fit.min(align).min(max_windows).max(1);
+            out.push((p.saturating_mul(g), k));
+            p = p.saturating_add(k);
         }
     }
     out

@@ -19,8 +19,10 @@ use crate::range::{Block, ReservedRange};
 use crate::state::DeviceState;
 
 impl ReservedRange {
-    /// Releases every block at or beyond `len` bytes from the base (blocks holding a byte
-    /// below `len` stay). Returns the bytes unmapped.
+    /// Releases every mapping starting at or beyond `len` bytes from the base. A mapping
+    /// holding a byte below `len` stays, whole: a multi-window handle straddling `len` stays
+    /// mapped and its windows committed until a later release reaches its start. Returns the
+    /// bytes unmapped.
     pub(crate) fn truncate(&mut self, len: u64) -> VmmResult<u64> {
         let st = Arc::clone(&self.state);
         let g = st.ctx.granule;
@@ -36,7 +38,8 @@ impl ReservedRange {
         if let Some(parked) = self.parked.clone() {
             let tail = self.blocks.split_off(first.min(self.blocks.len()));
             let keep = parked.park(&st.ctx, &st.pool, tail, |b| {
-                (b.shared.is_none() && b.kind == BlockKind::Owned).then_some((b.offset, b.handle))
+                (b.shared.is_none() && b.kind == BlockKind::Owned)
+                    .then_some((b.offset, b.windows, b.handle))
             });
             self.blocks.extend(keep);
         }
@@ -46,8 +49,9 @@ impl ReservedRange {
         }
     }
 
-    /// Releases the blocks whose whole window lies inside one of `ranges` (offsets from the
-    /// base); blocks outside the ranges stay. Returns the bytes unmapped.
+    /// Releases the mappings lying wholly inside the union of `ranges` (offsets from the
+    /// base); the others stay, a multi-window mapping that is only partly inside included
+    /// (it is unmapped whole or not at all). Returns the bytes unmapped.
     pub(crate) fn release_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<u64> {
         let st = Arc::clone(&self.state);
         let g = st.ctx.granule;
@@ -58,14 +62,16 @@ impl ReservedRange {
             ranges = ranges.len()
         );
         let _e = span.enter();
-        let inside = |o: u64| {
-            ranges
-                .iter()
-                .any(|&(start, len)| o >= start && o.saturating_add(g) <= start.saturating_add(len))
+        let union = merged(ranges);
+        let inside = |b: &Block| {
+            let i = union.partition_point(|&(s, _)| s <= b.offset);
+            i.checked_sub(1)
+                .and_then(|i| union.get(i))
+                .is_some_and(|&(_, end)| b.end(g) <= end)
         };
         let (todo, keep): (Vec<Block>, Vec<Block>) = std::mem::take(&mut self.blocks)
             .into_iter()
-            .partition(|b| inside(b.offset));
+            .partition(|b| inside(b));
         self.blocks = keep;
         match self.unmap_blocks(&st, todo) {
             (bytes, None) => Ok(bytes),
@@ -102,8 +108,8 @@ impl ReservedRange {
             let mut run_start = todo.len().saturating_sub(1);
             if span_runs {
                 while run_start > 0 {
-                    let prev = todo[run_start - 1].offset;
-                    if prev.saturating_add(g) == todo[run_start].offset {
+                    let prev = todo[run_start - 1].end(g);
+                    if prev == todo[run_start].offset {
                         run_start -= 1;
                     } else {
                         break;
@@ -112,12 +118,16 @@ impl ReservedRange {
             }
             let run = todo.split_off(run_start);
             let run_offset = run.first().map_or(last.offset, |b| b.offset);
-            let run_bytes = ctx.granules(run.len());
+            let run_bytes = run
+                .iter()
+                .map(|b| b.bytes(g))
+                .fold(0u64, u64::saturating_add);
             let addr = self.at(run_offset);
             match ctx.backend.unmap(addr, run_bytes) {
                 Ok(()) => {
                     unmapped = unmapped.saturating_add(run_bytes);
                     for b in run.into_iter().rev() {
+                        let size = b.bytes(g);
                         match (b.kind, b.shared) {
                             (BlockKind::Shared { .. }, Some(set)) => {
                                 // Only a reference goes; the set releases its handles when
@@ -127,7 +137,7 @@ impl ReservedRange {
                             }
                             _ => {
                                 if let Err(error) =
-                                    st.dispose(b.handle, Source::Bucket(Bucket::Committed))
+                                    st.dispose(b.handle, size, Source::Bucket(Bucket::Committed))
                                 {
                                     // The handle is quarantined; report the first error.
                                     first_error.get_or_insert(error);
@@ -147,4 +157,22 @@ impl ReservedRange {
         self.insert_blocks(kept_rev.into_iter());
         (unmapped, first_error)
     }
+}
+
+/// The union of `(offset, len)` ranges as sorted, disjoint `(start, end)` spans.
+fn merged(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut spans: Vec<(u64, u64)> = ranges
+        .iter()
+        .filter(|r| r.1 > 0)
+        .map(|&(o, len)| (o, o.saturating_add(len)))
+        .collect();
+    spans.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(spans.len());
+    for (s, e) in spans {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
 }

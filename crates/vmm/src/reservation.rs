@@ -76,7 +76,8 @@ impl Reservation {
         self.range.granule()
     }
 
-    /// Committed bytes: granule x mapped blocks (invariant 1).
+    /// Committed bytes: granule x committed windows (invariant 1). A multi-window handle
+    /// that a release or truncate cut through stays mapped and counted until it goes whole.
     pub fn committed_bytes(&self) -> u64 {
         self.range.committed_bytes()
     }
@@ -88,7 +89,8 @@ impl Reservation {
         self.range.committed_end()
     }
 
-    /// The blocks as the manager records them, by address.
+    /// The mappings as the manager records them, by address: one entry per mapping (one
+    /// handle, mapped whole, of one or more granule windows).
     pub fn mappings(&self) -> Vec<MappedBlock> {
         self.range.mappings()
     }
@@ -163,7 +165,9 @@ impl Reservation {
         if offsets.is_empty() {
             return Ok(None);
         }
-        self.range.commit_windows(&offsets, None, None).map(Some)
+        self.range
+            .commit_windows(&offsets, None, None, &[])
+            .map(Some)
     }
 
     /// Begins a commit of every unmapped window overlapping `ranges`, as
@@ -207,7 +211,10 @@ impl Reservation {
     /// Commits the windows overlapping `ranges` as a new [`SharedHandles`] set that this
     /// reservation owns and maps read-write (the owner of a shared prefix writes it through
     /// this mapping). The bytes are granted and billed once, as shared. Every window must be
-    /// unmapped; the transaction and rollback are those of a commit.
+    /// unmapped; the transaction and rollback are those of a commit, and so is the cut into
+    /// handles, except that no handle crosses the start of one of `ranges`: a sharer may
+    /// map the set ([`map_shared`](Self::map_shared), whole handles only) up to any range
+    /// boundary.
     pub fn commit_shared(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Arc<SharedHandles>> {
         self.range.commit_shared(ranges)
     }
@@ -238,15 +245,18 @@ impl Reservation {
         self.truncate(0)
     }
 
-    /// Releases every block at or beyond `len` bytes from the base (blocks holding a byte
-    /// below `len` stay), like [`release`](Self::release). Returns the bytes unmapped.
+    /// Releases every mapping that starts at or beyond `len` bytes from the base, like
+    /// [`release`](Self::release). A mapping holding a byte below `len` stays whole (a
+    /// multi-window handle straddling `len` stays mapped and committed until a later
+    /// truncate reaches its start). Returns the bytes unmapped.
     pub fn truncate(&mut self, len: u64) -> VmmResult<u64> {
         self.range.truncate(len)
     }
 
-    /// Releases the blocks whose whole window lies inside one of `ranges` (offsets from the
+    /// Releases the mappings lying wholly inside the union of `ranges` (offsets from the
     /// base), like [`release`](Self::release): owned handles go to the pool or the driver,
-    /// shared mappings drop their reference; blocks outside the ranges stay. Returns the bytes
+    /// shared mappings drop their reference; the others stay, a multi-window mapping only
+    /// partly inside included (it is unmapped whole or not at all). Returns the bytes
     /// unmapped. This is how windows committed ahead of need are given back.
     pub fn release_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<u64> {
         self.range.release_ranges(ranges)

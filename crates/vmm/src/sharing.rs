@@ -1,15 +1,16 @@
 //! Shared mappings: committing a reservation's windows as a [`SharedHandles`] set that it owns
-//! (read-write), and mapping a set's windows into another reservation at the same offsets
-//! (read-only for sharers), each as one transaction. The set itself is `shared.rs`.
+//! (read-write), cut into as few handles as each run allows like any commit, and mapping a
+//! set's handles into another reservation at the same offsets (read-only for sharers, one
+//! mapping per handle), each as one transaction. The set itself is `shared.rs`.
 
 use std::sync::Arc;
 
-use kvvm_hal::{Access, AccessDescriptor, PhysicalHandle};
+use kvvm_hal::{Access, AccessDescriptor};
 
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::BlockKind;
 use crate::range::{runs, window_list, Block, ReservedRange};
-use crate::shared::SharedHandles;
+use crate::shared::{SharedHandles, SharedPiece};
 
 impl ReservedRange {
     /// Commits the windows overlapping `ranges` as a new [`SharedHandles`] set that this
@@ -18,9 +19,17 @@ impl ReservedRange {
     /// unmapped; the transaction and rollback are those of a commit.
     pub(crate) fn commit_shared(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Arc<SharedHandles>> {
         let offsets = self.shared_windows_of(ranges)?;
-        let mut windows = Vec::with_capacity(offsets.len());
-        self.commit_windows(&offsets, None, Some(&mut windows))?;
-        let set = Arc::new(SharedHandles::new(Arc::clone(&self.state), windows));
+        // Each range is cut on its own: no handle crosses the start of a range, so that a
+        // sharer may map a set up to any range boundary.
+        let mut cuts: Vec<u64> = ranges
+            .iter()
+            .filter(|r| r.1 > 0)
+            .map(|r| r.0 / self.granule() * self.granule())
+            .collect();
+        cuts.sort_unstable();
+        let mut pieces = Vec::new();
+        self.commit_windows(&offsets, None, Some(&mut pieces), &cuts)?;
+        let set = Arc::new(SharedHandles::new(Arc::clone(&self.state), pieces));
         self.attach_shared(&set);
         Ok(set)
     }
@@ -82,10 +91,14 @@ impl ReservedRange {
     }
 
     /// Maps windows of a shared set at the same offsets of this reservation with `access`
-    /// (read-only for sharers), as one transaction. If a map fails, the mappings made by
-    /// this call are withdrawn; if the map succeeds and the access cannot be set, the
-    /// mappings are withdrawn and counted down while the handles stay with the set. Returns
-    /// the bytes mapped; windows already mapped here are refused.
+    /// (read-only for sharers), as one transaction: one mapping per handle of the set, one
+    /// set access per contiguous run. A handle is mapped whole, so the windows named must
+    /// cover every handle they touch: a request naming part of a handle is refused with
+    /// [`VmmError::InvalidArgument`] before any driver call
+    /// ([`SharedHandles::starts_handle`] tells where a partial mapping may end). If a map
+    /// fails, the mappings made by this call are withdrawn; if the maps succeed and the access
+    /// cannot be set, the mappings are withdrawn and counted down while the handles stay with
+    /// the set. Returns the bytes mapped; windows already mapped here are refused.
     pub(crate) fn map_shared(
         &mut self,
         set: &Arc<SharedHandles>,
@@ -100,37 +113,63 @@ impl ReservedRange {
                 reason: "shared set belongs to another manager".to_owned(),
             });
         }
-        let mut chosen: Vec<(u64, PhysicalHandle)> = Vec::with_capacity(windows.len());
-        for &i in windows {
-            let (o, h) = set.window(i).ok_or(VmmError::OutOfBounds {
+        let mut named: Vec<usize> = windows.to_vec();
+        named.sort_unstable();
+        named.dedup();
+        // The handles the windows name, each wholly named.
+        let mut chosen: Vec<SharedPiece> = Vec::new();
+        let mut count: Vec<(usize, u64)> = Vec::new();
+        for &i in &named {
+            let k = set.piece_of(i).ok_or(VmmError::OutOfBounds {
                 offset: i as u64,
                 requested: 1,
                 reserved: set.len() as u64,
             })?;
-            self.check_free_window(o)?;
-            chosen.push((o, h));
+            match count.last_mut() {
+                Some((last, n)) if *last == k => *n = n.saturating_add(1),
+                _ => count.push((k, 1)),
+            }
         }
-        chosen.sort_unstable_by_key(|(o, _)| *o);
-        chosen.dedup_by_key(|(o, _)| *o);
-        let offsets: Vec<u64> = chosen.iter().map(|(o, _)| *o).collect();
+        for (k, n) in count {
+            let Some(p) = set.pieces().get(k).copied() else {
+                continue;
+            };
+            if n != p.windows {
+                return Err(VmmError::InvalidArgument {
+                    reason: format!(
+                        "{n} of the {} windows of the shared handle at offset {} named: a handle \
+                         is mapped whole",
+                        p.windows, p.offset
+                    ),
+                });
+            }
+            for w in 0..p.windows {
+                self.check_free_window(p.offset.saturating_add(w.saturating_mul(g)))?;
+            }
+            chosen.push(p);
+        }
+        let offsets: Vec<u64> = chosen
+            .iter()
+            .flat_map(|p| (0..p.windows).map(move |w| p.offset.saturating_add(w.saturating_mul(g))))
+            .collect();
         if let Some(parked) = &self.parked {
-            parked.evict(ctx, &st.pool, &offsets)?;
+            parked.evict_overlapping(ctx, &st.pool, &offsets, false)?;
         }
         let span = tracing::debug_span!(
             "vmm.map_shared",
             device = ctx.device.0,
             base = self.base.0,
-            windows = chosen.len()
+            handles = chosen.len()
         );
         let _e = span.enter();
-        let mut done: Vec<u64> = Vec::new();
+        let mut done: Vec<SharedPiece> = Vec::new();
         let mut failure = None;
-        for &(o, h) in &chosen {
-            let addr = self.at(o);
-            match ctx.backend.map(addr, g, h) {
+        for p in &chosen {
+            let addr = self.at(p.offset);
+            match ctx.backend.map(addr, p.windows.saturating_mul(g), p.handle) {
                 Ok(()) => {
                     set.note_shared_map();
-                    done.push(o);
+                    done.push(*p);
                 }
                 Err(e) => {
                     failure = Some(e);
@@ -151,40 +190,33 @@ impl ReservedRange {
                 }
             }
         }
+        let block = |p: &SharedPiece| Block {
+            offset: p.offset,
+            windows: p.windows,
+            handle: p.handle,
+            kind: BlockKind::Shared {
+                writable: access.can_write(),
+            },
+            shared: Some(Arc::clone(set)),
+        };
         if let Some(error) = failure {
             // Withdraw this call's mappings, last first. One that cannot be unmapped stays
             // recorded (it is still mapped) and keeps its reference.
             let mut kept = Vec::new();
-            for &o in done.iter().rev() {
-                let addr = self.at(o);
-                match ctx.backend.unmap(addr, g) {
+            for p in done.iter().rev() {
+                let addr = self.at(p.offset);
+                match ctx.backend.unmap(addr, p.windows.saturating_mul(g)) {
                     Ok(()) => set.note_unmapped(),
                     Err(e) => {
                         tracing::warn!(%addr, error = %e, "withdrawing a shared mapping failed; it stays recorded");
-                        if let Some((_, h)) = chosen.iter().find(|(x, _)| *x == o) {
-                            kept.push(Block {
-                                offset: o,
-                                handle: *h,
-                                kind: BlockKind::Shared {
-                                    writable: access.can_write(),
-                                },
-                                shared: Some(Arc::clone(set)),
-                            });
-                        }
+                        kept.push(block(p));
                     }
                 }
             }
             self.insert_blocks(kept.into_iter());
             return Err(error.into());
         }
-        self.insert_blocks(chosen.into_iter().map(|(offset, handle)| Block {
-            offset,
-            handle,
-            kind: BlockKind::Shared {
-                writable: access.can_write(),
-            },
-            shared: Some(Arc::clone(set)),
-        }));
-        Ok((done.len() as u64).saturating_mul(g))
+        self.insert_blocks(chosen.iter().map(block));
+        Ok((offsets.len() as u64).saturating_mul(g))
     }
 }

@@ -22,14 +22,15 @@ impl DeviceState {
     pub(crate) fn dispose(
         &self,
         handle: PhysicalHandle,
+        size: u64,
         source: Source<'_>,
     ) -> Result<u64, BackendError> {
-        self.pool.dispose(&self.ctx, handle, source)
+        self.pool.dispose(&self.ctx, handle, size, source)
     }
 
     /// Bytes held by the pool: free handles and parked windows.
     pub(crate) fn pooled_bytes(&self) -> u64 {
-        self.pool.held_bytes(self.ctx.granule)
+        self.pool.held_bytes()
     }
 
     /// Releases pooled handles, then parked windows, until at most `keep_bytes` of pooled

@@ -24,23 +24,28 @@ impl ReservedRange {
         let st = Arc::clone(&self.state);
         let ctx = &st.ctx;
         let mappings = self.mappings();
-        let owned = self.blocks.iter().filter(|b| b.shared.is_none()).count();
-        let owned_bytes = ctx.granules(owned);
+        let g = ctx.granule;
+        let owned_bytes = self
+            .blocks
+            .iter()
+            .filter(|b| b.shared.is_none())
+            .map(|b| b.bytes(g))
+            .fold(0u64, u64::saturating_add);
         ctx.account(ctx.governor.transfer(
             ctx.device,
             Bucket::Committed,
             Bucket::Quarantined,
             owned_bytes,
         ));
-        let mut shared_windows = 0usize;
+        let mut shared_bytes = 0u64;
         for b in self.blocks.drain(..) {
+            let size = b.bytes(g);
             if let Some(set) = b.shared {
                 if set.quarantine_window(b.offset) {
-                    shared_windows = shared_windows.saturating_add(1);
+                    shared_bytes = shared_bytes.saturating_add(size);
                 }
             }
         }
-        let shared_bytes = ctx.granules(shared_windows);
         ctx.account(ctx.governor.transfer(
             ctx.device,
             Bucket::Shared,
@@ -78,7 +83,7 @@ impl Drop for ReservedRange {
         // Parked windows are torn down like committed ones.
         if let Some(parked) = self.parked.clone() {
             let windows = parked.take_all(ctx, &st.pool);
-            self.insert_blocks(windows.into_iter().map(|(o, h)| Block::owned(o, h)));
+            self.insert_blocks(windows.into_iter().map(|(o, n, h)| Block::owned(o, n, h)));
         }
         if !self.blocks.is_empty() {
             // Every device given access may still be using the memory.

@@ -84,6 +84,8 @@ struct Setup {
     pool: u64,
     per_mapping_unmap: bool,
     park: bool,
+    /// `VmmConfig::max_handle_bytes` in granules (1: one handle per window).
+    max_handle: u64,
 }
 
 fn setup() -> impl Strategy<Value = Setup> {
@@ -94,15 +96,17 @@ fn setup() -> impl Strategy<Value = Setup> {
         0u64..6,
         any::<bool>(),
         any::<bool>(),
+        prop::sample::select(vec![1u64, 2, 8, 64]),
     )
         .prop_map(
-            |(granule, capacity, budget, pool, per_mapping_unmap, park)| Setup {
+            |(granule, capacity, budget, pool, per_mapping_unmap, park, max_handle)| Setup {
                 granule,
                 capacity,
                 budget,
                 pool,
                 per_mapping_unmap,
                 park,
+                max_handle,
             },
         )
 }
@@ -122,6 +126,7 @@ fn run_case(s: &Setup, ops: &[Op]) {
     c.budget_granules = s.budget;
     c.pool_granules = s.pool;
     c.park = s.park;
+    c.max_handle_granules = s.max_handle;
     c.quirks = SimQuirks {
         multi_unmap_breaks_free: s.per_mapping_unmap,
         ..SimQuirks::default()
@@ -192,17 +197,19 @@ fn run_case(s: &Setup, ops: &[Op]) {
                         Op::Truncate { granules, .. } => granules * g,
                         _ => 0,
                     };
-                    let kept_below = m
+                    // A mapping starting below `keep` stays whole (a multi-window handle that
+                    // straddles `keep` included); every other one goes.
+                    let kept_below: u64 = m
                         .res
                         .mappings()
                         .iter()
                         .filter(|b| b.address.0 - m.base.0 < keep)
-                        .count() as u64
-                        * g;
+                        .map(|b| b.size)
+                        .sum();
                     let result = m.res.truncate(keep);
                     if result.is_ok() || !unmap_fault_armed {
-                        // Every block at or past `keep` was unmapped (a release failure only
-                        // quarantines the handle).
+                        // Every mapping starting at or past `keep` was unmapped (a release
+                        // failure only quarantines the handle).
                         assert_eq!(m.res.committed_bytes(), kept_below, "{result:?}");
                     } else {
                         assert!(m.res.committed_bytes() >= kept_below);
@@ -233,6 +240,15 @@ fn run_case(s: &Setup, ops: &[Op]) {
         }
         for m in &live {
             assert_eq!(m.res.address(), m.base, "invariant 5");
+            // Every handle: a power-of-two number of windows, at most the maximum, aligned to
+            // its size from the base.
+            for b in m.res.mappings() {
+                let (at, n) = ((b.address.0 - m.base.0) / g, b.size / g);
+                assert!(
+                    n.is_power_of_two() && n <= s.max_handle && at % n == 0,
+                    "{b:?}"
+                );
+            }
         }
         let refs: Vec<&Reservation> = live.iter().map(|m| &m.res).collect();
         w.check(&refs);

@@ -24,6 +24,8 @@ pub struct WorldConfig {
     pub capacity_granules: u64,
     pub budget_granules: Option<u64>,
     pub pool_granules: u64,
+    /// Largest handle a commit creates, in granules (1: one handle per window).
+    pub max_handle_granules: u64,
     pub quirks: SimQuirks,
     pub park: bool,
 }
@@ -35,6 +37,7 @@ impl WorldConfig {
             capacity_granules: 64,
             budget_granules: None,
             pool_granules: 0,
+            max_handle_granules: 1,
             quirks: SimQuirks::default(),
             park: false,
         }
@@ -61,7 +64,8 @@ impl World {
             VmmConfig::default()
                 .pool_cap_bytes(c.pool_granules * g)
                 .granularity(GranularityChoice::Minimum)
-                .park_released(c.park),
+                .park_released(c.park)
+                .max_handle_bytes(c.max_handle_granules * g),
         )
         .unwrap();
         World { sim, gov, vm, g }
@@ -88,9 +92,11 @@ pub fn check(sim: &SimBackend, vm: &VirtualMemory, gov: &Governor, reservations:
     // Invariant 1: committed bytes = granule x mapped windows, and the driver agrees.
     for r in reservations {
         let m = r.mappings();
-        assert_eq!(r.committed_bytes(), g * m.len() as u64, "invariant 1");
+        let windows: u64 = m.iter().map(|b| b.size / g).sum();
+        assert!(m.iter().all(|b| b.size % g == 0 && b.size > 0));
+        assert_eq!(r.committed_bytes(), g * windows, "invariant 1");
         // Parked windows are still mapped (pooled memory, not committed bytes).
-        let parked = g * r.parked().len() as u64;
+        let parked: u64 = r.parked().iter().map(|b| b.size).sum();
         assert_eq!(
             ledger.mapped_bytes_in(r.address(), r.size()),
             r.committed_bytes() + parked,
