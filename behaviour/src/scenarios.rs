@@ -59,6 +59,17 @@ fn reserve(w: &World, s: &mut State, granules: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// A reservation of `granules` with its first `committed` granules committed.
+fn reserve_and_commit(
+    w: &World,
+    s: &mut State,
+    granules: u64,
+    committed: u64,
+) -> Result<(), String> {
+    reserve(w, s, granules)?;
+    first(s)?.commit(committed * w.g).map(|_| ()).map_err(e)
+}
+
 fn first(s: &mut State) -> Result<&mut kvvm_vmm::Reservation, String> {
     s.res.first_mut().ok_or_else(|| "no reservation".to_owned())
 }
@@ -150,10 +161,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
             name: "commit",
             description: "commit of 3 granules after one committed",
             spec: WorldSpec::default(),
-            setup: |w, s| {
-                reserve(w, s, 8)?;
-                first(s)?.commit(w.g).map(|_| ()).map_err(e)
-            },
+            setup: |w, s| reserve_and_commit(w, s, 8, 1),
             op: |w, s| first(s)?.commit(3 * w.g).map(|_| ()).map_err(e),
         },
         Scenario {
@@ -171,10 +179,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
             name: "commit_ranges",
             description: "one transaction over two ranges of windows",
             spec: WorldSpec::default(),
-            setup: |w, s| {
-                reserve(w, s, 8)?;
-                first(s)?.commit(w.g).map(|_| ()).map_err(e)
-            },
+            setup: |w, s| reserve_and_commit(w, s, 8, 1),
             op: |w, s| {
                 first(s)?
                     .commit_ranges(&[(2 * w.g, 2 * w.g), (6 * w.g, w.g)])
@@ -186,20 +191,14 @@ pub fn all_scenarios() -> Vec<Scenario> {
             name: "release",
             description: "release of 4 committed granules (unmap and release)",
             spec: WorldSpec::default(),
-            setup: |w, s| {
-                reserve(w, s, 8)?;
-                first(s)?.commit(4 * w.g).map(|_| ()).map_err(e)
-            },
+            setup: |w, s| reserve_and_commit(w, s, 8, 4),
             op: |_, s| first(s)?.release().map(|_| ()).map_err(e),
         },
         Scenario {
             name: "truncate",
             description: "truncate of 4 granules to 2 (one byte into the second)",
             spec: WorldSpec::default(),
-            setup: |w, s| {
-                reserve(w, s, 8)?;
-                first(s)?.commit(4 * w.g).map(|_| ()).map_err(e)
-            },
+            setup: |w, s| reserve_and_commit(w, s, 8, 4),
             op: |w, s| first(s)?.truncate(w.g + 1).map(|_| ()).map_err(e),
         },
         Scenario {
@@ -207,10 +206,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
             description: "a commit of 13 windows from window 1 as 5 buddy-aligned handles \
                           (1, 2, 4, 4, 2 windows; handles of at most 8)",
             spec: multi,
-            setup: |w, s| {
-                reserve(w, s, 32)?;
-                first(s)?.commit(w.g).map(|_| ()).map_err(e)
-            },
+            setup: |w, s| reserve_and_commit(w, s, 32, 1),
             op: |w, s| first(s)?.commit(13 * w.g).map(|_| ()).map_err(e),
         },
         Scenario {
@@ -218,10 +214,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
             description: "truncate through a 4-window handle: it stays whole, the 2 handles \
                           past it go (to the pool or the driver)",
             spec: multi,
-            setup: |w, s| {
-                reserve(w, s, 32)?;
-                first(s)?.commit(15 * w.g).map(|_| ()).map_err(e)
-            },
+            setup: |w, s| reserve_and_commit(w, s, 32, 15),
             op: |w, s| first(s)?.truncate(9 * w.g + 1).map(|_| ()).map_err(e),
         },
         Scenario {
@@ -229,10 +222,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
             description: "release of windows 0..10: the 8-window handle goes, the 4-window \
                           handle it cuts into stays mapped and committed",
             spec: multi,
-            setup: |w, s| {
-                reserve(w, s, 32)?;
-                first(s)?.commit(12 * w.g).map(|_| ()).map_err(e)
-            },
+            setup: |w, s| reserve_and_commit(w, s, 32, 12),
             op: |w, s| {
                 first(s)?
                     .release_ranges(&[(0, 10 * w.g)])

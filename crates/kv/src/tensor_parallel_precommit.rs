@@ -21,12 +21,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::error::KvCacheError;
-use crate::precommit::Ensured;
+use crate::precommit::{lock, Ensured};
 use crate::tensor_parallel::TensorParallelSequence;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// Counters of a [`PrecommittedGroup`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -1,7 +1,9 @@
 //! [`FaultInjecting`]: a backend that fails chosen calls of the backend it wraps.
 
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
+use super::lock;
 
 use crate::{
     AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
@@ -51,11 +53,6 @@ impl std::fmt::Debug for FaultInjecting {
             .field("counted", &self.counted())
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Plain counters and lists, each updated in one statement: recover from a poisoned lock.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl FaultInjecting {

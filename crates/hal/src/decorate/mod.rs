@@ -20,3 +20,9 @@ mod record;
 
 pub use faults::{CallHook, FaultInjecting, InjectedFault};
 pub use record::{Record, RecordedHandle, RecordedMapping, Recording};
+
+/// Locks a decorator's books. They are maps, lists and counters, each edited in one step under
+/// the lock, so a panic elsewhere cannot leave them half-written: a poisoned lock is recovered.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

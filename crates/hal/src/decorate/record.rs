@@ -2,7 +2,9 @@
 
 use std::collections::BTreeMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
+
+use super::lock;
 
 use crate::{
     AccessDescriptor, AllocationProperties, BackendResult, Capabilities, DeviceAddress, DeviceId,
@@ -144,11 +146,6 @@ impl std::fmt::Debug for Recording {
             .field("record", &self.record())
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Maps and a list, each edited under the lock in one step: recover from a poisoned lock.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Recording {
