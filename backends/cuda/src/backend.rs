@@ -6,12 +6,12 @@ use std::sync::Mutex;
 
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdevice_attribute, CUmemAccessDesc, CUmemAllocationGranularity_flags,
-    CUmemLocation, CUmemLocationType,
+    CUmemLocation, CUmemLocationType, CUstream,
 };
 use kvvm_hal::{
     traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
-    Operation, PhysicalHandle, VirtualMemoryBackend,
+    Operation, PhysicalHandle, RowCopy, StreamHandle, VirtualMemoryBackend,
 };
 
 use crate::conv::{
@@ -501,6 +501,45 @@ impl VirtualMemoryBackend for CudaBackend {
         traced(span, || {
             self.owner_context(op, src)?;
             self.check(op, self.driver.memcpy_dtoh(dst, src.0))
+        })
+    }
+
+    fn copy_rows_async(&self, copy: &RowCopy, stream: StreamHandle) -> BackendResult<()> {
+        let op = Operation::CopyRows;
+        let span = tracing::debug_span!(
+            "kvvm_cuda",
+            op = "cuMemcpy2DAsync",
+            dst = %copy.dst,
+            src = %copy.src,
+            width = copy.width,
+            rows = copy.rows
+        );
+        traced(span, || {
+            if copy.dst_span().is_none() || copy.src_span().is_none() {
+                return Err(BackendError::raised(
+                    op,
+                    ErrorKind::InvalidValue,
+                    format!("ill-formed row copy {copy:?}"),
+                ));
+            }
+            if copy.rows == 0 || copy.width == 0 {
+                return Ok(());
+            }
+            let dst_pitch = to_usize(op, "dst_pitch", copy.dst_pitch)?;
+            let src_pitch = to_usize(op, "src_pitch", copy.src_pitch)?;
+            let width = to_usize(op, "width", copy.width)?;
+            let rows = to_usize(op, "rows", copy.rows)?;
+            self.owner_context(op, copy.dst)?;
+            let stream = stream.0 as usize as CUstream;
+            // SAFETY: the descriptor holds device addresses only, which the driver validates
+            // and never dereferences on the host; the stream is the caller's live stream of
+            // this device's primary context or 0 (the contract of `StreamHandle`).
+            let r = unsafe {
+                self.driver.memcpy_2d_async(
+                    copy.dst.0, dst_pitch, copy.src.0, src_pitch, width, rows, stream,
+                )
+            };
+            self.check(op, r)
         })
     }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use kvvm_hal::{
     traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
-    Operation, PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
+    Operation, PhysicalHandle, RowCopy, ShareableHandleType, StreamHandle, VirtualMemoryBackend,
 };
 
 use crate::conv::{align_up, is_multiple, pointer, protection, to_u64, to_usize};
@@ -455,6 +455,38 @@ impl VirtualMemoryBackend for HostBackend {
         // access (checked above) and stays so under the read lock; `dst` is a valid,
         // exclusively borrowed slice, and any byte value is a valid `u8`.
         unsafe { std::ptr::copy(from, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn copy_rows_async(&self, copy: &RowCopy, _stream: StreamHandle) -> BackendResult<()> {
+        // The CPU has no queue: the rows are copied now, under the read lock.
+        let op = Operation::CopyRows;
+        let ill_formed = || invalid(op, format!("ill-formed row copy {copy:?}"));
+        copy.dst_span().ok_or_else(ill_formed)?;
+        copy.src_span().ok_or_else(ill_formed)?;
+        let s = self.read();
+        for row in 0..copy.rows {
+            // In range: the spans above were computed without overflow.
+            let dst = copy.dst.0 + row * copy.dst_pitch;
+            let src = copy.src.0 + row * copy.src_pitch;
+            s.check_range(op, dst, copy.width, Some(true))?;
+            s.check_range(op, src, copy.width, Some(false))?;
+        }
+        let width = to_usize(op, "width", copy.width)?;
+        if width == 0 {
+            return Ok(());
+        }
+        for row in 0..copy.rows {
+            let to = pointer(op, copy.dst.0 + row * copy.dst_pitch)?.cast::<u8>();
+            let from = pointer(op, copy.src.0 + row * copy.src_pitch)?
+                .cast::<u8>()
+                .cast_const();
+            // SAFETY: both rows lie in mappings of this backend, the destination with write
+            // access and the source with read access (checked above for every row), and stay
+            // mapped while the read lock is held (it excludes unmap, set access and free).
+            // `ptr::copy` allows the rows to overlap.
+            unsafe { std::ptr::copy(from, to, width) };
+        }
         Ok(())
     }
 

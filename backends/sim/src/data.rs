@@ -1,9 +1,9 @@
-//! Data: copies between the host and mapped device memory, stored lazily in chunks behind
+//! Data: copies between the host and mapped device memory (and row copies within it), stored lazily in chunks behind
 //! each allocation (a 64 TiB reservation costs nothing until written).
 
 use std::collections::HashMap;
 
-use kvvm_hal::{Access, BackendError, DeviceAddress, Operation};
+use kvvm_hal::{Access, BackendError, DeviceAddress, ErrorKind, Operation, RowCopy};
 
 use crate::state::{end_of, invalid, State};
 
@@ -91,6 +91,35 @@ impl State {
                 read_bytes(&a.data, offset, &mut dst[filled..filled + len]);
             }
             filled += len;
+        }
+        Ok(())
+    }
+}
+
+impl State {
+    /// A row copy, done at once (the simulated device has no queue): every row is read whole
+    /// before it is written, with the same access checks as the copies above.
+    pub(crate) fn copy_rows(&mut self, copy: &RowCopy) -> Result<(), BackendError> {
+        let op = Operation::CopyRows;
+        let ill_formed = || {
+            BackendError::raised(
+                op,
+                ErrorKind::InvalidValue,
+                format!("ill-formed row copy {copy:?}"),
+            )
+        };
+        copy.dst_span().ok_or_else(ill_formed)?;
+        copy.src_span().ok_or_else(ill_formed)?;
+        let width = usize::try_from(copy.width).map_err(|_| ill_formed())?;
+        // Check every row before any is written: a refused copy writes nothing.
+        for row in 0..copy.rows {
+            self.pieces(op, copy.src.0 + row * copy.src_pitch, copy.width, false)?;
+            self.pieces(op, copy.dst.0 + row * copy.dst_pitch, copy.width, true)?;
+        }
+        let mut buf = vec![0u8; width];
+        for row in 0..copy.rows {
+            self.copy_from_device(&mut buf, DeviceAddress(copy.src.0 + row * copy.src_pitch))?;
+            self.copy_to_device(DeviceAddress(copy.dst.0 + row * copy.dst_pitch), &buf)?;
         }
         Ok(())
     }

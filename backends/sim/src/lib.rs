@@ -73,7 +73,7 @@ use std::time::{Duration, Instant};
 use kvvm_hal::{
     traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, MemoryInfo, Operation,
-    PhysicalHandle, VirtualMemoryBackend,
+    PhysicalHandle, RowCopy, StreamHandle, VirtualMemoryBackend,
 };
 
 use state::State;
@@ -350,6 +350,13 @@ impl VirtualMemoryBackend for SimBackend {
             let n = dst.len() as u64;
             s.copy_from_device(dst, src)?;
             Ok(((), n))
+        })
+    }
+
+    fn copy_rows_async(&self, copy: &RowCopy, _stream: StreamHandle) -> BackendResult<()> {
+        self.call(Operation::CopyRows, |s| {
+            s.copy_rows(copy)?;
+            Ok(((), copy.width.saturating_mul(copy.rows)))
         })
     }
 

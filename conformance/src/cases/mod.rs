@@ -2,6 +2,7 @@
 
 pub(crate) mod access;
 pub(crate) mod aliases;
+pub(crate) mod copies;
 pub(crate) mod create;
 pub(crate) mod devices;
 pub(crate) mod export;
@@ -156,6 +157,14 @@ pub fn all_cases() -> Vec<Case> {
         case!(
             access::copy_from_unmapped_is_invalid,
             "a copy from an unmapped VA: InvalidValue"
+        ),
+        case!(
+            copies::copy_rows_strided,
+            "a strided row copy on the default stream lands row by row"
+        ),
+        case!(
+            copies::copy_rows_pitch_below_width_is_invalid,
+            "a row copy whose pitch is below its width: InvalidValue"
         ),
         case!(
             export::export_import_posix_fd,

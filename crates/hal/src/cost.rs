@@ -91,7 +91,7 @@ impl LatencyModel {
                 .unmap_per_mapping
                 .saturating_mul(u32::try_from(units.max(1)).unwrap_or(u32::MAX)),
             Operation::Synchronize => self.synchronize,
-            Operation::CopyToDevice | Operation::CopyFromDevice => {
+            Operation::CopyToDevice | Operation::CopyFromDevice | Operation::CopyRows => {
                 let bw = self.copy_bytes_per_us.max(1);
                 self.copy_base
                     .saturating_add(Duration::from_nanos(units.saturating_mul(1000) / bw))

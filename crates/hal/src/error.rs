@@ -33,6 +33,8 @@ pub enum Operation {
     CopyToDevice,
     /// Copying device to host.
     CopyFromDevice,
+    /// Queuing a strided device-to-device copy on a stream.
+    CopyRows,
     /// Exporting a shareable handle.
     Export,
     /// Importing a shareable handle.
@@ -49,7 +51,7 @@ impl Operation {
     }
 
     /// Every operation, in declaration order (for per-operation tables and fault plans).
-    pub const ALL: [Operation; 17] = [
+    pub const ALL: [Operation; 18] = [
         Operation::Load,
         Operation::Devices,
         Operation::MemoryInfo,
@@ -64,6 +66,7 @@ impl Operation {
         Operation::Synchronize,
         Operation::CopyToDevice,
         Operation::CopyFromDevice,
+        Operation::CopyRows,
         Operation::Export,
         Operation::Import,
         Operation::Kernel,
@@ -99,6 +102,7 @@ impl Operation {
             Operation::Synchronize => "synchronize",
             Operation::CopyToDevice => "copy_to_device",
             Operation::CopyFromDevice => "copy_from_device",
+            Operation::CopyRows => "copy_rows",
             Operation::Export => "export",
             Operation::Import => "import",
             Operation::Kernel => "kernel",

@@ -99,7 +99,8 @@ pub use error::{BackendError, ErrorKind, Operation};
 pub use trace::traced;
 pub use types::{
     Access, AccessDescriptor, AllocationProperties, Capabilities, DeviceAddress, DeviceId,
-    DeviceInfo, Granularity, KernelProbeOp, MemoryInfo, PhysicalHandle, ShareableHandleType,
+    DeviceInfo, Granularity, KernelProbeOp, MemoryInfo, PhysicalHandle, RowCopy,
+    ShareableHandleType, StreamHandle,
 };
 
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -203,6 +204,28 @@ pub trait VirtualMemoryBackend: Send + Sync {
 
     /// Copies `dst.len()` bytes from the device at `src` into host memory (synchronously).
     fn copy_from_device(&self, dst: &mut [u8], src: DeviceAddress) -> BackendResult<()>;
+
+    /// Queues on `stream` a copy of `copy.rows` rows of `copy.width` bytes from device memory
+    /// to device memory (see [`RowCopy`]) and returns without waiting for it; work queued on
+    /// the same stream before it is done first, work queued after it sees its bytes. Backends
+    /// without streams (the host backend, the simulator) copy at once. The default says
+    /// `NotSupported`.
+    ///
+    /// The destination must be mapped with write access for the whole copy and the source
+    /// readable, and both must stay so until the copy is done; the layer above checks the
+    /// destination (on a GPU a store into an unmapped or read-only mapping faults on the
+    /// device and its context is lost, a fault the driver reports later). A backend whose
+    /// "device" memory is host memory (the host backend) checks both ranges against its own
+    /// mappings and refuses anything else with `InvalidValue`: no call can touch host memory
+    /// that is not a mapping.
+    fn copy_rows_async(&self, copy: &RowCopy, stream: StreamHandle) -> BackendResult<()> {
+        let _ = (copy, stream);
+        Err(BackendError::raised(
+            Operation::CopyRows,
+            ErrorKind::NotSupported,
+            format!("the {} backend cannot copy rows on a stream", self.name()),
+        ))
+    }
 
     /// Exports a handle created with `ShareableHandleType::PosixFd` as a file descriptor.
     /// Fails with `NotSupported` when [`Capabilities::posix_fd_handles`] is false.

@@ -225,3 +225,55 @@ mod tests {
         assert_eq!(DeviceAddress(0x200000).to_string(), "0x200000");
     }
 }
+
+/// A queue of device work, as the driver names it (a CUDA `CUstream`, a HIP `hipStream_t`),
+/// passed through opaquely: `StreamHandle(0)` is the default stream. kvvm never creates or
+/// destroys streams; a caller (PyTorch, for instance) owns them, and a handle given to a
+/// backend must be 0 or a live stream of the device's primary context (the driver cannot tell
+/// a destroyed stream from a live one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct StreamHandle(pub u64);
+
+/// A strided copy of `rows` rows of `width` bytes: row `i` goes from `src + i * src_pitch` to
+/// `dst + i * dst_pitch`. What one decode step writes into a batch of KV caches: one row per
+/// sequence, the rows a constant slot stride apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RowCopy {
+    /// Where row 0 goes.
+    pub dst: DeviceAddress,
+    /// Bytes between consecutive destination rows (at least `width`).
+    pub dst_pitch: u64,
+    /// Where row 0 comes from.
+    pub src: DeviceAddress,
+    /// Bytes between consecutive source rows (at least `width`).
+    pub src_pitch: u64,
+    /// Bytes per row.
+    pub width: u64,
+    /// Number of rows.
+    pub rows: u64,
+}
+
+impl RowCopy {
+    /// The byte range `[start, end)` the destination rows span, or `None` when the copy is
+    /// ill-formed (a pitch below the width, or an address past the top of the address space).
+    pub fn dst_span(&self) -> Option<(u64, u64)> {
+        span(self.dst.0, self.dst_pitch, self.width, self.rows)
+    }
+
+    /// The byte range the source rows span (see [`dst_span`](Self::dst_span)).
+    pub fn src_span(&self) -> Option<(u64, u64)> {
+        span(self.src.0, self.src_pitch, self.width, self.rows)
+    }
+}
+
+fn span(base: u64, pitch: u64, width: u64, rows: u64) -> Option<(u64, u64)> {
+    if rows > 1 && pitch < width {
+        return None;
+    }
+    if rows == 0 || width == 0 {
+        return Some((base, base));
+    }
+    let last = pitch.checked_mul(rows - 1)?;
+    let end = base.checked_add(last)?.checked_add(width)?;
+    Some((base, end))
+}

@@ -13,6 +13,7 @@ use crate::errors;
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
 use crate::sequence::{max_tokens_arg, Sequence};
+use crate::store::{store, tokens_are_one_run, StoreRequest};
 use crate::view::TensorView;
 use crate::views::{busy_error, kind_arg, make_view, ViewRequest};
 
@@ -246,6 +247,49 @@ impl SequenceBatch {
             all_layers: true,
         };
         make_view(py, cells, self.stride, true, &req)
+    }
+
+    /// Writes a step's new K and V of layer `layer` into slots `first..first+count` (default:
+    /// all) at tokens `start..start + tokens`: `keys` and `values` are
+    /// ``[slots, kv_heads, tokens, head_dim]`` (a torch tensor on the manager's device, or a
+    /// numpy array on the host backend) whose slots each hold their tokens as one run
+    /// ordered ``[token][kv_head][head_dim]`` (what a model's projected K/V of a decode step
+    /// are). One strided row copy per K and V (a row per slot), queued on `stream` (a
+    /// ``torch.cuda.Stream``; None: the default stream) after the work that made the
+    /// sources; the copy is not waited for.
+    ///
+    /// The tokens must be committed and claimed (:meth:`ensure`) in every slot and lie past
+    /// any read-only shared prefix; the layout must keep them as one run per slot
+    /// (:meth:`can_store`). Refused, with nothing written, otherwise.
+    #[pyo3(signature = (layer, start, keys, values, stream = None, first = 0, count = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn store(
+        &self,
+        py: Python<'_>,
+        layer: Dim,
+        start: Count,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        stream: Option<&Bound<'_, PyAny>>,
+        first: usize,
+        count: Option<usize>,
+    ) -> PyResult<()> {
+        let cells = self.slots(py, first, count)?;
+        let req = StoreRequest {
+            layer: layer.0,
+            start: start.0,
+            keys,
+            values,
+            stream,
+        };
+        store(py, cells, self.stride, &req)
+    }
+
+    /// Whether :meth:`store` can write `tokens` tokens per slot in one row each with this
+    /// batch's layout (token-major: one token; seq-major: any number; head-major: none when
+    /// there are several KV heads).
+    fn can_store(&self, tokens: Count) -> bool {
+        tokens_are_one_run(&self.cells[0].plan, tokens.0)
     }
 
     fn __repr__(&self) -> String {

@@ -94,6 +94,12 @@ impl SeqCell {
         }
     }
 
+    /// The most tokens the user asked for (with `ensure`) since the last release: what the
+    /// pre-committer keeps mapped whatever it reclaims.
+    pub(crate) fn claimed_tokens(&self) -> u64 {
+        self.asked.load(Ordering::Acquire)
+    }
+
     /// Tokens committed now.
     pub(crate) fn committed_tokens(&self) -> u64 {
         match &self.kind {

@@ -32,6 +32,7 @@ mod manager;
 mod prefix;
 mod sequence;
 mod shared_prefix;
+mod store;
 mod view;
 mod views;
 

@@ -78,8 +78,36 @@ def test_decoding_on_the_gpu_matches_dynamic_cache(layout: str) -> None:
             worst = max(worst, (a.logits - b.logits).abs().max().item())
             tok = a.logits[:, -1:].argmax(-1)
     assert worst < 0.1, worst
+    assert kc._row_store, "the decode steps fell back to torch copies"
     del a, b
     kc.release()
+
+
+@pytest.mark.parametrize("layout", ["seq-major", "token-major"])
+def test_store_writes_a_decode_token_into_every_slot_on_a_stream(layout: str) -> None:
+    mgr = kvvm.Manager("cuda")
+    plan = kvvm.LayoutPlan(kvvm.KvGeometry(2, 8, 128, 4096, dtype="bf16"), layout, mgr.granule)
+    batch = kvvm.SequenceBatch(mgr, plan, 5)
+    batch.ensure(40)
+    # A model's projected K of a decode step: [B, 1, H, D] made contiguous, seen as [B, H, 1, D].
+    k = torch.randn(5, 1, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    v = torch.randn(5, 1, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        batch.store(1, 33, k, v, side)
+    side.synchronize()
+    keys = torch.from_dlpack(batch.view(1, "key"))
+    values = torch.from_dlpack(batch.view(1, "value"))
+    assert torch.equal(keys[:, :, 33], k[:, :, 0]) and torch.equal(values[:, :, 33], v[:, :, 0])
+    assert not keys[:, :, 32].any() and not keys[:, :, 34].any()
+    assert not torch.from_dlpack(batch.view(0, "key")).any()
+    with pytest.raises(kvvm.InvalidArgumentError, match="memory of the manager"):
+        batch.store(1, 34, k.cpu(), v.cpu())
+    with pytest.raises(kvvm.InvalidArgumentError, match="dtype"):
+        batch.store(1, 34, k.half(), v.half())
+    del keys, values
+    batch.release()
 
 
 def test_the_gpu_refuses_stores_into_a_read_only_prefix() -> None:

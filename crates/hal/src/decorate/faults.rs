@@ -8,7 +8,7 @@ use super::lock;
 use crate::{
     AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
-    Operation, PhysicalHandle, VirtualMemoryBackend,
+    Operation, PhysicalHandle, RowCopy, StreamHandle, VirtualMemoryBackend,
 };
 
 /// Called with each operation before it is counted and, unless it fails, forwarded (a test
@@ -250,6 +250,11 @@ impl VirtualMemoryBackend for FaultInjecting {
     fn copy_from_device(&self, dst: &mut [u8], src: DeviceAddress) -> BackendResult<()> {
         self.check(Operation::CopyFromDevice)?;
         self.inner.copy_from_device(dst, src)
+    }
+
+    fn copy_rows_async(&self, copy: &RowCopy, stream: StreamHandle) -> BackendResult<()> {
+        self.check(Operation::CopyRows)?;
+        self.inner.copy_rows_async(copy, stream)
     }
 
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {

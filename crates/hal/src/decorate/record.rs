@@ -8,7 +8,8 @@ use super::lock;
 
 use crate::{
     AccessDescriptor, AllocationProperties, BackendResult, Capabilities, DeviceAddress, DeviceId,
-    DeviceInfo, Granularity, KernelProbe, MemoryInfo, PhysicalHandle, VirtualMemoryBackend,
+    DeviceInfo, Granularity, KernelProbe, MemoryInfo, PhysicalHandle, RowCopy, StreamHandle,
+    VirtualMemoryBackend,
 };
 
 /// A live physical handle in a [`Record`].
@@ -382,6 +383,10 @@ impl VirtualMemoryBackend for Recording {
 
     fn copy_from_device(&self, dst: &mut [u8], src: DeviceAddress) -> BackendResult<()> {
         self.inner.copy_from_device(dst, src)
+    }
+
+    fn copy_rows_async(&self, copy: &RowCopy, stream: StreamHandle) -> BackendResult<()> {
+        self.inner.copy_rows_async(copy, stream)
     }
 
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {

@@ -233,6 +233,22 @@ class SequenceBatch:
         count: int | None = None,
         allow_uncommitted: bool = False,
     ) -> TensorView: ...
+    def store(
+        self,
+        layer: int,
+        start: int,
+        keys: Any,
+        values: Any,
+        stream: Any = None,
+        first: int = 0,
+        count: int | None = None,
+    ) -> None:
+        """Writes tokens ``start..start+T`` of layer ``layer`` of every slot from ``keys`` and
+        ``values`` (``[slots, kv_heads, T, head_dim]``, torch tensors on the manager's device or
+        numpy arrays on the host backend) with one strided row copy each, queued on ``stream``
+        (a ``torch.cuda.Stream``; None: the default stream)."""
+    def can_store(self, tokens: int) -> bool:
+        """Whether :meth:`store` can write ``tokens`` tokens per slot with this layout."""
 
 class PrefixCache:
     """An automatic prefix cache over token ids."""

@@ -35,7 +35,7 @@ from . import (
     SharedPrefix,
     geometry_from_config,
 )
-from .errors import InvalidArgumentError
+from .errors import DriverError, InvalidArgumentError, UnavailableError
 
 __all__ = ["ATTENTION", "KvvmCache", "KvvmLayer", "KvvmPrefix", "register_attention", "use_kvvm_attention"]
 
@@ -233,8 +233,11 @@ class KvvmLayer(CacheLayerMixin):
         # The step's slices are made once for all layers: per layer, two copies and no view.
         k_dst, v_dst, k_live, v_live = cache._step_views(start, q)
         i = self._index
-        k_dst[i].copy_(key_states)
-        v_dst[i].copy_(value_states)
+        if q == 1 and cache._row_store:
+            cache._store(i, start, key_states, value_states, k_dst[i], v_dst[i])
+        else:
+            k_dst[i].copy_(key_states)
+            v_dst[i].copy_(value_states)
         self.length = end
         keys = self.keys = k_live[i]
         values = self.values = v_live[i]
@@ -364,6 +367,13 @@ class KvvmCache(Cache):
         self._step: tuple[int, int] = (-1, -1)
         self._step_dst: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
         self._step_live: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
+        # A decode step's token goes in with SequenceBatch.store (one row copy per K and V,
+        # a row per slot) on GPU backends whose layout keeps a token as one run per slot:
+        # torch's own copy splits a destination spanning every slot (tens of GiB) into
+        # 32-bit-indexable pieces, a kernel launch each. Turned off for good if the driver
+        # refuses it (e.g. a slot stride above its largest pitch).
+        self._row_store = manager.backend in ("cuda", "hip") and self.batch.can_store(1)
+        self._stream: Any = None
         layers = [KvvmLayer(self, i) for i in range(geometry.layers)]
         super().__init__(layers=layers)
         self._bind_layers()
@@ -447,7 +457,27 @@ class KvvmCache(Cache):
             end = start + q
             self._step_live = (k_all.narrow(3, 0, end).unbind(0), v_all.narrow(3, 0, end).unbind(0))
             self._step = (start, q)
+            if self._row_store:
+                self._stream = torch.cuda.current_stream(k_all.device)
         return self._step_dst[0], self._step_dst[1], self._step_live[0], self._step_live[1]
+
+    def _store(
+        self,
+        layer: int,
+        start: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        k_dst: torch.Tensor,
+        v_dst: torch.Tensor,
+    ) -> None:
+        """Writes one decode token of layer ``layer`` into every slot with row copies on the
+        current stream; falls back to ``copy_`` (and stays there) if the driver refuses."""
+        try:
+            self.batch.store(layer, start, keys, values, self._stream)
+        except (DriverError, UnavailableError, InvalidArgumentError):
+            self._row_store = False
+            k_dst.copy_(keys)
+            v_dst.copy_(values)
 
     def _ensure(self, tokens: int) -> None:
         if tokens > self._ensured:

@@ -1,0 +1,81 @@
+//! Row copies: a strided device-to-device copy queued on the default stream lands row by row
+//! (what a decode step's store into a batch of KV caches is); an ill-formed one is refused.
+
+use kvvm_hal::{ErrorKind, RowCopy, StreamHandle};
+
+use crate::case::{at, ensure, expect_kind, pattern, read_back, Outcome, Verdict};
+use crate::ctx::Ctx;
+
+/// Rows of the copies below, and their width.
+const ROWS: u64 = 8;
+const WIDTH: u64 = 96;
+
+pub(crate) fn copy_rows_strided(ctx: &Ctx<'_>) -> Outcome {
+    let g = ctx.granule;
+    let mut s = ctx.scratch();
+    let va = s.reserve(2 * g)?;
+    s.commit(va, 2 * g)?;
+    // Source: ROWS rows packed WIDTH bytes apart in the first granule; destination: one row
+    // every g / ROWS bytes of the second one (a pitch far larger than the width).
+    let src = va;
+    let dst = at(va, g)?;
+    let dst_pitch = g / ROWS;
+    let data = pattern((ROWS * WIDTH) as usize, 7);
+    ctx.backend.copy_to_device(src, &data)?;
+    ctx.backend.copy_to_device(dst, &vec![0u8; g as usize])?;
+    let copy = RowCopy {
+        dst,
+        dst_pitch,
+        src,
+        src_pitch: WIDTH,
+        width: WIDTH,
+        rows: ROWS,
+    };
+    match ctx.backend.copy_rows_async(&copy, StreamHandle(0)) {
+        Err(e) if e.kind == ErrorKind::NotSupported => {
+            return Err(Verdict::Skip(format!(
+                "backend {} cannot copy rows on a stream",
+                ctx.backend.name()
+            )))
+        }
+        r => r?,
+    }
+    ctx.backend.synchronize(ctx.device)?;
+    for row in 0..ROWS {
+        let got = read_back(ctx, at(dst, row * dst_pitch)?, (WIDTH + 8) as usize)?;
+        let want = &data[(row * WIDTH) as usize..((row + 1) * WIDTH) as usize];
+        ensure(&got[..WIDTH as usize] == want, format!("row {row} differs"))?;
+        ensure(
+            got[WIDTH as usize..].iter().all(|&b| b == 0),
+            format!("bytes after row {row} were written"),
+        )?;
+    }
+    Ok(())
+}
+
+pub(crate) fn copy_rows_pitch_below_width_is_invalid(ctx: &Ctx<'_>) -> Outcome {
+    let g = ctx.granule;
+    let mut s = ctx.scratch();
+    let va = s.reserve(2 * g)?;
+    s.commit(va, 2 * g)?;
+    let copy = RowCopy {
+        dst: at(va, g)?,
+        dst_pitch: WIDTH / 2,
+        src: va,
+        src_pitch: WIDTH,
+        width: WIDTH,
+        rows: ROWS,
+    };
+    let r = ctx.backend.copy_rows_async(&copy, StreamHandle(0));
+    if matches!(&r, Err(e) if e.kind == ErrorKind::NotSupported) {
+        return Err(Verdict::Skip(format!(
+            "backend {} cannot copy rows on a stream",
+            ctx.backend.name()
+        )));
+    }
+    expect_kind(
+        r,
+        ErrorKind::InvalidValue,
+        "rows overlapping their own pitch",
+    )
+}

@@ -1,0 +1,348 @@
+//! `SequenceBatch.store`: a decode step's new K and V of one layer, written into every slot
+//! with one strided row copy each (one row per slot) queued on the caller's stream.
+//!
+//! A batch's slots are a reservation apart (hundreds of MiB), so one layer's K over all
+//! slots spans tens of GiB: PyTorch's elementwise copy splits such a destination into pieces
+//! that 32-bit offsets can index and launches one kernel per piece (16 per copy for 64 slots
+//! of a Llama-3-8B-sized cache). A row copy is one driver call whatever the span.
+
+use std::sync::Arc;
+
+use dlpark::ffi::DLDeviceType;
+use kvvm_hal::{DeviceAddress, RowCopy, StreamHandle};
+use kvvm_kv::{KvDtype, KvKind, LayoutPlan};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::cell::SeqCell;
+use crate::errors::{self, Attr};
+use crate::views::busy_error;
+
+/// A source array as its own metadata describes it: a PyTorch tensor (``data_ptr()``,
+/// ``stride()``) or anything with ``__array_interface__`` (numpy).
+struct Source {
+    ptr: u64,
+    shape: Vec<u64>,
+    /// Byte strides.
+    strides: Vec<i64>,
+    itemsize: u64,
+    /// The dtype as its library names it (`"torch.bfloat16"`, numpy's typestr).
+    dtype: String,
+    /// The CUDA/ROCm device ordinal, or None for host memory.
+    gpu: Option<i64>,
+}
+
+fn source(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Source> {
+    if obj.hasattr("data_ptr")? {
+        let ptr: u64 = obj.call_method0("data_ptr")?.extract()?;
+        let shape: Vec<u64> = obj.getattr("shape")?.extract()?;
+        let itemsize: u64 = obj.call_method0("element_size")?.extract()?;
+        let el: Vec<i64> = obj.call_method0("stride")?.extract()?;
+        let item = i64::try_from(itemsize).map_err(|_| errors::invalid(py, "element size"))?;
+        let strides = el.iter().map(|s| s.saturating_mul(item)).collect();
+        let dtype = obj.getattr("dtype")?.str()?.to_string();
+        let gpu = if obj.getattr("is_cuda")?.extract::<bool>()? {
+            Some(obj.call_method0("get_device")?.extract::<i64>()?)
+        } else {
+            None
+        };
+        return Ok(Source {
+            ptr,
+            shape,
+            strides,
+            itemsize,
+            dtype,
+            gpu,
+        });
+    }
+    if let Ok(iface) = obj.getattr("__array_interface__") {
+        let iface = iface.cast_into::<PyDict>()?;
+        let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+            iface.get_item(k)?.ok_or_else(|| {
+                errors::invalid(py, format!("{what}: __array_interface__ lacks {k}"))
+            })
+        };
+        let data = get("data")?;
+        let (ptr, _readonly): (u64, bool) = data.extract()?;
+        let shape: Vec<u64> = get("shape")?.extract()?;
+        let dtype: String = get("typestr")?.extract()?;
+        let itemsize: u64 = dtype
+            .get(2..)
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| errors::invalid(py, format!("{what}: typestr {dtype:?}")))?;
+        let strides_obj = get("strides")?;
+        let strides: Vec<i64> = if strides_obj.is_none() {
+            // C order.
+            let mut out = vec![0i64; shape.len()];
+            let mut acc = i64::try_from(itemsize).unwrap_or(i64::MAX);
+            for (i, n) in shape.iter().enumerate().rev() {
+                out[i] = acc;
+                acc = acc.saturating_mul(i64::try_from(*n).unwrap_or(i64::MAX));
+            }
+            out
+        } else {
+            strides_obj.cast::<PyTuple>()?.extract()?
+        };
+        return Ok(Source {
+            ptr,
+            shape,
+            strides,
+            itemsize,
+            dtype,
+            gpu: None,
+        });
+    }
+    Err(errors::invalid(
+        py,
+        format!("{what} must be a torch tensor or a numpy array"),
+    ))
+}
+
+/// Whether `dtype` (as the source's library names it) is the cache's element type.
+fn dtype_matches(src: &Source, dtype: KvDtype) -> bool {
+    let want = u64::from(dtype.bytes());
+    if src.itemsize != want {
+        return false;
+    }
+    match src.dtype.strip_prefix("torch.") {
+        Some(name) => matches!(
+            (dtype, name),
+            (KvDtype::F16, "float16" | "half")
+                | (KvDtype::Bf16, "bfloat16")
+                | (KvDtype::F32, "float32" | "float")
+                | (KvDtype::Fp8, "float8_e4m3fn" | "float8_e5m2")
+        ),
+        // numpy's typestr: '<f2', '<f4'; bfloat16 and fp8 have no numpy type of their own
+        // (ml_dtypes reports raw bytes, 'V').
+        None => {
+            let kind = src.dtype.as_bytes().get(1).copied();
+            match dtype {
+                KvDtype::F16 | KvDtype::F32 => kind == Some(b'f'),
+                KvDtype::Bf16 | KvDtype::Fp8 => matches!(kind, Some(b'V' | b'u')),
+            }
+        }
+    }
+}
+
+/// Whether `tokens` consecutive tokens of one layer's K (or V) of one sequence are one run of
+/// bytes in `plan`, ordered `[token][kv_head][head_dim]`: what a row of a row copy needs.
+pub(crate) fn tokens_are_one_run(plan: &LayoutPlan, tokens: u64) -> bool {
+    let geo = plan.geometry();
+    let e = u64::from(geo.dtype_bytes());
+    let d = u64::from(geo.head_dim()) * e;
+    let h = u64::from(geo.kv_heads());
+    let s = plan.strides();
+    (h <= 1 || s.head == d) && (tokens <= 1 || s.token == h * d)
+}
+
+/// What [`store`] writes.
+pub(crate) struct StoreRequest<'a, 'py> {
+    pub(crate) layer: u32,
+    pub(crate) start: u64,
+    pub(crate) keys: &'a Bound<'py, PyAny>,
+    pub(crate) values: &'a Bound<'py, PyAny>,
+    pub(crate) stream: Option<&'a Bound<'py, PyAny>>,
+}
+
+fn stream_arg(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<StreamHandle> {
+    match stream {
+        None => Ok(StreamHandle(0)),
+        Some(s) if s.is_none() => Ok(StreamHandle(0)),
+        Some(s) => match s.getattr("cuda_stream") {
+            Ok(raw) => Ok(StreamHandle(raw.extract()?)),
+            Err(_) => Err(errors::invalid(
+                py,
+                "stream must be a torch.cuda.Stream (or None for the default stream)",
+            )),
+        },
+    }
+}
+
+/// Writes `req.keys` and `req.values` (`[slots, kv_heads, tokens, head_dim]`, one slot per
+/// cell) as tokens `start..start + tokens` of layer `req.layer` of every cell.
+pub(crate) fn store(
+    py: Python<'_>,
+    cells: &[Arc<SeqCell>],
+    slot_stride: u64,
+    req: &StoreRequest<'_, '_>,
+) -> PyResult<()> {
+    let Some(first) = cells.first() else {
+        return Err(errors::invalid(py, "a store needs at least one slot"));
+    };
+    let plan = first.plan;
+    let geo = *plan.geometry();
+    if req.layer >= geo.layers() {
+        return Err(errors::invalid(
+            py,
+            format!(
+                "layer {} out of range: the model has {} layers",
+                req.layer,
+                geo.layers()
+            ),
+        ));
+    }
+    let Some(dl) = first.manager.dl_device else {
+        return Err(errors::raise(
+            py,
+            "UnavailableError",
+            format!(
+                "the {} backend's memory is not addressable: nothing can be stored into it",
+                first.manager.backend.name()
+            ),
+            &[],
+        ));
+    };
+    let on_gpu = dl.device_type != DLDeviceType::CPU;
+    let stream = stream_arg(py, req.stream)?;
+    let keys = source(py, req.keys, "keys")?;
+    let values = source(py, req.values, "values")?;
+    let heads = u64::from(geo.kv_heads());
+    let dim = u64::from(geo.head_dim());
+    let tokens = keys.shape.get(2).copied().unwrap_or(0);
+    let want = [cells.len() as u64, heads, tokens, dim];
+    let e = u64::from(geo.dtype_bytes());
+    for (src, name) in [(&keys, "keys"), (&values, "values")] {
+        if src.shape != want {
+            return Err(errors::invalid(
+                py,
+                format!(
+                    "{name} has shape {:?}; [slots, kv_heads, tokens, head_dim] = {want:?} expected",
+                    src.shape
+                ),
+            ));
+        }
+        if !dtype_matches(src, first.dtype) {
+            return Err(errors::invalid(
+                py,
+                format!(
+                    "{name} has dtype {}; the cache holds {}",
+                    src.dtype,
+                    first.dtype.as_str()
+                ),
+            ));
+        }
+        let device = first.manager.device.0;
+        match (on_gpu, src.gpu) {
+            (true, Some(d)) if d == i64::from(device) => {}
+            (false, None) => {}
+            _ => {
+                return Err(errors::invalid(
+                    py,
+                    format!(
+                        "{name} is not in the memory of the manager's device ({} backend, device {device})",
+                        first.manager.backend.name()
+                    ),
+                ))
+            }
+        }
+        let dense = (dim <= 1 || src.strides[3] == e as i64)
+            && (heads <= 1 || src.strides[1] == (dim * e) as i64)
+            && (tokens <= 1 || src.strides[2] == (heads * dim * e) as i64)
+            && (want[0] <= 1 || src.strides[0] >= (tokens * heads * dim * e) as i64);
+        if !dense {
+            return Err(errors::invalid(
+                py,
+                format!(
+                    "{name}: strides {:?} (bytes) do not make each slot's tokens one run \
+                     ordered [token][kv_head][head_dim]",
+                    src.strides
+                ),
+            ));
+        }
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    if !tokens_are_one_run(&plan, tokens) {
+        return Err(errors::invalid(
+            py,
+            format!(
+                "the {} layout does not keep {tokens} token(s) of a layer as one run per slot \
+                 (see can_store)",
+                plan.layout().as_str()
+            ),
+        ));
+    }
+    let end = req
+        .start
+        .checked_add(tokens)
+        .filter(|&e| e <= first.max_tokens)
+        .ok_or_else(|| {
+            errors::raise(
+                py,
+                "TooManyTokensError",
+                format!(
+                    "tokens {}..+{tokens} are past the sequence's {} tokens",
+                    req.start, first.max_tokens
+                ),
+                &[("max_tokens", Attr::Int(first.max_tokens))],
+            )
+        })?;
+    let bpt = plan.fragment_bytes_per_token();
+    let granule = plan.granule();
+    // Hold every slot as a view does while the copies are queued: no release or shrink can
+    // start, and it synchronizes the device before it unmaps.
+    for (i, c) in cells.iter().enumerate() {
+        if let Err(busy) = c.try_view() {
+            for done in &cells[..i] {
+                done.unview();
+            }
+            return Err(busy_error(py, busy, "store into the batch"));
+        }
+    }
+    let out = (|| -> PyResult<()> {
+        for c in cells {
+            let claimed = c.claimed_tokens().min(c.committed_tokens());
+            if end > claimed {
+                return Err(errors::raise(
+                    py,
+                    "NotCommittedError",
+                    format!(
+                        "tokens {}..{end} are not all committed and claimed: {claimed} tokens are \
+                         (call ensure)",
+                        req.start
+                    ),
+                    &[],
+                ));
+            }
+            let protected = c.with(|s| s.protected_windows()).saturating_mul(granule);
+            if req.start.saturating_mul(bpt) < protected {
+                return Err(errors::raise(
+                    py,
+                    "WriteIntoSharedPrefixError",
+                    format!(
+                        "token {} lies in the sequence's read-only shared prefix",
+                        req.start
+                    ),
+                    &[],
+                ));
+            }
+        }
+        let width = tokens * heads * dim * e;
+        let mut copies = Vec::with_capacity(2);
+        for (kind, src) in [(KvKind::Key, &keys), (KvKind::Value, &values)] {
+            let off = first
+                .offset(req.layer, kind, req.start)
+                .map_err(|err| errors::kv(py, &err))?;
+            copies.push(RowCopy {
+                dst: DeviceAddress(first.base.saturating_add(off)),
+                dst_pitch: slot_stride,
+                src: DeviceAddress(src.ptr),
+                src_pitch: u64::try_from(src.strides[0]).unwrap_or(0).max(width),
+                width,
+                rows: cells.len() as u64,
+            });
+        }
+        let backend = Arc::clone(&first.manager.backend);
+        py.detach(move || {
+            copies
+                .iter()
+                .try_for_each(|copy| backend.copy_rows_async(copy, stream))
+        })
+        .map_err(|err| errors::backend(py, &err))
+    })();
+    for c in cells {
+        c.unview();
+    }
+    out
+}
