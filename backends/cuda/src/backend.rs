@@ -6,7 +6,7 @@ use std::sync::Mutex;
 
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdevice_attribute, CUmemAccessDesc, CUmemAllocationGranularity_flags,
-    CUmemLocation, CUmemLocationType, CUstream,
+    CUmemLocation, CUmemLocationType,
 };
 use kvvm_hal::{
     traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
@@ -21,6 +21,7 @@ use crate::driver::{self, Driver};
 use crate::error::CuCode;
 use crate::probe::ProbeModule;
 use crate::result::CuResult;
+use crate::rows::RowsModule;
 
 /// A retained primary context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,6 +46,8 @@ pub(crate) struct Device {
     pub(crate) info: DeviceInfo,
     /// The probe kernels, loaded on first use.
     pub(crate) probe: Mutex<Option<ProbeModule>>,
+    /// The row-copy kernel, loaded on first use.
+    pub(crate) rows: Mutex<Option<RowsModule>>,
 }
 
 /// The CUDA driver backend: the driver's virtual-memory management API (`cuMemCreate`,
@@ -185,6 +188,7 @@ impl CudaBackend {
                     driver_version: version.clone(),
                 },
                 probe: Mutex::new(None),
+                rows: Mutex::new(None),
             });
         }
         backend.posix_fd = backend.devices.iter().all(|d| d.info.posix_fd_supported);
@@ -245,6 +249,27 @@ impl CudaBackend {
         self.any_context(op)
     }
 
+    /// The device whose memory `address` maps when the driver can say (with several devices),
+    /// else the device whose context is current, else device 0.
+    pub(crate) fn owner_device(
+        &self,
+        op: Operation,
+        address: DeviceAddress,
+    ) -> BackendResult<&Device> {
+        if self.devices.len() > 1 {
+            if let Ok(ordinal) = self.driver.pointer_device_ordinal(address.0) {
+                if let Some(dev) = self.devices.iter().find(|d| d.ordinal == ordinal) {
+                    return Ok(dev);
+                }
+            }
+        }
+        let current = self.check(op, self.driver.ctx_current())?;
+        match self.devices.iter().find(|d| d.ctx.0 == current) {
+            Some(dev) => Ok(dev),
+            None => self.device(op, DeviceId(0)),
+        }
+    }
+
     fn any_context(&self, op: Operation) -> BackendResult<()> {
         let current = self.check(op, self.driver.ctx_current())?;
         if !current.is_null() && self.devices.iter().any(|d| d.ctx.0 == current) {
@@ -275,14 +300,25 @@ impl Drop for CudaBackend {
                 .get_mut()
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
                 .take();
-            if let Some(probe) = probe {
+            let rows = device
+                .rows
+                .get_mut()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .take();
+            if probe.is_some() || rows.is_some() {
                 // SAFETY: the context is still retained (released just below).
                 let current = unsafe { driver.ctx_set_current(device.ctx.0) };
                 if current.is_ok() {
                     // Failures (a context lost to a fault) leave nothing we could do.
-                    // SAFETY: the module was loaded in this context, which is now current, and
-                    // it is not used again.
-                    let _ = unsafe { probe.unload(&driver) };
+                    // SAFETY: the modules were loaded in this context, which is now current,
+                    // and they are not used again.
+                    if let Some(probe) = probe {
+                        let _ = unsafe { probe.unload(&driver) };
+                    }
+                    // SAFETY: as above.
+                    if let Some(rows) = rows {
+                        let _ = unsafe { rows.unload(&driver) };
+                    }
                 }
             }
             // SAFETY: balances the one retain of `open`; nothing of this backend uses the
@@ -505,42 +541,15 @@ impl VirtualMemoryBackend for CudaBackend {
     }
 
     fn copy_rows_async(&self, copy: &RowCopy, stream: StreamHandle) -> BackendResult<()> {
-        let op = Operation::CopyRows;
         let span = tracing::debug_span!(
             "kvvm_cuda",
-            op = "cuMemcpy2DAsync",
+            op = "kvvm_copy_rows",
             dst = %copy.dst,
             src = %copy.src,
             width = copy.width,
             rows = copy.rows
         );
-        traced(span, || {
-            if copy.dst_span().is_none() || copy.src_span().is_none() {
-                return Err(BackendError::raised(
-                    op,
-                    ErrorKind::InvalidValue,
-                    format!("ill-formed row copy {copy:?}"),
-                ));
-            }
-            if copy.rows == 0 || copy.width == 0 {
-                return Ok(());
-            }
-            let dst_pitch = to_usize(op, "dst_pitch", copy.dst_pitch)?;
-            let src_pitch = to_usize(op, "src_pitch", copy.src_pitch)?;
-            let width = to_usize(op, "width", copy.width)?;
-            let rows = to_usize(op, "rows", copy.rows)?;
-            self.owner_context(op, copy.dst)?;
-            let stream = stream.0 as usize as CUstream;
-            // SAFETY: the descriptor holds device addresses only, which the driver validates
-            // and never dereferences on the host; the stream is the caller's live stream of
-            // this device's primary context or 0 (the contract of `StreamHandle`).
-            let r = unsafe {
-                self.driver.memcpy_2d_async(
-                    copy.dst.0, dst_pitch, copy.src.0, src_pitch, width, rows, stream,
-                )
-            };
-            self.check(op, r)
-        })
+        traced(span, || self.launch_copy_rows(copy, stream))
     }
 
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {

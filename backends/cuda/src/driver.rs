@@ -14,7 +14,7 @@ use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUfunction, CUmemAccessDesc,
     CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
-    CUmemGenericAllocationHandle, CUmodule, CUstream, CUDA_MEMCPY2D,
+    CUmemGenericAllocationHandle, CUmodule, CUstream,
 };
 use kvvm_hal::{BackendError, Operation};
 
@@ -111,7 +111,6 @@ driver_table! {
     mem_alloc = c"cuMemAlloc_v2": fn(*mut CUdeviceptr, usize);
     mem_free = c"cuMemFree_v2": fn(CUdeviceptr);
     memcpy_dtod = c"cuMemcpyDtoD_v2": fn(CUdeviceptr, CUdeviceptr, usize);
-    memcpy_2d_async = c"cuMemcpy2DAsync_v2": fn(*const CUDA_MEMCPY2D, CUstream);
     module_load_data = c"cuModuleLoadData": fn(*mut CUmodule, *const c_void);
     module_unload = c"cuModuleUnload": fn(CUmodule);
     module_get_function = c"cuModuleGetFunction": fn(*mut CUfunction, CUmodule, *const c_char);

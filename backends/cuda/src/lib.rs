@@ -46,6 +46,7 @@ mod kernel;
 mod linear;
 mod probe;
 mod result;
+mod rows;
 
 pub use backend::CudaBackend;
 pub use conv::format_driver_version;

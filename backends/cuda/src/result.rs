@@ -13,7 +13,7 @@ use std::ptr;
 use cudarc::driver::sys::{
     CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUfunction, CUmemAccessDesc,
     CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
-    CUmemGenericAllocationHandle, CUmemorytype, CUmodule, CUstream, CUDA_MEMCPY2D,
+    CUmemGenericAllocationHandle, CUmodule, CUstream,
 };
 
 use crate::driver::{Driver, RawResult};
@@ -354,48 +354,6 @@ impl Driver {
         }
     }
 
-    /// `cuMemcpy2DAsync_v2`, device to device: `rows` rows of `width` bytes at pitches
-    /// `dst_pitch` and `src_pitch`, queued on `stream`.
-    ///
-    /// # Safety
-    ///
-    /// `stream` is 0 or a live stream of the current context; the source rows stay allocated
-    /// until the copy is done (the driver validates the addresses it can, a device fault is
-    /// reported later).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn memcpy_2d_async(
-        &self,
-        dst: CUdeviceptr,
-        dst_pitch: usize,
-        src: CUdeviceptr,
-        src_pitch: usize,
-        width: usize,
-        rows: usize,
-        stream: CUstream,
-    ) -> CuResult<()> {
-        let copy = CUDA_MEMCPY2D {
-            srcXInBytes: 0,
-            srcY: 0,
-            srcMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
-            srcHost: ptr::null(),
-            srcDevice: src,
-            srcArray: ptr::null_mut(),
-            srcPitch: src_pitch,
-            dstXInBytes: 0,
-            dstY: 0,
-            dstMemoryType: CUmemorytype::CU_MEMORYTYPE_DEVICE,
-            dstHost: ptr::null_mut(),
-            dstDevice: dst,
-            dstArray: ptr::null_mut(),
-            dstPitch: dst_pitch,
-            WidthInBytes: width,
-            Height: rows,
-        };
-        // SAFETY: `copy` is a fully initialised descriptor that outlives the call (the driver
-        // reads it before returning); the stream and the source are the caller's guarantee.
-        check(unsafe { (self.memcpy_2d_async)(&copy, stream) })
-    }
-
     /// `cuMemcpyDtoD_v2` of `bytes` bytes (synchronous with respect to the host for
     /// device-to-device copies only once the context is synchronized).
     pub(crate) fn memcpy_dtod(
@@ -470,8 +428,24 @@ impl Driver {
         block: c_uint,
         params: &mut [*mut c_void],
     ) -> CuResult<()> {
-        // SAFETY: the caller guarantees the function and the parameter list; the driver
-        // copies the parameter values during the call.
+        // SAFETY: the caller's guarantees; the null stream is the default stream.
+        unsafe { self.launch_on(function, grid, block, ptr::null_mut(), params) }
+    }
+
+    /// `cuLaunchKernel` on `stream` with a 1-D grid and no shared memory.
+    ///
+    /// # Safety
+    /// As [`launch`](Self::launch); `stream` is null or a live stream of the current context.
+    pub(crate) unsafe fn launch_on(
+        &self,
+        function: CUfunction,
+        grid: c_uint,
+        block: c_uint,
+        stream: CUstream,
+        params: &mut [*mut c_void],
+    ) -> CuResult<()> {
+        // SAFETY: the caller guarantees the function, the stream and the parameter list; the
+        // driver copies the parameter values during the call.
         check(unsafe {
             (self.launch_kernel)(
                 function,
@@ -482,7 +456,7 @@ impl Driver {
                 1,
                 1,
                 0,
-                ptr::null_mut(),
+                stream,
                 params.as_mut_ptr(),
                 ptr::null_mut(),
             )

@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use kvvm_hal::{
     traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
     DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, MemoryInfo, Operation,
-    PhysicalHandle, RowCopy, ShareableHandleType, StreamHandle, VirtualMemoryBackend,
+    PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
 };
 
 use crate::conv::{
@@ -450,51 +450,6 @@ impl VirtualMemoryBackend for HipBackend {
                 )
             },
         )
-    }
-
-    fn copy_rows_async(&self, copy: &RowCopy, stream: StreamHandle) -> BackendResult<()> {
-        let op = Operation::CopyRows;
-        let span = tracing::debug_span!(
-            "kvvm_hip",
-            op = "hipMemcpy2DAsync",
-            dst = %copy.dst,
-            src = %copy.src,
-            width = copy.width,
-            rows = copy.rows
-        );
-        traced(span, || {
-            if copy.dst_span().is_none() || copy.src_span().is_none() {
-                return Err(BackendError::raised(
-                    op,
-                    ErrorKind::InvalidValue,
-                    format!("ill-formed row copy {copy:?}"),
-                ));
-            }
-            if copy.rows == 0 || copy.width == 0 {
-                return Ok(());
-            }
-            let dst_pitch = to_usize(op, "dst_pitch", copy.dst_pitch)?;
-            let src_pitch = to_usize(op, "src_pitch", copy.src_pitch)?;
-            let width = to_usize(op, "width", copy.width)?;
-            let rows = to_usize(op, "rows", copy.rows)?;
-            let Some(result) = self.api().call_memcpy_2d_async(
-                to_ptr(copy.dst),
-                dst_pitch,
-                to_ptr(copy.src).cast_const(),
-                src_pitch,
-                width,
-                rows,
-                stream.0 as usize as *mut c_void,
-            ) else {
-                return Err(self.not_supported(op));
-            };
-            self.check(op, result, || {
-                format!(
-                    "hipMemcpy2DAsync({}, {dst_pitch}, {}, {src_pitch}, {width}, {rows})",
-                    copy.dst, copy.src
-                )
-            })
-        })
     }
 
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {

@@ -263,20 +263,6 @@ pub type FnHipMemGetAllocationGranularity =
 pub type FnHipMemcpyHtoD = unsafe extern "C" fn(*mut c_void, *mut c_void, usize) -> HipErrorCode;
 /// `hipError_t hipMemcpyDtoH(void* dst, hipDeviceptr_t src, size_t sizeBytes)`.
 pub type FnHipMemcpyDtoH = unsafe extern "C" fn(*mut c_void, *mut c_void, usize) -> HipErrorCode;
-/// `hipError_t hipMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch,
-/// size_t width, size_t height, hipMemcpyKind kind, hipStream_t stream)`.
-pub type FnHipMemcpy2DAsync = unsafe extern "C" fn(
-    *mut c_void,
-    usize,
-    *const c_void,
-    usize,
-    usize,
-    usize,
-    c_int,
-    *mut c_void,
-) -> HipErrorCode;
-/// `hipMemcpyDeviceToDevice` of `hipMemcpyKind`.
-pub const HIP_MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
 /// `hipError_t hipMemGetInfo(size_t* free, size_t* total)`.
 pub type FnHipMemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> HipErrorCode;
 /// `hipError_t hipDeviceGetName(char* name, int len, hipDevice_t device)`.
@@ -343,8 +329,6 @@ pub struct HipApi {
     pub mem_export_to_shareable_handle: Option<FnHipMemExportToShareableHandle>,
     /// `hipMemImportFromShareableHandle`, when the library exports it.
     pub mem_import_from_shareable_handle: Option<FnHipMemImportFromShareableHandle>,
-    /// `hipMemcpy2DAsync`, when the library exports it.
-    pub memcpy_2d_async: Option<FnHipMemcpy2DAsync>,
 }
 
 /// Resolves `name` in `lib` as a function pointer of type `T`.
@@ -418,7 +402,6 @@ impl HipApi {
                 "hipMemImportFromShareableHandle",
                 FnHipMemImportFromShareableHandle
             ),
-            memcpy_2d_async: optional!("hipMemcpy2DAsync", FnHipMemcpy2DAsync),
         })
     }
 }

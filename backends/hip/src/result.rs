@@ -207,37 +207,6 @@ impl HipApi {
         check(unsafe { (self.memcpy_dtoh)(dst.as_mut_ptr().cast::<c_void>(), src, len) })
     }
 
-    /// `hipMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows, DeviceToDevice,
-    /// stream)`; `None` when the library does not export it.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn call_memcpy_2d_async(
-        &self,
-        dst: *mut c_void,
-        dst_pitch: usize,
-        src: *const c_void,
-        src_pitch: usize,
-        width: usize,
-        rows: usize,
-        stream: *mut c_void,
-    ) -> Option<HipResult<()>> {
-        let f = self.memcpy_2d_async?;
-        // SAFETY: every pointer is a device address the runtime validates and never
-        // dereferences on the host; the stream is the caller's live stream or null (the
-        // contract of `StreamHandle`).
-        Some(check(unsafe {
-            f(
-                dst,
-                dst_pitch,
-                src,
-                src_pitch,
-                width,
-                rows,
-                crate::driver::HIP_MEMCPY_DEVICE_TO_DEVICE,
-                stream,
-            )
-        }))
-    }
-
     /// `hipMemExportToShareableHandle(&fd, handle, POSIX fd, 0)`; `None` when not exported.
     pub(crate) fn call_export_posix_fd(
         &self,

@@ -71,49 +71,7 @@ pub struct CuMemAccessDesc {
     pub flags: u32,
 }
 
-/// `CUDA_MEMCPY2D`: 128 bytes on 64-bit Linux (each memory-type enum padded to 8).
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct CuMemcpy2D {
-    /// `srcXInBytes`.
-    pub src_x_in_bytes: usize,
-    /// `srcY`.
-    pub src_y: usize,
-    /// `srcMemoryType` (`CU_MEMORYTYPE_DEVICE` = 2).
-    pub src_memory_type: c_uint,
-    /// `srcHost`.
-    pub src_host: *const c_void,
-    /// `srcDevice`.
-    pub src_device: CuDevicePtr,
-    /// `srcArray`.
-    pub src_array: *mut c_void,
-    /// `srcPitch`.
-    pub src_pitch: usize,
-    /// `dstXInBytes`.
-    pub dst_x_in_bytes: usize,
-    /// `dstY`.
-    pub dst_y: usize,
-    /// `dstMemoryType`.
-    pub dst_memory_type: c_uint,
-    /// `dstHost`.
-    pub dst_host: *mut c_void,
-    /// `dstDevice`.
-    pub dst_device: CuDevicePtr,
-    /// `dstArray`.
-    pub dst_array: *mut c_void,
-    /// `dstPitch`.
-    pub dst_pitch: usize,
-    /// `WidthInBytes`.
-    pub width_in_bytes: usize,
-    /// `Height`.
-    pub height: usize,
-}
-
-/// `CU_MEMORYTYPE_DEVICE`.
-pub const CU_MEMORYTYPE_DEVICE: c_uint = 2;
-
 const _: () = {
-    assert!(size_of::<CuMemcpy2D>() == 128);
     assert!(size_of::<CuMemLocation>() == 8);
     assert!(size_of::<CuMemAllocationProp>() == 32);
     assert!(offset_of!(CuMemAllocationProp, type_) == 0);
@@ -172,8 +130,6 @@ pub struct Cuda {
     pub memcpy_htod: unsafe extern "C" fn(CuDevicePtr, *const c_void, usize) -> CuResult,
     /// `cuMemcpyDtoH_v2`.
     pub memcpy_dtoh: unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize) -> CuResult,
-    /// `cuMemcpy2DAsync_v2`.
-    pub memcpy_2d_async: unsafe extern "C" fn(*const CuMemcpy2D, *mut c_void) -> CuResult,
     /// `cuMemGetInfo_v2`.
     pub mem_get_info: unsafe extern "C" fn(*mut usize, *mut usize) -> CuResult,
     /// `cuDeviceGetName`.
@@ -249,7 +205,6 @@ fn load() -> Result<Cuda, HipErrorCode> {
         mem_get_allocation_granularity: sym!("cuMemGetAllocationGranularity"),
         memcpy_htod: sym!("cuMemcpyHtoD_v2"),
         memcpy_dtoh: sym!("cuMemcpyDtoH_v2"),
-        memcpy_2d_async: sym!("cuMemcpy2DAsync_v2"),
         mem_get_info: sym!("cuMemGetInfo_v2"),
         device_get_name: sym!("cuDeviceGetName"),
         device_total_mem: sym!("cuDeviceTotalMem_v2"),

@@ -16,7 +16,6 @@
 //! | `hipMemRelease`, `hipMemMap`, `hipMemSetAccess`, `hipMemUnmap` | the `cuMem*` of the same name |
 //! | `hipMemGetAllocationGranularity` | `cuMemGetAllocationGranularity` |
 //! | `hipMemcpyHtoD` / `DtoH` | `cuMemcpyHtoD_v2` / `cuMemcpyDtoH_v2` |
-//! | `hipMemcpy2DAsync` (device to device) | `cuMemcpy2DAsync_v2` |
 //! | `hipMemGetInfo` | `cuMemGetInfo_v2` |
 //! | `hipDeviceGetName`, `hipDeviceTotalMem` | `cuDeviceGetName`, `cuDeviceTotalMem_v2` |
 //! | `hipMemExportToShareableHandle` / `Import...` | `cuMemExportToShareableHandle` / `Import...` |
@@ -49,8 +48,7 @@ use kvvm_hip::error::{
 };
 
 use crate::cuda::{
-    cuda, to_hip, CuMemAccessDesc, CuMemAllocFlags, CuMemAllocationProp, CuMemLocation, CuMemcpy2D,
-    CU_MEMORYTYPE_DEVICE,
+    cuda, to_hip, CuMemAccessDesc, CuMemAllocFlags, CuMemAllocationProp, CuMemLocation,
 };
 
 /// The runtime version the shim reports: ROCm 6.2.41134 in HIP's encoding.
@@ -397,55 +395,6 @@ pub unsafe extern "C" fn hipMemcpyDtoH(
 ) -> HipErrorCode {
     // SAFETY: `dst` is writable for `size` bytes by the caller's contract.
     with_context(|c| to_hip(unsafe { (c.memcpy_dtoh)(dst, dptr(src), size) }))
-}
-
-/// `hipMemcpyDeviceToDevice`: the only `hipMemcpyKind` the shim forwards for 2D copies.
-const HIP_MEMCPY_DEVICE_TO_DEVICE: c_int = 3;
-
-/// `hipError_t hipMemcpy2DAsync(void* dst, size_t dpitch, const void* src, size_t spitch,
-/// size_t width, size_t height, hipMemcpyKind kind, hipStream_t stream)`, device to device
-/// only (another kind is `hipErrorInvalidValue`); a HIP stream is the CUDA stream here.
-///
-/// # Safety
-/// `stream` is null or a live stream of the current device's primary context.
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn hipMemcpy2DAsync(
-    dst: *mut c_void,
-    dpitch: usize,
-    src: *const c_void,
-    spitch: usize,
-    width: usize,
-    height: usize,
-    kind: c_int,
-    stream: *mut c_void,
-) -> HipErrorCode {
-    if kind != HIP_MEMCPY_DEVICE_TO_DEVICE {
-        return HIP_ERROR_INVALID_VALUE;
-    }
-    with_context(|c| {
-        let copy = CuMemcpy2D {
-            src_x_in_bytes: 0,
-            src_y: 0,
-            src_memory_type: CU_MEMORYTYPE_DEVICE,
-            src_host: std::ptr::null(),
-            src_device: dptr(src.cast_mut()),
-            src_array: std::ptr::null_mut(),
-            src_pitch: spitch,
-            dst_x_in_bytes: 0,
-            dst_y: 0,
-            dst_memory_type: CU_MEMORYTYPE_DEVICE,
-            dst_host: std::ptr::null_mut(),
-            dst_device: dptr(dst),
-            dst_array: std::ptr::null_mut(),
-            dst_pitch: dpitch,
-            width_in_bytes: width,
-            height,
-        };
-        // SAFETY: `copy` is initialised and outlives the call; its addresses are device
-        // addresses the driver validates; the stream is the caller's (see above).
-        to_hip(unsafe { (c.memcpy_2d_async)(&copy, stream) })
-    })
 }
 
 /// `hipError_t hipMemGetInfo(size_t* free, size_t* total)`.

@@ -1,5 +1,6 @@
-//! Row copies: a strided device-to-device copy queued on the default stream lands row by row
-//! (what a decode step's store into a batch of KV caches is); an ill-formed one is refused.
+//! Row copies: a strided device-to-device copy queued on the default stream lands row by row,
+//! also when the rows lie in separate mappings with unmapped address space between them (what
+//! a decode step's store into a batch of KV caches is); an ill-formed one is refused.
 
 use kvvm_hal::{ErrorKind, RowCopy, StreamHandle};
 
@@ -49,6 +50,44 @@ pub(crate) fn copy_rows_strided(ctx: &Ctx<'_>) -> Outcome {
             got[WIDTH as usize..].iter().all(|&b| b == 0),
             format!("bytes after row {row} were written"),
         )?;
+    }
+    Ok(())
+}
+
+pub(crate) fn copy_rows_across_unmapped_gaps(ctx: &Ctx<'_>) -> Outcome {
+    let g = ctx.granule;
+    let mut s = ctx.scratch();
+    // Granule 0 holds the source; rows go to granules 1, 3 and 5, each its own mapping, with
+    // granules 2 and 4 reserved but unmapped: the span of the copy is not one mapped range.
+    let va = s.reserve(6 * g)?;
+    for i in [0, 1, 3, 5] {
+        s.commit(at(va, i * g)?, g)?;
+    }
+    let rows = 3;
+    let data = pattern((rows * WIDTH) as usize, 11);
+    ctx.backend.copy_to_device(va, &data)?;
+    let copy = RowCopy {
+        dst: at(va, g + 64)?,
+        dst_pitch: 2 * g,
+        src: va,
+        src_pitch: WIDTH,
+        width: WIDTH,
+        rows,
+    };
+    match ctx.backend.copy_rows_async(&copy, StreamHandle(0)) {
+        Err(e) if e.kind == ErrorKind::NotSupported => {
+            return Err(Verdict::Skip(format!(
+                "backend {} cannot copy rows on a stream",
+                ctx.backend.name()
+            )))
+        }
+        r => r?,
+    }
+    ctx.backend.synchronize(ctx.device)?;
+    for row in 0..rows {
+        let got = read_back(ctx, at(va, (1 + 2 * row) * g + 64)?, WIDTH as usize)?;
+        let want = &data[(row * WIDTH) as usize..((row + 1) * WIDTH) as usize];
+        ensure(got == want, format!("row {row} differs"))?;
     }
     Ok(())
 }

@@ -163,6 +163,10 @@ pub fn all_cases() -> Vec<Case> {
             "a strided row copy on the default stream lands row by row"
         ),
         case!(
+            copies::copy_rows_across_unmapped_gaps,
+            "row copies whose rows lie in separate mappings, unmapped VA between them"
+        ),
+        case!(
             copies::copy_rows_pitch_below_width_is_invalid,
             "a row copy whose pitch is below its width: InvalidValue"
         ),

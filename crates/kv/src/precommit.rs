@@ -34,7 +34,7 @@
 //! [`Precommitter::shutdown`] (also run on drop) stops the worker, joins it, and drops the
 //! queue; sequences release everything when they are dropped.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 
@@ -124,6 +124,9 @@ pub(crate) struct Cell {
     pub(crate) live: AtomicU64,
     /// Bytes this sequence has committed ahead of `live` (part of the global headroom).
     pub(crate) ahead: AtomicU64,
+    /// Set by a release: the worker leaves the sequence alone until the decode path asks for
+    /// tokens again (released memory stays released).
+    pub(crate) dormant: AtomicBool,
     pub(crate) max_tokens: u64,
     pub(crate) plan: LayoutPlan,
 }
@@ -206,6 +209,9 @@ impl Inner {
 
     /// Whether fewer than `headroom_tokens` tokens are committed ahead of `cell`'s live end.
     fn needs_work(&self, cell: &Cell) -> bool {
+        if cell.dormant.load(Ordering::Acquire) {
+            return false;
+        }
         let ready = cell.ready.load(Ordering::Acquire);
         let live = cell.live.load(Ordering::Acquire);
         ready < cell.max_tokens && ready.saturating_sub(live) < self.config.headroom_tokens
@@ -232,7 +238,7 @@ impl Inner {
         }
         let seq = cell.lock_settled();
         let have = seq.committed_tokens();
-        if have >= target {
+        if have >= target || cell.dormant.load(Ordering::Acquire) {
             return false;
         }
         let extra = Inner::ahead_bytes(&cell.plan, have.max(live), target);
@@ -286,7 +292,14 @@ impl Inner {
     /// to finish: the driver calls run unlocked, so the decode thread's writes and reads never
     /// wait behind them. Returns the bytes committed and the committed count, published.
     fn commit_unlocked(cell: &Cell, target: u64) -> Result<(u64, u64), KvCacheError> {
-        let job = cell.lock_settled().begin_ensure(target);
+        let job = {
+            let mut seq = cell.lock_settled();
+            // Released meanwhile (the release set this under the same lock): nothing to grow.
+            if cell.dormant.load(Ordering::Acquire) {
+                return Ok((0, seq.committed_tokens()));
+            }
+            seq.begin_ensure(target)
+        };
         let mut job = match job {
             Ok(Some(job)) => job,
             Ok(None) => {
@@ -501,6 +514,7 @@ impl Precommitter {
             ready: AtomicU64::new(ready),
             // What is committed at attach time (a prompt) counts as in use.
             live: AtomicU64::new(ready),
+            dormant: AtomicBool::new(false),
             ahead: AtomicU64::new(0),
             max_tokens,
         });

@@ -99,6 +99,33 @@ fn the_worker_commits_ahead_and_the_hot_path_finds_it() {
 }
 
 #[test]
+fn a_released_sequence_is_not_grown_again_until_tokens_are_asked_for() {
+    let w = world(None, 0);
+    let pre = Precommitter::start(&w.vm, config(16, 16)).unwrap();
+    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    s.ensure_tokens(1).unwrap();
+    let seq = pre.attach(s);
+    pre.wait_idle();
+    assert!(seq.committed_tokens() >= 33);
+    assert!(seq.release().unwrap() > 0);
+    // Several worker passes: the released memory stays released.
+    for _ in 0..5 {
+        pre.wait_idle();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(seq.committed_tokens(), 0);
+    assert_eq!(seq.with_sequence(|s| s.committed_bytes()), 0);
+    assert_eq!(w.gov.snapshot().device(D0).committed, 0);
+    // Asked for again, it is grown ahead again.
+    seq.ensure_tokens(1).unwrap();
+    pre.wait_idle();
+    assert!(seq.committed_tokens() >= 33, "{}", seq.committed_tokens());
+    pre.shutdown();
+    drop(seq);
+    assert!(w.sim.ledger().is_empty());
+}
+
+#[test]
 fn headroom_is_bounded() {
     let w = world(None, 0);
     let pre = Precommitter::start(&w.vm, config(256, 6)).unwrap();

@@ -29,6 +29,9 @@ impl PrecommittedSequence {
     pub fn ensure_tokens(&self, n: u64) -> Result<Ensured, KvCacheError> {
         let cell = &self.cell;
         let c = &self.inner.counters;
+        if cell.dormant.load(Ordering::Relaxed) {
+            cell.dormant.store(false, Ordering::Release);
+        }
         // Claim first, read second (see `Cell`): a shrink either sees this claim or is seen.
         let claimed = cell.live.fetch_max(n, Ordering::SeqCst);
         let ready = cell.ready.load(Ordering::SeqCst);
@@ -104,7 +107,9 @@ impl PrecommittedSequence {
     /// [`SequenceKv::release`].
     pub fn release(&self) -> Result<u64, KvCacheError> {
         let mut seq = self.cell.lock_settled();
-        // Nothing is answered `Ready` from here on, before anything is unmapped.
+        // The worker grows it no more (until tokens are asked for again)...
+        self.cell.dormant.store(true, Ordering::Release);
+        // ... and nothing is answered `Ready` from here on, before anything is unmapped.
         self.cell.ready.store(0, Ordering::SeqCst);
         let result = seq.release();
         self.cell
