@@ -20,6 +20,6 @@ if [ "${1:-all}" != bench ]; then
 fi
 if [ "${1:-all}" != tests ]; then
   echo "== python -m kvvm.bench generate"
-  (cd /tmp && timeout 480 python3 -m kvvm.bench generate --backend cuda --json "$out/bench-generate.json" ${BENCH_ARGS:-}) | tee "$out/bench-generate.md"
+  (cd /tmp && timeout "${BENCH_TIMEOUT:-480}" python3 -m kvvm.bench generate --backend cuda --json "$out/bench-generate.json" ${BENCH_ARGS:-}) | tee "$out/bench-generate.md"
 fi
 echo "== done"

@@ -11,7 +11,28 @@ use crate::ctx::Ctx;
 const ROWS: u64 = 8;
 const WIDTH: u64 = 96;
 
+/// Skips the case, before anything is allocated, when the backend cannot copy rows (an empty
+/// copy is answered `NotSupported` there and `Ok` everywhere else).
+fn require_row_copies(ctx: &Ctx<'_>) -> Outcome {
+    let empty = RowCopy {
+        dst: kvvm_hal::DeviceAddress(0),
+        dst_pitch: 0,
+        src: kvvm_hal::DeviceAddress(0),
+        src_pitch: 0,
+        width: 0,
+        rows: 0,
+    };
+    match ctx.backend.copy_rows_async(&empty, StreamHandle(0)) {
+        Err(e) if e.kind == ErrorKind::NotSupported => Err(Verdict::Skip(format!(
+            "backend {} cannot copy rows on a stream",
+            ctx.backend.name()
+        ))),
+        r => Ok(r?),
+    }
+}
+
 pub(crate) fn copy_rows_strided(ctx: &Ctx<'_>) -> Outcome {
+    require_row_copies(ctx)?;
     let g = ctx.granule;
     let mut s = ctx.scratch();
     let va = s.reserve(2 * g)?;
@@ -32,15 +53,7 @@ pub(crate) fn copy_rows_strided(ctx: &Ctx<'_>) -> Outcome {
         width: WIDTH,
         rows: ROWS,
     };
-    match ctx.backend.copy_rows_async(&copy, StreamHandle(0)) {
-        Err(e) if e.kind == ErrorKind::NotSupported => {
-            return Err(Verdict::Skip(format!(
-                "backend {} cannot copy rows on a stream",
-                ctx.backend.name()
-            )))
-        }
-        r => r?,
-    }
+    ctx.backend.copy_rows_async(&copy, StreamHandle(0))?;
     ctx.backend.synchronize(ctx.device)?;
     for row in 0..ROWS {
         let got = read_back(ctx, at(dst, row * dst_pitch)?, (WIDTH + 8) as usize)?;
@@ -55,6 +68,7 @@ pub(crate) fn copy_rows_strided(ctx: &Ctx<'_>) -> Outcome {
 }
 
 pub(crate) fn copy_rows_across_unmapped_gaps(ctx: &Ctx<'_>) -> Outcome {
+    require_row_copies(ctx)?;
     let g = ctx.granule;
     let mut s = ctx.scratch();
     // Granule 0 holds the source; rows go to granules 1, 3 and 5, each its own mapping, with
@@ -74,15 +88,7 @@ pub(crate) fn copy_rows_across_unmapped_gaps(ctx: &Ctx<'_>) -> Outcome {
         width: WIDTH,
         rows,
     };
-    match ctx.backend.copy_rows_async(&copy, StreamHandle(0)) {
-        Err(e) if e.kind == ErrorKind::NotSupported => {
-            return Err(Verdict::Skip(format!(
-                "backend {} cannot copy rows on a stream",
-                ctx.backend.name()
-            )))
-        }
-        r => r?,
-    }
+    ctx.backend.copy_rows_async(&copy, StreamHandle(0))?;
     ctx.backend.synchronize(ctx.device)?;
     for row in 0..rows {
         let got = read_back(ctx, at(va, (1 + 2 * row) * g + 64)?, WIDTH as usize)?;
@@ -93,6 +99,7 @@ pub(crate) fn copy_rows_across_unmapped_gaps(ctx: &Ctx<'_>) -> Outcome {
 }
 
 pub(crate) fn copy_rows_pitch_below_width_is_invalid(ctx: &Ctx<'_>) -> Outcome {
+    require_row_copies(ctx)?;
     let g = ctx.granule;
     let mut s = ctx.scratch();
     let va = s.reserve(2 * g)?;

@@ -39,6 +39,24 @@ pub(crate) struct SeqCell {
     /// The most tokens the user asked for since the last release (0: the sequence is unused,
     /// whatever the pre-committer mapped ahead).
     asked: AtomicU64,
+    /// Bytes per fragment from the start that a store must not touch: the shared prefix it
+    /// maps read-only, and a prefix it owns (sealed or not). Kept at or above the truth, under
+    /// the sequence's lock, by every admission and unmap, so that a store checks it without
+    /// taking that lock.
+    protected_bytes: AtomicU64,
+}
+
+/// What [`SeqCell::protected_bytes`] keeps for `s`.
+fn protected_of(s: &SequenceKv) -> u64 {
+    let plan = s.plan();
+    let g = plan.granule();
+    let shared = s.protected_windows().saturating_mul(g);
+    let owned = s
+        .prefix_tokens()
+        .saturating_mul(plan.fragment_bytes_per_token())
+        .div_ceil(g.max(1))
+        .saturating_mul(g);
+    shared.max(owned)
 }
 
 impl SeqCell {
@@ -65,6 +83,7 @@ impl SeqCell {
             max_tokens,
             views: AtomicU64::new(0),
             asked: AtomicU64::new(0),
+            protected_bytes: AtomicU64::new(0),
         }
     }
 
@@ -100,6 +119,11 @@ impl SeqCell {
         self.asked.load(Ordering::Acquire)
     }
 
+    /// Bytes per fragment from the start that a store must not write (see the field).
+    pub(crate) fn protected_bytes(&self) -> u64 {
+        self.protected_bytes.load(Ordering::Acquire)
+    }
+
     /// Tokens committed now.
     pub(crate) fn committed_tokens(&self) -> u64 {
         match &self.kind {
@@ -121,11 +145,25 @@ impl SeqCell {
             if unused && !s.is_empty() && s.written_tokens() == 0 && s.prefix_tokens() == 0 {
                 s.release()?;
             }
-            f(s)
+            let r = f(s);
+            self.protected_bytes
+                .store(protected_of(s), Ordering::Release);
+            r
         })?;
         let committed = self.committed_tokens();
         self.ensure(committed)?;
         Ok(out)
+    }
+
+    /// Runs `f` (which may hand the sequence's windows to a prefix cache, making them shared)
+    /// and refreshes what a store must not write.
+    pub(crate) fn publishing<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R) -> R {
+        self.with(|s| {
+            let r = f(s);
+            self.protected_bytes
+                .store(protected_of(s), Ordering::Release);
+            r
+        })
     }
 
     /// Counts a new view, unless an unmap is running.
@@ -172,6 +210,8 @@ impl SeqCell {
                 if s.is_empty() {
                     self.asked.store(0, Ordering::Release);
                 }
+                self.protected_bytes
+                    .store(protected_of(s), Ordering::Release);
                 r
             }),
             Err(e) => Err(KvCacheError::Backend(e)),

@@ -129,7 +129,7 @@ impl PrefixCache {
         let cell = Arc::clone(&sequence.cell);
         let cache = Arc::clone(&self.cache);
         let out = py
-            .detach(move || cell.with(|s| cache.publish(s)))
+            .detach(move || cell.publishing(|s| cache.publish(s)))
             .map_err(|e| errors::kv(py, &e))?;
         Ok(match out {
             PublishOutcome::Published { .. } => "published",

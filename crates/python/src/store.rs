@@ -279,7 +279,6 @@ pub(crate) fn store(
             )
         })?;
     let bpt = plan.fragment_bytes_per_token();
-    let granule = plan.granule();
     // Hold every slot as a view does while the copies are queued: no release or shrink can
     // start, and it synchronizes the device before it unmaps.
     for (i, c) in cells.iter().enumerate() {
@@ -305,8 +304,7 @@ pub(crate) fn store(
                     &[],
                 ));
             }
-            let protected = c.with(|s| s.protected_windows()).saturating_mul(granule);
-            if req.start.saturating_mul(bpt) < protected {
+            if req.start.saturating_mul(bpt) < c.protected_bytes() {
                 return Err(errors::raise(
                     py,
                     "WriteIntoSharedPrefixError",
