@@ -107,9 +107,17 @@ impl<'a> Scratch<'a> {
         Ok(())
     }
 
-    /// Gives everything back in reverse order; reports the first failure.
+    /// Gives everything back in reverse order; reports the first failure. The device is
+    /// synchronized before anything is unmapped: a copy from pageable host memory may still be
+    /// landing when the call that queued it returned (the driver has only staged the bytes),
+    /// and unmapping under it faults the context for the cases that follow.
     pub(crate) fn finish(&mut self) -> Result<(), BackendError> {
         let mut first = None;
+        if !self.mappings.is_empty() {
+            if let Err(e) = self.backend.synchronize(self.device) {
+                first.get_or_insert(e);
+            }
+        }
         for (va, size) in std::mem::take(&mut self.mappings).into_iter().rev() {
             if let Err(e) = self.backend.unmap(va, size) {
                 first.get_or_insert(e);
