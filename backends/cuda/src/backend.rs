@@ -310,13 +310,13 @@ impl Drop for CudaBackend {
                 let current = unsafe { driver.ctx_set_current(device.ctx.0) };
                 if current.is_ok() {
                     // Failures (a context lost to a fault) leave nothing we could do.
-                    // SAFETY: the modules were loaded in this context, which is now current,
-                    // and they are not used again.
                     if let Some(probe) = probe {
+                        // SAFETY: the module was loaded in this context, which is now
+                        // current, and it is not used again.
                         let _ = unsafe { probe.unload(&driver) };
                     }
-                    // SAFETY: as above.
                     if let Some(rows) = rows {
+                        // SAFETY: as for the probe module just above.
                         let _ = unsafe { rows.unload(&driver) };
                     }
                 }
