@@ -21,7 +21,7 @@ use crate::driver::{self, Driver};
 use crate::error::CuCode;
 use crate::probe::ProbeModule;
 use crate::result::CuResult;
-use crate::rows::RowsModule;
+use crate::rows_kernel::RowsModule;
 
 /// A retained primary context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

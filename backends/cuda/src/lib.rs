@@ -47,6 +47,7 @@ mod linear;
 mod probe;
 mod result;
 mod rows;
+mod rows_kernel;
 
 pub use backend::CudaBackend;
 pub use conv::format_driver_version;
