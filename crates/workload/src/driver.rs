@@ -1,9 +1,10 @@
 //! Driver-call accounting: a counting wrapper around any backend, and the cost model of the
 //! policies that do not use the virtual-memory API.
 
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvvm_hal::{
@@ -46,12 +47,41 @@ pub struct DriverTally {
     pub kv_copy_bytes: u64,
 }
 
+/// What the model charges depends on: the size of each live handle, and each live mapping's
+/// size and whether its access was ever set. Kept from the calls that succeeded through the
+/// wrapper (a handle imported through it has no known size and is charged as 0 bytes).
+#[derive(Debug, Default)]
+struct Books {
+    handles: HashMap<PhysicalHandle, u64>,
+    /// Mappings by start address: (size, access set at least once).
+    mappings: BTreeMap<u64, (u64, bool)>,
+}
+
+impl Books {
+    /// The mappings starting in `[address, address + size)`: (start, size, access set).
+    fn mappings_in(&self, address: DeviceAddress, size: u64) -> Vec<(u64, u64, bool)> {
+        let end = address.0.saturating_add(size);
+        self.mappings
+            .range(address.0..end)
+            .map(|(a, (s, set))| (*a, *s, *set))
+            .collect()
+    }
+}
+
+/// `(bytes, count)` of `mappings`.
+fn extent<'a>(mappings: impl Iterator<Item = &'a (u64, u64, bool)>) -> (u64, u64) {
+    mappings.fold((0, 0), |(b, n), (_, s, _)| {
+        (b.saturating_add(*s), n.saturating_add(1))
+    })
+}
+
 /// A [`VirtualMemoryBackend`] that forwards every call to another one and counts the calls of
-/// each operation, their modelled cost ([`LatencyModel::h200`]) and their measured wall time.
+/// each operation, their modelled cost ([`LatencyModel::h200`], charged for what each call
+/// covers: handle sizes, fresh mappings, unmapped mappings) and their measured wall time.
 pub struct CountingBackend {
     inner: Arc<dyn VirtualMemoryBackend>,
-    granule: u64,
     model: LatencyModel,
+    books: Mutex<Books>,
     calls: CallCounts,
     ops: [OpTime; 8],
     kv_copies: AtomicU64,
@@ -68,12 +98,12 @@ impl std::fmt::Debug for CountingBackend {
 }
 
 impl CountingBackend {
-    /// Wraps `inner`; `granule` converts sizes to granules for the latency model.
-    pub fn new(inner: Arc<dyn VirtualMemoryBackend>, granule: u64) -> Self {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn VirtualMemoryBackend>) -> Self {
         CountingBackend {
             inner,
-            granule: granule.max(1),
             model: LatencyModel::h200(),
+            books: Mutex::new(Books::default()),
             calls: CallCounts::default(),
             ops: Default::default(),
             kv_copies: AtomicU64::new(0),
@@ -104,22 +134,35 @@ impl CountingBackend {
         t
     }
 
-    fn timed<T>(&self, op: Operation, units: u64, f: impl FnOnce() -> T) -> T {
+    /// The books; each edit is one step under the lock, so a poisoned lock is recovered.
+    fn books(&self) -> MutexGuard<'_, Books> {
+        self.books.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs one call of `op`, counts it, and charges the model for `(bytes, mappings)` when
+    /// it succeeded (a failed call as covering nothing, as the simulator does).
+    fn timed<T>(
+        &self,
+        op: Operation,
+        (bytes, mappings): (u64, u64),
+        f: impl FnOnce() -> BackendResult<T>,
+    ) -> BackendResult<T> {
         let start = Instant::now();
         let out = f();
         let took = start.elapsed();
         if let Some(c) = slot(op).and_then(|i| self.ops.get(i)) {
             self.calls.record(op);
-            let modelled = u64::try_from(self.model.cost(op, units).as_nanos()).unwrap_or(u64::MAX);
+            let cost = if out.is_ok() {
+                self.model.cost(op, bytes, mappings)
+            } else {
+                self.model.cost(op, 0, 0)
+            };
+            let modelled = u64::try_from(cost.as_nanos()).unwrap_or(u64::MAX);
             c.modelled_ns.fetch_add(modelled, Ordering::Relaxed);
             let measured = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
             c.measured_ns.fetch_add(measured, Ordering::Relaxed);
         }
         out
-    }
-
-    fn granules(&self, size: u64) -> u64 {
-        size.div_ceil(self.granule).max(1)
     }
 }
 
@@ -145,25 +188,36 @@ impl VirtualMemoryBackend for CountingBackend {
         alignment: u64,
         fixed_address: Option<DeviceAddress>,
     ) -> BackendResult<DeviceAddress> {
-        self.timed(Operation::Reserve, 1, || {
+        self.timed(Operation::Reserve, (0, 0), || {
             self.inner.reserve(size, alignment, fixed_address)
         })
     }
     fn free(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        self.timed(Operation::Free, 1, || self.inner.free(address, size))
+        self.timed(Operation::Free, (0, 0), || self.inner.free(address, size))
     }
     fn create(
         &self,
         size: u64,
         properties: &AllocationProperties,
     ) -> BackendResult<PhysicalHandle> {
-        self.timed(Operation::Create, 1, || self.inner.create(size, properties))
+        let h = self.timed(Operation::Create, (size, 0), || {
+            self.inner.create(size, properties)
+        })?;
+        self.books().handles.insert(h, size);
+        Ok(h)
     }
     fn release(&self, handle: PhysicalHandle) -> BackendResult<()> {
-        self.timed(Operation::Release, 1, || self.inner.release(handle))
+        let size = self.books().handles.get(&handle).copied().unwrap_or(0);
+        self.timed(Operation::Release, (size, 0), || self.inner.release(handle))?;
+        self.books().handles.remove(&handle);
+        Ok(())
     }
     fn map(&self, address: DeviceAddress, size: u64, handle: PhysicalHandle) -> BackendResult<()> {
-        self.timed(Operation::Map, 1, || self.inner.map(address, size, handle))
+        self.timed(Operation::Map, (size, 1), || {
+            self.inner.map(address, size, handle)
+        })?;
+        self.books().mappings.insert(address.0, (size, false));
+        Ok(())
     }
     fn set_access(
         &self,
@@ -171,17 +225,34 @@ impl VirtualMemoryBackend for CountingBackend {
         size: u64,
         access: &[AccessDescriptor],
     ) -> BackendResult<()> {
-        self.timed(Operation::SetAccess, self.granules(size), || {
+        let inside = self.books().mappings_in(address, size);
+        let fresh = extent(inside.iter().filter(|(_, _, set)| !*set));
+        self.timed(Operation::SetAccess, fresh, || {
             self.inner.set_access(address, size, access)
-        })
+        })?;
+        let mut books = self.books();
+        for (a, _, _) in inside {
+            if let Some(m) = books.mappings.get_mut(&a) {
+                m.1 = true;
+            }
+        }
+        Ok(())
     }
     fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        self.timed(Operation::Unmap, self.granules(size), || {
+        let inside = self.books().mappings_in(address, size);
+        self.timed(Operation::Unmap, extent(inside.iter()), || {
             self.inner.unmap(address, size)
-        })
+        })?;
+        let mut books = self.books();
+        for (a, _, _) in inside {
+            books.mappings.remove(&a);
+        }
+        Ok(())
     }
     fn synchronize(&self, device: DeviceId) -> BackendResult<()> {
-        self.timed(Operation::Synchronize, 1, || self.inner.synchronize(device))
+        self.timed(Operation::Synchronize, (0, 0), || {
+            self.inner.synchronize(device)
+        })
     }
     fn copy_to_device(&self, dst: DeviceAddress, src: &[u8]) -> BackendResult<()> {
         self.kv_copies.fetch_add(1, Ordering::Relaxed);
@@ -208,6 +279,62 @@ impl VirtualMemoryBackend for CountingBackend {
     }
     fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
         self.inner.kernel_probe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use kvvm_sim::{SimBackend, SimConfig};
+
+    /// The wrapper's books charge every call as the simulated driver, which knows the truth,
+    /// does: handles by size, set access by fresh mappings, unmap by mappings.
+    #[test]
+    fn charges_what_the_simulator_charges() {
+        let g = 2 << 20;
+        let sim = Arc::new(SimBackend::new(SimConfig::single(g, 1 << 30)));
+        let c = CountingBackend::new(sim.clone());
+        let props = AllocationProperties::device(DeviceId(0));
+        let rw = [AccessDescriptor::read_write(DeviceId(0))];
+        let va = c.reserve(64 * g, 0, None).unwrap();
+        // One handle of 16 granules, then 4 of one granule after it.
+        let big = c.create(16 * g, &props).unwrap();
+        c.map(va, 16 * g, big).unwrap();
+        c.set_access(va, 16 * g, &rw).unwrap();
+        let small: Vec<_> = (0..4)
+            .map(|i| {
+                let h = c.create(g, &props).unwrap();
+                c.map(va.offset((16 + i) * g), g, h).unwrap();
+                h
+            })
+            .collect();
+        // Over the whole range: only the four new mappings are fresh.
+        c.set_access(va, 20 * g, &rw).unwrap();
+        c.set_access(va, 20 * g, &rw).unwrap();
+        assert!(c.unmap(va.offset(g / 2), g).is_err());
+        c.unmap(va, 20 * g).unwrap();
+        c.release(big).unwrap();
+        for h in small {
+            c.release(h).unwrap();
+        }
+        c.free(va, 64 * g).unwrap();
+        assert!(sim.ledger().is_empty());
+        let t = c.tally();
+        assert_eq!(t.calls, sim.driver_calls());
+        assert_eq!(t.modelled, sim.estimated_driver_time());
+        let model = LatencyModel::h200();
+        let set_access = model.cost(Operation::SetAccess, 16 * g, 1)
+            + model.cost(Operation::SetAccess, 4 * g, 4)
+            + model.cost(Operation::SetAccess, 0, 0);
+        let unmap = model.cost(Operation::Unmap, 0, 0) + model.cost(Operation::Unmap, 20 * g, 5);
+        let create =
+            model.cost(Operation::Create, 16 * g, 0) + model.cost(Operation::Create, g, 0) * 4;
+        let release =
+            model.cost(Operation::Release, 16 * g, 0) + model.cost(Operation::Release, g, 0) * 4;
+        let expected =
+            model.reserve + model.free + model.map * 5 + set_access + unmap + create + release;
+        assert_eq!(t.modelled, expected);
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvvm_governor::{GovernorConfig, ManualClock};
-use kvvm_hal::{AllocationProperties, DeviceId, VirtualMemoryBackend};
+use kvvm_hal::{DeviceId, VirtualMemoryBackend};
 use kvvm_kv::{KvCacheError, SequenceKv, SharedDevicePrefix};
 use kvvm_layout::{evaluate_prefix_shareability, KvLayout, LayoutPlan, PrefixShareability};
 use kvvm_num::{add, mul};
@@ -100,13 +100,7 @@ impl KvvmPolicy {
                 .default_device_budget(shape.budget)
                 .clock(clock.clone()),
         );
-        let props = AllocationProperties::device(device);
-        let granule = backend.granularity(&props)?;
-        // The counting wrapper converts sizes to granules; the manager queries its own.
-        let counting = Arc::new(CountingBackend::new(
-            backend.clone(),
-            granule.recommended.max(granule.minimum),
-        ));
+        let counting = Arc::new(CountingBackend::new(backend.clone()));
         let vm = VirtualMemory::new(
             counting.clone() as Arc<dyn VirtualMemoryBackend>,
             device,
