@@ -109,7 +109,7 @@ impl Policy for ClassicPolicy {
         self.committed = add(self.committed, bytes, "committed bytes")?;
         if self.kind != PolicyKind::Paged16 {
             self.calls = self.calls.saturating_add(1);
-            self.time = self.time.saturating_add(classic::ALLOC);
+            self.time = self.time.saturating_add(classic::alloc(bytes));
         }
         self.seqs.insert(
             id,
@@ -174,15 +174,14 @@ impl Policy for ClassicPolicy {
             .remove(&id)
             .ok_or_else(|| WorkloadError::Config(format!("finish of unknown sequence {id}")))?;
         let bpt = self.shape.bytes_per_token;
-        self.committed =
-            self.committed
-                .saturating_sub(mul(seq.capacity_tokens, bpt, "allocation bytes")?);
+        let bytes = mul(seq.capacity_tokens, bpt, "allocation bytes")?;
+        self.committed = self.committed.saturating_sub(bytes);
         self.live = self
             .live
             .saturating_sub(mul(seq.tokens, bpt, "live bytes")?);
         if self.kind != PolicyKind::Paged16 {
             self.calls = self.calls.saturating_add(1);
-            self.time = self.time.saturating_add(classic::FREE);
+            self.time = self.time.saturating_add(classic::free(bytes));
         }
         Ok(())
     }
@@ -210,10 +209,11 @@ impl Policy for ClassicPolicy {
         if self.kind == PolicyKind::Paged16 {
             // One allocation of the whole pool at start, one free at the end.
             self.calls = self.calls.saturating_add(2);
+            let pool = self.pool_bytes();
             self.time = self
                 .time
-                .saturating_add(classic::ALLOC)
-                .saturating_add(classic::FREE);
+                .saturating_add(classic::alloc(pool))
+                .saturating_add(classic::free(pool));
         }
         Ok(Costs {
             driver_calls: self.calls,
