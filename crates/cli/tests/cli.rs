@@ -107,7 +107,36 @@ fn plan_json_reports_the_worked_table() {
         assert_eq!(v["min_shareable_prefix"], min);
         assert_eq!(v["shareable"], 4096 >= min);
         assert_eq!(v["refusal_reason"].is_null(), 4096 >= min);
+        // 4096 tokens in handles of up to 512 MiB: 512 fragments of one window, 64 runs of
+        // four windows (one 8 MiB handle each), one run of 256 windows (one 512 MiB handle).
+        let (windows, handles) = match layout {
+            "head-major" => (512, 512),
+            "seq-major" => (256, 64),
+            _ => (256, 1),
+        };
+        assert_eq!(v["commit_lower_bound_windows"], windows, "{v}");
+        assert_eq!(v["commit_handles"], handles, "{v}");
+        assert_eq!(v["commit_mappings"], handles, "{v}");
+        assert_eq!(v["max_handle_bytes"], 512u64 << 20);
+        let shared = if 4096 >= min { handles } else { 0 };
+        assert_eq!(v["shared_prefix_handles"], shared, "{v}");
     }
+    // One handle per granule.
+    let (code, stdout, stderr) = kvvm(&[
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--layout",
+        "seq-major",
+        "--tokens",
+        "4096",
+        "--max-handle",
+        "2MiB",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["commit_handles"], 256, "{v}");
 }
 
 #[test]

@@ -29,6 +29,10 @@ pub(crate) struct ClassicPolicy {
     calls: u64,
     time: Duration,
     copy_bytes: u64,
+    /// Allocations made (one handle and one mapping each), live now, most live at once.
+    allocations: u64,
+    live_allocations: u64,
+    peak_allocations: u64,
 }
 
 impl ClassicPolicy {
@@ -43,7 +47,21 @@ impl ClassicPolicy {
             calls: 0,
             time: Duration::ZERO,
             copy_bytes: 0,
+            allocations: 0,
+            live_allocations: 0,
+            peak_allocations: 0,
         }
+    }
+
+    /// One allocation more (live until [`freed`](Self::freed)).
+    fn allocated(&mut self) {
+        self.allocations = self.allocations.saturating_add(1);
+        self.live_allocations = self.live_allocations.saturating_add(1);
+        self.peak_allocations = self.peak_allocations.max(self.live_allocations);
+    }
+
+    fn freed(&mut self) {
+        self.live_allocations = self.live_allocations.saturating_sub(1);
     }
 
     fn capacity_for(&self, tokens: u64, current: u64) -> u64 {
@@ -110,6 +128,7 @@ impl Policy for ClassicPolicy {
         if self.kind != PolicyKind::Paged16 {
             self.calls = self.calls.saturating_add(1);
             self.time = self.time.saturating_add(classic::alloc(bytes));
+            self.allocated();
         }
         self.seqs.insert(
             id,
@@ -142,6 +161,9 @@ impl Policy for ClassicPolicy {
                     self.transient_peak = self.transient_peak.max(during);
                     self.calls = self.calls.saturating_add(3);
                     self.time = self.time.saturating_add(classic::growth(new_bytes));
+                    // The new buffer is allocated while the old one is held.
+                    self.allocated();
+                    self.freed();
                     self.copy_bytes = add(
                         self.copy_bytes,
                         mul(seq.tokens, bpt, "copy bytes")?,
@@ -182,6 +204,7 @@ impl Policy for ClassicPolicy {
         if self.kind != PolicyKind::Paged16 {
             self.calls = self.calls.saturating_add(1);
             self.time = self.time.saturating_add(classic::free(bytes));
+            self.freed();
         }
         Ok(())
     }
@@ -214,9 +237,14 @@ impl Policy for ClassicPolicy {
                 .time
                 .saturating_add(classic::alloc(pool))
                 .saturating_add(classic::free(pool));
+            self.allocated();
+            self.freed();
         }
         Ok(Costs {
             driver_calls: self.calls,
+            mappings: self.allocations,
+            handles: self.allocations,
+            peak_mappings: self.peak_allocations,
             driver_time: self.time,
             measured: false,
             copy_bytes: self.copy_bytes,

@@ -45,6 +45,13 @@ pub struct DriverTally {
     pub kv_copies: u64,
     /// Bytes copied by them.
     pub kv_copy_bytes: u64,
+    /// Mappings made (successful maps).
+    pub mappings: u64,
+    /// Handles created (successful creates; a handle from the manager's pool is not created
+    /// again).
+    pub handles: u64,
+    /// Most mappings live at once.
+    pub peak_mappings: u64,
 }
 
 /// What the model charges depends on: the size of each live handle, and each live mapping's
@@ -55,6 +62,10 @@ struct Books {
     handles: HashMap<PhysicalHandle, u64>,
     /// Mappings by start address: (size, access set at least once).
     mappings: BTreeMap<u64, (u64, bool)>,
+    /// Mappings made, handles created, most mappings live at once.
+    made: u64,
+    created: u64,
+    peak: u64,
 }
 
 impl Books {
@@ -131,6 +142,10 @@ impl CountingBackend {
         }
         t.kv_copies = self.kv_copies.load(Ordering::Relaxed);
         t.kv_copy_bytes = self.kv_copy_bytes.load(Ordering::Relaxed);
+        let books = self.books();
+        t.mappings = books.made;
+        t.handles = books.created;
+        t.peak_mappings = books.peak;
         t
     }
 
@@ -203,7 +218,9 @@ impl VirtualMemoryBackend for CountingBackend {
         let h = self.timed(Operation::Create, (size, 0), || {
             self.inner.create(size, properties)
         })?;
-        self.books().handles.insert(h, size);
+        let mut books = self.books();
+        books.handles.insert(h, size);
+        books.created = books.created.saturating_add(1);
         Ok(h)
     }
     fn release(&self, handle: PhysicalHandle) -> BackendResult<()> {
@@ -216,7 +233,10 @@ impl VirtualMemoryBackend for CountingBackend {
         self.timed(Operation::Map, (size, 1), || {
             self.inner.map(address, size, handle)
         })?;
-        self.books().mappings.insert(address.0, (size, false));
+        let mut books = self.books();
+        books.mappings.insert(address.0, (size, false));
+        books.made = books.made.saturating_add(1);
+        books.peak = books.peak.max(books.mappings.len() as u64);
         Ok(())
     }
     fn set_access(
@@ -321,6 +341,7 @@ mod tests {
         c.free(va, 64 * g).unwrap();
         assert!(sim.ledger().is_empty());
         let t = c.tally();
+        assert_eq!((t.mappings, t.handles, t.peak_mappings), (5, 5, 5));
         assert_eq!(t.calls, sim.driver_calls());
         assert_eq!(t.modelled, sim.estimated_driver_time());
         let model = LatencyModel::h200();

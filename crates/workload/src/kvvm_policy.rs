@@ -399,6 +399,9 @@ impl Policy for KvvmPolicy {
         let t: DriverTally = self.counting.tally();
         Ok(Costs {
             driver_calls: t.calls,
+            mappings: t.mappings,
+            handles: t.handles,
+            peak_mappings: t.peak_mappings,
             driver_time: if self.measured {
                 t.measured
             } else {

@@ -118,6 +118,12 @@ pub(crate) enum Outcome {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Costs {
     pub driver_calls: u64,
+    /// Mappings made (one per allocation for the policies without virtual memory).
+    pub mappings: u64,
+    /// Physical handles created (one per allocation for the policies without virtual memory).
+    pub handles: u64,
+    /// Most mappings live at once.
+    pub peak_mappings: u64,
     pub driver_time: Duration,
     pub measured: bool,
     pub copy_bytes: u64,

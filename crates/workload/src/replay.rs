@@ -476,6 +476,9 @@ fn report_of(kind: PolicyKind, tally: &Tally, costs: Costs, trace: &Trace) -> Po
         },
         makespan_s: span as f64 / 1e6,
         driver_calls: costs.driver_calls,
+        mappings: costs.mappings,
+        handles: costs.handles,
+        peak_mappings: costs.peak_mappings,
         driver_time_us: u64::try_from(costs.driver_time.as_micros()).unwrap_or(u64::MAX),
         driver_time_source: if costs.measured {
             "measured"

@@ -55,6 +55,15 @@ pub struct PolicyReport {
     pub makespan_s: f64,
     /// Driver calls (reserve, free, create, release, map, set access, unmap, synchronize).
     pub driver_calls: u64,
+    /// Mappings made over the run (what the driver's cost follows: on the H200 a commit costs
+    /// about 28 us a mapping, far more than per byte). For the policies without virtual
+    /// memory, one per allocation.
+    pub mappings: u64,
+    /// Physical handles created over the run (a handle reused from the manager's pool is not
+    /// created again). For the policies without virtual memory, one per allocation.
+    pub handles: u64,
+    /// Most mappings live at once.
+    pub peak_mappings: u64,
     /// Driver time in microseconds: modelled on the simulator, measured on a GPU.
     pub driver_time_us: u64,
     /// `"latency-model"` or `"measured"`.

@@ -58,6 +58,13 @@ fn token_major_wastes_less_than_seq_major_less_than_head_major_and_kvvm_peaks_be
         assert!(p.driver_calls > 0, "{}", p.name);
         assert!(p.driver_time_us > 0, "{}", p.name);
         assert_eq!(p.driver_time_source, "latency-model");
+        // A handle from the pool is mapped again without being created.
+        assert!(p.mappings > 0 && p.handles <= p.mappings, "{}", p.name);
+        assert!(
+            p.peak_mappings > 0 && p.peak_mappings <= p.mappings,
+            "{}",
+            p.name
+        );
     }
     // static-max cannot hold the load within 40 GiB: it defers (429) and queues.
     let st = r.policy("static-max").unwrap();
@@ -67,6 +74,10 @@ fn token_major_wastes_less_than_seq_major_less_than_head_major_and_kvvm_peaks_be
     // realloc-copy copies; paged-16 makes two calls for its pool.
     assert!(r.policy("realloc-copy").unwrap().copy_bytes > 0);
     assert_eq!(r.policy("paged-16").unwrap().driver_calls, 2);
+    assert_eq!(r.policy("paged-16").unwrap().mappings, 1);
+    // static-max: one allocation (one handle, one mapping) per admission.
+    assert_eq!(st.mappings, st.handles);
+    assert!(st.mappings >= 60 && st.peak_mappings <= 10, "{st:?}");
     // Sharing the 2048-token system prompt commits less where the layout allows it...
     assert!(peak(&r, "kvvm-token-major+prefix") < peak(&r, "kvvm-token-major"));
     assert!(peak(&r, "kvvm-seq-major+prefix") < peak(&r, "kvvm-seq-major"));
@@ -190,6 +201,9 @@ fn the_report_serializes_with_the_documented_keys_and_renders() {
             "admitted",
             "deferred",
             "driver_calls",
+            "mappings",
+            "handles",
+            "peak_mappings",
             "driver_time_us",
         ] {
             assert!(p.get(key).is_some(), "missing {key} in {p}");
@@ -200,7 +214,7 @@ fn the_report_serializes_with_the_documented_keys_and_renders() {
     for p in &r.policies {
         assert!(table.contains(&p.name));
     }
-    for key in ["completed", "rejected", "waited"] {
+    for key in ["completed", "rejected", "waited", "mappings", "handles"] {
         assert!(
             table.lines().any(|l| l.contains(key)),
             "{key} missing in {table}"
