@@ -1,5 +1,6 @@
-//! The three policies that do not use the virtual-memory API (static-max, realloc-copy,
-//! paged-16), accounted by formula with the driver costs of `driver.rs`.
+//! Two of the policies that do not use the virtual-memory API (static-max, realloc-copy; the
+//! paged ones are `paged_policy.rs`), accounted by formula with the driver costs of
+//! `driver.rs`: one allocation (one handle, one mapping) per buffer.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -8,7 +9,7 @@ use kvvm_num::{add, mul};
 
 use crate::driver::classic;
 use crate::error::{WorkloadError, WorkloadResult};
-use crate::policy::{Costs, Outcome, Policy, PolicyKind, Shape, PAGED_BLOCK_TOKENS};
+use crate::policy::{Costs, Outcome, Policy, PolicyKind, Shape};
 use crate::trace::Request;
 
 #[derive(Debug, Clone, Copy)]
@@ -17,7 +18,7 @@ struct ClassicSeq {
     capacity_tokens: u64,
 }
 
-/// The three policies that do not use the virtual-memory API, accounted by formula.
+/// `static-max` and `realloc-copy`, accounted by formula.
 #[derive(Debug)]
 pub(crate) struct ClassicPolicy {
     kind: PolicyKind,
@@ -68,9 +69,6 @@ impl ClassicPolicy {
         let max = self.shape.max_context;
         match self.kind {
             PolicyKind::StaticMax => max,
-            PolicyKind::Paged16 => tokens
-                .div_ceil(PAGED_BLOCK_TOKENS)
-                .saturating_mul(PAGED_BLOCK_TOKENS),
             _ => {
                 if current == 0 {
                     tokens
@@ -85,22 +83,8 @@ impl ClassicPolicy {
         }
     }
 
-    fn pool_bytes(&self) -> u64 {
-        let block = self
-            .shape
-            .bytes_per_token
-            .saturating_mul(PAGED_BLOCK_TOKENS);
-        if block == 0 {
-            return 0;
-        }
-        (self.shape.budget / block).saturating_mul(block)
-    }
-
     fn limit(&self) -> u64 {
-        match self.kind {
-            PolicyKind::Paged16 => self.pool_bytes(),
-            _ => self.shape.budget,
-        }
+        self.shape.budget
     }
 
     fn set_tokens(&mut self, id: usize, old: u64, tokens: u64) -> WorkloadResult<()> {
@@ -125,11 +109,9 @@ impl Policy for ClassicPolicy {
             return Ok(Outcome::Refused(None));
         }
         self.committed = add(self.committed, bytes, "committed bytes")?;
-        if self.kind != PolicyKind::Paged16 {
-            self.calls = self.calls.saturating_add(1);
-            self.time = self.time.saturating_add(classic::alloc(bytes));
-            self.allocated();
-        }
+        self.calls = self.calls.saturating_add(1);
+        self.time = self.time.saturating_add(classic::alloc(bytes));
+        self.allocated();
         self.seqs.insert(
             id,
             ClassicSeq {
@@ -171,6 +153,7 @@ impl Policy for ClassicPolicy {
                     )?;
                 }
                 _ => {
+                    // static-max holds the maximum context: never reached.
                     let extra = new_bytes.saturating_sub(old_bytes);
                     if add(self.committed, extra, "committed bytes")? > self.limit() {
                         return Ok(Outcome::Refused(None));
@@ -201,11 +184,9 @@ impl Policy for ClassicPolicy {
         self.live = self
             .live
             .saturating_sub(mul(seq.tokens, bpt, "live bytes")?);
-        if self.kind != PolicyKind::Paged16 {
-            self.calls = self.calls.saturating_add(1);
-            self.time = self.time.saturating_add(classic::free(bytes));
-            self.freed();
-        }
+        self.calls = self.calls.saturating_add(1);
+        self.time = self.time.saturating_add(classic::free(bytes));
+        self.freed();
         Ok(())
     }
 
@@ -214,10 +195,7 @@ impl Policy for ClassicPolicy {
     }
 
     fn held_bytes(&self) -> u64 {
-        match self.kind {
-            PolicyKind::Paged16 => self.pool_bytes(),
-            _ => self.committed,
-        }
+        self.committed
     }
 
     fn live_bytes(&self) -> u64 {
@@ -229,17 +207,6 @@ impl Policy for ClassicPolicy {
     }
 
     fn close(&mut self) -> WorkloadResult<Costs> {
-        if self.kind == PolicyKind::Paged16 {
-            // One allocation of the whole pool at start, one free at the end.
-            self.calls = self.calls.saturating_add(2);
-            let pool = self.pool_bytes();
-            self.time = self
-                .time
-                .saturating_add(classic::alloc(pool))
-                .saturating_add(classic::free(pool));
-            self.allocated();
-            self.freed();
-        }
         Ok(Costs {
             driver_calls: self.calls,
             mappings: self.allocations,

@@ -411,6 +411,7 @@ impl Policy for KvvmPolicy {
             copy_bytes: 0,
             kv_write_bytes: t.kv_copy_bytes,
             shareability: self.shareability.clone(),
+            block_prefix_bytes: None,
         })
     }
 }

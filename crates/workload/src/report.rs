@@ -16,7 +16,7 @@ pub struct Sample {
 /// The figures of one policy.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PolicyReport {
-    /// Policy name (`static-max`, `realloc-copy`, `paged-16`, `kvvm-<layout>[+prefix]`).
+    /// Policy name (`static-max`, `realloc-copy`, `paged-16[+prefix]`, `kvvm-<layout>[+prefix]`).
     pub name: String,
     /// Whether it ran through the kvvm manager on the backend.
     pub through_manager: bool,
@@ -30,7 +30,7 @@ pub struct PolicyReport {
     /// `integral(committed - live) / integral(committed)` over the run.
     pub waste_ratio: f64,
     /// Highest physical bytes held (committed plus the manager's handle pool; the whole
-    /// preallocated pool for `paged-16`).
+    /// preallocated pool for `paged-16` and `paged-16+prefix`).
     pub peak_held_bytes: u64,
     /// Requests admitted (at least once).
     pub admitted: u64,
@@ -72,9 +72,11 @@ pub struct PolicyReport {
     pub copy_bytes: u64,
     /// KV bytes written to the device (real GPUs).
     pub kv_write_bytes: u64,
-    /// For `+prefix` policies: the shareability verdict of the system prompt.
+    /// For `+prefix` policies: the shareability verdict of the system prompt (for
+    /// `paged-16+prefix`: whether it holds at least one whole block).
     pub prefix_shareable: Option<bool>,
-    /// For `+prefix` policies: bytes of the prefix committed once and shared.
+    /// For `+prefix` policies: bytes of the prefix committed once and shared (for
+    /// `paged-16+prefix`: its whole blocks).
     pub prefix_shared_bytes: Option<u64>,
     /// For `+prefix` policies that cannot share: why.
     pub prefix_refusal: Option<String>,
