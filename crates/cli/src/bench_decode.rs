@@ -23,8 +23,8 @@ pub struct DecodeBenchArgs {
     /// Backend: sim, cuda, hip, host or auto.
     #[arg(long, default_value = "auto")]
     backend: String,
-    /// Latency model of the simulated backend: h200 (driver calls cost their H200 medians,
-    /// spent for real) or none.
+    /// Latency model of the simulated backend: h200 (driver calls cost what the H200 latency
+    /// model charges, spent for real) or none.
     #[arg(long, default_value = "h200")]
     latency_model: String,
     /// Sequences decoding side by side (1 to 4096).

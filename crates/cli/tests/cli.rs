@@ -209,3 +209,51 @@ fn off_a_terminal_a_long_run_prints_periodic_progress_lines() {
         String::from_utf8_lossy(&quiet.stderr)
     );
 }
+
+#[test]
+fn bench_vmm_reports_runs_against_one_handle_and_one_handle_per_granule() {
+    let (code, stdout, stderr) = kvvm(&[
+        "bench",
+        "vmm",
+        "--backend",
+        "sim",
+        "--quick",
+        "--runs",
+        "16MiB,64MiB,1TiB",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["latency_spent"], true);
+    assert_eq!(v["max_handle_bytes"], 512u64 << 20);
+    let runs = v["runs"].as_array().unwrap();
+    // 1 TiB does not fit the simulated H200: skipped with a note.
+    assert_eq!(runs.len(), 2, "{v}");
+    assert!(
+        v["notes"].to_string().contains("run of 1024 GiB skipped"),
+        "{v}"
+    );
+    for r in runs {
+        assert_eq!(r["manager_handles"], 1);
+        for case in ["manager", "one_handle", "per_granule"] {
+            for step in ["commit", "teardown"] {
+                assert!(r[case][step]["p50_us"].as_f64().unwrap() > 0.0, "{r}");
+            }
+        }
+        // The simulator spends the H200 model: 32 granules cost far more than one handle.
+        assert!(
+            r["commit_per_granule_over_manager"].as_f64().unwrap() > 3.0,
+            "{r}"
+        );
+    }
+    let (code, _, stderr) = kvvm(&[
+        "bench",
+        "vmm",
+        "--backend",
+        "sim",
+        "--latency-model",
+        "h100",
+    ]);
+    assert_ne!(code, 0);
+    assert!(stderr.contains("expected h200 or none"), "{stderr}");
+}
