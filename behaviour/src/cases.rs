@@ -11,7 +11,7 @@ use kvvm_kv::{KvLayout, PrefixCache, SequenceKv};
 use kvvm_vmm::VmmError;
 
 use crate::check::books;
-use crate::scenarios::{plan, window_tokens};
+use crate::scenarios::{plan, plan_windows, window_tokens};
 use crate::world::{State, World};
 
 fn e(x: impl std::fmt::Display) -> String {
@@ -292,5 +292,63 @@ pub fn precommit_ready_is_always_mapped(w: &World, s: &mut State) -> Result<(), 
     ensure(readies.load(Ordering::Relaxed) > 0, || {
         "no Ready at all".to_owned()
     })?;
+    books(w, s)
+}
+
+/// The pre-committer grows ahead in buddy-aligned multi-window handles, within its bound: a
+/// sequence decodes a quarter window at a time (the worker catching up between steps), every
+/// step finds its tokens committed and their window mapped in the recording, the bytes ahead
+/// never exceed the bound, and the worker's commits map several windows each.
+pub fn precommit_grows_in_handles_within_its_bound(w: &World, s: &mut State) -> Result<(), String> {
+    let p = plan_windows(w, KvLayout::TokenMajor, 32)?;
+    let wt = window_tokens(w);
+    let bound = 8 * w.g;
+    let config = PrecommitConfig {
+        headroom_tokens: wt,
+        max_headroom_bytes: bound,
+        poll_interval: std::time::Duration::from_micros(50),
+    };
+    let pre = Precommitter::start(&w.vm, config).map_err(e)?;
+    // One headroom is up to 3 windows ahead: up to 8 with the room to grow.
+    pre.set_grow_ahead_bytes(5 * w.g);
+    let mut q = SequenceKv::new(&w.vm, &p, p.geometry().max_tokens()).map_err(e)?;
+    q.ensure_tokens(4 * wt).map_err(e)?;
+    let base = q.address();
+    let seq = pre.attach(q);
+    let (step, last) = ((wt / 4).max(1), 24 * wt);
+    let mut n = 4 * wt;
+    while n < last {
+        n = n.saturating_add(step).min(last);
+        pre.wait_idle();
+        let got = seq.ensure_tokens(n).map_err(e)?;
+        ensure(got == Ensured::Ready, || {
+            format!("{n} tokens: {got:?} (the worker fell behind)")
+        })?;
+        // Token n-1 lies in window (n-1) x 256 / g of this token-major range.
+        let at = base.0 + (n - 1) * 256 / w.g * w.g;
+        ensure(
+            w.recording
+                .record()
+                .mappings
+                .iter()
+                .any(|m| m.address.0 <= at && at < m.address.0 + m.size),
+            || format!("Ready for {n} tokens, window at {at:#x} unmapped"),
+        )?;
+    }
+    pre.shutdown();
+    let stats = pre.stats();
+    ensure(stats.peak_headroom_bytes <= bound, || {
+        format!(
+            "{} bytes ahead, over the bound of {bound}",
+            stats.peak_headroom_bytes
+        )
+    })?;
+    let rec = w.recording.record();
+    let mappings = rec.mappings.len() as u64;
+    let windows = rec.mappings.iter().map(|m| m.size).sum::<u64>() / w.g;
+    ensure(mappings.saturating_mul(2) <= windows, || {
+        format!("{windows} windows in {mappings} mappings: not grown in multi-window handles")
+    })?;
+    drop(seq);
     books(w, s)
 }

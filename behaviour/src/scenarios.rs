@@ -3,8 +3,10 @@
 //! fails one at a time and two at a time (`faults.rs`).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvvm_hal::Access;
+use kvvm_kv::precommit::{PrecommitConfig, Precommitter};
 use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixCache, SequenceKv};
 
 use crate::world::{State, World, WorldSpec};
@@ -42,8 +44,17 @@ fn e(x: impl std::fmt::Display) -> String {
 
 /// 1 layer x 1 KV head x 64 dims, fp16: 256 B a token, 4 windows of tokens at most.
 pub(crate) fn plan(w: &World, layout: KvLayout) -> Result<LayoutPlan, String> {
+    plan_windows(w, layout, 4)
+}
+
+/// [`plan`] with `windows` windows of tokens at most.
+pub(crate) fn plan_windows(
+    w: &World,
+    layout: KvLayout,
+    windows: u64,
+) -> Result<LayoutPlan, String> {
     let per_token = 256u64;
-    let max_tokens = w.g.saturating_mul(4) / per_token;
+    let max_tokens = w.g.saturating_mul(windows) / per_token;
     let geometry = KvGeometry::with_dtype(1, 1, 64, KvDtype::F16, max_tokens).map_err(e)?;
     LayoutPlan::new(geometry, layout, w.g).map_err(e)
 }
@@ -79,6 +90,40 @@ fn seq(w: &World, s: &mut State, layout: KvLayout, tokens: u64) -> Result<(), St
     let mut q = SequenceKv::new(&w.vm, &p, p.geometry().max_tokens()).map_err(e)?;
     q.ensure_tokens(tokens).map_err(e)?;
     s.seqs.push(q);
+    Ok(())
+}
+
+/// The pre-committer's worker grows the setup's sequence (4 windows committed, none ahead):
+/// the headroom (one window) asks for 2 windows more, the committed end can start a handle of
+/// 4 windows, and the room to grow and the bound (8 windows) allow it, so it commits
+/// windows 4-7 as one handle.
+/// Then the sequence is dropped. An error is the worker's (the last it reported).
+fn precommit_grow(w: &World, s: &mut State) -> Result<(), String> {
+    let q = s.seqs.pop().ok_or("no sequence")?;
+    let wt = window_tokens(w);
+    let config = PrecommitConfig {
+        headroom_tokens: wt,
+        max_headroom_bytes: w.g.saturating_mul(8),
+        poll_interval: Duration::from_micros(50),
+    };
+    let pre = Precommitter::start(&w.vm, config).map_err(e)?;
+    // One headroom is up to 3 windows ahead: up to 8 with the room to grow.
+    pre.set_grow_ahead_bytes(w.g.saturating_mul(5));
+    let q = pre.attach(q);
+    pre.wait_idle();
+    pre.shutdown();
+    let grown = q.committed_tokens();
+    let error = pre.last_error();
+    drop(q);
+    if let Some(err) = error {
+        return Err(e(err));
+    }
+    if grown != wt.saturating_mul(8) {
+        return Err(format!(
+            "grown to {grown} tokens, not to the end of the 4-window handle ({})",
+            wt.saturating_mul(8)
+        ));
+    }
     Ok(())
 }
 
@@ -275,6 +320,20 @@ pub fn all_scenarios() -> Vec<Scenario> {
                 }
                 Ok(())
             },
+        },
+        Scenario {
+            name: "precommit_grow",
+            description: "the pre-committer grows a sequence ahead in one 4-window handle, \
+                          then the sequence is dropped",
+            spec: multi,
+            setup: |w, s| {
+                let p = plan_windows(w, KvLayout::TokenMajor, 16)?;
+                let mut q = SequenceKv::new(&w.vm, &p, p.geometry().max_tokens()).map_err(e)?;
+                q.ensure_tokens(4 * window_tokens(w)).map_err(e)?;
+                s.seqs.push(q);
+                Ok(())
+            },
+            op: precommit_grow,
         },
         Scenario {
             name: "shared_commit",

@@ -104,6 +104,16 @@ fn plain_cases() -> Vec<Case> {
             },
             run: cases::precommit_ready_is_always_mapped,
         },
+        Case {
+            name: "precommit_grows_in_handles_within_its_bound",
+            spec: WorldSpec {
+                budget_granules: None,
+                pool_granules: 0,
+                park: false,
+                max_handle_granules: 16,
+            },
+            run: cases::precommit_grows_in_handles_within_its_bound,
+        },
     ]
 }
 

@@ -18,8 +18,10 @@
 //!   Nth on, a seeded random plan, or every synchronize. An injected fault has no side effect.
 //! * **A ledger** ([`Ledger`]): the driver's truth (live reservations, handles, allocations,
 //!   mappings, bytes) that tests compare with the manager's bookkeeping.
-//! * **A latency model** ([`LatencyModel`]), by default the H200 medians, whose cost is
-//!   accounted ([`SimBackend::estimated_driver_time`]) or also spent ([`LatencyMode::Spin`]).
+//! * **A latency model** ([`LatencyModel`]), by default the H200 fit, which charges each
+//!   call for what it covers as the driver does (a handle by its size, `set_access` by its
+//!   fresh mappings, `unmap` by its mappings), accounted
+//!   ([`SimBackend::estimated_driver_time`]) or also spent ([`LatencyMode::Spin`]).
 //! * **Quirks** ([`SimQuirks`]): deliberately wrong semantics, to prove the conformance suite
 //!   can fail, and the ROCm multi-unmap bug, to exercise the manager's capability handling.
 //!
@@ -171,11 +173,12 @@ impl SimBackend {
     }
 
     /// Runs `f` on the locked state inside one tracing span (the driver call), accounts its
-    /// latency, and spins for it if configured.
+    /// latency for what `f` says the call covered ([`Covered`]), and spins for it if
+    /// configured. A failed call is charged as one that covered nothing.
     fn call<T>(
         &self,
         op: Operation,
-        f: impl FnOnce(&mut State) -> Result<(T, u64), BackendError>,
+        f: impl FnOnce(&mut State) -> Result<(T, Covered), BackendError>,
     ) -> BackendResult<T> {
         traced(tracing::debug_span!("kvvm_sim", op = op.as_str()), || {
             self.call_untraced(op, f)
@@ -185,19 +188,22 @@ impl SimBackend {
     fn call_untraced<T>(
         &self,
         op: Operation,
-        f: impl FnOnce(&mut State) -> Result<(T, u64), BackendError>,
+        f: impl FnOnce(&mut State) -> Result<(T, Covered), BackendError>,
     ) -> BackendResult<T> {
         let (result, cost) = {
             let mut s = self.lock();
             let fault = s.count_and_check(op);
-            let (result, units) = match fault {
-                Some(kind) => (Err(injected(op, kind)), 1),
+            let (result, covered) = match fault {
+                Some(kind) => (Err(injected(op, kind)), Covered::NOTHING),
                 None => match f(&mut s) {
-                    Ok((v, units)) => (Ok(v), units),
-                    Err(e) => (Err(e), 1),
+                    Ok((v, covered)) => (Ok(v), covered),
+                    Err(e) => (Err(e), Covered::NOTHING),
                 },
             };
-            let cost = self.config.latency.cost(op, units);
+            let cost = self
+                .config
+                .latency
+                .cost(op, covered.bytes, covered.mappings);
             s.add_driver_time(cost);
             (result, cost)
         };
@@ -208,6 +214,30 @@ impl SimBackend {
             }
         }
         result
+    }
+}
+
+/// What one call covered, as the latency model charges it ([`LatencyModel::cost`]): the
+/// handle's bytes for create and release, the mappings and their bytes for map, set access
+/// (the fresh mappings only) and unmap, the bytes of a copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Covered {
+    bytes: u64,
+    mappings: u64,
+}
+
+impl Covered {
+    const NOTHING: Covered = Covered {
+        bytes: 0,
+        mappings: 0,
+    };
+
+    fn bytes(bytes: u64) -> Self {
+        Covered { bytes, mappings: 0 }
+    }
+
+    fn mappings((mappings, bytes): (u64, u64)) -> Self {
+        Covered { bytes, mappings }
     }
 }
 
@@ -263,12 +293,14 @@ impl VirtualMemoryBackend for SimBackend {
                     driver_version: format!("kvvm-sim {}", env!("CARGO_PKG_VERSION")),
                 })
                 .collect();
-            Ok((devices, 1))
+            Ok((devices, Covered::NOTHING))
         })
     }
 
     fn memory_info(&self, device: DeviceId) -> BackendResult<MemoryInfo> {
-        self.call(Operation::MemoryInfo, |s| Ok((s.memory_info(device)?, 1)))
+        self.call(Operation::MemoryInfo, |s| {
+            Ok((s.memory_info(device)?, Covered::NOTHING))
+        })
     }
 
     fn granularity(&self, properties: &AllocationProperties) -> BackendResult<Granularity> {
@@ -276,7 +308,7 @@ impl VirtualMemoryBackend for SimBackend {
             Ok((
                 s.device(Operation::Granularity, properties.device)?
                     .granularity,
-                1,
+                Covered::NOTHING,
             ))
         })
     }
@@ -288,12 +320,14 @@ impl VirtualMemoryBackend for SimBackend {
         fixed_address: Option<DeviceAddress>,
     ) -> BackendResult<DeviceAddress> {
         self.call(Operation::Reserve, |s| {
-            Ok((s.reserve(size, alignment, fixed_address)?, 1))
+            Ok((s.reserve(size, alignment, fixed_address)?, Covered::NOTHING))
         })
     }
 
     fn free(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        self.call(Operation::Free, |s| Ok((s.free(address, size)?, 1)))
+        self.call(Operation::Free, |s| {
+            Ok((s.free(address, size)?, Covered::NOTHING))
+        })
     }
 
     fn create(
@@ -301,15 +335,22 @@ impl VirtualMemoryBackend for SimBackend {
         size: u64,
         properties: &AllocationProperties,
     ) -> BackendResult<PhysicalHandle> {
-        self.call(Operation::Create, |s| Ok((s.create(size, properties)?, 1)))
+        self.call(Operation::Create, |s| {
+            Ok((s.create(size, properties)?, Covered::bytes(size)))
+        })
     }
 
     fn release(&self, handle: PhysicalHandle) -> BackendResult<()> {
-        self.call(Operation::Release, |s| Ok((s.release(handle)?, 1)))
+        self.call(Operation::Release, |s| {
+            Ok(((), Covered::bytes(s.release(handle)?)))
+        })
     }
 
     fn map(&self, address: DeviceAddress, size: u64, handle: PhysicalHandle) -> BackendResult<()> {
-        self.call(Operation::Map, |s| Ok((s.map(address, size, handle)?, 1)))
+        self.call(Operation::Map, |s| {
+            s.map(address, size, handle)?;
+            Ok(((), Covered::mappings((1, size))))
+        })
     }
 
     fn set_access(
@@ -319,29 +360,29 @@ impl VirtualMemoryBackend for SimBackend {
         access: &[AccessDescriptor],
     ) -> BackendResult<()> {
         self.call(Operation::SetAccess, |s| {
-            s.set_access(address, size, access)?;
-            Ok(((), size / s.va_granule().max(1)))
+            let fresh = s.set_access(address, size, access)?;
+            Ok(((), Covered::mappings(fresh)))
         })
     }
 
     fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
         self.call(Operation::Unmap, |s| {
-            let n = s.unmap(address, size)?;
-            Ok(((), n))
+            let removed = s.unmap(address, size)?;
+            Ok(((), Covered::mappings(removed)))
         })
     }
 
     fn synchronize(&self, device: DeviceId) -> BackendResult<()> {
         self.call(Operation::Synchronize, |s| {
             s.device(Operation::Synchronize, device)?;
-            Ok(((), 1))
+            Ok(((), Covered::NOTHING))
         })
     }
 
     fn copy_to_device(&self, dst: DeviceAddress, src: &[u8]) -> BackendResult<()> {
         self.call(Operation::CopyToDevice, |s| {
             s.copy_to_device(dst, src)?;
-            Ok(((), src.len() as u64))
+            Ok(((), Covered::bytes(src.len() as u64)))
         })
     }
 
@@ -349,7 +390,7 @@ impl VirtualMemoryBackend for SimBackend {
         self.call(Operation::CopyFromDevice, |s| {
             let n = dst.len() as u64;
             s.copy_from_device(dst, src)?;
-            Ok(((), n))
+            Ok(((), Covered::bytes(n)))
         })
     }
 
@@ -361,7 +402,9 @@ impl VirtualMemoryBackend for SimBackend {
     }
 
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {
-        self.call(Operation::Export, |s| Ok((s.export(handle)?, 1)))
+        self.call(Operation::Export, |s| {
+            Ok((s.export(handle)?, Covered::NOTHING))
+        })
     }
 
     fn import_posix_fd(
@@ -371,7 +414,7 @@ impl VirtualMemoryBackend for SimBackend {
     ) -> BackendResult<PhysicalHandle> {
         self.call(Operation::Import, |s| {
             s.device(Operation::Import, device)?;
-            Ok((s.import(device, fd)?, 1))
+            Ok((s.import(device, fd)?, Covered::NOTHING))
         })
     }
 
@@ -379,7 +422,7 @@ impl VirtualMemoryBackend for SimBackend {
         self.call(Operation::Devices, |s| {
             s.device(Operation::Devices, device)?;
             s.device(Operation::Devices, peer)?;
-            Ok((s.peers.linked(device.0, peer.0), 1))
+            Ok((s.peers.linked(device.0, peer.0), Covered::NOTHING))
         })
     }
 }

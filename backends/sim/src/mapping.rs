@@ -104,12 +104,14 @@ impl State {
         Ok(out)
     }
 
+    /// Sets access; returns the number and bytes of the mappings that had no access before
+    /// (the fresh mappings, what the call is charged for).
     pub(crate) fn set_access(
         &mut self,
         address: DeviceAddress,
         size: u64,
         access: &[AccessDescriptor],
-    ) -> Result<(), BackendError> {
+    ) -> Result<(u64, u64), BackendError> {
         let op = Operation::SetAccess;
         if size == 0 || access.is_empty() {
             return Err(invalid(op, "empty range or access list"));
@@ -138,8 +140,13 @@ impl State {
                 }
             }
         }
+        let (mut fresh, mut fresh_bytes) = (0u64, 0u64);
         for s in starts {
             if let Some(m) = self.mappings.get_mut(&s) {
+                if m.access.iter().all(|a| *a == Access::None) {
+                    fresh = fresh.saturating_add(1);
+                    fresh_bytes = fresh_bytes.saturating_add(m.size);
+                }
                 for d in access {
                     if let Some(slot) = m.access.get_mut(d.device.0 as usize) {
                         *slot = d.access;
@@ -147,11 +154,15 @@ impl State {
                 }
             }
         }
-        Ok(())
+        Ok((fresh, fresh_bytes))
     }
 
-    /// Unmaps; returns the number of mappings removed.
-    pub(crate) fn unmap(&mut self, address: DeviceAddress, size: u64) -> Result<u64, BackendError> {
+    /// Unmaps; returns the number of mappings removed and their bytes.
+    pub(crate) fn unmap(
+        &mut self,
+        address: DeviceAddress,
+        size: u64,
+    ) -> Result<(u64, u64), BackendError> {
         let op = Operation::Unmap;
         if size == 0 {
             return Err(invalid(op, "size 0"));
@@ -188,6 +199,7 @@ impl State {
                 self.maybe_free_allocation(m.allocation);
             }
         }
-        Ok(starts.len() as u64)
+        let bytes = starts.iter().fold(0u64, |b, (_, sz)| b.saturating_add(*sz));
+        Ok((starts.len() as u64, bytes))
     }
 }

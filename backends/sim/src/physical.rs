@@ -69,12 +69,14 @@ impl State {
         PhysicalHandle(h)
     }
 
-    pub(crate) fn release(&mut self, handle: PhysicalHandle) -> Result<(), BackendError> {
+    /// Releases a handle; returns the size of its allocation (what the release is charged for).
+    pub(crate) fn release(&mut self, handle: PhysicalHandle) -> Result<u64, BackendError> {
         let op = Operation::Release;
         let id = self
             .handles
             .remove(&handle.0)
             .ok_or_else(|| invalid(op, format!("{handle} is not live")))?;
+        let size = self.allocations.get(&id).map_or(0, |a| a.size);
         if let Some(a) = self.allocations.get_mut(&id) {
             a.handles = a.handles.saturating_sub(1);
             if self.quirks.release_frees_mapped && a.handles == 0 {
@@ -88,7 +90,7 @@ impl State {
             }
         }
         self.maybe_free_allocation(id);
-        Ok(())
+        Ok(size)
     }
 
     pub(crate) fn maybe_free_allocation(&mut self, id: u64) {

@@ -108,10 +108,6 @@ impl State {
         }
     }
 
-    pub(crate) fn va_granule(&self) -> u64 {
-        self.va_granule
-    }
-
     pub(crate) fn inject(&mut self, rule: FaultRule) {
         let counts = self.counts.snapshot();
         self.faults.install(rule, &counts);

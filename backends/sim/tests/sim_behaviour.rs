@@ -143,16 +143,67 @@ fn latency_model_accounts_driver_time() {
         s.map(kvvm_hal::DeviceAddress(va.0 + i as u64 * G), G, *h)
             .unwrap();
     }
-    s.set_access(va, 4 * G, &[AccessDescriptor::read_write(DeviceId(0))])
-        .unwrap();
-    let expected =
-        m.reserve + m.create * 4 + m.map * 4 + m.set_access + m.set_access_per_extra_granule * 3;
+    let rw = [AccessDescriptor::read_write(DeviceId(0))];
+    s.set_access(va, 4 * G, &rw).unwrap();
+    // Each handle by its size, set access by its fresh mappings.
+    let expected = m.reserve
+        + m.cost(Operation::Create, G, 0) * 4
+        + m.map * 4
+        + m.cost(Operation::SetAccess, 4 * G, 4);
     assert_eq!(s.estimated_driver_time(), expected);
-    // One unmap over four mappings costs four unmaps (measured: no cheaper per granule).
+    // Mappings whose access is set already cost only the call.
+    s.reset_counters();
+    s.set_access(va, 4 * G, &rw).unwrap();
+    assert_eq!(s.estimated_driver_time(), m.set_access);
+    // One unmap over four mappings costs four unmaps (measured: no cheaper per mapping).
     s.reset_counters();
     s.unmap(va, 4 * G).unwrap();
-    assert_eq!(s.estimated_driver_time(), m.unmap_per_mapping * 4);
+    assert_eq!(
+        s.estimated_driver_time(),
+        m.cost(Operation::Unmap, 4 * G, 4)
+    );
     assert_eq!(s.driver_calls(), 1);
+    s.reset_counters();
+    for h in &hs {
+        s.release(*h).unwrap();
+    }
+    assert_eq!(
+        s.estimated_driver_time(),
+        m.cost(Operation::Release, G, 0) * 4
+    );
+    // A failed call covers nothing.
+    s.reset_counters();
+    assert!(s.release(hs[0]).is_err());
+    assert_eq!(s.estimated_driver_time(), m.release);
+    s.free(va, 4 * G).unwrap();
+}
+
+#[test]
+fn one_large_handle_costs_less_than_many_small_ones() {
+    let cost = |handles: u64| {
+        let s = SimBackend::new(SimConfig::single(G, 64 * MIB));
+        let each = 16 * G / handles;
+        let va = s.reserve(16 * G, 0, None).unwrap();
+        let hs: Vec<_> = (0..handles)
+            .map(|i| {
+                let h = s.create(each, &props()).unwrap();
+                s.map(kvvm_hal::DeviceAddress(va.0 + i * each), each, h)
+                    .unwrap();
+                h
+            })
+            .collect();
+        s.set_access(va, 16 * G, &[AccessDescriptor::read_write(DeviceId(0))])
+            .unwrap();
+        s.unmap(va, 16 * G).unwrap();
+        for h in hs {
+            s.release(h).unwrap();
+        }
+        s.free(va, 16 * G).unwrap();
+        assert!(s.ledger().is_empty());
+        s.estimated_driver_time()
+    };
+    let (many, one) = (cost(16), cost(1));
+    assert!(many > one * 8, "{many:?} vs {one:?}");
 }
 
 #[test]

@@ -23,5 +23,7 @@ pub mod realloc;
 mod stats;
 pub mod timing;
 pub mod tp;
+mod units;
 pub mod vmm;
 mod vmm_report;
+mod vmm_runs;

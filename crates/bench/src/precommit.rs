@@ -29,6 +29,9 @@ pub struct DecodeBenchConfig {
     pub step_time: std::time::Duration,
     /// Pre-commit settings of the `precommit` run.
     pub precommit: PrecommitConfig,
+    /// Bytes each sequence may hold ahead beyond its headroom in the `precommit` run
+    /// ([`Precommitter::set_grow_ahead_bytes`]; 0: none).
+    pub grow_ahead_bytes: u64,
 }
 
 impl DecodeBenchConfig {
@@ -51,6 +54,7 @@ impl DecodeBenchConfig {
                 max_headroom_bytes: u64::from(sequences) * 3 * (2 << 20),
                 poll_interval: std::time::Duration::from_micros(200),
             },
+            grow_ahead_bytes: 0,
         })
     }
 }
@@ -160,6 +164,7 @@ pub fn run_decode_bench(
     // Pre-commit: the same loop through the worker.
     let vm = new_vm()?;
     let pre = Precommitter::start(&vm, config.precommit)?;
+    pre.set_grow_ahead_bytes(config.grow_ahead_bytes);
     let mut seqs = Vec::new();
     for _ in 0..config.sequences {
         let mut s = SequenceKv::new(&vm, &plan, total)?;

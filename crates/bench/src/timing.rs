@@ -9,7 +9,7 @@ pub fn simulated_timing_note(backend: &str, latency_spent: bool) -> Option<Strin
         return None;
     }
     Some(if latency_spent {
-        "simulated timings: backend sim spends the H200 latency model's median for each driver call; \
+        "simulated timings: backend sim spends the H200 latency model's cost for each driver call; \
          the figures follow the model, they are not measured on a GPU"
             .to_owned()
     } else {

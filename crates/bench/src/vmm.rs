@@ -5,17 +5,22 @@
 //! 1. a manager commit of `k` granules ([`Reservation::commit`](kvvm_vmm::Reservation::commit)) against the minimal raw
 //!    driver sequence (create and map per granule, one set access) for each `k` of
 //!    [`BenchConfig::commit_granules`];
-//! 2. a commit served from the handle pool (remap) and one served from windows parked in the
+//! 2. runs of [`BenchConfig::run_sizes`] bytes (128 MiB, 512 MiB and 4 GiB by default): the
+//!    manager's commit against one handle per run (the driver's limit: create one handle of
+//!    the run's size, map it, set access once) and one handle per granule, and the teardown
+//!    (unmap + release) of the same runs, side by side;
+//! 3. a commit served from the handle pool (remap) and one served from windows parked in the
 //!    same reservation ([`VmmConfig::park_released`](kvvm_vmm::VmmConfig::park_released): no driver call) against a fresh commit,
 //!    at [`BenchConfig::pool_granules`];
-//! 3. growing a buffer of each size of [`BenchConfig::growth_sizes`] by one granule with the
+//! 4. growing a buffer of each size of [`BenchConfig::growth_sizes`] by one granule with the
 //!    manager, against the raw create + map + set access of one granule, with a slot for the
 //!    "realloc and copy" baseline (allocate size + granule, copy device to device, free the
 //!    old buffer). The trait has no plain allocation nor device-to-device copy, so that
 //!    baseline is supplied by a backend-specific closure ([`run_all_with_baseline`]); without
 //!    one the slot stays empty and [`BenchReport::set_realloc_baseline`] can fill it later.
 //!
-//! Only the measured steps are timed; set-up and clean-up (release, unmap) are not. Sizes
+//! Only the measured steps are timed; set-up and clean-up (release, unmap) are not, except
+//! for the runs, whose teardown is measured. Sizes
 //! that do not fit the device's free memory are skipped with a note. Results are medians and
 //! 90th percentiles; [`BenchReport::to_markdown`] prints them with ratios.
 //!
@@ -36,11 +41,15 @@ use std::time::{Duration, Instant};
 
 use kvvm_governor::Governor;
 use kvvm_hal::{BackendError, DeviceId, VirtualMemoryBackend};
-use kvvm_vmm::{GranularityChoice, Reservation, VirtualMemory, VmmConfig, VmmError, VmmResult};
+use kvvm_vmm::{
+    GranularityChoice, Reservation, VirtualMemory, VmmConfig, VmmError, VmmResult,
+    DEFAULT_MAX_HANDLE_BYTES,
+};
 
 use crate::raw::RawRange;
 pub use crate::stats::Stats;
 pub use crate::vmm_report::{BenchReport, CommitRow, GrowthRow, PoolRow};
+pub use crate::vmm_runs::{RunCase, RunRow};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -52,6 +61,13 @@ pub struct BenchConfig {
     pub device: DeviceId,
     /// Commit sizes in granules for the manager-vs-raw comparison.
     pub commit_granules: Vec<u64>,
+    /// Run sizes in bytes for the manager vs one handle per run vs one handle per granule
+    /// (commit and teardown); a size that does not fit the device's free memory is skipped.
+    pub run_sizes: Vec<u64>,
+    /// The largest handle the manager's commits make (`VmmConfig::max_handle_bytes`).
+    pub max_handle_bytes: u64,
+    /// Whether the backend spends a latency model (reported with the timings).
+    pub latency_spent: bool,
     /// Commit size in granules for the pool-vs-fresh comparison (0: skip).
     pub pool_granules: u64,
     /// Buffer sizes in bytes grown by one granule.
@@ -63,12 +79,16 @@ pub struct BenchConfig {
 }
 
 impl Default for BenchConfig {
-    /// The reference sizes: k = 1, 8, 64, 512; pool at 64; growth of 256 MiB, 1, 4, 16 GiB;
-    /// 20 iterations after 2 of warm-up.
+    /// The reference sizes: k = 1, 8, 64, 512; runs of 128 MiB, 512 MiB and 4 GiB; pool at
+    /// 64; growth of 256 MiB, 1, 4, 16 GiB; handles of at most 512 MiB; 20 iterations after 2
+    /// of warm-up.
     fn default() -> Self {
         BenchConfig {
             device: DeviceId(0),
             commit_granules: vec![1, 8, 64, 512],
+            run_sizes: vec![128 * MIB, 512 * MIB, 4 * GIB],
+            max_handle_bytes: DEFAULT_MAX_HANDLE_BYTES,
+            latency_spent: false,
             pool_granules: 64,
             growth_sizes: vec![256 * MIB, GIB, 4 * GIB, 16 * GIB],
             iterations: 20,
@@ -78,12 +98,15 @@ impl Default for BenchConfig {
 }
 
 impl BenchConfig {
-    /// Tiny sizes for a smoke run on the simulator: k = 1, 2, 4; pool at 4; growth of 4 and 16
-    /// granules; 3 iterations.
+    /// Tiny sizes for a smoke run on the simulator: k = 1, 2, 4; runs of 8 and 32 granules;
+    /// pool at 4; growth of 4 and 16 granules; 3 iterations.
     pub fn tiny(granule: u64) -> Self {
         BenchConfig {
             device: DeviceId(0),
             commit_granules: vec![1, 2, 4],
+            run_sizes: vec![8 * granule, 32 * granule],
+            max_handle_bytes: DEFAULT_MAX_HANDLE_BYTES,
+            latency_spent: false,
             pool_granules: 4,
             growth_sizes: vec![4 * granule, 16 * granule],
             iterations: 3,
@@ -121,7 +144,8 @@ pub fn run_all_with_baseline(
         Governor::unlimited(),
         VmmConfig::default()
             .pool_cap_bytes(0)
-            .granularity(GranularityChoice::Minimum),
+            .granularity(GranularityChoice::Minimum)
+            .max_handle_bytes(config.max_handle_bytes),
     )?;
     let g = fresh_vm.granule();
     let mut report = BenchReport {
@@ -130,6 +154,9 @@ pub fn run_all_with_baseline(
         granule: g,
         iterations: config.iterations,
         commit: Vec::new(),
+        runs: Vec::new(),
+        max_handle_bytes: config.max_handle_bytes,
+        latency_spent: config.latency_spent,
         pool: None,
         growth: Vec::new(),
         notes: Vec::new(),
@@ -173,6 +200,15 @@ pub fn run_all_with_baseline(
             });
         }
     }
+
+    report.runs = crate::vmm_runs::measure_runs(
+        &*backend,
+        &fresh_vm,
+        device,
+        &config.run_sizes,
+        (config.warmup, config.iterations),
+        &mut report.notes,
+    )?;
 
     let k = config.pool_granules;
     if k > 0 {
@@ -353,6 +389,17 @@ mod tests {
         assert!(md.contains("| 4 | 256 KiB |"), "{md}");
         assert!(md.contains("fresh/pool"), "{md}");
         assert!(md.contains("| 1 MiB |"), "{md}");
+        // Runs of 8 and 32 granules: the manager makes one handle of each.
+        assert_eq!(report.runs.len(), 2);
+        assert_eq!(report.runs[1].bytes, 32 * g);
+        assert_eq!(report.runs[1].manager_handles, 1);
+        for needle in [
+            "one handle per run",
+            "manager / one handle",
+            "teardown (unmap + release)",
+        ] {
+            assert!(md.contains(needle), "{needle} missing from {md}");
+        }
         let stats = report.growth[0].manager.unwrap();
         report.set_realloc_baseline(4 * g, stats);
         assert_eq!(report.growth[0].realloc_copy, Some(stats));

@@ -6,9 +6,8 @@ use std::time::Duration;
 use kvvm_hal::DeviceId;
 
 use crate::stats::Stats;
-
-const MIB: u64 = 1 << 20;
-const GIB: u64 = 1 << 30;
+use crate::units::{fmt_bytes, ratio, us};
+use crate::vmm_runs::{runs_markdown, RunRow};
 
 /// Manager commit against the raw driver sequence, for one `k`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,37 +65,20 @@ pub struct BenchReport {
     pub iterations: usize,
     /// Manager vs raw commits.
     pub commit: Vec<CommitRow>,
+    /// Runs: the manager vs one handle per run vs one handle per granule, commit and
+    /// teardown.
+    pub runs: Vec<RunRow>,
+    /// The largest handle the manager's commits made (`VmmConfig::max_handle_bytes`).
+    pub max_handle_bytes: u64,
+    /// Whether the backend spent a latency model (the simulator's H200 model): the timings
+    /// then follow the model.
+    pub latency_spent: bool,
     /// Pool vs fresh.
     pub pool: Option<PoolRow>,
     /// Growth by one granule.
     pub growth: Vec<GrowthRow>,
     /// Remarks (skipped cases, ...).
     pub notes: Vec<String>,
-}
-
-fn fmt_bytes(b: u64) -> String {
-    let multiple = |unit: u64| b >= unit && b.checked_rem(unit) == Some(0);
-    if multiple(GIB) {
-        format!("{} GiB", b / GIB)
-    } else if multiple(MIB) {
-        format!("{} MiB", b / MIB)
-    } else if multiple(1024) {
-        format!("{} KiB", b / 1024)
-    } else {
-        format!("{b} B")
-    }
-}
-
-fn us(d: Duration) -> String {
-    format!("{:.1} us", d.as_secs_f64() * 1e6)
-}
-
-fn ratio(a: Duration, b: Duration) -> String {
-    if b.is_zero() {
-        "-".to_owned()
-    } else {
-        format!("{:.2}x", a.as_secs_f64() / b.as_secs_f64())
-    }
 }
 
 fn opt(s: Option<Stats>, f: impl Fn(Stats) -> Duration) -> String {
@@ -122,7 +104,8 @@ impl BenchReport {
             fmt_bytes(self.granule),
             self.iterations
         );
-        if let Some(note) = crate::timing::simulated_timing_note(&self.backend, false) {
+        if let Some(note) = crate::timing::simulated_timing_note(&self.backend, self.latency_spent)
+        {
             let _ = writeln!(s, "{note}\n");
         }
         let _ = writeln!(
@@ -147,6 +130,7 @@ impl BenchReport {
                 ratio(r.manager.median, r.raw.median)
             );
         }
+        runs_markdown(&mut s, &self.runs, self.max_handle_bytes);
         if let Some(p) = &self.pool {
             let _ = writeln!(
                 s,

@@ -23,8 +23,8 @@ pub struct DecodeBenchArgs {
     /// Backend: sim, cuda, hip, host or auto.
     #[arg(long, default_value = "auto")]
     backend: String,
-    /// Latency model of the simulated backend: h200 (driver calls cost their H200 medians,
-    /// spent for real) or none.
+    /// Latency model of the simulated backend: h200 (driver calls cost what the H200 latency
+    /// model charges, spent for real) or none.
     #[arg(long, default_value = "h200")]
     latency_model: String,
     /// Sequences decoding side by side (1 to 4096).
@@ -36,6 +36,11 @@ pub struct DecodeBenchArgs {
     /// Compute time of one decode step, in microseconds (0 to 1000000).
     #[arg(long, default_value_t = 300, value_parser = flags::int_in::<u64>(0, 1_000_000))]
     step_us: u64,
+    /// Bytes each sequence may hold ahead beyond its headroom, so that the pre-committer
+    /// commits larger buddy-aligned handles (e.g. 10MiB; default 0: none). The bound on the
+    /// bytes ahead grows by as much per sequence.
+    #[arg(long, default_value = "0", value_parser = flags::size_in(0, u64::MAX))]
+    grow_ahead: u64,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -69,7 +74,9 @@ pub fn run(args: &DecodeBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     config.sequences = args.sequences;
     config.decode_tokens = args.steps;
     config.step_time = std::time::Duration::from_micros(args.step_us);
-    config.precommit.max_headroom_bytes = u64::from(config.sequences) * 3 * (2 << 20);
+    config.precommit.max_headroom_bytes = u64::from(config.sequences)
+        .saturating_mul((3u64 * (2 << 20)).saturating_add(args.grow_ahead));
+    config.grow_ahead_bytes = args.grow_ahead;
     backend::check_name(&args.backend)?;
     let backend: Arc<dyn VirtualMemoryBackend> = if args.backend == "sim" {
         sim_with(model)

@@ -1,15 +1,18 @@
-//! `kvvm bench vmm`: the manager against the raw driver sequence.
+//! `kvvm bench vmm`: the manager against the raw driver sequences (one handle per granule, and
+//! for runs, one handle per run: the driver's limit).
 
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Args;
+use kvvm::sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
+use kvvm::VirtualMemoryBackend;
 use kvvm_bench::realloc::BenchBackend;
-use kvvm_bench::vmm::{run_all_with_baseline, BenchConfig, BenchReport, Stats};
+use kvvm_bench::vmm::{run_all_with_baseline, BenchConfig, BenchReport, RunCase, Stats};
 use serde_json::{json, Value};
 
 use crate::backend;
-use crate::error::{failed, CliResult};
+use crate::error::{failed, CliError, CliResult};
 use crate::flags;
 use crate::output::{self, note, Out};
 use crate::progress::Progress;
@@ -26,6 +29,18 @@ pub struct VmmBenchArgs {
     /// Tiny sizes and 3 iterations (a smoke run).
     #[arg(long)]
     quick: bool,
+    /// Run sizes for the manager vs one handle per run vs one handle per granule, commit and
+    /// teardown (comma-separated; default 128MiB,512MiB,4GiB; e.g. 128MiB,512MiB on a device
+    /// without 4 GiB free). Sizes that do not fit the free memory are skipped anyway.
+    #[arg(long, value_delimiter = ',', value_parser = flags::size_in(1, u64::MAX))]
+    runs: Vec<u64>,
+    /// Largest handle the manager creates (`VmmConfig::max_handle_bytes`; default 512MiB).
+    #[arg(long, value_parser = flags::size_in(1, u64::MAX))]
+    max_handle: Option<u64>,
+    /// Latency model of the simulated backend: h200 (each driver call spends the H200 model's
+    /// cost, so the timings follow it) or none (the times are the simulator's bookkeeping).
+    #[arg(long, default_value = "h200")]
+    latency_model: String,
     /// Print JSON instead of Markdown.
     #[arg(long)]
     json: bool,
@@ -52,6 +67,14 @@ fn ratio(a: &Option<Stats>, b: &Option<Stats>) -> Value {
     }
 }
 
+fn run_case(c: &RunCase) -> Value {
+    json!({"commit": stats(&Some(c.commit)), "teardown": stats(&Some(c.teardown))})
+}
+
+fn run_ratio(a: Stats, b: Stats) -> Value {
+    ratio(&Some(a), &Some(b))
+}
+
 fn to_json(r: &BenchReport) -> Value {
     json!({
         "backend": r.backend,
@@ -59,12 +82,25 @@ fn to_json(r: &BenchReport) -> Value {
         "granule": r.granule,
         "iterations": r.iterations,
         "simulated_timings": r.backend == "sim",
+        "latency_spent": r.latency_spent,
+        "max_handle_bytes": r.max_handle_bytes,
         "commit": r.commit.iter().map(|c| json!({
             "granules": c.granules,
             "bytes": c.bytes,
             "manager": stats(&Some(c.manager)),
             "raw": stats(&Some(c.raw)),
             "manager_over_raw": ratio(&Some(c.manager), &Some(c.raw)),
+        })).collect::<Vec<_>>(),
+        "runs": r.runs.iter().map(|x| json!({
+            "bytes": x.bytes,
+            "manager_handles": x.manager_handles,
+            "manager": run_case(&x.manager),
+            "one_handle": run_case(&x.one_handle),
+            "per_granule": run_case(&x.per_granule),
+            "commit_manager_over_one_handle": run_ratio(x.manager.commit, x.one_handle.commit),
+            "commit_per_granule_over_manager": run_ratio(x.per_granule.commit, x.manager.commit),
+            "teardown_manager_over_one_handle": run_ratio(x.manager.teardown, x.one_handle.teardown),
+            "teardown_per_granule_over_manager": run_ratio(x.per_granule.teardown, x.manager.teardown),
         })).collect::<Vec<_>>(),
         "pool": r.pool.as_ref().map(|p| json!({
             "granules": p.granules,
@@ -86,9 +122,25 @@ fn to_json(r: &BenchReport) -> Value {
     })
 }
 
+/// The simulator spending `model` for every call (Spin), so that timings follow it.
+fn spending_sim(model: LatencyModel) -> Arc<dyn VirtualMemoryBackend> {
+    Arc::new(SimBackend::new(
+        SimConfig::default().with_latency(model, LatencyMode::Spin),
+    ))
+}
+
 /// Runs `kvvm bench vmm`.
 pub fn run(args: &VmmBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     backend::check_name(&args.backend)?;
+    let spent = match args.latency_model.as_str() {
+        "h200" => true,
+        "none" => false,
+        other => {
+            return Err(CliError::Failed(format!(
+                "--latency-model {other:?}: expected h200 or none"
+            )))
+        }
+    };
     let mut config = BenchConfig::default();
     // CUDA gets the realloc-and-copy baseline, which needs driver calls outside the trait.
     let opened =
@@ -101,7 +153,11 @@ pub fn run(args: &VmmBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     ) {
         note(n);
     }
-    let backend = Arc::clone(&opened.backend);
+    let backend = if spent && opened.backend.name() == "sim" {
+        spending_sim(LatencyModel::h200())
+    } else {
+        Arc::clone(&opened.backend)
+    };
     if args.quick {
         let g = backend
             .granularity(&kvvm::AllocationProperties::device(config.device))
@@ -112,8 +168,15 @@ pub fn run(args: &VmmBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     if let Some(n) = args.iterations {
         config.iterations = n;
     }
+    if !args.runs.is_empty() {
+        config.run_sizes.clone_from(&args.runs);
+    }
+    if let Some(m) = args.max_handle {
+        config.max_handle_bytes = m;
+    }
+    config.latency_spent = spent && backend.name() == "sim";
     let progress = Progress::start("bench vmm", None);
-    progress.message("measuring commits, the pool and growth");
+    progress.message("measuring commits, runs, the pool and growth");
     let mut baseline = opened.realloc_baseline(config.device);
     let mut realloc = baseline
         .as_mut()

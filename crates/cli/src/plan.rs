@@ -1,8 +1,11 @@
-//! `kvvm plan`: the shareability verdict and commit lower bound for a model and layout.
+//! `kvvm plan`: the shareability verdict and commit lower bound for a model and layout, in
+//! bytes and in the handles (one mapping each) the manager commits them as.
 
+use std::ops::Range;
 use std::process::ExitCode;
 
 use clap::Args;
+use kvvm::vmm::{commit_pieces, max_handle_windows, DEFAULT_MAX_HANDLE_BYTES};
 use kvvm_layout::{
     commit_lower_bound, evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, LayoutPlan,
 };
@@ -29,6 +32,10 @@ pub struct PlanArgs {
     /// yours with `kvvm info`).
     #[arg(long, default_value = "2MiB", value_parser = flags::granule)]
     granule: u64,
+    /// Largest handle the manager creates (`VmmConfig::max_handle_bytes`; default 512MiB; the
+    /// granule gives one handle per granule).
+    #[arg(long, value_parser = flags::size_in(1, u64::MAX))]
+    max_handle: Option<u64>,
     /// Element type: fp16, bf16, fp8 or fp32.
     #[arg(long, default_value = "fp16")]
     dtype: String,
@@ -61,6 +68,17 @@ fn check_lengths(args: &PlanArgs) -> CliResult<()> {
     Ok(())
 }
 
+/// Handles (one mapping each) of one commit of the windows `ranges`, and the windows.
+fn handles(ranges: &[Range<u64>], max_windows: u64) -> (u64, u64) {
+    let windows = ranges.iter().map(|r| r.end - r.start).sum();
+    (commit_pieces(ranges, max_windows).len() as u64, windows)
+}
+
+/// `n` followed by `word`, plural when `n != 1`.
+fn count(n: u64, word: &str) -> String {
+    format!("{n} {word}{}", if n == 1 { "" } else { "s" })
+}
+
 /// Prints the plan.
 pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
     let dtype: KvDtype = args.dtype.parse().map_err(failed)?;
@@ -75,6 +93,22 @@ pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
         commit_lower_bound(&geometry, layout, tokens, args.granule).map_err(failed)?;
     let plan = LayoutPlan::new(geometry, layout, args.granule).map_err(failed)?;
     let reservation = plan.reservation_bytes();
+    let max_handle = args.max_handle.unwrap_or(DEFAULT_MAX_HANDLE_BYTES);
+    let max_windows = max_handle_windows(max_handle, args.granule);
+    let live_ranges = plan.windows_for_tokens(tokens).map_err(failed)?;
+    let (live_handles, live_windows) = handles(&live_ranges, max_windows);
+    // The shared windows: the first whole windows of every fragment.
+    let k = verdict.shareable_granules_per_fragment;
+    let shared_ranges: Vec<Range<u64>> = if verdict.shareable {
+        plan.windows_for_tokens(args.prefix)
+            .map_err(failed)?
+            .into_iter()
+            .map(|r| r.start..r.start.saturating_add(k))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let (shared_handles, shared_windows) = handles(&shared_ranges, max_windows);
     let live = geometry
         .bytes_per_token()
         .checked_mul(tokens)
@@ -100,6 +134,12 @@ pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
             "tokens": tokens,
             "live_bytes": live,
             "commit_lower_bound_bytes": lower_bound,
+            "commit_lower_bound_windows": live_windows,
+            "max_handle_bytes": max_handle,
+            "commit_handles": live_handles,
+            "commit_mappings": live_handles,
+            "shared_prefix_windows": shared_windows,
+            "shared_prefix_handles": shared_handles,
             "reservation_bytes": reservation,
         });
         output::json_line(out, &v)?;
@@ -123,11 +163,14 @@ pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
     match verdict.refusal_reason() {
         None => writeln!(
             out,
-            "  prefix of {} tokens: SHAREABLE: {} whole granules per fragment, {} multi-map operations, {} shared (billed once)",
+            "  prefix of {} tokens: SHAREABLE: {} whole granules per fragment, {} multi-map operations, {} shared (billed once), as few as {}: a sharer's attach is {} ({} with one handle per granule)",
             args.prefix,
             verdict.shareable_granules_per_fragment,
             verdict.multi_map_ops,
-            format_size(verdict.shared_bytes)
+            format_size(verdict.shared_bytes),
+            count(shared_handles, "handle"),
+            count(shared_handles, "mapping"),
+            shared_windows
         )?,
         Some(reason) => writeln!(out, "  prefix of {} tokens: {reason}", args.prefix)?,
     }
@@ -138,10 +181,19 @@ pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
     )?;
     writeln!(
         out,
-        "  {} live tokens ({}): commit lower bound {} (granule x windows holding live bytes)",
+        "  {} live tokens ({}): commit lower bound {} (granule x windows holding live bytes) = {} windows",
         tokens,
         format_size(live),
-        format_size(lower_bound)
+        format_size(lower_bound),
+        live_windows
+    )?;
+    writeln!(
+        out,
+        "  committed at once: {} of at most {} = {} ({} with one handle per granule)",
+        count(live_handles, "handle"),
+        format_size(max_windows.saturating_mul(args.granule)),
+        count(live_handles, "mapping"),
+        live_windows
     )?;
     writeln!(
         out,

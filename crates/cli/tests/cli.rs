@@ -107,7 +107,36 @@ fn plan_json_reports_the_worked_table() {
         assert_eq!(v["min_shareable_prefix"], min);
         assert_eq!(v["shareable"], 4096 >= min);
         assert_eq!(v["refusal_reason"].is_null(), 4096 >= min);
+        // 4096 tokens in handles of up to 512 MiB: 512 fragments of one window, 64 runs of
+        // four windows (one 8 MiB handle each), one run of 256 windows (one 512 MiB handle).
+        let (windows, handles) = match layout {
+            "head-major" => (512, 512),
+            "seq-major" => (256, 64),
+            _ => (256, 1),
+        };
+        assert_eq!(v["commit_lower_bound_windows"], windows, "{v}");
+        assert_eq!(v["commit_handles"], handles, "{v}");
+        assert_eq!(v["commit_mappings"], handles, "{v}");
+        assert_eq!(v["max_handle_bytes"], 512u64 << 20);
+        let shared = if 4096 >= min { handles } else { 0 };
+        assert_eq!(v["shared_prefix_handles"], shared, "{v}");
     }
+    // One handle per granule.
+    let (code, stdout, stderr) = kvvm(&[
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--layout",
+        "seq-major",
+        "--tokens",
+        "4096",
+        "--max-handle",
+        "2MiB",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["commit_handles"], 256, "{v}");
 }
 
 #[test]
@@ -179,4 +208,52 @@ fn off_a_terminal_a_long_run_prints_periodic_progress_lines() {
         "{}",
         String::from_utf8_lossy(&quiet.stderr)
     );
+}
+
+#[test]
+fn bench_vmm_reports_runs_against_one_handle_and_one_handle_per_granule() {
+    let (code, stdout, stderr) = kvvm(&[
+        "bench",
+        "vmm",
+        "--backend",
+        "sim",
+        "--quick",
+        "--runs",
+        "16MiB,64MiB,1TiB",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["latency_spent"], true);
+    assert_eq!(v["max_handle_bytes"], 512u64 << 20);
+    let runs = v["runs"].as_array().unwrap();
+    // 1 TiB does not fit the simulated H200: skipped with a note.
+    assert_eq!(runs.len(), 2, "{v}");
+    assert!(
+        v["notes"].to_string().contains("run of 1024 GiB skipped"),
+        "{v}"
+    );
+    for r in runs {
+        assert_eq!(r["manager_handles"], 1);
+        for case in ["manager", "one_handle", "per_granule"] {
+            for step in ["commit", "teardown"] {
+                assert!(r[case][step]["p50_us"].as_f64().unwrap() > 0.0, "{r}");
+            }
+        }
+        // The simulator spends the H200 model: 32 granules cost far more than one handle.
+        assert!(
+            r["commit_per_granule_over_manager"].as_f64().unwrap() > 3.0,
+            "{r}"
+        );
+    }
+    let (code, _, stderr) = kvvm(&[
+        "bench",
+        "vmm",
+        "--backend",
+        "sim",
+        "--latency-model",
+        "h100",
+    ]);
+    assert_ne!(code, 0);
+    assert!(stderr.contains("expected h200 or none"), "{stderr}");
 }

@@ -47,7 +47,7 @@ fn simulate_json_on_the_sim_meets_the_acceptance_orderings() {
     assert_eq!(v["trace"]["kind"], "synthetic");
     assert_eq!(v["trace"]["requests"], 200);
     let policies = v["policies"].as_array().unwrap();
-    assert_eq!(policies.len(), 9);
+    assert_eq!(policies.len(), 10);
     for p in policies {
         for key in [
             "name",
@@ -89,7 +89,12 @@ fn simulate_prints_a_table_and_writes_a_plot_for_a_jsonl_trace() {
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("trace: jsonl"), "{stdout}");
     assert!(stdout.contains("40 requests"), "{stdout}");
-    for name in ["static-max", "paged-16", "kvvm-token-major+prefix"] {
+    for name in [
+        "static-max",
+        "paged-16",
+        "paged-16+prefix",
+        "kvvm-token-major+prefix",
+    ] {
         assert!(stdout.contains(name), "{stdout}");
     }
     assert!(stdout.contains("ledger after the run: empty"), "{stdout}");
@@ -100,7 +105,12 @@ fn simulate_prints_a_table_and_writes_a_plot_for_a_jsonl_trace() {
     }
     let plot = std::fs::read_to_string(&svg).unwrap();
     assert!(plot.starts_with("<svg"));
-    for name in ["static-max", "paged-16", "kvvm-token-major+prefix"] {
+    for name in [
+        "static-max",
+        "paged-16",
+        "paged-16+prefix",
+        "kvvm-token-major+prefix",
+    ] {
         assert!(
             plot.contains(&format!("{name} (peak ")),
             "{name} not in the legend"

@@ -16,7 +16,11 @@
 //!   is a system call). When a sequence's committed end is within
 //!   [`headroom_tokens`](PrecommitConfig::headroom_tokens) of its live end, the worker commits
 //!   up to `live + 2 x headroom_tokens` with [`SequenceKv::ensure_tokens`]: the same
-//!   transaction, rollback and governor grant as any commit. A refused grant or a driver failure inside the worker rolls back (the manager's
+//!   transaction, rollback and governor grant as any commit. Given room to grow
+//!   ([`Precommitter::set_grow_ahead_bytes`]), it commits further when that and the bound
+//!   allow: up to the end of the largest buddy-aligned handle that can start at
+//!   the committed end (at most the manager's largest handle), so that each commit ahead is
+//!   one mapping per fragment (the driver's cost is per mapping). A refused grant or a driver failure inside the worker rolls back (the manager's
 //!   transaction) and is counted and reported ([`PrecommitStats`],
 //!   [`Precommitter::last_error`]); the decode path then commits inline.
 //! * Headroom is bounded: the bytes committed ahead of the live ends of all sequences never
@@ -39,10 +43,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 
 use kvvm_governor::Reclaimer;
-use kvvm_hal::DeviceId;
 use kvvm_vmm::VirtualMemory;
 
+mod grow;
 mod handle;
+mod reclaim;
 
 pub use handle::PrecommittedSequence;
 
@@ -161,8 +166,19 @@ pub(crate) struct Inner {
     wake: Condvar,
     idle: Condvar,
     cells: Mutex<Vec<Weak<Cell>>>,
+    /// Bytes a sequence may hold ahead beyond its headroom (0: no growth).
+    grow_ahead: AtomicU64,
     pub(crate) counters: Counters,
     last_error: Mutex<Option<KvCacheError>>,
+}
+
+/// A total kept in two's complement, read as 0 while it is below zero.
+fn non_negative(total: u64) -> u64 {
+    if total >> 63 == 1 {
+        0
+    } else {
+        total
+    }
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -189,22 +205,28 @@ impl Inner {
     }
 
     /// Records `cell`'s bytes ahead of its live end as `new`, keeping the global total.
+    ///
+    /// The difference is added exactly (two's complement, wrapping): two threads updating
+    /// one cell (the decode path and the worker) may add their differences in the other
+    /// order than they swapped, and the total may be below zero for that instant; clamping
+    /// it there would leave it above the cells' sum for good, and the worker would find the
+    /// bound reached when it is not. [`headroom_total`](Self::headroom_total) reads a
+    /// momentarily negative total as 0.
     pub(crate) fn set_ahead(&self, cell: &Cell, new: u64) {
         let old = cell.ahead.swap(new, Ordering::AcqRel);
         let c = &self.counters;
-        if new >= old {
-            let total = c
-                .headroom_bytes
-                .fetch_add(new - old, Ordering::AcqRel)
-                .saturating_add(new - old);
+        let before = c
+            .headroom_bytes
+            .fetch_add(new.wrapping_sub(old), Ordering::AcqRel);
+        if new > old {
+            let total = non_negative(before.wrapping_add(new - old));
             c.peak_headroom_bytes.fetch_max(total, Ordering::AcqRel);
-        } else {
-            let _ = c
-                .headroom_bytes
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |t| {
-                    Some(t.saturating_sub(old - new))
-                });
         }
+    }
+
+    /// Bytes committed ahead of the live ends of all sequences.
+    pub(crate) fn headroom_total(&self) -> u64 {
+        non_negative(self.counters.headroom_bytes.load(Ordering::Acquire))
     }
 
     /// Whether fewer than `headroom_tokens` tokens are committed ahead of `cell`'s live end.
@@ -242,23 +264,29 @@ impl Inner {
             return false;
         }
         let extra = Inner::ahead_bytes(&cell.plan, have.max(live), target);
-        let total = self.counters.headroom_bytes.load(Ordering::Acquire);
+        let total = self.headroom_total();
         if total.saturating_add(extra) > self.config.max_headroom_bytes {
             self.counters
                 .headroom_capped
                 .fetch_add(1, Ordering::Relaxed);
             return false;
         }
+        let grown = self.grown_target(cell, (have, live, target), total);
         drop(seq);
-        let span = tracing::debug_span!("kv.precommit", live, target);
+        let span = tracing::debug_span!("kv.precommit", live, target, grown);
         let _e = span.enter();
-        let mut result = Inner::commit_unlocked(cell, target);
+        let mut asked = grown;
+        let mut result = Inner::commit_unlocked(cell, grown);
         let fallback = live
             .saturating_add(self.config.headroom_tokens)
             .min(cell.max_tokens);
-        if matches!(&result, Err(e) if e.is_retryable()) && fallback > have && fallback < target {
-            // Refused whole: ask for the smaller headroom instead.
-            result = Inner::commit_unlocked(cell, fallback);
+        for smaller in [target, fallback] {
+            if matches!(&result, Err(e) if e.is_retryable()) && smaller > have && smaller < asked {
+                // Refused whole: ask for less (the headroom without growth, then the
+                // smaller headroom).
+                asked = smaller;
+                result = Inner::commit_unlocked(cell, smaller);
+            }
         }
         match result {
             Ok((bytes, committed)) => {
@@ -385,65 +413,6 @@ impl Drop for WorkerCommit {
     }
 }
 
-impl Reclaimer for Inner {
-    fn reclaim(&self, device: DeviceId, bytes: u64) -> u64 {
-        if device != self.vm.device() || WorkerCommit::active() {
-            return 0;
-        }
-        let cells: Vec<Arc<Cell>> = {
-            let mut cells = lock(&self.cells);
-            cells.retain(|w| w.strong_count() > 0);
-            cells.iter().filter_map(Weak::upgrade).collect()
-        };
-        let mut freed = 0u64;
-        for cell in cells {
-            if freed >= bytes {
-                break;
-            }
-            // Never wait: the caller may hold a sequence's lock while asking for memory.
-            let Ok(mut seq) = cell.seq.try_lock() else {
-                continue;
-            };
-            if seq.has_commit_in_flight() {
-                continue;
-            }
-            let claimed = cell.live.load(Ordering::SeqCst);
-            if seq.committed_tokens() <= claimed {
-                continue;
-            }
-            // Lower the count the decode path reads before unmapping anything, then read the
-            // claims again: a claim made meanwhile is kept (see `Cell`).
-            cell.ready.store(claimed, Ordering::SeqCst);
-            let keep = claimed.max(cell.live.load(Ordering::SeqCst));
-            let result = seq.shrink_committed(keep);
-            cell.ready.store(seq.committed_tokens(), Ordering::SeqCst);
-            match result {
-                Ok(b) => {
-                    freed = freed.saturating_add(b);
-                    let live_now = cell.live.load(Ordering::SeqCst);
-                    self.set_ahead(
-                        &cell,
-                        Inner::ahead_bytes(&cell.plan, live_now, seq.committed_tokens()),
-                    );
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "giving back pre-committed windows failed");
-                    *lock(&self.last_error) = Some(e);
-                }
-            }
-        }
-        if freed > 0 {
-            // The windows went to the handle pool: release that much of it to the driver.
-            let keep = self.vm.pooled_bytes().saturating_sub(freed);
-            self.vm.trim_pool(keep);
-            self.counters
-                .reclaimed_bytes
-                .fetch_add(freed, Ordering::Relaxed);
-        }
-        freed
-    }
-}
-
 /// The background pre-committer of one manager (see the module docs).
 pub struct Precommitter {
     inner: Arc<Inner>,
@@ -478,6 +447,7 @@ impl Precommitter {
             wake: Condvar::new(),
             idle: Condvar::new(),
             cells: Mutex::new(Vec::new()),
+            grow_ahead: AtomicU64::new(0),
             counters: Counters::default(),
             last_error: Mutex::new(None),
         });
@@ -526,6 +496,22 @@ impl Precommitter {
         }
     }
 
+    /// Lets each sequence hold up to `bytes` ahead beyond its headroom, so that the worker's
+    /// commits are larger buddy-aligned handles (fewer mappings: the driver's cost is per
+    /// mapping), always within `max_headroom_bytes` over all sequences. 0 (the default): the
+    /// worker commits what the headroom asks. Give `max_headroom_bytes` at least `sequences x
+    /// (headroom + bytes)`, or sequences that grow first take the room that later ones need
+    /// for their headroom (those then commit inline until the first have used theirs).
+    pub fn set_grow_ahead_bytes(&self, bytes: u64) {
+        self.inner.grow_ahead.store(bytes, Ordering::Relaxed);
+        self.inner.kick();
+    }
+
+    /// The room to grow set by [`set_grow_ahead_bytes`](Self::set_grow_ahead_bytes).
+    pub fn grow_ahead_bytes(&self) -> u64 {
+        self.inner.grow_ahead.load(Ordering::Relaxed)
+    }
+
     /// The counters.
     pub fn stats(&self) -> PrecommitStats {
         let c = &self.inner.counters;
@@ -536,7 +522,7 @@ impl Precommitter {
             background_refused: c.background_refused.load(Ordering::Relaxed),
             background_failures: c.background_failures.load(Ordering::Relaxed),
             headroom_capped: c.headroom_capped.load(Ordering::Relaxed),
-            headroom_bytes: c.headroom_bytes.load(Ordering::Acquire),
+            headroom_bytes: self.inner.headroom_total(),
             peak_headroom_bytes: c.peak_headroom_bytes.load(Ordering::Acquire),
             reclaimed_bytes: c.reclaimed_bytes.load(Ordering::Relaxed),
         }

@@ -377,3 +377,123 @@ fn headroom_is_never_reclaimed_to_make_headroom() {
     pre.shutdown();
     check_books(&w);
 }
+
+/// Windows mapped in the driver's books, and the mappings holding them.
+fn mapped(w: &World) -> (u64, usize) {
+    let l = w.sim.ledger();
+    (
+        l.mappings.iter().map(|m| m.size / G).sum(),
+        l.mappings.len(),
+    )
+}
+
+/// A pre-committer of `config` whose sequences may hold 13 windows ahead beyond their
+/// headroom (64 tokens: one headroom is up to 3 windows ahead): up to 16 windows each.
+fn growing(w: &World, config: PrecommitConfig) -> Precommitter {
+    let pre = Precommitter::start(&w.vm, config).unwrap();
+    pre.set_grow_ahead_bytes(13 * G);
+    assert_eq!(pre.grow_ahead_bytes(), 13 * G);
+    pre
+}
+
+#[test]
+fn the_worker_grows_in_buddy_aligned_handles_within_its_bound() {
+    let w = world(None, 0);
+    let pre = growing(&w, config(64, 16));
+    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    s.ensure_tokens(4 * 64).unwrap();
+    assert_eq!(mapped(&w), (4, 1), "windows 0-3: one handle");
+    let seq = pre.attach(s);
+    pre.wait_idle();
+    // The headroom asks up to 256 + 128 tokens (6 windows); the committed end, window 4, can
+    // start a handle of 4 windows: up to 8 windows (512 tokens), in one mapping.
+    assert_eq!(seq.committed_tokens(), 512);
+    assert_eq!(mapped(&w), (8, 2));
+    for n in 257..=2048 {
+        assert_eq!(seq.ensure_tokens(n).unwrap(), Ensured::Ready, "token {n}");
+        if n % 32 == 0 {
+            pre.wait_idle();
+        }
+    }
+    let stats = pre.stats();
+    assert_eq!(stats.inline_commits, 0, "{stats:?}");
+    assert!(stats.peak_headroom_bytes <= 16 * G, "{stats:?}");
+    // Handles of 8 and 16 windows after the first ones, each one commit: windows 0-47 in
+    // 5 mappings (one per granule would be 48).
+    let (windows, mappings) = mapped(&w);
+    assert_eq!(
+        (windows, mappings),
+        (48, 5),
+        "{:?}",
+        w.sim.ledger().mappings
+    );
+    check_books(&w);
+    pre.shutdown();
+    drop(seq);
+    assert!(w.sim.ledger().is_empty());
+
+    // Without room to grow, the same decode commits what the headroom asks, a window or two
+    // at a time.
+    let w = world(None, 0);
+    let pre = Precommitter::start(&w.vm, config(64, 16)).unwrap();
+    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    s.ensure_tokens(4 * 64).unwrap();
+    let seq = pre.attach(s);
+    for n in 257..=2048 {
+        if n % 32 == 0 {
+            pre.wait_idle();
+        }
+        seq.ensure_tokens(n).unwrap();
+    }
+    pre.wait_idle();
+    let (windows, mappings) = mapped(&w);
+    assert!(
+        mappings * 2 > windows as usize,
+        "{windows} windows in {mappings} mappings"
+    );
+    pre.shutdown();
+}
+
+#[test]
+fn a_tight_bound_keeps_the_growth_to_what_the_headroom_asks() {
+    let w = world(None, 0);
+    let pre = growing(&w, config(64, 3));
+    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    s.ensure_tokens(4 * 64).unwrap();
+    let seq = pre.attach(s);
+    pre.wait_idle();
+    // A 4-window handle would put 4 windows ahead, over the bound of 3: up to 384 tokens
+    // (windows 4-5, one handle of 2).
+    assert_eq!(seq.committed_tokens(), 384);
+    assert_eq!(mapped(&w), (6, 2));
+    assert!(pre.stats().peak_headroom_bytes <= 3 * G);
+    check_books(&w);
+}
+
+#[test]
+fn a_handle_holding_the_live_end_stays_counted_as_headroom_after_a_reclaim() {
+    // 10 windows of budget: the sequence grows to 8 (windows 4-7 one handle ahead).
+    let w = world(Some(10), 0);
+    let pre = growing(&w, config(64, 16));
+    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    s.ensure_tokens(4 * 64).unwrap();
+    let a = pre.attach(s);
+    pre.wait_idle();
+    assert_eq!(mapped(&w), (8, 2));
+    assert_eq!(a.ensure_tokens(300).unwrap(), Ensured::Ready);
+    pre.shutdown();
+    // Another sequence needs 4 windows, 2 are free: the pre-committer is asked for headroom,
+    // but windows 5-7 lie in the handle that holds the live end (window 4): given back only
+    // whole, so nothing is freed and the commit is refused.
+    let mut b = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    let err = b.ensure_tokens(256).unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    let stats = pre.stats();
+    assert_eq!(stats.reclaimed_bytes, 0, "{stats:?}");
+    // What is still mapped ahead of the live end (3 windows) is still counted against the
+    // bound.
+    assert_eq!(stats.headroom_bytes, 3 * G, "{stats:?}");
+    assert_eq!(mapped(&w), (8, 2));
+    assert_eq!(a.ensure_tokens(300).unwrap(), Ensured::Ready);
+    check_books(&w);
+}

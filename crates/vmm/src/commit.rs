@@ -2,7 +2,7 @@
 //!
 //! A commit maps granule windows of a reservation in one transaction: parked mappings of the
 //! same reservation lying wholly inside the windows are taken back first (no driver call),
-//! each contiguous run of the rest is cut into as few handles as it allows (`range::pieces`:
+//! each contiguous run of the rest is cut into as few handles as it allows (`cut::pieces`:
 //! largest first, power-of-two numbers of windows aligned to their size from the base, up to
 //! `VmmConfig::max_handle_bytes`), the pool supplies handles of exactly those sizes (no
 //! create), the governor grants the rest (no grant, no commit), each handle is created and
@@ -16,11 +16,12 @@ use std::sync::Arc;
 use kvvm_governor::{Bucket, MappedGrowthGrant};
 use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 
+use crate::cut::{pieces, runs};
 use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{BlockKind, Commit};
 use crate::parking::{ParkedWindows, Window};
-use crate::range::{pieces, runs, window_list, Block, ReservedRange};
+use crate::range::{window_list, Block, ReservedRange};
 use crate::shared::SharedPiece;
 use crate::state::DeviceState;
 

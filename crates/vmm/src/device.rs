@@ -73,9 +73,7 @@ impl DeviceContext {
         access: Vec<AccessDescriptor>,
         governor: Governor,
     ) -> Self {
-        let most = (max_handle_bytes / granule.max(1)).max(1);
-        // The largest power of two not above `most`.
-        let max_windows = 1u64 << (63 - most.leading_zeros());
+        let max_windows = crate::cut::max_handle_windows(max_handle_bytes, granule);
         let caps = backend.capabilities();
         let capacity = backend
             .memory_info(props.device)

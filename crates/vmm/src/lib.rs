@@ -102,7 +102,7 @@
 //! | `quarantine.rs` | [`QuarantineEntry`], its constructors, the quarantine list |
 //! | `reservation.rs` | [`Reservation`], the public API of a reserved range |
 //! | `range.rs` | a reservation's records (blocks, parked set) and bounds checks |
-//! | `commit.rs` | the commit transaction and its rollback |
+//! | `commit.rs`, `cut.rs` | the commit transaction and its rollback; how windows are cut into handles |
 //! | `sharing.rs`, `shared.rs` | shared mappings, and the [`SharedHandles`] set |
 //! | `release.rs`, `teardown.rs` | release / truncate (unmap runs), and drop |
 //! | `strided.rs` | the driver range shared by strided reservations (`reserve_strided`) |
@@ -139,6 +139,7 @@
 
 mod commit;
 mod config;
+mod cut;
 mod device;
 mod error;
 mod job;
@@ -158,6 +159,7 @@ mod sync;
 mod teardown;
 
 pub use config::{GranularityChoice, VmmConfig, DEFAULT_MAX_HANDLE_BYTES};
+pub use cut::{commit_pieces, max_handle_windows};
 pub use error::{VmmError, VmmResult};
 pub use job::CommitJob;
 pub use manager::VirtualMemory;

@@ -120,6 +120,12 @@ impl VirtualMemory {
         self.inner.ctx.granule
     }
 
+    /// The most granule windows one handle of a commit holds: `VmmConfig::max_handle_bytes`
+    /// as a power-of-two number of windows (1: one handle per window).
+    pub fn max_handle_windows(&self) -> u64 {
+        self.inner.ctx.max_windows
+    }
+
     /// The device.
     pub fn device(&self) -> DeviceId {
         self.inner.ctx.device

@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use kvvm_hal::{Access, AccessDescriptor};
 
+use crate::cut::runs;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::BlockKind;
-use crate::range::{runs, window_list, Block, ReservedRange};
+use crate::range::{window_list, Block, ReservedRange};
 use crate::shared::{SharedHandles, SharedPiece};
 
 impl ReservedRange {

@@ -1,5 +1,6 @@
-//! The three policies that do not use the virtual-memory API (static-max, realloc-copy,
-//! paged-16), accounted by formula with the driver costs of `driver.rs`.
+//! Two of the policies that do not use the virtual-memory API (static-max, realloc-copy; the
+//! paged ones are `paged_policy.rs`), accounted by formula with the driver costs of
+//! `driver.rs`: one allocation (one handle, one mapping) per buffer.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -8,7 +9,7 @@ use kvvm_num::{add, mul};
 
 use crate::driver::classic;
 use crate::error::{WorkloadError, WorkloadResult};
-use crate::policy::{Costs, Outcome, Policy, PolicyKind, Shape, PAGED_BLOCK_TOKENS};
+use crate::policy::{Costs, Outcome, Policy, PolicyKind, Shape};
 use crate::trace::Request;
 
 #[derive(Debug, Clone, Copy)]
@@ -17,7 +18,7 @@ struct ClassicSeq {
     capacity_tokens: u64,
 }
 
-/// The three policies that do not use the virtual-memory API, accounted by formula.
+/// `static-max` and `realloc-copy`, accounted by formula.
 #[derive(Debug)]
 pub(crate) struct ClassicPolicy {
     kind: PolicyKind,
@@ -29,6 +30,10 @@ pub(crate) struct ClassicPolicy {
     calls: u64,
     time: Duration,
     copy_bytes: u64,
+    /// Allocations made (one handle and one mapping each), live now, most live at once.
+    allocations: u64,
+    live_allocations: u64,
+    peak_allocations: u64,
 }
 
 impl ClassicPolicy {
@@ -43,16 +48,27 @@ impl ClassicPolicy {
             calls: 0,
             time: Duration::ZERO,
             copy_bytes: 0,
+            allocations: 0,
+            live_allocations: 0,
+            peak_allocations: 0,
         }
+    }
+
+    /// One allocation more (live until [`freed`](Self::freed)).
+    fn allocated(&mut self) {
+        self.allocations = self.allocations.saturating_add(1);
+        self.live_allocations = self.live_allocations.saturating_add(1);
+        self.peak_allocations = self.peak_allocations.max(self.live_allocations);
+    }
+
+    fn freed(&mut self) {
+        self.live_allocations = self.live_allocations.saturating_sub(1);
     }
 
     fn capacity_for(&self, tokens: u64, current: u64) -> u64 {
         let max = self.shape.max_context;
         match self.kind {
             PolicyKind::StaticMax => max,
-            PolicyKind::Paged16 => tokens
-                .div_ceil(PAGED_BLOCK_TOKENS)
-                .saturating_mul(PAGED_BLOCK_TOKENS),
             _ => {
                 if current == 0 {
                     tokens
@@ -67,22 +83,8 @@ impl ClassicPolicy {
         }
     }
 
-    fn pool_bytes(&self) -> u64 {
-        let block = self
-            .shape
-            .bytes_per_token
-            .saturating_mul(PAGED_BLOCK_TOKENS);
-        if block == 0 {
-            return 0;
-        }
-        (self.shape.budget / block).saturating_mul(block)
-    }
-
     fn limit(&self) -> u64 {
-        match self.kind {
-            PolicyKind::Paged16 => self.pool_bytes(),
-            _ => self.shape.budget,
-        }
+        self.shape.budget
     }
 
     fn set_tokens(&mut self, id: usize, old: u64, tokens: u64) -> WorkloadResult<()> {
@@ -107,10 +109,9 @@ impl Policy for ClassicPolicy {
             return Ok(Outcome::Refused(None));
         }
         self.committed = add(self.committed, bytes, "committed bytes")?;
-        if self.kind != PolicyKind::Paged16 {
-            self.calls = self.calls.saturating_add(1);
-            self.time = self.time.saturating_add(classic::ALLOC);
-        }
+        self.calls = self.calls.saturating_add(1);
+        self.time = self.time.saturating_add(classic::alloc(bytes));
+        self.allocated();
         self.seqs.insert(
             id,
             ClassicSeq {
@@ -142,6 +143,9 @@ impl Policy for ClassicPolicy {
                     self.transient_peak = self.transient_peak.max(during);
                     self.calls = self.calls.saturating_add(3);
                     self.time = self.time.saturating_add(classic::growth(new_bytes));
+                    // The new buffer is allocated while the old one is held.
+                    self.allocated();
+                    self.freed();
                     self.copy_bytes = add(
                         self.copy_bytes,
                         mul(seq.tokens, bpt, "copy bytes")?,
@@ -149,6 +153,7 @@ impl Policy for ClassicPolicy {
                     )?;
                 }
                 _ => {
+                    // static-max holds the maximum context: never reached.
                     let extra = new_bytes.saturating_sub(old_bytes);
                     if add(self.committed, extra, "committed bytes")? > self.limit() {
                         return Ok(Outcome::Refused(None));
@@ -174,16 +179,14 @@ impl Policy for ClassicPolicy {
             .remove(&id)
             .ok_or_else(|| WorkloadError::Config(format!("finish of unknown sequence {id}")))?;
         let bpt = self.shape.bytes_per_token;
-        self.committed =
-            self.committed
-                .saturating_sub(mul(seq.capacity_tokens, bpt, "allocation bytes")?);
+        let bytes = mul(seq.capacity_tokens, bpt, "allocation bytes")?;
+        self.committed = self.committed.saturating_sub(bytes);
         self.live = self
             .live
             .saturating_sub(mul(seq.tokens, bpt, "live bytes")?);
-        if self.kind != PolicyKind::Paged16 {
-            self.calls = self.calls.saturating_add(1);
-            self.time = self.time.saturating_add(classic::FREE);
-        }
+        self.calls = self.calls.saturating_add(1);
+        self.time = self.time.saturating_add(classic::free(bytes));
+        self.freed();
         Ok(())
     }
 
@@ -192,10 +195,7 @@ impl Policy for ClassicPolicy {
     }
 
     fn held_bytes(&self) -> u64 {
-        match self.kind {
-            PolicyKind::Paged16 => self.pool_bytes(),
-            _ => self.committed,
-        }
+        self.committed
     }
 
     fn live_bytes(&self) -> u64 {
@@ -207,16 +207,11 @@ impl Policy for ClassicPolicy {
     }
 
     fn close(&mut self) -> WorkloadResult<Costs> {
-        if self.kind == PolicyKind::Paged16 {
-            // One allocation of the whole pool at start, one free at the end.
-            self.calls = self.calls.saturating_add(2);
-            self.time = self
-                .time
-                .saturating_add(classic::ALLOC)
-                .saturating_add(classic::FREE);
-        }
         Ok(Costs {
             driver_calls: self.calls,
+            mappings: self.allocations,
+            handles: self.allocations,
+            peak_mappings: self.peak_allocations,
             driver_time: self.time,
             measured: false,
             copy_bytes: self.copy_bytes,

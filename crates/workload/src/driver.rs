@@ -1,9 +1,10 @@
 //! Driver-call accounting: a counting wrapper around any backend, and the cost model of the
 //! policies that do not use the virtual-memory API.
 
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvvm_hal::{
@@ -44,14 +45,54 @@ pub struct DriverTally {
     pub kv_copies: u64,
     /// Bytes copied by them.
     pub kv_copy_bytes: u64,
+    /// Mappings made (successful maps).
+    pub mappings: u64,
+    /// Handles created (successful creates; a handle from the manager's pool is not created
+    /// again).
+    pub handles: u64,
+    /// Most mappings live at once.
+    pub peak_mappings: u64,
+}
+
+/// What the model charges depends on: the size of each live handle, and each live mapping's
+/// size and whether its access was ever set. Kept from the calls that succeeded through the
+/// wrapper (a handle imported through it has no known size and is charged as 0 bytes).
+#[derive(Debug, Default)]
+struct Books {
+    handles: HashMap<PhysicalHandle, u64>,
+    /// Mappings by start address: (size, access set at least once).
+    mappings: BTreeMap<u64, (u64, bool)>,
+    /// Mappings made, handles created, most mappings live at once.
+    made: u64,
+    created: u64,
+    peak: u64,
+}
+
+impl Books {
+    /// The mappings starting in `[address, address + size)`: (start, size, access set).
+    fn mappings_in(&self, address: DeviceAddress, size: u64) -> Vec<(u64, u64, bool)> {
+        let end = address.0.saturating_add(size);
+        self.mappings
+            .range(address.0..end)
+            .map(|(a, (s, set))| (*a, *s, *set))
+            .collect()
+    }
+}
+
+/// `(bytes, count)` of `mappings`.
+fn extent<'a>(mappings: impl Iterator<Item = &'a (u64, u64, bool)>) -> (u64, u64) {
+    mappings.fold((0, 0), |(b, n), (_, s, _)| {
+        (b.saturating_add(*s), n.saturating_add(1))
+    })
 }
 
 /// A [`VirtualMemoryBackend`] that forwards every call to another one and counts the calls of
-/// each operation, their modelled cost ([`LatencyModel::h200`]) and their measured wall time.
+/// each operation, their modelled cost ([`LatencyModel::h200`], charged for what each call
+/// covers: handle sizes, fresh mappings, unmapped mappings) and their measured wall time.
 pub struct CountingBackend {
     inner: Arc<dyn VirtualMemoryBackend>,
-    granule: u64,
     model: LatencyModel,
+    books: Mutex<Books>,
     calls: CallCounts,
     ops: [OpTime; 8],
     kv_copies: AtomicU64,
@@ -68,12 +109,12 @@ impl std::fmt::Debug for CountingBackend {
 }
 
 impl CountingBackend {
-    /// Wraps `inner`; `granule` converts sizes to granules for the latency model.
-    pub fn new(inner: Arc<dyn VirtualMemoryBackend>, granule: u64) -> Self {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn VirtualMemoryBackend>) -> Self {
         CountingBackend {
             inner,
-            granule: granule.max(1),
             model: LatencyModel::h200(),
+            books: Mutex::new(Books::default()),
             calls: CallCounts::default(),
             ops: Default::default(),
             kv_copies: AtomicU64::new(0),
@@ -101,25 +142,42 @@ impl CountingBackend {
         }
         t.kv_copies = self.kv_copies.load(Ordering::Relaxed);
         t.kv_copy_bytes = self.kv_copy_bytes.load(Ordering::Relaxed);
+        let books = self.books();
+        t.mappings = books.made;
+        t.handles = books.created;
+        t.peak_mappings = books.peak;
         t
     }
 
-    fn timed<T>(&self, op: Operation, units: u64, f: impl FnOnce() -> T) -> T {
+    /// The books; each edit is one step under the lock, so a poisoned lock is recovered.
+    fn books(&self) -> MutexGuard<'_, Books> {
+        self.books.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs one call of `op`, counts it, and charges the model for `(bytes, mappings)` when
+    /// it succeeded (a failed call as covering nothing, as the simulator does).
+    fn timed<T>(
+        &self,
+        op: Operation,
+        (bytes, mappings): (u64, u64),
+        f: impl FnOnce() -> BackendResult<T>,
+    ) -> BackendResult<T> {
         let start = Instant::now();
         let out = f();
         let took = start.elapsed();
         if let Some(c) = slot(op).and_then(|i| self.ops.get(i)) {
             self.calls.record(op);
-            let modelled = u64::try_from(self.model.cost(op, units).as_nanos()).unwrap_or(u64::MAX);
+            let cost = if out.is_ok() {
+                self.model.cost(op, bytes, mappings)
+            } else {
+                self.model.cost(op, 0, 0)
+            };
+            let modelled = u64::try_from(cost.as_nanos()).unwrap_or(u64::MAX);
             c.modelled_ns.fetch_add(modelled, Ordering::Relaxed);
             let measured = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
             c.measured_ns.fetch_add(measured, Ordering::Relaxed);
         }
         out
-    }
-
-    fn granules(&self, size: u64) -> u64 {
-        size.div_ceil(self.granule).max(1)
     }
 }
 
@@ -145,25 +203,41 @@ impl VirtualMemoryBackend for CountingBackend {
         alignment: u64,
         fixed_address: Option<DeviceAddress>,
     ) -> BackendResult<DeviceAddress> {
-        self.timed(Operation::Reserve, 1, || {
+        self.timed(Operation::Reserve, (0, 0), || {
             self.inner.reserve(size, alignment, fixed_address)
         })
     }
     fn free(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        self.timed(Operation::Free, 1, || self.inner.free(address, size))
+        self.timed(Operation::Free, (0, 0), || self.inner.free(address, size))
     }
     fn create(
         &self,
         size: u64,
         properties: &AllocationProperties,
     ) -> BackendResult<PhysicalHandle> {
-        self.timed(Operation::Create, 1, || self.inner.create(size, properties))
+        let h = self.timed(Operation::Create, (size, 0), || {
+            self.inner.create(size, properties)
+        })?;
+        let mut books = self.books();
+        books.handles.insert(h, size);
+        books.created = books.created.saturating_add(1);
+        Ok(h)
     }
     fn release(&self, handle: PhysicalHandle) -> BackendResult<()> {
-        self.timed(Operation::Release, 1, || self.inner.release(handle))
+        let size = self.books().handles.get(&handle).copied().unwrap_or(0);
+        self.timed(Operation::Release, (size, 0), || self.inner.release(handle))?;
+        self.books().handles.remove(&handle);
+        Ok(())
     }
     fn map(&self, address: DeviceAddress, size: u64, handle: PhysicalHandle) -> BackendResult<()> {
-        self.timed(Operation::Map, 1, || self.inner.map(address, size, handle))
+        self.timed(Operation::Map, (size, 1), || {
+            self.inner.map(address, size, handle)
+        })?;
+        let mut books = self.books();
+        books.mappings.insert(address.0, (size, false));
+        books.made = books.made.saturating_add(1);
+        books.peak = books.peak.max(books.mappings.len() as u64);
+        Ok(())
     }
     fn set_access(
         &self,
@@ -171,17 +245,34 @@ impl VirtualMemoryBackend for CountingBackend {
         size: u64,
         access: &[AccessDescriptor],
     ) -> BackendResult<()> {
-        self.timed(Operation::SetAccess, self.granules(size), || {
+        let inside = self.books().mappings_in(address, size);
+        let fresh = extent(inside.iter().filter(|(_, _, set)| !*set));
+        self.timed(Operation::SetAccess, fresh, || {
             self.inner.set_access(address, size, access)
-        })
+        })?;
+        let mut books = self.books();
+        for (a, _, _) in inside {
+            if let Some(m) = books.mappings.get_mut(&a) {
+                m.1 = true;
+            }
+        }
+        Ok(())
     }
     fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        self.timed(Operation::Unmap, self.granules(size), || {
+        let inside = self.books().mappings_in(address, size);
+        self.timed(Operation::Unmap, extent(inside.iter()), || {
             self.inner.unmap(address, size)
-        })
+        })?;
+        let mut books = self.books();
+        for (a, _, _) in inside {
+            books.mappings.remove(&a);
+        }
+        Ok(())
     }
     fn synchronize(&self, device: DeviceId) -> BackendResult<()> {
-        self.timed(Operation::Synchronize, 1, || self.inner.synchronize(device))
+        self.timed(Operation::Synchronize, (0, 0), || {
+            self.inner.synchronize(device)
+        })
     }
     fn copy_to_device(&self, dst: DeviceAddress, src: &[u8]) -> BackendResult<()> {
         self.kv_copies.fetch_add(1, Ordering::Relaxed);
@@ -211,16 +302,83 @@ impl VirtualMemoryBackend for CountingBackend {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use kvvm_sim::{SimBackend, SimConfig};
+
+    /// The wrapper's books charge every call as the simulated driver, which knows the truth,
+    /// does: handles by size, set access by fresh mappings, unmap by mappings.
+    #[test]
+    fn charges_what_the_simulator_charges() {
+        let g = 2 << 20;
+        let sim = Arc::new(SimBackend::new(SimConfig::single(g, 1 << 30)));
+        let c = CountingBackend::new(sim.clone());
+        let props = AllocationProperties::device(DeviceId(0));
+        let rw = [AccessDescriptor::read_write(DeviceId(0))];
+        let va = c.reserve(64 * g, 0, None).unwrap();
+        // One handle of 16 granules, then 4 of one granule after it.
+        let big = c.create(16 * g, &props).unwrap();
+        c.map(va, 16 * g, big).unwrap();
+        c.set_access(va, 16 * g, &rw).unwrap();
+        let small: Vec<_> = (0..4)
+            .map(|i| {
+                let h = c.create(g, &props).unwrap();
+                c.map(va.offset((16 + i) * g), g, h).unwrap();
+                h
+            })
+            .collect();
+        // Over the whole range: only the four new mappings are fresh.
+        c.set_access(va, 20 * g, &rw).unwrap();
+        c.set_access(va, 20 * g, &rw).unwrap();
+        assert!(c.unmap(va.offset(g / 2), g).is_err());
+        c.unmap(va, 20 * g).unwrap();
+        c.release(big).unwrap();
+        for h in small {
+            c.release(h).unwrap();
+        }
+        c.free(va, 64 * g).unwrap();
+        assert!(sim.ledger().is_empty());
+        let t = c.tally();
+        assert_eq!((t.mappings, t.handles, t.peak_mappings), (5, 5, 5));
+        assert_eq!(t.calls, sim.driver_calls());
+        assert_eq!(t.modelled, sim.estimated_driver_time());
+        let model = LatencyModel::h200();
+        let set_access = model.cost(Operation::SetAccess, 16 * g, 1)
+            + model.cost(Operation::SetAccess, 4 * g, 4)
+            + model.cost(Operation::SetAccess, 0, 0);
+        let unmap = model.cost(Operation::Unmap, 0, 0) + model.cost(Operation::Unmap, 20 * g, 5);
+        let create =
+            model.cost(Operation::Create, 16 * g, 0) + model.cost(Operation::Create, g, 0) * 4;
+        let release =
+            model.cost(Operation::Release, 16 * g, 0) + model.cost(Operation::Release, g, 0) * 4;
+        let expected =
+            model.reserve + model.free + model.map * 5 + set_access + unmap + create + release;
+        assert_eq!(t.modelled, expected);
+    }
+}
+
 /// Modelled cost of the calls of the policies that use `cudaMalloc`-style allocations instead
-/// of the virtual-memory API, derived from the H200 measurements of `docs/driver-semantics.md`.
+/// of the virtual-memory API: an allocation is priced as one handle of its size by the same
+/// latency model as the kvvm policies' calls ([`LatencyModel::h200`]), a growth by the H200's
+/// measured allocate-copy-free.
 pub mod classic {
     use std::time::Duration;
 
-    /// One allocation of any size: create + map + set access of one handle
-    /// (11.8 + 1.1 + 29.4 us).
-    pub const ALLOC: Duration = Duration::from_nanos(42_300);
-    /// One free: unmap + release of one handle (22.4 + 14.0 us).
-    pub const FREE: Duration = Duration::from_nanos(36_400);
+    use kvvm_hal::LatencyModel;
+
+    /// One allocation of `bytes`: create + map + set access of one handle of that size (a
+    /// 4 GiB allocation 314 us, a 2 MiB one 35 us).
+    pub fn alloc(bytes: u64) -> Duration {
+        LatencyModel::h200().commit(1, bytes)
+    }
+
+    /// One free of `bytes`: unmap + release of one handle of that size (4 GiB: 1.4 ms, most
+    /// of it the release; 2 MiB: 26 us).
+    pub fn free(bytes: u64) -> Duration {
+        LatencyModel::h200().teardown(1, bytes)
+    }
 
     /// Measured naive growth on the H200 (`cuMemAlloc` of size + 2 MiB, `cuMemcpyDtoD`, free of
     /// the old block), best of 3: (bytes, microseconds).
@@ -254,6 +412,18 @@ pub mod classic {
     #[cfg(test)]
     mod tests {
         use super::*;
+
+        #[test]
+        fn an_allocation_costs_by_its_size() {
+            let us = |d: Duration| d.as_secs_f64() * 1e6;
+            // The H200 table: one 128 MiB handle 46 us to commit, 74 us to tear down; one
+            // 4 GiB handle 313 us and 1451 us.
+            assert!((us(alloc(128 << 20)) - 46.0).abs() < 5.0);
+            assert!((us(free(128 << 20)) - 74.0).abs() < 8.0);
+            assert!((us(alloc(4 << 30)) - 313.0).abs() < 10.0);
+            assert!((us(free(4 << 30)) - 1451.0).abs() < 50.0);
+            assert!(alloc(2 << 20) < alloc(4 << 30));
+        }
 
         #[test]
         fn growth_hits_the_measured_points() {

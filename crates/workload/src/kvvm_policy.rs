@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvvm_governor::{GovernorConfig, ManualClock};
-use kvvm_hal::{AllocationProperties, DeviceId, VirtualMemoryBackend};
+use kvvm_hal::{DeviceId, VirtualMemoryBackend};
 use kvvm_kv::{KvCacheError, SequenceKv, SharedDevicePrefix};
 use kvvm_layout::{evaluate_prefix_shareability, KvLayout, LayoutPlan, PrefixShareability};
 use kvvm_num::{add, mul};
@@ -100,13 +100,7 @@ impl KvvmPolicy {
                 .default_device_budget(shape.budget)
                 .clock(clock.clone()),
         );
-        let props = AllocationProperties::device(device);
-        let granule = backend.granularity(&props)?;
-        // The counting wrapper converts sizes to granules; the manager queries its own.
-        let counting = Arc::new(CountingBackend::new(
-            backend.clone(),
-            granule.recommended.max(granule.minimum),
-        ));
+        let counting = Arc::new(CountingBackend::new(backend.clone()));
         let vm = VirtualMemory::new(
             counting.clone() as Arc<dyn VirtualMemoryBackend>,
             device,
@@ -405,6 +399,9 @@ impl Policy for KvvmPolicy {
         let t: DriverTally = self.counting.tally();
         Ok(Costs {
             driver_calls: t.calls,
+            mappings: t.mappings,
+            handles: t.handles,
+            peak_mappings: t.peak_mappings,
             driver_time: if self.measured {
                 t.measured
             } else {
@@ -414,6 +411,7 @@ impl Policy for KvvmPolicy {
             copy_bytes: 0,
             kv_write_bytes: t.kv_copy_bytes,
             shareability: self.shareability.clone(),
+            block_prefix_bytes: None,
         })
     }
 }

@@ -5,8 +5,9 @@
 //! * [`Trace`]: requests (arrival, prompt tokens, output tokens, shared system-prompt tokens),
 //!   synthetic and seeded ([`Trace::synthetic`], [`SyntheticTrace`]) or read from a JSONL
 //!   file ([`Trace::parse_jsonl`]).
-//! * [`PolicyKind`]: `static-max`, `realloc-copy`, `paged-16`, and kvvm with each layout,
-//!   with and without prefix sharing.
+//! * [`PolicyKind`]: `static-max`, `realloc-copy`, `paged-16`, `paged-16+prefix` (vLLM's
+//!   automatic prefix caching: the system prompt's whole 16-token blocks held once), and kvvm
+//!   with each layout, with and without prefix sharing.
 //! * [`simulate`]: an event-driven replay of the trace through every policy, one after the
 //!   other, on the same trace and the same budget; [`SimulationReport`] holds the figures,
 //!   [`render_table`] and [`render_svg`] present them.
@@ -68,6 +69,7 @@ mod classic_policy;
 mod driver;
 mod error;
 mod kvvm_policy;
+mod paged_policy;
 mod plot;
 mod policy;
 mod replay;

@@ -1,6 +1,7 @@
 //! The memory policies a trace is replayed through: their names ([`PolicyKind`]) and the
 //! interface the replay drives ([`Policy`]). The policies are `classic_policy.rs` (static-max,
-//! realloc-copy, paged-16, by formula) and `kvvm_policy.rs` (through the real manager).
+//! realloc-copy, by formula), `paged_policy.rs` (paged-16 and paged-16+prefix, by formula) and
+//! `kvvm_policy.rs` (through the real manager).
 
 use std::fmt;
 use std::str::FromStr;
@@ -12,7 +13,7 @@ use serde::Serialize;
 use crate::error::{WorkloadError, WorkloadResult};
 use crate::trace::Request;
 
-/// Tokens in one block of the `paged-16` policy.
+/// Tokens in one block of the `paged-16` and `paged-16+prefix` policies.
 pub const PAGED_BLOCK_TOKENS: u64 = 16;
 
 /// A memory policy.
@@ -25,6 +26,10 @@ pub enum PolicyKind {
     ReallocCopy,
     /// vLLM-style: a pool preallocated to the budget, 16-token blocks handed to sequences.
     Paged16,
+    /// `Paged16` with automatic prefix caching (vLLM's default): the whole blocks of the
+    /// common system prompt are held once and shared by every running request that opens
+    /// with it.
+    Paged16Prefix,
     /// kvvm: reserve the maximum context under `layout`, commit granule windows through the
     /// real manager as tokens arrive, release at the end.
     Kvvm {
@@ -42,6 +47,7 @@ impl PolicyKind {
             PolicyKind::StaticMax,
             PolicyKind::ReallocCopy,
             PolicyKind::Paged16,
+            PolicyKind::Paged16Prefix,
         ];
         for layout in KvLayout::ALL {
             for prefix_sharing in [false, true] {
@@ -55,12 +61,13 @@ impl PolicyKind {
     }
 
     /// The policy's name in reports: `static-max`, `realloc-copy`, `paged-16`,
-    /// `kvvm-<layout>` and `kvvm-<layout>+prefix`.
+    /// `paged-16+prefix`, `kvvm-<layout>` and `kvvm-<layout>+prefix`.
     pub fn name(&self) -> String {
         match self {
             PolicyKind::StaticMax => "static-max".into(),
             PolicyKind::ReallocCopy => "realloc-copy".into(),
             PolicyKind::Paged16 => "paged-16".into(),
+            PolicyKind::Paged16Prefix => "paged-16+prefix".into(),
             PolicyKind::Kvvm {
                 layout,
                 prefix_sharing,
@@ -118,11 +125,20 @@ pub(crate) enum Outcome {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Costs {
     pub driver_calls: u64,
+    /// Mappings made (one per allocation for the policies without virtual memory).
+    pub mappings: u64,
+    /// Physical handles created (one per allocation for the policies without virtual memory).
+    pub handles: u64,
+    /// Most mappings live at once.
+    pub peak_mappings: u64,
     pub driver_time: Duration,
     pub measured: bool,
     pub copy_bytes: u64,
     pub kv_write_bytes: u64,
     pub shareability: Option<PrefixShareability>,
+    /// For `paged-16+prefix`: bytes of the system prompt's whole blocks, held once (`None`:
+    /// the trace has no system prompt of a whole block).
+    pub block_prefix_bytes: Option<u64>,
 }
 
 /// A memory policy as the replay drives it. Token counts are absolute (the KV length).

@@ -10,7 +10,8 @@ use kvvm_layout::{KvDtype, KvGeometry, PrefixShareability};
 use crate::classic_policy::ClassicPolicy;
 use crate::error::{WorkloadError, WorkloadResult};
 use crate::kvvm_policy::KvvmPolicy;
-use crate::policy::{Costs, Outcome, Policy, PolicyKind, Shape};
+use crate::paged_policy::PagedPolicy;
+use crate::policy::{Costs, Outcome, Policy, PolicyKind, Shape, PAGED_BLOCK_TOKENS};
 use crate::report::{PolicyReport, Sample, SimulationReport, TraceSummary};
 use crate::trace::{Trace, TraceSource};
 
@@ -364,6 +365,10 @@ pub fn simulate(
                 )?;
                 Box::new(p)
             }
+            PolicyKind::Paged16 => Box::new(PagedPolicy::new(shape, false, 0)),
+            PolicyKind::Paged16Prefix => {
+                Box::new(PagedPolicy::new(shape, true, trace.system_prompt_tokens))
+            }
             other => Box::new(ClassicPolicy::new(*other, shape)),
         };
         let requests = trace.requests.len();
@@ -438,6 +443,16 @@ fn report_of(kind: PolicyKind, tally: &Tally, costs: Costs, trace: &Trace) -> Po
     let admitted = tally.admitted.len() as u64;
     let (shareable, shared, refusal) = match &costs.shareability {
         Some(v) => share_fields(v),
+        None if kind == PolicyKind::Paged16Prefix => match costs.block_prefix_bytes {
+            Some(bytes) => (Some(true), Some(bytes), None),
+            None => (
+                Some(false),
+                Some(0),
+                Some(format!(
+                    "the trace has no common system prompt of at least one {PAGED_BLOCK_TOKENS}-token block"
+                )),
+            ),
+        },
         None if matches!(
             kind,
             PolicyKind::Kvvm {
@@ -476,6 +491,9 @@ fn report_of(kind: PolicyKind, tally: &Tally, costs: Costs, trace: &Trace) -> Po
         },
         makespan_s: span as f64 / 1e6,
         driver_calls: costs.driver_calls,
+        mappings: costs.mappings,
+        handles: costs.handles,
+        peak_mappings: costs.peak_mappings,
         driver_time_us: u64::try_from(costs.driver_time.as_micros()).unwrap_or(u64::MAX),
         driver_time_source: if costs.measured {
             "measured"

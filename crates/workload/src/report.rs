@@ -16,7 +16,7 @@ pub struct Sample {
 /// The figures of one policy.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PolicyReport {
-    /// Policy name (`static-max`, `realloc-copy`, `paged-16`, `kvvm-<layout>[+prefix]`).
+    /// Policy name (`static-max`, `realloc-copy`, `paged-16[+prefix]`, `kvvm-<layout>[+prefix]`).
     pub name: String,
     /// Whether it ran through the kvvm manager on the backend.
     pub through_manager: bool,
@@ -30,7 +30,7 @@ pub struct PolicyReport {
     /// `integral(committed - live) / integral(committed)` over the run.
     pub waste_ratio: f64,
     /// Highest physical bytes held (committed plus the manager's handle pool; the whole
-    /// preallocated pool for `paged-16`).
+    /// preallocated pool for `paged-16` and `paged-16+prefix`).
     pub peak_held_bytes: u64,
     /// Requests admitted (at least once).
     pub admitted: u64,
@@ -55,6 +55,15 @@ pub struct PolicyReport {
     pub makespan_s: f64,
     /// Driver calls (reserve, free, create, release, map, set access, unmap, synchronize).
     pub driver_calls: u64,
+    /// Mappings made over the run (what the driver's cost follows: on the H200 a commit costs
+    /// about 28 us a mapping, far more than per byte). For the policies without virtual
+    /// memory, one per allocation.
+    pub mappings: u64,
+    /// Physical handles created over the run (a handle reused from the manager's pool is not
+    /// created again). For the policies without virtual memory, one per allocation.
+    pub handles: u64,
+    /// Most mappings live at once.
+    pub peak_mappings: u64,
     /// Driver time in microseconds: modelled on the simulator, measured on a GPU.
     pub driver_time_us: u64,
     /// `"latency-model"` or `"measured"`.
@@ -63,9 +72,11 @@ pub struct PolicyReport {
     pub copy_bytes: u64,
     /// KV bytes written to the device (real GPUs).
     pub kv_write_bytes: u64,
-    /// For `+prefix` policies: the shareability verdict of the system prompt.
+    /// For `+prefix` policies: the shareability verdict of the system prompt (for
+    /// `paged-16+prefix`: whether it holds at least one whole block).
     pub prefix_shareable: Option<bool>,
-    /// For `+prefix` policies: bytes of the prefix committed once and shared.
+    /// For `+prefix` policies: bytes of the prefix committed once and shared (for
+    /// `paged-16+prefix`: its whole blocks).
     pub prefix_shared_bytes: Option<u64>,
     /// For `+prefix` policies that cannot share: why.
     pub prefix_refusal: Option<String>,

@@ -60,6 +60,8 @@ pub fn render_table(report: &SimulationReport) -> String {
         "waited",
         "429s",
         "preempt",
+        "mappings",
+        "handles",
         "driver calls",
         "driver ms",
         "queue ms",
@@ -78,6 +80,8 @@ pub fn render_table(report: &SimulationReport) -> String {
             p.waited.to_string(),
             p.refusals.to_string(),
             p.preemptions.to_string(),
+            p.mappings.to_string(),
+            p.handles.to_string(),
             p.driver_calls.to_string(),
             format!(
                 "{}{}",
@@ -156,8 +160,9 @@ pub fn render_table(report: &SimulationReport) -> String {
          (committed - live) / committed;\nheld = peak physical bytes held (pools included); \
          rejected = requests that could not fit the budget even alone;\nwaited = requests \
          that queued at least one decode step before admission; 429s = refusals (admission or \
-         growth, retries included);\nqueue = mean arrival-to-admission delay; driver ms \
-         estimated by the H200 latency model{}",
+         growth, retries included);\nmappings, handles = mappings made and physical handles \
+         created over the run (one each per allocation without virtual memory);\nqueue = mean \
+         arrival-to-admission delay; driver ms estimated by the H200 latency model{}",
         if report
             .policies
             .iter()

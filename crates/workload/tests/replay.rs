@@ -58,6 +58,13 @@ fn token_major_wastes_less_than_seq_major_less_than_head_major_and_kvvm_peaks_be
         assert!(p.driver_calls > 0, "{}", p.name);
         assert!(p.driver_time_us > 0, "{}", p.name);
         assert_eq!(p.driver_time_source, "latency-model");
+        // A handle from the pool is mapped again without being created.
+        assert!(p.mappings > 0 && p.handles <= p.mappings, "{}", p.name);
+        assert!(
+            p.peak_mappings > 0 && p.peak_mappings <= p.mappings,
+            "{}",
+            p.name
+        );
     }
     // static-max cannot hold the load within 40 GiB: it defers (429) and queues.
     let st = r.policy("static-max").unwrap();
@@ -67,6 +74,21 @@ fn token_major_wastes_less_than_seq_major_less_than_head_major_and_kvvm_peaks_be
     // realloc-copy copies; paged-16 makes two calls for its pool.
     assert!(r.policy("realloc-copy").unwrap().copy_bytes > 0);
     assert_eq!(r.policy("paged-16").unwrap().driver_calls, 2);
+    assert_eq!(r.policy("paged-16").unwrap().mappings, 1);
+    // static-max: one allocation (one handle, one mapping) per admission.
+    assert_eq!(st.mappings, st.handles);
+    assert!(st.mappings >= 60 && st.peak_mappings <= 10, "{st:?}");
+    // Prefix caching holds the system prompt's 128 blocks once: fewer bytes than paged-16.
+    let pp = r.policy("paged-16+prefix").unwrap();
+    assert!(peak(&r, "paged-16+prefix") < peak(&r, "paged-16"));
+    assert!(pp.mean_committed_bytes < r.policy("paged-16").unwrap().mean_committed_bytes);
+    assert_eq!(pp.prefix_shareable, Some(true));
+    assert_eq!(pp.prefix_shared_bytes, Some(2048 * (128 << 10)));
+    assert_eq!((pp.driver_calls, pp.mappings), (2, 1));
+    assert_eq!(
+        pp.peak_held_bytes,
+        r.policy("paged-16").unwrap().peak_held_bytes
+    );
     // Sharing the 2048-token system prompt commits less where the layout allows it...
     assert!(peak(&r, "kvvm-token-major+prefix") < peak(&r, "kvvm-token-major"));
     assert!(peak(&r, "kvvm-seq-major+prefix") < peak(&r, "kvvm-seq-major"));
@@ -180,7 +202,8 @@ fn the_report_serializes_with_the_documented_keys_and_renders() {
     assert_eq!(v["trace"]["requests"], 12);
     assert_eq!(v["trace"]["seed"], 1);
     let policies = v["policies"].as_array().unwrap();
-    assert_eq!(policies.len(), 9);
+    assert_eq!(policies.len(), PolicyKind::all().len());
+    assert_eq!(policies.len(), 10);
     for p in policies {
         for key in [
             "name",
@@ -190,6 +213,9 @@ fn the_report_serializes_with_the_documented_keys_and_renders() {
             "admitted",
             "deferred",
             "driver_calls",
+            "mappings",
+            "handles",
+            "peak_mappings",
             "driver_time_us",
         ] {
             assert!(p.get(key).is_some(), "missing {key} in {p}");
@@ -200,7 +226,7 @@ fn the_report_serializes_with_the_documented_keys_and_renders() {
     for p in &r.policies {
         assert!(table.contains(&p.name));
     }
-    for key in ["completed", "rejected", "waited"] {
+    for key in ["completed", "rejected", "waited", "mappings", "handles"] {
         assert!(
             table.lines().any(|l| l.contains(key)),
             "{key} missing in {table}"
@@ -404,4 +430,47 @@ fn writing_real_kv_bytes_respects_the_read_only_prefix_and_leaks_nothing() {
             assert_eq!(p.kv_write_bytes, all_tokens * bpt, "{}", p.name);
         }
     }
+}
+
+#[test]
+fn prefix_caching_saves_only_when_requests_share_a_prompt() {
+    let config = SimulationConfig {
+        policies: vec![
+            "paged-16".parse().unwrap(),
+            "paged-16+prefix".parse().unwrap(),
+        ],
+        ..SimulationConfig::default()
+    };
+    let shared = Trace::synthetic(&SyntheticTrace {
+        requests: 40,
+        shared_prefix_share: 1.0,
+        ..SyntheticTrace::default()
+    })
+    .unwrap();
+    let (r, _) = run(&shared, &config);
+    let (plain, cached) = (
+        r.policy("paged-16").unwrap(),
+        r.policy("paged-16+prefix").unwrap(),
+    );
+    // Every request opens with the 2048-token prompt: its 128 blocks are held once.
+    assert!(cached.peak_committed_bytes < plain.peak_committed_bytes);
+    assert!(
+        cached.mean_committed_bytes * 2 < plain.mean_committed_bytes,
+        "{cached:?} vs {plain:?}"
+    );
+    assert_eq!(cached.completed, 40);
+    let none = Trace::synthetic(&SyntheticTrace {
+        requests: 40,
+        shared_prefix_share: 0.0,
+        ..SyntheticTrace::default()
+    })
+    .unwrap();
+    let (r, _) = run(&none, &config);
+    let (plain, cached) = (
+        r.policy("paged-16").unwrap(),
+        r.policy("paged-16+prefix").unwrap(),
+    );
+    assert_eq!(cached.peak_committed_bytes, plain.peak_committed_bytes);
+    assert_eq!(cached.mean_committed_bytes, plain.mean_committed_bytes);
+    assert_eq!(cached.driver_time_us, plain.driver_time_us);
 }

@@ -1,0 +1,171 @@
+//! Runs of many windows (128 MiB, 512 MiB, 4 GiB by default): the manager's commit of a run
+//! against the two raw driver sequences that bound it, one handle for the whole run (the
+//! driver's limit: create one handle of the run's size, map it, set access once) and one
+//! handle per granule (create and map each, set access once), and the teardown of the same
+//! runs (unmap and release) measured the same way. The three are measured side by side,
+//! round by round, on the same backend.
+
+use std::fmt::Write as _;
+use std::time::{Duration, Instant};
+
+use kvvm_hal::{DeviceId, VirtualMemoryBackend};
+use kvvm_vmm::{VirtualMemory, VmmResult};
+
+use crate::raw::RawRange;
+use crate::stats::Stats;
+use crate::units::{fmt_bytes, ratio, us};
+
+/// The commit and the teardown of one kind of run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunCase {
+    /// Create + map + set access (the manager: `Reservation::commit`).
+    pub commit: Stats,
+    /// Unmap + release (the manager: `Reservation::release` with no pool).
+    pub teardown: Stats,
+}
+
+/// One run size: the manager against one handle per run and one handle per granule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunRow {
+    /// Bytes of the run.
+    pub bytes: u64,
+    /// Handles (one mapping each) the manager's commit made.
+    pub manager_handles: u64,
+    /// The manager (no pool, handles of at most `VmmConfig::max_handle_bytes`).
+    pub manager: RunCase,
+    /// One handle of the run's size: the driver's limit.
+    pub one_handle: RunCase,
+    /// One handle per granule.
+    pub per_granule: RunCase,
+}
+
+/// Measures a run of each of `sizes` bytes on `backend`: the manager through `vm` (no pool),
+/// the raw sequences through the backend directly. A size that is not a granule multiple, or
+/// that does not fit the device's free memory, is skipped with a note in `notes`.
+pub(crate) fn measure_runs(
+    backend: &dyn VirtualMemoryBackend,
+    vm: &VirtualMemory,
+    device: DeviceId,
+    sizes: &[u64],
+    (warmup, iterations): (usize, usize),
+    notes: &mut Vec<String>,
+) -> VmmResult<Vec<RunRow>> {
+    let g = vm.granule();
+    let mut rows = Vec::new();
+    for &bytes in sizes {
+        if bytes == 0 || bytes % g != 0 {
+            notes.push(format!(
+                "run of {} skipped: not a whole number of granules ({})",
+                fmt_bytes(bytes),
+                fmt_bytes(g)
+            ));
+            continue;
+        }
+        let free = backend.memory_info(device)?.free;
+        if free < bytes {
+            notes.push(format!(
+                "run of {} skipped: needs {} free, the device has {}",
+                fmt_bytes(bytes),
+                fmt_bytes(bytes),
+                fmt_bytes(free)
+            ));
+            continue;
+        }
+        let mut res = vm.reserve(bytes)?;
+        let raw = RawRange::reserve(backend, device, bytes)?;
+        let mut samples: [Vec<Duration>; 6] = Default::default();
+        let mut manager_handles = 0;
+        for round in 0..warmup.saturating_add(iterations) {
+            // The manager and the one-handle sequence alternate which goes first; the
+            // per-granule sequence goes last and is followed by an untimed one-handle commit
+            // and teardown, so that neither of the others is measured right after the
+            // teardown of thousands of handles (which leaves the driver's state cold).
+            let mut took = [Duration::ZERO; 6];
+            for case in [round % 2, 1 - round % 2, 2] {
+                match case {
+                    0 => {
+                        let t0 = Instant::now();
+                        let commit = res.commit(bytes)?;
+                        took[0] = t0.elapsed();
+                        let t1 = Instant::now();
+                        res.release()?;
+                        took[1] = t1.elapsed();
+                        manager_handles = commit.mappings;
+                    }
+                    1 => (took[2], took[3]) = raw.time_run(bytes, 1)?,
+                    _ => {
+                        (took[4], took[5]) = raw.time_run(g, bytes / g)?;
+                        raw.time_run(bytes, 1)?;
+                    }
+                }
+            }
+            if round >= warmup {
+                for (v, d) in samples.iter_mut().zip(took) {
+                    v.push(d);
+                }
+            }
+        }
+        drop(res);
+        raw.free()?;
+        let [mc, mt, oc, ot, pc, pt] = samples.map(Stats::from_samples);
+        let case = |c: Option<Stats>, t: Option<Stats>| {
+            c.zip(t)
+                .map(|(commit, teardown)| RunCase { commit, teardown })
+        };
+        if let (Some(manager), Some(one_handle), Some(per_granule)) =
+            (case(mc, mt), case(oc, ot), case(pc, pt))
+        {
+            rows.push(RunRow {
+                bytes,
+                manager_handles,
+                manager,
+                one_handle,
+                per_granule,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// The runs as two Markdown tables (commit, teardown): p50, p90 and the two ratios.
+pub(crate) fn runs_markdown(s: &mut String, rows: &[RunRow], max_handle_bytes: u64) {
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "\n### Runs: the manager (handles of at most {}) vs one handle per run (the driver's \
+         limit) vs one handle per granule\n",
+        fmt_bytes(max_handle_bytes)
+    );
+    for (title, pick) in [
+        ("commit (create + map + set access)", 0),
+        ("teardown (unmap + release)", 1),
+    ] {
+        let get = |c: &RunCase| if pick == 0 { c.commit } else { c.teardown };
+        let _ = writeln!(s, "{title}:\n");
+        let _ = writeln!(
+            s,
+            "| run | manager handles | manager p50 | manager p90 | one handle p50 | one handle p90 | per granule p50 | per granule p90 | manager / one handle | per granule / manager |"
+        );
+        let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|");
+        for r in rows {
+            let (m, o, p) = (get(&r.manager), get(&r.one_handle), get(&r.per_granule));
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                fmt_bytes(r.bytes),
+                r.manager_handles,
+                us(m.median),
+                us(m.p90),
+                us(o.median),
+                us(o.p90),
+                us(p.median),
+                us(p.p90),
+                ratio(m.median, o.median),
+                ratio(p.median, m.median)
+            );
+        }
+        let _ = writeln!(s);
+    }
+}

@@ -1,0 +1,95 @@
+//! How a commit cuts windows into handles: each contiguous run of windows is cut largest first
+//! into power-of-two numbers of windows, each aligned to its own size from the reservation's
+//! base and at most `VmmConfig::max_handle_bytes` (buddy style, so that a later release at an
+//! aligned boundary frees whole handles). Pure arithmetic: [`commit_pieces`] tells a planner
+//! (`kvvm plan`) how many handles and mappings a commit makes.
+
+use std::ops::Range;
+
+/// The most windows one handle of a commit holds: the largest power of two not above
+/// `max_handle_bytes / granule`, at least one.
+pub fn max_handle_windows(max_handle_bytes: u64, granule: u64) -> u64 {
+    let most = (max_handle_bytes / granule.max(1)).max(1);
+    1u64 << (63 - most.leading_zeros())
+}
+
+/// The handles (one mapping each) a commit of the windows `ranges` makes, as `(first window,
+/// windows)` per handle: `ranges` are window indices from the reservation's base, sorted and
+/// disjoint (adjacent ones form one run), and no handle holds more than `max_handle_windows`
+/// windows (see [`max_handle_windows`]). This is the cut `Reservation::commit_ranges` makes
+/// of windows none of which is mapped or parked yet.
+pub fn commit_pieces(ranges: &[Range<u64>], max_handle_windows: u64) -> Vec<(u64, u64)> {
+    let windows: Vec<u64> = ranges.iter().flat_map(Clone::clone).collect();
+    pieces(&windows, 1, max_handle_windows.max(1), &[])
+}
+
+/// Contiguous runs `(offset, bytes)` of sorted window offsets.
+pub(crate) fn runs(offsets: &[u64], g: u64) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for &o in offsets {
+        match out.last_mut() {
+            Some((start, len)) if start.saturating_add(*len) == o => *len = len.saturating_add(g),
+            _ => out.push((o, g)),
+        }
+    }
+    out
+}
+
+/// How a commit maps sorted, distinct window offsets: `(offset, windows)` per handle. Each
+/// contiguous run is cut largest first into power-of-two numbers of windows, each aligned to
+/// its own size from the base (offset 0) and at most `max_windows` (a power of two); no piece
+/// crosses one of the sorted offsets `cuts` (a piece may start there).
+pub(crate) fn pieces(offsets: &[u64], g: u64, max_windows: u64, cuts: &[u64]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let g = g.max(1);
+    for (start, bytes) in runs(offsets, g) {
+        let mut p = start / g;
+        let end = p.saturating_add(bytes / g);
+        while p < end {
+            let left = end - p;
+            let align = if p == 0 {
+                max_windows
+            } else {
+                1u64 << p.trailing_zeros().min(63)
+            };
+            let at = p.saturating_mul(g);
+            let to_cut = cuts
+                .get(cuts.partition_point(|&c| c <= at))
+                .map_or(left, |&c| (c.saturating_sub(at) / g).clamp(1, left));
+            let fit = 1u64 << (63 - to_cut.leading_zeros());
+            let k = fit.min(align).min(max_windows).max(1);
+            out.push((p.saturating_mul(g), k));
+            p = p.saturating_add(k);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::single_range_in_vec_init)]
+    use super::*;
+
+    #[test]
+    fn a_run_is_cut_largest_first_and_aligned() {
+        // 0..13 with handles of at most 8: 8 + 4 + 1.
+        assert_eq!(commit_pieces(&[0..13], 8), vec![(0, 8), (8, 4), (12, 1)]);
+        // 3..9: 3 (1, aligned to 1), 4..8 (4), 8 (1).
+        assert_eq!(commit_pieces(&[3..9], 8), vec![(3, 1), (4, 4), (8, 1)]);
+        // Adjacent ranges form one run; separate ones are cut apart.
+        assert_eq!(commit_pieces(&[0..2, 2..4, 8..10], 8), vec![(0, 4), (8, 2)]);
+        // One window per handle.
+        assert_eq!(commit_pieces(&[0..3], 1).len(), 3);
+        assert!(commit_pieces(&[], 8).is_empty());
+    }
+
+    #[test]
+    fn max_handle_windows_is_a_power_of_two() {
+        let g = 2 << 20;
+        assert_eq!(max_handle_windows(512 << 20, g), 256);
+        assert_eq!(max_handle_windows(3 * g, g), 2);
+        assert_eq!(max_handle_windows(0, g), 1);
+        // A granule of 0 is taken as 1 byte.
+        assert_eq!(max_handle_windows(g, 0), g);
+    }
+}
