@@ -397,7 +397,7 @@ impl VirtualMemoryBackend for SimBackend {
     fn copy_rows_async(&self, copy: &RowCopy, _stream: StreamHandle) -> BackendResult<()> {
         self.call(Operation::CopyRows, |s| {
             s.copy_rows(copy)?;
-            Ok(((), copy.width.saturating_mul(copy.rows)))
+            Ok(((), Covered::bytes(copy.width.saturating_mul(copy.rows))))
         })
     }
 

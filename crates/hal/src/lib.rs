@@ -75,7 +75,7 @@
 //! ## Shared by every backend
 //!
 //! * [`traced`]: the one tracing span a backend opens per driver call;
-//! * [`LatencyModel`]: the modelled cost of each call (the H200 medians by default), spent or
+//! * [`LatencyModel`]: the modelled cost of each call (by default a fit of the H200 by handle size and mapping), spent or
 //!   accounted by the simulator and used by the workload's counting wrapper;
 //! * [`CallCounts`]: calls counted per [`Operation`];
 //! * [`BackendError::raised`] and [`BackendError::usize_arg`]: errors a backend raises itself,
