@@ -126,24 +126,17 @@ unsafe impl Send for ProbeModule {}
 impl ProbeModule {
     /// Loads the probe module in the current context (which must be the device's).
     pub(crate) fn load(driver: &Driver) -> CuResult<ProbeModule> {
-        let module = driver.module_load_data(PROBE_PTX)?;
-        let rest = (|| {
-            // SAFETY: `module` was just loaded and is not unloaded before these calls.
-            let load = unsafe { driver.module_function(module, LOAD_KERNEL) }?;
-            // SAFETY: as above.
-            let store = unsafe { driver.module_function(module, STORE_KERNEL) }?;
-            let out = driver.mem_alloc(8)?;
-            Ok((load, store, out))
-        })();
-        match rest {
-            Ok((load, store, out)) => Ok(ProbeModule {
+        let (module, [load, store]) =
+            driver.module_load_functions(PROBE_PTX, [LOAD_KERNEL, STORE_KERNEL])?;
+        match driver.mem_alloc(8) {
+            Ok(out) => Ok(ProbeModule {
                 module,
                 load,
                 store,
                 out,
             }),
             Err(code) => {
-                // SAFETY: the module is loaded and nothing refers to it any more.
+                // SAFETY: the module is loaded and nothing refers to it.
                 let _ = unsafe { driver.module_unload(module) };
                 Err(code)
             }

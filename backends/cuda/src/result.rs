@@ -416,6 +416,29 @@ impl Driver {
         }
     }
 
+    /// Loads the PTX `image` in the current context and resolves the kernels `names`; when
+    /// one cannot be resolved the module is unloaded again and the code returned.
+    pub(crate) fn module_load_functions<const N: usize>(
+        &self,
+        image: &CStr,
+        names: [&CStr; N],
+    ) -> CuResult<(CUmodule, [CUfunction; N])> {
+        let module = self.module_load_data(image)?;
+        let mut functions = [ptr::null_mut(); N];
+        for (f, name) in functions.iter_mut().zip(names) {
+            // SAFETY: `module` was just loaded and is not unloaded before this call.
+            match unsafe { self.module_function(module, name) } {
+                Ok(function) => *f = function,
+                Err(code) => {
+                    // SAFETY: the module is loaded and nothing refers to it.
+                    let _ = unsafe { self.module_unload(module) };
+                    return Err(code);
+                }
+            }
+        }
+        Ok((module, functions))
+    }
+
     /// `cuLaunchKernel` on the default stream with a 1-D grid and no shared memory.
     ///
     /// # Safety

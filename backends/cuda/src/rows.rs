@@ -34,9 +34,7 @@ impl CudaBackend {
         stream: StreamHandle,
     ) -> BackendResult<()> {
         let op = Operation::CopyRows;
-        if copy.dst_span().is_none() || copy.src_span().is_none() {
-            return Err(invalid(format!("ill-formed row copy {copy:?}")));
-        }
+        copy.check()?;
         if copy.rows == 0 || copy.width == 0 {
             return Ok(());
         }

@@ -92,16 +92,8 @@ unsafe impl Send for RowsModule {}
 impl RowsModule {
     /// Loads the module in the current context (which must be the device's).
     pub(crate) fn load(driver: &Driver) -> CuResult<RowsModule> {
-        let module = driver.module_load_data(ROWS_PTX)?;
-        // SAFETY: `module` was just loaded and is not unloaded before this call.
-        match unsafe { driver.module_function(module, ROWS_KERNEL) } {
-            Ok(copy) => Ok(RowsModule { module, copy }),
-            Err(code) => {
-                // SAFETY: the module is loaded and nothing refers to it.
-                let _ = unsafe { driver.module_unload(module) };
-                Err(code)
-            }
-        }
+        let (module, [copy]) = driver.module_load_functions(ROWS_PTX, [ROWS_KERNEL])?;
+        Ok(RowsModule { module, copy })
     }
 
     /// Unloads the module.

@@ -461,12 +461,10 @@ impl VirtualMemoryBackend for HostBackend {
     fn copy_rows_async(&self, copy: &RowCopy, _stream: StreamHandle) -> BackendResult<()> {
         // The CPU has no queue: the rows are copied now, under the read lock.
         let op = Operation::CopyRows;
-        let ill_formed = || invalid(op, format!("ill-formed row copy {copy:?}"));
-        copy.dst_span().ok_or_else(ill_formed)?;
-        copy.src_span().ok_or_else(ill_formed)?;
+        copy.check()?;
         let s = self.read();
         for row in 0..copy.rows {
-            // In range: the spans above were computed without overflow.
+            // In range: `check` proved the last row's end does not overflow.
             let dst = copy.dst.0 + row * copy.dst_pitch;
             let src = copy.src.0 + row * copy.src_pitch;
             s.check_range(op, dst, copy.width, Some(true))?;

@@ -101,16 +101,10 @@ impl State {
     /// before it is written, with the same access checks as the copies above.
     pub(crate) fn copy_rows(&mut self, copy: &RowCopy) -> Result<(), BackendError> {
         let op = Operation::CopyRows;
-        let ill_formed = || {
-            BackendError::raised(
-                op,
-                ErrorKind::InvalidValue,
-                format!("ill-formed row copy {copy:?}"),
-            )
-        };
-        copy.dst_span().ok_or_else(ill_formed)?;
-        copy.src_span().ok_or_else(ill_formed)?;
-        let width = usize::try_from(copy.width).map_err(|_| ill_formed())?;
+        copy.check()?;
+        let width = usize::try_from(copy.width).map_err(|_| {
+            BackendError::raised(op, ErrorKind::InvalidValue, "row width past usize")
+        })?;
         // Check every row before any is written: a refused copy writes nothing.
         for row in 0..copy.rows {
             self.pieces(op, copy.src.0 + row * copy.src_pitch, copy.width, false)?;

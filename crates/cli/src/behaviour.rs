@@ -1,6 +1,5 @@
 //! `kvvm behaviour`: the manager's behaviour suite, with fault injection, against a backend.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
@@ -12,29 +11,17 @@ use crate::flags;
 use crate::junit;
 use crate::output::{self, note, Out};
 use crate::progress::Progress;
+use crate::suite_args::SuiteArgs;
 
 /// Arguments of `kvvm behaviour`.
 #[derive(Debug, Args)]
 pub struct BehaviourArgs {
-    /// Backend to test: sim, cuda, hip, host or auto.
-    #[arg(long, default_value = "sim")]
-    backend: String,
-    /// Print the report as JSON instead of a table.
-    #[arg(long)]
-    json: bool,
-    /// Run only cases whose name contains this text (repeatable; each must match a case).
-    #[arg(long = "case", value_name = "TEXT")]
-    cases: Vec<String>,
-    /// Device ordinal to test (one the backend has).
-    #[arg(long, default_value_t = 0, value_parser = flags::int_in::<u32>(0, u64::from(u32::MAX)))]
-    device: u32,
+    #[command(flatten)]
+    suite: SuiteArgs,
     /// Faults per run of each fault scenario: none, single (every driver step failing alone)
     /// or pairs (also every ordered pair of steps).
     #[arg(long, default_value = "pairs", value_parser = parse_depth)]
     faults: FaultDepth,
-    /// Also write the report as JUnit XML to FILE (one testcase per case).
-    #[arg(long, value_name = "FILE")]
-    junit: Option<PathBuf>,
 }
 
 fn parse_depth(s: &str) -> Result<FaultDepth, String> {
@@ -44,25 +31,25 @@ fn parse_depth(s: &str) -> Result<FaultDepth, String> {
 /// Runs the suite; exits 1 when a case fails. A backend that cannot be opened is an error
 /// (exit 2) with the reason: the suite needs a working backend.
 pub fn run(args: &BehaviourArgs, out: Out<'_>) -> CliResult<ExitCode> {
-    backend::check_name(&args.backend)?;
-    let opened = backend::open("behaviour", &args.backend)?;
+    backend::check_name(&args.suite.backend)?;
+    let opened = backend::open("behaviour", &args.suite.backend)?;
     let devices = opened.backend.devices().map_err(failed)?;
     flags::check_device(
         "--device",
-        args.device,
+        args.suite.device,
         opened.backend.name(),
         devices.len(),
     )?;
     let options = BehaviourOptions {
-        device: kvvm::DeviceId(args.device),
-        filter: args.cases.clone(),
+        device: kvvm::DeviceId(args.suite.device),
+        filter: args.suite.cases.clone(),
         depth: args.faults,
     };
     let progress = Progress::start("behaviour", None);
     progress.message("cases, then every fault scenario");
     let report = run_behaviour(&opened.backend, &options);
     drop(progress);
-    if let Some(f) = args.cases.iter().find(|f| {
+    if let Some(f) = args.suite.cases.iter().find(|f| {
         !report
             .report
             .cases
@@ -71,10 +58,10 @@ pub fn run(args: &BehaviourArgs, out: Out<'_>) -> CliResult<ExitCode> {
     }) {
         return Err(CliError::Failed(format!("--case {f:?} matches no case")));
     }
-    if let Some(path) = &args.junit {
+    if let Some(path) = &args.suite.junit {
         junit::write_report(path, "kvvm behaviour", "behaviour", &report.report)?;
     }
-    if args.json {
+    if args.suite.json {
         output::text(out, &report.to_json())?;
         writeln!(out)?;
     } else {

@@ -1,6 +1,5 @@
 //! `kvvm conformance`: the suite against one backend, as a table, JSON or JUnit XML.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
@@ -14,29 +13,17 @@ use crate::flags;
 use crate::junit;
 use crate::output::{self, note, Out};
 use crate::progress::Progress;
+use crate::suite_args::SuiteArgs;
 
 /// Arguments of `kvvm conformance`.
 #[derive(Debug, Args)]
 pub struct ConformanceArgs {
-    /// Backend to test: sim, cuda, hip, host or auto.
-    #[arg(long, default_value = "sim")]
-    backend: String,
-    /// Print the report as JSON instead of a table.
-    #[arg(long)]
-    json: bool,
-    /// Run only cases whose name contains this text (repeatable; each must match a case).
-    #[arg(long = "case", value_name = "TEXT")]
-    cases: Vec<String>,
-    /// Device ordinal to test (one the backend has).
-    #[arg(long, default_value_t = 0, value_parser = flags::int_in::<u32>(0, u64::from(u32::MAX)))]
-    device: u32,
+    #[command(flatten)]
+    suite: SuiteArgs,
     /// Exit 1 unless at least one case passed (nothing ran, or everything was skipped, is a
     /// failure in CI).
     #[arg(long)]
     require_pass: bool,
-    /// Also write the report as JUnit XML to FILE (one testcase per case).
-    #[arg(long, value_name = "FILE")]
-    junit: Option<PathBuf>,
 }
 
 /// Every `--case` text must select at least one case.
@@ -54,20 +41,23 @@ fn check_filters(filters: &[String]) -> CliResult<()> {
 }
 
 fn run_report(args: &ConformanceArgs) -> CliResult<Report> {
-    let opened = match kvvm::open_backend_verbose(&args.backend) {
+    let opened = match kvvm::open_backend_verbose(&args.suite.backend) {
         Ok(opened) => opened,
         Err(kvvm::OpenError::UnknownBackend(name)) => return Err(backend::unknown_backend(&name)),
         Err(e) => {
-            let u = backend::unavailable(&args.backend, &e);
+            let u = backend::unavailable(&args.suite.backend, &e);
             let reason = format!(
                 "skipped: backend {} is unavailable: {} ({}); fix: {}",
-                args.backend, u.summary, u.code, u.fix
+                args.suite.backend, u.summary, u.code, u.fix
             );
-            let all = unavailable_report(&args.backend, &reason);
+            let all = unavailable_report(&args.suite.backend, &reason);
             let cases = all
                 .cases
                 .into_iter()
-                .filter(|c| args.cases.is_empty() || args.cases.iter().any(|f| c.name.contains(f)))
+                .filter(|c| {
+                    args.suite.cases.is_empty()
+                        || args.suite.cases.iter().any(|f| c.name.contains(f))
+                })
                 .collect();
             return Ok(Report::new(all.backend, all.device, cases));
         }
@@ -83,13 +73,13 @@ fn run_report(args: &ConformanceArgs) -> CliResult<Report> {
     })?;
     flags::check_device(
         "--device",
-        args.device,
+        args.suite.device,
         opened.backend.name(),
         devices.len(),
     )?;
     let options = RunOptions {
-        device: kvvm::DeviceId(args.device),
-        filter: args.cases.clone(),
+        device: kvvm::DeviceId(args.suite.device),
+        filter: args.suite.cases.clone(),
         child: ChildRunner::current_exe().ok(),
     };
     let progress = Progress::start("conformance", None);
@@ -103,12 +93,12 @@ fn run_report(args: &ConformanceArgs) -> CliResult<Report> {
 /// Runs the suite; exits 1 when a case fails (or, with `--require-pass`, when none passed),
 /// 0 otherwise, 2 on bad flags.
 pub fn run(args: &ConformanceArgs, out: Out<'_>) -> CliResult<ExitCode> {
-    check_filters(&args.cases)?;
+    check_filters(&args.suite.cases)?;
     let report = run_report(args)?;
-    if let Some(path) = &args.junit {
+    if let Some(path) = &args.suite.junit {
         junit::write_report(path, "kvvm conformance", "conformance", &report)?;
     }
-    if args.json {
+    if args.suite.json {
         output::text(out, &report.to_json())?;
         writeln!(out)?;
     } else {

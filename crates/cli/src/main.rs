@@ -27,6 +27,7 @@ mod serve;
 mod serve_flags;
 mod simulate;
 mod simulate_args;
+mod suite_args;
 
 use std::io::Write;
 use std::process::ExitCode;

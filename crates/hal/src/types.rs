@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use crate::{BackendError, ErrorKind, Operation};
+
 /// A device virtual address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
 pub struct DeviceAddress(pub u64);
@@ -254,26 +256,36 @@ pub struct RowCopy {
 }
 
 impl RowCopy {
-    /// The byte range `[start, end)` the destination rows span, or `None` when the copy is
-    /// ill-formed (a pitch below the width, or an address past the top of the address space).
-    pub fn dst_span(&self) -> Option<(u64, u64)> {
-        span(self.dst.0, self.dst_pitch, self.width, self.rows)
-    }
-
-    /// The byte range the source rows span (see [`dst_span`](Self::dst_span)).
-    pub fn src_span(&self) -> Option<(u64, u64)> {
-        span(self.src.0, self.src_pitch, self.width, self.rows)
+    /// Refuses, with an `InvalidValue` error of [`Operation::CopyRows`], a copy no backend can
+    /// make: rows that overlap their own pitch, or a last row past the top of the address
+    /// space. What every backend checks first.
+    pub fn check(&self) -> Result<(), BackendError> {
+        if fits(self.dst.0, self.dst_pitch, self.width, self.rows)
+            && fits(self.src.0, self.src_pitch, self.width, self.rows)
+        {
+            Ok(())
+        } else {
+            Err(BackendError::raised(
+                Operation::CopyRows,
+                ErrorKind::InvalidValue,
+                format!("ill-formed row copy {self:?}"),
+            ))
+        }
     }
 }
 
-fn span(base: u64, pitch: u64, width: u64, rows: u64) -> Option<(u64, u64)> {
+/// Whether `rows` rows of `width` bytes, `pitch` apart from `base`, neither overlap nor
+/// wrap around the address space.
+fn fits(base: u64, pitch: u64, width: u64, rows: u64) -> bool {
     if rows > 1 && pitch < width {
-        return None;
+        return false;
     }
     if rows == 0 || width == 0 {
-        return Some((base, base));
+        return true;
     }
-    let last = pitch.checked_mul(rows - 1)?;
-    let end = base.checked_add(last)?.checked_add(width)?;
-    Some((base, end))
+    pitch
+        .checked_mul(rows - 1)
+        .and_then(|last| base.checked_add(last))
+        .and_then(|row| row.checked_add(width))
+        .is_some()
 }

@@ -46,7 +46,8 @@ pub(crate) struct SeqCell {
     protected_bytes: AtomicU64,
 }
 
-/// What [`SeqCell::protected_bytes`] keeps for `s`.
+/// What [`SeqCell::protected_bytes`] keeps for `s`: its protected shared windows, or the
+/// windows of a prefix it owns, whichever reach further.
 fn protected_of(s: &SequenceKv) -> u64 {
     let plan = s.plan();
     let g = plan.granule();
@@ -119,6 +120,13 @@ impl SeqCell {
         self.asked.load(Ordering::Acquire)
     }
 
+    /// Records what a store must not write of `s` (called under its lock, after anything that
+    /// may have changed it).
+    fn refresh_protected(&self, s: &SequenceKv) {
+        self.protected_bytes
+            .store(protected_of(s), Ordering::Release);
+    }
+
     /// Bytes per fragment from the start that a store must not write (see the field).
     pub(crate) fn protected_bytes(&self) -> u64 {
         self.protected_bytes.load(Ordering::Acquire)
@@ -146,8 +154,7 @@ impl SeqCell {
                 s.release()?;
             }
             let r = f(s);
-            self.protected_bytes
-                .store(protected_of(s), Ordering::Release);
+            self.refresh_protected(s);
             r
         })?;
         let committed = self.committed_tokens();
@@ -160,10 +167,23 @@ impl SeqCell {
     pub(crate) fn publishing<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R) -> R {
         self.with(|s| {
             let r = f(s);
-            self.protected_bytes
-                .store(protected_of(s), Ordering::Release);
+            self.refresh_protected(s);
             r
         })
+    }
+
+    /// Counts a view of every cell of `cells`, or of none: on a cell being unmapped, the ones
+    /// counted already are given back and its [`Busy`] is returned.
+    pub(crate) fn view_all(cells: &[Arc<SeqCell>]) -> Result<(), Busy> {
+        for (i, c) in cells.iter().enumerate() {
+            if let Err(busy) = c.try_view() {
+                for done in &cells[..i] {
+                    done.unview();
+                }
+                return Err(busy);
+            }
+        }
+        Ok(())
     }
 
     /// Counts a new view, unless an unmap is running.
@@ -210,8 +230,7 @@ impl SeqCell {
                 if s.is_empty() {
                     self.asked.store(0, Ordering::Release);
                 }
-                self.protected_bytes
-                    .store(protected_of(s), Ordering::Release);
+                self.refresh_protected(s);
                 r
             }),
             Err(e) => Err(KvCacheError::Backend(e)),

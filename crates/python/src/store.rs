@@ -202,12 +202,14 @@ pub(crate) fn store(
     let want = [cells.len() as u64, heads, tokens, dim];
     let e = u64::from(geo.dtype_bytes());
     for (src, name) in [(&keys, "keys"), (&values, "values")] {
-        if src.shape != want {
+        if src.shape != want || src.strides.len() != want.len() {
             return Err(errors::invalid(
                 py,
                 format!(
-                    "{name} has shape {:?}; [slots, kv_heads, tokens, head_dim] = {want:?} expected",
-                    src.shape
+                    "{name} has shape {:?} ({} strides); [slots, kv_heads, tokens, head_dim] = \
+                     {want:?} expected",
+                    src.shape,
+                    src.strides.len()
                 ),
             ));
         }
@@ -281,14 +283,7 @@ pub(crate) fn store(
     let bpt = plan.fragment_bytes_per_token();
     // Hold every slot as a view does while the copies are queued: no release or shrink can
     // start, and it synchronizes the device before it unmaps.
-    for (i, c) in cells.iter().enumerate() {
-        if let Err(busy) = c.try_view() {
-            for done in &cells[..i] {
-                done.unview();
-            }
-            return Err(busy_error(py, busy, "store into the batch"));
-        }
-    }
+    SeqCell::view_all(cells).map_err(|busy| busy_error(py, busy, "store into the batch"))?;
     let out = (|| -> PyResult<()> {
         for c in cells {
             let claimed = c.claimed_tokens().min(c.committed_tokens());

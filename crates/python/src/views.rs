@@ -149,18 +149,13 @@ pub(crate) fn make_view(
         );
     }
     // Count the view on every sequence; undo on a sequence being unmapped.
-    for (i, c) in cells.iter().enumerate() {
-        if let Err(Busy::Unmapping | Busy::Viewed(_)) = c.try_view() {
-            for done in &cells[..i] {
-                done.unview();
-            }
-            return Err(errors::raise(
-                py,
-                "ViewsAliveError",
-                "the sequence is being released or shrunk by another thread".to_owned(),
-                &[],
-            ));
-        }
+    if SeqCell::view_all(cells).is_err() {
+        return Err(errors::raise(
+            py,
+            "ViewsAliveError",
+            "the sequence is being released or shrunk by another thread".to_owned(),
+            &[],
+        ));
     }
     Ok(TensorView::new(
         cells.to_vec(),

@@ -234,7 +234,7 @@ class KvvmLayer(CacheLayerMixin):
         k_dst, v_dst, k_live, v_live = cache._step_views(start, q)
         i = self._index
         if q == 1 and cache._row_store:
-            cache._store(i, start, key_states, value_states, k_dst[i], v_dst[i])
+            cache._store(i, start, key_states, value_states)
         else:
             k_dst[i].copy_(key_states)
             v_dst[i].copy_(value_states)
@@ -370,8 +370,8 @@ class KvvmCache(Cache):
         # A decode step's token goes in with SequenceBatch.store (one row copy per K and V,
         # a row per slot) on GPU backends whose layout keeps a token as one run per slot:
         # torch's own copy splits a destination spanning every slot (tens of GiB) into
-        # 32-bit-indexable pieces, a kernel launch each. Turned off for good if the driver
-        # refuses it (e.g. a slot stride above its largest pitch).
+        # 32-bit-indexable pieces, a kernel launch each. Turned off for good if the backend
+        # refuses it (no row copies there, or sources it cannot take).
         self._row_store = manager.backend in ("cuda", "hip") and self.batch.can_store(1)
         self._stream: Any = None
         layers = [KvvmLayer(self, i) for i in range(geometry.layers)]
@@ -461,23 +461,16 @@ class KvvmCache(Cache):
                 self._stream = torch.cuda.current_stream(k_all.device)
         return self._step_dst[0], self._step_dst[1], self._step_live[0], self._step_live[1]
 
-    def _store(
-        self,
-        layer: int,
-        start: int,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        k_dst: torch.Tensor,
-        v_dst: torch.Tensor,
-    ) -> None:
+    def _store(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Writes one decode token of layer ``layer`` into every slot with row copies on the
-        current stream; falls back to ``copy_`` (and stays there) if the driver refuses."""
+        current stream (the step's views are made); falls back to ``copy_`` into them (and
+        stays there) if the backend refuses."""
         try:
             self.batch.store(layer, start, keys, values, self._stream)
         except (DriverError, UnavailableError, InvalidArgumentError):
             self._row_store = False
-            k_dst.copy_(keys)
-            v_dst.copy_(values)
+            self._step_dst[0][layer].copy_(keys)
+            self._step_dst[1][layer].copy_(values)
 
     def _ensure(self, tokens: int) -> None:
         if tokens > self._ensured:
