@@ -13,6 +13,18 @@ pub fn max_handle_windows(max_handle_bytes: u64, granule: u64) -> u64 {
     1u64 << (63 - most.leading_zeros())
 }
 
+/// The most windows a handle whose first window is `first` may hold: a buddy piece is
+/// aligned to its own size from the base (window 0 takes any power of two), and holds at most
+/// `max_windows` (a power of two).
+pub fn buddy_windows_at(first: u64, max_windows: u64) -> u64 {
+    let align = if first == 0 {
+        max_windows
+    } else {
+        1u64 << first.trailing_zeros().min(63)
+    };
+    align.min(max_windows).max(1)
+}
+
 /// The handles (one mapping each) a commit of the windows `ranges` makes, as `(first window,
 /// windows)` per handle: `ranges` are window indices from the reservation's base, sorted and
 /// disjoint (adjacent ones form one run), and no handle holds more than `max_handle_windows`
@@ -47,17 +59,12 @@ pub(crate) fn pieces(offsets: &[u64], g: u64, max_windows: u64, cuts: &[u64]) ->
         let end = p.saturating_add(bytes / g);
         while p < end {
             let left = end - p;
-            let align = if p == 0 {
-                max_windows
-            } else {
-                1u64 << p.trailing_zeros().min(63)
-            };
             let at = p.saturating_mul(g);
             let to_cut = cuts
                 .get(cuts.partition_point(|&c| c <= at))
                 .map_or(left, |&c| (c.saturating_sub(at) / g).clamp(1, left));
             let fit = 1u64 << (63 - to_cut.leading_zeros());
-            let k = fit.min(align).min(max_windows).max(1);
+            let k = fit.min(buddy_windows_at(p, max_windows));
             out.push((p.saturating_mul(g), k));
             p = p.saturating_add(k);
         }

@@ -37,12 +37,7 @@ impl Inner {
         if needed == 0 {
             return target;
         }
-        let align = if from == 0 {
-            u64::MAX
-        } else {
-            1u64 << from.trailing_zeros().min(63)
-        };
-        let most = align.min(self.vm.max_handle_windows()).max(1);
+        let most = kvvm_vmm::buddy_windows_at(from, self.vm.max_handle_windows());
         let one_headroom =
             Inner::ahead_bytes(plan, 0, self.config.headroom_tokens.saturating_mul(2))
                 .saturating_add(plan.slice_count().saturating_mul(plan.granule()));
