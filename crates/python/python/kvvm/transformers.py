@@ -230,12 +230,14 @@ class KvvmLayer(CacheLayerMixin):
         cache = self._cache
         if end > cache._ensured:
             cache._ensure(end)
-        # The step's slices are made once for all layers: per layer, two copies and no view.
-        k_dst, v_dst, k_live, v_live = cache._step_views(start, q)
+        # The step's slices are made once for all layers: per layer, two copies (or one row
+        # store) and no view.
+        k_live, v_live = cache._step_views(start, q)
         i = self._index
         if q == 1 and cache._row_store:
             cache._store(i, start, key_states, value_states)
         else:
+            k_dst, v_dst = cache._step_targets(start, q)
             k_dst[i].copy_(key_states)
             v_dst[i].copy_(value_states)
         self.length = end
@@ -444,22 +446,29 @@ class KvvmCache(Cache):
         self._step = (-1, -1)
         self._bound = True
 
-    def _step_views(
-        self, start: int, q: int
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Per layer: where tokens ``start..start+q`` go (K, V) and the live views of
-        ``0..start+q`` (K, V). Made once per step for all layers (eight calls instead of four
-        per layer: the step is host-bound)."""
+    def _step_views(self, start: int, q: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Per layer, the live views of tokens ``0..start+q`` (K, V). Made once per step for
+        all layers (four calls instead of two per layer: the step is host-bound)."""
         if self._step != (start, q):
             k_all, v_all = self._k_all, self._v_all
             assert k_all is not None and v_all is not None
-            self._step_dst = (k_all.narrow(3, start, q).unbind(0), v_all.narrow(3, start, q).unbind(0))
             end = start + q
             self._step_live = (k_all.narrow(3, 0, end).unbind(0), v_all.narrow(3, 0, end).unbind(0))
+            self._step_dst = ((), ())
             self._step = (start, q)
             if self._row_store:
                 self._stream = torch.cuda.current_stream(k_all.device)
-        return self._step_dst[0], self._step_dst[1], self._step_live[0], self._step_live[1]
+        return self._step_live
+
+    def _step_targets(self, start: int, q: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Per layer, where tokens ``start..start+q`` go (K, V), for ``copy_``; made once per
+        step, and only when a step is not written with row stores."""
+        self._step_views(start, q)
+        if not self._step_dst[0]:
+            k_all, v_all = self._k_all, self._v_all
+            assert k_all is not None and v_all is not None
+            self._step_dst = (k_all.narrow(3, start, q).unbind(0), v_all.narrow(3, start, q).unbind(0))
+        return self._step_dst
 
     def _store(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Writes one decode token of layer ``layer`` into every slot with row copies on the
@@ -469,8 +478,9 @@ class KvvmCache(Cache):
             self.batch.store(layer, start, keys, values, self._stream)
         except (DriverError, UnavailableError, InvalidArgumentError):
             self._row_store = False
-            self._step_dst[0][layer].copy_(keys)
-            self._step_dst[1][layer].copy_(values)
+            k_dst, v_dst = self._step_targets(start, 1)
+            k_dst[layer].copy_(keys)
+            v_dst[layer].copy_(values)
 
     def _ensure(self, tokens: int) -> None:
         if tokens > self._ensured:
