@@ -457,10 +457,15 @@ def _verdict(point: list[RunResult]) -> str:
         return ""
     bk = max(kv, key=lambda r: r.tokens_per_s)
     bb = max(base, key=lambda r: r.tokens_per_s)
-    n = min(len(r.rounds_p50_ms) for r in point)
-    paired = [
-        min(r.rounds_p50_ms[i] for r in base) / min(r.rounds_p50_ms[i] for r in kv) for i in range(n)
-    ]
+    # Round i's ratio is over the caches that ran in round i (StaticCache may run fewer).
+    n = max(len(r.rounds_p50_ms) for r in point)
+    paired = []
+    for i in range(n):
+        b = [r.rounds_p50_ms[i] for r in base if len(r.rounds_p50_ms) > i]
+        k = [r.rounds_p50_ms[i] for r in kv if len(r.rounds_p50_ms) > i]
+        if b and k:
+            paired.append(min(b) / min(k))
+    n = len(paired)
     med = statistics.median(paired) if paired else float("nan")
     return (
         f"{bk.batch}x{bk.prompt}: best kvvm {bk.cache} {bk.tokens_per_s} tokens/s, best baseline "
@@ -529,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         "the reference's prompt K/V; the best step p50 is kept)",
     )
     g.add_argument(
+        "--static-repeat",
+        type=int,
+        default=None,
+        help="runs of StaticCache per point (default: --repeat; its decode is the slowest)",
+    )
+    g.add_argument(
         "--caches",
         default=f"dynamic,static,dynamic@{ATTENTION},kvvm:seq-major@{ATTENTION},kvvm:token-major@{ATTENTION}",
         help="caches to compare; '@kvvm_sdpa' runs one with kvvm's attention registration",
@@ -553,6 +564,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = ap.parse_args(argv)
     args.shared_layouts = [s for s in args.shared_layouts.split(",") if s]
+    if args.static_repeat is None:
+        args.static_repeat = args.repeat
+    if args.repeat < 1 or args.static_repeat < 1:
+        ap.error("--repeat and --static-repeat must be at least 1")
     if args.new <= args.warmup:
         ap.error("--new must exceed --warmup")
     if args.dtype not in ("bfloat16", "float16", "float32"):
@@ -595,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
                 if seed is None and reference is not None and reference.get("seed") is not None:
                     seed = [(k.to(dev), v.to(dev)) for k, v in reference.pop("seed")]
             for kind in order:
+                if r >= args.static_repeat and kind.startswith("static"):
+                    continue
                 if r == 0:
                     ref = reference if kind != args.reference and not kind.startswith("static") else None
                 else:
