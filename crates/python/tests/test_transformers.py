@@ -139,19 +139,21 @@ def test_the_benchmark_runs_end_to_end_on_the_cpu(capsys, tmp_path) -> None:
             "generate", "--tiny", "--device", "cpu", "--backend", "host", "--dtype", "float32",
             "--points", "2x40", "--new", "6", "--warmup", "2", "--shared-requests", "2",
             "--shared-prompt", "1100", "--shared-suffix", "8", "--shared-layouts", "token-major",
-            "--repeat", "2", "--static-repeat", "1", "--json", str(out_json),
+            "--repeat", "2", "--static-repeat", "1", "--interleaved-steps", "4", "--json", str(out_json),
         ]
     )
     assert rc == 0
     out = capsys.readouterr().out
     assert "kvvm:seq-major" in out and "kvvm:token-major" in out and "shared prompt" in out
-    assert "median of 2 rounds' ratios" in out
+    assert "median of 2 rounds' ratios" in out and "step-interleaved:" in out
     results = json.loads(out_json.read_text())["results"]
     for r in results:
         # Two rounds each (the second seeded from the reference's prefill), StaticCache one;
         # the best is kept.
         assert len(r["rounds_p50_ms"]) == (1 if r["cache"] == "static" else 2)
         assert r["step_p50_ms"] == min(r["rounds_p50_ms"])
+        # Then every cache alive at once, a step of each in turn.
+        assert r["interleaved_p50_ms"] > 0 and r["interleaved_tokens_per_s"] > 0
         assert r["prefill_ms"] > 0 and r["kv_bytes_held"] > 0
     kvvm_rows = [r for r in results if r["cache"].startswith("kvvm")]
     # Correctness comes from the first round, where kvvm is compared with the reference.

@@ -69,6 +69,10 @@ class RunResult:
     #: model, the others seeded); ``step_p50_ms`` is their minimum.
     rounds_p50_ms: list[float] = field(default_factory=list)
     step_p50_median_ms: float = 0.0
+    #: The step p50 in the step-interleaved phase (every cache alive at once, one decode step
+    #: of each in turn), and its tokens/s; None when that phase did not run for this cache.
+    interleaved_p50_ms: float | None = None
+    interleaved_tokens_per_s: float | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -225,7 +229,8 @@ def run_point(
     tok = out.logits[:, -1:].argmax(-1)
     del out
     record = reference is None and label == args.reference
-    snap = _snapshot(cache, prompt) if record and args.repeat > 1 else None
+    wants_seed = args.repeat > 1 or args.interleaved_steps > 0
+    snap = _snapshot(cache, prompt) if record and wants_seed else None
     res, new_ref = _decode(model, cfg, args, label, kind, attention, cache, ids, reference, prefill_ms, tok, elem, False)
     if new_ref is not None:
         new_ref["seed"] = snap
@@ -431,6 +436,81 @@ def run_shared_prompt(model: Any, cfg: Any, args: argparse.Namespace) -> dict[st
     return out
 
 
+@torch.no_grad()
+def run_interleaved(
+    model: Any,
+    cfg: Any,
+    args: argparse.Namespace,
+    kinds: list[str],
+    ids: torch.Tensor,
+    reference: dict[str, Any],
+    seed_box: list[list[tuple[torch.Tensor, torch.Tensor]]],
+) -> tuple[dict[str, list[float]], list[str]]:
+    """Every cache alive at once, seeded with the prompt's K/V, then ``interleaved_steps``
+    decode steps of each in turn (the order rotates every step), teacher-forced on the
+    reference's tokens: each cache's step times are sampled under the same host conditions,
+    a step apart, which runs a few seconds apart are not. Returns the step times per cache
+    and notes (a cache that did not fit in memory is left out and named).
+
+    ``seed_box`` holds the one reference to the prompt's K/V: it is emptied once every cache
+    is seeded, so that its memory is free while they decode. KvvmCaches are made first and
+    StaticCache last: where they do not all fit, a baseline is what is left out."""
+    dev = torch.device(args.device)
+    batch, prompt = ids.shape
+    steps = args.interleaved_steps
+    caches: dict[str, Any] = {}
+    notes: list[str] = []
+    seed = seed_box.pop()
+    order = sorted(kinds, key=lambda k: (0 if is_kvvm(k) else 2 if k.startswith("static") else 1))
+    for label in order:
+        kind, _ = _split(label)
+        try:
+            cache = _make_cache(kind, cfg, args, batch, prompt + steps)
+            _seed(cache, seed)
+        except (torch.OutOfMemoryError, kvvm.KvvmError) as e:
+            notes.append(f"{label} left out of the interleaved phase: {type(e).__name__}")
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        caches[label] = cache
+    del seed
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    times: dict[str, list[float]] = {label: [] for label in caches}
+    labels = [k for k in kinds if k in caches]
+    tokens = reference["tokens"]
+    for i in range(steps):
+        shift = i % max(len(labels), 1)
+        for label in labels[shift:] + labels[:shift]:
+            _, attention = _split(label)
+            use_kvvm_attention(model, enable=attention == ATTENTION)
+            tok = tokens[min(i, len(tokens) - 1)]
+            p = torch.tensor([prompt + i], device=dev)
+            _sync(dev)
+            e0, e1 = _timer(dev), _timer(dev)
+            w0 = time.perf_counter()
+            if e0 is not None:
+                e0.record()
+            out = model(input_ids=tok, past_key_values=caches[label], use_cache=True, cache_position=p)
+            out.logits[:, -1].argmax(-1, keepdim=True)
+            if e1 is not None:
+                e1.record()
+                torch.cuda.synchronize(dev)
+                times[label].append(e0.elapsed_time(e1))
+            else:
+                times[label].append((time.perf_counter() - w0) * 1000)
+            del out
+    for label, cache in caches.items():
+        if is_kvvm(label):
+            cache.release()
+    caches.clear()
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return times, notes
+
+
 def _best_of_rounds(first: RunResult, p50s: list[float]) -> RunResult:
     """The first run's result (correctness, memory, prefill) with the best step p50 of all
     rounds."""
@@ -467,11 +547,23 @@ def _verdict(point: list[RunResult]) -> str:
             paired.append(min(b) / min(k))
     n = len(paired)
     med = statistics.median(paired) if paired else float("nan")
-    return (
+    line = (
         f"{bk.batch}x{bk.prompt}: best kvvm {bk.cache} {bk.tokens_per_s} tokens/s, best baseline "
         f"{bb.cache} {bb.tokens_per_s}: {bk.tokens_per_s / bb.tokens_per_s:.3f}x; median of "
         f"{n} rounds' ratios {med:.3f}x"
     )
+    ik = [r for r in kv if r.interleaved_tokens_per_s]
+    ib = [r for r in base if r.interleaved_tokens_per_s]
+    if ik and ib:
+        k = max(ik, key=lambda r: r.interleaved_tokens_per_s or 0.0)
+        b = max(ib, key=lambda r: r.interleaved_tokens_per_s or 0.0)
+        kt, bt = k.interleaved_tokens_per_s or 0.0, b.interleaved_tokens_per_s or 1.0
+        line += f"; step-interleaved: {k.cache} {kt} vs {b.cache} {bt} tokens/s: {kt / bt:.3f}x"
+    return line
+
+
+def _opt(x: float | None, digits: int) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
 
 
 def _fmt_bytes(n: int) -> str:
@@ -484,10 +576,11 @@ def _markdown(results: list[RunResult], shared: dict[str, Any] | None, meta: dic
         f"transformers {meta['transformers']}, kvvm {meta['kvvm']}, {meta['date']}",
         "",
         "| cache | batch x prompt | prefill ms | step p50 ms (best run) | median of runs | tokens/s | "
+        "step-interleaved p50 ms | tokens/s | "
         "KV GPU us/step | KV held | "
         "live KV | peak alloc (decode) | peak alloc + kvvm | peak reserved | max abs logit diff | "
         "argmax (disagree/checked) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         agree = "" if r.argmax_checked is None else f"{r.argmax_disagree}/{r.argmax_checked}"
@@ -495,7 +588,8 @@ def _markdown(results: list[RunResult], shared: dict[str, Any] | None, meta: dic
         kv = "" if r.kv_gpu_us_per_step is None else f"{r.kv_gpu_us_per_step:.0f}"
         lines.append(
             f"| {r.cache} | {r.batch} x {r.prompt} | {r.prefill_ms:.0f} | {r.step_p50_ms:.2f} | "
-            f"{r.step_p50_median_ms:.2f} | {r.tokens_per_s:.1f} | {kv} | {_fmt_bytes(r.kv_bytes_held)} | {_fmt_bytes(r.kv_bytes_live)} | "
+            f"{r.step_p50_median_ms:.2f} | {r.tokens_per_s:.1f} | {_opt(r.interleaved_p50_ms, 2)} | "
+            f"{_opt(r.interleaved_tokens_per_s, 1)} | {kv} | {_fmt_bytes(r.kv_bytes_held)} | {_fmt_bytes(r.kv_bytes_live)} | "
             f"{_fmt_bytes(r.peak_allocated_decode)} | {_fmt_bytes(r.peak_total_decode)} | "
             f"{_fmt_bytes(r.peak_reserved_decode)} | {diff} | {agree} |"
         )
@@ -534,6 +628,13 @@ def main(argv: list[str] | None = None) -> int:
         "the reference's prompt K/V; the best step p50 is kept)",
     )
     g.add_argument(
+        "--interleaved-steps",
+        type=int,
+        default=0,
+        help="after the rounds, decode this many steps with every cache alive at once, one step "
+        "of each in turn (0: not run); their p50 is compared too",
+    )
+    g.add_argument(
         "--static-repeat",
         type=int,
         default=None,
@@ -568,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
         args.static_repeat = args.repeat
     if args.repeat < 1 or args.static_repeat < 1:
         ap.error("--repeat and --static-repeat must be at least 1")
+    if args.interleaved_steps and args.interleaved_steps <= args.warmup:
+        ap.error("--interleaved-steps must exceed --warmup")
     if args.new <= args.warmup:
         ap.error("--new must exceed --warmup")
     if args.dtype not in ("bfloat16", "float16", "float32"):
@@ -627,6 +730,23 @@ def main(argv: list[str] | None = None) -> int:
                 rounds.setdefault(kind, []).append(res.step_p50_ms)
                 print(json.dumps({"round": r, **asdict(res)}), file=sys.stderr, flush=True)
         point = [_best_of_rounds(first[k], rounds[k]) for k in kinds if k in first]
+        if args.interleaved_steps > 0 and reference is not None:
+            if seed is None and reference.get("seed") is not None:
+                seed = [(k.to(dev), v.to(dev)) for k, v in reference.pop("seed")]
+            if seed is not None:
+                present = [k for k in kinds if k in first]
+                box = [seed]
+                seed = None
+                times, notes = run_interleaved(model, cfg, args, present, ids, reference, box)
+                for res in point:
+                    t = times.get(res.cache)
+                    if t:
+                        steady = t[args.warmup :] or t
+                        p50 = statistics.median(steady)
+                        res.interleaved_p50_ms = round(p50, 3)
+                        res.interleaved_tokens_per_s = round(res.batch * 1000 / p50, 1)
+                    res.notes.extend(notes)
+                print(json.dumps({"interleaved": {k: statistics.median(v[args.warmup :] or v) for k, v in times.items()}, "notes": notes}), file=sys.stderr, flush=True)
         results.extend(point)
         print(_verdict(point), file=sys.stderr, flush=True)
         del reference, seed
