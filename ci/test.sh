@@ -156,8 +156,11 @@ echo "== the Python package: pip install . into a fresh virtual environment, the
 rm -rf target/pyenv
 python3 -m venv target/pyenv
 target/pyenv/bin/python -m pip install -q --upgrade pip
-target/pyenv/bin/python -m pip install -q numpy pytest
+target/pyenv/bin/python -m pip install -q numpy pytest mypy==2.4.1
 target/pyenv/bin/python -m pip install -q .
+# The pure-Python half is typed and mypy checks it (torch and transformers are not installed
+# here, so their types are Any in this check).
+target/pyenv/bin/python -m mypy --ignore-missing-imports --no-incremental crates/python/python/kvvm
 (cd target && pyenv/bin/python -c "import kvvm; print('import kvvm', kvvm.__version__, 'from', kvvm.__file__)")
 set +e
 (cd target && pyenv/bin/python -m pytest ../crates/python/tests -rs -p no:cacheprovider) 2>&1 | tee target/pytest-output.log

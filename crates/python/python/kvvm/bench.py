@@ -109,7 +109,7 @@ def _build_model(args: argparse.Namespace) -> tuple[Any, Any]:
             num_key_value_heads=8,
             vocab_size=128256,
             max_position_embeddings=16384,
-            rope_theta=500000.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         )
     cfg._attn_implementation = "sdpa"
     dtype = getattr(torch, args.dtype)
@@ -563,10 +563,13 @@ def _verdict(point: list[RunResult]) -> str:
     ik = [r for r in kv if r.interleaved_tokens_per_s]
     ib = [r for r in base if r.interleaved_tokens_per_s]
     if ik and ib:
-        k = max(ik, key=lambda r: r.interleaved_tokens_per_s or 0.0)
-        b = max(ib, key=lambda r: r.interleaved_tokens_per_s or 0.0)
-        kt, bt = k.interleaved_tokens_per_s or 0.0, b.interleaved_tokens_per_s or 1.0
-        line += f"; step-interleaved: {k.cache} {kt} vs {b.cache} {bt} tokens/s: {kt / bt:.3f}x"
+        ik_best = max(ik, key=lambda r: r.interleaved_tokens_per_s or 0.0)
+        ib_best = max(ib, key=lambda r: r.interleaved_tokens_per_s or 0.0)
+        kt, bt = ik_best.interleaved_tokens_per_s or 0.0, ib_best.interleaved_tokens_per_s or 1.0
+        line += (
+            f"; step-interleaved: {ik_best.cache} {kt} vs {ib_best.cache} {bt} tokens/s: "
+            f"{kt / bt:.3f}x"
+        )
     return line
 
 
@@ -723,10 +726,9 @@ def main(argv: list[str] | None = None) -> int:
             for kind in order:
                 if r >= args.static_repeat and kind.startswith("static"):
                     continue
-                if r == 0:
-                    ref = reference if kind != args.reference and not kind.startswith("static") else None
-                else:
-                    ref = reference
+                ref: dict[str, Any] | None = reference
+                if r == 0 and (kind == args.reference or kind.startswith("static")):
+                    ref = None
                 try:
                     res, ref_new = run_point(model, cfg, args, kind, ids, ref, seed if r > 0 else None)
                 except torch.OutOfMemoryError as e:

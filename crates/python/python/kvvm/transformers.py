@@ -21,7 +21,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -186,7 +186,7 @@ class KvvmLayer(CacheLayerMixin):
     def __init__(self, cache: KvvmCache, index: int) -> None:
         super().__init__()
         # A proxy, not a reference: no cycle keeps the cache (and its manager's worker) alive.
-        self._cache: KvvmCache = weakref.proxy(cache)
+        self._cache = cast("KvvmCache", weakref.proxy(cache))
         self._index = index
         self._k_full: torch.Tensor | None = None
         self._v_full: torch.Tensor | None = None
@@ -376,7 +376,7 @@ class KvvmCache(Cache):
         # refuses it (no row copies there, or sources it cannot take).
         self._row_store = manager.backend in ("cuda", "hip") and self.batch.can_store(1)
         self._stream: Any = None
-        layers = [KvvmLayer(self, i) for i in range(geometry.layers)]
+        layers: list[Any] = [KvvmLayer(self, i) for i in range(geometry.layers)]
         super().__init__(layers=layers)
         self._bind_layers()
 
@@ -552,6 +552,7 @@ class KvvmCache(Cache):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
         for layer in self.layers:
+            assert isinstance(layer, KvvmLayer)
             yield layer.keys, layer.values
 
 
@@ -571,6 +572,8 @@ class KvvmPrefix:
         self.plan = plan
         self.cache = cache
         self.shared = shared
+        #: The prefill's logits at the prefix's last token (``[1, vocab]``), set by :meth:`build`.
+        self.last_logits: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
