@@ -2,6 +2,7 @@
 //! and read-only by any number of sharers, billed once.
 
 use std::fmt;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -161,26 +162,30 @@ impl SharedDevicePrefix {
         })
     }
 
-    /// Set indices of windows `[first_window, end_window)` of every fragment.
-    pub(crate) fn window_indices(&self, end_window: u64) -> Result<Vec<usize>, KvCacheError> {
+    /// Set indices of windows `[first_window, end_window)` of every fragment, as one index
+    /// range per fragment.
+    pub(crate) fn window_ranges(&self, end_window: u64) -> Result<Vec<Range<usize>>, KvCacheError> {
+        let overflow = || crate::KvError::Overflow {
+            what: "window index",
+        };
         let k = self.windows_per_fragment();
         let take = end_window
             .min(self.end_window)
             .saturating_sub(self.first_window);
         let fragments = self.plan.slice_count();
         let mut out = Vec::new();
+        if take == 0 {
+            return Ok(out);
+        }
         for f in 0..fragments {
-            for w in 0..take {
-                let i =
-                    mul(f, k, "window index")?
-                        .checked_add(w)
-                        .ok_or(crate::KvError::Overflow {
-                            what: "window index",
-                        })?;
-                out.push(usize::try_from(i).map_err(|_| crate::KvError::Overflow {
-                    what: "window index",
-                })?);
-            }
+            let first = mul(f, k, "window index")?;
+            let last = first.checked_add(take - 1).ok_or_else(overflow)?;
+            let first = usize::try_from(first).map_err(|_| overflow())?;
+            let end = usize::try_from(last)
+                .ok()
+                .and_then(|l| l.checked_add(1))
+                .ok_or_else(overflow)?;
+            out.push(first..end);
         }
         Ok(out)
     }

@@ -182,7 +182,8 @@ impl SharedDevicePrefix {
 
     /// The sharer's side: reserves a sequence of at most `max_tokens` under the prefix's plan
     /// and maps every window of the prefix at the same offsets with `Read` access (one map
-    /// per window, one set-access per contiguous run). The sharer adds no physical bytes
+    /// per handle of the prefix, one set-access per contiguous run, named as one range of
+    /// windows per fragment). The sharer adds no physical bytes
     /// (`additional_owned_bytes() == 0`); its tokens up to the last whole token inside the
     /// shared windows are readable at once. Tokens of the prefix's partial tail windows (if
     /// any) are the sharer's own: `ensure_tokens(prefix_len)` and write them.

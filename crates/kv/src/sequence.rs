@@ -603,10 +603,10 @@ impl SequenceKv {
             });
         }
         let end_window = end_window.min(prefix.end_window());
-        let indices = prefix.window_indices(end_window)?;
+        let windows = prefix.window_ranges(end_window)?;
         let bytes = self
             .reservation
-            .map_shared(prefix.handles(), &indices, Access::Read)?;
+            .map_shared_ranges(prefix.handles(), &windows, Access::Read)?;
         self.readonly.push(AttachedSegment {
             prefix: Arc::clone(prefix),
             end_window,

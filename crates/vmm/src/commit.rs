@@ -10,19 +10,24 @@
 //! this commit mapped, last first, returns the handles to the pool and rolls the grant back;
 //! a mapping whose unmap fails stays recorded (it is still mapped) and is accounted as
 //! committed.
+//!
+//! The windows are named as sorted spans (`spans.rs`), so that everything a commit does
+//! besides its driver calls costs per span, per parked mapping and per handle, not per
+//! window: a run of 2048 windows mapped as one handle is checked, cut and given access once.
 
 use std::sync::Arc;
 
 use kvvm_governor::{Bucket, MappedGrowthGrant};
 use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 
-use crate::cut::{pieces, runs};
+use crate::cut::pieces;
 use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{BlockKind, Commit};
 use crate::parking::{ParkedWindows, Window};
-use crate::range::{window_list, Block, ReservedRange};
+use crate::range::{Block, ReservedRange};
 use crate::shared::SharedPiece;
+use crate::spans::{self, Span};
 use crate::state::DeviceState;
 
 /// One mapping a commit in progress made.
@@ -80,24 +85,23 @@ impl ReservedRange {
         if granules > 0 && self.has_holes() {
             return self.commit_filling_holes(granules, grant);
         }
-        let g = self.granule();
         let offset = self.committed_end();
-        let bytes = granules.checked_mul(g).ok_or(VmmError::SizeOverflow {
-            what: "commit size",
-        })?;
+        let bytes = granules
+            .checked_mul(self.granule())
+            .ok_or(VmmError::SizeOverflow {
+                what: "commit size",
+            })?;
         if granules == 0 {
             // A grant handed in is rolled back by its drop.
             return Ok(Commit::empty(self.addr(offset)?));
         }
         self.checked_end(offset, bytes, "commit end")?;
-        // Priced before any per-window record is built: a request that can never fit is
-        // refused in O(1) memory, however many granules it names.
+        // Priced first: a request that can never fit is refused before the pool, the
+        // governor or the driver is asked, however many granules it names.
         if grant.is_none() {
             self.price(granules)?;
         }
-        let mut offsets = window_list(granules)?;
-        offsets.extend((0..granules).map(|i| offset.saturating_add(i.saturating_mul(g))));
-        self.commit_windows(&offsets, grant, None, &[])
+        self.commit_windows(&[Span::new(offset, granules)], grant, None, &[])
     }
 
     /// [`commit_granules`](Self::commit_granules) when there are holes.
@@ -130,33 +134,40 @@ impl ReservedRange {
         if grant.is_none() {
             self.price(granules)?;
         }
-        let mut offsets = window_list(granules)?;
-        let mut o = 0u64;
-        while (offsets.len() as u64) < granules && o < end {
-            if !self.is_mapped(o) {
-                offsets.push(o);
+        // The first `granules` unmapped windows below `end`: the gaps between the mappings,
+        // then the windows after the last one.
+        let mut free = Vec::new();
+        let mut need = granules;
+        let mut at = 0u64;
+        for b in &self.blocks {
+            if need == 0 || at >= end {
+                break;
             }
-            o = o.saturating_add(g);
+            let n = (b.offset.min(end).saturating_sub(at) / g).min(need);
+            spans::push(&mut free, Span::new(at, n), g);
+            need -= n;
+            at = at.max(b.end(g));
         }
-        self.commit_windows(&offsets, grant, None, &[])
+        if need > 0 && at < end {
+            spans::push(&mut free, Span::new(at, ((end - at) / g).min(need)), g);
+        }
+        self.commit_windows(&free, grant, None, &[])
     }
 
-    /// The commit transaction over sorted, distinct, unmapped, in-bounds window offsets.
-    /// With `shared`, the new handles form a shared set (accounted once, as shared) that this
-    /// reservation maps read-write as its owner. No handle crosses one of the sorted offsets
-    /// `cuts`.
+    /// The commit transaction over sorted, disjoint window spans, every window unmapped and
+    /// in bounds. With `shared`, the new handles form a shared set (accounted once, as
+    /// shared) that this reservation maps read-write as its owner. No handle crosses one of
+    /// the sorted offsets `cuts`.
     pub(crate) fn commit_windows(
         &mut self,
-        offsets: &[u64],
+        spans: &[Span],
         grant: Option<MappedGrowthGrant>,
         shared: Option<&mut Vec<SharedPiece>>,
         cuts: &[u64],
     ) -> VmmResult<Commit> {
         // Every window must be in bounds, unmapped and not in flight: the driver checks none.
-        for &o in offsets {
-            self.check_free_window(o)?;
-        }
-        let applied = self.target().apply(offsets, grant, shared, cuts);
+        self.check_free(spans)?;
+        let applied = self.target().apply(spans, grant, shared, cuts);
         self.insert_blocks(applied.blocks.into_iter());
         applied.result
     }
@@ -201,11 +212,12 @@ impl Target {
         self.base.offset(offset)
     }
 
-    /// The transaction over validated window offsets (sorted, distinct, unmapped, in bounds,
-    /// not in flight); no handle crosses one of the sorted offsets `cuts`.
+    /// The transaction over validated window spans (sorted, disjoint, unmapped, in bounds,
+    /// not in flight); no handle crosses one of the sorted offsets `cuts`. Its bookkeeping is
+    /// per span, per parked mapping and per handle, never per window.
     pub(crate) fn apply(
         &self,
-        offsets: &[u64],
+        spans: &[Span],
         grant: Option<MappedGrowthGrant>,
         shared: Option<&mut Vec<SharedPiece>>,
         cuts: &[u64],
@@ -213,7 +225,7 @@ impl Target {
         let st = Arc::clone(&self.state);
         let ctx = &st.ctx;
         let g = ctx.granule;
-        let granules = offsets.len() as u64;
+        let granules = spans::window_count(spans);
         let span = tracing::debug_span!(
             "vmm.commit",
             device = ctx.device.0,
@@ -221,7 +233,7 @@ impl Target {
             granules
         );
         let _e = span.enter();
-        let first = offsets.first().copied().unwrap_or(0);
+        let first = spans.first().map_or(0, |s| s.offset);
         let Some(start) = self.base.checked_add(first) else {
             return Applied::failed(VmmError::SizeOverflow {
                 what: "block address",
@@ -245,27 +257,26 @@ impl Target {
             None => Vec::new(),
             Some(parked) => {
                 let whole = shared.is_none();
-                if let Err(e) = parked.evict_overlapping(ctx, &st.pool, offsets, whole) {
+                if let Err(e) = parked.evict_overlapping(ctx, &st.pool, spans, whole) {
                     return Applied::failed(e.into());
                 }
                 if whole {
-                    parked.take(&st.pool, g, offsets)
+                    parked.take(&st.pool, g, spans)
                 } else {
                     Vec::new()
                 }
             }
         };
         if !reused.is_empty() {
-            return self.apply_reusing_parked(offsets, reused, grant, start, bytes);
+            return self.apply_reusing_parked(spans, reused, grant, start, bytes);
         }
 
         // One handle per piece; a pooled handle of exactly the piece's size needs neither a
         // create nor any new budget.
-        let plan: Vec<(u64, u64, Option<PhysicalHandle>)> =
-            pieces(offsets, g, ctx.max_windows, cuts)
-                .into_iter()
-                .map(|(o, n)| (o, n, st.pool.take(n.saturating_mul(g))))
-                .collect();
+        let plan: Vec<(u64, u64, Option<PhysicalHandle>)> = pieces(spans, g, ctx.max_windows, cuts)
+            .into_iter()
+            .map(|(o, n)| (o, n, st.pool.take(n.saturating_mul(g))))
+            .collect();
         let pooled_bytes = plan
             .iter()
             .filter(|p| p.2.is_some())
@@ -337,7 +348,7 @@ impl Target {
 
         // One set access over each contiguous run, retried as the backend asks.
         if failure.is_none() {
-            for (run_offset, run_bytes) in runs(offsets, g) {
+            for (run_offset, run_bytes) in spans::runs(spans, g) {
                 let addr = self.at(run_offset);
                 if let Err(e) = ctx.set_access_retrying(addr, run_bytes, &ctx.access) {
                     failure = Some(e);
@@ -406,7 +417,7 @@ impl Target {
     /// part fails, the parked windows go back to parking.
     fn apply_reusing_parked(
         &self,
-        offsets: &[u64],
+        spans: &[Span],
         reused: Vec<Window>,
         grant: Option<MappedGrowthGrant>,
         start: DeviceAddress,
@@ -415,13 +426,8 @@ impl Target {
         let st = Arc::clone(&self.state);
         let ctx = &st.ctx;
         let g = ctx.granule;
-        let inside = |o: u64| {
-            let i = reused.partition_point(|w| w.0 <= o);
-            i.checked_sub(1)
-                .and_then(|i| reused.get(i))
-                .is_some_and(|w| o < w.0.saturating_add(w.1.saturating_mul(g)))
-        };
-        let fresh: Vec<u64> = offsets.iter().copied().filter(|&o| !inside(o)).collect();
+        let holes: Vec<Span> = reused.iter().map(|w| Span::new(w.0, w.1)).collect();
+        let fresh = spans::subtract(spans, &holes, g);
         let reused_windows = reused.iter().map(|w| w.1).fold(0u64, u64::saturating_add);
         let reused_bytes = reused_windows.saturating_mul(g);
         let mut applied = if fresh.is_empty() {
@@ -452,7 +458,7 @@ impl Target {
                     result: Ok(Commit {
                         address: start,
                         bytes,
-                        granules: offsets.len() as u64,
+                        granules: spans::window_count(spans),
                         from_pool: c.from_pool.saturating_add(reused_windows),
                         mappings: c.mappings.saturating_add(n),
                     }),

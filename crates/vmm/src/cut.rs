@@ -6,6 +6,8 @@
 
 use std::ops::Range;
 
+use crate::spans::{merged, Span};
+
 /// The most windows one handle of a commit holds: the largest power of two not above
 /// `max_handle_bytes / granule`, at least one.
 pub fn max_handle_windows(max_handle_bytes: u64, granule: u64) -> u64 {
@@ -31,32 +33,24 @@ pub fn buddy_windows_at(first: u64, max_windows: u64) -> u64 {
 /// windows (see [`max_handle_windows`]). This is the cut `Reservation::commit_ranges` makes
 /// of windows none of which is mapped or parked yet.
 pub fn commit_pieces(ranges: &[Range<u64>], max_handle_windows: u64) -> Vec<(u64, u64)> {
-    let windows: Vec<u64> = ranges.iter().flat_map(Clone::clone).collect();
-    pieces(&windows, 1, max_handle_windows.max(1), &[])
+    let spans: Vec<Span> = ranges
+        .iter()
+        .map(|r| Span::new(r.start, r.end.saturating_sub(r.start)))
+        .collect();
+    pieces(&spans, 1, max_handle_windows.max(1), &[])
 }
 
-/// Contiguous runs `(offset, bytes)` of sorted window offsets.
-pub(crate) fn runs(offsets: &[u64], g: u64) -> Vec<(u64, u64)> {
-    let mut out: Vec<(u64, u64)> = Vec::new();
-    for &o in offsets {
-        match out.last_mut() {
-            Some((start, len)) if start.saturating_add(*len) == o => *len = len.saturating_add(g),
-            _ => out.push((o, g)),
-        }
-    }
-    out
-}
-
-/// How a commit maps sorted, distinct window offsets: `(offset, windows)` per handle. Each
-/// contiguous run is cut largest first into power-of-two numbers of windows, each aligned to
-/// its own size from the base (offset 0) and at most `max_windows` (a power of two); no piece
-/// crosses one of the sorted offsets `cuts` (a piece may start there).
-pub(crate) fn pieces(offsets: &[u64], g: u64, max_windows: u64, cuts: &[u64]) -> Vec<(u64, u64)> {
+/// How a commit maps sorted, disjoint window spans: `(offset, windows)` per handle. Each
+/// contiguous run (adjacent spans merged) is cut largest first into power-of-two numbers of
+/// windows, each aligned to its own size from the base (offset 0) and at most `max_windows`
+/// (a power of two); no piece crosses one of the sorted offsets `cuts` (a piece may start
+/// there). The work is per piece, not per window.
+pub(crate) fn pieces(spans: &[Span], g: u64, max_windows: u64, cuts: &[u64]) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
     let g = g.max(1);
-    for (start, bytes) in runs(offsets, g) {
-        let mut p = start / g;
-        let end = p.saturating_add(bytes / g);
+    for run in merged(spans, g) {
+        let mut p = run.offset / g;
+        let end = p.saturating_add(run.windows);
         while p < end {
             let left = end - p;
             let at = p.saturating_mul(g);

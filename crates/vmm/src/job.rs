@@ -23,12 +23,13 @@ use crate::error::{VmmError, VmmResult};
 use crate::mapping::{Commit, MappedBlock};
 use crate::quarantine::{QuarantineEntry, QuarantineReason};
 use crate::range::{InFlight, ReservedRange};
+use crate::spans::{self, Span};
 
 /// A commit begun on a reservation whose driver work runs without borrowing it (see the
 /// module docs). Made by `Reservation::begin_commit_ranges`.
 pub struct CommitJob {
     target: Target,
-    offsets: Vec<u64>,
+    spans: Vec<Span>,
     mark: Arc<()>,
     applied: Option<Applied>,
 }
@@ -37,7 +38,7 @@ impl std::fmt::Debug for CommitJob {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CommitJob")
             .field("base", &self.target.base)
-            .field("windows", &self.offsets.len())
+            .field("windows", &spans::window_count(&self.spans))
             .field("ran", &self.applied.is_some())
             .finish()
     }
@@ -49,13 +50,13 @@ impl CommitJob {
     /// runs it if it has not run.
     pub fn run(&mut self) {
         if self.applied.is_none() {
-            self.applied = Some(self.target.apply(&self.offsets, None, None, &[]));
+            self.applied = Some(self.target.apply(&self.spans, None, None, &[]));
         }
     }
 
     /// Windows this job commits.
     pub fn windows(&self) -> usize {
-        self.offsets.len()
+        usize::try_from(spans::window_count(&self.spans)).unwrap_or(usize::MAX)
     }
 
     /// Whether [`run`](Self::run) has run.
@@ -122,28 +123,26 @@ impl Drop for CommitJob {
 impl ReservedRange {
     /// Begins a commit of the unmapped windows overlapping `ranges` (`None`: nothing to do).
     pub(crate) fn begin_commit(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Option<CommitJob>> {
-        let offsets = self.missing_windows(ranges)?;
-        if offsets.is_empty() {
+        let spans = self.missing_spans(ranges)?;
+        if spans.is_empty() {
             return Ok(None);
         }
         if let Some(f) = &self.in_flight {
             if f.mark.strong_count() > 0 {
                 return Err(VmmError::Busy {
-                    offset: f.offsets.first().copied().unwrap_or(0),
+                    offset: f.spans.first().map_or(0, |s| s.offset),
                 });
             }
         }
-        for &o in &offsets {
-            self.check_free_window(o)?;
-        }
+        self.check_free(&spans)?;
         let mark = Arc::new(());
         self.in_flight = Some(InFlight {
             mark: Arc::downgrade(&mark),
-            offsets: offsets.clone(),
+            spans: spans.clone(),
         });
         Ok(Some(CommitJob {
             target: self.target(),
-            offsets,
+            spans,
             mark,
             applied: None,
         }))
@@ -177,7 +176,7 @@ impl ReservedRange {
     /// Returns the bytes unmapped.
     pub(crate) fn abort_commit(&mut self, job: CommitJob) -> VmmResult<u64> {
         let g = self.granule();
-        let windows: Vec<(u64, u64)> = job.offsets.iter().map(|&o| (o, g)).collect();
+        let windows: Vec<(u64, u64)> = job.spans.iter().map(|s| (s.offset, s.bytes(g))).collect();
         // A failed commit's result is not this call's concern: what it left is released too.
         let _ = self.finish_commit(job);
         self.release_ranges(&windows)

@@ -20,8 +20,9 @@
 //!    ([`Reservation::commit_with_grant`] takes a grant obtained earlier). No grant, no commit:
 //!    a refusal is [`VmmError::Backpressure`] with a `retry_after` when freeing can help, and
 //!    [`VmmError::NeverFits`] (no retry time) when the request is larger than the device or
-//!    than the budget less its quarantine; that price is checked in O(1) before anything is
-//!    listed per window;
+//!    than the budget less its quarantine; that price is checked in O(1) before anything else.
+//!    Nothing of a commit is listed or checked per window: its windows are sorted runs
+//!    (`spans.rs`), so that besides the driver calls it costs per run and per handle;
 //! 3. each contiguous run of windows is cut into as few handles as it allows (largest first,
 //!    power-of-two numbers of granules aligned to their size from the base, at most
 //!    [`VmmConfig::max_handle_bytes`]); each handle is created (unless the pool holds one of
@@ -103,6 +104,7 @@
 //! | `reservation.rs` | [`Reservation`], the public API of a reserved range |
 //! | `range.rs` | a reservation's records (blocks, parked set) and bounds checks |
 //! | `commit.rs`, `cut.rs` | the commit transaction and its rollback; how windows are cut into handles |
+//! | `spans.rs` | sets of windows as sorted runs, so that a commit costs per run and per handle |
 //! | `sharing.rs`, `shared.rs` | shared mappings, and the [`SharedHandles`] set |
 //! | `release.rs`, `teardown.rs` | release / truncate (unmap runs), and drop |
 //! | `strided.rs` | the driver range shared by strided reservations (`reserve_strided`) |
@@ -153,6 +155,7 @@ mod release;
 mod reservation;
 mod shared;
 mod sharing;
+mod spans;
 mod state;
 mod strided;
 mod sync;

@@ -17,19 +17,12 @@ use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 use crate::device::{DeviceContext, Source};
 use crate::mapping::{BlockKind, MappedBlock};
 use crate::pool::HandlePool;
+use crate::spans::{covered, Span};
 use crate::sync::lock;
 
 /// A parked mapping: its offset in the reservation, its windows and the handle mapped there
 /// (whole, as it was committed).
 pub(crate) type Window = (u64, u64, PhysicalHandle);
-
-/// How many of the sorted, distinct `offsets` lie in the `windows` windows from `start`.
-fn covered(start: u64, windows: u64, g: u64, offsets: &[u64]) -> u64 {
-    let end = start.saturating_add(windows.saturating_mul(g));
-    let lo = offsets.partition_point(|&o| o < start);
-    let hi = offsets.partition_point(|&o| o < end);
-    hi.saturating_sub(lo) as u64
-}
 
 /// The parked windows of one reservation: still mapped at `base + offset` with the manager's
 /// access, their handles accounted as pooled.
@@ -220,12 +213,12 @@ impl ParkedWindows {
         keep
     }
 
-    /// Takes the parked mappings lying wholly inside `offsets` (sorted window offsets) out of
-    /// the set; they stay mapped and accounted as pooled until the caller settles them.
+    /// Takes the parked mappings lying wholly inside `spans` (sorted, disjoint window spans)
+    /// out of the set; they stay mapped and accounted as pooled until the caller settles them.
     ///
-    /// A window of `offsets` that the reclaimer is unmapping right now is waited for (one
+    /// A window of `spans` that the reclaimer is unmapping right now is waited for (one
     /// unmap and release), so that the caller never maps over it.
-    pub(crate) fn take(&self, pool: &HandlePool, g: u64, offsets: &[u64]) -> Vec<Window> {
+    pub(crate) fn take(&self, pool: &HandlePool, g: u64, spans: &[Span]) -> Vec<Window> {
         let mut taken = Vec::new();
         if self.parked.load(Ordering::Acquire) == 0
             && self.evicting_count.load(Ordering::Acquire) == 0
@@ -235,7 +228,7 @@ impl ParkedWindows {
         let mut windows = loop {
             let windows = self.windows();
             let evicting = lock(&self.evicting);
-            if !evicting.iter().any(|&(o, n)| covered(o, n, g, offsets) > 0) {
+            if !evicting.iter().any(|&(o, n)| covered(spans, g, o, n) > 0) {
                 drop(evicting);
                 break windows;
             }
@@ -248,7 +241,7 @@ impl ParkedWindows {
             );
         };
         windows.retain(|w| {
-            if covered(w.0, w.1, g, offsets) == w.1 {
+            if covered(spans, g, w.0, w.1) == w.1 {
                 taken.push(*w);
                 false
             } else {
@@ -278,16 +271,16 @@ impl ParkedWindows {
         pool.add_parked(bytes);
     }
 
-    /// Unmaps the parked mappings overlapping `offsets` (sorted window offsets) and returns
-    /// their handles to the pool (or releases them), so that something else can be mapped
-    /// there; with `keep_whole`, those lying wholly inside `offsets` stay parked (a private
-    /// commit takes them back). A mapping whose unmap fails stays parked; the first error is
-    /// returned.
+    /// Unmaps the parked mappings overlapping `spans` (sorted, disjoint window spans) and
+    /// returns their handles to the pool (or releases them), so that something else can be
+    /// mapped there; with `keep_whole`, those lying wholly inside `spans` stay parked (a
+    /// private commit takes them back). A mapping whose unmap fails stays parked; the first
+    /// error is returned.
     pub(crate) fn evict_overlapping(
         &self,
         ctx: &DeviceContext,
         pool: &HandlePool,
-        offsets: &[u64],
+        spans: &[Span],
         keep_whole: bool,
     ) -> Result<(), BackendError> {
         let g = ctx.granule;
@@ -296,22 +289,22 @@ impl ParkedWindows {
         {
             return Ok(());
         }
-        // Every window of the overlapping mappings, so that `take` returns exactly them.
-        let victims_offsets: Vec<u64> = {
+        // The overlapping mappings' own spans, so that `take` returns exactly them.
+        let victim_spans: Vec<Span> = {
             let windows = self.windows();
             windows
                 .iter()
                 .filter(|w| {
-                    let c = covered(w.0, w.1, g, offsets);
+                    let c = covered(spans, g, w.0, w.1);
                     c > 0 && !(keep_whole && c == w.1)
                 })
-                .flat_map(|w| (0..w.1).map(move |i| w.0.saturating_add(i.saturating_mul(g))))
+                .map(|w| Span::new(w.0, w.1))
                 .collect()
         };
-        if victims_offsets.is_empty() {
+        if victim_spans.is_empty() {
             return Ok(());
         }
-        let victims = self.take(pool, g, &victims_offsets);
+        let victims = self.take(pool, g, &victim_spans);
         let mut failed = Vec::new();
         let mut first_error = None;
         for w in victims {

@@ -11,6 +11,7 @@ use crate::error::{VmmError, VmmResult};
 use crate::mapping::{BlockKind, MappedBlock};
 use crate::parking::ParkedWindows;
 use crate::shared::SharedHandles;
+use crate::spans::{self, Span};
 use crate::state::DeviceState;
 use crate::strided::SharedRange;
 
@@ -71,13 +72,16 @@ pub(crate) struct ReservedRange {
 /// the job is gone (finished or dropped) the windows are free again.
 pub(crate) struct InFlight {
     pub(crate) mark: Weak<()>,
-    pub(crate) offsets: Vec<u64>,
+    pub(crate) spans: Vec<Span>,
 }
 
 impl InFlight {
-    /// Whether the window at `offset` is being committed by a live job.
-    pub(crate) fn holds(&self, offset: u64) -> bool {
-        self.mark.strong_count() > 0 && self.offsets.binary_search(&offset).is_ok()
+    /// The first window of `[start, end)` a live job is committing, if any.
+    pub(crate) fn first_held(&self, g: u64, start: u64, end: u64) -> Option<u64> {
+        if self.mark.strong_count() == 0 {
+            return None;
+        }
+        spans::first_in(&self.spans, g, start, end)
     }
 }
 
@@ -186,22 +190,54 @@ impl ReservedRange {
         Ok(end)
     }
 
-    /// A free window of this reservation: in bounds, granule-aligned, not mapped.
-    pub(crate) fn check_free_window(&self, offset: u64) -> VmmResult<()> {
+    /// The first mapped window of `[start, end)` (granule-aligned bounds), if any.
+    fn first_mapped(&self, start: u64, end: u64) -> Option<u64> {
         let g = self.granule();
-        self.checked_end(offset, g, "window end")?;
-        if !offset.is_multiple_of(g) {
-            return Err(VmmError::OutOfBounds {
-                offset,
-                requested: g,
-                reserved: self.size,
-            });
-        }
-        if self.is_mapped(offset) {
-            return Err(VmmError::AlreadyMapped { offset });
-        }
-        if self.in_flight.as_ref().is_some_and(|f| f.holds(offset)) {
-            return Err(VmmError::Busy { offset });
+        let i = self.blocks.partition_point(|b| b.end(g) <= start);
+        self.blocks
+            .get(i..)?
+            .iter()
+            .take_while(|b| b.offset < end)
+            .find(|b| b.windows > 0)
+            .map(|b| b.offset.max(start))
+    }
+
+    /// Every window of `spans` is free: in bounds, granule-aligned, not mapped, not in
+    /// flight. The first window (in order) that is not is refused, with the checks made in
+    /// that order for it; the cost is per span, not per window.
+    pub(crate) fn check_free(&self, spans: &[Span]) -> VmmResult<()> {
+        let g = self.granule();
+        for s in spans {
+            if s.windows == 0 {
+                continue;
+            }
+            // Windows of the span that end inside the reservation.
+            let in_bounds = s.windows.min(self.size.saturating_sub(s.offset) / g);
+            if in_bounds == 0 {
+                self.checked_end(s.offset, g, "window end")?;
+            }
+            if !s.offset.is_multiple_of(g) {
+                return Err(VmmError::OutOfBounds {
+                    offset: s.offset,
+                    requested: g,
+                    reserved: self.size,
+                });
+            }
+            let end = s.offset.saturating_add(in_bounds.saturating_mul(g));
+            let mapped = self.first_mapped(s.offset, end);
+            let busy = self
+                .in_flight
+                .as_ref()
+                .and_then(|f| f.first_held(g, s.offset, end));
+            match (mapped, busy) {
+                (Some(m), Some(b)) if b < m => return Err(VmmError::Busy { offset: b }),
+                (Some(m), _) => return Err(VmmError::AlreadyMapped { offset: m }),
+                (None, Some(b)) => return Err(VmmError::Busy { offset: b }),
+                (None, None) => {}
+            }
+            if in_bounds < s.windows {
+                self.checked_end(end, g, "window end")?;
+            }
         }
         Ok(())
     }
@@ -216,11 +252,12 @@ impl ReservedRange {
         Ok(())
     }
 
-    /// The sorted, unmapped window offsets overlapping `ranges`, bounds-checked. The windows
-    /// are counted and priced ([`price`](Self::price)) before they are listed.
-    pub(crate) fn missing_windows(&self, ranges: &[(u64, u64)]) -> VmmResult<Vec<u64>> {
+    /// The unmapped windows overlapping `ranges`, bounds-checked, as sorted spans. The
+    /// windows are counted and priced ([`price`](Self::price)) before they are listed; the
+    /// work is per range and per mapping, not per window.
+    pub(crate) fn missing_spans(&self, ranges: &[(u64, u64)]) -> VmmResult<Vec<Span>> {
         let g = self.granule();
-        let mut spans = Vec::with_capacity(ranges.len());
+        let mut wanted = Vec::with_capacity(ranges.len());
         let mut total = 0u64;
         for &(offset, len) in ranges {
             if len == 0 {
@@ -229,33 +266,38 @@ impl ReservedRange {
             let end = self.checked_end(offset, len, "range end")?;
             let (first, last) = (offset / g, end.div_ceil(g));
             total = total.saturating_add(last.saturating_sub(first));
-            spans.push((first, last));
+            wanted.push((first, last));
         }
         let mapped = self.committed_windows();
         self.price(total.saturating_sub(mapped))?;
-        let mut offsets = window_list(total)?;
-        for (first, last) in spans {
-            for w in first..last {
-                let o = w.saturating_mul(g);
-                if !self.is_mapped(o) {
-                    offsets.push(o);
-                }
+        // The union of the ranges' windows.
+        wanted.sort_unstable();
+        let mut union: Vec<(u64, u64)> = Vec::with_capacity(wanted.len());
+        for (first, last) in wanted {
+            match union.last_mut() {
+                Some(u) if first <= u.1 => u.1 = u.1.max(last),
+                _ => union.push((first, last)),
             }
         }
-        offsets.sort_unstable();
-        offsets.dedup();
-        Ok(offsets)
+        // Less what is mapped.
+        let mut out = Vec::new();
+        for (first, last) in union {
+            let (start, end) = (first.saturating_mul(g), last.saturating_mul(g));
+            let mut at = start;
+            let i = self.blocks.partition_point(|b| b.end(g) <= start);
+            for b in self.blocks.iter().skip(i) {
+                if b.offset >= end {
+                    break;
+                }
+                if b.offset > at {
+                    spans::push(&mut out, Span::new(at, (b.offset - at) / g), g);
+                }
+                at = at.max(b.end(g));
+            }
+            if at < end {
+                spans::push(&mut out, Span::new(at, (end - at) / g), g);
+            }
+        }
+        Ok(out)
     }
-}
-
-/// An empty list with room for `windows` offsets, refused (not aborted) when that much memory
-/// cannot be had.
-pub(crate) fn window_list(windows: u64) -> VmmResult<Vec<u64>> {
-    let too_many = VmmError::SizeOverflow {
-        what: "window list",
-    };
-    let n = usize::try_from(windows).map_err(|_| too_many.clone())?;
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| too_many)?;
-    Ok(v)
 }

@@ -4,6 +4,7 @@
 //! `teardown.rs` (drop); the records and bounds checks are `range.rs`.
 
 use std::fmt;
+use std::ops::Range;
 use std::sync::Arc;
 
 use kvvm_governor::MappedGrowthGrant;
@@ -161,13 +162,11 @@ impl Reservation {
 
     /// Like [`commit_range`](Self::commit_range) over several ranges, in one transaction.
     pub fn commit_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Option<Commit>> {
-        let offsets = self.range.missing_windows(ranges)?;
-        if offsets.is_empty() {
+        let spans = self.range.missing_spans(ranges)?;
+        if spans.is_empty() {
             return Ok(None);
         }
-        self.range
-            .commit_windows(&offsets, None, None, &[])
-            .map(Some)
+        self.range.commit_windows(&spans, None, None, &[]).map(Some)
     }
 
     /// Begins a commit of every unmapped window overlapping `ranges`, as
@@ -228,6 +227,31 @@ impl Reservation {
         &mut self,
         set: &Arc<SharedHandles>,
         windows: &[usize],
+        access: Access,
+    ) -> VmmResult<u64> {
+        let mut named = windows.to_vec();
+        named.sort_unstable();
+        named.dedup();
+        self.range.check_set(set)?;
+        // The lowest index past the set is refused here: not every index has a range.
+        if let Some(&i) = named.iter().find(|&&i| i >= set.len()) {
+            return Err(VmmError::OutOfBounds {
+                offset: i as u64,
+                requested: 1,
+                reserved: set.len() as u64,
+            });
+        }
+        self.range
+            .map_shared(set, &crate::sharing::index_ranges(&named), access)
+    }
+
+    /// Like [`map_shared`](Self::map_shared), the windows named as ranges of their indices in
+    /// the set (in any order; overlaps count once): what a sharer attaching whole handles
+    /// uses, at a cost per range and per handle rather than per window.
+    pub fn map_shared_ranges(
+        &mut self,
+        set: &Arc<SharedHandles>,
+        windows: &[Range<usize>],
         access: Access,
     ) -> VmmResult<u64> {
         self.range.map_shared(set, windows, access)

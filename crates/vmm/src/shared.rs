@@ -107,6 +107,11 @@ impl SharedHandles {
             .checked_sub(1)
     }
 
+    /// Piece `k` with the index of its first window.
+    pub(crate) fn piece_with_first_window(&self, k: usize) -> Option<(usize, SharedPiece)> {
+        Some((*self.first_window.get(k)?, *self.pieces.get(k)?))
+    }
+
     /// Window `i` (in offset order): its offset in the owner's reservation and the handle
     /// holding it.
     pub fn window(&self, i: usize) -> Option<(u64, PhysicalHandle)> {

@@ -3,15 +3,16 @@
 //! set's handles into another reservation at the same offsets (read-only for sharers, one
 //! mapping per handle), each as one transaction. The set itself is `shared.rs`.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use kvvm_hal::{Access, AccessDescriptor};
 
-use crate::cut::runs;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::BlockKind;
-use crate::range::{window_list, Block, ReservedRange};
+use crate::range::{Block, ReservedRange};
 use crate::shared::{SharedHandles, SharedPiece};
+use crate::spans::{self, Span};
 
 impl ReservedRange {
     /// Commits the windows overlapping `ranges` as a new [`SharedHandles`] set that this
@@ -19,7 +20,7 @@ impl ReservedRange {
     /// this mapping). The bytes are granted and billed once, as shared. Every window must be
     /// unmapped; the transaction and rollback are those of a commit.
     pub(crate) fn commit_shared(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Arc<SharedHandles>> {
-        let offsets = self.shared_windows_of(ranges)?;
+        let spans = self.shared_windows_of(ranges)?;
         // Each range is cut on its own: no handle crosses the start of a range, so that a
         // sharer may map a set up to any range boundary.
         let mut cuts: Vec<u64> = ranges
@@ -29,16 +30,16 @@ impl ReservedRange {
             .collect();
         cuts.sort_unstable();
         let mut pieces = Vec::new();
-        self.commit_windows(&offsets, None, Some(&mut pieces), &cuts)?;
+        self.commit_windows(&spans, None, Some(&mut pieces), &cuts)?;
         let set = Arc::new(SharedHandles::new(Arc::clone(&self.state), pieces));
         self.attach_shared(&set);
         Ok(set)
     }
 
-    /// The windows a shared commit of `ranges` names, validated: zero-length ranges name no
-    /// window; ranges may not overlap (in windows) and must name at least one window; every
-    /// window must be in bounds and unmapped.
-    fn shared_windows_of(&self, ranges: &[(u64, u64)]) -> VmmResult<Vec<u64>> {
+    /// The windows a shared commit of `ranges` names, validated, as sorted spans: zero-length
+    /// ranges name no window; ranges may not overlap (in windows) and must name at least one
+    /// window; every window must be in bounds and unmapped.
+    fn shared_windows_of(&self, ranges: &[(u64, u64)]) -> VmmResult<Vec<Span>> {
         let g = self.granule();
         let mut spans: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
         let mut total = 0u64;
@@ -70,15 +71,23 @@ impl ReservedRange {
             });
         }
         self.price(total)?;
-        let mut offsets = window_list(total)?;
-        for (first, last) in spans {
-            for w in first..last {
-                let o = w.saturating_mul(g);
-                self.check_free_window(o)?;
-                offsets.push(o);
-            }
+        let spans: Vec<Span> = spans
+            .into_iter()
+            .map(|(first, last)| Span::new(first.saturating_mul(g), last.saturating_sub(first)))
+            .collect();
+        self.check_free(&spans)?;
+        Ok(spans)
+    }
+
+    /// Refuses a set of another manager.
+    pub(crate) fn check_set(&self, set: &SharedHandles) -> VmmResult<()> {
+        if set.is_from(&self.state) {
+            Ok(())
+        } else {
+            Err(VmmError::GrantMismatch {
+                reason: "shared set belongs to another manager".to_owned(),
+            })
         }
-        Ok(offsets)
     }
 
     /// Attaches the owner's shared set to the blocks just committed for it.
@@ -93,68 +102,79 @@ impl ReservedRange {
 
     /// Maps windows of a shared set at the same offsets of this reservation with `access`
     /// (read-only for sharers), as one transaction: one mapping per handle of the set, one
-    /// set access per contiguous run. A handle is mapped whole, so the windows named must
-    /// cover every handle they touch: a request naming part of a handle is refused with
-    /// [`VmmError::InvalidArgument`] before any driver call
+    /// set access per contiguous run. The windows are named by their indices in the set, as
+    /// index ranges in any order (overlaps count once). A handle is mapped whole, so the
+    /// windows named must cover every handle they touch: a request naming part of a handle
+    /// is refused with [`VmmError::InvalidArgument`] before any driver call
     /// ([`SharedHandles::starts_handle`] tells where a partial mapping may end). If a map
     /// fails, the mappings made by this call are withdrawn; if the maps succeed and the access
     /// cannot be set, the mappings are withdrawn and counted down while the handles stay with
-    /// the set. Returns the bytes mapped; windows already mapped here are refused.
+    /// the set. Returns the bytes mapped; windows already mapped here are refused. The work
+    /// besides the driver calls is per range and per handle, not per window.
     pub(crate) fn map_shared(
         &mut self,
         set: &Arc<SharedHandles>,
-        windows: &[usize],
+        ranges: &[Range<usize>],
         access: Access,
     ) -> VmmResult<u64> {
         let st = Arc::clone(&self.state);
         let ctx = &st.ctx;
         let g = ctx.granule;
-        if !set.is_from(&st) {
-            return Err(VmmError::GrantMismatch {
-                reason: "shared set belongs to another manager".to_owned(),
-            });
-        }
-        let mut named: Vec<usize> = windows.to_vec();
-        named.sort_unstable();
-        named.dedup();
-        // The handles the windows name, each wholly named.
-        let mut chosen: Vec<SharedPiece> = Vec::new();
-        let mut count: Vec<(usize, u64)> = Vec::new();
-        for &i in &named {
-            let k = set.piece_of(i).ok_or(VmmError::OutOfBounds {
-                offset: i as u64,
+        self.check_set(set)?;
+        let named = union(ranges);
+        // The lowest index past the set, if any is named.
+        if let Some(r) = named.iter().find(|r| r.end > set.len()) {
+            return Err(VmmError::OutOfBounds {
+                offset: r.start.max(set.len()) as u64,
                 requested: 1,
                 reserved: set.len() as u64,
-            })?;
-            match count.last_mut() {
-                Some((last, n)) if *last == k => *n = n.saturating_add(1),
-                _ => count.push((k, 1)),
-            }
+            });
         }
-        for (k, n) in count {
-            let Some(p) = set.pieces().get(k).copied() else {
+        // The handles the windows name, each wholly named, in order.
+        let mut chosen: Vec<SharedPiece> = Vec::new();
+        // Handles below this index were looked at for an earlier range.
+        let mut next = 0usize;
+        for r in &named {
+            let (Some(k0), Some(k1)) =
+                (set.piece_of(r.start), set.piece_of(r.end.saturating_sub(1)))
+            else {
                 continue;
             };
-            if n != p.windows {
-                return Err(VmmError::InvalidArgument {
-                    reason: format!(
-                        "{n} of the {} windows of the shared handle at offset {} named: a handle \
-                         is mapped whole",
-                        p.windows, p.offset
-                    ),
-                });
+            for k in k0.max(next)..=k1 {
+                let Some((first, p)) = set.piece_with_first_window(k) else {
+                    continue;
+                };
+                let last = first.saturating_add(usize::try_from(p.windows).unwrap_or(usize::MAX));
+                // Named windows of this handle: the ranges from the first one reaching it.
+                let from = named.partition_point(|q| q.end <= first);
+                let n = named
+                    .get(from..)
+                    .unwrap_or_default()
+                    .iter()
+                    .take_while(|q| q.start < last)
+                    .map(|q| q.end.min(last).saturating_sub(q.start.max(first)) as u64)
+                    .fold(0u64, u64::saturating_add);
+                if n != p.windows {
+                    return Err(VmmError::InvalidArgument {
+                        reason: format!(
+                            "{n} of the {} windows of the shared handle at offset {} named: a \
+                             handle is mapped whole",
+                            p.windows, p.offset
+                        ),
+                    });
+                }
+                let here = Span::new(p.offset, p.windows);
+                self.check_free(std::slice::from_ref(&here))?;
+                chosen.push(p);
             }
-            for w in 0..p.windows {
-                self.check_free_window(p.offset.saturating_add(w.saturating_mul(g)))?;
-            }
-            chosen.push(p);
+            next = next.max(k1.saturating_add(1));
         }
-        let offsets: Vec<u64> = chosen
-            .iter()
-            .flat_map(|p| (0..p.windows).map(move |w| p.offset.saturating_add(w.saturating_mul(g))))
-            .collect();
+        let mut spans = Vec::with_capacity(chosen.len());
+        for p in &chosen {
+            spans::push(&mut spans, Span::new(p.offset, p.windows), g);
+        }
         if let Some(parked) = &self.parked {
-            parked.evict_overlapping(ctx, &st.pool, &offsets, false)?;
+            parked.evict_overlapping(ctx, &st.pool, &spans, false)?;
         }
         let span = tracing::debug_span!(
             "vmm.map_shared",
@@ -183,7 +203,7 @@ impl ReservedRange {
                 device: ctx.device,
                 access,
             }];
-            for (run_offset, run_bytes) in runs(&offsets, g) {
+            for (run_offset, run_bytes) in spans::runs(&spans, g) {
                 let addr = self.at(run_offset);
                 if let Err(e) = ctx.set_access_retrying(addr, run_bytes, &desc) {
                     failure = Some(e);
@@ -218,6 +238,34 @@ impl ReservedRange {
             return Err(error.into());
         }
         self.insert_blocks(chosen.iter().map(block));
-        Ok((offsets.len() as u64).saturating_mul(g))
+        Ok(spans::window_count(&spans).saturating_mul(g))
     }
+}
+
+/// The union of index ranges as sorted, disjoint, non-empty ranges.
+pub(crate) fn union(ranges: &[Range<usize>]) -> Vec<Range<usize>> {
+    let mut sorted: Vec<Range<usize>> =
+        ranges.iter().filter(|r| r.start < r.end).cloned().collect();
+    sorted.sort_unstable_by_key(|r| r.start);
+    let mut out: Vec<Range<usize>> = Vec::with_capacity(sorted.len());
+    for r in sorted {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+/// Sorted, distinct window indices as ranges of consecutive indices (an index of
+/// `usize::MAX`, past every set, is left out: the caller refuses it first).
+pub(crate) fn index_ranges(sorted: &[usize]) -> Vec<Range<usize>> {
+    let mut out: Vec<Range<usize>> = Vec::new();
+    for &i in sorted {
+        match out.last_mut() {
+            Some(last) if last.end == i => last.end = i.saturating_add(1),
+            _ => out.push(i..i.saturating_add(1)),
+        }
+    }
+    out
 }
