@@ -69,16 +69,20 @@ pub struct DecodeLoopConfig {
     pub share_prefix: bool,
     /// Read everything back at the end and compare every byte.
     pub verify: bool,
-    /// Samples of the attach-vs-copy measurement (0: skip it).
+    /// Samples of the attach-vs-copy measurement, each attach right after a copy of the
+    /// prompt (0: skip it).
     pub attach_copy_samples: u32,
+    /// Attaches of the shared prompt timed back to back, with no copy between them (what a
+    /// server admitting requests on a prefix hit does; 0: skip them).
+    pub attach_samples: u32,
     /// Governor budget for the device (`None`: unlimited).
     pub budget_bytes: Option<u64>,
 }
 
 impl DecodeLoopConfig {
     /// The reference run: llama-3-8b fp16, seq-major, 64 sequences sharing a
-    /// 4096-token prompt, 64 decode tokens each in steps of 16, verified, 5 attach/copy
-    /// samples.
+    /// 4096-token prompt, 64 decode tokens each in steps of 16, verified, 63 attaches back
+    /// to back and 5 attach/copy samples.
     pub fn reference() -> Result<Self, KvError> {
         let geometry = KvGeometry::preset("llama-3-8b", KvDtype::F16, 4096 + 64)?;
         Ok(DecodeLoopConfig {
@@ -94,6 +98,7 @@ impl DecodeLoopConfig {
             share_prefix: true,
             verify: true,
             attach_copy_samples: 5,
+            attach_samples: 63,
             budget_bytes: None,
         })
     }
@@ -141,8 +146,11 @@ fn compare(
 /// 4. The governor's used bytes are measured (with sharing), then every byte of every
 ///    sequence is read back and compared (prompt chunks are generated once and compared for
 ///    every sequence).
-/// 5. Attach vs copy: the time of `map_shared_prefix_readonly` for the prompt against
-///    reserving, committing and copying the prompt's bytes into a private sequence.
+/// 5. Attach: the time of `map_shared_prefix_readonly` for the prompt, back to back; then
+///    attach vs copy: an attach right after each copy of the prompt's bytes into a private
+///    sequence (reserve, commit, copy). The driver's set access is slower right after a
+///    large host-to-device copy (measured on the H200: `docs/driver-semantics.md`), so the
+///    two attach figures differ.
 /// 6. Everything is released; the governor's used bytes must be 0.
 pub fn run_decode_loop(
     backend: Arc<dyn VirtualMemoryBackend>,
@@ -175,7 +183,8 @@ pub fn run_decode_loop_with_progress(
     let total_units = seqs_n
         .saturating_mul(steps.saturating_add(1))
         .saturating_add(verify_units)
-        .saturating_add(u64::from(config.attach_copy_samples));
+        .saturating_add(u64::from(config.attach_copy_samples))
+        .saturating_add(u64::from(config.attach_samples));
     let mut units = 0u64;
     let mut tick = |phase: &'static str, n: u64| {
         units = units.saturating_add(n);
@@ -358,6 +367,7 @@ pub fn run_decode_loop_with_progress(
     // ---- attach vs copy ----
     let mut attach = Vec::new();
     let mut copy = Vec::new();
+    let mut attach_after_copy = Vec::new();
     let verdict = kvvm_layout::evaluate_prefix_shareability(
         &geometry,
         config.layout,
@@ -382,11 +392,20 @@ pub fn run_decode_loop_with_progress(
         } else {
             None
         };
+        if let Some((prefix, _)) = &owner {
+            for _ in 0..config.attach_samples {
+                let t = Instant::now();
+                let seq = prefix.map_shared_prefix_readonly(&vm, total_tokens)?;
+                attach.push(t.elapsed());
+                drop(seq);
+                tick("attach", 1);
+            }
+        }
         for _ in 0..config.attach_copy_samples {
             if let Some((prefix, _)) = &owner {
                 let t = Instant::now();
                 let seq = prefix.map_shared_prefix_readonly(&vm, total_tokens)?;
-                attach.push(t.elapsed());
+                attach_after_copy.push(t.elapsed());
                 drop(seq);
             }
             let t = Instant::now();
@@ -410,6 +429,7 @@ pub fn run_decode_loop_with_progress(
         committed_measured
     };
     let attach_min = attach.iter().min().copied().unwrap_or_default();
+    let attach_after_copy_min = attach_after_copy.iter().min().copied().unwrap_or_default();
     let copy_min = copy.iter().min().copied().unwrap_or_default();
     let report = DecodeLoopReport {
         backend: backend.name().to_owned(),
@@ -430,6 +450,8 @@ pub fn run_decode_loop_with_progress(
         committed_bytes_without_sharing: without,
         attach_median: median(&mut attach),
         attach_min,
+        attach_after_copy_median: median(&mut attach_after_copy),
+        attach_after_copy_min,
         admit_hit_median: median(&mut admit_hits),
         copy_median: median(&mut copy),
         copy_min,

@@ -28,6 +28,7 @@ fn config(layout: KvLayout, prompt: u64, share: bool) -> DecodeLoopConfig {
     c.step_tokens = 5;
     c.share_prefix = share;
     c.attach_copy_samples = 2;
+    c.attach_samples = 3;
     c
 }
 
@@ -53,6 +54,18 @@ fn every_byte_verified_at_two_granularities_and_three_layouts() {
                 );
                 if share {
                     assert_eq!(r.hit_tokens, 2 * block, "{layout} g={g}");
+                    if r.prompt_shareable {
+                        // Both attach figures come from real samples, in their report rows.
+                        assert!(r.attach_min > std::time::Duration::ZERO);
+                        assert!(r.attach_after_copy_min > std::time::Duration::ZERO);
+                        assert!(r.attach_median >= r.attach_min);
+                        let md = r.to_markdown();
+                        assert!(md.contains("back to back, median / min"), "{md}");
+                        assert!(
+                            md.contains("attach right after a copy of the prompt"),
+                            "{md}"
+                        );
+                    }
                     assert_eq!(r.cache.hits, 5);
                     assert_eq!(r.cache.misses, 1);
                     // Shared: the prefix's 2 blocks once, every sequence's private rest.

@@ -93,6 +93,8 @@ pub fn run(args: &KvBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
             "committed_bytes_with_sharing": r.committed_bytes_with_sharing,
             "committed_bytes_without_sharing": r.committed_bytes_without_sharing,
             "attach_median_us": us(r.attach_median),
+            "attach_min_us": us(r.attach_min),
+            "attach_after_copy_median_us": us(r.attach_after_copy_median),
             "copy_median_us": us(r.copy_median),
             "copy_bytes": r.copy_bytes,
             "bytes_written": r.bytes_written,
