@@ -213,3 +213,44 @@ def test_kvvm_attention_sets_the_kernels_once_per_forward_and_unwraps(model, mgr
         again = model(input_ids=ids).logits
     assert torch.allclose(out, ref, atol=1e-5) and torch.equal(again, ref)
     cache.release()
+
+
+def test_the_interleaved_phase_drops_a_cache_that_runs_out_of_memory(model, monkeypatch) -> None:
+    """With every cache alive at once, one that runs out of memory leaves the phase (named in
+    the notes) and the others are still measured."""
+    import argparse
+
+    from transformers import DynamicCache
+
+    from kvvm import bench
+
+    class Starving(DynamicCache):
+        calls = 0
+
+        def update(self, *a, **k):  # type: ignore[no-untyped-def]
+            Starving.calls += 1
+            if Starving.calls > 2 * model.config.num_hidden_layers:
+                raise torch.OutOfMemoryError("no more memory")
+            return super().update(*a, **k)
+
+    real = bench._make_cache
+
+    def make(kind, cfg, args, batch, total):  # type: ignore[no-untyped-def]
+        return Starving(config=cfg) if kind == "static" else real(kind, cfg, args, batch, total)
+
+    monkeypatch.setattr(bench, "_make_cache", make)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        ref = DynamicCache(config=model.config)
+        out = model(input_ids=ids, past_key_values=ref, use_cache=True)
+        tokens = [out.logits[:, -1:].argmax(-1)] * 4
+        seed = bench._snapshot(ref, 12)
+    args = argparse.Namespace(
+        device="cpu", interleaved_steps=4, backend="host", dtype="float32", headroom=16
+    )
+    times, notes = bench.run_interleaved(
+        model, model.config, args, ["dynamic", "static", "kvvm:token-major"], ids, {"tokens": tokens}, [seed]
+    )
+    assert set(times) == {"dynamic", "kvvm:token-major"}
+    assert all(len(t) == 4 for t in times.values())
+    assert any("static left the interleaved phase" in n for n in notes), notes

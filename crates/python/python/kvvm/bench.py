@@ -475,6 +475,11 @@ def run_interleaved(
         try:
             cache = _make_cache(kind, cfg, args, batch, prompt + steps)
             _seed(cache, seed)
+            if is_kvvm(label):
+                # Every cache grows at once here, and PyTorch keeps what it frees: kvvm
+                # commits the phase's tokens now (the pre-committer has a decode step's
+                # windows ready anyway), so that it is not starved of driver memory later.
+                cache._ensure(prompt + steps)
         except (torch.OutOfMemoryError, kvvm.KvvmError) as e:
             notes.append(f"{label} left out of the interleaved phase: {type(e).__name__}")
             if dev.type == "cuda":
@@ -489,6 +494,7 @@ def run_interleaved(
     labels = [k for k in kinds if k in caches]
     tokens = reference["tokens"]
     for i in range(steps):
+        labels = [k for k in labels if k in caches]
         shift = i % max(len(labels), 1)
         for label in labels[shift:] + labels[:shift]:
             _, attention = _split(label)
@@ -500,8 +506,21 @@ def run_interleaved(
             w0 = time.perf_counter()
             if e0 is not None:
                 e0.record()
-            out = model(input_ids=tok, past_key_values=caches[label], use_cache=True, cache_position=p)
-            out.logits[:, -1].argmax(-1, keepdim=True)
+            try:
+                out = model(input_ids=tok, past_key_values=caches[label], use_cache=True, cache_position=p)
+                out.logits[:, -1].argmax(-1, keepdim=True)
+            except (torch.OutOfMemoryError, kvvm.KvvmError) as e:
+                # Out of memory with every cache alive: this one leaves the phase (its
+                # step times so far are dropped too), the others go on.
+                notes.append(f"{label} left the interleaved phase at step {i}: {type(e).__name__}")
+                gone = caches.pop(label)
+                if is_kvvm(label):
+                    gone.release()
+                del gone
+                times.pop(label, None)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             if e1 is not None:
                 e1.record()
                 torch.cuda.synchronize(dev)
