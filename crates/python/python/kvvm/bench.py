@@ -685,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtype", default="bfloat16")
     g.add_argument("--tiny", action="store_true", help="a small model (for tests on the CPU)")
     g.add_argument("--tol", type=float, default=2.0**-7, help="relative logit tolerance (bf16)")
-    g.add_argument("--headroom", type=int, default=16, help="pre-commit headroom tokens")
+    g.add_argument("--headroom", type=int, default=4, help="pre-commit headroom tokens (KvvmCache's default)")
     g.add_argument("--no-profile", dest="profile", action="store_false")
     g.add_argument("--shared-requests", type=int, default=16)
     g.add_argument("--shared-prompt", type=int, default=4096)

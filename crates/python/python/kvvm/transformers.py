@@ -303,6 +303,11 @@ class KvvmCache(Cache):
         layout: ``"seq-major"`` (default), ``"token-major"`` or ``"head-major"``.
         dtype: the K/V dtype (default: the config's, else bf16).
         precommit: grow through the manager's background pre-committer.
+        headroom_tokens: how far ahead of each request's live tokens the pre-committer keeps
+            windows mapped (for a manager made here). A decode step adds one token and the
+            pre-committer looks every millisecond, so a few tokens keep every step off the
+            driver; each token more costs bytes in every request (and a window boundary
+            reached costs a whole window).
         batch: an existing batch to bind to (used by :meth:`from_prefix`).
         start_tokens: live tokens already in ``batch``.
 
@@ -324,7 +329,7 @@ class KvvmCache(Cache):
         layout: str = "seq-major",
         dtype: Any = None,
         precommit: bool = True,
-        headroom_tokens: int = 16,
+        headroom_tokens: int = 4,
         batch: SequenceBatch | None = None,
         start_tokens: int = 0,
     ) -> None:
