@@ -743,3 +743,42 @@ fn faults_inside_admit_leave_nothing_behind() {
     drop(w.vm);
     assert!(w.sim.ledger().is_empty());
 }
+
+/// The owner's prefix is one handle per fragment run (token-major: one for the whole prefix),
+/// and a sharer attaches it with one mapping per handle, whatever the run's length in windows.
+#[test]
+fn a_prefix_is_one_handle_per_fragment_run_and_attaches_with_one_mapping_each() {
+    let g = 4096;
+    for layout in KvLayout::ALL {
+        let w = world(g, None);
+        let geo = tiny(400);
+        let plan = LayoutPlan::new(geo, layout, g).unwrap();
+        // 256 tokens: every fragment's run is several windows long.
+        let (prefix, owner) =
+            SharedDevicePrefix::reserve_and_map_shared_prefix(&w.vm, &plan, 256, 400, |t, buf| {
+                let n = buf.len() as u64 / geo.bytes_per_token();
+                buf.copy_from_slice(&tokens_bytes(&geo, 0, t, n, 256));
+            })
+            .unwrap();
+        let fragments = plan.fragments().unwrap().len();
+        assert!(
+            prefix.windows_per_fragment() > 1,
+            "{layout}: runs of several windows"
+        );
+        assert_eq!(prefix.handles().handle_count(), fragments, "{layout}");
+        let maps_before = w.sim.calls(Operation::Map);
+        let sharer = prefix.map_shared_prefix_readonly(&w.vm, 400).unwrap();
+        assert_eq!(
+            w.sim.calls(Operation::Map) - maps_before,
+            fragments as u64,
+            "{layout}: one mapping per handle"
+        );
+        let mut back = vec![0u8; (256 * geo.bytes_per_token()) as usize];
+        sharer.read_tokens(0, &mut back).unwrap();
+        assert_eq!(back, tokens_bytes(&geo, 0, 0, 256, 256), "{layout}");
+        check_books(&w, &[&owner, &sharer], &[&prefix]);
+        drop((owner, sharer, prefix));
+        drop(w.vm);
+        assert!(w.sim.ledger().is_empty(), "{layout}");
+    }
+}

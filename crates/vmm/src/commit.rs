@@ -4,7 +4,8 @@
 //! same reservation lying wholly inside the windows are taken back first (no driver call),
 //! each contiguous run of the rest is cut into as few handles as it allows (`cut::pieces`:
 //! largest first, power-of-two numbers of windows aligned to their size from the base, up to
-//! `VmmConfig::max_handle_bytes`), the pool supplies handles of exactly those sizes (no
+//! `VmmConfig::max_handle_bytes`; a shared commit, released only whole, takes `cut::run_pieces`:
+//! one handle per range up to that size), the pool supplies handles of exactly those sizes (no
 //! create), the governor grants the rest (no grant, no commit), each handle is created and
 //! mapped whole, and access is set once over each contiguous run. Any failure unmaps what
 //! this commit mapped, last first, returns the handles to the pool and rolls the grant back;
@@ -20,7 +21,7 @@ use std::sync::Arc;
 use kvvm_governor::{Bucket, MappedGrowthGrant};
 use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 
-use crate::cut::pieces;
+use crate::cut::{pieces, run_pieces};
 use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{BlockKind, Commit};
@@ -273,7 +274,8 @@ impl Target {
 
         // One handle per piece; a pooled handle of exactly the piece's size needs neither a
         // create nor any new budget.
-        let plan: Vec<(u64, u64, Option<PhysicalHandle>)> = pieces(spans, g, ctx.max_windows, cuts)
+        let cut = if shared.is_some() { run_pieces } else { pieces };
+        let plan: Vec<(u64, u64, Option<PhysicalHandle>)> = cut(spans, g, ctx.max_windows, cuts)
             .into_iter()
             .map(|(o, n)| (o, n, st.pool.take(n.saturating_mul(g))))
             .collect();

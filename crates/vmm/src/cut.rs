@@ -66,6 +66,38 @@ pub(crate) fn pieces(spans: &[Span], g: u64, max_windows: u64, cuts: &[u64]) -> 
     out
 }
 
+/// How a shared commit maps sorted, disjoint window spans: `(offset, windows)` per handle.
+/// Each contiguous run is cut only where it must be: at the sorted offsets `cuts` (a piece
+/// may start there) and every `max_windows` windows, with no alignment and any number of
+/// windows per piece. A shared set is released whole, never at a window boundary inside it,
+/// so buddy pieces buy nothing there, and a fragment's run of a shared prefix is one handle
+/// (one mapping for every sharer) wherever it starts.
+pub(crate) fn run_pieces(
+    spans: &[Span],
+    g: u64,
+    max_windows: u64,
+    cuts: &[u64],
+) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let g = g.max(1);
+    let most = max_windows.max(1);
+    for run in merged(spans, g) {
+        let mut p = run.offset / g;
+        let end = p.saturating_add(run.windows);
+        while p < end {
+            let left = end - p;
+            let at = p.saturating_mul(g);
+            let to_cut = cuts
+                .get(cuts.partition_point(|&c| c <= at))
+                .map_or(left, |&c| (c.saturating_sub(at) / g).clamp(1, left));
+            let k = to_cut.min(most);
+            out.push((at, k));
+            p = p.saturating_add(k);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::single_range_in_vec_init)]
@@ -82,6 +114,26 @@ mod tests {
         // One window per handle.
         assert_eq!(commit_pieces(&[0..3], 1).len(), 3);
         assert!(commit_pieces(&[], 8).is_empty());
+    }
+
+    #[test]
+    fn a_shared_run_is_cut_only_at_its_cuts_and_the_largest_handle() {
+        let spans =
+            |r: &[(u64, u64)]| -> Vec<Span> { r.iter().map(|&(o, n)| Span::new(o, n)).collect() };
+        // An unaligned run of 5 windows is one piece (buddy: 3, then 4..8).
+        assert_eq!(run_pieces(&spans(&[(3, 5)]), 1, 8, &[]), vec![(3, 5)]);
+        assert_eq!(pieces(&spans(&[(3, 5)]), 1, 8, &[]).len(), 2);
+        // Cut at the cuts (one per fragment run) and at the largest handle.
+        assert_eq!(
+            run_pieces(&spans(&[(3, 10)]), 1, 4, &[3, 6]),
+            vec![(3, 3), (6, 4), (10, 3)]
+        );
+        // Byte offsets with a granule: adjacent spans form one run.
+        assert_eq!(
+            run_pieces(&spans(&[(0, 2), (8, 1)]), 4, 8, &[]),
+            vec![(0, 3)]
+        );
+        assert!(run_pieces(&[], 4, 8, &[]).is_empty());
     }
 
     #[test]
