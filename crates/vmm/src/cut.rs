@@ -46,24 +46,10 @@ pub fn commit_pieces(ranges: &[Range<u64>], max_handle_windows: u64) -> Vec<(u64
 /// (a power of two); no piece crosses one of the sorted offsets `cuts` (a piece may start
 /// there). The work is per piece, not per window.
 pub(crate) fn pieces(spans: &[Span], g: u64, max_windows: u64, cuts: &[u64]) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
-    let g = g.max(1);
-    for run in merged(spans, g) {
-        let mut p = run.offset / g;
-        let end = p.saturating_add(run.windows);
-        while p < end {
-            let left = end - p;
-            let at = p.saturating_mul(g);
-            let to_cut = cuts
-                .get(cuts.partition_point(|&c| c <= at))
-                .map_or(left, |&c| (c.saturating_sub(at) / g).clamp(1, left));
-            let fit = 1u64 << (63 - to_cut.leading_zeros());
-            let k = fit.min(buddy_windows_at(p, max_windows));
-            out.push((p.saturating_mul(g), k));
-            p = p.saturating_add(k);
-        }
-    }
-    out
+    cut_runs(spans, g, cuts, |p, to_cut| {
+        let fit = 1u64 << (63 - to_cut.leading_zeros());
+        fit.min(buddy_windows_at(p, max_windows))
+    })
 }
 
 /// How a shared commit maps sorted, disjoint window spans: `(offset, windows)` per handle.
@@ -78,9 +64,22 @@ pub(crate) fn run_pieces(
     max_windows: u64,
     cuts: &[u64],
 ) -> Vec<(u64, u64)> {
+    let most = max_windows.max(1);
+    cut_runs(spans, g, cuts, |_, to_cut| to_cut.min(most))
+}
+
+/// Walks each contiguous run of `spans` (adjacent ones merged) from its first window: at
+/// window `p`, with `to_cut` windows (at least one) left before the next of the sorted `cuts`
+/// or the run's end, `size(p, to_cut)` windows (clamped to `1..=to_cut`) make the next piece.
+/// The work is per piece, not per window.
+fn cut_runs(
+    spans: &[Span],
+    g: u64,
+    cuts: &[u64],
+    size: impl Fn(u64, u64) -> u64,
+) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
     let g = g.max(1);
-    let most = max_windows.max(1);
     for run in merged(spans, g) {
         let mut p = run.offset / g;
         let end = p.saturating_add(run.windows);
@@ -90,7 +89,7 @@ pub(crate) fn run_pieces(
             let to_cut = cuts
                 .get(cuts.partition_point(|&c| c <= at))
                 .map_or(left, |&c| (c.saturating_sub(at) / g).clamp(1, left));
-            let k = to_cut.min(most);
+            let k = size(p, to_cut).clamp(1, to_cut);
             out.push((at, k));
             p = p.saturating_add(k);
         }

@@ -7,35 +7,19 @@
 
 mod common;
 
-use common::{World, WorldConfig, D0};
+use common::{World, D0};
 use kvvm_hal::{ErrorKind, Operation};
-use kvvm_sim::{FaultRule, MIB};
+use kvvm_sim::FaultRule;
 use kvvm_vmm::{Reservation, VmmError};
-
-fn world(max_handle_granules: u64, pool_granules: u64, park: bool) -> World {
-    let mut c = WorldConfig::new(2 * MIB);
-    c.max_handle_granules = max_handle_granules;
-    c.pool_granules = pool_granules;
-    c.park = park;
-    World::new(c)
-}
-
-/// `(offset in windows, windows)` of each mapping of `r`.
-fn shape(w: &World, r: &Reservation) -> Vec<(u64, u64)> {
-    r.mappings()
-        .iter()
-        .map(|m| ((m.address.0 - r.address().0) / w.g, m.size / w.g))
-        .collect()
-}
 
 #[test]
 fn a_run_is_committed_as_few_buddy_aligned_handles() {
-    let w = world(8, 0, false);
+    let w = World::multi(8, 0, false);
     let mut r = w.vm.reserve(64 * w.g).unwrap();
     w.sim.reset_counters();
     let c = r.commit(13 * w.g).unwrap();
     assert_eq!((c.granules, c.mappings), (13, 3));
-    assert_eq!(shape(&w, &r), vec![(0, 8), (8, 4), (12, 1)]);
+    assert_eq!(w.shape(&r), vec![(0, 8), (8, 4), (12, 1)]);
     assert_eq!(w.sim.calls(Operation::Create), 3);
     assert_eq!(w.sim.calls(Operation::Map), 3);
     assert_eq!(w.sim.calls(Operation::SetAccess), 1);
@@ -49,7 +33,7 @@ fn a_run_is_committed_as_few_buddy_aligned_handles() {
     // Growth from window 13: aligned to its size from the base (1 @13, 2 @14, 8 @16, 2 @24).
     r.commit(13 * w.g).unwrap();
     assert_eq!(
-        shape(&w, &r),
+        w.shape(&r),
         vec![(0, 8), (8, 4), (12, 1), (13, 1), (14, 2), (16, 8), (24, 2)]
     );
     w.check(&[&r]);
@@ -57,17 +41,17 @@ fn a_run_is_committed_as_few_buddy_aligned_handles() {
 
 #[test]
 fn one_granule_handles_reproduce_one_handle_per_window() {
-    let w = world(1, 0, false);
+    let w = World::multi(1, 0, false);
     let mut r = w.vm.reserve(16 * w.g).unwrap();
     let c = r.commit(5 * w.g).unwrap();
     assert_eq!(c.mappings, 5);
-    assert!(shape(&w, &r).iter().all(|&(_, n)| n == 1));
+    assert!(w.shape(&r).iter().all(|&(_, n)| n == 1));
     w.check(&[&r]);
 }
 
 #[test]
 fn a_straddling_handle_stays_mapped_and_committed_until_it_can_go_whole() {
-    let w = world(8, 0, false);
+    let w = World::multi(8, 0, false);
     let mut r = w.vm.reserve(64 * w.g).unwrap();
     r.commit(12 * w.g).unwrap(); // 8 @0, 4 @8
                                  // Truncate to 10 windows: the 4-window handle holds windows below 10: it stays whole.
@@ -91,7 +75,7 @@ fn a_straddling_handle_stays_mapped_and_committed_until_it_can_go_whole() {
 
 #[test]
 fn the_pool_reuses_a_handle_of_exactly_the_size_needed() {
-    let w = world(8, 16, false);
+    let w = World::multi(8, 16, false);
     let mut a = w.vm.reserve(16 * w.g).unwrap();
     a.commit(8 * w.g).unwrap();
     a.release().unwrap();
@@ -113,7 +97,7 @@ fn the_pool_reuses_a_handle_of_exactly_the_size_needed() {
 
 #[test]
 fn parked_mappings_come_back_whole_and_partial_overlaps_are_unmapped_first() {
-    let w = world(8, 64, true);
+    let w = World::multi(8, 64, true);
     let mut r = w.vm.reserve(32 * w.g).unwrap();
     r.commit(12 * w.g).unwrap(); // 8 @0, 4 @8
     r.release().unwrap();
@@ -195,7 +179,7 @@ fn every_fault(make: fn() -> World, setup: Setup, run: Run) -> usize {
 }
 
 fn w8() -> World {
-    world(8, 4, false)
+    World::multi(8, 4, false)
 }
 
 fn reserve_only(w: &World) -> Reservation {

@@ -13,35 +13,11 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{World, WorldConfig, D0};
+use common::{World, D0};
 use kvvm_hal::{Access, ErrorKind, Operation};
-use kvvm_sim::{FaultRule, MIB};
+use kvvm_sim::FaultRule;
 use kvvm_vmm::{Reservation, VmmError};
 use proptest::prelude::*;
-
-fn world(max_handle_granules: u64, pool_granules: u64, park: bool) -> World {
-    let mut c = WorldConfig::new(2 * MIB);
-    c.max_handle_granules = max_handle_granules;
-    c.pool_granules = pool_granules;
-    c.park = park;
-    World::new(c)
-}
-
-/// `(offset in windows, windows)` of each mapping of `r`.
-fn shape(w: &World, r: &Reservation) -> Vec<(u64, u64)> {
-    r.mappings()
-        .iter()
-        .map(|m| ((m.address.0 - r.address().0) / w.g, m.size / w.g))
-        .collect()
-}
-
-/// `(offset in windows, windows)` of each parked mapping of `r`.
-fn parked_shape(w: &World, r: &Reservation) -> Vec<(u64, u64)> {
-    r.parked()
-        .iter()
-        .map(|m| ((m.address.0 - r.address().0) / w.g, m.size / w.g))
-        .collect()
-}
 
 /// Windows 0..8 committed; 8..16 and 16..24 parked (one mapping each).
 fn committed_and_parked(w: &World) -> Reservation {
@@ -53,7 +29,7 @@ fn committed_and_parked(w: &World) -> Reservation {
 }
 
 fn w_parking() -> World {
-    world(8, 64, true)
+    World::multi(8, 64, true)
 }
 
 /// Windows 4..30: 4..8 are committed, 8..24 parked wholly inside, 24..30 free.
@@ -66,17 +42,14 @@ fn commit_over_parked(w: &World, r: &mut Reservation) -> Result<u64, VmmError> {
 fn a_run_over_committed_parked_and_free_windows_maps_only_the_free_ones() {
     let w = w_parking();
     let mut r = committed_and_parked(&w);
-    assert_eq!(shape(&w, &r), vec![(0, 8)]);
-    assert_eq!(parked_shape(&w, &r), vec![(8, 8), (16, 8)]);
+    assert_eq!(w.shape(&r), vec![(0, 8)]);
+    assert_eq!(w.parked_shape(&r), vec![(8, 8), (16, 8)]);
     w.sim.reset_counters();
     let c = r.commit_range(4 * w.g, 26 * w.g).unwrap().unwrap();
     // 8..30: 16 windows parked, 6 fresh (4 @24, 2 @28).
     assert_eq!((c.granules, c.from_pool, c.mappings), (22, 16, 4));
     assert_eq!(c.address.0, r.address().0 + 8 * w.g);
-    assert_eq!(
-        shape(&w, &r),
-        vec![(0, 8), (8, 8), (16, 8), (24, 4), (28, 2)]
-    );
+    assert_eq!(w.shape(&r), vec![(0, 8), (8, 8), (16, 8), (24, 4), (28, 2)]);
     assert!(r.parked().is_empty());
     // Only the fresh windows cost driver calls: two creates and maps, one set access.
     assert_eq!(w.sim.calls(Operation::Create), 2);
@@ -98,8 +71,8 @@ fn a_parked_mapping_partly_inside_a_run_is_unmapped_and_its_handle_reused() {
     let c = r.commit_range(20 * w.g, 8 * w.g).unwrap().unwrap();
     assert_eq!((c.granules, c.from_pool, c.mappings), (8, 0, 2));
     assert_eq!(w.sim.calls(Operation::Unmap), 1);
-    assert_eq!(parked_shape(&w, &r), vec![(8, 8)]);
-    assert_eq!(shape(&w, &r), vec![(0, 8), (20, 4), (24, 4)]);
+    assert_eq!(w.parked_shape(&r), vec![(8, 8)]);
+    assert_eq!(w.shape(&r), vec![(0, 8), (20, 4), (24, 4)]);
     assert_eq!(w.vm.pooled_bytes(), 16 * w.g, "8 parked + the evicted 8");
     w.check(&[&r]);
     // Windows 32..40 are one aligned 8-window piece: the pooled handle serves it.
@@ -152,16 +125,16 @@ fn with_faults(make: fn() -> World, setup: Setup, run: Run, rules: &[FaultRule],
     });
     let w = make();
     let mut r = setup(&w);
-    let (before, parked_before) = (shape(&w, &r), parked_shape(&w, &r));
+    let (before, parked_before) = (w.shape(&r), w.parked_shape(&r));
     for rule in rules {
         w.sim.inject(rule.clone());
     }
     let res = run(&w, &mut r);
     w.sim.clear_faults();
     w.check(&[&r]);
-    let parked_after: BTreeSet<(u64, u64)> = parked_shape(&w, &r).into_iter().collect();
+    let parked_after: BTreeSet<(u64, u64)> = w.parked_shape(&r).into_iter().collect();
     let parked_before_set: BTreeSet<(u64, u64)> = parked_before.iter().copied().collect();
-    let after: BTreeSet<(u64, u64)> = shape(&w, &r).into_iter().collect();
+    let after: BTreeSet<(u64, u64)> = w.shape(&r).into_iter().collect();
     if res.is_err() {
         if unmaps_fail {
             // A mapping the rollback could not unmap stays recorded, as committed.
@@ -170,11 +143,7 @@ fn with_faults(make: fn() -> World, setup: Setup, run: Run, rules: &[FaultRule],
                 "{what}: the committed mappings stay"
             );
         } else {
-            assert_eq!(
-                shape(&w, &r),
-                before,
-                "{what}: a failed commit maps nothing"
-            );
+            assert_eq!(w.shape(&r), before, "{what}: a failed commit maps nothing");
         }
         assert!(
             parked_after.is_subset(&parked_before_set),
@@ -240,13 +209,13 @@ fn a_failure_mid_run_over_parked_windows_rolls_back_and_parks_them_again() {
         .inject(FaultRule::nth(Operation::SetAccess, 1, ErrorKind::Other));
     assert!(commit_over_parked(&w, &mut r).is_err());
     w.sim.clear_faults();
-    assert_eq!(parked_shape(&w, &r), vec![(8, 8), (16, 8)]);
-    assert_eq!(shape(&w, &r), vec![(0, 8)]);
+    assert_eq!(w.parked_shape(&r), vec![(8, 8), (16, 8)]);
+    assert_eq!(w.shape(&r), vec![(0, 8)]);
     w.check(&[&r]);
 }
 
 fn w_no_parking() -> World {
-    world(4, 8, false)
+    World::multi(4, 8, false)
 }
 
 /// Windows 2..5 and 9..10 committed in a 32-window reservation.
@@ -272,7 +241,7 @@ fn a_run_around_committed_windows_maps_the_gaps_and_survives_every_fault() {
     assert_eq!(commit_around_islands(&w, &mut r).unwrap(), 16 * w.g);
     // Free runs 0..2, 5..9, 10..20: 2 @0 | 1 @5, 2 @6, 1 @8 | 2 @10, 4 @12, 4 @16.
     assert_eq!(
-        shape(&w, &r),
+        w.shape(&r),
         vec![
             (0, 2),
             (2, 2),
@@ -295,7 +264,7 @@ fn a_run_around_committed_windows_maps_the_gaps_and_survives_every_fault() {
 
 #[test]
 fn refusals_name_the_first_refused_window() {
-    let w = world(4, 0, false);
+    let w = World::multi(4, 0, false);
     let g = w.g;
     let mut r = w.vm.reserve(16 * g).unwrap();
     r.commit_range(11 * g, g).unwrap();
@@ -333,7 +302,7 @@ fn refusals_name_the_first_refused_window() {
 
 #[test]
 fn shared_windows_named_as_ranges_map_like_indices() {
-    let w = world(4, 0, false);
+    let w = World::multi(4, 0, false);
     let g = w.g;
     let mut owner = w.vm.reserve(16 * g).unwrap();
     // Handles 4 @0, 4 @4, 2 @8 (no handle crosses a range's start).
@@ -362,7 +331,7 @@ fn shared_windows_named_as_ranges_map_like_indices() {
         by_indices.map_shared(&set, &all, Access::Read).unwrap(),
         10 * g
     );
-    assert_eq!(shape(&w, &by_ranges), shape(&w, &by_indices));
+    assert_eq!(w.shape(&by_ranges), w.shape(&by_indices));
     assert_eq!(set.mapped_count(), 9);
 
     // The same refusals, with the same words, before any driver call.
@@ -461,7 +430,7 @@ proptest! {
         ranges in prop::collection::vec((0u64..40, 0u64..10), 1..5),
         max_handle in prop::sample::select(vec![1u64, 2, 8]),
     ) {
-        let w = world(max_handle, 24, true);
+        let w = World::multi(max_handle, 24, true);
         let g = w.g;
         let windows = 40;
         let mut r = w.vm.reserve(windows * g).unwrap();

@@ -71,6 +71,35 @@ impl World {
         World { sim, gov, vm, g }
     }
 
+    /// 2 MiB granules, handles of up to `max_handle_granules` windows, a pool of
+    /// `pool_granules`, parking on or off: the multi-window handle tests' world.
+    #[allow(dead_code)]
+    pub fn multi(max_handle_granules: u64, pool_granules: u64, park: bool) -> World {
+        let mut c = WorldConfig::new(2 * kvvm_sim::MIB);
+        c.max_handle_granules = max_handle_granules;
+        c.pool_granules = pool_granules;
+        c.park = park;
+        World::new(c)
+    }
+
+    /// `(offset in windows, windows)` of each mapping of `r`.
+    #[allow(dead_code)]
+    pub fn shape(&self, r: &Reservation) -> Vec<(u64, u64)> {
+        self.windows_of(r, &r.mappings())
+    }
+
+    /// `(offset in windows, windows)` of each parked mapping of `r`.
+    #[allow(dead_code)]
+    pub fn parked_shape(&self, r: &Reservation) -> Vec<(u64, u64)> {
+        self.windows_of(r, &r.parked())
+    }
+
+    fn windows_of(&self, r: &Reservation, maps: &[kvvm_vmm::MappedBlock]) -> Vec<(u64, u64)> {
+        maps.iter()
+            .map(|m| ((m.address.0 - r.address().0) / self.g, m.size / self.g))
+            .collect()
+    }
+
     pub fn simple(g: u64, pool_granules: u64) -> World {
         let mut c = WorldConfig::new(g);
         c.pool_granules = pool_granules;
