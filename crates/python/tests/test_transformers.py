@@ -166,17 +166,17 @@ def test_a_seeded_cache_decodes_as_the_prefilled_one(model) -> None:
     instead of running the prefill: the decode that follows must be the same."""
     from transformers import DynamicCache
 
-    from kvvm import bench
+    from kvvm import bench_caches
 
     ids = torch.randint(0, model.config.vocab_size, (2, 20))
     with torch.no_grad():
         ref = DynamicCache(config=model.config)
         out = model(input_ids=ids, past_key_values=ref, use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
-        seed = bench._snapshot(ref, 20)
+        seed = bench_caches.snapshot(ref, 20)
         want = model(input_ids=tok, past_key_values=ref, use_cache=True, cache_position=torch.tensor([20])).logits
         for cache in (DynamicCache(config=model.config), KvvmCache(model.config, 2, 64, backend="host", dtype="fp32")):
-            bench._seed(cache, seed)
+            bench_caches.seed_cache(cache, seed)
             assert cache.get_seq_length() == 20
             got = model(input_ids=tok, past_key_values=cache, use_cache=True, cache_position=torch.tensor([20])).logits
             assert torch.allclose(got, want, atol=1e-5)
@@ -187,7 +187,7 @@ def test_a_seeded_cache_decodes_as_the_prefilled_one(model) -> None:
 def test_kvvm_attention_sets_the_kernels_once_per_forward_and_unwraps(model, mgr, monkeypatch) -> None:
     import torch.nn.attention as attention
 
-    from kvvm import transformers as kt
+    from kvvm import attention as kt
 
     entered: list[int] = []
     real = attention.sdpa_kernel
@@ -222,7 +222,7 @@ def test_the_interleaved_phase_drops_a_cache_that_runs_out_of_memory(model, monk
 
     from transformers import DynamicCache
 
-    from kvvm import bench
+    from kvvm import bench_caches, bench_decode
 
     class Starving(DynamicCache):
         calls = 0
@@ -233,22 +233,22 @@ def test_the_interleaved_phase_drops_a_cache_that_runs_out_of_memory(model, monk
                 raise torch.OutOfMemoryError("no more memory")
             return super().update(*a, **k)
 
-    real = bench._make_cache
+    real = bench_caches.make_cache
 
     def make(kind, cfg, args, batch, total):  # type: ignore[no-untyped-def]
         return Starving(config=cfg) if kind == "static" else real(kind, cfg, args, batch, total)
 
-    monkeypatch.setattr(bench, "_make_cache", make)
+    monkeypatch.setattr(bench_caches, "make_cache", make)
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     with torch.no_grad():
         ref = DynamicCache(config=model.config)
         out = model(input_ids=ids, past_key_values=ref, use_cache=True)
         tokens = [out.logits[:, -1:].argmax(-1)] * 4
-        seed = bench._snapshot(ref, 12)
+        seed = bench_caches.snapshot(ref, 12)
     args = argparse.Namespace(
         device="cpu", interleaved_steps=4, backend="host", dtype="float32", headroom=16
     )
-    times, notes = bench.run_interleaved(
+    times, notes = bench_decode.run_interleaved(
         model, model.config, args, ["dynamic", "static", "kvvm:token-major"], ids, {"tokens": tokens}, [seed]
     )
     assert set(times) == {"dynamic", "kvvm:token-major"}
