@@ -156,6 +156,7 @@ mod prefix;
 mod prefix_setup;
 mod sequence;
 mod sequence_copy;
+mod sequence_share;
 pub mod synthetic;
 mod tensor_parallel;
 mod tensor_parallel_precommit;
