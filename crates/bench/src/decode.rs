@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use kvvm_governor::{Governor, GovernorConfig};
 use kvvm_hal::{DeviceId, VirtualMemoryBackend};
 use kvvm_kv::synthetic::{decode_token_id, fill_tokens, prompt_token_id};
-use kvvm_kv::{KvCacheError, PrefixCache, SequenceKv, SharedDevicePrefix};
+use kvvm_kv::{KvCacheError, PrefixCache, PrefixCacheConfig, SequenceKv, SharedDevicePrefix};
 use kvvm_layout::{KvDtype, KvError, KvGeometry, KvLayout, LayoutPlan};
 use kvvm_num::{mul, to_usize};
 use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
@@ -75,6 +75,9 @@ pub struct DecodeLoopConfig {
     /// Attaches of the shared prompt timed back to back, with no copy between them (what a
     /// server admitting requests on a prefix hit does; 0: skip them).
     pub attach_samples: u32,
+    /// The prefix cache's most blocks per handle of a published prompt
+    /// ([`PrefixCacheConfig::handle_blocks`](kvvm_kv::PrefixCacheConfig::handle_blocks)).
+    pub prefix_handle_blocks: u64,
     /// Governor budget for the device (`None`: unlimited).
     pub budget_bytes: Option<u64>,
 }
@@ -99,6 +102,7 @@ impl DecodeLoopConfig {
             verify: true,
             attach_copy_samples: 5,
             attach_samples: 63,
+            prefix_handle_blocks: 1,
             budget_bytes: None,
         })
     }
@@ -223,7 +227,11 @@ pub fn run_decode_loop_with_progress(
     let chunk_tokens = (CHUNK_BYTES / bpt.max(1)).max(1);
     let prompt_ids: Vec<u32> = (0..config.prompt_tokens).map(prompt_token_id).collect();
     let prompt_id = |p: u64| prompt_token_id(p);
-    let cache = PrefixCache::new(vm.clone(), plan)?;
+    let cache = PrefixCache::with_config(
+        vm.clone(),
+        plan,
+        PrefixCacheConfig::default().handle_blocks(config.prefix_handle_blocks),
+    )?;
     let mut bytes_written = 0u64;
     let mut buf: Vec<u8> = Vec::new();
 
@@ -442,6 +450,7 @@ pub fn run_decode_loop_with_progress(
         bytes_per_token: bpt,
         share_prefix: config.share_prefix,
         block_tokens: cache.block_tokens(),
+        prefix_handle_blocks: config.prefix_handle_blocks.max(1),
         hit_tokens,
         prompt_shareable: verdict.shareable,
         prompt_refusal: verdict.refusal_reason(),

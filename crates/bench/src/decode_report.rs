@@ -31,6 +31,8 @@ pub struct DecodeLoopReport {
     pub share_prefix: bool,
     /// Prefix-cache block size in tokens.
     pub block_tokens: u64,
+    /// The prefix cache's most blocks per handle of a published prompt.
+    pub prefix_handle_blocks: u64,
     /// Prompt tokens each sharer found in the cache.
     pub hit_tokens: u64,
     /// Whether the whole prompt is shareable under the layout and granule (when not, the
@@ -99,8 +101,8 @@ impl DecodeLoopReport {
                 .to_owned(),
             (true, Some(reason)) => format!("no: the prompt is not shareable here: {reason}"),
             (true, None) => format!(
-                "yes: {} tokens per sharer mapped read-only from the prefix cache (blocks of {} tokens)",
-                self.hit_tokens, self.block_tokens
+                "yes: {} tokens per sharer mapped read-only from the prefix cache (blocks of {} tokens, handles of up to {} blocks)",
+                self.hit_tokens, self.block_tokens, self.prefix_handle_blocks
             ),
         }
     }

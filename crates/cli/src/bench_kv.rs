@@ -34,6 +34,10 @@ pub struct KvBenchArgs {
     /// Run without prefix sharing (every sequence commits and writes its own prompt).
     #[arg(long)]
     no_sharing: bool,
+    /// Most prefix cache blocks per handle of a published prompt (1 to 1048576): a hit maps
+    /// that many times fewer handles and ends on a multiple of it (`PrefixCacheConfig::handle_blocks`).
+    #[arg(long, default_value_t = 1, value_parser = flags::int_in::<u64>(1, 1 << 20))]
+    prefix_handle_blocks: u64,
     /// Skip the read-back verification.
     #[arg(long)]
     no_verify: bool,
@@ -56,6 +60,7 @@ pub fn run(args: &KvBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     config.sequences = args.sequences;
     config.prompt_tokens = args.prompt_tokens;
     config.share_prefix = !args.no_sharing;
+    config.prefix_handle_blocks = args.prefix_handle_blocks;
     config.verify = !args.no_verify;
     backend::check_name(&args.backend)?;
     // The host backend is opened directly, for its leak record after the run.

@@ -331,7 +331,8 @@ impl PrefixCache {
                 blocks.saturating_mul(self.windows_per_block),
                 end_tokens,
                 verdict,
-                self.windows_per_block,
+                self.windows_per_block
+                    .saturating_mul(self.config.handle_blocks.max(1)),
             )?;
             let mut all = segments.clone();
             all.push(AttachedSegment {

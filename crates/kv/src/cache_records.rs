@@ -4,13 +4,28 @@
 use crate::sequence::SequenceKv;
 
 /// Configuration of a `PrefixCache`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct PrefixCacheConfig {
     /// Most physical bytes of published prefixes to keep (`None`: no cap; the governor's
     /// budget and the reclaimer bound them). Beyond it, least recently used prefixes that no
     /// sequence maps are evicted at publish time.
     pub max_cached_bytes: Option<u64>,
+    /// The most hashed blocks one handle of a segment an admission commits for publication
+    /// holds (at least 1; default 1). A sharer maps handles whole, one mapping each, and the
+    /// driver charges per mapping: with `k` blocks per handle a hit maps `k` times fewer
+    /// handles, and ends on a multiple of `k` blocks from the segment's start (a longer match
+    /// is cut down to it; the rest of the prompt is computed privately).
+    pub handle_blocks: u64,
+}
+
+impl Default for PrefixCacheConfig {
+    fn default() -> Self {
+        PrefixCacheConfig {
+            max_cached_bytes: None,
+            handle_blocks: 1,
+        }
+    }
 }
 
 impl PrefixCacheConfig {
@@ -18,6 +33,13 @@ impl PrefixCacheConfig {
     #[must_use]
     pub fn max_cached_bytes(mut self, bytes: Option<u64>) -> Self {
         self.max_cached_bytes = bytes;
+        self
+    }
+
+    /// Sets [`handle_blocks`](Self::handle_blocks) (0 is taken as 1).
+    #[must_use]
+    pub fn handle_blocks(mut self, blocks: u64) -> Self {
+        self.handle_blocks = blocks.max(1);
         self
     }
 }

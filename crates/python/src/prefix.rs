@@ -7,6 +7,7 @@ use kvvm_kv::{PrefixCache as KvPrefixCache, PrefixCacheConfig, PublishOutcome};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::count::Count;
 use crate::errors;
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
@@ -77,16 +78,25 @@ pub struct PrefixCache {
 #[pymethods]
 impl PrefixCache {
     /// A cache for sequences of `plan` on `manager`, holding at most `max_cached_bytes` of
-    /// idle prefixes (None: only the budget limits it).
+    /// idle prefixes (None: only the budget limits it). A published prefix is made of
+    /// handles of at most `handle_blocks` blocks (at least 1): a hit maps one handle per
+    /// mapping and ends on a multiple of `handle_blocks` blocks, so a larger value means fewer
+    /// mappings per hit and coarser hits.
     #[new]
-    #[pyo3(signature = (manager, plan, max_cached_bytes = None))]
+    #[pyo3(signature = (manager, plan, max_cached_bytes = None, handle_blocks = Count(1)))]
     fn new(
         py: Python<'_>,
         manager: &Manager,
         plan: &PyPlan,
         max_cached_bytes: Option<u64>,
+        handle_blocks: Count,
     ) -> PyResult<Self> {
-        let config = PrefixCacheConfig::default().max_cached_bytes(max_cached_bytes);
+        if handle_blocks.0 == 0 {
+            return Err(errors::invalid(py, "handle_blocks must be at least 1"));
+        }
+        let config = PrefixCacheConfig::default()
+            .max_cached_bytes(max_cached_bytes)
+            .handle_blocks(handle_blocks.0);
         let cache = KvPrefixCache::with_config(manager.state.vm.clone(), plan.plan, config)
             .map_err(|e| errors::kv(py, &e))?;
         Ok(PrefixCache { cache })

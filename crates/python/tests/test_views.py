@@ -244,3 +244,27 @@ def test_prefix_cache_admits_publishes_and_hits(host: kvvm.Manager) -> None:
     assert stats["hits"] == 1 and stats["misses"] == 1
     batch.release()
     assert cache.clear() >= 0
+
+
+@needs_host
+def test_prefix_cache_handle_blocks_cut_hits_to_whole_handles(host: kvvm.Manager) -> None:
+    plan = kvvm.LayoutPlan(tiny_geometry(16384), "token-major", host.granule)
+    with pytest.raises(kvvm.InvalidArgumentError):
+        kvvm.PrefixCache(host, plan, handle_blocks=0)
+    with pytest.raises(kvvm.InvalidArgumentError):
+        kvvm.PrefixCache(host, plan, handle_blocks=-1)
+    cache = kvvm.PrefixCache(host, plan, handle_blocks=2)
+    block = cache.block_tokens
+    batch = kvvm.SequenceBatch(host, plan, 2)
+    ids = list(range(4 * block))
+    first = cache.admit(batch[0], ids)
+    assert first["owned_prefix_tokens"] == 4 * block
+    batch[0].write_tokens(0, bytes(512 * len(ids)))
+    assert cache.publish(batch[0]) == "published"
+    # Three blocks match, in handles of two blocks: the hit is cut down to the first handle.
+    other = ids[: 3 * block] + [7] * 100
+    second = cache.admit(batch[1], other)
+    assert second["hit_tokens"] == 2 * block
+    assert second["shared_bytes"] == 2 * host.granule
+    batch.release()
+    assert cache.clear() >= 0

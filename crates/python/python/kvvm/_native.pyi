@@ -254,7 +254,11 @@ class PrefixCache:
     """An automatic prefix cache over token ids."""
 
     def __init__(
-        self, manager: Manager, plan: LayoutPlan, max_cached_bytes: int | None = None
+        self,
+        manager: Manager,
+        plan: LayoutPlan,
+        max_cached_bytes: int | None = None,
+        handle_blocks: int = 1,
     ) -> None: ...
     @property
     def block_tokens(self) -> int: ...
