@@ -5,7 +5,9 @@ use std::ops::Range;
 use std::process::ExitCode;
 
 use clap::Args;
-use kvvm::vmm::{commit_pieces, max_handle_windows, DEFAULT_MAX_HANDLE_BYTES};
+use kvvm::vmm::{
+    commit_pieces, max_handle_windows, shared_commit_pieces, DEFAULT_MAX_HANDLE_BYTES,
+};
 use kvvm_layout::{
     commit_lower_bound, evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, LayoutPlan,
 };
@@ -74,6 +76,16 @@ fn handles(ranges: &[Range<u64>], max_windows: u64) -> (u64, u64) {
     (commit_pieces(ranges, max_windows).len() as u64, windows)
 }
 
+/// Handles (one mapping for each sharer) of a shared prefix over the windows `ranges`, one
+/// range per fragment, and the windows.
+fn shared_handles(ranges: &[Range<u64>], max_windows: u64) -> (u64, u64) {
+    let windows = ranges.iter().map(|r| r.end - r.start).sum();
+    (
+        shared_commit_pieces(ranges, max_windows).len() as u64,
+        windows,
+    )
+}
+
 /// `n` followed by `word`, plural when `n != 1`.
 fn count(n: u64, word: &str) -> String {
     format!("{n} {word}{}", if n == 1 { "" } else { "s" })
@@ -108,7 +120,7 @@ pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
     } else {
         Vec::new()
     };
-    let (shared_handles, shared_windows) = handles(&shared_ranges, max_windows);
+    let (shared_handles, shared_windows) = shared_handles(&shared_ranges, max_windows);
     let live = geometry
         .bytes_per_token()
         .checked_mul(tokens)

@@ -40,6 +40,23 @@ pub fn commit_pieces(ranges: &[Range<u64>], max_handle_windows: u64) -> Vec<(u64
     pieces(&spans, 1, max_handle_windows.max(1), &[])
 }
 
+/// The handles (one mapping each) a shared commit of the windows `ranges` makes, as `(first
+/// window, windows)` per handle: one per range, cut again only every `max_handle_windows`
+/// windows (the cut `Reservation::commit_shared` makes, see [`run_pieces`]). `ranges` are
+/// window indices from the reservation's base, sorted and disjoint.
+pub fn shared_commit_pieces(ranges: &[Range<u64>], max_handle_windows: u64) -> Vec<(u64, u64)> {
+    let spans: Vec<Span> = ranges
+        .iter()
+        .map(|r| Span::new(r.start, r.end.saturating_sub(r.start)))
+        .collect();
+    let cuts: Vec<u64> = ranges
+        .iter()
+        .filter(|r| r.end > r.start)
+        .map(|r| r.start)
+        .collect();
+    run_pieces(&spans, 1, max_handle_windows.max(1), &cuts)
+}
+
 /// How a commit maps sorted, disjoint window spans: `(offset, windows)` per handle. Each
 /// contiguous run (adjacent spans merged) is cut largest first into power-of-two numbers of
 /// windows, each aligned to its own size from the base (offset 0) and at most `max_windows`
@@ -133,6 +150,11 @@ mod tests {
             vec![(0, 3)]
         );
         assert!(run_pieces(&[], 4, 8, &[]).is_empty());
+        // The planner's view: one handle per range, adjacent ranges kept apart.
+        assert_eq!(
+            shared_commit_pieces(&[3..8, 8..12, 20..21], 8),
+            vec![(3, 5), (8, 4), (20, 1)]
+        );
     }
 
     #[test]

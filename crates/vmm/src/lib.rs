@@ -162,7 +162,7 @@ mod sync;
 mod teardown;
 
 pub use config::{GranularityChoice, VmmConfig, DEFAULT_MAX_HANDLE_BYTES};
-pub use cut::{buddy_windows_at, commit_pieces, max_handle_windows};
+pub use cut::{buddy_windows_at, commit_pieces, max_handle_windows, shared_commit_pieces};
 pub use error::{VmmError, VmmResult};
 pub use job::CommitJob;
 pub use manager::VirtualMemory;
