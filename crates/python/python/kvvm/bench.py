@@ -166,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument(
         "--interleaved-steps",
         type=int,
-        default=0,
+        default=100,
         help="after the rounds, decode this many steps with every cache alive at once, one step "
-        "of each in turn (0: not run); their p50 is compared too",
+        "of each in turn (0: not run); their p50 is compared too (default 100)",
     )
     g.add_argument(
         "--static-repeat",
