@@ -70,20 +70,14 @@ fn check_lengths(args: &PlanArgs) -> CliResult<()> {
     Ok(())
 }
 
-/// Handles (one mapping each) of one commit of the windows `ranges`, and the windows.
-fn handles(ranges: &[Range<u64>], max_windows: u64) -> (u64, u64) {
-    let windows = ranges.iter().map(|r| r.end - r.start).sum();
-    (commit_pieces(ranges, max_windows).len() as u64, windows)
-}
+/// How a commit cuts window ranges into handles (`commit_pieces`, `shared_commit_pieces`).
+type Cut = fn(&[Range<u64>], u64) -> Vec<(u64, u64)>;
 
-/// Handles (one mapping for each sharer) of a shared prefix over the windows `ranges`, one
-/// range per fragment, and the windows.
-fn shared_handles(ranges: &[Range<u64>], max_windows: u64) -> (u64, u64) {
+/// Handles (one mapping each) of one commit of the windows `ranges` cut by `cut`, and the
+/// windows.
+fn handles(ranges: &[Range<u64>], max_windows: u64, cut: Cut) -> (u64, u64) {
     let windows = ranges.iter().map(|r| r.end - r.start).sum();
-    (
-        shared_commit_pieces(ranges, max_windows).len() as u64,
-        windows,
-    )
+    (cut(ranges, max_windows).len() as u64, windows)
 }
 
 /// `n` followed by `word`, plural when `n != 1`.
@@ -108,7 +102,7 @@ pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
     let max_handle = args.max_handle.unwrap_or(DEFAULT_MAX_HANDLE_BYTES);
     let max_windows = max_handle_windows(max_handle, args.granule);
     let live_ranges = plan.windows_for_tokens(tokens).map_err(failed)?;
-    let (live_handles, live_windows) = handles(&live_ranges, max_windows);
+    let (live_handles, live_windows) = handles(&live_ranges, max_windows, commit_pieces);
     // The shared windows: the first whole windows of every fragment.
     let k = verdict.shareable_granules_per_fragment;
     let shared_ranges: Vec<Range<u64>> = if verdict.shareable {
@@ -120,7 +114,9 @@ pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
     } else {
         Vec::new()
     };
-    let (shared_handles, shared_windows) = shared_handles(&shared_ranges, max_windows);
+    // A shared prefix is one handle per fragment run.
+    let (shared_handles, shared_windows) =
+        handles(&shared_ranges, max_windows, shared_commit_pieces);
     let live = geometry
         .bytes_per_token()
         .checked_mul(tokens)

@@ -33,11 +33,15 @@ pub fn buddy_windows_at(first: u64, max_windows: u64) -> u64 {
 /// windows (see [`max_handle_windows`]). This is the cut `Reservation::commit_ranges` makes
 /// of windows none of which is mapped or parked yet.
 pub fn commit_pieces(ranges: &[Range<u64>], max_handle_windows: u64) -> Vec<(u64, u64)> {
-    let spans: Vec<Span> = ranges
+    pieces(&window_spans(ranges), 1, max_handle_windows.max(1), &[])
+}
+
+/// Window index ranges as spans of a granule of 1 (offsets are window indices).
+fn window_spans(ranges: &[Range<u64>]) -> Vec<Span> {
+    ranges
         .iter()
         .map(|r| Span::new(r.start, r.end.saturating_sub(r.start)))
-        .collect();
-    pieces(&spans, 1, max_handle_windows.max(1), &[])
+        .collect()
 }
 
 /// The handles (one mapping each) a shared commit of the windows `ranges` makes, as `(first
@@ -45,10 +49,7 @@ pub fn commit_pieces(ranges: &[Range<u64>], max_handle_windows: u64) -> Vec<(u64
 /// windows (the cut `Reservation::commit_shared` makes, see [`run_pieces`]). `ranges` are
 /// window indices from the reservation's base, sorted and disjoint.
 pub fn shared_commit_pieces(ranges: &[Range<u64>], max_handle_windows: u64) -> Vec<(u64, u64)> {
-    let spans: Vec<Span> = ranges
-        .iter()
-        .map(|r| Span::new(r.start, r.end.saturating_sub(r.start)))
-        .collect();
+    let spans = window_spans(ranges);
     let cuts: Vec<u64> = ranges
         .iter()
         .filter(|r| r.end > r.start)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -244,10 +243,9 @@ def main(argv: list[str] | None = None) -> int:
             order = [args.reference] if args.reference in kinds else []
             order += [k for k in kinds if k != args.reference]
             if r > 0:
-                shift = r % len(order)
-                order = order[shift:] + order[:shift]
-                if seed is None and reference is not None and reference.get("seed") is not None:
-                    seed = [(k.to(dev), v.to(dev)) for k, v in reference.pop("seed")]
+                order = bc.rotated(order, r)
+                if seed is None and reference is not None:
+                    seed = bc.device_seed(reference, dev)
             for kind in order:
                 if r >= args.static_repeat and kind.startswith("static"):
                     continue
@@ -266,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({"round": r, **asdict(res)}), file=sys.stderr, flush=True)
         point = [report.best_of_rounds(first[k], rounds[k]) for k in kinds if k in first]
         if args.interleaved_steps > 0 and reference is not None:
-            if seed is None and reference.get("seed") is not None:
-                seed = [(k.to(dev), v.to(dev)) for k, v in reference.pop("seed")]
+            if seed is None:
+                seed = bc.device_seed(reference, dev)
             if seed is not None:
                 present = [k for k in kinds if k in first]
                 box = [seed]
@@ -276,12 +274,11 @@ def main(argv: list[str] | None = None) -> int:
                 for res in point:
                     t = times.get(res.cache)
                     if t:
-                        steady = t[args.warmup :] or t
-                        p50 = statistics.median(steady)
+                        p50 = bc.steady_p50(t, args.warmup)
                         res.interleaved_p50_ms = round(p50, 3)
                         res.interleaved_tokens_per_s = round(res.batch * 1000 / p50, 1)
                     res.notes.extend(notes)
-                print(json.dumps({"interleaved": {k: statistics.median(v[args.warmup :] or v) for k, v in times.items()}, "notes": notes}), file=sys.stderr, flush=True)
+                print(json.dumps({"interleaved": {k: bc.steady_p50(v, args.warmup) for k, v in times.items()}, "notes": notes}), file=sys.stderr, flush=True)
         results.extend(point)
         print(report.verdict(point), file=sys.stderr, flush=True)
         del reference, seed

@@ -5,6 +5,7 @@ the KV bytes each holds, and one run's result."""
 from __future__ import annotations
 
 import argparse
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,3 +133,24 @@ def seed_cache(cache: Any, seed: list[tuple[torch.Tensor, torch.Tensor]]) -> Non
 def is_kvvm(label: str) -> bool:
     """Whether a cache label names a KvvmCache."""
     return label.startswith("kvvm")
+
+
+def steady_p50(steps_ms: list[float], warmup: int) -> float:
+    """The median step time after the first ``warmup`` steps (all of them when there are no
+    more)."""
+    return statistics.median(steps_ms[warmup:] or steps_ms)
+
+
+def rotated(items: list[str], n: int) -> list[str]:
+    """``items`` rotated left by ``n`` (the caches' order in round or step ``n``)."""
+    if not items:
+        return []
+    k = n % len(items)
+    return items[k:] + items[:k]
+
+
+def device_seed(reference: dict[str, Any], dev: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The reference's prompt K/V (kept in host memory by its first run) moved to ``dev``,
+    once: the host copy is dropped from ``reference``."""
+    host = reference.pop("seed", None)
+    return None if host is None else [(k.to(dev), v.to(dev)) for k, v in host]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 from typing import Any
 
@@ -156,8 +155,7 @@ def _decode(
         # Memory is reported at the end of the timed decode: count the extra tokens out.
         if kind == "dynamic" or kind.startswith("kvvm"):
             cache.crop(-prof_steps)
-    steady = sorted(steps[args.warmup :]) or sorted(steps)
-    p50 = statistics.median(steady)
+    p50 = bc.steady_p50(steps, args.warmup)
     held_before = bc.kv_held(kind, cache)
     if kind.startswith("kvvm"):
         # Decoding is over: stop the pre-committer and give its headroom past the live tokens
@@ -256,8 +254,7 @@ def run_interleaved(
     tokens = reference["tokens"]
     for i in range(steps):
         labels = [k for k in labels if k in caches]
-        shift = i % max(len(labels), 1)
-        for label in labels[shift:] + labels[:shift]:
+        for label in bc.rotated(labels, i):
             _, attention = bc.split_kind(label)
             use_kvvm_attention(model, enable=attention == ATTENTION)
             tok = tokens[min(i, len(tokens) - 1)]
