@@ -14,6 +14,9 @@ cargo fmt --all -- --check
 echo "== cargo clippy (workspace, all targets, -D warnings)"
 cargo clippy --workspace --all-targets -- -D warnings
 
+echo "== cargo doc (workspace, broken or private intra-doc links are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
+
 echo "== structure: no source file over 700 lines, no file-level import cycle in a crate"
 python3 ci/structure.py
 

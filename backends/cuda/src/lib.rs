@@ -44,6 +44,7 @@ mod driver;
 pub mod error;
 mod kernel;
 mod linear;
+mod open;
 mod probe;
 mod result;
 mod rows;

@@ -1,6 +1,6 @@
 //! # kvvm-hip: the HIP (ROCm) backend of kvvm
 //!
-//! [`HipBackend`] implements [`VirtualMemoryBackend`] over the HIP runtime's virtual-memory API
+//! [`HipBackend`] implements [`VirtualMemoryBackend`](kvvm_hal::VirtualMemoryBackend) over the HIP runtime's virtual-memory API
 //! (`hipMemAddressReserve`, `hipMemCreate`, `hipMemMap`, `hipMemSetAccess`, ...). It follows
 //! the contract of `kvvm-hal`: it translates, it does not decide, and it never panics.
 //!
@@ -13,8 +13,9 @@
 //!    tried. Otherwise `libamdhip64.so`, `libamdhip64.so.7`, `.so.6`, `.so.5` are tried in
 //!    order.
 //! 2. Every entry point is resolved up front into [`driver::HipApi`]. A missing library or a
-//!    missing required symbol is an [`ErrorKind::Unavailable`] error of [`Operation::Load`]
-//!    whose message names what is missing.
+//!    missing required symbol is an
+//!    [`ErrorKind::Unavailable`](kvvm_hal::ErrorKind::Unavailable) error of
+//!    [`Operation::Load`](kvvm_hal::Operation::Load) whose message names what is missing.
 //! 3. `hipRuntimeGetVersion` picks the `hipMemAllocationProp` layout ([`version::layout_for`]);
 //!    a runtime outside the verified range is refused with `Unavailable`, naming the version.
 //! 4. `hipInit(0)` and `hipGetDeviceCount`; no AMD GPU gives `Unavailable` with a message like
@@ -57,7 +58,7 @@
 //! process-wide virtual addresses and use whatever device the thread has (device 0 by
 //! default). `import_posix_fd` imports onto the device it is given (made current first).
 //!
-//! ## Known ROCm bugs this backend reports through [`Capabilities`]
+//! ## Known ROCm bugs this backend reports through [`Capabilities`](kvvm_hal::Capabilities)
 //!
 //! * `unmap_spans_mappings = false`: one `hipMemUnmap` over several mappings later makes
 //!   `hipMemAddressFree` fail (ROCR-Runtime issue #285; llama.cpp unmaps mapping by mapping

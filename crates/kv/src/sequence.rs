@@ -441,7 +441,7 @@ impl SequenceKv {
     /// pre-committer does with windows it committed ahead of need when memory runs short.
     /// Tokens already written are never given back (`n` is raised to
     /// [`written_tokens`](Self::written_tokens)), and neither is a shared window. Returns the
-    /// bytes unmapped.
+    /// bytes unmapped. Like [`release`](Self::release), it does not synchronize the device.
     pub fn shrink_committed(&mut self, n: u64) -> Result<u64, KvCacheError> {
         let n = n.max(self.written_tokens).max(self.prefix_tokens);
         if n >= self.committed_tokens {
@@ -519,6 +519,10 @@ impl SequenceKv {
     /// Unmaps everything (private windows go to the pool or the driver; shared mappings only
     /// drop their reference), detaches from any shared prefix and keeps the address range.
     /// Returns the bytes unmapped. The sequence can grow again (privately) afterwards.
+    ///
+    /// Does not synchronize the device (see
+    /// [`Reservation::release`](kvvm_vmm::Reservation::release)): device work on the
+    /// sequence's memory must be finished first. Dropping the sequence synchronizes.
     pub fn release(&mut self) -> Result<u64, KvCacheError> {
         let span = tracing::debug_span!("kv.release", tokens = self.committed_tokens);
         let _e = span.enter();

@@ -46,7 +46,7 @@ fn window_spans(ranges: &[Range<u64>]) -> Vec<Span> {
 
 /// The handles (one mapping each) a shared commit of the windows `ranges` makes, as `(first
 /// window, windows)` per handle: one per range, cut again only every `max_handle_windows`
-/// windows (the cut `Reservation::commit_shared` makes, see [`run_pieces`]). `ranges` are
+/// windows (the cut `Reservation::commit_shared` makes, see `run_pieces`). `ranges` are
 /// window indices from the reservation's base, sorted and disjoint.
 pub fn shared_commit_pieces(ranges: &[Range<u64>], max_handle_windows: u64) -> Vec<(u64, u64)> {
     let spans = window_spans(ranges);

@@ -171,7 +171,7 @@ impl Reservation {
 
     /// Begins a commit of every unmapped window overlapping `ranges`, as
     /// [`commit_ranges`](Self::commit_ranges) would make it, but split so that its driver
-    /// calls ([`CommitJob::run`]) need no borrow of this reservation: the caller may release
+    /// calls ([`CommitJob::run`](crate::CommitJob::run)) need no borrow of this reservation: the caller may release
     /// its lock on the reservation while they run, then [`finish_commit`](Self::finish_commit).
     /// Until then the windows are in flight (another commit of them is
     /// [`VmmError::Busy`]); one job at a time per reservation. `None` when every window is
@@ -265,6 +265,13 @@ impl Reservation {
     /// otherwise. On error, the blocks whose unmap failed stay recorded (still mapped),
     /// handles whose release failed are quarantined, and the first error is returned after
     /// every other block was processed.
+    ///
+    /// Unlike dropping the reservation, releasing does **not** synchronize the device: the
+    /// caller orders its own device work, and any kernel or copy still reading or writing the
+    /// released bytes must be finished first (its stream synchronized, or an event waited on).
+    /// The same holds for [`truncate`](Self::truncate) and
+    /// [`release_ranges`](Self::release_ranges). A serving engine shrinks between steps, so a
+    /// device-wide synchronize on every release would stall the streams it did not need to.
     pub fn release(&mut self) -> VmmResult<u64> {
         self.truncate(0)
     }

@@ -7,7 +7,7 @@ use super::{lock, Cell, Ensured, Inner};
 use crate::error::KvCacheError;
 use crate::sequence::SequenceKv;
 
-/// A [`SequenceKv`] whose windows a [`Precommitter`] commits ahead of need.
+/// A [`SequenceKv`] whose windows a [`Precommitter`](super::Precommitter) commits ahead of need.
 pub struct PrecommittedSequence {
     pub(super) cell: Arc<Cell>,
     pub(super) inner: Arc<Inner>,
