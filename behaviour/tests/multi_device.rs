@@ -106,6 +106,48 @@ fn peer_access_follows_the_topology() {
     assert!(matches!(err, VmmError::InvalidArgument { .. }));
 }
 
+#[test]
+fn teardown_synchronizes_every_device_given_access_before_it_unmaps() {
+    use kvvm_hal::{ErrorKind, Operation};
+    use kvvm_sim::FaultRule;
+    let s = sim(2, PeerLinks::AllToAll);
+    let backend: Arc<dyn VirtualMemoryBackend> = s.clone();
+    let gov = Governor::unlimited();
+    // Device 0's memory, readable from device 1: a clean teardown synchronizes both.
+    let vm = manager(&backend, &gov, 0, &[1]).unwrap();
+    let mut r = vm.reserve(4 * G).unwrap();
+    r.commit(2 * G).unwrap();
+    let before = s.calls(Operation::Synchronize);
+    drop(r);
+    assert_eq!(s.calls(Operation::Synchronize) - before, 2);
+    assert!(vm.quarantine().is_empty());
+    // The second synchronize (device 1's) fails: the memory cannot be proven idle, so
+    // nothing is unmapped, released or freed; it is quarantined whole.
+    let mut r = vm.reserve(4 * G).unwrap();
+    r.commit(2 * G).unwrap();
+    let address = r.address();
+    s.inject(FaultRule::nth(
+        Operation::Synchronize,
+        2,
+        ErrorKind::DeviceLost,
+    ));
+    drop(r);
+    assert_eq!(vm.quarantined_bytes(), 2 * G);
+    let ledger = s.ledger();
+    assert!(
+        ledger.mappings.iter().any(|m| m.address == address),
+        "unmapped after a failed synchronize: {ledger:?}"
+    );
+    assert_eq!(gov.snapshot().quarantined(), 2 * G);
+    // Without a peer, one synchronize.
+    let alone = manager(&backend, &gov, 1, &[]).unwrap();
+    let mut r = alone.reserve(G).unwrap();
+    r.commit(G).unwrap();
+    let before = s.calls(Operation::Synchronize);
+    drop(r);
+    assert_eq!(s.calls(Operation::Synchronize) - before, 1);
+}
+
 /// 1 layer x 2 KV heads x 64 dims fp16 per rank, token-major: 512 B a token, 128 a window.
 fn plan() -> LayoutPlan {
     let geometry = KvGeometry::with_dtype(1, 2, 64, KvDtype::F16, 512).unwrap();

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine from the repository root: bash gpu-bundle/run.sh [all|info|conformance|behaviour|tests|serve|simulate|bench]
+# Runs on the GPU machine from the repository root:
+#   bash gpu-bundle/run.sh [all|info|conformance|behaviour|tests|serve|simulate|bench|two-gpu]
+# (`two-gpu` is not part of `all`: it needs the two-GPU machine kind).
 # Writes every result under $OUT (or gpu-out/ when OUT is unset).
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -87,5 +89,41 @@ if [ "$only" = all ] || [ "$only" = bench ]; then
     "$here/kvvm" bench decode --backend cuda --json > "$out/bench-decode.json" || echo "bench decode failed"
     "$here/kvvm" bench kv --backend cuda --json > "$out/bench-kv.json" || echo "bench kv failed"
   fi
+fi
+if [ "$only" = two-gpu ]; then
+  # Every device and the peer links: conformance and the behaviour suite on each device, for
+  # CUDA and for HIP through the shim, each device's memory before and after, and the
+  # tensor-parallel commit over all devices.
+  n=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+  echo "== $n GPUs; the driver's topology"
+  nvidia-smi topo -m || true
+  "$here/kvvm" info
+  "$here/kvvm" info --json > "$out/info.json"
+  used() { nvidia-smi --query-gpu=index,memory.used --format=csv,noheader | tr '\n' ' '; }
+  shim=(env KVVM_HIP_LIBRARY="$here/libhip_on_cuda.so")
+  for d in $(seq 0 $((n - 1))); do
+    echo "== device $d: conformance cuda, hip (shim)"
+    "$here/kvvm" conformance --backend cuda --device "$d"
+    "$here/kvvm" conformance --backend cuda --device "$d" --json > "$out/conformance-cuda-dev$d.json"
+    "${shim[@]}" "$here/kvvm" conformance --backend hip --device "$d" | tail -n 12
+    "${shim[@]}" "$here/kvvm" conformance --backend hip --device "$d" --json > "$out/conformance-hip-shim-dev$d.json"
+    echo "== device $d: behaviour with every single and double fault (memory used before: $(used))"
+    "$here/kvvm" behaviour --backend cuda --device "$d" --json > "$out/behaviour-cuda-dev$d.json"; echo "cuda exit $?"
+    "${shim[@]}" "$here/kvvm" behaviour --backend hip --device "$d" --json > "$out/behaviour-hip-shim-dev$d.json"; echo "hip exit $?"
+    echo "memory used after: $(used)"
+  done
+  for f in "$out"/behaviour-*-dev*.json; do
+    python3 - "$f" <<'PY' || true
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+bad = [(c["name"], c["reason"]) for c in r["cases"] if c["status"] != "pass"]
+print(sys.argv[1].rsplit("/", 1)[-1], r["backend"], r["device"], f"{r['passed']} passed, {r['failed']} failed,",
+      f"{r['fault_runs']} fault runs, {r['faults_fired']} faults,",
+      f"driver free {r['driver_free_before']} -> {r['driver_free_after']}", bad[:3])
+PY
+  done
+  echo "== bench tp (one transaction on every device vs one commit after the other vs raw)"
+  "$here/kvvm" bench tp --backend cuda
+  "$here/kvvm" bench tp --backend cuda --json > "$out/bench-tp.json"
 fi
 echo "== done"

@@ -14,19 +14,30 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+use kvvm_hal::DeviceId;
+
 /// Environment variable naming the child case to run.
 pub const CHILD_ENV: &str = "KVVM_CONFORMANCE_CHILD";
 /// Environment variable naming the backend the child opens.
 pub const CHILD_BACKEND_ENV: &str = "KVVM_CONFORMANCE_CHILD_BACKEND";
+/// Environment variable holding the ordinal of the device under test (0 when unset).
+pub const CHILD_DEVICE_ENV: &str = "KVVM_CONFORMANCE_CHILD_DEVICE";
 /// The child case of `kernel_store_through_read_alias_faults`.
 pub const CHILD_KERNEL_STORE: &str = "kernel_store";
+/// The child case of `peer_store_through_read_access_faults`.
+pub const CHILD_PEER_STORE: &str = "peer_store";
 
 const VERDICT_PREFIX: &str = "KVVM_CHILD_VERDICT ";
 const ARMED_LINE: &str = "KVVM_CHILD_ARMED";
 
-/// Prints the armed line (see the module docs), flushed, right before a possibly faulting step.
+/// Prints the armed line (see the module docs), flushed, right before a possibly faulting step;
+/// only in a child process (a body run in process, where faults are recoverable, prints
+/// nothing: stdout is the report's).
 pub(crate) fn arm() {
     use std::io::Write as _;
+    if std::env::var_os(CHILD_ENV).is_none() {
+        return;
+    }
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{ARMED_LINE}");
     let _ = out.flush();
@@ -99,12 +110,14 @@ impl ChildRunner {
         Ok(ChildRunner::new(std::env::current_exe()?, Vec::new()))
     }
 
-    /// Runs child case `case` against backend `backend` and returns its verdict.
-    pub fn run(&self, backend: &str, case: &str) -> Result<ChildVerdict, String> {
+    /// Runs child case `case` against device `device` of backend `backend` and returns its
+    /// verdict.
+    pub fn run(&self, backend: &str, case: &str, device: DeviceId) -> Result<ChildVerdict, String> {
         let out = Command::new(&self.program)
             .args(&self.args)
             .env(CHILD_ENV, case)
             .env(CHILD_BACKEND_ENV, backend)
+            .env(CHILD_DEVICE_ENV, device.0.to_string())
             .output()
             .map_err(|e| format!("cannot start {}: {e}", self.program.display()))?;
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -125,11 +138,31 @@ impl ChildRunner {
     }
 }
 
-/// The child request in this process's environment: `(backend, case)`.
-pub fn requested_child() -> Option<(String, String)> {
+/// A child case this process was started to run (see [`requested_child`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChildRequest {
+    /// The backend to open, by name (`auto` when unset).
+    pub backend: String,
+    /// The child case, for `run_child`.
+    pub case: String,
+    /// The device under test; `None` when the ordinal given is not a number (`run_child`
+    /// reports that as an error verdict).
+    pub device: Option<DeviceId>,
+}
+
+/// The child request in this process's environment, if there is one.
+pub fn requested_child() -> Option<ChildRequest> {
     let case = std::env::var(CHILD_ENV).ok()?;
     let backend = std::env::var(CHILD_BACKEND_ENV).unwrap_or_else(|_| "auto".to_owned());
-    Some((backend, case))
+    let device = match std::env::var(CHILD_DEVICE_ENV) {
+        Ok(d) => d.trim().parse().ok().map(DeviceId),
+        Err(_) => Some(DeviceId(0)),
+    };
+    Some(ChildRequest {
+        backend,
+        case,
+        device,
+    })
 }
 
 /// Prints an error verdict (for a child that could not open its backend); returns the code.
@@ -167,19 +200,21 @@ mod tests {
     #[test]
     fn a_child_killed_by_sigsegv_after_arming_faulted() {
         let armed = sh(&format!("echo {ARMED_LINE}; kill -SEGV $$"));
-        match armed.run("host", CHILD_KERNEL_STORE) {
+        match armed.run("host", CHILD_KERNEL_STORE, DeviceId(0)) {
             Ok(ChildVerdict::Fault(m)) => assert!(m.contains("SIGSEGV"), "{m}"),
             other => panic!("expected a fault, got {other:?}"),
         }
         // Killed before arming (in its set-up): no verdict, an error.
-        assert!(sh("kill -SEGV $$").run("host", CHILD_KERNEL_STORE).is_err());
+        assert!(sh("kill -SEGV $$")
+            .run("host", CHILD_KERNEL_STORE, DeviceId(0))
+            .is_err());
         // Armed but killed by another signal: not a memory fault.
         let killed = sh(&format!("echo {ARMED_LINE}; kill -TERM $$"));
-        assert!(killed.run("host", CHILD_KERNEL_STORE).is_err());
+        assert!(killed.run("host", CHILD_KERNEL_STORE, DeviceId(0)).is_err());
         // A verdict line wins.
         let verdict = sh(&format!("echo {ARMED_LINE}; echo {VERDICT_PREFIX}no-fault"));
         assert_eq!(
-            verdict.run("host", CHILD_KERNEL_STORE),
+            verdict.run("host", CHILD_KERNEL_STORE, DeviceId(0)),
             Ok(ChildVerdict::NoFault)
         );
     }

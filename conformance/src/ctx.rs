@@ -2,7 +2,7 @@
 
 use kvvm_hal::{AllocationProperties, BackendError, DeviceId, KernelProbe, VirtualMemoryBackend};
 
-use crate::child::ChildRunner;
+use crate::child::{ChildRunner, ChildVerdict};
 use crate::scratch::Scratch;
 use crate::verdict::{Outcome, Verdict};
 
@@ -54,5 +54,38 @@ impl<'a> Ctx<'a> {
                 self.backend.name()
             ))),
         }
+    }
+
+    /// Runs `body`, a case that provokes a kernel fault, where a fault cannot harm the rest of
+    /// the run: in this process when the backend's faults are recoverable
+    /// ([`KernelProbe::faults_are_recoverable`]), else as child case `child_case` in a child
+    /// process (skipped without a child runner). Returns the body's verdict.
+    pub(crate) fn run_faulting(
+        &self,
+        child_case: &str,
+        body: fn(&Ctx<'_>) -> ChildVerdict,
+    ) -> Result<ChildVerdict, Verdict> {
+        let probe = self.require_kernels()?;
+        if probe.faults_are_recoverable() {
+            return Ok(body(self));
+        }
+        let runner = self.child.ok_or_else(|| {
+            Verdict::Skip("no child-process runner (run it through `kvvm conformance`)".into())
+        })?;
+        runner
+            .run(self.backend.name(), child_case, self.device)
+            .map_err(|m| Verdict::Fail(format!("child process: {m}")))
+    }
+}
+
+/// The outcome of a case whose body had to fault: `no_fault` is the failure message when the
+/// operation completed instead.
+pub(crate) fn expect_fault(verdict: ChildVerdict, no_fault: &str) -> Outcome {
+    match verdict {
+        ChildVerdict::Fault(_) => Ok(()),
+        ChildVerdict::NoFault => Err(Verdict::Fail(no_fault.to_owned())),
+        ChildVerdict::Error(m) => Err(Verdict::Fail(format!(
+            "the faulting case could not run: {m}"
+        ))),
     }
 }

@@ -35,8 +35,8 @@ mod verdict;
 pub use case::Case;
 pub use cases::all_cases;
 pub use child::{
-    report_child_error, requested_child, ChildRunner, ChildVerdict, CHILD_BACKEND_ENV, CHILD_ENV,
-    CHILD_KERNEL_STORE,
+    report_child_error, requested_child, ChildRequest, ChildRunner, ChildVerdict,
+    CHILD_BACKEND_ENV, CHILD_DEVICE_ENV, CHILD_ENV, CHILD_KERNEL_STORE, CHILD_PEER_STORE,
 };
 pub use ctx::Ctx;
 pub use report::{CaseResult, Report, Status};

@@ -9,6 +9,8 @@ use kvvm_hal::{
 pub(crate) struct Scratch<'a> {
     pub(crate) backend: &'a dyn VirtualMemoryBackend,
     pub(crate) device: DeviceId,
+    /// Other devices given access to the mappings, synchronized too before they are unmapped.
+    peers: Vec<DeviceId>,
     reservations: Vec<(DeviceAddress, u64)>,
     handles: Vec<PhysicalHandle>,
     mappings: Vec<(DeviceAddress, u64)>,
@@ -19,9 +21,18 @@ impl<'a> Scratch<'a> {
         Scratch {
             backend,
             device,
+            peers: Vec::new(),
             reservations: Vec::new(),
             handles: Vec::new(),
             mappings: Vec::new(),
+        }
+    }
+
+    /// Records that `peer` was given access to (and may run kernels on) these mappings: the
+    /// teardown synchronizes it as well as the device under test.
+    pub(crate) fn shared_with(&mut self, peer: DeviceId) {
+        if peer != self.device && !self.peers.contains(&peer) {
+            self.peers.push(peer);
         }
     }
 
@@ -107,15 +118,18 @@ impl<'a> Scratch<'a> {
         Ok(())
     }
 
-    /// Gives everything back in reverse order; reports the first failure. The device is
-    /// synchronized before anything is unmapped: a copy from pageable host memory may still be
-    /// landing when the call that queued it returned (the driver has only staged the bytes),
-    /// and unmapping under it faults the context for the cases that follow.
+    /// Gives everything back in reverse order; reports the first failure. The device (and
+    /// every peer given access) is synchronized before anything is unmapped: a copy from
+    /// pageable host memory may still be landing when the call that queued it returned (the
+    /// driver has only staged the bytes), and unmapping under it faults the context for the
+    /// cases that follow.
     pub(crate) fn finish(&mut self) -> Result<(), BackendError> {
         let mut first = None;
         if !self.mappings.is_empty() {
-            if let Err(e) = self.backend.synchronize(self.device) {
-                first.get_or_insert(e);
+            for d in std::iter::once(self.device).chain(self.peers.iter().copied()) {
+                if let Err(e) = self.backend.synchronize(d) {
+                    first.get_or_insert(e);
+                }
             }
         }
         for (va, size) in std::mem::take(&mut self.mappings).into_iter().rev() {

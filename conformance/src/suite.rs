@@ -7,8 +7,8 @@ use std::time::Instant;
 use kvvm_hal::{DeviceId, VirtualMemoryBackend};
 
 use crate::case::{Case, Verdict};
-use crate::cases::{all_cases, kernels};
-use crate::child::{ChildRunner, ChildVerdict, CHILD_KERNEL_STORE};
+use crate::cases::{all_cases, kernels, peers};
+use crate::child::{ChildRunner, ChildVerdict, CHILD_KERNEL_STORE, CHILD_PEER_STORE};
 use crate::ctx::Ctx;
 use crate::report::{CaseResult, Report, Status};
 
@@ -101,14 +101,21 @@ pub fn unavailable_report(backend: &str, reason: &str) -> Report {
     Report::new(backend, "none", cases)
 }
 
-/// Runs child case `case` on `backend`, prints the verdict line, returns the exit code.
-pub fn run_child(backend: &dyn VirtualMemoryBackend, case: &str) -> i32 {
-    let verdict = match case {
-        CHILD_KERNEL_STORE => match Ctx::new(backend, DeviceId(0), None) {
-            Ok(ctx) => kernels::kernel_store_child(&ctx),
+/// Runs child case `case` on device `device` of `backend` (`None`: the request named no
+/// valid device), prints the verdict line, returns the exit code.
+pub fn run_child(backend: &dyn VirtualMemoryBackend, case: &str, device: Option<DeviceId>) -> i32 {
+    let body: Option<fn(&Ctx<'_>) -> ChildVerdict> = match case {
+        CHILD_KERNEL_STORE => Some(kernels::kernel_store_child),
+        CHILD_PEER_STORE => Some(peers::peer_store_child),
+        _ => None,
+    };
+    let verdict = match (body, device) {
+        (None, _) => ChildVerdict::Error(format!("unknown child case {case:?}")),
+        (Some(_), None) => ChildVerdict::Error("the device ordinal is not a number".into()),
+        (Some(body), Some(device)) => match Ctx::new(backend, device, None) {
+            Ok(ctx) => body(&ctx),
             Err(e) => ChildVerdict::Error(e.to_string()),
         },
-        other => ChildVerdict::Error(format!("unknown child case {other:?}")),
     };
     // The parent reads this line; if it has gone, there is no one left to tell.
     let _ = writeln!(std::io::stdout(), "{}", verdict.to_line());

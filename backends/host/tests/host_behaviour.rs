@@ -49,6 +49,8 @@ fn the_conformance_suite_passes_in_process() {
             "kernel_store_through_read_alias_faults",
             "peer_access_is_reported_consistently",
             "peer_reads_through_a_shared_mapping",
+            "peer_writes_through_read_write_access",
+            "peer_store_through_read_access_faults",
         ],
         "{table}"
     );

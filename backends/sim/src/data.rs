@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use kvvm_hal::{Access, BackendError, DeviceAddress, ErrorKind, Operation, RowCopy};
+use kvvm_hal::{Access, BackendError, DeviceAddress, DeviceId, ErrorKind, Operation, RowCopy};
 
 use crate::state::{end_of, invalid, State};
 
@@ -12,13 +12,27 @@ const CHUNK: u64 = 64 * 1024;
 
 impl State {
     /// Splits `[start, start + len)` into (allocation, offset in allocation, length) pieces,
-    /// checking that every byte is mapped with the needed access.
+    /// checking that every byte is mapped with the needed access for the device that holds
+    /// the memory (a copy runs on its copy engines).
     pub(crate) fn pieces(
         &self,
         op: Operation,
         start: u64,
         len: u64,
         write: bool,
+    ) -> Result<Vec<(u64, u64, u64)>, BackendError> {
+        self.pieces_for(op, start, len, write, None)
+    }
+
+    /// [`pieces`](Self::pieces) with the access of `device` checked instead (a kernel running
+    /// there); `None` checks the holding device's.
+    pub(crate) fn pieces_for(
+        &self,
+        op: Operation,
+        start: u64,
+        len: u64,
+        write: bool,
+        device: Option<DeviceId>,
     ) -> Result<Vec<(u64, u64, u64)>, BackendError> {
         let end = end_of(op, start, len)?;
         let mut out = Vec::new();
@@ -34,9 +48,10 @@ impl State {
                 .allocations
                 .get(&m.allocation)
                 .ok_or_else(|| invalid(op, "mapping without allocation"))?;
+            let who = device.unwrap_or(a.device);
             let access = m
                 .access
-                .get(a.device.0 as usize)
+                .get(who.0 as usize)
                 .copied()
                 .unwrap_or(Access::None);
             let allowed = if write {
@@ -48,8 +63,7 @@ impl State {
                 return Err(invalid(
                     op,
                     format!(
-                        "{cursor:#x} has access {access:?} for {}, {} needed",
-                        a.device,
+                        "{cursor:#x} has access {access:?} for {who}, {} needed",
                         if write { "write" } else { "read" }
                     ),
                 ));
@@ -119,7 +133,7 @@ impl State {
     }
 }
 
-fn write_bytes(data: &mut HashMap<u64, Box<[u8]>>, offset: u64, src: &[u8]) {
+pub(crate) fn write_bytes(data: &mut HashMap<u64, Box<[u8]>>, offset: u64, src: &[u8]) {
     let mut pos = offset;
     let mut done = 0usize;
     while done < src.len() {
@@ -135,7 +149,7 @@ fn write_bytes(data: &mut HashMap<u64, Box<[u8]>>, offset: u64, src: &[u8]) {
     }
 }
 
-fn read_bytes(data: &HashMap<u64, Box<[u8]>>, offset: u64, dst: &mut [u8]) {
+pub(crate) fn read_bytes(data: &HashMap<u64, Box<[u8]>>, offset: u64, dst: &mut [u8]) {
     let mut pos = offset;
     let mut done = 0usize;
     while done < dst.len() {

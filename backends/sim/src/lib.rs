@@ -22,6 +22,9 @@
 //!   call for what it covers as the driver does (a handle by its size, `set_access` by its
 //!   fresh mappings, `unmap` by its mappings), accounted
 //!   ([`SimBackend::estimated_driver_time`]) or also spent ([`LatencyMode::Spin`]).
+//! * **Probe kernels** ([`KernelProbe`]): loads and stores checked against the access of the
+//!   device that launches them, so a peer's read-only mapping refuses its stores. A fault is
+//!   `DeviceLost`, as on a GPU, but the simulated device stays usable.
 //! * **Quirks** ([`SimQuirks`]): deliberately wrong semantics, to prove the conformance suite
 //!   can fail, and the ROCm multi-unmap bug, to exercise the manager's capability handling.
 //!
@@ -54,6 +57,7 @@ mod address;
 mod config;
 mod data;
 mod faults;
+mod kernel;
 mod ledger;
 mod mapping;
 mod physical;
@@ -74,8 +78,8 @@ use std::time::{Duration, Instant};
 
 use kvvm_hal::{
     traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
-    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, MemoryInfo, Operation,
-    PhysicalHandle, RowCopy, StreamHandle, VirtualMemoryBackend,
+    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
+    Operation, PhysicalHandle, RowCopy, StreamHandle, VirtualMemoryBackend,
 };
 
 use state::State;
@@ -271,7 +275,7 @@ impl VirtualMemoryBackend for SimBackend {
         Capabilities {
             unmap_spans_mappings: !self.config.quirks.multi_unmap_breaks_free,
             posix_fd_handles: self.config.devices.iter().all(|d| d.posix_fd),
-            kernels: false,
+            kernels: true,
             set_access_retries: 0,
             checks_reservation_bounds: true,
         }
@@ -424,5 +428,9 @@ impl VirtualMemoryBackend for SimBackend {
             s.device(Operation::Devices, peer)?;
             Ok((s.peers.linked(device.0, peer.0), Covered::NOTHING))
         })
+    }
+
+    fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
+        Some(self)
     }
 }

@@ -1,11 +1,13 @@
-//! Kernels: loads and stores through a read-only alias (the store in a child process).
+//! Kernels: loads and stores through a read-only alias (the store in a child process where a
+//! fault is not recoverable).
 
-use kvvm_hal::{ErrorKind, KernelProbeOp};
+use kvvm_hal::{DeviceAddress, ErrorKind, KernelProbe, KernelProbeOp};
 
-use crate::case::{ensure, fail, pattern, Outcome, Verdict, SAMPLE};
+use crate::case::{ensure, pattern, read_back, Outcome, Verdict, SAMPLE};
 use crate::cases::aliases::aliased;
 use crate::child::{ChildVerdict, CHILD_KERNEL_STORE};
-use crate::ctx::Ctx;
+use crate::ctx::{expect_fault, Ctx};
+use crate::scratch::Scratch;
 
 pub(crate) fn kernel_load_through_read_alias(ctx: &Ctx<'_>) -> Outcome {
     let probe = ctx.require_kernels()?;
@@ -20,7 +22,8 @@ pub(crate) fn kernel_load_through_read_alias(ctx: &Ctx<'_>) -> Outcome {
     )
 }
 
-/// The body that runs in the child process: returns whether the store faulted.
+/// The body of `kernel_store_through_read_alias_faults` (in a child process where a fault is
+/// not recoverable): loads through the alias see the owner's bytes, then the store faults.
 pub(crate) fn kernel_store_child(ctx: &Ctx<'_>) -> ChildVerdict {
     let probe = match ctx.backend.kernel_probe() {
         Some(p) => p,
@@ -37,37 +40,57 @@ pub(crate) fn kernel_store_child(ctx: &Ctx<'_>) -> ChildVerdict {
             sum == expected,
             format!("load through the alias summed {sum}, expected {expected}"),
         )?;
-        Ok((s, ro))
+        Ok((s, rw, ro, p))
     };
-    let (s, ro) = match setup() {
+    let (s, rw, ro, p) = match setup() {
         Ok(v) => v,
         Err(Verdict::Fail(m) | Verdict::Skip(m)) => return ChildVerdict::Error(m),
     };
     crate::child::arm();
-    let verdict = match probe.run(ctx.device, KernelProbeOp::Store, ro, 256, 0xAB) {
+    let verdict = store_verdict(probe.run(ctx.device, KernelProbeOp::Store, ro, 256, 0xAB));
+    finish_faulting(ctx, probe, s, rw, &p, verdict)
+}
+
+/// The verdict of a store that should fault: `DeviceLost` is the fault, success is none.
+pub(crate) fn store_verdict(result: kvvm_hal::BackendResult<u64>) -> ChildVerdict {
+    match result {
         Ok(_) => ChildVerdict::NoFault,
         Err(e) if e.kind == ErrorKind::DeviceLost => ChildVerdict::Fault(e.to_string()),
         Err(e) => ChildVerdict::Error(format!("store kernel failed unexpectedly: {e}")),
-    };
-    // After a fault the context is unusable; the process exits without tearing down.
-    std::mem::forget(s);
+    }
+}
+
+/// Ends a faulting body. Where a fault is recoverable the device is still usable: the bytes
+/// at `rw` must still be `before` (a refused store writes nothing), and the scratch is torn
+/// down. Elsewhere the context is unusable after a fault, so the child process exits without
+/// tearing down.
+pub(crate) fn finish_faulting(
+    ctx: &Ctx<'_>,
+    probe: &dyn KernelProbe,
+    s: Scratch<'_>,
+    rw: DeviceAddress,
+    before: &[u8],
+    verdict: ChildVerdict,
+) -> ChildVerdict {
+    if !probe.faults_are_recoverable() {
+        std::mem::forget(s);
+        return verdict;
+    }
+    if let ChildVerdict::Fault(_) = verdict {
+        match read_back(ctx, rw, before.len()) {
+            Ok(now) if now == before => {}
+            Ok(_) => return ChildVerdict::Error("the faulting store changed the bytes".into()),
+            Err(e) => return ChildVerdict::Error(format!("read back after the fault: {e:?}")),
+        }
+    }
+    drop(s);
     verdict
 }
 
 pub(crate) fn kernel_store_through_read_alias_faults(ctx: &Ctx<'_>) -> Outcome {
-    ctx.require_kernels()?;
-    let runner = ctx.child.ok_or_else(|| {
-        Verdict::Skip("no child-process runner (run it through `kvvm conformance`)".into())
-    })?;
-    match runner.run(ctx.backend.name(), CHILD_KERNEL_STORE) {
-        Ok(ChildVerdict::Fault(msg)) => {
-            let _ = msg;
-            Ok(())
-        }
-        Ok(ChildVerdict::NoFault) => Err(fail(
-            "a kernel store through the Read alias completed without a fault",
-        )),
-        Ok(ChildVerdict::Error(m)) => Err(fail(format!("child process: {m}"))),
-        Err(m) => Err(fail(format!("child process: {m}"))),
-    }
+    let verdict = ctx.run_faulting(CHILD_KERNEL_STORE, kernel_store_child)?;
+    expect_fault(
+        verdict,
+        "a kernel store through the Read alias completed without a fault",
+    )
 }

@@ -202,5 +202,13 @@ pub fn all_cases() -> Vec<Case> {
             peers::peer_reads_through_a_shared_mapping,
             "memory given Read access from a peer device is read there"
         ),
+        case!(
+            peers::peer_writes_through_read_write_access,
+            "a peer's kernel store through ReadWrite access is seen by the owner"
+        ),
+        case!(
+            peers::peer_store_through_read_access_faults,
+            "a peer's kernel store through Read access faults (child process)"
+        ),
     ]
 }

@@ -1,10 +1,15 @@
-//! Peer access: memory of this device given access from another device of the same backend.
-//! Skipped, with the reason, on a backend with one device or no peer link.
+//! Peer access: memory of this device given access from another device of the same backend:
+//! read there, written there with ReadWrite access, a store refused with Read access (in a
+//! child process where the fault is not recoverable), and a teardown that synchronizes both
+//! devices. Skipped, with the reason, on a backend with one device or no peer link.
 
-use kvvm_hal::{Access, AccessDescriptor, DeviceId, KernelProbeOp};
+use kvvm_hal::{Access, AccessDescriptor, DeviceAddress, DeviceId, KernelProbeOp};
 
 use crate::case::{ensure, fail, pattern, read_back, Outcome, Verdict, SAMPLE};
-use crate::ctx::Ctx;
+use crate::cases::kernels::{finish_faulting, store_verdict};
+use crate::child::{ChildVerdict, CHILD_PEER_STORE};
+use crate::ctx::{expect_fault, Ctx};
+use crate::scratch::Scratch;
 
 /// Another device this one's memory can be given access from, or the skip saying why not.
 fn a_peer(ctx: &Ctx<'_>) -> Result<DeviceId, Verdict> {
@@ -52,36 +57,115 @@ pub(crate) fn peer_access_is_reported_consistently(ctx: &Ctx<'_>) -> Outcome {
     Ok(())
 }
 
-pub(crate) fn peer_reads_through_a_shared_mapping(ctx: &Ctx<'_>) -> Outcome {
-    let peer = a_peer(ctx)?;
+/// One granule of the device under test, mapped ReadWrite for it and with `access` for
+/// `peer`, holding a pattern of `n` bytes (returned) at its start.
+fn shared_with<'a>(
+    ctx: &'a Ctx<'a>,
+    peer: DeviceId,
+    access: Access,
+    seed: u8,
+) -> Result<(Scratch<'a>, DeviceAddress, Vec<u8>), Verdict> {
     let g = ctx.granule;
     let mut s = ctx.scratch();
     let va = s.reserve(g)?;
     let h = s.create(g)?;
     s.map(va, g, h)?;
+    s.shared_with(peer);
     let desc = [
         AccessDescriptor::read_write(ctx.device),
         AccessDescriptor {
             device: peer,
-            access: Access::Read,
+            access,
         },
     ];
     ctx.backend.set_access(va, g, &desc)?;
-    let n = SAMPLE.min(g as usize);
-    let p = pattern(n, 41);
+    let p = pattern(SAMPLE.min(g as usize), seed);
     ctx.backend.copy_to_device(va, &p)?;
-    ensure(read_back(ctx, va, n)? == p, "the bytes do not read back")?;
+    ensure(
+        read_back(ctx, va, p.len())? == p,
+        "the bytes do not read back",
+    )?;
+    Ok((s, va, p))
+}
+
+/// The wrapping sum of `bytes`, what a load probe returns.
+fn sum(bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(0u64, |acc, &b| acc.wrapping_add(u64::from(b)))
+}
+
+pub(crate) fn peer_reads_through_a_shared_mapping(ctx: &Ctx<'_>) -> Outcome {
+    let peer = a_peer(ctx)?;
+    let (mut s, va, p) = shared_with(ctx, peer, Access::Read, 41)?;
     if let Some(k) = ctx.backend.kernel_probe() {
         // A load on the peer device through the mapping sees the owner's bytes.
-        let sum = k.run(peer, KernelProbeOp::Load, va, n as u64, 0)?;
-        let want = p
-            .iter()
-            .map(|&b| u64::from(b))
-            .fold(0u64, u64::wrapping_add);
+        let got = k.run(peer, KernelProbeOp::Load, va, p.len() as u64, 0)?;
         ensure(
-            sum == want,
-            format!("{peer} loaded a sum of {sum}, expected {want}"),
+            got == sum(&p),
+            format!("{peer} loaded a sum of {got}, expected {}", sum(&p)),
         )?;
     }
+    // Teardown: both devices synchronized, then unmap, release, free.
+    s.finish()?;
     Ok(())
+}
+
+pub(crate) fn peer_writes_through_read_write_access(ctx: &Ctx<'_>) -> Outcome {
+    let probe = ctx.require_kernels()?;
+    let peer = a_peer(ctx)?;
+    let (mut s, va, p) = shared_with(ctx, peer, Access::ReadWrite, 43)?;
+    let n = p.len() as u64;
+    probe.run(peer, KernelProbeOp::Store, va, n, 0x5A)?;
+    // The owner's copy engine and a kernel on the owner see the peer's store.
+    ensure(
+        read_back(ctx, va, p.len())?.iter().all(|&b| b == 0x5A),
+        format!("the bytes {peer} stored are not what {} reads", ctx.device),
+    )?;
+    let got = probe.run(ctx.device, KernelProbeOp::Load, va, n, 0)?;
+    ensure(
+        got == 0x5A * n,
+        format!(
+            "{} loaded a sum of {got} after the peer's store, expected {}",
+            ctx.device,
+            0x5A * n
+        ),
+    )?;
+    s.finish()?;
+    Ok(())
+}
+
+pub(crate) fn peer_store_through_read_access_faults(ctx: &Ctx<'_>) -> Outcome {
+    ctx.require_kernels()?;
+    a_peer(ctx)?;
+    let verdict = ctx.run_faulting(CHILD_PEER_STORE, peer_store_child)?;
+    expect_fault(
+        verdict,
+        "a peer's kernel store through its Read access completed without a fault",
+    )
+}
+
+/// The body of `peer_store_through_read_access_faults` (in a child process where a fault is
+/// not recoverable): the peer's load sees the owner's bytes, then its store faults.
+pub(crate) fn peer_store_child(ctx: &Ctx<'_>) -> ChildVerdict {
+    let Some(probe) = ctx.backend.kernel_probe() else {
+        return ChildVerdict::Error("backend has no kernel probe".into());
+    };
+    let setup = || -> Result<_, Verdict> {
+        let peer = a_peer(ctx)?;
+        let (s, va, p) = shared_with(ctx, peer, Access::Read, 47)?;
+        let got = probe.run(peer, KernelProbeOp::Load, va, p.len() as u64, 0)?;
+        ensure(
+            got == sum(&p),
+            format!("{peer} loaded a sum of {got}, expected {}", sum(&p)),
+        )?;
+        Ok((s, peer, va, p))
+    };
+    let (s, peer, va, p) = match setup() {
+        Ok(v) => v,
+        Err(Verdict::Fail(m) | Verdict::Skip(m)) => return ChildVerdict::Error(m),
+    };
+    crate::child::arm();
+    let verdict = store_verdict(probe.run(peer, KernelProbeOp::Store, va, p.len() as u64, 0xCD));
+    finish_faulting(ctx, probe, s, va, &p, verdict)
 }

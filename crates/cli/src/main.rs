@@ -92,9 +92,9 @@ fn parse() -> Result<Cli, clap::Error> {
 
 fn main() -> ExitCode {
     // A conformance case that must run in a child process re-runs this executable.
-    if let Some((backend, case)) = kvvm_conformance::requested_child() {
-        let code = match kvvm::open_backend(&backend) {
-            Ok(b) => kvvm_conformance::run_child(&*b, &case),
+    if let Some(req) = kvvm_conformance::requested_child() {
+        let code = match kvvm::open_backend(&req.backend) {
+            Ok(b) => kvvm_conformance::run_child(&*b, &req.case, req.device),
             Err(e) => kvvm_conformance::report_child_error(&e.to_string()),
         };
         return ExitCode::from(u8::try_from(code).unwrap_or(2));

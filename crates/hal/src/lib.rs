@@ -130,6 +130,14 @@ pub trait KernelProbe: Send + Sync {
         len: u64,
         value: u8,
     ) -> BackendResult<u64>;
+
+    /// Whether a faulting probe leaves the device and the process usable, so that a fault may
+    /// be provoked in this process. False unless a backend says otherwise: on a GPU a kernel
+    /// fault is sticky (the context is lost) and on the host the MMU ends the process, so the
+    /// conformance suite runs faulting probes in a child process there.
+    fn faults_are_recoverable(&self) -> bool {
+        false
+    }
 }
 
 /// The backend-neutral virtual-memory interface of a GPU driver.

@@ -1,0 +1,81 @@
+//! The probe "kernels" of [`KernelProbe`] on the simulated device: a load or a store of every
+//! byte of a range, checked against the access the *launching* device has to each mapping
+//! (a copy is checked against the holding device's instead). A forbidden or unmapped access
+//! is the fault a GPU reports (`DeviceLost`, the simulated `ILLEGAL_ADDRESS`) and nothing is
+//! written; unlike a GPU's, the simulated device stays usable afterwards, so the conformance
+//! suite provokes such faults in its own process
+//! ([`KernelProbe::faults_are_recoverable`]).
+
+use kvvm_hal::{
+    BackendError, BackendResult, DeviceAddress, DeviceId, ErrorKind, KernelProbe, KernelProbeOp,
+    Operation,
+};
+
+use crate::data::{read_bytes, write_bytes};
+use crate::state::State;
+use crate::{sim_error, Covered, SimBackend};
+
+impl KernelProbe for SimBackend {
+    fn run(
+        &self,
+        device: DeviceId,
+        op: KernelProbeOp,
+        address: DeviceAddress,
+        len: u64,
+        value: u8,
+    ) -> BackendResult<u64> {
+        self.call(Operation::Kernel, |s| {
+            s.device(Operation::Kernel, device)?;
+            Ok((s.kernel(device, op, address, len, value)?, Covered::NOTHING))
+        })
+    }
+
+    fn faults_are_recoverable(&self) -> bool {
+        true
+    }
+}
+
+impl State {
+    /// What the probe kernel does on `device`: the wrapping sum of the bytes for a load, 0
+    /// after a store of `value` into every byte.
+    fn kernel(
+        &mut self,
+        device: DeviceId,
+        op: KernelProbeOp,
+        address: DeviceAddress,
+        len: u64,
+        value: u8,
+    ) -> Result<u64, BackendError> {
+        let kop = Operation::Kernel;
+        let store = op == KernelProbeOp::Store;
+        // Every byte is checked before any is touched: a faulting store writes nothing.
+        let pieces = self
+            .pieces_for(kop, address.0, len, store, Some(device))
+            .map_err(|e| {
+                let why = e.detail.unwrap_or_default();
+                sim_error(
+                    kop,
+                    ErrorKind::DeviceLost,
+                    format!("kernel on {device} faulted: {why}"),
+                )
+            })?;
+        let mut sum = 0u64;
+        for (alloc, offset, n) in pieces {
+            let n = usize::try_from(n)
+                .map_err(|_| sim_error(kop, ErrorKind::InvalidValue, "probe length past usize"))?;
+            let Some(a) = self.allocations.get_mut(&alloc) else {
+                continue;
+            };
+            if store {
+                write_bytes(&mut a.data, offset, &vec![value; n]);
+            } else {
+                let mut buf = vec![0u8; n];
+                read_bytes(&a.data, offset, &mut buf);
+                sum = buf
+                    .iter()
+                    .fold(sum, |acc, &b| acc.wrapping_add(u64::from(b)));
+            }
+        }
+        Ok(sum)
+    }
+}
