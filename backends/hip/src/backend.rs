@@ -32,10 +32,10 @@ use crate::SET_ACCESS_RETRIES;
 /// every method may be called from any thread.
 #[derive(Debug)]
 pub struct HipBackend {
-    runtime: HipRuntime,
+    pub(crate) runtime: HipRuntime,
     layout: PropLayout,
-    device_count: u32,
-    posix_fd: bool,
+    pub(crate) device_count: u32,
+    pub(crate) posix_fd: bool,
 }
 
 impl HipBackend {
@@ -90,12 +90,12 @@ impl HipBackend {
         self.device_count
     }
 
-    fn api(&self) -> &HipApi {
+    pub(crate) fn api(&self) -> &HipApi {
         &self.runtime.api
     }
 
     /// The value of a successful call; else the typed error, with `call` as detail.
-    fn check<T>(
+    pub(crate) fn check<T>(
         &self,
         op: Operation,
         result: HipResult<T>,
@@ -140,7 +140,7 @@ impl HipBackend {
     /// Whether a granularity query for `handle_type` on `device` succeeds: the runtime
     /// supports VMM allocations of that kind there. Refusals (`NotSupported`,
     /// `InvalidValue`) are `false`; other failures are errors.
-    fn probe_granularity(
+    pub(crate) fn probe_granularity(
         &self,
         device: DeviceId,
         handle_type: ShareableHandleType,
@@ -158,16 +158,6 @@ impl HipBackend {
         }
     }
 
-    fn driver_version(&self) -> String {
-        let mut s = format!("HIP runtime {}", self.runtime.version);
-        if let Some(Ok(v)) = self.api().call_driver_get_version() {
-            if v > 0 {
-                s.push_str(&format!(", driver {v}"));
-            }
-        }
-        s
-    }
-
     fn not_supported(&self, op: Operation) -> BackendError {
         BackendError::raised(
             op,
@@ -177,32 +167,6 @@ impl HipBackend {
                 self.runtime.version, self.runtime.path
             ),
         )
-    }
-
-    fn device_info(&self, index: u32, driver_version: &str) -> BackendResult<DeviceInfo> {
-        let id = DeviceId(index);
-        let ordinal = ordinal(Operation::Devices, id)?;
-        let name = self.check(
-            Operation::Devices,
-            self.api().call_device_get_name(ordinal),
-            || format!("hipDeviceGetName(device {ordinal})"),
-        )?;
-        let total = self.check(
-            Operation::Devices,
-            self.api().call_device_total_mem(ordinal),
-            || format!("hipDeviceTotalMem(device {ordinal})"),
-        )?;
-        let vmm_supported = self.probe_granularity(id, ShareableHandleType::None)?;
-        let posix_fd_supported =
-            self.posix_fd && self.probe_granularity(id, ShareableHandleType::PosixFd)?;
-        Ok(DeviceInfo {
-            id,
-            name,
-            total_memory: to_u64(total),
-            vmm_supported,
-            posix_fd_supported,
-            driver_version: driver_version.to_owned(),
-        })
     }
 }
 
@@ -482,6 +446,13 @@ impl VirtualMemoryBackend for HipBackend {
                 // caller.
                 Ok(unsafe { OwnedFd::from_raw_fd(fd) })
             },
+        )
+    }
+
+    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
+        traced(
+            tracing::debug_span!("kvvm_hip", op = "hipDeviceCanAccessPeer", %device, %peer),
+            || self.peer_access(device, peer),
         )
     }
 

@@ -269,6 +269,8 @@ pub type FnHipMemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> HipEr
 pub type FnHipDeviceGetName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> HipErrorCode;
 /// `hipError_t hipDeviceTotalMem(size_t* bytes, hipDevice_t device)`.
 pub type FnHipDeviceTotalMem = unsafe extern "C" fn(*mut usize, c_int) -> HipErrorCode;
+/// `hipError_t hipDeviceCanAccessPeer(int* canAccessPeer, int deviceId, int peerDeviceId)`.
+pub type FnHipDeviceCanAccessPeer = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> HipErrorCode;
 /// `hipError_t hipMemExportToShareableHandle(void* shareableHandle,
 /// hipMemGenericAllocationHandle_t handle, hipMemAllocationHandleType handleType,
 /// unsigned long long flags)`.
@@ -329,6 +331,8 @@ pub struct HipApi {
     pub mem_export_to_shareable_handle: Option<FnHipMemExportToShareableHandle>,
     /// `hipMemImportFromShareableHandle`, when the library exports it.
     pub mem_import_from_shareable_handle: Option<FnHipMemImportFromShareableHandle>,
+    /// `hipDeviceCanAccessPeer`, when the library exports it (without it no peer is reported).
+    pub device_can_access_peer: Option<FnHipDeviceCanAccessPeer>,
 }
 
 /// Resolves `name` in `lib` as a function pointer of type `T`.
@@ -402,6 +406,7 @@ impl HipApi {
                 "hipMemImportFromShareableHandle",
                 FnHipMemImportFromShareableHandle
             ),
+            device_can_access_peer: optional!("hipDeviceCanAccessPeer", FnHipDeviceCanAccessPeer),
         })
     }
 }

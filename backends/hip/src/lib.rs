@@ -48,7 +48,8 @@
 //! The same file set as the CUDA backend: `driver` (the loaded symbol table and the raw ABI),
 //! `result` (one thin checked wrapper per entry point; every `unsafe` call is there), `error`
 //! (one `(code, name, kind)` table), `conv` (checked conversions), `backend` (the trait, one
-//! tracing span per driver call); plus `runtime` (loading and initialising) and `version`.
+//! tracing span per driver call); plus `devices` (names, memory, peer access), `runtime`
+//! (loading and initialising) and `version`.
 //!
 //! ## Threads and devices
 //!
@@ -57,6 +58,8 @@
 //! addresses or handles (`reserve`, `map`, `set_access`, `unmap`, copies, `release`) act on
 //! process-wide virtual addresses and use whatever device the thread has (device 0 by
 //! default). `import_posix_fd` imports onto the device it is given (made current first).
+//! `can_access_peer` asks `hipDeviceCanAccessPeer` (optional: a runtime without it reports no
+//! peers).
 //!
 //! ## Known ROCm bugs this backend reports through [`Capabilities`](kvvm_hal::Capabilities)
 //!
@@ -86,6 +89,7 @@ compile_error!("kvvm-hip requires a 64-bit target (device addresses and handles 
 
 mod backend;
 mod conv;
+mod devices;
 pub mod driver;
 pub mod error;
 mod result;

@@ -96,6 +96,20 @@ impl HipApi {
             .unwrap_or_default())
     }
 
+    /// `hipDeviceCanAccessPeer`: whether `device` can access the memory of `peer`; `None`
+    /// when the runtime does not export it.
+    pub(crate) fn call_device_can_access_peer(
+        &self,
+        device: c_int,
+        peer: c_int,
+    ) -> Option<HipResult<bool>> {
+        let f = self.device_can_access_peer?;
+        let mut can: c_int = 0;
+        // SAFETY: `can` is a valid out-parameter for the duration of the call.
+        let rc = unsafe { f(&mut can, device, peer) };
+        Some(check(rc).map(|()| can != 0))
+    }
+
     /// `hipDeviceTotalMem` of `ordinal`.
     pub(crate) fn call_device_total_mem(&self, ordinal: c_int) -> HipResult<usize> {
         let mut total: usize = 0;

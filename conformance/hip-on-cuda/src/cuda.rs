@@ -140,6 +140,8 @@ pub struct Cuda {
     pub mem_export: unsafe extern "C" fn(*mut c_void, CuHandle, c_uint, c_ulonglong) -> CuResult,
     /// `cuMemImportFromShareableHandle`.
     pub mem_import: unsafe extern "C" fn(*mut CuHandle, *mut c_void, c_uint) -> CuResult,
+    /// `cuDeviceCanAccessPeer`.
+    pub device_can_access_peer: unsafe extern "C" fn(*mut c_int, c_int, c_int) -> CuResult,
     /// Primary contexts retained so far: (ordinal, CUcontext address).
     contexts: Mutex<Vec<(c_int, usize)>>,
 }
@@ -210,6 +212,7 @@ fn load() -> Result<Cuda, HipErrorCode> {
         device_total_mem: sym!("cuDeviceTotalMem_v2"),
         mem_export: sym!("cuMemExportToShareableHandle"),
         mem_import: sym!("cuMemImportFromShareableHandle"),
+        device_can_access_peer: sym!("cuDeviceCanAccessPeer"),
         contexts: Mutex::new(Vec::new()),
         _library: lib,
     };

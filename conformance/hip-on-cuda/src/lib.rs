@@ -462,6 +462,35 @@ pub unsafe extern "C" fn hipDeviceTotalMem(bytes: *mut usize, device: c_int) -> 
     })
 }
 
+/// `hipError_t hipDeviceCanAccessPeer(int* canAccessPeer, int deviceId, int peerDeviceId)`:
+/// whether `deviceId` can access the memory of `peerDeviceId` (`cuDeviceCanAccessPeer`, whose
+/// arguments are in the same order).
+///
+/// # Safety
+/// `can_access` must be writable.
+#[no_mangle]
+pub unsafe extern "C" fn hipDeviceCanAccessPeer(
+    can_access: *mut c_int,
+    device: c_int,
+    peer: c_int,
+) -> HipErrorCode {
+    guard(|| {
+        let c = match cuda() {
+            Ok(c) if c.init_rc == 0 => c,
+            Ok(c) => return c.init_rc,
+            Err(rc) => return rc,
+        };
+        if can_access.is_null() {
+            return HIP_ERROR_INVALID_VALUE;
+        }
+        match (c.device(device), c.device(peer)) {
+            // SAFETY: `can_access` is writable by the caller's contract.
+            (Ok(d), Ok(p)) => to_hip(unsafe { (c.device_can_access_peer)(can_access, d, p) }),
+            (Err(rc), _) | (_, Err(rc)) => rc,
+        }
+    })
+}
+
 /// `hipError_t hipMemExportToShareableHandle(void* shareableHandle,
 /// hipMemGenericAllocationHandle_t handle, hipMemAllocationHandleType handleType,
 /// unsigned long long flags)`.

@@ -105,6 +105,25 @@ fn last_prop_seen_by_the_fake() -> Result<SeenProp, libloading::Error> {
     Ok(prop)
 }
 
+/// `hipDeviceCanAccessPeer(&can, device, peer)` called on the shim: `(return code, can)`.
+fn shim_can_access_peer(
+    shim: &std::ffi::OsStr,
+    device: i32,
+    peer: i32,
+) -> Result<(i32, i32), libloading::Error> {
+    // SAFETY: the shim is already loaded by the backend; loading it again returns the same
+    // instance, and its initialisers are safe to run in any process.
+    let lib = unsafe { libloading::Library::new(shim) }?;
+    // SAFETY: `hipError_t hipDeviceCanAccessPeer(int*, int, int)`.
+    let f = unsafe {
+        lib.get::<unsafe extern "C" fn(*mut i32, i32, i32) -> i32>("hipDeviceCanAccessPeer")
+    }?;
+    let mut can = -1;
+    // SAFETY: `can` is a valid out-parameter.
+    let rc = unsafe { f(&mut can, device, peer) };
+    Ok((rc, can))
+}
+
 #[test]
 fn child_end_to_end() {
     let Some(shim) = std::env::var_os(CHILD_ENV).and(std::env::var_os(SHIM_ENV)) else {
@@ -125,6 +144,18 @@ fn child_end_to_end() {
     let caps = b.capabilities();
     assert!(!caps.unmap_spans_mappings && !caps.kernels);
     assert!(caps.set_access_retries > 0);
+
+    // Peer access: a device reaches its own memory; a device the backend lacks is refused.
+    assert!(b.can_access_peer(DeviceId(0), DeviceId(0)).expect("itself"));
+    let e = b
+        .can_access_peer(DeviceId(0), DeviceId(1))
+        .expect_err("one device");
+    assert_eq!(e.kind, ErrorKind::InvalidValue, "{e}");
+    // The shim's hipDeviceCanAccessPeer forwards to cuDeviceCanAccessPeer (the fake answers 0
+    // for device 0) and maps an unknown ordinal onto hipErrorInvalidDevice.
+    let peer = |d, p| shim_can_access_peer(&shim, d, p).expect("hipDeviceCanAccessPeer");
+    assert_eq!(peer(0, 0), (0, 0));
+    assert_eq!(peer(0, 1).0, 101);
 
     let d0 = DeviceId(0);
     let props = AllocationProperties::device(d0);

@@ -70,6 +70,11 @@ CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
     return 0;
 }
 CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) { if (d != 0) return 101; *bytes = CAPACITY; return 0; }
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer) {
+    if (d != 0 || peer != 0) return 101;
+    *can = 0; /* one device: cuda.h leaves a device and itself undefined; the caller asks only for peers */
+    return 0;
+}
 CUresult cuMemGetInfo_v2(size_t *free_, size_t *total) {
     if (!current) return 201;
     *free_ = CAPACITY - used; *total = CAPACITY; return 0;
