@@ -36,6 +36,9 @@ grep -hoE 'skipped: [^"]*' target/test-output.log | sort | uniq -c || true
 
 echo "== conformance suite on the simulated backend (table, JSON, JUnit XML)"
 cargo run --release -q -p kvvm-cli -- conformance --backend sim --require-pass
+# Two simulated H200s: the peer cases run too (on the second device, peer = the first).
+KVVM_SIM_DEVICES=2 cargo run --release -q -p kvvm-cli -- conformance --backend sim --device 1 \
+  --require-pass | tail -n 5
 cargo run --release -q -p kvvm-cli -- conformance --backend sim --json \
   --junit target/conformance-sim.xml > target/conformance-sim.json
 python3 - <<'PY'

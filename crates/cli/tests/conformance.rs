@@ -106,3 +106,47 @@ fn require_pass_fails_when_everything_was_skipped() {
     let (code, _, stderr) = kvvm(&["conformance", "--backend", "sim", "--require-pass"]);
     assert_eq!(code, 0, "{stderr}");
 }
+
+/// `kvvm conformance --backend sim` over `KVVM_SIM_DEVICES` simulated devices.
+fn sim_devices(devices: &str, args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["conformance", "--backend", "sim"])
+        .args(args)
+        .env("KVVM_SIM_DEVICES", devices)
+        .output()
+        .expect("run kvvm");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_peer_cases_run_on_each_of_two_simulated_devices() {
+    for device in ["0", "1"] {
+        let (code, stdout, stderr) = sim_devices("2", &["--device", device, "--json"]);
+        assert_eq!(code, 0, "{stderr}");
+        let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        assert_eq!(v["failed"], 0, "{stdout}");
+        assert_eq!(v["skipped"], 0, "{stdout}");
+        let peers: Vec<_> = v["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["name"].as_str().unwrap().starts_with("peer_"))
+            .collect();
+        assert_eq!(peers.len(), 4, "{stdout}");
+        assert!(peers.iter().all(|c| c["status"] == "pass"), "{peers:?}");
+    }
+    // A count outside 1..=8 leaves the backend unavailable, with the reason (every case is
+    // skipped, so --require-pass fails), never guessed.
+    for bad in ["0", "9", "two"] {
+        let (code, stdout, stderr) = sim_devices(bad, &["--require-pass"]);
+        assert_ne!(code, 0, "KVVM_SIM_DEVICES={bad}");
+        assert!(
+            format!("{stdout}{stderr}").contains("KVVM_SIM_DEVICES"),
+            "{stdout}{stderr}"
+        );
+    }
+}

@@ -20,7 +20,7 @@
 //! |---|---|
 //! | `"cuda"` | the CUDA driver (libcuda, loaded at run time) |
 //! | `"hip"` | the HIP runtime (libamdhip64, loaded at run time; `KVVM_HIP_LIBRARY` overrides) |
-//! | `"sim"` | the in-process simulated driver (one simulated H200) |
+//! | `"sim"` | the in-process simulated driver (one simulated H200; `KVVM_SIM_DEVICES=N` for N of them) |
 //! | `"host"` | the host's own virtual memory (memfd + mmap; Linux): addressable KV bytes on the CPU |
 //! | `"auto"` | CUDA if it opens, else HIP, else the simulator, with a notice saying why (never `host`: it is chosen by name) |
 //!
@@ -162,6 +162,37 @@ fn open_hip() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
         })
 }
 
+/// The environment variable giving the number of simulated H200s `"sim"` opens (1 to 8,
+/// default 1), all linked to each other: how the peer cases and multi-device commands run on
+/// a machine without GPUs.
+pub const SIM_DEVICES_ENV: &str = "KVVM_SIM_DEVICES";
+
+fn open_sim() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
+    let devices = match std::env::var(SIM_DEVICES_ENV) {
+        Err(_) => 1,
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n @ 1..=8) => n,
+            _ => {
+                return Err(OpenError::Backend {
+                    name: "sim".into(),
+                    source: BackendError::raised(
+                        Operation::Load,
+                        ErrorKind::InvalidValue,
+                        format!(
+                            "{SIM_DEVICES_ENV}={v:?}: a number of devices from 1 to 8 expected"
+                        ),
+                    ),
+                })
+            }
+        },
+    };
+    let config = kvvm_sim::SimConfig {
+        devices: vec![kvvm_sim::SimDeviceConfig::h200(); devices],
+        ..kvvm_sim::SimConfig::default()
+    };
+    Ok(Arc::new(kvvm_sim::SimBackend::new(config)))
+}
+
 fn open_host() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
     kvvm_host::HostBackend::open()
         .map(|b| Arc::new(b) as Arc<dyn VirtualMemoryBackend>)
@@ -187,7 +218,7 @@ pub fn open_backend_verbose(name: &str) -> Result<OpenedBackend, OpenError> {
         passed_over: Vec::new(),
     };
     match name {
-        "sim" => Ok(plain(Arc::new(kvvm_sim::SimBackend::h200()))),
+        "sim" => open_sim().map(plain),
         "cuda" => open_cuda().map(plain),
         "hip" => open_hip().map(plain),
         "host" => open_host().map(plain),
