@@ -11,6 +11,18 @@ log="$out/gpu-run.log"
 exec > >(tee "$log") 2>&1
 only="${1:-all}"
 
+# One line per `kvvm behaviour --json` report: counts, fault runs, driver free memory, failures.
+summarize_behaviour() {
+  python3 - "$1" <<'PY' || true
+import json, sys
+r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+bad = [(c["name"], c["reason"]) for c in r["cases"] if c["status"] != "pass"]
+print(sys.argv[1].rsplit("/", 1)[-1], r["backend"], r["device"], f"{r['passed']} passed, {r['failed']} failed,",
+      f"{r['fault_runs']} fault runs, {r['faults_fired']} faults,",
+      f"driver free {r['driver_free_before']} -> {r['driver_free_after']}", bad[:3])
+PY
+}
+
 echo "== machine"; date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
 echo "bundle commit: $(cat "$here/COMMIT" 2>/dev/null)"
 
@@ -71,14 +83,7 @@ if [ "$only" = all ] || [ "$only" = behaviour ]; then
     echo "API errors reported: $(grep -c 'Program hit' "$out/memcheck.txt")"
   fi
   for f in behaviour-cuda behaviour-hip-shim behaviour-cuda-memcheck; do
-    python3 - "$out/$f.json" <<'PY' || true
-import json, sys
-r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-bad = [(c["name"], c["reason"]) for c in r["cases"] if c["status"] != "pass"]
-print(sys.argv[1].rsplit("/", 1)[-1], r["backend"], r["device"], f"{r['passed']} passed, {r['failed']} failed,",
-      f"{r['fault_runs']} fault runs, {r['faults_fired']} faults,",
-      f"driver free {r['driver_free_before']} -> {r['driver_free_after']}", bad[:3])
-PY
+    summarize_behaviour "$out/$f.json"
   done
 fi
 
@@ -113,14 +118,7 @@ if [ "$only" = two-gpu ]; then
     echo "memory used after: $(used)"
   done
   for f in "$out"/behaviour-*-dev*.json; do
-    python3 - "$f" <<'PY' || true
-import json, sys
-r = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-bad = [(c["name"], c["reason"]) for c in r["cases"] if c["status"] != "pass"]
-print(sys.argv[1].rsplit("/", 1)[-1], r["backend"], r["device"], f"{r['passed']} passed, {r['failed']} failed,",
-      f"{r['fault_runs']} fault runs, {r['faults_fired']} faults,",
-      f"driver free {r['driver_free_before']} -> {r['driver_free_after']}", bad[:3])
-PY
+    summarize_behaviour "$f"
   done
   echo "== bench tp (one transaction on every device vs one commit after the other vs raw)"
   "$here/kvvm" bench tp --backend cuda

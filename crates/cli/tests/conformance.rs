@@ -4,9 +4,11 @@
 
 use std::process::Command;
 
-fn kvvm(args: &[&str]) -> (i32, String, String) {
+/// Runs `kvvm` with `args` and the environment variables `env`: (exit code, stdout, stderr).
+fn kvvm_with(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .expect("run kvvm");
     (
@@ -14,6 +16,10 @@ fn kvvm(args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+fn kvvm(args: &[&str]) -> (i32, String, String) {
+    kvvm_with(args, &[])
 }
 
 fn temp(name: &str) -> std::path::PathBuf {
@@ -109,17 +115,9 @@ fn require_pass_fails_when_everything_was_skipped() {
 
 /// `kvvm conformance --backend sim` over `KVVM_SIM_DEVICES` simulated devices.
 fn sim_devices(devices: &str, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
-        .args(["conformance", "--backend", "sim"])
-        .args(args)
-        .env("KVVM_SIM_DEVICES", devices)
-        .output()
-        .expect("run kvvm");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let mut all = vec!["conformance", "--backend", "sim"];
+    all.extend_from_slice(args);
+    kvvm_with(&all, &[("KVVM_SIM_DEVICES", devices)])
 }
 
 #[test]
