@@ -60,6 +60,16 @@ fn guard(f: impl FnOnce() -> HipErrorCode) -> HipErrorCode {
 }
 
 /// Runs `f` with the driver loaded and the thread's context current.
+/// Runs `f` on the loaded and initialised driver (no context needed), else returns the code
+/// of the failed load or `cuInit`.
+fn with_driver(f: impl FnOnce(&'static cuda::Cuda) -> HipErrorCode) -> HipErrorCode {
+    guard(|| match cuda() {
+        Ok(c) if c.init_rc != 0 => c.init_rc,
+        Ok(c) => f(c),
+        Err(rc) => rc,
+    })
+}
+
 fn with_context(f: impl FnOnce(&'static cuda::Cuda) -> HipErrorCode) -> HipErrorCode {
     guard(|| match cuda() {
         Ok(c) => match c.ensure_context() {
@@ -199,11 +209,7 @@ pub extern "C" fn hipGetErrorName(code: HipErrorCode) -> *const c_char {
 /// `hipError_t hipSetDevice(int deviceId)`: the device's primary context becomes current.
 #[no_mangle]
 pub extern "C" fn hipSetDevice(device: c_int) -> HipErrorCode {
-    guard(|| match cuda() {
-        Ok(c) if c.init_rc != 0 => c.init_rc,
-        Ok(c) => c.set_device(device),
-        Err(rc) => rc,
-    })
+    with_driver(|c| c.set_device(device))
 }
 
 /// `hipError_t hipDeviceSynchronize(void)`.
@@ -422,12 +428,7 @@ pub unsafe extern "C" fn hipDeviceGetName(
     len: c_int,
     device: c_int,
 ) -> HipErrorCode {
-    guard(|| {
-        let c = match cuda() {
-            Ok(c) if c.init_rc == 0 => c,
-            Ok(c) => return c.init_rc,
-            Err(rc) => return rc,
-        };
+    with_driver(|c| {
         if name.is_null() || len <= 0 {
             return HIP_ERROR_INVALID_VALUE;
         }
@@ -445,12 +446,7 @@ pub unsafe extern "C" fn hipDeviceGetName(
 /// `bytes` must be writable.
 #[no_mangle]
 pub unsafe extern "C" fn hipDeviceTotalMem(bytes: *mut usize, device: c_int) -> HipErrorCode {
-    guard(|| {
-        let c = match cuda() {
-            Ok(c) if c.init_rc == 0 => c,
-            Ok(c) => return c.init_rc,
-            Err(rc) => return rc,
-        };
+    with_driver(|c| {
         if bytes.is_null() {
             return HIP_ERROR_INVALID_VALUE;
         }
@@ -474,12 +470,7 @@ pub unsafe extern "C" fn hipDeviceCanAccessPeer(
     device: c_int,
     peer: c_int,
 ) -> HipErrorCode {
-    guard(|| {
-        let c = match cuda() {
-            Ok(c) if c.init_rc == 0 => c,
-            Ok(c) => return c.init_rc,
-            Err(rc) => return rc,
-        };
+    with_driver(|c| {
         if can_access.is_null() {
             return HIP_ERROR_INVALID_VALUE;
         }

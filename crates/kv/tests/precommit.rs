@@ -2,15 +2,17 @@
 //! pressure, shutdown, a random state machine, and deferred reclaim through the pool.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvvm_governor::{Governor, GovernorConfig};
-use kvvm_hal::{DeviceId, ErrorKind, Operation, VirtualMemoryBackend};
+use kvvm_governor::Governor;
+use kvvm_hal::{DeviceId, ErrorKind, Operation};
 use kvvm_kv::precommit::{Ensured, PrecommitConfig, PrecommittedSequence, Precommitter};
 use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, SequenceKv};
-use kvvm_sim::{FaultRule, LatencyMode, LatencyModel, SimBackend, SimConfig};
-use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
+use kvvm_sim::{FaultRule, SimBackend};
+use kvvm_vmm::VirtualMemory;
 use proptest::prelude::*;
 
 const D0: DeviceId = DeviceId(0);
@@ -25,23 +27,8 @@ struct World {
 
 /// Token-major, 2 layers x 2 heads x 64 dims fp16 = 1 KiB a token: 64 tokens a window.
 fn world(budget_windows: Option<u64>, pool_windows: u64) -> World {
-    let sim = Arc::new(SimBackend::new(
-        SimConfig::single(G, 1024 * G).with_latency(LatencyModel::zero(), LatencyMode::Account),
-    ));
-    let gov = match budget_windows {
-        Some(b) => Governor::new(GovernorConfig::default().device_budget(D0, b * G)),
-        None => Governor::unlimited(),
-    };
-    let backend: Arc<dyn VirtualMemoryBackend> = sim.clone();
-    let vm = VirtualMemory::new(
-        backend,
-        D0,
-        gov.clone(),
-        VmmConfig::default()
-            .pool_cap_bytes(pool_windows * G)
-            .granularity(GranularityChoice::Minimum),
-    )
-    .unwrap();
+    let common::World { sim, gov, vm } =
+        common::world_with(G, 1024, budget_windows.map(|b| b * G), pool_windows * G);
     let geometry = KvGeometry::with_dtype(2, 2, 64, KvDtype::F16, 4096).unwrap();
     let plan = LayoutPlan::new(geometry, KvLayout::TokenMajor, G).unwrap();
     World { sim, gov, vm, plan }

@@ -270,18 +270,9 @@ impl ReservedRange {
         }
         let mapped = self.committed_windows();
         self.price(total.saturating_sub(mapped))?;
-        // The union of the ranges' windows.
-        wanted.sort_unstable();
-        let mut union: Vec<(u64, u64)> = Vec::with_capacity(wanted.len());
-        for (first, last) in wanted {
-            match union.last_mut() {
-                Some(u) if first <= u.1 => u.1 = u.1.max(last),
-                _ => union.push((first, last)),
-            }
-        }
-        // Less what is mapped.
+        // The union of the ranges' windows, less what is mapped.
         let mut out = Vec::new();
-        for (first, last) in union {
+        for (first, last) in spans::union(wanted) {
             let (start, end) = (first.saturating_mul(g), last.saturating_mul(g));
             let mut at = start;
             let i = self.blocks.partition_point(|b| b.end(g) <= start);

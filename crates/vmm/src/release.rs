@@ -16,6 +16,7 @@ use crate::device::Source;
 use crate::error::VmmResult;
 use crate::mapping::BlockKind;
 use crate::range::{Block, ReservedRange};
+use crate::spans;
 use crate::state::DeviceState;
 
 impl ReservedRange {
@@ -161,18 +162,10 @@ impl ReservedRange {
 
 /// The union of `(offset, len)` ranges as sorted, disjoint `(start, end)` spans.
 fn merged(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
-    let mut spans: Vec<(u64, u64)> = ranges
-        .iter()
-        .filter(|r| r.1 > 0)
-        .map(|&(o, len)| (o, o.saturating_add(len)))
-        .collect();
-    spans.sort_unstable();
-    let mut out: Vec<(u64, u64)> = Vec::with_capacity(spans.len());
-    for (s, e) in spans {
-        match out.last_mut() {
-            Some(last) if s <= last.1 => last.1 = last.1.max(e),
-            _ => out.push((s, e)),
-        }
-    }
-    out
+    spans::union(
+        ranges
+            .iter()
+            .map(|&(o, len)| (o, o.saturating_add(len)))
+            .collect(),
+    )
 }

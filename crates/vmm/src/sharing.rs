@@ -244,17 +244,10 @@ impl ReservedRange {
 
 /// The union of index ranges as sorted, disjoint, non-empty ranges.
 pub(crate) fn union(ranges: &[Range<usize>]) -> Vec<Range<usize>> {
-    let mut sorted: Vec<Range<usize>> =
-        ranges.iter().filter(|r| r.start < r.end).cloned().collect();
-    sorted.sort_unstable_by_key(|r| r.start);
-    let mut out: Vec<Range<usize>> = Vec::with_capacity(sorted.len());
-    for r in sorted {
-        match out.last_mut() {
-            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
-            _ => out.push(r),
-        }
-    }
-    out
+    spans::union(ranges.iter().map(|r| (r.start, r.end)).collect())
+        .into_iter()
+        .map(|(start, end)| start..end)
+        .collect()
 }
 
 /// Sorted, distinct window indices as ranges of consecutive indices (an index of

@@ -49,6 +49,22 @@ pub(crate) fn push(out: &mut Vec<Span>, s: Span, g: u64) {
     }
 }
 
+/// The union of half-open intervals `(start, end)`: sorted, disjoint and non-empty, with
+/// intervals that overlap or touch merged. What a caller's ranges of windows, bytes or set
+/// indices come to before they are compared with what is mapped.
+pub(crate) fn union<T: Ord + Copy>(mut intervals: Vec<(T, T)>) -> Vec<(T, T)> {
+    intervals.retain(|&(start, end)| start < end);
+    intervals.sort_unstable();
+    let mut out: Vec<(T, T)> = Vec::with_capacity(intervals.len());
+    for (start, end) in intervals {
+        match out.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => out.push((start, end)),
+        }
+    }
+    out
+}
+
 /// The contiguous runs of `spans`: adjacent spans merged.
 pub(crate) fn merged(spans: &[Span], g: u64) -> Vec<Span> {
     let mut out = Vec::with_capacity(spans.len());
@@ -136,6 +152,14 @@ mod tests {
 
     fn sp(list: &[(u64, u64)]) -> Vec<Span> {
         list.iter().map(|&(o, n)| Span::new(o * G, n)).collect()
+    }
+
+    #[test]
+    fn union_merges_overlapping_and_touching_intervals_and_drops_empty_ones() {
+        let u = union(vec![(9u64, 12), (0, 3), (2, 5), (5, 6), (7, 7), (10, 11)]);
+        assert_eq!(u, vec![(0, 6), (9, 12)]);
+        assert!(union::<u64>(Vec::new()).is_empty());
+        assert_eq!(union(vec![(4usize, 4)]), Vec::new());
     }
 
     #[test]

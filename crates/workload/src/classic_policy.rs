@@ -127,7 +127,7 @@ impl Policy for ClassicPolicy {
         let seq = *self
             .seqs
             .get(&id)
-            .ok_or_else(|| WorkloadError::Config(format!("grow of unknown sequence {id}")))?;
+            .ok_or_else(|| WorkloadError::unknown_sequence("grow", id))?;
         if tokens > seq.capacity_tokens {
             let bpt = self.shape.bytes_per_token;
             let cap = self.capacity_for(tokens, seq.capacity_tokens);
@@ -177,7 +177,7 @@ impl Policy for ClassicPolicy {
         let seq = self
             .seqs
             .remove(&id)
-            .ok_or_else(|| WorkloadError::Config(format!("finish of unknown sequence {id}")))?;
+            .ok_or_else(|| WorkloadError::unknown_sequence("finish", id))?;
         let bpt = self.shape.bytes_per_token;
         let bytes = mul(seq.capacity_tokens, bpt, "allocation bytes")?;
         self.committed = self.committed.saturating_sub(bytes);

@@ -77,6 +77,13 @@ pub enum WorkloadError {
     Backend(#[from] BackendError),
 }
 
+impl WorkloadError {
+    /// The error of `call` (`grow`, `finish`) on a sequence id a policy does not hold.
+    pub(crate) fn unknown_sequence(call: &str, id: usize) -> Self {
+        WorkloadError::Config(format!("{call} of unknown sequence {id}"))
+    }
+}
+
 /// Result type of this crate.
 pub type WorkloadResult<T> = Result<T, WorkloadError>;
 

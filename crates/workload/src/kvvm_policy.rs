@@ -318,9 +318,7 @@ impl Policy for KvvmPolicy {
 
     fn grow(&mut self, id: usize, tokens: u64) -> WorkloadResult<Outcome> {
         let Some(mut seq) = self.seqs.remove(&id) else {
-            return Err(WorkloadError::Config(format!(
-                "grow of unknown sequence {id}"
-            )));
+            return Err(WorkloadError::unknown_sequence("grow", id));
         };
         // Only a token that needs a new window goes to the KV layer (the common case of a
         // decode step is arithmetic).
@@ -357,9 +355,7 @@ impl Policy for KvvmPolicy {
 
     fn finish(&mut self, id: usize) -> WorkloadResult<()> {
         let Some(mut seq) = self.seqs.remove(&id) else {
-            return Err(WorkloadError::Config(format!(
-                "finish of unknown sequence {id}"
-            )));
+            return Err(WorkloadError::unknown_sequence("finish", id));
         };
         let (from, to) = (seq.written, seq.tokens);
         if self.write_kv && to > from {

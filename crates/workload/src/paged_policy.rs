@@ -129,7 +129,7 @@ impl Policy for PagedPolicy {
         let seq = *self
             .seqs
             .get(&id)
-            .ok_or_else(|| WorkloadError::Config(format!("grow of unknown sequence {id}")))?;
+            .ok_or_else(|| WorkloadError::unknown_sequence("grow", id))?;
         let shared_tokens = seq.shared.saturating_mul(PAGED_BLOCK_TOKENS);
         let blocks = blocks_for(tokens.saturating_sub(shared_tokens)).max(seq.blocks);
         let extra = blocks - seq.blocks;
@@ -164,7 +164,7 @@ impl Policy for PagedPolicy {
         let seq = self
             .seqs
             .remove(&id)
-            .ok_or_else(|| WorkloadError::Config(format!("finish of unknown sequence {id}")))?;
+            .ok_or_else(|| WorkloadError::unknown_sequence("finish", id))?;
         self.private_blocks = self.private_blocks.saturating_sub(seq.blocks);
         let own = seq
             .tokens

@@ -19,9 +19,16 @@ pub struct World {
     pub vm: VirtualMemory,
 }
 
+/// A simulated device of 4096 granules of `g` bytes, with a governor holding `budget` bytes
+/// (unlimited for `None`) and a manager without a handle pool.
 pub fn world(g: u64, budget: Option<u64>) -> World {
+    world_with(g, 4096, budget, 0)
+}
+
+/// [`world`] with `capacity` granules and a handle pool of `pool_bytes`.
+pub fn world_with(g: u64, capacity: u64, budget: Option<u64>, pool_bytes: u64) -> World {
     let sim = Arc::new(SimBackend::new(
-        SimConfig::single(g, 4096 * g).with_latency(LatencyModel::zero(), LatencyMode::Account),
+        SimConfig::single(g, capacity * g).with_latency(LatencyModel::zero(), LatencyMode::Account),
     ));
     let gov = match budget {
         Some(b) => Governor::new(GovernorConfig::default().device_budget(D0, b)),
@@ -33,7 +40,7 @@ pub fn world(g: u64, budget: Option<u64>) -> World {
         D0,
         gov.clone(),
         VmmConfig::default()
-            .pool_cap_bytes(0)
+            .pool_cap_bytes(pool_bytes)
             .granularity(GranularityChoice::Minimum),
     )
     .unwrap();
