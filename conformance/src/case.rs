@@ -49,6 +49,13 @@ pub(crate) fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
+/// The wrapping sum of `bytes`: what a load probe over them returns.
+pub(crate) fn load_sum(bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(0u64, |acc, &b| acc.wrapping_add(u64::from(b)))
+}
+
 pub(crate) fn read_back(ctx: &Ctx<'_>, at: DeviceAddress, len: usize) -> BackendResult<Vec<u8>> {
     let mut v = vec![0u8; len];
     ctx.backend.copy_from_device(&mut v, at)?;

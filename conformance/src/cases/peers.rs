@@ -5,8 +5,8 @@
 
 use kvvm_hal::{Access, AccessDescriptor, DeviceAddress, DeviceId, KernelProbeOp};
 
-use crate::case::{ensure, fail, pattern, read_back, Outcome, Verdict, SAMPLE};
-use crate::cases::kernels::{finish_faulting, store_verdict};
+use crate::case::{ensure, fail, load_sum, pattern, read_back, Outcome, Verdict, SAMPLE};
+use crate::cases::kernels::{store_must_fault, FaultingStore};
 use crate::child::{ChildVerdict, CHILD_PEER_STORE};
 use crate::ctx::{expect_fault, Ctx};
 use crate::scratch::Scratch;
@@ -88,13 +88,6 @@ fn shared_with<'a>(
     Ok((s, va, p))
 }
 
-/// The wrapping sum of `bytes`, what a load probe returns.
-fn sum(bytes: &[u8]) -> u64 {
-    bytes
-        .iter()
-        .fold(0u64, |acc, &b| acc.wrapping_add(u64::from(b)))
-}
-
 pub(crate) fn peer_reads_through_a_shared_mapping(ctx: &Ctx<'_>) -> Outcome {
     let peer = a_peer(ctx)?;
     let (mut s, va, p) = shared_with(ctx, peer, Access::Read, 41)?;
@@ -102,8 +95,8 @@ pub(crate) fn peer_reads_through_a_shared_mapping(ctx: &Ctx<'_>) -> Outcome {
         // A load on the peer device through the mapping sees the owner's bytes.
         let got = k.run(peer, KernelProbeOp::Load, va, p.len() as u64, 0)?;
         ensure(
-            got == sum(&p),
-            format!("{peer} loaded a sum of {got}, expected {}", sum(&p)),
+            got == load_sum(&p),
+            format!("{peer} loaded a sum of {got}, expected {}", load_sum(&p)),
         )?;
     }
     // Teardown: both devices synchronized, then unmap, release, free.
@@ -145,27 +138,19 @@ pub(crate) fn peer_store_through_read_access_faults(ctx: &Ctx<'_>) -> Outcome {
     )
 }
 
-/// The body of `peer_store_through_read_access_faults` (in a child process where a fault is
-/// not recoverable): the peer's load sees the owner's bytes, then its store faults.
+/// The body of `peer_store_through_read_access_faults`: the peer's load sees the owner's
+/// bytes, then its store through its Read access faults.
 pub(crate) fn peer_store_child(ctx: &Ctx<'_>) -> ChildVerdict {
-    let Some(probe) = ctx.backend.kernel_probe() else {
-        return ChildVerdict::Error("backend has no kernel probe".into());
-    };
     let setup = || -> Result<_, Verdict> {
         let peer = a_peer(ctx)?;
-        let (s, va, p) = shared_with(ctx, peer, Access::Read, 47)?;
-        let got = probe.run(peer, KernelProbeOp::Load, va, p.len() as u64, 0)?;
-        ensure(
-            got == sum(&p),
-            format!("{peer} loaded a sum of {got}, expected {}", sum(&p)),
-        )?;
-        Ok((s, peer, va, p))
+        let (scratch, va, bytes) = shared_with(ctx, peer, Access::Read, 47)?;
+        Ok(FaultingStore {
+            scratch,
+            device: peer,
+            at: va,
+            owner: va,
+            bytes,
+        })
     };
-    let (s, peer, va, p) = match setup() {
-        Ok(v) => v,
-        Err(Verdict::Fail(m) | Verdict::Skip(m)) => return ChildVerdict::Error(m),
-    };
-    crate::child::arm();
-    let verdict = store_verdict(probe.run(peer, KernelProbeOp::Store, va, p.len() as u64, 0xCD));
-    finish_faulting(ctx, probe, s, va, &p, verdict)
+    store_must_fault(ctx, setup, 0xCD)
 }
