@@ -81,14 +81,7 @@ impl State {
         src: &[u8],
     ) -> Result<(), BackendError> {
         let pieces = self.pieces(Operation::CopyToDevice, dst.0, src.len() as u64, true)?;
-        let mut consumed = 0usize;
-        for (alloc, offset, len) in pieces {
-            let len = len as usize;
-            if let Some(a) = self.allocations.get_mut(&alloc) {
-                write_bytes(&mut a.data, offset, &src[consumed..consumed + len]);
-            }
-            consumed += len;
-        }
+        self.write_pieces(&pieces, src);
         Ok(())
     }
 
@@ -98,15 +91,32 @@ impl State {
         src: DeviceAddress,
     ) -> Result<(), BackendError> {
         let pieces = self.pieces(Operation::CopyFromDevice, src.0, dst.len() as u64, false)?;
+        self.read_pieces(&pieces, dst);
+        Ok(())
+    }
+
+    /// Writes `src` over the checked `pieces` (of [`pieces`](Self::pieces)), in order.
+    pub(crate) fn write_pieces(&mut self, pieces: &[(u64, u64, u64)], src: &[u8]) {
+        let mut consumed = 0usize;
+        for &(alloc, offset, len) in pieces {
+            let len = len as usize;
+            if let Some(a) = self.allocations.get_mut(&alloc) {
+                write_bytes(&mut a.data, offset, &src[consumed..consumed + len]);
+            }
+            consumed += len;
+        }
+    }
+
+    /// Reads the checked `pieces` (of [`pieces`](Self::pieces)) into `dst`, in order.
+    pub(crate) fn read_pieces(&self, pieces: &[(u64, u64, u64)], dst: &mut [u8]) {
         let mut filled = 0usize;
-        for (alloc, offset, len) in pieces {
+        for &(alloc, offset, len) in pieces {
             let len = len as usize;
             if let Some(a) = self.allocations.get(&alloc) {
                 read_bytes(&a.data, offset, &mut dst[filled..filled + len]);
             }
             filled += len;
         }
-        Ok(())
     }
 }
 
@@ -133,7 +143,7 @@ impl State {
     }
 }
 
-pub(crate) fn write_bytes(data: &mut HashMap<u64, Box<[u8]>>, offset: u64, src: &[u8]) {
+fn write_bytes(data: &mut HashMap<u64, Box<[u8]>>, offset: u64, src: &[u8]) {
     let mut pos = offset;
     let mut done = 0usize;
     while done < src.len() {
@@ -149,7 +159,7 @@ pub(crate) fn write_bytes(data: &mut HashMap<u64, Box<[u8]>>, offset: u64, src: 
     }
 }
 
-pub(crate) fn read_bytes(data: &HashMap<u64, Box<[u8]>>, offset: u64, dst: &mut [u8]) {
+fn read_bytes(data: &HashMap<u64, Box<[u8]>>, offset: u64, dst: &mut [u8]) {
     let mut pos = offset;
     let mut done = 0usize;
     while done < dst.len() {

@@ -11,7 +11,6 @@ use kvvm_hal::{
     Operation,
 };
 
-use crate::data::{read_bytes, write_bytes};
 use crate::state::State;
 use crate::{sim_error, Covered, SimBackend};
 
@@ -59,23 +58,17 @@ impl State {
                     format!("kernel on {device} faulted: {why}"),
                 )
             })?;
-        let mut sum = 0u64;
-        for (alloc, offset, n) in pieces {
-            let n = usize::try_from(n)
-                .map_err(|_| sim_error(kop, ErrorKind::InvalidValue, "probe length past usize"))?;
-            let Some(a) = self.allocations.get_mut(&alloc) else {
-                continue;
-            };
-            if store {
-                write_bytes(&mut a.data, offset, &vec![value; n]);
-            } else {
-                let mut buf = vec![0u8; n];
-                read_bytes(&a.data, offset, &mut buf);
-                sum = buf
-                    .iter()
-                    .fold(sum, |acc, &b| acc.wrapping_add(u64::from(b)));
-            }
+        let n = usize::try_from(len)
+            .map_err(|_| sim_error(kop, ErrorKind::InvalidValue, "probe length past usize"))?;
+        if store {
+            self.write_pieces(&pieces, &vec![value; n]);
+            return Ok(0);
         }
+        let mut bytes = vec![0u8; n];
+        self.read_pieces(&pieces, &mut bytes);
+        let sum = bytes
+            .iter()
+            .fold(0u64, |acc, &b| acc.wrapping_add(u64::from(b)));
         Ok(sum)
     }
 }
