@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::{World, D0};
+use common::{calls_of, Run, Setup, World, D0};
 use kvvm_hal::{ErrorKind, Operation};
 use kvvm_sim::FaultRule;
 use kvvm_vmm::{Reservation, VmmError};
@@ -126,20 +126,10 @@ const OPS: [Operation; 6] = [
     Operation::Synchronize,
 ];
 
-type Setup = fn(&World) -> Reservation;
-type Run = fn(&World, &mut Reservation) -> Result<u64, VmmError>;
-
 /// Runs `run` clean to count its calls, then with each call failing alone; the books must
 /// equal the ledger after each, and after teardown only the quarantine may be left.
 fn every_fault(make: fn() -> World, setup: Setup, run: Run) -> usize {
-    let counts: Vec<(Operation, u64)> = {
-        let w = make();
-        let mut r = setup(&w);
-        w.sim.reset_counters();
-        run(&w, &mut r).unwrap();
-        w.check(&[&r]);
-        OPS.iter().map(|op| (*op, w.sim.calls(*op))).collect()
-    };
+    let counts = calls_of(make, setup, run, &OPS);
     let mut n = 0;
     for (op, calls) in counts {
         for i in 1..=calls {

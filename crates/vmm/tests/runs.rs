@@ -13,7 +13,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{World, D0};
+use common::{calls_of, Run, Setup, World, D0};
 use kvvm_hal::{Access, ErrorKind, Operation};
 use kvvm_sim::FaultRule;
 use kvvm_vmm::{Reservation, VmmError};
@@ -97,19 +97,6 @@ fn kind(op: Operation) -> ErrorKind {
     }
 }
 
-type Setup = fn(&World) -> Reservation;
-type Run = fn(&World, &mut Reservation) -> Result<u64, VmmError>;
-
-/// The calls `run` makes after `setup`, by operation.
-fn calls_of(make: fn() -> World, setup: Setup, run: Run) -> Vec<(Operation, u64)> {
-    let w = make();
-    let mut r = setup(&w);
-    w.sim.reset_counters();
-    run(&w, &mut r).unwrap();
-    w.check(&[&r]);
-    OPS.iter().map(|op| (*op, w.sim.calls(*op))).collect()
-}
-
 /// Runs `run` after `setup` with `rules` armed; a failed commit must leave the committed
 /// mappings as they were, parked mappings only where they were, and the books equal to the
 /// ledger; after teardown nothing is left.
@@ -161,7 +148,7 @@ fn with_faults(make: fn() -> World, setup: Setup, run: Run, rules: &[FaultRule],
 /// Every call of `run` failed alone, then every pair of calls failed together, then every
 /// call with the first unmap (of the rollback) and the first release failing too.
 fn every_fault_and_pair(make: fn() -> World, setup: Setup, run: Run) -> usize {
-    let steps: Vec<(Operation, u64)> = calls_of(make, setup, run)
+    let steps: Vec<(Operation, u64)> = calls_of(make, setup, run, &OPS)
         .into_iter()
         .flat_map(|(op, n)| (1..=n).map(move |i| (op, i)))
         .collect();

@@ -5,9 +5,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use kvvm_governor::{Governor, GovernorConfig};
-use kvvm_hal::{DeviceAddress, DeviceId, VirtualMemoryBackend};
+use kvvm_hal::{DeviceAddress, DeviceId, Operation, VirtualMemoryBackend};
 use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig, SimQuirks};
-use kvvm_vmm::{GranularityChoice, Reservation, VirtualMemory, VmmConfig};
+use kvvm_vmm::{GranularityChoice, Reservation, VirtualMemory, VmmConfig, VmmError};
 
 pub const D0: DeviceId = DeviceId(0);
 
@@ -219,6 +219,27 @@ pub fn check(sim: &SimBackend, vm: &VirtualMemory, gov: &Governor, reservations:
         ours_handles.len(),
         "one allocation per handle"
     );
+}
+
+/// Makes the reservation a fault scenario starts from.
+pub type Setup = fn(&World) -> Reservation;
+/// The step of a fault scenario whose driver calls are failed one at a time.
+pub type Run = fn(&World, &mut Reservation) -> Result<u64, VmmError>;
+
+/// The calls of each of `ops` that `run` makes after `setup` on a fresh world (`make`), run
+/// clean, with the books checked after it.
+pub fn calls_of(
+    make: fn() -> World,
+    setup: Setup,
+    run: Run,
+    ops: &[Operation],
+) -> Vec<(Operation, u64)> {
+    let w = make();
+    let mut r = setup(&w);
+    w.sim.reset_counters();
+    run(&w, &mut r).unwrap();
+    w.check(&[&r]);
+    ops.iter().map(|op| (*op, w.sim.calls(*op))).collect()
 }
 
 /// Every address of a reservation's committed range is mapped with read-write access.
