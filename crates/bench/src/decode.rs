@@ -240,6 +240,7 @@ pub fn run_decode_loop_with_progress(
     let mut seqs: Vec<SequenceKv> = Vec::with_capacity(config.sequences as usize);
     let mut froms: Vec<u64> = Vec::with_capacity(config.sequences as usize);
     let mut admit_hits = Vec::new();
+    let mut admit_hit_mappings = 0usize;
     let mut hit_tokens = 0u64;
     for s in 0..config.sequences {
         let (mut seq, from) = if config.share_prefix {
@@ -248,6 +249,7 @@ pub fn run_decode_loop_with_progress(
             if adm.hit_tokens > 0 {
                 admit_hits.push(t.elapsed());
                 hit_tokens = adm.hit_tokens;
+                admit_hit_mappings = adm.sequence.reservation().mappings().len();
             }
             let from = adm.hit_tokens;
             (adm.sequence, from)
@@ -376,6 +378,7 @@ pub fn run_decode_loop_with_progress(
     let mut attach = Vec::new();
     let mut copy = Vec::new();
     let mut attach_after_copy = Vec::new();
+    let mut attach_mappings = 0usize;
     let verdict = kvvm_layout::evaluate_prefix_shareability(
         &geometry,
         config.layout,
@@ -405,6 +408,7 @@ pub fn run_decode_loop_with_progress(
                 let t = Instant::now();
                 let seq = prefix.map_shared_prefix_readonly(&vm, total_tokens)?;
                 attach.push(t.elapsed());
+                attach_mappings = seq.reservation().mappings().len();
                 drop(seq);
                 tick("attach", 1);
             }
@@ -459,9 +463,11 @@ pub fn run_decode_loop_with_progress(
         committed_bytes_without_sharing: without,
         attach_median: median(&mut attach),
         attach_min,
+        attach_mappings,
         attach_after_copy_median: median(&mut attach_after_copy),
         attach_after_copy_min,
         admit_hit_median: median(&mut admit_hits),
+        admit_hit_mappings,
         copy_median: median(&mut copy),
         copy_min,
         copy_bytes,

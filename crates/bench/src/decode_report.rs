@@ -54,6 +54,9 @@ pub struct DecodeLoopReport {
     pub attach_median: Duration,
     /// Fastest attach.
     pub attach_min: Duration,
+    /// Mappings one attach makes (the attached sequence's mappings: one per handle of the
+    /// shared prefix; the driver charges per mapping).
+    pub attach_mappings: usize,
     /// Median time of an attach right after a copy of the prompt (the attach-vs-copy
     /// samples).
     pub attach_after_copy_median: Duration,
@@ -62,6 +65,9 @@ pub struct DecodeLoopReport {
     /// Median time of a sharer's [`PrefixCache::admit`](kvvm_kv::PrefixCache::admit) in the loop (lookup, reserve, map,
     /// commit of the rest of the prompt).
     pub admit_hit_median: Duration,
+    /// Mappings of a sequence right after an admission with a cache hit (the hit's shared
+    /// handles plus what it committed privately).
+    pub admit_hit_mappings: usize,
     /// Median time to copy the prompt prefix into a private reservation instead (reserve +
     /// commit + host-to-device copy of the prefix's bytes, generated beforehand).
     pub copy_median: Duration,
@@ -162,8 +168,8 @@ impl DecodeLoopReport {
         if self.prompt_shareable {
             let _ = writeln!(
                 s,
-                "| attach shared prefix (map_shared_prefix_readonly), back to back, median / min | {:?} / {:?} |",
-                self.attach_median, self.attach_min
+                "| attach shared prefix (map_shared_prefix_readonly), back to back, median / min | {:?} / {:?} ({} mappings) |",
+                self.attach_median, self.attach_min, self.attach_mappings
             );
             let _ = writeln!(
                 s,
@@ -178,8 +184,8 @@ impl DecodeLoopReport {
         }
         let _ = writeln!(
             s,
-            "| admit with a cache hit, median | {:?} |",
-            self.admit_hit_median
+            "| admit with a cache hit, median | {:?} ({} mappings) |",
+            self.admit_hit_median, self.admit_hit_mappings
         );
         let _ = writeln!(
             s,

@@ -32,6 +32,12 @@ fn config(layout: KvLayout, prompt: u64, share: bool) -> DecodeLoopConfig {
     c
 }
 
+/// Whether the Markdown report names the attach's mappings.
+fn md_mappings(r: &kvvm_bench::decode::DecodeLoopReport) -> bool {
+    r.to_markdown()
+        .contains(&format!("({} mappings)", r.attach_mappings))
+}
+
 #[test]
 fn every_byte_verified_at_two_granularities_and_three_layouts() {
     for g in [4096u64, 64 << 10] {
@@ -59,6 +65,13 @@ fn every_byte_verified_at_two_granularities_and_three_layouts() {
                         assert!(r.attach_min > std::time::Duration::ZERO);
                         assert!(r.attach_after_copy_min > std::time::Duration::ZERO);
                         assert!(r.attach_median >= r.attach_min);
+                        // The owner's prefix is one handle per fragment run, mapped whole.
+                        let fragments = plan.fragments().unwrap().len();
+                        assert_eq!(r.attach_mappings, fragments, "{layout} g={g}");
+                        // A hit maps the cache's handles of one block each (2 blocks per
+                        // fragment), then commits the private rest.
+                        assert!(r.admit_hit_mappings >= 2 * fragments, "{layout} g={g}");
+                        assert!(md_mappings(&r), "{layout} g={g}");
                         let md = r.to_markdown();
                         assert!(md.contains("back to back, median / min"), "{md}");
                         assert!(

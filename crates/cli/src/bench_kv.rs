@@ -98,6 +98,8 @@ pub fn run(args: &KvBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
             "committed_bytes_with_sharing": r.committed_bytes_with_sharing,
             "committed_bytes_without_sharing": r.committed_bytes_without_sharing,
             "attach_median_us": us(r.attach_median),
+            "attach_mappings": r.attach_mappings,
+            "admit_hit_mappings": r.admit_hit_mappings,
             "attach_min_us": us(r.attach_min),
             "attach_after_copy_median_us": us(r.attach_after_copy_median),
             "copy_median_us": us(r.copy_median),

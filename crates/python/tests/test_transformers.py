@@ -69,6 +69,16 @@ def test_decoding_matches_dynamic_cache_and_grows_in_place(model, mgr, layout) -
         kc._ensure(1000)
 
 
+def test_the_default_layout_is_token_major(model, mgr) -> None:
+    """One fragment per request: at most one granule per request beyond the live tokens."""
+    kc = KvvmCache(model.config, 2, 100, manager=mgr, dtype="fp32")
+    assert kc.plan.layout == "token-major"
+    kc.release()
+    import inspect
+
+    assert inspect.signature(KvvmPrefix.build).parameters["layout"].default == "token-major"
+
+
 def test_generate_runs_on_kvvm_memory_with_the_same_tokens(model, mgr) -> None:
     ids = torch.randint(0, model.config.vocab_size, (2, 30))
     mask = torch.ones_like(ids)
@@ -146,6 +156,7 @@ def test_the_benchmark_runs_end_to_end_on_the_cpu(capsys, tmp_path) -> None:
     out = capsys.readouterr().out
     assert "kvvm:seq-major" in out and "kvvm:token-major" in out and "shared prompt" in out
     assert "median of 2 rounds' ratios" in out and "step-interleaved:" in out
+    assert "paired per step" in out
     results = json.loads(out_json.read_text())["results"]
     for r in results:
         # Two rounds each (the second seeded from the reference's prefill), StaticCache one;
@@ -154,11 +165,24 @@ def test_the_benchmark_runs_end_to_end_on_the_cpu(capsys, tmp_path) -> None:
         assert r["step_p50_ms"] == min(r["rounds_p50_ms"])
         # Then every cache alive at once, a step of each in turn.
         assert r["interleaved_p50_ms"] > 0 and r["interleaved_tokens_per_s"] > 0
+        assert len(r["interleaved_steps_ms"]) == 4
         assert r["prefill_ms"] > 0 and r["kv_bytes_held"] > 0
     kvvm_rows = [r for r in results if r["cache"].startswith("kvvm")]
     # Correctness comes from the first round, where kvvm is compared with the reference.
     assert kvvm_rows and all(r["argmax_checked"] is not None for r in kvvm_rows)
     assert all(r["max_abs_logit_diff"] < 1e-3 for r in kvvm_rows)
+
+
+def test_the_paired_ratio_is_the_median_of_per_step_ratios() -> None:
+    from kvvm import bench_caches
+
+    # Steps 0-1 are warm-up; then 2/1, 4/2, 9/3: the median is 2.
+    fast = [50.0, 50.0, 1.0, 2.0, 3.0]
+    slow = [1.0, 1.0, 2.0, 4.0, 9.0]
+    assert bench_caches.paired_ratio(fast, slow, 2) == 2.0
+    # Only the common steps count; none left after the warm-up gives None.
+    assert bench_caches.paired_ratio(fast[:3], slow, 2) == 2.0
+    assert bench_caches.paired_ratio(fast, slow[:2], 2) is None
 
 
 def test_a_seeded_cache_decodes_as_the_prefilled_one(model) -> None:

@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "kvvm": kvvm.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "warmup": args.warmup,
     }
     if dev.type == "cuda":
         meta["driver"] = kvvm.Backend(args.backend).devices()[0].get("driver_version", "?")
@@ -277,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
                         p50 = bc.steady_p50(t, args.warmup)
                         res.interleaved_p50_ms = round(p50, 3)
                         res.interleaved_tokens_per_s = round(res.batch * 1000 / p50, 1)
+                        res.interleaved_steps_ms = [round(x, 4) for x in t]
                     res.notes.extend(notes)
                 print(json.dumps({"interleaved": {k: bc.steady_p50(v, args.warmup) for k, v in times.items()}, "notes": notes}), file=sys.stderr, flush=True)
         results.extend(point)
-        print(report.verdict(point), file=sys.stderr, flush=True)
+        print(report.verdict(point, args.warmup), file=sys.stderr, flush=True)
         del reference, seed
         if dev.type == "cuda":
             torch.cuda.empty_cache()

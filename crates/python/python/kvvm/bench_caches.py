@@ -47,6 +47,9 @@ class RunResult:
     #: of each in turn), and its tokens/s; None when that phase did not run for this cache.
     interleaved_p50_ms: float | None = None
     interleaved_tokens_per_s: float | None = None
+    #: Every step time of the step-interleaved phase, in step order (step ``i`` of every
+    #: cache ran in the same rotation, a few steps' time apart).
+    interleaved_steps_ms: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -139,6 +142,16 @@ def steady_p50(steps_ms: list[float], warmup: int) -> float:
     """The median step time after the first ``warmup`` steps (all of them when there are no
     more)."""
     return statistics.median(steps_ms[warmup:] or steps_ms)
+
+
+def paired_ratio(fast: list[float], slow: list[float], warmup: int) -> float | None:
+    """The median over the steps after ``warmup`` of ``slow[i] / fast[i]``: how many times
+    faster ``fast`` ran than ``slow`` in the same rotation (a paired estimate, which host load
+    that drifts over the phase moves less than a ratio of two p50s). None without common
+    steps."""
+    n = min(len(fast), len(slow))
+    ratios = [slow[i] / fast[i] for i in range(warmup, n) if fast[i] > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 def rotated(items: list[str], n: int) -> list[str]:

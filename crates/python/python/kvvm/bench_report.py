@@ -22,9 +22,10 @@ def best_of_rounds(first: bc.RunResult, p50s: list[float]) -> bc.RunResult:
     return res
 
 
-def verdict(point: list[bc.RunResult]) -> str:
+def verdict(point: list[bc.RunResult], warmup: int = 4) -> str:
     """One line per point: the best KvvmCache against the best other cache, by best runs and
-    by the median of the rounds' ratios (each round's best kvvm over its best baseline)."""
+    by the median of the rounds' ratios (each round's best kvvm over its best baseline), then
+    in the step-interleaved phase by p50 and per step, paired (``warmup`` steps left out)."""
     kv = [r for r in point if bc.is_kvvm(r.cache)]
     base = [r for r in point if not bc.is_kvvm(r.cache)]
     if not kv or not base:
@@ -56,7 +57,23 @@ def verdict(point: list[bc.RunResult]) -> str:
             f"; step-interleaved: {ik_best.cache} {kt} vs {ib_best.cache} {bt} tokens/s: "
             f"{kt / bt:.3f}x"
         )
+        pr = interleaved_paired(point, warmup)
+        if pr is not None:
+            line += f", paired per step {pr:.3f}x"
     return line
+
+
+def interleaved_paired(point: list[bc.RunResult], warmup: int = 4) -> float | None:
+    """The step-interleaved phase's paired ratio of the point: for the fastest KvvmCache and
+    the fastest baseline by p50, the median over steps of the baseline's step time over
+    kvvm's in the same rotation (``bc.paired_ratio``); above 1, kvvm is faster."""
+    kv = [r for r in point if bc.is_kvvm(r.cache) and r.interleaved_tokens_per_s]
+    base = [r for r in point if not bc.is_kvvm(r.cache) and r.interleaved_tokens_per_s]
+    if not kv or not base:
+        return None
+    k = max(kv, key=lambda r: r.interleaved_tokens_per_s or 0.0)
+    b = max(base, key=lambda r: r.interleaved_tokens_per_s or 0.0)
+    return bc.paired_ratio(k.interleaved_steps_ms, b.interleaved_steps_ms, warmup)
 
 
 def fmt_opt(x: float | None, digits: int) -> str:
@@ -93,7 +110,7 @@ def markdown(results: list[bc.RunResult], shared: dict[str, Any] | None, meta: d
     points: dict[tuple[int, int], list[bc.RunResult]] = {}
     for r in results:
         points.setdefault((r.batch, r.prompt), []).append(r)
-    verdicts = [v for v in (verdict(p) for p in points.values()) if v]
+    verdicts = [v for v in (verdict(p, int(meta.get("warmup", 4))) for p in points.values()) if v]
     if verdicts:
         lines += [""] + [f"- {v}" for v in verdicts]
     if shared:
