@@ -59,7 +59,6 @@ fn guard(f: impl FnOnce() -> HipErrorCode) -> HipErrorCode {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or(HIP_ERROR_UNKNOWN)
 }
 
-/// Runs `f` with the driver loaded and the thread's context current.
 /// Runs `f` on the loaded and initialised driver (no context needed), else returns the code
 /// of the failed load or `cuInit`.
 fn with_driver(f: impl FnOnce(&'static cuda::Cuda) -> HipErrorCode) -> HipErrorCode {
@@ -70,6 +69,7 @@ fn with_driver(f: impl FnOnce(&'static cuda::Cuda) -> HipErrorCode) -> HipErrorC
     })
 }
 
+/// Runs `f` with the driver loaded and the thread's context current.
 fn with_context(f: impl FnOnce(&'static cuda::Cuda) -> HipErrorCode) -> HipErrorCode {
     guard(|| match cuda() {
         Ok(c) => match c.ensure_context() {

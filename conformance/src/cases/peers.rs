@@ -58,7 +58,7 @@ pub(crate) fn peer_access_is_reported_consistently(ctx: &Ctx<'_>) -> Outcome {
 }
 
 /// One granule of the device under test, mapped ReadWrite for it and with `access` for
-/// `peer`, holding a pattern of `n` bytes (returned) at its start.
+/// `peer`, holding a pattern (returned) of up to `SAMPLE` bytes at its start.
 fn shared_with<'a>(
     ctx: &'a Ctx<'a>,
     peer: DeviceId,

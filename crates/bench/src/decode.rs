@@ -249,7 +249,9 @@ pub fn run_decode_loop_with_progress(
             if adm.hit_tokens > 0 {
                 admit_hits.push(t.elapsed());
                 hit_tokens = adm.hit_tokens;
-                admit_hit_mappings = adm.sequence.reservation().mappings().len();
+                if admit_hits.len() == 1 {
+                    admit_hit_mappings = adm.sequence.reservation().mappings().len();
+                }
             }
             let from = adm.hit_tokens;
             (adm.sequence, from)
@@ -408,7 +410,9 @@ pub fn run_decode_loop_with_progress(
                 let t = Instant::now();
                 let seq = prefix.map_shared_prefix_readonly(&vm, total_tokens)?;
                 attach.push(t.elapsed());
-                attach_mappings = seq.reservation().mappings().len();
+                if attach.len() == 1 {
+                    attach_mappings = seq.reservation().mappings().len();
+                }
                 drop(seq);
                 tick("attach", 1);
             }

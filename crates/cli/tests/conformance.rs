@@ -148,3 +148,19 @@ fn the_peer_cases_run_on_each_of_two_simulated_devices() {
         );
     }
 }
+
+#[test]
+fn auto_without_a_gpu_opens_as_many_simulated_devices_as_sim() {
+    let (code, stdout, stderr) = kvvm_with(
+        &["info", "--backend", "auto", "--json"],
+        &[("KVVM_SIM_DEVICES", "2")],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let report = &v.as_array().unwrap()[0];
+    if report["backend"] != "sim" {
+        eprintln!("skipped: auto opened {} (a GPU backend)", report["backend"]);
+        return;
+    }
+    assert_eq!(report["devices"].as_array().unwrap().len(), 2, "{stdout}");
+}

@@ -162,9 +162,9 @@ fn open_hip() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
         })
 }
 
-/// The environment variable giving the number of simulated H200s `"sim"` opens (1 to 8,
-/// default 1), all linked to each other: how the peer cases and multi-device commands run on
-/// a machine without GPUs.
+/// The environment variable giving the number of simulated H200s that `"sim"`, and `"auto"`
+/// without a GPU, open (1 to 8, default 1), all linked to each other: how the peer cases and
+/// multi-device commands run on a machine without GPUs.
 pub const SIM_DEVICES_ENV: &str = "KVVM_SIM_DEVICES";
 
 fn open_sim() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
@@ -242,7 +242,7 @@ pub fn open_backend_verbose(name: &str) -> Result<OpenedBackend, OpenError> {
             );
             tracing::warn!("{notice}");
             Ok(OpenedBackend {
-                backend: Arc::new(kvvm_sim::SimBackend::h200()),
+                backend: open_sim()?,
                 notice: Some(notice),
                 passed_over: vec![cuda, hip],
             })

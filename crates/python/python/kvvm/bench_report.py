@@ -57,23 +57,12 @@ def verdict(point: list[bc.RunResult], warmup: int = 4) -> str:
             f"; step-interleaved: {ik_best.cache} {kt} vs {ib_best.cache} {bt} tokens/s: "
             f"{kt / bt:.3f}x"
         )
-        pr = interleaved_paired(point, warmup)
+        # Paired per step: the median of the baseline's step time over kvvm's in the same
+        # rotation, which a host load drifting over the phase moves less than the p50s.
+        pr = bc.paired_ratio(ik_best.interleaved_steps_ms, ib_best.interleaved_steps_ms, warmup)
         if pr is not None:
             line += f", paired per step {pr:.3f}x"
     return line
-
-
-def interleaved_paired(point: list[bc.RunResult], warmup: int = 4) -> float | None:
-    """The step-interleaved phase's paired ratio of the point: for the fastest KvvmCache and
-    the fastest baseline by p50, the median over steps of the baseline's step time over
-    kvvm's in the same rotation (``bc.paired_ratio``); above 1, kvvm is faster."""
-    kv = [r for r in point if bc.is_kvvm(r.cache) and r.interleaved_tokens_per_s]
-    base = [r for r in point if not bc.is_kvvm(r.cache) and r.interleaved_tokens_per_s]
-    if not kv or not base:
-        return None
-    k = max(kv, key=lambda r: r.interleaved_tokens_per_s or 0.0)
-    b = max(base, key=lambda r: r.interleaved_tokens_per_s or 0.0)
-    return bc.paired_ratio(k.interleaved_steps_ms, b.interleaved_steps_ms, warmup)
 
 
 def fmt_opt(x: float | None, digits: int) -> str:
