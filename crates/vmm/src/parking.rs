@@ -131,12 +131,17 @@ impl ParkedWindows {
     }
 
     /// Moves the highest parked window to the evicting list and returns it.
+    ///
+    /// It is counted as evicting before it stops counting as parked: [`take`](Self::take)
+    /// reads both counts without a lock (parked first), and must never see the window in
+    /// neither, or its commit would map over the mapping being unmapped.
     fn start_evicting(&self) -> Option<Window> {
         let mut windows = self.windows();
-        let w = windows.pop()?;
-        self.recount(&windows);
+        let w = *windows.last()?;
         lock(&self.evicting).push((w.0, w.1));
         self.evicting_count.fetch_add(1, Ordering::AcqRel);
+        windows.pop();
+        self.recount(&windows);
         Some(w)
     }
 
@@ -259,16 +264,15 @@ impl ParkedWindows {
         if windows.is_empty() {
             return;
         }
-        let bytes = windows_bytes(&windows, g);
-        {
-            let mut set = self.windows();
-            set.extend(windows);
-            set.sort_unstable_by_key(|w| w.0);
-            self.recount(&set);
-        }
         // They were counted out by `take`: count them back in (the cap was checked when they
-        // were first parked).
-        pool.add_parked(bytes);
+        // were first parked) before they are listed. Once listed the reclaimer may evict one
+        // and count it out; counted in later, the count would end too high (it saturates at
+        // zero).
+        pool.add_parked(windows_bytes(&windows, g));
+        let mut set = self.windows();
+        set.extend(windows);
+        set.sort_unstable_by_key(|w| w.0);
+        self.recount(&set);
     }
 
     /// Unmaps the parked mappings overlapping `spans` (sorted, disjoint window spans) and
@@ -330,14 +334,24 @@ impl ParkedWindows {
 
     /// Takes every parked window out for teardown, which treats them like committed ones:
     /// their bytes move from pooled back to committed.
+    ///
+    /// The windows are taken first, then the reclaimer's evictions in flight are waited for:
+    /// once the set is empty no eviction can start, and one whose unmap failed puts its window
+    /// back, which is taken in turn. (Waiting first would let an eviction start in between,
+    /// and teardown would free the range under its mapping.)
     pub(crate) fn take_all(&self, ctx: &DeviceContext, pool: &HandlePool) -> Vec<Window> {
-        self.wait_evictions();
-        let windows = {
-            let mut set = self.windows();
-            let all = std::mem::take(&mut *set);
-            self.recount(&set);
-            all
-        };
+        let mut windows = Vec::new();
+        loop {
+            {
+                let mut set = self.windows();
+                windows.append(&mut set);
+                self.recount(&set);
+            }
+            self.wait_evictions();
+            if self.parked.load(Ordering::Acquire) == 0 {
+                break;
+            }
+        }
         if !windows.is_empty() {
             let bytes = windows_bytes(&windows, ctx.granule);
             pool.remove_parked(bytes);

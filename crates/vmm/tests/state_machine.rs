@@ -410,7 +410,7 @@ fn stress_run(park: bool) {
     assert!(backpressure > 0, "the budget was never hit");
     eprintln!("{ok} commits, {backpressure} refused");
     assert_eq!(vm.accounting_errors(), 0);
-    assert!(vm.quarantine().is_empty());
+    assert!(vm.quarantine().is_empty(), "{:?}", vm.quarantine());
     let snap = gov.snapshot().device(D0);
     assert_eq!(snap.pending, 0);
     assert_eq!(snap.committed, 0);
