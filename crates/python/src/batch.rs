@@ -166,29 +166,11 @@ impl SequenceBatch {
     /// Releases every slot (see :meth:`Sequence.release`); returns the bytes unmapped.
     /// Refused, with nothing released, while a view of any slot is alive.
     fn release(&self, py: Python<'_>) -> PyResult<u64> {
-        if let Some(c) = self.cells.iter().find(|c| c.views() > 0) {
-            return Err(busy_error(
-                py,
-                crate::cell::Busy::Viewed(c.views()),
-                "release the batch",
-            ));
-        }
         let cells = self.cells.clone();
-        let out = py.detach(move || {
-            let mut bytes = 0u64;
-            for c in &cells {
-                match c.unmapping(|s| s.release()) {
-                    Ok(Ok(b)) => bytes = bytes.saturating_add(b),
-                    Ok(Err(e)) => return Err(Ok(e)),
-                    Err(busy) => return Err(Err(busy)),
-                }
-            }
-            Ok(bytes)
-        });
-        match out {
-            Ok(b) => Ok(b),
-            Err(Ok(e)) => Err(errors::kv(py, &e)),
-            Err(Err(busy)) => Err(busy_error(py, busy, "release the batch")),
+        match py.detach(move || SeqCell::unmapping_all(&cells, |s| s.release())) {
+            Ok(Ok(bytes)) => Ok(bytes.into_iter().fold(0u64, u64::saturating_add)),
+            Ok(Err(e)) => Err(errors::kv(py, &e)),
+            Err(busy) => Err(busy_error(py, busy, "release the batch")),
         }
     }
 

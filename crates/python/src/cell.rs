@@ -120,6 +120,19 @@ impl SeqCell {
         self.asked.load(Ordering::Acquire)
     }
 
+    /// Tokens that stay mapped while a view or a store holds the sequence: the committed
+    /// tokens, and for a pre-committed sequence only those the user claimed (the pre-committer
+    /// may give back what it mapped ahead of the claims at any time, without a device
+    /// synchronization).
+    pub(crate) fn usable_tokens(&self) -> u64 {
+        let committed = self.committed_tokens();
+        if self.is_precommitted() {
+            committed.min(self.claimed_tokens())
+        } else {
+            committed
+        }
+    }
+
     /// Records what a store must not write of `s` (called under its lock, after anything that
     /// may have changed it).
     fn refresh_protected(&self, s: &SequenceKv) {
@@ -144,22 +157,33 @@ impl SeqCell {
     /// sequence that must be empty. A pre-committed sequence the user never used may hold
     /// windows the worker committed ahead: they are released first, under the same lock, so
     /// that the worker cannot commit in between. Afterwards what `f` mapped counts as in use.
+    ///
+    /// Views and stores are blocked meanwhile, and the admission is refused ([`Busy`]) while
+    /// one is alive: what it unmaps is never under a view. Whether the sequence is unused is
+    /// read under the lock, after the block: a claim made before it is seen.
     pub(crate) fn admission<R>(
         &self,
         f: impl FnOnce(&mut SequenceKv) -> Result<R, KvCacheError>,
-    ) -> Result<R, KvCacheError> {
-        let unused = self.is_precommitted() && self.asked.load(Ordering::Acquire) == 0;
+    ) -> Result<Result<R, KvCacheError>, Busy> {
+        self.begin_unmap()?;
         let out = self.with(|s| {
+            let unused = self.is_precommitted() && self.asked.load(Ordering::Acquire) == 0;
             if unused && !s.is_empty() && s.written_tokens() == 0 && s.prefix_tokens() == 0 {
-                s.release()?;
+                if let Err(e) = s.release() {
+                    self.refresh_protected(s);
+                    return Err(e);
+                }
             }
             let r = f(s);
             self.refresh_protected(s);
             r
-        })?;
-        let committed = self.committed_tokens();
-        self.ensure(committed)?;
-        Ok(out)
+        });
+        self.end_unmap();
+        Ok(out.and_then(|r| {
+            let committed = self.committed_tokens();
+            self.ensure(committed)?;
+            Ok(r)
+        }))
     }
 
     /// Runs `f` (which may hand the sequence's windows to a prefix cache, making them shared)
@@ -213,30 +237,74 @@ impl SeqCell {
     /// Runs `f` (which unmaps) only while no view is alive, and blocks new views meanwhile.
     /// The device is synchronized first: kernels launched on the memory must be done.
     pub(crate) fn unmapping<R>(
-        &self,
-        f: impl FnOnce(&mut SequenceKv) -> Result<R, KvCacheError>,
+        self: &Arc<Self>,
+        f: impl FnMut(&mut SequenceKv) -> Result<R, KvCacheError>,
     ) -> Result<Result<R, KvCacheError>, Busy> {
+        let done = Self::unmapping_all(std::slice::from_ref(self), f)?;
+        Ok(done.map(|mut out| out.swap_remove(0)))
+    }
+
+    /// Runs `f` (which unmaps) on every cell of `cells`, in order, only if no view of any of
+    /// them is alive, with new views blocked on all of them until the last is done: all or
+    /// nothing is started (a view made by another thread after a caller's check makes the
+    /// whole call [`Busy`], with nothing unmapped). The device is synchronized once first.
+    /// Stops at the first error of `f` (the cells before it are done).
+    /// Returns what `f` returned for each cell.
+    pub(crate) fn unmapping_all<R>(
+        cells: &[Arc<SeqCell>],
+        mut f: impl FnMut(&mut SequenceKv) -> Result<R, KvCacheError>,
+    ) -> Result<Result<Vec<R>, KvCacheError>, Busy> {
+        let Some(first) = cells.first() else {
+            return Ok(Ok(Vec::new()));
+        };
+        for (i, c) in cells.iter().enumerate() {
+            if let Err(busy) = c.begin_unmap() {
+                for done in &cells[..i] {
+                    done.end_unmap();
+                }
+                return Err(busy);
+            }
+        }
+        let out = first
+            .manager
+            .synchronize()
+            .map_err(KvCacheError::Backend)
+            .and_then(|()| {
+                cells
+                    .iter()
+                    .map(|c| {
+                        c.with(|s| {
+                            let r = f(s);
+                            if s.is_empty() {
+                                c.asked.store(0, Ordering::Release);
+                            }
+                            c.refresh_protected(s);
+                            r
+                        })
+                    })
+                    .collect()
+            });
+        for c in cells {
+            c.end_unmap();
+        }
+        Ok(out)
+    }
+
+    /// Marks the cell as being unmapped, if no view is alive and no other unmap runs.
+    fn begin_unmap(&self) -> Result<(), Busy> {
         match self
             .views
             .compare_exchange(0, UNMAPPING, Ordering::AcqRel, Ordering::Acquire)
         {
-            Ok(_) => {}
-            Err(v) if v & UNMAPPING != 0 => return Err(Busy::Unmapping),
-            Err(v) => return Err(Busy::Viewed(v)),
+            Ok(_) => Ok(()),
+            Err(v) if v & UNMAPPING != 0 => Err(Busy::Unmapping),
+            Err(v) => Err(Busy::Viewed(v)),
         }
-        let out = match self.manager.synchronize() {
-            Ok(()) => self.with(|s| {
-                let r = f(s);
-                if s.is_empty() {
-                    self.asked.store(0, Ordering::Release);
-                }
-                self.refresh_protected(s);
-                r
-            }),
-            Err(e) => Err(KvCacheError::Backend(e)),
-        };
+    }
+
+    /// Lets views start again.
+    fn end_unmap(&self) {
         self.views.fetch_and(!UNMAPPING, Ordering::AcqRel);
-        Ok(out)
     }
 
     /// Byte offset of `(layer, kv, head 0, token)` in the sequence.

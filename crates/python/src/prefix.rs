@@ -13,6 +13,7 @@ use crate::geometry::PyPlan;
 use crate::manager::Manager;
 use crate::sequence::Sequence;
 pub use crate::shared_prefix::SharedPrefix;
+use crate::views::busy_error;
 
 #[pymethods]
 impl SharedPrefix {
@@ -53,8 +54,10 @@ impl SharedPrefix {
     fn attach(&self, py: Python<'_>, sequence: &Sequence) -> PyResult<u64> {
         let cell = Arc::clone(&sequence.cell);
         let prefix = Arc::clone(&self.prefix);
-        py.detach(move || cell.admission(|s| prefix.attach_to(s)))
-            .map_err(|e| errors::kv(py, &e))
+        match py.detach(move || cell.admission(|s| prefix.attach_to(s))) {
+            Ok(r) => r.map_err(|e| errors::kv(py, &e)),
+            Err(busy) => Err(busy_error(py, busy, "attach a prefix")),
+        }
     }
 
     fn __repr__(&self) -> String {
@@ -121,9 +124,10 @@ impl PrefixCache {
     ) -> PyResult<Bound<'py, PyDict>> {
         let cell = Arc::clone(&sequence.cell);
         let cache = Arc::clone(&self.cache);
-        let info = py
-            .detach(move || cell.admission(|s| cache.admit_into(&token_ids, s)))
-            .map_err(|e| errors::kv(py, &e))?;
+        let info = match py.detach(move || cell.admission(|s| cache.admit_into(&token_ids, s))) {
+            Ok(r) => r.map_err(|e| errors::kv(py, &e))?,
+            Err(busy) => return Err(busy_error(py, busy, "admit a request")),
+        };
         let d = PyDict::new(py);
         d.set_item("hit_tokens", info.hit_tokens)?;
         d.set_item("prompt_tokens", info.prompt_tokens)?;

@@ -240,9 +240,12 @@ impl Sequence {
     fn own_prefix(&self, py: Python<'_>, tokens: Count) -> PyResult<SharedPrefix> {
         let tokens = tokens.0;
         let cell = Arc::clone(&self.cell);
-        let prefix = py
+        let prefix = match py
             .detach(move || cell.admission(|s| kvvm_kv::SharedDevicePrefix::own_in(s, tokens)))
-            .map_err(|e| errors::kv(py, &e))?;
+        {
+            Ok(r) => r.map_err(|e| errors::kv(py, &e))?,
+            Err(busy) => return Err(busy_error(py, busy, "own a prefix")),
+        };
         Ok(SharedPrefix { prefix })
     }
 

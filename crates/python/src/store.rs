@@ -286,7 +286,7 @@ pub(crate) fn store(
     SeqCell::view_all(cells).map_err(|busy| busy_error(py, busy, "store into the batch"))?;
     let out = (|| -> PyResult<()> {
         for c in cells {
-            let claimed = c.claimed_tokens().min(c.committed_tokens());
+            let claimed = c.usable_tokens();
             if end > claimed {
                 return Err(errors::raise(
                     py,

@@ -72,13 +72,9 @@ pub(crate) fn make_view(
             ),
         ));
     }
-    let end = req.end.unwrap_or_else(|| {
-        cells
-            .iter()
-            .map(|c| c.committed_tokens())
-            .min()
-            .unwrap_or(0)
-    });
+    let end = req
+        .end
+        .unwrap_or_else(|| cells.iter().map(|c| c.usable_tokens()).min().unwrap_or(0));
     if req.start > end || end > first.max_tokens {
         return Err(errors::raise(
             py,
@@ -92,23 +88,6 @@ pub(crate) fn make_view(
                 ("max_tokens", Attr::Int(first.max_tokens)),
             ],
         ));
-    }
-    let mut readonly = end > req.start;
-    for c in cells {
-        let committed = c.committed_tokens();
-        if !req.allow_uncommitted && end > committed {
-            return Err(errors::raise(
-                py,
-                "NotCommittedError",
-                format!(
-                    "tokens {}..{end} are not all committed: {committed} tokens are (call ensure)",
-                    req.start
-                ),
-                &[],
-            ));
-        }
-        let shared = c.with(|s| s.shared_tokens());
-        readonly &= end <= shared;
     }
     let e = u64::from(geo.dtype_bytes().max(1));
     let strides = first.plan.strides();
@@ -148,15 +127,20 @@ pub(crate) fn make_view(
             ],
         );
     }
-    // Count the view on every sequence; undo on a sequence being unmapped.
-    if SeqCell::view_all(cells).is_err() {
-        return Err(errors::raise(
-            py,
-            "ViewsAliveError",
-            "the sequence is being released or shrunk by another thread".to_owned(),
-            &[],
-        ));
+    // Count first, check second: once counted, no release or shrink can start on these
+    // sequences, so what the check sees stays true while the view lives.
+    if let Err(busy) = SeqCell::view_all(cells) {
+        return Err(busy_error(py, busy, "make a view"));
     }
+    let readonly = match committed_and_readonly(py, cells, req, end) {
+        Ok(readonly) => readonly,
+        Err(err) => {
+            for c in cells {
+                c.unview();
+            }
+            return Err(err);
+        }
+    };
     Ok(TensorView::new(
         cells.to_vec(),
         ptr,
@@ -166,6 +150,35 @@ pub(crate) fn make_view(
         device,
         readonly,
     ))
+}
+
+/// Checks that tokens `req.start..end` are committed in every cell (unless the request allows
+/// uncommitted tokens) and returns whether every byte of the view is read-only shared memory.
+/// Called with the view counted on every cell, so that no unmap can run in between.
+fn committed_and_readonly(
+    py: Python<'_>,
+    cells: &[Arc<SeqCell>],
+    req: &ViewRequest,
+    end: u64,
+) -> PyResult<bool> {
+    let mut readonly = end > req.start;
+    for c in cells {
+        let committed = c.usable_tokens();
+        if !req.allow_uncommitted && end > committed {
+            return Err(errors::raise(
+                py,
+                "NotCommittedError",
+                format!(
+                    "tokens {}..{end} are not all committed: {committed} tokens are (call ensure)",
+                    req.start
+                ),
+                &[],
+            ));
+        }
+        let shared = c.with(|s| s.shared_tokens());
+        readonly &= end <= shared;
+    }
+    Ok(readonly)
 }
 
 /// The error of an unmap refused because views are alive.
