@@ -412,6 +412,21 @@ impl LayoutPlan {
         )?)
     }
 
+    /// The most tokens whose bytes all lie in the windows that hold the first `n_tokens`
+    /// tokens (never more than `max_tokens`): what may be written past `n_tokens` without
+    /// committing a window more. `n_tokens` itself when the windows end on a token boundary.
+    ///
+    /// Errors: [`KvError::TooManyTokens`] when `n_tokens > max_tokens`.
+    pub fn mapped_tokens(&self, n_tokens: u64) -> Result<u64, KvError> {
+        let per_token = self.fragment_bytes_per_token();
+        if per_token == 0 {
+            return Ok(n_tokens);
+        }
+        let windows = self.windows_per_fragment(n_tokens)?;
+        let bytes = mul(windows, self.granule, "mapped bytes")?;
+        Ok((bytes / per_token).clamp(n_tokens, self.geometry.max_tokens()))
+    }
+
     /// The commit lower bound for `n_tokens` live tokens: `granule x windows holding at least
     /// one live byte`.
     pub fn committed_bytes_for_tokens(&self, n_tokens: u64) -> Result<u64, KvError> {

@@ -230,3 +230,34 @@ fn layout_names_parse() {
     );
     assert!("diagonal".parse::<KvLayout>().is_err());
 }
+
+#[test]
+fn mapped_tokens_are_the_tokens_wholly_inside_the_windows_of_the_live_ones() {
+    let g = KvGeometry::preset("llama-3-8b", KvDtype::F16, 8192).unwrap();
+    let tm = LayoutPlan::new(g, KvLayout::TokenMajor, 2 * MIB).unwrap();
+    // 128 KiB per token: a 2 MiB window holds 16 tokens.
+    assert_eq!(tm.mapped_tokens(0).unwrap(), 0);
+    assert_eq!(tm.mapped_tokens(1).unwrap(), 16);
+    assert_eq!(tm.mapped_tokens(16).unwrap(), 16);
+    assert_eq!(tm.mapped_tokens(17).unwrap(), 32);
+    assert_eq!(tm.mapped_tokens(8192).unwrap(), 8192);
+    let sm = LayoutPlan::new(g, KvLayout::SeqMajor, 2 * MIB).unwrap();
+    // 2 KiB per token in each fragment: 1024 tokens per window.
+    assert_eq!(sm.mapped_tokens(1000).unwrap(), 1024);
+    // Tokens straddling a window end are not counted: 3 KiB per token, 4 KiB windows.
+    let odd = KvGeometry::new(1, 3, 512, 2, 100).unwrap();
+    let p = LayoutPlan::new(odd, KvLayout::SeqMajor, 4 * KIB).unwrap();
+    assert_eq!(p.mapped_tokens(1).unwrap(), 1);
+    assert_eq!(p.mapped_tokens(2).unwrap(), 2);
+    assert_eq!(p.mapped_tokens(3).unwrap(), 4);
+    // Never past the geometry's tokens, and never fewer than asked.
+    for n in 0..=100 {
+        let m = p.mapped_tokens(n).unwrap();
+        assert!(m >= n && m <= 100, "{n} -> {m}");
+        assert_eq!(
+            p.committed_bytes_for_tokens(m).unwrap(),
+            p.committed_bytes_for_tokens(n).unwrap()
+        );
+    }
+    assert!(p.mapped_tokens(101).is_err());
+}

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kvvm_kv::{KvKind, SequenceKv};
 use pyo3::prelude::*;
 
-use crate::cell::SeqCell;
+use crate::cell::{SeqCell, Unmap};
 use crate::count::{Count, Dim};
 use crate::errors;
 use crate::geometry::PyPlan;
@@ -15,7 +15,7 @@ use crate::manager::Manager;
 use crate::sequence::{max_tokens_arg, Sequence};
 use crate::store::{store, tokens_are_one_run, StoreRequest};
 use crate::view::TensorView;
-use crate::views::{busy_error, kind_arg, make_view, ViewRequest};
+use crate::views::{busy_error, kind_arg, make_slab, make_view, ViewRequest};
 
 /// A batch of sequences at a constant address stride (one slot each).
 #[pyclass(frozen, module = "kvvm._native")]
@@ -44,6 +44,32 @@ impl SequenceBatch {
             )),
         }
     }
+}
+
+/// Makes the first `targets[i]` tokens of `slots[i]` committed. The decode path (every
+/// slot has its tokens already, committed ahead by the pre-committer) cannot block, so the
+/// GIL is kept (releasing and taking it back costs more than the check); otherwise the
+/// commits run without it.
+fn ensure_slots(py: Python<'_>, slots: &[Arc<SeqCell>], targets: Vec<u64>) -> PyResult<u64> {
+    if slots
+        .iter()
+        .zip(&targets)
+        .all(|(c, &n)| c.committed_tokens() >= n)
+    {
+        for (c, &n) in slots.iter().zip(&targets) {
+            c.ensure(n).map_err(|e| errors::kv(py, &e))?;
+        }
+        return Ok(0);
+    }
+    let cells: Vec<Arc<SeqCell>> = slots.to_vec();
+    py.detach(move || {
+        let mut bytes = 0u64;
+        for (c, n) in cells.iter().zip(targets) {
+            bytes = bytes.saturating_add(c.ensure(n)?);
+        }
+        Ok(bytes)
+    })
+    .map_err(|e: kvvm_kv::KvCacheError| errors::kv(py, &e))
 }
 
 #[pymethods]
@@ -141,34 +167,25 @@ impl SequenceBatch {
         first: usize,
         count: Option<usize>,
     ) -> PyResult<u64> {
-        let tokens = tokens.0;
         let slots = self.slots(py, first, count)?;
-        // The decode path: every slot has its tokens already (committed ahead by the
-        // pre-committer). Nothing can block, so the GIL is kept (releasing and taking it back
-        // costs more than the check).
-        if slots.iter().all(|c| c.committed_tokens() >= tokens) {
-            for c in slots {
-                c.ensure(tokens).map_err(|e| errors::kv(py, &e))?;
-            }
-            return Ok(0);
-        }
-        let cells: Vec<Arc<SeqCell>> = slots.to_vec();
-        py.detach(move || {
-            let mut bytes = 0u64;
-            for c in &cells {
-                bytes = bytes.saturating_add(c.ensure(tokens)?);
-            }
-            Ok(bytes)
-        })
-        .map_err(|e: kvvm_kv::KvCacheError| errors::kv(py, &e))
+        ensure_slots(py, slots, vec![tokens.0; slots.len()])
+    }
+
+    /// Makes the first ``tokens[i]`` tokens of slot ``first + i`` committed, for every ``i``
+    /// (a ragged batch's step in one call); returns the bytes committed by this call. Errors
+    /// as :meth:`ensure`.
+    #[pyo3(signature = (tokens, first = 0))]
+    fn ensure_each(&self, py: Python<'_>, tokens: Vec<Count>, first: usize) -> PyResult<u64> {
+        let slots = self.slots(py, first, Some(tokens.len()))?;
+        ensure_slots(py, slots, tokens.into_iter().map(|c| c.0).collect())
     }
 
     /// Releases every slot (see :meth:`Sequence.release`); returns the bytes unmapped.
     /// Refused, with nothing released, while a view of any slot is alive.
     fn release(&self, py: Python<'_>) -> PyResult<u64> {
         let cells = self.cells.clone();
-        match py.detach(move || SeqCell::unmapping_all(&cells, |s| s.release())) {
-            Ok(Ok(bytes)) => Ok(bytes.into_iter().fold(0u64, u64::saturating_add)),
+        match py.detach(move || SeqCell::unmapping_all(&cells, Unmap::Release)) {
+            Ok(Ok(bytes)) => Ok(bytes),
             Ok(Err(e)) => Err(errors::kv(py, &e)),
             Err(busy) => Err(busy_error(py, busy, "release the batch")),
         }
@@ -202,6 +219,15 @@ impl SequenceBatch {
             all_layers: false,
         };
         make_view(py, cells, self.stride, true, &req)
+    }
+
+    /// The whole address range of every slot as one dense tensor ``[slots, slot_stride /
+    /// element size]`` (zero-copy, like :meth:`view`, and counted as a view of every slot):
+    /// each slot's K and V of every layer, at the offsets :meth:`LayoutPlan.strides` and
+    /// ``LayoutPlan.offset`` give, windows not committed included. Only committed tokens may
+    /// be touched through it.
+    fn slab(&self, py: Python<'_>) -> PyResult<TensorView> {
+        make_slab(py, &self.cells, self.stride)
     }
 
     /// One strided view of every layer's K and V over slots `first..first+count` (default:

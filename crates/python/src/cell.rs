@@ -17,6 +17,15 @@ enum Kind {
     Pre(PrecommittedSequence),
 }
 
+/// What an unmap does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Unmap {
+    /// Unmaps everything and detaches from shared prefixes, keeping the address range.
+    Release,
+    /// Gives back the windows holding no byte of the first this many tokens.
+    Shrink(u64),
+}
+
 /// Why a view or an unmap cannot start now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Busy {
@@ -234,28 +243,27 @@ impl SeqCell {
         self.views.load(Ordering::Acquire) & !UNMAPPING
     }
 
-    /// Runs `f` (which unmaps) only while no view is alive, and blocks new views meanwhile.
-    /// The device is synchronized first: kernels launched on the memory must be done.
-    pub(crate) fn unmapping<R>(
+    /// Runs `op` only while no view is alive, and blocks new views meanwhile. The device is
+    /// synchronized first: kernels launched on the memory must be done. Returns the bytes
+    /// unmapped.
+    pub(crate) fn unmapping(
         self: &Arc<Self>,
-        f: impl FnMut(&mut SequenceKv) -> Result<R, KvCacheError>,
-    ) -> Result<Result<R, KvCacheError>, Busy> {
-        let done = Self::unmapping_all(std::slice::from_ref(self), f)?;
-        Ok(done.map(|mut out| out.swap_remove(0)))
+        op: Unmap,
+    ) -> Result<Result<u64, KvCacheError>, Busy> {
+        Self::unmapping_all(std::slice::from_ref(self), op)
     }
 
-    /// Runs `f` (which unmaps) on every cell of `cells`, in order, only if no view of any of
-    /// them is alive, with new views blocked on all of them until the last is done: all or
-    /// nothing is started (a view made by another thread after a caller's check makes the
-    /// whole call [`Busy`], with nothing unmapped). The device is synchronized once first.
-    /// Stops at the first error of `f` (the cells before it are done).
-    /// Returns what `f` returned for each cell.
-    pub(crate) fn unmapping_all<R>(
+    /// Runs `op` on every cell of `cells`, in order, only if no view of any of them is
+    /// alive, with new views blocked on all of them until the last is done: all or nothing
+    /// is started (a view made by another thread after a caller's check makes the whole call
+    /// [`Busy`], with nothing unmapped). The device is synchronized once first. Stops at the
+    /// first error (the cells before it are done). Returns the bytes unmapped in all.
+    pub(crate) fn unmapping_all(
         cells: &[Arc<SeqCell>],
-        mut f: impl FnMut(&mut SequenceKv) -> Result<R, KvCacheError>,
-    ) -> Result<Result<Vec<R>, KvCacheError>, Busy> {
+        op: Unmap,
+    ) -> Result<Result<u64, KvCacheError>, Busy> {
         let Some(first) = cells.first() else {
-            return Ok(Ok(Vec::new()));
+            return Ok(Ok(0));
         };
         for (i, c) in cells.iter().enumerate() {
             if let Err(busy) = c.begin_unmap() {
@@ -272,22 +280,29 @@ impl SeqCell {
             .and_then(|()| {
                 cells
                     .iter()
-                    .map(|c| {
-                        c.with(|s| {
-                            let r = f(s);
-                            if s.is_empty() {
-                                c.asked.store(0, Ordering::Release);
-                            }
-                            c.refresh_protected(s);
-                            r
-                        })
-                    })
-                    .collect()
+                    .try_fold(0u64, |total, c| Ok(total.saturating_add(c.unmap(op)?)))
             });
         for c in cells {
             c.end_unmap();
         }
         Ok(out)
+    }
+
+    /// Runs `op` (the caller blocks views). A pre-committed sequence released goes dormant:
+    /// the pre-committer maps nothing ahead of it until tokens are asked for again.
+    fn unmap(&self, op: Unmap) -> Result<u64, KvCacheError> {
+        let result = match (&self.kind, op) {
+            (Kind::Pre(p), Unmap::Release) => p.release(),
+            (_, Unmap::Release) => self.with(|s| s.release()),
+            (_, Unmap::Shrink(tokens)) => self.with(|s| s.shrink_committed(tokens)),
+        };
+        self.with(|s| {
+            if s.is_empty() {
+                self.asked.store(0, Ordering::Release);
+            }
+            self.refresh_protected(s);
+        });
+        result
     }
 
     /// Marks the cell as being unmapped, if no view is alive and no other unmap runs.

@@ -217,6 +217,14 @@ impl PyPlan {
             .map_err(|e| errors::layout(py, &e))
     }
 
+    /// The most tokens whose bytes all lie in the windows that hold the first `tokens`
+    /// tokens: what may be written past `tokens` without committing another window.
+    fn mapped_tokens(&self, py: Python<'_>, tokens: u64) -> PyResult<u64> {
+        self.plan
+            .mapped_tokens(tokens)
+            .map_err(|e| errors::layout(py, &e))
+    }
+
     /// Whether a prefix of `prefix_tokens` can be shared under this plan: a dict with
     /// ``shareable`` (bool), ``shared_tokens`` and ``reason`` (None when shareable).
     fn shareability<'py>(

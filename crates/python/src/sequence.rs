@@ -7,7 +7,7 @@ use kvvm_kv::SequenceKv;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::cell::SeqCell;
+use crate::cell::{SeqCell, Unmap};
 use crate::count::{Count, Dim};
 use crate::errors;
 use crate::geometry::PyPlan;
@@ -148,7 +148,7 @@ impl Sequence {
     fn shrink(&self, py: Python<'_>, tokens: Count) -> PyResult<u64> {
         let tokens = tokens.0;
         let cell = Arc::clone(&self.cell);
-        let out = py.detach(move || cell.unmapping(|s| s.shrink_committed(tokens)));
+        let out = py.detach(move || cell.unmapping(Unmap::Shrink(tokens)));
         match out {
             Err(busy) => Err(busy_error(py, busy, "shrink")),
             Ok(r) => r.map_err(|e| errors::kv(py, &e)),
@@ -160,7 +160,7 @@ impl Sequence {
     /// a view or a tensor made from one is alive; the device is synchronized first.
     fn release(&self, py: Python<'_>) -> PyResult<u64> {
         let cell = Arc::clone(&self.cell);
-        let out = py.detach(move || cell.unmapping(|s| s.release()));
+        let out = py.detach(move || cell.unmapping(Unmap::Release));
         match out {
             Err(busy) => Err(busy_error(py, busy, "release")),
             Ok(r) => r.map_err(|e| errors::kv(py, &e)),

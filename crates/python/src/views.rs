@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use crate::cell::{Busy, SeqCell};
 use crate::errors::{self, Attr};
 use crate::view::TensorView;
+use dlpark::ffi::DLDevice;
 
 /// Parses ``"key"``/``"k"`` or ``"value"``/``"v"``.
 pub(crate) fn kind_arg(py: Python<'_>, kind: &str) -> PyResult<KvKind> {
@@ -37,6 +38,66 @@ fn to_i64(py: Python<'_>, v: u64, what: &str) -> PyResult<i64> {
     i64::try_from(v).map_err(|_| errors::invalid(py, format!("{what} {v} does not fit a tensor")))
 }
 
+/// Where `cell`'s memory can be read by tensors, or why it cannot.
+fn dl_device(py: Python<'_>, cell: &SeqCell) -> PyResult<DLDevice> {
+    cell.manager.dl_device.ok_or_else(|| {
+        errors::raise(
+            py,
+            "UnavailableError",
+            format!(
+                "the {} backend's memory is not addressable by tensors; use the 'host' backend \
+                 on a CPU or a GPU backend",
+                cell.manager.backend.name()
+            ),
+            &[],
+        )
+    })
+}
+
+/// The whole address range of `cells` (slots at a constant `slot_stride`) as one dense
+/// tensor of shape `[slots, slot_stride / element size]`: every layer's K and V of every
+/// slot, the layout's padding and the windows not committed included. What is read or
+/// written through it must be committed; it exists so that one tensor, written in place
+/// with indices, is all a compiled step mutates.
+pub(crate) fn make_slab(
+    py: Python<'_>,
+    cells: &[Arc<SeqCell>],
+    slot_stride: u64,
+) -> PyResult<TensorView> {
+    let Some(first) = cells.first() else {
+        return Err(errors::invalid(py, "a slab needs at least one sequence"));
+    };
+    let device = dl_device(py, first)?;
+    let e = u64::from(first.plan.geometry().dtype_bytes().max(1));
+    // A row is a whole stride (dense: the slots are reserved back to back).
+    let row = if cells.len() > 1 {
+        slot_stride
+    } else {
+        first.plan.reservation_bytes()
+    };
+    if !row.is_multiple_of(e) {
+        return Err(errors::invalid(
+            py,
+            format!("a slot stride of {row} bytes is not a whole number of elements"),
+        ));
+    }
+    let rows = to_i64(py, cells.len() as u64, "slot count")?;
+    let shape = vec![rows, to_i64(py, row / e, "slot elements")?];
+    let strides = vec![shape[1], 1];
+    if let Err(busy) = SeqCell::view_all(cells) {
+        return Err(busy_error(py, busy, "make a slab"));
+    }
+    Ok(TensorView::new(
+        cells.to_vec(),
+        first.base,
+        shape,
+        strides,
+        first.dtype,
+        device,
+        false,
+    ))
+}
+
 /// A view of layer `req.layer`'s K or V, tokens `start..end`, over `cells` (one sequence, or
 /// slots at a constant `slot_stride` with `batched`): shape `[H, T, D]` or `[B, H, T, D]`.
 pub(crate) fn make_view(
@@ -49,18 +110,7 @@ pub(crate) fn make_view(
     let Some(first) = cells.first() else {
         return Err(errors::invalid(py, "a view needs at least one sequence"));
     };
-    let Some(device) = first.manager.dl_device else {
-        return Err(errors::raise(
-            py,
-            "UnavailableError",
-            format!(
-                "the {} backend's memory is not addressable by tensors; use the 'host' backend \
-                 on a CPU or a GPU backend",
-                first.manager.backend.name()
-            ),
-            &[],
-        ));
-    };
+    let device = dl_device(py, first)?;
     let geo = *first.plan.geometry();
     if !req.all_layers && req.layer >= geo.layers() {
         return Err(errors::invalid(

@@ -56,6 +56,7 @@ from .errors import (
     TooManyTokensError,
     UnavailableError,
     ViewsAliveError,
+    GraphsAliveError,
     WriteIntoSharedPrefixError,
 )
 
@@ -88,6 +89,7 @@ __all__ = [
     "TooManyTokensError",
     "UnavailableError",
     "ViewsAliveError",
+    "GraphsAliveError",
     "WriteIntoSharedPrefixError",
     "__version__",
 ]

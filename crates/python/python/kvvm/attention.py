@@ -1,10 +1,17 @@
-"""``kvvm_sdpa``: transformers' SDPA attention restricted to the kernels that take any KV
-length as it comes, registered with transformers, and the model wrapper that selects it.
+"""``kvvm``: the attention implementation for models whose cache is a
+:class:`~kvvm.transformers.KvvmCache`, registered with transformers, and the model wrapper
+that selects it.
 
-:class:`~kvvm.transformers.KvvmCache` hands attention exact-length K/V views, so no mask is
-needed and SDPA runs its own GQA; what is left is the kernel choice. PyTorch dispatches such
-calls to cuDNN, which plans every new KV length on the CPU (1.3 ms per layer and step on an
-H200 with torch 2.11): ``kvvm_sdpa`` leaves cuDNN out, once per model forward.
+With a KvvmCache, the mask function registered under this name does not build a mask: it
+asks the cache for each request's token range ``[start, end)`` of the step (an int32 tensor,
+handed to attention in the mask's place), and attention reads exactly those tokens from the
+cache's full-length K/V with :func:`kvvm.attend.attend`. No mask, no ``repeat_kv``, no
+length known on the host: the step compiles and captures.
+
+With any other cache (or none) it is transformers' SDPA attention and mask, restricted to the
+kernels that take any KV length as it comes (FlashAttention, memory-efficient, math): cuDNN's
+SDPA plans every new KV length on the CPU (1.3 ms per layer and step on an H200 with torch
+2.11).
 
 Requires torch and transformers (5.x).
 """
@@ -17,26 +24,29 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["ATTENTION", "register_attention", "use_kvvm_attention"]
+__all__ = ["ATTENTION", "kvvm_attention", "kvvm_mask", "register_attention", "use_kvvm_attention"]
 
-#: The transformers attention implementation :func:`register_attention` registers: SDPA with
-#: its own GQA (no mask, no ``repeat_kv``), restricted to the FlashAttention, memory-efficient
-#: and math kernels.
-ATTENTION = "kvvm_sdpa"
+#: The transformers attention implementation :func:`register_attention` registers.
+ATTENTION = "kvvm"
 
 _SCOPE = threading.local()
-_SDPA_FORWARD: list[Callable[..., Any]] = []
+_SDPA: list[tuple[Callable[..., Any], Callable[..., Any]]] = []
+
+
+def _sdpa() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """transformers' SDPA attention and mask functions (imported once)."""
+    if not _SDPA:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import sdpa_mask
+
+        _SDPA.append((sdpa_attention_forward, sdpa_mask))
+    return _SDPA[0]
 
 
 @contextlib.contextmanager
 def _kernel_scope() -> Iterator[None]:
-    """Restricts SDPA to the kernels that take any KV length as it comes (FlashAttention,
-    memory-efficient, math), once per scope: nested scopes (a layer inside a model's forward)
-    cost nothing more.
-
-    cuDNN's SDPA builds a new execution plan for every new KV length, on the CPU: 1.3 ms per
-    layer and step on an H200 with torch 2.11, which makes a decode step host-bound; an
-    exact-length cache changes the length at every step."""
+    """Restricts SDPA to the kernels that take any KV length as it comes, once per scope:
+    nested scopes (a layer inside a model's forward) cost nothing more."""
     if getattr(_SCOPE, "active", False):
         yield
         return
@@ -50,40 +60,92 @@ def _kernel_scope() -> Iterator[None]:
             _SCOPE.active = False
 
 
-def _kvvm_sdpa_forward(*args: Any, **kwargs: Any) -> Any:
-    if not _SDPA_FORWARD:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def _is_bounds(mask: Any) -> bool:
+    """Whether ``mask`` is a KvvmCache's slots and token ranges (``[batch, 1, 1, 3]`` int32)
+    rather than a boolean or additive mask."""
+    import torch
 
-        _SDPA_FORWARD.append(sdpa_attention_forward)
-    forward = _SDPA_FORWARD[0]
-    if getattr(_SCOPE, "active", False):
-        # Inside a model forward wrapped by use_kvvm_attention: the kernels are set already.
-        return forward(*args, **kwargs)
+    return isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4 and mask.shape[-1] == 3
+
+
+def kvvm_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Any = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """The mask function of :data:`ATTENTION`: a KvvmCache's token ranges for the step when
+    the cache is a KvvmCache (its ``get_query_offset`` is the hook), else SDPA's mask."""
+    bounds = getattr(q_offset, "kvvm_bounds", None)
+    if bounds is not None:
+        return bounds(q_length, attention_mask)
+    return _sdpa()[1](
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        **kwargs,
+    )
+
+
+def kvvm_attention(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """The attention function of :data:`ATTENTION`: over a KvvmCache's token ranges with
+    :func:`kvvm.attend.attend`, else transformers' SDPA attention (in the kernel scope)."""
+    if _is_bounds(attention_mask):
+        from .attend import attend
+
+        kernel = getattr(getattr(module, "config", None), "kvvm_kernel", "auto")
+        out = attend(query, key, value, attention_mask.view(query.shape[0], 3), scaling, kernel)
+        return out, None
+    forward = _sdpa()[0]
     with _kernel_scope():
-        return forward(*args, **kwargs)
+        return forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def register_attention() -> str:
     """Registers :data:`ATTENTION` with transformers (attention and mask interfaces; idempotent)
     and returns its name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION, _kvvm_sdpa_forward)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    AttentionInterface.register(ATTENTION, kvvm_attention)
+    AttentionMaskInterface.register(ATTENTION, kvvm_mask)
     return ATTENTION
 
 
-def use_kvvm_attention(model: Any, enable: bool = True) -> None:
+def use_kvvm_attention(model: Any, enable: bool = True, kernel: str = "auto") -> None:
     """Makes ``model`` attend with :data:`ATTENTION` (or, with ``enable=False``, with plain
-    ``"sdpa"`` again). Recommended with :class:`KvvmCache` on GPUs: the cache hands attention
-    exact-length K/V views, so no mask is needed and SDPA runs its own GQA; this picks the
-    kernels that need no per-length planning on the CPU.
+    ``"sdpa"`` again). With a :class:`~kvvm.transformers.KvvmCache` this is what makes the
+    decode step compileable and ragged batches possible; with other caches it is SDPA.
 
-    The kernel choice is made once per call of ``model.forward`` (which is wrapped; the wrapper
-    is removed with ``enable=False``), not once per layer: a decode step is host-bound."""
+    ``kernel`` picks the kernel over a KvvmCache's token ranges (one of
+    :data:`kvvm.attend.KERNELS`; kept in the config as ``kvvm_kernel``). The SDPA kernel
+    choice is made once per call of ``model.forward`` (which is wrapped; the wrapper is
+    removed with ``enable=False``), not once per layer: an eager step is host-bound."""
+    from .attend import KERNELS
+
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; one of {KERNELS}")
     name = register_attention() if enable else "sdpa"
     _wrap_forward(model, enable)
+    for cfg in {id(c): c for c in (model.config, decoder_config(model.config))}.values():
+        cfg.kvvm_kernel = kernel
     setter = getattr(model, "set_attn_implementation", None)
     if callable(setter):
         try:
@@ -113,6 +175,11 @@ def _wrap_forward(model: Any, enable: bool) -> None:
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        if torch.compiler.is_compiling():
+            # Traced code runs the kvvm kernels (or compiled SDPA): no scope to enter.
+            return inner(*args, **kwargs)
         with _kernel_scope():
             return inner(*args, **kwargs)
 

@@ -29,6 +29,7 @@ __all__ = [
     "DriverError",
     "OutOfMemoryError",
     "ViewsAliveError",
+    "GraphsAliveError",
     "ReleasedError",
     "NotCommittedError",
     "WriteIntoSharedPrefixError",
@@ -154,6 +155,16 @@ class ViewsAliveError(KvvmError):
     def __init__(self, message: str, views: int = 0) -> None:
         super().__init__(message)
         self.views = views
+
+
+class GraphsAliveError(ViewsAliveError):
+    """A CUDA graph captured over the memory is alive and may be replayed into it: release
+    is refused until the graph is dropped (``DecodeGraph.close()``, or the graph object
+    deleted)."""
+
+    def __init__(self, message: str, graphs: int = 0) -> None:
+        super().__init__(message, views=0)
+        self.graphs = graphs
 
 
 class ReleasedError(KvvmError):

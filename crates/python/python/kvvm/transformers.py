@@ -1,27 +1,43 @@
 """A Hugging Face transformers ``Cache`` whose K/V live in kvvm reservations.
 
-:class:`KvvmCache` gives every layer's K and V of a batch as one strided tensor over a
-:class:`~kvvm.SequenceBatch` (one slot per request, all slots at a constant stride): growth
-commits windows in place (no ``torch.cat``, no copy, the pointer never changes), the views it
-hands to attention have the exact live length (no padding, so transformers runs SDPA with
-its own GQA and no mask), and only the windows holding live tokens are committed. With the
-manager's pre-committer the decode step finds its windows already mapped.
+:class:`KvvmCache` keeps every layer's K and V of a batch in a :class:`~kvvm.SequenceBatch`
+(one slot per request, all slots at a constant stride): growth commits windows in place (no
+``torch.cat``, no copy, the pointer never changes) and only the windows holding live tokens
+are committed. Each request's token count lives in a device tensor
+(:class:`~kvvm.slots.SlotState`): a step writes each request's new K/V at its own position
+with device-side indices, so requests of different lengths decode in one batch, without
+padding.
 
-:class:`KvvmPrefix` is the flow a server needs for a shared system prompt: prefill it once
-into shared memory, then :meth:`KvvmCache.from_prefix` attaches it read-only to N new
-requests (billed once) and only their own suffixes are prefilled.
+What attention receives depends on the model's attention implementation:
+
+- with :data:`~kvvm.attention.ATTENTION` (:func:`use_kvvm_attention`): full-length K/V views
+  whose addresses never change and each request's token range as a device tensor
+  (:func:`kvvm.attend.attend` reads exactly those tokens). Nothing depends on a length known
+  on the host, so the cache is compileable: ``generate`` compiles its decode step with CUDA
+  graphs by itself, and a decode step can be captured by hand (:mod:`kvvm.graph`);
+- with any other attention: exact-length views (every request of the batch at the same
+  length, as ``generate`` pads them), for SDPA and the like. Eager only.
+
+Before every step the host makes the tokens it will write committed and claimed (a growth the
+budget cannot grant is raised then, as :class:`~kvvm.errors.BackpressureError`, before
+anything is launched); on the device a write past what the host prepared goes to a scratch
+slot instead of unmapped memory.
+
+:class:`KvvmPrefix` prefills a shared system prompt once into shared memory;
+:meth:`KvvmCache.from_prefix` attaches it read-only to N new requests (billed once).
 
 Requires torch and transformers (5.x); the rest of kvvm does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from . import (
     KvGeometry,
@@ -33,7 +49,9 @@ from . import (
     geometry_from_config,
 )
 from .attention import ATTENTION, decoder_config, register_attention, use_kvvm_attention
-from .errors import DriverError, InvalidArgumentError, UnavailableError
+from .cache_layer import KvvmLayer, StepQuery, host_work
+from .errors import GraphsAliveError, InvalidArgumentError
+from .slots import SlotState, StepIndex
 
 __all__ = ["ATTENTION", "KvvmCache", "KvvmLayer", "KvvmPrefix", "register_attention", "use_kvvm_attention"]
 
@@ -62,126 +80,6 @@ def _check_full_attention(config: Any) -> None:
         raise InvalidArgumentError("KvvmCache does not support sliding-window attention")
 
 
-class KvvmLayer(CacheLayerMixin):
-    """One layer of a :class:`KvvmCache`: K and V of every slot as strided views.
-
-    ``keys``/``values`` are the live views ``[batch, kv_heads, length, head_dim]`` after each
-    update; the full-length backing tensors cover the whole reservation and are only ever
-    touched below the committed length.
-    """
-
-    is_compileable = False
-    is_sliding = False
-    is_croppable = True
-    supports_early_init = False
-
-    def __init__(self, cache: KvvmCache, index: int) -> None:
-        super().__init__()
-        # A proxy, not a reference: no cycle keeps the cache (and its manager's worker) alive.
-        self._cache = cast("KvvmCache", weakref.proxy(cache))
-        self._index = index
-        self._k_full: torch.Tensor | None = None
-        self._v_full: torch.Tensor | None = None
-        self.length = 0
-
-    def _bind(self, k_full: torch.Tensor, v_full: torch.Tensor, length: int) -> None:
-        self._k_full, self._v_full = k_full, v_full
-        self.dtype, self.device = k_full.dtype, k_full.device
-        self.length = length
-        self.keys = k_full[:, :, :length]
-        self.values = v_full[:, :, :length]
-        self.is_initialized = True
-
-    def _unbind(self) -> None:
-        self._k_full = self._v_full = None
-        self.keys = self.values = None
-        self.is_initialized = False
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Binds the layer's views (the batch is reserved when the cache is made)."""
-        self._cache._bind_layers()
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes ``key_states``/``value_states`` (``[batch, kv_heads, q, head_dim]``) after the
-        live tokens, in place, and returns the live views including them."""
-        k_full = self._k_full
-        if k_full is None:
-            self.lazy_initialization(key_states, value_states)
-            k_full = self._k_full
-        v_full = self._v_full
-        assert k_full is not None and v_full is not None
-        if key_states.shape[0] != k_full.shape[0]:
-            raise InvalidArgumentError(
-                f"batch of {key_states.shape[0]} for a KvvmCache of {k_full.shape[0]} slots"
-            )
-        start = self.length
-        q = key_states.shape[-2]
-        end = start + q
-        cache = self._cache
-        if end > cache._ensured:
-            cache._ensure(end)
-        # The step's slices are made once for all layers: per layer, two copies (or one row
-        # store) and no view.
-        k_live, v_live = cache._step_views(start, q)
-        i = self._index
-        if q == 1 and cache._row_store:
-            cache._store(i, start, key_states, value_states)
-        else:
-            k_dst, v_dst = cache._step_targets(start, q)
-            k_dst[i].copy_(key_states)
-            v_dst[i].copy_(value_states)
-        self.length = end
-        keys = self.keys = k_live[i]
-        values = self.values = v_live[i]
-        return keys, values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(kv_length, kv_offset)``: the exact live length (no padding, so no mask is needed
-        when every request has the same length)."""
-        return self.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        """Live tokens."""
-        return self.length
-
-    def get_max_length(self) -> int:
-        """``-1``: the cache grows as needed (up to its reservation) like a dynamic one."""
-        return -1
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drops tokens from the end (``tokens_to_remove`` < 0: that many; > 0: keep that
-        many). The memory stays committed until :meth:`KvvmCache.shrink` or release."""
-        keep = tokens_to_remove if tokens_to_remove > 0 else self.length + tokens_to_remove
-        self.length = max(0, min(self.length, keep))
-        if self._k_full is not None and self._v_full is not None:
-            self.keys = self._k_full[:, :, : self.length]
-            self.values = self._v_full[:, :, : self.length]
-
-    def reset(self) -> None:
-        """Forgets the live tokens (memory stays committed until release)."""
-        self.length = 0
-        if self._k_full is not None and self._v_full is not None:
-            self.keys = self._k_full[:, :, :0]
-            self.values = self._v_full[:, :, :0]
-
-    def offload(self) -> None:  # pragma: no cover - a method transformers may call
-        raise NotImplementedError("KvvmCache keeps K/V on its device (no offloading)")
-
-    def prefetch(self) -> None:  # pragma: no cover
-        return None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("KvvmCache does not reorder slots (no beam search)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("KvvmCache does not repeat slots")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("KvvmCache does not select slots")
-
-
 class KvvmCache(Cache):
     """A transformers cache over a kvvm :class:`~kvvm.SequenceBatch`.
 
@@ -195,22 +93,18 @@ class KvvmCache(Cache):
         layout: ``"token-major"`` (default), ``"seq-major"`` or ``"head-major"``. Token-major
             keeps a request's K/V for every layer in one fragment, so at most one granule per
             request is committed beyond its live tokens and a shared prefix maps as one
-            handle; seq-major rounds each of its ``layers x 2`` fragments up to a window
-            (measured on the H200: 24 GiB against 16.4 GiB live at 64 x 2048 tokens, decode
-            equally fast; ``docs/python.md``).
+            handle (``docs/python.md``).
         dtype: the K/V dtype (default: the config's, else bf16).
         precommit: grow through the manager's background pre-committer.
         headroom_tokens: how far ahead of each request's live tokens the pre-committer keeps
-            windows mapped (for a manager made here). A decode step adds one token and the
-            pre-committer looks every millisecond, so a few tokens keep every step off the
-            driver; each token more costs bytes in every request (and a window boundary
-            reached costs a whole window).
-        batch: an existing batch to bind to (used by :meth:`from_prefix`).
-        start_tokens: live tokens already in ``batch``.
+            windows mapped (for a manager made here).
+        batch: a batch to bind to, of ``batch_size + 1`` slots (the last is the scratch
+            slot); made here when omitted.
+        start_tokens: live tokens already in every slot of ``batch``.
 
-    Use it as ``model.generate(..., past_key_values=KvvmCache(model.config, B, L))`` or in a
-    hand-written decode loop; call :meth:`release` (or use it as a context manager) to give
-    the memory back.
+    Use it as ``model.generate(..., past_key_values=KvvmCache(model.config, B, L))``, in a
+    hand-written decode loop, or captured (:class:`kvvm.graph.DecodeGraph`); call
+    :meth:`release` (or use it as a context manager) to give the memory back.
     """
 
     def __init__(
@@ -249,38 +143,30 @@ class KvvmCache(Cache):
                 "use 'cuda', 'hip' or 'host'"
             )
         geometry = geometry_from_config(cfg, max_cache_len, dtype)
+        self._config = cfg
         self.manager = manager
         self.geometry: KvGeometry = geometry
         self.plan = LayoutPlan(geometry, layout, manager.granule)
-        self.batch = batch or SequenceBatch(
-            manager, self.plan, batch_size, max_cache_len, precommit=precommit
-        )
-        if len(self.batch) != batch_size:
-            raise InvalidArgumentError(f"the batch has {len(self.batch)} slots, not {batch_size}")
         self._max_len = max_cache_len
+        self.batch = batch or SequenceBatch(
+            manager, self.plan, batch_size + 1, max_cache_len, precommit=precommit
+        )
+        if len(self.batch) != batch_size + 1:
+            raise InvalidArgumentError(
+                f"the batch has {len(self.batch)} slots, not {batch_size} and the scratch slot"
+            )
         self._torch_dtype = _torch_dtype(geometry.dtype)
-        self._ensured = 0
-        self._start = start_tokens
         self._released = False
-        self._bound = False
-        # Every layer's K and V as two tensors [layers, batch, heads, max_len, head_dim].
-        self._k_all: torch.Tensor | None = None
-        self._v_all: torch.Tensor | None = None
-        # One decode step's slices of them, shared by every layer: (start, q) and, per layer,
-        # the views to write the new tokens into and the live views to hand to attention.
-        self._step: tuple[int, int] = (-1, -1)
-        self._step_dst: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
-        self._step_live: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] = ((), ())
-        # A decode step's token goes in with SequenceBatch.store (one row copy per K and V,
-        # a row per slot) on GPU backends whose layout keeps a token as one run per slot:
-        # torch's own copy splits a destination spanning every slot (tens of GiB) into
-        # 32-bit-indexable pieces, a kernel launch each. Turned off for good if the backend
-        # refuses it (no row copies there, or sources it cannot take).
-        self._row_store = manager.backend in ("cuda", "hip") and self.batch.can_store(1)
-        self._stream: Any = None
+        self._slab: torch.Tensor | None = None
+        self._graphs: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._capturing: Any = None
+        self._bind()
+        assert self._slab is not None
+        self.state: SlotState = SlotState(self.batch, self.plan, self._slab.device)
+        if start_tokens:
+            self.state.set_lengths({i: start_tokens for i in range(batch_size)})
         layers: list[Any] = [KvvmLayer(self, i) for i in range(geometry.layers)]
         super().__init__(layers=layers)
-        self._bind_layers()
 
     # ---- construction from a shared prefix ----
 
@@ -300,13 +186,13 @@ class KvvmCache(Cache):
         batch = SequenceBatch(
             prefix.manager,
             prefix.plan,
-            batch_size,
+            batch_size + 1,
             max_cache_len,
             precommit=kwargs.pop("precommit", True),
         )
         for i in range(batch_size):
             prefix.shared.attach(batch[i])
-        batch.ensure(prefix.tokens)
+        batch.ensure(prefix.tokens, first=0, count=batch_size)
         cache = cls(
             prefix.config,
             batch_size,
@@ -318,128 +204,289 @@ class KvvmCache(Cache):
             start_tokens=prefix.tokens,
             **kwargs,
         )
-        cache._ensured = prefix.tokens
         tail = prefix.shared.shared_tokens
         if tail < prefix.tokens:
-            for layer, owner in zip(cache.layers, prefix.cache.layers, strict=True):
-                assert isinstance(layer, KvvmLayer) and isinstance(owner, KvvmLayer)
-                assert layer._k_full is not None and owner._k_full is not None
-                assert layer._v_full is not None and owner._v_full is not None
-                span = slice(tail, prefix.tokens)
-                # [1, H, t, D] broadcast into every slot.
-                layer._k_full[:, :, span].copy_(owner._k_full[:, :, span])
-                layer._v_full[:, :, span].copy_(owner._v_full[:, :, span])
+            span = slice(tail, prefix.tokens)
+            for layer in range(cache.geometry.layers):
+                for mine, owner in zip(cache._kv(layer), prefix.cache._kv(layer), strict=True):
+                    # [1, H, t, D] broadcast into every request's slot (not the scratch).
+                    mine[:batch_size, :, span].copy_(owner[:1, :, span])
         return cache
 
-    # ---- internals ----
+    # ---- binding ----
 
-    def _bind_layers(self) -> None:
+    def _bind(self) -> None:
+        """The batch as one dense tensor (every slot and the scratch): the only tensor a step
+        writes, in place, so that torch.compile never copies it; each layer's K and V are
+        strided views of it (:meth:`_kv`)."""
         if self._released:
             raise ReleasedError("the KvvmCache was released")
-        if self._bound:
-            return
-        kv = torch.from_dlpack(self.batch.view_all(0, self._max_len, allow_uncommitted=True))
-        if kv.dtype != self._torch_dtype:
-            raise InvalidArgumentError(f"view dtype {kv.dtype}, expected {self._torch_dtype}")
-        self._k_all, self._v_all = kv[:, 0], kv[:, 1]
-        for i, layer in enumerate(self.layers):
-            assert isinstance(layer, KvvmLayer)
-            layer._bind(self._k_all[i], self._v_all[i], self._start)
-        self._step = (-1, -1)
-        self._bound = True
+        slab = torch.from_dlpack(self.batch.slab())
+        if slab.dtype != self._torch_dtype:
+            raise InvalidArgumentError(f"slab dtype {slab.dtype}, expected {self._torch_dtype}")
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(slab)
+        geo = self.geometry
+        e = geo.dtype_bytes
+        strides = self.plan.strides()
+        self._head_stride = strides["head"] // e
+        self._token_stride = strides["token"] // e
+        self._offsets = [
+            (layer * strides["layer"] // e, (layer * strides["layer"] + strides["kv"]) // e)
+            for layer in range(geo.layers)
+        ]
+        heads = torch.arange(geo.kv_heads, device=slab.device)[:, None] * self._head_stride
+        self._head_cols = (heads + torch.arange(geo.head_dim, device=slab.device)).reshape(-1)
+        self._slab = slab
 
-    def _step_views(self, start: int, q: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Per layer, the live views of tokens ``0..start+q`` (K, V). Made once per step for
-        all layers (four calls instead of two per layer: the step is host-bound)."""
-        if self._step != (start, q):
-            k_all, v_all = self._k_all, self._v_all
-            assert k_all is not None and v_all is not None
-            end = start + q
-            self._step_live = (k_all.narrow(3, 0, end).unbind(0), v_all.narrow(3, 0, end).unbind(0))
-            self._step_dst = ((), ())
-            self._step = (start, q)
-            if self._row_store:
-                self._stream = torch.cuda.current_stream(k_all.device)
-        return self._step_live
+    def _unbind(self) -> None:
+        self._slab = None
+        for layer in self.layers:
+            if isinstance(layer, KvvmLayer):
+                layer.keys = layer.values = None
 
-    def _step_targets(self, start: int, q: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Per layer, where tokens ``start..start+q`` go (K, V), for ``copy_``; made once per
-        step, and only when a step is not written with row stores."""
-        self._step_views(start, q)
-        if not self._step_dst[0]:
-            k_all, v_all = self._k_all, self._v_all
-            assert k_all is not None and v_all is not None
-            self._step_dst = (k_all.narrow(3, start, q).unbind(0), v_all.narrow(3, start, q).unbind(0))
-        return self._step_dst
+    def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V over every slot: ``[slots + 1, kv_heads, max, head_dim]``
+        strided views of the slab."""
+        slab = self._slab
+        if slab is None:
+            raise ReleasedError("the KvvmCache was released")
+        geo = self.geometry
+        size = (slab.shape[0], geo.kv_heads, self._max_len, geo.head_dim)
+        stride = (slab.stride(0), self._head_stride, self._token_stride, 1)
+        k_off, v_off = self._offsets[layer]
+        return slab.as_strided(size, stride, k_off), slab.as_strided(size, stride, v_off)
 
-    def _store(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Writes one decode token of layer ``layer`` into every slot with row copies on the
-        current stream (the step's views are made); falls back to ``copy_`` into them (and
-        stays there) if the backend refuses."""
-        try:
-            self.batch.store(layer, start, keys, values, self._stream)
-        except (DriverError, UnavailableError, InvalidArgumentError):
-            self._row_store = False
-            k_dst, v_dst = self._step_targets(start, 1)
-            k_dst[layer].copy_(keys)
-            v_dst[layer].copy_(values)
-
-    def _ensure(self, tokens: int) -> None:
-        if tokens > self._ensured:
-            if self._released:
-                raise ReleasedError("the KvvmCache was released")
-            self.batch.ensure(tokens)
-            self._ensured = tokens
-
-    # ---- public ----
+    # ---- one step ----
 
     @property
-    def committed_bytes(self) -> int:
-        """Bytes mapped in the batch's slots (shared prefix windows counted per slot)."""
-        return self.batch.committed_bytes
-
-    @property
-    def owned_bytes(self) -> int:
-        """Physical bytes the batch holds on its own (a shared prefix excluded)."""
-        return self.batch.owned_bytes
+    def device_lengths(self) -> bool:
+        """Whether attention gets full-length views and device token ranges (the model
+        attends with the kvvm attention) rather than exact-length views."""
+        return getattr(self._config, "_attn_implementation", None) == ATTENTION
 
     @property
     def batch_size(self) -> int:
-        """Slots."""
-        return len(self.batch)
+        """Requests (slots), the scratch slot not counted."""
+        return self.state.slots
+
+    def _update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        st = self.state
+        if keys.shape[0] != st.count:
+            raise InvalidArgumentError(
+                f"a batch of {keys.shape[0]} for {st.count} KvvmCache slot(s): make the cache with "
+                "one slot per sequence (requests x beams or returned sequences)"
+            )
+        q = keys.shape[2]
+        if layer == 0 and host_work():
+            if self._released:
+                raise ReleasedError("the KvvmCache was released")
+            if not st.prepared:
+                st.prepare(q)
+        elif layer == 0 and self._capturing is None and not torch.compiler.is_compiling():
+            raise InvalidArgumentError(
+                "a CUDA graph is being captured over a KvvmCache without its knowledge: capture "
+                "inside `with cache.capture(graph):` (or use kvvm.graph.DecodeGraph)"
+            )
+        index = st.index(q)
+        k_all, v_all = self._kv(layer)
+        if torch.compiler.is_compiling():
+            k_off, v_off = self._offsets[layer]
+            self._write_slab(k_off, keys, index)
+            self._write_slab(v_off, values, index)
+        else:
+            k_all[index.slot, :, index.token] = keys.transpose(1, 2)
+            v_all[index.slot, :, index.token] = values.transpose(1, 2)
+        if layer == self.geometry.layers - 1:
+            st.advance(index)
+        if self.device_lengths:
+            # Every slot (and the scratch): the kvvm mask names each request's slot.
+            return k_all, v_all
+        k_all, v_all = k_all.narrow(0, st.first, st.count), v_all.narrow(0, st.first, st.count)
+        length = self._uniform_length()
+        return k_all.narrow(2, 0, length), v_all.narrow(2, 0, length)
+
+    def _write_slab(self, offset: int, new: torch.Tensor, index: StepIndex) -> None:
+        """``new`` (``[count, H, q, D]``) into the slab at each selected slot's positions, by
+        element indices into the slab itself: a write through a strided view of it would make
+        torch.compile copy the whole slab (every unmapped window included) instead of
+        writing in place."""
+        count, heads, q, dim = new.shape
+        cols = index.token[:, :, None] * self._token_stride + self._head_cols + offset
+        assert self._slab is not None
+        self._slab[index.slot[:, :, None], cols] = new.transpose(1, 2).reshape(count, q, heads * dim)
+
+    def _uniform_length(self) -> int:
+        lengths = {self.state.host_lengths[i] for i in self.state.selected}
+        if len(lengths) != 1:
+            raise InvalidArgumentError(
+                "requests of different lengths need the kvvm attention (use_kvvm_attention(model))"
+            )
+        return lengths.pop()
+
+    def _bounds_for_step(self, q: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
+        """The kvvm mask of the next forward (``[count, 1, 1, 3]`` int32: each request's slot
+        and tokens ``[start, end)``), after the host's side of the step when Python runs eagerly:
+        the step's tokens committed and, from a 2-D padding mask, each new request's left
+        padding recorded."""
+        st = self.state
+        if host_work():
+            if self._released:
+                raise ReleasedError("the KvvmCache was released")
+            if padding_mask is not None and padding_mask.dim() == 2:
+                self._check_padding(q, padding_mask)
+            st.prepare(q)
+        return st.bounds(q).view(st.count, 1, 1, 3)
+
+    def _check_padding(self, q: int, mask: torch.Tensor) -> None:
+        """A 2-D mask of ``generate``: every request's tokens so far plus the step's, padded
+        on the left. A new batch's padding is recorded (never read); afterwards the mask must
+        match the cache's length."""
+        st = self.state
+        length = self._uniform_length()
+        if mask.shape[-1] != length + q:
+            raise InvalidArgumentError(
+                f"the attention mask covers {mask.shape[-1]} tokens; the cache holds {length} "
+                f"and the step adds {q}"
+            )
+        if length:
+            return
+        m = mask.to(torch.bool)
+        starts = (~m).to(torch.int32).cumprod(-1).sum(-1)
+        live = m.sum(-1)
+        if not bool(torch.equal(live + starts, torch.full_like(live, m.shape[-1]))):
+            raise InvalidArgumentError("KvvmCache takes left padding only (ones after the first one)")
+        sel = st.selected
+        st.set_lengths({i: 0 for i in sel}, {i: int(s) for i, s in zip(sel, starts.tolist(), strict=True)})
+
+    def _mask_sizes(self, q: int) -> tuple[int, int]:
+        if self.device_lengths:
+            return self._max_len, 0
+        return max(self.state.host_lengths[i] for i in self.state.selected) + q, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> Any:
+        """With device lengths, the hook of the kvvm mask (not a number: the offset differs
+        per request); otherwise the live tokens."""
+        if self.device_lengths:
+            return StepQuery(self)
+        return self.get_seq_length()
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        """The most tokens a request may reach."""
+        return self._max_len
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Live tokens of the selected requests (the longest, in a ragged batch)."""
+        return max(self.state.host_lengths[i] for i in self.state.selected)
+
+    # ---- public ----
+
+    def select(self, first: int, count: int = 1) -> contextlib.AbstractContextManager[None]:
+        """Runs the forwards inside on slots ``first..first+count`` only: a request's
+        prefill into its own slot (``model(input_ids[None], past_key_values=cache)``)."""
+        return self.state.select(first, count)
+
+    @contextlib.contextmanager
+    def capture(self, graph: Any) -> Iterator[None]:
+        """Captures ``graph`` (a ``torch.cuda.CUDAGraph``) over this cache: use
+        ``with cache.capture(g), torch.cuda.graph(g): model(...)``. The cache keeps a weak
+        reference to ``graph`` and refuses :meth:`release` while it is alive. Prepare every
+        replay with :meth:`prepare` (writes a replay makes past what was prepared are refused
+        on the device, see :meth:`check`)."""
+        if self._capturing is not None:
+            raise InvalidArgumentError("a capture over this cache is already running")
+        self._capturing = graph
+        try:
+            yield
+        finally:
+            self._capturing = None
+            self._graphs.add(graph)
+
+    def forget_graph(self, graph: Any) -> None:
+        """Stops counting ``graph`` (its owner reset it, so it will not replay)."""
+        self._graphs.discard(graph)
+
+    def prepare(self, q: int = 1) -> None:
+        """The host's side of the next step of ``q`` tokens per selected request, for a step
+        launched without Python (a replayed graph): commits and claims them (raises
+        BackpressureError, with nothing launched, when the budget cannot grant it)."""
+        if self._released:
+            raise ReleasedError("the KvvmCache was released")
+        self.state.prepare(q)
+
+    def step_done(self) -> None:
+        """Marks the prepared step as run (after a replay), so that an eager forward next
+        prepares its own."""
+        self.state.prepared = False
+
+    def check(self) -> None:
+        """Raises if a step wrote past what was prepared (see :meth:`SlotState.check`)."""
+        self.state.check()
+
+    def crop(self, max_length: int) -> None:
+        """Drops tokens from the end of every request (``max_length`` < 0: that many; >= 0:
+        keep that many). The memory stays committed until :meth:`shrink` or release."""
+        self._crop(max_length)
+
+    def _crop(self, tokens: int) -> None:
+        st = self.state
+        keep = {}
+        for i in range(st.slots):
+            n = st.host_lengths[i]
+            keep[i] = max(0, min(n, tokens if tokens >= 0 else n + tokens))
+        st.set_lengths(keep)
+
+    def _reset(self) -> None:
+        self.state.set_lengths({i: 0 for i in range(self.state.slots)}, {i: 0 for i in range(self.state.slots)})
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes mapped in the requests' slots (shared prefix windows counted per slot)."""
+        return sum(self.batch[i].committed_bytes for i in range(self.batch_size))
+
+    @property
+    def owned_bytes(self) -> int:
+        """Physical bytes the requests hold on their own (a shared prefix excluded)."""
+        return sum(self.batch[i].owned_bytes for i in range(self.batch_size))
+
+    @property
+    def held_bytes(self) -> int:
+        """Physical bytes the cache holds on its own, the scratch slot included."""
+        return self.batch.owned_bytes
 
     def shrink(self) -> int:
-        """Gives back the windows past the live tokens (committed ahead by the pre-committer
-        or left by :meth:`crop`); returns the bytes unmapped."""
-        length = self.get_seq_length()
+        """Gives back the windows past each request's live tokens (committed ahead by the
+        pre-committer or left by :meth:`crop`); returns the bytes unmapped. Safe with
+        captured graphs alive: their limits drop first, and the unmap waits for the device."""
+        st = self.state
+        lengths = {i: st.host_lengths[i] for i in range(st.slots)}
+        st.set_lengths(lengths)
         self._unbind()
         try:
-            total = 0
-            for i in range(len(self.batch)):
-                total += self.batch[i].shrink(length)
-            self._ensured = min(self._ensured, length)
-            return total
+            return sum(self.batch[i].shrink(n) for i, n in lengths.items())
         finally:
-            self._start = length
-            self._bind_layers()
-
-    def _unbind(self) -> None:
-        for layer in self.layers:
-            assert isinstance(layer, KvvmLayer)
-            layer._unbind()
-        self._k_all = self._v_all = None
-        self._step = (-1, -1)
-        self._step_dst = self._step_live = ((), ())
-        self._bound = False
+            self._bind()
 
     def release(self) -> int:
-        """Drops the cache's views and releases every slot; returns the bytes unmapped.
+        """Drops the cache's tensors and releases every slot; returns the bytes unmapped.
         Tensors obtained from the cache must be gone (else ViewsAliveError, nothing
-        released). The cache cannot be used afterwards."""
+        released), and so must graphs captured over it (else GraphsAliveError). The cache
+        cannot be used afterwards."""
         if self._released:
             return 0
+        alive = len(self._graphs)
+        if alive:
+            raise GraphsAliveError(
+                f"{alive} CUDA graph(s) captured over this cache may replay into its memory: "
+                "close them (DecodeGraph.close()) or delete them first",
+                graphs=alive,
+            )
         self._unbind()
-        freed = self.batch.release()
+        try:
+            freed = self.batch.release()
+        except Exception:
+            self._bind()
+            raise
         self._released = True
         if self._owns_manager:
             # The manager was made for this cache: its pre-commit worker has nothing left to do.
@@ -454,8 +501,8 @@ class KvvmCache(Cache):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
         for layer in self.layers:
-            assert isinstance(layer, KvvmLayer)
-            yield layer.keys, layer.values
+            if isinstance(layer, KvvmLayer):
+                yield layer.keys, layer.values
 
 
 class KvvmPrefix:
@@ -509,14 +556,13 @@ class KvvmPrefix:
         cfg = decoder_config(model.config)
         geometry = geometry_from_config(cfg, max_cache_len, dtype)
         plan = LayoutPlan(geometry, layout, manager.granule)
-        batch = SequenceBatch(manager, plan, 1, max_cache_len)
+        batch = SequenceBatch(manager, plan, 2, max_cache_len)
         shared = batch[0].own_prefix(prompt)
         cache = KvvmCache(
             cfg, 1, max_cache_len, manager=manager, layout=layout, dtype=geometry.dtype, batch=batch
         )
-        cache._ensured = prompt
-        pos = torch.arange(prompt, device=input_ids.device)
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, cache_position=pos)
+        pos = torch.arange(prompt, device=input_ids.device)[None]
+        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, position_ids=pos)
         if input_ids.device.type == "cuda":
             torch.cuda.synchronize(input_ids.device)
         shared.seal()

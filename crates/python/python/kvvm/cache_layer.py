@@ -1,0 +1,131 @@
+"""One layer of a :class:`~kvvm.transformers.KvvmCache` as transformers sees it, and the hook
+through which the kvvm mask function reaches the cache.
+
+Every layer shares its cache's token counts and slab; the layer only forwards what
+transformers asks of it. Requires torch and transformers.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol, cast
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+__all__ = ["KvvmLayer", "StepQuery", "host_work"]
+
+
+class _Cache(Protocol):
+    """What a layer and the mask hook ask of their :class:`~kvvm.transformers.KvvmCache`."""
+
+    _max_len: int
+
+    @property
+    def device_lengths(self) -> bool: ...
+
+    def _update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def _bounds_for_step(self, q: int, padding_mask: torch.Tensor | None) -> torch.Tensor: ...
+
+    def _mask_sizes(self, q: int) -> tuple[int, int]: ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int: ...
+
+    def _crop(self, tokens: int) -> None: ...
+
+    def _reset(self) -> None: ...
+
+
+def host_work() -> bool:
+    """Whether Python runs eagerly now (not traced by torch.compile, not captured)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+class StepQuery:
+    """What the cache answers to ``get_query_offset``: the hook through which the kvvm mask
+    function (:func:`kvvm.attention.kvvm_mask`) asks the cache for the step's token ranges.
+    Any other mask function cannot use it (it is not a number)."""
+
+    def __init__(self, cache: _Cache) -> None:
+        self._cache = cache
+
+    def kvvm_bounds(self, q: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
+        return self._cache._bounds_for_step(q, padding_mask)
+
+
+class KvvmLayer(CacheLayerMixin):
+    """One layer of a :class:`KvvmCache`. ``keys``/``values`` are what the last update
+    returned; the full-length tensors cover the whole reservation of every slot."""
+
+    is_sliding = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, cache: _Cache, index: int) -> None:
+        super().__init__()
+        # A proxy, not a reference: no cycle keeps the cache (and its manager's worker) alive.
+        self._cache = cast(_Cache, weakref.proxy(cache))
+        self._index = index
+        self.is_initialized = True
+
+    @property
+    def is_compileable(self) -> bool:  # type: ignore[override]
+        """Whether the model attends with the kvvm attention (then nothing depends on a
+        length known on the host)."""
+        return self._cache.device_lengths
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the batch is reserved and bound when the cache is made."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes ``key_states``/``value_states`` (``[batch, kv_heads, q, head_dim]``) after
+        each request's live tokens and returns what attention reads (see the module)."""
+        keys, values = self._cache._update(self._index, key_states, value_states)
+        if not torch.compiler.is_compiling():
+            self.keys, self.values = keys, values
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: the exact length with exact-length views; the
+        reservation's length with device lengths (only the kvvm mask reads it)."""
+        return self._cache._mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        """Live tokens (the longest request's, in a ragged batch)."""
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        """The most tokens a request may reach."""
+        return self._cache._max_len
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """See :meth:`KvvmCache.crop` (every layer shares the token counts)."""
+        if self._index == 0:
+            self._cache._crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        """See :meth:`KvvmCache.reset`."""
+        if self._index == 0:
+            self._cache._reset()
+
+    def offload(self) -> None:  # pragma: no cover - a method transformers may call
+        raise NotImplementedError("KvvmCache keeps K/V on its device (no offloading)")
+
+    def prefetch(self) -> None:  # pragma: no cover
+        return None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("KvvmCache does not reorder slots (no beam search)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(
+            "KvvmCache does not repeat slots: make it with batch_size = requests x beams"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("KvvmCache does not select slots")

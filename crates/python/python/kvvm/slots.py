@@ -1,0 +1,236 @@
+"""Per-request token counts of a batch of kvvm slots, on the device and on the host.
+
+A :class:`SlotState` is what lets one captured step serve requests of different lengths: each
+slot's live tokens are ``[start, length)`` in device tensors (never in a tensor's shape), a
+step writes each request's new tokens at its own ``length``, and attention reads each
+request's own range. The host keeps the same counts (it drives the steps and never reads them
+back) and, before every step, makes the tokens the step will write committed and claimed
+(:meth:`SlotState.prepare`): a growth the budget cannot grant is raised there, as
+:class:`~kvvm.errors.BackpressureError`, before anything is launched.
+
+What a step may touch is also enforced on the device, so that a step launched without its
+preparation (a graph replayed by hand) can never reach an unmapped window: ``limits`` holds,
+per slot, the tokens that lie in windows the host has committed and claimed; a write at or
+past its slot's limit goes to a scratch slot (the batch's last, one window committed) and is
+counted in ``overruns``, and attention reads no further than the limit. A free slot has a
+limit of 0: nothing of it is written or read.
+
+Requires torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from . import LayoutPlan, SequenceBatch
+from .errors import InvalidArgumentError
+
+__all__ = ["SlotState", "StepIndex"]
+
+
+@dataclass(frozen=True)
+class StepIndex:
+    """Where one step's new tokens go: ``slot[i, j], token[i, j]`` for query token ``j`` of
+    the ``i``-th selected slot (the scratch slot when the write is refused), and which writes
+    were accepted."""
+
+    slot: torch.Tensor
+    token: torch.Tensor
+    accepted: torch.Tensor
+
+
+class SlotState:
+    """Token counts of ``slots`` requests in ``batch`` (which has one more slot: the scratch).
+
+    Args:
+        batch: the slots, the last one reserved as scratch.
+        plan: the batch's layout plan.
+        device: where the counts live (the K/V's device).
+    """
+
+    def __init__(self, batch: SequenceBatch, plan: LayoutPlan, device: torch.device) -> None:
+        self.batch = batch
+        self.plan = plan
+        self.slots = len(batch) - 1
+        if self.slots < 1:
+            raise InvalidArgumentError("a slot state needs a batch of at least one slot and the scratch")
+        self.max_tokens = batch[0].max_tokens
+        n = self.slots
+        self.device = device
+        i32 = torch.int32
+        #: Live tokens per slot (the next token is written there).
+        self.lengths = torch.zeros(n, dtype=i32, device=device)
+        #: First live token per slot (left padding before it is never read).
+        self.starts = torch.zeros(n, dtype=i32, device=device)
+        #: Tokens a write or a read may reach per slot (0: a free slot).
+        self.limits = torch.zeros(n, dtype=i32, device=device)
+        #: Writes refused at a limit since the last :meth:`check`.
+        self.overruns = torch.zeros(1, dtype=i32, device=device)
+        self._ids = torch.arange(n, dtype=torch.int64, device=device)
+        self.host_lengths = [0] * n
+        self.host_starts = [0] * n
+        self.host_limits = [0] * n
+        self.first, self.count = 0, n
+        self.prepared = False
+        self._index: tuple[int, StepIndex] | None = None
+        self._steps = 0
+        self.batch.ensure(1, first=self.slots, count=1)
+        for t in (self.lengths, self.starts, self.limits, self.overruns):
+            if not _compiling():
+                torch._dynamo.mark_static_address(t)
+
+    # ---- the selected slots: what the next forward computes ----
+
+    @contextlib.contextmanager
+    def select(self, first: int, count: int) -> Iterator[None]:
+        """Runs the forwards inside on slots ``first..first+count`` only (their batch
+        dimension is ``count``): a request's prefill into its own slot."""
+        if first < 0 or count < 1 or first + count > self.slots:
+            raise InvalidArgumentError(f"slots {first}..{first}+{count} are not inside the {self.slots} slots")
+        saved = (self.first, self.count)
+        self.first, self.count = first, count
+        self._index = None
+        try:
+            yield
+        finally:
+            self.first, self.count = saved
+            self._index = None
+
+    @property
+    def selected(self) -> range:
+        """The slots the next forward computes."""
+        return range(self.first, self.first + self.count)
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.count == self.slots else t.narrow(0, self.first, self.count)
+
+    # ---- the host's side of a step ----
+
+    def prepare(self, q: int, total: int | None = None) -> None:
+        """Makes the next forward's ``q`` tokens (in every selected active slot, or tokens up
+        to ``total`` in each) committed and claimed, and raises the device limits to what is
+        then mapped; the host counts move to after the step. Raises what
+        :meth:`SequenceBatch.ensure_each` raises (BackpressureError: nothing was launched)."""
+        sel = self.selected
+        targets = [total if total is not None else self.host_lengths[i] + q for i in sel]
+        if any(t > self.max_tokens for t in targets):
+            raise InvalidArgumentError(
+                f"a step to {max(targets)} tokens is past the cache's {self.max_tokens} tokens"
+            )
+        self.batch.ensure_each(targets, first=self.first)
+        changed = False
+        for i, t in zip(sel, targets, strict=True):
+            self.host_lengths[i] = t
+            if t > self.host_limits[i]:
+                self.host_limits[i] = self.plan.mapped_tokens(t)
+                changed = True
+        if changed:
+            self._upload(self.limits, self.host_limits)
+        self.prepared = True
+
+    def _upload(self, dst: torch.Tensor, values: list[int]) -> None:
+        dst.copy_(torch.tensor(values, dtype=torch.int32), non_blocking=False)
+
+    def set_lengths(self, lengths: dict[int, int], starts: dict[int, int] | None = None) -> None:
+        """Sets slots' live token counts (and first live tokens) on both sides: a prefix
+        attached, a crop, a slot freed (length 0). Their limits follow: what the windows of
+        their live tokens hold (the caller has made those committed and claimed), 0 for a
+        freed slot."""
+        for i, n in lengths.items():
+            if not 0 <= n <= self.max_tokens:
+                raise InvalidArgumentError(f"slot {i}: {n} tokens is not inside 0..{self.max_tokens}")
+            self.host_lengths[i] = n
+            self.host_limits[i] = self.plan.mapped_tokens(n) if n else 0
+        for i, s in (starts or {}).items():
+            self.host_starts[i] = s
+        self._upload(self.lengths, self.host_lengths)
+        self._upload(self.starts, self.host_starts)
+        self._upload(self.limits, self.host_limits)
+        self._index = None
+
+    def check(self) -> None:
+        """Raises if a step wrote past a limit since the last check (a step launched without
+        :meth:`prepare`: its tokens went to the scratch slot, the requests did not advance).
+        Reads one count from the device."""
+        n = int(self.overruns.item())
+        if n:
+            self.overruns.zero_()
+            raise InvalidArgumentError(
+                f"{n} token write(s) past the committed windows were refused (a step ran "
+                "without being prepared); the requests they belonged to did not advance"
+            )
+
+    def snapshot(self) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+        """The counts, to be put back by :meth:`restore` (around warm-up steps)."""
+        return self.lengths.clone(), list(self.host_lengths), list(self.host_limits), list(self.host_starts)
+
+    def restore(self, snap: tuple[torch.Tensor, list[int], list[int], list[int]]) -> None:
+        """Puts back what :meth:`snapshot` returned."""
+        lengths, self.host_lengths, self.host_limits, self.host_starts = (
+            snap[0], list(snap[1]), list(snap[2]), list(snap[3])
+        )
+        self.lengths.copy_(lengths)
+        self._upload(self.limits, self.host_limits)
+        self._upload(self.starts, self.host_starts)
+        self.overruns.zero_()
+        self._index = None
+
+    # ---- the device's side of a step ----
+
+    def index(self, q: int) -> StepIndex:
+        """Where the next ``q`` tokens of each selected slot go (computed once per step, or
+        once per layer while torch.compile traces: it fuses them)."""
+        if not _compiling() and self._index is not None and self._index[0] == (self._steps << 16 | q):
+            return self._index[1]
+        lengths, limits = self._view(self.lengths), self._view(self.limits)
+        tokens = lengths[:, None].to(torch.int64) + torch.arange(q, device=self.device)
+        accepted = tokens < limits[:, None]
+        ids = self._view(self._ids)[:, None]
+        index = StepIndex(
+            slot=torch.where(accepted, ids, self.slots),
+            token=torch.where(accepted, tokens, 0),
+            accepted=accepted,
+        )
+        if not _compiling():
+            self._index = (self._steps << 16 | q, index)
+        return index
+
+    def bounds(self, q: int) -> torch.Tensor:
+        """``[count, 3]`` int32: each selected slot's index and tokens ``[start, end)`` after
+        the step's ``q`` tokens are written, no further than its limit."""
+        lengths, limits = self._view(self.lengths), self._view(self.limits)
+        end = torch.minimum(lengths + q, limits)
+        start = torch.minimum(self._view(self.starts), end)
+        return torch.stack([self._view(self._ids).to(torch.int32), start, end], dim=1)
+
+    def positions(self, q: int) -> torch.Tensor:
+        """``[count, q]`` int64: each selected slot's positions of the step's tokens (its
+        live tokens before them, left padding excluded)."""
+        live = (self._view(self.lengths) - self._view(self.starts)).to(torch.int64)
+        return live[:, None] + torch.arange(q, device=self.device)
+
+    def advance(self, index: StepIndex) -> None:
+        """After the last layer wrote: each slot counts its accepted tokens; refused writes
+        of active slots are counted as overruns."""
+        lengths = self._view(self.lengths)
+        lengths.add_(index.accepted.sum(dim=1, dtype=torch.int32))
+        active = self._view(self.limits) > 0
+        refused = (~index.accepted) & active[:, None]
+        self.overruns.add_(refused.sum(dtype=torch.int32))
+        if not _compiling():
+            self._steps += 1
+            self._index = None
+            if not _capturing():
+                self.prepared = False
+
+
+def _compiling() -> bool:
+    return bool(torch.compiler.is_compiling())
+
+
+def _capturing() -> bool:
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

@@ -1,0 +1,289 @@
+"""Split-KV decode attention in Triton over per-request token ranges read from the device.
+
+One query token per request (a decode step), grouped-query attention without repeating K/V
+(each program reads one KV head once for all the query heads that share it), K/V given as
+full-length strided tensors over every slot (kvvm's views of whole reservations) and each
+request's slot and live range ``[start, end)`` as an int32 device tensor: nothing about a
+request's length is known on
+the host, so a CUDA graph captured once replays correctly at every length, and no token
+outside a request's range (possibly unmapped memory) is ever read.
+
+The work of one (request, KV head) is split over ``splits`` programs along the tokens (flash
+decoding), so that a batch of a few long requests still fills the GPU; a second kernel merges
+the partial results by their log-sum-exp.
+
+Requires triton (shipped with PyTorch's CUDA wheels). Runs on CPU tensors under
+``TRITON_INTERPRET=1`` (how the tests check it without a GPU).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["decode_attention", "choose_splits"]
+
+#: Tokens a program reads per iteration.
+BLOCK_N = 64
+
+#: Whether kernels run in Triton's interpreter (on CPU tensors).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _block(
+    q: Any,
+    k_base: Any,
+    v_base: Any,
+    t: Any,
+    hi: Any,
+    stride_kt: Any,
+    stride_vt: Any,
+    offs_d: Any,
+    d_mask: Any,
+    m_i: Any,
+    l_i: Any,
+    acc: Any,
+    sm_scale: Any,
+    BLOCK: tl.constexpr,
+) -> Any:
+    """One block of tokens ``t..t+BLOCK`` (those below ``hi``) folded into the running
+    softmax: returns the new ``(max, sum, accumulator)``."""
+    offs_n = t + tl.arange(0, BLOCK)
+    n_mask = offs_n < hi
+    rows = offs_n.to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k)) * sm_scale
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_new, acc
+
+
+@triton.jit
+def _partial_kernel(
+    Q: Any,
+    K: Any,
+    V: Any,
+    Bounds: Any,
+    Acc: Any,
+    Lse: Any,
+    stride_qb: Any,
+    stride_qh: Any,
+    stride_kb: Any,
+    stride_kh: Any,
+    stride_kt: Any,
+    stride_vb: Any,
+    stride_vh: Any,
+    stride_vt: Any,
+    stride_ab: Any,
+    stride_ah: Any,
+    stride_as: Any,
+    stride_lb: Any,
+    stride_lh: Any,
+    sm_scale: Any,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SPLITS: tl.constexpr,
+    LOOP_WHILE: tl.constexpr,
+) -> None:
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    # The request's slot and tokens in one load, reduced to scalars.
+    offs = tl.arange(0, 4)
+    row = tl.load(Bounds + b * 3 + offs, mask=offs < 3, other=0)
+    slot = tl.sum(tl.where(offs == 0, row, 0), 0)
+    start = tl.sum(tl.where(offs == 1, row, 0), 0)
+    end = tl.sum(tl.where(offs == 2, row, 0), 0)
+    n = tl.maximum(end - start, 0)
+    # Every split of a request gets a whole number of blocks.
+    per_split = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
+    lo = start + split * per_split
+    hi = tl.minimum(lo + per_split, end)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
+    if LOOP_WHILE:
+        # Triton's interpreter (CPU) takes a loop bound only as a Python int.
+        t = lo
+        while t < hi:
+            m_i, l_i, acc = _block(
+                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
+                sm_scale, BLOCK,
+            )
+            t += BLOCK
+    else:
+        for t in range(lo, hi, BLOCK):
+            m_i, l_i, acc = _block(
+                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
+                sm_scale, BLOCK,
+            )
+
+    has = l_i > 0.0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    a_ptr = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + split * stride_as
+    tl.store(a_ptr + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_kernel(
+    Acc: Any,
+    Lse: Any,
+    Out: Any,
+    stride_ab: Any,
+    stride_ah: Any,
+    stride_as: Any,
+    stride_lb: Any,
+    stride_lh: Any,
+    stride_ob: Any,
+    stride_oh: Any,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    SPLITS: tl.constexpr,
+) -> None:
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s)
+    m = tl.max(lse, 0)
+    finite = m > float("-inf")
+    w = tl.where(finite, tl.exp(lse - tl.where(finite, m, 0.0)), 0.0)
+    total = tl.sum(w, 0)
+    parts = tl.load(
+        Acc + b.to(tl.int64) * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
+        mask=d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def choose_splits(batch: int, kv_heads: int, max_tokens: int, multiprocessors: int) -> int:
+    """Splits per (request, KV head): enough programs for about four per multiprocessor, a
+    power of two (the merge reads them as one block), and no split shorter than one block of
+    the longest possible request."""
+    want = _pow2_at_least(math.ceil(4 * multiprocessors / max(batch * kv_heads, 1)))
+    most = _pow2_at_least(max(1, math.ceil(max_tokens / BLOCK_N)))
+    return max(1, min(want, most, 64))
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: torch.Tensor,
+    scale: float,
+    splits: int,
+) -> torch.Tensor:
+    """Attention of one query token per request over its own tokens.
+
+    Args:
+        query: ``[batch, heads, 1, head_dim]`` (any strides with a unit last one).
+        key, value: ``[slots, kv_heads, tokens, head_dim]``, unit last stride: full-length
+            views; only ``bounds`` decides which tokens are read.
+        bounds: int32 ``[batch, 3]`` on the device: each request's slot and tokens
+            ``[start, end)`` (the query is the token at ``end - 1``); an empty range gives
+            zeros.
+        scale: the softmax scale.
+        splits: programs per (request, KV head) along the tokens (:func:`choose_splits`); a
+            power of two.
+
+    Returns:
+        ``[batch, 1, heads, head_dim]`` in the query's dtype (transformers' layout).
+    """
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=query.device)
+    lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
+    out = torch.empty((batch, 1, heads, dim), dtype=query.dtype, device=query.device)
+    q = query[:, :, 0]
+    _partial_kernel[(batch, kv_heads, splits)](
+        q,
+        key,
+        value,
+        bounds,
+        acc,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        scale,
+        GROUP=group,
+        GROUP_PAD=max(16, _pow2_at_least(group)),
+        HEAD_DIM=dim,
+        DIM_PAD=max(16, _pow2_at_least(dim)),
+        BLOCK=BLOCK_N,
+        SPLITS=splits,
+        LOOP_WHILE=_INTERPRETED,
+        num_warps=4,
+        num_stages=2,
+    )
+    o = out[:, 0]
+    _merge_kernel[(batch, heads)](
+        acc,
+        lse,
+        o,
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        HEAD_DIM=dim,
+        DIM_PAD=max(16, _pow2_at_least(dim)),
+        SPLITS=splits,
+        num_warps=4,
+    )
+    return out
