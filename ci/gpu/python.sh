@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root: installs the kvvm wheel carried in
-# gpu-bundle/wheels, runs the Python tests (CUDA ones included) and the end-to-end benchmark
-# (`python -m kvvm.bench generate`). Results under $OUT (or gpu-out/).
+# gpu-bundle/wheels, then `bash gpu-bundle/python.sh [all|tests|kernels|bench]` runs the Python
+# tests (CUDA ones included), the attention kernels' benchmark (`python -m kvvm.bench
+# kernels`, arguments in KERNELS_ARGS) and the end-to-end decode benchmark (`python -m
+# kvvm.bench generate`, arguments in BENCH_ARGS). Results under $OUT (or gpu-out/).
 set -uo pipefail
 repo="$PWD"
 out="${OUT:-$PWD/gpu-out}"
@@ -14,12 +16,17 @@ export PYTHONPATH="$site" PYTHONUNBUFFERED=1
 date -u
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import kvvm, torch, transformers, numpy; print('kvvm', kvvm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__, 'from', kvvm.__file__)"
-if [ "${1:-all}" != bench ]; then
+mode="${1:-all}"
+if [ "$mode" = all ] || [ "$mode" = tests ]; then
   echo "== pytest (CUDA tests included)"
-  (cd /tmp && timeout 300 python3 -m pytest "$repo/crates/python/tests" -rs -q -p no:cacheprovider) | tee "$out/pytest-gpu.log"
+  (cd /tmp && timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest "$repo/crates/python/tests" -rs -q -p no:cacheprovider ${PYTEST_ARGS:-}) | tee "$out/pytest-gpu.log"
 fi
-if [ "${1:-all}" != tests ]; then
+if [ "$mode" = all ] || [ "$mode" = kernels ]; then
+  echo "== python -m kvvm.bench kernels"
+  (cd /tmp && timeout "${KERNELS_TIMEOUT:-240}" python3 -m kvvm.bench kernels --json "$out/bench-kernels.json" ${KERNELS_ARGS:-}) > "$out/bench-kernels.out"
+fi
+if [ "$mode" = all ] || [ "$mode" = bench ]; then
   echo "== python -m kvvm.bench generate"
-  (cd /tmp && timeout "${BENCH_TIMEOUT:-480}" python3 -m kvvm.bench generate --backend cuda --json "$out/bench-generate.json" ${BENCH_ARGS:-}) | tee "$out/bench-generate.md"
+  (cd /tmp && timeout "${BENCH_TIMEOUT:-480}" python3 -m kvvm.bench generate --json "$out/bench-generate.json" ${BENCH_ARGS:-}) > "$out/bench-generate.out"
 fi
 echo "== done"

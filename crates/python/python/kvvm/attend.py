@@ -3,13 +3,15 @@
 :func:`attend` takes K and V as views of whole reservations (``[slots, kv_heads, max_tokens,
 head_dim]``, most of it possibly unmapped) and an int32 ``[batch, 3]`` tensor giving each
 request its slot and live tokens ``[start, end)``; the queries are each request's last ``q``
-tokens. No
-token outside a request's range is read, no mask is materialized, query heads share their KV
+tokens. No token outside a request's range is read, no mask is materialized, query heads share their KV
 head without ``repeat_kv``, and nothing about the lengths is read on the host: one CUDA graph
 replays correctly at every length.
 
-It is the custom operator ``kvvm::attend``, so that ``torch.compile`` treats it as one opaque
-call (the kernels below are chosen at run time, on the tensors' device):
+:func:`write_attend` is what a :class:`~kvvm.transformers.KvvmCache` runs per layer: the
+step's new K/V written into the batch's memory, then :func:`attend`, as one custom operator
+(``kvvm::write_attend``) that ``torch.compile`` treats as an opaque call, so that the batch's
+memory is never copied by the compiler. The kernels are chosen at run time, on the tensors'
+device:
 
 - ``"triton"`` (CUDA, one query token): split-KV decode attention (:mod:`kvvm.triton_decode`);
 - ``"flash"`` (CUDA): PyTorch's FlashAttention varlen kernel with ``seqused_k`` over the
@@ -18,31 +20,36 @@ call (the kernels below are chosen at run time, on the tensors' device):
 - ``"sdpa"``: SDPA on each request's exact tokens, one request at a time, lengths read on
   the host (the CPU kernel; on a GPU eager only, a reference).
 
-``"auto"`` picks ``"triton"`` for one query token on CUDA, ``"flash"`` for more, ``"sdpa"``
-on CPU. Measured against each other and against FlexAttention in ``docs/python.md``.
+``"auto"`` picks ``"triton"`` for one query token on CUDA, ``"flash"`` for more (``"sdpa"``
+for fp32), ``"sdpa"`` on CPU. Measured against each other and against FlexAttention in
+``docs/python.md``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+
 import torch
 
-__all__ = ["KERNELS", "attend", "kernel_for"]
+__all__ = ["KERNELS", "attend", "kernel_for", "slab_kv", "write_attend"]
 
 #: The kernels :func:`attend` may be asked for.
 KERNELS = ("auto", "triton", "flash", "sdpa")
 
 
-def kernel_for(device: torch.device, q_tokens: int, kernel: str = "auto") -> str:
-    """The kernel ``kernel`` resolves to for ``q_tokens`` query tokens on ``device``."""
+def kernel_for(device: torch.device, q_tokens: int, kernel: str = "auto", dtype: torch.dtype = torch.bfloat16) -> str:
+    """The kernel ``kernel`` resolves to for ``q_tokens`` query tokens of ``dtype`` on
+    ``device`` (FlashAttention takes fp16 and bf16 only)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; one of {KERNELS}")
     if device.type != "cuda":
         return "sdpa"
     if kernel != "auto":
         return kernel
-    return "triton" if q_tokens == 1 and _has_triton() else "flash"
+    if q_tokens == 1 and _has_triton():
+        return "triton"
+    return "flash" if dtype in (torch.float16, torch.bfloat16) else "sdpa"
 
 
 @functools.cache
@@ -127,24 +134,96 @@ def _triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds:
 _KERNEL_FNS = {"sdpa": _sdpa, "flash": _flash, "triton": _triton}
 
 
-@torch.library.custom_op("kvvm::attend", mutates_args=())
-def _attend_op(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
-    scale: float, kernel: str,
-) -> torch.Tensor:
-    name = kernel_for(query.device, query.shape[2], kernel)
+def _run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
+         scale: float, kernel: str) -> torch.Tensor:
+    name = kernel_for(query.device, query.shape[2], kernel, query.dtype)
     if name == "triton" and query.shape[2] != 1:
         raise ValueError("the triton kernel takes one query token per request")
     return _KERNEL_FNS[name](query, key, value, bounds.to(torch.int32), scale)
 
 
-@_attend_op.register_fake
-def _attend_fake(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
-    scale: float, kernel: str,
+@torch.library.custom_op("kvvm::write_attend", mutates_args=())
+def _write_attend(
+    query: torch.Tensor,
+    key_new: torch.Tensor,
+    value_new: torch.Tensor,
+    slab: torch.Tensor,
+    slot: torch.Tensor,
+    token: torch.Tensor,
+    bounds: torch.Tensor,
+    layout: list[int],
+    scale: float,
+    kernel: str,
+) -> torch.Tensor:
+    # ``slab`` is written in place although the schema says it is not: the compiler must not
+    # see a mutation of it, or it would copy it whole (functionalization, autotuning clones),
+    # reading windows that are not mapped. Nothing else in a graph reads the slab: this op
+    # is the only reader and writer of the K/V memory, and it orders its write before its read.
+    key, value = slab_kv(slab, layout)
+    key[slot, :, token] = key_new.transpose(1, 2)
+    value[slot, :, token] = value_new.transpose(1, 2)
+    return _run(query, key, value, bounds, scale, kernel)
+
+
+@_write_attend.register_fake
+def _write_attend_fake(
+    query: torch.Tensor,
+    key_new: torch.Tensor,
+    value_new: torch.Tensor,
+    slab: torch.Tensor,
+    slot: torch.Tensor,
+    token: torch.Tensor,
+    bounds: torch.Tensor,
+    layout: list[int],
+    scale: float,
+    kernel: str,
 ) -> torch.Tensor:
     batch, heads, q_len, dim = query.shape
     return query.new_empty((batch, q_len, heads, dim))
+
+
+def slab_kv(slab: torch.Tensor, layout: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V over every slot of ``slab`` (``[slots, elements]``), as strided
+    ``[slots, kv_heads, max_tokens, head_dim]`` views: ``layout`` is ``[k_offset, v_offset,
+    head_stride, token_stride, kv_heads, max_tokens, head_dim]`` in elements."""
+    k_off, v_off, head_stride, token_stride, heads, tokens, dim = layout
+    size = (slab.shape[0], heads, tokens, dim)
+    stride = (slab.stride(0), head_stride, token_stride, 1)
+    return slab.as_strided(size, stride, k_off), slab.as_strided(size, stride, v_off)
+
+
+def write_attend(
+    query: torch.Tensor,
+    key_new: torch.Tensor,
+    value_new: torch.Tensor,
+    slab: torch.Tensor,
+    slot: torch.Tensor,
+    token: torch.Tensor,
+    bounds: torch.Tensor,
+    layout: list[int],
+    scale: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Writes one layer's new K/V of a step into ``slab`` and attends, as one operator
+    (``kvvm::write_attend``): what :class:`~kvvm.transformers.KvvmCache` runs per layer with
+    the kvvm attention.
+
+    Args:
+        query: ``[batch, heads, q, head_dim]``.
+        key_new, value_new: ``[batch, kv_heads, q, head_dim]``: the step's new K and V.
+        slab: the batch's memory, ``[slots, elements]`` (:meth:`kvvm.SequenceBatch.slab`).
+        slot, token: int64 ``[batch, q]``: where each new token goes (a refused write points
+            at the scratch slot).
+        bounds: int32 ``[batch, 3]``: each request's slot and tokens ``[start, end)``
+            after the write (see :func:`attend`).
+        layout: the layer's place in the slab (see :func:`slab_kv`).
+        scale, kernel: as :func:`attend`.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    return torch.ops.kvvm.write_attend(
+        query, key_new, value_new, slab, slot, token, bounds, layout, float(scale), kernel
+    )
 
 
 def attend(
@@ -172,4 +251,4 @@ def attend(
     """
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    return torch.ops.kvvm.attend(query, key, value, bounds, float(scale), kernel)
+    return _run(query, key, value, bounds, float(scale), kernel)

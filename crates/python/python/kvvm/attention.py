@@ -22,9 +22,10 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ATTENTION", "kvvm_attention", "kvvm_mask", "register_attention", "use_kvvm_attention"]
+__all__ = ["ATTENTION", "KvvmMask", "kvvm_attention", "kvvm_mask", "register_attention", "use_kvvm_attention"]
 
 #: The transformers attention implementation :func:`register_attention` registers.
 ATTENTION = "kvvm"
@@ -60,12 +61,29 @@ def _kernel_scope() -> Iterator[None]:
             _SCOPE.active = False
 
 
-def _is_bounds(mask: Any) -> bool:
-    """Whether ``mask`` is a KvvmCache's slots and token ranges (``[batch, 1, 1, 3]`` int32)
-    rather than a boolean or additive mask."""
-    import torch
+@dataclass
+class KvvmMask:
+    """What the kvvm mask function hands attention, in the mask's place, for a step of a
+    :class:`~kvvm.transformers.KvvmCache`: where each request's new K/V go (``slot``,
+    ``token``: int64 ``[batch, q]``), each request's slot and tokens once they are written
+    (``bounds``: int32 ``[batch, 3]``), the batch's memory (``slab``) and where each layer
+    lies in it (``layouts``). Built once per forward, before the first layer."""
 
-    return isinstance(mask, torch.Tensor) and mask.dtype == torch.int32 and mask.dim() == 4 and mask.shape[-1] == 3
+    bounds: Any
+    slot: Any
+    token: Any
+    slab: Any
+    layouts: list[list[int]]
+    #: transformers' mask preparation takes any 4-D mask as finished and passes it through.
+    ndim: int = 4
+
+    def attend(self, layer: int, query: Any, key_new: Any, value_new: Any, scale: float | None, kernel: str) -> Any:
+        """Layer ``layer``'s write of the step's K/V and its attention (one operator)."""
+        from .attend import write_attend
+
+        return write_attend(
+            query, key_new, value_new, self.slab, self.slot, self.token, self.bounds, self.layouts[layer], scale, kernel
+        )
 
 
 def kvvm_mask(
@@ -78,11 +96,11 @@ def kvvm_mask(
     attention_mask: Any = None,
     **kwargs: Any,
 ) -> Any:
-    """The mask function of :data:`ATTENTION`: a KvvmCache's token ranges for the step when
-    the cache is a KvvmCache (its ``get_query_offset`` is the hook), else SDPA's mask."""
-    bounds = getattr(q_offset, "kvvm_bounds", None)
-    if bounds is not None:
-        return bounds(q_length, attention_mask)
+    """The mask function of :data:`ATTENTION`: a :class:`KvvmMask` when the cache is a
+    KvvmCache (its ``get_query_offset`` is the hook), else SDPA's mask."""
+    hook = getattr(q_offset, "kvvm_mask", None)
+    if hook is not None:
+        return hook(q_length, attention_mask)
     return _sdpa()[1](
         batch_size=batch_size,
         q_length=q_length,
@@ -105,14 +123,13 @@ def kvvm_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[Any, None]:
-    """The attention function of :data:`ATTENTION`: over a KvvmCache's token ranges with
-    :func:`kvvm.attend.attend`, else transformers' SDPA attention (in the kernel scope)."""
-    if _is_bounds(attention_mask):
-        from .attend import attend
-
+    """The attention function of :data:`ATTENTION`: with a :class:`KvvmMask`, the step's new
+    K/V (``key``, ``value``) written into the KvvmCache and each request's tokens attended
+    (:func:`kvvm.attend.write_attend`); else transformers' SDPA attention (in the kernel
+    scope)."""
+    if isinstance(attention_mask, KvvmMask):
         kernel = getattr(getattr(module, "config", None), "kvvm_kernel", "auto")
-        out = attend(query, key, value, attention_mask.view(query.shape[0], 3), scaling, kernel)
-        return out, None
+        return attention_mask.attend(module.layer_idx, query, key, value, scaling, kernel), None
     forward = _sdpa()[0]
     with _kernel_scope():
         return forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

@@ -1,298 +1,240 @@
-"""End-to-end benchmark: a Llama-architecture model generating on kvvm memory.
+"""Benchmarks of kvvm's decode path on a Llama-architecture model.
 
 ``python -m kvvm.bench generate`` builds a model from a config with random weights (no
-download; the Llama-3.1-8B shape in bf16 with SDPA by default) and runs, side by side in one
-process, greedy decoding with ``DynamicCache``, ``StaticCache`` and :class:`KvvmCache`
-(seq-major and token-major) at several batch x prompt points, then the shared-prompt case.
-For every point it reports:
+download; the Llama-3.1-8B shape in bf16 by default) and decodes, side by side in one process,
+with transformers' compiled ``StaticCache``, eager ``DynamicCache``, ``KvvmCache`` eager,
+``KvvmCache`` compiled by ``generate`` and ``KvvmCache`` captured once as a graph
+(:mod:`kvvm.bench_runs`), at uniform batch x prompt points and at a ragged batch (prompt
+lengths uniform in a range, seeded). For every cache: decode step p50 and p99, tokens/s, the
+HBM floor of a step (weight bytes + live KV bytes, over the memory bandwidth) and the step's
+ratio to it, peak GPU memory (PyTorch's reserved peak + kvvm's committed bytes), KV bytes held
+against the live ones, greedy agreement with DynamicCache; and for the captured kvvm step,
+teacher-forced logits against DynamicCache (max |diff|, argmax agreement where the top two
+logits are apart).
 
-* correctness: KvvmCache is teacher-forced on DynamicCache's tokens and its per-step logits
-  are compared (max |diff|, argmax agreement wherever the top two logits are further apart
-  than the bf16 tolerance);
-* decode step p50 (CUDA events, after warm-up steps) and tokens/s, and the GPU time per step
-  of the kernels that update the cache or run attention (torch profiler, by kernel name);
-* memory: KV bytes held at the end of decoding (tensor bytes for DynamicCache, preallocated
-  bytes for StaticCache, committed bytes for kvvm), the live KV bytes, and PyTorch's peak
-  allocated/reserved memory during decoding (after prefill).
+``python -m kvvm.bench kernels`` measures the attention kernels alone
+(:mod:`kvvm.bench_kernels`).
 
-The shared-prompt case prefills a system prompt once into shared memory, attaches it
-read-only to N requests and prefills only their suffixes, against DynamicCache prefilling
-every full prompt: time to first token of the batch and KV bytes.
-
-``--tiny --device cpu --backend host`` runs the same code on a small model on the CPU (what
-the test suite does); the figures that matter come from a GPU.
+``--tiny`` runs a small model (what the tests do); the figures that matter come from a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
-import time
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
 import kvvm
-from kvvm import bench_caches as bc
-from kvvm import bench_decode as decode
-from kvvm import bench_report as report
-from kvvm.transformers import ATTENTION, KvvmCache, KvvmPrefix, use_kvvm_attention
+from kvvm import bench_runs as runs
 
-def _build_model(args: argparse.Namespace) -> tuple[Any, Any]:
+__all__ = ["main"]
+
+
+def _build_model(args: argparse.Namespace) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if args.tiny:
         cfg = LlamaConfig(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=4,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-            vocab_size=2048,
-            max_position_embeddings=16384,
+            hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, vocab_size=2048, max_position_embeddings=16384,
         )
     else:
         cfg = LlamaConfig(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=128256,
-            max_position_embeddings=16384,
+            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=16384,
             rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         )
     cfg._attn_implementation = "sdpa"
-    dtype = getattr(torch, args.dtype)
-    with torch.device(args.device):
-        model = LlamaForCausalLM(cfg).to(dtype).eval()
-    return model, cfg
+    with torch.device("cuda"):
+        model: Any = LlamaForCausalLM(cfg)
+    return model.to(torch.bfloat16).eval()
 
 
-@torch.no_grad()
-def run_shared_prompt(model: Any, cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """N requests sharing a system prompt with private suffixes: kvvm prefix sharing vs
-    DynamicCache prefilling every full prompt."""
-    from transformers import DynamicCache
-
-    dev = torch.device(args.device)
-    n, sys_len, suf = args.shared_requests, args.shared_prompt, args.shared_suffix
-    elem = torch.finfo(getattr(torch, args.dtype)).bits // 8
-    system = torch.randint(0, cfg.vocab_size, (1, sys_len), device=dev)
-    suffix = torch.randint(0, cfg.vocab_size, (n, suf), device=dev)
-    full = torch.cat([system.expand(n, -1), suffix], dim=1)
-    out: dict[str, Any] = {"requests": n, "system_prompt": sys_len, "suffix": suf}
-    # DynamicCache: every request prefills its whole prompt.
-    use_kvvm_attention(model, enable=False)
-    bc.sync(dev)
-    t0 = time.perf_counter()
-    dc = DynamicCache(config=cfg)
-    o = model(input_ids=full, past_key_values=dc, use_cache=True, logits_to_keep=1)
-    first_dyn = o.logits[:, -1].argmax(-1)
-    bc.sync(dev)
-    out["dynamic_ttft_ms"] = round((time.perf_counter() - t0) * 1000, 2)
-    out["dynamic_kv_bytes"] = bc.kv_held("dynamic", dc)
-    ref_logits = o.logits[:, -1].float()
-    del o, dc
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    use_kvvm_attention(model)
-    for layout in args.shared_layouts:
-        mgr = kvvm.Manager(args.backend, precommit=True, headroom_tokens=args.headroom)
-        total = sys_len + suf + args.new + 1024
-        bc.sync(dev)
-        t0 = time.perf_counter()
-        prefix = KvvmPrefix.build(
-            model, system, manager=mgr, max_cache_len=total, layout=layout, dtype=args.dtype
-        )
-        bc.sync(dev)
-        t1 = time.perf_counter()
-        cache = KvvmCache.from_prefix(prefix, n, total)
-        pos = torch.arange(sys_len, sys_len + suf, device=dev)
-        o = model(input_ids=suffix, past_key_values=cache, use_cache=True, cache_position=pos, logits_to_keep=1)
-        first = o.logits[:, -1].argmax(-1)
-        bc.sync(dev)
-        t2 = time.perf_counter()
-        snap = mgr.snapshot()
-        got = o.logits[:, -1].float()
-        key = layout.replace("-", "_")
-        out[f"kvvm_{key}_prefix_prefill_ms"] = round((t1 - t0) * 1000, 2)
-        out[f"kvvm_{key}_attach_and_suffix_ms"] = round((t2 - t1) * 1000, 2)
-        out[f"kvvm_{key}_ttft_cold_ms"] = round((t2 - t0) * 1000, 2)
-        out[f"kvvm_{key}_kv_bytes"] = snap.committed + snap.shared
-        out[f"kvvm_{key}_shared_bytes"] = snap.shared
-        out[f"kvvm_{key}_max_abs_logit_diff"] = (got - ref_logits).abs().max().item()
-        out[f"kvvm_{key}_first_token_agree"] = int((first == first_dyn).sum().item())
-        out[f"kvvm_{key}_bytes_ratio"] = round((snap.committed + snap.shared) / out["dynamic_kv_bytes"], 4)
-        out[f"kvvm_{key}_ttft_speedup_warm"] = round(out["dynamic_ttft_ms"] / max((t2 - t1) * 1000, 1e-6), 2)
-        out[f"kvvm_{key}_ttft_speedup_cold"] = round(out["dynamic_ttft_ms"] / max((t2 - t0) * 1000, 1e-6), 2)
-        del o
-        cache.release()
-        prefix.cache.release()
-        del cache, prefix
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    out["live_kv_bytes_unshared"] = bc.kv_live_bytes(cfg, n, sys_len + suf, elem)
-    use_kvvm_attention(model, enable=False)
+def _points(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in filter(None, text.split(",")):
+        b, s = part.lower().split("x")
+        out.append((int(b), int(s)))
     return out
 
 
-def _parse_points(text: str) -> list[tuple[int, int]]:
-    pts = []
-    for part in text.split(","):
-        b, s = part.lower().split("x")
-        pts.append((int(b), int(s)))
-    return pts
+def _workloads(args: argparse.Namespace, vocab: int) -> list[runs.Workload]:
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    out = []
+    for b, p in _points(args.points):
+        prompts = [torch.randint(0, vocab, (1, p), generator=gen).cuda() for _ in range(b)]
+        out.append(runs.Workload(f"{b}x{p}", prompts, args.new))
+    if args.ragged:
+        n, span = args.ragged.split(":")
+        lo, hi = (int(x) for x in span.split("-"))
+        rnd = random.Random(args.seed)
+        lengths = [rnd.randint(lo, hi) for _ in range(int(n))]
+        prompts = [torch.randint(0, vocab, (1, m), generator=gen).cuda() for m in lengths]
+        out.append(runs.Workload(f"ragged {n}x{lo}..{hi}", prompts, args.new))
+    return out
+
+
+def _weight_bytes(model: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _settle(r: runs.Run, w: runs.Workload, cfg: Any, weights: int, args: argparse.Namespace) -> None:
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    r.settle(args.warmup)
+    r.live_kv_bytes = per_token * sum(n + w.new for n in w.lengths)
+    mid = per_token * sum(n + w.new // 2 for n in w.lengths)
+    r.floor_ms = round((weights + mid) / args.bandwidth * 1000, 3)
+    if r.p50_ms:
+        r.over_floor = round(r.p50_ms / r.floor_ms, 2)
+
+
+def _agreement(r: runs.Run, ref: runs.Run | None) -> float | None:
+    if r.tokens is None or ref is None or ref.tokens is None:
+        return None
+    same = total = 0
+    for a, b in zip(r.tokens, ref.tokens, strict=False):
+        for x, y in zip(a, b, strict=False):
+            total += 1
+            same += x == y
+            if x != y:
+                break  # greedy continuations part at the first difference
+    return round(same / max(total, 1), 4)
+
+
+def run_generate(args: argparse.Namespace) -> dict[str, Any]:
+    """Every cache at every point; returns the report."""
+    torch._dynamo.config.cache_size_limit = 64
+    model = _build_model(args)
+    cfg = model.config
+    weights = _weight_bytes(model)
+    caches = [c for c in args.caches.split(",") if c]
+    unknown = set(caches) - set(runs.CACHES)
+    if unknown:
+        raise SystemExit(f"unknown caches {sorted(unknown)}; choose from {runs.CACHES}")
+    manager = kvvm.Manager("cuda", precommit=True, headroom_tokens=args.headroom)
+    report: dict[str, Any] = {"meta": _meta(args, weights), "points": []}
+    for w in _workloads(args, cfg.vocab_size):
+        max_len = args.max_len or (max(w.lengths) + w.new + 64)
+        point: dict[str, Any] = {"point": w.label, "batch": w.batch, "lengths": [min(w.lengths), max(w.lengths)], "runs": []}
+        if args.check_steps:
+            point["check"] = runs.reference_check(model, w, manager, max_len, args.check_steps)
+        done: dict[str, runs.Run] = {}
+        for c in caches:
+            r = runs.run_cache(model, w, c, manager, max_len)
+            if c in ("static", "kvvm-generate") and not r.note:
+                # The first run compiled; time the second.
+                r = runs.run_cache(model, w, c, manager, max_len)
+            _settle(r, w, cfg, weights, args)
+            done[c] = r
+            print(_line(r), file=sys.stderr, flush=True)
+        for r in done.values():
+            row = asdict(r)
+            row["greedy_agree_with_dynamic"] = _agreement(r, done.get("dynamic"))
+            row.pop("tokens")
+            point["runs"].append(row)
+        _verdict(point, done)
+        report["points"].append(point)
+        _flush(args, report)
+    return report
+
+
+def _verdict(point: dict[str, Any], done: dict[str, runs.Run]) -> None:
+    graph, static = done.get("kvvm-graph"), done.get("static")
+    if graph and graph.p50_ms and static and static.p50_ms:
+        point["graph_vs_static_speed"] = round(static.p50_ms / graph.p50_ms, 2)
+    if graph and graph.kv_bytes_held and static and static.kv_bytes_held:
+        point["graph_vs_static_kv_bytes"] = round(graph.kv_bytes_held / static.kv_bytes_held, 3)
+    if graph and graph.over_floor:
+        point["graph_over_floor"] = graph.over_floor
+
+
+def _line(r: runs.Run) -> str:
+    if r.note:
+        return f"{r.point:>22} {r.cache:>14}: {r.note}"
+    return (
+        f"{r.point:>22} {r.cache:>14}: step p50 {r.p50_ms} ms p99 {r.p99_ms} ms, {r.tokens_per_s} tok/s, "
+        f"{r.over_floor}x the floor ({r.floor_ms} ms), KV held {(r.kv_bytes_held or 0) / 2**30:.2f} GiB "
+        f"(live {(r.live_kv_bytes or 0) / 2**30:.2f}), peak {(r.peak_gpu_bytes or 0) / 2**30:.2f} GiB"
+    )
+
+
+def _meta(args: argparse.Namespace, weights: int) -> dict[str, Any]:
+    import transformers
+
+    props = torch.cuda.get_device_properties(0)
+    backend = kvvm.Backend("cuda")
+    return {
+        "device": props.name,
+        "driver": backend.devices()[0].get("driver_version", "?"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "kvvm": kvvm.__version__,
+        "weight_bytes": weights,
+        "bandwidth_bytes_per_s": args.bandwidth,
+        "new_tokens": args.new,
+        "warmup_steps": args.warmup,
+    }
+
+
+def _flush(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Every attention kernel at every point."""
+    from kvvm.bench_kernels import run_kernels
+
+    out: dict[str, Any] = {"meta": {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)}, "results": []}
+    points = [(b, [p] * b) for b, p in _points(args.points)]
+    if args.ragged:
+        n, span = args.ragged.split(":")
+        lo, hi = (int(x) for x in span.split("-"))
+        rnd = random.Random(args.seed)
+        points.append((int(n), [rnd.randint(lo, hi) for _ in range(int(n))]))
+    for batch, lengths in points:
+        for r in run_kernels(batch, lengths, max(lengths) + 256, bandwidth=args.bandwidth):
+            out["results"].append(asdict(r))
+            print(f"{r.batch:>3} x {r.tokens:>10} {r.kernel:>7}: {r.us_per_call} us ({r.over_floor}x floor "
+                  f"{r.floor_us} us), |diff| {r.max_abs_diff}, graph-safe {r.captured} {r.note}", file=sys.stderr, flush=True)
+        _flush(args, out)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m kvvm.bench``."""
     ap = argparse.ArgumentParser(prog="python -m kvvm.bench", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="DynamicCache vs StaticCache vs KvvmCache on a Llama model")
-    g.add_argument("--points", default="1x4096,16x2048,16x4096,64x2048", help="batch x prompt list")
-    g.add_argument("--new", type=int, default=48, help="new tokens per point (>= 48 for the report)")
-    g.add_argument("--warmup", type=int, default=4, help="decode steps left out of the p50")
-    g.add_argument(
-        "--repeat",
-        type=int,
-        default=2,
-        help="runs per cache and point, interleaved (the first prefills, the others start from "
-        "the reference's prompt K/V; the best step p50 is kept)",
-    )
-    g.add_argument(
-        "--interleaved-steps",
-        type=int,
-        default=100,
-        help="after the rounds, decode this many steps with every cache alive at once, one step "
-        "of each in turn (0: not run); their p50 is compared too (default 100)",
-    )
-    g.add_argument(
-        "--static-repeat",
-        type=int,
-        default=None,
-        help="runs of StaticCache per point (default: --repeat; its decode is the slowest)",
-    )
-    g.add_argument(
-        "--caches",
-        default=f"dynamic,static,dynamic@{ATTENTION},kvvm:seq-major@{ATTENTION},kvvm:token-major@{ATTENTION}",
-        help="caches to compare; '@kvvm_sdpa' runs one with kvvm's attention registration",
-    )
-    g.add_argument(
-        "--reference",
-        default="dynamic",
-        help="the cache whose tokens and logits the others are checked against",
-    )
-    g.add_argument("--device", default="cuda")
-    g.add_argument("--backend", default="auto", help="kvvm backend (cuda on a GPU, host on a CPU)")
-    g.add_argument("--dtype", default="bfloat16")
-    g.add_argument("--tiny", action="store_true", help="a small model (for tests on the CPU)")
-    g.add_argument("--tol", type=float, default=2.0**-7, help="relative logit tolerance (bf16)")
-    g.add_argument("--headroom", type=int, default=4, help="pre-commit headroom tokens (KvvmCache's default)")
-    g.add_argument("--no-profile", dest="profile", action="store_false")
-    g.add_argument("--shared-requests", type=int, default=16)
-    g.add_argument("--shared-prompt", type=int, default=4096)
-    g.add_argument("--shared-suffix", type=int, default=128)
-    g.add_argument("--shared-layouts", default="token-major,seq-major")
-    g.add_argument("--no-shared", dest="shared", action="store_false")
-    g.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, helptext in (("generate", "decode with every cache side by side"), ("kernels", "attention kernels alone")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--points", default="1x4096,16x2048,16x4096,64x2048", help="batch x prompt, comma-separated")
+        p.add_argument("--ragged", default="64:128-4096", help="N:LO-HI prompts uniform in LO..HI ('' for none)")
+        p.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the floor (H200: 4.8e12)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", help="write the report here")
+    g = sub.choices["generate"]
+    g.add_argument("--tiny", action="store_true", help="a small model instead of the Llama-3.1-8B shape")
+    g.add_argument("--new", type=int, default=64, help="tokens generated per request")
+    g.add_argument("--warmup", type=int, default=4, help="steps left out of p50/p99")
+    g.add_argument("--caches", default=",".join(runs.CACHES), help=f"comma-separated, of {runs.CACHES}")
+    g.add_argument("--check-steps", type=int, default=8, help="teacher-forced steps of the logits check (0: none)")
+    g.add_argument("--headroom", type=int, default=4, help="pre-commit headroom tokens")
+    g.add_argument("--max-len", type=int, default=0, help="KvvmCache's max_cache_len (0: longest prompt + new + 64)")
     args = ap.parse_args(argv)
-    args.shared_layouts = [s for s in args.shared_layouts.split(",") if s]
-    if args.static_repeat is None:
-        args.static_repeat = args.repeat
-    if args.repeat < 1 or args.static_repeat < 1:
-        ap.error("--repeat and --static-repeat must be at least 1")
-    if args.interleaved_steps and args.interleaved_steps <= args.warmup:
-        ap.error("--interleaved-steps must exceed --warmup")
-    if args.new <= args.warmup:
-        ap.error("--new must exceed --warmup")
-    if args.dtype not in ("bfloat16", "float16", "float32"):
-        ap.error("--dtype must be bfloat16, float16 or float32")
-    torch.manual_seed(0)
-    import transformers
-
-    dev = torch.device(args.device)
-    meta: dict[str, Any] = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "kvvm": kvvm.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "warmup": args.warmup,
-    }
-    if dev.type == "cuda":
-        meta["driver"] = kvvm.Backend(args.backend).devices()[0].get("driver_version", "?")
-    t0 = time.perf_counter()
-    model, cfg = _build_model(args)
-    print(f"model built in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    kinds = [k for k in args.caches.split(",") if k]
-    results: list[bc.RunResult] = []
-    for batch, prompt in _parse_points(args.points):
-        ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device=dev)
-        reference = None
-        first: dict[str, bc.RunResult] = {}
-        rounds: dict[str, list[float]] = {}
-        seed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        # Every cache runs `repeat` times, interleaved, in a rotating order; the first run of
-        # each prefills through the model (correctness, memory, prefill time and the profile
-        # come from it), the later ones start from the reference's prompt K/V. Each cache's
-        # best step p50 is kept: host noise between runs is larger than the differences
-        # measured, and the best run is the one least disturbed.
-        for r in range(args.repeat):
-            order = [args.reference] if args.reference in kinds else []
-            order += [k for k in kinds if k != args.reference]
-            if r > 0:
-                order = bc.rotated(order, r)
-                if seed is None and reference is not None:
-                    seed = bc.device_seed(reference, dev)
-            for kind in order:
-                if r >= args.static_repeat and kind.startswith("static"):
-                    continue
-                ref: dict[str, Any] | None = reference
-                if r == 0 and (kind == args.reference or kind.startswith("static")):
-                    ref = None
-                try:
-                    res, ref_new = decode.run_point(model, cfg, args, kind, ids, ref, seed if r > 0 else None)
-                except torch.OutOfMemoryError as e:
-                    print(f"{kind} {batch}x{prompt}: out of memory: {e}", file=sys.stderr)
-                    torch.cuda.empty_cache()
-                    continue
-                reference = reference or ref_new
-                first.setdefault(kind, res)
-                rounds.setdefault(kind, []).append(res.step_p50_ms)
-                print(json.dumps({"round": r, **asdict(res)}), file=sys.stderr, flush=True)
-        point = [report.best_of_rounds(first[k], rounds[k]) for k in kinds if k in first]
-        if args.interleaved_steps > 0 and reference is not None:
-            if seed is None:
-                seed = bc.device_seed(reference, dev)
-            if seed is not None:
-                present = [k for k in kinds if k in first]
-                box = [seed]
-                seed = None
-                times, notes = decode.run_interleaved(model, cfg, args, present, ids, reference, box)
-                for res in point:
-                    t = times.get(res.cache)
-                    if t:
-                        p50 = bc.steady_p50(t, args.warmup)
-                        res.interleaved_p50_ms = round(p50, 3)
-                        res.interleaved_tokens_per_s = round(res.batch * 1000 / p50, 1)
-                        res.interleaved_steps_ms = [round(x, 4) for x in t]
-                    res.notes.extend(notes)
-                print(json.dumps({"interleaved": {k: bc.steady_p50(v, args.warmup) for k, v in times.items()}, "notes": notes}), file=sys.stderr, flush=True)
-        results.extend(point)
-        print(report.verdict(point, args.warmup), file=sys.stderr, flush=True)
-        del reference, seed
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    shared = run_shared_prompt(model, cfg, args) if args.shared else None
-    print(report.markdown(results, shared, meta))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": [asdict(r) for r in results], "shared": shared}, f, indent=1)
+    if not torch.cuda.is_available():
+        print("python -m kvvm.bench needs a CUDA GPU", file=sys.stderr)
+        return 2
+    report = run_generate(args) if args.cmd == "generate" else run_kernel_bench(args)
+    json.dump(report, sys.stdout, indent=1)
+    print()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

@@ -26,7 +26,7 @@ class _Cache(Protocol):
 
     def _update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def _bounds_for_step(self, q: int, padding_mask: torch.Tensor | None) -> torch.Tensor: ...
+    def _mask_for_step(self, q: int, padding_mask: Any) -> Any: ...
 
     def _mask_sizes(self, q: int) -> tuple[int, int]: ...
 
@@ -52,8 +52,8 @@ class StepQuery:
     def __init__(self, cache: _Cache) -> None:
         self._cache = cache
 
-    def kvvm_bounds(self, q: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
-        return self._cache._bounds_for_step(q, padding_mask)
+    def kvvm_mask(self, q: int, padding_mask: Any) -> Any:
+        return self._cache._mask_for_step(q, padding_mask)
 
 
 class KvvmLayer(CacheLayerMixin):

@@ -181,9 +181,23 @@ class SlotState:
 
     # ---- the device's side of a step ----
 
+    def step(self, q: int) -> tuple[StepIndex, torch.Tensor]:
+        """The next forward's device work, once for every layer: where each selected slot's
+        ``q`` new tokens go (:class:`StepIndex`), each slot's index and tokens ``[start, end)``
+        once they are written (``[count, 3]`` int32, no further than its limit), and the
+        counts moved past the accepted tokens (refused writes of active slots counted as
+        overruns)."""
+        lengths, limits = self._view(self.lengths), self._view(self.limits)
+        index = self.index(q)
+        end = torch.minimum(lengths + q, limits)
+        start = torch.minimum(self._view(self.starts), end)
+        bounds = torch.stack([self._view(self._ids).to(torch.int32), start, end], dim=1)
+        self.advance(index)
+        return index, bounds
+
     def index(self, q: int) -> StepIndex:
         """Where the next ``q`` tokens of each selected slot go (computed once per step, or
-        once per layer while torch.compile traces: it fuses them)."""
+        once per use while torch.compile traces: it fuses them)."""
         if not _compiling() and self._index is not None and self._index[0] == (self._steps << 16 | q):
             return self._index[1]
         lengths, limits = self._view(self.lengths), self._view(self.limits)
@@ -199,14 +213,6 @@ class SlotState:
             self._index = (self._steps << 16 | q, index)
         return index
 
-    def bounds(self, q: int) -> torch.Tensor:
-        """``[count, 3]`` int32: each selected slot's index and tokens ``[start, end)`` after
-        the step's ``q`` tokens are written, no further than its limit."""
-        lengths, limits = self._view(self.lengths), self._view(self.limits)
-        end = torch.minimum(lengths + q, limits)
-        start = torch.minimum(self._view(self.starts), end)
-        return torch.stack([self._view(self._ids).to(torch.int32), start, end], dim=1)
-
     def positions(self, q: int) -> torch.Tensor:
         """``[count, q]`` int64: each selected slot's positions of the step's tokens (its
         live tokens before them, left padding excluded)."""
@@ -214,8 +220,8 @@ class SlotState:
         return live[:, None] + torch.arange(q, device=self.device)
 
     def advance(self, index: StepIndex) -> None:
-        """After the last layer wrote: each slot counts its accepted tokens; refused writes
-        of active slots are counted as overruns."""
+        """Each selected slot counts its accepted tokens; refused writes of active slots are
+        counted as overruns."""
         lengths = self._view(self.lengths)
         lengths.add_(index.accepted.sum(dim=1, dtype=torch.int32))
         active = self._view(self.limits) > 0
@@ -224,8 +230,6 @@ class SlotState:
         if not _compiling():
             self._steps += 1
             self._index = None
-            if not _capturing():
-                self.prepared = False
 
 
 def _compiling() -> bool:

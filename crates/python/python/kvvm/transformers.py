@@ -48,10 +48,11 @@ from . import (
     SharedPrefix,
     geometry_from_config,
 )
-from .attention import ATTENTION, decoder_config, register_attention, use_kvvm_attention
+from .attend import slab_kv
+from .attention import ATTENTION, KvvmMask, decoder_config, register_attention, use_kvvm_attention
 from .cache_layer import KvvmLayer, StepQuery, host_work
 from .errors import GraphsAliveError, InvalidArgumentError
-from .slots import SlotState, StepIndex
+from .slots import SlotState
 
 __all__ = ["ATTENTION", "KvvmCache", "KvvmLayer", "KvvmPrefix", "register_attention", "use_kvvm_attention"]
 
@@ -216,9 +217,8 @@ class KvvmCache(Cache):
     # ---- binding ----
 
     def _bind(self) -> None:
-        """The batch as one dense tensor (every slot and the scratch): the only tensor a step
-        writes, in place, so that torch.compile never copies it; each layer's K and V are
-        strided views of it (:meth:`_kv`)."""
+        """The batch as one dense tensor (every slot and the scratch), and where each layer's
+        K and V lie in it (:meth:`_kv`)."""
         if self._released:
             raise ReleasedError("the KvvmCache was released")
         slab = torch.from_dlpack(self.batch.slab())
@@ -235,8 +235,10 @@ class KvvmCache(Cache):
             (layer * strides["layer"] // e, (layer * strides["layer"] + strides["kv"]) // e)
             for layer in range(geo.layers)
         ]
-        heads = torch.arange(geo.kv_heads, device=slab.device)[:, None] * self._head_stride
-        self._head_cols = (heads + torch.arange(geo.head_dim, device=slab.device)).reshape(-1)
+        self._layouts = [
+            [k_off, v_off, self._head_stride, self._token_stride, geo.kv_heads, self._max_len, geo.head_dim]
+            for k_off, v_off in self._offsets
+        ]
         self._slab = slab
 
     def _unbind(self) -> None:
@@ -248,14 +250,9 @@ class KvvmCache(Cache):
     def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V over every slot: ``[slots + 1, kv_heads, max, head_dim]``
         strided views of the slab."""
-        slab = self._slab
-        if slab is None:
+        if self._slab is None:
             raise ReleasedError("the KvvmCache was released")
-        geo = self.geometry
-        size = (slab.shape[0], geo.kv_heads, self._max_len, geo.head_dim)
-        stride = (slab.stride(0), self._head_stride, self._token_stride, 1)
-        k_off, v_off = self._offsets[layer]
-        return slab.as_strided(size, stride, k_off), slab.as_strided(size, stride, v_off)
+        return slab_kv(self._slab, self._layouts[layer])
 
     # ---- one step ----
 
@@ -278,43 +275,45 @@ class KvvmCache(Cache):
                 "one slot per sequence (requests x beams or returned sequences)"
             )
         q = keys.shape[2]
-        if layer == 0 and host_work():
-            if self._released:
-                raise ReleasedError("the KvvmCache was released")
-            if not st.prepared:
-                st.prepare(q)
+        last = layer == self.geometry.layers - 1
+        if host_work():
+            self._check_step(layer, q)
         elif layer == 0 and self._capturing is None and not torch.compiler.is_compiling():
             raise InvalidArgumentError(
                 "a CUDA graph is being captured over a KvvmCache without its knowledge: capture "
                 "inside `with cache.capture(graph):` (or use kvvm.graph.DecodeGraph)"
             )
+        if self.device_lengths:
+            # Written by the kvvm attention, with the step the kvvm mask computed.
+            if last and host_work():
+                st.prepared = False
+            return keys, values
         index = st.index(q)
         k_all, v_all = self._kv(layer)
-        if torch.compiler.is_compiling():
-            k_off, v_off = self._offsets[layer]
-            self._write_slab(k_off, keys, index)
-            self._write_slab(v_off, values, index)
-        else:
-            k_all[index.slot, :, index.token] = keys.transpose(1, 2)
-            v_all[index.slot, :, index.token] = values.transpose(1, 2)
-        if layer == self.geometry.layers - 1:
+        k_all[index.slot, :, index.token] = keys.transpose(1, 2)
+        v_all[index.slot, :, index.token] = values.transpose(1, 2)
+        if last:
             st.advance(index)
-        if self.device_lengths:
-            # Every slot (and the scratch): the kvvm mask names each request's slot.
-            return k_all, v_all
+            st.prepared = False
         k_all, v_all = k_all.narrow(0, st.first, st.count), v_all.narrow(0, st.first, st.count)
         length = self._uniform_length()
         return k_all.narrow(2, 0, length), v_all.narrow(2, 0, length)
 
-    def _write_slab(self, offset: int, new: torch.Tensor, index: StepIndex) -> None:
-        """``new`` (``[count, H, q, D]``) into the slab at each selected slot's positions, by
-        element indices into the slab itself: a write through a strided view of it would make
-        torch.compile copy the whole slab (every unmapped window included) instead of
-        writing in place."""
-        count, heads, q, dim = new.shape
-        cols = index.token[:, :, None] * self._token_stride + self._head_cols + offset
-        assert self._slab is not None
-        self._slab[index.slot[:, :, None], cols] = new.transpose(1, 2).reshape(count, q, heads * dim)
+    def _check_step(self, layer: int, q: int) -> None:
+        """Eagerly, at the first layer: the step is prepared (with exact-length views the
+        update prepares it; with the kvvm attention the kvvm mask must have)."""
+        if layer != 0:
+            return
+        if self._released:
+            raise ReleasedError("the KvvmCache was released")
+        if self.state.prepared:
+            return
+        if self.device_lengths:
+            raise InvalidArgumentError(
+                "the step has no kvvm mask: with the kvvm attention, pass no attention mask of "
+                "your own (or a 2-D padding mask) so that the cache's mask is built"
+            )
+        self.state.prepare(q)
 
     def _uniform_length(self) -> int:
         lengths = {self.state.host_lengths[i] for i in self.state.selected}
@@ -324,19 +323,35 @@ class KvvmCache(Cache):
             )
         return lengths.pop()
 
-    def _bounds_for_step(self, q: int, padding_mask: torch.Tensor | None) -> torch.Tensor:
-        """The kvvm mask of the next forward (``[count, 1, 1, 3]`` int32: each request's slot
-        and tokens ``[start, end)``), after the host's side of the step when Python runs eagerly:
-        the step's tokens committed and, from a 2-D padding mask, each new request's left
-        padding recorded."""
+    def _mask_for_step(self, q: int, padding_mask: Any) -> KvvmMask:
+        """The kvvm mask of the next forward: the step's device work (where each request's
+        new tokens go, each request's tokens after them, the counts moved on), after its host
+        work when Python runs eagerly (the step's tokens committed and claimed; from a 2-D
+        padding mask, a new batch's left padding recorded). A mask already made for this
+        forward (``generate`` makes it before the forward) is handed back as it is."""
+        if isinstance(padding_mask, KvvmMask):
+            return padding_mask
         st = self.state
         if host_work():
             if self._released:
                 raise ReleasedError("the KvvmCache was released")
-            if padding_mask is not None and padding_mask.dim() == 2:
-                self._check_padding(q, padding_mask)
-            st.prepare(q)
-        return st.bounds(q).view(st.count, 1, 1, 3)
+            if isinstance(padding_mask, torch.Tensor) and padding_mask.dim() == 2:
+                self._prepare_from_padding(q, padding_mask)
+            elif not st.prepared:
+                st.prepare(q)
+        index, bounds = st.step(q)
+        assert self._slab is not None
+        return KvvmMask(bounds=bounds, slot=index.slot, token=index.token, slab=self._slab, layouts=self._layouts)
+
+    def _prepare_from_padding(self, q: int, mask: torch.Tensor) -> None:
+        """``generate``'s step: ``mask`` covers every request's tokens so far and the step's.
+        Prepared once per step (``generate`` may build the mask, then the forward again)."""
+        st = self.state
+        length = self._uniform_length()
+        if st.prepared and length == mask.shape[-1]:
+            return
+        self._check_padding(q, mask)
+        st.prepare(q)
 
     def _check_padding(self, q: int, mask: torch.Tensor) -> None:
         """A 2-D mask of ``generate``: every request's tokens so far plus the step's, padded

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -37,21 +35,22 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 @triton.jit
 def _block(
-    q: Any,
-    k_base: Any,
-    v_base: Any,
-    t: Any,
-    hi: Any,
-    stride_kt: Any,
-    stride_vt: Any,
-    offs_d: Any,
-    d_mask: Any,
-    m_i: Any,
-    l_i: Any,
-    acc: Any,
-    sm_scale: Any,
+    q,
+    k_base,
+    v_base,
+    t,
+    hi,
+    stride_kt,
+    stride_vt,
+    offs_d,
+    d_mask,
+    m_i,
+    l_i,
+    acc,
+    sm_scale,
     BLOCK: tl.constexpr,
-) -> Any:
+    PRECISION: tl.constexpr,
+):
     """One block of tokens ``t..t+BLOCK`` (those below ``hi``) folded into the running
     softmax: returns the new ``(max, sum, accumulator)``."""
     offs_n = t + tl.arange(0, BLOCK)
@@ -59,39 +58,39 @@ def _block(
     rows = offs_n.to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-    qk = tl.dot(q, tl.trans(k)) * sm_scale
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
     qk = tl.where(n_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_new, acc
 
 
 @triton.jit
 def _partial_kernel(
-    Q: Any,
-    K: Any,
-    V: Any,
-    Bounds: Any,
-    Acc: Any,
-    Lse: Any,
-    stride_qb: Any,
-    stride_qh: Any,
-    stride_kb: Any,
-    stride_kh: Any,
-    stride_kt: Any,
-    stride_vb: Any,
-    stride_vh: Any,
-    stride_vt: Any,
-    stride_ab: Any,
-    stride_ah: Any,
-    stride_as: Any,
-    stride_lb: Any,
-    stride_lh: Any,
-    sm_scale: Any,
+    Q,
+    K,
+    V,
+    Bounds,
+    Acc,
+    Lse,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_ab,
+    stride_ah,
+    stride_as,
+    stride_lb,
+    stride_lh,
+    sm_scale,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -99,7 +98,8 @@ def _partial_kernel(
     BLOCK: tl.constexpr,
     SPLITS: tl.constexpr,
     LOOP_WHILE: tl.constexpr,
-) -> None:
+    PRECISION: tl.constexpr,
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -137,14 +137,14 @@ def _partial_kernel(
         while t < hi:
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, BLOCK,
+                sm_scale, BLOCK, PRECISION,
             )
             t += BLOCK
     else:
         for t in range(lo, hi, BLOCK):
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, BLOCK,
+                sm_scale, BLOCK, PRECISION,
             )
 
     has = l_i > 0.0
@@ -157,20 +157,20 @@ def _partial_kernel(
 
 @triton.jit
 def _merge_kernel(
-    Acc: Any,
-    Lse: Any,
-    Out: Any,
-    stride_ab: Any,
-    stride_ah: Any,
-    stride_as: Any,
-    stride_lb: Any,
-    stride_lh: Any,
-    stride_ob: Any,
-    stride_oh: Any,
+    Acc,
+    Lse,
+    Out,
+    stride_ab,
+    stride_ah,
+    stride_as,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
     HEAD_DIM: tl.constexpr,
     DIM_PAD: tl.constexpr,
     SPLITS: tl.constexpr,
-) -> None:
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS)
@@ -266,6 +266,8 @@ def decode_attention(
         BLOCK=BLOCK_N,
         SPLITS=splits,
         LOOP_WHILE=_INTERPRETED,
+        # fp32 caches get fp32 products (Triton's default for fp32 is TF32).
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=2,
     )

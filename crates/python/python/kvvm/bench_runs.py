@@ -1,0 +1,265 @@
+"""The decode runs ``python -m kvvm.bench generate`` times, one cache each, and what it
+measures of them.
+
+- ``static``: transformers' ``StaticCache`` through ``generate`` (its own auto-compile of
+  the decode step, CUDA graphs), padded to the longest request;
+- ``dynamic``: ``DynamicCache`` through ``generate``, eager;
+- ``kvvm-eager``: :class:`~kvvm.transformers.KvvmCache` with the kvvm attention through
+  ``generate`` with compilation disabled;
+- ``kvvm-generate``: the same, compiled by ``generate`` itself (CUDA graphs);
+- ``kvvm-graph``: every request prefilled into its own slot (no padding), then a
+  :class:`~kvvm.graph.DecodeGraph` replayed once per step.
+
+Each step is timed on the GPU: an event per step (from a logits processor inside
+``generate``, around each replay otherwise), so a step's time includes whatever host work
+the loop does that the GPU waits for.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import kvvm
+from kvvm.attention import use_kvvm_attention
+from kvvm.graph import DecodeGraph
+from kvvm.transformers import KvvmCache
+
+__all__ = ["CACHES", "Run", "Workload", "run_cache", "reference_check"]
+
+#: The caches a run can use.
+CACHES = ("static", "dynamic", "kvvm-eager", "kvvm-generate", "kvvm-graph")
+
+
+@dataclass
+class Workload:
+    """One point: ``prompts`` (one id tensor ``[1, P]`` each) and ``new`` tokens each."""
+
+    label: str
+    prompts: list[torch.Tensor]
+    new: int
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(p.shape[1]) for p in self.prompts]
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts left-padded to the longest, and their attention mask."""
+        longest = max(self.lengths)
+        ids = torch.zeros((self.batch, longest), dtype=torch.long, device=self.prompts[0].device)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(self.prompts):
+            ids[i, longest - p.shape[1] :] = p[0]
+            mask[i, longest - p.shape[1] :] = 1
+        return ids, mask
+
+
+@dataclass
+class Run:
+    """What one cache did at one point."""
+
+    cache: str
+    point: str
+    batch: int
+    step_ms: list[float] = field(default_factory=list)
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    tokens_per_s: float | None = None
+    floor_ms: float | None = None
+    over_floor: float | None = None
+    kv_bytes_held: int | None = None
+    live_kv_bytes: int | None = None
+    peak_gpu_bytes: int | None = None
+    tokens: list[list[int]] | None = None
+    note: str = ""
+
+    def settle(self, warmup: int) -> None:
+        """p50/p99 over the steps after ``warmup`` and tokens/s at the p50."""
+        steps = self.step_ms[warmup:] or self.step_ms
+        if steps:
+            ordered = sorted(steps)
+            self.p50_ms = round(statistics.median(ordered), 3)
+            self.p99_ms = round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 3)
+            self.tokens_per_s = round(self.batch * 1000 / self.p50_ms, 1)
+
+
+class _StepClock:
+    """A logits processor that records a CUDA event at every step of ``generate``."""
+
+    def __init__(self) -> None:
+        self.events: list[torch.cuda.Event] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        self.events.append(e)
+        return scores
+
+    def steps_ms(self) -> list[float]:
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
+
+
+def _free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _kv_bytes(cache: Any) -> int:
+    if isinstance(cache, KvvmCache):
+        return cache.held_bytes
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _generate(model: Any, w: Workload, cache_kind: str, manager: kvvm.Manager | None, max_len: int) -> Run:
+    from transformers import DynamicCache, LogitsProcessorList
+
+    run = Run(cache_kind, w.label, w.batch)
+    ids, mask = w.padded()
+    kwargs: dict[str, Any] = dict(attention_mask=mask, max_new_tokens=w.new, do_sample=False, min_new_tokens=w.new)
+    use_kvvm_attention(model, enable=cache_kind.startswith("kvvm"))
+    cache: Any = None
+    if cache_kind == "static":
+        kwargs["cache_implementation"] = "static"
+        kwargs["return_dict_in_generate"] = True
+    elif cache_kind == "dynamic":
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = KvvmCache(model.config, w.batch, max_len, manager=manager)
+        if cache_kind == "kvvm-eager":
+            kwargs["disable_compile"] = True
+    if cache is not None:
+        kwargs["past_key_values"] = cache
+    clock = _StepClock()
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), **kwargs)
+    run.step_ms = [round(x, 4) for x in clock.steps_ms()]
+    run.peak_gpu_bytes = torch.cuda.max_memory_reserved() - base
+    if cache_kind == "static":
+        cache = out.past_key_values
+        out = out.sequences
+    run.kv_bytes_held = _kv_bytes(cache)
+    if isinstance(cache, KvvmCache):
+        run.peak_gpu_bytes += cache.manager.snapshot().committed
+    run.tokens = out[:, ids.shape[1] :].tolist()
+    if isinstance(cache, KvvmCache):
+        cache.release()
+    del cache, out
+    use_kvvm_attention(model, enable=False)
+    _free()
+    return run
+
+
+@torch.no_grad()
+def _graph(model: Any, w: Workload, manager: kvvm.Manager, max_len: int) -> Run:
+    run = Run("kvvm-graph", w.label, w.batch)
+    use_kvvm_attention(model)
+    base = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    cache = KvvmCache(model.config, w.batch, max_len, manager=manager)
+    first = torch.empty(w.batch, dtype=torch.long, device=w.prompts[0].device)
+    for slot, prompt in enumerate(w.prompts):
+        with cache.select(slot):
+            logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        first[slot] = logits[0, -1].argmax()
+        del logits
+    step = DecodeGraph(model, cache)
+    tokens = [first]
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(w.new)]
+    tok = first
+    for i in range(w.new - 1):
+        marks[i].record()
+        tok = step(tok).argmax(-1)
+        tokens.append(tok)
+    marks[w.new - 1].record()
+    torch.cuda.synchronize()
+    cache.check()
+    run.step_ms = [round(a.elapsed_time(b), 4) for a, b in zip(marks, marks[1:])]
+    run.peak_gpu_bytes = torch.cuda.max_memory_reserved() - base + manager.snapshot().committed
+    run.kv_bytes_held = cache.held_bytes
+    run.tokens = torch.stack(tokens, dim=1).tolist()
+    step.close()
+    cache.release()
+    use_kvvm_attention(model, enable=False)
+    _free()
+    return run
+
+
+def run_cache(model: Any, w: Workload, cache_kind: str, manager: kvvm.Manager | None, max_len: int) -> Run:
+    """One cache at one point (a failure, such as running out of memory, is a note)."""
+    try:
+        if cache_kind == "kvvm-graph":
+            assert manager is not None
+            return _graph(model, w, manager, max_len)
+        return _generate(model, w, cache_kind, manager, max_len)
+    except (torch.OutOfMemoryError, kvvm.KvvmError, RuntimeError) as e:
+        use_kvvm_attention(model, enable=False)
+        _free()
+        return Run(cache_kind, w.label, w.batch, note=f"{type(e).__name__}: {e}"[:300])
+
+
+@torch.no_grad()
+def reference_check(model: Any, w: Workload, manager: kvvm.Manager, max_len: int, steps: int) -> dict[str, Any]:
+    """Teacher-forced logits of the captured kvvm step against DynamicCache (each request on
+    its own, its exact prompt): max |diff| over ``steps`` steps, and how often the argmax
+    agrees where the reference's top two logits are further apart than bf16's resolution."""
+    from transformers import DynamicCache
+
+    use_kvvm_attention(model)
+    cache = KvvmCache(model.config, w.batch, max_len, manager=manager)
+    refs = [DynamicCache(config=model.config) for _ in w.prompts]
+    want, got = [], []
+    for slot, (prompt, dc) in enumerate(zip(w.prompts, refs, strict=True)):
+        with cache.select(slot):
+            got.append(model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1])
+        use_kvvm_attention(model, enable=False)
+        want.append(model(input_ids=prompt, past_key_values=dc, use_cache=True, logits_to_keep=1).logits[:, -1])
+        use_kvvm_attention(model)
+    step = DecodeGraph(model, cache)
+    worst, agree, checked = 0.0, 0, 0
+    ref = torch.cat(want).float()
+    out = torch.cat(got).float()
+    for i in range(steps + 1):
+        worst = max(worst, (out - ref).abs().max().item())
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * 2 ** -7 * top2[:, 0].abs().clamp_min(1)
+        agree += int(((out.argmax(-1) == ref.argmax(-1)) & clear).sum())
+        checked += int(clear.sum())
+        if i == steps:
+            break
+        tok = ref.argmax(-1)
+        out = step(tok).float()
+        use_kvvm_attention(model, enable=False)
+        ref = torch.cat(
+            [model(input_ids=tok[j : j + 1, None], past_key_values=dc, use_cache=True).logits[:, -1] for j, dc in enumerate(refs)]
+        ).float()
+        use_kvvm_attention(model)
+    cache.check()
+    step.close()
+    cache.release()
+    use_kvvm_attention(model, enable=False)
+    del refs
+    _free()
+    return {"max_abs_logit_diff": round(worst, 4), "argmax_agree": agree, "argmax_checked": checked}
+
+
+def timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and its wall time in seconds."""
+    t = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t
