@@ -139,9 +139,11 @@ async fn observe(State(app): State<App>, req: Request, next: Next) -> Response {
     let start = Instant::now();
     let route = route_of(req.uri().path());
     let method = req.method().as_str().to_owned();
-    app.http.in_flight.fetch_add(1, Ordering::Relaxed);
+    // Taken back when the guard drops: also when this future is dropped before it completes
+    // (the client reset the connection, the shutdown deadline aborted the connection).
+    let in_flight = app.http.request_in_flight();
     let mut res = next.run(req).await;
-    app.http.in_flight.fetch_sub(1, Ordering::Relaxed);
+    drop(in_flight);
     let status = res.status();
     let is_json = res
         .headers()
