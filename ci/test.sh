@@ -101,6 +101,51 @@ if [ "$rc" -ne 0 ] || grep -q panicked target/pipe-stderr.log; then
   cat target/pipe-stderr.log >&2
   exit 1
 fi
+# `kvvm serve 2>&1 | head -1` and `kvvm serve 2>/dev/full | head -1`: after the listening line
+# neither stdout nor stderr can be written. Requests must still be answered (the access log's
+# failed writes are counted in /metrics and dropped) and SIGTERM must still exit 0. The reader
+# is `head -1` on a FIFO, so that the script knows the server's pid and its address.
+serve_with_stderr() { # $1: "2>&1" or "2>/dev/full"
+  local fifo=target/serve-stdout.fifo rc=0
+  rm -f "$fifo"
+  mkfifo "$fifo"
+  # The access log on (its default, info), whatever the caller's environment says.
+  if [ "$1" = "2>&1" ]; then
+    env -u KVVM_LOG -u RUST_LOG $K serve --backend sim --listen 127.0.0.1:0 > "$fifo" 2>&1 &
+  else
+    env -u KVVM_LOG -u RUST_LOG $K serve --backend sim --listen 127.0.0.1:0 > "$fifo" \
+      2> /dev/full &
+  fi
+  local pid=$!
+  head -1 < "$fifo" > target/serve-first-line.txt
+  rm -f "$fifo"
+  python3 - target/serve-first-line.txt <<'PY' || rc=$?
+import sys
+import urllib.request
+line = open(sys.argv[1]).read()
+addr = line.split("http://")[1].split()[0]
+def call(method, path, body=None):
+    headers = {"content-type": "application/json"} if body else {}
+    req = urllib.request.Request(f"http://{addr}{path}", data=body, method=method, headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.status, r.read().decode()
+assert call("GET", "/healthz")[0] == 200
+assert call("POST", "/v1/sequences", b'{"prompt_tokens": 1}')[0] == 201
+status, text = call("GET", "/metrics")
+dropped = [int(l.split()[1]) for l in text.splitlines() if l.startswith("kvvm_log_write_errors_total ")]
+assert status == 200 and dropped and dropped[0] >= 2, dropped
+print(f"  answered with stderr unwritable: 200, 201, 200; {dropped[0]} log lines dropped")
+PY
+  kill -TERM "$pid" 2> /dev/null || true
+  local served=0
+  wait "$pid" || served=$?
+  if [ "$rc" -ne 0 ] || [ "$served" -ne 0 ]; then
+    echo "kvvm serve $1 | head -1: requests (exit $rc), then SIGTERM: exit $served" >&2
+    exit 1
+  fi
+}
+serve_with_stderr "2>&1"
+serve_with_stderr "2>/dev/full"
 echo "every subcommand exited 0 after its reader went away"
 
 echo "== the host backend (memfd + mmap): conformance, simulate, bench kv, bench host"

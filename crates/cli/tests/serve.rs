@@ -119,12 +119,26 @@ fn start(
     String,
     BufReader<std::process::ChildStdout>,
 ) {
+    start_with(extra, Stdio::piped())
+}
+
+/// [`start`] with stderr going to `stderr`, and the access log on (the default `info`).
+fn start_with(
+    extra: &[&str],
+    stderr: Stdio,
+) -> (
+    std::process::Child,
+    String,
+    BufReader<std::process::ChildStdout>,
+) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvvm"))
         .args(["serve", "--backend", "sim", "--listen", "127.0.0.1:0"])
         .args(["--budget-bytes", "1GiB", "--max-tokens", "4096"])
         .args(extra)
+        .env_remove("KVVM_LOG")
+        .env_remove("RUST_LOG")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(stderr)
         .spawn()
         .unwrap();
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
@@ -188,6 +202,94 @@ fn sigterm_with_a_stalled_client_exits_within_the_deadline_and_releases_everythi
     );
     assert!(rest.contains("released 1 sequences"), "{rest}");
     assert!(rest.contains("0 bytes still held"), "{rest}");
+}
+
+/// Kills the server it holds when dropped (a failed assertion leaves no server behind).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // A child already waited for is not signalled again.
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Sends SIGTERM to `child` (started by this test, by its id) and waits for it (bound 20 s).
+#[cfg(unix)]
+fn terminate(child: &mut std::process::Child) -> std::process::ExitStatus {
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvvm serve did not stop within 20 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// With stderr a closed pipe or `/dev/full`, every access-log line fails to be written: the
+/// requests are still answered, the failures counted in /metrics, and SIGTERM still stops it
+/// with exit 0 and its last line.
+#[cfg(unix)]
+#[test]
+fn serve_answers_and_stops_when_stderr_cannot_be_written() {
+    for stderr in ["closed pipe", "/dev/full"] {
+        let (child, addr, mut stdout) = if stderr == "/dev/full" {
+            let full = std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/full")
+                .unwrap();
+            start_with(&[], Stdio::from(full))
+        } else {
+            let (mut child, addr, stdout) = start_with(&[], Stdio::piped());
+            // The reader goes away: every later write to stderr fails (EPIPE).
+            drop(child.stderr.take());
+            (child, addr, stdout)
+        };
+        let mut child = KillOnDrop(child);
+        for _ in 0..3 {
+            let (status, body) = http(&addr, "GET", "/healthz", "");
+            assert_eq!(status, 200, "{stderr}: {body}");
+        }
+        let (status, body) = http(
+            &addr,
+            "POST",
+            "/v1/sequences",
+            r#"{"prompt_tokens": 100, "max_tokens": 1000}"#,
+        );
+        assert_eq!(status, 201, "{stderr}: {body}");
+        let (status, body) = http(&addr, "GET", "/metrics", "");
+        assert_eq!(status, 200, "{stderr}: {body}");
+        let dropped: u64 = body
+            .lines()
+            .find_map(|l| l.strip_prefix("kvvm_log_write_errors_total "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{stderr}: no kvvm_log_write_errors_total in {body}"));
+        // The access log of the four requests before, at least.
+        assert!(
+            dropped >= 4,
+            "{stderr}: {dropped} log lines counted as dropped"
+        );
+        let status = terminate(&mut child.0);
+        let mut rest = String::new();
+        stdout.read_to_string(&mut rest).unwrap();
+        assert_eq!(status.code(), Some(0), "{stderr}: {status:?}: {rest}");
+        assert!(
+            rest.contains("stopped; released 1 sequences"),
+            "{stderr}: {rest}"
+        );
+    }
 }
 
 #[test]

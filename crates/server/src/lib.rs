@@ -64,6 +64,10 @@
 //! # }
 //! ```
 
+// Output goes through writers whose errors are handled (the log's counts and drops them): a
+// print macro panics when stdout or stderr cannot be written.
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 mod activity;
 mod api;
 mod app;
@@ -101,7 +105,7 @@ pub use error::{retry_after_header, ServeError, ServiceError};
 pub use http_config::{HttpConfig, DEFAULT_BODY_LIMIT};
 pub use http_metrics::HttpMetrics;
 pub use limits::Limits;
-pub use logging::{init_logging, LogFormat};
+pub use logging::{init_logging, log_write_errors, LogFormat};
 pub use router::router;
 pub use service::KvService;
 

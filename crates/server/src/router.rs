@@ -214,6 +214,7 @@ async fn metrics(State(app): State<App>) -> Response {
     let text = tokio::task::spawn_blocking(move || {
         let mut text = crate::metrics::render(&service.metrics());
         http.render(&mut text);
+        crate::logging::render(&mut text);
         text
     })
     .await;
