@@ -64,7 +64,8 @@ enum Command {
     /// Replay a serving trace through every KV memory policy, side by side (table, JSON, SVG).
     Simulate(simulate_args::SimulateArgs),
     /// HTTP server over the memory manager: sequences, 429 + Retry-After, Prometheus metrics.
-    Serve(serve::ServeArgs),
+    // Boxed: its flags make it several times larger than every other command's.
+    Serve(Box<serve::ServeArgs>),
 }
 
 impl Command {

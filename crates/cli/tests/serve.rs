@@ -10,11 +10,17 @@ use std::time::{Duration, Instant};
 
 /// One HTTP/1.1 request with `Connection: close`; returns the status and the raw response.
 fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    http_as(addr, None, method, path, body)
+}
+
+/// [`http`] with `Authorization: Bearer <key>`.
+fn http_as(addr: &str, key: Option<&str>, method: &str, path: &str, body: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
@@ -290,6 +296,50 @@ fn serve_answers_and_stops_when_stderr_cannot_be_written() {
             "{stderr}: {rest}"
         );
     }
+}
+
+/// `--api-key` makes a tenant, `--operator-key` (or `KVVM_OPERATOR_KEYS`) an operator: only
+/// the operator reads /metrics, a caller without a key learns only that the server is alive.
+#[cfg(unix)]
+#[test]
+fn serve_keeps_metrics_for_operator_keys() {
+    let tenant = "alice-0123456789abcdef";
+    let operator = "prometheus-0123456789ab";
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--backend", "sim", "--listen", "127.0.0.1:0"])
+        .args(["--api-key", &format!("alice:{tenant}")])
+        .env("KVVM_OPERATOR_KEYS", format!("prometheus:{operator}"))
+        .env_remove("KVVM_API_KEYS")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut child = KillOnDrop(child);
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    let addr = first
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{first}"))
+        .to_owned();
+    let (status, body) = http(&addr, "GET", "/healthz", "");
+    assert_eq!(status, 200);
+    assert!(body.ends_with(r#"{"status":"ok"}"#), "{body}");
+    assert_eq!(http_as(&addr, Some(tenant), "GET", "/metrics", "").0, 403);
+    let (status, body) = http_as(&addr, Some(operator), "GET", "/metrics", "");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("kvvm_live_sequences"), "{body}");
+    assert_eq!(terminate(&mut child.0).code(), Some(0));
+
+    let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--backend", "sim", "--operator-key", "short"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--operator-key"), "{stderr}");
 }
 
 #[test]

@@ -238,6 +238,14 @@ fn strict_requests_and_json_errors_everywhere() {
             "bad_request",
         ),
         (
+            "two Authorization headers",
+            "GET /v1/sequences HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\n\
+             Authorization: Bearer b\r\n\r\n"
+                .into(),
+            400,
+            "bad_request",
+        ),
+        (
             "a text/plain body",
             "POST /v1/sequences HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\n\
              Content-Length: 20\r\n\r\n{\"prompt_tokens\": 1}"
