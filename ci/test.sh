@@ -7,6 +7,18 @@
 # (without it the HIP runtime tests skip too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+# Where cargo builds: ./target by default, or wherever CARGO_TARGET_DIR (or a cargo config's
+# build.target-dir) puts it; cargo itself says (an absolute path). What this script writes
+# (logs, reports, the Python environment) goes to $OUT, inside it; the Python checks below
+# read $OUT from the environment.
+TARGET_DIR=$(cargo metadata --format-version 1 --no-deps \
+  | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+OUT="$TARGET_DIR/ci"
+export OUT
+K="$TARGET_DIR/release/kvvm"
+echo "== build in $TARGET_DIR, reports in $OUT"
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
@@ -21,9 +33,9 @@ echo "== structure: no source file over 700 lines, no file-level import cycle in
 python3 ci/structure.py
 
 echo "== cargo test (workspace)"
-mkdir -p target
+mkdir -p "$OUT"
 set +e
-cargo test --workspace --no-fail-fast -- --show-output 2>&1 | tee target/test-output.log
+cargo test --workspace --no-fail-fast -- --show-output 2>&1 | tee "$OUT/test-output.log"
 status=${PIPESTATUS[0]}
 set -e
 if [ "$status" -ne 0 ]; then
@@ -32,7 +44,7 @@ if [ "$status" -ne 0 ]; then
 fi
 
 echo "== GPU-only checks on this machine"
-grep -hoE 'skipped: [^"]*' target/test-output.log | sort | uniq -c || true
+grep -hoE 'skipped: [^"]*' "$OUT/test-output.log" | sort | uniq -c || true
 
 echo "== conformance suite on the simulated backend (table, JSON, JUnit XML)"
 cargo run --release -q -p kvvm-cli -- conformance --backend sim --require-pass
@@ -40,14 +52,16 @@ cargo run --release -q -p kvvm-cli -- conformance --backend sim --require-pass
 KVVM_SIM_DEVICES=2 cargo run --release -q -p kvvm-cli -- conformance --backend sim --device 1 \
   --require-pass | tail -n 5
 cargo run --release -q -p kvvm-cli -- conformance --backend sim --json \
-  --junit target/conformance-sim.xml > target/conformance-sim.json
+  --junit "$OUT/conformance-sim.xml" > "$OUT/conformance-sim.json"
 python3 - <<'PY'
 import json
+import os
 import xml.etree.ElementTree as ET
-r = json.load(open("target/conformance-sim.json"))
+out = os.environ["OUT"]
+r = json.load(open(f"{out}/conformance-sim.json"))
 assert r["failed"] == 0, r
 assert r["passed"] + r["skipped"] + r["failed"] == len(r["cases"]) >= 30, r
-suite = ET.parse("target/conformance-sim.xml").getroot().find("testsuite")
+suite = ET.parse(f"{out}/conformance-sim.xml").getroot().find("testsuite")
 cases = suite.findall("testcase")
 assert len(cases) == int(suite.get("tests")) == len(r["cases"]), (len(cases), suite.attrib)
 assert int(suite.get("skipped")) == r["skipped"] == sum(c.find("skipped") is not None for c in cases)
@@ -58,16 +72,15 @@ print(f"sim conformance: {r['passed']} passed, {r['failed']} failed, {r['skipped
 PY
 
 echo "== every subcommand with a reader that goes away (| head -1): exit 0, no panic"
-K=target/release/kvvm
 while IFS= read -r cmd; do
   set +e
   # shellcheck disable=SC2086 # the arguments are split on purpose
-  $K $cmd 2> target/pipe-stderr.log | head -1 > /dev/null
+  $K $cmd 2> "$OUT/pipe-stderr.log" | head -1 > /dev/null
   rc=${PIPESTATUS[0]}
   set -e
-  if [ "$rc" -ne 0 ] || grep -q panicked target/pipe-stderr.log; then
+  if [ "$rc" -ne 0 ] || grep -q panicked "$OUT/pipe-stderr.log"; then
     echo "kvvm $cmd | head -1: exit $rc" >&2
-    cat target/pipe-stderr.log >&2
+    cat "$OUT/pipe-stderr.log" >&2
     exit 1
   fi
 done <<'CMDS'
@@ -93,41 +106,88 @@ simulate --backend sim --json
 CMDS
 set +e
 timeout --preserve-status -s TERM 3 $K serve --backend sim --listen 127.0.0.1:0 \
-  2> target/pipe-stderr.log | head -1 > /dev/null
+  2> "$OUT/pipe-stderr.log" | head -1 > /dev/null
 rc=${PIPESTATUS[0]}
 set -e
-if [ "$rc" -ne 0 ] || grep -q panicked target/pipe-stderr.log; then
+if [ "$rc" -ne 0 ] || grep -q panicked "$OUT/pipe-stderr.log"; then
   echo "kvvm serve | head -1: exit $rc" >&2
-  cat target/pipe-stderr.log >&2
+  cat "$OUT/pipe-stderr.log" >&2
   exit 1
 fi
+# `kvvm serve 2>&1 | head -1` and `kvvm serve 2>/dev/full | head -1`: after the listening line
+# neither stdout nor stderr can be written. Requests must still be answered (the access log's
+# failed writes are counted in /metrics and dropped) and SIGTERM must still exit 0. The reader
+# is `head -1` on a FIFO, so that the script knows the server's pid and its address.
+serve_with_stderr() { # $1: "2>&1" or "2>/dev/full"
+  local fifo="$OUT/serve-stdout.fifo" rc=0
+  rm -f "$fifo"
+  mkfifo "$fifo"
+  # The access log on (its default, info), whatever the caller's environment says.
+  if [ "$1" = "2>&1" ]; then
+    env -u KVVM_LOG -u RUST_LOG $K serve --backend sim --listen 127.0.0.1:0 > "$fifo" 2>&1 &
+  else
+    env -u KVVM_LOG -u RUST_LOG $K serve --backend sim --listen 127.0.0.1:0 > "$fifo" \
+      2> /dev/full &
+  fi
+  local pid=$!
+  head -1 < "$fifo" > "$OUT/serve-first-line.txt"
+  rm -f "$fifo"
+  python3 - "$OUT/serve-first-line.txt" <<'PY' || rc=$?
+import sys
+import urllib.request
+line = open(sys.argv[1]).read()
+addr = line.split("http://")[1].split()[0]
+def call(method, path, body=None):
+    headers = {"content-type": "application/json"} if body else {}
+    req = urllib.request.Request(f"http://{addr}{path}", data=body, method=method, headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.status, r.read().decode()
+assert call("GET", "/healthz")[0] == 200
+assert call("POST", "/v1/sequences", b'{"prompt_tokens": 1}')[0] == 201
+status, text = call("GET", "/metrics")
+dropped = [int(l.split()[1]) for l in text.splitlines() if l.startswith("kvvm_log_write_errors_total ")]
+assert status == 200 and dropped and dropped[0] >= 2, dropped
+print(f"  answered with stderr unwritable: 200, 201, 200; {dropped[0]} log lines dropped")
+PY
+  kill -TERM "$pid" 2> /dev/null || true
+  local served=0
+  wait "$pid" || served=$?
+  if [ "$rc" -ne 0 ] || [ "$served" -ne 0 ]; then
+    echo "kvvm serve $1 | head -1: requests (exit $rc), then SIGTERM: exit $served" >&2
+    exit 1
+  fi
+}
+serve_with_stderr "2>&1"
+serve_with_stderr "2>/dev/full"
 echo "every subcommand exited 0 after its reader went away"
 
 echo "== the host backend (memfd + mmap): conformance, simulate, bench kv, bench host"
 cargo run --release -q -p kvvm-cli -- conformance --backend host
-cargo run --release -q -p kvvm-cli -- conformance --backend host --json > target/conformance-host.json
+cargo run --release -q -p kvvm-cli -- conformance --backend host --json > "$OUT/conformance-host.json"
 # Small runs: every byte is real memory of this machine (the capacity caps what may be held).
 KVVM_HOST_CAPACITY=4G cargo run --release -q -p kvvm-cli -- simulate --backend host \
   --requests 16 --budget-bytes $((2 << 30)) --policies kvvm-seq-major+prefix,kvvm-token-major \
-  --json > target/simulate-host.json
+  --json > "$OUT/simulate-host.json"
 cargo run --release -q -p kvvm-cli -- bench kv --backend host --sequences 8 --prompt-tokens 1024 \
-  --json > target/bench-kv-host.json
-cargo run --release -q -p kvvm-cli -- bench host --iterations 3 --json > target/bench-host.json
+  --json > "$OUT/bench-kv-host.json"
+cargo run --release -q -p kvvm-cli -- bench host --iterations 3 --json > "$OUT/bench-host.json"
 python3 - <<'PY'
 import json
-r = json.load(open("target/conformance-host.json"))
+import os
+out = os.environ["OUT"]
+r = json.load(open(f"{out}/conformance-host.json"))
 assert r["failed"] == 0, r
 assert r["passed"] + r["skipped"] + r["failed"] == len(r["cases"]) >= 40, r
 store = [c for c in r["cases"] if c["name"] == "kernel_store_through_read_alias_faults"]
 assert store and store[0]["status"] == "pass", store
 print(f"host conformance: {r['passed']} passed, {r['failed']} failed, {r['skipped']} skipped")
-s = json.load(open("target/simulate-host.json"))
+s = json.load(open(f"{out}/simulate-host.json"))
 assert s["ledger_empty_after_run"] is True, s
 assert all(p["completed"] == 16 and p["kv_write_bytes"] > 0 for p in s["policies"]), s["policies"]
-k = json.load(open("target/bench-kv-host.json"))
+k = json.load(open(f"{out}/bench-kv-host.json"))
 assert k["verified"] and k["bytes_verified"] > 0 and k["used_bytes_at_end"] == 0, k
 assert k["ledger_empty_after_run"] is True, k
-b = json.load(open("target/bench-host.json"))
+b = json.load(open(f"{out}/bench-host.json"))
 assert b["ledger_empty_after_run"] is True, b
 print(f"host simulate: ledger empty; bench kv: {k['bytes_verified']} bytes verified, "
       f"copy/attach {k['copy_median_us'] / max(k['attach_median_us'], 1e-9):.0f}x; "
@@ -136,12 +196,13 @@ PY
 
 echo "== the behaviour suite (every single and double fault) on the simulated and host backends"
 for b in sim host; do
-  cargo run --release -q -p kvvm-cli -- behaviour --backend "$b" --json > "target/behaviour-$b.json"
+  cargo run --release -q -p kvvm-cli -- behaviour --backend "$b" --json > "$OUT/behaviour-$b.json"
 done
 python3 - <<'PY'
 import json
+import os
 for b in ("sim", "host"):
-    r = json.load(open(f"target/behaviour-{b}.json"))
+    r = json.load(open(f"{os.environ['OUT']}/behaviour-{b}.json"))
     bad = [c for c in r["cases"] if c["status"] != "pass"]
     assert r["failed"] == 0 and not bad, bad
     assert r["depth"] == "pairs" and len(r["faults"]) >= 17, r["faults"]
@@ -159,17 +220,18 @@ cargo run --release -q -p kvvm-cli -- info
 echo "== the Python package: pip install . into a fresh virtual environment, then pytest"
 # numpy only: torch and transformers are not installed here, so their tests (and the CUDA ones)
 # report "skipped: no torch" / "skipped: no CUDA ..." and every other test runs.
-rm -rf target/pyenv
-python3 -m venv target/pyenv
-target/pyenv/bin/python -m pip install -q --upgrade pip
-target/pyenv/bin/python -m pip install -q numpy pytest mypy==2.4.1
-target/pyenv/bin/python -m pip install -q .
+rm -rf "$OUT/pyenv"
+python3 -m venv "$OUT/pyenv"
+"$OUT/pyenv/bin/python" -m pip install -q --upgrade pip
+"$OUT/pyenv/bin/python" -m pip install -q numpy pytest mypy==2.4.1
+"$OUT/pyenv/bin/python" -m pip install -q .
 # The pure-Python half is typed and mypy checks it (torch and transformers are not installed
 # here, so their types are Any in this check).
-target/pyenv/bin/python -m mypy --ignore-missing-imports --no-incremental crates/python/python/kvvm
-(cd target && pyenv/bin/python -c "import kvvm; print('import kvvm', kvvm.__version__, 'from', kvvm.__file__)")
+"$OUT/pyenv/bin/python" -m mypy --ignore-missing-imports --no-incremental crates/python/python/kvvm
+(cd "$OUT" && pyenv/bin/python -c "import kvvm; print('import kvvm', kvvm.__version__, 'from', kvvm.__file__)")
 set +e
-(cd target && pyenv/bin/python -m pytest ../crates/python/tests -rs -p no:cacheprovider) 2>&1 | tee target/pytest-output.log
+(cd "$OUT" && pyenv/bin/python -m pytest "$ROOT/crates/python/tests" -rs -p no:cacheprovider) 2>&1 \
+  | tee "$OUT/pytest-output.log"
 pystatus=${PIPESTATUS[0]}
 set -e
 if [ "$pystatus" -ne 0 ]; then
@@ -180,7 +242,9 @@ fi
 # The closing line CI reads: the workspace and Python test totals. A test that passed but
 # printed a "skipped: ..." line (a GPU test on a machine without the GPU) counts as skipped.
 python3 - <<'PY'
+import os
 import re
+out = os.environ["OUT"]
 p = f = 0
 ig = 0
 gpu_skips = 0
@@ -188,7 +252,7 @@ section = None   # the test whose captured stdout is being read (successes only)
 mode = None
 binary = 0
 counted = set()
-for line in open("target/test-output.log"):
+for line in open(f"{out}/test-output.log"):
     line = line.rstrip("\n")
     if line.startswith("running "):
         binary += 1
@@ -208,7 +272,7 @@ for line in open("target/test-output.log"):
         mode = section = None
 p -= gpu_skips
 ig += gpu_skips
-for line in open("target/pytest-output.log"):
+for line in open(f"{out}/pytest-output.log"):
     if re.match(r"=+ .*(passed|failed).* in [\d.]+s", line):
         for n, what in re.findall(r"(\d+) (passed|failed|skipped)", line):
             if what == "passed":

@@ -7,6 +7,10 @@
 //! closed pipe), [`error`] (exit codes), [`backend`] (opening a backend, short reasons),
 //! [`progress`] (bars on a terminal, periodic lines elsewhere) and [`junit`] (JUnit XML).
 
+// Output goes to a `Write` whose errors are handled (stdout: the command's `out`; stderr:
+// `output::note`): a print macro panics when stdout or stderr cannot be written.
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 mod backend;
 mod behaviour;
 mod bench;
@@ -60,7 +64,8 @@ enum Command {
     /// Replay a serving trace through every KV memory policy, side by side (table, JSON, SVG).
     Simulate(simulate_args::SimulateArgs),
     /// HTTP server over the memory manager: sequences, 429 + Retry-After, Prometheus metrics.
-    Serve(serve::ServeArgs),
+    // Boxed: its flags make it several times larger than every other command's.
+    Serve(Box<serve::ServeArgs>),
 }
 
 impl Command {

@@ -66,6 +66,10 @@ pub struct ServeFlags {
     /// A file of API keys, one `KEY` or `NAME:KEY` a line (`#` comments).
     #[arg(long, value_name = "PATH")]
     api_keys_file: Option<std::path::PathBuf>,
+    /// An operator key (`KEY` or `NAME:KEY`): reads /metrics and all of /healthz, uses no
+    /// sequence; repeatable. Also read: the comma-separated KVVM_OPERATOR_KEYS variable.
+    #[arg(long = "operator-key", value_name = "KEY")]
+    operator_keys: Vec<String>,
     /// With API keys: one prefix cache for every key (prompts of one key can hit another's).
     #[arg(long)]
     shared_prefix_cache: bool,
@@ -103,6 +107,14 @@ impl ServeFlags {
         if let Ok(list) = std::env::var("KVVM_API_KEYS") {
             keys.add_list(&list)
                 .map_err(|e| format!("KVVM_API_KEYS: {e}"))?;
+        }
+        for k in &self.operator_keys {
+            keys.add_operator(k)
+                .map_err(|e| format!("--operator-key: {e}"))?;
+        }
+        if let Ok(list) = std::env::var("KVVM_OPERATOR_KEYS") {
+            keys.add_operator_list(&list)
+                .map_err(|e| format!("KVVM_OPERATOR_KEYS: {e}"))?;
         }
         let log = match self.log_format.as_str() {
             "text" => LogFormat::Text,

@@ -135,3 +135,66 @@ fn serve_exits_0_after_its_reader_went_away() {
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(status.code(), Some(0), "{err}");
 }
+
+/// One `Connection: close` request; the status, or `None` for an empty or broken reply.
+#[cfg(unix)]
+fn status_of(addr: &str, request: &str) -> Option<u16> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    s.write_all(request.as_bytes()).ok()?;
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.split(' ').nth(1)?.parse().ok()
+}
+
+/// `kvvm serve 2>&1 | head -1`: stdout and stderr on one pipe whose reader takes the first
+/// line and goes away. Every later log line fails to be written: requests are still answered,
+/// and SIGTERM stops it with exit 0 (its last line, to the closed stdout, is not an error).
+#[cfg(unix)]
+#[test]
+fn serve_keeps_answering_after_the_reader_of_its_stdout_and_stderr_went_away() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--backend", "sim", "--listen", "127.0.0.1:0"])
+        .env_remove("KVVM_LOG")
+        .env_remove("RUST_LOG")
+        .stdout(writer.try_clone().unwrap())
+        .stderr(writer)
+        .spawn()
+        .unwrap();
+    // The parent's copies of the write end went to the child: EOF once the child exits.
+    let mut r = BufReader::new(reader);
+    let mut first = String::new();
+    r.read_line(&mut first).unwrap();
+    drop(r);
+    let addr = first
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .map(str::to_owned);
+    let answers: Vec<Option<u16>> = match &addr {
+        Some(addr) => [
+            "GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_owned(),
+            "POST /v1/sequences HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+             Content-Length: 20\r\nConnection: close\r\n\r\n{\"prompt_tokens\": 1}"
+                .to_owned(),
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".to_owned(),
+        ]
+        .iter()
+        .map(|req| status_of(addr, req))
+        .collect(),
+        None => Vec::new(),
+    };
+    // SIGTERM to the child started above, by its id (also when an answer was wrong).
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    let status = wait(&mut child, "kvvm serve");
+    assert!(addr.is_some(), "first line: {first:?}");
+    assert_eq!(answers, [Some(200), Some(201), Some(200)]);
+    assert!(ok);
+    assert_eq!(status.code(), Some(0), "{status:?}");
+}

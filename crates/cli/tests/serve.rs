@@ -10,11 +10,17 @@ use std::time::{Duration, Instant};
 
 /// One HTTP/1.1 request with `Connection: close`; returns the status and the raw response.
 fn http(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    http_as(addr, None, method, path, body)
+}
+
+/// [`http`] with `Authorization: Bearer <key>`.
+fn http_as(addr: &str, key: Option<&str>, method: &str, path: &str, body: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
@@ -119,12 +125,26 @@ fn start(
     String,
     BufReader<std::process::ChildStdout>,
 ) {
+    start_with(extra, Stdio::piped())
+}
+
+/// [`start`] with stderr going to `stderr`, and the access log on (the default `info`).
+fn start_with(
+    extra: &[&str],
+    stderr: Stdio,
+) -> (
+    std::process::Child,
+    String,
+    BufReader<std::process::ChildStdout>,
+) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvvm"))
         .args(["serve", "--backend", "sim", "--listen", "127.0.0.1:0"])
         .args(["--budget-bytes", "1GiB", "--max-tokens", "4096"])
         .args(extra)
+        .env_remove("KVVM_LOG")
+        .env_remove("RUST_LOG")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stderr(stderr)
         .spawn()
         .unwrap();
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
@@ -188,6 +208,138 @@ fn sigterm_with_a_stalled_client_exits_within_the_deadline_and_releases_everythi
     );
     assert!(rest.contains("released 1 sequences"), "{rest}");
     assert!(rest.contains("0 bytes still held"), "{rest}");
+}
+
+/// Kills the server it holds when dropped (a failed assertion leaves no server behind).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // A child already waited for is not signalled again.
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Sends SIGTERM to `child` (started by this test, by its id) and waits for it (bound 20 s).
+#[cfg(unix)]
+fn terminate(child: &mut std::process::Child) -> std::process::ExitStatus {
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("kvvm serve did not stop within 20 s of SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// With stderr a closed pipe or `/dev/full`, every access-log line fails to be written: the
+/// requests are still answered, the failures counted in /metrics, and SIGTERM still stops it
+/// with exit 0 and its last line.
+#[cfg(unix)]
+#[test]
+fn serve_answers_and_stops_when_stderr_cannot_be_written() {
+    for stderr in ["closed pipe", "/dev/full"] {
+        let (child, addr, mut stdout) = if stderr == "/dev/full" {
+            let full = std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/full")
+                .unwrap();
+            start_with(&[], Stdio::from(full))
+        } else {
+            let (mut child, addr, stdout) = start_with(&[], Stdio::piped());
+            // The reader goes away: every later write to stderr fails (EPIPE).
+            drop(child.stderr.take());
+            (child, addr, stdout)
+        };
+        let mut child = KillOnDrop(child);
+        for _ in 0..3 {
+            let (status, body) = http(&addr, "GET", "/healthz", "");
+            assert_eq!(status, 200, "{stderr}: {body}");
+        }
+        let (status, body) = http(
+            &addr,
+            "POST",
+            "/v1/sequences",
+            r#"{"prompt_tokens": 100, "max_tokens": 1000}"#,
+        );
+        assert_eq!(status, 201, "{stderr}: {body}");
+        let (status, body) = http(&addr, "GET", "/metrics", "");
+        assert_eq!(status, 200, "{stderr}: {body}");
+        let dropped: u64 = body
+            .lines()
+            .find_map(|l| l.strip_prefix("kvvm_log_write_errors_total "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{stderr}: no kvvm_log_write_errors_total in {body}"));
+        // The access log of the four requests before, at least.
+        assert!(
+            dropped >= 4,
+            "{stderr}: {dropped} log lines counted as dropped"
+        );
+        let status = terminate(&mut child.0);
+        let mut rest = String::new();
+        stdout.read_to_string(&mut rest).unwrap();
+        assert_eq!(status.code(), Some(0), "{stderr}: {status:?}: {rest}");
+        assert!(
+            rest.contains("stopped; released 1 sequences"),
+            "{stderr}: {rest}"
+        );
+    }
+}
+
+/// `--api-key` makes a tenant, `--operator-key` (or `KVVM_OPERATOR_KEYS`) an operator: only
+/// the operator reads /metrics, a caller without a key learns only that the server is alive.
+#[cfg(unix)]
+#[test]
+fn serve_keeps_metrics_for_operator_keys() {
+    let tenant = "alice-0123456789abcdef";
+    let operator = "prometheus-0123456789ab";
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--backend", "sim", "--listen", "127.0.0.1:0"])
+        .args(["--api-key", &format!("alice:{tenant}")])
+        .env("KVVM_OPERATOR_KEYS", format!("prometheus:{operator}"))
+        .env_remove("KVVM_API_KEYS")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut child = KillOnDrop(child);
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    let addr = first
+        .split("http://")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("{first}"))
+        .to_owned();
+    let (status, body) = http(&addr, "GET", "/healthz", "");
+    assert_eq!(status, 200);
+    assert!(body.ends_with(r#"{"status":"ok"}"#), "{body}");
+    assert_eq!(http_as(&addr, Some(tenant), "GET", "/metrics", "").0, 403);
+    let (status, body) = http_as(&addr, Some(operator), "GET", "/metrics", "");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("kvvm_live_sequences"), "{body}");
+    assert_eq!(terminate(&mut child.0).code(), Some(0));
+
+    let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["serve", "--backend", "sim", "--operator-key", "short"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--operator-key"), "{stderr}");
 }
 
 #[test]

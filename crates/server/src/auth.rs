@@ -1,11 +1,14 @@
 //! API keys and who owns what: bearer authentication (`Authorization: Bearer <key>`), the
-//! [`Owner`] of a sequence, and where keys come from (`--api-key`, a keys file, the
-//! `KVVM_API_KEYS` environment variable).
+//! [`Owner`] of a sequence, each key's [`Role`], and where keys come from (`--api-key`, a keys
+//! file, the `KVVM_API_KEYS` environment variable; `--operator-key`, `KVVM_OPERATOR_KEYS`).
 //!
 //! Without keys every client is the one anonymous owner: the limits per key then apply to
-//! all clients together. With keys each key is an owner: it sees, grows and releases only its
-//! own sequences (another key's are 404, as if they did not exist) and has its own prefix
-//! cache namespace unless the cache is shared explicitly.
+//! all clients together, and everything the server shows is that owner's. With keys each
+//! tenant key is an owner: it sees, grows and releases only its own sequences (another key's
+//! are 404, as if they did not exist), has its own prefix cache namespace unless the cache is
+//! shared explicitly, and sees no figure that moves with another key's activity (the global
+//! `/metrics`, the global count of `/healthz`). Those are for an operator key, which reads
+//! `/metrics` and all of `/healthz` and uses no sequence.
 
 use std::fmt;
 
@@ -20,18 +23,48 @@ impl Owner {
     pub const ANONYMOUS: Owner = Owner(0);
 }
 
-/// An authenticated caller: its owner id and a name for logs (never the key itself).
+/// What a caller may do and see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Every client of a server without keys: the API, and everything the server shows (all
+    /// of it is this one owner's).
+    Anonymous,
+    /// A tenant's key: its own sequences; not `/metrics`, whose figures are every key's.
+    Tenant,
+    /// An operator's key (a metrics scraper, a dashboard): `/metrics` and all of `/healthz`;
+    /// no sequence routes.
+    Operator,
+}
+
+/// An authenticated caller: its owner id, its role and a name for logs (never the key
+/// itself).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Principal {
     /// The owner of what it creates.
     pub owner: Owner,
     /// The key's name (`key-N` unless the keys file names it), or `anonymous`.
     pub name: String,
+    /// What it may do and see.
+    pub role: Role,
+}
+
+impl Principal {
+    /// Whether it may use the sequence routes (`/v1/...`).
+    pub fn may_use_sequences(&self) -> bool {
+        self.role != Role::Operator
+    }
+
+    /// Whether it may see figures that move with every owner's activity (`/metrics`, the
+    /// global counts of `/healthz`).
+    pub fn sees_every_owner(&self) -> bool {
+        self.role != Role::Tenant
+    }
 }
 
 struct Key {
     name: String,
     secret: Vec<u8>,
+    operator: bool,
 }
 
 /// The API keys a server accepts; empty: no authentication.
@@ -57,6 +90,7 @@ impl Clone for ApiKeys {
                 .map(|k| Key {
                     name: k.name.clone(),
                     secret: k.secret.clone(),
+                    operator: k.operator,
                 })
                 .collect(),
         }
@@ -87,12 +121,28 @@ impl ApiKeys {
         self.keys.len()
     }
 
-    /// Adds one entry: `KEY` or `NAME:KEY`. A key is at least 16 visible ASCII characters
-    /// without spaces (a short key is guessable).
+    /// Whether a tenant key is configured but no operator key: then no key may read
+    /// `/metrics`.
+    pub fn lacks_operator(&self) -> bool {
+        self.keys.iter().any(|k| !k.operator) && !self.keys.iter().any(|k| k.operator)
+    }
+
+    /// Adds one tenant key: `KEY` or `NAME:KEY`. A key is at least 16 visible ASCII
+    /// characters without spaces (a short key is guessable).
     pub fn add(&mut self, entry: &str) -> Result<(), ServeError> {
+        self.add_key(entry, false)
+    }
+
+    /// Adds one operator key (`KEY` or `NAME:KEY`, as [`add`](Self::add)).
+    pub fn add_operator(&mut self, entry: &str) -> Result<(), ServeError> {
+        self.add_key(entry, true)
+    }
+
+    fn add_key(&mut self, entry: &str, operator: bool) -> Result<(), ServeError> {
         let entry = entry.trim();
         let (name, secret) = match entry.split_once(':') {
             Some((n, k)) if !n.is_empty() => (n.trim().to_owned(), k.trim()),
+            _ if operator => (format!("operator-{}", self.keys.len() + 1), entry),
             _ => (format!("key-{}", self.keys.len() + 1), entry),
         };
         if secret.len() < 16 || !secret.bytes().all(|b| b.is_ascii_graphic()) {
@@ -117,6 +167,7 @@ impl ApiKeys {
         self.keys.push(Key {
             name,
             secret: secret.as_bytes().to_vec(),
+            operator,
         });
         Ok(())
     }
@@ -130,21 +181,25 @@ impl ApiKeys {
             .try_for_each(|l| self.add(l))
     }
 
-    /// Adds the comma-separated entries of an environment variable's value.
+    /// Adds the comma-separated tenant keys of an environment variable's value.
     pub fn add_list(&mut self, list: &str) -> Result<(), ServeError> {
-        list.split(',')
-            .map(str::trim)
-            .filter(|e| !e.is_empty())
-            .try_for_each(|e| self.add(e))
+        entries(list).try_for_each(|e| self.add(e))
+    }
+
+    /// Adds the comma-separated operator keys of an environment variable's value.
+    pub fn add_operator_list(&mut self, list: &str) -> Result<(), ServeError> {
+        entries(list).try_for_each(|e| self.add_operator(e))
     }
 
     /// Who sends this `Authorization` header value (`None`: no header). Without keys every
-    /// caller is anonymous; with keys a missing or unknown key is 401.
+    /// caller is anonymous; with keys a missing or unknown key is 401. (Two headers are
+    /// refused before this, as a bad request.)
     pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<Principal, ServiceError> {
         if self.keys.is_empty() {
             return Ok(Principal {
                 owner: Owner::ANONYMOUS,
                 name: "anonymous".into(),
+                role: Role::Anonymous,
             });
         }
         let header = authorization.ok_or_else(|| {
@@ -165,13 +220,24 @@ impl ApiKeys {
             }
         }
         let i = found.ok_or_else(|| ServiceError::Unauthorized("unknown API key".into()))?;
-        let name = self.keys.get(i).map(|k| k.name.clone()).unwrap_or_default();
+        let key = self.keys.get(i);
+        let name = key.map(|k| k.name.clone()).unwrap_or_default();
+        let role = match key {
+            Some(k) if k.operator => Role::Operator,
+            _ => Role::Tenant,
+        };
         let index = u32::try_from(i).unwrap_or(u32::MAX);
         Ok(Principal {
             owner: Owner(index.saturating_add(1)),
             name,
+            role,
         })
     }
+}
+
+/// The non-empty entries of a comma-separated list.
+fn entries(list: &str) -> impl Iterator<Item = &str> {
+    list.split(',').map(str::trim).filter(|e| !e.is_empty())
 }
 
 #[cfg(test)]
@@ -208,5 +274,26 @@ mod tests {
         assert!(!format!("{keys:?}").contains("aaaa"));
         assert!(keys.add("short").is_err());
         assert!(keys.add("carol:aaaaaaaaaaaaaaaaaaaa").is_err());
+        assert_eq!(a.role, Role::Tenant);
+        assert!(a.may_use_sequences() && !a.sees_every_owner());
+        assert!(keys.lacks_operator());
+    }
+
+    #[test]
+    fn operator_keys_read_everything_and_use_no_sequence() {
+        let mut keys = ApiKeys::none();
+        let anonymous = keys.authenticate(None).unwrap();
+        assert!(anonymous.may_use_sequences() && anonymous.sees_every_owner());
+        keys.add("alice:aaaaaaaaaaaaaaaaaaaa").unwrap();
+        keys.add_operator_list(" oooooooooooooooooooo ,").unwrap();
+        assert!(!keys.lacks_operator());
+        let o = keys
+            .authenticate(Some(b"Bearer oooooooooooooooooooo"))
+            .unwrap();
+        assert_eq!((o.role, o.name.as_str()), (Role::Operator, "operator-2"));
+        assert!(!o.may_use_sequences() && o.sees_every_owner());
+        // One secret is one key, whatever its role.
+        assert!(keys.add_operator("aaaaaaaaaaaaaaaaaaaa").is_err());
+        assert!(keys.add("oooooooooooooooooooo").is_err());
     }
 }

@@ -61,14 +61,26 @@ pub(crate) async fn read(
             "the request body did not arrive within {} ms",
             timeout.as_millis()
         ))),
-        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            Err(ServiceError::BodyTooLarge { limit })
-        }
+        Ok(Err(e)) if over_limit(&*e) => Err(ServiceError::BodyTooLarge { limit }),
         Ok(Err(e)) => Err(ServiceError::MalformedBody(format!(
             "the body could not be read: {e}"
         ))),
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
     }
+}
+
+/// Whether a body error is (or was caused by) a body limit: this reader's own, or the body
+/// limit layer's in front of the handler, which reaches here wrapped in the body's error type
+/// (a chunked body has no `Content-Length` to refuse it by, so the layer cuts it mid-stream).
+fn over_limit(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if c.is::<LengthLimitError>() {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// Parses one JSON object into `T`. The derived `Deserialize` of every request body refuses

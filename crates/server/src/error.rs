@@ -56,6 +56,10 @@ pub enum ServiceError {
     /// No or a wrong API key (401 + `WWW-Authenticate: Bearer`).
     #[error("{0}")]
     Unauthorized(String),
+    /// A valid key whose role may not use this route: a tenant key on `/metrics`, an
+    /// operator key on a sequence route (403).
+    #[error("{0}")]
+    Forbidden(String),
     /// A request body that is not `application/json` (415).
     #[error("{0}")]
     UnsupportedMediaType(String),
@@ -125,6 +129,7 @@ impl ServiceError {
             | ServiceError::InvalidId(_)
             | ServiceError::BadRequest(_) => 400,
             ServiceError::Unauthorized(_) => 401,
+            ServiceError::Forbidden(_) => 403,
             ServiceError::RequestTimeout(_) => 408,
             ServiceError::UnsupportedMediaType(_) => 415,
             ServiceError::Overloaded { .. } => 503,
@@ -144,6 +149,7 @@ impl ServiceError {
             ServiceError::Backpressure { .. } => "backpressure",
             ServiceError::LimitReached { .. } => "limit_reached",
             ServiceError::Unauthorized(_) => "unauthorized",
+            ServiceError::Forbidden(_) => "forbidden",
             ServiceError::UnsupportedMediaType(_) => "unsupported_media_type",
             ServiceError::BadRequest(_) => "bad_request",
             ServiceError::RequestTimeout(_) => "request_timeout",

@@ -29,7 +29,7 @@ pub struct HttpConfig {
     /// On shutdown: how long requests in flight may still run before their connections are
     /// closed and everything is released.
     pub shutdown_timeout: Duration,
-    /// API keys (empty: no authentication).
+    /// API keys, tenant and operator (empty: no authentication).
     pub api_keys: ApiKeys,
     /// Listen on a non-loopback address without API keys.
     pub allow_unauthenticated: bool,

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Upper bounds of the latency histogram's buckets, in seconds.
@@ -86,12 +86,53 @@ pub struct HttpMetrics {
     pub(crate) draining: AtomicBool,
 }
 
+/// One unit of a gauge of [`HttpMetrics`] (a request in flight, an open connection), taken
+/// back when this drops: however its holder ends, whether it returned, or its future was
+/// dropped because the client reset the connection, or its task was aborted at the shutdown
+/// deadline. A decrement written after an `.await` would be skipped in the last two cases.
+#[derive(Debug)]
+pub(crate) struct Held {
+    metrics: Arc<HttpMetrics>,
+    gauge: fn(&HttpMetrics) -> &AtomicU64,
+}
+
+impl Held {
+    fn new(metrics: &Arc<HttpMetrics>, gauge: fn(&HttpMetrics) -> &AtomicU64) -> Self {
+        gauge(metrics).fetch_add(1, Ordering::Relaxed);
+        Held {
+            metrics: Arc::clone(metrics),
+            gauge,
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        (self.gauge)(&self.metrics).fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Each update is one insertion or increment: a poisoned lock is consistent.
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl HttpMetrics {
+    /// Counts a request in flight until the returned guard drops.
+    pub(crate) fn request_in_flight(self: &Arc<Self>) -> Held {
+        Held::new(self, |m| &m.in_flight)
+    }
+
+    /// Counts an open connection until the returned guard drops.
+    pub(crate) fn connection_open(self: &Arc<Self>) -> Held {
+        Held::new(self, |m| &m.connections_open)
+    }
+
+    /// Requests in flight now.
+    pub(crate) fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
     /// Records one answered request.
     pub(crate) fn observe(&self, route: &'static str, method: &str, status: u16, took: Duration) {
         // Methods outside the standard few share one label (the label set stays bounded).

@@ -6,10 +6,12 @@
 //! 2. [`observe`]: latency and status by route, the service's counters, and a JSON body for
 //!    any error a lower layer answered without one;
 //! 3. [`drain`]: once the shutdown started, 503 `shutting_down` and `Connection: close`;
-//! 4. [`strict`]: `Host` on HTTP/1.1, exactly once (a body must be `application/json`:
-//!    checked where a route reads one, after the route and method matched);
-//! 5. [`authenticate`]: the bearer key's [`Principal`](crate::Principal) (none needed for
-//!    `/healthz`);
+//! 4. [`strict`]: `Host` on HTTP/1.1 exactly once, `Authorization` at most once (a body must
+//!    be `application/json`: checked where a route reads one, after the route and method
+//!    matched);
+//! 5. [`authenticate`]: the bearer key's [`Principal`](crate::Principal), and what its role
+//!    may use (none needed for `/healthz`, which shows a caller without a key only that the
+//!    server is alive);
 //! 6. on the API routes (not `/healthz`): load shedding over a global limit of requests in
 //!    flight (tower): 503 `overloaded` with `Retry-After` at once instead of a queue;
 //! 7. the body limit (tower-http): a `Content-Length` over it is 413 before any byte is read
@@ -139,9 +141,11 @@ async fn observe(State(app): State<App>, req: Request, next: Next) -> Response {
     let start = Instant::now();
     let route = route_of(req.uri().path());
     let method = req.method().as_str().to_owned();
-    app.http.in_flight.fetch_add(1, Ordering::Relaxed);
+    // Taken back when the guard drops: also when this future is dropped before it completes
+    // (the client reset the connection, the shutdown deadline aborted the connection).
+    let in_flight = app.http.request_in_flight();
     let mut res = next.run(req).await;
-    app.http.in_flight.fetch_sub(1, Ordering::Relaxed);
+    drop(in_flight);
     let status = res.status();
     let is_json = res
         .headers()
@@ -177,26 +181,44 @@ async fn strict(req: Request, next: Next) -> Response {
             return error_response(&e);
         }
     }
+    // Which one would count? Refused rather than guessed, with keys or without.
+    if req.headers().get_all(header::AUTHORIZATION).iter().count() > 1 {
+        let e = ServiceError::BadRequest("more than one Authorization header".into());
+        return error_response(&e);
+    }
     next.run(req).await
 }
 
-/// The caller's key: a [`Principal`](crate::Principal) extension for the handlers, or 401.
+/// The caller's key: a [`Principal`](crate::Principal) extension for the handlers, 401
+/// without a valid key, 403 for a key whose role may not use the route. `/healthz` needs no
+/// key (without one, and with keys configured, it gets no principal and shows only that
+/// the server is alive); a key it is given must be valid.
 async fn authenticate(State(app): State<App>, mut req: Request, next: Next) -> Response {
-    if req.uri().path() == "/healthz" {
-        return next.run(req).await;
-    }
+    let path = req.uri().path();
     let header = req
         .headers()
         .get(header::AUTHORIZATION)
         .map(HeaderValue::as_bytes);
-    match app.keys.authenticate(header) {
-        Ok(p) => {
-            tracing::Span::current().record("key", p.name.as_str());
-            req.extensions_mut().insert(p);
-            next.run(req).await
-        }
-        Err(e) => error_response(&e),
+    if path == "/healthz" && header.is_none() && !app.keys.is_empty() {
+        return next.run(req).await;
     }
+    let p = match app.keys.authenticate(header) {
+        Ok(p) => p,
+        Err(e) => return error_response(&e),
+    };
+    tracing::Span::current().record("key", p.name.as_str());
+    if path == "/metrics" && !p.sees_every_owner() {
+        return error_response(&ServiceError::Forbidden(
+            "/metrics shows every key's activity: it needs an operator key (--operator-key)".into(),
+        ));
+    }
+    if path.starts_with("/v1/") && !p.may_use_sequences() {
+        return error_response(&ServiceError::Forbidden(
+            "an operator key reads /metrics and /healthz; sequences need a tenant key".into(),
+        ));
+    }
+    req.extensions_mut().insert(p);
+    next.run(req).await
 }
 
 /// A 404 for requests no route matches.

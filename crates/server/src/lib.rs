@@ -14,8 +14,8 @@
 //! | `POST /v1/sequences/{id}/append` | `{"tokens": k}` | 200 + [`SequenceInfo`] |
 //! | `GET /v1/sequences/{id}` | | 200 + [`SequenceInfo`] |
 //! | `DELETE /v1/sequences/{id}` | | 200 + [`Released`] |
-//! | `GET /metrics` | | 200, Prometheus text ([`metrics::METRICS`]) |
-//! | `GET /healthz` | | 200 (503 while shutting down) |
+//! | `GET /metrics` | | 200, Prometheus text ([`metrics::METRICS`]); with keys, an operator key's only |
+//! | `GET /healthz` | | 200 (503 while shutting down); with keys and no key given, liveness only |
 //!
 //! Every error the server produces is JSON `{"error": "...", "kind": "..."}` with the status
 //! of [`ServiceError::status`]; a 429 or a 503 from load shedding adds `retry_after_ms` and a
@@ -30,7 +30,8 @@
 //! in flight (load shedding answers 503 + `Retry-After`), an early 413 from
 //! `Content-Length`, strict requests (`application/json` bodies, `Host`, no duplicate keys,
 //! canonical ids), optional API keys with per-key ownership, prefix-cache namespaces and
-//! [`Limits`], idle-sequence expiry, a shutdown deadline, an access log with request ids
+//! [`Limits`] (and operator keys, the only ones that see server-wide figures: [`Role`]),
+//! idle-sequence expiry, a shutdown deadline, an access log with request ids
 //! ([`init_logging`]) and per-route metrics.
 //!
 //! ## Structure
@@ -64,6 +65,10 @@
 //! # }
 //! ```
 
+// Output goes through writers whose errors are handled (the log's counts and drops them): a
+// print macro panics when stdout or stderr cannot be written.
+#![warn(clippy::print_stdout, clippy::print_stderr)]
+
 mod activity;
 mod api;
 mod app;
@@ -94,14 +99,14 @@ pub use api::{
     AppendTokens, Counters, CreateSequence, MetricsSnapshot, Released, SequenceInfo, SequenceList,
     ShutdownReport,
 };
-pub use auth::{ApiKeys, Owner, Principal};
+pub use auth::{ApiKeys, Owner, Principal, Role};
 pub use config::{ServiceConfig, DEFAULT_IDLE_TIMEOUT};
 pub use conn::effective_max_connections;
 pub use error::{retry_after_header, ServeError, ServiceError};
 pub use http_config::{HttpConfig, DEFAULT_BODY_LIMIT};
 pub use http_metrics::HttpMetrics;
 pub use limits::Limits;
-pub use logging::{init_logging, LogFormat};
+pub use logging::{init_logging, log_write_errors, LogFormat};
 pub use router::router;
 pub use service::KvService;
 
@@ -158,6 +163,9 @@ where
     check_exposure(addr, &http)?;
     if let Some(reason) = service.never_fits_reason() {
         tracing::warn!(%reason, "no sequence can ever be opened with these settings");
+    }
+    if http.api_keys.lacks_operator() {
+        tracing::warn!("API keys but no operator key: /metrics answers 403 to every key");
     }
     let metrics = Arc::new(HttpMetrics::default());
     let app = router::router_with(service.clone(), &http, metrics.clone());

@@ -214,6 +214,7 @@ async fn metrics(State(app): State<App>) -> Response {
     let text = tokio::task::spawn_blocking(move || {
         let mut text = crate::metrics::render(&service.metrics());
         http.render(&mut text);
+        crate::logging::render(&mut text);
         text
     })
     .await;
@@ -231,9 +232,19 @@ async fn metrics(State(app): State<App>) -> Response {
     }
 }
 
-async fn healthz(State(app): State<App>) -> Response {
+/// Liveness for anyone; the settings and a count of live sequences for a caller with a key:
+/// its own sequences for a tenant key, every owner's for an operator key or without keys.
+async fn healthz(State(app): State<App>, who: Option<Extension<Principal>>) -> Response {
+    let Some(Extension(who)) = who else {
+        return json(StatusCode::OK, &serde_json::json!({ "status": "ok" }));
+    };
     // Only what the service knows without a lock held across a driver call: no blocking.
     let s = &app.service;
+    let live_sequences = if who.sees_every_owner() {
+        s.live_sequences() as u64
+    } else {
+        s.held_by(who.owner).0
+    };
     let body = serde_json::json!({
         "status": "ok",
         "backend": s.backend_name(),
@@ -243,7 +254,7 @@ async fn healthz(State(app): State<App>) -> Response {
         "prefix_cache": s.prefix_cache().is_some(),
         "max_tokens": s.max_tokens(),
         "granule_bytes": s.manager().granule(),
-        "live_sequences": s.live_sequences(),
+        "live_sequences": live_sequences,
         "authentication": !app.keys.is_empty(),
     });
     json(StatusCode::OK, &body)

@@ -1,7 +1,7 @@
 //! The HTTP side under abuse, on 127.0.0.1 with raw sockets: a slowloris head, a stalled
-//! body, an oversized `Content-Length` (with and without `Expect: 100-continue`), idle
-//! keep-alive connections, the connection cap, strict requests, and JSON bodies for every
-//! error the server produces. Every wait is bounded; the bounds are generous for a loaded
+//! body, an oversized `Content-Length` (with and without `Expect: 100-continue`), chunked
+//! bodies under, at and over the limit, idle keep-alive connections, the connection cap,
+//! strict requests, and JSON bodies for every error the server produces. Every wait is bounded; the bounds are generous for a loaded
 //! 2-core machine.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -108,6 +108,56 @@ fn oversized_bodies_get_an_early_413_and_100_continue_is_never_sent() {
     assert!(sim.ledger().is_empty());
 }
 
+/// Sends `body` with `Transfer-Encoding: chunked`, cut in `pieces` chunks, and reads the
+/// answer.
+fn post_chunked(server: &TestServer, body: &[u8], pieces: usize) -> common::RawReply {
+    let mut s = raw(server.addr);
+    let mut request =
+        b"POST /v1/sequences HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                        Transfer-Encoding: chunked\r\n\r\n"
+            .to_vec();
+    for chunk in body.chunks(body.len().div_ceil(pieces).max(1)) {
+        request.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        request.extend_from_slice(chunk);
+        request.extend_from_slice(b"\r\n");
+    }
+    request.extend_from_slice(b"0\r\n\r\n");
+    // An answer may come (and the connection close) before the last bytes are sent.
+    let _ = s.write_all(&request);
+    read_reply(&mut s).expect("an answer to the chunked body")
+}
+
+/// A JSON body of exactly `len` bytes (`{"prompt_tokens": 1}` and spaces).
+fn body_of(len: usize) -> Vec<u8> {
+    let mut b = br#"{"prompt_tokens": 1"#.to_vec();
+    b.resize(len - 1, b' ');
+    b.push(b'}');
+    b
+}
+
+#[test]
+fn chunked_bodies_are_held_to_the_body_limit() {
+    let limit = 1024;
+    let server = server(HttpConfig {
+        body_limit: limit,
+        ..HttpConfig::default()
+    });
+    // Under the limit and exactly at it: read whole and served.
+    for len in [100, limit - 1, limit] {
+        let r = post_chunked(&server, &body_of(len), 3);
+        assert_eq!(r.status, 201, "{len} bytes: {r:?}");
+    }
+    // One byte over, and far over: 413 body_too_large, as for a Content-Length over it.
+    for (len, pieces) in [(limit + 1, 3), (limit + 1, 1), (64 * limit, 16)] {
+        let r = post_chunked(&server, &body_of(len), pieces);
+        assert_eq!(r.status, 413, "{len} bytes in {pieces}: {r:?}");
+        assert_eq!(r.json()["kind"], "body_too_large", "{len} bytes: {r:?}");
+    }
+    assert_eq!(server.service.live_sequences(), 3);
+    let (_, sim, _) = server.shutdown();
+    assert!(sim.ledger().is_empty());
+}
+
 #[test]
 fn idle_keep_alive_connections_are_closed() {
     let server = server(HttpConfig {
@@ -184,6 +234,14 @@ fn strict_requests_and_json_errors_everywhere() {
         (
             "two Host headers",
             "GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n".into(),
+            400,
+            "bad_request",
+        ),
+        (
+            "two Authorization headers",
+            "GET /v1/sequences HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer a\r\n\
+             Authorization: Bearer b\r\n\r\n"
+                .into(),
             400,
             "bad_request",
         ),

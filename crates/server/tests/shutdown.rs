@@ -1,7 +1,9 @@
 //! The shutdown deadline: with a stalled upload in flight, a half-sent request head and an
 //! idle keep-alive connection, stopping the server answers 503 `shutting_down` to a new
 //! request on the open connection, closes what remains at the deadline, releases every
-//! sequence, and leaves the simulated driver's ledger empty.
+//! sequence, and leaves the simulated driver's ledger empty. A client that reset its
+//! connection while its request was handled leaves nothing in flight: the next shutdown does
+//! not wait for it.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -11,7 +13,10 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{closed_within, raw, read_reply, TestServer};
+use common::{closed_within, raw, read_reply, reset, wait_until, Gate, TestServer};
+use kvvm::hal::decorate::FaultInjecting;
+use kvvm::hal::Operation;
+use kvvm::VirtualMemoryBackend;
 use kvvm_server::HttpConfig;
 use kvvm_sim::SimBackend;
 
@@ -98,5 +103,70 @@ fn a_stalled_client_cannot_hold_the_shutdown_past_its_deadline() {
     assert_eq!(report.released_bytes, 4 * common::MIB2, "{report:?}");
     assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
     assert_eq!(service.governor().snapshot().used(), 0);
+    assert_eq!(service.manager().accounting_errors(), 0);
+}
+
+/// A create held inside its driver call (deterministically, by a gate on `reserve`) whose
+/// client resets the connection: hyper drops the request's future before it completes. The
+/// in-flight gauge must still come back down, and a shutdown with nothing in flight must not
+/// wait for its deadline.
+#[test]
+fn a_client_reset_mid_request_leaves_nothing_in_flight_and_shutdown_does_not_wait() {
+    let deadline = Duration::from_secs(30);
+    let sim = Arc::new(SimBackend::h200());
+    let injector = Arc::new(FaultInjecting::new(sim.clone()));
+    let gate = Gate::new();
+    injector.set_hook(Some(gate.hook(Operation::Reserve)));
+    let backend: Arc<dyn VirtualMemoryBackend> = injector;
+    let mut server = TestServer::start_http(
+        sim,
+        common::config_over(backend, None),
+        HttpConfig {
+            shutdown_timeout: deadline,
+            ..HttpConfig::default()
+        },
+    );
+    let _open = gate.opens_on_drop();
+    gate.arm();
+    let mut client = raw(server.addr);
+    let body = r#"{"prompt_tokens": 16}"#;
+    write!(
+        client,
+        "POST /v1/sequences HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // The create is now inside the driver's reserve, and stays there until the gate opens.
+    gate.wait_for_call(Duration::from_secs(30));
+    // The held create, and this /metrics request itself.
+    assert_eq!(server.metric("kvvm_http_requests_in_flight"), 2);
+    reset(client);
+    wait_until(
+        Duration::from_secs(20),
+        "the reset request still counted in flight",
+        || server.metric("kvvm_http_requests_in_flight") == 1,
+    );
+    // The blocking operation itself runs to its end: the sequence exists, nobody knows its id
+    // (released at shutdown here, or by the idle timeout).
+    gate.open();
+    wait_until(
+        Duration::from_secs(20),
+        "the held create never ended",
+        || server.service.live_sequences() == 1,
+    );
+
+    let start = Instant::now();
+    server.stop();
+    let (report, sim, service) = server.join();
+    let took = start.elapsed();
+    println!("stopped in {took:?}: {report:?}");
+    // Nothing is in flight: the drain has nothing to wait for (milliseconds; the bound is a
+    // third of the deadline it used to wait out).
+    assert!(took < deadline / 3, "the shutdown waited {took:?}");
+    assert_eq!(report.sequences, 1);
+    assert_eq!(report.abandoned_connections, 0);
+    assert_eq!(report.held_bytes, 0);
+    assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
     assert_eq!(service.manager().accounting_errors(), 0);
 }

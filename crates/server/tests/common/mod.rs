@@ -3,10 +3,12 @@
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use kvvm::hal::decorate::CallHook;
+use kvvm::hal::Operation;
 use kvvm::VirtualMemoryBackend;
 use kvvm_server::{HttpConfig, KvService, ServeError, ServiceConfig, ShutdownReport};
 use kvvm_sim::SimBackend;
@@ -43,6 +45,11 @@ impl Reply {
 /// The server's config over `sim` with a budget: llama-3-8b, seq-major, 4096 tokens.
 pub fn config(sim: &Arc<SimBackend>, budget: Option<u64>) -> ServiceConfig {
     let backend: Arc<dyn VirtualMemoryBackend> = sim.clone();
+    config_over(backend, budget)
+}
+
+/// [`config`] over any backend (a decorator around the simulator, say).
+pub fn config_over(backend: Arc<dyn VirtualMemoryBackend>, budget: Option<u64>) -> ServiceConfig {
     let mut c = ServiceConfig::new(backend);
     c.budget_bytes = budget;
     c.max_tokens = 4096;
@@ -337,4 +344,99 @@ pub fn rss_bytes() -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         .map_or(0, |kb| kb * 1024)
+}
+
+/// Holds every call of one driver operation in flight while armed (a hook of
+/// `FaultInjecting`), and says when one arrived: a request held inside its handler for as long
+/// as a test needs, without a sleep.
+pub struct Gate {
+    /// (armed, a call is waiting)
+    state: Mutex<(bool, bool)>,
+    changed: Condvar,
+}
+
+impl Gate {
+    pub fn new() -> Arc<Gate> {
+        Arc::new(Gate {
+            state: Mutex::new((false, false)),
+            changed: Condvar::new(),
+        })
+    }
+
+    /// The hook that holds calls of `op` while the gate is armed.
+    pub fn hook(self: &Arc<Self>, op: Operation) -> CallHook {
+        let gate = Arc::clone(self);
+        Arc::new(move |o| {
+            if o != op {
+                return;
+            }
+            let mut s = gate.state.lock().unwrap();
+            if !s.0 {
+                return;
+            }
+            s.1 = true;
+            gate.changed.notify_all();
+            while s.0 {
+                s = gate.changed.wait(s).unwrap();
+            }
+        })
+    }
+
+    pub fn arm(&self) {
+        self.state.lock().unwrap().0 = true;
+    }
+
+    /// Waits until a call is held (panics after `limit`: the request never got there).
+    pub fn wait_for_call(&self, limit: Duration) {
+        let deadline = std::time::Instant::now() + limit;
+        let mut s = self.state.lock().unwrap();
+        while !s.1 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            assert!(!left.is_zero(), "no call reached the gate within {limit:?}");
+            s = self.changed.wait_timeout(s, left).unwrap().0;
+        }
+    }
+
+    /// Lets every held call (and every later one) through.
+    pub fn open(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.0 = false;
+        self.changed.notify_all();
+    }
+
+    /// Opens the gate when dropped: declared after the server, it lets a held call go before
+    /// the server is stopped, also when an assertion fails (else the held call would keep the
+    /// runtime, and the test, from ending).
+    pub fn opens_on_drop(self: &Arc<Self>) -> OpenOnDrop {
+        OpenOnDrop(Arc::clone(self))
+    }
+}
+
+/// See [`Gate::opens_on_drop`].
+pub struct OpenOnDrop(Arc<Gate>);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
+/// Closes `s` with a reset (RST) instead of an orderly close: `SO_LINGER` 0, then drop.
+pub fn reset(s: std::net::TcpStream) {
+    rustix::net::sockopt::set_socket_linger(&s, Some(Duration::ZERO)).expect("SO_LINGER");
+    drop(s);
+}
+
+/// Waits until `cond` holds, checking every 10 ms; panics with `what` after `limit`. For a
+/// state the server reaches by itself (a reset noticed, say): the bound only decides how long
+/// a failure takes to report.
+pub fn wait_until(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
