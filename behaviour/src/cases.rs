@@ -93,10 +93,12 @@ pub fn parked_reuse_makes_no_driver_call(w: &World, s: &mut State) -> Result<(),
 }
 
 /// Over what is free but within the budget: retryable backpressure; over the budget: the
-/// never-fits error, with no retry time; nothing is committed by either.
+/// never-fits error, with no retry time, counting what the reservation maps already; nothing
+/// is committed by either.
 pub fn backpressure_and_never_fits_are_typed(w: &World, s: &mut State) -> Result<(), String> {
+    let mut holder = w.vm.reserve(64 * w.g).map_err(e)?;
+    holder.commit(6 * w.g).map_err(e)?;
     let mut r = w.vm.reserve(64 * w.g).map_err(e)?;
-    r.commit(6 * w.g).map_err(e)?;
     match r.commit(4 * w.g) {
         Err(VmmError::Backpressure(b)) if b.needed == 4 * w.g => {}
         other => return Err(format!("expected backpressure, got {other:?}")),
@@ -105,9 +107,16 @@ pub fn backpressure_and_never_fits_are_typed(w: &World, s: &mut State) -> Result
         Err(err @ VmmError::NeverFits(_)) if !err.is_retryable() => {}
         other => return Err(format!("expected never-fits, got {other:?}")),
     }
-    ensure(r.committed_bytes() == 6 * w.g, || {
-        "refusals committed".to_owned()
-    })?;
+    // 6 held and 3 more can never fit a budget of 8, whatever the others free.
+    match holder.commit(3 * w.g) {
+        Err(VmmError::NeverFits(n)) if n.needed == 9 * w.g => {}
+        other => return Err(format!("expected never-fits of 9 granules, got {other:?}")),
+    }
+    ensure(
+        r.committed_bytes() == 0 && holder.committed_bytes() == 6 * w.g,
+        || "refusals committed".to_owned(),
+    )?;
+    s.res.push(holder);
     s.res.push(r);
     books(w, s)
 }

@@ -319,14 +319,21 @@ fn the_tensor_parallel_commit_is_all_or_nothing_under_every_pair_of_faults() {
 #[test]
 fn the_ranks_commit_in_parallel_and_release_together() {
     let base = sim(4, PeerLinks::AllToAll);
-    // Device 3 may hold 3 windows: growing to 400 tokens (4 windows a rank) does not fit
-    // there now (backpressure).
+    // Device 3 may hold 3 windows and another reservation there holds one: growing to 300
+    // tokens (3 windows a rank) does not fit there now (backpressure), and growing to 400
+    // never does (a rank would hold 4 windows).
     let g = group_with(&base, 4, |d| if d == 3 { 3 } else { 16 });
     let Group { vms, tp, gov, .. } = g;
     let mut tp = TensorParallelSequence::new(tp.into_ranks()).unwrap();
-    let err = tp.ensure_tokens(400).unwrap_err();
+    let mut outside = vms[3].reserve(G).unwrap();
+    outside.commit(G).unwrap();
+    let err = tp.ensure_tokens(300).unwrap_err();
     assert!(err.backpressure().is_some(), "{err}");
     assert_eq!(tp.committed_tokens(), 100);
+    let err = tp.ensure_tokens(400).unwrap_err();
+    assert!(err.never_fits().is_some(), "{err}");
+    assert_eq!(tp.committed_tokens(), 100);
+    drop(outside);
     for d in 0..4 {
         assert_eq!(
             gov.snapshot().device(DeviceId(d)).committed,

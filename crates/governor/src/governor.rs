@@ -148,9 +148,13 @@ impl Governor {
         ))
     }
 
-    /// Refuses, in O(1) and without reclaiming anything, a request of `bytes` on `device`
-    /// that no freeing could ever let through ([`NeverFits`]). A request that passes may still
-    /// meet [`Backpressure`] in [`try_grant`](Self::try_grant).
+    /// Refuses, in O(1) and without reclaiming anything, a requester that would hold `bytes`
+    /// on `device` that no freeing could ever let through ([`NeverFits`]): more than a budget
+    /// less its quarantine, the only bytes of the books that never come back. `bytes` is
+    /// everything the requester would hold at once, not what it still has to be granted:
+    /// memory it keeps (its mappings) or takes from a pool is inside the budget already, so
+    /// subtracting it would answer a request that can never fit with [`Backpressure`] forever.
+    /// A request that passes may still meet [`Backpressure`] in [`try_grant`](Self::try_grant).
     pub fn check_fits(&self, device: DeviceId, bytes: u64) -> Result<(), NeverFits> {
         let books = lock(&self.inner.ledger.books);
         self.never_fits(&books, device, bytes).map_or(Ok(()), Err)
