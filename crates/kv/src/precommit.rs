@@ -48,6 +48,8 @@ use kvvm_vmm::VirtualMemory;
 mod grow;
 mod handle;
 mod reclaim;
+#[cfg(test)]
+mod tests;
 
 pub use handle::PrecommittedSequence;
 

@@ -201,6 +201,12 @@ impl PrecommittedGroup {
         }
         let mut g = s.lock_settled();
         let result = g.ensure_tokens(n);
+        if result.is_ok() {
+            // Claim the tokens again before the lock is free: while this call waited for it,
+            // a release may have lowered `live` below the claim above, and `shrink_to_live`
+            // would then give back windows this call is about to promise.
+            s.live.fetch_max(n, Ordering::SeqCst);
+        }
         s.ready.store(g.committed_tokens(), Ordering::SeqCst);
         drop(g);
         let bytes = result?;
@@ -320,3 +326,7 @@ impl Drop for PrecommittedGroup {
         self.shutdown();
     }
 }
+
+#[cfg(test)]
+#[path = "tensor_parallel_precommit_tests.rs"]
+mod tests;
