@@ -22,7 +22,8 @@
 //!    [`VmmError::NeverFits`] (no retry time) when the reservation would then hold more than
 //!    the device or than the budget less its quarantine: what it maps already plus every
 //!    window it asks for, pooled or not (a pooled handle is inside the budget already, so it is
-//!    no discount). That check is made once, in O(1), before anything else.
+//!    no discount). That check is made once, before anything else, at a cost per mapping
+//!    of the reservation, never per window.
 //!    Nothing of a commit is listed or checked per window: its windows are sorted runs
 //!    (`spans.rs`), so that besides the driver calls it costs per run and per handle;
 //! 3. each contiguous run of windows is cut into as few handles as it allows (largest first,

@@ -244,8 +244,9 @@ impl ReservedRange {
 
     /// The never-fits decision of every commit into this reservation (a private commit, a
     /// shared commit, a background job; the KV layer's growth and admission and the server's
-    /// appends all come here): refuses, in O(1), `new_windows` more granule windows when this
+    /// appends all come here): refuses `new_windows` more granule windows when this
     /// reservation would then hold more physical memory than could ever be granted to it.
+    /// Its cost is per mapping of the reservation, never per window.
     ///
     /// What it would hold is every window it maps now (its own, its shared set's, and shared
     /// windows it maps read-only: none of them can be freed while it maps them) plus the new
