@@ -1,7 +1,7 @@
 //! The behaviour cases with no injected fault: what the manager and the KV layer promise a
 //! user, on any backend. Each returns `Err` with what went wrong.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use kvvm_hal::decorate::FaultInjecting;
@@ -93,10 +93,12 @@ pub fn parked_reuse_makes_no_driver_call(w: &World, s: &mut State) -> Result<(),
 }
 
 /// Over what is free but within the budget: retryable backpressure; over the budget: the
-/// never-fits error, with no retry time; nothing is committed by either.
+/// never-fits error, with no retry time, counting what the reservation maps already; nothing
+/// is committed by either.
 pub fn backpressure_and_never_fits_are_typed(w: &World, s: &mut State) -> Result<(), String> {
+    let mut holder = w.vm.reserve(64 * w.g).map_err(e)?;
+    holder.commit(6 * w.g).map_err(e)?;
     let mut r = w.vm.reserve(64 * w.g).map_err(e)?;
-    r.commit(6 * w.g).map_err(e)?;
     match r.commit(4 * w.g) {
         Err(VmmError::Backpressure(b)) if b.needed == 4 * w.g => {}
         other => return Err(format!("expected backpressure, got {other:?}")),
@@ -105,9 +107,16 @@ pub fn backpressure_and_never_fits_are_typed(w: &World, s: &mut State) -> Result
         Err(err @ VmmError::NeverFits(_)) if !err.is_retryable() => {}
         other => return Err(format!("expected never-fits, got {other:?}")),
     }
-    ensure(r.committed_bytes() == 6 * w.g, || {
-        "refusals committed".to_owned()
-    })?;
+    // 6 held and 3 more can never fit a budget of 8, whatever the others free.
+    match holder.commit(3 * w.g) {
+        Err(VmmError::NeverFits(n)) if n.needed == 9 * w.g => {}
+        other => return Err(format!("expected never-fits of 9 granules, got {other:?}")),
+    }
+    ensure(
+        r.committed_bytes() == 0 && holder.committed_bytes() == 6 * w.g,
+        || "refusals committed".to_owned(),
+    )?;
+    s.res.push(holder);
     s.res.push(r);
     books(w, s)
 }
@@ -221,13 +230,12 @@ pub fn precommit_ready_is_always_mapped(w: &World, s: &mut State) -> Result<(), 
     };
     let pre = Arc::new(Precommitter::start(&w.vm, config).map_err(e)?);
     let stop = Arc::new(AtomicBool::new(false));
-    let readies = Arc::new(AtomicU64::new(0));
     let max = p.geometry().max_tokens();
     let mut decoders = Vec::new();
     for _ in 0..3 {
         let seq = SequenceKv::new(&w.vm, &p, max).map_err(e)?;
         let seq = pre.attach(seq);
-        let (rec, stop, readies) = (w.recording.clone(), stop.clone(), readies.clone());
+        let (rec, stop) = (w.recording.clone(), stop.clone());
         let base = seq.with_sequence(|q| q.address());
         let g = w.g;
         decoders.push(std::thread::spawn(move || -> Result<(), String> {
@@ -240,7 +248,6 @@ pub fn precommit_ready_is_always_mapped(w: &World, s: &mut State) -> Result<(), 
                     // A decode step's pace: the worker gets time to commit ahead.
                     std::thread::sleep(std::time::Duration::from_micros(100));
                     if let Ok(Ensured::Ready) = seq.ensure_tokens(n) {
-                        readies.fetch_add(1, Ordering::Relaxed);
                         // Token n-1 lies in window (n-1) x 256 / g of this token-major range.
                         let window = (n - 1) * 256 / g * g;
                         let at = base.0 + window;
@@ -285,12 +292,27 @@ pub fn precommit_ready_is_always_mapped(w: &World, s: &mut State) -> Result<(), 
     }
     stop.store(true, Ordering::Relaxed);
     let _ = pressure.join();
-    pre.shutdown();
     if let Some(m) = failure {
+        pre.shutdown();
         return Err(m);
     }
-    ensure(readies.load(Ordering::Relaxed) > 0, || {
-        "no Ready at all".to_owned()
+    // How many steps above found their tokens ready depends on the schedule. With the
+    // pressure gone the worker gets ahead by construction: one Ready over a mapped window.
+    let seq = pre.attach(SequenceKv::new(&w.vm, &p, max).map_err(e)?);
+    seq.ensure_tokens(1).map_err(e)?;
+    pre.wait_idle();
+    let got = seq.ensure_tokens(2).map_err(e)?;
+    let at = seq.with_sequence(|q| q.address().0);
+    let mapped = w
+        .recording
+        .record()
+        .mappings
+        .iter()
+        .any(|m| m.address.0 <= at && at < m.address.0 + m.size);
+    pre.shutdown();
+    drop(seq);
+    ensure(got == Ensured::Ready && mapped, || {
+        format!("with no pressure the worker did not get ahead: {got:?}, mapped {mapped}")
     })?;
     books(w, s)
 }

@@ -319,14 +319,21 @@ fn the_tensor_parallel_commit_is_all_or_nothing_under_every_pair_of_faults() {
 #[test]
 fn the_ranks_commit_in_parallel_and_release_together() {
     let base = sim(4, PeerLinks::AllToAll);
-    // Device 3 may hold 3 windows: growing to 400 tokens (4 windows a rank) does not fit
-    // there now (backpressure).
+    // Device 3 may hold 3 windows and another reservation there holds one: growing to 300
+    // tokens (3 windows a rank) does not fit there now (backpressure), and growing to 400
+    // never does (a rank would hold 4 windows).
     let g = group_with(&base, 4, |d| if d == 3 { 3 } else { 16 });
     let Group { vms, tp, gov, .. } = g;
     let mut tp = TensorParallelSequence::new(tp.into_ranks()).unwrap();
-    let err = tp.ensure_tokens(400).unwrap_err();
+    let mut outside = vms[3].reserve(G).unwrap();
+    outside.commit(G).unwrap();
+    let err = tp.ensure_tokens(300).unwrap_err();
     assert!(err.backpressure().is_some(), "{err}");
     assert_eq!(tp.committed_tokens(), 100);
+    let err = tp.ensure_tokens(400).unwrap_err();
+    assert!(err.never_fits().is_some(), "{err}");
+    assert_eq!(tp.committed_tokens(), 100);
+    drop(outside);
     for d in 0..4 {
         assert_eq!(
             gov.snapshot().device(DeviceId(d)).committed,
@@ -394,7 +401,23 @@ fn the_group_pre_committer_is_ready_only_over_mapped_windows() {
     }
     stop.store(true, Ordering::Relaxed);
     shrinker.join().unwrap();
-    assert!(readies > 0, "the worker never got ahead");
+    // How often the worker got ahead above depends on the schedule (the shrinker gives the
+    // headroom back as fast as it can). With the shrinker stopped it gets ahead by
+    // construction: a background commit and a Ready over mapped windows, whatever the
+    // schedule was.
+    pre.ensure_tokens(101).unwrap();
+    pre.wait_idle();
+    assert_eq!(pre.ensure_tokens(102).unwrap(), Ensured::Ready);
+    readies += 1;
+    let window = 101 * 512 / G * G;
+    let rec = recording.record();
+    for b in &bases {
+        assert!(rec
+            .mappings
+            .iter()
+            .any(|m| m.address.0 <= b + window && b + window < m.address.0 + m.size));
+    }
+    assert!(readies > 0);
     assert!(pre.stats().background_commits > 0, "{:?}", pre.stats());
     let pre = Arc::try_unwrap(pre).unwrap();
     let mut tp = pre.stop();

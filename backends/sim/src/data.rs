@@ -1,14 +1,10 @@
-//! Data: copies between the host and mapped device memory (and row copies within it), stored lazily in chunks behind
-//! each allocation (a 64 TiB reservation costs nothing until written).
-
-use std::collections::HashMap;
+//! Data: copies between the host and mapped device memory (and row copies within it). The
+//! bytes live behind each allocation in a [`ChunkStore`](crate::store::ChunkStore), only where
+//! they were written (a 64 TiB reservation or a 140 GiB device costs nothing until written).
 
 use kvvm_hal::{Access, BackendError, DeviceAddress, DeviceId, ErrorKind, Operation, RowCopy};
 
 use crate::state::{end_of, invalid, State};
-
-/// Data behind a handle is stored in chunks of this many bytes, allocated on first write.
-const CHUNK: u64 = 64 * 1024;
 
 impl State {
     /// Splits `[start, start + len)` into (allocation, offset in allocation, length) pieces,
@@ -101,7 +97,7 @@ impl State {
         for &(alloc, offset, len) in pieces {
             let len = len as usize;
             if let Some(a) = self.allocations.get_mut(&alloc) {
-                write_bytes(&mut a.data, offset, &src[consumed..consumed + len]);
+                a.data.write(offset, &src[consumed..consumed + len]);
             }
             consumed += len;
         }
@@ -113,7 +109,7 @@ impl State {
         for &(alloc, offset, len) in pieces {
             let len = len as usize;
             if let Some(a) = self.allocations.get(&alloc) {
-                read_bytes(&a.data, offset, &mut dst[filled..filled + len]);
+                a.data.read(offset, &mut dst[filled..filled + len]);
             }
             filled += len;
         }
@@ -140,55 +136,5 @@ impl State {
             self.copy_to_device(DeviceAddress(copy.dst.0 + row * copy.dst_pitch), &buf)?;
         }
         Ok(())
-    }
-}
-
-fn write_bytes(data: &mut HashMap<u64, Box<[u8]>>, offset: u64, src: &[u8]) {
-    let mut pos = offset;
-    let mut done = 0usize;
-    while done < src.len() {
-        let chunk = pos / CHUNK;
-        let within = (pos % CHUNK) as usize;
-        let n = (CHUNK as usize - within).min(src.len() - done);
-        let buf = data
-            .entry(chunk)
-            .or_insert_with(|| vec![0u8; CHUNK as usize].into_boxed_slice());
-        buf[within..within + n].copy_from_slice(&src[done..done + n]);
-        done += n;
-        pos += n as u64;
-    }
-}
-
-fn read_bytes(data: &HashMap<u64, Box<[u8]>>, offset: u64, dst: &mut [u8]) {
-    let mut pos = offset;
-    let mut done = 0usize;
-    while done < dst.len() {
-        let chunk = pos / CHUNK;
-        let within = (pos % CHUNK) as usize;
-        let n = (CHUNK as usize - within).min(dst.len() - done);
-        match data.get(&chunk) {
-            Some(buf) => dst[done..done + n].copy_from_slice(&buf[within..within + n]),
-            None => dst[done..done + n].fill(0),
-        }
-        done += n;
-        pos += n as u64;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    pub(crate) fn chunked_bytes_roundtrip_across_chunk_boundaries() {
-        let mut data = HashMap::new();
-        let src: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
-        write_bytes(&mut data, CHUNK - 7, &src);
-        let mut back = vec![0u8; src.len()];
-        read_bytes(&data, CHUNK - 7, &mut back);
-        assert_eq!(back, src);
-        let mut zeros = vec![1u8; 16];
-        read_bytes(&data, 40 * CHUNK, &mut zeros);
-        assert!(zeros.iter().all(|b| *b == 0));
     }
 }

@@ -65,6 +65,10 @@ pub struct Ledger {
     pub mappings: Vec<LedgerMapping>,
     /// Physical bytes in use per device (allocations whose free is deferred included).
     pub physical_bytes: Vec<u64>,
+    /// Host bytes holding the data written into live allocations: the simulator stores bytes
+    /// only where they were written, and a chunk of equal bytes as one byte
+    /// ([`SimBackend::stored_bytes`](crate::SimBackend::stored_bytes)).
+    pub stored_bytes: u64,
 }
 
 impl Ledger {

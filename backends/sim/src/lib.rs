@@ -12,8 +12,12 @@
 //!
 //! * **Configurable devices** ([`SimConfig`]): count, granularity (4 KiB to 1 GiB and more),
 //!   physical capacity (`OutOfMemory` past it).
-//! * **Byte-accurate data** behind every handle, allocated lazily in 64 KiB chunks, so a
-//!   64 TiB reservation or a 140 GiB device costs nothing until bytes are written.
+//! * **Byte-accurate data** behind every handle, stored only where it was written, in 64 KiB
+//!   chunks, a chunk of equal bytes as one byte ([`SimBackend::stored_bytes`] counts the host
+//!   memory it holds): a 64 TiB reservation or a 140 GiB device costs nothing until bytes are
+//!   written, and bytes never written read as zeros. The device's memory is the host's, so
+//!   a server's default budget on the simulator is bounded by the host
+//!   ([`default_budget`], [`host_memory_budget`]).
 //! * **Fault injection** ([`FaultRule`]): fail the Nth call of an operation, every call from the
 //!   Nth on, a seeded random plan, or every synchronize. An injected fault has no side effect.
 //! * **A ledger** ([`Ledger`]): the driver's truth (live reservations, handles, allocations,
@@ -57,20 +61,28 @@ mod address;
 mod config;
 mod data;
 mod faults;
+mod host;
 mod kernel;
 mod ledger;
 mod mapping;
 mod physical;
 mod state;
+mod store;
 
 pub use config::{
     LatencyMode, PeerLinks, SimConfig, SimDeviceConfig, SimQuirks, GIB, H200_GRANULE,
     H200_GRANULES, MIB,
 };
 pub use faults::{FaultPlan, FaultRule};
+pub use host::{
+    default_budget, host_memory_budget, host_memory_budget_from, HOST_BUDGET_DIVISOR,
+    HOST_BUDGET_FALLBACK,
+};
 /// The cost model (defined in `kvvm-hal`, re-exported where the simulator is configured).
 pub use kvvm_hal::LatencyModel;
 pub use ledger::{Ledger, LedgerAllocation, LedgerHandle, LedgerMapping, LedgerReservation};
+/// The bytes of a chunk of simulated memory's data ([`SimBackend::stored_bytes`]).
+pub use store::CHUNK as DATA_CHUNK_BYTES;
 
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard};
@@ -141,6 +153,14 @@ impl SimBackend {
     /// The driver's truth: everything live right now.
     pub fn ledger(&self) -> Ledger {
         self.lock().ledger()
+    }
+
+    /// Host bytes holding the data written into live allocations (what the simulated device's
+    /// memory costs the host): 64 KiB per written chunk of mixed bytes, one byte per chunk of
+    /// equal bytes, nothing for bytes never written or written as zeros over a whole chunk.
+    /// Released allocations give theirs back.
+    pub fn stored_bytes(&self) -> u64 {
+        self.lock().stored_bytes()
     }
 
     /// How many calls of `op` were made (failed ones included) since creation or the last

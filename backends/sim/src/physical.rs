@@ -1,6 +1,5 @@
 //! Physical memory: create and release handles, export and import them as POSIX descriptors.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
@@ -55,7 +54,7 @@ impl State {
                 handle_type: props.handle_type,
                 handles: 1,
                 mappings: 0,
-                data: HashMap::new(),
+                data: crate::store::ChunkStore::default(),
                 exports: Vec::new(),
             },
         );

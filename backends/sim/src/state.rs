@@ -34,7 +34,8 @@ pub(crate) struct Allocation {
     pub(crate) handle_type: ShareableHandleType,
     pub(crate) handles: u64,
     pub(crate) mappings: u64,
-    pub(crate) data: HashMap<u64, Box<[u8]>>,
+    /// The bytes written into it, stored only where written (`store.rs`).
+    pub(crate) data: crate::store::ChunkStore,
     /// A duplicate of each exported descriptor, kept so that its inode identifies the
     /// allocation on import for as long as the allocation lives.
     pub(crate) exports: Vec<(u64, OwnedFd)>,
@@ -220,6 +221,15 @@ impl State {
                 })
                 .collect(),
             physical_bytes: self.used.clone(),
+            stored_bytes: self.stored_bytes(),
         }
+    }
+
+    /// Host bytes holding the data written into every live allocation (`store.rs`).
+    pub(crate) fn stored_bytes(&self) -> u64 {
+        self.allocations
+            .values()
+            .map(|a| a.data.stored_bytes())
+            .fold(0u64, u64::saturating_add)
     }
 }

@@ -60,7 +60,9 @@ impl std::fmt::Display for Limit {
 pub struct NeverFits {
     /// The device the request was for.
     pub device: DeviceId,
-    /// Bytes asked for.
+    /// Bytes the request needs held at once: what its requester would hold with it (for a
+    /// reservation, the manager counts what it maps already plus every window it asks for,
+    /// however they are supplied).
     pub needed: u64,
     /// The limit that refuses it.
     pub limit: Limit,

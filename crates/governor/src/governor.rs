@@ -100,30 +100,35 @@ impl Governor {
         dev.min(process)
     }
 
-    /// The tightest limit `bytes` on `device` exceeds even if everything but the quarantine
-    /// were freed, if any.
-    fn never_fits(&self, books: &Books, device: DeviceId, bytes: u64) -> Option<NeverFits> {
-        let refuse = |limit, limit_bytes: u64| {
-            (bytes > limit_bytes).then_some(NeverFits {
-                device,
-                needed: bytes,
-                limit,
-                limit_bytes,
-            })
-        };
-        let dev = self.device_budget(device).and_then(|b| {
-            refuse(
-                Limit::DeviceBudget,
-                b.saturating_sub(Ledger::device_quarantined(books, device)),
-            )
-        });
-        dev.or_else(|| {
-            self.inner.config.process_budget.and_then(|b| {
-                refuse(
-                    Limit::ProcessBudget,
-                    b.saturating_sub(Ledger::process_quarantined(books)),
-                )
-            })
+    /// The limit a requester that would hold `holdings` (bytes per device, at once) exceeds
+    /// even if everything but the quarantine were freed, if any: a device's budget with that
+    /// device's bytes, then the process budget with their sum.
+    fn never_fits(&self, books: &Books, holdings: &[(DeviceId, u64)]) -> Option<NeverFits> {
+        for &(device, bytes) in holdings {
+            if let Some(budget) = self.device_budget(device) {
+                let limit_bytes = budget.saturating_sub(Ledger::device_quarantined(books, device));
+                if bytes > limit_bytes {
+                    return Some(NeverFits {
+                        device,
+                        needed: bytes,
+                        limit: Limit::DeviceBudget,
+                        limit_bytes,
+                    });
+                }
+            }
+        }
+        let budget = self.inner.config.process_budget?;
+        let &(device, _) = holdings.first()?;
+        let needed = holdings
+            .iter()
+            .map(|&(_, b)| b)
+            .fold(0u64, u64::saturating_add);
+        let limit_bytes = budget.saturating_sub(Ledger::process_quarantined(books));
+        (needed > limit_bytes).then_some(NeverFits {
+            device,
+            needed,
+            limit: Limit::ProcessBudget,
+            limit_bytes,
         })
     }
 
@@ -133,7 +138,7 @@ impl Governor {
         bytes: u64,
     ) -> Result<MappedGrowthGrant, Result<u64, NeverFits>> {
         let mut books = lock(&self.inner.ledger.books);
-        if let Some(n) = self.never_fits(&books, device, bytes) {
+        if let Some(n) = self.never_fits(&books, &[(device, bytes)]) {
             return Err(Err(n));
         }
         let available = self.available(&books, device);
@@ -148,12 +153,30 @@ impl Governor {
         ))
     }
 
-    /// Refuses, in O(1) and without reclaiming anything, a request of `bytes` on `device`
-    /// that no freeing could ever let through ([`NeverFits`]). A request that passes may still
-    /// meet [`Backpressure`] in [`try_grant`](Self::try_grant).
+    /// Refuses, in O(1) and without reclaiming anything, a requester that would hold `bytes`
+    /// on `device` that no freeing could ever let through ([`NeverFits`]): more than a budget
+    /// less its quarantine, the only bytes of the books that never come back. `bytes` is
+    /// everything the requester would hold at once, not what it still has to be granted:
+    /// memory it keeps (its mappings) or takes from a pool is inside the budget already, so
+    /// subtracting it would answer a request that can never fit with [`Backpressure`] forever.
+    /// A request that passes may still meet [`Backpressure`] in [`try_grant`](Self::try_grant).
     pub fn check_fits(&self, device: DeviceId, bytes: u64) -> Result<(), NeverFits> {
+        self.check_fits_all(&[(device, bytes)])
+    }
+
+    /// [`check_fits`](Self::check_fits) for a requester that would hold memory on several
+    /// devices at once (`holdings`: bytes per device), such as a tensor-parallel sequence over
+    /// its ranks: each device's bytes against its budget, and their sum against the process
+    /// budget (a request whose every device fits may still exceed the process budget for
+    /// good). A process-budget refusal names the first device of `holdings`.
+    pub fn check_fits_all(&self, holdings: &[(DeviceId, u64)]) -> Result<(), NeverFits> {
         let books = lock(&self.inner.ledger.books);
-        self.never_fits(&books, device, bytes).map_or(Ok(()), Err)
+        self.never_fits(&books, holdings).map_or(Ok(()), Err)
+    }
+
+    /// Whether `other` is this governor or a clone of it (the same books and budgets).
+    pub fn same_books(&self, other: &Governor) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// Grants `bytes` of growth on `device`, or refuses.
@@ -541,5 +564,26 @@ mod tests {
         let n = p.try_grant(D1, 4 * MIB).unwrap_err();
         assert_eq!(n.never_fits().map(|n| n.limit), Some(Limit::ProcessBudget));
         assert!(Governor::unlimited().check_fits(D0, u64::MAX).is_ok());
+    }
+
+    #[test]
+    fn a_request_over_several_devices_is_priced_against_the_process_budget_too() {
+        let g = Governor::new(
+            GovernorConfig::default()
+                .default_device_budget(8 * MIB)
+                .process_budget(10 * MIB),
+        );
+        assert!(g.check_fits_all(&[(D0, 5 * MIB), (D1, 5 * MIB)]).is_ok());
+        let n = g
+            .check_fits_all(&[(D0, 6 * MIB), (D1, 6 * MIB)])
+            .unwrap_err();
+        assert_eq!(
+            (n.device, n.needed, n.limit, n.limit_bytes),
+            (D0, 12 * MIB, Limit::ProcessBudget, 10 * MIB)
+        );
+        let n = g.check_fits_all(&[(D0, MIB), (D1, 9 * MIB)]).unwrap_err();
+        assert_eq!((n.device, n.limit), (D1, Limit::DeviceBudget));
+        assert!(g.same_books(&g.clone()));
+        assert!(!g.same_books(&Governor::unlimited()));
     }
 }

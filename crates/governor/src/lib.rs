@@ -18,7 +18,8 @@
 //! * [`NeverFits`] (the [`Limit`] and its bytes) when the request is larger than a limit no
 //!   freeing can raise: the device or process budget less the bytes in quarantine (which never
 //!   come back). No `retry_after` is offered: clients would retry forever. A manager adds the
-//!   device's physical memory as a limit ([`Governor::check_fits`] is the O(1) price check).
+//!   device's physical memory as a limit ([`Governor::check_fits`] is the O(1) check, asked
+//!   with everything the requester would hold, pooled memory included).
 //!
 //! ## Accounting (invariant 2)
 //!

@@ -48,6 +48,8 @@ use kvvm_vmm::VirtualMemory;
 mod grow;
 mod handle;
 mod reclaim;
+#[cfg(test)]
+mod tests;
 
 pub use handle::PrecommittedSequence;
 
@@ -88,7 +90,8 @@ pub struct PrecommitStats {
     pub inline_commits: u64,
     /// Commits made by the worker.
     pub background_commits: u64,
-    /// Worker commits refused by the governor (rolled back; retried on the next queueing).
+    /// Worker commits refused by the governor, now or for good (rolled back; retried on the
+    /// next queueing).
     pub background_refused: u64,
     /// Worker commits that failed in the driver (rolled back by the manager's transaction).
     pub background_failures: u64,
@@ -281,9 +284,10 @@ impl Inner {
             .saturating_add(self.config.headroom_tokens)
             .min(cell.max_tokens);
         for smaller in [target, fallback] {
-            if matches!(&result, Err(e) if e.is_retryable()) && smaller > have && smaller < asked {
-                // Refused whole: ask for less (the headroom without growth, then the
-                // smaller headroom).
+            if matches!(&result, Err(e) if refused(e)) && smaller > have && smaller < asked {
+                // Refused whole, for now or for good (a sequence may not hold its growth
+                // within the budget at all): ask for less (the headroom without growth,
+                // then the smaller headroom).
                 asked = smaller;
                 result = Inner::commit_unlocked(cell, smaller);
             }
@@ -300,7 +304,7 @@ impl Inner {
                 bytes > 0
             }
             Err(e) => {
-                if e.is_retryable() {
+                if refused(&e) {
                     self.counters
                         .background_refused
                         .fetch_add(1, Ordering::Relaxed);
@@ -383,6 +387,12 @@ impl Inner {
             self.idle.notify_all();
         }
     }
+}
+
+/// Whether the governor (or the manager's never-fits check) refused a commit, as opposed to
+/// the driver failing it: a refused headroom is not a fault, a smaller one may still fit.
+fn refused(e: &KvCacheError) -> bool {
+    e.is_retryable() || e.never_fits().is_some()
 }
 
 thread_local! {

@@ -76,6 +76,11 @@ impl EnsureJob {
     pub fn tokens(&self) -> u64 {
         self.tokens
     }
+
+    /// Bytes of the windows the job commits.
+    pub fn bytes(&self) -> u64 {
+        self.job.bytes()
+    }
 }
 
 /// One request's KV cache on the device.

@@ -165,6 +165,11 @@ impl TensorParallelSequence {
                 }
             }
         }
+        if let Err(never) = self.check_fits(&jobs) {
+            drop(jobs);
+            self.restore(&before);
+            return Err(never.into());
+        }
         Ok(Some(TensorParallelJob {
             jobs,
             before,
@@ -240,6 +245,34 @@ impl TensorParallelSequence {
     /// The most tokens every rank may hold.
     pub fn max_tokens(&self) -> u64 {
         self.ranks.first().map_or(0, SequenceKv::max_tokens)
+    }
+
+    /// The never-fits decision over the whole group, once every rank's job is begun (each
+    /// rank's own device was decided when its job began): what the ranks would hold once the
+    /// jobs are done, against each governor's limits, a process budget over all of its ranks'
+    /// devices included. Ranks that each fit their device may together exceed a process
+    /// budget for good; their grants would meet backpressure forever.
+    fn check_fits(&self, jobs: &[Option<EnsureJob>]) -> Result<(), kvvm_governor::NeverFits> {
+        let mut done: Vec<&kvvm_governor::Governor> = Vec::new();
+        for r in &self.ranks {
+            let governor = r.vm().governor();
+            if done.iter().any(|g| g.same_books(governor)) {
+                continue;
+            }
+            done.push(governor);
+            let holdings: Vec<(kvvm_hal::DeviceId, u64)> = self
+                .ranks
+                .iter()
+                .zip(jobs)
+                .filter(|(o, _)| o.vm().governor().same_books(governor))
+                .map(|(o, job)| {
+                    let adding = job.as_ref().map_or(0, EnsureJob::bytes);
+                    (o.vm().device(), o.committed_bytes().saturating_add(adding))
+                })
+                .collect();
+            governor.check_fits_all(&holdings)?;
+        }
+        Ok(())
     }
 
     /// Every rank back to its committed count of `before` (windows stay mapped).

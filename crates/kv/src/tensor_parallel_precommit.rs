@@ -47,6 +47,9 @@ struct Shared {
     poll: Duration,
     stop: Mutex<bool>,
     wake: Condvar,
+    /// Worker passes completed, and whether the last one committed anything.
+    scans: Mutex<(u64, bool)>,
+    idle: Condvar,
     counters: [AtomicU64; 4],
 }
 
@@ -66,19 +69,20 @@ impl Shared {
         }
     }
 
-    /// One worker pass: grows every rank ahead when the headroom ran short.
-    fn pass(&self) {
+    /// One worker pass: grows every rank ahead when the headroom ran short. Returns whether
+    /// it committed anything.
+    fn pass(&self) -> bool {
         let ready = self.ready.load(Ordering::SeqCst);
         if ready.saturating_sub(self.live.load(Ordering::SeqCst)) >= self.headroom
             || ready >= self.max_tokens
         {
-            return;
+            return false;
         }
         // Decided again under the lock: a release or shrink may have just changed `live`.
         let mut g = self.lock_settled();
         let live = self.live.load(Ordering::SeqCst);
         if g.committed_tokens().saturating_sub(live) >= self.headroom {
-            return;
+            return false;
         }
         let target = live
             .saturating_add(self.headroom.saturating_mul(2))
@@ -87,10 +91,10 @@ impl Shared {
         drop(g);
         let mut job = match job {
             Ok(Some(job)) => job,
-            Ok(None) => return,
+            Ok(None) => return false,
             Err(_) => {
                 self.count(3);
-                return;
+                return false;
             }
         };
         job.run();
@@ -100,10 +104,14 @@ impl Shared {
         drop(g);
         self.settled.notify_all();
         match result {
-            Ok(_) => self.count(2),
+            Ok(_) => {
+                self.count(2);
+                true
+            }
             Err(e) => {
                 tracing::debug!(error = %e, "tensor-parallel pre-commit rolled back");
                 self.count(3);
+                false
             }
         }
     }
@@ -123,7 +131,10 @@ impl Shared {
                     return;
                 }
             }
-            self.pass();
+            let worked = self.pass();
+            let mut scans = lock(&self.scans);
+            *scans = (scans.0.wrapping_add(1), worked);
+            self.idle.notify_all();
         }
     }
 }
@@ -162,6 +173,8 @@ impl PrecommittedGroup {
             poll,
             stop: Mutex::new(false),
             wake: Condvar::new(),
+            scans: Mutex::new((0, false)),
+            idle: Condvar::new(),
             counters: Default::default(),
         });
         let worker_shared = Arc::clone(&shared);
@@ -188,12 +201,52 @@ impl PrecommittedGroup {
         }
         let mut g = s.lock_settled();
         let result = g.ensure_tokens(n);
+        if result.is_ok() {
+            // Claim the tokens again before the lock is free: while this call waited for it,
+            // a release may have lowered `live` below the claim above, and `shrink_to_live`
+            // would then give back windows this call is about to promise.
+            s.live.fetch_max(n, Ordering::SeqCst);
+        }
         s.ready.store(g.committed_tokens(), Ordering::SeqCst);
         drop(g);
         let bytes = result?;
         s.count(1);
         s.wake.notify_one();
         Ok(Ensured::Inline(bytes))
+    }
+
+    /// Blocks until a worker pass that started after this call committed nothing (for tests
+    /// and orderly measurements): every rank then holds its headroom, or the worker cannot
+    /// commit it. Returns at once once the worker is stopped.
+    pub fn wait_idle(&self) {
+        let s = &self.shared;
+        loop {
+            let start = {
+                let scans = lock(&s.scans);
+                scans.0
+            };
+            // A pass in flight may have started before the call: wait for two.
+            loop {
+                if *lock(&s.stop) {
+                    return;
+                }
+                s.wake.notify_one();
+                let scans = lock(&s.scans);
+                if scans.0.wrapping_sub(start) >= 2 {
+                    if !scans.1 {
+                        return;
+                    }
+                    break;
+                }
+                // Bounded so that a wake-up the worker missed (it was not waiting yet) costs
+                // one poll interval, never a hang.
+                drop(
+                    s.idle
+                        .wait_timeout(scans, s.poll)
+                        .unwrap_or_else(|p| p.into_inner()),
+                );
+            }
+        }
     }
 
     /// Tokens committed on every rank now.
@@ -273,3 +326,7 @@ impl Drop for PrecommittedGroup {
         self.shutdown();
     }
 }
+
+#[cfg(test)]
+#[path = "tensor_parallel_precommit_tests.rs"]
+mod tests;

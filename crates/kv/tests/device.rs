@@ -77,25 +77,57 @@ fn ensure_tokens_backpressure_is_typed_with_retry_after() {
     // seq-major: 4 fragments, 128 B/token; 10 windows of budget.
     let w = world(g, Some(10 * g));
     let mut s = SequenceKv::new(&w.vm, &plan, 1000).unwrap();
-    s.ensure_tokens(64).unwrap(); // 4 fragments x 2 windows
-    let e = s.ensure_tokens(100).unwrap_err(); // 4 x 4 windows: 8 more, 2 free
+    let mut other = SequenceKv::new(&w.vm, &plan, 1000).unwrap();
+    other.ensure_tokens(64).unwrap(); // 4 fragments x 2 windows: 8 of the 10
+                                      // Another sequence holds the memory and may release it: backpressure, with a retry time.
+    let e = s.ensure_tokens(64).unwrap_err(); // 8 more, 2 free
     assert!(e.is_retryable());
     assert!(e.retry_after().is_some());
     let b = e.backpressure().unwrap();
     assert_eq!(b.needed, 8 * g);
     assert_eq!(b.available, 2 * g);
-    assert_eq!(s.committed_tokens(), 64);
-    // 4 x 7 windows: 20 more than the 10-window budget could ever hold: never fits, no
-    // retry time offered.
-    let e = s.ensure_tokens(200).unwrap_err();
+    assert_eq!(s.committed_tokens(), 0);
+    other.release().unwrap();
+    s.ensure_tokens(64).unwrap();
+    // 4 x 3 windows: only 4 more, but the sequence would hold 12 windows, more than the
+    // 10-window budget could ever hold whatever the others free: never fits, no retry time.
+    let e = s.ensure_tokens(96).unwrap_err();
     assert!(!e.is_retryable());
     assert!(e.retry_after().is_none());
     let n = e.never_fits().unwrap();
-    assert_eq!((n.needed, n.limit_bytes), (20 * g, 10 * g));
+    assert_eq!((n.needed, n.limit_bytes), (12 * g, 10 * g));
+    // 4 x 7 windows.
+    let e = s.ensure_tokens(200).unwrap_err();
+    let n = e.never_fits().unwrap();
+    assert_eq!((n.needed, n.limit_bytes), (28 * g, 10 * g));
     assert_eq!(n.limit, kvvm_governor::Limit::DeviceBudget);
     assert_eq!(s.committed_tokens(), 64);
     assert_eq!(s.committed_bytes(), 8 * g);
-    check_books(&w, &[&s], &[]);
+    check_books(&w, &[&s, &other], &[]);
+}
+
+/// A sequence's growth is priced against the budget with everything it would hold, pooled
+/// windows included: with the pool holding the whole budget in handles of exactly the sizes
+/// the growth cuts, a growth past the budget is never-fits, not backpressure forever.
+#[test]
+fn a_warm_pool_is_no_discount_to_a_sequence_that_can_never_fit() {
+    let g = 4096;
+    let plan = LayoutPlan::new(tiny(1000), KvLayout::SeqMajor, g).unwrap();
+    let w = world_with(g, 4096, Some(8 * g), 8 * g);
+    let mut a = SequenceKv::new(&w.vm, &plan, 1000).unwrap();
+    a.ensure_tokens(64).unwrap(); // 4 fragments x 2 windows: the whole budget
+    a.release().unwrap();
+    assert_eq!(w.vm.pooled_bytes(), 8 * g);
+    let mut b = SequenceKv::new(&w.vm, &plan, 1000).unwrap();
+    let e = b.ensure_tokens(96).unwrap_err(); // 4 x 3 windows
+    assert!(!e.is_retryable(), "{e}");
+    let n = e.never_fits().unwrap();
+    assert_eq!((n.needed, n.limit_bytes), (12 * g, 8 * g));
+    assert_eq!(w.vm.pooled_bytes(), 8 * g, "nothing taken from the pool");
+    // Exactly the budget fits, from the pool.
+    b.ensure_tokens(64).unwrap();
+    assert_eq!(w.vm.pooled_bytes(), 0);
+    check_books(&w, &[&a, &b], &[]);
 }
 
 #[test]

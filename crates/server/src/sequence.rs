@@ -83,7 +83,8 @@ impl LiveSequence {
         if admission.owned_prefix_tokens > 0 {
             let first = admission.hit_tokens;
             let end = first.saturating_add(admission.owned_prefix_tokens);
-            write_placeholder(&mut kv, token_ids, first, end).map_err(|e| kv_error(vm, e, 0))?;
+            write_placeholder(&mut kv, cache, token_ids, first, end)
+                .map_err(|e| kv_error(vm, e, 0))?;
             if let PublishOutcome::Published { tokens, .. } =
                 cache.publish(&mut kv).map_err(|e| kv_error(vm, e, 0))?
             {
@@ -177,22 +178,22 @@ impl LiveSequence {
     }
 }
 
-/// Placeholder KV for the token at `position` with id `id`: one byte derived from both,
-/// repeated (the same prefix gives the same bytes, as a real prefill of it would).
-fn fill_token(buf: &mut [u8], id: u32, position: u64) {
-    let h = u64::from(id)
-        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-        .wrapping_add(position.wrapping_mul(0xbf58_476d_1ce4_e5b9));
-    buf.fill(h.to_le_bytes()[7]);
-}
-
-/// Writes placeholder KV for tokens `first..end` in chunks of at most [`WRITE_CHUNK_BYTES`].
+/// Writes placeholder KV for tokens `first..end`, whole blocks of the prefix cache, in chunks
+/// of at most [`WRITE_CHUNK_BYTES`]. Every byte of a block's tokens is the top byte of the
+/// block's chained hash (its token ids and all before them), so the same prefix gives the
+/// same bytes, as a real prefill of it would; and each block fills its windows with one value,
+/// which a device that keeps only what differs stores as next to nothing (the simulator
+/// keeps a 64 KiB chunk of equal bytes as one byte: a served placeholder costs the host no
+/// memory).
 fn write_placeholder(
     kv: &mut SequenceKv,
+    cache: &PrefixCache,
     token_ids: &[u32],
     first: u64,
     end: u64,
 ) -> Result<(), KvCacheError> {
+    let hashes = cache.block_hashes(token_ids);
+    let block_tokens = cache.block_tokens().max(1);
     let bpt = kv.plan().geometry().bytes_per_token().max(1);
     let chunk_tokens = (WRITE_CHUNK_BYTES / bpt).max(1);
     let bpt_usize = usize::try_from(bpt).unwrap_or(usize::MAX);
@@ -208,13 +209,13 @@ fn write_placeholder(
         let len = usize::try_from(n.saturating_mul(bpt)).unwrap_or(usize::MAX);
         let buf = &mut buf[..len.min(most)];
         for (i, token) in buf.chunks_mut(bpt_usize).enumerate() {
-            let pos = t + i as u64;
-            let id = usize::try_from(pos)
+            let block = (t + i as u64) / block_tokens;
+            let hash = usize::try_from(block)
                 .ok()
-                .and_then(|p| token_ids.get(p))
+                .and_then(|b| hashes.get(b))
                 .copied()
                 .unwrap_or(0);
-            fill_token(token, id, pos);
+            token.fill(hash.to_le_bytes()[7]);
         }
         kv.write_tokens(t, buf)?;
         t += n;

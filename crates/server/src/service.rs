@@ -107,7 +107,7 @@ impl KvService {
             .map_err(|e| ServeError::Config(e.to_string()))?;
         let budget = match budget_bytes {
             Some(b) => Some(b),
-            None => backend.memory_info(device).ok().map(|m| m.free),
+            None => kvvm::sim::default_budget(&*backend, device),
         };
         let governor = match budget {
             Some(b) => Governor::new(GovernorConfig::default().device_budget(device, b)),

@@ -390,16 +390,18 @@ fn governor_refusal_is_429_with_retry_after_and_changes_nothing() {
     assert_eq!(secs, ms.div_ceil(1000).max(1));
     assert_eq!(state(&server, id), before);
 
-    // Growing the sequence does not fit either; its tokens stay as they were.
+    // Growing the sequence, which holds the whole budget, can never fit: 413 with no
+    // Retry-After (a 429 would be retried forever); its tokens stay as they were.
     let r = server.post(&format!("/v1/sequences/{id}/append"), r#"{"tokens": 2000}"#);
-    assert_eq!(r.status, 429, "{}", r.body);
-    assert!(r.retry_after.is_some());
+    assert_eq!(r.status, 413, "{}", r.body);
+    assert_eq!(r.json()["kind"], "never_fits");
+    assert!(r.retry_after.is_none());
     assert_eq!(state(&server, id), before);
     assert_eq!(
         server.service.get(Owner::ANONYMOUS, id).unwrap().tokens,
         1200
     );
-    assert_eq!(server.metric("kvvm_grants_refused_total"), 2);
+    assert_eq!(server.metric("kvvm_grants_refused_total"), 1);
 
     // Once it is released, a new sequence fits (its handles come from the pool).
     assert_eq!(server.delete(&format!("/v1/sequences/{id}")).status, 200);

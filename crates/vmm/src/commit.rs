@@ -97,10 +97,10 @@ impl ReservedRange {
             return Ok(Commit::empty(self.addr(offset)?));
         }
         self.checked_end(offset, bytes, "commit end")?;
-        // Priced first: a request that can never fit is refused before the pool, the
-        // governor or the driver is asked, however many granules it names.
+        // A request that can never fit is refused before the pool, the governor or the
+        // driver is asked, however many granules it names.
         if grant.is_none() {
-            self.price(granules)?;
+            self.check_fits(granules)?;
         }
         self.commit_windows(&[Span::new(offset, granules)], grant, None, &[])
     }
@@ -133,7 +133,7 @@ impl ReservedRange {
             });
         }
         if grant.is_none() {
-            self.price(granules)?;
+            self.check_fits(granules)?;
         }
         // The first `granules` unmapped windows below `end`: the gaps between the mappings,
         // then the windows after the last one.
@@ -294,12 +294,6 @@ impl Target {
                     .collect(),
             );
         };
-        if grant.is_none() {
-            if let Err(never) = ctx.check_fits(new_bytes) {
-                untake_all(&plan);
-                return Applied::failed(never.into());
-            }
-        }
         let mut grant = match grant {
             Some(grant) => grant,
             None => match ctx.governor.try_grant(ctx.device, new_bytes) {

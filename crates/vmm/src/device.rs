@@ -124,20 +124,22 @@ impl DeviceContext {
         Ok(())
     }
 
-    /// Refuses, in O(1), `new_bytes` of new physical memory that could never fit: more than
-    /// the device holds, or than the governor's limits allow once everything but the
-    /// quarantine is freed.
-    pub(crate) fn check_fits(&self, new_bytes: u64) -> Result<(), NeverFits> {
+    /// Refuses, in O(1), a request after which its requester would hold `holding` bytes of
+    /// physical memory on this device, when no freeing by anyone else could ever make room
+    /// for that: more than the device holds, or than the governor's limits allow once
+    /// everything but the quarantine is freed ([`Governor::check_fits`]). A reservation asks
+    /// it through `ReservedRange::check_fits`, with what it maps plus what it adds.
+    pub(crate) fn check_fits(&self, holding: u64) -> Result<(), NeverFits> {
         let device = self
             .capacity
-            .filter(|&t| new_bytes > t)
+            .filter(|&t| holding > t)
             .map(|total| NeverFits {
                 device: self.device,
-                needed: new_bytes,
+                needed: holding,
                 limit: Limit::DeviceMemory,
                 limit_bytes: total,
             });
-        let budget = self.governor.check_fits(self.device, new_bytes).err();
+        let budget = self.governor.check_fits(self.device, holding).err();
         // The tighter limit is the one reported.
         match (device, budget) {
             (Some(d), Some(b)) if d.limit_bytes < b.limit_bytes => Err(d),

@@ -59,6 +59,11 @@ impl CommitJob {
         usize::try_from(spans::window_count(&self.spans)).unwrap_or(usize::MAX)
     }
 
+    /// Bytes of the windows this job commits (what the reservation will hold more).
+    pub fn bytes(&self) -> u64 {
+        spans::window_count(&self.spans).saturating_mul(self.target.state.ctx.granule)
+    }
+
     /// Whether [`run`](Self::run) has run.
     pub fn has_run(&self) -> bool {
         self.applied.is_some()

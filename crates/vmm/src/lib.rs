@@ -19,8 +19,11 @@
 //! 2. **grant first**: ask the governor for the bytes the pool cannot supply
 //!    ([`Reservation::commit_with_grant`] takes a grant obtained earlier). No grant, no commit:
 //!    a refusal is [`VmmError::Backpressure`] with a `retry_after` when freeing can help, and
-//!    [`VmmError::NeverFits`] (no retry time) when the request is larger than the device or
-//!    than the budget less its quarantine; that price is checked in O(1) before anything else.
+//!    [`VmmError::NeverFits`] (no retry time) when the reservation would then hold more than
+//!    the device or than the budget less its quarantine: what it maps already plus every
+//!    window it asks for, pooled or not (a pooled handle is inside the budget already, so it is
+//!    no discount). That check is made once, before anything else, at a cost per mapping
+//!    of the reservation, never per window.
 //!    Nothing of a commit is listed or checked per window: its windows are sorted runs
 //!    (`spans.rs`), so that besides the driver calls it costs per run and per handle;
 //! 3. each contiguous run of windows is cut into as few handles as it allows (largest first,
@@ -129,10 +132,14 @@
 //! kv.commit(3 * g)?;                          // prefill: three granules
 //! kv.ensure_committed(5 * g)?;                // decode grows: two more, same pointer
 //! assert_eq!((kv.address(), kv.committed_bytes()), (base, 5 * g));
-//! assert!(kv.commit(12 * g).unwrap_err().is_retryable()); // over what is free: backpressure
-//! assert!(matches!(kv.commit(20 * g), Err(kvvm_vmm::VmmError::NeverFits(_)))); // over the budget
+//! let mut other = vm.reserve(1 << 30)?;
+//! other.commit(8 * g)?;                       // another sequence holds 8 of the 16
+//! assert!(kv.commit(6 * g).unwrap_err().is_retryable()); // over what is free: backpressure
+//! // 5 held + 12 more is over the budget whatever the others free: never fits.
+//! assert!(matches!(kv.commit(12 * g), Err(kvvm_vmm::VmmError::NeverFits(_))));
 //! kv.release()?;                              // handles go to the pool, address kept
 //! drop(kv);
+//! drop(other);
 //! drop(vm);
 //! assert!(sim.ledger().is_empty());
 //! # Ok(())

@@ -38,11 +38,13 @@ pub(crate) struct ParkedWindows {
     evicting: Mutex<Vec<(u64, u64)>>,
     /// Signalled when a window stops evicting.
     evicted: Condvar,
-    /// How many windows are parked (read without the lock: a commit with nothing parked
-    /// takes no lock).
-    parked: AtomicUsize,
-    /// How many windows are evicting.
-    evicting_count: AtomicUsize,
+    /// How many windows are parked or evicting, read without a lock: a commit that finds
+    /// none takes no lock. One count for both states, because a window moves between them
+    /// (the reclaimer starts evicting it; its unmap fails and it is parked again) while a
+    /// commit may be reading: two counts read one after the other could both read zero
+    /// across such a move, and the commit would map over the window. Raised before a window
+    /// becomes either, lowered after it is neither; a move leaves it unchanged.
+    present: AtomicUsize,
 }
 
 /// Every live reservation's parked set, for the reclaimer.
@@ -69,8 +71,7 @@ impl ParkingLot {
                 windows: Mutex::new(Vec::new()),
                 evicting: Mutex::new(Vec::new()),
                 evicted: Condvar::new(),
-                parked: AtomicUsize::new(0),
-                evicting_count: AtomicUsize::new(0),
+                present: AtomicUsize::new(0),
             });
             lock(&self.sets).push(Arc::downgrade(&set));
             set
@@ -125,36 +126,47 @@ impl ParkedWindows {
         lock(&self.windows)
     }
 
-    /// Keeps the lock-free count equal to the list (called with the list locked).
-    fn recount(&self, windows: &[Window]) {
-        self.parked.store(windows.len(), Ordering::Release);
+    /// `n` more windows are about to be parked (before they are listed).
+    fn count_in(&self, n: usize) {
+        self.present.fetch_add(n, Ordering::AcqRel);
     }
 
-    /// Moves the highest parked window to the evicting list and returns it.
-    ///
-    /// It is counted as evicting before it stops counting as parked: [`take`](Self::take)
-    /// reads both counts without a lock (parked first), and must never see the window in
-    /// neither, or its commit would map over the mapping being unmapped.
+    /// `n` windows are neither parked nor evicting any more (after they left the lists).
+    fn count_out(&self, n: usize) {
+        let _ = self
+            .present
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+                Some(p.saturating_sub(n))
+            });
+    }
+
+    /// Whether a window is parked or evicting (no lock).
+    fn any_present(&self) -> bool {
+        self.present.load(Ordering::Acquire) > 0
+    }
+
+    /// Moves the highest parked window to the evicting list and returns it (it stays
+    /// counted as present).
     fn start_evicting(&self) -> Option<Window> {
         let mut windows = self.windows();
-        let w = *windows.last()?;
+        let w = windows.pop()?;
         lock(&self.evicting).push((w.0, w.1));
-        self.evicting_count.fetch_add(1, Ordering::AcqRel);
-        windows.pop();
-        self.recount(&windows);
         Some(w)
     }
 
-    /// The window at `offset` is no longer evicting; `back` is parked again (its unmap failed).
+    /// The window at `offset` is no longer evicting; `back` is parked again (its unmap failed)
+    /// and stays counted, else it is counted out.
     fn stop_evicting(&self, offset: u64, back: Option<Window>) {
+        let parked_again = back.is_some();
         if let Some(w) = back {
             let mut windows = self.windows();
             windows.push(w);
             windows.sort_unstable_by_key(|w| w.0);
-            self.recount(&windows);
         }
         lock(&self.evicting).retain(|&(o, _)| o != offset);
-        self.evicting_count.fetch_sub(1, Ordering::AcqRel);
+        if !parked_again {
+            self.count_out(1);
+        }
         self.evicted.notify_all();
     }
 
@@ -210,10 +222,10 @@ impl ParkedWindows {
                 Bucket::Pooled,
                 bytes,
             ));
+            self.count_in(parked.len());
             let mut set = self.windows();
             set.extend(parked);
             set.sort_unstable_by_key(|w| w.0);
-            self.recount(&set);
         }
         keep
     }
@@ -225,9 +237,9 @@ impl ParkedWindows {
     /// unmap and release), so that the caller never maps over it.
     pub(crate) fn take(&self, pool: &HandlePool, g: u64, spans: &[Span]) -> Vec<Window> {
         let mut taken = Vec::new();
-        if self.parked.load(Ordering::Acquire) == 0
-            && self.evicting_count.load(Ordering::Acquire) == 0
-        {
+        let present = self.any_present();
+        fast_path_read();
+        if !present {
             return taken;
         }
         let mut windows = loop {
@@ -253,8 +265,8 @@ impl ParkedWindows {
                 true
             }
         });
-        self.recount(&windows);
         drop(windows);
+        self.count_out(taken.len());
         pool.remove_parked(windows_bytes(&taken, g));
         taken
     }
@@ -269,10 +281,10 @@ impl ParkedWindows {
         // and count it out; counted in later, the count would end too high (it saturates at
         // zero).
         pool.add_parked(windows_bytes(&windows, g));
+        self.count_in(windows.len());
         let mut set = self.windows();
         set.extend(windows);
         set.sort_unstable_by_key(|w| w.0);
-        self.recount(&set);
     }
 
     /// Unmaps the parked mappings overlapping `spans` (sorted, disjoint window spans) and
@@ -288,9 +300,7 @@ impl ParkedWindows {
         keep_whole: bool,
     ) -> Result<(), BackendError> {
         let g = ctx.granule;
-        if self.parked.load(Ordering::Acquire) == 0
-            && self.evicting_count.load(Ordering::Acquire) == 0
-        {
+        if !self.any_present() {
             return Ok(());
         }
         // The overlapping mappings' own spans, so that `take` returns exactly them.
@@ -342,13 +352,16 @@ impl ParkedWindows {
     pub(crate) fn take_all(&self, ctx: &DeviceContext, pool: &HandlePool) -> Vec<Window> {
         let mut windows = Vec::new();
         loop {
-            {
+            let n = {
                 let mut set = self.windows();
+                let n = set.len();
                 windows.append(&mut set);
-                self.recount(&set);
-            }
+                n
+            };
+            self.count_out(n);
             self.wait_evictions();
-            if self.parked.load(Ordering::Acquire) == 0 {
+            // An eviction whose unmap failed parked its window again: take it in turn.
+            if !self.any_present() {
                 break;
             }
         }
@@ -366,10 +379,63 @@ impl ParkedWindows {
     }
 }
 
+/// Where a commit's lock-free read of the parked count has been made and not yet acted on:
+/// a unit test runs the other thread's step there, so that the race is forced, not timed.
+#[cfg(test)]
+fn fast_path_read() {
+    FAST_PATH_READ.with(|h| {
+        if let Some(f) = h.borrow_mut().take() {
+            f();
+        }
+    });
+}
+
+#[cfg(not(test))]
+#[inline(always)]
+fn fast_path_read() {}
+
+#[cfg(test)]
+thread_local! {
+    static FAST_PATH_READ: std::cell::RefCell<Option<Box<dyn FnOnce()>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 /// Bytes of the parked mappings `windows`.
 fn windows_bytes(windows: &[Window], g: u64) -> u64 {
     windows
         .iter()
         .map(|w| w.1.saturating_mul(g))
         .fold(0u64, u64::saturating_add)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A window whose eviction fails while a commit of it reads the count without a lock: it
+    /// goes from evicting back to parked right after the read. The commit must still take it
+    /// (else it would map over the window). With one count per state read one after the
+    /// other, the commit read "none parked", then "none evicting", and took nothing.
+    #[test]
+    fn a_window_parked_again_while_a_commit_looks_is_taken() {
+        let g = 4096;
+        let lot = ParkingLot::new(true);
+        let set = lot.open(DeviceAddress(1 << 40)).unwrap();
+        let pool = HandlePool::new(16 * g);
+        let w: Window = (0, 2, PhysicalHandle(0x10));
+        assert!(pool.try_add_parked(2 * g));
+        set.count_in(1);
+        set.windows().push(w);
+        // The reclaimer starts evicting it; its unmap will fail.
+        assert_eq!(set.start_evicting(), Some(w));
+        let back = Arc::clone(&set);
+        FAST_PATH_READ.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || back.stop_evicting(0, Some(w))));
+        });
+        let taken = set.take(&pool, g, &[Span::new(0, 2)]);
+        assert_eq!(taken, vec![w], "the window parked again is taken back");
+        assert!(!set.any_present());
+        assert_eq!(pool.parked_bytes(), 0);
+    }
 }

@@ -242,34 +242,45 @@ impl ReservedRange {
         Ok(())
     }
 
-    /// Refuses, in O(1), a commit of `windows` granule windows that could never fit even if
-    /// the pool supplied every handle it holds.
-    pub(crate) fn price(&self, windows: u64) -> VmmResult<()> {
-        let ctx = &self.state.ctx;
-        let needed = windows.saturating_mul(ctx.granule);
-        let new_bytes = needed.saturating_sub(self.state.pooled_bytes());
-        ctx.check_fits(new_bytes)?;
+    /// The never-fits decision of every commit into this reservation (a private commit, a
+    /// shared commit, a background job; the KV layer's growth and admission and the server's
+    /// appends all come here): refuses `new_windows` more granule windows when this
+    /// reservation would then hold more physical memory than could ever be granted to it.
+    /// Its cost is per mapping of the reservation, never per window.
+    ///
+    /// What it would hold is every window it maps now (its own, its shared set's, and shared
+    /// windows it maps read-only: none of them can be freed while it maps them) plus the new
+    /// windows, *wherever their memory comes from*: a handle from the pool or a parked window
+    /// is already inside the budget, so it is no discount. What could ever be granted is the
+    /// budget less the quarantine, or the device's memory ([`DeviceContext::check_fits`],
+    /// which asks [`Governor::check_fits`](kvvm_governor::Governor::check_fits)). Anything
+    /// else the budget holds (other reservations, the pool, shared prefixes nobody here maps)
+    /// can be freed, so a request under that ceiling is backpressure, never refused for good.
+    ///
+    /// [`DeviceContext::check_fits`]: crate::device::DeviceContext::check_fits
+    pub(crate) fn check_fits(&self, new_windows: u64) -> VmmResult<()> {
+        let g = self.granule();
+        let holding = self
+            .committed_windows()
+            .saturating_add(new_windows)
+            .saturating_mul(g);
+        self.state.ctx.check_fits(holding)?;
         Ok(())
     }
 
-    /// The unmapped windows overlapping `ranges`, bounds-checked, as sorted spans. The
-    /// windows are counted and priced ([`price`](Self::price)) before they are listed; the
-    /// work is per range and per mapping, not per window.
+    /// The unmapped windows overlapping `ranges`, bounds-checked, as sorted spans, refused
+    /// when they can never fit ([`check_fits`](Self::check_fits)). The work is per range and
+    /// per mapping, not per window: a range of any size costs one span.
     pub(crate) fn missing_spans(&self, ranges: &[(u64, u64)]) -> VmmResult<Vec<Span>> {
         let g = self.granule();
         let mut wanted = Vec::with_capacity(ranges.len());
-        let mut total = 0u64;
         for &(offset, len) in ranges {
             if len == 0 {
                 continue;
             }
             let end = self.checked_end(offset, len, "range end")?;
-            let (first, last) = (offset / g, end.div_ceil(g));
-            total = total.saturating_add(last.saturating_sub(first));
-            wanted.push((first, last));
+            wanted.push((offset / g, end.div_ceil(g)));
         }
-        let mapped = self.committed_windows();
-        self.price(total.saturating_sub(mapped))?;
         // The union of the ranges' windows, less what is mapped.
         let mut out = Vec::new();
         for (first, last) in spans::union(wanted) {
@@ -289,6 +300,7 @@ impl ReservedRange {
                 spans::push(&mut out, Span::new(at, (end - at) / g), g);
             }
         }
+        self.check_fits(spans::window_count(&out))?;
         Ok(out)
     }
 }

@@ -70,7 +70,7 @@ impl ReservedRange {
                 reason: "a shared commit must name at least one byte".to_owned(),
             });
         }
-        self.price(total)?;
+        self.check_fits(total)?;
         let spans: Vec<Span> = spans
             .into_iter()
             .map(|(first, last)| Span::new(first.saturating_mul(g), last.saturating_sub(first)))

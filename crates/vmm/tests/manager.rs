@@ -231,15 +231,18 @@ fn driver_out_of_memory_rolls_back() {
     let mut c = WorldConfig::new(2 * MIB);
     c.capacity_granules = 5;
     let w = World::new(c);
+    // Another reservation holds 3 of the 5 granules (a reservation that would itself hold
+    // more than the device is never-fits, before any driver call).
+    let mut other = w.vm.reserve(16 * w.g).unwrap();
+    other.commit(3 * w.g).unwrap();
     let mut r = w.vm.reserve(16 * w.g).unwrap();
-    r.commit(3 * w.g).unwrap();
     let e = r.commit(3 * w.g).unwrap_err();
     assert_eq!(e.backend_error().unwrap().kind, ErrorKind::OutOfMemory);
     assert!(e.is_retryable());
-    assert_eq!(r.committed_bytes(), 3 * w.g);
-    w.check(&[&r]);
+    assert_eq!(r.committed_bytes(), 0);
+    w.check(&[&r, &other]);
     r.commit(2 * w.g).unwrap();
-    w.check(&[&r]);
+    w.check(&[&r, &other]);
 }
 
 #[test]
@@ -458,7 +461,10 @@ fn granularities_from_4k_to_1g() {
         b.commit(g + 1).unwrap();
         assert_eq!(a.committed_bytes(), 5 * g);
         assert!(matches!(b.commit(3 * g), Err(VmmError::OutOfBounds { .. })));
-        assert!(matches!(a.commit(8 * g), Err(VmmError::Backpressure(_))));
+        // 5 + 2 held, 6 more: within the budget of 12 but over what is free.
+        assert!(matches!(a.commit(6 * g), Err(VmmError::Backpressure(_))));
+        // 5 held and 8 more is over the budget whatever is freed.
+        assert!(matches!(a.commit(8 * g), Err(VmmError::NeverFits(_))));
         w.check(&[&a, &b]);
         a.truncate(g).unwrap();
         a.commit(3 * g).unwrap();

@@ -18,8 +18,12 @@ use kvvm_vmm::VmmError;
 fn rollback_with_two_failed_unmaps_keeps_blocks_sorted() {
     let g = 4096;
     let mut c = WorldConfig::new(g);
-    c.capacity_granules = 4;
+    c.capacity_granules = 5;
     let w = World::new(c);
+    // Another reservation holds one granule, so that the commit below fits the device's
+    // memory (its own 5 windows) but the driver runs out at its 4th create.
+    let mut other = w.vm.reserve(g).unwrap();
+    other.commit(g).unwrap();
     let mut r = w.vm.reserve(5 * g).unwrap();
     r.commit(g).unwrap();
     w.sim
@@ -41,11 +45,11 @@ fn rollback_with_two_failed_unmaps_keeps_blocks_sorted() {
     assert_eq!(offsets, vec![0, g, 3 * g], "sorted: window 2 was unmapped");
     assert!(r.is_mapped(3 * g) && r.is_mapped(g) && !r.is_mapped(2 * g));
     assert_eq!(r.committed_end(), 4 * g);
-    w.check(&[&r]);
+    w.check(&[&r, &other]);
     // Truncating to 2 windows keeps windows 0 and 1 and unmaps window 3.
     r.truncate(2 * g).unwrap();
     assert!(r.is_mapped(0) && r.is_mapped(g) && !r.is_mapped(3 * g));
-    w.check(&[&r]);
+    w.check(&[&r, &other]);
 }
 
 /// With one unmap per mapping (the HIP setting), a release that loses one unmap leaves a block
@@ -176,13 +180,21 @@ fn never_fitting_commits_are_priced_before_anything_is_built() {
         let e = r.commit_range(g, bytes).unwrap_err();
         assert!(matches!(e, VmmError::NeverFits(_)), "{e}");
     }
-    // Over what is free but within the budget: backpressure, retryable.
-    r.commit(10 * g).unwrap();
+    // Over what is free but within the budget: backpressure, retryable (another reservation
+    // holds the memory and may free it).
+    let mut other = w.vm.reserve(32 * g).unwrap();
+    other.commit(10 * g).unwrap();
     let e = r.commit(8 * g).unwrap_err();
     assert!(
         matches!(e, VmmError::Backpressure(_)) && e.is_retryable(),
         "{e}"
     );
+    // What a reservation maps counts: 10 held and 8 more can never fit 16.
+    let e = other.commit(8 * g).unwrap_err();
+    let VmmError::NeverFits(n) = &e else {
+        panic!("{e}");
+    };
+    assert_eq!((n.needed, n.limit_bytes), (18 * g, 16 * g));
     // Unlimited budget: the device's memory (64 granules in this world) is the limit.
     let w2 = World::simple(g, 0);
     let mut r2 = w2.vm.reserve(tib).unwrap();
@@ -191,7 +203,8 @@ fn never_fitting_commits_are_priced_before_anything_is_built() {
         panic!("{e}");
     };
     assert_eq!((n.limit, n.limit_bytes), (Limit::DeviceMemory, 64 * g));
-    assert!(r.mappings().len() == 10 && r2.mappings().is_empty());
-    w.check(&[&r]);
+    assert!(r.mappings().is_empty() && other.mappings().len() == 10);
+    assert!(r2.mappings().is_empty());
+    w.check(&[&r, &other]);
     w2.check(&[&r2]);
 }

@@ -73,12 +73,14 @@ impl fmt::Debug for KvvmPolicy {
     }
 }
 
-/// A KV-layer error as a refusal when retrying may help, as an error otherwise.
+/// A KV-layer error as a refusal when retrying may help or the request can never fit (the
+/// replay rejects a request that stays refused when nothing else holds memory), as an error
+/// otherwise.
 fn refusal(e: KvCacheError) -> WorkloadResult<Outcome> {
     if let Some(bp) = e.backpressure() {
         return Ok(Outcome::Refused(Some(bp.retry_after)));
     }
-    if e.is_retryable() {
+    if e.is_retryable() || e.never_fits().is_some() {
         return Ok(Outcome::Refused(None));
     }
     Err(e.into())

@@ -47,6 +47,13 @@ impl PrecommittedSequence {
         let bytes = {
             let mut seq = cell.lock_settled();
             let result = seq.ensure_tokens(n);
+            if result.is_ok() {
+                // Claim the tokens again before anyone else may take the lock: while this
+                // call waited for it, a release or `with_sequence` may have lowered `live`
+                // below the claim made above, and the reclaimer would then give back the
+                // windows this call is about to promise.
+                cell.live.fetch_max(n, Ordering::SeqCst);
+            }
             cell.ready.store(seq.committed_tokens(), Ordering::SeqCst);
             let bytes = result?;
             self.inner.set_ahead(cell, 0);
