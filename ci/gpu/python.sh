@@ -19,7 +19,7 @@ python3 -c "import kvvm, torch, transformers, numpy; print('kvvm', kvvm.__versio
 mode="${1:-all}"
 if [ "$mode" = all ] || [ "$mode" = tests ]; then
   echo "== pytest (CUDA tests included)"
-  (cd /tmp && timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest "$repo/crates/python/tests" -rs -q -p no:cacheprovider ${PYTEST_ARGS:-}) | tee "$out/pytest-gpu.log"
+  (cd /tmp && timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest ${PYTEST_PATHS:-"$repo/crates/python/tests"} -rs -q -p no:cacheprovider ${PYTEST_ARGS:-}) | tee "$out/pytest-gpu.log"
 fi
 if [ "$mode" = all ] || [ "$mode" = kernels ]; then
   echo "== python -m kvvm.bench kernels"

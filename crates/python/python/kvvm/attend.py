@@ -124,11 +124,11 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: 
 
 def _triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
             scale: float) -> torch.Tensor:
-    from .triton_decode import choose_splits, decode_attention
+    from .triton_decode import decode_attention, tuned_config
 
     index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    splits = choose_splits(query.shape[0], key.shape[1], key.shape[2], _multiprocessors(index))
-    return decode_attention(query, key, value, bounds, scale, splits)
+    config = tuned_config(query, key, value, bounds, scale, _multiprocessors(index))
+    return decode_attention(query, key, value, bounds, scale, config)
 
 
 _KERNEL_FNS = {"sdpa": _sdpa, "flash": _flash, "triton": _triton}

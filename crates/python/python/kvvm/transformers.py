@@ -278,7 +278,8 @@ class KvvmCache(Cache):
         last = layer == self.geometry.layers - 1
         if host_work():
             self._check_step(layer, q)
-        elif layer == 0 and self._capturing is None and not torch.compiler.is_compiling():
+        elif layer == 0 and not torch.compiler.is_compiling() and self._capturing is None:
+            # ``_capturing`` is read outside a trace only: a guard on it would recompile there.
             raise InvalidArgumentError(
                 "a CUDA graph is being captured over a KvvmCache without its knowledge: capture "
                 "inside `with cache.capture(graph):` (or use kvvm.graph.DecodeGraph)"

@@ -20,14 +20,30 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["decode_attention", "choose_splits"]
+__all__ = ["Config", "choose_splits", "decode_attention", "tuned_config"]
 
-#: Tokens a program reads per iteration.
+#: Tokens a program reads per iteration, by default.
 BLOCK_N = 64
+
+
+@dataclass(frozen=True)
+class Config:
+    """How :func:`decode_attention` runs: programs per (request, KV head) along the tokens
+    (a power of two), tokens per iteration, warps per program, pipeline stages."""
+
+    splits: int
+    block: int = BLOCK_N
+    warps: int = 4
+    stages: int = 2
+
+
+#: The fastest configuration measured per shape (:func:`tuned_config`).
+_TUNED: dict[tuple[object, ...], Config] = {}
 
 #: Whether kernels run in Triton's interpreter (on CPU tensors).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -207,13 +223,51 @@ def choose_splits(batch: int, kv_heads: int, max_tokens: int, multiprocessors: i
     return max(1, min(want, most, 64))
 
 
+def tuned_config(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
+    multiprocessors: int,
+) -> Config:
+    """The fastest of a few configurations around :func:`choose_splits`' for this shape,
+    measured once on these very inputs (CUDA events, best of three) and remembered; the
+    heuristic one while a graph is captured or a compiler traces (nothing may be timed
+    then) and in Triton's interpreter."""
+    batch, heads, _, dim = query.shape
+    shape = (batch, heads, key.shape[1], dim, query.dtype, key.shape[2], tuple(key.stride()), multiprocessors)
+    found = _TUNED.get(shape)
+    if found is not None:
+        return found
+    splits = choose_splits(batch, key.shape[1], key.shape[2], multiprocessors)
+    default = Config(splits)
+    if _INTERPRETED or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+        return default
+    candidates = {default}
+    for s in (max(1, splits // 2), splits, min(64, splits * 2)):
+        for block, stages in ((64, 2), (64, 3), (128, 2)):
+            candidates.add(Config(s, block, 4, stages))
+    timings = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for c in sorted(candidates, key=lambda c: (c.splits, c.block, c.stages)):
+        decode_attention(query, key, value, bounds, scale, c)
+        best = math.inf
+        for _ in range(3):
+            start.record()
+            decode_attention(query, key, value, bounds, scale, c)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end))
+        timings.append((best, c))
+    chosen = min(timings, key=lambda t: t[0])[1]
+    _TUNED[shape] = chosen
+    return chosen
+
+
 def decode_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     bounds: torch.Tensor,
     scale: float,
-    splits: int,
+    config: Config | int,
 ) -> torch.Tensor:
     """Attention of one query token per request over its own tokens.
 
@@ -225,12 +279,14 @@ def decode_attention(
             ``[start, end)`` (the query is the token at ``end - 1``); an empty range gives
             zeros.
         scale: the softmax scale.
-        splits: programs per (request, KV head) along the tokens (:func:`choose_splits`); a
-            power of two.
+        config: a :class:`Config` (:func:`tuned_config`), or only its ``splits``
+            (:func:`choose_splits`; a power of two).
 
     Returns:
         ``[batch, 1, heads, head_dim]`` in the query's dtype (transformers' layout).
     """
+    c = config if isinstance(config, Config) else Config(config)
+    splits = c.splits
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -263,13 +319,13 @@ def decode_attention(
         GROUP_PAD=max(16, _pow2_at_least(group)),
         HEAD_DIM=dim,
         DIM_PAD=max(16, _pow2_at_least(dim)),
-        BLOCK=BLOCK_N,
+        BLOCK=c.block,
         SPLITS=splits,
         LOOP_WHILE=_INTERPRETED,
         # fp32 caches get fp32 products (Triton's default for fp32 is TF32).
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=2,
+        num_warps=c.warps,
+        num_stages=c.stages,
     )
     o = out[:, 0]
     _merge_kernel[(batch, heads)](
