@@ -80,6 +80,26 @@ impl SequenceKv {
         Ok(())
     }
 
+    /// Records that tokens `0..tokens` hold their data although they were not written with
+    /// [`write_tokens`](Self::write_tokens): a model wrote them through a tensor view of the
+    /// sequence's memory, on the device. What is published from a prefix cache
+    /// ([`PrefixCache::publish`](crate::PrefixCache::publish)) must be written; the caller
+    /// vouches for the content and for the device having finished writing it (on one stream,
+    /// a later reader is ordered after it).
+    ///
+    /// Errors: [`KvCacheError::NotCommitted`] when `tokens` are not all committed.
+    pub fn mark_written(&mut self, tokens: u64) -> Result<(), KvCacheError> {
+        if tokens > self.committed_tokens {
+            return Err(KvCacheError::NotCommitted {
+                first: 0,
+                end: tokens,
+                committed: self.committed_tokens,
+            });
+        }
+        self.written_tokens = self.written_tokens.max(tokens);
+        Ok(())
+    }
+
     /// Reads one token's KV into `out` (`bytes_per_token` bytes, host layout as for
     /// [`write_token`](Self::write_token)).
     pub fn read_token(&self, token: u64, out: &mut [u8]) -> Result<(), KvCacheError> {

@@ -434,3 +434,34 @@ fn handle_blocks_trade_mappings_per_hit_for_hit_granularity() {
         assert!(w.sim.ledger().is_empty(), "k={k}");
     }
 }
+
+#[test]
+fn tokens_written_on_the_device_are_published_once_marked_written() {
+    let g = 4096;
+    let w = world(g, None);
+    let geo = tiny(1000);
+    let plan = LayoutPlan::new(geo, KvLayout::SeqMajor, g).unwrap();
+    let cache = PrefixCache::new(w.vm.clone(), plan).unwrap();
+    let a = prompt(100, 0);
+    let mut adm = cache.admit(&a, 200).unwrap();
+    // A model wrote the prompt through a tensor view: the sequence cannot know it.
+    assert!(matches!(
+        cache.publish(&mut adm.sequence),
+        Err(KvCacheError::PrefixNotWritten { written: 0, .. })
+    ));
+    let committed = adm.sequence.committed_tokens();
+    assert!(matches!(
+        adm.sequence.mark_written(committed + 1),
+        Err(KvCacheError::NotCommitted { end, .. }) if end == committed + 1
+    ));
+    adm.sequence.mark_written(100).unwrap();
+    assert_eq!(adm.sequence.written_tokens(), 100);
+    assert!(matches!(
+        cache.publish(&mut adm.sequence).unwrap(),
+        PublishOutcome::Published { tokens: 96, .. }
+    ));
+    // Marking fewer tokens never lowers what was written.
+    adm.sequence.mark_written(10).unwrap();
+    assert_eq!(adm.sequence.written_tokens(), 100);
+    assert_eq!(cache.admit(&a, 200).unwrap().hit_tokens, 96);
+}

@@ -46,26 +46,28 @@ impl SequenceBatch {
     }
 }
 
-/// Makes the first `targets[i]` tokens of `slots[i]` committed. The decode path (every
-/// slot has its tokens already, committed ahead by the pre-committer) cannot block, so the
-/// GIL is kept (releasing and taking it back costs more than the check); otherwise the
-/// commits run without it.
+/// Makes the first `targets[i]` tokens of `slots[i]` committed; a target of 0 asks nothing of
+/// its slot (a released slot stays as it is: a pre-committed one is not woken). The decode
+/// path (every slot has its tokens already, committed ahead by the pre-committer) cannot
+/// block, so the GIL is kept (releasing and taking it back costs more than the check);
+/// otherwise the commits run without it.
 fn ensure_slots(py: Python<'_>, slots: &[Arc<SeqCell>], targets: Vec<u64>) -> PyResult<u64> {
-    if slots
+    let wanted: Vec<(Arc<SeqCell>, u64)> = slots
         .iter()
-        .zip(&targets)
-        .all(|(c, &n)| c.committed_tokens() >= n)
-    {
-        for (c, &n) in slots.iter().zip(&targets) {
-            c.ensure(n).map_err(|e| errors::kv(py, &e))?;
+        .zip(targets)
+        .filter(|&(_, n)| n > 0)
+        .map(|(c, n)| (Arc::clone(c), n))
+        .collect();
+    if wanted.iter().all(|(c, n)| c.committed_tokens() >= *n) {
+        for (c, n) in &wanted {
+            c.ensure(*n).map_err(|e| errors::kv(py, &e))?;
         }
         return Ok(0);
     }
-    let cells: Vec<Arc<SeqCell>> = slots.to_vec();
     py.detach(move || {
         let mut bytes = 0u64;
-        for (c, n) in cells.iter().zip(targets) {
-            bytes = bytes.saturating_add(c.ensure(n)?);
+        for (c, n) in &wanted {
+            bytes = bytes.saturating_add(c.ensure(*n)?);
         }
         Ok(bytes)
     })

@@ -167,6 +167,17 @@ impl Sequence {
         }
     }
 
+    /// Records that tokens ``0..tokens`` hold their data although they were not written with
+    /// :meth:`write_tokens` (a model wrote them through a tensor view, on the device), so that
+    /// a prefix cache may publish them. The caller vouches for the content. Raises
+    /// NotCommittedError when they are not all committed.
+    fn mark_written(&self, py: Python<'_>, tokens: Count) -> PyResult<()> {
+        let tokens = tokens.0;
+        self.cell
+            .with(|s| s.mark_written(tokens))
+            .map_err(|e| errors::kv(py, &e))
+    }
+
     /// Writes tokens `first..` from `data`: whole tokens in the host layout
     /// `[token][layer][K, V][kv_head][head_dim]` (``geometry.bytes_per_token`` bytes each).
     fn write_tokens(&self, py: Python<'_>, first: Count, data: &[u8]) -> PyResult<()> {

@@ -48,13 +48,17 @@ class DecodeGraph:
             kernels; the graph then replays the compiled kernels). Without it the eager
             step is captured.
         warmup: eager runs before the capture (their tokens are taken back).
+        slots: the requests the warm-up steps prepare (default: all); the others must be free
+            or suspended. Any set of requests may decode afterwards (``slots`` of a call).
 
     Calling the object runs one step and returns the logits of every request's new token
     (``[batch, vocab]``, a tensor the next call overwrites). :meth:`close` drops the graph
     (until then the cache refuses :meth:`~kvvm.transformers.KvvmCache.release`).
     """
 
-    def __init__(self, model: Any, cache: KvvmCache, *, compile: bool = True, warmup: int = 2) -> None:
+    def __init__(
+        self, model: Any, cache: KvvmCache, *, compile: bool = True, warmup: int = 2, slots: list[int] | None = None
+    ) -> None:
         if not cache.device_lengths:
             raise InvalidArgumentError(
                 "DecodeGraph needs the model to attend with the kvvm attention (use_kvvm_attention(model))"
@@ -68,7 +72,7 @@ class DecodeGraph:
         self.tokens = torch.zeros((self.batch, 1), dtype=torch.long, device=device)
         self._fn = torch.compile(self._forward, dynamic=False) if compile else self._forward
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits = self._capture(warmup)
+        self.logits = self._capture(warmup, slots)
 
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
@@ -82,14 +86,14 @@ class DecodeGraph:
         )
         return out.logits[:, -1]
 
-    def _capture(self, warmup: int) -> torch.Tensor:
+    def _capture(self, warmup: int, slots: list[int] | None) -> torch.Tensor:
         state = self.cache.state
         snap = state.snapshot()
         side = torch.cuda.Stream(device=state.device)
         side.wait_stream(torch.cuda.current_stream(state.device))
         with torch.cuda.stream(side):
             for _ in range(max(1, warmup)):
-                self.cache.prepare(1)
+                self.cache.prepare(1, slots)
                 self._fn()
                 self.cache.step_done()
         torch.cuda.current_stream(state.device).wait_stream(side)
@@ -101,14 +105,16 @@ class DecodeGraph:
         self.graph = graph
         return logits
 
-    def __call__(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor | None = None, slots: list[int] | None = None) -> torch.Tensor:
         """One step: ``tokens`` (``[batch]`` or ``[batch, 1]``, each request's last token;
-        default: what is in :attr:`tokens`) in, the next token's logits out."""
+        default: what is in :attr:`tokens`) in, the next token's logits out. ``slots``: the
+        requests that decode (default: all); the others must be free or suspended (the
+        step neither writes nor reads them; their logits mean nothing)."""
         if self.graph is None:
             raise ReleasedError("the DecodeGraph was closed")
         if tokens is not None:
             self.tokens.copy_(tokens.view(self.batch, 1))
-        self.cache.prepare(1)
+        self.cache.prepare(1, slots)
         self.graph.replay()
         self.cache.step_done()
         return self.logits

@@ -74,6 +74,8 @@ class SlotState:
         self.host_lengths = [0] * n
         self.host_starts = [0] * n
         self.host_limits = [0] * n
+        #: Slots left out of every step (:meth:`suspend`).
+        self.suspended: set[int] = set()
         self.first, self.count = 0, n
         self.prepared = False
         self._index: tuple[int, StepIndex] | None = None
@@ -110,27 +112,47 @@ class SlotState:
 
     # ---- the host's side of a step ----
 
-    def prepare(self, q: int, total: int | None = None) -> None:
-        """Makes the next forward's ``q`` tokens (in every selected active slot, or tokens up
-        to ``total`` in each) committed and claimed, and raises the device limits to what is
-        then mapped; the host counts move to after the step. Raises what
-        :meth:`SequenceBatch.ensure_each` raises (BackpressureError: nothing was launched)."""
+    def prepare(self, q: int, slots: list[int] | None = None) -> None:
+        """Makes the next forward's ``q`` tokens of ``slots`` (default: every selected slot)
+        committed and claimed, and raises their device limits to what is then mapped; the
+        host counts move to after the step. Slots not named are left as they are (a free or
+        suspended slot is neither written nor read by the step). Raises what
+        :meth:`SequenceBatch.ensure_each` raises (BackpressureError: nothing was launched,
+        no count moved)."""
         sel = self.selected
-        targets = [total if total is not None else self.host_lengths[i] + q for i in sel]
+        chosen = set(sel if slots is None else slots)
+        if not chosen <= set(sel):
+            raise InvalidArgumentError(f"slots {sorted(chosen - set(sel))} are not selected")
+        targets = [self.host_lengths[i] + q if i in chosen else 0 for i in sel]
         if any(t > self.max_tokens for t in targets):
             raise InvalidArgumentError(
                 f"a step to {max(targets)} tokens is past the cache's {self.max_tokens} tokens"
             )
         self.batch.ensure_each(targets, first=self.first)
         changed = False
-        for i, t in zip(sel, targets, strict=True):
-            self.host_lengths[i] = t
-            if t > self.host_limits[i]:
-                self.host_limits[i] = self.plan.mapped_tokens(t)
+        for i in chosen:
+            self.host_lengths[i] += q
+            if self.host_lengths[i] > self.host_limits[i]:
+                self.host_limits[i] = self.plan.mapped_tokens(self.host_lengths[i])
                 changed = True
         if changed:
-            self._upload(self.limits, self.host_limits)
+            self._upload_limits()
         self.prepared = True
+
+    def suspend(self, slot: int) -> None:
+        """Leaves ``slot`` out of every step until :meth:`resume` (its device limit is 0: a
+        step neither writes nor reads it; its memory and counts stay): a request between the
+        chunks of its prefill while the others decode."""
+        self.suspended.add(slot)
+        self._upload_limits()
+
+    def resume(self, slot: int) -> None:
+        """Takes ``slot`` back into the steps (its device limit is what its windows hold)."""
+        self.suspended.discard(slot)
+        self._upload_limits()
+
+    def _upload_limits(self) -> None:
+        self._upload(self.limits, [0 if i in self.suspended else n for i, n in enumerate(self.host_limits)])
 
     def _upload(self, dst: torch.Tensor, values: list[int]) -> None:
         dst.copy_(torch.tensor(values, dtype=torch.int32), non_blocking=False)
@@ -149,7 +171,7 @@ class SlotState:
             self.host_starts[i] = s
         self._upload(self.lengths, self.host_lengths)
         self._upload(self.starts, self.host_starts)
-        self._upload(self.limits, self.host_limits)
+        self._upload_limits()
         self._index = None
 
     def check(self) -> None:
@@ -174,7 +196,7 @@ class SlotState:
             snap[0], list(snap[1]), list(snap[2]), list(snap[3])
         )
         self.lengths.copy_(lengths)
-        self._upload(self.limits, self.host_limits)
+        self._upload_limits()
         self._upload(self.starts, self.host_starts)
         self.overruns.zero_()
         self._index = None

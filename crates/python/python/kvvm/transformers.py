@@ -422,13 +422,39 @@ class KvvmCache(Cache):
         """Stops counting ``graph`` (its owner reset it, so it will not replay)."""
         self._graphs.discard(graph)
 
-    def prepare(self, q: int = 1) -> None:
-        """The host's side of the next step of ``q`` tokens per selected request, for a step
-        launched without Python (a replayed graph): commits and claims them (raises
-        BackpressureError, with nothing launched, when the budget cannot grant it)."""
+    def prepare(self, q: int = 1, slots: list[int] | None = None) -> None:
+        """The host's side of the next step of ``q`` tokens per selected request (or of the
+        requests in ``slots``: the others are neither written nor read if suspended or free),
+        for a step launched without Python (a replayed graph): commits and claims them
+        (raises BackpressureError, with nothing launched and no count moved, when the budget
+        cannot grant it)."""
         if self._released:
             raise ReleasedError("the KvvmCache was released")
-        self.state.prepare(q)
+        self.state.prepare(q, slots)
+
+    @contextlib.contextmanager
+    def unbound(self) -> Iterator[None]:
+        """Runs the block with the cache's own tensor over the batch dropped (it counts as a
+        view of every slot, which an unmap or an admission waits for), and binds it again at
+        the same address afterwards. Captured graphs stay valid: the addresses do not
+        change, and what they may touch is decided by the device limits."""
+        self._unbind()
+        try:
+            yield
+        finally:
+            self._bind()
+
+    def free(self, slot: int) -> int:
+        """Retires the request in ``slot``: no step touches it any more (its device limit is
+        0 first), its memory is released once the device is done with it (the pool takes it
+        back), and the slot is free for another request. Returns the bytes unmapped."""
+        if not 0 <= slot < self.batch_size:
+            raise InvalidArgumentError(f"slot {slot} is not one of the {self.batch_size} slots")
+        st = self.state
+        st.set_lengths({slot: 0}, {slot: 0})
+        st.suspended.discard(slot)
+        with self.unbound():
+            return self.batch[slot].release()
 
     def step_done(self) -> None:
         """Marks the prepared step as run (after a replay), so that an eager forward next

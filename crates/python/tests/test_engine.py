@@ -1,0 +1,164 @@
+"""Continuous batching over kvvm slots (``kvvm.engine.Engine``) on the host backend with tiny
+random fp32 models: every request's greedy tokens equal a one-request-at-a-time DynamicCache
+reference, whatever joins or leaves around it; slots are reused; prefix hits skip their
+prefill; a prompt the budget cannot grant waits; a decode step the budget cannot grant
+preempts the youngest request, which is recomputed later."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvvm
+from conftest import host_available
+
+torch = pytest.importorskip("torch", reason="skipped: no torch")
+transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+
+from kvvm.engine import Engine  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
+
+VOCAB = 1000
+
+
+def tiny(
+    layers: int = 2, kv_heads: int = 2, head_dim: int = 32, hidden: int = 128, heads: int = 4
+) -> tuple[object, object]:
+    """The same random weights twice: one for the engine (switched to the kvvm attention),
+    one as the reference."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=VOCAB,
+        max_position_embeddings=8192,
+        eos_token_id=None,
+    )
+    cfg._attn_implementation = "sdpa"
+    ref = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model.load_state_dict(ref.state_dict())
+    return model, ref
+
+
+def reference(ref: object, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_a_stream_of_requests_each_gets_its_reference_tokens_and_slots_are_reused() -> None:
+    model, ref = tiny()
+    mgr = kvvm.Manager("host", precommit=True, headroom_tokens=4)
+    engine = Engine(model, slots=3, max_len=256, manager=mgr, prefill_chunk=16)
+    lengths = [5, 60, 17, 33, 2, 48, 9]
+    news = [3, 12, 7, 1, 9, 4, 11]
+    reqs = [engine.submit(p, n) for p, n in zip(prompts(lengths), news, strict=True)]
+    steps = 0
+    while not engine.idle:
+        engine.step()
+        steps += 1
+        # Never more requests in the batch than slots.
+        assert len(engine.running) <= 3
+        if steps == 3:
+            # One arrives while others run.
+            reqs.append(engine.submit(prompts([21], seed=9)[0], 6))
+    for r in reqs:
+        assert r.done and r.finish_reason == "length"
+        assert r.tokens == reference(ref, r.prompt, r.max_new_tokens), r.id
+    assert engine.stats.admitted == len(reqs) > 3, "slots were reused"
+    assert engine.stats.prefill_chunks > len(reqs), "long prompts were prefilled in chunks"
+    engine.cache.check()
+    # What is left: the scratch slot's window (and nothing of any request).
+    assert engine.cache.committed_bytes == 0
+    engine.close()
+    assert mgr.snapshot().committed == 0
+
+
+def test_a_cached_prompt_prefix_is_mapped_not_prefilled() -> None:
+    model, ref = tiny()
+    mgr = kvvm.Manager("host", precommit=True)
+    # fp32, 2 layers x {K, V} x 2 KV heads x 32: 1 KiB per token, 2048 tokens per window.
+    engine = Engine(model, slots=2, max_len=2400, manager=mgr, prefill_chunk=512, prefix_cache_bytes=64 << 20)
+    system = prompts([2100], seed=3)[0]
+    tails = prompts([5, 12, 7], seed=4)
+    first = engine.submit(system + tails[0], 4)
+    engine.run()
+    assert first.prefix_hit_tokens == 0
+    later = [engine.submit(system + t, 4) for t in tails[1:]]
+    engine.run()
+    for r in later:
+        assert r.prefix_hit_tokens == 2048, "the prompt's first window comes from the cache"
+    chunks_per_miss = -(-2105 // 512)
+    assert engine.stats.prefill_chunks < chunks_per_miss * 3
+    assert engine.stats.prefix_hits == 2
+    for r in [first, *later]:
+        assert r.tokens == reference(ref, r.prompt, r.max_new_tokens)
+    engine.close()
+
+
+def _budgeted(windows: int) -> tuple[object, object, kvvm.Manager, int]:
+    """A model of 32 KiB per token (64 tokens per 2 MiB window: wide KV heads, little else)
+    and a budget of ``windows``."""
+    model, ref = tiny(layers=4, kv_heads=8, head_dim=128, hidden=64, heads=8)
+    mgr = kvvm.Manager("host", budget_bytes=windows * (2 << 20), precommit=False)
+    return model, ref, mgr, mgr.granule // (4 * 2 * 8 * 128 * 4)
+
+
+def test_a_prompt_the_budget_cannot_grant_waits_for_memory() -> None:
+    model, ref, mgr, per_window = _budgeted(3)
+    engine = Engine(model, slots=2, max_len=4 * per_window, manager=mgr, prefill_chunk=32)
+    # The scratch slot takes one window; each prompt needs one: the second waits.
+    big = prompts([per_window + 10, per_window + 5], seed=5)
+    a = engine.submit(big[0], 6)
+    b = engine.submit(big[1], 6)
+    engine.run()
+    assert engine.stats.admission_refusals > 0
+    assert a.tokens == reference(ref, a.prompt, 6)
+    assert b.tokens == reference(ref, b.prompt, 6)
+    engine.close()
+
+
+def test_a_step_the_budget_cannot_grant_preempts_the_youngest_and_recomputes_it() -> None:
+    model, ref, mgr, per_window = _budgeted(4)
+    engine = Engine(model, slots=2, max_len=4 * per_window, manager=mgr, prefill_chunk=64)
+    # Both fit with their prompts (the scratch, one window each); crossing into a second
+    # window each needs two more: only one is there.
+    a, b = (engine.submit(p, per_window) for p in prompts([per_window - 8, per_window - 6], seed=6))
+    engine.run()
+    assert engine.stats.preempted >= 1
+    assert b.preemptions >= 1 and a.preemptions == 0, "the youngest gives way"
+    assert a.tokens == reference(ref, a.prompt, per_window)
+    assert b.tokens == reference(ref, b.prompt, per_window)
+    engine.close()
+
+
+def test_a_prompt_that_can_never_fit_finishes_without_running() -> None:
+    model, _, mgr, per_window = _budgeted(2)
+    engine = Engine(model, slots=1, max_len=8 * per_window, manager=mgr)
+    r = engine.submit(prompts([3 * per_window])[0], 2)
+    engine.run()
+    assert r.finish_reason == "memory" and r.tokens == []
+    engine.close()
+
+
+def test_bad_requests_are_refused() -> None:
+    model, _ = tiny()
+    engine = Engine(model, slots=1, max_len=64, backend="host")
+    with pytest.raises(kvvm.InvalidArgumentError):
+        engine.submit([], 3)
+    with pytest.raises(kvvm.InvalidArgumentError):
+        engine.submit([1, 2], 0)
+    with pytest.raises(kvvm.InvalidArgumentError):
+        engine.submit(list(range(64)), 1)
+    engine.close()
