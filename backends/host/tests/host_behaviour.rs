@@ -13,7 +13,7 @@ use kvvm_hal::{
     ShareableHandleType, VirtualMemoryBackend,
 };
 use kvvm_host::{mmap_first_touch, HostBackend, HostConfig};
-use kvvm_vmm::{VirtualMemory, VmmConfig};
+use kvvm_vmm::{VirtualMemory, VmmConfig, VmmError};
 
 const DEV: DeviceId = DeviceId(0);
 
@@ -155,23 +155,34 @@ fn the_manager_sees_backpressure_at_the_capacity() {
     )
     .unwrap();
     assert_eq!(vm.granule(), g);
+    // Another reservation holds half the capacity: what `kv` asks for fits the device, not
+    // what is free now.
+    let mut other = vm.reserve(4 * g).unwrap();
+    other.commit(4 * g).unwrap();
     let mut kv = vm.reserve(64 * g).unwrap();
     let base = kv.address();
-    kv.commit(6 * g).unwrap();
-    host.copy_to_device(DeviceAddress(base.0 + 6 * g - 3), b"kv!")
+    kv.commit(2 * g).unwrap();
+    host.copy_to_device(DeviceAddress(base.0 + 2 * g - 3), b"kv!")
         .unwrap();
     let refused = kv.commit(4 * g).unwrap_err();
     assert!(refused.is_retryable(), "{refused}");
     // The failed commit rolled back: the books equal the kernel's truth.
-    assert_eq!(kv.committed_bytes(), 6 * g);
-    // 6 granules from the base are two handles: 4 + 2 granules.
+    assert_eq!(kv.committed_bytes(), 2 * g);
     assert_eq!(host.ledger().mappings, 2);
-    kv.ensure_committed(8 * g).unwrap();
+    // More than the capacity could ever give it is no backpressure: it never fits.
+    let never = kv.commit(7 * g).unwrap_err();
+    assert!(
+        matches!(never, VmmError::NeverFits(_)) && !never.is_retryable(),
+        "{never}"
+    );
+    other.release().unwrap();
+    kv.ensure_committed(6 * g).unwrap();
     assert_eq!(kv.address(), base);
     let mut back = [0u8; 3];
-    host.copy_from_device(&mut back, DeviceAddress(base.0 + 6 * g - 3))
+    host.copy_from_device(&mut back, DeviceAddress(base.0 + 2 * g - 3))
         .unwrap();
     assert_eq!(&back, b"kv!");
+    drop(other);
     kv.release().unwrap();
     drop(kv);
     drop(vm);
