@@ -13,7 +13,8 @@ teacher-forced logits against DynamicCache (max |diff|, argmax agreement where t
 logits are apart).
 
 ``python -m kvvm.bench kernels`` measures the attention kernels alone
-(:mod:`kvvm.bench_kernels`).
+(:mod:`kvvm.bench_kernels`); ``python -m kvvm.bench serve`` replays a serving trace through the
+continuous-batching engine and its peers (:mod:`kvvm.bench_serve`).
 
 ``--tiny`` runs a small model (what the tests do); the figures that matter come from a GPU.
 """
@@ -50,9 +51,11 @@ def _build_model(args: argparse.Namespace) -> Any:
             rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         )
     cfg._attn_implementation = "sdpa"
-    with torch.device("cuda"):
+    device = getattr(args, "device", "cuda")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    with torch.device(device):
         model: Any = LlamaForCausalLM(cfg)
-    return model.to(torch.bfloat16).eval()
+    return model.to(dtype).eval()
 
 
 def _points(text: str) -> list[tuple[int, int]]:
@@ -210,6 +213,57 @@ def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """A trace through every runner; returns the report."""
+    from kvvm import bench_serve as sv
+
+    model = _build_model(args)
+    vocab = model.config.vocab_size
+    if args.trace:
+        trace = sv.load_trace(args.trace, vocab, args.seed)
+    else:
+        trace = sv.synthetic_trace(
+            args.requests, vocab, prompt_lo=args.prompt_lo, prompt_hi=args.prompt_hi, output=args.output,
+            shared_prefix=args.shared_prefix, shared_share=args.shared_share, rate=args.rate, seed=args.seed,
+        )
+    runners = [r for r in args.runners.split(",") if r]
+    ref = sv.reference(model, trace) if args.reference else None
+    max_len = args.max_len or max(len(q.prompt) + q.output_tokens for q in trace) + 16
+    on_gpu = args.device == "cuda"
+    free_at_start = torch.cuda.mem_get_info()[0] if on_gpu else 0
+    results: list[Any] = []
+    if "kvvm-engine" in runners:
+        manager = kvvm.Manager(args.backend, budget_bytes=args.budget_bytes or None, precommit=True, headroom_tokens=4)
+        results.append(sv.run_engine(
+            model, trace, manager=manager, slots=args.slots, max_len=max_len, prefix_cache_bytes=args.prefix_cache_bytes,
+            prefill_chunk=args.prefill_chunk, real_time=args.real_time, bandwidth=args.bandwidth, flops=args.flops,
+        ))
+    if "generate-batch" in runners:
+        results.append(sv.run_generate_batch(model, trace, memory_fraction=None))
+        engine_peak = results[0].peak_gpu_bytes if results and results[0].peak_gpu_bytes else 0
+        if engine_peak and free_at_start:
+            results.append(sv.run_generate_batch(model, trace, memory_fraction=min(0.9, engine_peak / free_at_start)))
+    if "padded" in runners:
+        results.append(sv.run_padded(model, trace, batch=args.padded_batch))
+    for r in results:
+        if ref is not None and r.outputs:
+            r.agreement = sv.agreement(r.outputs, ref)
+        print(f"{r.runner:>24}: {r.tokens_per_s} tok/s in {r.wall_s:.2f} s, TTFT {r.ttft_ms} ms, ITL {r.itl_ms} ms, "
+              f"peak {(r.peak_gpu_bytes or 0) / 2**30:.2f} GiB, agreement {r.agreement} {r.note}", file=sys.stderr, flush=True)
+    report: dict[str, Any] = {
+        "requests": len(trace),
+        "prompt_tokens": sum(len(q.prompt) for q in trace),
+        "output_tokens": sum(q.output_tokens for q in trace),
+        "results": [],
+    }
+    for r in results:
+        row = asdict(r)
+        row.pop("outputs")
+        report["results"].append(row)
+    _flush(args, report)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m kvvm.bench``."""
     ap = argparse.ArgumentParser(prog="python -m kvvm.bench", description=__doc__.split("\n\n")[0])
@@ -233,14 +287,48 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--check-steps", type=int, default=8, help="teacher-forced steps of the logits check (0: none)")
     g.add_argument("--headroom", type=int, default=4, help="pre-commit headroom tokens")
     g.add_argument("--max-len", type=int, default=0, help="KvvmCache's max_cache_len (0: longest prompt + new + 64)")
+    _serve_args(sub)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("python -m kvvm.bench needs a CUDA GPU", file=sys.stderr)
+    if getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
+        print("python -m kvvm.bench needs a CUDA GPU (serve also runs with --device cpu)", file=sys.stderr)
         return 2
-    report = run_generate(args) if args.cmd == "generate" else run_kernel_bench(args)
+    if args.cmd == "generate":
+        report = run_generate(args)
+    elif args.cmd == "kernels":
+        report = run_kernel_bench(args)
+    else:
+        report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)
     print()
     return 0
+
+
+def _serve_args(sub: Any) -> None:
+    p = sub.add_parser("serve", help="a serving trace through the continuous-batching engine and its peers")
+    p.add_argument("--trace", help="a JSONL trace (kvvm simulate's format); default: a seeded synthetic one")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals a second (0: all at once)")
+    p.add_argument("--prompt-lo", type=int, default=128)
+    p.add_argument("--prompt-hi", type=int, default=2048)
+    p.add_argument("--output", type=int, default=128, help="tokens generated per request")
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens of a common system prompt (0: none)")
+    p.add_argument("--shared-share", type=float, default=1.0, help="share of requests that open with it")
+    p.add_argument("--runners", default="kvvm-engine,generate-batch,padded")
+    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=0)
+    p.add_argument("--budget-bytes", type=int, default=0)
+    p.add_argument("--prefix-cache-bytes", type=int, default=8 << 30)
+    p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--padded-batch", type=int, default=64)
+    p.add_argument("--real-time", action="store_true", help="submit at the arrival times (the engine)")
+    p.add_argument("--reference", action="store_true", help="check greedy tokens against one request at a time")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--backend", default="auto", help="kvvm backend (host on a CPU)")
+    p.add_argument("--bandwidth", type=float, default=4.8e12)
+    p.add_argument("--flops", type=float, default=7.9e14, help="dense bf16 FLOP/s of the prefill floor")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the report here")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,294 @@
+"""``python -m kvvm.bench serve``: a serving trace replayed, side by side in one process, by
+kvvm's continuous-batching engine (:class:`~kvvm.engine.Engine`), transformers'
+``generate_batch`` (its continuous batching: a paged cache, CUDA graphs; with its defaults and
+with its memory fraction set to what the engine needed) and padded ``generate()`` batches
+with ``DynamicCache``.
+
+The trace is the JSONL ``kvvm simulate`` reads (``arrival_s``, ``prompt_tokens`` or
+``token_ids``, ``output_tokens``, ``shared_prefix_tokens``; ``docs/simulate.md``) or a seeded
+synthetic one. Requests are submitted as fast as possible (every request at the start) or, with
+``--real-time``, at their arrival times (the engine only). For each runner: generated tokens
+per second, time to first token and inter-token latency p50/p99, peak GPU memory beyond the
+weights (PyTorch's reserved peak + kvvm's committed bytes), KV bytes held over time (kvvm),
+prefix hits and preemptions (kvvm), and each request's greedy tokens against a
+one-request-at-a-time ``DynamicCache`` reference (the share that agrees up to the first
+difference). The floor of the trace is its prefill FLOPs at the dense bf16 rate plus every
+decode step of the engine at its HBM floor (weights + the distinct KV bytes of the step).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvvm import Manager
+from kvvm.attention import use_kvvm_attention
+from kvvm.engine import Engine
+
+__all__ = ["TraceRequest", "ServeResult", "load_trace", "synthetic_trace", "run_engine", "run_padded", "run_generate_batch"]
+
+
+@dataclass
+class TraceRequest:
+    """One request of a trace, with its token ids."""
+
+    arrival_s: float
+    prompt: list[int]
+    output_tokens: int
+    shared_prefix_tokens: int = 0
+
+
+@dataclass
+class ServeResult:
+    """What one runner did with the trace."""
+
+    runner: str
+    wall_s: float = 0.0
+    generated_tokens: int = 0
+    tokens_per_s: float = 0.0
+    ttft_ms: dict[str, float] = field(default_factory=dict)
+    itl_ms: dict[str, float] = field(default_factory=dict)
+    peak_gpu_bytes: int | None = None
+    kv_bytes_over_time: list[tuple[float, int]] = field(default_factory=list)
+    prefix_hits: int | None = None
+    preemptions: int | None = None
+    floor_s: float | None = None
+    agreement: float | None = None
+    outputs: list[list[int]] = field(default_factory=list)
+    note: str = ""
+
+
+def load_trace(path: str, vocab: int, seed: int = 0) -> list[TraceRequest]:
+    """The requests of a JSONL trace; ``prompt_tokens`` become seeded random ids, the first
+    ``shared_prefix_tokens`` of them the trace's common system prompt."""
+    rnd = random.Random(seed)
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    system_len = max((int(r.get("shared_prefix_tokens", 0)) for r in rows), default=0)
+    system = [rnd.randrange(vocab) for _ in range(system_len)]
+    out = []
+    for r in rows:
+        if "token_ids" in r:
+            prompt = [int(t) % vocab for t in r["token_ids"]]
+            shared = 0
+        else:
+            shared = int(r.get("shared_prefix_tokens", 0))
+            n = int(r["prompt_tokens"])
+            prompt = system[:shared] + [rnd.randrange(vocab) for _ in range(n - shared)]
+        out.append(TraceRequest(float(r["arrival_s"]), prompt, int(r["output_tokens"]), shared))
+    return sorted(out, key=lambda q: q.arrival_s)
+
+
+def synthetic_trace(
+    requests: int, vocab: int, *, prompt_lo: int, prompt_hi: int, output: int, shared_prefix: int,
+    shared_share: float, rate: float, seed: int = 0,
+) -> list[TraceRequest]:
+    """``requests`` Poisson arrivals at ``rate`` a second (0: all at once), prompts uniform
+    in ``prompt_lo..prompt_hi``; a ``shared_share`` of them open with a common
+    ``shared_prefix``-token system prompt."""
+    rnd = random.Random(seed)
+    system = [rnd.randrange(vocab) for _ in range(shared_prefix)]
+    t, out = 0.0, []
+    for _ in range(requests):
+        shared = shared_prefix if shared_prefix and rnd.random() < shared_share else 0
+        n = rnd.randint(prompt_lo, prompt_hi)
+        out.append(TraceRequest(t, system[:shared] + [rnd.randrange(vocab) for _ in range(n)], output, shared))
+        if rate > 0:
+            t += rnd.expovariate(rate)
+    return out
+
+
+def _percentiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    s = sorted(xs)
+    return {"p50": round(statistics.median(s), 3), "p99": round(s[min(len(s) - 1, int(0.99 * len(s)))], 3)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_start(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_reserved(device)
+
+
+def _peak(device: torch.device, base: int) -> int | None:
+    return torch.cuda.max_memory_reserved(device) - base if device.type == "cuda" else None
+
+
+@torch.no_grad()
+def run_engine(
+    model: Any, trace: list[TraceRequest], *, manager: Manager, slots: int, max_len: int,
+    prefix_cache_bytes: int, prefill_chunk: int, real_time: bool, bandwidth: float, flops: float,
+) -> ServeResult:
+    """The trace through :class:`~kvvm.engine.Engine`."""
+    res = ServeResult("kvvm-engine")
+    device = next(model.parameters()).device
+    engine = Engine(
+        model, slots=slots, max_len=max_len, manager=manager, prefill_chunk=prefill_chunk,
+        prefix_cache_bytes=prefix_cache_bytes, eos_token_ids=[],
+    )
+    per_token = engine.cache.geometry.bytes_per_token
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    base = _peak_start(device)
+    pending = list(trace)
+    handles: list[Any] = []
+    submitted: list[float] = []
+    stamps: list[list[float]] = []
+    floor = 2 * sum(p.numel() for p in model.parameters()) * sum(len(q.prompt) for q in trace) / flops
+    peak_kv = 0
+    start = time.perf_counter()
+    while pending or not engine.idle:
+        now = time.perf_counter() - start
+        while pending and (not real_time or pending[0].arrival_s <= now):
+            q = pending.pop(0)
+            handles.append(engine.submit(q.prompt, q.output_tokens))
+            submitted.append(time.perf_counter())
+            stamps.append([])
+        if engine.idle:
+            time.sleep(max(0.0, pending[0].arrival_s - now))
+            continue
+        decoding = [r for r in engine.running.values() if r._filled >= len(r._context)]
+        engine.step()
+        t = time.perf_counter()
+        live = sum(len(r.prompt) + len(r.tokens) - r.prefix_hit_tokens for r in decoding)
+        floor += (weights + per_token * live) / bandwidth if decoding else 0.0
+        for h, st in zip(handles, stamps, strict=True):
+            st.extend([t] * (len(h.tokens) - len(st)))
+        snap = manager.snapshot()
+        held = snap.committed + snap.shared
+        peak_kv = max(peak_kv, held)
+        res.kv_bytes_over_time.append((round(t - start, 4), held))
+    _sync(device)
+    res.wall_s = time.perf_counter() - start
+    res.outputs = [h.tokens for h in handles]
+    res.generated_tokens = sum(len(o) for o in res.outputs)
+    res.tokens_per_s = round(res.generated_tokens / res.wall_s, 1)
+    res.ttft_ms = _percentiles([(st[0] - s) * 1000 for s, st in zip(submitted, stamps, strict=True) if st])
+    res.itl_ms = _percentiles([(b - a) * 1000 for st in stamps for a, b in zip(st, st[1:]) if b > a])
+    peak = _peak(device, base)
+    res.peak_gpu_bytes = None if peak is None else peak + peak_kv
+    res.prefix_hits = engine.stats.prefix_hits
+    res.preemptions = engine.stats.preempted
+    res.floor_s = floor
+    engine.close()
+    use_kvvm_attention(model, enable=False)
+    return res
+
+
+@torch.no_grad()
+def run_padded(model: Any, trace: list[TraceRequest], *, batch: int) -> ServeResult:
+    """The trace in arrival order as padded ``generate()`` batches of ``batch`` requests with
+    ``DynamicCache`` (each batch generates its longest output)."""
+    res = ServeResult("padded-dynamic")
+    device = next(model.parameters()).device
+    use_kvvm_attention(model, enable=False)
+    base = _peak_start(device)
+    ttft, itl = [], []
+    start = time.perf_counter()
+    for i in range(0, len(trace), batch):
+        group = trace[i : i + batch]
+        longest = max(len(q.prompt) for q in group)
+        ids = torch.zeros((len(group), longest), dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for j, q in enumerate(group):
+            ids[j, longest - len(q.prompt) :] = torch.tensor(q.prompt, device=device)
+            mask[j, longest - len(q.prompt) :] = 1
+        marks: list[float] = []
+
+        def stamp(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            marks.append(time.perf_counter())
+            return scores
+
+        from transformers import LogitsProcessorList
+
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=max(q.output_tokens for q in group), do_sample=False,
+            logits_processor=LogitsProcessorList([stamp]), pad_token_id=0,
+        )
+        _sync(device)
+        ttft += [(marks[0] - start) * 1000] * len(group)
+        itl += [(b - a) * 1000 for a, b in zip(marks, marks[1:])]
+        for j, q in enumerate(group):
+            res.outputs.append(out[j, longest : longest + q.output_tokens].tolist())
+    res.wall_s = time.perf_counter() - start
+    res.generated_tokens = sum(len(o) for o in res.outputs)
+    res.tokens_per_s = round(res.generated_tokens / res.wall_s, 1)
+    res.ttft_ms, res.itl_ms = _percentiles(ttft), _percentiles(itl)
+    res.peak_gpu_bytes = _peak(device, base)
+    return res
+
+
+@torch.no_grad()
+def run_generate_batch(model: Any, trace: list[TraceRequest], *, memory_fraction: float | None) -> ServeResult:
+    """The trace through transformers' ``generate_batch`` (every request at the start)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    label = "generate_batch" + ("" if memory_fraction is None else f"@{memory_fraction:.3f}")
+    res = ServeResult(label)
+    device = next(model.parameters()).device
+    use_kvvm_attention(model, enable=False)
+    base = _peak_start(device)
+    start = time.perf_counter()
+    try:
+        outs = model.generate_batch(
+            inputs=[q.prompt for q in trace],
+            generation_config=GenerationConfig(max_new_tokens=max(q.output_tokens for q in trace), do_sample=False),
+            continuous_batching_config=ContinuousBatchingConfig(max_memory_percent=memory_fraction),
+            record_timestamps=True,
+        )
+    except Exception as e:  # noqa: BLE001 - a runner that cannot run is reported
+        res.note = f"{type(e).__name__}: {e}"[:300]
+        return res
+    _sync(device)
+    res.wall_s = time.perf_counter() - start
+    ordered = [outs[k] for k in sorted(outs, key=lambda k: int(str(k).split("_")[-1]) if str(k).split("_")[-1].isdigit() else 0)]
+    ttft, itl = [], []
+    for q, o in zip(trace, ordered, strict=False):
+        res.outputs.append(list(o.generated_tokens)[: q.output_tokens])
+        ts = o.timestamps or []
+        if ts:
+            ttft.append((ts[0] - start) * 1000)
+            itl += [(b - a) * 1000 for a, b in zip(ts, ts[1:])]
+    res.generated_tokens = sum(len(o) for o in res.outputs)
+    res.tokens_per_s = round(res.generated_tokens / max(res.wall_s, 1e-9), 1)
+    res.ttft_ms, res.itl_ms = _percentiles(ttft), _percentiles(itl)
+    res.peak_gpu_bytes = _peak(device, base)
+    return res
+
+
+@torch.no_grad()
+def reference(model: Any, trace: list[TraceRequest]) -> list[list[int]]:
+    """Each request alone through ``generate()`` with ``DynamicCache``, greedy."""
+    use_kvvm_attention(model, enable=False)
+    device = next(model.parameters()).device
+    out = []
+    for q in trace:
+        ids = torch.tensor([q.prompt], device=device)
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=q.output_tokens, do_sample=False)
+        out.append(g[0, len(q.prompt) :].tolist())
+    return out
+
+
+def agreement(outputs: list[list[int]], ref: list[list[int]]) -> float:
+    """Tokens equal to the reference up to each request's first difference, over all
+    reference tokens."""
+    same = total = 0
+    for a, b in zip(outputs, ref, strict=False):
+        total += len(b)
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            same += 1
+    return round(same / max(total, 1), 4)
