@@ -282,6 +282,25 @@ def test_the_triton_decode_kernel_matches_the_reference_in_the_interpreter() -> 
                 got = decode_attention(q, k, v, bounds, 1 / math.sqrt(dim), splits)
                 err = (got - want).abs().max().item()
                 assert err < 1e-4, (dim, splits, err)
+        # Fused: the kernel writes the step's token and attends to it from registers; a
+        # refused write (to the scratch slot, the last) is not attended to.
+        B, H, Hk, T, D = 3, 8, 2, 160, 32
+        base = torch.randn(B + 1, T, 2, 2, Hk, D)
+        k, v = base[:, :, 1, 0].transpose(1, 2), base[:, :, 1, 1].transpose(1, 2)
+        q = torch.randn(B, 1, H, D).transpose(1, 2)
+        kn = torch.randn(B, 1, Hk, D).transpose(1, 2)
+        vn = torch.randn(B, 1, Hk, D).transpose(1, 2)
+        ws, wt = torch.tensor([[0], [1], [B]]), torch.tensor([[100], [7], [0]])
+        bounds = torch.tensor([[0, 0, 101], [1, 2, 8], [2, 0, 0]], dtype=torch.int32)
+        for splits in (1, 2, 4):
+            k2, v2 = k.clone(), v.clone()
+            k2[ws, :, wt] = kn.transpose(1, 2)
+            v2[ws, :, wt] = vn.transpose(1, 2)
+            want = attend(q, k2, v2, bounds)
+            kk, vv = k.clone(), v.clone()
+            got = decode_attention(q, kk, vv, bounds, 1 / math.sqrt(D), splits, (kn, vn, ws, wt))
+            assert (got - want).abs().max().item() < 1e-4, splits
+            assert torch.equal(kk, k2) and torch.equal(vv, v2)
         print("kernel ok")
         """
     )

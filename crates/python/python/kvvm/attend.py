@@ -122,13 +122,15 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: 
     return torch.where((used > 0).view(batch, 1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
-def _triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
-            scale: float) -> torch.Tensor:
+def _triton(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     from .triton_decode import decode_attention, tuned_config
 
     index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    config = tuned_config(query, key, value, bounds, scale, _multiprocessors(index))
-    return decode_attention(query, key, value, bounds, scale, config)
+    config = tuned_config(query, key, value, bounds, scale, _multiprocessors(index), new)
+    return decode_attention(query, key, value, bounds, scale, config, new)
 
 
 _KERNEL_FNS = {"sdpa": _sdpa, "flash": _flash, "triton": _triton}
@@ -160,6 +162,10 @@ def _write_attend(
     # reading windows that are not mapped. Nothing else in a graph reads the slab: this op
     # is the only reader and writer of the K/V memory, and it orders its write before its read.
     key, value = slab_kv(slab, layout)
+    name = kernel_for(query.device, query.shape[2], kernel, query.dtype)
+    if name == "triton":
+        # One kernel writes the token and attends (the token read from registers).
+        return _triton(query, key, value, bounds.to(torch.int32), scale, (key_new, value_new, slot, token))
     key[slot, :, token] = key_new.transpose(1, 2)
     value[slot, :, token] = value_new.transpose(1, 2)
     return _run(query, key, value, bounds, scale, kernel)

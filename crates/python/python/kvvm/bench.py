@@ -130,10 +130,10 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
             point["check"] = runs.reference_check(model, w, manager, max_len, args.check_steps)
         done: dict[str, runs.Run] = {}
         for c in caches:
-            r = runs.run_cache(model, w, c, manager, max_len)
+            r = runs.run_cache(model, w, c, manager, max_len, args.graph_mode)
             if c in ("static", "kvvm-generate") and not r.note:
                 # The first run compiled; time the second.
-                r = runs.run_cache(model, w, c, manager, max_len)
+                r = runs.run_cache(model, w, c, manager, max_len, args.graph_mode)
             _settle(r, w, cfg, weights, args)
             done[c] = r
             print(_line(r), file=sys.stderr, flush=True)
@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--check-steps", type=int, default=8, help="teacher-forced steps of the logits check (0: none)")
     g.add_argument("--headroom", type=int, default=4, help="pre-commit headroom tokens")
     g.add_argument("--max-len", type=int, default=0, help="KvvmCache's max_cache_len (0: longest prompt + new + 64)")
+    g.add_argument("--graph-mode", default=None, help="torch.compile mode of the captured kvvm step (default: its default)")
     _serve_args(sub)
     args = ap.parse_args(argv)
     if getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():

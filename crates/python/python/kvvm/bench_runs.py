@@ -168,7 +168,7 @@ def _generate(model: Any, w: Workload, cache_kind: str, manager: kvvm.Manager | 
 
 
 @torch.no_grad()
-def _graph(model: Any, w: Workload, manager: kvvm.Manager, max_len: int) -> Run:
+def _graph(model: Any, w: Workload, manager: kvvm.Manager, max_len: int, mode: str | None = None) -> Run:
     run = Run("kvvm-graph", w.label, w.batch)
     use_kvvm_attention(model)
     base = torch.cuda.memory_reserved()
@@ -180,7 +180,7 @@ def _graph(model: Any, w: Workload, manager: kvvm.Manager, max_len: int) -> Run:
             logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         first[slot] = logits[0, -1].argmax()
         del logits
-    step = DecodeGraph(model, cache)
+    step = DecodeGraph(model, cache, mode=mode)
     tokens = [first]
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(w.new)]
     tok = first
@@ -202,13 +202,15 @@ def _graph(model: Any, w: Workload, manager: kvvm.Manager, max_len: int) -> Run:
     return run
 
 
-def run_cache(model: Any, w: Workload, cache_kind: str, manager: kvvm.Manager | None, max_len: int) -> Run:
+def run_cache(
+    model: Any, w: Workload, cache_kind: str, manager: kvvm.Manager | None, max_len: int, graph_mode: str | None = None
+) -> Run:
     """One cache at one point (a failure, such as running out of memory, is a note). The
     manager's handle pool is emptied afterwards: the next run starts from the same memory."""
     try:
         if cache_kind == "kvvm-graph":
             assert manager is not None
-            return _graph(model, w, manager, max_len)
+            return _graph(model, w, manager, max_len, graph_mode)
         return _generate(model, w, cache_kind, manager, max_len)
     except (torch.OutOfMemoryError, kvvm.KvvmError, RuntimeError) as e:
         use_kvvm_attention(model, enable=False)

@@ -57,7 +57,14 @@ class DecodeGraph:
     """
 
     def __init__(
-        self, model: Any, cache: KvvmCache, *, compile: bool = True, warmup: int = 2, slots: list[int] | None = None
+        self,
+        model: Any,
+        cache: KvvmCache,
+        *,
+        compile: bool = True,
+        mode: str | None = None,
+        warmup: int = 2,
+        slots: list[int] | None = None,
     ) -> None:
         if not cache.device_lengths:
             raise InvalidArgumentError(
@@ -70,7 +77,7 @@ class DecodeGraph:
         self.cache = cache
         self.batch = cache.batch_size
         self.tokens = torch.zeros((self.batch, 1), dtype=torch.long, device=device)
-        self._fn = torch.compile(self._forward, dynamic=False) if compile else self._forward
+        self._fn = torch.compile(self._forward, dynamic=False, mode=mode) if compile else self._forward
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits = self._capture(warmup, slots)
 

@@ -93,6 +93,12 @@ def _partial_kernel(
     Bounds,
     Acc,
     Lse,
+    KN,
+    VN,
+    WS,
+    WT,
+    stride_nb,
+    stride_nh,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -115,6 +121,7 @@ def _partial_kernel(
     SPLITS: tl.constexpr,
     LOOP_WHILE: tl.constexpr,
     PRECISION: tl.constexpr,
+    FUSED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -125,6 +132,13 @@ def _partial_kernel(
     slot = tl.sum(tl.where(offs == 0, row, 0), 0)
     start = tl.sum(tl.where(offs == 1, row, 0), 0)
     end = tl.sum(tl.where(offs == 2, row, 0), 0)
+    if FUSED:
+        # The step's new token (K and V in registers) is written here and attended to from
+        # registers: no program reads it from memory, so none races its write.
+        w_slot = tl.load(WS + b)
+        w_token = tl.load(WT + b)
+        has_new = (w_slot == slot) & (w_token == end - 1)
+        end = end - has_new.to(end.dtype)
     n = tl.maximum(end - start, 0)
     # Every split of a request gets a whole number of blocks.
     per_split = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
@@ -163,6 +177,23 @@ def _partial_kernel(
                 sm_scale, BLOCK, PRECISION,
             )
 
+    if FUSED:
+        n_base = b.to(tl.int64) * stride_nb + kvh.to(tl.int64) * stride_nh
+        kn = tl.load(KN + n_base + offs_d, mask=d_mask, other=0.0)
+        vn = tl.load(VN + n_base + offs_d, mask=d_mask, other=0.0)
+        if split == 0:
+            w_off = w_slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + w_token.to(tl.int64) * stride_kt
+            tl.store(K + w_off + offs_d, kn, mask=d_mask)
+            v_off = w_slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + w_token.to(tl.int64) * stride_vt
+            tl.store(V + v_off + offs_d, vn, mask=d_mask)
+        if (split == SPLITS - 1) & has_new:
+            qk_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * sm_scale
+            m_new = tl.maximum(m_i, qk_new)
+            alpha = tl.exp(m_i - m_new)
+            p_new = tl.exp(qk_new - m_new)
+            l_i = l_i * alpha + p_new
+            acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
+            m_i = m_new
     has = l_i > 0.0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
@@ -226,6 +257,7 @@ def choose_splits(batch: int, kv_heads: int, max_tokens: int, multiprocessors: i
 def tuned_config(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
     multiprocessors: int,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> Config:
     """The fastest of a few configurations around :func:`choose_splits`' for this shape,
     measured once on these very inputs (CUDA events, best of three) and remembered; the
@@ -247,11 +279,11 @@ def tuned_config(
     timings = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for c in sorted(candidates, key=lambda c: (c.splits, c.block, c.stages)):
-        decode_attention(query, key, value, bounds, scale, c)
+        decode_attention(query, key, value, bounds, scale, c, new)
         best = math.inf
         for _ in range(3):
             start.record()
-            decode_attention(query, key, value, bounds, scale, c)
+            decode_attention(query, key, value, bounds, scale, c, new)
             end.record()
             end.synchronize()
             best = min(best, start.elapsed_time(end))
@@ -268,6 +300,7 @@ def decode_attention(
     bounds: torch.Tensor,
     scale: float,
     config: Config | int,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its own tokens.
 
@@ -281,11 +314,24 @@ def decode_attention(
         scale: the softmax scale.
         config: a :class:`Config` (:func:`tuned_config`), or only its ``splits``
             (:func:`choose_splits`; a power of two).
+        new: the step's new K and V (``[batch, kv_heads, 1, head_dim]``) and where they go
+            (slot and token, int64 ``[batch, 1]``): written by the kernel itself and attended
+            from registers (``bounds``' ends include them when their write lands at the end).
 
     Returns:
         ``[batch, 1, heads, head_dim]`` in the query's dtype (transformers' layout).
     """
     c = config if isinstance(config, Config) else Config(config)
+    fused = new is not None
+    if new is not None:
+        key_new, value_new, w_slot, w_token = new
+        kn, vn = key_new[:, :, 0], value_new[:, :, 0]
+        if kn.stride() != vn.stride():
+            vn = vn.contiguous()
+            kn = kn.contiguous()
+        ws, wt = w_slot.reshape(-1), w_token.reshape(-1)
+    else:
+        kn = vn = ws = wt = bounds
     splits = c.splits
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
@@ -301,6 +347,12 @@ def decode_attention(
         bounds,
         acc,
         lse,
+        kn,
+        vn,
+        ws,
+        wt,
+        kn.stride(0) if fused else 0,
+        kn.stride(1) if fused else 0,
         q.stride(0),
         q.stride(1),
         key.stride(0),
@@ -324,6 +376,7 @@ def decode_attention(
         LOOP_WHILE=_INTERPRETED,
         # fp32 caches get fp32 products (Triton's default for fp32 is TF32).
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        FUSED=fused,
         num_warps=c.warps,
         num_stages=c.stages,
     )
