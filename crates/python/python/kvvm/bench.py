@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -260,6 +261,17 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         row = asdict(r)
         row.pop("outputs")
         report["results"].append(row)
+    engine_run = next((r for r in results if r.runner == "kvvm-engine"), None)
+    if args.kvvm_bin and engine_run and engine_run.kv_bytes_over_time:
+        trace_path = (args.json or "serve.json") + ".trace.jsonl"
+        sv.save_trace(trace, trace_path)
+        held = [b for _, b in engine_run.kv_bytes_over_time]
+        step_ms = engine_run.wall_s * 1000 / max(len(held), 1)
+        report["simulate"] = {
+            "measured_peak_bytes": max(held),
+            "measured_mean_bytes": round(statistics.mean(held)),
+            "predicted": sv.simulate_prediction(args.kvvm_bin, trace_path, args.simulate_model, step_ms),
+        }
     _flush(args, report)
     return report
 
@@ -328,6 +340,8 @@ def _serve_args(sub: Any) -> None:
     p.add_argument("--backend", default="auto", help="kvvm backend (host on a CPU)")
     p.add_argument("--bandwidth", type=float, default=4.8e12)
     p.add_argument("--flops", type=float, default=7.9e14, help="dense bf16 FLOP/s of the prefill floor")
+    p.add_argument("--kvvm-bin", help="the kvvm binary: compare the engine's KV bytes with kvvm simulate's prediction")
+    p.add_argument("--simulate-model", default="llama-3-8b", help="kvvm simulate's model preset for the prediction")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the report here")
 

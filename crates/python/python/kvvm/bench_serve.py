@@ -31,7 +31,17 @@ from kvvm import Manager
 from kvvm.attention import use_kvvm_attention
 from kvvm.engine import Engine
 
-__all__ = ["TraceRequest", "ServeResult", "load_trace", "synthetic_trace", "run_engine", "run_padded", "run_generate_batch"]
+__all__ = [
+    "TraceRequest",
+    "ServeResult",
+    "load_trace",
+    "synthetic_trace",
+    "save_trace",
+    "simulate_prediction",
+    "run_engine",
+    "run_padded",
+    "run_generate_batch",
+]
 
 
 @dataclass
@@ -101,6 +111,32 @@ def synthetic_trace(
         if rate > 0:
             t += rnd.expovariate(rate)
     return out
+
+
+def save_trace(trace: list[TraceRequest], path: str) -> None:
+    """Writes ``trace`` as JSONL that ``kvvm simulate --trace`` reads (token ids)."""
+    with open(path, "w") as f:
+        for q in trace:
+            f.write(json.dumps({"arrival_s": q.arrival_s, "token_ids": q.prompt, "output_tokens": q.output_tokens}) + "\n")
+
+
+def simulate_prediction(kvvm_bin: str, trace_path: str, model: str, step_ms: float) -> dict[str, Any]:
+    """What ``kvvm simulate`` predicts for the trace under kvvm's token-major layout with
+    prefix sharing: its peak and mean committed KV bytes (and its step, the simulator's clock)."""
+    import subprocess
+
+    cmd = [kvvm_bin, "simulate", "--trace", trace_path, "--json", "--backend", "sim", "--model", model,
+           "--policies", "kvvm-token-major+prefix", "--step-ms", str(max(1, round(step_ms)))]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip()[-300:]}
+    p = json.loads(out.stdout)["policies"][0]
+    return {
+        "peak_committed_bytes": p["peak_committed_bytes"],
+        "mean_committed_bytes": p["mean_committed_bytes"],
+        "completed": p["completed"],
+        "step_ms": step_ms,
+    }
 
 
 def _percentiles(xs: list[float]) -> dict[str, float]:
