@@ -33,8 +33,21 @@ pub fn default_budget(backend: &dyn VirtualMemoryBackend, device: DeviceId) -> O
     if backend.name() != "sim" {
         return free;
     }
-    let host = host_memory_budget();
-    Some(free.map_or(host, |f| f.min(host)))
+    Some(bounded_by_host(free, host_memory_budget()))
+}
+
+/// A simulated device's budget: its free memory (when the driver says), at most `host`.
+pub fn bounded_by_host(free: Option<u64>, host: u64) -> u64 {
+    free.map_or(host, |f| f.min(host))
+}
+
+/// Half of the host's total memory (`MemTotal`; it does not move while the host runs): what
+/// [`host_memory_budget`] can never exceed. `None` where `/proc/meminfo` cannot be read.
+pub fn host_memory_ceiling() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find_map(|l| l.strip_prefix("MemTotal:"))?;
+    let kb: u64 = line.split_whitespace().next()?.parse().ok()?;
+    Some(kb.saturating_mul(1024) / HOST_BUDGET_DIVISOR)
 }
 
 /// [`host_memory_budget`] from the text of `/proc/meminfo`: half of its `MemAvailable` line
@@ -69,19 +82,28 @@ mod tests {
 
     #[test]
     fn the_default_budget_on_the_simulator_is_bounded_by_the_host() {
-        // A simulated H200 reports 139 GiB free; the host holds the data.
+        // The rule, on fixed figures (the host's available memory moves between two reads).
+        let h200 = crate::H200_GRANULE * crate::H200_GRANULES;
+        assert_eq!(bounded_by_host(Some(h200), 11 * GIB), 11 * GIB);
+        assert_eq!(bounded_by_host(Some(1 << 25), 11 * GIB), 1 << 25);
+        assert_eq!(bounded_by_host(None, 11 * GIB), 11 * GIB);
+        // On this host: a simulated H200 reports 139 GiB free, the budget is the host's
+        // bound, never above half of the host's total memory.
         let sim = crate::SimBackend::h200();
-        let free = sim.memory_info(DeviceId(0)).map(|m| m.free).ok();
-        assert_eq!(free, Some(crate::H200_GRANULE * crate::H200_GRANULES));
-        let budget = default_budget(&sim, DeviceId(0));
-        assert_eq!(budget, free.map(|f| f.min(host_memory_budget())));
+        assert_eq!(
+            sim.memory_info(DeviceId(0)).map(|m| m.free).ok(),
+            Some(h200)
+        );
+        let budget = default_budget(&sim, DeviceId(0)).unwrap_or(0);
+        assert!(budget > 0 && budget <= h200);
+        if let Some(ceiling) = host_memory_ceiling() {
+            assert!(
+                budget <= ceiling,
+                "{budget} over half the host's memory {ceiling}"
+            );
+        }
         // A small simulated device: its free memory is the tighter bound.
         let small = crate::SimBackend::new(crate::SimConfig::single(1 << 21, 1 << 25));
         assert_eq!(default_budget(&small, DeviceId(0)), Some(1 << 25));
-        // A device the driver does not know: the host's bound alone.
-        assert_eq!(
-            default_budget(&sim, DeviceId(7)),
-            Some(host_memory_budget())
-        );
     }
 }

@@ -75,8 +75,8 @@ pub use config::{
 };
 pub use faults::{FaultPlan, FaultRule};
 pub use host::{
-    default_budget, host_memory_budget, host_memory_budget_from, HOST_BUDGET_DIVISOR,
-    HOST_BUDGET_FALLBACK,
+    bounded_by_host, default_budget, host_memory_budget, host_memory_budget_from,
+    host_memory_ceiling, HOST_BUDGET_DIVISOR, HOST_BUDGET_FALLBACK,
 };
 /// The cost model (defined in `kvvm-hal`, re-exported where the simulator is configured).
 pub use kvvm_hal::LatencyModel;
