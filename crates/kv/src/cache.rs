@@ -230,7 +230,8 @@ impl PrefixCache {
     /// Like [`admit`](Self::admit), into `seq`: an empty sequence (fresh or released) of this
     /// cache's plan made by the caller, for example one slot of a strided batch. Returns what
     /// `admit` returns beside the sequence. On error `seq` is released again (empty) and the
-    /// cache is unchanged.
+    /// cache is unchanged; a sequence of another manager ([`KvCacheError::OtherManager`]) or
+    /// in use ([`KvCacheError::InUse`]) is refused untouched.
     pub fn admit_into(
         &self,
         token_ids: &[u32],
@@ -246,17 +247,29 @@ impl PrefixCache {
                 max_tokens,
             });
         }
+        if !seq.vm().same_manager(&self.vm) {
+            return Err(KvCacheError::OtherManager {
+                what: "prefix cache",
+            });
+        }
         if seq.plan() != &self.plan {
             return Err(KvCacheError::PlanMismatch {
                 reason: "the sequence was laid out under another plan than the cache's".to_owned(),
             });
         }
         seq.check_empty()?;
-        match self.admit_empty(token_ids, seq) {
+        let mut hit_bytes = 0;
+        match self.admit_empty(token_ids, seq, &mut hit_bytes) {
             Ok(info) => Ok(info),
             Err(e) => {
                 seq.release_after_error();
-                Err(e)
+                // A refusal names what the whole admission needed (the prompt's windows
+                // less the hit), against what is available once it is undone.
+                let needed = self
+                    .plan
+                    .committed_bytes_for_tokens(prompt)
+                    .map_or(0, |b| b.saturating_sub(hit_bytes));
+                Err(e.restated_for(&self.vm, needed))
             }
         }
     }
@@ -265,6 +278,7 @@ impl PrefixCache {
         &self,
         token_ids: &[u32],
         seq: &mut SequenceKv,
+        hit_bytes: &mut u64,
     ) -> Result<AdmissionInfo, KvCacheError> {
         let prompt = token_ids.len() as u64;
         let hashes = self.block_hashes(token_ids);
@@ -314,6 +328,7 @@ impl PrefixCache {
         for s in &segments {
             shared_bytes =
                 shared_bytes.saturating_add(seq.attach_readonly(&s.prefix, s.end_window)?);
+            *hit_bytes = shared_bytes;
         }
         let hit_tokens = hit_blocks.saturating_mul(self.block_tokens);
         seq.set_attached_prefix_tokens(hit_tokens);
@@ -376,8 +391,14 @@ impl PrefixCache {
     ///
     /// Errors: [`KvCacheError::PrefixNotWritten`] when the sequence has not written its
     /// prefix tokens yet (nothing changes; call again after writing);
-    /// [`KvCacheError::PlanMismatch`] when the sequence was admitted by another cache.
+    /// [`KvCacheError::PlanMismatch`] when the sequence was admitted by another cache;
+    /// [`KvCacheError::OtherManager`] when it is another manager's.
     pub fn publish(&self, sequence: &mut SequenceKv) -> Result<PublishOutcome, KvCacheError> {
+        if !sequence.vm().same_manager(&self.vm) {
+            return Err(KvCacheError::OtherManager {
+                what: "prefix cache",
+            });
+        }
         let Some(pending) = sequence.pending.take() else {
             return Ok(PublishOutcome::NothingToPublish);
         };
@@ -567,6 +588,14 @@ impl Reclaimer for PrefixCache {
             return 0;
         }
         self.evict_inner(bytes)
+    }
+
+    /// The idle prefixes' bytes: what eviction would give back now.
+    fn reclaimable(&self, device: DeviceId) -> u64 {
+        if device != self.vm.device() {
+            return 0;
+        }
+        self.stats().idle_bytes
     }
 }
 
