@@ -16,10 +16,10 @@ pub struct Backpressure {
     /// Bytes asked for: the whole request (a manager counts what its pool would have supplied
     /// too).
     pub needed: u64,
-    /// Bytes available to a new request after the reclaimers ran: what the tighter of the
-    /// device and process budgets leaves free, plus what reclaimers still hold
-    /// (`Governor::available_bytes`). A caller that set memory aside for the request (a
-    /// manager's pooled handles) adds it, as it adds it to [`needed`](Self::needed).
+    /// Bytes available at the refusal, once the reclaimers gave back what they could: what
+    /// the tighter of the device and process budgets leaves free (`Governor::available_bytes`
+    /// at that moment). A caller that had set memory aside for the request (a manager's
+    /// pooled handles) adds it, as it adds it to [`needed`](Self::needed).
     pub available: u64,
     /// When a retry is likely to succeed (see the crate docs for the estimate).
     pub retry_after: Duration,

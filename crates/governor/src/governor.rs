@@ -207,9 +207,9 @@ impl Governor {
         match self.try_grant_locked(device, bytes) {
             Ok(g) => Ok(g),
             Err(Err(never)) => Err(never.into()),
-            Err(Ok(_)) => {
-                // What is left to reclaim counts as available, as everywhere else.
-                let available = self.available_bytes(device);
+            Err(Ok(available)) => {
+                // The reclaimers gave back what they could: what is left free is what
+                // `available_bytes` counts at this moment.
                 let shortfall = bytes.saturating_sub(available);
                 let retry_after = self.estimate_retry_after(device, shortfall);
                 tracing::debug!(needed = bytes, available, ?retry_after, "grant refused");

@@ -17,6 +17,7 @@ use crate::cache_records::{
     Admission, AdmissionInfo, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
 };
 use crate::error::KvCacheError;
+use crate::prefix::SharedDevicePrefix;
 use crate::sequence::{AttachedSegment, PendingPublish, SequenceKv};
 use kvvm_layout::evaluate_prefix_shareability;
 use kvvm_layout::LayoutPlan;
@@ -262,14 +263,16 @@ impl PrefixCache {
         match self.admit_empty(token_ids, seq, &mut hit_bytes) {
             Ok(info) => Ok(info),
             Err(e) => {
-                seq.release_after_error();
                 // A refusal names what the whole admission needed (the prompt's windows
-                // less the hit), against what is available once it is undone.
+                // less the hit), against what was available with what it had committed
+                // before the refusal given back.
+                let undone = seq.releasable_bytes();
+                seq.release_after_error();
                 let needed = self
                     .plan
                     .committed_bytes_for_tokens(prompt)
                     .map_or(0, |b| b.saturating_sub(hit_bytes));
-                Err(e.restated_for(&self.vm, needed))
+                Err(e.restated(needed, undone))
             }
         }
     }
@@ -473,20 +476,18 @@ impl PrefixCache {
         let mut out = st.stats;
         let mut seen = HashSet::new();
         let mut cached = 0u64;
-        let mut idle = 0u64;
         for e in st.entries.values() {
             for s in &e.segments {
                 if seen.insert(Arc::as_ptr(&s.prefix) as usize) {
                     cached = cached.saturating_add(s.prefix.bytes());
-                    if s.prefix.mapped_count() == 0 {
-                        idle = idle.saturating_add(s.prefix.bytes());
-                    }
                 }
             }
         }
         out.cached_entries = st.entries.len() as u64;
         out.cached_bytes = cached;
-        out.idle_bytes = idle;
+        out.idle_bytes = cache_only(&st)
+            .values()
+            .fold(0u64, |a, b| a.saturating_add(*b));
         out
     }
 
@@ -529,12 +530,14 @@ impl PrefixCache {
             let victim = {
                 let mut st = self.lock();
                 let mut best: Option<(u64, u64)> = None;
+                let idle = cache_only(&st);
                 for (id, e) in &st.entries {
-                    let frees = e.segments.iter().any(|s| {
-                        s.prefix.mapped_count() == 0
-                            && Arc::strong_count(&s.prefix) == 1
-                            && Arc::strong_count(s.prefix.handles()) == 1
-                    });
+                    // It holds a segment that only entries hold: evicting it and the others
+                    // that hold that segment frees it.
+                    let frees = e
+                        .segments
+                        .iter()
+                        .any(|s| idle.contains_key(&(Arc::as_ptr(&s.prefix) as usize)));
                     if frees && best.is_none_or(|(_, t)| e.last_used < t) {
                         best = Some((*id, e.last_used));
                     }
@@ -570,6 +573,28 @@ impl PrefixCache {
     }
 }
 
+/// The segments only cache entries hold (no sequence maps or holds them, no caller keeps a
+/// handle of them), by address, with their bytes: what evicting every entry holding them
+/// frees.
+fn cache_only(st: &State) -> HashMap<usize, u64> {
+    let mut refs: HashMap<usize, (usize, &Arc<SharedDevicePrefix>)> = HashMap::new();
+    for e in st.entries.values() {
+        for s in &e.segments {
+            refs.entry(Arc::as_ptr(&s.prefix) as usize)
+                .or_insert((0, &s.prefix))
+                .0 += 1;
+        }
+    }
+    refs.into_iter()
+        .filter(|(_, (n, p))| {
+            p.mapped_count() == 0
+                && Arc::strong_count(p) == *n
+                && Arc::strong_count(p.handles()) == 1
+        })
+        .map(|(k, (_, p))| (k, p.bytes()))
+        .collect()
+}
+
 /// The segments restricted to windows `[0, end_window)`.
 fn restrict(segments: &[AttachedSegment], end_window: u64) -> Vec<AttachedSegment> {
     segments
@@ -590,7 +615,7 @@ impl Reclaimer for PrefixCache {
         self.evict_inner(bytes)
     }
 
-    /// The idle prefixes' bytes: what eviction would give back now.
+    /// The idle prefixes' bytes ([`PrefixCacheStats::idle_bytes`]): what eviction gives back.
     fn reclaimable(&self, device: DeviceId) -> u64 {
         if device != self.vm.device() {
             return 0;

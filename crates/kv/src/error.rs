@@ -154,18 +154,15 @@ impl From<kvvm_vmm::VmmError> for KvCacheError {
 
 impl KvCacheError {
     /// A backpressure refusal of one step of a larger operation, restated for the whole
-    /// operation once it was undone: `needed` bytes (at least what the step asked for)
-    /// against what `vm`'s governor has available now, with the retry estimate for that
-    /// shortfall. Any other error is returned as it is.
-    pub(crate) fn restated_for(self, vm: &kvvm_vmm::VirtualMemory, needed: u64) -> Self {
+    /// operation: `needed` bytes (at least what the step asked for) against what was
+    /// available plus `undone`, what the operation's earlier steps held and gave back. The
+    /// shortfall, and so `retry_after`, is the step's. Any other error is returned as it is.
+    pub(crate) fn restated(self, needed: u64, undone: u64) -> Self {
         let KvCacheError::Backpressure(mut b) = self else {
             return self;
         };
-        let governor = vm.governor();
         b.needed = b.needed.max(needed);
-        b.available = governor.available_bytes(b.device);
-        b.retry_after =
-            governor.estimate_retry_after(b.device, b.needed.saturating_sub(b.available));
+        b.available = b.available.saturating_add(undone);
         KvCacheError::Backpressure(b)
     }
 
