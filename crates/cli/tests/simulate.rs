@@ -176,6 +176,45 @@ fn simulate_reports_bad_input_clearly() {
     assert_eq!(code, 2);
     assert!(stdout.is_empty());
     assert!(stderr.contains("trace line 2"), "{stderr}");
+    // What a newcomer writes: a JSON array, a file saved with a byte-order mark, a request
+    // too long for the context on line 3 that arrives first.
+    let request = "{\"arrival_s\": 1, \"prompt_tokens\": 5, \"output_tokens\": 5}";
+    let cases = [
+        (
+            format!("[{request}, {request}]\n"),
+            2,
+            "trace line 1: a JSON array: a JSONL trace holds one JSON object per line",
+        ),
+        (format!("\u{feff}{request}\n{request}\n"), 0, ""),
+        (
+            format!(
+                "{request}\n{request}\n{{\"arrival_s\": 0.5, \"prompt_tokens\": 40000, \"output_tokens\": 9}}\n"
+            ),
+            2,
+            "trace line 3: the request needs 40009 tokens (prompt 40000 + output 9), more than \
+             the maximum context of 32768 tokens (raise --max-context or shorten the trace)",
+        ),
+        (
+            format!("{{\"arrival_s\": 1, \"prompt_tokens\": 5, \"output_tokens\": -1}}\n"),
+            2,
+            "trace line 1: output_tokens must be a whole number >= 1, not -1",
+        ),
+    ];
+    for (i, (text, want_code, want)) in cases.iter().enumerate() {
+        let path = dir.join(format!("case{i}.jsonl"));
+        std::fs::write(&path, text).unwrap();
+        let (code, _, stderr) = kvvm(&[
+            "simulate",
+            "--backend",
+            "sim",
+            "--policies",
+            "paged-16",
+            "--trace",
+            path.to_str().unwrap(),
+        ]);
+        assert_eq!(code, *want_code, "{text}: {stderr}");
+        assert!(stderr.contains(want), "{text}: {stderr}");
+    }
     let (code, _, stderr) = kvvm(&["simulate", "--backend", "sim", "--policies", "nope"]);
     assert_eq!(code, 2);
     assert!(stderr.contains("unknown policy"), "{stderr}");

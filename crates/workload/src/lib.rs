@@ -76,6 +76,7 @@ mod replay;
 mod report;
 mod table;
 mod trace;
+mod trace_line;
 
 pub use driver::{classic, CountingBackend, DriverTally};
 pub use error::{WorkloadError, WorkloadResult};
