@@ -195,7 +195,7 @@ fn simulate_reports_bad_input_clearly() {
              the maximum context of 32768 tokens (raise --max-context or shorten the trace)",
         ),
         (
-            format!("{{\"arrival_s\": 1, \"prompt_tokens\": 5, \"output_tokens\": -1}}\n"),
+            "{\"arrival_s\": 1, \"prompt_tokens\": 5, \"output_tokens\": -1}\n".to_owned(),
             2,
             "trace line 1: output_tokens must be a whole number >= 1, not -1",
         ),

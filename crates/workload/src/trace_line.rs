@@ -87,11 +87,12 @@ pub(crate) fn parse(text: &str) -> Result<Row, String> {
     match &value {
         Value::Object(_) => {}
         Value::Array(_) => {
-            return Err(format!(
+            return Err(
                 "a JSON array: a JSONL trace holds one JSON object per line, such as \
-                 {{\"arrival_s\": 0.5, \"prompt_tokens\": 900, \"output_tokens\": 120}}, not an \
+                 {\"arrival_s\": 0.5, \"prompt_tokens\": 900, \"output_tokens\": 120}, not an \
                  array of them (write each request on its own line)"
-            ))
+                    .to_owned(),
+            )
         }
         other => {
             return Err(format!(
