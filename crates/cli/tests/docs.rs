@@ -192,3 +192,28 @@ fn the_default_run_ends_with_a_verdict_whose_figures_are_the_tables() {
         |r: &std::collections::HashMap<String, String>| -> u64 { r["served"].parse().unwrap() };
     assert!(served(&k) >= served(&b), "{verdict}");
 }
+
+/// What a newcomer meets before any code runs is said where they look first: `pip install .`
+/// is silent while cargo builds (and `-v` shows it), and newer transformers take the cache as
+/// `cache=` (with the helper that picks the keyword).
+#[test]
+fn the_python_install_and_the_cache_keyword_are_documented_where_users_look() {
+    let readme =
+        std::fs::read_to_string(format!("{}/../../README.md", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let python = doc("python.md");
+    for (name, text) in [("README.md", &readme), ("docs/python.md", &python)] {
+        assert!(
+            text.contains("pip install -v ."),
+            "{name}: the silent build"
+        );
+        assert!(
+            text.contains("about two minutes"),
+            "{name}: the build's length"
+        );
+        assert!(
+            text.contains("5.24") && text.contains("`cache=`"),
+            "{name}: cache="
+        );
+        assert!(text.contains("cache_argument(model)"), "{name}: the helper");
+    }
+}
