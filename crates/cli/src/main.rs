@@ -59,7 +59,7 @@ enum Command {
     Behaviour(behaviour::BehaviourArgs),
     /// Shareability verdict, fragments and commit lower bound for a model and layout.
     Plan(plan::PlanArgs),
-    /// Benchmarks measured side by side in one run (`kvvm bench vmm`, `kv`, `decode`, `host`).
+    /// Benchmarks measured side by side in one run: `vmm`, `kv`, `decode`, `host`, `tp`.
     Bench(bench::BenchArgs),
     /// Replay a serving trace through every KV memory policy, side by side (table, JSON, SVG).
     Simulate(simulate_args::SimulateArgs),

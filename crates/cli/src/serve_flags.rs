@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use clap::Args;
-use kvvm_server::{ApiKeys, HttpConfig, Limits, LogFormat, DEFAULT_BODY_LIMIT};
+use kvvm_server::{ApiKeys, HttpConfig, Limits, LogFormat};
 
 use crate::flags::{duration_in, int_in, size_in, MAX_DURATION};
 
@@ -15,12 +15,17 @@ const MAX_CONNECTIONS: u64 = 1_000_000;
 /// The shortest timeout that still lets a request through.
 const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
+/// `--max-reserved-bytes`' default as `--help` shows it: `Limits::default()`'s, in units.
+const MAX_RESERVED_DEFAULT: &str = "64TiB";
+/// `--body-limit-bytes`' default as `--help` shows it: `kvvm_server::DEFAULT_BODY_LIMIT`, in units.
+const BODY_LIMIT_DEFAULT: &str = "1MiB";
+
 /// Timeouts, caps, keys and limits of `kvvm serve`.
 #[derive(Debug, Args)]
 pub struct ServeFlags {
     /// Largest request body accepted (a size, 1KiB to 1GiB; larger: 413, from Content-Length
     /// before anything is read).
-    #[arg(long, value_parser = size_in(1 << 10, 1 << 30), default_value_t = DEFAULT_BODY_LIMIT as u64)]
+    #[arg(long, value_parser = size_in(1 << 10, 1 << 30), default_value = BODY_LIMIT_DEFAULT)]
     body_limit_bytes: u64,
     /// A request head must be complete this long after the server starts waiting for it.
     #[arg(long, value_parser = duration_in(MIN_TIMEOUT, MAX_DURATION), default_value = "10s")]
@@ -48,7 +53,7 @@ pub struct ServeFlags {
     #[arg(long, default_value_t = Limits::default().max_sequences, value_parser = int_in::<u64>(1, u64::MAX))]
     max_sequences: u64,
     /// Most address space reserved by live sequences in total (a size).
-    #[arg(long, value_parser = size_in(1, u64::MAX), default_value_t = Limits::default().max_reserved_bytes)]
+    #[arg(long, value_parser = size_in(1, u64::MAX), default_value = MAX_RESERVED_DEFAULT)]
     max_reserved_bytes: u64,
     /// Most live sequences per API key (without keys: of all clients together).
     #[arg(long, value_parser = int_in::<u64>(1, u64::MAX))]
@@ -146,5 +151,22 @@ impl ServeFlags {
             shared_prefix_cache: self.shared_prefix_cache,
             log,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_shown_in_units_are_the_librarys() {
+        assert_eq!(
+            kvvm_num::parse_size(MAX_RESERVED_DEFAULT),
+            Ok(Limits::default().max_reserved_bytes)
+        );
+        assert_eq!(
+            kvvm_num::parse_size(BODY_LIMIT_DEFAULT),
+            Ok(kvvm_server::DEFAULT_BODY_LIMIT as u64)
+        );
     }
 }

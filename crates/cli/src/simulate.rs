@@ -7,7 +7,10 @@ use std::time::Duration;
 use kvvm::sim::SimBackend;
 use kvvm::{DeviceId, VirtualMemoryBackend};
 use kvvm_num::format_size;
-use kvvm_workload::{render_svg, render_table, simulate, PolicyKind, SimulationConfig};
+use kvvm_workload::{
+    render_svg, render_table, render_verdict, simulate, verdict, PolicyKind, SimulationConfig,
+    TableWidth,
+};
 
 use crate::backend;
 use crate::error::{failed, CliError, CliResult};
@@ -128,10 +131,19 @@ pub fn run(args: &SimulateArgs, out: Out<'_>) -> CliResult<ExitCode> {
         let mut v = serde_json::to_value(&report).map_err(failed)?;
         if let Some(obj) = v.as_object_mut() {
             obj.insert("ledger_empty_after_run".into(), ledger_empty.into());
+            obj.insert(
+                "verdict".into(),
+                serde_json::to_value(verdict(&report)).map_err(failed)?,
+            );
         }
         output::json_pretty(out, &v)?;
     } else {
-        output::text(out, &render_table(&report))?;
+        let width = if args.wide {
+            TableWidth::Wide
+        } else {
+            TableWidth::Narrow
+        };
+        output::text(out, &render_table(&report, width))?;
         if let Some(empty) = ledger_empty {
             writeln!(
                 out,
@@ -147,7 +159,14 @@ pub fn run(args: &SimulateArgs, out: Out<'_>) -> CliResult<ExitCode> {
         if let Some(path) = &args.plot {
             writeln!(out, "plot written to {}", path.display())?;
         }
-        writeln!(out, "replayed in {:.2} s", report.elapsed_s)?;
+        // The conclusion comes last; the wall time is a notice (stderr), so that stdout is
+        // the same on every run.
+        writeln!(out)?;
+        output::text(out, &render_verdict(&report))?;
+        output::note(format_args!(
+            "kvvm simulate: replayed in {:.2} s",
+            report.elapsed_s
+        ));
     }
     if ledger_empty == Some(false) {
         return Ok(ExitCode::from(1));

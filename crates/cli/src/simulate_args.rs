@@ -45,7 +45,8 @@ pub struct SimulateArgs {
     #[arg(long, value_name = "FILE.jsonl")]
     pub trace: Option<PathBuf>,
     /// Memory budget of every policy (8GiB, 512MiB or bytes; at most the device's memory).
-    #[arg(long, default_value = "40GiB", value_parser = flags::size_in(1, u64::MAX))]
+    /// The default is tight enough that the policies serve differently.
+    #[arg(long, default_value = "8GiB", value_parser = flags::size_in(1, u64::MAX))]
     pub budget_bytes: u64,
     /// Maximum context in tokens (what static-max preallocates and kvvm reserves).
     #[arg(long, default_value_t = 32_768, value_parser = flags::int_in::<u64>(1, MAX_CONTEXT_TOKENS))]
@@ -59,6 +60,10 @@ pub struct SimulateArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// A wider table with every figure (mappings, handles, driver calls and time, live and
+    /// stored bytes, waits in full); the default fits 120 columns.
+    #[arg(long, conflicts_with = "json")]
+    pub wide: bool,
     /// Write an SVG plot of committed memory over time per policy (the name must end in .svg).
     #[arg(long, value_name = "FILE.svg")]
     pub plot: Option<PathBuf>,

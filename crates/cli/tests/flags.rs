@@ -149,6 +149,11 @@ fn values_a_command_cannot_honour_are_errors_naming_the_flag_and_the_range() {
             "--budget-bytes",
             "negative",
         ),
+        (
+            &["serve", "--budget-bytes", "1e99"],
+            "--budget-bytes",
+            "exponents are not accepted",
+        ),
     ];
     for (args, flag, range) in cases {
         let (code, stdout, stderr) = kvvm(args);
@@ -214,4 +219,26 @@ fn every_size_flag_takes_units() {
     let (code, stdout, stderr) = kvvm(&["plan", "--model", "llama-3-8b", "--granule", "65536"]);
     assert_eq!(code, 0, "{stderr}");
     assert!(stdout.contains("granule 64 KiB"), "{stdout}");
+}
+
+#[test]
+fn help_lists_every_bench_and_defaults_in_units() {
+    let (code, stdout, _) = kvvm(&["bench", "--help"]);
+    assert_eq!(code, 0);
+    // The summary line names every benchmark the subcommand list holds.
+    let summary = stdout.lines().next().unwrap_or_default();
+    for name in ["vmm", "kv", "decode", "host", "tp"] {
+        assert!(
+            stdout.contains(&format!("\n  {name} ")),
+            "{name} missing from the list: {stdout}"
+        );
+        assert!(summary.contains(&format!("`{name}`")), "{name}: {summary}");
+    }
+    let (code, stdout, _) = kvvm(&["--help"]);
+    assert_eq!(code, 0);
+    assert!(stdout.contains("`tp`"), "{stdout}");
+    let (code, stdout, _) = kvvm(&["serve", "--help"]);
+    assert_eq!(code, 0);
+    assert!(stdout.contains("[default: 64TiB]"), "{stdout}");
+    assert!(!stdout.contains("70368744177664"), "{stdout}");
 }

@@ -13,9 +13,13 @@ use kvvm_hal::DeviceId;
 pub struct Backpressure {
     /// The device the grant was asked for.
     pub device: DeviceId,
-    /// Bytes asked for.
+    /// Bytes asked for: the whole request (a manager counts what its pool would have supplied
+    /// too).
     pub needed: u64,
-    /// Bytes that could have been granted (the tighter of the device and process budgets).
+    /// Bytes available at the refusal, once the reclaimers gave back what they could: what
+    /// the tighter of the device and process budgets leaves free (`Governor::available_bytes`
+    /// at that moment). A caller that had set memory aside for the request (a manager's
+    /// pooled handles) adds it, as it adds it to [`needed`](Self::needed).
     pub available: u64,
     /// When a retry is likely to succeed (see the crate docs for the estimate).
     pub retry_after: Duration,

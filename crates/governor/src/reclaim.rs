@@ -9,4 +9,12 @@ pub trait Reclaimer: Send + Sync {
     /// `Governor::free`) and returns how many bytes were freed. Called without any governor
     /// lock held; it may call the governor.
     fn reclaim(&self, device: DeviceId, bytes: u64) -> u64;
+
+    /// Bytes on `device` that [`reclaim`](Self::reclaim) would give back now if asked for
+    /// everything (a pool's handles, the idle prefixes of a cache): part of what
+    /// `Governor::available_bytes` reports. The default is 0 (nothing counted ahead).
+    fn reclaimable(&self, device: DeviceId) -> u64 {
+        let _ = device;
+        0
+    }
 }

@@ -17,6 +17,7 @@ use crate::cache_records::{
     Admission, AdmissionInfo, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
 };
 use crate::error::KvCacheError;
+use crate::prefix::SharedDevicePrefix;
 use crate::sequence::{AttachedSegment, PendingPublish, SequenceKv};
 use kvvm_layout::evaluate_prefix_shareability;
 use kvvm_layout::LayoutPlan;
@@ -230,7 +231,8 @@ impl PrefixCache {
     /// Like [`admit`](Self::admit), into `seq`: an empty sequence (fresh or released) of this
     /// cache's plan made by the caller, for example one slot of a strided batch. Returns what
     /// `admit` returns beside the sequence. On error `seq` is released again (empty) and the
-    /// cache is unchanged.
+    /// cache is unchanged; a sequence of another manager ([`KvCacheError::OtherManager`]) or
+    /// in use ([`KvCacheError::InUse`]) is refused untouched.
     pub fn admit_into(
         &self,
         token_ids: &[u32],
@@ -246,17 +248,31 @@ impl PrefixCache {
                 max_tokens,
             });
         }
+        if !seq.vm().same_manager(&self.vm) {
+            return Err(KvCacheError::OtherManager {
+                what: "prefix cache",
+            });
+        }
         if seq.plan() != &self.plan {
             return Err(KvCacheError::PlanMismatch {
                 reason: "the sequence was laid out under another plan than the cache's".to_owned(),
             });
         }
         seq.check_empty()?;
-        match self.admit_empty(token_ids, seq) {
+        let mut hit_bytes = 0;
+        match self.admit_empty(token_ids, seq, &mut hit_bytes) {
             Ok(info) => Ok(info),
             Err(e) => {
+                // A refusal names what the whole admission needed (the prompt's windows
+                // less the hit), against what was available with what it had committed
+                // before the refusal given back.
+                let undone = seq.releasable_bytes();
                 seq.release_after_error();
-                Err(e)
+                let needed = self
+                    .plan
+                    .committed_bytes_for_tokens(prompt)
+                    .map_or(0, |b| b.saturating_sub(hit_bytes));
+                Err(e.restated(needed, undone))
             }
         }
     }
@@ -265,6 +281,7 @@ impl PrefixCache {
         &self,
         token_ids: &[u32],
         seq: &mut SequenceKv,
+        hit_bytes: &mut u64,
     ) -> Result<AdmissionInfo, KvCacheError> {
         let prompt = token_ids.len() as u64;
         let hashes = self.block_hashes(token_ids);
@@ -314,6 +331,7 @@ impl PrefixCache {
         for s in &segments {
             shared_bytes =
                 shared_bytes.saturating_add(seq.attach_readonly(&s.prefix, s.end_window)?);
+            *hit_bytes = shared_bytes;
         }
         let hit_tokens = hit_blocks.saturating_mul(self.block_tokens);
         seq.set_attached_prefix_tokens(hit_tokens);
@@ -376,8 +394,14 @@ impl PrefixCache {
     ///
     /// Errors: [`KvCacheError::PrefixNotWritten`] when the sequence has not written its
     /// prefix tokens yet (nothing changes; call again after writing);
-    /// [`KvCacheError::PlanMismatch`] when the sequence was admitted by another cache.
+    /// [`KvCacheError::PlanMismatch`] when the sequence was admitted by another cache;
+    /// [`KvCacheError::OtherManager`] when it is another manager's.
     pub fn publish(&self, sequence: &mut SequenceKv) -> Result<PublishOutcome, KvCacheError> {
+        if !sequence.vm().same_manager(&self.vm) {
+            return Err(KvCacheError::OtherManager {
+                what: "prefix cache",
+            });
+        }
         let Some(pending) = sequence.pending.take() else {
             return Ok(PublishOutcome::NothingToPublish);
         };
@@ -452,20 +476,18 @@ impl PrefixCache {
         let mut out = st.stats;
         let mut seen = HashSet::new();
         let mut cached = 0u64;
-        let mut idle = 0u64;
         for e in st.entries.values() {
             for s in &e.segments {
                 if seen.insert(Arc::as_ptr(&s.prefix) as usize) {
                     cached = cached.saturating_add(s.prefix.bytes());
-                    if s.prefix.mapped_count() == 0 {
-                        idle = idle.saturating_add(s.prefix.bytes());
-                    }
                 }
             }
         }
         out.cached_entries = st.entries.len() as u64;
         out.cached_bytes = cached;
-        out.idle_bytes = idle;
+        out.idle_bytes = cache_only(&st)
+            .values()
+            .fold(0u64, |a, b| a.saturating_add(*b));
         out
     }
 
@@ -508,12 +530,14 @@ impl PrefixCache {
             let victim = {
                 let mut st = self.lock();
                 let mut best: Option<(u64, u64)> = None;
+                let idle = cache_only(&st);
                 for (id, e) in &st.entries {
-                    let frees = e.segments.iter().any(|s| {
-                        s.prefix.mapped_count() == 0
-                            && Arc::strong_count(&s.prefix) == 1
-                            && Arc::strong_count(s.prefix.handles()) == 1
-                    });
+                    // It holds a segment that only entries hold: evicting it and the others
+                    // that hold that segment frees it.
+                    let frees = e
+                        .segments
+                        .iter()
+                        .any(|s| idle.contains_key(&(Arc::as_ptr(&s.prefix) as usize)));
                     if frees && best.is_none_or(|(_, t)| e.last_used < t) {
                         best = Some((*id, e.last_used));
                     }
@@ -549,6 +573,28 @@ impl PrefixCache {
     }
 }
 
+/// The segments only cache entries hold (no sequence maps or holds them, no caller keeps a
+/// handle of them), by address, with their bytes: what evicting every entry holding them
+/// frees.
+fn cache_only(st: &State) -> HashMap<usize, u64> {
+    let mut refs: HashMap<usize, (usize, &Arc<SharedDevicePrefix>)> = HashMap::new();
+    for e in st.entries.values() {
+        for s in &e.segments {
+            refs.entry(Arc::as_ptr(&s.prefix) as usize)
+                .or_insert((0, &s.prefix))
+                .0 += 1;
+        }
+    }
+    refs.into_iter()
+        .filter(|(_, (n, p))| {
+            p.mapped_count() == 0
+                && Arc::strong_count(p) == *n
+                && Arc::strong_count(p.handles()) == 1
+        })
+        .map(|(k, (_, p))| (k, p.bytes()))
+        .collect()
+}
+
 /// The segments restricted to windows `[0, end_window)`.
 fn restrict(segments: &[AttachedSegment], end_window: u64) -> Vec<AttachedSegment> {
     segments
@@ -567,6 +613,14 @@ impl Reclaimer for PrefixCache {
             return 0;
         }
         self.evict_inner(bytes)
+    }
+
+    /// The idle prefixes' bytes ([`PrefixCacheStats::idle_bytes`]): what eviction gives back.
+    fn reclaimable(&self, device: DeviceId) -> u64 {
+        if device != self.vm.device() {
+            return 0;
+        }
+        self.stats().idle_bytes
     }
 }
 

@@ -68,7 +68,8 @@ pub struct PrefixCacheStats {
     pub cached_entries: u64,
     /// Physical bytes the cached prefixes hold (each shared set counted once).
     pub cached_bytes: u64,
-    /// Of those, bytes no live sequence maps (what eviction would free now).
+    /// Of those, bytes only the cache holds (no live sequence maps or holds them): what
+    /// eviction frees now, and what the governor counts as available.
     pub idle_bytes: u64,
     /// Prefixes evicted (by the LRU cap or the governor's reclaim).
     pub evictions: u64,

@@ -20,6 +20,7 @@ use kvvm_layout::KvError;
 ///   [`PrefixShareability::refusal_reason`](crate::PrefixShareability::refusal_reason).
 /// * [`WriteIntoSharedPrefix`](Self::WriteIntoSharedPrefix), [`NotCommitted`](Self::NotCommitted),
 ///   [`BadLength`](Self::BadLength), [`Layout`](Self::Layout), [`PlanMismatch`](Self::PlanMismatch),
+///   [`InUse`](Self::InUse), [`OtherManager`](Self::OtherManager),
 ///   [`PrefixNotWritten`](Self::PrefixNotWritten): caller bugs, refused before any driver call.
 /// * [`Vmm`](Self::Vmm), [`Backend`](Self::Backend): the manager or a copy failed; the
 ///   manager's books still equal the driver's truth (see `kvvm-vmm`).
@@ -92,6 +93,23 @@ pub enum KvCacheError {
         /// Why.
         reason: String,
     },
+    /// The operation needs an empty sequence (fresh or released) and this one is in use.
+    #[error(
+        "the sequence is in use ({committed_tokens} tokens committed, {mapped_bytes} bytes mapped): release it first"
+    )]
+    InUse {
+        /// Tokens it has committed.
+        committed_tokens: u64,
+        /// Bytes mapped in its reservation.
+        mapped_bytes: u64,
+    },
+    /// The sequence belongs to another manager than the object it is handed to (a prefix
+    /// cache of one manager is given a sequence of another).
+    #[error("the sequence belongs to another manager than the {what}'s")]
+    OtherManager {
+        /// What refused it (`prefix cache`, `shared prefix`).
+        what: &'static str,
+    },
     /// `publish` was called before the owner wrote the prefix it would publish.
     #[error("prefix not written: {written} tokens written, {needed} needed before publishing")]
     PrefixNotWritten {
@@ -135,6 +153,19 @@ impl From<kvvm_vmm::VmmError> for KvCacheError {
 }
 
 impl KvCacheError {
+    /// A backpressure refusal of one step of a larger operation, restated for the whole
+    /// operation: `needed` bytes (at least what the step asked for) against what was
+    /// available plus `undone`, what the operation's earlier steps held and gave back. The
+    /// shortfall, and so `retry_after`, is the step's. Any other error is returned as it is.
+    pub(crate) fn restated(self, needed: u64, undone: u64) -> Self {
+        let KvCacheError::Backpressure(mut b) = self else {
+            return self;
+        };
+        b.needed = b.needed.max(needed);
+        b.available = b.available.saturating_add(undone);
+        KvCacheError::Backpressure(b)
+    }
+
     /// The governor's refusal, if this is backpressure.
     pub fn backpressure(&self) -> Option<&kvvm_governor::Backpressure> {
         match self {

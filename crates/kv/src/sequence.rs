@@ -571,12 +571,9 @@ impl SequenceKv {
         if self.is_empty() {
             return Ok(());
         }
-        Err(KvCacheError::PlanMismatch {
-            reason: format!(
-                "the sequence is in use ({} tokens committed, {} B mapped): release it first",
-                self.committed_tokens,
-                self.reservation.committed_bytes()
-            ),
+        Err(KvCacheError::InUse {
+            committed_tokens: self.committed_tokens,
+            mapped_bytes: self.reservation.committed_bytes(),
         })
     }
 

@@ -113,4 +113,31 @@ impl SequenceKv {
         self.note_mapped_prefix(end_window);
         Ok(prefix)
     }
+
+    /// Physical bytes that [`release`](Self::release) would give back now: its private
+    /// windows, and every shared prefix it maps or owns that nothing else holds (no other
+    /// sequence, no prefix cache, no caller's handle). A shared prefix still held elsewhere
+    /// stays mapped there and is not counted.
+    pub fn releasable_bytes(&self) -> u64 {
+        // Every reference this sequence holds, per prefix (a prefix may appear as attached,
+        // owned and pending at once).
+        let mut held: Vec<(&Arc<SharedDevicePrefix>, usize)> = Vec::new();
+        let pending = self.pending.iter().flat_map(|p| p.segments.iter());
+        let refs = self
+            .readonly
+            .iter()
+            .chain(pending)
+            .map(|s| &s.prefix)
+            .chain(self.owned.iter());
+        for p in refs {
+            match held.iter_mut().find(|(q, _)| Arc::ptr_eq(q, p)) {
+                Some((_, n)) => *n += 1,
+                None => held.push((p, 1)),
+            }
+        }
+        held.iter()
+            .filter(|(p, n)| Arc::strong_count(p) == *n)
+            .map(|(p, _)| p.bytes())
+            .fold(self.additional_owned_bytes(), u64::saturating_add)
+    }
 }

@@ -436,6 +436,98 @@ fn handle_blocks_trade_mappings_per_hit_for_hit_granularity() {
 }
 
 #[test]
+fn a_sequence_of_another_manager_or_in_use_is_refused_at_the_first_call() {
+    let g = 4096;
+    let (w, other) = (world(g, None), world(g, None));
+    let geo = tiny(1000);
+    let plan = LayoutPlan::new(geo, KvLayout::SeqMajor, g).unwrap();
+    let cache = PrefixCache::new(w.vm.clone(), plan).unwrap();
+    let ids = prompt(100, 0);
+    // Another manager's sequence: refused at admission, untouched, nothing cached.
+    let mut foreign = SequenceKv::new(&other.vm, &plan, 200).unwrap();
+    let e = cache.admit_into(&ids, &mut foreign).unwrap_err();
+    assert!(matches!(e, KvCacheError::OtherManager { .. }), "{e:?}");
+    assert!(e.to_string().contains("another manager"), "{e}");
+    assert!(foreign.is_empty());
+    assert!(other.sim.ledger().mappings.is_empty());
+    // And at publication (admitted by the other manager's own cache).
+    let theirs = PrefixCache::new(other.vm.clone(), plan).unwrap();
+    theirs.admit_into(&ids, &mut foreign).unwrap();
+    write_prompt(&geo, &mut foreign, &ids, 0);
+    assert!(matches!(
+        cache.publish(&mut foreign),
+        Err(KvCacheError::OtherManager { .. })
+    ));
+    assert_eq!(cache.stats().cached_entries, 0);
+    // A sequence in use is refused as such, not as a plan mismatch.
+    let e = theirs.admit_into(&ids, &mut foreign).unwrap_err();
+    assert!(matches!(e, KvCacheError::InUse { .. }), "{e:?}");
+    assert!(e.to_string().starts_with("the sequence is in use"), "{e}");
+}
+
+#[test]
+fn releasable_bytes_count_a_shared_prefix_only_when_nothing_else_holds_it() {
+    let g = 4096;
+    let w = world(g, None);
+    let geo = tiny(1000);
+    let plan = LayoutPlan::new(geo, KvLayout::SeqMajor, g).unwrap();
+    let cache = PrefixCache::new(w.vm.clone(), plan).unwrap();
+    let ids = prompt(100, 0);
+    let mut owner = cache.admit(&ids, 200).unwrap().sequence;
+    write_prompt(&geo, &mut owner, &ids, 0);
+    cache.publish(&mut owner).unwrap();
+    let mut sharer = cache.admit(&ids, 200).unwrap().sequence;
+    write_prompt(&geo, &mut sharer, &ids, 96);
+    let prefix_bytes = cache.stats().cached_bytes;
+    assert!(prefix_bytes > 0);
+    // The cache and the other sequence hold the prefix: each gives back its own windows.
+    for s in [&owner, &sharer] {
+        assert_eq!(s.releasable_bytes(), s.additional_owned_bytes());
+    }
+    let used = |w: &World| w.gov.snapshot().device(w.vm.device());
+    let before = used(&w);
+    let expected = owner.releasable_bytes();
+    owner.release().unwrap();
+    let after = used(&w);
+    assert_eq!(
+        (before.committed + before.shared) - (after.committed + after.shared),
+        expected
+    );
+    // The cache lets go: the last sharer now holds the prefix alone and gives it back too.
+    cache.clear();
+    let expected = sharer.additional_owned_bytes() + prefix_bytes;
+    assert_eq!(sharer.releasable_bytes(), expected);
+    let before = used(&w);
+    sharer.release().unwrap();
+    let after = used(&w);
+    assert_eq!(
+        (before.committed + before.shared) - (after.committed + after.shared),
+        expected
+    );
+}
+
+#[test]
+fn a_refused_admission_names_the_whole_prompt_against_what_is_available() {
+    let g = 4096;
+    let geo = tiny(1000);
+    let plan = LayoutPlan::new(geo, KvLayout::SeqMajor, g).unwrap();
+    let whole = plan.committed_bytes_for_tokens(100).unwrap();
+    let w = world(g, Some(whole + 2 * g));
+    let mut other = SequenceKv::new(&w.vm, &plan, 200).unwrap();
+    other.ensure_tokens(1).unwrap();
+    let held = other.committed_bytes();
+    assert!(held > 2 * g);
+    let cache = PrefixCache::new(w.vm.clone(), plan).unwrap();
+    // 3 full blocks go to a new shared segment and the rest is private: two commits. The
+    // second is refused; the refusal is restated for the admission as a whole.
+    let e = cache.admit(&prompt(100, 0), 200).unwrap_err();
+    let bp = e.backpressure().expect("backpressure");
+    assert_eq!((bp.needed, bp.available), (whole, whole + 2 * g - held));
+    assert_eq!(bp.available, w.gov.available_bytes(D0));
+    assert_eq!(w.gov.snapshot().device(D0).used(), held, "undone");
+}
+
+#[test]
 fn tokens_written_on_the_device_are_published_once_marked_written() {
     let g = 4096;
     let w = world(g, None);

@@ -25,6 +25,10 @@ pub enum SizeError {
         /// The unit as written.
         unit: String,
     },
+    /// A number written with an exponent (`1e9`, `2.5E3`): sizes are written out, or with
+    /// a binary unit.
+    #[error("{0:?}: exponents are not accepted in a size (write a byte count such as 8589934592, or 8GiB, 512MiB)")]
+    Exponent(String),
     /// A fraction that does not come out as whole bytes.
     #[error("{0:?} is not a whole number of bytes")]
     Fractional(String),
@@ -78,6 +82,13 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
         .unwrap_or(s.len());
     let (number, unit) = s.split_at(split);
     let unit = unit.trim();
+    let exponent = unit
+        .strip_prefix(['e', 'E'])
+        .map(|e| e.trim_start_matches(['+', '-']))
+        .is_some_and(|e| !e.is_empty() && e.bytes().all(|b| b.is_ascii_digit()));
+    if exponent && !number.is_empty() {
+        return Err(SizeError::Exponent(s.to_owned()));
+    }
     let shift = shift_of(unit).ok_or_else(|| SizeError::UnknownUnit {
         text: s.to_owned(),
         unit: unit.to_owned(),
@@ -214,6 +225,16 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("negative"));
+        for text in ["1e99", "2.5E3", "8e+9", "1e-3"] {
+            let e = parse_size(text).unwrap_err();
+            assert!(matches!(e, SizeError::Exponent(_)), "{text}: {e:?}");
+            assert!(e.to_string().contains("exponents are not accepted"), "{e}");
+        }
+        // A unit that merely starts with an e is still an unknown unit.
+        assert!(matches!(
+            parse_size("1exa"),
+            Err(SizeError::UnknownUnit { .. })
+        ));
     }
 
     #[test]

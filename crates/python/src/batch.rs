@@ -12,7 +12,7 @@ use crate::count::{Count, Dim};
 use crate::errors;
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
-use crate::sequence::{max_tokens_arg, Sequence};
+use crate::sequence::{max_tokens_arg, precommit_arg, Sequence};
 use crate::store::{store, tokens_are_one_run, StoreRequest};
 use crate::view::TensorView;
 use crate::views::{busy_error, kind_arg, make_slab, make_view, ViewRequest};
@@ -74,6 +74,41 @@ fn ensure_slots(py: Python<'_>, slots: &[Arc<SeqCell>], targets: Vec<u64>) -> Py
     .map_err(|e: kvvm_kv::KvCacheError| errors::kv(py, &e))
 }
 
+/// A batch's reservation that failed: the driver running out of memory there ran out of
+/// address space (a reservation holds no memory), and the message says so with the sizes.
+fn address_space_error(
+    py: Python<'_>,
+    e: &kvvm_kv::KvCacheError,
+    slots: u64,
+    span: Option<u64>,
+) -> PyErr {
+    let oom = match e {
+        kvvm_kv::KvCacheError::Vmm(kvvm_vmm::VmmError::Backend(b)) => Some(b),
+        kvvm_kv::KvCacheError::Backend(b) => Some(b),
+        _ => None,
+    }
+    .filter(|b| b.kind == kvvm_hal::ErrorKind::OutOfMemory);
+    match (oom, span) {
+        (Some(b), span) => errors::raise(
+            py,
+            "OutOfMemoryError",
+            format!(
+                "out of address space, not memory: {slots} slots need {} bytes of address \
+                 space in one reservation and the driver refused it ({b}); use fewer slots \
+                 or a smaller max_tokens",
+                span.map_or_else(|| "more than 2^64".to_owned(), |n| n.to_string())
+            ),
+            &[
+                ("op", errors::Attr::Str(b.op.as_str().to_owned())),
+                ("kind", errors::Attr::Str(b.kind.as_str().to_owned())),
+                ("code", errors::Attr::Int(b.code.unsigned_abs())),
+                ("code_name", errors::Attr::Str(b.code_name.clone())),
+            ],
+        ),
+        _ => errors::kv(py, e),
+    }
+}
+
 #[pymethods]
 impl SequenceBatch {
     /// Reserves `slots` sequences of at most `max_tokens` tokens (default: the geometry's)
@@ -93,6 +128,8 @@ impl SequenceBatch {
         if slots == 0 {
             return Err(errors::invalid(py, "a batch needs at least one slot"));
         }
+        precommit_arg(py, manager, precommit)?;
+        let span = slots.checked_mul(plan.plan.reservation_bytes());
         let state = Arc::clone(&manager.state);
         let p = plan.plan;
         let vm = state.vm.clone();
@@ -103,7 +140,7 @@ impl SequenceBatch {
                     .map(|r| SequenceKv::in_reservation(&vm, &p, max_tokens, r))
                     .collect()
             })
-            .map_err(|e| errors::kv(py, &e))?;
+            .map_err(|e| address_space_error(py, &e, slots, span))?;
         let stride = match (seqs.first(), seqs.get(1)) {
             (Some(a), Some(b)) => b.address().0.saturating_sub(a.address().0),
             _ => p.reservation_bytes(),

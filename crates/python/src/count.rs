@@ -56,3 +56,41 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Dim {
         }
     }
 }
+
+/// Token ids: a sequence of ints, each in `0..=u32::MAX`. Another int (a negative one, one
+/// too large) is an `InvalidArgumentError` naming its index and the range, not an
+/// `OverflowError`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TokenIds(pub(crate) Vec<u32>);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for TokenIds {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<Vec<u32>>() {
+            Ok(v) => Ok(TokenIds(v)),
+            Err(e) => {
+                if let Ok(items) = obj.try_iter() {
+                    for (i, item) in items.enumerate() {
+                        let Ok(item) = item else { break };
+                        if item.is_instance_of::<PyInt>() && item.extract::<u32>().is_err() {
+                            let shown = item
+                                .repr()
+                                .map(|r| r.to_string())
+                                .unwrap_or_else(|_| "the value".to_owned());
+                            return Err(errors::invalid(
+                                obj.py(),
+                                format!(
+                                    "token_ids[{i}] = {shown} is not a token id: expected an int \
+                                     in 0..={}",
+                                    u32::MAX
+                                ),
+                            ));
+                        }
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+}

@@ -151,9 +151,10 @@ pub(crate) fn kv(py: Python<'_>, e: &KvCacheError) -> PyErr {
                 ("max_tokens", Attr::Int(*max_tokens)),
             ],
         ),
-        KvCacheError::BadLength { .. } | KvCacheError::PlanMismatch { .. } => {
-            invalid(py, e.to_string())
-        }
+        KvCacheError::BadLength { .. }
+        | KvCacheError::PlanMismatch { .. }
+        | KvCacheError::InUse { .. }
+        | KvCacheError::OtherManager { .. } => invalid(py, e.to_string()),
         KvCacheError::PrefixNotWritten { .. } => {
             raise(py, "PrefixNotWrittenError", e.to_string(), &[])
         }

@@ -229,6 +229,21 @@ impl Manager {
             }
             let mut config = GovernorConfig::default();
             if let Some(bytes) = budget_bytes {
+                // A budget is a share of the device: past its memory it could never be spent.
+                let total = b.memory_info(id)?.total;
+                if bytes > total {
+                    return Err(kvvm_vmm::VmmError::Backend(kvvm_hal::BackendError {
+                        op: kvvm_hal::Operation::MemoryInfo,
+                        kind: kvvm_hal::ErrorKind::InvalidValue,
+                        code: 0,
+                        code_name: String::new(),
+                        detail: Some(format!(
+                            "budget_bytes {bytes} exceeds the memory of device {device} of the {} \
+                             backend ({total} bytes): allowed 1..={total}",
+                            b.name()
+                        )),
+                    }));
+                }
                 config = config.device_budget(id, bytes);
             }
             let governor = Governor::new(config);

@@ -7,7 +7,7 @@ use kvvm_kv::{PrefixCache as KvPrefixCache, PrefixCacheConfig, PublishOutcome};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::count::Count;
+use crate::count::{Count, TokenIds};
 use crate::errors;
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
@@ -120,8 +120,9 @@ impl PrefixCache {
         &self,
         py: Python<'py>,
         sequence: &Sequence,
-        token_ids: Vec<u32>,
+        token_ids: TokenIds,
     ) -> PyResult<Bound<'py, PyDict>> {
+        let token_ids = token_ids.0;
         let cell = Arc::clone(&sequence.cell);
         let cache = Arc::clone(&self.cache);
         let info = match py.detach(move || cell.admission(|s| cache.admit_into(&token_ids, s))) {

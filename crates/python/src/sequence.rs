@@ -4,8 +4,10 @@
 use std::sync::Arc;
 
 use kvvm_kv::SequenceKv;
+use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyModule};
 
 use crate::cell::{SeqCell, Unmap};
 use crate::count::{Count, Dim};
@@ -45,11 +47,54 @@ pub(crate) fn max_tokens_arg(
     }
 }
 
+/// A copy of the bytes of `data`: any object with the buffer protocol. A buffer of bytes
+/// (`bytes`, `bytearray`, a `memoryview` of them, numpy `uint8`) is copied as it is, in C
+/// order; one of another item format is read as its raw bytes, which needs it C-contiguous.
+fn buffer_bytes(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(buf) = PyBuffer::<u8>::get(data) {
+        return buf.to_vec(py);
+    }
+    if PyUntypedBuffer::get(data).is_err() {
+        let kind = data
+            .get_type()
+            .name()
+            .map_or_else(|_| "this object".to_owned(), |n| n.to_string());
+        return Err(PyTypeError::new_err(format!(
+            "data must be bytes-like (bytes, bytearray, memoryview, a numpy array), not {kind}"
+        )));
+    }
+    let raw = PyModule::import(py, "builtins")?
+        .getattr("memoryview")?
+        .call1((data,))?
+        .call_method1("cast", ("B",))
+        .map_err(|_| {
+            errors::invalid(
+                py,
+                "data must be C-contiguous to be read as raw bytes (numpy: np.ascontiguousarray)",
+            )
+        })?;
+    PyBuffer::<u8>::get(&raw)?.to_vec(py)
+}
+
+/// Refuses `precommit=True` on a manager without a pre-committer (it would silently grow
+/// inline instead).
+pub(crate) fn precommit_arg(py: Python<'_>, manager: &Manager, precommit: bool) -> PyResult<()> {
+    if precommit && manager.state.precommit.is_none() {
+        return Err(errors::invalid(
+            py,
+            "precommit=True needs a manager started with precommit=True (this one has no \
+             pre-committer)",
+        ));
+    }
+    Ok(())
+}
+
 #[pymethods]
 impl Sequence {
     /// Reserves the address range of a sequence of at most `max_tokens` tokens (default: the
-    /// geometry's) under `plan`; commits nothing. With `precommit=True` (and a manager started
-    /// with ``precommit=True``) a background worker commits windows ahead of need.
+    /// geometry's) under `plan`; commits nothing. With `precommit=True` a background worker
+    /// commits windows ahead of need (the manager must be started with ``precommit=True``:
+    /// InvalidArgumentError otherwise).
     #[new]
     #[pyo3(signature = (manager, plan, max_tokens = None, precommit = false))]
     fn new(
@@ -60,6 +105,7 @@ impl Sequence {
         precommit: bool,
     ) -> PyResult<Self> {
         let max_tokens = max_tokens_arg(py, plan, max_tokens.map(|c| c.0))?;
+        precommit_arg(py, manager, precommit)?;
         let state = Arc::clone(&manager.state);
         let p = plan.plan;
         let vm = state.vm.clone();
@@ -155,9 +201,15 @@ impl Sequence {
         }
     }
 
-    /// Unmaps everything and detaches from shared prefixes, keeping the address range (the
-    /// sequence can grow again); returns the bytes unmapped. Refused (ViewsAliveError) while
-    /// a view or a tensor made from one is alive; the device is synchronized first.
+    /// Unmaps everything and detaches from shared prefixes; returns the bytes unmapped.
+    /// Refused (ViewsAliveError) while a view or a tensor made from one is alive; the device
+    /// is synchronized first.
+    ///
+    /// The reservation is kept, by design: a released sequence is an empty one at the same
+    /// address, ready for the next request (:meth:`ensure` grows it again, a prefix cache may
+    /// admit into it), as the slots of a :class:`SequenceBatch` are reused. Nothing raises
+    /// ReleasedError here; the address range is freed when the sequence object and its
+    /// views are gone.
     fn release(&self, py: Python<'_>) -> PyResult<u64> {
         let cell = Arc::clone(&self.cell);
         let out = py.detach(move || cell.unmapping(Unmap::Release));
@@ -180,10 +232,12 @@ impl Sequence {
 
     /// Writes tokens `first..` from `data`: whole tokens in the host layout
     /// `[token][layer][K, V][kv_head][head_dim]` (``geometry.bytes_per_token`` bytes each).
-    fn write_tokens(&self, py: Python<'_>, first: Count, data: &[u8]) -> PyResult<()> {
+    /// `data` is any bytes-like object: ``bytes``, ``bytearray``, ``memoryview``, a numpy
+    /// array (an array of another dtype is read as its raw bytes, so it must be C-contiguous).
+    fn write_tokens(&self, py: Python<'_>, first: Count, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let first = first.0;
         let cell = Arc::clone(&self.cell);
-        let bytes = data.to_vec();
+        let bytes = buffer_bytes(py, data)?;
         py.detach(move || cell.with(|s| s.write_tokens(first, &bytes)))
             .map_err(|e| errors::kv(py, &e))
     }

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use dlpark::ffi::DLDeviceType;
-use kvvm_hal::{DeviceAddress, RowCopy, StreamHandle};
+use kvvm_hal::{DeviceAddress, RowCopy, StreamHandle, VirtualMemoryBackend};
 use kvvm_kv::{KvDtype, KvKind, LayoutPlan};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
@@ -327,6 +327,14 @@ pub(crate) fn store(
             });
         }
         let backend = Arc::clone(&first.manager.backend);
+        if !on_gpu {
+            // Host memory: the source is any readable host memory (a numpy array, a CPU
+            // tensor), not memory of the backend; it is read here, with the GIL held.
+            return copies
+                .iter()
+                .try_for_each(|copy| copy_host_rows(backend.as_ref(), copy))
+                .map_err(|err| errors::backend(py, &err));
+        }
         py.detach(move || {
             copies
                 .iter()
@@ -338,4 +346,41 @@ pub(crate) fn store(
         c.unview();
     }
     out
+}
+
+/// Copies `copy`'s rows from host memory into the backend's memory, one
+/// `copy_to_device` per row (the backend checks each destination row against its mappings).
+/// The source is the array [`store`] checked: every row of `width` bytes, `src_pitch` apart,
+/// lies in it.
+fn copy_host_rows(
+    backend: &dyn VirtualMemoryBackend,
+    copy: &RowCopy,
+) -> Result<(), kvvm_hal::BackendError> {
+    copy.check()?;
+    let bad = || {
+        kvvm_hal::BackendError::raised(
+            kvvm_hal::Operation::CopyRows,
+            kvvm_hal::ErrorKind::InvalidValue,
+            format!("a host row copy out of the address space: {copy:?}"),
+        )
+    };
+    let width = usize::try_from(copy.width).map_err(|_| bad())?;
+    for row in 0..copy.rows {
+        // In range: `check` proved the last row's end does not overflow.
+        let src = copy.src.0 + row * copy.src_pitch;
+        let dst = copy.dst.0 + row * copy.dst_pitch;
+        let src = usize::try_from(src).map_err(|_| bad())?;
+        // SAFETY: `src..src + width` is one slot's run of the source array: `store` checked its
+        // shape `[slots, kv_heads, tokens, head_dim]` and strides (each slot's tokens one run
+        // of `width` bytes, slots `src_pitch` apart) from its own metadata, and the caller
+        // holds a reference to the array and the GIL, so it is neither freed nor resized
+        // while the bytes are read. The bytes are only read, into a copy of their own (the
+        // source may be a view of the very memory the row is written to).
+        let row_bytes = unsafe {
+            std::slice::from_raw_parts(std::ptr::with_exposed_provenance::<u8>(src), width)
+        }
+        .to_vec();
+        backend.copy_to_device(DeviceAddress(dst), &row_bytes)?;
+    }
+    Ok(())
 }

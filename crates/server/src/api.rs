@@ -82,16 +82,22 @@ pub struct SequenceInfo {
     pub tokens: u64,
     /// The most tokens it may hold.
     pub max_tokens: u64,
-    /// Bytes mapped for it: granule x windows holding live bytes, its read-only shared
-    /// prefix windows included.
+    /// Its committed bytes, as the governor and `kvvm_committed_bytes` count them: the
+    /// physical bytes of its own windows. Shared prefix windows are not in it (they are
+    /// counted once, in `kvvm_shared_bytes`).
     pub committed_bytes: u64,
-    /// Physical bytes it owns alone (shared prefix windows are billed once, to the prefix).
+    /// The same as `committed_bytes` (its earlier name, kept for clients that read it).
     pub owned_bytes: u64,
-    /// Bytes mapped read-only from the prefix cache (not committed for it).
+    /// Bytes of shared prefix windows mapped in its range: read-only from the prefix cache,
+    /// or a prefix segment it published. Mapped, not committed for it.
     pub shared_bytes: u64,
+    /// Bytes mapped in its range: `committed_bytes + shared_bytes` (granule x windows holding
+    /// live bytes).
+    pub mapped_bytes: u64,
     /// Bytes of address space reserved for it (never committed as a whole).
     pub reserved_bytes: u64,
-    /// Bytes committed by this request (0 when every needed window was already mapped).
+    /// Physical bytes this request added: its new windows, and a prefix segment it
+    /// published (0 when every needed window was already mapped).
     pub added_bytes: u64,
     /// Tokens of the prompt served from a shared prefix (not committed again).
     pub prefix_hit_tokens: u64,
@@ -108,7 +114,8 @@ pub struct Released {
     pub id: u64,
     /// Tokens it held.
     pub tokens: u64,
-    /// Bytes it had committed.
+    /// Physical bytes given back: its own windows, and a shared prefix nothing else held.
+    /// A prefix still cached or mapped by other sequences stays and is not counted.
     pub released_bytes: u64,
 }
 
@@ -167,6 +174,9 @@ pub struct SequenceList {
 pub struct MetricsSnapshot {
     /// The governor's books.
     pub governor: GovernorSnapshot,
+    /// Bytes available to new requests on the device (`Governor::available_bytes`: free
+    /// budget plus what the handle pool and idle cached prefixes give back on demand).
+    pub available_bytes: u64,
     /// The device served.
     pub device: DeviceId,
     /// Live sequences.

@@ -91,7 +91,9 @@ pub enum ServiceError {
     #[error("malformed request body: {0}")]
     MalformedBody(String),
     /// A sequence id in the path is not a number (400).
-    #[error("invalid sequence id {0:?}: expected a non-negative integer")]
+    #[error(
+        "invalid sequence id {0:?}: expected a decimal integer in 0..=18446744073709551615, with no sign, leading zero or escape"
+    )]
     InvalidId(String),
     /// No live sequence has this id (404).
     #[error("no live sequence with id {0}")]
@@ -106,7 +108,7 @@ pub enum ServiceError {
     #[error("{0}")]
     InvalidRequest(String),
     /// The request body is larger than the server accepts (413).
-    #[error("request body larger than {limit} bytes")]
+    #[error("the request body is larger than the server's limit of {limit} bytes")]
     BodyTooLarge {
         /// The limit in bytes.
         limit: usize,
@@ -236,6 +238,12 @@ impl ServiceError {
             map.insert("used".into(), (*used).into());
             map.insert("requested".into(), (*requested).into());
             map.insert("limit_value".into(), (*limit_value).into());
+        }
+        if let (ServiceError::BodyTooLarge { limit }, Some(map)) = (self, body.as_object_mut()) {
+            map.insert(
+                "limit_bytes".into(),
+                u64::try_from(*limit).unwrap_or(u64::MAX).into(),
+            );
         }
         if let (Some(retry_after), Some(map)) = (self.retry_after(), body.as_object_mut()) {
             let ms = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX);

@@ -152,7 +152,15 @@ async fn observe(State(app): State<App>, req: Request, next: Next) -> Response {
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
     if (status.is_client_error() || status.is_server_error()) && !is_json {
-        res = error_response(&status_error(status));
+        let e = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            // The body limit's own 413: say what the limit is.
+            ServiceError::BodyTooLarge {
+                limit: app.body_limit,
+            }
+        } else {
+            status_error(status)
+        };
+        res = error_response(&e);
     }
     app.service.note_status(status.as_u16());
     app.http

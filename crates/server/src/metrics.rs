@@ -8,7 +8,7 @@ use crate::api::MetricsSnapshot;
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// Every metric [`render`] writes: name, type and help text.
-pub const METRICS: [(&str, &str, &str); 27] = [
+pub const METRICS: [(&str, &str, &str); 28] = [
     (
         "kvvm_budget_bytes",
         "gauge",
@@ -22,7 +22,7 @@ pub const METRICS: [(&str, &str, &str); 27] = [
     (
         "kvvm_committed_bytes",
         "gauge",
-        "Bytes mapped in live sequences' reservations.",
+        "Physical bytes of live sequences' own windows: the sum of their committed_bytes (shared prefix windows are in kvvm_shared_bytes).",
     ),
     (
         "kvvm_pooled_bytes",
@@ -47,7 +47,12 @@ pub const METRICS: [(&str, &str, &str); 27] = [
     (
         "kvvm_free_bytes",
         "gauge",
-        "Bytes the governor could still grant (absent when unlimited).",
+        "Budget nothing holds (absent when unlimited): pooled handles and cached prefixes are held, kvvm_available_bytes counts them.",
+    ),
+    (
+        "kvvm_available_bytes",
+        "gauge",
+        "Bytes available to new requests: free budget plus what the handle pool and idle cached prefixes give back on demand (absent when unlimited).",
     ),
     ("kvvm_granule_bytes", "gauge", "The mapping granule."),
     ("kvvm_live_sequences", "gauge", "Live sequences."),
@@ -151,6 +156,10 @@ pub fn render(m: &MetricsSnapshot) -> String {
                 d.budget?;
                 d.free()
             }
+            "kvvm_available_bytes" => {
+                d.budget?;
+                m.available_bytes
+            }
             "kvvm_granule_bytes" => m.granule,
             "kvvm_live_sequences" => m.live_sequences,
             "kvvm_live_tokens" => m.live_tokens,
@@ -209,6 +218,7 @@ mod tests {
                 }],
                 process_budget: None,
             },
+            available_bytes: 90,
             device: DeviceId(0),
             live_sequences: 2,
             live_tokens: 7,
@@ -225,6 +235,7 @@ mod tests {
         }
         assert!(text.contains("kvvm_used_bytes{device=\"0\"} 30\n"));
         assert!(text.contains("kvvm_free_bytes{device=\"0\"} 70\n"));
+        assert!(text.contains("kvvm_available_bytes{device=\"0\"} 90\n"));
         assert!(text.contains("kvvm_grants_refused_total{device=\"0\"} 3\n"));
         assert!(text.contains("kvvm_live_sequences{device=\"0\"} 2\n"));
     }
@@ -233,6 +244,7 @@ mod tests {
     fn unlimited_budget_omits_budget_and_free() {
         let m = MetricsSnapshot {
             governor: GovernorSnapshot::default(),
+            available_bytes: u64::MAX,
             device: DeviceId(0),
             live_sequences: 0,
             live_tokens: 0,
@@ -243,6 +255,7 @@ mod tests {
         let text = render(&m);
         assert!(!text.contains("kvvm_budget_bytes"));
         assert!(!text.contains("kvvm_free_bytes"));
+        assert!(!text.contains("kvvm_available_bytes"));
         assert!(!text.contains("kvvm_prefix_cache_bytes"));
         assert!(text.contains("kvvm_used_bytes{device=\"0\"} 0\n"));
     }

@@ -17,7 +17,6 @@ const WRITE_CHUNK_BYTES: u64 = 8 << 20;
 pub(crate) struct LiveSequence {
     kv: SequenceKv,
     hit_tokens: u64,
-    shared_bytes: u64,
     /// Bytes its requests committed (what its owner's committed-bytes limit counts).
     billed_bytes: u64,
 }
@@ -49,7 +48,6 @@ impl LiveSequence {
         let seq = LiveSequence {
             kv,
             hit_tokens: 0,
-            shared_bytes: 0,
             billed_bytes: committed,
         };
         Ok((
@@ -94,7 +92,6 @@ impl LiveSequence {
         let seq = LiveSequence {
             kv,
             hit_tokens: admission.hit_tokens,
-            shared_bytes: admission.shared_bytes,
             billed_bytes: admission.committed_bytes,
         };
         Ok((
@@ -117,21 +114,28 @@ impl LiveSequence {
         self.kv.max_tokens()
     }
 
-    /// Bytes mapped in the sequence's reservation (its private windows and the shared prefix
-    /// windows it maps read-only).
-    pub(crate) fn committed_bytes(&self) -> u64 {
+    /// Bytes mapped in the sequence's reservation: its own windows and the shared prefix
+    /// windows it maps.
+    pub(crate) fn mapped_bytes(&self) -> u64 {
         self.kv.committed_bytes()
     }
 
-    /// Physical bytes this sequence owns alone (shared prefix windows are billed once, to
-    /// the prefix).
-    pub(crate) fn owned_bytes(&self) -> u64 {
+    /// Its committed bytes, as the governor counts them: the physical bytes of its own
+    /// windows (shared prefix windows are counted once, as shared, whoever maps them).
+    pub(crate) fn committed_bytes(&self) -> u64 {
         self.kv.additional_owned_bytes()
     }
 
-    /// Bytes mapped read-only from the prefix cache when it was admitted.
+    /// Bytes of shared prefix windows mapped in its range (read-only from the prefix cache,
+    /// or a prefix segment it published): mapped, not committed for it.
     pub(crate) fn shared_bytes(&self) -> u64 {
-        self.shared_bytes
+        self.mapped_bytes().saturating_sub(self.committed_bytes())
+    }
+
+    /// Physical bytes its release would give back now: its own windows and any shared
+    /// prefix nothing else holds.
+    pub(crate) fn releasable_bytes(&self) -> u64 {
+        self.kv.releasable_bytes()
     }
 
     /// Prompt tokens found in the prefix cache.
@@ -153,7 +157,7 @@ impl LiveSequence {
     /// transaction: on error the sequence is unchanged. Returns the bytes committed.
     pub(crate) fn grow_to(&mut self, vm: &VirtualMemory, tokens: u64) -> Result<u64, ServiceError> {
         let target = self.kv.plan().committed_bytes_for_tokens(tokens)?;
-        let needed = target.saturating_sub(self.committed_bytes());
+        let needed = target.saturating_sub(self.mapped_bytes());
         let added = self
             .kv
             .ensure_tokens(tokens)
@@ -168,9 +172,11 @@ impl LiveSequence {
     }
 
     /// Unmaps every window (private ones go to the pool or the driver, shared ones drop a
-    /// reference) and frees the address range; returns the bytes that were mapped.
+    /// reference) and frees the address range; returns the bytes given back
+    /// ([`releasable_bytes`](Self::releasable_bytes) before the release).
     pub(crate) fn close(mut self) -> Result<u64, ServiceError> {
-        let released = self.kv.release();
+        let freed = self.releasable_bytes();
+        let released = self.kv.release().map(|_| freed);
         // Dropping the sequence frees the range (or quarantines what cannot be proven idle):
         // the manager never forgets memory.
         drop(self);

@@ -152,12 +152,12 @@ impl KvService {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// The bytes a sequence really gives back when it ends: its own windows (its shared
-    /// prefix windows stay cached and free nothing).
-    fn note_release(&self, owned_bytes: u64) {
+    /// The bytes a sequence really gives back when it ends: its own windows, and a shared
+    /// prefix only it held (one still cached or mapped by others frees nothing).
+    fn note_release(&self, freed_bytes: u64) {
         self.vm
             .governor()
-            .note_released(self.vm.device(), owned_bytes);
+            .note_released(self.vm.device(), freed_bytes);
     }
 
     /// Backpressure's `Retry-After` is estimated from what sequences really released during
@@ -206,7 +206,8 @@ impl KvService {
     }
 
     /// Closes a sequence that was taken out of the table: releases it, gives its share of
-    /// the limits back and records the release. Returns the bytes it had mapped.
+    /// the limits back and records the release. Returns the bytes given back (its own
+    /// windows, and a shared prefix only it held).
     fn close(&self, owner: Owner, seq: LiveSequence) -> Result<u64, ServiceError> {
         self.live_tokens.fetch_sub(seq.tokens(), Ordering::Relaxed);
         bump(&self.counters.sequences_released, 1);
@@ -215,11 +216,10 @@ impl KvService {
             reserved: seq.reserved_bytes(),
             committed: seq.billed_bytes(),
         };
-        let owned = seq.owned_bytes();
         let closed = seq.close();
         self.limits.give_back(owner, share, true);
-        if closed.is_ok() {
-            self.note_release(owned);
+        if let Ok(freed) = closed {
+            self.note_release(freed);
         }
         closed
     }
@@ -400,7 +400,7 @@ impl KvService {
         let needed = self
             .plan
             .committed_bytes_for_tokens(target)?
-            .saturating_sub(seq.committed_bytes());
+            .saturating_sub(seq.mapped_bytes());
         let share = Share {
             committed: needed,
             ..Share::default()
@@ -558,6 +558,7 @@ impl KvService {
         let live_tokens = self.live_tokens.load(Ordering::Relaxed);
         MetricsSnapshot {
             governor: self.vm.governor().snapshot(),
+            available_bytes: self.vm.governor().available_bytes(self.vm.device()),
             device: self.vm.device(),
             live_sequences,
             live_tokens,
@@ -585,8 +586,9 @@ fn info(id: u64, seq: &LiveSequence, added_bytes: u64) -> SequenceInfo {
         tokens: seq.tokens(),
         max_tokens: seq.max_tokens(),
         committed_bytes: seq.committed_bytes(),
-        owned_bytes: seq.owned_bytes(),
+        owned_bytes: seq.committed_bytes(),
         shared_bytes: seq.shared_bytes(),
+        mapped_bytes: seq.mapped_bytes(),
         reserved_bytes: seq.reserved_bytes(),
         added_bytes,
         prefix_hit_tokens: seq.hit_tokens(),

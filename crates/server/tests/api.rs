@@ -307,6 +307,13 @@ fn bad_input_gets_a_clear_4xx_and_changes_nothing() {
             "invalid_id",
         ),
         (
+            "append to an id over u64",
+            "/v1/sequences/18446744073709551616/append",
+            r#"{"tokens": 1}"#.into(),
+            400,
+            "invalid_id",
+        ),
+        (
             "unknown route",
             "/v1/nothing",
             "{}".into(),
@@ -318,6 +325,18 @@ fn bad_input_gets_a_clear_4xx_and_changes_nothing() {
     for (what, path, body, status, kind) in &cases {
         let r = server.post(path, body);
         assert_eq!(r.status, *status, "{what}: {}", r.body);
+        if *kind == "invalid_id" {
+            // Says what an id is, with its range: a number past u64 is not "negative".
+            let m = r.json()["error"].as_str().unwrap_or_default().to_owned();
+            assert!(m.contains("0..=18446744073709551615"), "{what}: {m}");
+        }
+        if *kind == "body_too_large" {
+            assert!(
+                r.json()["limit_bytes"].as_u64().is_some(),
+                "{what}: {}",
+                r.body
+            );
+        }
         let j = r.json();
         assert_eq!(j["kind"], *kind, "{what}: {}", r.body);
         assert!(

@@ -93,6 +93,10 @@ fn oversized_bodies_get_an_early_413_and_100_continue_is_never_sent() {
     let r = read_reply(&mut s).expect("an answer");
     assert_eq!(r.status, 413, "{r:?}");
     assert_eq!(r.json()["kind"], "body_too_large");
+    // The answer says what the limit is (the default, 1 MiB).
+    assert_eq!(r.json()["limit_bytes"], 1 << 20, "{r:?}");
+    let message = r.json()["error"].as_str().unwrap_or_default().to_owned();
+    assert!(message.contains("limit of 1048576 bytes"), "{message}");
     assert!(start.elapsed() < Duration::from_secs(5));
     // Expect: 100-continue with 5 MB: 413 first, no 100 Continue.
     let mut s = raw(server.addr);
@@ -152,6 +156,7 @@ fn chunked_bodies_are_held_to_the_body_limit() {
         let r = post_chunked(&server, &body_of(len), pieces);
         assert_eq!(r.status, 413, "{len} bytes in {pieces}: {r:?}");
         assert_eq!(r.json()["kind"], "body_too_large", "{len} bytes: {r:?}");
+        assert_eq!(r.json()["limit_bytes"], limit, "{len} bytes: {r:?}");
     }
     assert_eq!(server.service.live_sequences(), 3);
     let (_, sim, _) = server.shutdown();

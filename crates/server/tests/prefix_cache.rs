@@ -39,8 +39,13 @@ fn prompts_with_a_common_prefix_share_it_through_the_prefix_cache() {
     assert_eq!(a.status, 201, "{}", a.body);
     let a = a.json();
     assert_eq!(a["prefix_hit_tokens"], 0);
-    assert_eq!(a["committed_bytes"], 7 * MIB2); // ceil(100 x 128 KiB / 2 MiB)
-    assert_eq!(a["owned_bytes"], MIB2); // the 6 prefix windows are billed to the prefix
+    assert_eq!(a["mapped_bytes"], 7 * MIB2); // ceil(100 x 128 KiB / 2 MiB)
+                                             // The 6 prefix windows are shared (counted once, in kvvm_shared_bytes): its committed
+                                             // bytes are its one own window, as the governor counts them.
+    assert_eq!(a["committed_bytes"], MIB2);
+    assert_eq!(a["owned_bytes"], MIB2);
+    assert_eq!(a["shared_bytes"], 6 * MIB2);
+    assert_eq!(a["added_bytes"], 7 * MIB2);
     assert_eq!(server.metric("kvvm_prefixes_published_total"), 1);
     assert_eq!(server.metric("kvvm_shared_bytes"), 6 * MIB2);
     assert_eq!(server.metric("kvvm_prefix_cache_entries"), 1);
@@ -57,23 +62,35 @@ fn prompts_with_a_common_prefix_share_it_through_the_prefix_cache() {
     assert_eq!(b.status, 201, "{}", b.body);
     let b = b.json();
     assert_eq!(b["prefix_hit_tokens"], 96);
-    assert_eq!(b["shared_bytes"], 6 * MIB2);
-    // 116 tokens: 8 windows mapped.
-    assert_eq!(b["committed_bytes"], 8 * MIB2);
-    // Its own 7th full block (tokens 96..112, window 6) extends the chain as a new shared
-    // segment, billed to the prefix; only window 7 is private.
+    // 116 tokens: 8 windows mapped. Its own 7th full block (tokens 96..112, window 6)
+    // extends the chain as a new shared segment; only window 7 is its own.
+    assert_eq!(b["mapped_bytes"], 8 * MIB2);
+    assert_eq!(b["shared_bytes"], 7 * MIB2);
+    assert_eq!(b["committed_bytes"], MIB2);
     assert_eq!(b["owned_bytes"], MIB2);
     assert_eq!(server.metric("kvvm_prefixes_published_total"), 2);
     assert_eq!(server.metric("kvvm_prefix_hits_total"), 1);
     assert_eq!(server.metric("kvvm_prefix_hit_tokens_total"), 96);
     assert_eq!(server.metric("kvvm_prefix_bytes_saved_total"), 6 * MIB2);
-    // Billed once: the 7 shared windows, and each sequence's one private window.
+    // Billed once: the 7 shared windows, and each sequence's one own window. One definition
+    // of committed: the metric is the sum of the sequences' committed_bytes.
     assert_eq!(server.metric("kvvm_committed_bytes"), 2 * MIB2);
+    assert_eq!(
+        server.metric("kvvm_committed_bytes"),
+        a["committed_bytes"].as_u64().unwrap() + b["committed_bytes"].as_u64().unwrap()
+    );
     assert_eq!(server.metric("kvvm_shared_bytes"), 7 * MIB2);
 
-    // The owner finishes first; the prefix stays cached and keeps serving hits.
+    // The owner finishes first; the prefix stays cached (and mapped by b) and keeps serving
+    // hits: its DELETE gives back its own window only, which goes to the handle pool and is
+    // available to new requests at once.
     let id_a = a["id"].as_u64().unwrap();
-    assert_eq!(server.delete(&format!("/v1/sequences/{id_a}")).status, 200);
+    let available = server.metric("kvvm_available_bytes");
+    let r = server.delete(&format!("/v1/sequences/{id_a}"));
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["released_bytes"], MIB2);
+    assert_eq!(server.metric("kvvm_available_bytes"), available + MIB2);
+    assert_eq!(server.metric("kvvm_shared_bytes"), 7 * MIB2);
     let c = server.post(
         "/v1/sequences",
         &format!(r#"{{"token_ids": [{}], "max_tokens": 64}}"#, ids(0..40)),

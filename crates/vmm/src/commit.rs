@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use kvvm_governor::{Bucket, MappedGrowthGrant};
+use kvvm_governor::{Bucket, MappedGrowthGrant, Refusal};
 use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 
 use crate::cut::{pieces, run_pieces};
@@ -300,7 +300,7 @@ impl Target {
                 Ok(grant) => grant,
                 Err(refusal) => {
                     untake_all(&plan);
-                    return Applied::failed(refusal.into());
+                    return Applied::failed(whole_request(refusal, bytes, pooled_bytes));
                 }
             },
         };
@@ -511,5 +511,19 @@ impl Target {
             }
         }
         kept
+    }
+}
+
+/// A refusal of the grant for what the pool could not supply, restated for the whole commit:
+/// `needed` is every byte the commit asked for and `available` includes the pooled handles it
+/// had set aside (back in the pool now), so that both count the same bytes.
+fn whole_request(refusal: Refusal, bytes: u64, pooled_bytes: u64) -> VmmError {
+    match refusal {
+        Refusal::Backpressure(mut b) => {
+            b.needed = bytes;
+            b.available = b.available.saturating_add(pooled_bytes);
+            VmmError::Backpressure(b)
+        }
+        other => other.into(),
     }
 }

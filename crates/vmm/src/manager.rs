@@ -240,6 +240,12 @@ impl VirtualMemory {
         Ok(out)
     }
 
+    /// Whether `other` is this manager or a clone of it (the same pool, quarantine and
+    /// reservations' books): what may share handles with it.
+    pub fn same_manager(&self, other: &VirtualMemory) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// Asks the governor for a grant of `bytes` rounded up to whole granules, for
     /// [`Reservation::commit_with_grant`].
     pub fn try_grant(&self, bytes: u64) -> VmmResult<MappedGrowthGrant> {
@@ -253,17 +259,21 @@ impl VirtualMemory {
 
     /// The typed refusal for `needed` bytes when the driver, not the governor, ran out (a
     /// create that failed with out-of-memory after a grant): available is the smaller of
-    /// the governor's free bytes and the driver's (`memory_info`), and `retry_after` the
-    /// governor's estimate for the shortfall.
+    /// what the governor counts as available ([`Governor::available_bytes`]: free budget
+    /// plus what the pool and other reclaimers hold) and what the driver has free
+    /// (`memory_info`) plus the pool, and `retry_after` the governor's estimate for the
+    /// shortfall.
     pub fn backpressure(&self, needed: u64) -> Backpressure {
         let ctx = &self.inner.ctx;
         let device = ctx.device;
-        let governor_free = ctx.governor.snapshot().device(device).free();
-        let driver_free = ctx
+        let governor_available = ctx.governor.available_bytes(device);
+        let driver_available = ctx
             .backend
             .memory_info(device)
-            .map_or(governor_free, |m| m.free);
-        let available = governor_free.min(driver_free);
+            .map_or(governor_available, |m| {
+                m.free.saturating_add(self.pooled_bytes())
+            });
+        let available = governor_available.min(driver_available);
         Backpressure {
             device,
             needed,

@@ -54,6 +54,14 @@ impl Reclaimer for DeviceState {
         let want = bytes.div_ceil(g).saturating_mul(g);
         self.trim_pool_to(held.saturating_sub(want))
     }
+
+    fn reclaimable(&self, device: DeviceId) -> u64 {
+        if device == self.ctx.device {
+            self.pooled_bytes()
+        } else {
+            0
+        }
+    }
 }
 
 impl Drop for DeviceState {

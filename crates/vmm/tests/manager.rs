@@ -519,3 +519,38 @@ fn process_budget_is_shared_by_two_devices() {
     assert_eq!(l.physical_bytes, vec![4 * g, 2 * g]);
     assert_eq!(gov.snapshot().used(), 6 * g);
 }
+
+#[test]
+fn a_refusal_counts_the_whole_commit_and_the_pool_as_available() {
+    let mut c = WorldConfig::new(2 * MIB);
+    c.budget_granules = Some(8);
+    c.pool_granules = 8;
+    let w = World::new(c);
+    let g = w.g;
+    let mut a = w.vm.reserve(8 * g).unwrap();
+    a.commit(6 * g).unwrap();
+    a.release().unwrap();
+    let mut b = w.vm.reserve(8 * g).unwrap();
+    b.commit(4 * g).unwrap(); // 4 of the 6 pooled handles: 4 committed, 2 pooled, 2 free
+    assert_eq!(w.vm.pooled_bytes(), 2 * g);
+    assert_eq!(w.gov.available_bytes(D0), 4 * g, "free plus pooled");
+    // 6 windows: the pool supplies 2 and the governor is asked for 4 with 2 free. The refusal
+    // names the whole commit and everything it could have had (free and pooled), not the
+    // part net of the pool against the free bytes alone.
+    let mut c = w.vm.reserve(8 * g).unwrap();
+    let e = c.commit(6 * g).unwrap_err();
+    let VmmError::Backpressure(bp) = &e else {
+        panic!("{e:?}")
+    };
+    assert_eq!((bp.needed, bp.available), (6 * g, 4 * g));
+    assert_eq!(bp.available, w.gov.available_bytes(D0));
+    assert_eq!(
+        w.vm.pooled_bytes(),
+        2 * g,
+        "the handles set aside went back"
+    );
+    // What was reported available is granted.
+    c.commit(4 * g).unwrap();
+    assert_eq!(w.gov.available_bytes(D0), 0);
+    w.check(&[&a, &b, &c]);
+}

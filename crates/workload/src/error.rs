@@ -35,13 +35,19 @@ pub enum WorkloadError {
     EmptyTrace,
     /// A request needs more tokens than the maximum context.
     #[error(
-        "request {index} needs {tokens} tokens, more than the maximum context of {max_context}"
+        "{}: the request needs {} tokens (prompt {prompt_tokens} + output {output_tokens}), more than the maximum context of {max_context} tokens",
+        match line { Some(l) => format!("trace line {l}"), None => format!("request {index} of the synthetic trace") },
+        prompt_tokens.saturating_add(*output_tokens)
     )]
     RequestTooLong {
-        /// The request's index in the trace.
+        /// The request's index in the trace (in arrival order).
         index: usize,
-        /// Prompt plus output tokens.
-        tokens: u64,
+        /// The 1-based line of the JSONL file it came from (None: synthetic).
+        line: Option<usize>,
+        /// Its prompt tokens.
+        prompt_tokens: u64,
+        /// Its output tokens.
+        output_tokens: u64,
         /// The maximum context.
         max_context: u64,
     },

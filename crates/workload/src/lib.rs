@@ -10,12 +10,13 @@
 //!   with each layout, with and without prefix sharing.
 //! * [`simulate`]: an event-driven replay of the trace through every policy, one after the
 //!   other, on the same trace and the same budget; [`SimulationReport`] holds the figures,
-//!   [`render_table`] and [`render_svg`] present them.
+//!   [`render_table`] and [`render_svg`] present them, and [`verdict`] concludes: the best
+//!   kvvm policy against the best of the others ([`render_verdict`]).
 //!
 //! ```
 //! use std::sync::Arc;
 //! use kvvm_sim::SimBackend;
-//! use kvvm_workload::{render_table, simulate, SimulationConfig, SyntheticTrace, Trace};
+//! use kvvm_workload::{render_table, simulate, SimulationConfig, SyntheticTrace, TableWidth, Trace};
 //!
 //! # fn main() -> Result<(), kvvm_workload::WorkloadError> {
 //! let trace = Trace::synthetic(&SyntheticTrace { requests: 20, ..SyntheticTrace::default() })?;
@@ -25,7 +26,7 @@
 //! assert!(waste("kvvm-token-major") < waste("kvvm-seq-major"));
 //! assert!(waste("kvvm-seq-major") < waste("kvvm-head-major"));
 //! assert!(sim.ledger().is_empty()); // every reservation and handle was given back
-//! println!("{}", render_table(&report));
+//! println!("{}", render_table(&report, TableWidth::Narrow));
 //! # Ok(())
 //! # }
 //! ```
@@ -76,6 +77,8 @@ mod replay;
 mod report;
 mod table;
 mod trace;
+mod trace_line;
+mod verdict;
 
 pub use driver::{classic, CountingBackend, DriverTally};
 pub use error::{WorkloadError, WorkloadResult};
@@ -84,5 +87,6 @@ pub use plot::render_svg;
 pub use policy::{PolicyKind, PAGED_BLOCK_TOKENS};
 pub use replay::{simulate, Progress, SimulationConfig, DEFAULT_BUDGET_BYTES};
 pub use report::{PolicyReport, Sample, SimulationReport, TraceSummary};
-pub use table::render_table;
+pub use table::{render_table, render_verdict, TableWidth};
 pub use trace::{Request, SyntheticTrace, Trace, TraceSource};
+pub use verdict::{format_wait, verdict, Verdict, REPORT_COLUMNS};

@@ -239,6 +239,7 @@ mod tests {
             prompt_tokens: prompt,
             output_tokens: 8,
             shared_prefix_tokens: shared,
+            line: None,
         }
     }
 

@@ -15,9 +15,12 @@ use crate::policy::{Costs, Outcome, Policy, PolicyKind, Shape, PAGED_BLOCK_TOKEN
 use crate::report::{PolicyReport, Sample, SimulationReport, TraceSummary};
 use crate::trace::{Trace, TraceSource};
 
-/// Default memory budget: 40 GiB. On the default trace `static-max` (4 GiB a request at the
-/// default 32768-token context) is refused and defers requests, while every kvvm layout fits.
-pub const DEFAULT_BUDGET_BYTES: u64 = 40 << 30;
+/// Default memory budget: 8 GiB, a budget under which the policies serve differently. On the
+/// default trace `static-max` (4 GiB a request at the default 32768-token context) runs two
+/// requests at a time, `realloc-copy` and the head- and seq-major layouts make requests wait,
+/// while token-major and the paged policies serve every request at once; with the ample
+/// 40 GiB every policy but `static-max` serves the same and only memory tells them apart.
+pub const DEFAULT_BUDGET_BYTES: u64 = 8 << 30;
 
 /// Consecutive decode steps without any progress (no token, admission, completion or
 /// preemption) after which a replay gives up: a bug, never a property of a trace.
@@ -46,7 +49,7 @@ pub struct SimulationConfig {
 }
 
 impl Default for SimulationConfig {
-    /// llama-3-8b fp16, 32768-token context, 40 GiB, 20 ms decode steps, every policy.
+    /// llama-3-8b fp16, 32768-token context, 8 GiB, 20 ms decode steps, every policy.
     fn default() -> Self {
         SimulationConfig {
             model: "llama-3-8b".into(),
@@ -92,6 +95,15 @@ struct Tally {
     preemptions: u64,
     completed: u64,
     queue_delay_us: u128,
+    /// Each admitted request's wait, from the step it arrived in to its first admission.
+    delays_us: Vec<u64>,
+    /// Most requests running at once.
+    peak_running: u64,
+    /// Integral of the requests running over time, and of their tokens.
+    running_integral: u128,
+    tokens_integral: u128,
+    last_running: u64,
+    last_tokens: u64,
     peak: u64,
     peak_held: u64,
     committed_integral: u128,
@@ -103,8 +115,19 @@ struct Tally {
 }
 
 impl Tally {
-    fn observe(&mut self, t_us: u64, committed: u64, live: u64, held: u64) {
+    /// Records the state after a step: bytes committed, live (a shared prefix once) and held,
+    /// and the requests running with their tokens.
+    fn observe(&mut self, t_us: u64, committed: u64, live: u64, held: u64, running: &[Running]) {
         let dt = u128::from(t_us.saturating_sub(self.last_t));
+        self.running_integral = self
+            .running_integral
+            .saturating_add(u128::from(self.last_running).saturating_mul(dt));
+        self.tokens_integral = self
+            .tokens_integral
+            .saturating_add(u128::from(self.last_tokens).saturating_mul(dt));
+        self.last_running = running.len() as u64;
+        self.last_tokens = running.iter().fold(0u64, |a, r| a.saturating_add(r.tokens));
+        self.peak_running = self.peak_running.max(self.last_running);
         self.committed_integral = self
             .committed_integral
             .saturating_add(u128::from(self.last_committed).saturating_mul(dt));
@@ -152,6 +175,9 @@ fn replay_one(
     let mut waiting: VecDeque<(usize, u64)> = VecDeque::new();
     let mut running: Vec<Running> = Vec::new();
     let mut first_admit: Vec<Option<u64>> = vec![None; reqs.len()];
+    // The step each request arrived in: its wait starts there (the time to the next step
+    // boundary is the engine's batching, not queueing).
+    let mut enqueued: Vec<u64> = vec![0; reqs.len()];
     let mut waited: Vec<bool> = vec![false; reqs.len()];
     let mut done = 0usize;
     let mut pressure = false;
@@ -171,6 +197,9 @@ fn replay_one(
         while let Some(r) = reqs.get(next) {
             if r.arrival_us > t {
                 break;
+            }
+            if let Some(e) = enqueued.get_mut(next) {
+                *e = t;
             }
             waiting.push_back((next, 0));
             next += 1;
@@ -195,9 +224,10 @@ fn replay_one(
                         if let Some(slot) = first_admit.get_mut(id) {
                             *slot = Some(t);
                         }
-                        tally.queue_delay_us = tally
-                            .queue_delay_us
-                            .saturating_add(u128::from(t.saturating_sub(req.arrival_us)));
+                        let wait = t.saturating_sub(enqueued.get(id).copied().unwrap_or(t));
+                        tally.queue_delay_us =
+                            tally.queue_delay_us.saturating_add(u128::from(wait));
+                        tally.delays_us.push(wait);
                     }
                     running.push(Running {
                         id,
@@ -287,7 +317,13 @@ fn replay_one(
             }
         }
         let held = policy.held_bytes();
-        tally.observe(t, policy.committed_bytes(), policy.live_bytes(), held);
+        tally.observe(
+            t,
+            policy.committed_bytes(),
+            policy.live_bytes(),
+            held,
+            &running,
+        );
         tally.peak = tally.peak.max(policy.transient_peak());
         if running.is_empty() && waiting.is_empty() && next >= reqs.len() {
             break;
@@ -310,6 +346,7 @@ fn replay_one(
         policy.committed_bytes(),
         policy.live_bytes(),
         policy.held_bytes(),
+        &running,
     );
     Ok(tally)
 }
@@ -388,7 +425,13 @@ pub fn simulate(
         })?;
         let costs = policy.close()?;
         drop(policy);
-        reports.push(report_of(*kind, &tally, costs, trace));
+        reports.push(report_of(
+            *kind,
+            &tally,
+            costs,
+            trace,
+            shape.bytes_per_token,
+        ));
     }
     progress(Progress {
         policies_done: n_policies,
@@ -430,7 +473,25 @@ fn summary(trace: &Trace) -> TraceSummary {
     }
 }
 
-fn report_of(kind: PolicyKind, tally: &Tally, costs: Costs, trace: &Trace) -> PolicyReport {
+/// The `q`-quantile (0..=1) of `values` by nearest rank, in milliseconds (0 when empty).
+fn quantile_ms(values: &[u64], q: f64) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_unstable();
+    let n = v.len();
+    if n == 0 {
+        return 0.0;
+    }
+    let rank = (q * n as f64).ceil().clamp(1.0, n as f64) as usize;
+    v.get(rank - 1).map_or(0.0, |us| *us as f64 / 1e3)
+}
+
+fn report_of(
+    kind: PolicyKind,
+    tally: &Tally,
+    costs: Costs,
+    trace: &Trace,
+    bytes_per_token: u64,
+) -> PolicyReport {
     let start = trace.requests.first().map_or(0, |r| r.arrival_us);
     let span = u128::from(tally.last_t.saturating_sub(start)).max(1);
     let mean = |integral: u128| u64::try_from(integral / span).unwrap_or(u64::MAX);
@@ -474,7 +535,12 @@ fn report_of(kind: PolicyKind, tally: &Tally, costs: Costs, trace: &Trace) -> Po
         through_manager: kind.is_kvvm(),
         peak_committed_bytes: tally.peak,
         mean_committed_bytes: mean(tally.committed_integral),
-        mean_live_bytes: mean(tally.live_integral),
+        mean_live_bytes: mean(
+            tally
+                .tokens_integral
+                .saturating_mul(u128::from(bytes_per_token)),
+        ),
+        mean_stored_live_bytes: mean(tally.live_integral),
         waste_ratio,
         peak_held_bytes: tally.peak_held.max(tally.peak),
         admitted,
@@ -489,12 +555,17 @@ fn report_of(kind: PolicyKind, tally: &Tally, costs: Costs, trace: &Trace) -> Po
         } else {
             tally.queue_delay_us as f64 / admitted as f64 / 1e3
         },
+        queue_delay_p50_ms: quantile_ms(&tally.delays_us, 0.50),
+        queue_delay_p99_ms: quantile_ms(&tally.delays_us, 0.99),
+        peak_running: tally.peak_running,
+        mean_running: tally.running_integral as f64 / span as f64,
         makespan_s: span as f64 / 1e6,
         driver_calls: costs.driver_calls,
         mappings: costs.mappings,
         handles: costs.handles,
         peak_mappings: costs.peak_mappings,
         driver_time_us: u64::try_from(costs.driver_time.as_micros()).unwrap_or(u64::MAX),
+        driver_time_share: costs.driver_time.as_secs_f64() / (span as f64 / 1e6),
         driver_time_source: if costs.measured {
             "measured"
         } else {

@@ -25,9 +25,14 @@ pub struct PolicyReport {
     pub peak_committed_bytes: u64,
     /// Time-averaged committed bytes.
     pub mean_committed_bytes: u64,
-    /// Time-averaged live KV bytes (a shared prefix counted once).
+    /// Time-averaged KV bytes of the tokens in flight: the tokens of the running requests
+    /// times the bytes per token, each request counted whole (the same for every policy
+    /// that runs the same schedule).
     pub mean_live_bytes: u64,
-    /// `integral(committed - live) / integral(committed)` over the run.
+    /// Time-averaged live KV bytes the memory must store: a shared prefix counted once (less
+    /// than [`mean_live_bytes`](Self::mean_live_bytes) with prefix sharing).
+    pub mean_stored_live_bytes: u64,
+    /// `integral(committed - stored live) / integral(committed)` over the run.
     pub waste_ratio: f64,
     /// Highest physical bytes held (committed plus the manager's handle pool; the whole
     /// preallocated pool for `paged-16` and `paged-16+prefix`).
@@ -49,8 +54,17 @@ pub struct PolicyReport {
     pub preemptions: u64,
     /// Requests completed.
     pub completed: u64,
-    /// Mean time from arrival to first admission, in milliseconds.
+    /// Mean wait of the admitted requests, in milliseconds: from the decode step a request
+    /// arrived in to its first admission (0 for one admitted at the step it arrived in).
     pub mean_queue_delay_ms: f64,
+    /// Median of that wait, in milliseconds.
+    pub queue_delay_p50_ms: f64,
+    /// 99th percentile of that wait (nearest rank), in milliseconds.
+    pub queue_delay_p99_ms: f64,
+    /// Most requests running at once: the concurrency the policy reached.
+    pub peak_running: u64,
+    /// Time-averaged requests running.
+    pub mean_running: f64,
     /// Time from the first arrival to the last completion, in seconds.
     pub makespan_s: f64,
     /// Driver calls (reserve, free, create, release, map, set access, unmap, synchronize).
@@ -66,6 +80,9 @@ pub struct PolicyReport {
     pub peak_mappings: u64,
     /// Driver time in microseconds: modelled on the simulator, measured on a GPU.
     pub driver_time_us: u64,
+    /// Driver time as a share of the makespan (0.01: 1 %): what the driver calls cost against
+    /// the time the requests took.
+    pub driver_time_share: f64,
     /// `"latency-model"` or `"measured"`.
     pub driver_time_source: &'static str,
     /// Bytes copied by reallocation (`realloc-copy`).

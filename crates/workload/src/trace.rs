@@ -2,9 +2,10 @@
 
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 use crate::error::{WorkloadError, WorkloadResult};
+use crate::trace_line;
 use kvvm_num::SplitMix64;
 
 /// One request of a trace.
@@ -18,6 +19,10 @@ pub struct Request {
     pub output_tokens: u64,
     /// Leading prompt tokens that are the trace's common system prompt (0: none).
     pub shared_prefix_tokens: u64,
+    /// The 1-based line of the JSONL file it was read from (None: a synthetic request), so
+    /// that a message about it names the line the user wrote, whatever the arrival order.
+    #[serde(skip)]
+    pub line: Option<usize>,
 }
 
 impl Request {
@@ -148,23 +153,6 @@ fn clamp_tokens(x: f64, lo: u64, hi: u64) -> u64 {
     }
 }
 
-/// One line of a JSONL trace.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Line {
-    arrival_s: f64,
-    #[serde(default)]
-    prompt_tokens: Option<u64>,
-    #[serde(default)]
-    token_ids: Option<Vec<u64>>,
-    output_tokens: u64,
-    #[serde(default)]
-    shared_prefix_tokens: Option<u64>,
-}
-
-/// A parsed line: (arrival_us, prompt, output, declared prefix, token ids).
-type Row = (u64, u64, u64, u64, Option<Vec<u64>>);
-
 fn common_prefix(a: &[u64], b: &[u64]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
@@ -206,6 +194,7 @@ impl Trace {
                 prompt_tokens: prompt,
                 output_tokens: output,
                 shared_prefix_tokens: prefix,
+                line: None,
             });
         }
         let system_prompt_tokens = if requests.iter().any(|r| r.shared_prefix_tokens > 0) {
@@ -229,73 +218,25 @@ impl Trace {
     /// `{"arrival_s": 0.5, "token_ids": [1, 2, 3], "output_tokens": 64}`. A malformed line is
     /// [`WorkloadError::TraceLine`] naming its 1-based line number.
     pub fn parse_jsonl(text: &str, path: &str) -> WorkloadResult<Trace> {
-        let mut rows: Vec<Row> = Vec::new();
+        // A byte-order mark some editors write is not part of the first line.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        let mut rows: Vec<(usize, trace_line::Row)> = Vec::new();
         for (i, raw) in text.lines().enumerate() {
             let line = i.saturating_add(1);
             let trimmed = raw.trim();
             if trimmed.is_empty() || trimmed.starts_with('#') {
                 continue;
             }
-            let err = |message: String| WorkloadError::TraceLine { line, message };
-            let l: Line = serde_json::from_str(trimmed).map_err(|e| {
-                // serde's "at line 1 column N" is about the line alone: keep the column.
-                let text = e.to_string();
-                let what = text
-                    .rfind(" at line ")
-                    .and_then(|i| text.get(..i))
-                    .unwrap_or(&text);
-                err(format!("{what} (column {})", e.column()))
-            })?;
-            if !(l.arrival_s.is_finite() && l.arrival_s >= 0.0) {
-                return Err(err("arrival_s must be a finite number >= 0".into()));
-            }
-            let arrival_us = l.arrival_s * 1e6;
-            if arrival_us >= (u64::MAX / 4) as f64 {
-                return Err(err("arrival_s is too large".into()));
-            }
-            let (prompt, ids) = match (l.prompt_tokens, l.token_ids) {
-                (Some(_), Some(_)) => {
-                    return Err(err("give prompt_tokens or token_ids, not both".into()))
-                }
-                (None, None) => return Err(err("missing prompt_tokens or token_ids".into())),
-                (Some(n), None) => (n, None),
-                (None, Some(ids)) => {
-                    if l.shared_prefix_tokens.is_some() {
-                        return Err(err(
-                            "shared_prefix_tokens goes with prompt_tokens; with token_ids the \
-                             shared prefix is computed"
-                                .into(),
-                        ));
-                    }
-                    (ids.len() as u64, Some(ids))
-                }
-            };
-            if prompt == 0 {
-                return Err(err("the prompt must hold at least one token".into()));
-            }
-            if l.output_tokens == 0 {
-                return Err(err("output_tokens must be at least 1".into()));
-            }
-            let declared = l.shared_prefix_tokens.unwrap_or(0);
-            if declared > prompt {
-                return Err(err(format!(
-                    "shared_prefix_tokens {declared} exceeds the prompt of {prompt} tokens"
-                )));
-            }
-            rows.push((
-                clamp_tokens(arrival_us, 0, u64::MAX / 4),
-                prompt,
-                l.output_tokens,
-                declared,
-                ids,
-            ));
+            let row = trace_line::parse(trimmed)
+                .map_err(|message| WorkloadError::TraceLine { line, message })?;
+            rows.push((line, row));
         }
         if rows.is_empty() {
             return Err(WorkloadError::EmptyTrace);
         }
         // With token ids, the system prompt is the longest prefix the first token-id request
         // shares with any other; each token-id request shares its common prefix with it.
-        let with_ids: Vec<&[u64]> = rows.iter().filter_map(|r| r.4.as_deref()).collect();
+        let with_ids: Vec<&[u64]> = rows.iter().filter_map(|(_, r)| r.ids.as_deref()).collect();
         let system_ids: &[u64] = match with_ids.split_first() {
             Some((first, rest)) => {
                 let n = rest
@@ -309,14 +250,15 @@ impl Trace {
         };
         let mut requests: Vec<Request> = rows
             .iter()
-            .map(|(arrival_us, prompt, output, declared, ids)| Request {
-                arrival_us: *arrival_us,
-                prompt_tokens: *prompt,
-                output_tokens: *output,
-                shared_prefix_tokens: match ids {
+            .map(|(line, r)| Request {
+                arrival_us: r.arrival_us,
+                prompt_tokens: r.prompt,
+                output_tokens: r.output,
+                shared_prefix_tokens: match &r.ids {
                     Some(ids) => common_prefix(ids, system_ids) as u64,
-                    None => *declared,
+                    None => r.declared,
                 },
+                line: Some(*line),
             })
             .collect();
         requests.sort_by_key(|r| r.arrival_us);
@@ -376,13 +318,16 @@ impl Trace {
             .count()
     }
 
-    /// Checks that every request fits in `max_context` tokens.
+    /// Checks that every request fits in `max_context` tokens; the error names the first
+    /// that does not by its line in the file (by its index for a synthetic trace).
     pub fn check_fits(&self, max_context: u64) -> WorkloadResult<()> {
         for (index, r) in self.requests.iter().enumerate() {
             if r.total_tokens() > max_context {
                 return Err(WorkloadError::RequestTooLong {
                     index,
-                    tokens: r.total_tokens(),
+                    line: r.line,
+                    prompt_tokens: r.prompt_tokens,
+                    output_tokens: r.output_tokens,
                     max_context,
                 });
             }

@@ -8,7 +8,7 @@ use kvvm_hal::VirtualMemoryBackend;
 use kvvm_sim::SimBackend;
 use kvvm_workload::{
     render_svg, render_table, simulate, PolicyKind, SimulationConfig, SimulationReport,
-    SyntheticTrace, Trace,
+    SyntheticTrace, TableWidth, Trace,
 };
 
 fn small_trace(requests: usize, seed: u64) -> Trace {
@@ -38,7 +38,12 @@ fn peak(r: &SimulationReport, name: &str) -> u64 {
 #[test]
 fn token_major_wastes_less_than_seq_major_less_than_head_major_and_kvvm_peaks_below_static_max() {
     let trace = small_trace(60, 42);
-    let (r, sim) = run(&trace, &SimulationConfig::default());
+    // An ample budget: only static-max meets it, and memory alone tells the others apart.
+    let config = SimulationConfig {
+        budget_bytes: 40 << 30,
+        ..SimulationConfig::default()
+    };
+    let (r, sim) = run(&trace, &config);
     assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
     let (t, s, h) = (
         waste(&r, "kvvm-token-major"),
@@ -104,12 +109,42 @@ fn token_major_wastes_less_than_seq_major_less_than_head_major_and_kvvm_peaks_be
         .unwrap()
         .contains("8192 tokens"));
     assert_eq!(hm.peak_committed_bytes, peak(&r, "kvvm-head-major"));
-    // Waste is a ratio; live never exceeds committed on average.
+    // Waste is a ratio; the live bytes stored never exceed committed on average; the tokens
+    // in flight are the same for every policy that ran the same schedule, shared or not.
     for p in &r.policies {
         assert!((0.0..1.0).contains(&p.waste_ratio), "{}", p.name);
-        assert!(p.mean_live_bytes <= p.mean_committed_bytes, "{}", p.name);
+        assert!(
+            p.mean_stored_live_bytes <= p.mean_committed_bytes,
+            "{}",
+            p.name
+        );
+        assert!(p.mean_stored_live_bytes <= p.mean_live_bytes, "{}", p.name);
         assert!(p.peak_held_bytes >= p.peak_committed_bytes, "{}", p.name);
     }
+    let live = r.policy("kvvm-token-major").unwrap().mean_live_bytes;
+    assert_eq!(
+        tm.mean_live_bytes, live,
+        "tokens in flight do not halve with sharing"
+    );
+    assert!(tm.mean_stored_live_bytes < live);
+    // Nothing waits but static-max's requests: their waits read 0, not a step.
+    for p in r.policies.iter().filter(|p| p.name != "static-max") {
+        assert_eq!(p.waited, 0, "{}", p.name);
+        assert_eq!(
+            (
+                p.mean_queue_delay_ms,
+                p.queue_delay_p50_ms,
+                p.queue_delay_p99_ms
+            ),
+            (0.0, 0.0, 0.0),
+            "{}",
+            p.name
+        );
+    }
+    assert!(st.queue_delay_p99_ms >= st.queue_delay_p50_ms && st.queue_delay_p50_ms > 0.0);
+    // static-max holds 10 requests of 4 GiB at a time; the others run more at once.
+    assert_eq!(st.peak_running, 10);
+    assert!(tm.peak_running > st.peak_running && tm.mean_running > 0.0);
 }
 
 #[test]
@@ -222,7 +257,7 @@ fn the_report_serializes_with_the_documented_keys_and_renders() {
         }
         assert!(p.get("samples").is_none());
     }
-    let table = render_table(&r);
+    let table = render_table(&r, TableWidth::Wide);
     for p in &r.policies {
         assert!(table.contains(&p.name));
     }
@@ -473,4 +508,49 @@ fn prefix_caching_saves_only_when_requests_share_a_prompt() {
     assert_eq!(cached.peak_committed_bytes, plain.peak_committed_bytes);
     assert_eq!(cached.mean_committed_bytes, plain.mean_committed_bytes);
     assert_eq!(cached.driver_time_us, plain.driver_time_us);
+}
+
+#[test]
+fn the_verdict_weighs_the_best_kvvm_policy_against_the_best_other_honestly() {
+    // The default run: the default trace under the default budget.
+    let config = SimulationConfig::default();
+    assert_eq!(config.budget_bytes, 8 << 30);
+    let (r, _) = run(&small_trace(200, 42), &config);
+    let v = kvvm_workload::verdict(&r).unwrap();
+    assert_eq!(
+        (v.kvvm.as_str(), v.baseline.as_str()),
+        ("kvvm-token-major+prefix", "paged-16+prefix")
+    );
+    let k = r.policy(&v.kvvm).unwrap();
+    let b = r.policy(&v.baseline).unwrap();
+    assert_eq!(v.served, [k.completed, b.completed]);
+    assert_eq!(v.held_bytes, [k.peak_held_bytes, b.peak_held_bytes]);
+    assert!(
+        v.text.contains("the same service") && v.text.contains("less memory held"),
+        "{}",
+        v.text
+    );
+    // A kvvm policy that serves worse is said to: no gain, with what it lost.
+    let worse = SimulationConfig {
+        policies: vec![
+            PolicyKind::Paged16,
+            PolicyKind::Kvvm {
+                layout: kvvm_layout::KvLayout::HeadMajor,
+                prefix_sharing: false,
+            },
+        ],
+        ..SimulationConfig::default()
+    };
+    let trace = small_trace(60, 42);
+    let (r, _) = run(&trace, &worse);
+    let v = kvvm_workload::verdict(&r).unwrap();
+    assert!(v.text.contains("no gain: a p99 wait of"), "{}", v.text);
+    // Without a policy on each side there is nothing to weigh.
+    let only = SimulationConfig {
+        policies: vec![PolicyKind::Paged16],
+        ..SimulationConfig::default()
+    };
+    let (r, _) = run(&trace, &only);
+    assert!(kvvm_workload::verdict(&r).is_none());
+    assert!(kvvm_workload::render_verdict(&r).starts_with("verdict: none"));
 }

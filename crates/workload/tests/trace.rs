@@ -51,7 +51,7 @@ fn token_ids_share_their_common_prefix() {
 #[test]
 fn a_bad_line_is_a_typed_error_naming_its_line_number() {
     let good = "{\"arrival_s\": 0, \"prompt_tokens\": 10, \"output_tokens\": 1}\n";
-    let cases: [(&str, &str); 9] = [
+    let cases: [(&str, &str); 16] = [
         ("{\"arrival_s\": 0, \"prompt_tokens\": 10", "EOF while parsing an object (column"),
         ("{\"arrival_s\": 0, \"output_tokens\": 3}", "missing prompt_tokens"),
         (
@@ -69,7 +69,32 @@ fn a_bad_line_is_a_typed_error_naming_its_line_number() {
             "{\"arrival_s\": 0, \"prompt_tokens\": 3, \"output_tokens\": 2, \"colour\": 1}",
             "unknown field",
         ),
-        ("[1, 2, 3]", "invalid type"),
+        ("[1, 2, 3]", "one JSON object per line"),
+        (
+            "[{\"arrival_s\": 0, \"prompt_tokens\": 3, \"output_tokens\": 2}]",
+            "a JSON array: a JSONL trace holds one JSON object per line",
+        ),
+        ("42", "each line of a JSONL trace is one JSON object"),
+        (
+            "{\"arrival_s\": 0, \"prompt_tokens\": 3, \"output_tokens\": \"5\"}",
+            "output_tokens must be a whole number >= 1, not the string \"5\"",
+        ),
+        (
+            "{\"arrival_s\": \"soon\", \"prompt_tokens\": 3, \"output_tokens\": 2}",
+            "arrival_s must be a number of seconds >= 0, not the string \"soon\"",
+        ),
+        (
+            "{\"arrival_s\": 1e300, \"prompt_tokens\": 3, \"output_tokens\": 2}",
+            "is too large: at most 4611686018427 seconds",
+        ),
+        (
+            "{\"arrival_s\": 0, \"token_ids\": [1, -2], \"output_tokens\": 2}",
+            "token_ids[1] must be a whole number >= 0, not -2",
+        ),
+        (
+            "{\"arrival_s\": 0, \"prompt_tokens\": 3, \"prompt_tokens\": 4, \"output_tokens\": 2}",
+            "given twice",
+        ),
     ];
     for (bad, needle) in cases {
         // Two good lines, a comment, then the bad one: line 4.
@@ -153,4 +178,42 @@ fn the_synthetic_trace_follows_its_parameters() {
             Err(WorkloadError::Config(_))
         ));
     }
+}
+
+#[test]
+fn a_byte_order_mark_is_not_part_of_the_first_line() {
+    let t = Trace::parse_jsonl(
+        "\u{feff}{\"arrival_s\": 0, \"prompt_tokens\": 10, \"output_tokens\": 1}\n",
+        "t",
+    )
+    .unwrap();
+    assert_eq!(t.requests.len(), 1);
+    assert_eq!(t.requests[0].line, Some(1));
+}
+
+#[test]
+fn a_request_too_long_is_named_by_its_line_in_the_file() {
+    // Line 3 arrives first: sorted by arrival it is request 0, but the user wrote line 3.
+    let text = "{\"arrival_s\": 5, \"prompt_tokens\": 10, \"output_tokens\": 1}\n\
+                # a comment\n\
+                {\"arrival_s\": 0.1, \"prompt_tokens\": 900, \"output_tokens\": 200}\n";
+    let t = Trace::parse_jsonl(text, "t").unwrap();
+    let e = t.check_fits(1000).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            WorkloadError::RequestTooLong {
+                index: 0,
+                line: Some(3),
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let shown = e.to_string();
+    assert!(
+        shown.starts_with("trace line 3: the request needs 1100 tokens (prompt 900 + output 200)"),
+        "{shown}"
+    );
+    assert!(shown.contains("maximum context of 1000 tokens"), "{shown}");
 }

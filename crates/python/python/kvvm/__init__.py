@@ -73,6 +73,7 @@ __all__ = [
     "SharedPrefix",
     "TensorView",
     "open_backend",
+    "config_dtype",
     "geometry_from_config",
     "errors",
     "BackpressureError",
@@ -122,11 +123,20 @@ def dtype_name(dtype: Any) -> str:
         raise InvalidArgumentError(f"unsupported KV dtype {dtype!r}") from None
 
 
+def config_dtype(config: Any) -> Any:
+    """The dtype a transformers config names: ``config.dtype``, or the deprecated
+    ``torch_dtype`` on a config that has no ``dtype`` (transformers 4); None when it names
+    none (a model built straight from a config holds torch's default dtype then)."""
+    if hasattr(config, "dtype"):
+        return config.dtype
+    return getattr(config, "torch_dtype", None)
+
+
 def geometry_from_config(config: Any, max_tokens: int, dtype: Any = None) -> KvGeometry:
     """The KV geometry of a Hugging Face transformers model config (``LlamaConfig`` and
     the like): ``num_hidden_layers``, ``num_key_value_heads`` (or ``num_attention_heads``) and
     ``head_dim`` (or ``hidden_size // num_attention_heads``). ``dtype`` defaults to the
-    config's ``torch_dtype``/``dtype``, else bf16."""
+    config's (:func:`config_dtype`), else bf16."""
     try:
         layers = int(config.num_hidden_layers)
         heads = int(config.num_attention_heads)
@@ -137,7 +147,7 @@ def geometry_from_config(config: Any, max_tokens: int, dtype: Any = None) -> KvG
     if head_dim is None:
         head_dim = int(config.hidden_size) // heads
     if dtype is None:
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "bf16"
+        dtype = config_dtype(config) or "bf16"
     return KvGeometry(
         layers=layers,
         kv_heads=kv_heads,

@@ -32,6 +32,7 @@ Requires torch and transformers (5.x); the rest of kvvm does not.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -54,7 +55,15 @@ from .cache_layer import KvvmLayer, StepQuery, host_work
 from .errors import GraphsAliveError, InvalidArgumentError
 from .slots import SlotState
 
-__all__ = ["ATTENTION", "KvvmCache", "KvvmLayer", "KvvmPrefix", "register_attention", "use_kvvm_attention"]
+__all__ = [
+    "ATTENTION",
+    "KvvmCache",
+    "KvvmLayer",
+    "KvvmPrefix",
+    "cache_argument",
+    "register_attention",
+    "use_kvvm_attention",
+]
 
 _TORCH_DTYPES = {
     "bf16": torch.bfloat16,
@@ -68,6 +77,17 @@ def _torch_dtype(name: str) -> torch.dtype:
         return _TORCH_DTYPES[name]
     except KeyError:
         raise InvalidArgumentError(f"KvvmCache does not support the KV dtype {name}") from None
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword under which ``model``'s forward and ``generate`` take a cache: ``"cache"``
+    from transformers 5.24 on (which deprecates the old name), ``"past_key_values"`` before.
+    Use it as ``model.generate(ids, **{cache_argument(model): cache})``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def _check_full_attention(config: Any) -> None:
@@ -85,7 +105,8 @@ class KvvmCache(Cache):
     """A transformers cache over a kvvm :class:`~kvvm.SequenceBatch`.
 
     Args:
-        config: the model's config (full-attention decoders: Llama, Mistral, Qwen2, ...).
+        config: the model (its dtype is then the cache's) or its config (full-attention
+            decoders: Llama, Mistral, Qwen2, ...).
         batch_size: requests (slots) in the batch.
         max_cache_len: the most tokens a request may reach (prompt + generated); reserved as
             address space only.
@@ -95,17 +116,22 @@ class KvvmCache(Cache):
             keeps a request's K/V for every layer in one fragment, so at most one granule per
             request is committed beyond its live tokens and a shared prefix maps as one
             handle (``docs/python.md``).
-        dtype: the K/V dtype (default: the config's, else bf16).
-        precommit: grow through the manager's background pre-committer.
+        dtype: the K/V dtype. Default: the model's when ``config`` is the model, else the
+            config's ``dtype``, else bf16. A config often names none (a model built from a
+            config and cast with ``.to(...)``): pass the model or ``dtype=``. K/V of another
+            dtype than the cache's are refused with InvalidArgumentError naming both.
+        precommit: grow through the manager's background pre-committer, when it runs one.
         headroom_tokens: how far ahead of each request's live tokens the pre-committer keeps
             windows mapped (for a manager made here).
         batch: a batch to bind to, of ``batch_size + 1`` slots (the last is the scratch
             slot); made here when omitted.
         start_tokens: live tokens already in every slot of ``batch``.
 
-    Use it as ``model.generate(..., past_key_values=KvvmCache(model.config, B, L))``, in a
-    hand-written decode loop, or captured (:class:`kvvm.graph.DecodeGraph`); call
-    :meth:`release` (or use it as a context manager) to give the memory back.
+    Use it as ``model.generate(..., past_key_values=KvvmCache(model, B, L))`` (transformers
+    5.24 and later name the argument ``cache=``), in a hand-written decode loop, or captured
+    (:class:`kvvm.graph.DecodeGraph`); call :meth:`release` (or use it as a context manager)
+    to give the memory back. Beam search is not supported (the cache does not reorder its
+    slots).
     """
 
     def __init__(
@@ -125,6 +151,12 @@ class KvvmCache(Cache):
         batch: SequenceBatch | None = None,
         start_tokens: int = 0,
     ) -> None:
+        model_dtype = getattr(config, "dtype", None)
+        if hasattr(config, "config") and isinstance(model_dtype, torch.dtype):
+            # A model: the cache holds what its layers produce.
+            config = config.config
+            if dtype is None:
+                dtype = model_dtype
         cfg = decoder_config(config)
         _check_full_attention(cfg)
         if batch_size <= 0 or max_cache_len <= 0:
@@ -143,6 +175,7 @@ class KvvmCache(Cache):
                 f"the {manager.backend} backend's memory cannot hold torch tensors; "
                 "use 'cuda', 'hip' or 'host'"
             )
+        precommit = precommit and manager.precommit
         geometry = geometry_from_config(cfg, max_cache_len, dtype)
         self._config = cfg
         self.manager = manager
@@ -189,7 +222,7 @@ class KvvmCache(Cache):
             prefix.plan,
             batch_size + 1,
             max_cache_len,
-            precommit=kwargs.pop("precommit", True),
+            precommit=kwargs.pop("precommit", True) and prefix.manager.precommit,
         )
         for i in range(batch_size):
             prefix.shared.attach(batch[i])
@@ -269,10 +302,17 @@ class KvvmCache(Cache):
 
     def _update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         st = self.state
+        if keys.dtype != self._torch_dtype:
+            raise InvalidArgumentError(
+                f"the model's K/V are {keys.dtype} and this KvvmCache holds {self._torch_dtype}: "
+                f"make the cache with dtype={keys.dtype} (or pass the model itself, "
+                "KvvmCache(model, ...), to take its dtype)"
+            )
         if keys.shape[0] != st.count:
             raise InvalidArgumentError(
-                f"a batch of {keys.shape[0]} for {st.count} KvvmCache slot(s): make the cache with "
-                "one slot per sequence (requests x beams or returned sequences)"
+                f"a batch of {keys.shape[0]} sequences for {st.count} KvvmCache slot(s): make the "
+                "cache with one slot per sequence (requests x num_return_sequences). Beam search "
+                "(num_beams > 1) is not supported: KvvmCache does not reorder its slots"
             )
         q = keys.shape[2]
         last = layer == self.geometry.layers - 1
@@ -596,6 +636,8 @@ class KvvmPrefix:
             raise InvalidArgumentError("input_ids must be [1, prefix_tokens]")
         prompt = int(input_ids.shape[1])
         cfg = decoder_config(model.config)
+        if dtype is None and isinstance(getattr(model, "dtype", None), torch.dtype):
+            dtype = model.dtype
         geometry = geometry_from_config(cfg, max_cache_len, dtype)
         plan = LayoutPlan(geometry, layout, manager.granule)
         batch = SequenceBatch(manager, plan, 2, max_cache_len)
@@ -604,7 +646,7 @@ class KvvmPrefix:
             cfg, 1, max_cache_len, manager=manager, layout=layout, dtype=geometry.dtype, batch=batch
         )
         pos = torch.arange(prompt, device=input_ids.device)[None]
-        out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, position_ids=pos)
+        out = model(input_ids=input_ids, use_cache=True, position_ids=pos, **{cache_argument(model): cache})
         if input_ids.device.type == "cuda":
             torch.cuda.synchronize(input_ids.device)
         shared.seal()

@@ -1,0 +1,103 @@
+"""KvvmCache as a newcomer meets it on a CPU: a model built from a config (fp32, the config
+naming no dtype) gets a cache of its own dtype when the cache is given the model, and a clear
+kvvm error naming both dtypes and ``dtype=`` when the cache was made for another; beam search
+is refused for what it is; a manager without a pre-committer is used as it is; the cache
+keyword of newer transformers is found."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvvm
+from conftest import host_available
+
+torch = pytest.importorskip("torch", reason="skipped: no torch")
+transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+
+from kvvm.transformers import KvvmCache, KvvmPrefix, cache_argument  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
+
+
+@pytest.fixture(scope="module")
+def model() -> object:
+    """What a newcomer builds: a model straight from a config, on the CPU, in torch's default
+    dtype (fp32); the config names no dtype."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=4096,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_the_cache_takes_the_models_dtype_and_generates_its_tokens(model) -> None:
+    assert model.config.dtype is None and model.dtype == torch.float32
+    ids = torch.randint(0, 1000, (2, 20))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        cache = KvvmCache(model, 2, 64, backend="host")
+        assert cache.geometry.dtype == "fp32"
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **{cache_argument(model): cache}
+        )
+    assert torch.equal(out, ref)
+    cache.release()
+
+
+def test_a_cache_of_another_dtype_is_refused_naming_both_and_the_argument(model) -> None:
+    ids = torch.randint(0, 1000, (2, 20))
+    # The config names no dtype: the cache defaults to bf16, the model makes fp32 K/V.
+    cache = KvvmCache(model.config, 2, 64, backend="host")
+    assert cache.geometry.dtype == "bf16"
+    with torch.no_grad(), pytest.raises(kvvm.InvalidArgumentError) as e:
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=2)
+    message = str(e.value)
+    for needle in ("torch.float32", "torch.bfloat16", "dtype="):
+        assert needle in message, message
+    cache.release()
+
+
+def test_a_prefix_takes_the_models_dtype(model) -> None:
+    mgr = kvvm.Manager("host")
+    # fp32 token-major: 1 KiB a token, so a 2 MiB window is 2048 tokens, the shortest prefix.
+    system = torch.randint(0, 1000, (1, 2100))
+    with torch.no_grad():
+        prefix = KvvmPrefix.build(model, system, manager=mgr, max_cache_len=2200)
+    assert prefix.plan.geometry.dtype == "fp32"
+    cache = KvvmCache.from_prefix(prefix, 2, 2200)
+    cache.release()
+    prefix.cache.release()
+
+
+def test_beam_search_is_refused_as_such(model) -> None:
+    ids = torch.randint(0, 1000, (2, 10))
+    cache = KvvmCache(model, 2, 64, backend="host")
+    with torch.no_grad(), pytest.raises(kvvm.InvalidArgumentError, match="num_beams"):
+        model.generate(
+            ids, attention_mask=torch.ones_like(ids), past_key_values=cache, num_beams=2, max_new_tokens=2
+        )
+    cache.release()
+
+
+def test_a_manager_without_a_pre_committer_is_used_as_it_is(model) -> None:
+    mgr = kvvm.Manager("host")
+    cache = KvvmCache(model, 1, 64, manager=mgr)
+    assert not cache.batch[0].precommitted
+    cache.release()
+
+
+def test_the_cache_keyword_follows_the_models_forward(model) -> None:
+    assert cache_argument(model) == "past_key_values"  # transformers 5.17
+
+    class Newer:
+        def forward(self, input_ids: object = None, cache: object = None) -> None:
+            pass
+
+    assert cache_argument(Newer()) == "cache"
