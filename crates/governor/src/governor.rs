@@ -499,6 +499,30 @@ mod tests {
     }
 
     #[test]
+    fn dropped_reclaimers_are_forgotten_when_another_registers() {
+        let (g, _) = governor(10 * MIB);
+        let live: Arc<dyn Reclaimer> = Arc::new(Pool {
+            g: g.clone(),
+            held: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
+        });
+        for _ in 0..8 {
+            let gone: Arc<dyn Reclaimer> = Arc::new(Pool {
+                g: g.clone(),
+                held: AtomicU64::new(0),
+                calls: AtomicU64::new(0),
+            });
+            g.register_reclaimer(Arc::downgrade(&gone));
+        }
+        g.register_reclaimer(Arc::downgrade(&live));
+        assert_eq!(
+            lock(&g.inner.reclaimers).len(),
+            1,
+            "only the live one is kept"
+        );
+    }
+
+    #[test]
     fn free_events_are_bounded() {
         let (g, _) = governor(u64::MAX);
         g.try_grant(D0, 4 * MAX_FREE_EVENTS as u64)
