@@ -259,3 +259,12 @@ fn adjacent_shared_ranges_are_cut_at_each_range_start() {
     r.commit_shared(&[(0, 2 * g), (2 * g, 3 * g)]).unwrap();
     assert_eq!(w.shape(&r), vec![(0, 2), (2, 3)]);
 }
+
+#[test]
+fn an_empty_shared_range_cuts_nothing() {
+    let w = World::multi(8, 0, false);
+    let g = w.g;
+    let mut r = w.vm.reserve(8 * g).unwrap();
+    r.commit_shared(&[(0, 6 * g), (3 * g, 0)]).unwrap();
+    assert_eq!(w.shape(&r), vec![(0, 6)]);
+}
