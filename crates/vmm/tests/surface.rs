@@ -268,3 +268,45 @@ fn an_empty_shared_range_cuts_nothing() {
     r.commit_shared(&[(0, 6 * g), (3 * g, 0)]).unwrap();
     assert_eq!(w.shape(&r), vec![(0, 6)]);
 }
+
+#[test]
+fn a_shared_set_reports_its_windows_handles_and_bytes() {
+    let w = World::multi(8, 0, false);
+    let g = w.g;
+    let mut r = w.vm.reserve(8 * g).unwrap();
+    let set = r.commit_shared(&[(0, 2 * g), (2 * g, 3 * g)]).unwrap();
+    assert_eq!((set.len(), set.handle_count()), (5, 2));
+    assert!(!set.is_empty());
+    assert_eq!(set.bytes(), 5 * g);
+    assert_eq!(w.gov.snapshot().device(D0).shared, 5 * g);
+    // Handle boundaries: windows 0 and 2, and one past the last window.
+    let starts: Vec<usize> = (0..7).filter(|&i| set.starts_handle(i)).collect();
+    assert_eq!(starts, vec![0, 2, 5]);
+    assert_eq!(set.window(3), Some((3 * g, set.pieces()[1].handle)));
+    assert_eq!(set.window(5), None);
+    assert_eq!(set.windows().len(), 5);
+}
+
+#[test]
+fn a_shared_set_of_another_manager_is_refused() {
+    let w = World::simple(G, 0);
+    let backend: Arc<dyn VirtualMemoryBackend> = w.sim.clone();
+    let other = VirtualMemory::new(backend, D0, w.gov.clone(), VmmConfig::default()).unwrap();
+    let mut owner = w.vm.reserve(4 * G).unwrap();
+    let set = owner.commit_shared(&[(0, 2 * G)]).unwrap();
+    let mut stranger = other.reserve(4 * G).unwrap();
+    let e = stranger
+        .map_shared(&set, &[0, 1], kvvm_hal::Access::Read)
+        .unwrap_err();
+    assert!(matches!(e, VmmError::GrantMismatch { .. }), "{e}");
+    assert!(stranger.mappings().is_empty());
+    // The same manager's reservation maps it.
+    let mut sharer = w.vm.reserve(4 * G).unwrap();
+    assert_eq!(
+        sharer
+            .map_shared(&set, &[1, 0], kvvm_hal::Access::Read)
+            .unwrap(),
+        2 * G
+    );
+    assert_eq!(set.mapped_count(), 4);
+}
