@@ -21,10 +21,10 @@
 # MUTANTS_SHARD=k/n (test every n-th mutant from the k-th, counted from 0, round-robin: a
 # sample spread over every file; its outcomes go to mutants/<crate>-shard-k-of-n).
 #
-# After adding tests, `ci/mutants.sh vmm --iterate` tests again only the mutants a previous
-# run in the same folder did not catch (cargo-mutants keeps the earlier ones in
-# previously_caught.txt, which the counts below include). `ci/mutants.sh summary` prints the
-# counts of every run kept under mutants/ again, and their total per crate.
+# After adding tests, `ci/mutants.sh recheck vmm` tests again only the mutants that the crate's
+# runs (whole or in shards) missed, into mutants/<crate>-recheck; `ci/mutants.sh summary`
+# prints the counts of every run kept under mutants/, and per crate the total with the
+# recheck's verdicts and the mutants still missed.
 #
 # The mutated copies are built in the build's target directory (target/ or CARGO_TARGET_DIR),
 # under mutants/build; each crate's outcomes go to mutants/<crate>/mutants.out (outcomes.json,
@@ -33,38 +33,39 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! cargo mutants --version >/dev/null 2>&1; then
-  echo "cargo-mutants is not installed: cargo install cargo-mutants --locked" >&2
-  exit 1
-fi
-
-TARGET_DIR=$(cargo metadata --format-version 1 --no-deps \
-  | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
-OUT="$TARGET_DIR/mutants"
-mkdir -p "$OUT"
-# Without this cargo-mutants builds its copy of the tree under the system's temporary folder.
-export CARGO_TARGET_DIR="$OUT/build"
-JOBS=${MUTANTS_JOBS:-1}
-TIMEOUT=${MUTANTS_TIMEOUT:-60}
-
-# Counts per outcome folder (mutants/<name>/mutants.out) and, for a crate run in shards, their
-# total. A mutant caught by an earlier run that --iterate skipped is counted as caught.
+# Counts per outcome folder (mutants/<name>/mutants.out); per crate, the total over its runs
+# (the whole crate or its shards), with the mutants a recheck caught counted as caught.
 summary() {
-  python3 - "$OUT" "$@" <<'PY'
+  python3 - "$OUT" <<'PY'
 import json
 import os
+import re
 import sys
 
-out, names = sys.argv[1], sys.argv[2:]
+out = sys.argv[1]
 key = {"CaughtMutant": "caught", "MissedMutant": "missed", "Timeout": "timeout", "Unviable": "unviable"}
-totals = {}
 
 
-def lines(path):
+def names(folder, kind):
+    path = os.path.join(folder, f"{kind}.txt")
     if not os.path.exists(path):
-        return 0
+        return []
     with open(path) as f:
-        return sum(1 for line in f if line.strip())
+        return [line.strip() for line in f if line.strip()]
+
+
+def counts(folder):
+    with open(os.path.join(folder, "outcomes.json")) as f:
+        data = json.load(f)
+    c = {"caught": 0, "missed": 0, "timeout": 0, "unviable": 0}
+    for o in data["outcomes"]:
+        if o["scenario"] == "Baseline":
+            continue
+        k = key.get(o["summary"])
+        if k is not None:
+            c[k] += 1
+    c["caught"] += len(names(folder, "previously_caught"))
+    return c
 
 
 def show(name, c):
@@ -76,77 +77,128 @@ def show(name, c):
     )
 
 
-for name in names:
-    folder = os.path.join(out, name, "mutants.out")
-    path = os.path.join(folder, "outcomes.json")
-    if not os.path.exists(path):
+for crate in ("governor", "vmm"):
+    runs = sorted(
+        d for d in os.listdir(out)
+        if re.fullmatch(crate + r"(-shard-[0-9]+-of-[0-9]+)?", d)
+        and os.path.exists(os.path.join(out, d, "mutants.out", "outcomes.json"))
+    )
+    if not runs:
         continue
-    with open(path) as f:
-        data = json.load(f)
-    c = {"caught": 0, "missed": 0, "timeout": 0, "unviable": 0}
-    for o in data["outcomes"]:
-        if o["scenario"] == "Baseline":
-            continue
-        k = key.get(o["summary"])
-        if k is not None:
-            c[k] += 1
-    c["caught"] += lines(os.path.join(folder, "previously_caught.txt"))
-    show(f"kvvm-{name}", c)
-    crate = name.split("-shard-")[0]
-    t = totals.setdefault(crate, {"runs": 0, "caught": 0, "missed": 0, "timeout": 0, "unviable": 0})
-    t["runs"] += 1
-    for k in c:
-        t[k] += c[k]
-for crate, t in totals.items():
-    if t["runs"] > 1:
-        show(f"kvvm-{crate} (all {t['runs']} runs)", t)
+    total = {"caught": 0, "missed": 0, "timeout": 0, "unviable": 0}
+    missed = []
+    for d in runs:
+        folder = os.path.join(out, d, "mutants.out")
+        c = counts(folder)
+        show(f"kvvm-{d}", c)
+        for k in total:
+            total[k] += c[k]
+        missed += names(folder, "missed")
+    recheck = os.path.join(out, f"{crate}-recheck", "mutants.out")
+    if os.path.exists(os.path.join(recheck, "outcomes.json")):
+        r = counts(recheck)
+        show(f"kvvm-{crate}-recheck", r)
+        tested = r["caught"] + r["missed"] + r["timeout"] + r["unviable"]
+        total["missed"] -= tested
+        for k in total:
+            total[k] += r[k]
+        missed = names(recheck, "missed")
+    show(f"kvvm-{crate} total", total)
+    for m in missed:
+        print(f"  missed: {m}")
 PY
 }
 
-which=${1:-all}
-if [ $# -gt 0 ]; then shift; fi
-case "$which" in
-  all) crates=(governor vmm) ;;
-  governor | vmm) crates=("$which") ;;
-  summary)
-    summary $(ls "$OUT" | grep -E '^(governor|vmm)(-shard-[0-9]+-of-[0-9]+)?$' | sort)
-    exit 0
-    ;;
-  *)
-    echo "usage: ci/mutants.sh [all|governor|vmm|summary] [cargo-mutants args...]" >&2
-    exit 2
-    ;;
-esac
-
-status=0
-for c in "${crates[@]}"; do
-  pkg="kvvm-$c"
-  name=$c
-  shard=()
-  if [ -n "${MUTANTS_SHARD:-}" ]; then
-    name="$c-shard-${MUTANTS_SHARD%/*}-of-${MUTANTS_SHARD#*/}"
-    shard=(--shard "$MUTANTS_SHARD" --sharding round-robin)
-  fi
-  tests=(--test-package "$pkg")
+run() {
+  local c=$1 name=$2
+  shift 2
+  local pkg="kvvm-$c"
+  local tests=(--test-package "$pkg")
   if [ "$c" = governor ]; then
     tests+=(--test-package kvvm-vmm)
   fi
   echo "== cargo mutants on $pkg (tests: ${tests[*]}), outcomes in $OUT/$name"
-  set +e
-  cargo mutants --package "$pkg" "${tests[@]}" ${shard[@]+"${shard[@]}"} --jobs "$JOBS" \
-    --jobserver-tasks "$JOBS" --timeout "$TIMEOUT" --output "$OUT/$name" --colors never "$@"
-  rc=$?
-  set -e
+  local rc=0
+  cargo mutants --package "$pkg" "${tests[@]}" --jobs "$JOBS" --jobserver-tasks "$JOBS" \
+    --timeout "$TIMEOUT" --output "$OUT/$name" --colors never "$@" || rc=$?
   # 0: every mutant caught; 2: some missed; 3: some timed out. Anything else is a failure of
   # the run itself (the baseline failed, bad arguments).
   case $rc in
-    0 | 2 | 3) ;;
+    0 | 2 | 3) return 0 ;;
     *)
       echo "cargo mutants failed (exit $rc)" >&2
-      status=$rc
-      continue
+      return "$rc"
       ;;
   esac
-  summary "$name"
-done
-exit "$status"
+}
+
+main() {
+  if ! cargo mutants --version >/dev/null 2>&1; then
+    echo "cargo-mutants is not installed: cargo install cargo-mutants --locked" >&2
+    exit 1
+  fi
+  TARGET_DIR=$(cargo metadata --format-version 1 --no-deps \
+    | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+  OUT="$TARGET_DIR/mutants"
+  mkdir -p "$OUT"
+  # Without this cargo-mutants builds its copy of the tree under the system's temporary
+  # folder.
+  export CARGO_TARGET_DIR="$OUT/build"
+  JOBS=${MUTANTS_JOBS:-1}
+  TIMEOUT=${MUTANTS_TIMEOUT:-60}
+
+  local which=${1:-all}
+  if [ $# -gt 0 ]; then shift; fi
+  case "$which" in
+    summary)
+      summary
+      return
+      ;;
+    recheck)
+      local c=${1:-}
+      case "$c" in governor | vmm) shift ;; *)
+        echo "usage: ci/mutants.sh recheck governor|vmm [cargo-mutants args...]" >&2
+        exit 2
+        ;;
+      esac
+      # Every mutant the crate's runs missed, each named exactly.
+      local regex
+      regex=$(cat "$OUT/$c"/mutants.out/missed.txt "$OUT/$c"-shard-*/mutants.out/missed.txt \
+        2>/dev/null | python3 -c '
+import re, sys
+names = [line.strip() for line in sys.stdin if line.strip()]
+print("|".join("^" + re.escape(n) + "$" for n in names))')
+      if [ -z "$regex" ]; then
+        echo "no missed mutant of kvvm-$c to recheck"
+        return
+      fi
+      run "$c" "$c-recheck" --re "$regex" "$@"
+      summary
+      return
+      ;;
+    all) set -- governor vmm "$@" ;;
+    governor | vmm) set -- "$which" "$@" ;;
+    *)
+      echo "usage: ci/mutants.sh [all|governor|vmm|recheck CRATE|summary] [cargo-mutants args...]" >&2
+      exit 2
+      ;;
+  esac
+  local crates=()
+  while [ $# -gt 0 ] && { [ "$1" = governor ] || [ "$1" = vmm ]; }; do
+    crates+=("$1")
+    shift
+  done
+  local c name
+  for c in "${crates[@]}"; do
+    name=$c
+    local shard=()
+    if [ -n "${MUTANTS_SHARD:-}" ]; then
+      name="$c-shard-${MUTANTS_SHARD%/*}-of-${MUTANTS_SHARD#*/}"
+      shard=(--shard "$MUTANTS_SHARD" --sharding round-robin)
+    fi
+    run "$c" "$name" ${shard[@]+"${shard[@]}"} "$@"
+  done
+  summary
+}
+
+main "$@"

@@ -310,3 +310,22 @@ fn a_shared_set_of_another_manager_is_refused() {
     );
     assert_eq!(set.mapped_count(), 4);
 }
+
+#[test]
+fn a_quarantined_slot_keeps_the_strided_range_reserved_for_good() {
+    let w = World::simple(G, 0);
+    let mut slots = w.vm.reserve_strided(2, G).unwrap();
+    slots[0].commit(G).unwrap();
+    w.sim.inject(kvvm_sim::FaultRule::failing_synchronize());
+    let last = slots.pop().unwrap();
+    drop(slots);
+    w.sim.clear_faults();
+    drop(last);
+    // The quarantined slot's mapping is still live: the range is never given back, not even
+    // tried, when its last slot goes.
+    assert_eq!(w.sim.calls(Operation::Free), 0);
+    assert_eq!(w.sim.ledger().reservations.len(), 1);
+    let q = w.vm.quarantine();
+    assert_eq!(q.len(), 1, "{q:?}");
+    assert_eq!(w.vm.quarantined_bytes(), G);
+}
