@@ -163,11 +163,22 @@ main() {
       esac
       # Every mutant the crate's runs missed, each named exactly.
       local regex
-      regex=$(cat "$OUT/$c"/mutants.out/missed.txt "$OUT/$c"-shard-*/mutants.out/missed.txt \
-        2>/dev/null | python3 -c '
-import re, sys
-names = [line.strip() for line in sys.stdin if line.strip()]
-print("|".join("^" + re.escape(n) + "$" for n in names))')
+      regex=$(python3 - "$OUT" "$c" <<'PY'
+import glob
+import os
+import sys
+
+out, crate = sys.argv[1], sys.argv[2]
+names = []
+for folder in [os.path.join(out, crate)] + sorted(glob.glob(os.path.join(out, crate + "-shard-*"))):
+    path = os.path.join(folder, "mutants.out", "missed.txt")
+    if os.path.exists(path):
+        with open(path) as f:
+            names += [line.strip() for line in f if line.strip()]
+meta = set("\\.+*?()|[]{}^$")
+print("|".join("^" + "".join("\\" + ch if ch in meta else ch for ch in n) + "$" for n in names))
+PY
+)
       if [ -z "$regex" ]; then
         echo "no missed mutant of kvvm-$c to recheck"
         return
