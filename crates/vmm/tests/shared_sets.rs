@@ -151,3 +151,30 @@ fn a_shared_handle_a_sharer_cannot_prove_idle_is_quarantined_once() {
     assert_eq!((s.shared, s.quarantined), (2 * g, 2 * g));
     assert_eq!(s.used(), w.sim.ledger().physical_bytes[0]);
 }
+
+#[test]
+fn each_window_says_who_owns_what_is_mapped_there() {
+    use kvvm_vmm::BlockKind;
+
+    let w = world();
+    let g = w.g;
+    let mut owner = w.vm.reserve(8 * g).unwrap();
+    owner.commit_range(4 * g, g).unwrap();
+    let set = owner.commit_shared(&[(0, 2 * g)]).unwrap();
+    let mut sharer = w.vm.reserve(8 * g).unwrap();
+    sharer.map_shared(&set, &[0, 1], Access::Read).unwrap();
+    assert_eq!(owner.granule(), g);
+    assert_eq!(
+        owner.window_kind(g),
+        Some(BlockKind::Shared { writable: true })
+    );
+    assert_eq!(owner.window_kind(4 * g), Some(BlockKind::Owned));
+    assert_eq!(owner.window_kind(3 * g), None);
+    assert_eq!(
+        sharer.window_kind(0),
+        Some(BlockKind::Shared { writable: false })
+    );
+    assert!(sharer.is_mapped(g) && !sharer.is_mapped(2 * g));
+    let d = format!("{owner:?}");
+    assert!(d.contains("Reservation") && d.contains("blocks: 2"), "{d}");
+}
