@@ -337,3 +337,39 @@ fn aborting_a_job_releases_exactly_its_windows() {
     assert!(!r.has_commit_in_flight());
     w.check(&[&r]);
 }
+
+#[test]
+fn ensure_committed_past_the_reservation_names_what_it_would_add() {
+    let w = world();
+    let mut r = w.vm.reserve(4 * G).unwrap();
+    r.commit(G).unwrap();
+    // No hole: the windows it would add start at the committed end.
+    assert_eq!(
+        r.ensure_committed(6 * G).unwrap_err(),
+        VmmError::OutOfBounds {
+            offset: G,
+            requested: 5 * G,
+            reserved: 4 * G
+        }
+    );
+    // With a hole the whole range from the base is what it asks for.
+    r.commit(2 * G).unwrap();
+    r.release_ranges(&[(G, G)]).unwrap();
+    assert_eq!(
+        r.ensure_committed(6 * G).unwrap_err(),
+        VmmError::OutOfBounds {
+            offset: 0,
+            requested: 6 * G,
+            reserved: 4 * G
+        }
+    );
+    let calls = w.sim.driver_calls();
+    assert!(r.ensure_committed(6 * G).is_err());
+    assert_eq!(
+        w.sim.driver_calls(),
+        calls,
+        "refused before any driver call"
+    );
+    assert_eq!(windows(&w, &r), vec![0, 2]);
+    w.check(&[&r]);
+}
