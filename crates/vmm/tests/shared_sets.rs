@@ -1,6 +1,11 @@
 //! A shared set's own books and the checks made before any of its handles is mapped: how many
 //! mappings it has, what quarantine took of it, and which windows a sharer may name.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::single_range_in_vec_init
+)]
 
 mod common;
 

@@ -1,6 +1,11 @@
 //! What the manager reports about itself and its errors: its accessors, the typed refusal for a
 //! driver that ran out, which errors are retryable, and the reserve calls' argument checks.
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::single_range_in_vec_init
+)]
 
 mod common;
 
