@@ -16,8 +16,8 @@
 # mutant would take many hours; what they rely on is asserted by these tests.
 #
 # Environment: MUTANTS_JOBS (default 1: parallel builds of a mutated tree each take a core),
-# MUTANTS_TIMEOUT (seconds a mutant's tests may run, default 60; the suites take about a
-# second, so a mutant that runs this long hangs a test and counts as a timeout),
+# MUTANTS_TIMEOUT (seconds a mutant's tests may run, default 30; the suites take a few seconds
+# on a loaded machine, so a mutant that runs this long hangs a test and counts as a timeout),
 # MUTANTS_SHARD=k/n (test every n-th mutant from the k-th, counted from 0, round-robin: a
 # sample spread over every file; its outcomes go to mutants/<crate>-shard-k-of-n).
 #
@@ -145,7 +145,7 @@ main() {
   # folder.
   export CARGO_TARGET_DIR="$OUT/build"
   JOBS=${MUTANTS_JOBS:-1}
-  TIMEOUT=${MUTANTS_TIMEOUT:-60}
+  TIMEOUT=${MUTANTS_TIMEOUT:-30}
 
   local which=${1:-all}
   if [ $# -gt 0 ]; then shift; fi
