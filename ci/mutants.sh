@@ -34,7 +34,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Counts per outcome folder (mutants/<name>/mutants.out); per crate, the total over its runs
-# (the whole crate or its shards), with the mutants a recheck caught counted as caught.
+# (the whole crate or its shards, whichever ran last), with the mutants a recheck caught
+# counted as caught.
 summary() {
   python3 - "$OUT" <<'PY'
 import json
@@ -85,6 +86,12 @@ for crate in ("governor", "vmm"):
     )
     if not runs:
         continue
+    # A whole run and shards of another time would count mutants twice: keep the newer kind.
+    whole = [d for d in runs if d == crate]
+    shards = [d for d in runs if d != crate]
+    if whole and shards:
+        stamp = lambda d: os.path.getmtime(os.path.join(out, d, "mutants.out", "outcomes.json"))
+        runs = whole if stamp(crate) > max(stamp(d) for d in shards) else shards
     total = {"caught": 0, "missed": 0, "timeout": 0, "unviable": 0}
     missed = []
     for d in runs:
