@@ -330,3 +330,27 @@ fn available_bytes_are_free_plus_reclaimable_and_a_refusal_reports_them() {
     assert_eq!((e.needed, e.available), (7 * MIB, 4 * MIB));
     assert_eq!(Governor::unlimited().available_bytes(D0), u64::MAX);
 }
+
+#[test]
+fn dropped_reclaimers_are_forgotten_when_another_registers() {
+    let (g, _) = governor(10 * MIB);
+    let live: Arc<dyn Reclaimer> = Arc::new(Pool {
+        g: g.clone(),
+        held: AtomicU64::new(0),
+        calls: AtomicU64::new(0),
+    });
+    for _ in 0..8 {
+        let gone: Arc<dyn Reclaimer> = Arc::new(Pool {
+            g: g.clone(),
+            held: AtomicU64::new(0),
+            calls: AtomicU64::new(0),
+        });
+        g.register_reclaimer(Arc::downgrade(&gone));
+    }
+    g.register_reclaimer(Arc::downgrade(&live));
+    assert_eq!(
+        lock(&g.inner.reclaimers).len(),
+        1,
+        "only the live one is kept"
+    );
+}

@@ -156,6 +156,8 @@ mod tests {
             shared_commit_pieces(&[3..8, 8..12, 20..21], 8),
             vec![(3, 5), (8, 4), (20, 1)]
         );
+        // An empty range names no window and cuts nothing, wherever it lies.
+        assert_eq!(shared_commit_pieces(&[0..6, 3..3], 8), vec![(0, 6)]);
     }
 
     #[test]

@@ -438,4 +438,55 @@ mod tests {
         assert!(!set.any_present());
         assert_eq!(pool.parked_bytes(), 0);
     }
+
+    /// A commit waits only for evictions of its own windows: one of another window that the
+    /// reclaimer is unmapping does not hold it up (nothing would wake it here).
+    #[test]
+    fn a_commit_takes_its_windows_while_another_window_is_evicting() {
+        let g = 4096;
+        let lot = ParkingLot::new(true);
+        let set = lot.open(DeviceAddress(1 << 40)).unwrap();
+        let pool = HandlePool::new(16 * g);
+        let a: Window = (0, 1, PhysicalHandle(0x10));
+        let b: Window = (4 * g, 1, PhysicalHandle(0x11));
+        assert!(pool.try_add_parked(2 * g));
+        set.count_in(2);
+        set.windows().extend([a, b]);
+        // The reclaimer takes the highest window, b, and is unmapping it.
+        assert_eq!(set.start_evicting(), Some(b));
+        assert_eq!(set.take(&pool, g, &[Span::new(0, 1)]), vec![a]);
+        assert_eq!(pool.parked_bytes(), g);
+        assert!(set.any_present(), "b is still evicting");
+        set.stop_evicting(4 * g, None);
+        assert!(!set.any_present());
+    }
+
+    /// The registry forgets the parked set of a reservation that is gone.
+    #[test]
+    fn a_dropped_set_is_forgotten_by_the_next_unpark() {
+        let g = 4096;
+        let backend: Arc<dyn kvvm_hal::VirtualMemoryBackend> = Arc::new(kvvm_sim::SimBackend::new(
+            kvvm_sim::SimConfig::single(g, 64 * g),
+        ));
+        let ctx = DeviceContext::new(
+            backend,
+            kvvm_hal::AllocationProperties::device(kvvm_hal::DeviceId(0)),
+            g,
+            g,
+            Vec::new(),
+            kvvm_governor::Governor::unlimited(),
+        );
+        let lot = ParkingLot::new(true);
+        let live = lot.open(DeviceAddress(1 << 40)).unwrap();
+        for i in 1..4u64 {
+            drop(lot.open(DeviceAddress((1 << 40) + (i << 30))));
+        }
+        assert_eq!(lock(&lot.sets).len(), 4);
+        let pool = HandlePool::new(16 * g);
+        assert!(pool.try_add_parked(g));
+        // Nothing is parked in the live set: nothing is released, and the dead sets go.
+        assert_eq!(lot.unpark(&ctx, &pool, g), 0);
+        assert_eq!(lock(&lot.sets).len(), 1);
+        drop(live);
+    }
 }
