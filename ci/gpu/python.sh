@@ -3,7 +3,10 @@
 # gpu-bundle/wheels, then `bash gpu-bundle/python.sh [all|tests|kernels|bench]` runs the Python
 # tests (CUDA ones included), the attention kernels' benchmark (`python -m kvvm.bench
 # kernels`, arguments in KERNELS_ARGS) and the end-to-end decode benchmark (`python -m
-# kvvm.bench generate`, arguments in BENCH_ARGS). Results under $OUT (or gpu-out/).
+# kvvm.bench generate`, arguments in BENCH_ARGS) and, asked by name only, the serving benchmark
+# (`bash gpu-bundle/python.sh serve`: `python -m kvvm.bench serve`, arguments in SERVE_ARGS).
+# KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
+# to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
 repo="$PWD"
 out="${OUT:-$PWD/gpu-out}"
@@ -12,6 +15,9 @@ exec > >(tee "$out/python-run.log") 2>&1
 site=/tmp/kvvm-site
 rm -rf "$site"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" gpu-bundle/wheels/kvvm-*.whl || exit 1
+if [ -n "${KVVM_PY_OVERLAY:-}" ]; then
+  cp "$repo"/crates/python/python/kvvm/*.py "$site/kvvm/" && echo "Python modules overlaid from the working tree"
+fi
 export PYTHONPATH="$site" PYTHONUNBUFFERED=1
 date -u
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -28,5 +34,9 @@ fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
   echo "== python -m kvvm.bench generate"
   (cd /tmp && timeout "${BENCH_TIMEOUT:-480}" python3 -m kvvm.bench generate --json "$out/bench-generate.json" ${BENCH_ARGS:-}) > "$out/bench-generate.out"
+fi
+if [ "$mode" = serve ]; then
+  echo "== python -m kvvm.bench serve"
+  (cd /tmp && timeout "${SERVE_TIMEOUT:-480}" python3 -m kvvm.bench serve --json "$out/bench-serve.json" ${SERVE_ARGS:-}) > "$out/bench-serve.out"
 fi
 echo "== done"

@@ -102,8 +102,32 @@ def test_a_cached_prompt_prefix_is_mapped_not_prefilled() -> None:
     chunks_per_miss = -(-2105 // 512)
     assert engine.stats.prefill_chunks < chunks_per_miss * 3
     assert engine.stats.prefix_hits == 2
+    assert [tokens for tokens, _ in engine.stats.prefix_hit_ms] == [2048, 2048]
+    assert all(ms > 0 for _, ms in engine.stats.prefix_hit_ms)
     for r in [first, *later]:
         assert r.tokens == reference(ref, r.prompt, r.max_new_tokens)
+    engine.close()
+
+
+@pytest.mark.parametrize(("handle_tokens", "hit"), [(2048, 6144), (4096, 4096)])
+def test_a_hit_ends_on_a_handle_boundary(handle_tokens: int, hit: int) -> None:
+    """A published prompt of four windows (2048 tokens each on the host) in handles of one
+    window lets a request sharing three and a bit of them hit three; in handles of two
+    windows, two (the third is only half of a handle)."""
+    model, ref = tiny()
+    mgr = kvvm.Manager("host", precommit=True)
+    engine = Engine(
+        model, slots=1, max_len=8400, manager=mgr, prefill_chunk=4096, prefix_cache_bytes=64 << 20,
+        prefix_handle_tokens=handle_tokens,
+    )
+    system = prompts([8200], seed=5)[0]
+    engine.submit(system, 1)
+    engine.run()
+    r = engine.submit(system[:6200] + prompts([3], seed=6)[0], 2)
+    engine.run()
+    assert r.prefix_hit_tokens == hit
+    assert engine.stats.prefix_hit_ms[-1][0] == hit
+    assert r.tokens == reference(ref, r.prompt, r.max_new_tokens)
     engine.close()
 
 

@@ -14,7 +14,8 @@ logits are apart).
 
 ``python -m kvvm.bench kernels`` measures the attention kernels alone
 (:mod:`kvvm.bench_kernels`); ``python -m kvvm.bench serve`` replays a serving trace through the
-continuous-batching engine and its peers (:mod:`kvvm.bench_serve`).
+continuous-batching engine and its peers (:mod:`kvvm.bench_serve`); ``python -m kvvm.bench
+prefix`` times prefix-cache hits by handle size, on any backend (:mod:`kvvm.bench_prefix`).
 
 ``--tiny`` runs a small model (what the tests do); the figures that matter come from a GPU.
 """
@@ -131,10 +132,10 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
             point["check"] = runs.reference_check(model, w, manager, max_len, args.check_steps)
         done: dict[str, runs.Run] = {}
         for c in caches:
-            r = runs.run_cache(model, w, c, manager, max_len, args.graph_mode)
+            r = runs.run_cache(model, w, c, manager, max_len, args.graph_mode, args.profile)
             if c in ("static", "kvvm-generate") and not r.note:
                 # The first run compiled; time the second.
-                r = runs.run_cache(model, w, c, manager, max_len, args.graph_mode)
+                r = runs.run_cache(model, w, c, manager, max_len, args.graph_mode, args.profile)
             _settle(r, w, cfg, weights, args)
             done[c] = r
             print(_line(r), file=sys.stderr, flush=True)
@@ -166,6 +167,7 @@ def _line(r: runs.Run) -> str:
         f"{r.point:>22} {r.cache:>14}: step p50 {r.p50_ms} ms p99 {r.p99_ms} ms, {r.tokens_per_s} tok/s, "
         f"{r.over_floor}x the floor ({r.floor_ms} ms; {r.over_measured_floor}x at the copy bandwidth), KV held {(r.kv_bytes_held or 0) / 2**30:.2f} GiB "
         f"(live {(r.live_kv_bytes or 0) / 2**30:.2f}), peak {(r.peak_gpu_bytes or 0) / 2**30:.2f} GiB"
+        + (f"; per step (ms): {r.kernels_ms}" if r.kernels_ms else "")
     )
 
 
@@ -300,12 +302,18 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--headroom", type=int, default=4, help="pre-commit headroom tokens")
     g.add_argument("--max-len", type=int, default=0, help="KvvmCache's max_cache_len (0: longest prompt + new + 64)")
     g.add_argument("--graph-mode", default=None, help="torch.compile mode of the captured kvvm step (default: its default)")
+    g.add_argument("--profile", action="store_true", help="the captured kvvm step's GPU time by kind of kernel")
     _serve_args(sub)
+    from kvvm import bench_prefix
+
+    bench_prefix.add_args(sub.add_parser("prefix", help="what a prefix-cache hit costs, by handle size"))
     args = ap.parse_args(argv)
-    if getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
+    if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
         print("python -m kvvm.bench needs a CUDA GPU (serve also runs with --device cpu)", file=sys.stderr)
         return 2
-    if args.cmd == "generate":
+    if args.cmd == "prefix":
+        report = bench_prefix.run_prefix_bench(args)
+    elif args.cmd == "generate":
         report = run_generate(args)
     elif args.cmd == "kernels":
         report = run_kernel_bench(args)

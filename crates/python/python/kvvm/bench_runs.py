@@ -82,6 +82,8 @@ class Run:
     live_kv_bytes: int | None = None
     peak_gpu_bytes: int | None = None
     tokens: list[list[int]] | None = None
+    #: GPU time per step by kind of kernel, in ms (``--profile``; see :func:`kernel_breakdown`).
+    kernels_ms: dict[str, float] | None = None
     note: str = ""
 
     def settle(self, warmup: int) -> None:
@@ -168,7 +170,9 @@ def _generate(model: Any, w: Workload, cache_kind: str, manager: kvvm.Manager | 
 
 
 @torch.no_grad()
-def _graph(model: Any, w: Workload, manager: kvvm.Manager, max_len: int, mode: str | None = None) -> Run:
+def _graph(
+    model: Any, w: Workload, manager: kvvm.Manager, max_len: int, mode: str | None = None, profile: bool = False
+) -> Run:
     run = Run("kvvm-graph", w.label, w.batch)
     use_kvvm_attention(model)
     base = torch.cuda.memory_reserved()
@@ -195,6 +199,9 @@ def _graph(model: Any, w: Workload, manager: kvvm.Manager, max_len: int, mode: s
     run.peak_gpu_bytes = torch.cuda.max_memory_reserved() - base + manager.snapshot().committed
     run.kv_bytes_held = cache.held_bytes
     run.tokens = torch.stack(tokens, dim=1).tolist()
+    if profile:
+        run.kernels_ms = kernel_breakdown(lambda: step(tok), steps=4)
+        cache.check()
     step.close()
     cache.release()
     use_kvvm_attention(model, enable=False)
@@ -203,14 +210,20 @@ def _graph(model: Any, w: Workload, manager: kvvm.Manager, max_len: int, mode: s
 
 
 def run_cache(
-    model: Any, w: Workload, cache_kind: str, manager: kvvm.Manager | None, max_len: int, graph_mode: str | None = None
+    model: Any,
+    w: Workload,
+    cache_kind: str,
+    manager: kvvm.Manager | None,
+    max_len: int,
+    graph_mode: str | None = None,
+    profile: bool = False,
 ) -> Run:
     """One cache at one point (a failure, such as running out of memory, is a note). The
     manager's handle pool is emptied afterwards: the next run starts from the same memory."""
     try:
         if cache_kind == "kvvm-graph":
             assert manager is not None
-            return _graph(model, w, manager, max_len, graph_mode)
+            return _graph(model, w, manager, max_len, graph_mode, profile)
         return _generate(model, w, cache_kind, manager, max_len)
     except (torch.OutOfMemoryError, kvvm.KvvmError, RuntimeError) as e:
         use_kvvm_attention(model, enable=False)
@@ -266,6 +279,45 @@ def reference_check(model: Any, w: Workload, manager: kvvm.Manager, max_len: int
     del refs
     _free()
     return {"max_abs_logit_diff": round(worst, 4), "argmax_agree": agree, "argmax_checked": checked}
+
+
+#: Kernel name fragments by kind, first match wins (cuBLAS and CUTLASS GEMMs, the kvvm
+#: attention's two Triton kernels, Inductor's fused Triton kernels).
+_KERNEL_KINDS = (
+    ("attention", ("_partial_kernel", "_merge_kernel", "flash", "fmha")),
+    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk")),
+    ("fused", ("triton_",)),
+)
+
+
+def kernel_breakdown(step: Any, steps: int) -> dict[str, float]:
+    """GPU time per step of ``step()`` by kind of kernel (``matmul``, ``attention``,
+    ``fused``: Inductor's kernels, ``other``), ``kernels``: their sum, ``wall``: the steps'
+    time between events, and ``idle``: the difference (launch gaps, waits on the host), all
+    in ms, from ``torch.profiler`` over ``steps`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        begin.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {"matmul": 0.0, "attention": 0.0, "fused": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        us = float(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0))
+        if us <= 0 or e.key.startswith("ProfilerStep"):
+            continue
+        name = e.key.lower()
+        kind = next((k for k, frags in _KERNEL_KINDS if any(f in name for f in frags)), "other")
+        kinds[kind] += us / 1000 / steps
+    out = {k: round(v, 4) for k, v in kinds.items()}
+    out["kernels"] = round(sum(kinds.values()), 4)
+    out["wall"] = round(begin.elapsed_time(end) / steps, 4)
+    out["idle"] = round(out["wall"] - out["kernels"], 4)
+    return out
 
 
 def timed(fn: Any, *args: Any) -> tuple[Any, float]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,9 @@ class EngineStats:
     admission_refusals: int = 0
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0
+    #: Each prefix-cache lookup that hit: (tokens hit, ms the admission's lookup and mapping
+    #: took on the host, the rest of the prompt's commit included).
+    prefix_hit_ms: list[tuple[int, float]] = field(default_factory=list)
 
 
 class Engine:
@@ -101,7 +105,10 @@ class Engine:
             pre-committer when omitted).
         prefill_chunk: prompt tokens prefilled per request and step.
         prefix_cache_bytes: the prefix cache's cap (0: no prefix cache).
-        prefix_handle_blocks: blocks per handle of a published prefix (``PrefixCache``).
+        prefix_handle_tokens: tokens per handle of a published prefix (rounded down to whole
+            windows, at least one): a hit maps one handle per mapping and ends on a handle
+            boundary, so this is the hit's granularity and ``hit / prefix_handle_tokens`` its
+            mappings (256 by default: a 4096-token hit maps 16 handles).
         compile: compile the captured decode step (CUDA only).
         eos_token_ids: the tokens that end a request (default: the model's).
         seed: the sampler's seed (temperature > 0).
@@ -119,7 +126,7 @@ class Engine:
         headroom_tokens: int = 4,
         prefill_chunk: int = 512,
         prefix_cache_bytes: int = 0,
-        prefix_handle_blocks: int = 1,
+        prefix_handle_tokens: int = 256,
         compile: bool = True,
         eos_token_ids: list[int] | None = None,
         seed: int = 0,
@@ -137,7 +144,12 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.compile = compile
         self.prefix_cache = (
-            PrefixCache(manager, self.cache.plan, max_cached_bytes=prefix_cache_bytes, handle_blocks=prefix_handle_blocks)
+            PrefixCache(
+                manager,
+                self.cache.plan,
+                max_cached_bytes=prefix_cache_bytes,
+                handle_blocks=max(1, prefix_handle_tokens // self.cache.plan.mapped_tokens(1)),
+            )
             if prefix_cache_bytes > 0
             else None
         )
@@ -261,7 +273,10 @@ class Engine:
                 if self.prefix_cache is not None:
                     # The last token is always computed (its logits give the first new token),
                     # so it is left out of the lookup: it never lies in read-only memory.
+                    began = time.perf_counter()
                     hit = int(self.prefix_cache.admit(seq, r._context[:-1])["hit_tokens"])
+                    if hit:
+                        self.stats.prefix_hit_ms.append((hit, (time.perf_counter() - began) * 1000))
                 seq.ensure(len(r._context))
             except KvvmError:
                 seq.release()

@@ -80,6 +80,7 @@ class SlotState:
         self.prepared = False
         self._index: tuple[int, StepIndex] | None = None
         self._steps = 0
+        self._staging = _Staging(n, device)
         self.batch.ensure(1, first=self.slots, count=1)
         for t in (self.lengths, self.starts, self.limits, self.overruns):
             if not _compiling():
@@ -155,7 +156,7 @@ class SlotState:
         self._upload(self.limits, [0 if i in self.suspended else n for i, n in enumerate(self.host_limits)])
 
     def _upload(self, dst: torch.Tensor, values: list[int]) -> None:
-        dst.copy_(torch.tensor(values, dtype=torch.int32), non_blocking=False)
+        self._staging.upload(dst, values)
 
     def set_lengths(self, lengths: dict[int, int], starts: dict[int, int] | None = None) -> None:
         """Sets slots' live token counts (and first live tokens) on both sides: a prefix
@@ -252,6 +253,47 @@ class SlotState:
         if not _compiling():
             self._steps += 1
             self._index = None
+
+
+class _Staging:
+    """Host-to-device copies of the counts that never wait for the device's queued work.
+
+    A copy from pageable memory waits for everything queued before it: with a step replayed
+    while the previous one still runs, each change of a limit would stall the host until the
+    device is idle, and the device would then idle while the host prepares the next step. On
+    CUDA the values go through a ring of pinned buffers instead, each copied asynchronously
+    (ordered on the stream before the next step) and reused only once its copy is done;
+    elsewhere they are copied directly.
+    """
+
+    #: Pinned buffers in the ring: a buffer is reused after this many more uploads.
+    DEPTH = 8
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda" and torch.cuda.is_available()
+        self.buffers = [torch.empty(n, dtype=torch.int32, pin_memory=True) for _ in range(self.DEPTH)] if self.pinned else []
+        self.done: list[torch.cuda.Event | None] = [None] * len(self.buffers)
+        self.next = 0
+
+    def upload(self, dst: torch.Tensor, values: list[int]) -> None:
+        """Copies ``values`` into ``dst`` (an int32 device tensor of their length), ordered
+        on the current stream before whatever is launched next."""
+        src = torch.tensor(values, dtype=torch.int32)
+        if not self.pinned:
+            dst.copy_(src)
+            return
+        i = self.next
+        self.next = (i + 1) % self.DEPTH
+        done = self.done[i]
+        if done is not None:
+            done.synchronize()
+        buf = self.buffers[i][: len(values)]
+        buf.copy_(src)
+        dst.copy_(buf, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self.done[i] = event
 
 
 def _compiling() -> bool:
