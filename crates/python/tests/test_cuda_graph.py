@@ -173,3 +173,42 @@ def test_the_kernels_read_each_request_range_and_replay_at_new_lengths(kernel) -
     torch.cuda.synchronize()
     ref = attend(q.cpu().float(), k.cpu().float(), v.cpu().float(), bounds.cpu())
     assert (out.float().cpu() - ref).abs().max().item() < 2e-2
+
+
+def test_every_tuned_configuration_of_the_triton_kernel_agrees_with_sdpa() -> None:
+    """Each configuration the autotuner may choose (one split, whose program writes the
+    output itself, and several, merged by a second kernel; every block, warp and stage
+    shape) gives SDPA's result on ragged requests in bf16, with the step's token written by
+    the kernel and attended from registers."""
+    pytest.importorskip("triton", reason="skipped: no triton")
+    import math
+
+    from kvvm.triton_decode import _SHAPES, Config, decode_attention
+
+    torch.manual_seed(3)
+    dev = torch.device("cuda")
+    batch, heads, kv_heads, tokens, dim = 5, 32, 8, 1200, 128
+    base = torch.randn(batch + 1, tokens, 2, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+    k, v = base[:, :, 0].transpose(1, 2), base[:, :, 1].transpose(1, 2)
+    q = torch.randn(batch, 1, heads, dim, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+    kn = torch.randn(batch, 1, kv_heads, dim, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+    vn = torch.randn(batch, 1, kv_heads, dim, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+    ends = [1200, 1, 640, 77, 0]
+    ws = torch.tensor([[4], [3], [2], [1], [batch]], device=dev)
+    wt = torch.tensor([[e - 1 if e else 0] for e in ends], device=dev)
+    bounds = torch.tensor([[4 - i, 3 if e > 3 else 0, e] for i, e in enumerate(ends)], dtype=torch.int32, device=dev)
+    bounds[4] = torch.tensor([batch, 0, 0])
+    k2, v2 = k.clone(), v.clone()
+    k2[ws, :, wt] = kn.transpose(1, 2)
+    v2[ws, :, wt] = vn.transpose(1, 2)
+    want = attend(q, k2, v2, bounds, kernel="sdpa").float()
+    tried = 0
+    for splits in (1, 2, 4, 8, 16):
+        for block, warps, stages in _SHAPES:
+            kk, vv = k.clone(), v.clone()
+            got = decode_attention(q, kk, vv, bounds, 1 / math.sqrt(dim), Config(splits, block, warps, stages), (kn, vn, ws, wt))
+            err = (got.float() - want).abs().max().item()
+            assert err < 3e-2, (splits, block, warps, stages, err)
+            assert torch.equal(kk, k2) and torch.equal(vv, v2)
+            tried += 1
+    assert tried == 5 * len(_SHAPES)

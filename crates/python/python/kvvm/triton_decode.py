@@ -42,6 +42,14 @@ class Config:
     stages: int = 2
 
 
+#: (tokens per iteration, warps, stages) tried at every split count by :func:`tuned_config`.
+_SHAPES = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3))
+
+#: What a configuration the device cannot run raises when it is compiled.
+_TOO_BIG: tuple[type[BaseException], ...] = tuple(
+    e for e in (getattr(getattr(triton, "runtime", None), "OutOfResources", None),) if isinstance(e, type)
+)
+
 #: The fastest configuration measured per shape (:func:`tuned_config`).
 _TUNED: dict[tuple[object, ...], Config] = {}
 
@@ -112,6 +120,9 @@ def _partial_kernel(
     stride_as,
     stride_lb,
     stride_lh,
+    Out,
+    stride_ob,
+    stride_oh,
     sm_scale,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -196,10 +207,15 @@ def _partial_kernel(
             m_i = m_new
     has = l_i > 0.0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    a_ptr = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + split * stride_as
-    tl.store(a_ptr + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+    if SPLITS == 1:
+        # One program saw every token: its result is the output (no merge).
+        o_ptr = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        a_ptr = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + split * stride_as
+        tl.store(a_ptr + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
 @triton.jit
@@ -273,13 +289,18 @@ def tuned_config(
     if _INTERPRETED or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
         return default
     candidates = {default}
-    for s in (max(1, splits // 2), splits, min(64, splits * 2)):
-        for block, stages in ((64, 2), (64, 3), (128, 2)):
-            candidates.add(Config(s, block, 4, stages))
+    # Fewer splits with more warps and stages keep as many bytes in flight with fewer
+    # programs; one split needs no merge kernel at all.
+    for s in sorted({1, 2, max(1, splits // 2), splits, min(64, splits * 2)}):
+        for block, warps, stages in _SHAPES:
+            candidates.add(Config(s, block, warps, stages))
     timings = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for c in sorted(candidates, key=lambda c: (c.splits, c.block, c.stages)):
-        decode_attention(query, key, value, bounds, scale, c, new)
+    for c in sorted(candidates, key=lambda c: (c.splits, c.block, c.warps, c.stages)):
+        try:
+            decode_attention(query, key, value, bounds, scale, c, new)
+        except _TOO_BIG:
+            continue  # more shared memory or registers than the device has
         best = math.inf
         for _ in range(3):
             start.record()
@@ -336,9 +357,13 @@ def decode_attention(
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=query.device)
-    lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
     out = torch.empty((batch, 1, heads, dim), dtype=query.dtype, device=query.device)
+    o = out[:, 0]
+    if splits == 1:
+        acc = lse = o  # not read: the partial kernel writes the output itself
+    else:
+        acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=query.device)
+        lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
     q = query[:, :, 0]
     _partial_kernel[(batch, kv_heads, splits)](
         q,
@@ -363,9 +388,12 @@ def decode_attention(
         value.stride(2),
         acc.stride(0),
         acc.stride(1),
-        acc.stride(2),
+        acc.stride(2) if splits > 1 else 0,
         lse.stride(0),
         lse.stride(1),
+        o,
+        o.stride(0),
+        o.stride(1),
         scale,
         GROUP=group,
         GROUP_PAD=max(16, _pow2_at_least(group)),
@@ -380,7 +408,8 @@ def decode_attention(
         num_warps=c.warps,
         num_stages=c.stages,
     )
-    o = out[:, 0]
+    if splits == 1:
+        return out
     _merge_kernel[(batch, heads)](
         acc,
         lse,
