@@ -145,9 +145,19 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
             row.pop("tokens")
             point["runs"].append(row)
         _verdict(point, done)
+        point["triton_configs"] = _triton_configs()
         report["points"].append(point)
         _flush(args, report)
     return report
+
+
+def _triton_configs() -> list[str]:
+    """The attention configurations the autotuner chose so far (shape: configuration)."""
+    try:
+        from kvvm.triton_decode import _TUNED
+    except ImportError:
+        return []
+    return [f"batch {k[0]} heads {k[1]}/{k[2]} tokens {k[5]}: {v}" for k, v in _TUNED.items()]
 
 
 def _verdict(point: dict[str, Any], done: dict[str, runs.Run]) -> None:
