@@ -276,7 +276,8 @@ def tuned_config(
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> Config:
     """The fastest of a few configurations around :func:`choose_splits`' for this shape,
-    measured once on these very inputs (CUDA events, best of three) and remembered; the
+    measured once on these very inputs (each replayed in a captured graph, as the decode
+    step runs it) and remembered; the
     heuristic one while a graph is captured or a compiler traces (nothing may be timed
     then) and in Triton's interpreter."""
     batch, heads, _, dim = query.shape
@@ -295,23 +296,47 @@ def tuned_config(
         for block, warps, stages in _SHAPES:
             candidates.add(Config(s, block, warps, stages))
     timings = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for c in sorted(candidates, key=lambda c: (c.splits, c.block, c.warps, c.stages)):
         try:
-            decode_attention(query, key, value, bounds, scale, c, new)
+            timings.append((_graph_time(query, key, value, bounds, scale, c, new), c))
         except _TOO_BIG:
             continue  # more shared memory or registers than the device has
-        best = math.inf
-        for _ in range(3):
-            start.record()
-            decode_attention(query, key, value, bounds, scale, c, new)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end))
-        timings.append((best, c))
     chosen = min(timings, key=lambda t: t[0])[1]
     _TUNED[shape] = chosen
     return chosen
+
+
+#: Calls per captured graph when a configuration is timed.
+_REPEATS = 10
+
+
+def _graph_time(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
+    config: Config, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> float:
+    """The GPU time of one call in ``config`` (ms), as a captured graph replays it: calls
+    launched one by one would time the host's launches (two kernels and two allocations for
+    several splits, one kernel for one split), which a replay does not pay. Compiles it first.
+    Writing the step's token again is harmless (the same values at the same place)."""
+    decode_attention(query, key, value, bounds, scale, config, new)
+    graph = torch.cuda.CUDAGraph()
+    # Thread-local: another thread's driver calls (the pre-committer's) are not this capture's.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(_REPEATS):
+            decode_attention(query, key, value, bounds, scale, config, new)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    try:
+        graph.replay()
+        for _ in range(2):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / _REPEATS)
+    finally:
+        graph.reset()
+    return best
 
 
 def decode_attention(
