@@ -14,7 +14,7 @@ from conftest import host_available
 torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
-from kvvm.engine import Engine  # noqa: E402
+from kvvm.engine import Engine, EngineStats  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
 
@@ -216,3 +216,22 @@ def test_the_serve_benchmark_runs_on_the_cpu(tmp_path) -> None:
     engine = rows["kvvm-engine"]
     assert engine["prefix_hits"] >= 2 and engine["floor_s"] > 0
     assert engine["kv_bytes_over_time"], "KV bytes held are sampled at every step"
+
+
+def test_warmup_leaves_an_idle_engine_with_fresh_counters() -> None:
+    model, ref = tiny()
+    mgr = kvvm.Manager("host", precommit=True)
+    engine = Engine(model, slots=2, max_len=256, manager=mgr, prefix_cache_bytes=16 << 20)
+    engine.warmup(prompt_tokens=20, new_tokens=2)
+    assert engine.idle and engine.stats == EngineStats()
+    assert engine.prefix_cache is not None and engine.prefix_cache.stats()["cached_entries"] == 0
+    r = engine.submit(prompts([9], seed=8)[0], 3)
+    engine.run()
+    assert r.tokens == reference(ref, r.prompt, 3)
+    assert engine.stats.admitted == 1 and engine.stats.prefix_hits == 0
+    engine.submit([1, 2], 1)
+    with pytest.raises(kvvm.InvalidArgumentError, match="idle"):
+        engine.warmup()
+    with pytest.raises(kvvm.InvalidArgumentError, match="does not fit"):
+        Engine(model, slots=1, max_len=16, manager=mgr).warmup(prompt_tokens=16)
+    engine.close()

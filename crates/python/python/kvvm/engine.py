@@ -218,6 +218,26 @@ class Engine:
                     "is too small for its prompt"
                 )
 
+    def warmup(self, prompt_tokens: int = 512, new_tokens: int = 3) -> None:
+        """Compiles and captures the decode step before the first request arrives (a
+        serving engine's start-up), so that no request's first token waits for it: a
+        throwaway request per slot of ``prompt_tokens`` tokens decodes ``new_tokens`` tokens
+        and is retired. The attention kernel's configuration is chosen then, on these
+        lengths (pick them like the expected prompts). Needs an idle engine and a budget for
+        ``slots x prompt_tokens`` tokens; the engine's counters start again from zero."""
+        if not self.idle:
+            raise InvalidArgumentError("warmup needs an idle engine")
+        if not 0 < prompt_tokens < self.max_len - new_tokens:
+            raise InvalidArgumentError(f"a warm-up prompt of {prompt_tokens} tokens does not fit in {self.max_len}")
+        vocab = int(getattr(self.model.config, "vocab_size", 2))
+        for i in range(self.cache.batch_size):
+            ids = [(7 + 13 * (i * prompt_tokens + t)) % vocab for t in range(prompt_tokens)]
+            self.submit(ids, new_tokens, eos_token_ids=[])
+        self.run()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.stats = EngineStats()
+
     def close(self) -> None:
         """Drops the captured step and releases every slot."""
         if self._graph is not None:
