@@ -245,24 +245,28 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     on_gpu = args.device == "cuda"
     free_at_start = torch.cuda.mem_get_info()[0] if on_gpu else 0
     results: list[Any] = []
-    if "kvvm-engine" in runners:
-        manager = kvvm.Manager(args.backend, budget_bytes=args.budget_bytes or None, precommit=True, headroom_tokens=4)
-        results.append(sv.run_engine(
-            model, trace, manager=manager, slots=args.slots, max_len=max_len, prefix_cache_bytes=args.prefix_cache_bytes,
-            prefill_chunk=args.prefill_chunk, real_time=args.real_time, bandwidth=args.bandwidth, flops=args.flops,
-        ))
-    if "generate-batch" in runners:
-        results.append(sv.run_generate_batch(model, trace, memory_fraction=None))
-        engine_peak = results[0].peak_gpu_bytes if results and results[0].peak_gpu_bytes else 0
-        if engine_peak and free_at_start:
-            results.append(sv.run_generate_batch(model, trace, memory_fraction=min(0.9, engine_peak / free_at_start)))
-    if "padded" in runners:
-        results.append(sv.run_padded(model, trace, batch=args.padded_batch))
-    for r in results:
+
+    def done(r: Any) -> None:
+        # Each runner's line as soon as it finished: a run cut short keeps what it measured.
         if ref is not None and r.outputs:
             r.agreement = sv.agreement(r.outputs, ref)
         print(f"{r.runner:>24}: {r.tokens_per_s} tok/s in {r.wall_s:.2f} s, TTFT {r.ttft_ms} ms, ITL {r.itl_ms} ms, "
               f"peak {(r.peak_gpu_bytes or 0) / 2**30:.2f} GiB, agreement {r.agreement} {r.note}", file=sys.stderr, flush=True)
+        results.append(r)
+
+    if "kvvm-engine" in runners:
+        manager = kvvm.Manager(args.backend, budget_bytes=args.budget_bytes or None, precommit=True, headroom_tokens=4)
+        done(sv.run_engine(
+            model, trace, manager=manager, slots=args.slots, max_len=max_len, prefix_cache_bytes=args.prefix_cache_bytes,
+            prefill_chunk=args.prefill_chunk, real_time=args.real_time, bandwidth=args.bandwidth, flops=args.flops,
+        ))
+    if "generate-batch" in runners:
+        done(sv.run_generate_batch(model, trace, memory_fraction=None))
+        engine_peak = results[0].peak_gpu_bytes if results and results[0].peak_gpu_bytes else 0
+        if engine_peak and free_at_start:
+            done(sv.run_generate_batch(model, trace, memory_fraction=min(0.9, engine_peak / free_at_start)))
+    if "padded" in runners:
+        done(sv.run_padded(model, trace, batch=args.padded_batch))
     report: dict[str, Any] = {
         "requests": len(trace),
         "prompt_tokens": sum(len(q.prompt) for q in trace),
