@@ -61,6 +61,8 @@
 //! freed in the window; time comes from a [`Clock`] ([`ManualClock`] in tests), so it is
 //! deterministic.
 
+#![forbid(unsafe_code)]
+
 //!
 //! ## Where each part lives
 //!

@@ -58,6 +58,8 @@
 //! trait lives in `kvvm-hal` below the backends. A virtual call costs about a nanosecond; the
 //! cheapest driver call (a map) costs about a microsecond.
 
+#![forbid(unsafe_code)]
+
 pub use kvvm_cuda as cuda;
 pub use kvvm_governor as governor;
 pub use kvvm_hal as hal;

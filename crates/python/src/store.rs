@@ -9,8 +9,8 @@
 use std::sync::Arc;
 
 use dlpark::ffi::DLDeviceType;
-use kvvm_hal::{DeviceAddress, RowCopy, StreamHandle, VirtualMemoryBackend};
-use kvvm_kv::{KvDtype, KvKind, LayoutPlan};
+use kvvm::hal::{DeviceAddress, RowCopy, StreamHandle, VirtualMemoryBackend};
+use kvvm::kv::{KvDtype, KvKind, LayoutPlan};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -184,7 +184,7 @@ pub(crate) fn store(
     let Some(dl) = first.manager.dl_device else {
         return Err(errors::raise(
             py,
-            "UnavailableError",
+            errors::ErrorClass::Unavailable,
             format!(
                 "the {} backend's memory is not addressable: nothing can be stored into it",
                 first.manager.backend.name()
@@ -272,7 +272,7 @@ pub(crate) fn store(
         .ok_or_else(|| {
             errors::raise(
                 py,
-                "TooManyTokensError",
+                errors::ErrorClass::TooManyTokens,
                 format!(
                     "tokens {}..+{tokens} are past the sequence's {} tokens",
                     req.start, first.max_tokens
@@ -290,7 +290,7 @@ pub(crate) fn store(
             if end > claimed {
                 return Err(errors::raise(
                     py,
-                    "NotCommittedError",
+                    errors::ErrorClass::NotCommitted,
                     format!(
                         "tokens {}..{end} are not all committed and claimed: {claimed} tokens are \
                          (call ensure)",
@@ -302,7 +302,7 @@ pub(crate) fn store(
             if req.start.saturating_mul(bpt) < c.protected_bytes() {
                 return Err(errors::raise(
                     py,
-                    "WriteIntoSharedPrefixError",
+                    errors::ErrorClass::WriteIntoSharedPrefix,
                     format!(
                         "token {} lies in the sequence's read-only shared prefix",
                         req.start
@@ -355,12 +355,12 @@ pub(crate) fn store(
 fn copy_host_rows(
     backend: &dyn VirtualMemoryBackend,
     copy: &RowCopy,
-) -> Result<(), kvvm_hal::BackendError> {
+) -> Result<(), kvvm::hal::BackendError> {
     copy.check()?;
     let bad = || {
-        kvvm_hal::BackendError::raised(
-            kvvm_hal::Operation::CopyRows,
-            kvvm_hal::ErrorKind::InvalidValue,
+        kvvm::hal::BackendError::raised(
+            kvvm::hal::Operation::CopyRows,
+            kvvm::hal::ErrorKind::InvalidValue,
             format!("a host row copy out of the address space: {copy:?}"),
         )
     };

@@ -65,6 +65,7 @@
 //! # }
 //! ```
 
+#![forbid(unsafe_code)]
 // Output goes through writers whose errors are handled (the log's counts and drops them): a
 // print macro panics when stdout or stderr cannot be written.
 #![warn(clippy::print_stdout, clippy::print_stderr)]
