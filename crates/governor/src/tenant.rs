@@ -29,7 +29,11 @@ pub enum Quota {
 
 impl Quota {
     /// Every quota, in the order refusals are checked.
-    pub const ALL: [Quota; 3] = [Quota::Sequences, Quota::ReservedBytes, Quota::CommittedBytes];
+    pub const ALL: [Quota; 3] = [
+        Quota::Sequences,
+        Quota::ReservedBytes,
+        Quota::CommittedBytes,
+    ];
 
     /// Whether the quota counts bytes (not sequences).
     pub fn is_bytes(self) -> bool {

@@ -113,7 +113,11 @@ impl Tenants {
     /// Refuses, before anything is taken, a share that no release could let through: larger
     /// than a limit by itself. Bytes are checked before sequences, all tenants before each.
     pub fn check_fits(&self, share: TenantShare) -> Result<(), TenantNeverFits> {
-        let order = [Quota::ReservedBytes, Quota::CommittedBytes, Quota::Sequences];
+        let order = [
+            Quota::ReservedBytes,
+            Quota::CommittedBytes,
+            Quota::Sequences,
+        ];
         for quota in order {
             for scope in Scope::ALL {
                 let Some(limit) = self.inner.budgets.limit(quota, scope) else {

@@ -102,7 +102,10 @@ fn a_share_larger_than_a_limit_never_fits() {
         other => panic!("{other:?}"),
     }
     let n = t.check_fits(seq(2000, 0)).unwrap_err();
-    assert_eq!((n.quota, n.scope), (Quota::ReservedBytes, Scope::AllTenants));
+    assert_eq!(
+        (n.quota, n.scope),
+        (Quota::ReservedBytes, Scope::AllTenants)
+    );
     assert_eq!(t.total(), TenantShare::default());
 }
 
@@ -193,7 +196,10 @@ fn racing_grants_across_tenants_never_pass_a_limit_and_the_books_balance() {
                         Err(e) => panic!("{e}"),
                     }
                     let held = t.held(me);
-                    assert!(held.sequences <= 4 && held.committed_bytes <= 120, "{held:?}");
+                    assert!(
+                        held.sequences <= 4 && held.committed_bytes <= 120,
+                        "{held:?}"
+                    );
                     let total = t.total();
                     assert!(total.sequences <= 10 && total.committed_bytes <= 400);
                     if round % 2 == 1 {
@@ -219,7 +225,10 @@ fn racing_grants_across_tenants_never_pass_a_limit_and_the_books_balance() {
     }
     // The books equal what the threads still hold, and are empty once it is released.
     assert_eq!(t.total(), left);
-    assert!(refused > 0, "the limits were never reached: the race tested nothing");
+    assert!(
+        refused > 0,
+        "the limits were never reached: the race tested nothing"
+    );
     for (me, s) in kept {
         t.release(me, s);
     }

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvvm::kv::{KvDtype, KvLayout};
 use kvvm::{DeviceId, VirtualMemoryBackend};
-use kvvm_kv::{KvDtype, KvLayout};
 
 use crate::limits::Limits;
 
@@ -19,7 +19,7 @@ pub struct ServiceConfig {
     /// The memory budget in bytes; `None`: the device's free memory when the service starts
     /// (unlimited if the driver cannot say).
     pub budget_bytes: Option<u64>,
-    /// The model preset (see [`kvvm_kv::KvGeometry::preset`]).
+    /// The model preset (see [`kvvm::kv::KvGeometry::preset`]).
     pub model: String,
     /// The KV element type.
     pub dtype: KvDtype,

@@ -278,7 +278,7 @@ mod tests {
     /// it must no longer count as open, nor its request as in flight.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connection_cut_at_the_deadline_is_no_longer_counted() {
-        let sim = Arc::new(kvvm_sim::SimBackend::h200());
+        let sim = Arc::new(kvvm::sim::SimBackend::h200());
         let service = Arc::new(KvService::new(ServiceConfig::new(sim)).unwrap());
         let http = HttpConfig {
             shutdown_timeout: Duration::from_millis(100),

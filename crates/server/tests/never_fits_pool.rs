@@ -10,7 +10,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{config, Reply, TestServer};
-use kvvm_sim::{SimBackend, MIB};
+use kvvm::sim::{SimBackend, MIB};
 
 fn assert_never_fits_budget(r: &Reply, needed: u64, limit: u64) {
     assert_eq!(r.status, 413, "{}", r.body);

@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use kvvm::hal::decorate::CallHook;
 use kvvm::hal::Operation;
+use kvvm::sim::SimBackend;
 use kvvm::VirtualMemoryBackend;
 use kvvm_server::{HttpConfig, KvService, ServeError, ServiceConfig, ShutdownReport};
-use kvvm_sim::SimBackend;
 
 /// 2 MiB, the simulated H200's granule.
 pub const MIB2: u64 = 2 << 20;
