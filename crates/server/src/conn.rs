@@ -279,7 +279,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connection_cut_at_the_deadline_is_no_longer_counted() {
         let sim = Arc::new(kvvm::sim::SimBackend::h200());
-        let service = Arc::new(KvService::new(ServiceConfig::new(sim)).unwrap());
+        let model =
+            crate::ServedModel::preset("llama-3-8b", kvvm::layout::KvDtype::F16, 8192).unwrap();
+        let service = Arc::new(KvService::new(ServiceConfig::new(sim, model)).unwrap());
         let http = HttpConfig {
             shutdown_timeout: Duration::from_millis(100),
             body_timeout: Duration::from_secs(120),

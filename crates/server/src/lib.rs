@@ -51,10 +51,13 @@
 //! ```no_run
 //! # async fn example() -> Result<(), kvvm_server::ServeError> {
 //! use std::sync::Arc;
-//! use kvvm_server::{serve, HttpConfig, KvService, ServiceConfig};
+//! use kvvm::layout::KvDtype;
+//! use kvvm_server::{serve, HttpConfig, KvService, ServedModel, ServiceConfig};
 //!
 //! let backend = kvvm::open_backend("sim")?;
-//! let service = Arc::new(KvService::new(ServiceConfig::new(backend))?);
+//! let model = ServedModel::preset("llama-3-8b", KvDtype::F16, 8192)
+//!     .map_err(|e| kvvm_server::ServeError::Config(e.to_string()))?;
+//! let service = Arc::new(KvService::new(ServiceConfig::new(backend, model))?);
 //! let listener = kvvm_server::bind("127.0.0.1:8080").await?;
 //! let report = serve(listener, service, HttpConfig::default(), async {
 //!     let _ = tokio::signal::ctrl_c().await;
@@ -101,7 +104,7 @@ pub use api::{
     ShutdownReport,
 };
 pub use auth::{ApiKeys, Owner, Principal, Role};
-pub use config::{ServiceConfig, DEFAULT_IDLE_TIMEOUT};
+pub use config::{ServedModel, ServiceConfig, DEFAULT_IDLE_TIMEOUT};
 pub use conn::effective_max_connections;
 pub use error::{retry_after_header, ServeError, ServiceError};
 pub use http_config::{HttpConfig, DEFAULT_BODY_LIMIT};

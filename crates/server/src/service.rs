@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use kvvm::governor::{Governor, GovernorConfig, TenantShare, Tenants};
-use kvvm::kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixCache};
+use kvvm::kv::{KvDtype, KvLayout, LayoutPlan, PrefixCache};
 use kvvm::vmm::{VirtualMemory, VmmConfig};
 
 use crate::api::{
@@ -16,7 +16,7 @@ use crate::api::{
 };
 use crate::auth::Owner;
 use crate::caches::PrefixCaches;
-use crate::config::ServiceConfig;
+use crate::config::{ServedModel, ServiceConfig};
 use crate::counters::{bump, AtomicCounters};
 use crate::error::{ServeError, ServiceError};
 use crate::limits::{never_fits, tenant, Limits};
@@ -62,8 +62,7 @@ pub struct KvService {
     vm: VirtualMemory,
     plan: LayoutPlan,
     caches: PrefixCaches,
-    model: String,
-    dtype: KvDtype,
+    model: ServedModel,
     state: Mutex<State>,
     counters: AtomicCounters,
     /// The server's limits, as tenant budgets of the governor: every owner is a tenant.
@@ -80,7 +79,7 @@ impl std::fmt::Debug for KvService {
         f.debug_struct("KvService")
             .field("backend", &self.backend_name())
             .field("device", &self.vm.device())
-            .field("model", &self.model)
+            .field("model", &self.model.name())
             .field("layout", &self.layout())
             .field("max_tokens", &self.max_tokens())
             .finish_non_exhaustive()
@@ -95,18 +94,13 @@ impl KvService {
             device,
             budget_bytes,
             model,
-            dtype,
             layout,
-            max_tokens,
             pool_cap_bytes,
             prefix_cache,
             shared_prefix_cache,
             limits,
             idle_timeout,
         } = config;
-        // Validate the model and the limit once, up front.
-        let geometry = KvGeometry::preset(&model, dtype, max_tokens)
-            .map_err(|e| ServeError::Config(e.to_string()))?;
         let budget = match budget_bytes {
             Some(b) => Some(b),
             None => kvvm::sim::default_budget(&*backend, device),
@@ -121,7 +115,7 @@ impl KvService {
             vmm_config = vmm_config.pool_cap_bytes(cap);
         }
         let vm = VirtualMemory::new(backend, device, governor, vmm_config)?;
-        let plan = LayoutPlan::new(geometry, layout, vm.granule())
+        let plan = LayoutPlan::new(*model.geometry(), layout, vm.granule())
             .map_err(|e| ServeError::Config(e.to_string()))?;
         let cache = if prefix_cache {
             Some(
@@ -136,7 +130,6 @@ impl KvService {
             plan,
             caches: PrefixCaches::new(cache, shared_prefix_cache),
             model,
-            dtype,
             state: Mutex::new(State {
                 sequences: BTreeMap::new(),
                 next_id: 1,
@@ -221,12 +214,12 @@ impl KvService {
 
     /// The model preset served.
     pub fn model(&self) -> &str {
-        &self.model
+        self.model.name()
     }
 
     /// The KV element type served.
     pub fn dtype(&self) -> KvDtype {
-        self.dtype
+        self.model.dtype()
     }
 
     /// The layout served.

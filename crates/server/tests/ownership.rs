@@ -210,7 +210,7 @@ fn limited(limits: Limits, budget: Option<u64>, max_tokens: u64) -> TestServer {
     let sim = Arc::new(SimBackend::h200());
     let mut c = common::config(&sim, budget);
     c.limits = limits;
-    c.max_tokens = max_tokens;
+    c.model = c.model.with_max_tokens(max_tokens).unwrap();
     TestServer::start_with(sim, c, 16 << 10)
 }
 
