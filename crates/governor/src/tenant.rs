@@ -3,12 +3,9 @@
 //! [`Scope`], together [`TenantBudgets`]) and why a share is refused ([`TenantRefusal`]).
 //!
 //! A tenant budget sits inside the device budget: the committed bytes of a tenant's share are
-//! also granted by the device budget when they are committed ([`MappedGrowthGrant`]); the
+//! also granted by the device budget when they are committed (a `MappedGrowthGrant`); the
 //! tenant's quota only narrows what one tenant, or all of them together, may hold. The books
-//! themselves are [`Tenants`].
-//!
-//! [`MappedGrowthGrant`]: crate::MappedGrowthGrant
-//! [`Tenants`]: crate::Tenants
+//! themselves are `Tenants` (`tenants.rs`).
 
 use std::time::Duration;
 
@@ -167,7 +164,7 @@ pub struct TenantBackpressure {
     /// The limit.
     pub limit: u64,
     /// When a retry is likely to pass, from what the scope released during the last window
-    /// of the governor's [`RetryPolicy`](crate::RetryPolicy) (its cap when nothing was).
+    /// of the governor's `RetryPolicy` (its cap when nothing was).
     pub retry_after: Duration,
 }
 
