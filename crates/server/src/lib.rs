@@ -39,6 +39,8 @@
 //! [`KvService`] is the core: it owns the backend, the governor, the manager, the layout plan,
 //! the [`PrefixCache`](kvvm::kv::PrefixCache) and the table of live sequences
 //! ([`SequenceKv`](kvvm::kv::SequenceKv)s), and is the only code that touches the KV layer.
+//! Its [`Limits`] are the governor's tenant budgets ([`kvvm::governor::Tenants`], one tenant
+//! per owner): the server keeps no books of its own.
 //! [`router`] is the HTTP layer over it (`layers.rs` the middleware, `conn.rs` the
 //! connections). [`serve`] runs it on a listener until a shutdown future completes, drains
 //! within the shutdown deadline, then releases every sequence, the prefix caches and the
