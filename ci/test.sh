@@ -229,6 +229,9 @@ python3 -m venv "$OUT/pyenv"
 "$OUT/pyenv/bin/python" -m pip install -q .
 # The pure-Python half is typed and mypy checks it, against torch's and transformers' types.
 "$OUT/pyenv/bin/python" -m mypy --ignore-missing-imports --no-incremental crates/python/python/kvvm
+# The stubs of the native module (`_native.pyi`) against the module pip just built: every class,
+# method, signature and default the stubs promise must exist at run time, and no more.
+(cd "$OUT" && pyenv/bin/python -m mypy.stubtest kvvm._native)
 (cd "$OUT" && pyenv/bin/python -c "import kvvm; print('import kvvm', kvvm.__version__, 'from', kvvm.__file__)")
 set +e
 (cd "$OUT" && pyenv/bin/python -m pytest "$ROOT/crates/python/tests" -rs -p no:cacheprovider) 2>&1 \

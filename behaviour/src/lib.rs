@@ -44,6 +44,8 @@
 //! assert!(report.faults_fired > 0);
 //! ```
 
+#![forbid(unsafe_code)]
+
 mod cases;
 mod check;
 mod faults;

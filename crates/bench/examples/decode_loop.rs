@@ -8,9 +8,9 @@
 
 use std::sync::Arc;
 
+use kvvm::kv::{KvDtype, KvGeometry, KvLayout};
+use kvvm::sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
 use kvvm_bench::decode::{run_decode_loop, DecodeLoopConfig};
-use kvvm_kv::{KvDtype, KvGeometry, KvLayout};
-use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

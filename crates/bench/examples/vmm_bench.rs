@@ -11,9 +11,9 @@
 
 use std::sync::Arc;
 
+use kvvm::hal::VirtualMemoryBackend;
+use kvvm::sim::{LatencyMode, LatencyModel, SimBackend, SimConfig, H200_GRANULE, H200_GRANULES};
 use kvvm_bench::vmm::{run_all, BenchConfig};
-use kvvm_hal::VirtualMemoryBackend;
-use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig, H200_GRANULE, H200_GRANULES};
 
 /// Runs the benchmark on `backend` and prints the report: the entry point a real backend is
 /// plugged into.

@@ -7,10 +7,10 @@
 //! ```
 //! use std::sync::Arc;
 //! use kvvm_bench::decode::{run_decode_loop, DecodeLoopConfig};
-//! use kvvm_kv::{KvDtype, KvGeometry, KvLayout};
-//! use kvvm_sim::{SimBackend, SimConfig};
+//! use kvvm::kv::{KvDtype, KvGeometry, KvLayout};
+//! use kvvm::sim::{SimBackend, SimConfig};
 //!
-//! # fn main() -> Result<(), kvvm_kv::KvCacheError> {
+//! # fn main() -> Result<(), kvvm::kv::KvCacheError> {
 //! let sim = Arc::new(SimBackend::new(SimConfig::single(64 << 10, 1 << 30)));
 //! let mut config = DecodeLoopConfig::reference()?;
 //! config.geometry = KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, 1)?;   // a tiny model
@@ -29,13 +29,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvvm_governor::{Governor, GovernorConfig};
-use kvvm_hal::{DeviceId, VirtualMemoryBackend};
-use kvvm_kv::synthetic::{decode_token_id, fill_tokens, prompt_token_id};
-use kvvm_kv::{KvCacheError, PrefixCache, PrefixCacheConfig, SequenceKv, SharedDevicePrefix};
-use kvvm_layout::{KvDtype, KvError, KvGeometry, KvLayout, LayoutPlan};
-use kvvm_num::{mul, to_usize};
-use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
+use kvvm::governor::{Governor, GovernorConfig};
+use kvvm::hal::{DeviceId, VirtualMemoryBackend};
+use kvvm::kv::synthetic::{decode_token_id, fill_tokens, prompt_token_id};
+use kvvm::kv::{KvCacheError, PrefixCache, PrefixCacheConfig, SequenceKv, SharedDevicePrefix};
+use kvvm::layout::{KvDtype, KvError, KvGeometry, KvLayout, LayoutPlan};
+use kvvm::num::{mul, to_usize};
+use kvvm::vmm::{GranularityChoice, VirtualMemory, VmmConfig};
 
 pub use crate::decode_report::DecodeLoopReport;
 
@@ -76,7 +76,7 @@ pub struct DecodeLoopConfig {
     /// server admitting requests on a prefix hit does; 0: skip them).
     pub attach_samples: u32,
     /// The prefix cache's most blocks per handle of a published prompt
-    /// ([`PrefixCacheConfig::handle_blocks`](kvvm_kv::PrefixCacheConfig::handle_blocks)).
+    /// ([`PrefixCacheConfig::handle_blocks`](kvvm::kv::PrefixCacheConfig::handle_blocks)).
     pub prefix_handle_blocks: u64,
     /// Governor budget for the device (`None`: unlimited).
     pub budget_bytes: Option<u64>,
@@ -381,7 +381,7 @@ pub fn run_decode_loop_with_progress(
     let mut copy = Vec::new();
     let mut attach_after_copy = Vec::new();
     let mut attach_mappings = 0usize;
-    let verdict = kvvm_layout::evaluate_prefix_shareability(
+    let verdict = kvvm::layout::evaluate_prefix_shareability(
         &geometry,
         config.layout,
         config.prompt_tokens,

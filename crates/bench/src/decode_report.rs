@@ -3,9 +3,9 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use kvvm_kv::PrefixCacheStats;
-use kvvm_layout::KvLayout;
-use kvvm_num::format_size;
+use kvvm::kv::PrefixCacheStats;
+use kvvm::layout::KvLayout;
+use kvvm::num::format_size;
 
 /// What `run_decode_loop` measured.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,7 +50,7 @@ pub struct DecodeLoopReport {
     /// `share_prefix` is false).
     pub committed_bytes_without_sharing: u64,
     /// Median time to attach the shared prompt prefix read-only
-    /// ([`SharedDevicePrefix::map_shared_prefix_readonly`](kvvm_kv::SharedDevicePrefix::map_shared_prefix_readonly): reserve + map + set access).
+    /// ([`SharedDevicePrefix::map_shared_prefix_readonly`](kvvm::kv::SharedDevicePrefix::map_shared_prefix_readonly): reserve + map + set access).
     pub attach_median: Duration,
     /// Fastest attach.
     pub attach_min: Duration,
@@ -62,7 +62,7 @@ pub struct DecodeLoopReport {
     pub attach_after_copy_median: Duration,
     /// Fastest attach right after a copy.
     pub attach_after_copy_min: Duration,
-    /// Median time of a sharer's [`PrefixCache::admit`](kvvm_kv::PrefixCache::admit) in the loop (lookup, reserve, map,
+    /// Median time of a sharer's [`PrefixCache::admit`](kvvm::kv::PrefixCache::admit) in the loop (lookup, reserve, map,
     /// commit of the rest of the prompt).
     pub admit_hit_median: Duration,
     /// Mappings of a sequence right after an admission with a cache hit (the hit's shared

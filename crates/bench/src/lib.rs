@@ -14,6 +14,8 @@
 //! The criterion benchmarks of the manager's CPU cost stay with their crate
 //! (`cargo bench -p kvvm-vmm`, `cargo bench -p kvvm-host-kv`).
 
+#![forbid(unsafe_code)]
+
 pub mod decode;
 mod decode_report;
 pub mod host;

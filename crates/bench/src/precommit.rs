@@ -3,11 +3,11 @@
 
 use std::sync::Arc;
 
-use kvvm_hal::{DeviceId, VirtualMemoryBackend};
-use kvvm_kv::precommit::{Ensured, PrecommitConfig, PrecommitStats, Precommitter};
-use kvvm_kv::{KvCacheError, SequenceKv};
-use kvvm_layout::{KvDtype, KvError, KvGeometry, KvLayout, LayoutPlan};
-use kvvm_vmm::VirtualMemory;
+use kvvm::hal::{DeviceId, VirtualMemoryBackend};
+use kvvm::kv::precommit::{Ensured, PrecommitConfig, PrecommitStats, Precommitter};
+use kvvm::kv::{KvCacheError, SequenceKv};
+use kvvm::layout::{KvDtype, KvError, KvGeometry, KvLayout, LayoutPlan};
+use kvvm::vmm::VirtualMemory;
 
 /// What [`run_decode_bench`] measures.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,8 +126,8 @@ pub fn run_decode_bench(
         Ok(VirtualMemory::new(
             Arc::clone(&backend),
             config.device,
-            kvvm_governor::Governor::unlimited(),
-            kvvm_vmm::VmmConfig::default().granularity(kvvm_vmm::GranularityChoice::Minimum),
+            kvvm::governor::Governor::unlimited(),
+            kvvm::vmm::VmmConfig::default().granularity(kvvm::vmm::GranularityChoice::Minimum),
         )?)
     };
     let total = config.prompt_tokens.saturating_add(config.decode_tokens);

@@ -3,11 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use kvvm_hal::{
+use kvvm::hal::{
     AccessDescriptor, AllocationProperties, BackendError, DeviceAddress, DeviceId, PhysicalHandle,
     VirtualMemoryBackend,
 };
-use kvvm_vmm::VmmResult;
+use kvvm::vmm::VmmResult;
 
 /// A range driven with raw driver calls (the baseline).
 pub(crate) struct RawRange<'a> {

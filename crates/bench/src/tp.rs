@@ -7,10 +7,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvvm_governor::Governor;
-use kvvm_hal::{Access, AccessDescriptor, AllocationProperties, DeviceId, VirtualMemoryBackend};
-use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, SequenceKv, TensorParallelSequence};
-use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
+use kvvm::governor::Governor;
+use kvvm::hal::{Access, AccessDescriptor, AllocationProperties, DeviceId, VirtualMemoryBackend};
+use kvvm::kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, SequenceKv, TensorParallelSequence};
+use kvvm::vmm::{GranularityChoice, VirtualMemory, VmmConfig};
 
 /// The samples of one run (one per iteration for each case).
 #[derive(Debug, Clone, Default)]

@@ -2,7 +2,7 @@
 //!
 //! [`run_all`] measures, in one run:
 //!
-//! 1. a manager commit of `k` granules ([`Reservation::commit`](kvvm_vmm::Reservation::commit)) against the minimal raw
+//! 1. a manager commit of `k` granules ([`Reservation::commit`](kvvm::vmm::Reservation::commit)) against the minimal raw
 //!    driver sequence (create and map per granule, one set access) for each `k` of
 //!    [`BenchConfig::commit_granules`];
 //! 2. runs of [`BenchConfig::run_sizes`] bytes (128 MiB, 512 MiB and 4 GiB by default): the
@@ -10,7 +10,7 @@
 //!    the run's size, map it, set access once) and one handle per granule, and the teardown
 //!    (unmap + release) of the same runs, side by side;
 //! 3. a commit served from the handle pool (remap) and one served from windows parked in the
-//!    same reservation ([`VmmConfig::park_released`](kvvm_vmm::VmmConfig::park_released): no driver call) against a fresh commit,
+//!    same reservation ([`VmmConfig::park_released`](kvvm::vmm::VmmConfig::park_released): no driver call) against a fresh commit,
 //!    at [`BenchConfig::pool_granules`];
 //! 4. growing a buffer of each size of [`BenchConfig::growth_sizes`] by one granule with the
 //!    manager, against the raw create + map + set access of one granule, with a slot for the
@@ -26,7 +26,7 @@
 //!
 //! ```
 //! use std::sync::Arc;
-//! use kvvm_sim::{SimBackend, SimConfig};
+//! use kvvm::sim::{SimBackend, SimConfig};
 //! use kvvm_bench::vmm::{run_all, BenchConfig};
 //!
 //! let g = 64 << 10;
@@ -39,9 +39,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvvm_governor::Governor;
-use kvvm_hal::{BackendError, DeviceId, VirtualMemoryBackend};
-use kvvm_vmm::{
+use kvvm::governor::Governor;
+use kvvm::hal::{BackendError, DeviceId, VirtualMemoryBackend};
+use kvvm::vmm::{
     GranularityChoice, Reservation, VirtualMemory, VmmConfig, VmmError, VmmResult,
     DEFAULT_MAX_HANDLE_BYTES,
 };
@@ -354,7 +354,7 @@ fn time_commit(res: &mut Reservation, bytes: u64) -> VmmResult<Duration> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
-    use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
+    use kvvm::sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
 
     #[test]
     fn runs_on_the_sim_and_leaves_nothing() {

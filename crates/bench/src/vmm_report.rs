@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use kvvm_hal::DeviceId;
+use kvvm::hal::DeviceId;
 
 use crate::stats::Stats;
 use crate::units::{fmt_bytes, ratio, us};

@@ -8,8 +8,8 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use kvvm_hal::{DeviceId, VirtualMemoryBackend};
-use kvvm_vmm::{VirtualMemory, VmmResult};
+use kvvm::hal::{DeviceId, VirtualMemoryBackend};
+use kvvm::vmm::{VirtualMemory, VmmResult};
 
 use crate::raw::RawRange;
 use crate::stats::Stats;

@@ -4,10 +4,10 @@
 
 use std::sync::Arc;
 
+use kvvm::kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan};
+use kvvm::sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
+use kvvm::vmm::GranularityChoice;
 use kvvm_bench::decode::{run_decode_loop, DecodeLoopConfig};
-use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan};
-use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
-use kvvm_vmm::GranularityChoice;
 
 fn sim(g: u64) -> Arc<SimBackend> {
     Arc::new(SimBackend::new(
@@ -45,7 +45,7 @@ fn every_byte_verified_at_two_granularities_and_three_layouts() {
             // A prompt of 2.5 prefix-cache blocks, so the tail is private to each sharer.
             let plan_g = KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, 1 << 20).unwrap();
             let plan = LayoutPlan::new(plan_g, layout, g).unwrap();
-            let block = kvvm_kv::PrefixCache::block_tokens_for(&plan).unwrap();
+            let block = kvvm::kv::PrefixCache::block_tokens_for(&plan).unwrap();
             let prompt = block * 5 / 2;
             for share in [true, false] {
                 let s = sim(g);

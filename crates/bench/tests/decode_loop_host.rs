@@ -8,8 +8,8 @@ use kvvm::host::HostBackend;
 
 #[test]
 fn the_kv_decode_loop_verifies_every_byte_on_every_layout() {
+    use kvvm::kv::{KvDtype, KvGeometry, KvLayout};
     use kvvm_bench::decode::{run_decode_loop, DecodeLoopConfig};
-    use kvvm_kv::{KvDtype, KvGeometry, KvLayout};
     for layout in [
         KvLayout::HeadMajor,
         KvLayout::SeqMajor,
@@ -19,7 +19,7 @@ fn the_kv_decode_loop_verifies_every_byte_on_every_layout() {
         let mut config = DecodeLoopConfig::reference().unwrap();
         config.geometry = KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, 1).unwrap();
         config.layout = layout;
-        config.granularity = kvvm_vmm::GranularityChoice::Minimum;
+        config.granularity = kvvm::vmm::GranularityChoice::Minimum;
         config.sequences = 4;
         config.prompt_tokens = 1000;
         config.decode_tokens = 40;

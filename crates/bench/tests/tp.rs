@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
+use kvvm::hal::VirtualMemoryBackend;
+use kvvm::sim::{PeerLinks, SimBackend, SimConfig};
 use kvvm_bench::tp::measure_tp;
-use kvvm_hal::VirtualMemoryBackend;
-use kvvm_sim::{PeerLinks, SimBackend, SimConfig};
 
 #[test]
 fn every_case_is_measured_on_every_rank_and_nothing_leaks() {

@@ -4,11 +4,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Args;
+use kvvm::num::format_size;
 use kvvm::sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
 use kvvm::VirtualMemoryBackend;
 use kvvm_bench::precommit::{run_decode_bench, DecodeBenchConfig, LatencySummary};
 use kvvm_bench::timing::simulated_timing_note;
-use kvvm_num::format_size;
 use serde_json::json;
 
 use crate::backend;

@@ -14,10 +14,10 @@ use std::time::Duration;
 
 use clap::Args;
 use kvvm::host::HostBackend;
+use kvvm::num::format_size;
 use kvvm::{DeviceId, VirtualMemoryBackend};
 use kvvm_bench::host::measure_host;
 use kvvm_bench::vmm::Stats;
-use kvvm_num::format_size;
 use serde_json::{json, Value};
 
 use crate::error::{failed, CliError, CliResult};

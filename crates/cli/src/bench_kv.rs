@@ -4,10 +4,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Args;
+use kvvm::layout::KvLayout;
 use kvvm::VirtualMemoryBackend;
 use kvvm_bench::decode::{run_decode_loop_with_progress, DecodeLoopConfig};
 use kvvm_bench::timing::simulated_timing_note;
-use kvvm_layout::KvLayout;
 use serde_json::json;
 
 use crate::backend;

@@ -6,10 +6,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
+use kvvm::num::format_size;
 use kvvm_bench::realloc::BenchBackend;
 use kvvm_bench::tp::measure_tp;
 use kvvm_bench::vmm::Stats;
-use kvvm_num::format_size;
 use serde_json::{json, Value};
 
 use crate::backend;

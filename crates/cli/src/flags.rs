@@ -3,12 +3,12 @@
 //! front (`invalid value '0' for '--iterations <N>': 0 is out of range: allowed 1..=100000`).
 //! Nothing is clamped: a value the command cannot honour is an error, never a silent change.
 //! Sizes take one syntax everywhere: a byte count or a binary unit (`8GiB`, `512MiB`, `2k`),
-//! read by [`kvvm_num::parse_size`]; durations one too: whole `ms`, `s` (the default), `m`
+//! read by [`kvvm::num::parse_size`]; durations one too: whole `ms`, `s` (the default), `m`
 //! or `h` (`500ms`, `10s`, `2m`).
 
 use std::time::Duration;
 
-use kvvm_num::{format_size, parse_size};
+use kvvm::num::{format_size, parse_size};
 
 /// The largest context, in tokens, a flag accepts (16 Mi tokens).
 pub const MAX_CONTEXT_TOKENS: u64 = 1 << 24;

@@ -3,8 +3,8 @@
 use std::process::ExitCode;
 
 use clap::Args;
+use kvvm::num::format_size;
 use kvvm::{AllocationProperties, ShareableHandleType, VirtualMemoryBackend};
-use kvvm_num::format_size;
 use serde_json::{json, Value};
 
 use crate::backend;

@@ -7,6 +7,7 @@
 //! closed pipe), [`error`] (exit codes), [`backend`] (opening a backend, short reasons),
 //! [`progress`] (bars on a terminal, periodic lines elsewhere) and [`junit`] (JUnit XML).
 
+#![forbid(unsafe_code)]
 // Output goes to a `Write` whose errors are handled (stdout: the command's `out`; stderr:
 // `output::note`): a print macro panics when stdout or stderr cannot be written.
 #![warn(clippy::print_stdout, clippy::print_stderr)]

@@ -5,13 +5,13 @@ use std::ops::Range;
 use std::process::ExitCode;
 
 use clap::Args;
+use kvvm::layout::{
+    commit_lower_bound, evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, LayoutPlan,
+};
+use kvvm::num::format_size;
 use kvvm::vmm::{
     commit_pieces, max_handle_windows, shared_commit_pieces, DEFAULT_MAX_HANDLE_BYTES,
 };
-use kvvm_layout::{
-    commit_lower_bound, evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, LayoutPlan,
-};
-use kvvm_num::format_size;
 use serde_json::json;
 
 use crate::error::{failed, CliError, CliResult};

@@ -4,10 +4,10 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 
 use clap::Args;
+use kvvm::layout::{KvDtype, KvLayout};
+use kvvm::num::format_size;
 use kvvm::{DeviceId, VirtualMemoryBackend};
-use kvvm_layout::{KvDtype, KvGeometry, KvLayout};
-use kvvm_num::format_size;
-use kvvm_server::{KvService, ServiceConfig};
+use kvvm_server::{KvService, ServedModel, ServiceConfig};
 
 use crate::backend;
 use crate::error::{failed, CliError, CliResult};
@@ -106,7 +106,8 @@ fn listening_line(addr: SocketAddr, s: &KvService, backend: &str, device: u32) -
 pub fn run(args: &ServeArgs, out: Out<'_>) -> CliResult<ExitCode> {
     let dtype: KvDtype = args.dtype.parse().map_err(failed)?;
     let layout: KvLayout = args.layout.parse().map_err(failed)?;
-    KvGeometry::preset(&args.model, dtype, args.max_tokens).map_err(failed)?;
+    // The model is validated here, once: the service is handed its geometry, not a name.
+    let model = ServedModel::preset(&args.model, dtype, args.max_tokens).map_err(failed)?;
     args.listen.parse::<SocketAddr>().map_err(|_| {
         CliError::Failed(format!(
             "--listen {:?} is not an address (write IP:PORT, e.g. 127.0.0.1:8080; port 0 picks a free one)",
@@ -129,10 +130,8 @@ pub fn run(args: &ServeArgs, out: Out<'_>) -> CliResult<ExitCode> {
         backend: opened.backend,
         device: DeviceId(args.device),
         budget_bytes: args.budget_bytes,
-        model: args.model.clone(),
-        dtype,
+        model,
         layout,
-        max_tokens: args.max_tokens,
         pool_cap_bytes: args.pool_cap_bytes,
         prefix_cache: !args.no_prefix_cache,
         shared_prefix_cache: net.shared_prefix_cache,

@@ -161,11 +161,11 @@ mod tests {
     #[test]
     fn the_defaults_shown_in_units_are_the_librarys() {
         assert_eq!(
-            kvvm_num::parse_size(MAX_RESERVED_DEFAULT),
+            kvvm::num::parse_size(MAX_RESERVED_DEFAULT),
             Ok(Limits::default().max_reserved_bytes)
         );
         assert_eq!(
-            kvvm_num::parse_size(BODY_LIMIT_DEFAULT),
+            kvvm::num::parse_size(BODY_LIMIT_DEFAULT),
             Ok(kvvm_server::DEFAULT_BODY_LIMIT as u64)
         );
     }

@@ -4,9 +4,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvvm::num::format_size;
 use kvvm::sim::SimBackend;
 use kvvm::{DeviceId, VirtualMemoryBackend};
-use kvvm_num::format_size;
 use kvvm_workload::{
     render_svg, render_table, render_verdict, simulate, verdict, PolicyKind, SimulationConfig,
     TableWidth,

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use kvvm_layout::{KvDtype, KvGeometry};
+use kvvm::layout::{KvDtype, KvGeometry};
 use kvvm_workload::{PolicyKind, SyntheticTrace, Trace};
 
 use crate::error::{failed, CliError, CliResult};

@@ -88,10 +88,11 @@ fn put(device: DeviceId, slot: &mut u64, bytes: u64) -> Result<(), GovernorError
     Ok(())
 }
 
-fn prune(frees: &mut VecDeque<(Instant, u64)>, now: Instant, window: Duration) {
-    while let Some((t, _)) = frees.front() {
+/// Drops the events of `events` older than `window` at `now`.
+pub(crate) fn prune<T>(events: &mut VecDeque<(Instant, T)>, now: Instant, window: Duration) {
+    while let Some((t, _)) = events.front() {
         if now.saturating_duration_since(*t) > window {
-            frees.pop_front();
+            events.pop_front();
         } else {
             break;
         }

@@ -46,6 +46,18 @@
 //! registered reclaimer, in registration order, to free the shortfall, and then checks again.
 //! Reclaimers are held weakly, so registering does not keep their owner alive.
 //!
+//! ## Tenant budgets
+//!
+//! Inside the device budget, [`Tenants`] keeps budgets per tenant (an API key of a server):
+//! live sequences, reserved address space and committed bytes, per tenant and over all
+//! tenants ([`TenantBudgets`]). A request takes its [`TenantShare`] first
+//! ([`Tenants::try_take`]: a [`TenantGrant`], or a [`TenantRefusal`]: never-fits when the
+//! share is larger than a limit by itself, backpressure with a `retry_after` from what that
+//! scope released during the last window when it is full now), settles the grant to what it
+//! really committed, and releases the share when it ends ([`Tenants::release`]). The committed
+//! bytes are still granted by the device budget ([`MappedGrowthGrant`]) when they are
+//! committed: a tenant budget narrows the device budget, never widens it.
+//!
 //! ## How `retry_after` is estimated
 //!
 //! The governor records every [`Governor::free`] (bytes returned to the driver) with its time,
@@ -60,14 +72,17 @@
 //! The estimate is a pure function ([`RetryPolicy::estimate`]) of the shortfall and the bytes
 //! freed in the window; time comes from a [`Clock`] ([`ManualClock`] in tests), so it is
 //! deterministic.
-
 //!
 //! ## Where each part lives
 //!
 //! `governor.rs` ([`Governor`]: grants, reclaim, transfers, snapshots), `grant.rs`
 //! ([`MappedGrowthGrant`]), `books.rs` (the checked books), `bucket.rs`, `error.rs`
 //! ([`Backpressure`], [`GovernorError`]), `clock.rs`, `retry.rs` ([`RetryPolicy`]),
-//! `reclaim.rs` ([`Reclaimer`]), `config.rs` ([`GovernorConfig`]), `snapshot.rs`.
+//! `reclaim.rs` ([`Reclaimer`]), `config.rs` ([`GovernorConfig`]), `snapshot.rs`,
+//! `tenant.rs` (the vocabulary of tenant budgets: [`TenantId`], [`TenantShare`],
+//! [`TenantBudgets`], [`TenantRefusal`]) and `tenants.rs` ([`Tenants`], [`TenantGrant`]).
+
+#![forbid(unsafe_code)]
 
 mod books;
 mod bucket;
@@ -79,6 +94,8 @@ mod grant;
 mod reclaim;
 mod retry;
 mod snapshot;
+mod tenant;
+mod tenants;
 
 pub use bucket::Bucket;
 pub use clock::{Clock, ManualClock, SystemClock};
@@ -89,3 +106,8 @@ pub use grant::MappedGrowthGrant;
 pub use reclaim::Reclaimer;
 pub use retry::RetryPolicy;
 pub use snapshot::{DeviceSnapshot, GovernorSnapshot};
+pub use tenant::{
+    Quota, Scope, TenantBackpressure, TenantBudgets, TenantId, TenantLimits, TenantNeverFits,
+    TenantRefusal, TenantShare,
+};
+pub use tenants::{TenantGrant, Tenants};

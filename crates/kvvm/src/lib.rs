@@ -14,6 +14,7 @@
 //! | [`kvvm::vmm`](vmm) | `kvvm-vmm` | the manager: reservations, commit, pool, quarantine |
 //! | [`kvvm::layout`](layout) | `kvvm-layout` | KV geometry, layouts, shareability arithmetic |
 //! | [`kvvm::kv`](kv) | `kvvm-kv` | sequences, shared prefixes, the prefix cache, pre-commit |
+//! | [`kvvm::num`](num) | `kvvm-num` | checked arithmetic, sizes, the seeded RNG |
 //! | [`kvvm::prelude`](prelude) | | the names most programs use |
 //!
 //! | name | backend |
@@ -58,6 +59,8 @@
 //! trait lives in `kvvm-hal` below the backends. A virtual call costs about a nanosecond; the
 //! cheapest driver call (a map) costs about a microsecond.
 
+#![forbid(unsafe_code)]
+
 pub use kvvm_cuda as cuda;
 pub use kvvm_governor as governor;
 pub use kvvm_hal as hal;
@@ -70,6 +73,7 @@ pub use kvvm_hip as hip;
 pub use kvvm_host as host;
 pub use kvvm_kv as kv;
 pub use kvvm_layout as layout;
+pub use kvvm_num as num;
 pub use kvvm_sim as sim;
 pub use kvvm_vmm as vmm;
 

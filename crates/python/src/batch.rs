@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kvvm_kv::{KvKind, SequenceKv};
+use kvvm::kv::{KvKind, SequenceKv};
 use pyo3::prelude::*;
 
 use crate::cell::{SeqCell, Unmap};
@@ -71,27 +71,27 @@ fn ensure_slots(py: Python<'_>, slots: &[Arc<SeqCell>], targets: Vec<u64>) -> Py
         }
         Ok(bytes)
     })
-    .map_err(|e: kvvm_kv::KvCacheError| errors::kv(py, &e))
+    .map_err(|e: kvvm::kv::KvCacheError| errors::kv(py, &e))
 }
 
 /// A batch's reservation that failed: the driver running out of memory there ran out of
 /// address space (a reservation holds no memory), and the message says so with the sizes.
 fn address_space_error(
     py: Python<'_>,
-    e: &kvvm_kv::KvCacheError,
+    e: &kvvm::kv::KvCacheError,
     slots: u64,
     span: Option<u64>,
 ) -> PyErr {
     let oom = match e {
-        kvvm_kv::KvCacheError::Vmm(kvvm_vmm::VmmError::Backend(b)) => Some(b),
-        kvvm_kv::KvCacheError::Backend(b) => Some(b),
+        kvvm::kv::KvCacheError::Vmm(kvvm::vmm::VmmError::Backend(b)) => Some(b),
+        kvvm::kv::KvCacheError::Backend(b) => Some(b),
         _ => None,
     }
-    .filter(|b| b.kind == kvvm_hal::ErrorKind::OutOfMemory);
+    .filter(|b| b.kind == kvvm::hal::ErrorKind::OutOfMemory);
     match (oom, span) {
         (Some(b), span) => errors::raise(
             py,
-            "OutOfMemoryError",
+            errors::ErrorClass::OutOfMemory,
             format!(
                 "out of address space, not memory: {slots} slots need {} bytes of address \
                  space in one reservation and the driver refused it ({b}); use fewer slots \
@@ -134,7 +134,7 @@ impl SequenceBatch {
         let p = plan.plan;
         let vm = state.vm.clone();
         let seqs = py
-            .detach(move || -> Result<Vec<SequenceKv>, kvvm_kv::KvCacheError> {
+            .detach(move || -> Result<Vec<SequenceKv>, kvvm::kv::KvCacheError> {
                 vm.reserve_strided(slots, p.reservation_bytes())?
                     .into_iter()
                     .map(|r| SequenceKv::in_reservation(&vm, &p, max_tokens, r))
@@ -235,7 +235,9 @@ impl SequenceBatch {
     /// ``[batch, kv_heads, tokens, head_dim]``. See :meth:`Sequence.view` for
     /// `allow_uncommitted`.
     #[pyo3(signature = (layer, kind = "key", start = Count(0), end = None, first = 0, count = None,
-        allow_uncommitted = false))]
+        allow_uncommitted = false),
+        text_signature = "($self, layer, kind='key', start=0, end=None, first=0, count=None, \
+        allow_uncommitted=False)")]
     #[allow(clippy::too_many_arguments)]
     fn view(
         &self,
@@ -274,7 +276,8 @@ impl SequenceBatch {
     /// ``[layers, 2, batch, kv_heads, tokens, head_dim]``, index 0 of the second dimension K,
     /// 1 V. A decode step slices it once for all layers instead of once per layer.
     #[pyo3(signature = (start = Count(0), end = None, first = 0, count = None,
-        allow_uncommitted = false))]
+        allow_uncommitted = false),
+        text_signature = "($self, start=0, end=None, first=0, count=None, allow_uncommitted=False)")]
     fn view_all(
         &self,
         py: Python<'_>,

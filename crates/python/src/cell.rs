@@ -4,8 +4,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use kvvm_kv::precommit::{Ensured, PrecommittedSequence};
-use kvvm_kv::{KvCacheError, KvDtype, KvKind, LayoutPlan, SequenceKv};
+use kvvm::kv::precommit::{Ensured, PrecommittedSequence};
+use kvvm::kv::{KvCacheError, KvDtype, KvKind, LayoutPlan, SequenceKv};
 
 use crate::manager::ManagerState;
 

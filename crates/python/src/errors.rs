@@ -1,18 +1,20 @@
 //! Rust errors as the Python exceptions of `kvvm.errors`.
 //!
 //! The exception classes are written in Python (`kvvm/errors.py`, with their attributes and
-//! docs); this module picks the class that says what the caller can do and fills its
-//! attributes. Nothing here panics: if the module cannot be imported, a `RuntimeError` with the
-//! same message is raised instead.
+//! docs) and cached once (`error_class.rs`); this module picks the class that says what the
+//! caller can do and fills its attributes. Nothing here panics: if the module cannot be
+//! imported, a `RuntimeError` with the same message is raised instead.
 
+use kvvm::governor::{Backpressure, Limit, NeverFits};
+use kvvm::hal::{BackendError, ErrorKind};
+use kvvm::kv::{KvCacheError, KvError};
+use kvvm::vmm::VmmError;
 use kvvm::OpenError;
-use kvvm_governor::{Backpressure, Limit, NeverFits};
-use kvvm_hal::{BackendError, ErrorKind};
-use kvvm_kv::{KvCacheError, KvError};
-use kvvm_vmm::VmmError;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+
+pub(crate) use crate::error_class::ErrorClass;
 
 /// An attribute value of an exception.
 pub(crate) enum Attr {
@@ -21,11 +23,15 @@ pub(crate) enum Attr {
     Str(String),
 }
 
-/// Builds `kvvm.errors.<class>(message, **attrs)` as a Python exception.
-pub(crate) fn raise(py: Python<'_>, class: &str, message: String, attrs: &[(&str, Attr)]) -> PyErr {
+/// Builds `class(message, **attrs)` as a Python exception.
+pub(crate) fn raise(
+    py: Python<'_>,
+    class: ErrorClass,
+    message: String,
+    attrs: &[(&str, Attr)],
+) -> PyErr {
     let build = || -> PyResult<PyErr> {
-        let module = py.import("kvvm.errors")?;
-        let cls = module.getattr(class)?;
+        let cls = class.type_object(py)?;
         let kwargs = PyDict::new(py);
         for (k, v) in attrs {
             match v {
@@ -45,7 +51,7 @@ pub(crate) fn raise(py: Python<'_>, class: &str, message: String, attrs: &[(&str
 
 /// `kvvm.errors.InvalidArgumentError(message)`.
 pub(crate) fn invalid(py: Python<'_>, message: impl Into<String>) -> PyErr {
-    raise(py, "InvalidArgumentError", message.into(), &[])
+    raise(py, ErrorClass::InvalidArgument, message.into(), &[])
 }
 
 /// A refusal for good: no freeing can make the request fit.
@@ -56,7 +62,7 @@ pub(crate) fn never_fits(py: Python<'_>, n: &NeverFits) -> PyErr {
     };
     raise(
         py,
-        "NeverFitsError",
+        ErrorClass::NeverFits,
         format!("{n}: it can never fit"),
         &[
             ("needed_bytes", Attr::Int(n.needed)),
@@ -71,7 +77,7 @@ pub(crate) fn never_fits(py: Python<'_>, n: &NeverFits) -> PyErr {
 pub(crate) fn backpressure(py: Python<'_>, b: &Backpressure) -> PyErr {
     raise(
         py,
-        "BackpressureError",
+        ErrorClass::Backpressure,
         b.to_string(),
         &[
             ("retry_after", Attr::Float(b.retry_after.as_secs_f64())),
@@ -85,13 +91,10 @@ pub(crate) fn backpressure(py: Python<'_>, b: &Backpressure) -> PyErr {
 /// A driver error by its kind.
 pub(crate) fn backend(py: Python<'_>, e: &BackendError) -> PyErr {
     let class = match e.kind {
-        ErrorKind::Unavailable => "UnavailableError",
-        ErrorKind::OutOfMemory => "OutOfMemoryError",
-        _ => "DriverError",
+        ErrorKind::Unavailable => return raise(py, ErrorClass::Unavailable, e.to_string(), &[]),
+        ErrorKind::OutOfMemory => ErrorClass::OutOfMemory,
+        _ => ErrorClass::Driver,
     };
-    if class == "UnavailableError" {
-        return raise(py, class, e.to_string(), &[]);
-    }
     raise(
         py,
         class,
@@ -117,9 +120,9 @@ pub(crate) fn vmm(py: Python<'_>, e: &VmmError) -> PyErr {
         | VmmError::GrantMismatch { .. }
         | VmmError::AlreadyMapped { .. }
         | VmmError::InvalidArgument { .. } => invalid(py, e.to_string()),
-        VmmError::Busy { .. } => raise(py, "BusyError", e.to_string(), &[]),
+        VmmError::Busy { .. } => raise(py, ErrorClass::Busy, e.to_string(), &[]),
         VmmError::BadGranularity { .. } | VmmError::Accounting(_) => {
-            raise(py, "KvvmError", e.to_string(), &[])
+            raise(py, ErrorClass::Kvvm, e.to_string(), &[])
         }
     }
 }
@@ -137,14 +140,18 @@ pub(crate) fn kv(py: Python<'_>, e: &KvCacheError) -> PyErr {
         KvCacheError::Vmm(v) => vmm(py, v),
         KvCacheError::Backend(b) => backend(py, b),
         KvCacheError::Layout(l) => layout(py, l),
-        KvCacheError::NotShareable { .. } => raise(py, "NotShareableError", e.to_string(), &[]),
-        KvCacheError::WriteIntoSharedPrefix { .. } => {
-            raise(py, "WriteIntoSharedPrefixError", e.to_string(), &[])
+        KvCacheError::NotShareable { .. } => {
+            raise(py, ErrorClass::NotShareable, e.to_string(), &[])
         }
-        KvCacheError::NotCommitted { .. } => raise(py, "NotCommittedError", e.to_string(), &[]),
+        KvCacheError::WriteIntoSharedPrefix { .. } => {
+            raise(py, ErrorClass::WriteIntoSharedPrefix, e.to_string(), &[])
+        }
+        KvCacheError::NotCommitted { .. } => {
+            raise(py, ErrorClass::NotCommitted, e.to_string(), &[])
+        }
         KvCacheError::TooManyTokens { tokens, max_tokens } => raise(
             py,
-            "TooManyTokensError",
+            ErrorClass::TooManyTokens,
             e.to_string(),
             &[
                 ("tokens", Attr::Int(*tokens)),
@@ -156,9 +163,9 @@ pub(crate) fn kv(py: Python<'_>, e: &KvCacheError) -> PyErr {
         | KvCacheError::InUse { .. }
         | KvCacheError::OtherManager { .. } => invalid(py, e.to_string()),
         KvCacheError::PrefixNotWritten { .. } => {
-            raise(py, "PrefixNotWrittenError", e.to_string(), &[])
+            raise(py, ErrorClass::PrefixNotWritten, e.to_string(), &[])
         }
-        _ => raise(py, "KvvmError", e.to_string(), &[]),
+        _ => raise(py, ErrorClass::Kvvm, e.to_string(), &[]),
     }
 }
 
@@ -167,7 +174,7 @@ pub(crate) fn open(py: Python<'_>, e: &OpenError) -> PyErr {
     match e {
         OpenError::UnknownBackend(_) => invalid(py, e.to_string()),
         OpenError::Backend { source, .. } if source.kind == ErrorKind::Unavailable => {
-            raise(py, "UnavailableError", e.to_string(), &[])
+            raise(py, ErrorClass::Unavailable, e.to_string(), &[])
         }
         OpenError::Backend { source, .. } => backend(py, source),
     }

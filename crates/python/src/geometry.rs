@@ -1,7 +1,7 @@
 //! `kvvm.KvGeometry` and `kvvm.LayoutPlan`: the shape of a model's KV cache and where every
 //! byte of it lives under a layout.
 
-use kvvm_kv::{evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, LayoutPlan};
+use kvvm::kv::{evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, LayoutPlan};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 

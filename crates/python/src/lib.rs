@@ -26,12 +26,12 @@
 mod batch;
 mod cell;
 mod count;
+mod error_class;
 mod errors;
 mod geometry;
 mod manager;
-mod prefix;
+mod prefix_cache;
 mod sequence;
-mod shared_prefix;
 mod store;
 mod view;
 mod views;
@@ -48,8 +48,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<geometry::PyPlan>()?;
     m.add_class::<sequence::Sequence>()?;
     m.add_class::<batch::SequenceBatch>()?;
-    m.add_class::<prefix::SharedPrefix>()?;
-    m.add_class::<prefix::PrefixCache>()?;
+    m.add_class::<sequence::SharedPrefix>()?;
+    m.add_class::<prefix_cache::PrefixCache>()?;
     m.add_class::<view::TensorView>()?;
     m.add("BACKEND_NAMES", kvvm::BACKEND_NAMES.to_vec())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

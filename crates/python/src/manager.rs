@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlpark::ffi::{DLDevice, DLDeviceType};
-use kvvm_governor::{Governor, GovernorConfig};
-use kvvm_hal::{DeviceId, VirtualMemoryBackend};
-use kvvm_kv::precommit::{PrecommitConfig, Precommitter};
-use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
+use kvvm::governor::{Governor, GovernorConfig};
+use kvvm::hal::{DeviceId, VirtualMemoryBackend};
+use kvvm::kv::precommit::{PrecommitConfig, Precommitter};
+use kvvm::vmm::{GranularityChoice, VirtualMemory, VmmConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -63,11 +63,11 @@ impl Backend {
     fn devices<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let b = Arc::clone(&self.backend);
         let infos = py
-            .detach(move || -> Result<_, kvvm_hal::BackendError> {
+            .detach(move || -> Result<_, kvvm::hal::BackendError> {
                 let mut out = Vec::new();
                 for d in b.devices()? {
                     let mem = b.memory_info(d.id)?;
-                    let props = kvvm_hal::AllocationProperties::device(d.id);
+                    let props = kvvm::hal::AllocationProperties::device(d.id);
                     let gran = b.granularity(&props)?;
                     out.push((d, mem, gran));
                 }
@@ -123,7 +123,7 @@ pub(crate) struct ManagerState {
 
 impl ManagerState {
     /// Synchronizes the device before memory that kernels may have touched is unmapped.
-    pub(crate) fn synchronize(&self) -> Result<(), kvvm_hal::BackendError> {
+    pub(crate) fn synchronize(&self) -> Result<(), kvvm::hal::BackendError> {
         self.backend.synchronize(self.device)
     }
 }
@@ -169,7 +169,10 @@ impl Manager {
     #[pyo3(signature = (backend = None, device = Dim(0), budget_bytes = None, pool_cap_bytes = None,
         park_released = false, granularity = "recommended", precommit = false,
         headroom_tokens = Count(64), max_headroom_bytes = Count(1u64 << 30),
-        poll_interval_us = Count(1000)))]
+        poll_interval_us = Count(1000)),
+        text_signature = "(backend=None, device=0, budget_bytes=None, pool_cap_bytes=None, \
+        park_released=False, granularity='recommended', precommit=False, headroom_tokens=64, \
+        max_headroom_bytes=1073741824, poll_interval_us=1000)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -216,12 +219,12 @@ impl Manager {
         }
         let id = DeviceId(device);
         let b = Arc::clone(&backend);
-        let made = py.detach(move || -> Result<_, kvvm_vmm::VmmError> {
+        let made = py.detach(move || -> Result<_, kvvm::vmm::VmmError> {
             let count = b.devices()?.len();
             if usize::try_from(device).map_or(true, |d| d >= count) {
-                return Err(kvvm_vmm::VmmError::Backend(kvvm_hal::BackendError {
-                    op: kvvm_hal::Operation::Devices,
-                    kind: kvvm_hal::ErrorKind::InvalidValue,
+                return Err(kvvm::vmm::VmmError::Backend(kvvm::hal::BackendError {
+                    op: kvvm::hal::Operation::Devices,
+                    kind: kvvm::hal::ErrorKind::InvalidValue,
                     code: 0,
                     code_name: String::new(),
                     detail: Some(format!("no device {device}: the backend has {count}")),
@@ -232,9 +235,9 @@ impl Manager {
                 // A budget is a share of the device: past its memory it could never be spent.
                 let total = b.memory_info(id)?.total;
                 if bytes > total {
-                    return Err(kvvm_vmm::VmmError::Backend(kvvm_hal::BackendError {
-                        op: kvvm_hal::Operation::MemoryInfo,
-                        kind: kvvm_hal::ErrorKind::InvalidValue,
+                    return Err(kvvm::vmm::VmmError::Backend(kvvm::hal::BackendError {
+                        op: kvvm::hal::Operation::MemoryInfo,
+                        kind: kvvm::hal::ErrorKind::InvalidValue,
                         code: 0,
                         code_name: String::new(),
                         detail: Some(format!(
@@ -257,8 +260,8 @@ impl Manager {
             Ok((vm, governor))
         });
         let (vm, governor) = made.map_err(|e| match &e {
-            kvvm_vmm::VmmError::Backend(be)
-                if be.kind == kvvm_hal::ErrorKind::InvalidValue && be.code == 0 =>
+            kvvm::vmm::VmmError::Backend(be)
+                if be.kind == kvvm::hal::ErrorKind::InvalidValue && be.code == 0 =>
             {
                 errors::invalid(py, be.detail.clone().unwrap_or_else(|| be.to_string()))
             }

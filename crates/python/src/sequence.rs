@@ -1,9 +1,11 @@
 //! `kvvm.Sequence`: one request's KV cache, reserved once at its maximum length and committed
-//! window by window as it grows; its layers are zero-copy tensor views.
+//! window by window as it grows; its layers are zero-copy tensor views. With it,
+//! `kvvm.SharedPrefix`: the prompt prefix a sequence owns (`Sequence.own_prefix`) and other
+//! sequences map read-only (`SharedPrefix.attach`), billed once.
 
 use std::sync::Arc;
 
-use kvvm_kv::SequenceKv;
+use kvvm::kv::{SequenceKv, SharedDevicePrefix};
 use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -14,7 +16,6 @@ use crate::count::{Count, Dim};
 use crate::errors;
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
-use crate::shared_prefix::SharedPrefix;
 use crate::view::TensorView;
 use crate::views::{busy_error, kind_arg, make_view, ViewRequest};
 
@@ -36,7 +37,7 @@ pub(crate) fn max_tokens_arg(
         Some(0) => Err(errors::invalid(py, "max_tokens must be positive")),
         Some(n) if n > cap => Err(errors::raise(
             py,
-            "TooManyTokensError",
+            errors::ErrorClass::TooManyTokens,
             format!("max_tokens {n} exceeds the geometry's {cap}"),
             &[
                 ("tokens", errors::Attr::Int(n)),
@@ -278,7 +279,8 @@ impl Sequence {
     /// (default: the committed tokens), shape ``[kv_heads, tokens, head_dim]``. A view past the
     /// committed tokens needs `allow_uncommitted=True`: the caller then promises to touch
     /// only committed tokens (uncommitted ones fault).
-    #[pyo3(signature = (layer, kind = "key", start = Count(0), end = None, allow_uncommitted = false))]
+    #[pyo3(signature = (layer, kind = "key", start = Count(0), end = None, allow_uncommitted = false),
+        text_signature = "($self, layer, kind='key', start=0, end=None, allow_uncommitted=False)")]
     fn view(
         &self,
         py: Python<'_>,
@@ -305,12 +307,11 @@ impl Sequence {
     fn own_prefix(&self, py: Python<'_>, tokens: Count) -> PyResult<SharedPrefix> {
         let tokens = tokens.0;
         let cell = Arc::clone(&self.cell);
-        let prefix = match py
-            .detach(move || cell.admission(|s| kvvm_kv::SharedDevicePrefix::own_in(s, tokens)))
-        {
-            Ok(r) => r.map_err(|e| errors::kv(py, &e))?,
-            Err(busy) => return Err(busy_error(py, busy, "own a prefix")),
-        };
+        let prefix =
+            match py.detach(move || cell.admission(|s| SharedDevicePrefix::own_in(s, tokens))) {
+                Ok(r) => r.map_err(|e| errors::kv(py, &e))?,
+                Err(busy) => return Err(busy_error(py, busy, "own a prefix")),
+            };
         Ok(SharedPrefix { prefix })
     }
 
@@ -321,6 +322,68 @@ impl Sequence {
             self.cell.plan.layout().as_str(),
             self.cell.max_tokens,
             self.cell.committed_tokens()
+        )
+    }
+}
+
+/// A prefix one sequence owns (read-write until sealed) and others map read-only.
+#[pyclass(frozen, module = "kvvm._native")]
+pub struct SharedPrefix {
+    pub(crate) prefix: Arc<SharedDevicePrefix>,
+}
+
+#[pymethods]
+impl SharedPrefix {
+    /// Seals the prefix read-only: call after the owner wrote its tokens, before attaching.
+    fn seal(&self) {
+        self.prefix.seal();
+    }
+
+    /// Whether the prefix is sealed.
+    #[getter]
+    fn sealed(&self) -> bool {
+        self.prefix.is_sealed()
+    }
+
+    /// The prefix's length in tokens.
+    #[getter]
+    fn tokens(&self) -> u64 {
+        self.prefix.prefix_len()
+    }
+
+    /// Tokens lying wholly in the shared windows (the rest of the prefix, in partial tail
+    /// windows, is each sequence's own and must be written by each).
+    #[getter]
+    fn shared_tokens(&self) -> u64 {
+        self.prefix.shared_tokens()
+    }
+
+    /// Physical bytes of the shared windows (billed once).
+    #[getter]
+    fn bytes(&self) -> u64 {
+        self.prefix.bytes()
+    }
+
+    /// Maps the prefix read-only into `sequence` (empty, of the same plan); returns the bytes
+    /// mapped (shared, not billed to the sequence). Its first :attr:`shared_tokens` tokens
+    /// are readable at once; the tail tokens, if any, are the sequence's own: ensure and
+    /// write them.
+    fn attach(&self, py: Python<'_>, sequence: &Sequence) -> PyResult<u64> {
+        let cell = Arc::clone(&sequence.cell);
+        let prefix = Arc::clone(&self.prefix);
+        match py.detach(move || cell.admission(|s| prefix.attach_to(s))) {
+            Ok(r) => r.map_err(|e| errors::kv(py, &e)),
+            Err(busy) => Err(busy_error(py, busy, "attach a prefix")),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SharedPrefix(tokens={}, shared_tokens={}, bytes={}, sealed={})",
+            self.prefix.prefix_len(),
+            self.prefix.shared_tokens(),
+            self.prefix.bytes(),
+            self.prefix.is_sealed()
         )
     }
 }

@@ -9,8 +9,8 @@
 use std::sync::Arc;
 
 use dlpark::ffi::DLDeviceType;
-use kvvm_hal::{DeviceAddress, RowCopy, StreamHandle, VirtualMemoryBackend};
-use kvvm_kv::{KvDtype, KvKind, LayoutPlan};
+use kvvm::hal::{DeviceAddress, RowCopy, StreamHandle, VirtualMemoryBackend};
+use kvvm::kv::{KvDtype, KvGeometry, KvKind, LayoutPlan};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -158,25 +158,85 @@ fn stream_arg(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<Str
     }
 }
 
+/// Where a store writes: the first slot's cell (every slot shares its plan), the geometry,
+/// and whether the memory is a GPU's (else the host's).
+struct Target<'a> {
+    first: &'a SeqCell,
+    geo: KvGeometry,
+    on_gpu: bool,
+}
+
+impl Target<'_> {
+    /// The shape `keys` and `values` must have: `[slots, kv_heads, tokens, head_dim]`.
+    fn source_shape(&self, slots: usize, tokens: u64) -> [u64; 4] {
+        let heads = u64::from(self.geo.kv_heads());
+        [slots as u64, heads, tokens, u64::from(self.geo.head_dim())]
+    }
+
+    /// Bytes of one slot's run: `tokens` tokens of every head.
+    fn run_bytes(&self, tokens: u64) -> u64 {
+        let g = &self.geo;
+        tokens * u64::from(g.kv_heads()) * u64::from(g.head_dim()) * u64::from(g.dtype_bytes())
+    }
+}
+
 /// Writes `req.keys` and `req.values` (`[slots, kv_heads, tokens, head_dim]`, one slot per
-/// cell) as tokens `start..start + tokens` of layer `req.layer` of every cell.
+/// cell) as tokens `start..start + tokens` of layer `req.layer` of every cell: the target,
+/// the sources and the token span are checked, the slots held as a view holds them, and one
+/// row copy per source queued.
 pub(crate) fn store(
     py: Python<'_>,
     cells: &[Arc<SeqCell>],
     slot_stride: u64,
     req: &StoreRequest<'_, '_>,
 ) -> PyResult<()> {
+    let target = check_target(py, cells, req.layer)?;
+    let stream = stream_arg(py, req.stream)?;
+    let keys = source(py, req.keys, "keys")?;
+    let values = source(py, req.values, "values")?;
+    let tokens = keys.shape.get(2).copied().unwrap_or(0);
+    let want = target.source_shape(cells.len(), tokens);
+    check_source(py, &target, &keys, "keys", want)?;
+    check_source(py, &target, &values, "values", want)?;
+    if tokens == 0 {
+        return Ok(());
+    }
+    let end = check_span(py, &target, req.start, tokens)?;
+    // Hold every slot as a view does while the copies are queued: no release or shrink can
+    // start, and it synchronizes the device before it unmaps.
+    SeqCell::view_all(cells).map_err(|busy| busy_error(py, busy, "store into the batch"))?;
+    let out = check_slots(py, &target, cells, req.start, end).and_then(|()| {
+        let copies = [(KvKind::Key, &keys), (KvKind::Value, &values)]
+            .into_iter()
+            .map(|(kind, src)| {
+                row_copy(py, &target, (req.layer, kind, req.start), src, tokens).map(|copy| {
+                    RowCopy {
+                        dst_pitch: slot_stride,
+                        rows: cells.len() as u64,
+                        ..copy
+                    }
+                })
+            })
+            .collect::<PyResult<Vec<RowCopy>>>()?;
+        run_copies(py, &target, copies, stream)
+    });
+    for c in cells {
+        c.unview();
+    }
+    out
+}
+
+/// The first slot's cell, with the layer in range and memory tensors can be stored into.
+fn check_target<'a>(py: Python<'_>, cells: &'a [Arc<SeqCell>], layer: u32) -> PyResult<Target<'a>> {
     let Some(first) = cells.first() else {
         return Err(errors::invalid(py, "a store needs at least one slot"));
     };
-    let plan = first.plan;
-    let geo = *plan.geometry();
-    if req.layer >= geo.layers() {
+    let geo = *first.plan.geometry();
+    if layer >= geo.layers() {
         return Err(errors::invalid(
             py,
             format!(
-                "layer {} out of range: the model has {} layers",
-                req.layer,
+                "layer {layer} out of range: the model has {} layers",
                 geo.layers()
             ),
         ));
@@ -184,7 +244,7 @@ pub(crate) fn store(
     let Some(dl) = first.manager.dl_device else {
         return Err(errors::raise(
             py,
-            "UnavailableError",
+            errors::ErrorClass::Unavailable,
             format!(
                 "the {} backend's memory is not addressable: nothing can be stored into it",
                 first.manager.backend.name()
@@ -192,160 +252,188 @@ pub(crate) fn store(
             &[],
         ));
     };
-    let on_gpu = dl.device_type != DLDeviceType::CPU;
-    let stream = stream_arg(py, req.stream)?;
-    let keys = source(py, req.keys, "keys")?;
-    let values = source(py, req.values, "values")?;
-    let heads = u64::from(geo.kv_heads());
-    let dim = u64::from(geo.head_dim());
-    let tokens = keys.shape.get(2).copied().unwrap_or(0);
-    let want = [cells.len() as u64, heads, tokens, dim];
-    let e = u64::from(geo.dtype_bytes());
-    for (src, name) in [(&keys, "keys"), (&values, "values")] {
-        if src.shape != want || src.strides.len() != want.len() {
+    Ok(Target {
+        first,
+        geo,
+        on_gpu: dl.device_type != DLDeviceType::CPU,
+    })
+}
+
+/// Checks one source array (`name`): its shape `want`, its dtype, its device, and strides
+/// that make each slot's tokens one run ordered `[token][kv_head][head_dim]`.
+fn check_source(
+    py: Python<'_>,
+    target: &Target<'_>,
+    src: &Source,
+    name: &str,
+    want: [u64; 4],
+) -> PyResult<()> {
+    let first = target.first;
+    if src.shape != want || src.strides.len() != want.len() {
+        return Err(errors::invalid(
+            py,
+            format!(
+                "{name} has shape {:?} ({} strides); [slots, kv_heads, tokens, head_dim] = \
+                 {want:?} expected",
+                src.shape,
+                src.strides.len()
+            ),
+        ));
+    }
+    if !dtype_matches(src, first.dtype) {
+        return Err(errors::invalid(
+            py,
+            format!(
+                "{name} has dtype {}; the cache holds {}",
+                src.dtype,
+                first.dtype.as_str()
+            ),
+        ));
+    }
+    let device = first.manager.device.0;
+    match (target.on_gpu, src.gpu) {
+        (true, Some(d)) if d == i64::from(device) => {}
+        (false, None) => {}
+        _ => {
             return Err(errors::invalid(
                 py,
                 format!(
-                    "{name} has shape {:?} ({} strides); [slots, kv_heads, tokens, head_dim] = \
-                     {want:?} expected",
-                    src.shape,
-                    src.strides.len()
-                ),
-            ));
-        }
-        if !dtype_matches(src, first.dtype) {
-            return Err(errors::invalid(
-                py,
-                format!(
-                    "{name} has dtype {}; the cache holds {}",
-                    src.dtype,
-                    first.dtype.as_str()
-                ),
-            ));
-        }
-        let device = first.manager.device.0;
-        match (on_gpu, src.gpu) {
-            (true, Some(d)) if d == i64::from(device) => {}
-            (false, None) => {}
-            _ => {
-                return Err(errors::invalid(
-                    py,
-                    format!(
-                        "{name} is not in the memory of the manager's device ({} backend, device {device})",
-                        first.manager.backend.name()
-                    ),
-                ))
-            }
-        }
-        let dense = (dim <= 1 || src.strides[3] == e as i64)
-            && (heads <= 1 || src.strides[1] == (dim * e) as i64)
-            && (tokens <= 1 || src.strides[2] == (heads * dim * e) as i64)
-            && (want[0] <= 1 || src.strides[0] >= (tokens * heads * dim * e) as i64);
-        if !dense {
-            return Err(errors::invalid(
-                py,
-                format!(
-                    "{name}: strides {:?} (bytes) do not make each slot's tokens one run \
-                     ordered [token][kv_head][head_dim]",
-                    src.strides
-                ),
-            ));
+                "{name} is not in the memory of the manager's device ({} backend, device {device})",
+                first.manager.backend.name()
+            ),
+            ))
         }
     }
-    if tokens == 0 {
-        return Ok(());
+    let [slots, heads, tokens, dim] = want;
+    let e = u64::from(target.geo.dtype_bytes());
+    let dense = (dim <= 1 || src.strides[3] == e as i64)
+        && (heads <= 1 || src.strides[1] == (dim * e) as i64)
+        && (tokens <= 1 || src.strides[2] == (heads * dim * e) as i64)
+        && (slots <= 1 || src.strides[0] >= target.run_bytes(tokens) as i64);
+    if !dense {
+        return Err(errors::invalid(
+            py,
+            format!(
+                "{name}: strides {:?} (bytes) do not make each slot's tokens one run \
+                 ordered [token][kv_head][head_dim]",
+                src.strides
+            ),
+        ));
     }
-    if !tokens_are_one_run(&plan, tokens) {
+    Ok(())
+}
+
+/// The end of tokens `start..start + tokens`: one run per slot in the layout, and inside the
+/// sequences.
+fn check_span(py: Python<'_>, target: &Target<'_>, start: u64, tokens: u64) -> PyResult<u64> {
+    let first = target.first;
+    if !tokens_are_one_run(&first.plan, tokens) {
         return Err(errors::invalid(
             py,
             format!(
                 "the {} layout does not keep {tokens} token(s) of a layer as one run per slot \
                  (see can_store)",
-                plan.layout().as_str()
+                first.plan.layout().as_str()
             ),
         ));
     }
-    let end = req
-        .start
+    start
         .checked_add(tokens)
         .filter(|&e| e <= first.max_tokens)
         .ok_or_else(|| {
             errors::raise(
                 py,
-                "TooManyTokensError",
+                errors::ErrorClass::TooManyTokens,
                 format!(
-                    "tokens {}..+{tokens} are past the sequence's {} tokens",
-                    req.start, first.max_tokens
+                    "tokens {start}..+{tokens} are past the sequence's {} tokens",
+                    first.max_tokens
                 ),
                 &[("max_tokens", Attr::Int(first.max_tokens))],
             )
-        })?;
-    let bpt = plan.fragment_bytes_per_token();
-    // Hold every slot as a view does while the copies are queued: no release or shrink can
-    // start, and it synchronizes the device before it unmaps.
-    SeqCell::view_all(cells).map_err(|busy| busy_error(py, busy, "store into the batch"))?;
-    let out = (|| -> PyResult<()> {
-        for c in cells {
-            let claimed = c.usable_tokens();
-            if end > claimed {
-                return Err(errors::raise(
-                    py,
-                    "NotCommittedError",
-                    format!(
-                        "tokens {}..{end} are not all committed and claimed: {claimed} tokens are \
-                         (call ensure)",
-                        req.start
-                    ),
-                    &[],
-                ));
-            }
-            if req.start.saturating_mul(bpt) < c.protected_bytes() {
-                return Err(errors::raise(
-                    py,
-                    "WriteIntoSharedPrefixError",
-                    format!(
-                        "token {} lies in the sequence's read-only shared prefix",
-                        req.start
-                    ),
-                    &[],
-                ));
-            }
-        }
-        let width = tokens * heads * dim * e;
-        let mut copies = Vec::with_capacity(2);
-        for (kind, src) in [(KvKind::Key, &keys), (KvKind::Value, &values)] {
-            let off = first
-                .offset(req.layer, kind, req.start)
-                .map_err(|err| errors::kv(py, &err))?;
-            copies.push(RowCopy {
-                dst: DeviceAddress(first.base.saturating_add(off)),
-                dst_pitch: slot_stride,
-                src: DeviceAddress(src.ptr),
-                src_pitch: u64::try_from(src.strides[0]).unwrap_or(0).max(width),
-                width,
-                rows: cells.len() as u64,
-            });
-        }
-        let backend = Arc::clone(&first.manager.backend);
-        if !on_gpu {
-            // Host memory: the source is any readable host memory (a numpy array, a CPU
-            // tensor), not memory of the backend; it is read here, with the GIL held.
-            return copies
-                .iter()
-                .try_for_each(|copy| copy_host_rows(backend.as_ref(), copy))
-                .map_err(|err| errors::backend(py, &err));
-        }
-        py.detach(move || {
-            copies
-                .iter()
-                .try_for_each(|copy| backend.copy_rows_async(copy, stream))
         })
-        .map_err(|err| errors::backend(py, &err))
-    })();
+}
+
+/// Checks, with the slots held, that tokens `start..end` of every slot are committed and
+/// claimed and lie past its read-only shared prefix.
+fn check_slots(
+    py: Python<'_>,
+    target: &Target<'_>,
+    cells: &[Arc<SeqCell>],
+    start: u64,
+    end: u64,
+) -> PyResult<()> {
+    let bpt = target.first.plan.fragment_bytes_per_token();
     for c in cells {
-        c.unview();
+        let claimed = c.usable_tokens();
+        if end > claimed {
+            return Err(errors::raise(
+                py,
+                errors::ErrorClass::NotCommitted,
+                format!(
+                    "tokens {start}..{end} are not all committed and claimed: {claimed} tokens \
+                     are (call ensure)"
+                ),
+                &[],
+            ));
+        }
+        if start.saturating_mul(bpt) < c.protected_bytes() {
+            return Err(errors::raise(
+                py,
+                errors::ErrorClass::WriteIntoSharedPrefix,
+                format!("token {start} lies in the sequence's read-only shared prefix"),
+                &[],
+            ));
+        }
     }
-    out
+    Ok(())
+}
+
+/// The row copy of `src` into `(layer, kind, start)` of the first slot (one row; the caller
+/// sets the rows and the destination pitch).
+fn row_copy(
+    py: Python<'_>,
+    target: &Target<'_>,
+    (layer, kind, start): (u32, KvKind, u64),
+    src: &Source,
+    tokens: u64,
+) -> PyResult<RowCopy> {
+    let first = target.first;
+    let width = target.run_bytes(tokens);
+    let off = first
+        .offset(layer, kind, start)
+        .map_err(|err| errors::kv(py, &err))?;
+    Ok(RowCopy {
+        dst: DeviceAddress(first.base.saturating_add(off)),
+        dst_pitch: 0,
+        src: DeviceAddress(src.ptr),
+        src_pitch: u64::try_from(src.strides[0]).unwrap_or(0).max(width),
+        width,
+        rows: 1,
+    })
+}
+
+/// Runs the copies: queued on `stream` without the GIL on a GPU; read from host memory with
+/// the GIL held on the host (the source is any readable host memory, a numpy array or a CPU
+/// tensor, not memory of the backend).
+fn run_copies(
+    py: Python<'_>,
+    target: &Target<'_>,
+    copies: Vec<RowCopy>,
+    stream: StreamHandle,
+) -> PyResult<()> {
+    let backend = Arc::clone(&target.first.manager.backend);
+    if !target.on_gpu {
+        return copies
+            .iter()
+            .try_for_each(|copy| copy_host_rows(backend.as_ref(), copy))
+            .map_err(|err| errors::backend(py, &err));
+    }
+    py.detach(move || {
+        copies
+            .iter()
+            .try_for_each(|copy| backend.copy_rows_async(copy, stream))
+    })
+    .map_err(|err| errors::backend(py, &err))
 }
 
 /// Copies `copy`'s rows from host memory into the backend's memory, one
@@ -355,12 +443,12 @@ pub(crate) fn store(
 fn copy_host_rows(
     backend: &dyn VirtualMemoryBackend,
     copy: &RowCopy,
-) -> Result<(), kvvm_hal::BackendError> {
+) -> Result<(), kvvm::hal::BackendError> {
     copy.check()?;
     let bad = || {
-        kvvm_hal::BackendError::raised(
-            kvvm_hal::Operation::CopyRows,
-            kvvm_hal::ErrorKind::InvalidValue,
+        kvvm::hal::BackendError::raised(
+            kvvm::hal::Operation::CopyRows,
+            kvvm::hal::ErrorKind::InvalidValue,
             format!("a host row copy out of the address space: {copy:?}"),
         )
     };

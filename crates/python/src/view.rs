@@ -16,7 +16,7 @@ use dlpark::ffi::{
 use dlpark::metadata::Dynamic;
 use dlpark::python::producer::{ExportAbi, ExportRequest};
 use dlpark::{DlpackFlags, Managed, ManagedTensorBase};
-use kvvm_kv::KvDtype;
+use kvvm::kv::KvDtype;
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kvvm_kv::KvKind;
+use kvvm::kv::KvKind;
 use pyo3::prelude::*;
 
 use crate::cell::{Busy, SeqCell};
@@ -43,7 +43,7 @@ fn dl_device(py: Python<'_>, cell: &SeqCell) -> PyResult<DLDevice> {
     cell.manager.dl_device.ok_or_else(|| {
         errors::raise(
             py,
-            "UnavailableError",
+            errors::ErrorClass::Unavailable,
             format!(
                 "the {} backend's memory is not addressable by tensors; use the 'host' backend \
                  on a CPU or a GPU backend",
@@ -128,7 +128,7 @@ pub(crate) fn make_view(
     if req.start > end || end > first.max_tokens {
         return Err(errors::raise(
             py,
-            "TooManyTokensError",
+            errors::ErrorClass::TooManyTokens,
             format!(
                 "tokens {}..{end} are not a range inside the sequence's {} tokens",
                 req.start, first.max_tokens
@@ -217,7 +217,7 @@ fn committed_and_readonly(
         if !req.allow_uncommitted && end > committed {
             return Err(errors::raise(
                 py,
-                "NotCommittedError",
+                errors::ErrorClass::NotCommitted,
                 format!(
                     "tokens {}..{end} are not all committed: {committed} tokens are (call ensure)",
                     req.start
@@ -236,7 +236,7 @@ pub(crate) fn busy_error(py: Python<'_>, busy: Busy, what: &str) -> PyErr {
     match busy {
         Busy::Viewed(n) => errors::raise(
             py,
-            "ViewsAliveError",
+            errors::ErrorClass::ViewsAlive,
             format!(
                 "cannot {what}: {n} tensor view(s) of this sequence are alive; delete them \
                  (and the tensors made from them) first"
@@ -245,7 +245,7 @@ pub(crate) fn busy_error(py: Python<'_>, busy: Busy, what: &str) -> PyErr {
         ),
         Busy::Unmapping => errors::raise(
             py,
-            "ViewsAliveError",
+            errors::ErrorClass::ViewsAlive,
             format!("cannot {what}: another thread is releasing or shrinking this sequence"),
             &[("views", Attr::Int(0))],
         ),

@@ -1,9 +1,9 @@
 //! What the API exchanges: the request bodies, the answers, the service's counters and the
 //! `/metrics` snapshot. Plain serializable records; the behaviour is `service.rs`.
 
+use kvvm::governor::GovernorSnapshot;
+use kvvm::kv::PrefixCacheStats;
 use kvvm::DeviceId;
-use kvvm_governor::GovernorSnapshot;
-use kvvm_kv::PrefixCacheStats;
 use serde::{Deserialize, Serialize};
 
 use crate::error::ServiceError;

@@ -5,8 +5,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kvvm_kv::{LayoutPlan, PrefixCache, PrefixCacheStats};
-use kvvm_vmm::VirtualMemory;
+use kvvm::kv::{LayoutPlan, PrefixCache, PrefixCacheStats};
+use kvvm::vmm::VirtualMemory;
 
 use crate::auth::Owner;
 use crate::error::ServiceError;

@@ -1,11 +1,12 @@
-//! How a `KvService` is set up: the device, the model, the budget, the
-//! prefix cache, the server's own limits and the idle expiry of sequences.
+//! How a `KvService` is set up: the device, the model (a [`ServedModel`], validated once,
+//! when it is made), the budget, the prefix cache, the server's own limits and the idle
+//! expiry of sequences.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvvm::layout::{KvDtype, KvError, KvGeometry, KvLayout};
 use kvvm::{DeviceId, VirtualMemoryBackend};
-use kvvm_kv::{KvDtype, KvLayout};
 
 use crate::limits::Limits;
 
@@ -19,14 +20,11 @@ pub struct ServiceConfig {
     /// The memory budget in bytes; `None`: the device's free memory when the service starts
     /// (unlimited if the driver cannot say).
     pub budget_bytes: Option<u64>,
-    /// The model preset (see [`kvvm_kv::KvGeometry::preset`]).
-    pub model: String,
-    /// The KV element type.
-    pub dtype: KvDtype,
+    /// The model served: its preset's name and its KV geometry (element type and context
+    /// limit: the largest `max_tokens` a sequence may ask for).
+    pub model: ServedModel,
     /// The physical KV layout.
     pub layout: KvLayout,
-    /// The model's context limit: the largest `max_tokens` a sequence may ask for.
-    pub max_tokens: u64,
     /// Most bytes of released handles kept for reuse (`None`: the manager's default).
     pub pool_cap_bytes: Option<u64>,
     /// Whether prompts sent with `token_ids` go through the prefix cache (shared prefixes
@@ -48,9 +46,7 @@ impl std::fmt::Debug for ServiceConfig {
             .field("device", &self.device)
             .field("budget_bytes", &self.budget_bytes)
             .field("model", &self.model)
-            .field("dtype", &self.dtype)
             .field("layout", &self.layout)
-            .field("max_tokens", &self.max_tokens)
             .field("pool_cap_bytes", &self.pool_cap_bytes)
             .field("prefix_cache", &self.prefix_cache)
             .field("shared_prefix_cache", &self.shared_prefix_cache)
@@ -64,23 +60,66 @@ impl std::fmt::Debug for ServiceConfig {
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 
 impl ServiceConfig {
-    /// Defaults for `backend`: device 0, llama-3-8b in fp16, seq-major, 8192 tokens, the
-    /// device's free memory as the budget, the prefix cache on (one per key), the default
-    /// [`Limits`], idle sequences released after [`DEFAULT_IDLE_TIMEOUT`].
-    pub fn new(backend: Arc<dyn VirtualMemoryBackend>) -> Self {
+    /// Defaults for serving `model` on `backend`: device 0, seq-major, the device's free
+    /// memory as the budget, the prefix cache on (one per key), the default [`Limits`], idle
+    /// sequences released after [`DEFAULT_IDLE_TIMEOUT`].
+    pub fn new(backend: Arc<dyn VirtualMemoryBackend>, model: ServedModel) -> Self {
         ServiceConfig {
             backend,
             device: DeviceId(0),
             budget_bytes: None,
-            model: "llama-3-8b".into(),
-            dtype: KvDtype::F16,
+            model,
             layout: KvLayout::SeqMajor,
-            max_tokens: 8192,
             pool_cap_bytes: None,
             prefix_cache: true,
             shared_prefix_cache: false,
             limits: Limits::default(),
             idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
         }
+    }
+}
+
+/// The model a service serves: a preset's name, its KV element type and its geometry at the
+/// context limit. Made only by [`ServedModel::preset`], which validates all three: a service
+/// is never configured with an unknown model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServedModel {
+    name: String,
+    dtype: KvDtype,
+    geometry: KvGeometry,
+}
+
+impl ServedModel {
+    /// The preset `name` (see [`KvGeometry::preset`]) in `dtype`, with a context limit of
+    /// `max_tokens`. An unknown name or a limit out of range is an error.
+    pub fn preset(name: &str, dtype: KvDtype, max_tokens: u64) -> Result<Self, KvError> {
+        Ok(ServedModel {
+            name: name.to_owned(),
+            dtype,
+            geometry: KvGeometry::preset(name, dtype, max_tokens)?,
+        })
+    }
+
+    /// The same model with a context limit of `max_tokens`.
+    pub fn with_max_tokens(&self, max_tokens: u64) -> Result<Self, KvError> {
+        Ok(ServedModel {
+            geometry: self.geometry.with_max_tokens(max_tokens)?,
+            ..self.clone()
+        })
+    }
+
+    /// The preset's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The KV element type.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+
+    /// The KV geometry at the context limit.
+    pub fn geometry(&self) -> &KvGeometry {
+        &self.geometry
     }
 }

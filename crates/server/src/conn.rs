@@ -278,8 +278,10 @@ mod tests {
     /// it must no longer count as open, nor its request as in flight.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_connection_cut_at_the_deadline_is_no_longer_counted() {
-        let sim = Arc::new(kvvm_sim::SimBackend::h200());
-        let service = Arc::new(KvService::new(ServiceConfig::new(sim)).unwrap());
+        let sim = Arc::new(kvvm::sim::SimBackend::h200());
+        let model =
+            crate::ServedModel::preset("llama-3-8b", kvvm::layout::KvDtype::F16, 8192).unwrap();
+        let service = Arc::new(KvService::new(ServiceConfig::new(sim, model)).unwrap());
         let http = HttpConfig {
             shutdown_timeout: Duration::from_millis(100),
             body_timeout: Duration::from_secs(120),

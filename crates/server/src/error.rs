@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use kvvm_kv::KvError;
-use kvvm_vmm::VmmError;
+use kvvm::kv::KvError;
+use kvvm::vmm::VmmError;
 
 /// Why a request to the [`KvService`](crate::KvService) was refused or failed.
 ///

@@ -37,8 +37,10 @@
 //! ## Structure
 //!
 //! [`KvService`] is the core: it owns the backend, the governor, the manager, the layout plan,
-//! the [`PrefixCache`](kvvm_kv::PrefixCache) and the table of live sequences
-//! ([`SequenceKv`](kvvm_kv::SequenceKv)s), and is the only code that touches the KV layer.
+//! the [`PrefixCache`](kvvm::kv::PrefixCache) and the table of live sequences
+//! ([`SequenceKv`](kvvm::kv::SequenceKv)s), and is the only code that touches the KV layer.
+//! Its [`Limits`] are the governor's tenant budgets ([`kvvm::governor::Tenants`], one tenant
+//! per owner): the server keeps no books of its own.
 //! [`router`] is the HTTP layer over it (`layers.rs` the middleware, `conn.rs` the
 //! connections). [`serve`] runs it on a listener until a shutdown future completes, drains
 //! within the shutdown deadline, then releases every sequence, the prefix caches and the
@@ -51,10 +53,13 @@
 //! ```no_run
 //! # async fn example() -> Result<(), kvvm_server::ServeError> {
 //! use std::sync::Arc;
-//! use kvvm_server::{serve, HttpConfig, KvService, ServiceConfig};
+//! use kvvm::layout::KvDtype;
+//! use kvvm_server::{serve, HttpConfig, KvService, ServedModel, ServiceConfig};
 //!
 //! let backend = kvvm::open_backend("sim")?;
-//! let service = Arc::new(KvService::new(ServiceConfig::new(backend))?);
+//! let model = ServedModel::preset("llama-3-8b", KvDtype::F16, 8192)
+//!     .map_err(|e| kvvm_server::ServeError::Config(e.to_string()))?;
+//! let service = Arc::new(KvService::new(ServiceConfig::new(backend, model))?);
 //! let listener = kvvm_server::bind("127.0.0.1:8080").await?;
 //! let report = serve(listener, service, HttpConfig::default(), async {
 //!     let _ = tokio::signal::ctrl_c().await;
@@ -65,6 +70,7 @@
 //! # }
 //! ```
 
+#![forbid(unsafe_code)]
 // Output goes through writers whose errors are handled (the log's counts and drops them): a
 // print macro panics when stdout or stderr cannot be written.
 #![warn(clippy::print_stdout, clippy::print_stderr)]
@@ -100,7 +106,7 @@ pub use api::{
     ShutdownReport,
 };
 pub use auth::{ApiKeys, Owner, Principal, Role};
-pub use config::{ServiceConfig, DEFAULT_IDLE_TIMEOUT};
+pub use config::{ServedModel, ServiceConfig, DEFAULT_IDLE_TIMEOUT};
 pub use conn::effective_max_connections;
 pub use error::{retry_after_header, ServeError, ServiceError};
 pub use http_config::{HttpConfig, DEFAULT_BODY_LIMIT};

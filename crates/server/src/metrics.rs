@@ -199,9 +199,9 @@ pub fn render(m: &MetricsSnapshot) -> String {
 mod tests {
     use super::*;
     use crate::api::Counters;
+    use kvvm::governor::{DeviceSnapshot, GovernorSnapshot};
+    use kvvm::kv::PrefixCacheStats;
     use kvvm::DeviceId;
-    use kvvm_governor::{DeviceSnapshot, GovernorSnapshot};
-    use kvvm_kv::PrefixCacheStats;
 
     #[test]
     fn renders_every_metric_with_help_and_type() {

@@ -4,8 +4,8 @@
 //! This is the only module that calls the KV layer; the `KvService` owns
 //! the table of these, the plan and the cache.
 
-use kvvm_kv::{KvCacheError, LayoutPlan, PrefixCache, PublishOutcome, SequenceKv};
-use kvvm_vmm::VirtualMemory;
+use kvvm::kv::{KvCacheError, LayoutPlan, PrefixCache, PublishOutcome, SequenceKv};
+use kvvm::vmm::VirtualMemory;
 
 use crate::error::ServiceError;
 
@@ -21,6 +21,15 @@ pub(crate) struct LiveSequence {
     billed_bytes: u64,
 }
 
+/// A growth of a sequence: its live tokens afterwards and the bytes it needs committed.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Growth {
+    /// Live tokens after the growth.
+    pub(crate) tokens: u64,
+    /// Bytes of the windows that newly hold live bytes.
+    pub(crate) needed: u64,
+}
+
 /// What opening a sequence did, beyond the sequence itself.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Opened {
@@ -32,14 +41,14 @@ pub(crate) struct Opened {
 
 impl LiveSequence {
     /// Reserves a sequence of at most `max_tokens` tokens and commits its first `tokens`
-    /// tokens, without looking for a shared prefix. On error nothing is left.
+    /// tokens (`needed` bytes, as the caller computed them from the plan), without looking
+    /// for a shared prefix. On error nothing is left.
     pub(crate) fn open(
         vm: &VirtualMemory,
         plan: &LayoutPlan,
         max_tokens: u64,
-        tokens: u64,
+        (tokens, needed): (u64, u64),
     ) -> Result<(Self, Opened), ServiceError> {
-        let needed = plan.committed_bytes_for_tokens(tokens)?;
         let mut kv = SequenceKv::new(vm, plan, max_tokens).map_err(|e| kv_error(vm, e, needed))?;
         // On error `kv` is dropped: its reservation is freed (nothing was committed).
         let committed = kv
@@ -64,15 +73,15 @@ impl LiveSequence {
     /// full blocks go beyond the hit, this request owns a new shared prefix segment: the
     /// server, which has no model, stands in for prefill by writing placeholder KV for those
     /// tokens (bytes derived from the token ids), then publishes it so later requests with the
-    /// same prefix hit it. On error nothing is left.
+    /// same prefix hit it. `needed`: the bytes the whole prompt commits without a hit, as the
+    /// caller computed them from the plan. On error nothing is left.
     pub(crate) fn admit(
         vm: &VirtualMemory,
         cache: &PrefixCache,
         token_ids: &[u32],
         max_tokens: u64,
+        needed: u64,
     ) -> Result<(Self, Opened), ServiceError> {
-        let prompt = token_ids.len() as u64;
-        let needed = cache.plan().committed_bytes_for_tokens(prompt)?;
         let admission = cache
             .admit(token_ids, max_tokens)
             .map_err(|e| kv_error(vm, e, needed))?;
@@ -153,15 +162,24 @@ impl LiveSequence {
         self.kv.address().0
     }
 
-    /// Grows to `tokens` live tokens, committing the windows that now hold live bytes, as one
-    /// transaction: on error the sequence is unchanged. Returns the bytes committed.
-    pub(crate) fn grow_to(&mut self, vm: &VirtualMemory, tokens: u64) -> Result<u64, ServiceError> {
+    /// What growing to `tokens` live tokens needs: the bytes of the windows that would newly
+    /// hold live bytes (the one computation of them; [`grow`](Self::grow) commits them).
+    pub(crate) fn growth_to(&self, tokens: u64) -> Result<Growth, ServiceError> {
         let target = self.kv.plan().committed_bytes_for_tokens(tokens)?;
-        let needed = target.saturating_sub(self.mapped_bytes());
+        Ok(Growth {
+            tokens,
+            needed: target.saturating_sub(self.mapped_bytes()),
+        })
+    }
+
+    /// Grows by `growth` ([`growth_to`](Self::growth_to)), committing the windows that now
+    /// hold live bytes, as one transaction: on error the sequence is unchanged. Returns the
+    /// bytes committed.
+    pub(crate) fn grow(&mut self, vm: &VirtualMemory, growth: Growth) -> Result<u64, ServiceError> {
         let added = self
             .kv
-            .ensure_tokens(tokens)
-            .map_err(|e| kv_error(vm, e, needed))?;
+            .ensure_tokens(growth.tokens)
+            .map_err(|e| kv_error(vm, e, growth.needed))?;
         self.billed_bytes = self.billed_bytes.saturating_add(added);
         Ok(added)
     }
@@ -229,6 +247,21 @@ fn write_placeholder(
     Ok(())
 }
 
+/// The server's backpressure for `needed` bytes of which `available` are: its `Retry-After`,
+/// computed once here, is estimated from what sequences really released during the last
+/// window (their own windows, most of which go to the handle pool), not from what the
+/// governor saw freed, which also counts the evictions and pool trims that ran for this very
+/// request and still left it short.
+fn backpressure(vm: &VirtualMemory, needed: u64, available: u64) -> ServiceError {
+    ServiceError::Backpressure {
+        needed_bytes: needed,
+        available_bytes: available,
+        retry_after: vm
+            .governor()
+            .estimate_retry_after_released(vm.device(), needed.saturating_sub(available)),
+    }
+}
+
 /// Maps a KV-layer error with what this operation needed: backpressure and driver
 /// out-of-memory become [`ServiceError::Backpressure`]; token counts out of range are the
 /// client's; anything else is internal.
@@ -241,11 +274,7 @@ fn kv_error(vm: &VirtualMemory, e: KvCacheError, needed: u64) -> ServiceError {
         };
     }
     if let Some(bp) = e.backpressure() {
-        return ServiceError::Backpressure {
-            needed_bytes: bp.needed,
-            available_bytes: bp.available,
-            retry_after: bp.retry_after,
-        };
+        return backpressure(vm, bp.needed, bp.available);
     }
     if e.is_retryable() {
         // The governor granted it but the driver ran out: the manager says what is left.
@@ -263,11 +292,7 @@ fn kv_error(vm: &VirtualMemory, e: KvCacheError, needed: u64) -> ServiceError {
                     .estimate_retry_after_released(vm.device(), needed.max(1)),
             };
         }
-        return ServiceError::Backpressure {
-            needed_bytes: bp.needed,
-            available_bytes: bp.available,
-            retry_after: bp.retry_after,
-        };
+        return backpressure(vm, bp.needed, bp.available);
     }
     match e {
         KvCacheError::TooManyTokens { .. } => ServiceError::InvalidRequest(e.to_string()),

@@ -7,19 +7,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvvm_governor::{Governor, GovernorConfig};
-use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixCache};
-use kvvm_vmm::{VirtualMemory, VmmConfig};
+use kvvm::governor::{Governor, GovernorConfig, TenantShare, Tenants};
+use kvvm::kv::{KvDtype, KvLayout, LayoutPlan, PrefixCache};
+use kvvm::vmm::{VirtualMemory, VmmConfig};
 
 use crate::api::{
     AppendTokens, Counters, CreateSequence, MetricsSnapshot, Released, SequenceInfo, ShutdownReport,
 };
 use crate::auth::Owner;
 use crate::caches::PrefixCaches;
-use crate::config::ServiceConfig;
+use crate::config::{ServedModel, ServiceConfig};
 use crate::counters::{bump, AtomicCounters};
 use crate::error::{ServeError, ServiceError};
-use crate::limits::{LimitBooks, Limits, Share};
+use crate::limits::{never_fits, tenant, Limits};
 use crate::sequence::LiveSequence;
 
 #[derive(Debug)]
@@ -62,11 +62,12 @@ pub struct KvService {
     vm: VirtualMemory,
     plan: LayoutPlan,
     caches: PrefixCaches,
-    model: String,
-    dtype: KvDtype,
+    model: ServedModel,
     state: Mutex<State>,
     counters: AtomicCounters,
-    limits: LimitBooks,
+    /// The server's limits, as tenant budgets of the governor: every owner is a tenant.
+    tenants: Tenants,
+    limits: Limits,
     idle_timeout: Option<Duration>,
     started: Instant,
     /// Live tokens over all sequences.
@@ -78,7 +79,7 @@ impl std::fmt::Debug for KvService {
         f.debug_struct("KvService")
             .field("backend", &self.backend_name())
             .field("device", &self.vm.device())
-            .field("model", &self.model)
+            .field("model", &self.model.name())
             .field("layout", &self.layout())
             .field("max_tokens", &self.max_tokens())
             .finish_non_exhaustive()
@@ -93,18 +94,13 @@ impl KvService {
             device,
             budget_bytes,
             model,
-            dtype,
             layout,
-            max_tokens,
             pool_cap_bytes,
             prefix_cache,
             shared_prefix_cache,
             limits,
             idle_timeout,
         } = config;
-        // Validate the model and the limit once, up front.
-        let geometry = KvGeometry::preset(&model, dtype, max_tokens)
-            .map_err(|e| ServeError::Config(e.to_string()))?;
         let budget = match budget_bytes {
             Some(b) => Some(b),
             None => kvvm::sim::default_budget(&*backend, device),
@@ -113,13 +109,13 @@ impl KvService {
             Some(b) => Governor::new(GovernorConfig::default().device_budget(device, b)),
             None => Governor::unlimited(),
         };
-        let policy = governor.config().retry;
+        let tenants = Tenants::new(&governor, limits.budgets());
         let mut vmm_config = VmmConfig::default();
         if let Some(cap) = pool_cap_bytes {
             vmm_config = vmm_config.pool_cap_bytes(cap);
         }
         let vm = VirtualMemory::new(backend, device, governor, vmm_config)?;
-        let plan = LayoutPlan::new(geometry, layout, vm.granule())
+        let plan = LayoutPlan::new(*model.geometry(), layout, vm.granule())
             .map_err(|e| ServeError::Config(e.to_string()))?;
         let cache = if prefix_cache {
             Some(
@@ -134,14 +130,14 @@ impl KvService {
             plan,
             caches: PrefixCaches::new(cache, shared_prefix_cache),
             model,
-            dtype,
             state: Mutex::new(State {
                 sequences: BTreeMap::new(),
                 next_id: 1,
                 closed: false,
             }),
             counters: AtomicCounters::default(),
-            limits: LimitBooks::new(limits, policy),
+            tenants,
+            limits,
             idle_timeout,
             started: Instant::now(),
             live_tokens: AtomicU64::new(0),
@@ -158,28 +154,6 @@ impl KvService {
         self.vm
             .governor()
             .note_released(self.vm.device(), freed_bytes);
-    }
-
-    /// Backpressure's `Retry-After` is estimated from what sequences really released during
-    /// the last window (their own windows, most of which go to the handle pool): not from
-    /// what the governor saw freed, which also counts the evictions and pool trims that ran
-    /// for this very request and still left it short.
-    fn refine(&self, e: ServiceError) -> ServiceError {
-        match e {
-            ServiceError::Backpressure {
-                needed_bytes,
-                available_bytes,
-                ..
-            } => ServiceError::Backpressure {
-                needed_bytes,
-                available_bytes,
-                retry_after: self.vm.governor().estimate_retry_after_released(
-                    self.vm.device(),
-                    needed_bytes.saturating_sub(available_bytes),
-                ),
-            },
-            other => other,
-        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -211,13 +185,13 @@ impl KvService {
     fn close(&self, owner: Owner, seq: LiveSequence) -> Result<u64, ServiceError> {
         self.live_tokens.fetch_sub(seq.tokens(), Ordering::Relaxed);
         bump(&self.counters.sequences_released, 1);
-        let share = Share {
+        let share = TenantShare {
             sequences: 1,
-            reserved: seq.reserved_bytes(),
-            committed: seq.billed_bytes(),
+            reserved_bytes: seq.reserved_bytes(),
+            committed_bytes: seq.billed_bytes(),
         };
         let closed = seq.close();
-        self.limits.give_back(owner, share, true);
+        self.tenants.release(tenant(owner), share);
         if let Ok(freed) = closed {
             self.note_release(freed);
         }
@@ -240,12 +214,12 @@ impl KvService {
 
     /// The model preset served.
     pub fn model(&self) -> &str {
-        &self.model
+        self.model.name()
     }
 
     /// The KV element type served.
     pub fn dtype(&self) -> KvDtype {
-        self.dtype
+        self.model.dtype()
     }
 
     /// The layout served.
@@ -287,12 +261,13 @@ impl KvService {
     /// Why no sequence can ever be opened under these settings (a reservation at the
     /// model's limit larger than a limit), if that is so: worth a warning at start.
     pub fn never_fits_reason(&self) -> Option<String> {
-        let share = Share {
+        let share = TenantShare {
             sequences: 1,
-            reserved: self.plan.reservation_bytes(),
-            committed: 0,
+            reserved_bytes: self.plan.reservation_bytes(),
+            committed_bytes: 0,
         };
-        self.limits.check_fits(share).err().map(|e| e.to_string())
+        let refusal = self.tenants.check_fits(share).err()?;
+        Some(never_fits(refusal).to_string())
     }
 
     /// Number of live sequences.
@@ -313,29 +288,29 @@ impl KvService {
             return Err(ServiceError::ShuttingDown);
         }
         let needed = self.plan.committed_bytes_for_tokens(prompt)?;
-        let share = Share {
+        let share = TenantShare {
             sequences: 1,
-            reserved: self.plan.reservation_bytes(),
-            committed: needed,
+            reserved_bytes: self.plan.reservation_bytes(),
+            committed_bytes: needed,
         };
-        self.limits.take(owner, share)?;
+        let grant = self.tenants.try_take(tenant(owner), share)?;
         // The driver calls run without the table lock: other sequences proceed meanwhile.
         let opened = match self.caches.for_owner(owner, &self.vm, &self.plan) {
             Ok(cache) => match (cache, &req.token_ids) {
-                (Some(cache), Some(ids)) => LiveSequence::admit(&self.vm, &cache, ids, max),
-                _ => LiveSequence::open(&self.vm, &self.plan, max, prompt),
+                (Some(cache), Some(ids)) => LiveSequence::admit(&self.vm, &cache, ids, max, needed),
+                _ => LiveSequence::open(&self.vm, &self.plan, max, (prompt, needed)),
             },
             Err(e) => Err(e),
         };
         let (seq, opened) = match opened {
             Ok(o) => o,
             Err(e) => {
-                self.limits.give_back(owner, share, false);
-                return Err(self.refine(e));
+                // The grant goes back unsettled: a failed request is no release.
+                drop(grant);
+                return Err(e);
             }
         };
-        self.limits
-            .settle_committed(owner, needed, opened.committed_bytes);
+        grant.settle(opened.committed_bytes);
         let mut state = self.lock();
         if state.closed {
             // Shutdown started meanwhile (a request whose client went away): give back what
@@ -397,24 +372,21 @@ impl KvService {
                     seq.max_tokens()
                 ))
             })?;
-        let needed = self
-            .plan
-            .committed_bytes_for_tokens(target)?
-            .saturating_sub(seq.mapped_bytes());
-        let share = Share {
-            committed: needed,
-            ..Share::default()
+        let growth = seq.growth_to(target)?;
+        let share = TenantShare {
+            committed_bytes: growth.needed,
+            ..TenantShare::default()
         };
-        self.limits.take(owner, share)?;
-        let added = match seq.grow_to(&self.vm, target) {
+        let grant = self.tenants.try_take(tenant(owner), share)?;
+        let added = match seq.grow(&self.vm, growth) {
             Ok(added) => added,
             Err(e) => {
                 drop(guard);
-                self.limits.give_back(owner, share, false);
-                return Err(self.refine(e));
+                drop(grant);
+                return Err(e);
             }
         };
-        self.limits.settle_committed(owner, needed, added);
+        grant.settle(added);
         self.live_tokens.fetch_add(req.tokens, Ordering::Relaxed);
         let info = info(id, seq, added);
         drop(guard);
@@ -568,15 +540,16 @@ impl KvService {
         }
     }
 
-    /// What `owner` holds against the limits: live sequences, reserved and committed bytes.
+    /// What `owner` holds against the limits, from the governor's tenant books: live
+    /// sequences, reserved and committed bytes.
     pub fn held_by(&self, owner: Owner) -> (u64, u64, u64) {
-        let s = self.limits.held(owner);
-        (s.sequences, s.reserved, s.committed)
+        let s = self.tenants.held(tenant(owner));
+        (s.sequences, s.reserved_bytes, s.committed_bytes)
     }
 
     /// The limits in force.
     pub fn limits(&self) -> Limits {
-        *self.limits.limits()
+        self.limits
     }
 }
 

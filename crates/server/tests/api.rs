@@ -11,8 +11,8 @@ mod common;
 use std::sync::Arc;
 
 use common::{config, TestServer, MIB2};
+use kvvm::sim::{SimBackend, SimConfig};
 use kvvm_server::Owner;
-use kvvm_sim::{SimBackend, SimConfig};
 
 /// llama-3-8b fp16 seq-major: 64 fragments of 2048 bytes per token.
 const FRAGMENTS: u64 = 64;

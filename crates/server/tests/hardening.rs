@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{closed_within, raw, read_reply, TestServer};
+use kvvm::sim::SimBackend;
 use kvvm_server::HttpConfig;
-use kvvm_sim::SimBackend;
 
 fn server(http: HttpConfig) -> TestServer {
     let sim = Arc::new(SimBackend::h200());

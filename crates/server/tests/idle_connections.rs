@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{raise_open_file_limit, raw, read_reply, TestServer};
+use kvvm::sim::SimBackend;
 use kvvm_server::HttpConfig;
-use kvvm_sim::SimBackend;
 
 const IDLE: usize = 2000;
 

@@ -10,7 +10,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{config, Reply, TestServer};
-use kvvm_sim::{SimBackend, MIB};
+use kvvm::sim::{SimBackend, MIB};
 
 fn assert_never_fits_budget(r: &Reply, needed: u64, limit: u64) {
     assert_eq!(r.status, 413, "{}", r.body);
@@ -29,7 +29,7 @@ fn an_append_over_the_budget_is_413_with_a_warm_pool_and_exactly_the_budget_fits
     // 5 windows per fragment.
     let sim = Arc::new(SimBackend::h200());
     let mut c = config(&sim, Some(640 * MIB));
-    c.max_tokens = 8192;
+    c.model = c.model.with_max_tokens(8192).unwrap();
     let server = TestServer::start_with(sim, c, 16 << 10);
     // Warm the pool with the whole budget: 5 windows per fragment are a 4-window and a
     // 1-window handle each; released, they go to the pool.

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{TestServer, MIB2};
-use kvvm_sim::SimBackend;
+use kvvm::sim::SimBackend;
 
 const THREADS: usize = 8;
 const REQUESTS_PER_THREAD: usize = 25;
@@ -46,7 +46,7 @@ fn overload_sees_only_2xx_and_429_and_leaves_nothing_behind() {
     let budget = 128 * MIB2;
     let sim = Arc::new(SimBackend::h200());
     let mut config = common::config(&sim, Some(budget));
-    config.layout = kvvm_kv::KvLayout::TokenMajor;
+    config.layout = kvvm::kv::KvLayout::TokenMajor;
     let server = TestServer::start_with(sim, config, 64 << 10);
     // A sequence holding the system prompt lives throughout, so the cached prefix is mapped
     // and never evicted: every prompt that opens with it hits it.

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{Reply, TestServer, MIB2};
+use kvvm::sim::SimBackend;
 use kvvm_server::{ApiKeys, HttpConfig, KvService, Limits};
-use kvvm_sim::SimBackend;
 
 const KEY_A: &str = "alice-0123456789abcdef";
 const KEY_B: &str = "bob-0123456789abcdef00";
@@ -21,7 +21,7 @@ const KEY_B: &str = "bob-0123456789abcdef00";
 fn keyed(shared_cache: bool) -> TestServer {
     let sim = Arc::new(SimBackend::h200());
     let mut c = common::config(&sim, None);
-    c.layout = kvvm_kv::KvLayout::TokenMajor;
+    c.layout = kvvm::kv::KvLayout::TokenMajor;
     c.shared_prefix_cache = shared_cache;
     let mut keys = ApiKeys::none();
     keys.add(&format!("alice:{KEY_A}")).unwrap();
@@ -210,7 +210,7 @@ fn limited(limits: Limits, budget: Option<u64>, max_tokens: u64) -> TestServer {
     let sim = Arc::new(SimBackend::h200());
     let mut c = common::config(&sim, budget);
     c.limits = limits;
-    c.max_tokens = max_tokens;
+    c.model = c.model.with_max_tokens(max_tokens).unwrap();
     TestServer::start_with(sim, c, 16 << 10)
 }
 

@@ -9,14 +9,14 @@ mod common;
 use std::sync::Arc;
 
 use common::{config, TestServer, MIB2};
-use kvvm_sim::SimBackend;
+use kvvm::sim::SimBackend;
 
 /// A server over a fresh simulated H200, token-major (llama-3-8b fp16: 128 KiB a token, so a
 /// 2 MiB window holds 16 tokens and prefixes are shared in 16-token blocks).
 fn token_major(budget: Option<u64>, prefix_cache: bool) -> TestServer {
     let sim = Arc::new(SimBackend::h200());
     let mut c = config(&sim, budget);
-    c.layout = kvvm_kv::KvLayout::TokenMajor;
+    c.layout = kvvm::kv::KvLayout::TokenMajor;
     c.prefix_cache = prefix_cache;
     TestServer::start_with(sim, c, 64 << 10)
 }

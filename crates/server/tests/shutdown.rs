@@ -16,16 +16,16 @@ use std::time::{Duration, Instant};
 use common::{closed_within, raw, read_reply, reset, wait_until, Gate, TestServer};
 use kvvm::hal::decorate::FaultInjecting;
 use kvvm::hal::Operation;
+use kvvm::sim::SimBackend;
 use kvvm::VirtualMemoryBackend;
 use kvvm_server::HttpConfig;
-use kvvm_sim::SimBackend;
 
 #[test]
 fn a_stalled_client_cannot_hold_the_shutdown_past_its_deadline() {
     let deadline = Duration::from_secs(2);
     let sim = Arc::new(SimBackend::h200());
     let mut c = common::config(&sim, None);
-    c.layout = kvvm_kv::KvLayout::TokenMajor;
+    c.layout = kvvm::kv::KvLayout::TokenMajor;
     let mut server = TestServer::start_http(
         sim,
         c,

@@ -10,9 +10,9 @@ use std::sync::Arc;
 
 use common::{config, TestServer};
 use kvvm::hal::{Operation, VirtualMemoryBackend};
+use kvvm::sim::{SimBackend, DATA_CHUNK_BYTES, MIB};
 use kvvm::DeviceId;
 use kvvm_server::KvService;
-use kvvm_sim::{SimBackend, DATA_CHUNK_BYTES, MIB};
 
 /// Token ids of request `r`: 1024 of them, unlike any other request's.
 fn prompt(r: u32) -> String {
@@ -65,7 +65,7 @@ fn the_default_budget_on_the_simulator_is_bounded_by_the_host() {
     let budget = service.governor().device_budget(DeviceId(0)).unwrap();
     // The host's available memory moves between any two reads: the test holds the budget to
     // what cannot move (half the host's total memory) and to the device's size.
-    if let Some(ceiling) = kvvm_sim::host_memory_ceiling() {
+    if let Some(ceiling) = kvvm::sim::host_memory_ceiling() {
         assert!(
             budget <= ceiling,
             "budget {budget} over half the host's memory {ceiling}"

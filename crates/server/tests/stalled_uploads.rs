@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{raise_open_file_limit, rss_bytes, TestServer};
+use kvvm::sim::SimBackend;
 use kvvm_server::HttpConfig;
-use kvvm_sim::SimBackend;
 
 const UPLOADS: usize = 300;
 const BODY: usize = 1 << 20;

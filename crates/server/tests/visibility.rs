@@ -11,8 +11,8 @@ use std::io::Write;
 use std::sync::Arc;
 
 use common::{raw, read_reply, RawReply, TestServer};
+use kvvm::sim::SimBackend;
 use kvvm_server::{ApiKeys, HttpConfig};
-use kvvm_sim::SimBackend;
 
 const KEY_A: &str = "alice-0123456789abcdef";
 const KEY_B: &str = "bob-0123456789abcdef00";
@@ -21,7 +21,7 @@ const OPERATOR: &str = "prometheus-0123456789ab";
 fn keyed(operator: bool) -> TestServer {
     let sim = Arc::new(SimBackend::h200());
     let mut c = common::config(&sim, None);
-    c.layout = kvvm_kv::KvLayout::TokenMajor;
+    c.layout = kvvm::kv::KvLayout::TokenMajor;
     let mut keys = ApiKeys::none();
     keys.add(&format!("alice:{KEY_A}")).unwrap();
     keys.add(&format!("bob:{KEY_B}")).unwrap();

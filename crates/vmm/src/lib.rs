@@ -146,6 +146,8 @@
 //! # }
 //! ```
 
+#![forbid(unsafe_code)]
+
 mod commit;
 mod config;
 mod cut;

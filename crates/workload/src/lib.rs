@@ -66,6 +66,8 @@
 //! fragment's part of it is smaller than a granule), the refusal reason is reported and the
 //! policy runs without sharing.
 
+#![forbid(unsafe_code)]
+
 mod classic_policy;
 mod driver;
 mod error;

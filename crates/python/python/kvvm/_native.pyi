@@ -1,14 +1,30 @@
 """Type stubs of the native module ``kvvm._native`` (built from crates/python/src)."""
 
-from typing import Any
+from typing import Any, Self, final
+
+__all__ = [
+    "Backend",
+    "Manager",
+    "MemorySnapshot",
+    "KvGeometry",
+    "LayoutPlan",
+    "Sequence",
+    "SequenceBatch",
+    "SharedPrefix",
+    "PrefixCache",
+    "TensorView",
+    "BACKEND_NAMES",
+    "__version__",
+]
 
 BACKEND_NAMES: list[str]
 __version__: str
 
+@final
 class Backend:
     """A driver backend opened by name (``auto``, ``cuda``, ``hip``, ``host``, ``sim``)."""
 
-    def __init__(self, name: str = "auto") -> None: ...
+    def __new__(cls, name: str = "auto") -> Self: ...
     @property
     def name(self) -> str: ...
     @property
@@ -17,6 +33,7 @@ class Backend:
     def addressable(self) -> bool: ...
     def devices(self) -> list[dict[str, Any]]: ...
 
+@final
 class MemorySnapshot:
     """The governor's books for one device, in bytes."""
 
@@ -29,11 +46,12 @@ class MemorySnapshot:
     budget: int | None
     free: int | None
 
+@final
 class Manager:
     """A byte-budgeted manager of one device's virtual memory."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         backend: Backend | str | None = None,
         device: int = 0,
         budget_bytes: int | None = None,
@@ -44,7 +62,7 @@ class Manager:
         headroom_tokens: int = 64,
         max_headroom_bytes: int = 1 << 30,
         poll_interval_us: int = 1000,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def backend(self) -> str: ...
     @property
@@ -60,16 +78,17 @@ class Manager:
     def snapshot(self) -> MemorySnapshot: ...
     def trim_pool(self, keep_bytes: int = 0) -> int: ...
     def precommit_stats(self) -> dict[str, int] | None: ...
-    def wait_precommit_idle(self) -> None: ...
+    def wait_precommit_idle(self) -> Self: ...
     def stop_precommit(self) -> None: ...
     def synchronize(self) -> None: ...
 
+@final
 class KvGeometry:
     """The shape of one sequence's KV cache."""
 
-    def __init__(
-        self, layers: int, kv_heads: int, head_dim: int, max_tokens: int, dtype: str = "bf16"
-    ) -> None: ...
+    def __new__(
+        cls, layers: int, kv_heads: int, head_dim: int, max_tokens: int, dtype: str = "bf16"
+    ) -> Self: ...
     @staticmethod
     def preset(name: str, max_tokens: int, dtype: str = "bf16") -> KvGeometry: ...
     @staticmethod
@@ -92,10 +111,11 @@ class KvGeometry:
     def total_bytes(self) -> int: ...
     def with_max_tokens(self, max_tokens: int) -> KvGeometry: ...
 
+@final
 class LayoutPlan:
     """A geometry laid out under ``head-major``, ``seq-major`` or ``token-major``."""
 
-    def __init__(self, geometry: KvGeometry, layout: str, granule: int) -> None: ...
+    def __new__(cls, geometry: KvGeometry, layout: str, granule: int) -> Self: ...
     @property
     def geometry(self) -> KvGeometry: ...
     @property
@@ -113,6 +133,7 @@ class LayoutPlan:
     def mapped_tokens(self, tokens: int) -> int: ...
     def shareability(self, prefix_tokens: int) -> dict[str, Any]: ...
 
+@final
 class TensorView:
     """A zero-copy DLPack view of one layer's K or V."""
 
@@ -136,10 +157,11 @@ class TensorView:
     @property
     def readonly(self) -> bool: ...
 
+@final
 class SharedPrefix:
     """A prefix one sequence owns and others map read-only."""
 
-    def seal(self) -> None: ...
+    def seal(self) -> Self: ...
     @property
     def sealed(self) -> bool: ...
     @property
@@ -150,16 +172,17 @@ class SharedPrefix:
     def bytes(self) -> int: ...
     def attach(self, sequence: Sequence) -> int: ...
 
+@final
 class Sequence:
     """One request's KV cache."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         manager: Manager,
         plan: LayoutPlan,
         max_tokens: int | None = None,
         precommit: bool = False,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def max_tokens(self) -> int: ...
     @property
@@ -183,7 +206,7 @@ class Sequence:
     def ensure(self, tokens: int) -> int: ...
     def shrink(self, tokens: int) -> int: ...
     def release(self) -> int: ...
-    def mark_written(self, tokens: int) -> None: ...
+    def mark_written(self, tokens: int) -> Self: ...
     # `data`: any bytes-like object (the buffer protocol: bytes, bytearray, memoryview, numpy).
     def write_tokens(self, first: int, data: Any) -> None: ...
     def read_tokens(self, first: int, count: int) -> bytes: ...
@@ -197,19 +220,20 @@ class Sequence:
     ) -> TensorView: ...
     def own_prefix(self, tokens: int) -> SharedPrefix: ...
 
+@final
 class SequenceBatch:
     """Sequences in the slots of one strided reservation."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         manager: Manager,
         plan: LayoutPlan,
         slots: int,
         max_tokens: int | None = None,
         precommit: bool = False,
-    ) -> None: ...
+    ) -> Self: ...
     def __len__(self) -> int: ...
-    def __getitem__(self, index: int) -> Sequence: ...
+    def __getitem__(self, index: int, /) -> Sequence: ...
     @property
     def slot_stride(self) -> int: ...
     @property
@@ -255,16 +279,17 @@ class SequenceBatch:
     def can_store(self, tokens: int) -> bool:
         """Whether :meth:`store` can write ``tokens`` tokens per slot with this layout."""
 
+@final
 class PrefixCache:
     """An automatic prefix cache over token ids."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         manager: Manager,
         plan: LayoutPlan,
         max_cached_bytes: int | None = None,
         handle_blocks: int = 1,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def block_tokens(self) -> int: ...
     def admit(self, sequence: Sequence, token_ids: list[int]) -> dict[str, int]: ...

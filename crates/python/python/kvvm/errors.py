@@ -14,6 +14,9 @@ about it, as the Rust library's error kinds do:
 * :class:`ViewsAliveError`, :class:`ReleasedError`, :class:`NotCommittedError`,
   :class:`WriteIntoSharedPrefixError`, :class:`NotShareableError`,
   :class:`PrefixNotWrittenError`: state errors with their own remedy.
+
+The native module raises these very classes: it imports this module once, on its first error,
+and keeps every class object (``crates/python/src/error_class.rs`` lists the classes it raises).
 """
 
 from __future__ import annotations

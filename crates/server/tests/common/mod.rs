@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use kvvm::hal::decorate::CallHook;
 use kvvm::hal::Operation;
+use kvvm::layout::KvDtype;
+use kvvm::sim::SimBackend;
 use kvvm::VirtualMemoryBackend;
-use kvvm_server::{HttpConfig, KvService, ServeError, ServiceConfig, ShutdownReport};
-use kvvm_sim::SimBackend;
+use kvvm_server::{HttpConfig, KvService, ServeError, ServedModel, ServiceConfig, ShutdownReport};
 
 /// 2 MiB, the simulated H200's granule.
 pub const MIB2: u64 = 2 << 20;
@@ -50,9 +51,9 @@ pub fn config(sim: &Arc<SimBackend>, budget: Option<u64>) -> ServiceConfig {
 
 /// [`config`] over any backend (a decorator around the simulator, say).
 pub fn config_over(backend: Arc<dyn VirtualMemoryBackend>, budget: Option<u64>) -> ServiceConfig {
-    let mut c = ServiceConfig::new(backend);
+    let model = ServedModel::preset("llama-3-8b", KvDtype::F16, 4096).unwrap();
+    let mut c = ServiceConfig::new(backend, model);
     c.budget_bytes = budget;
-    c.max_tokens = 4096;
     c
 }
 

@@ -1,9 +1,10 @@
-//! `kvvm.SharedPrefix` and `kvvm.PrefixCache`: a prompt prefix mapped read-only into many
-//! sequences and billed once, and the automatic cache that finds the longest one by token ids.
+//! `kvvm.PrefixCache`: the automatic cache that finds the longest cached prompt prefix of a
+//! request by token ids and maps it read-only into the request's sequence (the prefix object
+//! itself, `kvvm.SharedPrefix`, lives with the sequences that own and attach it).
 
 use std::sync::Arc;
 
-use kvvm_kv::{PrefixCache as KvPrefixCache, PrefixCacheConfig, PublishOutcome};
+use kvvm::kv::{PrefixCache as KvPrefixCache, PrefixCacheConfig, PublishOutcome};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -12,64 +13,7 @@ use crate::errors;
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
 use crate::sequence::Sequence;
-pub use crate::shared_prefix::SharedPrefix;
 use crate::views::busy_error;
-
-#[pymethods]
-impl SharedPrefix {
-    /// Seals the prefix read-only: call after the owner wrote its tokens, before attaching.
-    fn seal(&self) {
-        self.prefix.seal();
-    }
-
-    /// Whether the prefix is sealed.
-    #[getter]
-    fn sealed(&self) -> bool {
-        self.prefix.is_sealed()
-    }
-
-    /// The prefix's length in tokens.
-    #[getter]
-    fn tokens(&self) -> u64 {
-        self.prefix.prefix_len()
-    }
-
-    /// Tokens lying wholly in the shared windows (the rest of the prefix, in partial tail
-    /// windows, is each sequence's own and must be written by each).
-    #[getter]
-    fn shared_tokens(&self) -> u64 {
-        self.prefix.shared_tokens()
-    }
-
-    /// Physical bytes of the shared windows (billed once).
-    #[getter]
-    fn bytes(&self) -> u64 {
-        self.prefix.bytes()
-    }
-
-    /// Maps the prefix read-only into `sequence` (empty, of the same plan); returns the bytes
-    /// mapped (shared, not billed to the sequence). Its first :attr:`shared_tokens` tokens
-    /// are readable at once; the tail tokens, if any, are the sequence's own: ensure and
-    /// write them.
-    fn attach(&self, py: Python<'_>, sequence: &Sequence) -> PyResult<u64> {
-        let cell = Arc::clone(&sequence.cell);
-        let prefix = Arc::clone(&self.prefix);
-        match py.detach(move || cell.admission(|s| prefix.attach_to(s))) {
-            Ok(r) => r.map_err(|e| errors::kv(py, &e)),
-            Err(busy) => Err(busy_error(py, busy, "attach a prefix")),
-        }
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "SharedPrefix(tokens={}, shared_tokens={}, bytes={}, sealed={})",
-            self.prefix.prefix_len(),
-            self.prefix.shared_tokens(),
-            self.prefix.bytes(),
-            self.prefix.is_sealed()
-        )
-    }
-}
 
 /// An automatic prefix cache: longest cached prefix by token ids, LRU, evicted by the budget
 /// before it refuses.
@@ -86,7 +30,8 @@ impl PrefixCache {
     /// mapping and ends on a multiple of `handle_blocks` blocks, so a larger value means fewer
     /// mappings per hit and coarser hits.
     #[new]
-    #[pyo3(signature = (manager, plan, max_cached_bytes = None, handle_blocks = Count(1)))]
+    #[pyo3(signature = (manager, plan, max_cached_bytes = None, handle_blocks = Count(1)),
+        text_signature = "(manager, plan, max_cached_bytes=None, handle_blocks=1)")]
     fn new(
         py: Python<'_>,
         manager: &Manager,

@@ -1,0 +1,180 @@
+//! The vocabulary of tenant budgets: who holds a share ([`TenantId`]), what a share is
+//! ([`TenantShare`], one figure per [`Quota`]), the limits on it ([`TenantLimits`] per
+//! [`Scope`], together [`TenantBudgets`]) and why a share is refused ([`TenantRefusal`]).
+//!
+//! A tenant budget sits inside the device budget: the committed bytes of a tenant's share are
+//! also granted by the device budget when they are committed (a `MappedGrowthGrant`); the
+//! tenant's quota only narrows what one tenant, or all of them together, may hold. The books
+//! themselves are `Tenants` (`tenants.rs`).
+
+use std::time::Duration;
+
+/// A tenant: a client whose share is budgeted on its own (an API key of a server). Opaque.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct TenantId(pub u64);
+
+/// One figure of a share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Quota {
+    /// Live sequences (each holds one reservation).
+    Sequences,
+    /// Bytes of address space reserved.
+    ReservedBytes,
+    /// Bytes of device memory committed.
+    CommittedBytes,
+}
+
+impl Quota {
+    /// Every quota, in the order refusals are checked.
+    pub const ALL: [Quota; 3] = [
+        Quota::Sequences,
+        Quota::ReservedBytes,
+        Quota::CommittedBytes,
+    ];
+
+    /// Whether the quota counts bytes (not sequences).
+    pub fn is_bytes(self) -> bool {
+        !matches!(self, Quota::Sequences)
+    }
+}
+
+/// Whether a limit bounds each tenant or all tenants together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// Every tenant together.
+    AllTenants,
+    /// Each tenant on its own.
+    Tenant,
+}
+
+impl Scope {
+    /// Both scopes, in the order refusals are checked.
+    pub const ALL: [Scope; 2] = [Scope::AllTenants, Scope::Tenant];
+}
+
+/// What a tenant holds, or asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TenantShare {
+    /// Live sequences.
+    pub sequences: u64,
+    /// Bytes of address space reserved.
+    pub reserved_bytes: u64,
+    /// Bytes of device memory committed.
+    pub committed_bytes: u64,
+}
+
+impl TenantShare {
+    /// The figure of `quota`.
+    pub fn get(&self, quota: Quota) -> u64 {
+        match quota {
+            Quota::Sequences => self.sequences,
+            Quota::ReservedBytes => self.reserved_bytes,
+            Quota::CommittedBytes => self.committed_bytes,
+        }
+    }
+
+    /// `self + other`, figure by figure (saturating: the books never wrap).
+    pub fn plus(self, other: TenantShare) -> TenantShare {
+        TenantShare {
+            sequences: self.sequences.saturating_add(other.sequences),
+            reserved_bytes: self.reserved_bytes.saturating_add(other.reserved_bytes),
+            committed_bytes: self.committed_bytes.saturating_add(other.committed_bytes),
+        }
+    }
+
+    /// `self - other`, figure by figure (saturating at zero).
+    pub fn minus(self, other: TenantShare) -> TenantShare {
+        TenantShare {
+            sequences: self.sequences.saturating_sub(other.sequences),
+            reserved_bytes: self.reserved_bytes.saturating_sub(other.reserved_bytes),
+            committed_bytes: self.committed_bytes.saturating_sub(other.committed_bytes),
+        }
+    }
+}
+
+/// Limits on a share, one per quota (`None`: unlimited).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TenantLimits {
+    /// Most live sequences.
+    pub sequences: Option<u64>,
+    /// Most bytes of address space reserved.
+    pub reserved_bytes: Option<u64>,
+    /// Most bytes of device memory committed.
+    pub committed_bytes: Option<u64>,
+}
+
+impl TenantLimits {
+    /// The limit of `quota`.
+    pub fn get(&self, quota: Quota) -> Option<u64> {
+        match quota {
+            Quota::Sequences => self.sequences,
+            Quota::ReservedBytes => self.reserved_bytes,
+            Quota::CommittedBytes => self.committed_bytes,
+        }
+    }
+}
+
+/// The tenant budgets: limits on each tenant and on all of them together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TenantBudgets {
+    /// What all tenants together may hold.
+    pub all_tenants: TenantLimits,
+    /// What each tenant may hold.
+    pub per_tenant: TenantLimits,
+}
+
+impl TenantBudgets {
+    /// The limit of `quota` in `scope`.
+    pub fn limit(&self, quota: Quota, scope: Scope) -> Option<u64> {
+        match scope {
+            Scope::AllTenants => self.all_tenants.get(quota),
+            Scope::Tenant => self.per_tenant.get(quota),
+        }
+    }
+}
+
+/// A share larger than a limit by itself: no release can ever let it through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{needed} of {quota:?} can never fit: the {scope:?} limit is {limit}")]
+pub struct TenantNeverFits {
+    /// The quota.
+    pub quota: Quota,
+    /// The scope of the limit.
+    pub scope: Scope,
+    /// What the share asked for.
+    pub needed: u64,
+    /// The limit.
+    pub limit: u64,
+}
+
+/// A share that fits its limits but not what is held now: retry after `retry_after`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{quota:?} of {scope:?} full: {used} held, {requested} asked, limit {limit}; retry after {retry_after:?}"
+)]
+pub struct TenantBackpressure {
+    /// The quota.
+    pub quota: Quota,
+    /// The scope of the limit.
+    pub scope: Scope,
+    /// What the scope holds now.
+    pub used: u64,
+    /// What the share asked for.
+    pub requested: u64,
+    /// The limit.
+    pub limit: u64,
+    /// When a retry is likely to pass, from what the scope released during the last window
+    /// of the governor's `RetryPolicy` (its cap when nothing was).
+    pub retry_after: Duration,
+}
+
+/// Why a tenant's share was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TenantRefusal {
+    /// Larger than a limit by itself.
+    #[error(transparent)]
+    NeverFits(#[from] TenantNeverFits),
+    /// The limit is full now.
+    #[error(transparent)]
+    Backpressure(#[from] TenantBackpressure),
+}
