@@ -17,24 +17,26 @@ __all__ = ["KvvmLayer", "StepQuery", "host_work"]
 
 
 class _Cache(Protocol):
-    """What a layer and the mask hook ask of their :class:`~kvvm.transformers.KvvmCache`."""
+    """What a layer and the mask hook ask of their :class:`~kvvm.transformers.KvvmCache`:
+    its per-step interface, public methods all."""
 
-    _max_len: int
+    @property
+    def max_cache_len(self) -> int: ...
 
     @property
     def device_lengths(self) -> bool: ...
 
-    def _update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def layer_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def _mask_for_step(self, q: int, padding_mask: Any) -> Any: ...
+    def step_mask(self, q: int, padding_mask: Any) -> Any: ...
 
-    def _mask_sizes(self, q: int) -> tuple[int, int]: ...
+    def layer_mask_sizes(self, q: int) -> tuple[int, int]: ...
 
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
-    def _crop(self, tokens: int) -> None: ...
+    def crop_tokens(self, tokens: int) -> None: ...
 
-    def _reset(self) -> None: ...
+    def reset_counts(self) -> None: ...
 
 
 def host_work() -> bool:
@@ -53,7 +55,7 @@ class StepQuery:
         self._cache = cache
 
     def kvvm_mask(self, q: int, padding_mask: Any) -> Any:
-        return self._cache._mask_for_step(q, padding_mask)
+        return self._cache.step_mask(q, padding_mask)
 
 
 class KvvmLayer(CacheLayerMixin):
@@ -85,7 +87,7 @@ class KvvmLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes ``key_states``/``value_states`` (``[batch, kv_heads, q, head_dim]``) after
         each request's live tokens and returns what attention reads (see the module)."""
-        keys, values = self._cache._update(self._index, key_states, value_states)
+        keys, values = self._cache.layer_update(self._index, key_states, value_states)
         if not torch.compiler.is_compiling():
             self.keys, self.values = keys, values
         return keys, values
@@ -93,7 +95,7 @@ class KvvmLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)``: the exact length with exact-length views; the
         reservation's length with device lengths (only the kvvm mask reads it)."""
-        return self._cache._mask_sizes(query_length)
+        return self._cache.layer_mask_sizes(query_length)
 
     def get_seq_length(self) -> int:
         """Live tokens (the longest request's, in a ragged batch)."""
@@ -101,17 +103,17 @@ class KvvmLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         """The most tokens a request may reach."""
-        return self._cache._max_len
+        return self._cache.max_cache_len
 
     def crop(self, tokens_to_remove: int) -> None:
         """See :meth:`KvvmCache.crop` (every layer shares the token counts)."""
         if self._index == 0:
-            self._cache._crop(tokens_to_remove)
+            self._cache.crop_tokens(tokens_to_remove)
 
     def reset(self) -> None:
         """See :meth:`KvvmCache.reset`."""
         if self._index == 0:
-            self._cache._reset()
+            self._cache.reset_counts()
 
     def offload(self) -> None:  # pragma: no cover - a method transformers may call
         raise NotImplementedError("KvvmCache keeps K/V on its device (no offloading)")

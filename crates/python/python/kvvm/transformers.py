@@ -300,7 +300,11 @@ class KvvmCache(Cache):
         """Requests (slots), the scratch slot not counted."""
         return self.state.slots
 
-    def _update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s part of a forward (what its :class:`KvvmLayer` runs): writes the
+        step's new ``keys``/``values`` (``[batch, kv_heads, q, head_dim]``) after each selected
+        request's live tokens and returns what attention reads (exact-length views, or the
+        full-length tensors when lengths live on the device)."""
         st = self.state
         if keys.dtype != self._torch_dtype:
             raise InvalidArgumentError(
@@ -364,7 +368,7 @@ class KvvmCache(Cache):
             )
         return lengths.pop()
 
-    def _mask_for_step(self, q: int, padding_mask: Any) -> KvvmMask:
+    def step_mask(self, q: int, padding_mask: Any) -> KvvmMask:
         """The kvvm mask of the next forward: the step's device work (where each request's
         new tokens go, each request's tokens after them, the counts moved on), after its host
         work when Python runs eagerly (the step's tokens committed and claimed; from a 2-D
@@ -415,7 +419,9 @@ class KvvmCache(Cache):
         sel = st.selected
         st.set_lengths({i: 0 for i in sel}, {i: int(s) for i, s in zip(sel, starts.tolist(), strict=True)})
 
-    def _mask_sizes(self, q: int) -> tuple[int, int]:
+    def layer_mask_sizes(self, q: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of a step of ``q`` tokens (a layer's ``get_mask_sizes``):
+        the reservation's length with device lengths, else the exact one."""
         if self.device_lengths:
             return self._max_len, 0
         return max(self.state.host_lengths[i] for i in self.state.selected) + q, 0
@@ -426,6 +432,11 @@ class KvvmCache(Cache):
         if self.device_lengths:
             return StepQuery(self)
         return self.get_seq_length()
+
+    @property
+    def max_cache_len(self) -> int:
+        """The most tokens a request may reach (each slot's reservation)."""
+        return self._max_len
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         """The most tokens a request may reach."""
@@ -508,9 +519,11 @@ class KvvmCache(Cache):
     def crop(self, max_length: int) -> None:
         """Drops tokens from the end of every request (``max_length`` < 0: that many; >= 0:
         keep that many). The memory stays committed until :meth:`shrink` or release."""
-        self._crop(max_length)
+        self.crop_tokens(max_length)
 
-    def _crop(self, tokens: int) -> None:
+    def crop_tokens(self, tokens: int) -> None:
+        """Keeps ``tokens`` live tokens per request (negative: drops that many), on the host
+        and the device; the memory stays committed."""
         st = self.state
         keep = {}
         for i in range(st.slots):
@@ -518,7 +531,8 @@ class KvvmCache(Cache):
             keep[i] = max(0, min(n, tokens if tokens >= 0 else n + tokens))
         st.set_lengths(keep)
 
-    def _reset(self) -> None:
+    def reset_counts(self) -> None:
+        """Every request back to no live tokens (the memory stays committed)."""
         self.state.set_lengths({i: 0 for i in range(self.state.slots)}, {i: 0 for i in range(self.state.slots)})
 
     @property
