@@ -290,6 +290,8 @@ fn ranges_are_found_and_bounded() {
     assert!(!m.range_free(20 * G, 30 * G));
     assert!(m.range_free(24 * G, 30 * G));
     assert!(m.range_free(0, 16 * G));
+    assert_eq!(m.end_of(Operation::Map, 10, 5).ok(), Some(15));
+    assert!(m.end_of(Operation::Map, u64::MAX, 1).is_err());
     let overflow = m.check_reserved(Operation::Map, DeviceAddress(u64::MAX), 2);
     assert_eq!(kind(overflow), Some(ErrorKind::InvalidValue));
     let spans = [(0, 4), (4, 4), (6, 4)];
