@@ -177,6 +177,11 @@ impl<A, H> DriverModel<A, H> {
         self.mappings.iter().map(|(a, m)| (*a, m))
     }
 
+    /// How many mappings are live.
+    pub fn mapping_count(&self) -> usize {
+        self.mappings.len()
+    }
+
     /// Whether nothing is live: no range, handle, allocation or mapping.
     pub fn is_empty(&self) -> bool {
         self.ranges.is_empty()
