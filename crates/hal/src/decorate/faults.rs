@@ -53,16 +53,7 @@ impl std::fmt::Debug for FaultInjecting {
 impl FaultInjecting {
     /// The operations a multi-step manager operation is made of: what [`arm`](Self::arm)
     /// usually counts.
-    pub const STEPS: [Operation; 8] = [
-        Operation::Reserve,
-        Operation::Free,
-        Operation::Create,
-        Operation::Release,
-        Operation::Map,
-        Operation::SetAccess,
-        Operation::Unmap,
-        Operation::Synchronize,
-    ];
+    pub const STEPS: [Operation; 8] = Operation::VMM_CALLS;
 
     /// Wraps `inner`, disarmed.
     pub fn new(inner: Arc<dyn VirtualMemoryBackend>) -> Self {

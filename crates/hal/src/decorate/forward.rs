@@ -168,7 +168,8 @@ pub trait Forward: Send + Sync {
     }
 }
 
-/// Every [`Forward`] is a backend: each trait method is the decorator's.
+/// Every [`Forward`] is a backend: each trait method is the decorator's (a dispatch table, in
+/// the trait's order).
 impl<T: Forward> VirtualMemoryBackend for T {
     fn name(&self) -> &str {
         Forward::name(self)
@@ -179,49 +180,35 @@ impl<T: Forward> VirtualMemoryBackend for T {
     fn devices(&self) -> BackendResult<Vec<DeviceInfo>> {
         Forward::devices(self)
     }
-    fn memory_info(&self, device: DeviceId) -> BackendResult<MemoryInfo> {
-        Forward::memory_info(self, device)
+    fn memory_info(&self, d: DeviceId) -> BackendResult<MemoryInfo> {
+        Forward::memory_info(self, d)
     }
-    fn granularity(&self, properties: &AllocationProperties) -> BackendResult<Granularity> {
-        Forward::granularity(self, properties)
+    fn granularity(&self, p: &AllocationProperties) -> BackendResult<Granularity> {
+        Forward::granularity(self, p)
     }
-    fn reserve(
-        &self,
-        size: u64,
-        align: u64,
-        at: Option<DeviceAddress>,
-    ) -> BackendResult<DeviceAddress> {
-        Forward::reserve(self, size, align, at)
+    fn reserve(&self, s: u64, a: u64, f: Option<DeviceAddress>) -> BackendResult<DeviceAddress> {
+        Forward::reserve(self, s, a, f)
     }
-    fn free(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        Forward::free(self, address, size)
+    fn free(&self, a: DeviceAddress, s: u64) -> BackendResult<()> {
+        Forward::free(self, a, s)
     }
-    fn create(
-        &self,
-        size: u64,
-        properties: &AllocationProperties,
-    ) -> BackendResult<PhysicalHandle> {
-        Forward::create(self, size, properties)
+    fn create(&self, s: u64, p: &AllocationProperties) -> BackendResult<PhysicalHandle> {
+        Forward::create(self, s, p)
     }
-    fn release(&self, handle: PhysicalHandle) -> BackendResult<()> {
-        Forward::release(self, handle)
+    fn release(&self, h: PhysicalHandle) -> BackendResult<()> {
+        Forward::release(self, h)
     }
-    fn map(&self, address: DeviceAddress, size: u64, handle: PhysicalHandle) -> BackendResult<()> {
-        Forward::map(self, address, size, handle)
+    fn map(&self, a: DeviceAddress, s: u64, h: PhysicalHandle) -> BackendResult<()> {
+        Forward::map(self, a, s, h)
     }
-    fn set_access(
-        &self,
-        address: DeviceAddress,
-        size: u64,
-        access: &[AccessDescriptor],
-    ) -> BackendResult<()> {
-        Forward::set_access(self, address, size, access)
+    fn set_access(&self, a: DeviceAddress, s: u64, d: &[AccessDescriptor]) -> BackendResult<()> {
+        Forward::set_access(self, a, s, d)
     }
-    fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        Forward::unmap(self, address, size)
+    fn unmap(&self, a: DeviceAddress, s: u64) -> BackendResult<()> {
+        Forward::unmap(self, a, s)
     }
-    fn synchronize(&self, device: DeviceId) -> BackendResult<()> {
-        Forward::synchronize(self, device)
+    fn synchronize(&self, d: DeviceId) -> BackendResult<()> {
+        Forward::synchronize(self, d)
     }
     fn copy_to_device(&self, dst: DeviceAddress, src: &[u8]) -> BackendResult<()> {
         Forward::copy_to_device(self, dst, src)
@@ -229,21 +216,17 @@ impl<T: Forward> VirtualMemoryBackend for T {
     fn copy_from_device(&self, dst: &mut [u8], src: DeviceAddress) -> BackendResult<()> {
         Forward::copy_from_device(self, dst, src)
     }
-    fn copy_rows_async(&self, copy: &RowCopy, stream: StreamHandle) -> BackendResult<()> {
-        Forward::copy_rows_async(self, copy, stream)
+    fn copy_rows_async(&self, c: &RowCopy, s: StreamHandle) -> BackendResult<()> {
+        Forward::copy_rows_async(self, c, s)
     }
-    fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {
-        Forward::export_posix_fd(self, handle)
+    fn export_posix_fd(&self, h: PhysicalHandle) -> BackendResult<OwnedFd> {
+        Forward::export_posix_fd(self, h)
     }
-    fn import_posix_fd(
-        &self,
-        device: DeviceId,
-        fd: BorrowedFd<'_>,
-    ) -> BackendResult<PhysicalHandle> {
-        Forward::import_posix_fd(self, device, fd)
+    fn import_posix_fd(&self, d: DeviceId, fd: BorrowedFd<'_>) -> BackendResult<PhysicalHandle> {
+        Forward::import_posix_fd(self, d, fd)
     }
-    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
-        Forward::can_access_peer(self, device, peer)
+    fn can_access_peer(&self, d: DeviceId, peer: DeviceId) -> BackendResult<bool> {
+        Forward::can_access_peer(self, d, peer)
     }
     fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
         Forward::kernel_probe(self)

@@ -87,6 +87,7 @@ impl Record {
 
 /// The recorder's books: the driver's state as the calls that succeeded left it, each
 /// allocation kept with the handle it was made as, and the anomalies noted.
+#[derive(Debug)]
 struct Books {
     model: DriverModel<PhysicalHandle>,
     anomalies: Vec<String>,
@@ -144,18 +145,10 @@ impl Books {
 /// A backend that books every range, handle and mapping created and destroyed through the
 /// one it wraps (see the module docs of `decorate`). Only successful calls change the books;
 /// a call that breaks the drivers' rules is noted as an anomaly whatever its result.
+#[derive(Debug)]
 pub struct Recording {
     inner: Arc<dyn VirtualMemoryBackend>,
     books: Mutex<Books>,
-}
-
-impl std::fmt::Debug for Recording {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Recording")
-            .field("inner", &self.inner.name())
-            .field("record", &self.record())
-            .finish()
-    }
 }
 
 impl Recording {
@@ -260,10 +253,8 @@ impl Forward for Recording {
         {
             let mut b = lock(&self.books);
             let op = Operation::Map;
-            let reserved = b.model.check_reserved(op, address, size);
-            b.note_refusal(format_args!("map at {address}"), reserved);
-            let free = b.model.check_unmapped(op, address, size);
-            b.note_refusal(format_args!("map at {address}"), free);
+            let target = b.model.check_map_target(op, address, size);
+            b.note_refusal(format_args!("map at {address}"), target);
             if b.model.handle(op, handle).is_err() {
                 let why = if b.released_but_mapped(handle) {
                     "already released"

@@ -57,29 +57,6 @@ impl<A, H> DriverModel<A, H> {
             .map(|(s, size)| (*s, *size))
     }
 
-    /// Checks that `[address, address + size)` lies in one reserved range, to its end:
-    /// `InvalidValue` when the address is not reserved or the range runs past its
-    /// reservation (no real driver checks the latter; the simulator refuses it so that bugs
-    /// surface, the host because `MAP_FIXED` would replace memory beyond it).
-    pub fn check_reserved(
-        &self,
-        op: Operation,
-        address: DeviceAddress,
-        size: u64,
-    ) -> Result<(), BackendError> {
-        let end = self.end_of(op, address.0, size)?;
-        let (start, reserved) = self
-            .range_containing(address.0)
-            .ok_or_else(|| self.invalid(op, format!("{address} is not reserved")))?;
-        if end > start.saturating_add(reserved) {
-            return Err(self.invalid(
-                op,
-                format!("{size} bytes at {address} run past their reservation"),
-            ));
-        }
-        Ok(())
-    }
-
     /// Checks a free: `[address, address + size)` is exactly a reserved range and holds no
     /// live mapping (`InvalidValue` otherwise: a second free, a wrong size, a free under a
     /// mapping).

@@ -43,19 +43,30 @@ impl<A, H> DriverModel<A, H> {
         if !address.0.is_multiple_of(g) {
             return Err(self.invalid(op, format!("{address} is not aligned to {g}")));
         }
-        self.check_reserved(op, address, size)?;
-        self.check_unmapped(op, address, size)?;
+        self.check_map_target(op, address, size)?;
         Ok(h)
     }
 
-    /// `InvalidValue` if a live mapping overlaps `[address, address + size)`.
-    pub fn check_unmapped(
+    /// Checks where a map would go: `[address, address + size)` lies in one reserved range,
+    /// to its end, and no live mapping overlaps it (`InvalidValue` otherwise). No real driver
+    /// checks the end; the simulator refuses a map past it so that bugs surface, the host
+    /// because `MAP_FIXED` would replace memory beyond the reservation.
+    pub fn check_map_target(
         &self,
         op: Operation,
         address: DeviceAddress,
         size: u64,
     ) -> Result<(), BackendError> {
         let end = self.end_of(op, address.0, size)?;
+        let (start, reserved) = self
+            .range_containing(address.0)
+            .ok_or_else(|| self.invalid(op, format!("{address} is not reserved")))?;
+        if end > start.saturating_add(reserved) {
+            return Err(self.invalid(
+                op,
+                format!("{size} bytes at {address} run past their reservation"),
+            ));
+        }
         let overlaps = self
             .mappings
             .range(..end)

@@ -292,7 +292,7 @@ fn ranges_are_found_and_bounded() {
     assert!(m.range_free(0, 16 * G));
     assert_eq!(m.end_of(Operation::Map, 10, 5).ok(), Some(15));
     assert!(m.end_of(Operation::Map, u64::MAX, 1).is_err());
-    let overflow = m.check_reserved(Operation::Map, DeviceAddress(u64::MAX), 2);
+    let overflow = m.check_map_target(Operation::Map, DeviceAddress(u64::MAX), 2);
     assert_eq!(kind(overflow), Some(ErrorKind::InvalidValue));
     let spans = [(0, 4), (4, 4), (6, 4)];
     assert_eq!(bytes_within(spans.into_iter(), 0, 8), 8);
