@@ -344,7 +344,7 @@ impl VirtualMemoryBackend for HostBackend {
             }
             let id = result::fstat(&fd).map_err(|e| e.to_error(op))?;
             let exportable = properties.handle_type == ShareableHandleType::PosixFd;
-            let handle = s.record_handle(fd, (id.dev, id.ino), size, exportable);
+            let handle = s.record_created(fd, (id.dev, id.ino), size, exportable);
             tracing::debug!(%handle, "created");
             Ok(handle)
         })

@@ -137,7 +137,20 @@ impl State {
         self.model.check_capacity(op, HOST, size, self.capacity)
     }
 
-    /// Records a new handle of the allocation `key` (of `size` bytes) that owns `fd`.
+    /// Records the handle of a memfd just created (a new allocation of `size` bytes).
+    pub(crate) fn record_created(
+        &mut self,
+        fd: OwnedFd,
+        key: AllocationKey,
+        size: u64,
+        exportable: bool,
+    ) -> PhysicalHandle {
+        let id = self.model.new_allocation(HOST, size, key);
+        self.model.new_handle(id, HostHandle { fd, exportable })
+    }
+
+    /// Records a new handle of the allocation `key` (of `size` bytes) that owns `fd`: an
+    /// import, of a memfd this backend may hold already (then the same allocation).
     pub(crate) fn record_handle(
         &mut self,
         fd: OwnedFd,
