@@ -137,16 +137,15 @@ impl State {
         self.model.check_capacity(op, HOST, size, self.capacity)
     }
 
-    /// Records the handle of a memfd just created (a new allocation of `size` bytes).
+    /// Records the handle of a memfd just created: a new allocation of `size` bytes.
     pub(crate) fn record_created(
         &mut self,
-        fd: OwnedFd,
         key: AllocationKey,
         size: u64,
-        exportable: bool,
+        h: HostHandle,
     ) -> PhysicalHandle {
         let id = self.model.new_allocation(HOST, size, key);
-        self.model.new_handle(id, HostHandle { fd, exportable })
+        self.model.new_handle(id, h)
     }
 
     /// Records a new handle of the allocation `key` (of `size` bytes) that owns `fd`: an
@@ -158,11 +157,11 @@ impl State {
         size: u64,
         exportable: bool,
     ) -> PhysicalHandle {
-        let id = match self.model.find_allocation(|a| a.extra == key) {
-            Some(id) => id,
-            None => self.model.new_allocation(HOST, size, key),
-        };
-        self.model.new_handle(id, HostHandle { fd, exportable })
+        let handle = HostHandle { fd, exportable };
+        match self.model.find_allocation(|a| a.extra == key) {
+            Some(id) => self.model.new_handle(id, handle),
+            None => self.record_created(key, size, handle),
+        }
     }
 
     /// Forgets a handle and returns its memfd (closing it releases the handle); the
