@@ -13,7 +13,7 @@ use kvvm_hal::{
 use crate::conv::{align_up, is_multiple, pointer, protection, to_u64, to_usize};
 use crate::error::invalid;
 use crate::result;
-use crate::state::State;
+use crate::state::{HostHandle, State};
 use crate::{HostConfig, HostLedger};
 
 /// The name memfds carry (`/proc/<pid>/maps` shows `/memfd:kvvm-host (deleted)`).
@@ -344,7 +344,7 @@ impl VirtualMemoryBackend for HostBackend {
             }
             let id = result::fstat(&fd).map_err(|e| e.to_error(op))?;
             let exportable = properties.handle_type == ShareableHandleType::PosixFd;
-            let handle = s.record_handle(fd, (id.dev, id.ino), size, exportable);
+            let handle = s.record_created((id.dev, id.ino), size, HostHandle { fd, exportable });
             tracing::debug!(%handle, "created");
             Ok(handle)
         })

@@ -35,13 +35,6 @@ pub(crate) fn to_u64(value: usize) -> u64 {
     u64::try_from(value).unwrap_or(u64::MAX)
 }
 
-/// `start + len`, or `InvalidValue` on overflow.
-pub(crate) fn end_of(op: Operation, start: u64, len: u64) -> BackendResult<u64> {
-    start
-        .checked_add(len)
-        .ok_or_else(|| invalid(op, format!("range of {len} bytes at {start:#x} overflows")))
-}
-
 /// Whether `value` is a multiple of `granule` (a granule of 0 divides nothing).
 pub(crate) fn is_multiple(value: u64, granule: u64) -> bool {
     granule != 0 && value.is_multiple_of(granule)
@@ -83,8 +76,6 @@ mod tests {
     fn conversions_are_checked() {
         assert_eq!(to_usize(Operation::Map, "size", 4096).ok(), Some(4096));
         assert_eq!(to_u64(7), 7);
-        assert_eq!(end_of(Operation::Map, 10, 5).ok(), Some(15));
-        assert!(end_of(Operation::Map, u64::MAX, 1).is_err());
         assert_eq!(align_up(5, 4), Some(8));
         assert_eq!(align_up(8, 4), Some(8));
         assert_eq!(align_up(u64::MAX, 4), None);

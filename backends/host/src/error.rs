@@ -140,11 +140,6 @@ pub(crate) fn invalid(op: Operation, detail: impl Into<String>) -> BackendError 
     refused(op, ErrorKind::InvalidValue, detail)
 }
 
-/// `NotSupported` (`EOPNOTSUPP`) with a detail.
-pub(crate) fn not_supported(op: Operation, detail: impl Into<String>) -> BackendError {
-    refused(op, ErrorKind::NotSupported, detail)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -202,7 +197,7 @@ mod tests {
             "release failed: invalid value (EINVAL, code 22): handle 0x1 is not live"
         );
         assert_eq!(
-            not_supported(Operation::Map, "x").kind,
+            refused(Operation::Map, ErrorKind::NotSupported, "x").kind,
             ErrorKind::NotSupported
         );
     }

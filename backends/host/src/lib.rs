@@ -105,16 +105,10 @@
 //! ```
 
 #[cfg(target_os = "linux")]
-mod address;
-#[cfg(target_os = "linux")]
 mod backend;
 #[cfg(target_os = "linux")]
 mod conv;
 pub mod error;
-#[cfg(target_os = "linux")]
-mod mapping;
-#[cfg(target_os = "linux")]
-mod physical;
 #[cfg(target_os = "linux")]
 mod probe;
 #[cfg(target_os = "linux")]

@@ -2,26 +2,28 @@
 //! bytes live behind each allocation in a [`ChunkStore`](crate::store::ChunkStore), only where
 //! they were written (a 64 TiB reservation or a 140 GiB device costs nothing until written).
 
-use kvvm_hal::{Access, BackendError, DeviceAddress, DeviceId, ErrorKind, Operation, RowCopy};
+use kvvm_hal::model::{Need, Piece};
+use kvvm_hal::{BackendError, DeviceAddress, DeviceId, ErrorKind, Operation, RowCopy};
 
-use crate::state::{end_of, invalid, State};
+use crate::state::State;
 
 impl State {
-    /// Splits `[start, start + len)` into (allocation, offset in allocation, length) pieces,
-    /// checking that every byte is mapped with the needed access for the device that holds
-    /// the memory (a copy runs on its copy engines).
+    /// Splits `[start, start + len)` into pieces of one allocation each, checking that every
+    /// byte is mapped with the needed access for the device that holds the memory (a copy
+    /// runs on its copy engines).
     pub(crate) fn pieces(
         &self,
         op: Operation,
         start: u64,
         len: u64,
         write: bool,
-    ) -> Result<Vec<(u64, u64, u64)>, BackendError> {
+    ) -> Result<Vec<Piece>, BackendError> {
         self.pieces_for(op, start, len, write, None)
     }
 
     /// [`pieces`](Self::pieces) with the access of `device` checked instead (a kernel running
-    /// there); `None` checks the holding device's.
+    /// there); `None` checks the holding device's. Under the `ignore_read_only` quirk a write
+    /// needs read access only.
     pub(crate) fn pieces_for(
         &self,
         op: Operation,
@@ -29,46 +31,12 @@ impl State {
         len: u64,
         write: bool,
         device: Option<DeviceId>,
-    ) -> Result<Vec<(u64, u64, u64)>, BackendError> {
-        let end = end_of(op, start, len)?;
-        let mut out = Vec::new();
-        let mut cursor = start;
-        while cursor < end {
-            let (ms, m) = self
-                .mappings
-                .range(..=cursor)
-                .next_back()
-                .filter(|(s, m)| cursor < s.saturating_add(m.size))
-                .ok_or_else(|| invalid(op, format!("{cursor:#x} is not mapped")))?;
-            let a = self
-                .allocations
-                .get(&m.allocation)
-                .ok_or_else(|| invalid(op, "mapping without allocation"))?;
-            let who = device.unwrap_or(a.device);
-            let access = m
-                .access
-                .get(who.0 as usize)
-                .copied()
-                .unwrap_or(Access::None);
-            let allowed = if write {
-                access.can_write() || (self.quirks.ignore_read_only && access.can_read())
-            } else {
-                access.can_read()
-            };
-            if !allowed {
-                return Err(invalid(
-                    op,
-                    format!(
-                        "{cursor:#x} has access {access:?} for {who}, {} needed",
-                        if write { "write" } else { "read" }
-                    ),
-                ));
-            }
-            let piece_end = ms.saturating_add(m.size).min(end);
-            out.push((m.allocation, cursor - ms, piece_end - cursor));
-            cursor = piece_end;
-        }
-        Ok(out)
+    ) -> Result<Vec<Piece>, BackendError> {
+        let need = match (write, self.quirks.ignore_read_only) {
+            (true, false) => Need::Write,
+            _ => Need::Read,
+        };
+        self.model.pieces(op, start, len, need, device)
     }
 
     pub(crate) fn copy_to_device(
@@ -92,24 +60,24 @@ impl State {
     }
 
     /// Writes `src` over the checked `pieces` (of [`pieces`](Self::pieces)), in order.
-    pub(crate) fn write_pieces(&mut self, pieces: &[(u64, u64, u64)], src: &[u8]) {
+    pub(crate) fn write_pieces(&mut self, pieces: &[Piece], src: &[u8]) {
         let mut consumed = 0usize;
-        for &(alloc, offset, len) in pieces {
-            let len = len as usize;
-            if let Some(a) = self.allocations.get_mut(&alloc) {
-                a.data.write(offset, &src[consumed..consumed + len]);
+        for p in pieces {
+            let len = p.len as usize;
+            if let Some(a) = self.model.allocation_mut(p.allocation) {
+                a.extra.data.write(p.offset, &src[consumed..consumed + len]);
             }
             consumed += len;
         }
     }
 
     /// Reads the checked `pieces` (of [`pieces`](Self::pieces)) into `dst`, in order.
-    pub(crate) fn read_pieces(&self, pieces: &[(u64, u64, u64)], dst: &mut [u8]) {
+    pub(crate) fn read_pieces(&self, pieces: &[Piece], dst: &mut [u8]) {
         let mut filled = 0usize;
-        for &(alloc, offset, len) in pieces {
-            let len = len as usize;
-            if let Some(a) = self.allocations.get(&alloc) {
-                a.data.read(offset, &mut dst[filled..filled + len]);
+        for p in pieces {
+            let len = p.len as usize;
+            if let Some(a) = self.model.allocation(p.allocation) {
+                a.extra.data.read(p.offset, &mut dst[filled..filled + len]);
             }
             filled += len;
         }

@@ -87,13 +87,8 @@ impl Ledger {
 
     /// Bytes mapped inside `[address, address + size)`.
     pub fn mapped_bytes_in(&self, address: DeviceAddress, size: u64) -> u64 {
-        let start = address.0;
-        let end = start.saturating_add(size);
-        self.mappings
-            .iter()
-            .filter(|m| m.address.0 >= start && m.address.0.saturating_add(m.size) <= end)
-            .map(|m| m.size)
-            .sum()
+        let spans = self.mappings.iter().map(|m| (m.address.0, m.size));
+        kvvm_hal::model::bytes_within(spans, address.0, size)
     }
 
     /// The reservation starting at `address`, if any.

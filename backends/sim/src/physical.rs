@@ -11,7 +11,7 @@ use kvvm_hal::{
 };
 
 use crate::sim_error;
-use crate::state::{invalid, not_supported, Allocation, State};
+use crate::state::{invalid, SimAllocation, State};
 
 impl State {
     pub(crate) fn create(
@@ -21,109 +21,47 @@ impl State {
     ) -> Result<PhysicalHandle, BackendError> {
         let op = Operation::Create;
         let d = self.device(op, props.device)?;
-        let g = d.granularity.minimum.max(1);
-        if size == 0 || !size.is_multiple_of(g) {
-            return Err(invalid(op, format!("size {size} is not a multiple of {g}")));
-        }
-        if props.handle_type == ShareableHandleType::PosixFd && !d.posix_fd {
-            return Err(not_supported(op, "POSIX fd handles not supported"));
-        }
-        let capacity = d.capacity;
-        let idx = props.device.0 as usize;
-        let used = self.used.get(idx).copied().unwrap_or(0);
-        if used.checked_add(size).is_none_or(|u| u > capacity) {
+        let (granule, capacity, posix_fd) = (d.granularity.minimum.max(1), d.capacity, d.posix_fd);
+        self.model.check_size(op, size, granule)?;
+        if props.handle_type == ShareableHandleType::PosixFd && !posix_fd {
             return Err(sim_error(
                 op,
-                ErrorKind::OutOfMemory,
-                format!(
-                    "{size} bytes requested, {} free",
-                    capacity.saturating_sub(used)
-                ),
+                ErrorKind::NotSupported,
+                "POSIX fd handles not supported",
             ));
         }
-        if let Some(u) = self.used.get_mut(idx) {
-            *u = used + size;
-        }
-        let id = self.next_allocation;
-        self.next_allocation += 1;
-        self.allocations.insert(
-            id,
-            Allocation {
-                device: props.device,
-                size,
-                handle_type: props.handle_type,
-                handles: 1,
-                mappings: 0,
-                data: crate::store::ChunkStore::default(),
-                exports: Vec::new(),
-            },
-        );
-        Ok(self.new_handle(id))
-    }
-
-    pub(crate) fn new_handle(&mut self, allocation: u64) -> PhysicalHandle {
-        let h = self.next_handle;
-        self.next_handle += 0x10;
-        self.handles.insert(h, allocation);
-        PhysicalHandle(h)
+        self.model
+            .check_capacity(op, props.device, size, capacity)?;
+        let extra = SimAllocation {
+            handle_type: props.handle_type,
+            data: crate::store::ChunkStore::default(),
+            exports: Vec::new(),
+        };
+        let id = self.model.new_allocation(props.device, size, extra);
+        Ok(self.model.new_handle(id, ()))
     }
 
     /// Releases a handle; returns the size of its allocation (what the release is charged for).
     pub(crate) fn release(&mut self, handle: PhysicalHandle) -> Result<u64, BackendError> {
-        let op = Operation::Release;
-        let id = self
-            .handles
-            .remove(&handle.0)
-            .ok_or_else(|| invalid(op, format!("{handle} is not live")))?;
-        let size = self.allocations.get(&id).map_or(0, |a| a.size);
-        if let Some(a) = self.allocations.get_mut(&id) {
-            a.handles = a.handles.saturating_sub(1);
-            if self.quirks.release_frees_mapped && a.handles == 0 {
-                // Deliberately wrong: drop the data and the capacity at once.
-                a.data.clear();
-                let (dev, size) = (a.device.0 as usize, a.size);
-                a.size = 0;
-                if let Some(u) = self.used.get_mut(dev) {
-                    *u = u.saturating_sub(size);
-                }
+        let released = self.model.release(handle)?;
+        if self.quirks.release_frees_mapped {
+            // Deliberately wrong: drop the data and the capacity at once, mapped or not.
+            let id = released.allocation;
+            if let Some(a) = self.model.allocation_mut(id).filter(|a| a.handles == 0) {
+                a.extra.data.clear();
+                self.model.free_bytes_now(id);
             }
         }
-        self.maybe_free_allocation(id);
-        Ok(size)
-    }
-
-    pub(crate) fn maybe_free_allocation(&mut self, id: u64) {
-        let dead = self
-            .allocations
-            .get(&id)
-            .is_some_and(|a| a.handles == 0 && a.mappings == 0);
-        if dead {
-            if let Some(a) = self.allocations.remove(&id) {
-                if let Some(u) = self.used.get_mut(a.device.0 as usize) {
-                    *u = u.saturating_sub(a.size);
-                }
-            }
-        }
-    }
-
-    /// The allocation a live handle refers to, or `InvalidValue`.
-    pub(crate) fn allocation_of(
-        &self,
-        op: Operation,
-        handle: PhysicalHandle,
-    ) -> Result<u64, BackendError> {
-        self.handles
-            .get(&handle.0)
-            .copied()
-            .ok_or_else(|| invalid(op, format!("{handle} is not live")))
+        Ok(released.size)
     }
 
     pub(crate) fn export(&mut self, handle: PhysicalHandle) -> Result<OwnedFd, BackendError> {
         let op = Operation::Export;
-        let id = self.allocation_of(op, handle)?;
+        let id = self.model.allocation_of(op, handle)?;
         let a = self
-            .allocations
-            .get_mut(&id)
+            .model
+            .allocation_mut(id)
+            .map(|a| &mut a.extra)
             .ok_or_else(|| invalid(op, "handle without allocation"))?;
         if a.handle_type != ShareableHandleType::PosixFd {
             return Err(invalid(
@@ -157,21 +95,16 @@ impl State {
             .map_err(io)?
             .ino();
         let id = self
-            .allocations
-            .iter()
-            .find(|(_, a)| a.exports.iter().any(|(i, _)| *i == ino))
-            .map(|(id, _)| *id)
+            .model
+            .find_allocation(|a| a.extra.exports.iter().any(|(i, _)| *i == ino))
             .ok_or_else(|| invalid(op, "descriptor was not exported by this driver"))?;
-        let owner = self.allocations.get(&id).map(|a| a.device);
-        if owner.is_some_and(|o| o != device) {
+        let owner = self.model.allocation(id).map(|a| a.device);
+        if let Some(owner) = owner.filter(|o| *o != device) {
             return Err(invalid(
                 op,
-                format!("the memory is on {}, not {device}", owner.unwrap_or(device)),
+                format!("the memory is on {owner}, not {device}"),
             ));
         }
-        if let Some(a) = self.allocations.get_mut(&id) {
-            a.handles += 1;
-        }
-        Ok(self.new_handle(id))
+        Ok(self.model.new_handle(id, ()))
     }
 }

@@ -1,12 +1,15 @@
-//! The simulated driver's state: its records (reservations, allocations, mappings), the call
-//! counts and fault plan, the devices, and the ledger of its truth. The semantics of the calls
-//! are in `address.rs` (reserve, free), `physical.rs` (create, release, export, import),
-//! `mapping.rs` (map, set access, unmap) and `data.rs` (copies).
+//! The simulated driver's state: the driver's books (`kvvm_hal::model::DriverModel`, shared
+//! with the host backend and the decorators), what the simulator keeps of its own (each
+//! allocation's bytes and exports, the quirks' marks), the call counts and fault plan, the
+//! devices, and the ledger of its truth. The semantics of the calls are in `address.rs`
+//! (reserve, free), `physical.rs` (create, release, export, import), `mapping.rs` (map, set
+//! access, unmap) and `data.rs` (copies).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeSet;
 use std::os::fd::OwnedFd;
 use std::time::Duration;
 
+use kvvm_hal::model::DriverModel;
 use kvvm_hal::{
     Access, AccessDescriptor, BackendError, CallCounts, DeviceAddress, DeviceId, ErrorKind,
     MemoryInfo, Operation, PhysicalHandle, ShareableHandleType,
@@ -20,33 +23,15 @@ use crate::sim_error;
 /// Lowest simulated virtual address (1 TiB).
 pub(crate) const VA_BASE: u64 = 1 << 40;
 
+/// What the simulator keeps with each allocation of the model.
 #[derive(Debug)]
-pub(crate) struct Reservation {
-    pub(crate) size: u64,
-    /// Set by a multi-mapping unmap under the `multi_unmap_breaks_free` quirk.
-    pub(crate) broken_by_multi_unmap: bool,
-}
-
-#[derive(Debug)]
-pub(crate) struct Allocation {
-    pub(crate) device: DeviceId,
-    pub(crate) size: u64,
+pub(crate) struct SimAllocation {
     pub(crate) handle_type: ShareableHandleType,
-    pub(crate) handles: u64,
-    pub(crate) mappings: u64,
     /// The bytes written into it, stored only where written (`store.rs`).
     pub(crate) data: crate::store::ChunkStore,
     /// A duplicate of each exported descriptor, kept so that its inode identifies the
     /// allocation on import for as long as the allocation lives.
     pub(crate) exports: Vec<(u64, OwnedFd)>,
-}
-
-#[derive(Debug)]
-pub(crate) struct Mapping {
-    pub(crate) size: u64,
-    pub(crate) allocation: u64,
-    /// Access per device ordinal.
-    pub(crate) access: Vec<Access>,
 }
 
 #[derive(Debug)]
@@ -56,13 +41,10 @@ pub(crate) struct State {
     pub(crate) quirks: SimQuirks,
     pub(crate) address_space: u64,
     pub(crate) va_granule: u64,
-    pub(crate) used: Vec<u64>,
-    pub(crate) reservations: BTreeMap<u64, Reservation>,
-    pub(crate) mappings: BTreeMap<u64, Mapping>,
-    pub(crate) handles: HashMap<u64, u64>,
-    pub(crate) allocations: HashMap<u64, Allocation>,
-    pub(crate) next_handle: u64,
-    pub(crate) next_allocation: u64,
+    /// The driver's books.
+    pub(crate) model: DriverModel<SimAllocation>,
+    /// Reservations a multi-mapping unmap broke under the `multi_unmap_breaks_free` quirk.
+    pub(crate) broken_by_multi_unmap: BTreeSet<u64>,
     pub(crate) counts: CallCounts,
     pub(crate) faults: FaultPlan,
     pub(crate) driver_time: Duration,
@@ -72,14 +54,9 @@ pub(crate) fn invalid(op: Operation, detail: impl Into<String>) -> BackendError 
     sim_error(op, ErrorKind::InvalidValue, detail)
 }
 
-pub(crate) fn not_supported(op: Operation, detail: impl Into<String>) -> BackendError {
-    sim_error(op, ErrorKind::NotSupported, detail)
-}
-
-pub(crate) fn end_of(op: Operation, start: u64, size: u64) -> Result<u64, BackendError> {
-    start
-        .checked_add(size)
-        .ok_or_else(|| invalid(op, "address range overflows"))
+/// How the model refuses: with the simulator's codes.
+fn refusal(op: Operation, kind: ErrorKind, detail: String) -> BackendError {
+    sim_error(op, kind, detail)
 }
 
 impl State {
@@ -96,13 +73,8 @@ impl State {
             quirks: config.quirks,
             address_space: config.address_space,
             va_granule,
-            used: vec![0; config.devices.len()],
-            reservations: BTreeMap::new(),
-            mappings: BTreeMap::new(),
-            handles: HashMap::new(),
-            allocations: HashMap::new(),
-            next_handle: 0x1000,
-            next_allocation: 1,
+            model: DriverModel::new(config.devices.len(), refusal),
+            broken_by_multi_unmap: BTreeSet::new(),
             counts: CallCounts::default(),
             faults: FaultPlan::default(),
             driver_time: Duration::ZERO,
@@ -157,7 +129,7 @@ impl State {
 
     pub(crate) fn memory_info(&self, device: DeviceId) -> Result<MemoryInfo, BackendError> {
         let d = self.device(Operation::MemoryInfo, device)?;
-        let used = self.used.get(device.0 as usize).copied().unwrap_or(0);
+        let used = self.model.used_on(device);
         Ok(MemoryInfo {
             free: d.capacity.saturating_sub(used),
             total: d.capacity,
@@ -165,24 +137,23 @@ impl State {
     }
 
     pub(crate) fn ledger(&self) -> Ledger {
-        let mut handles: Vec<LedgerHandle> = self
-            .handles
-            .iter()
-            .filter_map(|(h, id)| {
-                self.allocations.get(id).map(|a| LedgerHandle {
-                    handle: PhysicalHandle(*h),
-                    allocation: *id,
+        let m = &self.model;
+        let mut handles: Vec<LedgerHandle> = m
+            .handles()
+            .filter_map(|(h, handle)| {
+                m.allocation(handle.allocation).map(|a| LedgerHandle {
+                    handle: PhysicalHandle(h),
+                    allocation: handle.allocation,
                     size: a.size,
                     device: a.device,
                 })
             })
             .collect();
         handles.sort_by_key(|h| h.handle);
-        let mut allocations: Vec<LedgerAllocation> = self
-            .allocations
-            .iter()
+        let mut allocations: Vec<LedgerAllocation> = m
+            .allocations()
             .map(|(id, a)| LedgerAllocation {
-                id: *id,
+                id,
                 device: a.device,
                 size: a.size,
                 handles: a.handles,
@@ -191,45 +162,47 @@ impl State {
             .collect();
         allocations.sort_by_key(|a| a.id);
         Ledger {
-            reservations: self
-                .reservations
-                .iter()
-                .map(|(a, r)| LedgerReservation {
-                    address: DeviceAddress(*a),
-                    size: r.size,
+            reservations: m
+                .ranges()
+                .map(|(a, size)| LedgerReservation {
+                    address: DeviceAddress(a),
+                    size,
                 })
                 .collect(),
             handles,
             allocations,
-            mappings: self
-                .mappings
-                .iter()
-                .map(|(a, m)| LedgerMapping {
-                    address: DeviceAddress(*a),
-                    size: m.size,
-                    allocation: m.allocation,
-                    access: m
-                        .access
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, acc)| **acc != Access::None)
-                        .map(|(i, acc)| AccessDescriptor {
-                            device: DeviceId(u32::try_from(i).unwrap_or(u32::MAX)),
-                            access: *acc,
-                        })
-                        .collect(),
+            mappings: m
+                .mappings()
+                .map(|(a, map)| LedgerMapping {
+                    address: DeviceAddress(a),
+                    size: map.size,
+                    allocation: map.allocation,
+                    access: granted(&map.access),
                 })
                 .collect(),
-            physical_bytes: self.used.clone(),
+            physical_bytes: m.used().to_vec(),
             stored_bytes: self.stored_bytes(),
         }
     }
 
     /// Host bytes holding the data written into every live allocation (`store.rs`).
     pub(crate) fn stored_bytes(&self) -> u64 {
-        self.allocations
-            .values()
-            .map(|a| a.data.stored_bytes())
+        self.model
+            .allocations()
+            .map(|(_, a)| a.extra.data.stored_bytes())
             .fold(0u64, u64::saturating_add)
     }
+}
+
+/// The devices given access, as descriptors (those with none omitted).
+fn granted(access: &[Access]) -> Vec<AccessDescriptor> {
+    access
+        .iter()
+        .enumerate()
+        .filter(|(_, acc)| **acc != Access::None)
+        .map(|(i, acc)| AccessDescriptor {
+            device: DeviceId(u32::try_from(i).unwrap_or(u32::MAX)),
+            access: *acc,
+        })
+        .collect()
 }

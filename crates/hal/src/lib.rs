@@ -82,7 +82,11 @@
 //!   with no vendor code;
 //! * [`decorate`]: backends that wrap any backend, [`decorate::FaultInjecting`] (fail the Nth
 //!   call of chosen operations) and [`decorate::Recording`] (books of every range, handle and
-//!   mapping made through it), so that fault injection and leak checks run on every backend.
+//!   mapping made through it), so that fault injection and leak checks run on every backend,
+//!   both over [`decorate::Forward`], the forwarding base any wrapper backend is written on;
+//! * [`model::DriverModel`]: the driver's state (ranges, allocations, handles, mappings and
+//!   their access) with the checks of the contract table above, kept once for the simulator,
+//!   the host backend, the recorder and the workload's counting wrapper.
 
 #![forbid(unsafe_code)]
 
@@ -90,6 +94,7 @@ mod calls;
 mod cost;
 pub mod decorate;
 mod error;
+pub mod model;
 mod trace;
 mod types;
 

@@ -1,16 +1,15 @@
 //! Driver-call accounting: a counting wrapper around any backend, and the cost model of the
 //! policies that do not use the virtual-memory API.
 
-use std::collections::{BTreeMap, HashMap};
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use kvvm_hal::model::DriverModel;
 use kvvm_hal::{
-    AccessDescriptor, AllocationProperties, BackendResult, CallCounts, Capabilities, DeviceAddress,
-    DeviceId, DeviceInfo, Granularity, KernelProbe, LatencyModel, MemoryInfo, Operation,
-    PhysicalHandle, VirtualMemoryBackend,
+    AccessDescriptor, AllocationProperties, BackendError, BackendResult, CallCounts, DeviceAddress,
+    DeviceId, LatencyModel, Operation, PhysicalHandle, VirtualMemoryBackend,
 };
 
 /// The operations counted as driver calls (copies of KV bytes are counted apart).
@@ -55,35 +54,27 @@ pub struct DriverTally {
 }
 
 /// What the model charges depends on: the size of each live handle, and each live mapping's
-/// size and whether its access was ever set. Kept from the calls that succeeded through the
-/// wrapper (a handle imported through it has no known size and is charged as 0 bytes).
-#[derive(Debug, Default)]
+/// size and whether a device has access to it yet: the driver's state as the calls that
+/// succeeded through the wrapper left it (a handle imported through it has no known size and
+/// is charged as 0 bytes).
+#[derive(Debug)]
 struct Books {
-    handles: HashMap<PhysicalHandle, u64>,
-    /// Mappings by start address: (size, access set at least once).
-    mappings: BTreeMap<u64, (u64, bool)>,
+    model: DriverModel,
     /// Mappings made, handles created, most mappings live at once.
     made: u64,
     created: u64,
     peak: u64,
 }
 
-impl Books {
-    /// The mappings starting in `[address, address + size)`: (start, size, access set).
-    fn mappings_in(&self, address: DeviceAddress, size: u64) -> Vec<(u64, u64, bool)> {
-        let end = address.0.saturating_add(size);
-        self.mappings
-            .range(address.0..end)
-            .map(|(a, (s, set))| (*a, *s, *set))
-            .collect()
+impl Default for Books {
+    fn default() -> Self {
+        Books {
+            model: DriverModel::new(0, BackendError::raised),
+            made: 0,
+            created: 0,
+            peak: 0,
+        }
     }
-}
-
-/// `(bytes, count)` of `mappings`.
-fn extent<'a>(mappings: impl Iterator<Item = &'a (u64, u64, bool)>) -> (u64, u64) {
-    mappings.fold((0, 0), |(b, n), (_, s, _)| {
-        (b.saturating_add(*s), n.saturating_add(1))
-    })
 }
 
 /// A [`VirtualMemoryBackend`] that forwards every call to another one and counts the calls of
@@ -181,21 +172,11 @@ impl CountingBackend {
     }
 }
 
-impl VirtualMemoryBackend for CountingBackend {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    fn devices(&self) -> BackendResult<Vec<DeviceInfo>> {
-        self.inner.devices()
-    }
-    fn memory_info(&self, device: DeviceId) -> BackendResult<MemoryInfo> {
-        self.inner.memory_info(device)
-    }
-    fn granularity(&self, properties: &AllocationProperties) -> BackendResult<Granularity> {
-        self.inner.granularity(properties)
+/// The counted calls are timed and charged; creates, maps, set accesses and unmaps are booked
+/// for what later calls cover; the rest forward.
+impl kvvm_hal::decorate::Forward for CountingBackend {
+    fn inner(&self) -> &dyn VirtualMemoryBackend {
+        &*self.inner
     }
     fn reserve(
         &self,
@@ -219,14 +200,20 @@ impl VirtualMemoryBackend for CountingBackend {
             self.inner.create(size, properties)
         })?;
         let mut books = self.books();
-        books.handles.insert(h, size);
+        books.model.adopt_handle(h, properties.device, size, (), ());
         books.created = books.created.saturating_add(1);
         Ok(h)
     }
     fn release(&self, handle: PhysicalHandle) -> BackendResult<()> {
-        let size = self.books().handles.get(&handle).copied().unwrap_or(0);
+        let size = {
+            let books = self.books();
+            let id = books.model.allocation_of(Operation::Release, handle).ok();
+            id.and_then(|id| books.model.allocation(id))
+                .map_or(0, |a| a.size)
+        };
         self.timed(Operation::Release, (size, 0), || self.inner.release(handle))?;
-        self.books().handles.remove(&handle);
+        // A handle the books do not know (made around the wrapper) is charged as 0 bytes.
+        let _ = self.books().model.release(handle);
         Ok(())
     }
     fn map(&self, address: DeviceAddress, size: u64, handle: PhysicalHandle) -> BackendResult<()> {
@@ -234,9 +221,9 @@ impl VirtualMemoryBackend for CountingBackend {
             self.inner.map(address, size, handle)
         })?;
         let mut books = self.books();
-        books.mappings.insert(address.0, (size, false));
+        books.model.insert_mapping(address, size, handle);
         books.made = books.made.saturating_add(1);
-        books.peak = books.peak.max(books.mappings.len() as u64);
+        books.peak = books.peak.max(books.model.mapping_count() as u64);
         Ok(())
     }
     fn set_access(
@@ -245,28 +232,19 @@ impl VirtualMemoryBackend for CountingBackend {
         size: u64,
         access: &[AccessDescriptor],
     ) -> BackendResult<()> {
-        let inside = self.books().mappings_in(address, size);
-        let fresh = extent(inside.iter().filter(|(_, _, set)| !*set));
-        self.timed(Operation::SetAccess, fresh, || {
+        let (count, bytes) = self.books().model.extent_in(address, size, true);
+        self.timed(Operation::SetAccess, (bytes, count), || {
             self.inner.set_access(address, size, access)
         })?;
-        let mut books = self.books();
-        for (a, _, _) in inside {
-            if let Some(m) = books.mappings.get_mut(&a) {
-                m.1 = true;
-            }
-        }
+        self.books().model.set_access(address, size, access);
         Ok(())
     }
     fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        let inside = self.books().mappings_in(address, size);
-        self.timed(Operation::Unmap, extent(inside.iter()), || {
+        let (count, bytes) = self.books().model.extent_in(address, size, false);
+        self.timed(Operation::Unmap, (bytes, count), || {
             self.inner.unmap(address, size)
         })?;
-        let mut books = self.books();
-        for (a, _, _) in inside {
-            books.mappings.remove(&a);
-        }
+        self.books().model.unmap(address, size);
         Ok(())
     }
     fn synchronize(&self, device: DeviceId) -> BackendResult<()> {
@@ -280,25 +258,14 @@ impl VirtualMemoryBackend for CountingBackend {
             .fetch_add(src.len() as u64, Ordering::Relaxed);
         self.inner.copy_to_device(dst, src)
     }
-    fn copy_from_device(&self, dst: &mut [u8], src: DeviceAddress) -> BackendResult<()> {
-        self.inner.copy_from_device(dst, src)
-    }
-    fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {
-        self.inner.export_posix_fd(handle)
-    }
     fn import_posix_fd(
         &self,
         device: DeviceId,
         fd: BorrowedFd<'_>,
     ) -> BackendResult<PhysicalHandle> {
-        self.inner.import_posix_fd(device, fd)
-    }
-
-    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
-        self.inner.can_access_peer(device, peer)
-    }
-    fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
-        self.inner.kernel_probe()
+        let h = self.inner.import_posix_fd(device, fd)?;
+        self.books().model.adopt_handle(h, device, 0, (), ());
+        Ok(h)
     }
 }
 

@@ -1,15 +1,10 @@
 //! [`FaultInjecting`]: a backend that fails chosen calls of the backend it wraps.
 
-use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
-use super::lock;
+use super::{lock, Forward};
 
-use crate::{
-    AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
-    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
-    Operation, PhysicalHandle, RowCopy, StreamHandle, VirtualMemoryBackend,
-};
+use crate::{BackendError, BackendResult, ErrorKind, Operation, VirtualMemoryBackend};
 
 /// Called with each operation before it is counted and, unless it fails, forwarded (a test
 /// may block in it to hold a call in flight).
@@ -58,16 +53,7 @@ impl std::fmt::Debug for FaultInjecting {
 impl FaultInjecting {
     /// The operations a multi-step manager operation is made of: what [`arm`](Self::arm)
     /// usually counts.
-    pub const STEPS: [Operation; 8] = [
-        Operation::Reserve,
-        Operation::Free,
-        Operation::Create,
-        Operation::Release,
-        Operation::Map,
-        Operation::SetAccess,
-        Operation::Unmap,
-        Operation::Synchronize,
-    ];
+    pub const STEPS: [Operation; 8] = Operation::VMM_CALLS;
 
     /// Wraps `inner`, disarmed.
     pub fn new(inner: Arc<dyn VirtualMemoryBackend>) -> Self {
@@ -164,119 +150,12 @@ impl FaultInjecting {
     }
 }
 
-impl VirtualMemoryBackend for FaultInjecting {
-    fn name(&self) -> &str {
-        self.inner.name()
+impl Forward for FaultInjecting {
+    fn inner(&self) -> &dyn VirtualMemoryBackend {
+        &*self.inner
     }
 
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    fn devices(&self) -> BackendResult<Vec<DeviceInfo>> {
-        self.check(Operation::Devices)?;
-        self.inner.devices()
-    }
-
-    fn memory_info(&self, device: DeviceId) -> BackendResult<MemoryInfo> {
-        self.check(Operation::MemoryInfo)?;
-        self.inner.memory_info(device)
-    }
-
-    fn granularity(&self, properties: &AllocationProperties) -> BackendResult<Granularity> {
-        self.check(Operation::Granularity)?;
-        self.inner.granularity(properties)
-    }
-
-    fn reserve(
-        &self,
-        size: u64,
-        alignment: u64,
-        fixed_address: Option<DeviceAddress>,
-    ) -> BackendResult<DeviceAddress> {
-        self.check(Operation::Reserve)?;
-        self.inner.reserve(size, alignment, fixed_address)
-    }
-
-    fn free(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        self.check(Operation::Free)?;
-        self.inner.free(address, size)
-    }
-
-    fn create(
-        &self,
-        size: u64,
-        properties: &AllocationProperties,
-    ) -> BackendResult<PhysicalHandle> {
-        self.check(Operation::Create)?;
-        self.inner.create(size, properties)
-    }
-
-    fn release(&self, handle: PhysicalHandle) -> BackendResult<()> {
-        self.check(Operation::Release)?;
-        self.inner.release(handle)
-    }
-
-    fn map(&self, address: DeviceAddress, size: u64, handle: PhysicalHandle) -> BackendResult<()> {
-        self.check(Operation::Map)?;
-        self.inner.map(address, size, handle)
-    }
-
-    fn set_access(
-        &self,
-        address: DeviceAddress,
-        size: u64,
-        access: &[AccessDescriptor],
-    ) -> BackendResult<()> {
-        self.check(Operation::SetAccess)?;
-        self.inner.set_access(address, size, access)
-    }
-
-    fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        self.check(Operation::Unmap)?;
-        self.inner.unmap(address, size)
-    }
-
-    fn synchronize(&self, device: DeviceId) -> BackendResult<()> {
-        self.check(Operation::Synchronize)?;
-        self.inner.synchronize(device)
-    }
-
-    fn copy_to_device(&self, dst: DeviceAddress, src: &[u8]) -> BackendResult<()> {
-        self.check(Operation::CopyToDevice)?;
-        self.inner.copy_to_device(dst, src)
-    }
-
-    fn copy_from_device(&self, dst: &mut [u8], src: DeviceAddress) -> BackendResult<()> {
-        self.check(Operation::CopyFromDevice)?;
-        self.inner.copy_from_device(dst, src)
-    }
-
-    fn copy_rows_async(&self, copy: &RowCopy, stream: StreamHandle) -> BackendResult<()> {
-        self.check(Operation::CopyRows)?;
-        self.inner.copy_rows_async(copy, stream)
-    }
-
-    fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {
-        self.check(Operation::Export)?;
-        self.inner.export_posix_fd(handle)
-    }
-
-    fn import_posix_fd(
-        &self,
-        device: DeviceId,
-        fd: BorrowedFd<'_>,
-    ) -> BackendResult<PhysicalHandle> {
-        self.check(Operation::Import)?;
-        self.inner.import_posix_fd(device, fd)
-    }
-
-    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
-        self.check(Operation::Devices)?;
-        self.inner.can_access_peer(device, peer)
-    }
-
-    fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
-        self.inner.kernel_probe()
+    fn before(&self, op: Operation) -> BackendResult<()> {
+        self.check(op)
     }
 }

@@ -12,13 +12,19 @@
 //!   would leak or free twice. Its [`Record`] is what "nothing leaked" is checked against on
 //!   CUDA and HIP, where there is no simulator's ledger.
 //!
+//!
+//! Both are written over [`Forward`], the one forwarding base: a decorator names the backend
+//! underneath and writes only the calls it changes.
+//!
 //! Stack them as `Recording(FaultInjecting(backend))`: the record then sees an injected
 //! failure as the failure it is, and books nothing for it.
 
 mod faults;
+mod forward;
 mod record;
 
 pub use faults::{CallHook, FaultInjecting, InjectedFault};
+pub use forward::Forward;
 pub use record::{Record, RecordedHandle, RecordedMapping, Recording};
 
 /// Locks a decorator's books. They are maps, lists and counters, each edited in one step under

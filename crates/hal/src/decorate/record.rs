@@ -1,15 +1,14 @@
 //! [`Recording`]: a backend that keeps its own books of what was created through it.
 
-use std::collections::BTreeMap;
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Mutex};
 
-use super::lock;
+use super::{lock, Forward};
 
+use crate::model::{bytes_within, DriverModel};
 use crate::{
-    AccessDescriptor, AllocationProperties, BackendResult, Capabilities, DeviceAddress, DeviceId,
-    DeviceInfo, Granularity, KernelProbe, MemoryInfo, PhysicalHandle, RowCopy, StreamHandle,
-    VirtualMemoryBackend,
+    AccessDescriptor, AllocationProperties, BackendError, BackendResult, DeviceAddress, DeviceId,
+    Operation, PhysicalHandle, VirtualMemoryBackend,
 };
 
 /// A live physical handle in a [`Record`].
@@ -81,53 +80,64 @@ impl Record {
 
     /// Bytes mapped inside `[address, address + size)`.
     pub fn mapped_bytes_in(&self, address: DeviceAddress, size: u64) -> u64 {
-        let end = address.0.saturating_add(size);
-        self.mappings
-            .iter()
-            .filter(|m| m.address.0 >= address.0 && m.address.0.saturating_add(m.size) <= end)
-            .map(|m| m.size)
-            .fold(0u64, u64::saturating_add)
+        let spans = self.mappings.iter().map(|m| (m.address.0, m.size));
+        bytes_within(spans, address.0, size)
     }
 }
 
-#[derive(Default)]
+/// The recorder's books: the driver's state as the calls that succeeded left it, each
+/// allocation kept with the handle it was made as, and the anomalies noted.
+#[derive(Debug)]
 struct Books {
-    ranges: BTreeMap<u64, u64>,
-    handles: BTreeMap<u64, RecordedHandle>,
-    mappings: BTreeMap<u64, RecordedMapping>,
+    model: DriverModel<PhysicalHandle>,
     anomalies: Vec<String>,
 }
 
 impl Books {
-    fn in_range(&self, address: u64, size: u64) -> bool {
-        let end = address.saturating_add(size);
-        self.ranges
-            .range(..=address)
-            .next_back()
-            .is_some_and(|(&a, &s)| end <= a.saturating_add(s))
+    fn note(&mut self, what: String) {
+        tracing::warn!(anomaly = %what, "recording backend: a call broke the drivers' rules");
+        self.anomalies.push(what);
     }
 
-    /// Mappings overlapping `[address, address + size)`.
-    fn overlapping(&self, address: u64, size: u64) -> Vec<RecordedMapping> {
-        let end = address.saturating_add(size);
-        let mut out: Vec<RecordedMapping> = self
-            .mappings
-            .range(..end)
-            .rev()
-            .take_while(|(_, m)| m.address.0.saturating_add(m.size) > address)
-            .map(|(_, m)| *m)
+    /// Notes `what` with the reason a driver would refuse, if it would.
+    fn note_refusal<T>(&mut self, what: impl std::fmt::Display, checked: BackendResult<T>) {
+        if let Err(e) = checked {
+            let why = e.detail.unwrap_or_else(|| e.kind.to_string());
+            self.note(format!("{what}: {why}"));
+        }
+    }
+
+    /// Whether an allocation made as `handle` is alive (released, and still mapped).
+    fn released_but_mapped(&self, handle: PhysicalHandle) -> bool {
+        self.model.find_allocation(|a| a.extra == handle).is_some()
+    }
+
+    fn record(&self) -> Record {
+        let m = &self.model;
+        let handle_of = |id| m.allocation(id).map_or(PhysicalHandle(0), |a| a.extra);
+        let mut handles: Vec<RecordedHandle> = m
+            .allocations()
+            .map(|(_, a)| RecordedHandle {
+                handle: a.extra,
+                device: a.device,
+                size: a.size,
+                released: a.handles == 0,
+                mappings: a.mappings,
+            })
             .collect();
-        out.reverse();
-        out
-    }
-
-    fn drop_handle_if_dead(&mut self, handle: u64) {
-        if self
-            .handles
-            .get(&handle)
-            .is_some_and(|h| h.released && h.mappings == 0)
-        {
-            self.handles.remove(&handle);
+        handles.sort_by_key(|h| h.handle);
+        Record {
+            ranges: m.ranges().map(|(a, s)| (DeviceAddress(a), s)).collect(),
+            handles,
+            mappings: m
+                .mappings()
+                .map(|(a, map)| RecordedMapping {
+                    address: DeviceAddress(a),
+                    size: map.size,
+                    handle: handle_of(map.allocation),
+                })
+                .collect(),
+            anomalies: self.anomalies.clone(),
         }
     }
 }
@@ -135,26 +145,22 @@ impl Books {
 /// A backend that books every range, handle and mapping created and destroyed through the
 /// one it wraps (see the module docs of `decorate`). Only successful calls change the books;
 /// a call that breaks the drivers' rules is noted as an anomaly whatever its result.
+#[derive(Debug)]
 pub struct Recording {
     inner: Arc<dyn VirtualMemoryBackend>,
     books: Mutex<Books>,
 }
 
-impl std::fmt::Debug for Recording {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Recording")
-            .field("inner", &self.inner.name())
-            .field("record", &self.record())
-            .finish()
-    }
-}
-
 impl Recording {
     /// Wraps `inner` with empty books.
     pub fn new(inner: Arc<dyn VirtualMemoryBackend>) -> Self {
+        let books = Books {
+            model: DriverModel::new(0, BackendError::raised),
+            anomalies: Vec::new(),
+        };
         Recording {
             inner,
-            books: Mutex::new(Books::default()),
+            books: Mutex::new(books),
         }
     }
 
@@ -165,17 +171,7 @@ impl Recording {
 
     /// A copy of the books.
     pub fn record(&self) -> Record {
-        let b = lock(&self.books);
-        Record {
-            ranges: b
-                .ranges
-                .iter()
-                .map(|(&a, &s)| (DeviceAddress(a), s))
-                .collect(),
-            handles: b.handles.values().copied().collect(),
-            mappings: b.mappings.values().copied().collect(),
-            anomalies: b.anomalies.clone(),
-        }
+        lock(&self.books).record()
     }
 
     /// Takes the anomalies noted so far out of the books.
@@ -183,31 +179,20 @@ impl Recording {
         std::mem::take(&mut lock(&self.books).anomalies)
     }
 
-    fn note(books: &mut Books, what: String) {
-        tracing::warn!(anomaly = %what, "recording backend: a call broke the drivers' rules");
-        books.anomalies.push(what);
+    /// Books a handle the backend underneath made (created or imported, `how`).
+    fn adopt(&self, how: &str, handle: PhysicalHandle, device: DeviceId, size: u64) {
+        let mut b = lock(&self.books);
+        if !b.model.adopt_handle(handle, device, size, handle, ()) {
+            b.note(format!("{how} returned {handle}, already live"));
+        }
     }
 }
 
-impl VirtualMemoryBackend for Recording {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    fn devices(&self) -> BackendResult<Vec<DeviceInfo>> {
-        self.inner.devices()
-    }
-
-    fn memory_info(&self, device: DeviceId) -> BackendResult<MemoryInfo> {
-        self.inner.memory_info(device)
-    }
-
-    fn granularity(&self, properties: &AllocationProperties) -> BackendResult<Granularity> {
-        self.inner.granularity(properties)
+/// Each call that changes the driver's state is checked against the books (a refusal the
+/// driver would make is noted), forwarded, and booked if it succeeded; the rest forward.
+impl Forward for Recording {
+    fn inner(&self) -> &dyn VirtualMemoryBackend {
+        &*self.inner
     }
 
     fn reserve(
@@ -218,34 +203,21 @@ impl VirtualMemoryBackend for Recording {
     ) -> BackendResult<DeviceAddress> {
         let address = self.inner.reserve(size, alignment, fixed_address)?;
         let mut b = lock(&self.books);
-        if b.in_range(address.0, 1) {
-            Recording::note(
-                &mut b,
-                format!("reserve returned {address}, inside a live range"),
-            );
+        if b.model.range_containing(address.0).is_some() {
+            b.note(format!("reserve returned {address}, inside a live range"));
         }
-        b.ranges.insert(address.0, size);
+        b.model.insert_range(address.0, size);
         Ok(address)
     }
 
     fn free(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
         {
             let mut b = lock(&self.books);
-            match b.ranges.get(&address.0) {
-                None => Recording::note(&mut b, format!("free of {address}: no such range")),
-                Some(&s) if s != size => Recording::note(
-                    &mut b,
-                    format!("free of {address}: {size} bytes, the range has {s}"),
-                ),
-                Some(_) => {
-                    if !b.overlapping(address.0, size).is_empty() {
-                        Recording::note(&mut b, format!("free of {address} under a live mapping"));
-                    }
-                }
-            }
+            let checked = b.model.check_free(address, size);
+            b.note_refusal(format_args!("free of {address}"), checked);
         }
         self.inner.free(address, size)?;
-        lock(&self.books).ranges.remove(&address.0);
+        lock(&self.books).model.remove_range(address.0);
         Ok(())
     }
 
@@ -255,73 +227,47 @@ impl VirtualMemoryBackend for Recording {
         properties: &AllocationProperties,
     ) -> BackendResult<PhysicalHandle> {
         let handle = self.inner.create(size, properties)?;
-        let mut b = lock(&self.books);
-        let fresh = RecordedHandle {
-            handle,
-            device: properties.device,
-            size,
-            released: false,
-            mappings: 0,
-        };
-        if b.handles.insert(handle.0, fresh).is_some() {
-            Recording::note(&mut b, format!("create returned {handle}, already live"));
-        }
+        self.adopt("create", handle, properties.device, size);
         Ok(handle)
     }
 
     fn release(&self, handle: PhysicalHandle) -> BackendResult<()> {
         {
             let mut b = lock(&self.books);
-            match b.handles.get(&handle.0) {
-                None => Recording::note(&mut b, format!("release of {handle}: not live")),
-                Some(h) if h.released => {
-                    Recording::note(&mut b, format!("second release of {handle}"))
-                }
-                Some(_) => {}
+            if b.model.handle(Operation::Release, handle).is_err() {
+                let what = if b.released_but_mapped(handle) {
+                    format!("second release of {handle}")
+                } else {
+                    format!("release of {handle}: not live")
+                };
+                b.note(what);
             }
         }
         self.inner.release(handle)?;
-        let mut b = lock(&self.books);
-        if let Some(h) = b.handles.get_mut(&handle.0) {
-            h.released = true;
-        }
-        b.drop_handle_if_dead(handle.0);
+        // A handle the books do not know was noted above.
+        let _ = lock(&self.books).model.release(handle);
         Ok(())
     }
 
     fn map(&self, address: DeviceAddress, size: u64, handle: PhysicalHandle) -> BackendResult<()> {
         {
             let mut b = lock(&self.books);
-            if !b.in_range(address.0, size) {
-                Recording::note(
-                    &mut b,
-                    format!("map at {address}: not inside a reserved range"),
-                );
-            }
-            if !b.overlapping(address.0, size).is_empty() {
-                Recording::note(&mut b, format!("map at {address}: over a live mapping"));
-            }
-            match b.handles.get(&handle.0) {
-                None => Recording::note(&mut b, format!("map of {handle}: not live")),
-                Some(h) if h.released => {
-                    Recording::note(&mut b, format!("map of {handle}: already released"))
-                }
-                Some(_) => {}
+            let op = Operation::Map;
+            let target = b.model.check_map_target(op, address, size);
+            b.note_refusal(format_args!("map at {address}"), target);
+            if b.model.handle(op, handle).is_err() {
+                let why = if b.released_but_mapped(handle) {
+                    "already released"
+                } else {
+                    "not live"
+                };
+                b.note(format!("map of {handle}: {why}"));
             }
         }
         self.inner.map(address, size, handle)?;
-        let mut b = lock(&self.books);
-        b.mappings.insert(
-            address.0,
-            RecordedMapping {
-                address,
-                size,
-                handle,
-            },
-        );
-        if let Some(h) = b.handles.get_mut(&handle.0) {
-            h.mappings = h.mappings.saturating_add(1);
-        }
+        lock(&self.books)
+            .model
+            .insert_mapping(address, size, handle);
         Ok(())
     }
 
@@ -333,68 +279,27 @@ impl VirtualMemoryBackend for Recording {
     ) -> BackendResult<()> {
         {
             let mut b = lock(&self.books);
-            let covered: u64 = b
-                .overlapping(address.0, size)
-                .iter()
-                .map(|m| m.size)
-                .fold(0u64, u64::saturating_add);
-            if covered != size {
-                Recording::note(
-                    &mut b,
-                    format!("set access over {size} bytes at {address}: {covered} mapped"),
-                );
-            }
+            let end = address.0.saturating_add(size);
+            let whole = b.model.whole_mappings(Operation::SetAccess, address.0, end);
+            b.note_refusal(
+                format_args!("set access over {size} bytes at {address}"),
+                whole,
+            );
         }
-        self.inner.set_access(address, size, access)
-    }
-
-    fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        let end = address.0.saturating_add(size);
-        let victims = {
-            let mut b = lock(&self.books);
-            let victims = b.overlapping(address.0, size);
-            if victims
-                .iter()
-                .any(|m| m.address.0 < address.0 || m.address.0.saturating_add(m.size) > end)
-            {
-                Recording::note(&mut b, format!("unmap at {address}: part of a mapping"));
-            }
-            victims
-        };
-        self.inner.unmap(address, size)?;
-        let mut b = lock(&self.books);
-        for m in victims {
-            b.mappings.remove(&m.address.0);
-            if let Some(h) = b.handles.get_mut(&m.handle.0) {
-                h.mappings = h.mappings.saturating_sub(1);
-            }
-            b.drop_handle_if_dead(m.handle.0);
-        }
+        self.inner.set_access(address, size, access)?;
+        lock(&self.books).model.set_access(address, size, access);
         Ok(())
     }
 
-    fn synchronize(&self, device: DeviceId) -> BackendResult<()> {
-        self.inner.synchronize(device)
-    }
-
-    fn copy_to_device(&self, dst: DeviceAddress, src: &[u8]) -> BackendResult<()> {
-        self.inner.copy_to_device(dst, src)
-    }
-
-    fn copy_from_device(&self, dst: &mut [u8], src: DeviceAddress) -> BackendResult<()> {
-        self.inner.copy_from_device(dst, src)
-    }
-
-    fn copy_rows_async(&self, copy: &RowCopy, stream: StreamHandle) -> BackendResult<()> {
-        self.inner.copy_rows_async(copy, stream)
-    }
-
-    fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {
-        self.inner.export_posix_fd(handle)
-    }
-
-    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
-        self.inner.can_access_peer(device, peer)
+    fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
+        {
+            let mut b = lock(&self.books);
+            let whole = b.model.check_unmap(address, size);
+            b.note_refusal(format_args!("unmap at {address}"), whole);
+        }
+        self.inner.unmap(address, size)?;
+        lock(&self.books).model.unmap(address, size);
+        Ok(())
     }
 
     fn import_posix_fd(
@@ -403,21 +308,8 @@ impl VirtualMemoryBackend for Recording {
         fd: BorrowedFd<'_>,
     ) -> BackendResult<PhysicalHandle> {
         let handle = self.inner.import_posix_fd(device, fd)?;
-        let mut b = lock(&self.books);
-        let fresh = RecordedHandle {
-            handle,
-            device,
-            size: 0,
-            released: false,
-            mappings: 0,
-        };
-        if b.handles.insert(handle.0, fresh).is_some() {
-            Recording::note(&mut b, format!("import returned {handle}, already live"));
-        }
+        // The import does not say the size: booked as 0 bytes.
+        self.adopt("import", handle, device, 0);
         Ok(handle)
-    }
-
-    fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
-        self.inner.kernel_probe()
     }
 }
