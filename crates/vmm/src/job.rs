@@ -10,8 +10,10 @@
 //! finished or dropped. The transaction, rollback, pool and governor are those of a commit.
 //!
 //! A job dropped without being finished undoes what it did: it unmaps its windows, returns the
-//! handles to the pool (or releases them) and gives the bytes back; a window whose unmap fails
-//! is quarantined.
+//! handles to the pool (or releases them) and gives the bytes back. A window whose unmap fails
+//! is still mapped: it is handed back to the reservation that began the job, which records it
+//! again (committed, refused to any other commit as already mapped, unmapped by its next
+//! release or its teardown); only when that reservation is gone is the window quarantined.
 
 use std::sync::Arc;
 
@@ -22,7 +24,7 @@ use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{Commit, MappedBlock};
 use crate::quarantine::{QuarantineEntry, QuarantineReason};
-use crate::range::{InFlight, ReservedRange};
+use crate::range::{InFlight, LeftMapped, ReservedRange};
 use crate::spans::{self, Span};
 
 /// A commit begun on a reservation whose driver work runs without borrowing it (see the
@@ -32,6 +34,8 @@ pub struct CommitJob {
     spans: Vec<Span>,
     mark: Arc<()>,
     applied: Option<Applied>,
+    /// Where a window this job cannot unmap when dropped goes back to its reservation.
+    left_mapped: Arc<LeftMapped>,
 }
 
 impl std::fmt::Debug for CommitJob {
@@ -102,6 +106,11 @@ impl Drop for CommitJob {
                     let _ = st.dispose(b.handle, size, Source::Bucket(Bucket::Committed));
                 }
                 Err(error) => {
+                    // Still mapped: its reservation keeps it (and its bytes committed).
+                    let Err(b) = self.left_mapped.hand_back(b) else {
+                        tracing::warn!(%addr, %error, "undo of a dropped commit job could not unmap; the window stays with its reservation");
+                        continue;
+                    };
                     ctx.account(ctx.governor.transfer(
                         ctx.device,
                         Bucket::Committed,
@@ -150,6 +159,7 @@ impl ReservedRange {
             spans,
             mark,
             applied: None,
+            left_mapped: Arc::clone(&self.left_mapped),
         }))
     }
 

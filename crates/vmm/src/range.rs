@@ -3,7 +3,9 @@
 //! operations themselves are in `commit.rs`, `sharing.rs`, `release.rs` and `teardown.rs`;
 //! the public face is `reservation.rs`.
 
-use std::sync::{Arc, Weak};
+use std::borrow::Cow;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 
 use kvvm_hal::{DeviceAddress, PhysicalHandle};
 
@@ -14,6 +16,7 @@ use crate::shared::SharedHandles;
 use crate::spans::{self, Span};
 use crate::state::DeviceState;
 use crate::strided::SharedRange;
+use crate::sync::lock;
 
 /// One mapping of a reservation: `windows` granule windows from `offset`, one handle mapped
 /// whole.
@@ -66,6 +69,68 @@ pub(crate) struct ReservedRange {
     pub(crate) shared_range: Option<Arc<SharedRange>>,
     /// Windows a background commit ([`CommitJob`](crate::CommitJob)) is mapping right now.
     pub(crate) in_flight: Option<InFlight>,
+    /// Blocks a job begun here was dropped with and could not unmap: still mapped, so still
+    /// this reservation's (taken back into `blocks` at its next change, read with them
+    /// until then).
+    pub(crate) left_mapped: Arc<LeftMapped>,
+}
+
+/// Blocks a commit job dropped unfinished could not unmap, handed back to the reservation
+/// that began it: the driver still maps them, so they stay out of use and in its books (and
+/// their bytes committed) until a release or the teardown unmaps them. Closed when the
+/// reservation goes; a job dropped after that quarantines what it cannot unmap.
+pub(crate) struct LeftMapped {
+    /// `None` once the reservation is gone.
+    blocks: Mutex<Option<Vec<Block>>>,
+    /// Whether `blocks` holds any (read without the lock on every call of the reservation).
+    pending: AtomicBool,
+}
+
+impl LeftMapped {
+    fn open() -> Self {
+        LeftMapped {
+            blocks: Mutex::new(Some(Vec::new())),
+            pending: AtomicBool::new(false),
+        }
+    }
+
+    /// Hands `block` back to its reservation; returns it when the reservation is gone.
+    pub(crate) fn hand_back(&self, block: Block) -> Result<(), Block> {
+        let mut blocks = lock(&self.blocks);
+        match blocks.as_mut() {
+            Some(list) => {
+                list.push(block);
+                self.pending.store(true, Ordering::Release);
+                Ok(())
+            }
+            None => Err(block),
+        }
+    }
+
+    /// Takes the blocks handed back so far.
+    fn take(&self) -> Vec<Block> {
+        if !self.pending.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        let mut blocks = lock(&self.blocks);
+        self.pending.store(false, Ordering::Release);
+        blocks.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// A copy of the blocks handed back and not taken yet.
+    fn peek(&self) -> Vec<Block> {
+        if !self.pending.load(Ordering::Acquire) {
+            return Vec::new();
+        }
+        lock(&self.blocks).clone().unwrap_or_default()
+    }
+
+    /// Closes it (the reservation is going) and takes what was handed back.
+    pub(crate) fn close(&self) -> Vec<Block> {
+        let mut blocks = lock(&self.blocks);
+        self.pending.store(false, Ordering::Release);
+        blocks.take().unwrap_or_default()
+    }
 }
 
 /// The windows of a commit job between its begin and its finish. The mark is the job's: once
@@ -96,7 +161,37 @@ impl ReservedRange {
             parked,
             shared_range: None,
             in_flight: None,
+            left_mapped: Arc::new(LeftMapped::open()),
         }
+    }
+
+    /// Takes back into `blocks` what a dropped job could not unmap, once that job is gone
+    /// (every change of the reservation starts here).
+    pub(crate) fn take_back_left_mapped(&mut self) {
+        if self
+            .in_flight
+            .as_ref()
+            .is_some_and(|f| f.mark.strong_count() > 0)
+        {
+            return;
+        }
+        let back = self.left_mapped.take();
+        if !back.is_empty() {
+            self.insert_blocks(back.into_iter());
+        }
+    }
+
+    /// The blocks as they stand: those recorded, and those a dropped job handed back and
+    /// the reservation has not taken yet.
+    fn records(&self) -> Cow<'_, [Block]> {
+        let back = self.left_mapped.peek();
+        if back.is_empty() {
+            return Cow::Borrowed(&self.blocks);
+        }
+        let mut all = self.blocks.clone();
+        all.extend(back);
+        all.sort_by_key(|b| b.offset);
+        Cow::Owned(all)
     }
 
     /// The granule.
@@ -118,7 +213,7 @@ impl ReservedRange {
 
     /// Committed windows: the windows of every mapping.
     pub(crate) fn committed_windows(&self) -> u64 {
-        self.blocks
+        self.records()
             .iter()
             .map(|b| b.windows)
             .fold(0u64, u64::saturating_add)
@@ -132,30 +227,26 @@ impl ReservedRange {
     /// Offset just past the last mapping.
     pub(crate) fn committed_end(&self) -> u64 {
         let g = self.granule();
-        self.blocks.last().map_or(0, |b| b.end(g))
+        self.records().last().map_or(0, |b| b.end(g))
     }
 
-    /// The mapping holding the byte at `offset`, if any.
-    pub(crate) fn block_at(&self, offset: u64) -> Option<&Block> {
-        let i = self.blocks.partition_point(|b| b.offset <= offset);
-        let b = self.blocks.get(i.checked_sub(1)?)?;
-        (offset < b.end(self.granule())).then_some(b)
+    /// The kind of the mapping holding the byte at `offset`, if any.
+    pub(crate) fn window_kind(&self, offset: u64) -> Option<BlockKind> {
+        let blocks = self.records();
+        let i = blocks.partition_point(|b| b.offset <= offset);
+        let b = blocks.get(i.checked_sub(1)?)?;
+        (offset < b.end(self.granule())).then_some(b.kind)
     }
 
     /// Whether the granule window starting at `offset` is mapped.
     pub(crate) fn is_mapped(&self, offset: u64) -> bool {
-        self.block_at(offset).is_some()
-    }
-
-    /// The kind of the mapping holding the window at `offset`, if any.
-    pub(crate) fn window_kind(&self, offset: u64) -> Option<BlockKind> {
-        self.block_at(offset).map(|b| b.kind)
+        self.window_kind(offset).is_some()
     }
 
     /// The mappings as the manager reports them (one entry per mapping, of its whole size).
     pub(crate) fn mappings(&self) -> Vec<MappedBlock> {
         let g = self.granule();
-        self.blocks
+        self.records()
             .iter()
             .map(|b| MappedBlock {
                 address: self.at(b.offset),
@@ -193,8 +284,9 @@ impl ReservedRange {
     /// The first mapped window of `[start, end)` (granule-aligned bounds), if any.
     fn first_mapped(&self, start: u64, end: u64) -> Option<u64> {
         let g = self.granule();
-        let i = self.blocks.partition_point(|b| b.end(g) <= start);
-        self.blocks
+        let blocks = self.records();
+        let i = blocks.partition_point(|b| b.end(g) <= start);
+        blocks
             .get(i..)?
             .iter()
             .take_while(|b| b.offset < end)

@@ -122,6 +122,7 @@ impl Reservation {
     /// failed rollback or release left holes below the committed end, they are filled first
     /// (lowest first), so that the committed bytes grow from the base again.
     pub fn commit(&mut self, bytes: u64) -> VmmResult<Commit> {
+        self.range.take_back_left_mapped();
         let granules = bytes.div_ceil(self.range.granule());
         self.range.commit_granules(granules, None)
     }
@@ -130,6 +131,7 @@ impl Reservation {
     /// and device, e.g. from [`VirtualMemory::try_grant`](crate::VirtualMemory::try_grant))
     /// after the committed end. The grant is consumed on success and rolled back on failure.
     pub fn commit_with_grant(&mut self, grant: MappedGrowthGrant) -> VmmResult<Commit> {
+        self.range.take_back_left_mapped();
         if let Some(reason) = self.range.grant_mismatch(&grant) {
             return Err(VmmError::GrantMismatch { reason });
         }
@@ -141,6 +143,7 @@ impl Reservation {
     /// holes left by a failed rollback or release included. Returns `None` if nothing was
     /// needed.
     pub fn ensure_committed(&mut self, len: u64) -> VmmResult<Option<Commit>> {
+        self.range.take_back_left_mapped();
         if self.range.has_holes() {
             return self.commit_range(0, len);
         }
@@ -157,11 +160,13 @@ impl Reservation {
     /// fragments). Access is set once over each contiguous run of new windows. Returns `None`
     /// when every window was already mapped.
     pub fn commit_range(&mut self, offset: u64, len: u64) -> VmmResult<Option<Commit>> {
+        self.range.take_back_left_mapped();
         self.commit_ranges(&[(offset, len)])
     }
 
     /// Like [`commit_range`](Self::commit_range) over several ranges, in one transaction.
     pub fn commit_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Option<Commit>> {
+        self.range.take_back_left_mapped();
         let spans = self.range.missing_spans(ranges)?;
         if spans.is_empty() {
             return Ok(None);
@@ -181,6 +186,7 @@ impl Reservation {
         &mut self,
         ranges: &[(u64, u64)],
     ) -> VmmResult<Option<crate::CommitJob>> {
+        self.range.take_back_left_mapped();
         self.range.begin_commit(ranges)
     }
 
@@ -188,6 +194,7 @@ impl Reservation {
     /// (or those a failed rollback left mapped) and returns the commit's result. A job of
     /// another reservation is refused (and undone as it is dropped).
     pub fn finish_commit(&mut self, job: crate::CommitJob) -> VmmResult<Commit> {
+        self.range.take_back_left_mapped();
         self.range.finish_commit(job)
     }
 
@@ -196,6 +203,7 @@ impl Reservation {
     /// (a transaction over several reservations rolling back the parts that succeeded).
     /// Returns the bytes unmapped.
     pub fn abort_commit(&mut self, job: crate::CommitJob) -> VmmResult<u64> {
+        self.range.take_back_left_mapped();
         self.range.abort_commit(job)
     }
 
@@ -215,6 +223,7 @@ impl Reservation {
     /// map the set ([`map_shared`](Self::map_shared), whole handles only) up to any range
     /// boundary.
     pub fn commit_shared(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Arc<SharedHandles>> {
+        self.range.take_back_left_mapped();
         self.range.commit_shared(ranges)
     }
 
@@ -229,6 +238,7 @@ impl Reservation {
         windows: &[usize],
         access: Access,
     ) -> VmmResult<u64> {
+        self.range.take_back_left_mapped();
         let mut named = windows.to_vec();
         named.sort_unstable();
         named.dedup();
@@ -254,6 +264,7 @@ impl Reservation {
         windows: &[Range<usize>],
         access: Access,
     ) -> VmmResult<u64> {
+        self.range.take_back_left_mapped();
         self.range.map_shared(set, windows, access)
     }
 
@@ -273,6 +284,7 @@ impl Reservation {
     /// [`release_ranges`](Self::release_ranges). A serving engine shrinks between steps, so a
     /// device-wide synchronize on every release would stall the streams it did not need to.
     pub fn release(&mut self) -> VmmResult<u64> {
+        self.range.take_back_left_mapped();
         self.truncate(0)
     }
 
@@ -281,6 +293,7 @@ impl Reservation {
     /// multi-window handle straddling `len` stays mapped and committed until a later
     /// truncate reaches its start). Returns the bytes unmapped.
     pub fn truncate(&mut self, len: u64) -> VmmResult<u64> {
+        self.range.take_back_left_mapped();
         self.range.truncate(len)
     }
 
@@ -290,6 +303,7 @@ impl Reservation {
     /// partly inside included (it is unmapped whole or not at all). Returns the bytes
     /// unmapped. This is how windows committed ahead of need are given back.
     pub fn release_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<u64> {
+        self.range.take_back_left_mapped();
         self.range.release_ranges(ranges)
     }
 }

@@ -80,6 +80,9 @@ impl Drop for ReservedRange {
             blocks = self.blocks.len()
         );
         let _e = span.enter();
+        // What a dropped job could not unmap is this reservation's to unmap.
+        let back = self.left_mapped.close();
+        self.insert_blocks(back.into_iter());
         // Parked windows are torn down like committed ones.
         if let Some(parked) = self.parked.clone() {
             let windows = parked.take_all(ctx, &st.pool);
