@@ -146,36 +146,25 @@
 //! # }
 //! ```
 
-mod commit;
 mod config;
-mod cut;
 mod device;
 mod error;
-mod job;
 mod manager;
 mod mapping;
-mod parking;
-mod pool;
-mod quarantine;
-mod range;
-mod release;
 mod reservation;
 mod shared;
-mod sharing;
-mod spans;
-mod state;
 mod strided;
 mod sync;
-mod teardown;
+mod windows;
 
 pub use config::{GranularityChoice, VmmConfig, DEFAULT_MAX_HANDLE_BYTES};
-pub use cut::{buddy_windows_at, commit_pieces, max_handle_windows, shared_commit_pieces};
+pub use device::quarantine::{QuarantineEntry, QuarantineReason};
 pub use error::{VmmError, VmmResult};
-pub use job::CommitJob;
 pub use manager::VirtualMemory;
 pub use mapping::{BlockKind, Commit, MappedBlock};
-pub use quarantine::{QuarantineEntry, QuarantineReason};
+pub use reservation::job::CommitJob;
 pub use reservation::Reservation;
 pub use shared::{SharedHandles, SharedPiece};
+pub use windows::cut::{buddy_windows_at, commit_pieces, max_handle_windows, shared_commit_pieces};
 
 pub use kvvm_governor::{Backpressure, Governor, GovernorSnapshot, MappedGrowthGrant};

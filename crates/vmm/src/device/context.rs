@@ -11,7 +11,7 @@ use kvvm_hal::{
     PhysicalHandle, VirtualMemoryBackend,
 };
 
-use crate::quarantine::{Quarantine, QuarantineEntry};
+use crate::device::quarantine::{Quarantine, QuarantineEntry};
 
 /// Where the bytes of a handle being disposed of are accounted.
 pub(crate) enum Source<'a> {
@@ -73,7 +73,7 @@ impl DeviceContext {
         access: Vec<AccessDescriptor>,
         governor: Governor,
     ) -> Self {
-        let max_windows = crate::cut::max_handle_windows(max_handle_bytes, granule);
+        let max_windows = crate::windows::cut::max_handle_windows(max_handle_bytes, granule);
         let caps = backend.capabilities();
         let capacity = backend
             .memory_info(props.device)

@@ -3,6 +3,13 @@
 //! (shared mappings), `release.rs` (unmap runs), `parking.rs` (parked windows) and
 //! `teardown.rs` (drop); the records and bounds checks are `range.rs`.
 
+pub(crate) mod commit;
+pub(crate) mod job;
+pub(crate) mod records;
+mod release;
+pub(crate) mod sharing;
+mod teardown;
+
 use std::fmt;
 use std::ops::Range;
 use std::sync::Arc;
@@ -10,11 +17,11 @@ use std::sync::Arc;
 use kvvm_governor::MappedGrowthGrant;
 use kvvm_hal::{Access, DeviceAddress};
 
+use crate::device::DeviceState;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{Commit, MappedBlock};
-use crate::range::ReservedRange;
+use crate::reservation::records::ReservedRange;
 use crate::shared::SharedHandles;
-use crate::state::DeviceState;
 use crate::strided::SharedRange;
 
 /// A reserved device address range whose base never changes, committed granule by granule.
@@ -251,8 +258,11 @@ impl Reservation {
                 reserved: set.len() as u64,
             });
         }
-        self.range
-            .map_shared(set, &crate::sharing::index_ranges(&named), access)
+        self.range.map_shared(
+            set,
+            &crate::reservation::sharing::index_ranges(&named),
+            access,
+        )
     }
 
     /// Like [`map_shared`](Self::map_shared), the windows named as ranges of their indices in

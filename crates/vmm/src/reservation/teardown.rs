@@ -12,8 +12,8 @@ use std::sync::Arc;
 use kvvm_governor::Bucket;
 use kvvm_hal::BackendError;
 
-use crate::quarantine::{QuarantineEntry, QuarantineReason};
-use crate::range::{Block, ReservedRange};
+use crate::device::quarantine::{QuarantineEntry, QuarantineReason};
+use crate::reservation::records::{Block, ReservedRange};
 
 impl ReservedRange {
     /// Moves every block and the range to quarantine: owned bytes from committed to

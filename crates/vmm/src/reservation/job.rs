@@ -19,13 +19,13 @@ use std::sync::Arc;
 
 use kvvm_governor::Bucket;
 
-use crate::commit::{Applied, Target};
+use crate::device::quarantine::{QuarantineEntry, QuarantineReason};
 use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{Commit, MappedBlock};
-use crate::quarantine::{QuarantineEntry, QuarantineReason};
-use crate::range::{InFlight, LeftMapped, ReservedRange};
-use crate::spans::{self, Span};
+use crate::reservation::commit::{Applied, Target};
+use crate::reservation::records::{InFlight, LeftMapped, ReservedRange};
+use crate::windows::spans::{self, Span};
 
 /// A commit begun on a reservation whose driver work runs without borrowing it (see the
 /// module docs). Made by `Reservation::begin_commit_ranges`.

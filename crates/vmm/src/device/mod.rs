@@ -5,9 +5,14 @@
 use kvvm_governor::Reclaimer;
 use kvvm_hal::{BackendError, DeviceId, PhysicalHandle};
 
-use crate::device::{DeviceContext, Source};
-use crate::parking::ParkingLot;
-use crate::pool::HandlePool;
+mod context;
+pub(crate) mod parking;
+pub(crate) mod pool;
+pub(crate) mod quarantine;
+
+pub(crate) use context::{DeviceContext, Source};
+use parking::ParkingLot;
+use pool::HandlePool;
 
 /// One device's shared state (behind an `Arc`).
 pub(crate) struct DeviceState {

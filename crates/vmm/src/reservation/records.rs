@@ -9,14 +9,14 @@ use std::sync::{Arc, Mutex, Weak};
 
 use kvvm_hal::{DeviceAddress, PhysicalHandle};
 
+use crate::device::parking::ParkedWindows;
+use crate::device::DeviceState;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{BlockKind, MappedBlock};
-use crate::parking::ParkedWindows;
 use crate::shared::SharedHandles;
-use crate::spans::{self, Span};
-use crate::state::DeviceState;
 use crate::strided::SharedRange;
 use crate::sync::lock;
+use crate::windows::spans::{self, Span};
 
 /// One mapping of a reservation: `windows` granule windows from `offset`, one handle mapped
 /// whole.

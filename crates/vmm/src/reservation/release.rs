@@ -12,12 +12,12 @@ use std::sync::Arc;
 use kvvm_governor::Bucket;
 use kvvm_hal::BackendError;
 
+use crate::device::DeviceState;
 use crate::device::Source;
 use crate::error::VmmResult;
 use crate::mapping::BlockKind;
-use crate::range::{Block, ReservedRange};
-use crate::spans;
-use crate::state::DeviceState;
+use crate::reservation::records::{Block, ReservedRange};
+use crate::windows::spans;
 
 impl ReservedRange {
     /// Releases every mapping starting at or beyond `len` bytes from the base. A mapping

@@ -10,9 +10,9 @@ use kvvm_hal::{Access, AccessDescriptor};
 
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::BlockKind;
-use crate::range::{Block, ReservedRange};
+use crate::reservation::records::{Block, ReservedRange};
 use crate::shared::{SharedHandles, SharedPiece};
-use crate::spans::{self, Span};
+use crate::windows::spans::{self, Span};
 
 impl ReservedRange {
     /// Commits the windows overlapping `ranges` as a new [`SharedHandles`] set that this

@@ -21,15 +21,15 @@ use std::sync::Arc;
 use kvvm_governor::{Bucket, MappedGrowthGrant, Refusal};
 use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 
-use crate::cut::{pieces, run_pieces};
+use crate::device::parking::{ParkedWindows, Window};
+use crate::device::DeviceState;
 use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{BlockKind, Commit};
-use crate::parking::{ParkedWindows, Window};
-use crate::range::{Block, ReservedRange};
+use crate::reservation::records::{Block, ReservedRange};
 use crate::shared::SharedPiece;
-use crate::spans::{self, Span};
-use crate::state::DeviceState;
+use crate::windows::cut::{pieces, run_pieces};
+use crate::windows::spans::{self, Span};
 
 /// One mapping a commit in progress made.
 struct Mapped {
