@@ -128,7 +128,7 @@ impl DeviceContext {
     /// physical memory on this device, when no freeing by anyone else could ever make room
     /// for that: more than the device holds, or than the governor's limits allow once
     /// everything but the quarantine is freed ([`Governor::check_fits`]). A reservation asks
-    /// it through `ReservedRange::check_fits`, with what it maps plus what it adds.
+    /// it through `Reservation::check_fits`, with what it maps plus what it adds.
     pub(crate) fn check_fits(&self, holding: u64) -> Result<(), NeverFits> {
         let device = self
             .capacity

@@ -1,52 +1,77 @@
-//! The commit transaction and its rollback.
-//!
-//! A commit maps granule windows of a reservation in one transaction: parked mappings of the
-//! same reservation lying wholly inside the windows are taken back first (no driver call),
-//! each contiguous run of the rest is cut into as few handles as it allows (`cut::pieces`:
-//! largest first, power-of-two numbers of windows aligned to their size from the base, up to
-//! `VmmConfig::max_handle_bytes`; a shared commit, released only whole, takes `cut::run_pieces`:
-//! one handle per range up to that size), the pool supplies handles of exactly those sizes (no
-//! create), the governor grants the rest (no grant, no commit), each handle is created and
-//! mapped whole, and access is set once over each contiguous run. Any failure unmaps what
-//! this commit mapped, last first, returns the handles to the pool and rolls the grant back;
-//! a mapping whose unmap fails stays recorded (it is still mapped) and is accounted as
-//! committed.
-//!
-//! The windows are named as sorted spans (`spans.rs`), so that everything a commit does
-//! besides its driver calls costs per span, per parked mapping and per handle, not per
-//! window: a run of 2048 windows mapped as one handle is checked, cut and given access once.
+//! Which windows a commit of a reservation takes: after the committed end, the lowest holes
+//! first, or the unmapped windows of some ranges; checked (bounds, free, never fits) before
+//! the transaction (`crate::transaction`) runs and its blocks are recorded.
 
 use std::sync::Arc;
 
-use kvvm_governor::{Bucket, MappedGrowthGrant, Refusal};
-use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
+use kvvm_governor::MappedGrowthGrant;
 
-use crate::device::parking::{ParkedWindows, Window};
-use crate::device::DeviceState;
-use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
-use crate::mapping::{BlockKind, Commit};
-use crate::reservation::records::{Block, ReservedRange};
+use crate::mapping::Commit;
 use crate::shared::SharedPiece;
-use crate::windows::cut::{pieces, run_pieces};
+use crate::transaction::Target;
 use crate::windows::spans::{self, Span};
 
-/// One mapping a commit in progress made.
-struct Mapped {
-    offset: u64,
-    windows: u64,
-    handle: PhysicalHandle,
-    origin: Origin,
-}
+use super::Reservation;
 
-/// Where a handle of a commit in progress came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Origin {
-    Pool,
-    Created,
-}
+impl Reservation {
+    /// Commits `bytes` (rounded up to whole granules) after the committed end, asking the
+    /// governor for the bytes the pool cannot supply. A zero-byte commit does nothing. When a
+    /// failed rollback or release left holes below the committed end, they are filled first
+    /// (lowest first), so that the committed bytes grow from the base again.
+    pub fn commit(&mut self, bytes: u64) -> VmmResult<Commit> {
+        self.take_back_left_mapped();
+        let granules = bytes.div_ceil(self.granule());
+        self.commit_granules(granules, None)
+    }
 
-impl ReservedRange {
+    /// Commits the bytes of `grant` (a whole number of granules, from this manager's governor
+    /// and device, e.g. from [`VirtualMemory::try_grant`](crate::VirtualMemory::try_grant))
+    /// after the committed end. The grant is consumed on success and rolled back on failure.
+    pub fn commit_with_grant(&mut self, grant: MappedGrowthGrant) -> VmmResult<Commit> {
+        self.take_back_left_mapped();
+        if let Some(reason) = self.grant_mismatch(&grant) {
+            return Err(VmmError::GrantMismatch { reason });
+        }
+        let granules = grant.bytes() / self.granule();
+        self.commit_granules(granules, Some(grant))
+    }
+
+    /// Commits whole granules until every window holding a byte of `[0, len)` is mapped,
+    /// holes left by a failed rollback or release included. Returns `None` if nothing was
+    /// needed.
+    pub fn ensure_committed(&mut self, len: u64) -> VmmResult<Option<Commit>> {
+        self.take_back_left_mapped();
+        if self.has_holes() {
+            return self.commit_range(0, len);
+        }
+        let end = self.committed_end();
+        if len <= end {
+            return Ok(None);
+        }
+        self.commit(len.saturating_sub(end)).map(Some)
+    }
+
+    /// Commits every granule window that overlaps `[offset, offset + len)` and is not mapped
+    /// yet, as one transaction (all of them or none), wherever they are in the reservation
+    /// (the windows holding live bytes of a head-major KV cache are spread over many
+    /// fragments). Access is set once over each contiguous run of new windows. Returns `None`
+    /// when every window was already mapped.
+    pub fn commit_range(&mut self, offset: u64, len: u64) -> VmmResult<Option<Commit>> {
+        self.take_back_left_mapped();
+        self.commit_ranges(&[(offset, len)])
+    }
+
+    /// Like [`commit_range`](Self::commit_range) over several ranges, in one transaction.
+    pub fn commit_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Option<Commit>> {
+        self.take_back_left_mapped();
+        let spans = self.missing_spans(ranges)?;
+        if spans.is_empty() {
+            return Ok(None);
+        }
+        self.commit_windows(&spans, None, None, &[]).map(Some)
+    }
+
     /// Why `grant` cannot pay for a commit here, if it cannot: another device or governor,
     /// or not a whole number of granules.
     pub(crate) fn grant_mismatch(&self, grant: &MappedGrowthGrant) -> Option<String> {
@@ -180,350 +205,5 @@ impl ReservedRange {
             base: self.base,
             parked: self.parked.clone(),
         }
-    }
-}
-
-/// What a commit's driver work needs of its reservation: the device state, the base address
-/// and the parked windows; not the block list, so that the work can run while the
-/// reservation is used elsewhere (a background commit, `job.rs`).
-pub(crate) struct Target {
-    pub(crate) state: Arc<DeviceState>,
-    pub(crate) base: DeviceAddress,
-    pub(crate) parked: Option<Arc<ParkedWindows>>,
-}
-
-/// The outcome of a commit's driver work: its result, and the blocks to record (the new ones
-/// on success; on failure those a failed rollback left mapped).
-pub(crate) struct Applied {
-    pub(crate) result: VmmResult<Commit>,
-    pub(crate) blocks: Vec<Block>,
-}
-
-impl Applied {
-    fn failed(e: VmmError) -> Self {
-        Applied {
-            result: Err(e),
-            blocks: Vec::new(),
-        }
-    }
-}
-
-impl Target {
-    fn at(&self, offset: u64) -> DeviceAddress {
-        self.base.offset(offset)
-    }
-
-    /// The transaction over validated window spans (sorted, disjoint, unmapped, in bounds,
-    /// not in flight); no handle crosses one of the sorted offsets `cuts`. Its bookkeeping is
-    /// per span, per parked mapping and per handle, never per window.
-    pub(crate) fn apply(
-        &self,
-        spans: &[Span],
-        grant: Option<MappedGrowthGrant>,
-        shared: Option<&mut Vec<SharedPiece>>,
-        cuts: &[u64],
-    ) -> Applied {
-        let st = Arc::clone(&self.state);
-        let ctx = &st.ctx;
-        let g = ctx.granule;
-        let granules = spans::window_count(spans);
-        let span = tracing::debug_span!(
-            "vmm.commit",
-            device = ctx.device.0,
-            base = self.base.0,
-            granules
-        );
-        let _e = span.enter();
-        let first = spans.first().map_or(0, |s| s.offset);
-        let Some(start) = self.base.checked_add(first) else {
-            return Applied::failed(VmmError::SizeOverflow {
-                what: "block address",
-            });
-        };
-        let Some(bytes) = granules.checked_mul(g) else {
-            return Applied::failed(VmmError::SizeOverflow {
-                what: "commit size",
-            });
-        };
-        let target = if shared.is_some() {
-            Bucket::Shared
-        } else {
-            Bucket::Committed
-        };
-
-        // Parked mappings of this reservation at these windows: those lying wholly inside are
-        // reused as they are (no driver call) by a private commit; any other that overlaps
-        // (and every one, for a shared commit) is unmapped first.
-        let reused: Vec<Window> = match &self.parked {
-            None => Vec::new(),
-            Some(parked) => {
-                let whole = shared.is_none();
-                if let Err(e) = parked.evict_overlapping(ctx, &st.pool, spans, whole) {
-                    return Applied::failed(e.into());
-                }
-                if whole {
-                    parked.take(&st.pool, g, spans)
-                } else {
-                    Vec::new()
-                }
-            }
-        };
-        if !reused.is_empty() {
-            return self.apply_reusing_parked(spans, reused, grant, start, bytes);
-        }
-
-        // One handle per piece; a pooled handle of exactly the piece's size needs neither a
-        // create nor any new budget.
-        let cut = if shared.is_some() { run_pieces } else { pieces };
-        let plan: Vec<(u64, u64, Option<PhysicalHandle>)> = cut(spans, g, ctx.max_windows, cuts)
-            .into_iter()
-            .map(|(o, n)| (o, n, st.pool.take(n.saturating_mul(g))))
-            .collect();
-        let pooled_bytes = plan
-            .iter()
-            .filter(|p| p.2.is_some())
-            .map(|p| p.1.saturating_mul(g))
-            .fold(0u64, u64::saturating_add);
-        let from_pool = pooled_bytes / g;
-        let new_bytes = bytes.saturating_sub(pooled_bytes);
-        let untake_all = |plan: &[(u64, u64, Option<PhysicalHandle>)]| {
-            st.pool.untake(
-                ctx,
-                plan.iter()
-                    .filter_map(|p| p.2.map(|h| (h, p.1.saturating_mul(g))))
-                    .collect(),
-            );
-        };
-        let mut grant = match grant {
-            Some(grant) => grant,
-            None => match ctx.governor.try_grant(ctx.device, new_bytes) {
-                Ok(grant) => grant,
-                Err(refusal) => {
-                    untake_all(&plan);
-                    return Applied::failed(whole_request(refusal, bytes, pooled_bytes));
-                }
-            },
-        };
-
-        // Create (or take) and map piece by piece, each handle mapped whole.
-        let mut mapped: Vec<Mapped> = Vec::new();
-        let mut failure: Option<BackendError> = None;
-        let mut rest = plan.into_iter();
-        for (o, n, pooled) in rest.by_ref() {
-            let addr = self.at(o);
-            let size = n.saturating_mul(g);
-            let (handle, origin) = match pooled {
-                Some(h) => (h, Origin::Pool),
-                None => match ctx.backend.create(size, &ctx.props) {
-                    Ok(h) => (h, Origin::Created),
-                    Err(e) => {
-                        failure = Some(e);
-                        break;
-                    }
-                },
-            };
-            if let Err(e) = ctx.backend.map(addr, size, handle) {
-                // A failed release is quarantined inside; the map error is the one reported.
-                let _ = match origin {
-                    Origin::Pool => st.dispose(handle, size, Source::Bucket(Bucket::Pooled)),
-                    Origin::Created => st.dispose(handle, size, Source::Grant(&mut grant)),
-                };
-                failure = Some(e);
-                break;
-            }
-            mapped.push(Mapped {
-                offset: o,
-                windows: n,
-                handle,
-                origin,
-            });
-        }
-        // Handles taken from the pool but not reached go back.
-        let left: Vec<_> = rest.collect();
-        untake_all(&left);
-
-        // One set access over each contiguous run, retried as the backend asks.
-        if failure.is_none() {
-            for (run_offset, run_bytes) in spans::runs(spans, g) {
-                let addr = self.at(run_offset);
-                if let Err(e) = ctx.set_access_retrying(addr, run_bytes, &ctx.access) {
-                    failure = Some(e);
-                    break;
-                }
-            }
-        }
-
-        if let Some(error) = failure {
-            tracing::debug!(%error, mapped = mapped.len(), "commit failed; rolling back");
-            let kept = self.rollback(mapped, &mut grant);
-            grant.rollback();
-            return Applied {
-                result: Err(error.into()),
-                blocks: kept,
-            };
-        }
-
-        let created = mapped
-            .iter()
-            .filter(|m| m.origin == Origin::Created)
-            .map(|m| m.windows.saturating_mul(g))
-            .fold(0u64, u64::saturating_add);
-        ctx.account(grant.settle(created, target));
-        ctx.account(
-            ctx.governor
-                .transfer(ctx.device, Bucket::Pooled, target, pooled_bytes),
-        );
-        grant.rollback();
-        let kind = match shared {
-            Some(set) => {
-                set.extend(mapped.iter().map(|m| SharedPiece {
-                    offset: m.offset,
-                    windows: m.windows,
-                    handle: m.handle,
-                }));
-                BlockKind::Shared { writable: true }
-            }
-            None => BlockKind::Owned,
-        };
-        let handles = mapped.len() as u64;
-        let blocks = mapped
-            .into_iter()
-            .map(|m| Block {
-                offset: m.offset,
-                windows: m.windows,
-                handle: m.handle,
-                kind,
-                shared: None,
-            })
-            .collect();
-        Applied {
-            result: Ok(Commit {
-                address: start,
-                bytes,
-                granules,
-                from_pool,
-                mappings: handles,
-            }),
-            blocks,
-        }
-    }
-
-    /// A private commit some of whose windows are parked here: the others are committed as
-    /// usual, then the parked ones become blocks again (pooled to committed). If the fresh
-    /// part fails, the parked windows go back to parking.
-    fn apply_reusing_parked(
-        &self,
-        spans: &[Span],
-        reused: Vec<Window>,
-        grant: Option<MappedGrowthGrant>,
-        start: DeviceAddress,
-        bytes: u64,
-    ) -> Applied {
-        let st = Arc::clone(&self.state);
-        let ctx = &st.ctx;
-        let g = ctx.granule;
-        let holes: Vec<Span> = reused.iter().map(|w| Span::new(w.0, w.1)).collect();
-        let fresh = spans::subtract(spans, &holes, g);
-        let reused_windows = reused.iter().map(|w| w.1).fold(0u64, u64::saturating_add);
-        let reused_bytes = reused_windows.saturating_mul(g);
-        let mut applied = if fresh.is_empty() {
-            if let Some(grant) = grant {
-                grant.rollback();
-            }
-            Applied {
-                result: Ok(Commit::empty(start)),
-                blocks: Vec::new(),
-            }
-        } else {
-            self.apply(&fresh, grant, None, &[])
-        };
-        match applied.result {
-            Ok(c) => {
-                ctx.account(ctx.governor.transfer(
-                    ctx.device,
-                    Bucket::Pooled,
-                    Bucket::Committed,
-                    reused_bytes,
-                ));
-                let n = reused.len() as u64;
-                applied
-                    .blocks
-                    .extend(reused.into_iter().map(|(o, w, h)| Block::owned(o, w, h)));
-                applied.blocks.sort_by_key(|b| b.offset);
-                Applied {
-                    result: Ok(Commit {
-                        address: start,
-                        bytes,
-                        granules: spans::window_count(spans),
-                        from_pool: c.from_pool.saturating_add(reused_windows),
-                        mappings: c.mappings.saturating_add(n),
-                    }),
-                    blocks: applied.blocks,
-                }
-            }
-            Err(e) => {
-                if let Some(parked) = &self.parked {
-                    parked.put_back(&st.pool, g, reused);
-                }
-                Applied {
-                    result: Err(e),
-                    blocks: applied.blocks,
-                }
-            }
-        }
-    }
-
-    /// Undoes the maps of a failed commit in reverse order, mapping by mapping. A mapping
-    /// whose unmap fails stays recorded (it is still mapped) and its bytes are accounted as
-    /// committed.
-    fn rollback(&self, mapped: Vec<Mapped>, grant: &mut MappedGrowthGrant) -> Vec<Block> {
-        let st = &*self.state;
-        let ctx = &st.ctx;
-        let g = ctx.granule;
-        let mut kept = Vec::new();
-        for m in mapped.into_iter().rev() {
-            let addr = self.at(m.offset);
-            let size = m.windows.saturating_mul(g);
-            match ctx.backend.unmap(addr, size) {
-                Ok(()) => {
-                    // A failed release is quarantined inside; the commit's error is reported.
-                    let _ = match m.origin {
-                        Origin::Pool => st.dispose(m.handle, size, Source::Bucket(Bucket::Pooled)),
-                        Origin::Created => st.dispose(m.handle, size, Source::Grant(grant)),
-                    };
-                }
-                Err(error) => {
-                    tracing::warn!(%addr, %error, "rollback unmap failed; mapping stays recorded");
-                    // Still mapped: it stays as an owned block of this reservation, even when
-                    // the commit was for a shared set (the set never saw it).
-                    let r = match m.origin {
-                        Origin::Pool => ctx.governor.transfer(
-                            ctx.device,
-                            Bucket::Pooled,
-                            Bucket::Committed,
-                            size,
-                        ),
-                        Origin::Created => grant.settle(size, Bucket::Committed),
-                    };
-                    ctx.account(r);
-                    kept.push(Block::owned(m.offset, m.windows, m.handle));
-                }
-            }
-        }
-        kept
-    }
-}
-
-/// A refusal of the grant for what the pool could not supply, restated for the whole commit:
-/// `needed` is every byte the commit asked for and `available` includes the pooled handles it
-/// had set aside (back in the pool now), so that both count the same bytes.
-fn whole_request(refusal: Refusal, bytes: u64, pooled_bytes: u64) -> VmmError {
-    match refusal {
-        Refusal::Backpressure(mut b) => {
-            b.needed = bytes;
-            b.available = b.available.saturating_add(pooled_bytes);
-            VmmError::Backpressure(b)
-        }
-        other => other.into(),
     }
 }
