@@ -13,14 +13,14 @@ use kvvm_vmm::VirtualMemory;
 use kvvm_layout::KvError;
 use kvvm_num::mul;
 
-use crate::cache_records::{
-    Admission, AdmissionInfo, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
-};
+pub(crate) mod records;
+
 use crate::error::KvCacheError;
-use crate::prefix::SharedDevicePrefix;
+use crate::sequence::prefix::SharedDevicePrefix;
 use crate::sequence::{AttachedSegment, PendingPublish, SequenceKv};
 use kvvm_layout::evaluate_prefix_shareability;
 use kvvm_layout::LayoutPlan;
+use records::{Admission, AdmissionInfo, PrefixCacheConfig, PrefixCacheStats, PublishOutcome};
 
 static NEXT_CACHE_ID: AtomicUsize = AtomicUsize::new(1);
 
@@ -625,5 +625,4 @@ impl Reclaimer for PrefixCache {
 }
 
 #[cfg(test)]
-#[path = "cache_tests.rs"]
 mod tests;

@@ -1,6 +1,11 @@
 //! [`SequenceKv`]: one request's KV cache on the device, reserved once at its maximum length
 //! and committed window by window as it grows.
 
+mod copy;
+pub(crate) mod prefix;
+mod prefix_setup;
+mod share;
+
 use std::fmt;
 use std::sync::Arc;
 
@@ -8,8 +13,8 @@ use kvvm_hal::DeviceAddress;
 use kvvm_vmm::{BlockKind, Reservation, VirtualMemory};
 
 use crate::error::KvCacheError;
-use crate::prefix::SharedDevicePrefix;
 use kvvm_layout::{Fragment, KvKind, LayoutPlan, LayoutStrides};
+use prefix::SharedDevicePrefix;
 
 /// Largest host staging buffer one copy uses (bigger runs are split into several copies).
 pub(crate) const MAX_COPY_BYTES: usize = 64 << 20;

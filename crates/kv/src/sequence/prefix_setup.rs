@@ -9,7 +9,7 @@ use kvvm_num::mul;
 use kvvm_vmm::VirtualMemory;
 
 use crate::error::KvCacheError;
-use crate::prefix::{SharedDevicePrefix, FILL_BATCH_BYTES};
+use crate::sequence::prefix::{SharedDevicePrefix, FILL_BATCH_BYTES};
 use crate::sequence::SequenceKv;
 
 impl SharedDevicePrefix {
