@@ -1,5 +1,16 @@
 //! [`PrefixCache`]: automatic prefix sharing by a chained hash over window-aligned token
 //! blocks, with an LRU of published prefixes that the governor can evict under pressure.
+//!
+//! Invariants it keeps: an entry holds only sealed prefixes whose tokens were written; a hit
+//! ends where no handle of its segments is cut (handles are mapped whole); an entry is
+//! evicted only when nothing but the cache holds its segments' memory (eviction frees it).
+//!
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | the cache, its hash chain, publish, eviction, the reclaimer |
+//! | `admit.rs` | admission: the longest hit, the owned rest, the counts |
+//! | `records.rs` | what admission and publication report (plain data) |
+//! | `tests.rs` | unit tests of the block size rule and the hash chain |
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;

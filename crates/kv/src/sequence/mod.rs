@@ -1,5 +1,24 @@
 //! [`SequenceKv`]: one request's KV cache on the device, reserved once at its maximum length
-//! and committed window by window as it grows.
+//! and committed window by window as it grows, and the [`SharedDevicePrefix`] it may map or
+//! own. The two refer to each other (a sequence holds the prefixes it maps; a prefix is made,
+//! owned and attached through a sequence), so they share this folder.
+//!
+//! Invariants a sequence keeps:
+//! * its base address never changes (the reservation's);
+//! * every window holding a live byte of its first `committed_tokens` tokens is mapped, in
+//!   every fragment, and `committed_tokens <= max_tokens`; a write or read lands only in
+//!   committed tokens;
+//! * the windows of the prefixes it maps read-only are never written, released or truncated
+//!   by it: a write into them is refused before any driver call;
+//! * a prefix it owns is mapped read-write by it until the prefix is sealed.
+//!
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | [`SequenceKv`]: construction, pointers, `ensure_tokens` and commit jobs, shrink, release |
+//! | `copy.rs` | host <-> device copies of tokens (`write_tokens`, `read_tokens`) |
+//! | `share.rs` | attaching shared segments read-only, owning a new one |
+//! | `prefix.rs` | [`SharedDevicePrefix`]: the set, its windows, seal |
+//! | `prefix_setup.rs` | making a prefix, mapping it into sequences |
 
 mod copy;
 pub(crate) mod prefix;
@@ -102,7 +121,7 @@ impl EnsureJob {
 /// on the device.
 ///
 /// Host-side layout of a token's KV (what [`write_tokens`](Self::write_tokens) takes and
-/// [`read_tokens`](Self::read_tokens) gives, `sequence_copy.rs`): `[layer][K, V][kv_head][head_dim]` elements of
+/// [`read_tokens`](Self::read_tokens) gives, `copy.rs`): `[layer][K, V][kv_head][head_dim]` elements of
 /// `dtype_bytes` bytes, `bytes_per_token` bytes per token, tokens one after the other. The
 /// bytes are scattered to the layout's offsets with one copy per contiguous device run (one
 /// per fragment for a range of tokens; one in all for token-major).
