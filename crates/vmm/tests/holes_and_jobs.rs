@@ -223,8 +223,9 @@ fn a_job_that_ran_and_is_dropped_unfinished_undoes_its_windows() {
     w.check(&[&r]);
 }
 
-#[test]
-fn a_dropped_job_whose_unmap_fails_leaves_the_window_with_its_reservation() {
+/// A job over windows 0 and 1 (one handle each) that ran, then was dropped unfinished: the
+/// undo's first unmap (window 0) fails, the second (window 1) succeeds.
+fn dropped_job_whose_first_unmap_fails() -> (World, Reservation) {
     let w = world();
     let mut r = w.vm.reserve(8 * G).unwrap();
     let mut job = r.begin_commit_ranges(&[(0, 2 * G)]).unwrap().unwrap();
@@ -232,6 +233,12 @@ fn a_dropped_job_whose_unmap_fails_leaves_the_window_with_its_reservation() {
     w.sim
         .inject(FaultRule::nth(Operation::Unmap, 1, ErrorKind::Other));
     drop(job);
+    (w, r)
+}
+
+#[test]
+fn a_dropped_job_whose_unmap_fails_leaves_the_window_with_its_reservation() {
+    let (w, mut r) = dropped_job_whose_first_unmap_fails();
     // The window whose unmap failed is still mapped: the reservation reads it as mapped and
     // committed, nothing is quarantined, and the books equal the driver's.
     assert!(w.vm.quarantine().is_empty());
@@ -261,13 +268,7 @@ fn a_dropped_job_whose_unmap_fails_leaves_the_window_with_its_reservation() {
 
 #[test]
 fn a_window_left_mapped_by_a_dropped_job_is_unmapped_by_the_teardown() {
-    let w = world();
-    let mut r = w.vm.reserve(8 * G).unwrap();
-    let mut job = r.begin_commit_ranges(&[(0, 2 * G)]).unwrap().unwrap();
-    job.run();
-    w.sim
-        .inject(FaultRule::nth(Operation::Unmap, 1, ErrorKind::Other));
-    drop(job);
+    let (w, r) = dropped_job_whose_first_unmap_fails();
     drop(r);
     assert!(w.vm.quarantine().is_empty());
     assert_eq!(w.gov.snapshot().device(D0).committed, 0);
