@@ -2,6 +2,7 @@
 //! free windows (not mapped, not in flight), never-fits, and which windows of some ranges are
 //! missing. Their cost is per span and per mapping, never per window.
 
+use crate::block::Block;
 use crate::error::{VmmError, VmmResult};
 use crate::windows::spans::{self, Span};
 
@@ -26,15 +27,8 @@ impl Reservation {
 
     /// The first mapped window of `[start, end)` (granule-aligned bounds), if any.
     fn first_mapped(&self, start: u64, end: u64) -> Option<u64> {
-        let g = self.granule();
-        let blocks = self.records();
-        let i = blocks.partition_point(|b| b.end(g) <= start);
-        blocks
-            .get(i..)?
-            .iter()
-            .take_while(|b| b.offset < end)
-            .find(|b| b.windows > 0)
-            .map(|b| b.offset.max(start))
+        let span = |b: &Block| Span::new(b.offset, b.windows);
+        spans::first_of(&self.records(), self.granule(), start, end, span)
     }
 
     /// Every window of `spans` is free: in bounds, granule-aligned, not mapped, not in
