@@ -7,7 +7,7 @@
 #   cargo install cargo-mutants --locked        # once
 #   ci/mutants.sh                               # both crates
 #   ci/mutants.sh governor                      # one crate: governor or vmm
-#   ci/mutants.sh vmm --file crates/vmm/src/parking.rs    # one file (more cargo-mutants args)
+#   ci/mutants.sh vmm --file crates/vmm/src/device/parking.rs    # one file (more cargo-mutants args)
 #
 # Which tests judge which crate (what keeps a run tractable):
 #   kvvm-governor: the governor's own tests and the manager's (kvvm-vmm), its first user;

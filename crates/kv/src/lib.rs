@@ -149,27 +149,21 @@
 #![forbid(unsafe_code)]
 
 mod cache;
-mod cache_records;
 mod error;
 pub mod precommit;
-mod prefix;
-mod prefix_setup;
 mod sequence;
-mod sequence_copy;
-mod sequence_share;
 pub mod synthetic;
 mod tensor_parallel;
-mod tensor_parallel_precommit;
 
-pub use cache::PrefixCache;
-pub use cache_records::{
+pub use cache::records::{
     Admission, AdmissionInfo, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
 };
+pub use cache::PrefixCache;
 pub use error::KvCacheError;
-pub use prefix::SharedDevicePrefix;
+pub use sequence::prefix::SharedDevicePrefix;
 pub use sequence::{EnsureJob, LayerPointers, SequenceKv};
+pub use tensor_parallel::precommit::{GroupPrecommitStats, PrecommittedGroup};
 pub use tensor_parallel::{TensorParallelJob, TensorParallelSequence};
-pub use tensor_parallel_precommit::{GroupPrecommitStats, PrecommittedGroup};
 
 /// The layout arithmetic (`kvvm-layout`), re-exported: every path `kvvm_kv::KvGeometry`, ...
 /// keeps working.

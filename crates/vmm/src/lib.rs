@@ -25,7 +25,7 @@
 //!    no discount). That check is made once, before anything else, at a cost per mapping
 //!    of the reservation, never per window.
 //!    Nothing of a commit is listed or checked per window: its windows are sorted runs
-//!    (`spans.rs`), so that besides the driver calls it costs per run and per handle;
+//!    (`windows/spans.rs`), so that besides the driver calls it costs per run and per handle;
 //! 3. each contiguous run of windows is cut into as few handles as it allows (largest first,
 //!    power-of-two numbers of granules aligned to their size from the base, at most
 //!    [`VmmConfig::max_handle_bytes`]); each handle is created (unless the pool holds one of
@@ -96,22 +96,23 @@
 //!
 //! ## Where each part lives
 //!
-//! | file | what |
+//! A type whose methods need several files has a folder named after it; its `mod.rs` says
+//! what it is and the invariants it keeps, and no type's `impl` blocks leave its folder.
+//!
+//! | folder / file | what |
 //! |---|---|
 //! | `manager.rs`, `config.rs` | [`VirtualMemory`] and [`VmmConfig`] |
-//! | `state.rs` | the per-device state every reservation and shared set holds; the reclaimer |
-//! | `device.rs` | the backend, granule, access, governor and accounting of one device |
-//! | `pool.rs` | the handle pool (free handles and the parked-bytes count, under one cap) |
-//! | `parking.rs` | parked windows: park, take back, evict, unpark under pressure |
-//! | `quarantine.rs` | [`QuarantineEntry`], its constructors, the quarantine list |
-//! | `reservation.rs` | [`Reservation`], the public API of a reserved range |
-//! | `range.rs` | a reservation's records (blocks, parked set) and bounds checks |
-//! | `commit.rs`, `cut.rs` | the commit transaction and its rollback; how windows are cut into handles |
-//! | `spans.rs` | sets of windows as sorted runs, so that a commit costs per run and per handle |
-//! | `sharing.rs`, `shared.rs` | shared mappings, and the [`SharedHandles`] set |
-//! | `release.rs`, `teardown.rs` | release / truncate (unmap runs), and drop |
+//! | `reservation/` | [`Reservation`]: its records and reads, bounds checks, which windows a commit takes, [`CommitJob`], shared mappings, release, teardown |
+//! | `transaction/` | the commit transaction, step by step (parked windows, plan and pool, grant, create and map, set access, settle), each step's undo beside it |
+//! | `device/` | the per-device state every reservation and shared set holds (the reclaimer), the device context, the handle pool, parked windows, the quarantine ([`QuarantineEntry`]) |
+//! | `windows/` | sets of windows as sorted runs, so that a commit costs per run and per handle; how runs are cut into handles |
+//! | `block.rs` | one mapping of a reservation as recorded |
+//! | `shared.rs` | the [`SharedHandles`] set |
 //! | `strided.rs` | the driver range shared by strided reservations (`reserve_strided`) |
 //! | `mapping.rs`, `error.rs` | reported records ([`MappedBlock`], [`Commit`]) and [`VmmError`] |
+//!
+//! The imports go `sync, config, error, mapping -> windows -> device -> shared, strided,
+//! block -> transaction -> reservation -> manager`.
 //!
 //! ## Example
 //!
@@ -148,36 +149,27 @@
 
 #![forbid(unsafe_code)]
 
-mod commit;
+mod block;
 mod config;
-mod cut;
 mod device;
 mod error;
-mod job;
 mod manager;
 mod mapping;
-mod parking;
-mod pool;
-mod quarantine;
-mod range;
-mod release;
 mod reservation;
 mod shared;
-mod sharing;
-mod spans;
-mod state;
 mod strided;
 mod sync;
-mod teardown;
+mod transaction;
+mod windows;
 
 pub use config::{GranularityChoice, VmmConfig, DEFAULT_MAX_HANDLE_BYTES};
-pub use cut::{buddy_windows_at, commit_pieces, max_handle_windows, shared_commit_pieces};
+pub use device::quarantine::{QuarantineEntry, QuarantineReason};
 pub use error::{VmmError, VmmResult};
-pub use job::CommitJob;
 pub use manager::VirtualMemory;
 pub use mapping::{BlockKind, Commit, MappedBlock};
-pub use quarantine::{QuarantineEntry, QuarantineReason};
+pub use reservation::job::CommitJob;
 pub use reservation::Reservation;
 pub use shared::{SharedHandles, SharedPiece};
+pub use windows::cut::{buddy_windows_at, commit_pieces, max_handle_windows, shared_commit_pieces};
 
 pub use kvvm_governor::{Backpressure, Governor, GovernorSnapshot, MappedGrowthGrant};

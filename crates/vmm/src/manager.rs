@@ -12,13 +12,13 @@ use kvvm_hal::{
 };
 
 use crate::config::{GranularityChoice, VmmConfig};
+use crate::device::parking::ParkingLot;
+use crate::device::pool::HandlePool;
+use crate::device::quarantine::QuarantineEntry;
 use crate::device::DeviceContext;
+use crate::device::DeviceState;
 use crate::error::{VmmError, VmmResult};
-use crate::parking::ParkingLot;
-use crate::pool::HandlePool;
-use crate::quarantine::QuarantineEntry;
 use crate::reservation::Reservation;
-use crate::state::DeviceState;
 use crate::strided::SharedRange;
 
 /// The virtual-memory manager of one device. Cheap to clone (clones share the pool, the

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use kvvm_governor::Bucket;
 use kvvm_hal::PhysicalHandle;
 
+use crate::device::DeviceState;
 use crate::device::Source;
-use crate::state::DeviceState;
 
 /// One handle of a [`SharedHandles`] set: `windows` granule windows from `offset` (in the
 /// owner's reservation), mapped whole wherever the set is mapped.

@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use kvvm_hal::DeviceAddress;
 
-use crate::quarantine::QuarantineEntry;
-use crate::state::DeviceState;
+use crate::device::quarantine::QuarantineEntry;
+use crate::device::DeviceState;
 
 /// A driver address range shared by several reservations; freed when the last one drops.
 pub(crate) struct SharedRange {

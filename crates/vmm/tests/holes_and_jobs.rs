@@ -10,7 +10,7 @@ use common::{World, WorldConfig, D0};
 use kvvm_governor::Limit;
 use kvvm_hal::{ErrorKind, Operation};
 use kvvm_sim::FaultRule;
-use kvvm_vmm::{QuarantineReason, Reservation, VmmError};
+use kvvm_vmm::{Reservation, VmmError};
 
 const G: u64 = 64 << 10;
 
@@ -223,8 +223,9 @@ fn a_job_that_ran_and_is_dropped_unfinished_undoes_its_windows() {
     w.check(&[&r]);
 }
 
-#[test]
-fn a_dropped_job_whose_unmap_fails_quarantines_the_window() {
+/// A job over windows 0 and 1 (one handle each) that ran, then was dropped unfinished: the
+/// undo's first unmap (window 0) fails, the second (window 1) succeeds.
+fn dropped_job_whose_first_unmap_fails() -> (World, Reservation) {
     let w = world();
     let mut r = w.vm.reserve(8 * G).unwrap();
     let mut job = r.begin_commit_ranges(&[(0, 2 * G)]).unwrap().unwrap();
@@ -232,21 +233,47 @@ fn a_dropped_job_whose_unmap_fails_quarantines_the_window() {
     w.sim
         .inject(FaultRule::nth(Operation::Unmap, 1, ErrorKind::Other));
     drop(job);
-    let q = w.vm.quarantine();
-    assert_eq!(q.len(), 1);
-    assert_eq!(q[0].reason, QuarantineReason::UnmapFailed);
-    assert_eq!(q[0].mappings.len(), 1);
-    assert_eq!(q[0].mappings[0].address, r.address());
-    assert_eq!(q[0].mappings[0].size, G);
+    (w, r)
+}
+
+#[test]
+fn a_dropped_job_whose_unmap_fails_leaves_the_window_with_its_reservation() {
+    let (w, mut r) = dropped_job_whose_first_unmap_fails();
+    // The window whose unmap failed is still mapped: the reservation reads it as mapped and
+    // committed, nothing is quarantined, and the books equal the driver's.
+    assert!(w.vm.quarantine().is_empty());
+    assert_eq!(w.vm.quarantined_bytes(), 0);
     let s = w.gov.snapshot().device(D0);
-    assert_eq!((s.committed, s.quarantined), (0, G));
-    assert_eq!(w.vm.quarantined_bytes(), G);
-    assert!(r.mappings().is_empty());
-    // The block stays mapped in the driver, its bytes quarantined: the governor's used bytes
-    // are still the driver's physical bytes.
+    assert_eq!((s.committed, s.quarantined), (G, 0));
+    assert_eq!(r.mappings().len(), 1);
+    assert_eq!(r.mappings()[0].address, r.address());
+    assert_eq!(r.mappings()[0].size, G);
+    assert!(r.is_mapped(0) && !r.is_mapped(G));
+    assert_eq!((r.committed_bytes(), r.committed_end()), (G, G));
     let ledger = w.sim.ledger();
     assert_eq!(ledger.mappings.len(), 1);
     assert_eq!(s.used(), ledger.physical_bytes[0]);
+    assert_eq!(w.vm.accounting_errors(), 0);
+    w.check(&[&r]);
+    // It stays out of use: a commit over it maps only the other window, without a driver
+    // error; a job over it is none; a release unmaps it.
+    assert!(r.begin_commit_ranges(&[(0, G)]).unwrap().is_none());
+    assert_eq!(r.commit_range(0, 2 * G).unwrap().unwrap().granules, 1);
+    assert_eq!(windows(&w, &r), vec![0, 1]);
+    w.check(&[&r]);
+    assert_eq!(r.release().unwrap(), 2 * G);
+    w.check(&[&r]);
+    assert!(w.sim.ledger().mappings.is_empty());
+}
+
+#[test]
+fn a_window_left_mapped_by_a_dropped_job_is_unmapped_by_the_teardown() {
+    let (w, r) = dropped_job_whose_first_unmap_fails();
+    drop(r);
+    assert!(w.vm.quarantine().is_empty());
+    assert_eq!(w.gov.snapshot().device(D0).committed, 0);
+    let ledger = w.sim.ledger();
+    assert!(ledger.mappings.is_empty());
     assert_eq!(w.vm.accounting_errors(), 0);
 }
 

@@ -18,6 +18,8 @@
 //!
 //! [`ensure_tokens`]: TensorParallelSequence::ensure_tokens
 
+pub(crate) mod precommit;
+
 use crate::error::KvCacheError;
 use crate::sequence::{EnsureJob, SequenceKv};
 

@@ -11,7 +11,7 @@ use kvvm_hal::{
     PhysicalHandle, VirtualMemoryBackend,
 };
 
-use crate::quarantine::{Quarantine, QuarantineEntry};
+use crate::device::quarantine::{Quarantine, QuarantineEntry};
 
 /// Where the bytes of a handle being disposed of are accounted.
 pub(crate) enum Source<'a> {
@@ -73,7 +73,7 @@ impl DeviceContext {
         access: Vec<AccessDescriptor>,
         governor: Governor,
     ) -> Self {
-        let max_windows = crate::cut::max_handle_windows(max_handle_bytes, granule);
+        let max_windows = crate::windows::cut::max_handle_windows(max_handle_bytes, granule);
         let caps = backend.capabilities();
         let capacity = backend
             .memory_info(props.device)
@@ -128,7 +128,7 @@ impl DeviceContext {
     /// physical memory on this device, when no freeing by anyone else could ever make room
     /// for that: more than the device holds, or than the governor's limits allow once
     /// everything but the quarantine is freed ([`Governor::check_fits`]). A reservation asks
-    /// it through `ReservedRange::check_fits`, with what it maps plus what it adds.
+    /// it through `Reservation::check_fits`, with what it maps plus what it adds.
     pub(crate) fn check_fits(&self, holding: u64) -> Result<(), NeverFits> {
         let device = self
             .capacity

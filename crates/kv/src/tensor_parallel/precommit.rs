@@ -328,5 +328,5 @@ impl Drop for PrecommittedGroup {
 }
 
 #[cfg(test)]
-#[path = "tensor_parallel_precommit_tests.rs"]
+#[path = "precommit_tests.rs"]
 mod tests;

@@ -5,17 +5,19 @@
 //! unmapped, released or freed: the blocks and the range go to quarantine. Otherwise the blocks
 //! are unmapped (as in release) and the range is freed; an unmap that fails quarantines the
 //! remaining blocks and the range, a free that fails quarantines the range. A slot of a
-//! strided range does not free it: the range goes with its last slot (`strided.rs`).
+//! strided range does not free it: the range goes with its last slot (`crate::strided`).
 
 use std::sync::Arc;
 
 use kvvm_governor::Bucket;
 use kvvm_hal::BackendError;
 
-use crate::quarantine::{QuarantineEntry, QuarantineReason};
-use crate::range::{Block, ReservedRange};
+use crate::block::Block;
+use crate::device::quarantine::{QuarantineEntry, QuarantineReason};
 
-impl ReservedRange {
+use super::Reservation;
+
+impl Reservation {
     /// Moves every block and the range to quarantine: owned bytes from committed to
     /// quarantined; a shared window still mapped here is quarantined in its set (never
     /// released, its bytes moved from shared to quarantined once), while the set itself is
@@ -59,7 +61,7 @@ impl ReservedRange {
     }
 }
 
-impl ReservedRange {
+impl Reservation {
     /// Keeps a shared driver range reserved forever: called when this reservation's memory
     /// is quarantined (still mapped), so that neither it nor its sibling slots free the range.
     fn pin_shared_range(&mut self) {
@@ -69,7 +71,7 @@ impl ReservedRange {
     }
 }
 
-impl Drop for ReservedRange {
+impl Drop for Reservation {
     fn drop(&mut self) {
         let st = Arc::clone(&self.state);
         let ctx = &st.ctx;
@@ -80,6 +82,9 @@ impl Drop for ReservedRange {
             blocks = self.blocks.len()
         );
         let _e = span.enter();
+        // What a dropped job could not unmap is this reservation's to unmap.
+        let back = self.left_mapped.close();
+        self.insert_blocks(back.into_iter());
         // Parked windows are torn down like committed ones.
         if let Some(parked) = self.parked.clone() {
             let windows = parked.take_all(ctx, &st.pool);

@@ -8,7 +8,7 @@ use kvvm_hal::Access;
 use kvvm_num::{add, mul};
 
 use crate::error::KvCacheError;
-use crate::prefix::SharedDevicePrefix;
+use crate::sequence::prefix::SharedDevicePrefix;
 use crate::sequence::{AttachedSegment, SequenceKv};
 
 impl SequenceKv {

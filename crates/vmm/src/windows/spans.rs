@@ -84,10 +84,23 @@ pub(crate) fn runs(spans: &[Span], g: u64) -> Vec<(u64, u64)> {
 
 /// The first window of `[start, end)` that lies in `spans`, if any.
 pub(crate) fn first_in(spans: &[Span], g: u64, start: u64, end: u64) -> Option<u64> {
-    let i = spans.partition_point(|s| s.end(g) <= start);
-    spans
+    first_of(spans, g, start, end, |s| *s)
+}
+
+/// The first window of `[start, end)` that lies in one of `items` (sorted, disjoint; `span`
+/// gives the windows of each), if any: a binary search, then the items overlapping the range.
+pub(crate) fn first_of<T>(
+    items: &[T],
+    g: u64,
+    start: u64,
+    end: u64,
+    span: impl Fn(&T) -> Span,
+) -> Option<u64> {
+    let i = items.partition_point(|x| span(x).end(g) <= start);
+    items
         .get(i..)?
         .iter()
+        .map(span)
         .take_while(|s| s.offset < end)
         .find(|s| s.windows > 0)
         .map(|s| s.offset.max(start))

@@ -1,5 +1,5 @@
 //! The records of the prefix cache: its configuration, its counters, what an admission and a
-//! publication did. Plain data; the behaviour is `cache.rs`.
+//! publication did. Plain data; the behaviour is `mod.rs` and `admit.rs`.
 
 use crate::sequence::SequenceKv;
 

@@ -1,5 +1,16 @@
 //! [`PrefixCache`]: automatic prefix sharing by a chained hash over window-aligned token
 //! blocks, with an LRU of published prefixes that the governor can evict under pressure.
+//!
+//! Invariants it keeps: an entry holds only sealed prefixes whose tokens were written; a hit
+//! ends where no handle of its segments is cut (handles are mapped whole); an entry is
+//! evicted only when nothing but the cache holds its segments' memory (eviction frees it).
+//!
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | the cache, its hash chain, publish, eviction, the reclaimer |
+//! | `admit.rs` | admission: the longest hit, the owned rest, the counts |
+//! | `records.rs` | what admission and publication report (plain data) |
+//! | `tests.rs` | unit tests of the block size rule and the hash chain |
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
@@ -13,14 +24,14 @@ use kvvm_vmm::VirtualMemory;
 use kvvm_layout::KvError;
 use kvvm_num::mul;
 
-use crate::cache_records::{
-    Admission, AdmissionInfo, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
-};
+mod admit;
+pub(crate) mod records;
+
 use crate::error::KvCacheError;
-use crate::prefix::SharedDevicePrefix;
-use crate::sequence::{AttachedSegment, PendingPublish, SequenceKv};
-use kvvm_layout::evaluate_prefix_shareability;
+use crate::sequence::prefix::SharedDevicePrefix;
+use crate::sequence::{AttachedSegment, SequenceKv};
 use kvvm_layout::LayoutPlan;
+use records::{PrefixCacheConfig, PrefixCacheStats, PublishOutcome};
 
 static NEXT_CACHE_ID: AtomicUsize = AtomicUsize::new(1);
 
@@ -197,195 +208,6 @@ impl PrefixCache {
                 h
             })
             .collect()
-    }
-
-    /// Admits a request: reserves its sequence (at most `max_tokens` tokens), maps the
-    /// longest cached prefix of `token_ids` read-only, makes the request the owner of a new
-    /// shared segment for its full blocks past the hit, and commits the rest of the prompt
-    /// (`token_ids.len()` tokens). The caller then writes tokens
-    /// `hit_tokens..prompt_tokens` and calls [`publish`](Self::publish).
-    ///
-    /// Errors: [`KvCacheError::Backpressure`] when the governor refuses the memory even after
-    /// evicting (a server answers 429 with `retry_after`); [`KvCacheError::TooManyTokens`];
-    /// driver failures. On error nothing of the request is left.
-    pub fn admit(&self, token_ids: &[u32], max_tokens: u64) -> Result<Admission, KvCacheError> {
-        let prompt = token_ids.len() as u64;
-        if prompt > max_tokens {
-            return Err(KvCacheError::TooManyTokens {
-                tokens: prompt,
-                max_tokens,
-            });
-        }
-        let mut seq = SequenceKv::new(&self.vm, &self.plan, max_tokens)?;
-        let a = self.admit_into(token_ids, &mut seq)?;
-        Ok(Admission {
-            sequence: seq,
-            hit_tokens: a.hit_tokens,
-            prompt_tokens: a.prompt_tokens,
-            owned_prefix_tokens: a.owned_prefix_tokens,
-            shared_bytes: a.shared_bytes,
-            committed_bytes: a.committed_bytes,
-        })
-    }
-
-    /// Like [`admit`](Self::admit), into `seq`: an empty sequence (fresh or released) of this
-    /// cache's plan made by the caller, for example one slot of a strided batch. Returns what
-    /// `admit` returns beside the sequence. On error `seq` is released again (empty) and the
-    /// cache is unchanged; a sequence of another manager ([`KvCacheError::OtherManager`]) or
-    /// in use ([`KvCacheError::InUse`]) is refused untouched.
-    pub fn admit_into(
-        &self,
-        token_ids: &[u32],
-        seq: &mut SequenceKv,
-    ) -> Result<AdmissionInfo, KvCacheError> {
-        let prompt = token_ids.len() as u64;
-        let max_tokens = seq.max_tokens();
-        let span = tracing::debug_span!("kv.admit", prompt, max_tokens);
-        let _e = span.enter();
-        if prompt > max_tokens {
-            return Err(KvCacheError::TooManyTokens {
-                tokens: prompt,
-                max_tokens,
-            });
-        }
-        if !seq.vm().same_manager(&self.vm) {
-            return Err(KvCacheError::OtherManager {
-                what: "prefix cache",
-            });
-        }
-        if seq.plan() != &self.plan {
-            return Err(KvCacheError::PlanMismatch {
-                reason: "the sequence was laid out under another plan than the cache's".to_owned(),
-            });
-        }
-        seq.check_empty()?;
-        let mut hit_bytes = 0;
-        match self.admit_empty(token_ids, seq, &mut hit_bytes) {
-            Ok(info) => Ok(info),
-            Err(e) => {
-                // A refusal names what the whole admission needed (the prompt's windows
-                // less the hit), against what was available with what it had committed
-                // before the refusal given back.
-                let undone = seq.releasable_bytes();
-                seq.release_after_error();
-                let needed = self
-                    .plan
-                    .committed_bytes_for_tokens(prompt)
-                    .map_or(0, |b| b.saturating_sub(hit_bytes));
-                Err(e.restated(needed, undone))
-            }
-        }
-    }
-
-    fn admit_empty(
-        &self,
-        token_ids: &[u32],
-        seq: &mut SequenceKv,
-        hit_bytes: &mut u64,
-    ) -> Result<AdmissionInfo, KvCacheError> {
-        let prompt = token_ids.len() as u64;
-        let hashes = self.block_hashes(token_ids);
-        let blocks = hashes.len() as u64;
-        let bt = usize::try_from(self.block_tokens).unwrap_or(usize::MAX);
-        // Look up the longest cached prefix and take its segments.
-        let (hit_blocks, segments) = {
-            let mut st = self.lock();
-            st.stats.lookups += 1;
-            st.tick += 1;
-            let tick = st.tick;
-            let mut found: Option<(u64, u64)> = None;
-            'outer: for i in (1..=hashes.len()).rev() {
-                if let Some(ids) = st.index.get(&hashes[i - 1]) {
-                    for id in ids.iter().rev() {
-                        if let Some(e) = st.entries.get(id) {
-                            let n = i.saturating_mul(bt);
-                            if e.tokens.len() >= n && e.tokens[..n] == token_ids[..n] {
-                                found = Some((*id, i as u64));
-                                break 'outer;
-                            }
-                        }
-                    }
-                }
-            }
-            match found {
-                Some((id, mut i)) => {
-                    let segs = st.entries.get_mut(&id).map_or_else(Vec::new, |e| {
-                        e.last_used = tick;
-                        // Handles are mapped whole: a shorter hit ends where no handle of
-                        // the cached segments is cut.
-                        while i > 0
-                            && !restrict(&e.segments, i.saturating_mul(self.windows_per_block))
-                                .iter()
-                                .all(|s| s.prefix.can_end_at(s.end_window))
-                        {
-                            i -= 1;
-                        }
-                        restrict(&e.segments, i.saturating_mul(self.windows_per_block))
-                    });
-                    (if segs.is_empty() { 0 } else { i }, segs)
-                }
-                None => (0, Vec::new()),
-            }
-        };
-        let mut shared_bytes = 0u64;
-        for s in &segments {
-            shared_bytes =
-                shared_bytes.saturating_add(seq.attach_readonly(&s.prefix, s.end_window)?);
-            *hit_bytes = shared_bytes;
-        }
-        let hit_tokens = hit_blocks.saturating_mul(self.block_tokens);
-        seq.set_attached_prefix_tokens(hit_tokens);
-        let mut owned_prefix_tokens = 0;
-        if blocks > hit_blocks {
-            let end_tokens = blocks.saturating_mul(self.block_tokens);
-            let verdict = evaluate_prefix_shareability(
-                self.plan.geometry(),
-                self.plan.layout(),
-                end_tokens,
-                self.plan.granule(),
-            )?;
-            let owned = seq.create_owned_segment(
-                hit_blocks.saturating_mul(self.windows_per_block),
-                blocks.saturating_mul(self.windows_per_block),
-                end_tokens,
-                verdict,
-                self.windows_per_block
-                    .saturating_mul(self.config.handle_blocks.max(1)),
-            )?;
-            let mut all = segments.clone();
-            all.push(AttachedSegment {
-                end_window: owned.end_window(),
-                prefix: owned,
-            });
-            let n = usize::try_from(end_tokens).unwrap_or(usize::MAX);
-            seq.pending = Some(PendingPublish {
-                hashes: hashes.clone(),
-                tokens: token_ids[..n.min(token_ids.len())].to_vec(),
-                segments: all,
-                cache_id: self.id,
-            });
-            owned_prefix_tokens = end_tokens - hit_tokens;
-        }
-        seq.ensure_tokens(prompt)?;
-        let committed_bytes = seq.committed_bytes().saturating_sub(shared_bytes);
-        {
-            let mut st = self.lock();
-            if hit_blocks > 0 {
-                st.stats.hits += 1;
-                st.stats.tokens_saved = st.stats.tokens_saved.saturating_add(hit_tokens);
-                st.stats.bytes_saved = st.stats.bytes_saved.saturating_add(shared_bytes);
-            } else {
-                st.stats.misses += 1;
-            }
-        }
-        tracing::debug!(hit_tokens, owned_prefix_tokens, shared_bytes, "admitted");
-        Ok(AdmissionInfo {
-            hit_tokens,
-            prompt_tokens: prompt,
-            owned_prefix_tokens,
-            shared_bytes,
-            committed_bytes,
-        })
     }
 
     /// Publishes the prefix segment `sequence` owns (from [`admit`](Self::admit)) once its
@@ -595,18 +417,6 @@ fn cache_only(st: &State) -> HashMap<usize, u64> {
         .collect()
 }
 
-/// The segments restricted to windows `[0, end_window)`.
-fn restrict(segments: &[AttachedSegment], end_window: u64) -> Vec<AttachedSegment> {
-    segments
-        .iter()
-        .filter(|s| s.prefix.first_window() < end_window)
-        .map(|s| AttachedSegment {
-            prefix: Arc::clone(&s.prefix),
-            end_window: s.end_window.min(end_window),
-        })
-        .collect()
-}
-
 impl Reclaimer for PrefixCache {
     fn reclaim(&self, device: DeviceId, bytes: u64) -> u64 {
         if device != self.vm.device() || bytes == 0 {
@@ -625,5 +435,4 @@ impl Reclaimer for PrefixCache {
 }
 
 #[cfg(test)]
-#[path = "cache_tests.rs"]
 mod tests;

@@ -1,4 +1,4 @@
-//! Unit tests of `cache.rs`: the block size rule and the hash chain.
+//! Unit tests of the prefix cache (`mod.rs`): the block size rule and the hash chain.
 
 #![allow(clippy::unwrap_used)]
 use super::*;

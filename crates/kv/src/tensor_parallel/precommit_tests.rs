@@ -1,4 +1,4 @@
-//! Unit tests of `tensor_parallel_precommit.rs`: a claim made while a release holds the group,
+//! Unit tests of `precommit.rs`: a claim made while a release holds the group,
 //! the interleaving forced from inside the release's driver call (not left to timing).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]

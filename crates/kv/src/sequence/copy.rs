@@ -137,29 +137,8 @@ impl SequenceKv {
             return Ok(());
         }
         // Token-major with one fragment: host and device orders coincide.
-        if self.fragments.len() == 1 {
-            let f = &self.fragments[0];
-            let skip = to_usize(lo - mul(first, bpt_f, "device range")?, "usize")?;
-            let mut dev = add(f.offset, lo, "device offset")?;
-            let total = to_usize(hi - lo, "usize")?;
-            let mut done = 0usize;
-            while done < total {
-                let len = (total - done).min(MAX_COPY_BYTES);
-                let addr = base.checked_add(dev).ok_or(crate::KvError::Overflow {
-                    what: "device address",
-                })?;
-                match &mut dir {
-                    Dir::Write(src) => {
-                        backend.copy_to_device(addr, &src[skip + done..skip + done + len])?
-                    }
-                    Dir::Read(out) => {
-                        backend.copy_from_device(&mut out[skip + done..skip + done + len], addr)?
-                    }
-                }
-                done += len;
-                dev = add(dev, len as u64, "device offset")?;
-            }
-            return Ok(());
+        if let [f] = self.fragments.as_slice() {
+            return self.transfer_contiguous(f.offset, first, lo, hi, &mut dir);
         }
         // Runs of adjacent device bytes, each a list of (fragment, device lo, device hi).
         let mut staging: Vec<u8> = Vec::new();
@@ -208,6 +187,43 @@ impl SequenceKv {
                 &mut staging,
                 &mut dir,
             )?;
+        }
+        Ok(())
+    }
+
+    /// [`transfer`](Self::transfer) for one fragment, where the host and device orders
+    /// coincide: device bytes `lo..hi` of the fragment at `fragment_offset`, in copies of at
+    /// most `MAX_COPY_BYTES`.
+    fn transfer_contiguous(
+        &self,
+        fragment_offset: u64,
+        first: u64,
+        lo: u64,
+        hi: u64,
+        dir: &mut Dir<'_>,
+    ) -> Result<(), KvCacheError> {
+        let backend: &Arc<dyn VirtualMemoryBackend> = self.vm.backend();
+        let base = self.reservation.address();
+        let bpt_f = self.plan.fragment_bytes_per_token();
+        let skip = to_usize(lo - mul(first, bpt_f, "device range")?, "usize")?;
+        let mut dev = add(fragment_offset, lo, "device offset")?;
+        let total = to_usize(hi - lo, "usize")?;
+        let mut done = 0usize;
+        while done < total {
+            let len = (total - done).min(MAX_COPY_BYTES);
+            let addr = base.checked_add(dev).ok_or(crate::KvError::Overflow {
+                what: "device address",
+            })?;
+            match dir {
+                Dir::Write(src) => {
+                    backend.copy_to_device(addr, &src[skip + done..skip + done + len])?
+                }
+                Dir::Read(out) => {
+                    backend.copy_from_device(&mut out[skip + done..skip + done + len], addr)?
+                }
+            }
+            done += len;
+            dev = add(dev, len as u64, "device offset")?;
         }
         Ok(())
     }

@@ -14,11 +14,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use kvvm_governor::Bucket;
 use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 
+use crate::device::pool::HandlePool;
 use crate::device::{DeviceContext, Source};
 use crate::mapping::{BlockKind, MappedBlock};
-use crate::pool::HandlePool;
-use crate::spans::{covered, Span};
 use crate::sync::lock;
+use crate::windows::spans::{covered, Span};
 
 /// A parked mapping: its offset in the reservation, its windows and the handle mapped there
 /// (whole, as it was committed).

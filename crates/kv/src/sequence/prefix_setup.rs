@@ -1,6 +1,6 @@
 //! Making and mapping a [`SharedDevicePrefix`] with sequences: the owner's
 //! `reserve_and_map_shared_prefix` / `reserve_unwritten` / `own_in` and a sharer's
-//! `map_shared_prefix_readonly` / `attach_to`. The prefix itself is `prefix.rs`; the sequence `sequence.rs`.
+//! `map_shared_prefix_readonly` / `attach_to`. The prefix itself is `prefix.rs`; the sequence `mod.rs`.
 
 use std::sync::Arc;
 
@@ -9,7 +9,7 @@ use kvvm_num::mul;
 use kvvm_vmm::VirtualMemory;
 
 use crate::error::KvCacheError;
-use crate::prefix::{SharedDevicePrefix, FILL_BATCH_BYTES};
+use crate::sequence::prefix::{SharedDevicePrefix, FILL_BATCH_BYTES};
 use crate::sequence::SequenceKv;
 
 impl SharedDevicePrefix {

@@ -10,20 +10,25 @@
 //! finished or dropped. The transaction, rollback, pool and governor are those of a commit.
 //!
 //! A job dropped without being finished undoes what it did: it unmaps its windows, returns the
-//! handles to the pool (or releases them) and gives the bytes back; a window whose unmap fails
-//! is quarantined.
+//! handles to the pool (or releases them) and gives the bytes back. A window whose unmap fails
+//! is still mapped: it is handed back to the reservation that began the job, which records it
+//! again (committed, refused to any other commit as already mapped, unmapped by its next
+//! release or its teardown); only when that reservation is gone is the window quarantined.
 
 use std::sync::Arc;
 
 use kvvm_governor::Bucket;
 
-use crate::commit::{Applied, Target};
+use crate::device::quarantine::{QuarantineEntry, QuarantineReason};
 use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
 use crate::mapping::{Commit, MappedBlock};
-use crate::quarantine::{QuarantineEntry, QuarantineReason};
-use crate::range::{InFlight, ReservedRange};
-use crate::spans::{self, Span};
+use crate::transaction::{Applied, Target};
+use crate::windows::spans::{self, Span};
+
+use super::left_mapped::LeftMapped;
+use super::records::InFlight;
+use super::Reservation;
 
 /// A commit begun on a reservation whose driver work runs without borrowing it (see the
 /// module docs). Made by `Reservation::begin_commit_ranges`.
@@ -32,6 +37,8 @@ pub struct CommitJob {
     spans: Vec<Span>,
     mark: Arc<()>,
     applied: Option<Applied>,
+    /// Where a window this job cannot unmap when dropped goes back to its reservation.
+    left_mapped: Arc<LeftMapped>,
 }
 
 impl std::fmt::Debug for CommitJob {
@@ -102,6 +109,11 @@ impl Drop for CommitJob {
                     let _ = st.dispose(b.handle, size, Source::Bucket(Bucket::Committed));
                 }
                 Err(error) => {
+                    // Still mapped: its reservation keeps it (and its bytes committed).
+                    let Err(b) = self.left_mapped.hand_back(b) else {
+                        tracing::warn!(%addr, %error, "undo of a dropped commit job could not unmap; the window stays with its reservation");
+                        continue;
+                    };
                     ctx.account(ctx.governor.transfer(
                         ctx.device,
                         Bucket::Committed,
@@ -125,9 +137,17 @@ impl Drop for CommitJob {
     }
 }
 
-impl ReservedRange {
-    /// Begins a commit of the unmapped windows overlapping `ranges` (`None`: nothing to do).
-    pub(crate) fn begin_commit(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Option<CommitJob>> {
+impl Reservation {
+    /// Begins a commit of every unmapped window overlapping `ranges`, as
+    /// [`commit_ranges`](Self::commit_ranges) would make it, but split so that its driver
+    /// calls ([`CommitJob::run`](crate::CommitJob::run)) need no borrow of this reservation: the caller may release
+    /// its lock on the reservation while they run, then [`finish_commit`](Self::finish_commit).
+    /// Until then the windows are in flight (another commit of them is
+    /// [`VmmError::Busy`]); one job at a time per reservation. `None` when every window is
+    /// mapped. Blocks released while the job runs are not its windows; its own are recorded by
+    /// `finish_commit`.
+    pub fn begin_commit_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<Option<CommitJob>> {
+        self.take_back_left_mapped();
         let spans = self.missing_spans(ranges)?;
         if spans.is_empty() {
             return Ok(None);
@@ -150,11 +170,15 @@ impl ReservedRange {
             spans,
             mark,
             applied: None,
+            left_mapped: Arc::clone(&self.left_mapped),
         }))
     }
 
-    /// Finishes `job`: runs it if it has not run, records its blocks, frees its windows.
-    pub(crate) fn finish_commit(&mut self, mut job: CommitJob) -> VmmResult<Commit> {
+    /// Finishes a job begun here: runs it if it has not run, records the windows it mapped
+    /// (or those a failed rollback left mapped) and returns the commit's result. A job of
+    /// another reservation is refused (and undone as it is dropped).
+    pub fn finish_commit(&mut self, mut job: CommitJob) -> VmmResult<Commit> {
+        self.take_back_left_mapped();
         let ours = self
             .in_flight
             .as_ref()
@@ -176,10 +200,12 @@ impl ReservedRange {
         applied.result
     }
 
-    /// Records `job`'s blocks as `finish_commit` does, then releases exactly the windows it
-    /// committed (as `release_ranges` does: a window whose unmap fails stays recorded).
+    /// Undoes a job begun here, recorded first so that a window whose unmap fails stays in
+    /// this reservation's books: runs it if it has not run, then releases exactly its windows
+    /// (a transaction over several reservations rolling back the parts that succeeded).
     /// Returns the bytes unmapped.
-    pub(crate) fn abort_commit(&mut self, job: CommitJob) -> VmmResult<u64> {
+    pub fn abort_commit(&mut self, job: CommitJob) -> VmmResult<u64> {
+        self.take_back_left_mapped();
         let g = self.granule();
         let windows: Vec<(u64, u64)> = job.spans.iter().map(|s| (s.offset, s.bytes(g))).collect();
         // A failed commit's result is not this call's concern: what it left is released too.

@@ -5,26 +5,48 @@
 //! otherwise. Owned handles go to the pool or the driver; a shared block only drops its
 //! reference to its set. Blocks whose unmap fails stay recorded (still mapped), handles whose
 //! release fails are quarantined, and the first error is returned after every other block was
-//! processed. With parking on, released owned windows are parked first (`parking.rs`).
+//! processed. With parking on, released owned windows are parked first (`crate::device::parking`).
 
 use std::sync::Arc;
 
 use kvvm_governor::Bucket;
 use kvvm_hal::BackendError;
 
-use crate::device::Source;
+use crate::block::Block;
+use crate::device::{DeviceState, Source};
 use crate::error::VmmResult;
 use crate::mapping::BlockKind;
-use crate::range::{Block, ReservedRange};
-use crate::spans;
-use crate::state::DeviceState;
+use crate::windows::spans;
 
-impl ReservedRange {
-    /// Releases every mapping starting at or beyond `len` bytes from the base. A mapping
-    /// holding a byte below `len` stays, whole: a multi-window handle straddling `len` stays
-    /// mapped and its windows committed until a later release reaches its start. Returns the
-    /// bytes unmapped.
-    pub(crate) fn truncate(&mut self, len: u64) -> VmmResult<u64> {
+use super::Reservation;
+
+impl Reservation {
+    /// Unmaps every block, returns the handles to the pool (or releases them) and keeps the
+    /// address range for later commits. Returns the bytes unmapped.
+    ///
+    /// Adjacent blocks are unmapped with one call where the backend allows it
+    /// ([`Capabilities::unmap_spans_mappings`](kvvm_hal::Capabilities)), one call per block
+    /// otherwise. On error, the blocks whose unmap failed stay recorded (still mapped),
+    /// handles whose release failed are quarantined, and the first error is returned after
+    /// every other block was processed.
+    ///
+    /// Unlike dropping the reservation, releasing does **not** synchronize the device: the
+    /// caller orders its own device work, and any kernel or copy still reading or writing the
+    /// released bytes must be finished first (its stream synchronized, or an event waited on).
+    /// The same holds for [`truncate`](Self::truncate) and
+    /// [`release_ranges`](Self::release_ranges). A serving engine shrinks between steps, so a
+    /// device-wide synchronize on every release would stall the streams it did not need to.
+    pub fn release(&mut self) -> VmmResult<u64> {
+        self.take_back_left_mapped();
+        self.truncate(0)
+    }
+
+    /// Releases every mapping that starts at or beyond `len` bytes from the base, like
+    /// [`release`](Self::release). A mapping holding a byte below `len` stays whole (a
+    /// multi-window handle straddling `len` stays mapped and committed until a later
+    /// truncate reaches its start). Returns the bytes unmapped.
+    pub fn truncate(&mut self, len: u64) -> VmmResult<u64> {
+        self.take_back_left_mapped();
         let st = Arc::clone(&self.state);
         let g = st.ctx.granule;
         let span = tracing::debug_span!(
@@ -51,9 +73,12 @@ impl ReservedRange {
     }
 
     /// Releases the mappings lying wholly inside the union of `ranges` (offsets from the
-    /// base); the others stay, a multi-window mapping that is only partly inside included
-    /// (it is unmapped whole or not at all). Returns the bytes unmapped.
-    pub(crate) fn release_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<u64> {
+    /// base), like [`release`](Self::release): owned handles go to the pool or the driver,
+    /// shared mappings drop their reference; the others stay, a multi-window mapping only
+    /// partly inside included (it is unmapped whole or not at all). Returns the bytes
+    /// unmapped. This is how windows committed ahead of need are given back.
+    pub fn release_ranges(&mut self, ranges: &[(u64, u64)]) -> VmmResult<u64> {
+        self.take_back_left_mapped();
         let st = Arc::clone(&self.state);
         let g = st.ctx.granule;
         let span = tracing::debug_span!(

@@ -1,13 +1,31 @@
 //! [`DeviceState`]: the per-device state that the manager, every reservation and every shared
 //! set hold: the device context, the handle pool and the parking lot. It is the pool's
 //! [`Reclaimer`] and gives the pool back to the driver when the last holder is gone.
+//!
+//! Invariants it keeps: every handle it holds is in exactly one place (the pool's free list,
+//! a parked window, or the quarantine); pooled bytes (free handles and parked windows) stay
+//! under one cap and are counted by the governor as pooled; quarantined memory is never
+//! reused or advertised as free.
+//!
+//! | file | what |
+//! |---|---|
+//! | `mod.rs` | [`DeviceState`] and the reclaimer |
+//! | `context.rs` | [`DeviceContext`]: backend, granule, access, governor, accounting; [`Source`] of bytes being disposed of |
+//! | `pool.rs` | the handle pool (free handles and the parked-bytes count, under one cap) |
+//! | `parking.rs` | parked windows: park, take back, evict, unpark under pressure |
+//! | `quarantine.rs` | [`QuarantineEntry`](quarantine::QuarantineEntry), its constructors, the list |
+
+mod context;
+pub(crate) mod parking;
+pub(crate) mod pool;
+pub(crate) mod quarantine;
 
 use kvvm_governor::Reclaimer;
 use kvvm_hal::{BackendError, DeviceId, PhysicalHandle};
 
-use crate::device::{DeviceContext, Source};
-use crate::parking::ParkingLot;
-use crate::pool::HandlePool;
+pub(crate) use context::{DeviceContext, Source};
+use parking::ParkingLot;
+use pool::HandlePool;
 
 /// One device's shared state (behind an `Arc`).
 pub(crate) struct DeviceState {

@@ -6,7 +6,7 @@
 
 use std::ops::Range;
 
-use crate::spans::{merged, Span};
+use crate::windows::spans::{merged, Span};
 
 /// The most windows one handle of a commit holds: the largest power of two not above
 /// `max_handle_bytes / granule`, at least one.

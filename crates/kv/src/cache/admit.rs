@@ -1,0 +1,243 @@
+//! Admission into a [`PrefixCache`]: reserve the request's sequence, attach the longest
+//! cached prefix read-only, make the rest of the prompt's whole blocks a segment the request
+//! owns (published once written), commit the prompt, count the hit or miss; undo all of it on
+//! an error.
+
+use std::sync::Arc;
+
+use kvvm_layout::evaluate_prefix_shareability;
+
+use crate::error::KvCacheError;
+use crate::sequence::{AttachedSegment, PendingPublish, SequenceKv};
+
+use super::records::{Admission, AdmissionInfo};
+use super::PrefixCache;
+
+impl PrefixCache {
+    /// Admits a request: reserves its sequence (at most `max_tokens` tokens), maps the
+    /// longest cached prefix of `token_ids` read-only, makes the request the owner of a new
+    /// shared segment for its full blocks past the hit, and commits the rest of the prompt
+    /// (`token_ids.len()` tokens). The caller then writes tokens
+    /// `hit_tokens..prompt_tokens` and calls [`publish`](Self::publish).
+    ///
+    /// Errors: [`KvCacheError::Backpressure`] when the governor refuses the memory even after
+    /// evicting (a server answers 429 with `retry_after`); [`KvCacheError::TooManyTokens`];
+    /// driver failures. On error nothing of the request is left.
+    pub fn admit(&self, token_ids: &[u32], max_tokens: u64) -> Result<Admission, KvCacheError> {
+        let prompt = token_ids.len() as u64;
+        if prompt > max_tokens {
+            return Err(KvCacheError::TooManyTokens {
+                tokens: prompt,
+                max_tokens,
+            });
+        }
+        let mut seq = SequenceKv::new(&self.vm, &self.plan, max_tokens)?;
+        let a = self.admit_into(token_ids, &mut seq)?;
+        Ok(Admission {
+            sequence: seq,
+            hit_tokens: a.hit_tokens,
+            prompt_tokens: a.prompt_tokens,
+            owned_prefix_tokens: a.owned_prefix_tokens,
+            shared_bytes: a.shared_bytes,
+            committed_bytes: a.committed_bytes,
+        })
+    }
+
+    /// Like [`admit`](Self::admit), into `seq`: an empty sequence (fresh or released) of this
+    /// cache's plan made by the caller, for example one slot of a strided batch. Returns what
+    /// `admit` returns beside the sequence. On error `seq` is released again (empty) and the
+    /// cache is unchanged; a sequence of another manager ([`KvCacheError::OtherManager`]) or
+    /// in use ([`KvCacheError::InUse`]) is refused untouched.
+    pub fn admit_into(
+        &self,
+        token_ids: &[u32],
+        seq: &mut SequenceKv,
+    ) -> Result<AdmissionInfo, KvCacheError> {
+        let prompt = token_ids.len() as u64;
+        let max_tokens = seq.max_tokens();
+        let span = tracing::debug_span!("kv.admit", prompt, max_tokens);
+        let _e = span.enter();
+        if prompt > max_tokens {
+            return Err(KvCacheError::TooManyTokens {
+                tokens: prompt,
+                max_tokens,
+            });
+        }
+        if !seq.vm().same_manager(&self.vm) {
+            return Err(KvCacheError::OtherManager {
+                what: "prefix cache",
+            });
+        }
+        if seq.plan() != &self.plan {
+            return Err(KvCacheError::PlanMismatch {
+                reason: "the sequence was laid out under another plan than the cache's".to_owned(),
+            });
+        }
+        seq.check_empty()?;
+        let mut hit_bytes = 0;
+        match self.admit_empty(token_ids, seq, &mut hit_bytes) {
+            Ok(info) => Ok(info),
+            Err(e) => {
+                // A refusal names what the whole admission needed (the prompt's windows
+                // less the hit), against what was available with what it had committed
+                // before the refusal given back.
+                let undone = seq.releasable_bytes();
+                seq.release_after_error();
+                let needed = self
+                    .plan
+                    .committed_bytes_for_tokens(prompt)
+                    .map_or(0, |b| b.saturating_sub(hit_bytes));
+                Err(e.restated(needed, undone))
+            }
+        }
+    }
+
+    /// Admits `token_ids` into the empty `seq`: attaches the longest cached prefix, makes
+    /// the rest of the prompt's whole blocks a segment `seq` owns (published later), commits
+    /// the prompt and counts the hit or miss.
+    fn admit_empty(
+        &self,
+        token_ids: &[u32],
+        seq: &mut SequenceKv,
+        hit_bytes: &mut u64,
+    ) -> Result<AdmissionInfo, KvCacheError> {
+        let prompt = token_ids.len() as u64;
+        let hashes = self.block_hashes(token_ids);
+        let blocks = hashes.len() as u64;
+        let (hit_blocks, segments) = self.longest_hit(token_ids, &hashes);
+        let mut shared_bytes = 0u64;
+        for s in &segments {
+            shared_bytes =
+                shared_bytes.saturating_add(seq.attach_readonly(&s.prefix, s.end_window)?);
+            *hit_bytes = shared_bytes;
+        }
+        let hit_tokens = hit_blocks.saturating_mul(self.block_tokens);
+        seq.set_attached_prefix_tokens(hit_tokens);
+        let mut owned_prefix_tokens = 0;
+        if blocks > hit_blocks {
+            let end_tokens = blocks.saturating_mul(self.block_tokens);
+            self.own_the_rest(token_ids, hashes, segments, seq, hit_blocks, end_tokens)?;
+            owned_prefix_tokens = end_tokens - hit_tokens;
+        }
+        seq.ensure_tokens(prompt)?;
+        let committed_bytes = seq.committed_bytes().saturating_sub(shared_bytes);
+        self.count_admission(hit_blocks, hit_tokens, shared_bytes);
+        tracing::debug!(hit_tokens, owned_prefix_tokens, shared_bytes, "admitted");
+        Ok(AdmissionInfo {
+            hit_tokens,
+            prompt_tokens: prompt,
+            owned_prefix_tokens,
+            shared_bytes,
+            committed_bytes,
+        })
+    }
+
+    /// The longest cached prefix of `token_ids` (`hashes` its block hashes) that ends where
+    /// no handle of its segments is cut: its blocks and segments (none on a miss). Marks the
+    /// entry used.
+    fn longest_hit(&self, token_ids: &[u32], hashes: &[u64]) -> (u64, Vec<AttachedSegment>) {
+        let bt = usize::try_from(self.block_tokens).unwrap_or(usize::MAX);
+        let mut st = self.lock();
+        st.stats.lookups += 1;
+        st.tick += 1;
+        let tick = st.tick;
+        let mut found: Option<(u64, u64)> = None;
+        'outer: for i in (1..=hashes.len()).rev() {
+            if let Some(ids) = st.index.get(&hashes[i - 1]) {
+                for id in ids.iter().rev() {
+                    if let Some(e) = st.entries.get(id) {
+                        let n = i.saturating_mul(bt);
+                        if e.tokens.len() >= n && e.tokens[..n] == token_ids[..n] {
+                            found = Some((*id, i as u64));
+                            break 'outer;
+                        }
+                    }
+                }
+            }
+        }
+        let Some((id, mut i)) = found else {
+            return (0, Vec::new());
+        };
+        let segs = st.entries.get_mut(&id).map_or_else(Vec::new, |e| {
+            e.last_used = tick;
+            // Handles are mapped whole: a shorter hit ends where no handle of the cached
+            // segments is cut.
+            while i > 0
+                && !restrict(&e.segments, i.saturating_mul(self.windows_per_block))
+                    .iter()
+                    .all(|s| s.prefix.can_end_at(s.end_window))
+            {
+                i -= 1;
+            }
+            restrict(&e.segments, i.saturating_mul(self.windows_per_block))
+        });
+        (if segs.is_empty() { 0 } else { i }, segs)
+    }
+
+    /// Makes the prompt's blocks past the hit (`hit_blocks`) up to `end_tokens` a segment
+    /// `seq` owns, and records what to publish once it is written: the hashes, the tokens and
+    /// every segment (the attached ones and the owned one).
+    fn own_the_rest(
+        &self,
+        token_ids: &[u32],
+        hashes: Vec<u64>,
+        segments: Vec<AttachedSegment>,
+        seq: &mut SequenceKv,
+        hit_blocks: u64,
+        end_tokens: u64,
+    ) -> Result<(), KvCacheError> {
+        let blocks = hashes.len() as u64;
+        let verdict = evaluate_prefix_shareability(
+            self.plan.geometry(),
+            self.plan.layout(),
+            end_tokens,
+            self.plan.granule(),
+        )?;
+        let owned = seq.create_owned_segment(
+            hit_blocks.saturating_mul(self.windows_per_block),
+            blocks.saturating_mul(self.windows_per_block),
+            end_tokens,
+            verdict,
+            self.windows_per_block
+                .saturating_mul(self.config.handle_blocks.max(1)),
+        )?;
+        let mut all = segments;
+        all.push(AttachedSegment {
+            end_window: owned.end_window(),
+            prefix: owned,
+        });
+        let n = usize::try_from(end_tokens).unwrap_or(usize::MAX);
+        seq.pending = Some(PendingPublish {
+            hashes,
+            tokens: token_ids[..n.min(token_ids.len())].to_vec(),
+            segments: all,
+            cache_id: self.id,
+        });
+        Ok(())
+    }
+
+    /// Counts an admission: a hit of `hit_blocks` (`hit_tokens`) saving `shared_bytes`, or
+    /// a miss.
+    fn count_admission(&self, hit_blocks: u64, hit_tokens: u64, shared_bytes: u64) {
+        let mut st = self.lock();
+        if hit_blocks > 0 {
+            st.stats.hits += 1;
+            st.stats.tokens_saved = st.stats.tokens_saved.saturating_add(hit_tokens);
+            st.stats.bytes_saved = st.stats.bytes_saved.saturating_add(shared_bytes);
+        } else {
+            st.stats.misses += 1;
+        }
+    }
+}
+
+/// The segments restricted to windows `[0, end_window)`.
+fn restrict(segments: &[AttachedSegment], end_window: u64) -> Vec<AttachedSegment> {
+    segments
+        .iter()
+        .filter(|s| s.prefix.first_window() < end_window)
+        .map(|s| AttachedSegment {
+            prefix: Arc::clone(&s.prefix),
+            end_window: s.end_window.min(end_window),
+        })
+        .collect()
+}
