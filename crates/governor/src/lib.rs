@@ -67,7 +67,8 @@
 //! `governor.rs` ([`Governor`]: grants, reclaim, transfers, snapshots), `grant.rs`
 //! ([`MappedGrowthGrant`]), `books.rs` (the checked books), `bucket.rs`, `error.rs`
 //! ([`Backpressure`], [`GovernorError`]), `clock.rs`, `retry.rs` ([`RetryPolicy`]),
-//! `reclaim.rs` ([`Reclaimer`]), `config.rs` ([`GovernorConfig`]), `snapshot.rs`.
+//! `reclaim.rs` ([`Reclaimer`]), `config.rs` ([`GovernorConfig`]), `snapshot.rs`, `lease.rs`
+//! ([`Governor::with_lease`]: a budget leased from a node-wide broker, [`LeaseSource`]).
 
 mod books;
 mod bucket;
@@ -76,6 +77,7 @@ mod config;
 mod error;
 mod governor;
 mod grant;
+mod lease;
 mod reclaim;
 mod retry;
 mod snapshot;
@@ -86,6 +88,7 @@ pub use config::GovernorConfig;
 pub use error::{Backpressure, GovernorError, Limit, NeverFits, Refusal};
 pub use governor::Governor;
 pub use grant::MappedGrowthGrant;
+pub use lease::{LeasePolicy, LeaseSource, WeakGovernor};
 pub use reclaim::Reclaimer;
 pub use retry::RetryPolicy;
 pub use snapshot::{DeviceSnapshot, GovernorSnapshot};

@@ -1,0 +1,225 @@
+//! One client's connection: reads its requests, validates each against what the client holds,
+//! answers, and gives everything it held back to the node when the socket closes.
+
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{lock, Conn, Shared};
+use crate::books::BooksError;
+use crate::config::TenantPolicy;
+use crate::proto::{read_frame, valid_tenant, ErrorCode, Frame, Reply, Request, PROTOCOL_VERSION};
+
+/// A token bucket: `burst` messages at once, `per_second` in the long run.
+struct RateLimit {
+    tokens: f64,
+    last: Instant,
+    dropped_in_a_row: u32,
+}
+
+/// What to do after a request.
+enum Next {
+    Continue,
+    Close,
+}
+
+/// Serves connection `id` until the client leaves, breaks the protocol or the broker stops.
+pub(super) fn serve(shared: &Arc<Shared>, id: u64, conn: &Arc<Conn>, mut stream: UnixStream) {
+    let now = shared.config.clock.now();
+    let mut rate = RateLimit {
+        tokens: f64::from(shared.config.burst),
+        last: now,
+        dropped_in_a_row: 0,
+    };
+    loop {
+        let req = match read_frame::<Request>(&mut stream) {
+            Ok(Frame::Message(r)) => r,
+            Ok(Frame::Closed) | Err(_) => break,
+            Ok(Frame::Malformed(why)) => {
+                refuse(conn, 0, ErrorCode::Invalid, &why);
+                break;
+            }
+        };
+        if !admit(shared, &mut rate) {
+            refuse(conn, req.id(), ErrorCode::RateLimited, "message dropped");
+            if rate.dropped_in_a_row > shared.config.burst {
+                break;
+            }
+            continue;
+        }
+        if let Next::Close = handle(shared, conn, req) {
+            break;
+        }
+    }
+    let _ = lock(&conn.stream).shutdown(std::net::Shutdown::Both);
+    lock(&shared.conns).remove(&id);
+    if let Some(client) = *lock(&conn.client) {
+        let now = shared.config.clock.now();
+        let held = lock(&shared.books).drop_client(client, now);
+        tracing::info!(client, ?held, "client left; its grants are back");
+    }
+}
+
+/// Whether the rate limit lets one more message through now.
+fn admit(shared: &Shared, rate: &mut RateLimit) -> bool {
+    let now = shared.config.clock.now();
+    let dt = now.saturating_duration_since(rate.last).as_secs_f64();
+    rate.last = now;
+    let burst = f64::from(shared.config.burst);
+    let refill = dt * f64::from(shared.config.messages_per_second);
+    rate.tokens = (rate.tokens + refill).min(burst);
+    if rate.tokens >= 1.0 {
+        rate.tokens -= 1.0;
+        rate.dropped_in_a_row = 0;
+        true
+    } else {
+        rate.dropped_in_a_row = rate.dropped_in_a_row.saturating_add(1);
+        false
+    }
+}
+
+fn refuse(conn: &Conn, id: u64, code: ErrorCode, message: &str) {
+    conn.send(&Reply::Error {
+        id,
+        code,
+        message: message.to_owned(),
+    });
+}
+
+fn handle(shared: &Arc<Shared>, conn: &Conn, req: Request) -> Next {
+    let client = *lock(&conn.client);
+    match (req, client) {
+        (
+            Request::Hello {
+                id,
+                tenant,
+                token,
+                version,
+            },
+            None,
+        ) => hello(shared, conn, id, &tenant, token.as_deref(), version),
+        (Request::Hello { id, .. }, Some(_)) => {
+            refuse(conn, id, ErrorCode::Invalid, "hello twice");
+            Next::Close
+        }
+        (req, None) => {
+            refuse(conn, req.id(), ErrorCode::Invalid, "hello first");
+            Next::Close
+        }
+        (req, Some(client)) => books_request(shared, conn, client, req),
+    }
+}
+
+/// Compares in time independent of where the strings differ.
+fn same_token(given: Option<&str>, wanted: &str) -> bool {
+    let Some(given) = given else { return false };
+    given.len() == wanted.len()
+        && given
+            .bytes()
+            .zip(wanted.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+fn hello(
+    shared: &Shared,
+    conn: &Conn,
+    id: u64,
+    tenant: &str,
+    token: Option<&str>,
+    version: u32,
+) -> Next {
+    if version != PROTOCOL_VERSION || !valid_tenant(tenant) {
+        refuse(conn, id, ErrorCode::Invalid, "bad version or tenant name");
+        return Next::Close;
+    }
+    let policy: Option<TenantPolicy> = shared.config.policy(tenant).cloned();
+    let allowed = policy
+        .as_ref()
+        .is_some_and(|p| p.token.as_deref().is_none_or(|t| same_token(token, t)));
+    let Some(policy) = policy.filter(|_| allowed) else {
+        refuse(
+            conn,
+            id,
+            ErrorCode::Unauthorized,
+            "unknown tenant or wrong token",
+        );
+        return Next::Close;
+    };
+    let ceiling = shared.config.ceiling(&policy);
+    let client = lock(&shared.books).register(tenant, &policy, ceiling);
+    *lock(&conn.client) = Some(client);
+    tracing::info!(client, tenant, "client registered");
+    conn.send(&Reply::Welcome {
+        id,
+        client,
+        floor: policy.floor.min(ceiling),
+        ceiling,
+        budget: shared.config.budget,
+    });
+    Next::Continue
+}
+
+fn books_request(shared: &Arc<Shared>, conn: &Conn, client: u64, req: Request) -> Next {
+    let now = shared.config.clock.now();
+    let (id, device, result) = match req {
+        Request::Hello { .. } => return Next::Close,
+        Request::Claim { id, device, bytes } => {
+            let r = lock(&shared.books).claim(client, device, bytes);
+            (id, device, r.map(|held| (0, held)))
+        }
+        Request::Return { id, device, bytes } => {
+            let r = lock(&shared.books).give_back(client, device, bytes, now);
+            (id, device, r.map(|held| (0, held)))
+        }
+        Request::Acquire {
+            id,
+            device,
+            need,
+            want,
+        } => {
+            let mut books = lock(&shared.books);
+            let r = books.acquire(client, device, need, want, &shared.config.retry, now);
+            let held = books.client_held(client, device);
+            drop(books);
+            match r {
+                Ok(Ok(granted)) => (id, device, Ok((granted, held))),
+                Ok(Err((refusal, asks))) => {
+                    for ask in asks {
+                        let msg = Reply::Reclaim {
+                            device: ask.device,
+                            bytes: ask.bytes,
+                        };
+                        shared.send_to_client(ask.client, &msg);
+                    }
+                    conn.send(&Reply::Refused {
+                        id,
+                        device,
+                        refusal,
+                    });
+                    return Next::Continue;
+                }
+                Err(e) => (id, device, Err(e)),
+            }
+        }
+    };
+    match result {
+        Ok((granted, held)) => {
+            conn.send(&Reply::Held {
+                id,
+                device,
+                granted,
+                held,
+            });
+            Next::Continue
+        }
+        Err(e @ (BooksError::NotHeld { .. } | BooksError::Claim(_))) => {
+            refuse(conn, id, ErrorCode::NotHeld, &e.to_string());
+            Next::Continue
+        }
+        Err(e @ BooksError::UnknownClient(_)) => {
+            refuse(conn, id, ErrorCode::Invalid, &e.to_string());
+            Next::Close
+        }
+    }
+}
