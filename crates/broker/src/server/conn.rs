@@ -20,7 +20,9 @@ struct RateLimit {
 /// What to do after a request.
 enum Next {
     Continue,
-    Close,
+    /// Leave, with a last word sent once the client's slot and grants are given up (so a
+    /// client that reads it finds the broker's books already without it).
+    Close(Option<Reply>),
 }
 
 /// Serves connection `id` until the client leaves, breaks the protocol or the broker stops.
@@ -31,33 +33,34 @@ pub(super) fn serve(shared: &Arc<Shared>, id: u64, conn: &Arc<Conn>, mut stream:
         last: now,
         dropped_in_a_row: 0,
     };
-    loop {
+    let last = loop {
         let req = match read_frame::<Request>(&mut stream) {
             Ok(Frame::Message(r)) => r,
-            Ok(Frame::Closed) | Err(_) => break,
-            Ok(Frame::Malformed(why)) => {
-                refuse(conn, 0, ErrorCode::Invalid, &why);
-                break;
-            }
+            Ok(Frame::Closed) | Err(_) => break None,
+            Ok(Frame::Malformed(why)) => break Some(error(0, ErrorCode::Invalid, &why)),
         };
         if !admit(shared, &mut rate) {
             refuse(conn, req.id(), ErrorCode::RateLimited, "message dropped");
             if rate.dropped_in_a_row > shared.config.burst {
-                break;
+                break None;
             }
             continue;
         }
-        if let Next::Close = handle(shared, conn, req) {
-            break;
+        if let Next::Close(last) = handle(shared, conn, req) {
+            break last;
         }
-    }
-    let _ = lock(&conn.stream).shutdown(std::net::Shutdown::Both);
+    };
     lock(&shared.conns).remove(&id);
-    if let Some(client) = *lock(&conn.client) {
+    let client = lock(&conn.client).take();
+    if let Some(client) = client {
         let now = shared.config.clock.now();
         let held = lock(&shared.books).drop_client(client, now);
         tracing::info!(client, ?held, "client left; its grants are back");
     }
+    if let Some(last) = last {
+        conn.send(&last);
+    }
+    let _ = lock(&conn.stream).shutdown(std::net::Shutdown::Both);
 }
 
 /// Whether the rate limit lets one more message through now.
@@ -78,12 +81,16 @@ fn admit(shared: &Shared, rate: &mut RateLimit) -> bool {
     }
 }
 
-fn refuse(conn: &Conn, id: u64, code: ErrorCode, message: &str) {
-    conn.send(&Reply::Error {
+fn error(id: u64, code: ErrorCode, message: &str) -> Reply {
+    Reply::Error {
         id,
         code,
         message: message.to_owned(),
-    });
+    }
+}
+
+fn refuse(conn: &Conn, id: u64, code: ErrorCode, message: &str) {
+    conn.send(&error(id, code, message));
 }
 
 fn handle(shared: &Arc<Shared>, conn: &Conn, req: Request) -> Next {
@@ -99,13 +106,9 @@ fn handle(shared: &Arc<Shared>, conn: &Conn, req: Request) -> Next {
             None,
         ) => hello(shared, conn, id, &tenant, token.as_deref(), version),
         (Request::Hello { id, .. }, Some(_)) => {
-            refuse(conn, id, ErrorCode::Invalid, "hello twice");
-            Next::Close
+            Next::Close(Some(error(id, ErrorCode::Invalid, "hello twice")))
         }
-        (req, None) => {
-            refuse(conn, req.id(), ErrorCode::Invalid, "hello first");
-            Next::Close
-        }
+        (req, None) => Next::Close(Some(error(req.id(), ErrorCode::Invalid, "hello first"))),
         (req, Some(client)) => books_request(shared, conn, client, req),
     }
 }
@@ -130,21 +133,19 @@ fn hello(
     version: u32,
 ) -> Next {
     if version != PROTOCOL_VERSION || !valid_tenant(tenant) {
-        refuse(conn, id, ErrorCode::Invalid, "bad version or tenant name");
-        return Next::Close;
+        return Next::Close(Some(error(
+            id,
+            ErrorCode::Invalid,
+            "bad version or tenant name",
+        )));
     }
     let policy: Option<TenantPolicy> = shared.config.policy(tenant).cloned();
     let allowed = policy
         .as_ref()
         .is_some_and(|p| p.token.as_deref().is_none_or(|t| same_token(token, t)));
     let Some(policy) = policy.filter(|_| allowed) else {
-        refuse(
-            conn,
-            id,
-            ErrorCode::Unauthorized,
-            "unknown tenant or wrong token",
-        );
-        return Next::Close;
+        let why = "unknown tenant or wrong token";
+        return Next::Close(Some(error(id, ErrorCode::Unauthorized, why)));
     };
     let ceiling = shared.config.ceiling(&policy);
     let client = lock(&shared.books).register(tenant, &policy, ceiling);
@@ -163,7 +164,7 @@ fn hello(
 fn books_request(shared: &Arc<Shared>, conn: &Conn, client: u64, req: Request) -> Next {
     let now = shared.config.clock.now();
     let (id, device, result) = match req {
-        Request::Hello { .. } => return Next::Close,
+        Request::Hello { .. } => return Next::Close(None),
         Request::Claim { id, device, bytes } => {
             let r = lock(&shared.books).claim(client, device, bytes);
             (id, device, r.map(|held| (0, held)))
@@ -218,8 +219,7 @@ fn books_request(shared: &Arc<Shared>, conn: &Conn, client: u64, req: Request) -
             Next::Continue
         }
         Err(e @ BooksError::UnknownClient(_)) => {
-            refuse(conn, id, ErrorCode::Invalid, &e.to_string());
-            Next::Close
+            Next::Close(Some(error(id, ErrorCode::Invalid, &e.to_string())))
         }
     }
 }
