@@ -6,7 +6,10 @@ use std::time::{Duration, Instant};
 
 use kvvm_governor::RetryPolicy;
 
+use std::os::fd::OwnedFd;
+
 use crate::config::{BrokerConfig, TenantPolicy};
+use crate::prefixes::{OpenedPrefix, PrefixRow, Prefixes, MAX_PREFIXES};
 use crate::proto::WireRefusal;
 
 /// Most recent give-backs remembered per device for the retry estimate.
@@ -38,6 +41,12 @@ pub enum BooksError {
     /// A claim on a device where the client already holds bytes, or over its ceiling.
     #[error("claim refused on device {0}")]
     Claim(u32),
+    /// No prefix of that key for the client's tenant, or the client does not use it.
+    #[error("no prefix {0:?} for this client")]
+    NoPrefix(String),
+    /// The tenant already has a prefix of that key, or as many as it may have.
+    #[error("prefix {0:?} exists")]
+    PrefixExists(String),
 }
 
 /// An ask the broker sends: `client` should give back up to `bytes` on `device`.
@@ -59,6 +68,7 @@ pub struct NodeBooks {
     clients: BTreeMap<u64, ClientBooks>,
     next_client: u64,
     given_back: BTreeMap<u32, VecDeque<(Instant, u64)>>,
+    prefixes: Prefixes,
 }
 
 impl NodeBooks {
@@ -70,6 +80,7 @@ impl NodeBooks {
             clients: BTreeMap::new(),
             next_client: 1,
             given_back: BTreeMap::new(),
+            prefixes: Prefixes::default(),
         }
     }
 
@@ -105,21 +116,30 @@ impl NodeBooks {
             .collect()
     }
 
-    /// Bytes `tenant` holds on `device`.
+    /// Bytes `tenant` holds on `device`: its clients' and its prefixes'.
     pub fn tenant_held(&self, tenant: &str, device: u32) -> u64 {
         self.clients
             .values()
             .filter(|c| c.tenant == tenant)
             .filter_map(|c| c.held.get(&device))
-            .fold(0u64, |a, b| a.saturating_add(*b))
+            .fold(self.prefixes.tenant_bytes(tenant, device), |a, b| {
+                a.saturating_add(*b)
+            })
     }
 
-    /// Bytes held on `device` by every client.
+    /// Bytes held on `device`: every client's and every prefix's.
     pub fn total_held(&self, device: u32) -> u64 {
         self.clients
             .values()
             .filter_map(|c| c.held.get(&device))
-            .fold(0u64, |a, b| a.saturating_add(*b))
+            .fold(self.prefixes.total_bytes(device), |a, b| {
+                a.saturating_add(*b)
+            })
+    }
+
+    /// Every published prefix: (tenant, key, device, bytes, users).
+    pub fn prefixes(&self) -> Vec<PrefixRow> {
+        self.prefixes.rows()
     }
 
     /// The number of clients registered.
@@ -286,7 +306,69 @@ impl NodeBooks {
         for (d, b) in &held {
             self.note_given_back(*d, *b, now);
         }
+        for (d, b) in self.prefixes.drop_client(client) {
+            self.note_given_back(d, b, now);
+        }
         held
+    }
+
+    /// `client` publishes `key` on `device` with its handles `fds` of `sizes`: the bytes move
+    /// from its holding to the prefix (billed once, to its tenant) and it is the first user.
+    /// Returns what the client holds now.
+    pub fn publish_prefix(
+        &mut self,
+        client: u64,
+        device: u32,
+        key: &str,
+        sizes: Vec<u64>,
+        fds: Vec<OwnedFd>,
+    ) -> Result<u64, BooksError> {
+        let bytes = sizes
+            .iter()
+            .try_fold(0u64, |a, s| a.checked_add(*s))
+            .unwrap_or(u64::MAX);
+        let tenant = self.tenant_of(client)?;
+        if self.prefixes.contains(&tenant, key) || self.prefixes.count(&tenant) >= MAX_PREFIXES {
+            return Err(BooksError::PrefixExists(key.to_owned()));
+        }
+        let held = self.client_held(client, device);
+        let rest = held.checked_sub(bytes).ok_or(BooksError::NotHeld {
+            device,
+            bytes,
+            held,
+        })?;
+        if let Some(c) = self.clients.get_mut(&client) {
+            c.held.insert(device, rest);
+        }
+        self.prefixes
+            .publish(&tenant, key, client, device, sizes, fds);
+        Ok(rest)
+    }
+
+    /// Opens the tenant's prefix `key` for `client` (not billed again).
+    pub fn open_prefix(&mut self, client: u64, key: &str) -> Result<OpenedPrefix, BooksError> {
+        let tenant = self.tenant_of(client)?;
+        self.prefixes
+            .open(&tenant, key, client)
+            .ok_or_else(|| BooksError::NoPrefix(key.to_owned()))
+    }
+
+    /// `client` lets go of `key` once; the last user's close frees it. Returns the users left.
+    pub fn close_prefix(
+        &mut self,
+        client: u64,
+        key: &str,
+        now: Instant,
+    ) -> Result<usize, BooksError> {
+        let tenant = self.tenant_of(client)?;
+        let (left, freed) = self
+            .prefixes
+            .close(&tenant, key, client)
+            .ok_or_else(|| BooksError::NoPrefix(key.to_owned()))?;
+        if let Some((d, b)) = freed {
+            self.note_given_back(d, b, now);
+        }
+        Ok(left)
     }
 
     fn note_given_back(&mut self, device: u32, bytes: u64, now: Instant) {

@@ -9,6 +9,7 @@
 //! registers again and claims what it holds from the new broker.
 
 use std::collections::BTreeMap;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -23,8 +24,11 @@ use kvvm_governor::{
 use kvvm_hal::DeviceId;
 
 use crate::error::BrokerError;
+use crate::fdpass::{send_with_fds, FdReader};
+use crate::prefixes::OpenedPrefix;
 use crate::proto::{
-    read_frame, write_frame, ErrorCode, Frame, Reply, Request, WireRefusal, PROTOCOL_VERSION,
+    encode_frame, read_frame, write_frame, ErrorCode, Frame, Reply, Request, WireRefusal,
+    PROTOCOL_VERSION,
 };
 
 /// Ids of requests nobody waits for the answer of (returns) have this bit set.
@@ -73,11 +77,11 @@ pub struct Welcome {
 
 struct Connection {
     writer: Arc<Mutex<UnixStream>>,
-    replies: Receiver<Reply>,
+    replies: Receiver<(Reply, Vec<OwnedFd>)>,
     alive: Arc<AtomicBool>,
 }
 
-struct Inner {
+pub(crate) struct Inner {
     options: ClientOptions,
     conn: Mutex<Option<Connection>>,
     writer: Mutex<Option<Arc<Mutex<UnixStream>>>>,
@@ -216,7 +220,10 @@ impl BrokerClient {
             .collect();
         for (device, bytes) in held {
             let id = self.id();
-            match self.exchange(conn, &Request::Claim { id, device, bytes })? {
+            match self
+                .exchange(conn, &Request::Claim { id, device, bytes }, &[])?
+                .0
+            {
                 Reply::Held { .. } => {}
                 other => return Err(BrokerError::Protocol(format!("claim: {other:?}"))),
             }
@@ -224,9 +231,18 @@ impl BrokerClient {
         Ok(())
     }
 
-    /// Sends `req` and waits for its answer.
-    fn exchange(&self, conn: &Connection, req: &Request) -> Result<Reply, BrokerError> {
-        write_frame(&mut *lock(&conn.writer), req)?;
+    /// Sends `req` (with `fds` attached, if any) and waits for its answer.
+    fn exchange(
+        &self,
+        conn: &Connection,
+        req: &Request,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
+        if fds.is_empty() {
+            write_frame(&mut *lock(&conn.writer), req)?;
+        } else {
+            send_with_fds(&lock(&conn.writer), &encode_frame(req)?, fds)?;
+        }
         match conn.replies.recv_timeout(self.inner.options.reply_timeout) {
             Ok(r) => Ok(r),
             Err(RecvTimeoutError::Timeout) => {
@@ -241,6 +257,15 @@ impl BrokerClient {
     /// connection found dead, or dying under the request: then once more on a new one; a
     /// broker that lost the connection has forgotten the request with everything else).
     fn request(&self, make: impl Fn(u64) -> Request) -> Result<Reply, BrokerError> {
+        self.request_fds(make, &[]).map(|(r, _)| r)
+    }
+
+    /// [`request`](Self::request) with `fds` attached, answered with descriptors.
+    pub(crate) fn request_fds(
+        &self,
+        make: impl Fn(u64) -> Request,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
         let mut conn = lock(&self.inner.conn);
         let mut tries = 0;
         loop {
@@ -253,7 +278,7 @@ impl BrokerClient {
                 *conn = Some(self.open()?);
             }
             let c = conn.as_ref().ok_or(BrokerError::Disconnected)?;
-            match self.exchange(c, &make(self.id())) {
+            match self.exchange(c, &make(self.id()), fds) {
                 Ok(r) => return Ok(r),
                 Err(e) => {
                     *conn = None;
@@ -329,6 +354,76 @@ impl BrokerClient {
     }
 }
 
+impl BrokerClient {
+    /// Publishes a prefix on `device` under `key` with its exported handles (a descriptor and
+    /// its size each): the bytes leave this client's lease (and its governor's) for the prefix, billed once to
+    /// the tenant for as long as any client uses it. The publisher is its first user; it
+    /// lets go with [`close_prefix`](Self::close_prefix) or by disconnecting.
+    pub fn publish_prefix(
+        &self,
+        device: u32,
+        key: &str,
+        handles: &[(BorrowedFd<'_>, u64)],
+    ) -> Result<(), BrokerError> {
+        let fds: Vec<BorrowedFd<'_>> = handles.iter().map(|(fd, _)| *fd).collect();
+        let sizes: Vec<u64> = handles.iter().map(|(_, s)| *s).collect();
+        let bytes = sizes.iter().fold(0u64, |a, s| a.saturating_add(*s));
+        let make = |id| Request::Publish {
+            id,
+            device,
+            key: key.to_owned(),
+            sizes: sizes.clone(),
+        };
+        match self.request_fds(make, &fds)?.0 {
+            Reply::Held { .. } => {
+                {
+                    let mut held = lock(&self.inner.held);
+                    let h = held.entry(device).or_default();
+                    *h = h.saturating_sub(bytes);
+                }
+                let governor = lock(&self.inner.governor)
+                    .as_ref()
+                    .and_then(WeakGovernor::upgrade);
+                if let Some(g) = governor {
+                    g.hand_over_lease(DeviceId(device), bytes);
+                }
+                Ok(())
+            }
+            Reply::Error { message, .. } => Err(BrokerError::Refused(message)),
+            other => Err(BrokerError::Protocol(format!("publish: {other:?}"))),
+        }
+    }
+
+    /// Opens the tenant's prefix `key`: its device, bytes and handles (import them read-only).
+    /// Not billed again; the client is a user until it closes it or disconnects.
+    pub fn open_prefix(&self, key: &str) -> Result<OpenedPrefix, BrokerError> {
+        let make = |id| Request::Open {
+            id,
+            key: key.to_owned(),
+        };
+        match self.request_fds(make, &[])? {
+            (Reply::Prefix { device, sizes, .. }, fds) if fds.len() == sizes.len() => {
+                Ok(OpenedPrefix { device, sizes, fds })
+            }
+            (Reply::Error { message, .. }, _) => Err(BrokerError::Refused(message)),
+            (other, _) => Err(BrokerError::Protocol(format!("open: {other:?}"))),
+        }
+    }
+
+    /// Lets go of the prefix `key` once; returns the users left (0: it was freed).
+    pub fn close_prefix(&self, key: &str) -> Result<u64, BrokerError> {
+        let make = |id| Request::Close {
+            id,
+            key: key.to_owned(),
+        };
+        match self.request(make)? {
+            Reply::Users { users, .. } => Ok(users),
+            Reply::Error { message, .. } => Err(BrokerError::Refused(message)),
+            other => Err(BrokerError::Protocol(format!("close: {other:?}"))),
+        }
+    }
+}
+
 fn refusal_of(device: DeviceId, r: WireRefusal) -> Refusal {
     match r {
         WireRefusal::Backpressure {
@@ -358,8 +453,21 @@ fn refusal_of(device: DeviceId, r: WireRefusal) -> Refusal {
 
 /// Takes the broker's messages: answers go to the waiting request, asks to give back are
 /// answered through the governor.
-fn read_loop(inner: &Weak<Inner>, mut stream: UnixStream, tx: &Sender<Reply>, alive: &AtomicBool) {
-    while let Ok(Frame::Message(reply)) = read_frame::<Reply>(&mut stream) {
+fn read_loop(
+    inner: &Weak<Inner>,
+    stream: UnixStream,
+    tx: &Sender<(Reply, Vec<OwnedFd>)>,
+    alive: &AtomicBool,
+) {
+    let mut reader = FdReader::new(stream);
+    while let Ok(Frame::Message(reply)) = read_frame::<Reply>(&mut reader) {
+        let fds = match &reply {
+            Reply::Prefix { sizes, .. } => reader.take_fds(sizes.len()),
+            _ => Some(Vec::new()),
+        };
+        let Some(fds) = fds.filter(|_| reader.drop_fds() == 0) else {
+            break;
+        };
         match reply {
             Reply::Reclaim { device, bytes } => {
                 let Some(inner) = inner.upgrade() else { break };
@@ -379,7 +487,7 @@ fn read_loop(inner: &Weak<Inner>, mut stream: UnixStream, tx: &Sender<Reply>, al
                 ..
             } => break,
             other => {
-                if tx.send(other).is_err() {
+                if tx.send((other, fds)).is_err() {
                     break;
                 }
             }

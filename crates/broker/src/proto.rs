@@ -21,6 +21,9 @@ pub const MAX_TENANT: usize = 64;
 /// The longest token, in bytes.
 pub const MAX_TOKEN: usize = 256;
 
+/// The longest prefix key, in bytes.
+pub const MAX_KEY: usize = 128;
+
 /// A message from a client to the broker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -66,6 +69,33 @@ pub enum Request {
         /// Bytes given back (at most what the client holds there).
         bytes: u64,
     },
+    /// Publishes a prefix: one descriptor per handle of its physical memory (exported) rides
+    /// on this frame. Its bytes (the sum of `sizes`) move from the client's holding to the
+    /// prefix, billed once.
+    Publish {
+        /// Echoed in the reply.
+        id: u64,
+        /// The device index.
+        device: u32,
+        /// The prefix's name within the tenant.
+        key: String,
+        /// The size of each handle, in the order of the descriptors (1 to 64 of them).
+        sizes: Vec<u64>,
+    },
+    /// Opens a prefix of the client's tenant: the answer carries its descriptors.
+    Open {
+        /// Echoed in the reply.
+        id: u64,
+        /// The prefix's name within the tenant.
+        key: String,
+    },
+    /// Lets go of a prefix opened (or published) once.
+    Close {
+        /// Echoed in the reply.
+        id: u64,
+        /// The prefix's name within the tenant.
+        key: String,
+    },
 }
 
 impl Request {
@@ -75,7 +105,10 @@ impl Request {
             Request::Hello { id, .. }
             | Request::Claim { id, .. }
             | Request::Acquire { id, .. }
-            | Request::Return { id, .. } => *id,
+            | Request::Return { id, .. }
+            | Request::Publish { id, .. }
+            | Request::Open { id, .. }
+            | Request::Close { id, .. } => *id,
         }
     }
 }
@@ -150,6 +183,22 @@ pub enum Reply {
         /// Bytes the client holds there now.
         held: u64,
     },
+    /// An opened prefix: one descriptor per handle rides on this frame.
+    Prefix {
+        /// The request's id.
+        id: u64,
+        /// The device index.
+        device: u32,
+        /// The size of each handle, in the order of the descriptors.
+        sizes: Vec<u64>,
+    },
+    /// The users a prefix has left after a close (0: it was freed).
+    Users {
+        /// The request's id.
+        id: u64,
+        /// Users left.
+        users: u64,
+    },
     /// An acquire that could not be granted.
     Refused {
         /// The request's id.
@@ -184,6 +233,12 @@ pub enum Reply {
 
 /// Writes `msg` as one frame.
 pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Result<()> {
+    w.write_all(&encode_frame(msg)?)?;
+    w.flush()
+}
+
+/// `msg` as the bytes of one frame.
+pub fn encode_frame<T: Serialize>(msg: &T) -> io::Result<Vec<u8>> {
     let body = serde_json::to_vec(msg).map_err(io::Error::other)?;
     if body.len() > MAX_FRAME {
         return Err(io::Error::new(
@@ -195,8 +250,7 @@ pub fn write_frame<T: Serialize>(w: &mut impl Write, msg: &T) -> io::Result<()> 
     let mut buf = Vec::with_capacity(body.len() + 4);
     buf.extend_from_slice(&len.to_le_bytes());
     buf.extend_from_slice(&body);
-    w.write_all(&buf)?;
-    w.flush()
+    Ok(buf)
 }
 
 /// What [`read_frame`] found.
@@ -247,6 +301,16 @@ pub fn valid_tenant(name: &str) -> bool {
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// Whether `key` is a valid prefix key: 1 to [`MAX_KEY`] bytes of ASCII letters, digits, `-`,
+/// `_`, `.` and `:`.
+pub fn valid_key(key: &str) -> bool {
+    !key.is_empty()
+        && key.len() <= MAX_KEY
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b':'))
 }
 
 #[cfg(test)]

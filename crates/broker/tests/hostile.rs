@@ -213,3 +213,62 @@ fn tokens_tenants_client_count_and_rate_are_enforced() {
     clock.advance(Duration::from_secs(1));
     assert!(matches!(acquire(&mut a, 1), Reply::Held { held: 3, .. }));
 }
+
+#[test]
+fn prefix_requests_are_checked_against_the_clients_books() {
+    let broker = Broker::start(BrokerConfig::new(socket("prefix-hostile"), 1000)).unwrap();
+    let mut s = raw(&broker);
+    hello(&mut s, "t", None);
+    let r = send(
+        &mut s,
+        &Request::Open {
+            id: 2,
+            key: "nothing".into(),
+        },
+    );
+    assert_eq!(code(&r), Some(ErrorCode::NotHeld), "no such prefix");
+    let r = send(
+        &mut s,
+        &Request::Close {
+            id: 3,
+            key: "nothing".into(),
+        },
+    );
+    assert_eq!(code(&r), Some(ErrorCode::NotHeld), "not a user");
+    let publish = Request::Publish {
+        id: 4,
+        device: 0,
+        key: "p".into(),
+        sizes: vec![1, 1],
+    };
+    let r = send(&mut s, &publish);
+    assert_eq!(
+        code(&r),
+        Some(ErrorCode::Invalid),
+        "sizes without descriptors"
+    );
+    assert!(closed(&mut s));
+
+    let client = kvvm_broker::BrokerClient::connect(kvvm_broker::ClientOptions::new(
+        &broker.config().socket,
+        "t",
+    ))
+    .unwrap();
+    let file = std::fs::File::open("/dev/null").unwrap();
+    use std::os::fd::AsFd;
+    let r = client.publish_prefix(0, "p", &[(file.as_fd(), 10)]);
+    assert!(r.is_err(), "publishing bytes it does not hold");
+    assert!(broker.prefixes().is_empty());
+    assert_eq!(client.acquire_bytes(0, 10, 10), Ok(10));
+    client
+        .publish_prefix(0, "p", &[(file.as_fd(), 10)])
+        .unwrap();
+    assert!(
+        client.publish_prefix(0, "p", &[(file.as_fd(), 1)]).is_err(),
+        "a second p"
+    );
+    assert_eq!(client.held(0), 0);
+    assert_eq!(broker.total_held(0), 10, "billed once, to the prefix");
+    assert_eq!(client.close_prefix("p").unwrap(), 0);
+    assert_eq!(broker.total_held(0), 0);
+}

@@ -12,7 +12,7 @@ use crate::bucket::Bucket;
 use crate::config::GovernorConfig;
 use crate::error::{Backpressure, GovernorError, Limit, NeverFits, Refusal};
 use crate::grant::MappedGrowthGrant;
-use crate::lease::Lease;
+use crate::lease_source::Lease;
 use crate::reclaim::Reclaimer;
 use crate::snapshot::GovernorSnapshot;
 

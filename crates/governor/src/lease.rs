@@ -9,60 +9,12 @@ use std::time::Duration;
 
 use kvvm_hal::DeviceId;
 
-use crate::books::{lock, Books, Ledger};
+use crate::books::{lock, Ledger};
 use crate::config::GovernorConfig;
 use crate::error::Refusal;
 use crate::governor::{Governor, Inner};
 use crate::grant::MappedGrowthGrant;
-
-/// Where a leased governor's bytes come from (a broker client).
-pub trait LeaseSource: Send + Sync {
-    /// Asks for at least `need` and at most `want` more bytes on `device`; returns the bytes
-    /// granted (at least `need`). Called without any governor lock held.
-    fn acquire(&self, device: DeviceId, need: u64, want: u64) -> Result<u64, Refusal>;
-
-    /// Gives `bytes` on `device` back; the governor has already stopped counting them.
-    fn give_back(&self, device: DeviceId, bytes: u64);
-}
-
-/// How a leased governor tops up and trims its lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LeasePolicy {
-    /// A top-up asks for at least this many bytes (more when a grant needs more).
-    pub batch: u64,
-    /// After a free, unused lease above this is given back.
-    pub keep: u64,
-}
-
-impl LeasePolicy {
-    /// Top-ups of `batch` bytes; up to two batches kept unused.
-    pub fn batches_of(batch: u64) -> Self {
-        LeasePolicy {
-            batch,
-            keep: batch.saturating_mul(2),
-        }
-    }
-}
-
-/// The lease a governor holds.
-pub(crate) struct Lease {
-    source: Arc<dyn LeaseSource>,
-    policy: LeasePolicy,
-    held: Mutex<BTreeMap<DeviceId, u64>>,
-    retry: Mutex<BTreeMap<DeviceId, Duration>>,
-}
-
-impl Lease {
-    fn held(&self, device: DeviceId) -> u64 {
-        lock(&self.held).get(&device).copied().unwrap_or(0)
-    }
-
-    /// Bytes of the lease on `device` not used or pending in `books`.
-    pub(crate) fn room(&self, books: &Books, device: DeviceId) -> u64 {
-        self.held(device)
-            .saturating_sub(Ledger::device_used(books, device))
-    }
-}
+use crate::lease_source::{Lease, LeasePolicy, LeaseSource};
 
 /// A governor that does not keep it alive (what a broker client holds to answer the broker's
 /// asks to give back).
@@ -117,6 +69,25 @@ impl Governor {
         self.inner.lease.as_ref().map_or_else(Vec::new, |l| {
             lock(&l.held).iter().map(|(d, b)| (*d, *b)).collect()
         })
+    }
+
+    /// `bytes` of the lease on `device` now belong to someone else (a prefix published to the
+    /// broker, billed there from now on): the lease shrinks without giving them back. The
+    /// memory stays counted in the books until the manager releases it, so the governor's
+    /// room is smaller by `bytes` until then. Returns whether the lease held that much.
+    pub fn hand_over_lease(&self, device: DeviceId, bytes: u64) -> bool {
+        let Some(lease) = &self.inner.lease else {
+            return false;
+        };
+        let mut held = lock(&lease.held);
+        let h = held.entry(device).or_default();
+        match h.checked_sub(bytes) {
+            Some(rest) => {
+                *h = rest;
+                true
+            }
+            None => false,
+        }
     }
 
     /// After a grant of `bytes` on `device` found only `available`: tops the lease up and

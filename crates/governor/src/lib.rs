@@ -68,7 +68,8 @@
 //! ([`MappedGrowthGrant`]), `books.rs` (the checked books), `bucket.rs`, `error.rs`
 //! ([`Backpressure`], [`GovernorError`]), `clock.rs`, `retry.rs` ([`RetryPolicy`]),
 //! `reclaim.rs` ([`Reclaimer`]), `config.rs` ([`GovernorConfig`]), `snapshot.rs`, `lease.rs`
-//! ([`Governor::with_lease`]: a budget leased from a node-wide broker, [`LeaseSource`]).
+//! ([`Governor::with_lease`]: a budget leased from a node-wide broker), `lease_source.rs`
+//! ([`LeaseSource`], [`LeasePolicy`]).
 
 mod books;
 mod bucket;
@@ -78,6 +79,7 @@ mod error;
 mod governor;
 mod grant;
 mod lease;
+mod lease_source;
 mod reclaim;
 mod retry;
 mod snapshot;
@@ -88,7 +90,8 @@ pub use config::GovernorConfig;
 pub use error::{Backpressure, GovernorError, Limit, NeverFits, Refusal};
 pub use governor::Governor;
 pub use grant::MappedGrowthGrant;
-pub use lease::{LeasePolicy, LeaseSource, WeakGovernor};
+pub use lease::WeakGovernor;
+pub use lease_source::{LeasePolicy, LeaseSource};
 pub use reclaim::Reclaimer;
 pub use retry::RetryPolicy;
 pub use snapshot::{DeviceSnapshot, GovernorSnapshot};

@@ -1,13 +1,15 @@
 //! One client's connection: reads its requests, validates each against what the client holds,
 //! answers, and gives everything it held back to the node when the socket closes.
 
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{lock, Conn, Shared};
+use super::{lock, prefix, Conn, Shared};
 use crate::books::BooksError;
 use crate::config::TenantPolicy;
+use crate::fdpass::FdReader;
 use crate::proto::{read_frame, valid_tenant, ErrorCode, Frame, Reply, Request, PROTOCOL_VERSION};
 
 /// A token bucket: `burst` messages at once, `per_second` in the long run.
@@ -18,7 +20,7 @@ struct RateLimit {
 }
 
 /// What to do after a request.
-enum Next {
+pub(super) enum Next {
     Continue,
     /// Leave, with a last word sent once the client's slot and grants are given up (so a
     /// client that reads it finds the broker's books already without it).
@@ -26,7 +28,8 @@ enum Next {
 }
 
 /// Serves connection `id` until the client leaves, breaks the protocol or the broker stops.
-pub(super) fn serve(shared: &Arc<Shared>, id: u64, conn: &Arc<Conn>, mut stream: UnixStream) {
+pub(super) fn serve(shared: &Arc<Shared>, id: u64, conn: &Arc<Conn>, stream: UnixStream) {
+    let mut reader = FdReader::new(stream);
     let now = shared.config.clock.now();
     let mut rate = RateLimit {
         tokens: f64::from(shared.config.burst),
@@ -34,10 +37,21 @@ pub(super) fn serve(shared: &Arc<Shared>, id: u64, conn: &Arc<Conn>, mut stream:
         dropped_in_a_row: 0,
     };
     let last = loop {
-        let req = match read_frame::<Request>(&mut stream) {
+        let req = match read_frame::<Request>(&mut reader) {
             Ok(Frame::Message(r)) => r,
             Ok(Frame::Closed) | Err(_) => break None,
             Ok(Frame::Malformed(why)) => break Some(error(0, ErrorCode::Invalid, &why)),
+        };
+        let fds = match &req {
+            Request::Publish { sizes, .. } => reader.take_fds(sizes.len()),
+            _ => Some(Vec::new()),
+        };
+        let Some(fds) = fds.filter(|_| reader.drop_fds() == 0) else {
+            break Some(error(
+                req.id(),
+                ErrorCode::Invalid,
+                "descriptors do not match",
+            ));
         };
         if !admit(shared, &mut rate) {
             refuse(conn, req.id(), ErrorCode::RateLimited, "message dropped");
@@ -46,7 +60,7 @@ pub(super) fn serve(shared: &Arc<Shared>, id: u64, conn: &Arc<Conn>, mut stream:
             }
             continue;
         }
-        if let Next::Close(last) = handle(shared, conn, req) {
+        if let Next::Close(last) = handle(shared, conn, req, fds) {
             break last;
         }
     };
@@ -81,7 +95,7 @@ fn admit(shared: &Shared, rate: &mut RateLimit) -> bool {
     }
 }
 
-fn error(id: u64, code: ErrorCode, message: &str) -> Reply {
+pub(super) fn error(id: u64, code: ErrorCode, message: &str) -> Reply {
     Reply::Error {
         id,
         code,
@@ -89,11 +103,11 @@ fn error(id: u64, code: ErrorCode, message: &str) -> Reply {
     }
 }
 
-fn refuse(conn: &Conn, id: u64, code: ErrorCode, message: &str) {
+pub(super) fn refuse(conn: &Conn, id: u64, code: ErrorCode, message: &str) {
     conn.send(&error(id, code, message));
 }
 
-fn handle(shared: &Arc<Shared>, conn: &Conn, req: Request) -> Next {
+fn handle(shared: &Arc<Shared>, conn: &Conn, req: Request, fds: Vec<OwnedFd>) -> Next {
     let client = *lock(&conn.client);
     match (req, client) {
         (
@@ -109,6 +123,10 @@ fn handle(shared: &Arc<Shared>, conn: &Conn, req: Request) -> Next {
             Next::Close(Some(error(id, ErrorCode::Invalid, "hello twice")))
         }
         (req, None) => Next::Close(Some(error(req.id(), ErrorCode::Invalid, "hello first"))),
+        (
+            req @ (Request::Publish { .. } | Request::Open { .. } | Request::Close { .. }),
+            Some(client),
+        ) => prefix::request(shared, conn, client, req, fds),
         (req, Some(client)) => books_request(shared, conn, client, req),
     }
 }
@@ -164,7 +182,10 @@ fn hello(
 fn books_request(shared: &Arc<Shared>, conn: &Conn, client: u64, req: Request) -> Next {
     let now = shared.config.clock.now();
     let (id, device, result) = match req {
-        Request::Hello { .. } => return Next::Close(None),
+        Request::Hello { .. }
+        | Request::Publish { .. }
+        | Request::Open { .. }
+        | Request::Close { .. } => return Next::Close(None),
         Request::Claim { id, device, bytes } => {
             let r = lock(&shared.books).claim(client, device, bytes);
             (id, device, r.map(|held| (0, held)))
@@ -214,7 +235,12 @@ fn books_request(shared: &Arc<Shared>, conn: &Conn, client: u64, req: Request) -
             });
             Next::Continue
         }
-        Err(e @ (BooksError::NotHeld { .. } | BooksError::Claim(_))) => {
+        Err(
+            e @ (BooksError::NotHeld { .. }
+            | BooksError::Claim(_)
+            | BooksError::NoPrefix(_)
+            | BooksError::PrefixExists(_)),
+        ) => {
             refuse(conn, id, ErrorCode::NotHeld, &e.to_string());
             Next::Continue
         }

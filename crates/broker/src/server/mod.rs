@@ -3,9 +3,11 @@
 //! one mutex, never held while a socket is written.
 
 mod conn;
+mod prefix;
 
 use std::collections::BTreeMap;
 use std::io;
+use std::os::fd::BorrowedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -16,7 +18,9 @@ use std::time::Duration;
 use crate::books::NodeBooks;
 use crate::config::BrokerConfig;
 use crate::error::BrokerError;
-use crate::proto::{write_frame, ErrorCode, Reply};
+use crate::fdpass::send_with_fds;
+use crate::prefixes::PrefixRow;
+use crate::proto::{encode_frame, write_frame, ErrorCode, Reply};
 
 /// How long a write to a client may block before the client is dropped (it is not reading).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -32,6 +36,18 @@ impl Conn {
     fn send(&self, reply: &Reply) -> bool {
         let mut s = lock(&self.stream);
         let ok = write_frame(&mut *s, reply).is_ok();
+        if !ok {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        ok
+    }
+
+    /// Sends `reply` with `fds` attached; a client that cannot be written to is cut off.
+    fn send_fds(&self, reply: &Reply, fds: &[BorrowedFd<'_>]) -> bool {
+        let s = lock(&self.stream);
+        let ok = encode_frame(reply)
+            .and_then(|b| send_with_fds(&s, &b, fds))
+            .is_ok();
         if !ok {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
@@ -133,6 +149,11 @@ impl Broker {
     /// Bytes held on `device` by every client.
     pub fn total_held(&self, device: u32) -> u64 {
         lock(&self.shared.books).total_held(device)
+    }
+
+    /// Every published prefix: (tenant, key, device, bytes, users).
+    pub fn prefixes(&self) -> Vec<PrefixRow> {
+        lock(&self.shared.books).prefixes()
     }
 
     /// The number of registered clients.
