@@ -24,9 +24,16 @@
 //! ## Where each part lives
 //!
 //! `proto.rs` (frames and messages), `books.rs` ([`NodeBooks`]: floors, ceilings, the shared
-//! rest), `server/` ([`Broker`]: accept, one thread per client, validation), `client.rs`
+//! rest), `prefixes.rs` (published prefixes and their descriptors), `server/` ([`Broker`]:
+//! accept, one thread per client, validation; `prefix.rs` its prefix requests), `client.rs`
 //! ([`BrokerClient`], the [`LeaseSource`](kvvm_governor::LeaseSource) of a leased governor),
-//! `config.rs`, `error.rs`, `signal.rs` (waiting for SIGTERM).
+//! `fdpass.rs` (descriptors over the socket with `SCM_RIGHTS`), `config.rs`, `error.rs`,
+//! `signal.rs` (waiting for SIGTERM).
+//!
+//! Prefixes: a client publishes a shared prefix's exported handles
+//! ([`BrokerClient::publish_prefix`]); its bytes are billed once, to the tenant, until the
+//! last user lets go; clients of the same tenant open it ([`BrokerClient::open_prefix`]) and
+//! import the descriptors read-only.
 
 mod books;
 mod client;
