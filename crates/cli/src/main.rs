@@ -20,6 +20,7 @@ mod bench_host;
 mod bench_kv;
 mod bench_tp;
 mod bench_vmm;
+mod broker;
 mod conformance;
 mod error;
 mod flags;
@@ -67,6 +68,8 @@ enum Command {
     /// HTTP server over the memory manager: sequences, 429 + Retry-After, Prometheus metrics.
     // Boxed: its flags make it several times larger than every other command's.
     Serve(Box<serve::ServeArgs>),
+    /// The node's memory broker: one KV budget shared by many engine processes.
+    Broker(broker::BrokerArgs),
 }
 
 impl Command {
@@ -79,6 +82,7 @@ impl Command {
             Command::Bench(args) => bench::run(args, out),
             Command::Simulate(args) => simulate::run(args, out),
             Command::Serve(args) => serve::run(args, out),
+            Command::Broker(args) => broker::run(args, out),
         }
     }
 }

@@ -12,19 +12,21 @@ use crate::bucket::Bucket;
 use crate::config::GovernorConfig;
 use crate::error::{Backpressure, GovernorError, Limit, NeverFits, Refusal};
 use crate::grant::MappedGrowthGrant;
+use crate::lease_source::Lease;
 use crate::reclaim::Reclaimer;
 use crate::snapshot::GovernorSnapshot;
 
-struct Inner {
-    config: GovernorConfig,
-    ledger: Arc<Ledger>,
-    reclaimers: Mutex<Vec<Weak<dyn Reclaimer>>>,
+pub(crate) struct Inner {
+    pub(crate) config: GovernorConfig,
+    pub(crate) ledger: Arc<Ledger>,
+    pub(crate) reclaimers: Mutex<Vec<Weak<dyn Reclaimer>>>,
+    pub(crate) lease: Option<Lease>,
 }
 
 /// The budget of a process's device memory. Cheap to clone: clones share the same books.
 #[derive(Clone)]
 pub struct Governor {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl fmt::Debug for Governor {
@@ -50,6 +52,7 @@ impl Governor {
                 config,
                 ledger: Arc::new(Ledger::default()),
                 reclaimers: Mutex::new(Vec::new()),
+                lease: None,
             }),
         }
     }
@@ -97,7 +100,12 @@ impl Governor {
             Some(b) => b.saturating_sub(Ledger::process_used(books)),
             None => u64::MAX,
         };
-        dev.min(process)
+        let lease = self
+            .inner
+            .lease
+            .as_ref()
+            .map_or(u64::MAX, |l| l.room(books, device));
+        dev.min(process).min(lease)
     }
 
     /// The limit a requester that would hold `holdings` (bytes per device, at once) exceeds
@@ -132,7 +140,7 @@ impl Governor {
         })
     }
 
-    fn try_grant_locked(
+    pub(crate) fn try_grant_locked(
         &self,
         device: DeviceId,
         bytes: u64,
@@ -196,6 +204,9 @@ impl Governor {
             }
             Err(Ok(available)) => available,
         };
+        if let Some(g) = self.top_up_lease(device, bytes, available)? {
+            return Ok(g);
+        }
         let mut shortfall = bytes.saturating_sub(available);
         for r in self.reclaimers() {
             if shortfall == 0 {
@@ -211,7 +222,9 @@ impl Governor {
                 // The reclaimers gave back what they could: what is left free is what
                 // `available_bytes` counts at this moment.
                 let shortfall = bytes.saturating_sub(available);
-                let retry_after = self.estimate_retry_after(device, shortfall);
+                let retry_after = self
+                    .lease_retry_after(device)
+                    .unwrap_or_else(|| self.estimate_retry_after(device, shortfall));
                 tracing::debug!(needed = bytes, available, ?retry_after, "grant refused");
                 Err(Backpressure {
                     device,
@@ -243,7 +256,7 @@ impl Governor {
             .fold(free, u64::saturating_add)
     }
 
-    fn reclaimers(&self) -> Vec<Arc<dyn Reclaimer>> {
+    pub(crate) fn reclaimers(&self) -> Vec<Arc<dyn Reclaimer>> {
         lock(&self.inner.reclaimers)
             .iter()
             .filter_map(Weak::upgrade)
@@ -302,7 +315,9 @@ impl Governor {
     pub fn free(&self, device: DeviceId, from: Bucket, bytes: u64) -> Result<(), GovernorError> {
         let now = self.inner.config.clock.now();
         let window = self.inner.config.retry.window;
-        self.inner.ledger.free(device, from, bytes, now, window)
+        self.inner.ledger.free(device, from, bytes, now, window)?;
+        self.trim_lease(device);
+        Ok(())
     }
 
     /// A copy of the books.

@@ -78,9 +78,11 @@
 //! `governor.rs` ([`Governor`]: grants, reclaim, transfers, snapshots), `grant.rs`
 //! ([`MappedGrowthGrant`]), `books.rs` (the checked books), `bucket.rs`, `error.rs`
 //! ([`Backpressure`], [`GovernorError`]), `clock.rs`, `retry.rs` ([`RetryPolicy`]),
-//! `reclaim.rs` ([`Reclaimer`]), `config.rs` ([`GovernorConfig`]), `snapshot.rs`,
-//! `tenant.rs` (the vocabulary of tenant budgets: [`TenantId`], [`TenantShare`],
-//! [`TenantBudgets`], [`TenantRefusal`]) and `tenants.rs` ([`Tenants`], [`TenantGrant`]).
+//! `reclaim.rs` ([`Reclaimer`]), `config.rs` ([`GovernorConfig`]), `snapshot.rs`, `lease.rs`
+//! ([`Governor::with_lease`]: a budget leased from a node-wide broker), `lease_source.rs`
+//! ([`LeaseSource`], [`LeasePolicy`]), `tenant.rs` (the vocabulary of tenant budgets:
+//! [`TenantId`], [`TenantShare`], [`TenantBudgets`], [`TenantRefusal`]) and `tenants.rs`
+//! ([`Tenants`], [`TenantGrant`]).
 
 #![forbid(unsafe_code)]
 
@@ -91,6 +93,8 @@ mod config;
 mod error;
 mod governor;
 mod grant;
+mod lease;
+mod lease_source;
 mod reclaim;
 mod retry;
 mod snapshot;
@@ -103,6 +107,8 @@ pub use config::GovernorConfig;
 pub use error::{Backpressure, GovernorError, Limit, NeverFits, Refusal};
 pub use governor::Governor;
 pub use grant::MappedGrowthGrant;
+pub use lease::WeakGovernor;
+pub use lease_source::{LeasePolicy, LeaseSource};
 pub use reclaim::Reclaimer;
 pub use retry::RetryPolicy;
 pub use snapshot::{DeviceSnapshot, GovernorSnapshot};

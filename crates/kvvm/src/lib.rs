@@ -61,6 +61,7 @@
 
 #![forbid(unsafe_code)]
 
+pub use kvvm_broker as broker;
 pub use kvvm_cuda as cuda;
 pub use kvvm_governor as governor;
 pub use kvvm_hal as hal;

@@ -1,0 +1,23 @@
+//! [`BrokerError`]: what can go wrong starting, running or talking to a broker.
+
+use std::io;
+
+/// A broker or client error.
+#[derive(Debug, thiserror::Error)]
+pub enum BrokerError {
+    /// The configuration cannot be served (floors over the budget, ...).
+    #[error("invalid broker configuration: {0}")]
+    Config(String),
+    /// A socket operation failed.
+    #[error("broker socket: {0}")]
+    Io(#[from] io::Error),
+    /// The broker refused the client (unknown tenant, wrong token, too many clients, ...).
+    #[error("the broker refused: {0}")]
+    Refused(String),
+    /// The peer sent something outside the protocol.
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    /// The broker is not reachable now (stopped, restarting); what is held is kept.
+    #[error("the broker is not reachable")]
+    Disconnected,
+}

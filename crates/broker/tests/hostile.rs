@@ -1,0 +1,274 @@
+//! Clients that break the protocol, on raw sockets: every message is checked, a client can
+//! only return what it holds, and nothing a hostile client sends changes another's books.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::socket;
+use kvvm_broker::proto::{read_frame, write_frame, ErrorCode, Frame, PROTOCOL_VERSION};
+use kvvm_broker::{Broker, BrokerConfig, Reply, Request, TenantPolicy};
+use kvvm_governor::ManualClock;
+
+fn raw(broker: &Broker) -> UnixStream {
+    let s = UnixStream::connect(&broker.config().socket).unwrap();
+    // A failure guard: a broker that never answers fails the test instead of hanging it.
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    s
+}
+
+fn send(s: &mut UnixStream, r: &Request) -> Reply {
+    write_frame(s, r).unwrap();
+    next(s)
+}
+
+fn next(s: &mut UnixStream) -> Reply {
+    match read_frame::<Reply>(s).unwrap() {
+        Frame::Message(r) => r,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn closed(s: &mut UnixStream) -> bool {
+    let mut b = [0u8; 1];
+    matches!(s.read(&mut b), Ok(0) | Err(_))
+}
+
+fn hello(s: &mut UnixStream, tenant: &str, token: Option<&str>) -> Reply {
+    send(
+        s,
+        &Request::Hello {
+            id: 1,
+            tenant: tenant.into(),
+            token: token.map(Into::into),
+            version: PROTOCOL_VERSION,
+        },
+    )
+}
+
+fn code(r: &Reply) -> Option<ErrorCode> {
+    match r {
+        Reply::Error { code, .. } => Some(*code),
+        _ => None,
+    }
+}
+
+fn acquire(s: &mut UnixStream, bytes: u64) -> Reply {
+    send(
+        s,
+        &Request::Acquire {
+            id: 2,
+            device: 0,
+            need: bytes,
+            want: bytes,
+        },
+    )
+}
+
+#[test]
+fn requests_before_hello_and_malformed_frames_close_the_connection() {
+    let broker = Broker::start(BrokerConfig::new(socket("order"), 1000)).unwrap();
+    let mut s = raw(&broker);
+    let r = acquire(&mut s, 10);
+    assert_eq!(code(&r), Some(ErrorCode::Invalid));
+    assert!(closed(&mut s));
+    let mut s = raw(&broker);
+    s.write_all(&5u32.to_le_bytes()).unwrap();
+    s.write_all(b"nope!").unwrap();
+    assert_eq!(code(&next(&mut s)), Some(ErrorCode::Invalid));
+    assert!(closed(&mut s));
+    let mut s = raw(&broker);
+    s.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    assert!(closed(&mut s), "an oversized frame is never read");
+    let mut s = raw(&broker);
+    assert!(matches!(hello(&mut s, "a", None), Reply::Welcome { .. }));
+    assert_eq!(code(&hello(&mut s, "a", None)), Some(ErrorCode::Invalid));
+    assert!(closed(&mut s));
+    assert_eq!(
+        code(&hello(&mut raw(&broker), "../x", None)),
+        Some(ErrorCode::Invalid)
+    );
+    assert_eq!(broker.total_held(0), 0);
+}
+
+#[test]
+fn a_client_returns_only_what_it_holds_and_never_another_tenants_bytes() {
+    let broker = Broker::start(BrokerConfig::new(socket("steal"), 1000)).unwrap();
+    let mut victim = raw(&broker);
+    hello(&mut victim, "victim", None);
+    assert!(matches!(
+        acquire(&mut victim, 600),
+        Reply::Held { held: 600, .. }
+    ));
+    let mut thief = raw(&broker);
+    hello(&mut thief, "thief", None);
+    for bytes in [1, 600, u64::MAX] {
+        let r = send(
+            &mut thief,
+            &Request::Return {
+                id: 3,
+                device: 0,
+                bytes,
+            },
+        );
+        assert_eq!(code(&r), Some(ErrorCode::NotHeld));
+    }
+    let r = send(
+        &mut thief,
+        &Request::Claim {
+            id: 4,
+            device: 0,
+            bytes: u64::MAX,
+        },
+    );
+    assert_eq!(
+        code(&r),
+        Some(ErrorCode::NotHeld),
+        "no claim over the ceiling"
+    );
+    let r = acquire(&mut thief, u64::MAX);
+    assert!(matches!(r, Reply::Refused { .. }), "{r:?}");
+    assert!(matches!(
+        acquire(&mut thief, 400),
+        Reply::Held { held: 400, .. }
+    ));
+    let r = send(
+        &mut thief,
+        &Request::Claim {
+            id: 5,
+            device: 0,
+            bytes: 1,
+        },
+    );
+    assert_eq!(
+        code(&r),
+        Some(ErrorCode::NotHeld),
+        "no claim on a device in use"
+    );
+    let mut holdings = broker.holdings();
+    holdings.sort_unstable();
+    assert_eq!(holdings, vec![(1, 0, 600), (2, 0, 400)]);
+    drop(thief);
+    let r = send(
+        &mut victim,
+        &Request::Return {
+            id: 6,
+            device: 0,
+            bytes: 600,
+        },
+    );
+    assert!(matches!(r, Reply::Held { held: 0, .. }));
+}
+
+#[test]
+fn tokens_tenants_client_count_and_rate_are_enforced() {
+    let clock = Arc::new(ManualClock::new());
+    let mut config = BrokerConfig::new(socket("limits"), 1000).tenant(
+        "secret",
+        TenantPolicy {
+            token: Some("s3cret".into()),
+            ..TenantPolicy::default()
+        },
+    );
+    config.default_tenant = None;
+    config.max_clients = 2;
+    config.burst = 3;
+    config.messages_per_second = 1;
+    config.clock = clock.clone();
+    let broker = Broker::start(config).unwrap();
+    assert_eq!(
+        code(&hello(&mut raw(&broker), "secret", Some("guess"))),
+        Some(ErrorCode::Unauthorized)
+    );
+    assert_eq!(
+        code(&hello(&mut raw(&broker), "secret", None)),
+        Some(ErrorCode::Unauthorized)
+    );
+    assert_eq!(
+        code(&hello(&mut raw(&broker), "other", None)),
+        Some(ErrorCode::Unauthorized)
+    );
+    let mut a = raw(&broker);
+    assert!(matches!(
+        hello(&mut a, "secret", Some("s3cret")),
+        Reply::Welcome { .. }
+    ));
+    let mut b = raw(&broker);
+    assert!(matches!(
+        hello(&mut b, "secret", Some("s3cret")),
+        Reply::Welcome { .. }
+    ));
+    let mut c = raw(&broker);
+    assert_eq!(code(&next(&mut c)), Some(ErrorCode::TooManyClients));
+    assert!(closed(&mut c));
+    // a's hello took one of its 3 tokens: two more pass, the next is dropped.
+    assert!(matches!(acquire(&mut a, 1), Reply::Held { .. }));
+    assert!(matches!(acquire(&mut a, 1), Reply::Held { .. }));
+    assert_eq!(code(&acquire(&mut a, 1)), Some(ErrorCode::RateLimited));
+    assert_eq!(broker.total_held(0), 2, "the dropped message did nothing");
+    clock.advance(Duration::from_secs(1));
+    assert!(matches!(acquire(&mut a, 1), Reply::Held { held: 3, .. }));
+}
+
+#[test]
+fn prefix_requests_are_checked_against_the_clients_books() {
+    let broker = Broker::start(BrokerConfig::new(socket("prefix-hostile"), 1000)).unwrap();
+    let mut s = raw(&broker);
+    hello(&mut s, "t", None);
+    let r = send(
+        &mut s,
+        &Request::Open {
+            id: 2,
+            key: "nothing".into(),
+        },
+    );
+    assert_eq!(code(&r), Some(ErrorCode::NotHeld), "no such prefix");
+    let r = send(
+        &mut s,
+        &Request::Close {
+            id: 3,
+            key: "nothing".into(),
+        },
+    );
+    assert_eq!(code(&r), Some(ErrorCode::NotHeld), "not a user");
+    let publish = Request::Publish {
+        id: 4,
+        device: 0,
+        key: "p".into(),
+        sizes: vec![1, 1],
+    };
+    let r = send(&mut s, &publish);
+    assert_eq!(
+        code(&r),
+        Some(ErrorCode::Invalid),
+        "sizes without descriptors"
+    );
+    assert!(closed(&mut s));
+
+    let client = kvvm_broker::BrokerClient::connect(kvvm_broker::ClientOptions::new(
+        &broker.config().socket,
+        "t",
+    ))
+    .unwrap();
+    let file = std::fs::File::open("/dev/null").unwrap();
+    use std::os::fd::AsFd;
+    let r = client.publish_prefix(0, "p", &[(file.as_fd(), 10)]);
+    assert!(r.is_err(), "publishing bytes it does not hold");
+    assert!(broker.prefixes().is_empty());
+    assert_eq!(client.acquire_bytes(0, 10, 10), Ok(10));
+    client
+        .publish_prefix(0, "p", &[(file.as_fd(), 10)])
+        .unwrap();
+    assert!(
+        client.publish_prefix(0, "p", &[(file.as_fd(), 1)]).is_err(),
+        "a second p"
+    );
+    assert_eq!(client.held(0), 0);
+    assert_eq!(broker.total_held(0), 10, "billed once, to the prefix");
+    assert_eq!(client.close_prefix("p").unwrap(), 0);
+    assert_eq!(broker.total_held(0), 0);
+}

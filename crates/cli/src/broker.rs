@@ -1,0 +1,114 @@
+//! `kvvm broker`: the node's memory broker (see `docs/broker.md`). Runs until SIGTERM or
+//! SIGINT, then tells every client and exits 0.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+use kvvm::broker::{signal, Broker, BrokerConfig, TenantPolicy};
+
+use crate::error::{failed, CliResult};
+use crate::flags;
+use crate::output::Out;
+
+/// Arguments of `kvvm broker`.
+#[derive(Debug, Args)]
+pub struct BrokerArgs {
+    /// The Unix socket to listen on (its mode decides who may connect).
+    #[arg(long)]
+    socket: PathBuf,
+    /// The node's KV budget on every device (8GiB, 512MiB or bytes).
+    #[arg(long, value_parser = flags::size_in(1, u64::MAX))]
+    budget_bytes: u64,
+    /// A named tenant: NAME, NAME:FLOOR or NAME:FLOOR:CEILING (sizes); repeatable.
+    #[arg(long = "tenant", value_parser = parse_tenant)]
+    tenants: Vec<(String, TenantPolicy)>,
+    /// A tenant's token, read from an environment variable (never from the command line):
+    /// NAME=VARIABLE; repeatable.
+    #[arg(long = "token-env")]
+    tokens: Vec<String>,
+    /// Refuse tenants not named with --tenant.
+    #[arg(long)]
+    named_only: bool,
+    /// The socket's file mode, in octal.
+    #[arg(long, default_value = "600")]
+    mode: String,
+    /// The most clients served at once.
+    #[arg(long, default_value_t = 64, value_parser = flags::int_in::<usize>(1, 4096))]
+    max_clients: usize,
+    /// Messages per second a client may send in the long run (bursts of four times that).
+    #[arg(long, default_value_t = 1000, value_parser = flags::int_in::<u32>(1, 1_000_000))]
+    messages_per_second: u32,
+}
+
+fn parse_tenant(s: &str) -> Result<(String, TenantPolicy), String> {
+    let mut parts = s.split(':');
+    let name = parts.next().unwrap_or_default().to_owned();
+    if !kvvm::broker::proto::valid_tenant(&name) {
+        return Err(format!(
+            "{name:?} is not a tenant name (letters, digits, - _ .)"
+        ));
+    }
+    let size = flags::size_in(0, u64::MAX);
+    let floor = parts.next().map(&size).transpose()?.unwrap_or(0);
+    let ceiling = parts.next().map(&size).transpose()?;
+    if parts.next().is_some() {
+        return Err(format!("{s}: NAME[:FLOOR[:CEILING]]"));
+    }
+    let policy = TenantPolicy {
+        floor,
+        ceiling,
+        token: None,
+    };
+    Ok((name, policy))
+}
+
+fn config(args: &BrokerArgs) -> CliResult<BrokerConfig> {
+    let mut config = BrokerConfig::new(&args.socket, args.budget_bytes);
+    for (name, policy) in &args.tenants {
+        config = config.tenant(name.clone(), policy.clone());
+    }
+    for t in &args.tokens {
+        let (name, var) = t
+            .split_once('=')
+            .ok_or_else(|| failed(format!("--token-env {t}: NAME=VARIABLE")))?;
+        let token = std::env::var(var).map_err(|e| failed(format!("--token-env {t}: {e}")))?;
+        let policy = config
+            .tenants
+            .get_mut(name)
+            .ok_or_else(|| failed(format!("--token-env {t}: no --tenant {name}")))?;
+        policy.token = Some(token);
+    }
+    if args.named_only {
+        config.default_tenant = None;
+    }
+    config.socket_mode = u32::from_str_radix(&args.mode, 8)
+        .map_err(|e| failed(format!("--mode {}: {e}", args.mode)))?;
+    config.max_clients = args.max_clients;
+    config.messages_per_second = args.messages_per_second;
+    config.burst = args.messages_per_second.saturating_mul(4);
+    config.validate().map_err(failed)?;
+    Ok(config)
+}
+
+/// Runs the broker until SIGTERM or SIGINT.
+pub fn run(args: &BrokerArgs, out: Out<'_>) -> CliResult<ExitCode> {
+    let config = config(args)?;
+    // Before any thread starts, so every thread inherits the blocked signals.
+    signal::block_termination_signals().map_err(failed)?;
+    let mut broker = Broker::start(config).map_err(failed)?;
+    writeln!(
+        out,
+        "kvvm broker: listening on {} ({} bytes per device)",
+        args.socket.display(),
+        args.budget_bytes
+    )?;
+    out.flush()?;
+    let sig = signal::wait_for_termination().map_err(failed)?;
+    broker.stop();
+    writeln!(
+        out,
+        "kvvm broker: stopped by signal {sig}; every client was told"
+    )?;
+    Ok(ExitCode::SUCCESS)
+}

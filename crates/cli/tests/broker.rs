@@ -1,0 +1,66 @@
+//! `kvvm broker` as a daemon: serves a client, and on SIGTERM tells it, removes its socket
+//! and exits 0.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::net::UnixStream;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use kvvm_broker::proto::{read_frame, write_frame, Frame, PROTOCOL_VERSION};
+use kvvm_broker::{Reply, Request};
+
+#[test]
+fn sigterm_tells_every_client_and_exits_cleanly() {
+    let socket = std::env::temp_dir().join(format!("kvvm-cli-broker-{}.sock", std::process::id()));
+    let mut daemon = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+        .args(["broker", "--socket"])
+        .arg(&socket)
+        .args(["--budget-bytes", "1MiB", "--tenant", "a:256KiB:512KiB"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(daemon.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    assert!(line.contains("listening on"), "{line}");
+
+    let mut s = UnixStream::connect(&socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let hello = Request::Hello {
+        id: 1,
+        tenant: "a".into(),
+        token: None,
+        version: PROTOCOL_VERSION,
+    };
+    write_frame(&mut s, &hello).unwrap();
+    let welcome = read_frame::<Reply>(&mut s).unwrap();
+    assert!(
+        matches!(
+            welcome,
+            Frame::Message(Reply::Welcome {
+                floor: 262_144,
+                ceiling: 524_288,
+                ..
+            })
+        ),
+        "{welcome:?}"
+    );
+
+    let kill = Command::new("kill")
+        .args(["-TERM", &daemon.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let bye = read_frame::<Reply>(&mut s).unwrap();
+    assert!(
+        matches!(bye, Frame::Message(Reply::Shutdown { .. })),
+        "{bye:?}"
+    );
+    let status = daemon.wait().unwrap();
+    assert!(status.success(), "{status}");
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("stopped by signal 15"), "{rest}");
+    assert!(!socket.exists(), "the socket file is removed");
+}

@@ -1,0 +1,126 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvvm_hal::DeviceId;
+
+use super::*;
+use crate::bucket::Bucket;
+use crate::error::{Backpressure, Limit, NeverFits};
+
+const D: DeviceId = DeviceId(0);
+
+/// A source with `free` bytes to lease out that records every call.
+#[derive(Default)]
+struct Fake {
+    free: Mutex<u64>,
+    calls: Mutex<Vec<String>>,
+}
+
+impl LeaseSource for Fake {
+    fn acquire(&self, device: DeviceId, need: u64, want: u64) -> Result<u64, Refusal> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("acquire {need} {want}"));
+        let mut free = self.free.lock().unwrap();
+        if need > 1000 {
+            return Err(NeverFits {
+                device,
+                needed: need,
+                limit: Limit::DeviceBudget,
+                limit_bytes: 1000,
+            }
+            .into());
+        }
+        if need > *free {
+            return Err(Backpressure {
+                device,
+                needed: need,
+                available: *free,
+                retry_after: Duration::from_secs(3),
+            }
+            .into());
+        }
+        let g = want.min(*free);
+        *free -= g;
+        Ok(g)
+    }
+
+    fn give_back(&self, _device: DeviceId, bytes: u64) {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("give_back {bytes}"));
+        *self.free.lock().unwrap() += bytes;
+    }
+}
+
+fn leased(free: u64, batch: u64) -> (Governor, Arc<Fake>) {
+    let fake = Arc::new(Fake::default());
+    *fake.free.lock().unwrap() = free;
+    let src: Arc<dyn LeaseSource> = fake.clone();
+    let g = Governor::with_lease(
+        GovernorConfig::default(),
+        src,
+        LeasePolicy::batches_of(batch),
+    );
+    (g, fake)
+}
+
+#[test]
+fn grants_within_the_lease_stay_local() {
+    let (g, fake) = leased(1000, 100);
+    g.try_grant(D, 30).unwrap().commit();
+    g.try_grant(D, 30).unwrap().commit();
+    g.try_grant(D, 40).unwrap().commit();
+    assert_eq!(
+        *fake.calls.lock().unwrap(),
+        vec!["acquire 30 100"],
+        "one batch serves three grants"
+    );
+    assert_eq!(g.lease_held(D), Some(100));
+    g.try_grant(D, 150).unwrap().commit();
+    assert_eq!(g.lease_held(D), Some(250));
+}
+
+#[test]
+fn frees_trim_the_lease_down_to_keep() {
+    let (g, fake) = leased(1000, 100);
+    g.try_grant(D, 500).unwrap().commit();
+    g.free(D, Bucket::Committed, 450).unwrap();
+    assert_eq!(g.lease_held(D), Some(250), "50 used + 200 kept");
+    assert_eq!(*fake.free.lock().unwrap(), 750);
+    assert_eq!(g.lease_holdings(), vec![(D, 250)]);
+}
+
+#[test]
+fn refusals_keep_the_sources_kind_and_retry_after() {
+    let (g, _) = leased(10, 100);
+    let r = g.try_grant(D, 20).unwrap_err();
+    let b = r.backpressure().expect("backpressure");
+    assert_eq!(b.retry_after, Duration::from_secs(3));
+    let r = g.try_grant(D, 2000).unwrap_err();
+    assert!(r.never_fits().is_some());
+    assert_eq!(g.lease_held(D), Some(0), "nothing leased on refusals");
+}
+
+#[test]
+fn give_back_unused_returns_only_what_is_not_used() {
+    let (g, fake) = leased(1000, 100);
+    g.try_grant(D, 60).unwrap().commit();
+    let pending = g.try_grant(D, 10).unwrap();
+    assert_eq!(
+        g.give_back_unused(D, 500),
+        30,
+        "100 held, 60 used, 10 pending"
+    );
+    assert_eq!(g.lease_held(D), Some(70));
+    assert_eq!(*fake.free.lock().unwrap(), 900, "the caller hands it back");
+    pending.rollback();
+    let weak = g.downgrade();
+    assert!(weak.upgrade().is_some());
+    drop(g);
+    assert!(weak.upgrade().is_none());
+}
