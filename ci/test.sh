@@ -228,7 +228,7 @@ python3 -m venv "$OUT/pyenv"
 "$OUT/pyenv/bin/python" -m pip install -q numpy pytest mypy==2.4.1 torch==2.11.0 transformers==5.17.0
 "$OUT/pyenv/bin/python" -m pip install -q .
 # The pure-Python half is typed and mypy checks it, against torch's and transformers' types.
-"$OUT/pyenv/bin/python" -m mypy --ignore-missing-imports --no-incremental crates/python/python/kvvm
+"$OUT/pyenv/bin/python" -m mypy --ignore-missing-imports --no-incremental crates/python/python/kvvm crates/python/benches/kvvm_bench
 # The stubs of the native module (`_native.pyi`) against the module pip just built: every class,
 # method, signature and default the stubs promise must exist at run time, and no more.
 (cd "$OUT" && pyenv/bin/python -m mypy.stubtest kvvm._native)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root: installs the kvvm wheel carried in
 # gpu-bundle/wheels, then `bash gpu-bundle/python.sh [all|tests|kernels|bench]` runs the Python
-# tests (CUDA ones included), the attention kernels' benchmark (`python -m kvvm.bench
+# tests (CUDA ones included), the attention kernels' benchmark (`python -m kvvm_bench
 # kernels`, arguments in KERNELS_ARGS) and the end-to-end decode benchmark (`python -m
-# kvvm.bench generate`, arguments in BENCH_ARGS) and, asked by name only, the serving benchmark
-# (`bash gpu-bundle/python.sh serve`: `python -m kvvm.bench serve`, arguments in SERVE_ARGS).
+# kvvm_bench generate`, arguments in BENCH_ARGS) and, asked by name only, the serving benchmark
+# (`bash gpu-bundle/python.sh serve`: `python -m kvvm_bench serve`, arguments in SERVE_ARGS).
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
 # to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
@@ -18,7 +18,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" gpu
 if [ -n "${KVVM_PY_OVERLAY:-}" ]; then
   cp "$repo"/crates/python/python/kvvm/*.py "$site/kvvm/" && echo "Python modules overlaid from the working tree"
 fi
-export PYTHONPATH="$site" PYTHONUNBUFFERED=1
+# The benchmarks run from the checkout (they are not in the wheel).
+export PYTHONPATH="$site:$repo/crates/python/benches" PYTHONUNBUFFERED=1
 date -u
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import kvvm, torch, transformers, numpy; print('kvvm', kvvm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, 'numpy', numpy.__version__, 'from', kvvm.__file__)"
@@ -28,15 +29,15 @@ if [ "$mode" = all ] || [ "$mode" = tests ]; then
   (cd /tmp && timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest ${PYTEST_PATHS:-"$repo/crates/python/tests"} -rs -q -p no:cacheprovider ${PYTEST_ARGS:-}) | tee "$out/pytest-gpu.log"
 fi
 if [ "$mode" = all ] || [ "$mode" = kernels ]; then
-  echo "== python -m kvvm.bench kernels"
-  (cd /tmp && timeout "${KERNELS_TIMEOUT:-240}" python3 -m kvvm.bench kernels --json "$out/bench-kernels.json" ${KERNELS_ARGS:-}) > "$out/bench-kernels.out"
+  echo "== python -m kvvm_bench kernels"
+  (cd /tmp && timeout "${KERNELS_TIMEOUT:-240}" python3 -m kvvm_bench kernels --json "$out/bench-kernels.json" ${KERNELS_ARGS:-}) > "$out/bench-kernels.out"
 fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
-  echo "== python -m kvvm.bench generate"
-  (cd /tmp && timeout "${BENCH_TIMEOUT:-480}" python3 -m kvvm.bench generate --json "$out/bench-generate.json" ${BENCH_ARGS:-}) > "$out/bench-generate.out"
+  echo "== python -m kvvm_bench generate"
+  (cd /tmp && timeout "${BENCH_TIMEOUT:-480}" python3 -m kvvm_bench generate --json "$out/bench-generate.json" ${BENCH_ARGS:-}) > "$out/bench-generate.out"
 fi
 if [ "$mode" = serve ]; then
-  echo "== python -m kvvm.bench serve"
-  (cd /tmp && timeout "${SERVE_TIMEOUT:-480}" python3 -m kvvm.bench serve --json "$out/bench-serve.json" ${SERVE_ARGS:-}) > "$out/bench-serve.out"
+  echo "== python -m kvvm_bench serve"
+  (cd /tmp && timeout "${SERVE_TIMEOUT:-480}" python3 -m kvvm_bench serve --json "$out/bench-serve.json" ${SERVE_ARGS:-}) > "$out/bench-serve.out"
 fi
 echo "== done"

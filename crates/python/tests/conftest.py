@@ -1,15 +1,20 @@
-"""Fixtures: managers on the host backend (addressable memory, no GPU) and on the simulator."""
+"""Fixtures: managers on the host backend (addressable memory, no GPU) and on the simulator;
+the benchmarks (``crates/python/benches``, not in the wheel) made importable."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 import kvvm
 
 MiB = 1 << 20
+
+# The benchmarks live beside the package, not in it; their tests import them from the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
 
 
 def host_available() -> bool:

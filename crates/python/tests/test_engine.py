@@ -189,15 +189,15 @@ def test_bad_requests_are_refused() -> None:
 
 
 def test_the_serve_benchmark_runs_on_the_cpu(tmp_path) -> None:
-    """``python -m kvvm.bench serve`` end to end on a tiny model: the engine and padded
+    """``python -m kvvm_bench serve`` end to end on a tiny model: the engine and padded
     DynamicCache batches replay a synthetic trace with a shared system prompt; both agree
     with the reference and the engine hits its prefix cache."""
     import json
 
-    from kvvm import bench
+    import kvvm_bench
 
     out = tmp_path / "serve.json"
-    rc = bench.main(
+    rc = kvvm_bench.main(
         [
             "serve", "--tiny", "--device", "cpu", "--backend", "host", "--requests", "4", "--prompt-lo", "8",
             "--prompt-hi", "24", "--output", "4", "--shared-prefix", "2100", "--slots", "2",

@@ -1,4 +1,4 @@
-"""``python -m kvvm.bench serve``: a serving trace replayed, side by side in one process, by
+"""``python -m kvvm_bench serve``: a serving trace replayed, side by side in one process, by
 kvvm's continuous-batching engine (:class:`~kvvm.engine.Engine`), transformers'
 ``generate_batch`` (its continuous batching: a paged cache, CUDA graphs; with its defaults and
 with its memory fraction set to what the engine needed) and padded ``generate()`` batches

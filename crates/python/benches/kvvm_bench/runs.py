@@ -1,4 +1,4 @@
-"""The decode runs ``python -m kvvm.bench generate`` times, one cache each, and what it
+"""The decode runs ``python -m kvvm_bench generate`` times, one cache each, and what it
 measures of them.
 
 - ``static``: transformers' ``StaticCache`` through ``generate`` (its own auto-compile of

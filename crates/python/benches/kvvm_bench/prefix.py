@@ -1,5 +1,5 @@
 """What a prefix-cache hit costs, by the size of a published prefix's handles
-(``python -m kvvm.bench prefix``).
+(``python -m kvvm_bench prefix``).
 
 A hit maps the cached prefix's physical memory read-only into the new request's own
 reservation. CUDA maps a handle whole and from its offset 0, so a hit costs one mapping per
@@ -91,7 +91,7 @@ def run_prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    """The flags of ``python -m kvvm.bench prefix``."""
+    """The flags of ``python -m kvvm_bench prefix``."""
     p.add_argument("--backend", default="auto", help="kvvm backend (cuda on the GPU machine)")
     p.add_argument("--model", default="llama-3-8b", help="the KV geometry's preset")
     p.add_argument("--layout", default="token-major", help="KvvmCache's default")

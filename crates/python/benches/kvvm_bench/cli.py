@@ -1,10 +1,10 @@
 """Benchmarks of kvvm's decode path on a Llama-architecture model.
 
-``python -m kvvm.bench generate`` builds a model from a config with random weights (no
+``python -m kvvm_bench generate`` builds a model from a config with random weights (no
 download; the Llama-3.1-8B shape in bf16 by default) and decodes, side by side in one process,
 with transformers' compiled ``StaticCache``, eager ``DynamicCache``, ``KvvmCache`` eager,
 ``KvvmCache`` compiled by ``generate`` and ``KvvmCache`` captured once as a graph
-(:mod:`kvvm.bench_runs`), at uniform batch x prompt points and at a ragged batch (prompt
+(:mod:`kvvm_bench.runs`), at uniform batch x prompt points and at a ragged batch (prompt
 lengths uniform in a range, seeded). For every cache: decode step p50 and p99, tokens/s, the
 HBM floor of a step (weight bytes + live KV bytes, over the memory bandwidth) and the step's
 ratio to it, peak GPU memory (PyTorch's reserved peak + kvvm's committed bytes), KV bytes held
@@ -12,10 +12,10 @@ against the live ones, greedy agreement with DynamicCache; and for the captured 
 teacher-forced logits against DynamicCache (max |diff|, argmax agreement where the top two
 logits are apart).
 
-``python -m kvvm.bench kernels`` measures the attention kernels alone
-(:mod:`kvvm.bench_kernels`); ``python -m kvvm.bench serve`` replays a serving trace through the
-continuous-batching engine and its peers (:mod:`kvvm.bench_serve`); ``python -m kvvm.bench
-prefix`` times prefix-cache hits by handle size, on any backend (:mod:`kvvm.bench_prefix`).
+``python -m kvvm_bench kernels`` measures the attention kernels alone
+(:mod:`kvvm_bench.kernels`); ``python -m kvvm_bench serve`` replays a serving trace through the
+continuous-batching engine and its peers (:mod:`kvvm_bench.serve`); ``python -m kvvm_bench
+prefix`` times prefix-cache hits by handle size, on any backend (:mod:`kvvm_bench.prefix`).
 
 ``--tiny`` runs a small model (what the tests do); the figures that matter come from a GPU.
 """
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import kvvm
-from kvvm import bench_runs as runs
+from kvvm_bench import runs
 
 __all__ = ["main"]
 
@@ -208,7 +208,7 @@ def _flush(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
 def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every attention kernel at every point."""
-    from kvvm.bench_kernels import run_kernels
+    from kvvm_bench.kernels import run_kernels
 
     out: dict[str, Any] = {"meta": {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)}, "results": []}
     points = [(b, [p] * b) for b, p in _points(args.points)]
@@ -228,7 +228,7 @@ def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     """A trace through every runner; returns the report."""
-    from kvvm import bench_serve as sv
+    from kvvm_bench import serve as sv
 
     model = _build_model(args)
     vocab = model.config.vocab_size
@@ -293,8 +293,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m kvvm.bench``."""
-    ap = argparse.ArgumentParser(prog="python -m kvvm.bench", description=__doc__.split("\n\n")[0])
+    """Entry point of ``python -m kvvm_bench``."""
+    ap = argparse.ArgumentParser(prog="python -m kvvm_bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, helptext in (("generate", "decode with every cache side by side"), ("kernels", "attention kernels alone")):
         p = sub.add_parser(name, help=helptext)
@@ -318,12 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--graph-mode", default=None, help="torch.compile mode of the captured kvvm step (default: its default)")
     g.add_argument("--profile", action="store_true", help="the captured kvvm step's GPU time by kind of kernel")
     _serve_args(sub)
-    from kvvm import bench_prefix
+    from kvvm_bench import prefix as bench_prefix
 
     bench_prefix.add_args(sub.add_parser("prefix", help="what a prefix-cache hit costs, by handle size"))
     args = ap.parse_args(argv)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
-        print("python -m kvvm.bench needs a CUDA GPU (serve also runs with --device cpu)", file=sys.stderr)
+        print("python -m kvvm_bench needs a CUDA GPU (serve also runs with --device cpu)", file=sys.stderr)
         return 2
     if args.cmd == "prefix":
         report = bench_prefix.run_prefix_bench(args)
@@ -366,7 +366,3 @@ def _serve_args(sub: Any) -> None:
     p.add_argument("--simulate-model", default="llama-3-8b", help="kvvm simulate's model preset for the prediction")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the report here")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

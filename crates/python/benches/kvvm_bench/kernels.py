@@ -1,4 +1,4 @@
-"""``python -m kvvm.bench kernels``: the attention kernels that read each request's length on
+"""``python -m kvvm_bench kernels``: the attention kernels that read each request's length on
 the device, one decode query token per request, measured per layer-call inside a CUDA graph.
 
 K/V are strided like kvvm's token-major layout (one layer's K of ``[slots, tokens, layers, 2,
@@ -109,7 +109,7 @@ def run_kernels(
     kernels: tuple[str, ...] = ("triton", "flash", "flex", "sdpa"),
 ) -> list[KernelResult]:
     """Every kernel of ``kernels`` at one point (``lengths``: one per request)."""
-    from .attend import attend
+    from kvvm.attend import attend
 
     dev = torch.device("cuda")
     torch.manual_seed(0)
