@@ -7,8 +7,8 @@ use std::os::unix::net::UnixStream;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use kvvm_broker::proto::{read_frame, write_frame, Frame, PROTOCOL_VERSION};
-use kvvm_broker::{Reply, Request};
+use kvvm::broker::proto::{read_frame, write_frame, Frame, PROTOCOL_VERSION};
+use kvvm::broker::{Reply, Request};
 
 #[test]
 fn sigterm_tells_every_client_and_exits_cleanly() {

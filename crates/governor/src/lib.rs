@@ -75,11 +75,11 @@
 //!
 //! ## Where each part lives
 //!
-//! `governor.rs` ([`Governor`]: grants, reclaim, transfers, snapshots), `grant.rs`
-//! ([`MappedGrowthGrant`]), `books.rs` (the checked books), `bucket.rs`, `error.rs`
+//! `governor/` ([`Governor`]: `mod.rs` grants, reclaim, transfers, snapshots; `grant.rs`
+//! [`MappedGrowthGrant`]; `lease.rs` [`Governor::with_lease`], a budget leased from a
+//! node-wide broker), `books.rs` (the checked books), `bucket.rs`, `error.rs`
 //! ([`Backpressure`], [`GovernorError`]), `clock.rs`, `retry.rs` ([`RetryPolicy`]),
-//! `reclaim.rs` ([`Reclaimer`]), `config.rs` ([`GovernorConfig`]), `snapshot.rs`, `lease.rs`
-//! ([`Governor::with_lease`]: a budget leased from a node-wide broker), `lease_source.rs`
+//! `reclaim.rs` ([`Reclaimer`]), `config.rs` ([`GovernorConfig`]), `snapshot.rs`, `lease_source.rs`
 //! ([`LeaseSource`], [`LeasePolicy`]), `tenant.rs` (the vocabulary of tenant budgets:
 //! [`TenantId`], [`TenantShare`], [`TenantBudgets`], [`TenantRefusal`]) and `tenants.rs`
 //! ([`Tenants`], [`TenantGrant`]).
@@ -92,8 +92,6 @@ mod clock;
 mod config;
 mod error;
 mod governor;
-mod grant;
-mod lease;
 mod lease_source;
 mod reclaim;
 mod retry;
@@ -105,9 +103,9 @@ pub use bucket::Bucket;
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use config::GovernorConfig;
 pub use error::{Backpressure, GovernorError, Limit, NeverFits, Refusal};
+pub use governor::grant::MappedGrowthGrant;
+pub use governor::lease::WeakGovernor;
 pub use governor::Governor;
-pub use grant::MappedGrowthGrant;
-pub use lease::WeakGovernor;
 pub use lease_source::{LeasePolicy, LeaseSource};
 pub use reclaim::Reclaimer;
 pub use retry::RetryPolicy;

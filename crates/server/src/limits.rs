@@ -101,18 +101,18 @@ pub(crate) fn never_fits(n: TenantNeverFits) -> ServiceError {
     }
 }
 
-impl From<TenantRefusal> for ServiceError {
-    fn from(r: TenantRefusal) -> Self {
-        match r {
-            TenantRefusal::NeverFits(n) => never_fits(n),
-            TenantRefusal::Backpressure(b) => ServiceError::LimitReached {
-                limit: limit_name(b.quota, b.scope),
-                used: b.used,
-                requested: b.requested,
-                limit_value: b.limit,
-                retry_after: b.retry_after,
-            },
-        }
+/// A tenant budget's refusal as the server answers it: never-fits (413 or 400, see
+/// [`never_fits`]) or 429 with the limit's name and its `Retry-After`.
+pub(crate) fn refusal(r: TenantRefusal) -> ServiceError {
+    match r {
+        TenantRefusal::NeverFits(n) => never_fits(n),
+        TenantRefusal::Backpressure(b) => ServiceError::LimitReached {
+            limit: limit_name(b.quota, b.scope),
+            used: b.used,
+            requested: b.requested,
+            limit_value: b.limit,
+            retry_after: b.retry_after,
+        },
     }
 }
 
@@ -140,7 +140,7 @@ mod tests {
         };
         let books = Tenants::new(&Governor::unlimited(), limits.budgets());
         let (a, b) = (tenant(Owner(1)), tenant(Owner(2)));
-        match books.try_take(a, seq(101)).map_err(ServiceError::from) {
+        match books.try_take(a, seq(101)).map_err(refusal) {
             Err(ServiceError::NeverFits { limit, .. }) => {
                 assert_eq!(limit, "max_reserved_bytes_per_key")
             }
@@ -148,7 +148,7 @@ mod tests {
         }
         books.try_take(a, seq(10)).unwrap().settle(0);
         books.try_take(a, seq(10)).unwrap().settle(0);
-        match books.try_take(a, seq(10)).map_err(ServiceError::from) {
+        match books.try_take(a, seq(10)).map_err(refusal) {
             Err(ServiceError::LimitReached {
                 limit, retry_after, ..
             }) => {
@@ -161,7 +161,7 @@ mod tests {
         // Another owner is not limited by a's share, only by the total.
         books.try_take(b, seq(10)).unwrap().settle(0);
         assert!(matches!(
-            books.try_take(b, seq(10)).map_err(ServiceError::from),
+            books.try_take(b, seq(10)).map_err(refusal),
             Err(ServiceError::LimitReached {
                 limit: "max_sequences",
                 ..
@@ -174,7 +174,7 @@ mod tests {
         };
         let books = Tenants::new(&Governor::unlimited(), none.budgets());
         assert!(matches!(
-            books.try_take(a, seq(10)).map_err(ServiceError::from),
+            books.try_take(a, seq(10)).map_err(refusal),
             Err(ServiceError::InvalidRequest(_))
         ));
     }

@@ -19,7 +19,7 @@ use crate::caches::PrefixCaches;
 use crate::config::{ServedModel, ServiceConfig};
 use crate::counters::{bump, AtomicCounters};
 use crate::error::{ServeError, ServiceError};
-use crate::limits::{never_fits, tenant, Limits};
+use crate::limits::{never_fits, refusal, tenant, Limits};
 use crate::sequence::LiveSequence;
 
 #[derive(Debug)]
@@ -293,7 +293,10 @@ impl KvService {
             reserved_bytes: self.plan.reservation_bytes(),
             committed_bytes: needed,
         };
-        let grant = self.tenants.try_take(tenant(owner), share)?;
+        let grant = self
+            .tenants
+            .try_take(tenant(owner), share)
+            .map_err(refusal)?;
         // The driver calls run without the table lock: other sequences proceed meanwhile.
         let opened = match self.caches.for_owner(owner, &self.vm, &self.plan) {
             Ok(cache) => match (cache, &req.token_ids) {
@@ -377,7 +380,10 @@ impl KvService {
             committed_bytes: growth.needed,
             ..TenantShare::default()
         };
-        let grant = self.tenants.try_take(tenant(owner), share)?;
+        let grant = self
+            .tenants
+            .try_take(tenant(owner), share)
+            .map_err(refusal)?;
         let added = match seq.grow(&self.vm, growth) {
             Ok(added) => added,
             Err(e) => {

@@ -9,11 +9,11 @@ use std::time::Duration;
 
 use kvvm_hal::DeviceId;
 
+use super::grant::MappedGrowthGrant;
+use super::{Governor, Inner};
 use crate::books::{lock, Ledger};
 use crate::config::GovernorConfig;
 use crate::error::Refusal;
-use crate::governor::{Governor, Inner};
-use crate::grant::MappedGrowthGrant;
 use crate::lease_source::{Lease, LeasePolicy, LeaseSource};
 
 /// A governor that does not keep it alive (what a broker client holds to answer the broker's

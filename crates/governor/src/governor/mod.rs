@@ -11,10 +11,14 @@ use crate::books::{lock, Books, Ledger};
 use crate::bucket::Bucket;
 use crate::config::GovernorConfig;
 use crate::error::{Backpressure, GovernorError, Limit, NeverFits, Refusal};
-use crate::grant::MappedGrowthGrant;
 use crate::lease_source::Lease;
 use crate::reclaim::Reclaimer;
 use crate::snapshot::GovernorSnapshot;
+
+pub(crate) mod grant;
+pub(crate) mod lease;
+
+use grant::MappedGrowthGrant;
 
 pub(crate) struct Inner {
     pub(crate) config: GovernorConfig,
@@ -337,5 +341,4 @@ impl MappedGrowthGrant {
 }
 
 #[cfg(test)]
-#[path = "governor_tests.rs"]
 mod tests;
