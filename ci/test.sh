@@ -234,7 +234,8 @@ python3 -m venv "$OUT/pyenv"
 (cd "$OUT" && pyenv/bin/python -m mypy.stubtest kvvm._native)
 (cd "$OUT" && pyenv/bin/python -c "import kvvm; print('import kvvm', kvvm.__version__, 'from', kvvm.__file__)")
 set +e
-(cd "$OUT" && pyenv/bin/python -m pytest "$ROOT/crates/python/tests" -rs -p no:cacheprovider) 2>&1 \
+# KVVM_BIN: the broker tests start `kvvm broker` (the release build above).
+(cd "$OUT" && KVVM_BIN="$K" pyenv/bin/python -m pytest "$ROOT/crates/python/tests" -rs -p no:cacheprovider) 2>&1 \
   | tee "$OUT/pytest-output.log"
 pystatus=${PIPESTATUS[0]}
 set -e

@@ -30,6 +30,7 @@ mod error_class;
 mod errors;
 mod geometry;
 mod manager;
+mod manager_open;
 mod prefix_cache;
 mod sequence;
 mod store;

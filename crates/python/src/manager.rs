@@ -5,15 +5,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlpark::ffi::{DLDevice, DLDeviceType};
-use kvvm::governor::{Governor, GovernorConfig};
+use kvvm::broker::BrokerClient;
+use kvvm::governor::Governor;
 use kvvm::hal::{DeviceId, VirtualMemoryBackend};
 use kvvm::kv::precommit::{PrecommitConfig, Precommitter};
-use kvvm::vmm::{GranularityChoice, VirtualMemory, VmmConfig};
+use kvvm::vmm::{VirtualMemory, VmmConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::count::{Count, Dim};
 use crate::errors;
+use crate::manager_open::{budget, granularity_choice, open_error, open_memory};
 
 /// A driver backend opened by name (`"auto"`, `"cuda"`, `"hip"`, `"host"`, `"sim"`).
 #[pyclass(frozen, module = "kvvm._native")]
@@ -116,8 +118,11 @@ pub(crate) struct ManagerState {
     pub(crate) governor: Governor,
     pub(crate) device: DeviceId,
     pub(crate) precommit: Option<Precommitter>,
-    /// The governor's budget for the device, if any.
+    /// The governor's budget for the device, if any (a local one: with a broker, None).
     pub(crate) budget: Option<u64>,
+    /// The connection to the node's broker the budget is leased from, if any (its socket
+    /// closing gives the lease back).
+    pub(crate) broker: Option<BrokerClient>,
     pub(crate) dl_device: Option<DLDevice>,
 }
 
@@ -165,14 +170,23 @@ impl Manager {
     ///     headroom_tokens, max_headroom_bytes: the pre-committer's headroom per sequence
     ///         and in all.
     ///     poll_interval_us: how often the pre-committer looks at its sequences.
+    ///     broker: the Unix socket of the node's memory broker (``kvvm broker``): the budget
+    ///         is then a lease from it, shared with the other processes of the node, topped
+    ///         up in batches of ``lease_batch_bytes`` (a grant inside the lease never waits on
+    ///         the socket) and given back when the manager is dropped or the process dies;
+    ///         ``budget_bytes`` must then be None. Raises ``UnavailableError`` when the broker
+    ///         cannot be reached or refuses the tenant.
+    ///     tenant, broker_token: who the broker bills (and its token, if it wants one).
     #[new]
     #[pyo3(signature = (backend = None, device = Dim(0), budget_bytes = None, pool_cap_bytes = None,
         park_released = false, granularity = "recommended", precommit = false,
         headroom_tokens = Count(64), max_headroom_bytes = Count(1u64 << 30),
-        poll_interval_us = Count(1000)),
+        poll_interval_us = Count(1000), broker = None, tenant = "default".to_owned(),
+        broker_token = None, lease_batch_bytes = Count(256u64 << 20)),
         text_signature = "(backend=None, device=0, budget_bytes=None, pool_cap_bytes=None, \
         park_released=False, granularity='recommended', precommit=False, headroom_tokens=64, \
-        max_headroom_bytes=1073741824, poll_interval_us=1000)")]
+        max_headroom_bytes=1073741824, poll_interval_us=1000, broker=None, tenant='default', \
+        broker_token=None, lease_batch_bytes=268435456)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -186,98 +200,51 @@ impl Manager {
         headroom_tokens: Count,
         max_headroom_bytes: Count,
         poll_interval_us: Count,
+        broker: Option<std::path::PathBuf>,
+        tenant: String,
+        broker_token: Option<String>,
+        lease_batch_bytes: Count,
     ) -> PyResult<Self> {
-        let (device, budget_bytes, pool_cap_bytes) = (
-            device.0,
-            budget_bytes.map(|c| c.0),
-            pool_cap_bytes.map(|c| c.0),
-        );
-        let (headroom_tokens, max_headroom_bytes, poll_interval_us) =
-            (headroom_tokens.0, max_headroom_bytes.0, poll_interval_us.0);
+        let choice = granularity_choice(py, granularity)?;
+        let budget_bytes = budget_bytes.map(|c| c.0);
+        let broker = broker.map(|p| p.to_string_lossy().into_owned());
+        let source = budget(
+            py,
+            budget_bytes,
+            broker,
+            tenant,
+            broker_token,
+            lease_batch_bytes.0,
+        )?;
+        if precommit && headroom_tokens.0 == 0 {
+            return Err(errors::invalid(py, "headroom_tokens must be positive"));
+        }
         let backend = match backend {
             Some(b) => backend_arg(py, b)?,
             None => Backend::new(py, "auto")?.backend,
         };
-        let choice = match granularity {
-            "recommended" => GranularityChoice::Recommended,
-            "minimum" => GranularityChoice::Minimum,
-            other => {
-                return Err(errors::invalid(
-                    py,
-                    format!("granularity must be 'recommended' or 'minimum', not {other:?}"),
-                ))
-            }
-        };
-        if budget_bytes == Some(0) {
-            return Err(errors::invalid(
-                py,
-                "budget_bytes must be positive (or None)",
-            ));
+        let mut vmm = VmmConfig::default()
+            .granularity(choice)
+            .park_released(park_released);
+        if let Some(cap) = pool_cap_bytes {
+            vmm = vmm.pool_cap_bytes(cap.0);
         }
-        if precommit && headroom_tokens == 0 {
-            return Err(errors::invalid(py, "headroom_tokens must be positive"));
-        }
-        let id = DeviceId(device);
+        let id = DeviceId(device.0);
         let b = Arc::clone(&backend);
-        let made = py.detach(move || -> Result<_, kvvm::vmm::VmmError> {
-            let count = b.devices()?.len();
-            if usize::try_from(device).map_or(true, |d| d >= count) {
-                return Err(kvvm::vmm::VmmError::Backend(kvvm::hal::BackendError {
-                    op: kvvm::hal::Operation::Devices,
-                    kind: kvvm::hal::ErrorKind::InvalidValue,
-                    code: 0,
-                    code_name: String::new(),
-                    detail: Some(format!("no device {device}: the backend has {count}")),
-                }));
-            }
-            let mut config = GovernorConfig::default();
-            if let Some(bytes) = budget_bytes {
-                // A budget is a share of the device: past its memory it could never be spent.
-                let total = b.memory_info(id)?.total;
-                if bytes > total {
-                    return Err(kvvm::vmm::VmmError::Backend(kvvm::hal::BackendError {
-                        op: kvvm::hal::Operation::MemoryInfo,
-                        kind: kvvm::hal::ErrorKind::InvalidValue,
-                        code: 0,
-                        code_name: String::new(),
-                        detail: Some(format!(
-                            "budget_bytes {bytes} exceeds the memory of device {device} of the {} \
-                             backend ({total} bytes): allowed 1..={total}",
-                            b.name()
-                        )),
-                    }));
-                }
-                config = config.device_budget(id, bytes);
-            }
-            let governor = Governor::new(config);
-            let mut vmm = VmmConfig::default()
-                .granularity(choice)
-                .park_released(park_released);
-            if let Some(cap) = pool_cap_bytes {
-                vmm = vmm.pool_cap_bytes(cap);
-            }
-            let vm = VirtualMemory::new(Arc::clone(&b), id, governor.clone(), vmm)?;
-            Ok((vm, governor))
-        });
-        let (vm, governor) = made.map_err(|e| match &e {
-            kvvm::vmm::VmmError::Backend(be)
-                if be.kind == kvvm::hal::ErrorKind::InvalidValue && be.code == 0 =>
-            {
-                errors::invalid(py, be.detail.clone().unwrap_or_else(|| be.to_string()))
-            }
-            _ => errors::vmm(py, &e),
-        })?;
-        let precommitter = if precommit {
-            let config = PrecommitConfig {
-                headroom_tokens,
-                max_headroom_bytes,
-                poll_interval: Duration::from_micros(poll_interval_us.max(1)),
-            };
-            Some(Precommitter::start(&vm, config).map_err(|e| errors::kv(py, &e))?)
-        } else {
-            None
-        };
-        let dl = dl_device(backend.name(), device);
+        let (vm, governor, broker) = py
+            .detach(move || open_memory(&b, id, source, vmm))
+            .map_err(|f| open_error(py, &f))?;
+        let precommitter = precommit
+            .then(|| {
+                let config = PrecommitConfig {
+                    headroom_tokens: headroom_tokens.0,
+                    max_headroom_bytes: max_headroom_bytes.0,
+                    poll_interval: Duration::from_micros(poll_interval_us.0.max(1)),
+                };
+                Precommitter::start(&vm, config).map_err(|e| errors::kv(py, &e))
+            })
+            .transpose()?;
+        let dl = dl_device(backend.name(), device.0);
         Ok(Manager {
             state: Arc::new(ManagerState {
                 backend,
@@ -286,9 +253,18 @@ impl Manager {
                 device: id,
                 precommit: precommitter,
                 budget: budget_bytes,
+                broker,
                 dl_device: dl,
             }),
         })
+    }
+
+    /// The bytes leased from the node's broker now (None without a broker): what this
+    /// manager may hold without asking it again.
+    #[getter]
+    fn leased_bytes(&self) -> Option<u64> {
+        let s = &self.state;
+        s.broker.as_ref().map(|c| c.held(s.device.0))
     }
 
     /// The backend's name.

@@ -1,5 +1,6 @@
 """Type stubs of the native module ``kvvm._native`` (built from crates/python/src)."""
 
+import os
 from typing import Any, Self, final
 
 __all__ = [
@@ -62,7 +63,13 @@ class Manager:
         headroom_tokens: int = 64,
         max_headroom_bytes: int = 1 << 30,
         poll_interval_us: int = 1000,
+        broker: str | os.PathLike[str] | None = None,
+        tenant: str = "default",
+        broker_token: str | None = None,
+        lease_batch_bytes: int = 1 << 28,
     ) -> Self: ...
+    @property
+    def leased_bytes(self) -> int | None: ...
     @property
     def backend(self) -> str: ...
     @property
