@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd == "prefix":
         report = bench_prefix.run_prefix_bench(args)
+        _flush(args, report)
     elif args.cmd == "generate":
         report = run_generate(args)
     elif args.cmd == "kernels":
