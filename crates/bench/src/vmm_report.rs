@@ -85,6 +85,11 @@ fn opt(s: Option<Stats>, f: impl Fn(Stats) -> Duration) -> String {
     s.map_or_else(|| "-".to_owned(), |s| us(f(s)))
 }
 
+/// One `| label | p50 | p90 |` row of a Markdown table.
+fn percentile_row(s: &mut String, label: &str, stats: Stats) {
+    let _ = writeln!(s, "| {label} | {} | {} |", us(stats.median), us(stats.p90));
+}
+
 impl BenchReport {
     /// Fills the realloc-and-copy slot of the growth row of `size`.
     pub fn set_realloc_baseline(&mut self, size: u64, stats: Stats) {
@@ -139,24 +144,13 @@ impl BenchReport {
             );
             let _ = writeln!(s, "| case | p50 | p90 |");
             let _ = writeln!(s, "|---|---|---|");
-            let _ = writeln!(
-                s,
-                "| from pool | {} | {} |",
-                us(p.from_pool.median),
-                us(p.from_pool.p90)
+            percentile_row(&mut s, "from pool", p.from_pool);
+            percentile_row(
+                &mut s,
+                "from parked windows (same reservation)",
+                p.from_parked,
             );
-            let _ = writeln!(
-                s,
-                "| from parked windows (same reservation) | {} | {} |",
-                us(p.from_parked.median),
-                us(p.from_parked.p90)
-            );
-            let _ = writeln!(
-                s,
-                "| fresh | {} | {} |",
-                us(p.fresh.median),
-                us(p.fresh.p90)
-            );
+            percentile_row(&mut s, "fresh", p.fresh);
             let _ = writeln!(
                 s,
                 "\nfresh/pool = {}, fresh/parked = {}",

@@ -90,14 +90,7 @@ impl PageTable {
         logical: usize,
         store: &HostPageStore,
     ) -> Result<PageWrite, HostKvError> {
-        let pages = self.pages.len();
-        let slot = self
-            .pages
-            .get_mut(logical)
-            .ok_or(HostKvError::LogicalPageOutOfRange {
-                page: logical,
-                pages,
-            })?;
+        let slot = self.slot_mut(logical)?;
         if Arc::get_mut(slot).is_some() {
             return Ok(PageWrite::Exclusive);
         }
@@ -122,6 +115,18 @@ impl PageTable {
         Ok(PageWrite::Copied { from, to })
     }
 
+    /// The reference held for logical page `logical`, or
+    /// [`HostKvError::LogicalPageOutOfRange`].
+    fn slot_mut(&mut self, logical: usize) -> Result<&mut Arc<PhysicalPage>, HostKvError> {
+        let pages = self.pages.len();
+        self.pages
+            .get_mut(logical)
+            .ok_or(HostKvError::LogicalPageOutOfRange {
+                page: logical,
+                pages,
+            })
+    }
+
     pub(crate) fn push(&mut self, page: Arc<PhysicalPage>) {
         self.pages.push(page);
     }
@@ -136,14 +141,7 @@ impl PageTable {
 
     /// The page's bytes for writing, or [`HostKvError::PageShared`] while it is shared.
     pub(crate) fn page_mut(&mut self, logical: usize) -> Result<&mut [u8], HostKvError> {
-        let pages = self.pages.len();
-        let slot = self
-            .pages
-            .get_mut(logical)
-            .ok_or(HostKvError::LogicalPageOutOfRange {
-                page: logical,
-                pages,
-            })?;
+        let slot = self.slot_mut(logical)?;
         let ref_count = Arc::strong_count(slot);
         match Arc::get_mut(slot) {
             Some(page) => Ok(page.data_mut()),

@@ -124,6 +124,16 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
     bytes_whole.checked_add(extra).ok_or_else(too_large)
 }
 
+/// The largest binary unit (name, shift) of which `bytes` holds at least one; `None` below
+/// one KiB (plain bytes).
+fn binary_unit(bytes: u64) -> Option<(&'static str, u32)> {
+    UNITS
+        .iter()
+        .rev()
+        .find(|(_, shift)| *shift > 0 && bytes >> shift > 0)
+        .copied()
+}
+
 /// A size in the largest binary unit it reaches, with up to two decimals (trailing zeros
 /// dropped): `8 GiB`, `1.75 GiB`, `64 KiB`, `512 B`. Exact figures belong in JSON, as bytes.
 ///
@@ -135,15 +145,9 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
 /// assert_eq!(format_size(1000), "1000 B");
 /// ```
 pub fn format_size(bytes: u64) -> String {
-    let (name, shift) = UNITS
-        .iter()
-        .rev()
-        .find(|(_, shift)| bytes >> shift > 0)
-        .copied()
-        .unwrap_or(("B", 0));
-    if shift == 0 {
+    let Some((name, shift)) = binary_unit(bytes) else {
         return format!("{bytes} B");
-    }
+    };
     let value = bytes as f64 / (1u64 << shift) as f64;
     let text = format!("{value:.2}");
     let text = text.trim_end_matches('0').trim_end_matches('.');
@@ -159,15 +163,9 @@ pub fn format_size(bytes: u64) -> String {
 /// assert_eq!(format_size_fixed(40 << 30), "40.00 GiB");
 /// ```
 pub fn format_size_fixed(bytes: u64) -> String {
-    let (name, shift) = UNITS
-        .iter()
-        .rev()
-        .find(|(_, shift)| bytes >> shift > 0)
-        .copied()
-        .unwrap_or(("B", 0));
-    if shift == 0 {
+    let Some((name, shift)) = binary_unit(bytes) else {
         return format!("{bytes} B");
-    }
+    };
     format!("{:.2} {name}", bytes as f64 / (1u64 << shift) as f64)
 }
 

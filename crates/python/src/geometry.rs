@@ -202,12 +202,15 @@ impl PyPlan {
     /// Byte strides: a dict with ``layer``, ``kv``, ``head`` and ``token``.
     fn strides<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.plan.strides();
-        let d = PyDict::new(py);
-        d.set_item("layer", s.layer)?;
-        d.set_item("kv", s.kv)?;
-        d.set_item("head", s.head)?;
-        d.set_item("token", s.token)?;
-        Ok(d)
+        crate::dict::counters(
+            py,
+            &[
+                ("layer", s.layer),
+                ("kv", s.kv),
+                ("head", s.head),
+                ("token", s.token),
+            ],
+        )
     }
 
     /// Bytes committed for `tokens` live tokens (granule x windows holding a live byte).

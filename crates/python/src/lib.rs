@@ -26,6 +26,7 @@
 mod batch;
 mod cell;
 mod count;
+mod dict;
 mod error_class;
 mod errors;
 mod geometry;

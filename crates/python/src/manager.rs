@@ -331,16 +331,20 @@ impl Manager {
             return Ok(None);
         };
         let s = p.stats();
-        let d = PyDict::new(py);
-        d.set_item("ready", s.ready)?;
-        d.set_item("inline_commits", s.inline_commits)?;
-        d.set_item("background_commits", s.background_commits)?;
-        d.set_item("background_refused", s.background_refused)?;
-        d.set_item("background_failures", s.background_failures)?;
-        d.set_item("headroom_bytes", s.headroom_bytes)?;
-        d.set_item("peak_headroom_bytes", s.peak_headroom_bytes)?;
-        d.set_item("reclaimed_bytes", s.reclaimed_bytes)?;
-        Ok(Some(d))
+        crate::dict::counters(
+            py,
+            &[
+                ("ready", s.ready),
+                ("inline_commits", s.inline_commits),
+                ("background_commits", s.background_commits),
+                ("background_refused", s.background_refused),
+                ("background_failures", s.background_failures),
+                ("headroom_bytes", s.headroom_bytes),
+                ("peak_headroom_bytes", s.peak_headroom_bytes),
+                ("reclaimed_bytes", s.reclaimed_bytes),
+            ],
+        )
+        .map(Some)
     }
 
     /// Blocks until the pre-committer has nothing left to commit (for tests and orderly

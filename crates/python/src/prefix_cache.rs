@@ -74,13 +74,16 @@ impl PrefixCache {
             Ok(r) => r.map_err(|e| errors::kv(py, &e))?,
             Err(busy) => return Err(busy_error(py, busy, "admit a request")),
         };
-        let d = PyDict::new(py);
-        d.set_item("hit_tokens", info.hit_tokens)?;
-        d.set_item("prompt_tokens", info.prompt_tokens)?;
-        d.set_item("owned_prefix_tokens", info.owned_prefix_tokens)?;
-        d.set_item("shared_bytes", info.shared_bytes)?;
-        d.set_item("committed_bytes", info.committed_bytes)?;
-        Ok(d)
+        crate::dict::counters(
+            py,
+            &[
+                ("hit_tokens", info.hit_tokens),
+                ("prompt_tokens", info.prompt_tokens),
+                ("owned_prefix_tokens", info.owned_prefix_tokens),
+                ("shared_bytes", info.shared_bytes),
+                ("committed_bytes", info.committed_bytes),
+            ],
+        )
     }
 
     /// Publishes the prefix `sequence` owns once its tokens are written. Returns
@@ -101,17 +104,20 @@ impl PrefixCache {
     /// The cache's counters (a dict).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.cache.stats();
-        let d = PyDict::new(py);
-        d.set_item("lookups", s.lookups)?;
-        d.set_item("hits", s.hits)?;
-        d.set_item("misses", s.misses)?;
-        d.set_item("tokens_saved", s.tokens_saved)?;
-        d.set_item("bytes_saved", s.bytes_saved)?;
-        d.set_item("cached_entries", s.cached_entries)?;
-        d.set_item("cached_bytes", s.cached_bytes)?;
-        d.set_item("idle_bytes", s.idle_bytes)?;
-        d.set_item("evictions", s.evictions)?;
-        Ok(d)
+        crate::dict::counters(
+            py,
+            &[
+                ("lookups", s.lookups),
+                ("hits", s.hits),
+                ("misses", s.misses),
+                ("tokens_saved", s.tokens_saved),
+                ("bytes_saved", s.bytes_saved),
+                ("cached_entries", s.cached_entries),
+                ("cached_bytes", s.cached_bytes),
+                ("idle_bytes", s.idle_bytes),
+                ("evictions", s.evictions),
+            ],
+        )
     }
 
     /// Evicts idle prefixes until `bytes` are freed (or none is idle); returns the bytes freed.

@@ -5,7 +5,8 @@
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{FromRequestParts, State};
+use axum::http::request::Parts;
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -68,6 +69,20 @@ pub(crate) fn router_with(
 /// The raw (not percent-decoded) id segment of `/v1/sequences/{id}[/append]`.
 fn raw_id(uri: &Uri) -> &str {
     uri.path().split('/').nth(3).unwrap_or("")
+}
+
+/// The sequence id of `/v1/sequences/{id}[/append]`, parsed by `parse_id`; a bad one is
+/// answered with its error.
+struct SequenceId(u64);
+
+impl<S: Send + Sync> FromRequestParts<S> for SequenceId {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Response> {
+        parse_id(raw_id(&parts.uri))
+            .map(SequenceId)
+            .map_err(|e| error_response(&e))
+    }
 }
 
 /// Whether the request asks for device addresses (`?address=true`).
@@ -147,14 +162,11 @@ async fn create(
 async fn append(
     State(app): State<App>,
     Extension(who): Extension<Principal>,
+    SequenceId(id): SequenceId,
     uri: Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let id = match parse_id(raw_id(&uri)) {
-        Ok(id) => id,
-        Err(e) => return error_response(&e),
-    };
     let input = match Input::<AppendTokens>::read(&app, &headers, body).await {
         Ok(i) => i,
         Err(e) => return error_response(&e),
@@ -170,12 +182,9 @@ async fn append(
 async fn get_sequence(
     State(app): State<App>,
     Extension(who): Extension<Principal>,
+    SequenceId(id): SequenceId,
     uri: Uri,
 ) -> Response {
-    let id = match parse_id(raw_id(&uri)) {
-        Ok(id) => id,
-        Err(e) => return error_response(&e),
-    };
     let address = wants_address(&uri);
     run(&app, StatusCode::OK, move |s| {
         s.get(who.owner, id).map(|i| shown(i, address))
@@ -199,12 +208,8 @@ async fn list(State(app): State<App>, Extension(who): Extension<Principal>, uri:
 async fn delete(
     State(app): State<App>,
     Extension(who): Extension<Principal>,
-    uri: Uri,
+    SequenceId(id): SequenceId,
 ) -> Response {
-    let id = match parse_id(raw_id(&uri)) {
-        Ok(id) => id,
-        Err(e) => return error_response(&e),
-    };
     run(&app, StatusCode::OK, move |s| s.release(who.owner, id)).await
 }
 

@@ -58,6 +58,12 @@ impl MappedGrowthGrant {
     /// Turns `bytes` of the grant into `bucket` (physical memory now exists for them).
     /// Fails, changing nothing, if the grant holds fewer bytes.
     pub fn settle(&mut self, bytes: u64, bucket: Bucket) -> Result<(), GovernorError> {
+        self.take(bytes, Some(bucket))
+    }
+
+    /// Takes `bytes` out of the grant into `bucket` (`None`: back to the budget); fails,
+    /// changing nothing, if the grant holds fewer bytes.
+    fn take(&mut self, bytes: u64, bucket: Option<Bucket>) -> Result<(), GovernorError> {
         let rest = self
             .bytes
             .checked_sub(bytes)
@@ -67,7 +73,7 @@ impl MappedGrowthGrant {
                 bytes,
                 held: self.bytes,
             })?;
-        self.ledger.settle_pending(self.device, bytes, Some(bucket));
+        self.ledger.settle_pending(self.device, bytes, bucket);
         self.bytes = rest;
         Ok(())
     }
@@ -75,18 +81,7 @@ impl MappedGrowthGrant {
     /// Returns `bytes` of the grant to the budget (they were not needed). Fails, changing
     /// nothing, if the grant holds fewer bytes.
     pub fn give_back(&mut self, bytes: u64) -> Result<(), GovernorError> {
-        let rest = self
-            .bytes
-            .checked_sub(bytes)
-            .ok_or(GovernorError::Underflow {
-                device: self.device,
-                bucket: "grant",
-                bytes,
-                held: self.bytes,
-            })?;
-        self.ledger.settle_pending(self.device, bytes, None);
-        self.bytes = rest;
-        Ok(())
+        self.take(bytes, None)
     }
 
     /// A successful commit: every byte still held becomes [`Bucket::Committed`].

@@ -29,7 +29,7 @@ pub(crate) mod records;
 
 use crate::error::KvCacheError;
 use crate::sequence::prefix::SharedDevicePrefix;
-use crate::sequence::{AttachedSegment, SequenceKv};
+use crate::sequence::{check_plan_granule, AttachedSegment, SequenceKv};
 use kvvm_layout::LayoutPlan;
 use records::{PrefixCacheConfig, PrefixCacheStats, PublishOutcome};
 
@@ -132,15 +132,7 @@ impl PrefixCache {
         plan: LayoutPlan,
         config: PrefixCacheConfig,
     ) -> Result<Arc<PrefixCache>, KvCacheError> {
-        if vm.granule() != plan.granule() {
-            return Err(KvCacheError::PlanMismatch {
-                reason: format!(
-                    "the manager's granule is {} B, the plan's {} B",
-                    vm.granule(),
-                    plan.granule()
-                ),
-            });
-        }
+        check_plan_granule(&vm, &plan)?;
         let block_tokens = Self::block_tokens_for(&plan)?;
         let windows_per_block =
             mul(block_tokens, plan.fragment_bytes_per_token(), "block bytes")? / plan.granule();

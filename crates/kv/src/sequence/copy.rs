@@ -140,8 +140,21 @@ impl SequenceKv {
         if let [f] = self.fragments.as_slice() {
             return self.transfer_contiguous(f.offset, first, lo, hi, &mut dir);
         }
-        // Runs of adjacent device bytes, each a list of (fragment, device lo, device hi).
         let mut staging: Vec<u8> = Vec::new();
+        let mut flush = |run_start: u64, run: &[(usize, u64, u64)]| {
+            self.flush(
+                backend,
+                base,
+                run_start,
+                run,
+                first,
+                bpt,
+                bpt_f,
+                &mut staging,
+                &mut dir,
+            )
+        };
+        // Runs of adjacent device bytes, each a list of (fragment, device lo, device hi).
         let mut run: Vec<(usize, u64, u64)> = Vec::new();
         let mut run_start = 0u64;
         let mut run_end = 0u64;
@@ -154,17 +167,7 @@ impl SequenceKv {
             if !run.is_empty()
                 && (!adjacent || run_bytes.saturating_add(len) > MAX_COPY_BYTES as u64)
             {
-                self.flush(
-                    backend,
-                    base,
-                    run_start,
-                    &run,
-                    first,
-                    bpt,
-                    bpt_f,
-                    &mut staging,
-                    &mut dir,
-                )?;
+                flush(run_start, &run)?;
                 run.clear();
                 run_bytes = 0;
             }
@@ -176,17 +179,7 @@ impl SequenceKv {
             run_bytes = run_bytes.saturating_add(len);
         }
         if !run.is_empty() {
-            self.flush(
-                backend,
-                base,
-                run_start,
-                &run,
-                first,
-                bpt,
-                bpt_f,
-                &mut staging,
-                &mut dir,
-            )?;
+            flush(run_start, &run)?;
         }
         Ok(())
     }

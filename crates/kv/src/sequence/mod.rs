@@ -233,15 +233,7 @@ impl SequenceKv {
         plan: &LayoutPlan,
         max_tokens: u64,
     ) -> Result<(), KvCacheError> {
-        if vm.granule() != plan.granule() {
-            return Err(KvCacheError::PlanMismatch {
-                reason: format!(
-                    "the manager's granule is {} B, the plan's {} B",
-                    vm.granule(),
-                    plan.granule()
-                ),
-            });
-        }
+        check_plan_granule(vm, plan)?;
         let capacity = plan.geometry().max_tokens();
         if max_tokens > capacity {
             return Err(KvCacheError::TooManyTokens {
@@ -466,4 +458,21 @@ impl SequenceKv {
         }
         Ok(ranges)
     }
+}
+
+/// [`KvCacheError::PlanMismatch`] unless the manager's granule is the plan's.
+pub(crate) fn check_plan_granule(
+    vm: &VirtualMemory,
+    plan: &LayoutPlan,
+) -> Result<(), KvCacheError> {
+    if vm.granule() != plan.granule() {
+        return Err(KvCacheError::PlanMismatch {
+            reason: format!(
+                "the manager's granule is {} B, the plan's {} B",
+                vm.granule(),
+                plan.granule()
+            ),
+        });
+    }
+    Ok(())
 }
