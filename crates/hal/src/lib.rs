@@ -78,8 +78,8 @@
 //! * [`LatencyModel`]: the modelled cost of each call (by default a fit of the H200 by handle size and mapping), spent or
 //!   accounted by the simulator and used by the workload's counting wrapper;
 //! * [`CallCounts`]: calls counted per [`Operation`];
-//! * [`BackendError::raised`] and [`BackendError::usize_arg`]: errors a backend raises itself,
-//!   with no vendor code;
+//! * [`BackendError::raised`], [`BackendError::usize_arg`] and [`BackendError::ordinal_arg`]:
+//!   errors a backend raises itself, with no vendor code;
 //! * [`decorate`]: backends that wrap any backend, [`decorate::FaultInjecting`] (fail the Nth
 //!   call of chosen operations) and [`decorate::Recording`] (books of every range, handle and
 //!   mapping made through it), so that fault injection and leak checks run on every backend,
