@@ -277,3 +277,14 @@ impl std::fmt::Debug for dyn VirtualMemoryBackend + '_ {
             .finish()
     }
 }
+
+impl dyn VirtualMemoryBackend + '_ {
+    /// The name [`VirtualMemoryBackend::devices`] gives `device`, or `None` when the device
+    /// is not listed or the devices cannot be enumerated (what a report prints as a header).
+    pub fn device_name(&self, device: DeviceId) -> Option<String> {
+        self.devices()
+            .ok()
+            .and_then(|d| d.into_iter().find(|d| d.id == device))
+            .map(|d| d.name)
+    }
+}
