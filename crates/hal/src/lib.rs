@@ -78,6 +78,8 @@
 //! * [`LatencyModel`]: the modelled cost of each call (by default a fit of the H200 by handle size and mapping), spent or
 //!   accounted by the simulator and used by the workload's counting wrapper;
 //! * [`CallCounts`]: calls counted per [`Operation`];
+//! * [`ErrorCodes`]: a vendor's error codes, one `(code, name, kind)` table a backend reads for
+//!   the name and the kind of a code;
 //! * [`BackendError::raised`], [`BackendError::usize_arg`] and [`BackendError::ordinal_arg`]:
 //!   errors a backend raises itself, with no vendor code;
 //! * [`decorate`]: backends that wrap any backend, [`decorate::FaultInjecting`] (fail the Nth
@@ -91,6 +93,7 @@
 #![forbid(unsafe_code)]
 
 mod calls;
+mod codes;
 mod cost;
 pub mod decorate;
 mod error;
@@ -99,6 +102,7 @@ mod trace;
 mod types;
 
 pub use calls::CallCounts;
+pub use codes::ErrorCodes;
 pub use cost::LatencyModel;
 pub use error::{BackendError, ErrorKind, Operation};
 pub use trace::traced;
