@@ -31,9 +31,9 @@ pub(crate) fn to_u64(value: usize) -> u64 {
     kvvm_num::to_u64(value)
 }
 
-/// The CUDA ordinal of `device` ([`BackendError::ordinal_arg`]).
+/// The CUDA ordinal of `device` ([`DeviceId::ordinal`]).
 pub(crate) fn ordinal(op: Operation, device: DeviceId) -> BackendResult<c_int> {
-    BackendError::ordinal_arg(op, device, "CUDA ordinal")
+    device.ordinal(op, "CUDA ordinal")
 }
 
 /// The `CUmemAllocationProp` of pinned device memory on `ordinal`.

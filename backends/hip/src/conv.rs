@@ -17,9 +17,9 @@ use crate::driver::{
 };
 use crate::version::PropLayout;
 
-/// The HIP ordinal of `device` ([`BackendError::ordinal_arg`]).
+/// The HIP ordinal of `device` ([`DeviceId::ordinal`]).
 pub(crate) fn ordinal(op: Operation, device: DeviceId) -> BackendResult<c_int> {
-    BackendError::ordinal_arg(op, device, "HIP device ordinal")
+    device.ordinal(op, "HIP device ordinal")
 }
 
 /// `value` as the `size_t` of a driver call ([`BackendError::usize_arg`]).

@@ -234,23 +234,6 @@ impl BackendError {
         })
     }
 
-    /// `device` as the `int` ordinal a driver call of `op` takes, or the `InvalidValue` a
-    /// backend raises itself when it does not fit; `ordinal` names the vendor's ordinal in the
-    /// message (`"CUDA ordinal"`).
-    pub fn ordinal_arg(
-        op: Operation,
-        device: crate::DeviceId,
-        ordinal: &str,
-    ) -> Result<std::ffi::c_int, BackendError> {
-        std::ffi::c_int::try_from(device.0).map_err(|_| {
-            BackendError::raised(
-                op,
-                ErrorKind::InvalidValue,
-                format!("{device} does not fit a {ordinal}"),
-            )
-        })
-    }
-
     /// Adds context to the error.
     #[must_use]
     pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
@@ -290,22 +273,6 @@ mod tests {
         let e = BackendError::unavailable(Operation::Load, "libcuda.so not found");
         assert_eq!(e.kind, ErrorKind::Unavailable);
         assert!(e.to_string().contains("libcuda.so not found"));
-    }
-
-    #[test]
-    fn out_of_range_arguments_are_invalid() {
-        let e =
-            BackendError::ordinal_arg(Operation::Map, crate::DeviceId(u32::MAX), "CUDA ordinal");
-        assert_eq!(e.as_ref().map_err(|e| e.kind), Err(ErrorKind::InvalidValue));
-        assert!(e.is_err_and(|e| e.to_string().contains("does not fit a CUDA ordinal")));
-        assert_eq!(
-            BackendError::ordinal_arg(Operation::Map, crate::DeviceId(2), "CUDA ordinal").ok(),
-            Some(2)
-        );
-        assert_eq!(
-            BackendError::usize_arg(Operation::Map, "size", 4096).ok(),
-            Some(4096)
-        );
     }
 
     #[test]

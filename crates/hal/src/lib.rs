@@ -80,8 +80,8 @@
 //! * [`CallCounts`]: calls counted per [`Operation`];
 //! * [`ErrorCodes`]: a vendor's error codes, one `(code, name, kind)` table a backend reads for
 //!   the name and the kind of a code;
-//! * [`BackendError::raised`], [`BackendError::usize_arg`] and [`BackendError::ordinal_arg`]:
-//!   errors a backend raises itself, with no vendor code;
+//! * [`BackendError::raised`], [`BackendError::usize_arg`] and [`DeviceId::ordinal`]: errors a
+//!   backend raises itself, with no vendor code;
 //! * [`decorate`]: backends that wrap any backend, [`decorate::FaultInjecting`] (fail the Nth
 //!   call of chosen operations) and [`decorate::Recording`] (books of every range, handle and
 //!   mapping made through it), so that fault injection and leak checks run on every backend,
