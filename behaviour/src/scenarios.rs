@@ -158,16 +158,28 @@ fn prompt(w: &World, blocks: u64) -> Vec<u32> {
         .collect()
 }
 
-fn written_admission(w: &World, s: &mut State) -> Result<(), String> {
-    let cache = PrefixCache::new(w.vm.clone(), plan(w, KvLayout::TokenMajor)?).map_err(e)?;
+/// Admits the prompt of 2 blocks into `cache`, with room to grow by one window.
+fn admit_prompt(w: &World, cache: &PrefixCache) -> Result<SequenceKv, String> {
     let ids = prompt(w, 2);
     let n = ids.len() as u64;
-    let mut a = cache
+    let a = cache
         .admit(&ids, n.saturating_add(window_tokens(w)))
         .map_err(e)?;
+    Ok(a.sequence)
+}
+
+/// Writes every token of the prompt of 2 blocks into `seq` (256 bytes of 7s a token).
+fn write_prompt(w: &World, seq: &mut SequenceKv) -> Result<(), String> {
+    let n = prompt(w, 2).len() as u64;
     let bytes = vec![7u8; usize::try_from(n.saturating_mul(256)).map_err(e)?];
-    a.sequence.write_tokens(0, &bytes).map_err(e)?;
-    s.seqs.push(a.sequence);
+    seq.write_tokens(0, &bytes).map_err(e)
+}
+
+fn written_admission(w: &World, s: &mut State) -> Result<(), String> {
+    let cache = PrefixCache::new(w.vm.clone(), plan(w, KvLayout::TokenMajor)?).map_err(e)?;
+    let mut seq = admit_prompt(w, &cache)?;
+    write_prompt(w, &mut seq)?;
+    s.seqs.push(seq);
     s.cache = Some(cache);
     Ok(())
 }
@@ -420,15 +432,10 @@ pub fn all_scenarios() -> Vec<Scenario> {
             },
             op: |w, s| {
                 let cache = cache_of(s)?;
-                let ids = prompt(w, 2);
-                let n = ids.len() as u64;
-                let mut a = cache
-                    .admit(&ids, n.saturating_add(window_tokens(w)))
-                    .map_err(e)?;
-                let bytes = vec![7u8; usize::try_from(n.saturating_mul(256)).map_err(e)?];
-                let written = a.sequence.write_tokens(0, &bytes).map_err(e);
-                let published = written.and_then(|()| cache.publish(&mut a.sequence).map_err(e));
-                s.seqs.push(a.sequence);
+                let mut seq = admit_prompt(w, &cache)?;
+                let written = write_prompt(w, &mut seq);
+                let published = written.and_then(|()| cache.publish(&mut seq).map_err(e));
+                s.seqs.push(seq);
                 published.map(|_| ())
             },
         },
@@ -439,12 +446,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
             setup: published,
             op: |w, s| {
                 let cache = cache_of(s)?;
-                let ids = prompt(w, 2);
-                let n = ids.len() as u64;
-                let a = cache
-                    .admit(&ids, n.saturating_add(window_tokens(w)))
-                    .map_err(e)?;
-                s.seqs.push(a.sequence);
+                s.seqs.push(admit_prompt(w, &cache)?);
                 Ok(())
             },
         },

@@ -198,10 +198,7 @@ pub fn run_behaviour(
         options.filter.is_empty() || options.filter.iter().any(|f| name.contains(f.as_str()))
     };
     let device_name = backend
-        .devices()
-        .ok()
-        .and_then(|d| d.into_iter().find(|d| d.id == options.device))
-        .map(|d| d.name)
+        .device_name(options.device)
         .unwrap_or_else(|| "none".to_owned());
     let free = || backend.memory_info(options.device).ok().map(|m| m.free);
     let driver_free_before = free();

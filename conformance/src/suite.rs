@@ -36,10 +36,7 @@ pub fn run_suite_with_progress(
     progress: &mut dyn FnMut(usize, usize, &str),
 ) -> Report {
     let device_name = backend
-        .devices()
-        .ok()
-        .and_then(|d| d.into_iter().find(|d| d.id == options.device))
-        .map(|d| d.name)
+        .device_name(options.device)
         .unwrap_or_else(|| "none".to_owned());
     let selected: Vec<Case> = all_cases()
         .into_iter()

@@ -9,9 +9,7 @@ use cudarc::driver::sys::{
     CUmemAccess_flags, CUmemAllocationHandleType, CUmemAllocationProp,
     CUmemAllocationProp_st__bindgen_ty_1, CUmemAllocationType, CUmemLocation, CUmemLocationType,
 };
-use kvvm_hal::{
-    Access, BackendError, BackendResult, DeviceId, ErrorKind, Operation, ShareableHandleType,
-};
+use kvvm_hal::{Access, BackendError, BackendResult, DeviceId, Operation, ShareableHandleType};
 
 /// Formats `cuDriverGetVersion`'s value (`1000 * major + 10 * minor`) as
 /// `"CUDA 13.0 (driver 13000)"`.
@@ -33,14 +31,9 @@ pub(crate) fn to_u64(value: usize) -> u64 {
     kvvm_num::to_u64(value)
 }
 
+/// The CUDA ordinal of `device` ([`DeviceId::ordinal`]).
 pub(crate) fn ordinal(op: Operation, device: DeviceId) -> BackendResult<c_int> {
-    c_int::try_from(device.0).map_err(|_| {
-        BackendError::raised(
-            op,
-            ErrorKind::InvalidValue,
-            format!("{device} does not fit a CUDA ordinal"),
-        )
-    })
+    device.ordinal(op, "CUDA ordinal")
 }
 
 /// The `CUmemAllocationProp` of pinned device memory on `ordinal`.
@@ -83,6 +76,7 @@ pub(crate) fn access_flags(access: Access) -> CUmemAccess_flags {
 mod tests {
     use super::*;
     use cudarc::driver::sys::CUmemAccessDesc;
+    use kvvm_hal::ErrorKind;
 
     #[test]
     fn driver_version_string() {
@@ -120,10 +114,9 @@ mod tests {
 
     #[test]
     fn out_of_range_values_are_invalid() {
-        assert_eq!(
-            ordinal(Operation::Map, DeviceId(u32::MAX)).map_err(|e| e.kind),
-            Err(ErrorKind::InvalidValue)
-        );
+        let too_large = ordinal(Operation::Map, DeviceId(u32::MAX));
+        assert!(too_large.is_err_and(|e| e.kind == ErrorKind::InvalidValue
+            && e.to_string().contains("does not fit a CUDA ordinal")));
         assert_eq!(ordinal(Operation::Map, DeviceId(2)).ok(), Some(2));
         assert_eq!(to_usize(Operation::Map, "size", 4096).ok(), Some(4096));
     }

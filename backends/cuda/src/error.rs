@@ -13,7 +13,7 @@
 //! | sticky launch errors (`ILLEGAL_ADDRESS`, `LAUNCH_FAILED`, ...), ECC/NVLink faults, destroyed context | `DeviceLost` |
 //! | everything else, including codes this table does not know | `Other` |
 
-use kvvm_hal::{BackendError, ErrorKind, Operation};
+use kvvm_hal::{BackendError, ErrorCodes, ErrorKind, Operation};
 
 /// A raw `CUresult` value as the driver returned it.
 ///
@@ -49,11 +49,7 @@ impl CuCode {
 
     /// A [`BackendError`] for `op` carrying the code, its name and its kind.
     pub fn to_error(self, op: Operation) -> BackendError {
-        let name = match self.name() {
-            Some(name) => name.to_owned(),
-            None => format!("CUresult {}", self.0),
-        };
-        BackendError::new(op, self.kind(), i64::from(self.0), name)
+        CODES.error(op, self.0, "CUresult")
     }
 }
 
@@ -288,21 +284,18 @@ const TABLE: &[(u32, &str, ErrorKind)] = &[
     (999, "CUDA_ERROR_UNKNOWN", ErrorKind::Other),
 ];
 
+/// [`TABLE`] as the [`ErrorCodes`] that names and classifies a code.
+const CODES: ErrorCodes<u32> = ErrorCodes::new(TABLE);
+
 /// The name of a `CUresult` code, or `None` if the code is unknown to this table.
 pub fn code_name(code: u32) -> Option<&'static str> {
-    TABLE
-        .iter()
-        .find(|(c, _, _)| *c == code)
-        .map(|(_, n, _)| *n)
+    CODES.name(code)
 }
 
 /// The [`ErrorKind`] a `CUresult` code maps onto (see the module documentation); `Other` for
 /// a code this table does not know.
 pub fn classify(code: u32) -> ErrorKind {
-    TABLE
-        .iter()
-        .find(|(c, _, _)| *c == code)
-        .map_or(ErrorKind::Other, |(_, _, k)| *k)
+    CODES.kind(code)
 }
 
 #[cfg(test)]

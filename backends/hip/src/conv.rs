@@ -6,8 +6,8 @@
 use std::ffi::{c_int, c_void};
 
 use kvvm_hal::{
-    Access, BackendError, BackendResult, DeviceAddress, DeviceId, ErrorKind, Operation,
-    PhysicalHandle, ShareableHandleType,
+    Access, BackendError, BackendResult, DeviceAddress, DeviceId, Operation, PhysicalHandle,
+    ShareableHandleType,
 };
 
 use crate::driver::{
@@ -17,15 +17,9 @@ use crate::driver::{
 };
 use crate::version::PropLayout;
 
-/// The HIP ordinal of `device`.
+/// The HIP ordinal of `device` ([`DeviceId::ordinal`]).
 pub(crate) fn ordinal(op: Operation, device: DeviceId) -> BackendResult<c_int> {
-    c_int::try_from(device.0).map_err(|_| {
-        BackendError::raised(
-            op,
-            ErrorKind::InvalidValue,
-            format!("{device} does not fit a HIP device ordinal"),
-        )
-    })
+    device.ordinal(op, "HIP device ordinal")
 }
 
 /// `value` as the `size_t` of a driver call ([`BackendError::usize_arg`]).
@@ -95,6 +89,7 @@ pub(crate) fn allocation_prop(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvvm_hal::ErrorKind;
 
     #[test]
     fn addresses_and_handles_round_trip_through_pointers() {
@@ -106,10 +101,9 @@ mod tests {
 
     #[test]
     fn out_of_range_values_are_invalid() {
-        assert_eq!(
-            ordinal(Operation::Map, DeviceId(u32::MAX)).map_err(|e| e.kind),
-            Err(ErrorKind::InvalidValue)
-        );
+        let too_large = ordinal(Operation::Map, DeviceId(u32::MAX));
+        assert!(too_large.is_err_and(|e| e.kind == ErrorKind::InvalidValue
+            && e.to_string().contains("does not fit a HIP device ordinal")));
         assert_eq!(ordinal(Operation::Map, DeviceId(2)).ok(), Some(2));
         assert_eq!(to_usize(Operation::Map, "size", 4096).ok(), Some(4096));
     }

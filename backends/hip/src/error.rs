@@ -7,7 +7,7 @@
 //! classified [`ErrorKind::Other`] and named by `hipGetErrorName` when available, or
 //! `"hipError(<n>)"`.
 
-use kvvm_hal::{BackendError, ErrorKind, Operation};
+use kvvm_hal::{BackendError, ErrorCodes, ErrorKind, Operation};
 
 /// A raw `hipError_t` value (0 is `hipSuccess`). Never a Rust enum: a newer runtime may return
 /// a code this crate does not know, and an out-of-range enum value is undefined behaviour.
@@ -126,12 +126,12 @@ const TABLE: &[(HipErrorCode, &str, ErrorKind)] = &[
     (1053, "hipErrorRuntimeOther", ErrorKind::Other),
 ];
 
+/// [`TABLE`] as the [`ErrorCodes`] that names and classifies a code.
+const CODES: ErrorCodes<HipErrorCode> = ErrorCodes::new(TABLE);
+
 /// The name of `code` from this crate's table, if it knows the code.
 pub fn code_name(code: HipErrorCode) -> Option<&'static str> {
-    TABLE
-        .iter()
-        .find(|(c, _, _)| *c == code)
-        .map(|(_, name, _)| *name)
+    CODES.name(code)
 }
 
 /// What a caller can do about `code` (a non-zero `hipError_t`).
@@ -147,10 +147,7 @@ pub fn code_name(code: HipErrorCode) -> Option<&'static str> {
 ///   `PriorLaunchFailure` (53): [`ErrorKind::DeviceLost`].
 /// * anything else, known or not: [`ErrorKind::Other`].
 pub fn error_kind(code: HipErrorCode) -> ErrorKind {
-    TABLE
-        .iter()
-        .find(|(c, _, _)| *c == code)
-        .map_or(ErrorKind::Other, |(_, _, kind)| *kind)
+    CODES.kind(code)
 }
 
 /// The fallback name of a code nobody could name.

@@ -20,7 +20,7 @@
 // The refusal helpers are used by the Linux implementation only.
 #![cfg_attr(not(target_os = "linux"), allow(dead_code))]
 
-use kvvm_hal::{BackendError, ErrorKind, Operation};
+use kvvm_hal::{BackendError, ErrorCodes, ErrorKind, Operation};
 
 /// A raw `errno` value, as the kernel returned it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -60,60 +60,48 @@ impl Errno {
 
     /// A [`BackendError`] for `op` carrying the value, its name and its kind.
     pub fn to_error(self, op: Operation) -> BackendError {
-        let name = match self.name() {
-            Some(name) => name.to_owned(),
-            None => format!("errno {}", self.0),
-        };
-        BackendError::new(op, self.kind(), i64::from(self.0), name)
+        CODES.error(op, self.0, "errno")
     }
 }
 
-/// The symbolic name of an `errno` value (the generic Linux numbering of x86_64 and aarch64;
-/// a unit test checks it against rustix on the build target), or `None` if this table does
-/// not know it.
+/// `(errno, name, kind)` of every value this backend knows (the generic Linux numbering of
+/// x86_64 and aarch64; a unit test checks it against rustix on the build target): one table,
+/// read by [`errno_name`] and [`classify`].
+const CODES: ErrorCodes<i32> = ErrorCodes::new(&[
+    (1, "EPERM", ErrorKind::NotSupported),
+    (2, "ENOENT", ErrorKind::Other),
+    (4, "EINTR", ErrorKind::Other),
+    (5, "EIO", ErrorKind::Other),
+    (6, "ENXIO", ErrorKind::InvalidValue),
+    (9, "EBADF", ErrorKind::InvalidValue),
+    (11, "EAGAIN", ErrorKind::Other),
+    (12, "ENOMEM", ErrorKind::OutOfMemory),
+    (13, "EACCES", ErrorKind::NotSupported),
+    (14, "EFAULT", ErrorKind::InvalidValue),
+    (16, "EBUSY", ErrorKind::NotSupported),
+    (17, "EEXIST", ErrorKind::InvalidValue),
+    (19, "ENODEV", ErrorKind::NotSupported),
+    (22, "EINVAL", ErrorKind::InvalidValue),
+    (23, "ENFILE", ErrorKind::OutOfMemory),
+    (24, "EMFILE", ErrorKind::OutOfMemory),
+    (26, "ETXTBSY", ErrorKind::NotSupported),
+    (27, "EFBIG", ErrorKind::InvalidValue),
+    (28, "ENOSPC", ErrorKind::OutOfMemory),
+    (29, "ESPIPE", ErrorKind::InvalidValue),
+    (38, "ENOSYS", ErrorKind::Unavailable),
+    (75, "EOVERFLOW", ErrorKind::InvalidValue),
+    (95, "EOPNOTSUPP", ErrorKind::NotSupported),
+]);
+
+/// The symbolic name of an `errno` value, or `None` if this table does not know it.
 pub fn errno_name(errno: i32) -> Option<&'static str> {
-    let name = match errno {
-        1 => "EPERM",
-        2 => "ENOENT",
-        4 => "EINTR",
-        5 => "EIO",
-        6 => "ENXIO",
-        9 => "EBADF",
-        11 => "EAGAIN",
-        12 => "ENOMEM",
-        13 => "EACCES",
-        14 => "EFAULT",
-        16 => "EBUSY",
-        17 => "EEXIST",
-        19 => "ENODEV",
-        22 => "EINVAL",
-        23 => "ENFILE",
-        24 => "EMFILE",
-        26 => "ETXTBSY",
-        27 => "EFBIG",
-        28 => "ENOSPC",
-        29 => "ESPIPE",
-        38 => "ENOSYS",
-        75 => "EOVERFLOW",
-        95 => "EOPNOTSUPP",
-        _ => return None,
-    };
-    Some(name)
+    CODES.name(errno)
 }
 
-/// The [`ErrorKind`] an `errno` value maps onto (see the module documentation).
+/// The [`ErrorKind`] an `errno` value maps onto (see the module documentation); `Other` for a
+/// value this table does not know.
 pub fn classify(errno: i32) -> ErrorKind {
-    match errno {
-        // ENOMEM, ENOSPC, EMFILE, ENFILE
-        12 | 28 | 24 | 23 => ErrorKind::OutOfMemory,
-        // EINVAL, EBADF, EEXIST, EFAULT, EOVERFLOW, ENXIO, EFBIG, ESPIPE
-        22 | 9 | 17 | 14 | 75 | 6 | 27 | 29 => ErrorKind::InvalidValue,
-        // EOPNOTSUPP, EPERM, EACCES, ENODEV, ETXTBSY, EBUSY
-        95 | 1 | 13 | 19 | 26 | 16 => ErrorKind::NotSupported,
-        // ENOSYS
-        38 => ErrorKind::Unavailable,
-        _ => ErrorKind::Other,
-    }
+    CODES.kind(errno)
 }
 
 /// The `errno` this backend reports when it refuses a call itself with `kind`.

@@ -12,6 +12,7 @@
 //! bytes per mixed chunk and one per uniform one.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 /// Data is stored in chunks of this many bytes, on first write.
 pub const CHUNK: u64 = 64 * 1024;
@@ -41,6 +42,23 @@ fn uniform(s: &[u8]) -> Option<u8> {
     let first = *s.first()?;
     let n = s.len();
     (s.get(1..) == s.get(..n - 1)).then_some(first)
+}
+
+/// The pieces of `len` bytes at `offset` that each lie in one chunk, in order: the chunk's
+/// index, where the piece starts in the chunk, and the piece's range in the caller's buffer.
+fn pieces(offset: u64, len: usize) -> impl Iterator<Item = (u64, usize, Range<usize>)> {
+    let mut done = 0usize;
+    std::iter::from_fn(move || {
+        if done >= len {
+            return None;
+        }
+        let pos = offset + done as u64;
+        let within = (pos % CHUNK) as usize;
+        let n = (CHUNK as usize - within).min(len - done);
+        let range = done..done + n;
+        done += n;
+        Some((pos / CHUNK, within, range))
+    })
 }
 
 /// The written bytes of one allocation (see the module docs).
@@ -77,16 +95,8 @@ impl ChunkStore {
 
     /// Writes `src` at `offset`.
     pub(crate) fn write(&mut self, offset: u64, src: &[u8]) {
-        let mut pos = offset;
-        let mut done = 0usize;
-        while done < src.len() {
-            let index = pos / CHUNK;
-            let within = (pos % CHUNK) as usize;
-            let n = (CHUNK as usize - within).min(src.len() - done);
-            let piece = &src[done..done + n];
-            self.write_chunk(index, within, piece);
-            done += n;
-            pos += n as u64;
+        for (index, within, range) in pieces(offset, src.len()) {
+            self.write_chunk(index, within, &src[range]);
         }
     }
 
@@ -124,20 +134,13 @@ impl ChunkStore {
 
     /// Reads `dst.len()` bytes at `offset`; bytes never written read as zeros.
     pub(crate) fn read(&self, offset: u64, dst: &mut [u8]) {
-        let mut pos = offset;
-        let mut done = 0usize;
-        while done < dst.len() {
-            let index = pos / CHUNK;
-            let within = (pos % CHUNK) as usize;
-            let n = (CHUNK as usize - within).min(dst.len() - done);
-            let out = &mut dst[done..done + n];
+        for (index, within, range) in pieces(offset, dst.len()) {
+            let out = &mut dst[range];
             match self.chunks.get(&index) {
                 None => out.fill(0),
                 Some(Chunk::Fill(b)) => out.fill(*b),
-                Some(Chunk::Bytes(buf)) => out.copy_from_slice(&buf[within..within + n]),
+                Some(Chunk::Bytes(buf)) => out.copy_from_slice(&buf[within..within + out.len()]),
             }
-            done += n;
-            pos += n as u64;
         }
     }
 }

@@ -78,8 +78,10 @@
 //! * [`LatencyModel`]: the modelled cost of each call (by default a fit of the H200 by handle size and mapping), spent or
 //!   accounted by the simulator and used by the workload's counting wrapper;
 //! * [`CallCounts`]: calls counted per [`Operation`];
-//! * [`BackendError::raised`] and [`BackendError::usize_arg`]: errors a backend raises itself,
-//!   with no vendor code;
+//! * [`ErrorCodes`]: a vendor's error codes, one `(code, name, kind)` table a backend reads for
+//!   the name and the kind of a code;
+//! * [`BackendError::raised`], [`BackendError::usize_arg`] and [`DeviceId::ordinal`]: errors a
+//!   backend raises itself, with no vendor code;
 //! * [`decorate`]: backends that wrap any backend, [`decorate::FaultInjecting`] (fail the Nth
 //!   call of chosen operations) and [`decorate::Recording`] (books of every range, handle and
 //!   mapping made through it), so that fault injection and leak checks run on every backend,
@@ -91,6 +93,7 @@
 #![forbid(unsafe_code)]
 
 mod calls;
+mod codes;
 mod cost;
 pub mod decorate;
 mod error;
@@ -99,6 +102,7 @@ mod trace;
 mod types;
 
 pub use calls::CallCounts;
+pub use codes::ErrorCodes;
 pub use cost::LatencyModel;
 pub use error::{BackendError, ErrorKind, Operation};
 pub use trace::traced;
@@ -275,5 +279,16 @@ impl std::fmt::Debug for dyn VirtualMemoryBackend + '_ {
             .field("name", &self.name())
             .field("capabilities", &self.capabilities())
             .finish()
+    }
+}
+
+impl dyn VirtualMemoryBackend + '_ {
+    /// The name [`VirtualMemoryBackend::devices`] gives `device`, or `None` when the device
+    /// is not listed or the devices cannot be enumerated (what a report prints as a header).
+    pub fn device_name(&self, device: DeviceId) -> Option<String> {
+        self.devices()
+            .ok()
+            .and_then(|d| d.into_iter().find(|d| d.id == device))
+            .map(|d| d.name)
     }
 }

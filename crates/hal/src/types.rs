@@ -54,6 +54,21 @@ impl fmt::Display for DeviceId {
     }
 }
 
+impl DeviceId {
+    /// The `int` ordinal a driver call of `op` takes, or the `InvalidValue` a backend raises
+    /// itself when it does not fit; `ordinal` names the vendor's ordinal in the message
+    /// (`"CUDA ordinal"`).
+    pub fn ordinal(self, op: Operation, ordinal: &str) -> Result<std::ffi::c_int, BackendError> {
+        std::ffi::c_int::try_from(self.0).map_err(|_| {
+            BackendError::raised(
+                op,
+                ErrorKind::InvalidValue,
+                format!("{self} does not fit a {ordinal}"),
+            )
+        })
+    }
+}
+
 /// Access of one device to a mapped range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Access {
@@ -212,6 +227,21 @@ pub enum KernelProbeOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ordinals_that_do_not_fit_are_invalid() {
+        let e = DeviceId(u32::MAX).ordinal(Operation::Map, "CUDA ordinal");
+        assert_eq!(e.as_ref().map_err(|e| e.kind), Err(ErrorKind::InvalidValue));
+        assert!(e.is_err_and(|e| e.to_string().contains("does not fit a CUDA ordinal")));
+        assert_eq!(
+            DeviceId(2).ordinal(Operation::Map, "CUDA ordinal").ok(),
+            Some(2)
+        );
+        assert_eq!(
+            BackendError::usize_arg(Operation::Map, "size", 4096).ok(),
+            Some(4096)
+        );
+    }
 
     #[test]
     fn access_predicates() {
