@@ -43,6 +43,9 @@ from .transformers import KvvmCache
 
 __all__ = ["Engine", "Request"]
 
+#: Prefix-hit timings :class:`EngineStats` keeps.
+HIT_TIMES_KEPT = 4096
+
 
 @dataclass(eq=False)
 class Request:
@@ -87,9 +90,12 @@ class EngineStats:
     admission_refusals: int = 0
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0
-    #: Each prefix-cache lookup that hit: (tokens hit, ms the admission's lookup and mapping
-    #: took on the host, the rest of the prompt's commit included).
-    prefix_hit_ms: list[tuple[int, float]] = field(default_factory=list)
+    #: The last :data:`HIT_TIMES_KEPT` prefix-cache lookups that hit: (tokens hit, ms the
+    #: admission's lookup and mapping took on the host, the rest of the prompt's commit
+    #: included). Bounded: an engine that serves for days keeps the recent ones only.
+    prefix_hit_ms: collections.deque[tuple[int, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=HIT_TIMES_KEPT)
+    )
 
 
 class Engine:
