@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(not _cuda(), reason="skipped: no CUDA driver")
 
 from kvvm.attend import attend  # noqa: E402
 from kvvm.graph import DecodeGraph  # noqa: E402
+from kvvm.projections import fuse_projections  # noqa: E402
 from kvvm.transformers import KvvmCache, use_kvvm_attention  # noqa: E402
 
 VOCAB = 4096
@@ -66,9 +67,18 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_a_captured_step_decodes_ragged_requests_across_window_boundaries(model, reference, compile) -> None:
+@pytest.mark.parametrize(("compile", "fuse"), [(False, False), (True, False), (True, True)])
+def test_a_captured_step_decodes_ragged_requests_across_window_boundaries(model, reference, compile, fuse) -> None:
     # 4 layers x 2 x 2 KV heads x 64 x bf16 = 2 KiB per token: a 2 MiB window holds 1024.
+    fused = fuse_projections(model) if fuse else None
+    try:
+        _decode_ragged(model, reference, compile)
+    finally:
+        if fused is not None:
+            fused.restore()
+
+
+def _decode_ragged(model: object, reference: object, compile: bool) -> None:
     lengths = [1015, 37, 1022, 500]
     prompts = [torch.randint(0, VOCAB, (1, n), device="cuda") for n in lengths]
     mgr = kvvm.Manager("cuda", precommit=True, headroom_tokens=4)

@@ -57,10 +57,12 @@ def prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_a_stream_of_requests_each_gets_its_reference_tokens_and_slots_are_reused() -> None:
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_stream_of_requests_each_gets_its_reference_tokens_and_slots_are_reused(fuse: bool) -> None:
     model, ref = tiny()
     mgr = kvvm.Manager("host", precommit=True, headroom_tokens=4)
-    engine = Engine(model, slots=3, max_len=256, manager=mgr, prefill_chunk=16)
+    engine = Engine(model, slots=3, max_len=256, manager=mgr, prefill_chunk=16, fuse_projections=fuse)
+    assert (type(model.model.layers[0].self_attn.k_proj) is torch.nn.Linear) != fuse
     lengths = [5, 60, 17, 33, 2, 48, 9]
     news = [3, 12, 7, 1, 9, 4, 11]
     reqs = [engine.submit(p, n) for p, n in zip(prompts(lengths), news, strict=True)]
@@ -83,6 +85,7 @@ def test_a_stream_of_requests_each_gets_its_reference_tokens_and_slots_are_reuse
     assert engine.cache.committed_bytes == 0
     engine.close()
     assert mgr.snapshot().committed == 0
+    assert type(model.model.layers[0].self_attn.k_proj) is torch.nn.Linear  # given back
 
 
 def test_a_cached_prompt_prefix_is_mapped_not_prefilled() -> None:

@@ -162,6 +162,11 @@ def _triton_configs() -> list[str]:
 
 def _verdict(point: dict[str, Any], done: dict[str, runs.Run]) -> None:
     graph, static = done.get("kvvm-graph"), done.get("static")
+    fused = done.get("kvvm-graph-fused")
+    if fused and fused.p50_ms:
+        point["graph_fused_over_floor"] = fused.over_floor
+        if static and static.p50_ms:
+            point["graph_fused_vs_static_speed"] = round(static.p50_ms / fused.p50_ms, 2)
     if graph and graph.p50_ms and static and static.p50_ms:
         point["graph_vs_static_speed"] = round(static.p50_ms / graph.p50_ms, 2)
     if graph and graph.kv_bytes_held and static and static.kv_bytes_held:
@@ -259,6 +264,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         done(sv.run_engine(
             model, trace, manager=manager, slots=args.slots, max_len=max_len, prefix_cache_bytes=args.prefix_cache_bytes,
             prefill_chunk=args.prefill_chunk, real_time=args.real_time, bandwidth=args.bandwidth, flops=args.flops,
+            fuse_projections=args.fuse_projections,
         ))
     if "generate-batch" in runners:
         done(sv.run_generate_batch(model, trace, memory_fraction=None))
@@ -356,6 +362,7 @@ def _serve_args(sub: Any) -> None:
     p.add_argument("--prefix-cache-bytes", type=int, default=8 << 30)
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--padded-batch", type=int, default=64)
+    p.add_argument("--fuse-projections", action="store_true", help="the engine fuses Q/K/V and gate/up (kvvm.projections)")
     p.add_argument("--real-time", action="store_true", help="submit at the arrival times (the engine)")
     p.add_argument("--reference", action="store_true", help="check greedy tokens against one request at a time")
     p.add_argument("--tiny", action="store_true")

@@ -8,7 +8,10 @@ measures of them.
   ``generate`` with compilation disabled;
 - ``kvvm-generate``: the same, compiled by ``generate`` itself (CUDA graphs);
 - ``kvvm-graph``: every request prefilled into its own slot (no padding), then a
-  :class:`~kvvm.graph.DecodeGraph` replayed once per step.
+  :class:`~kvvm.graph.DecodeGraph` replayed once per step;
+- ``kvvm-graph-fused``: the same with the model's sibling projections fused
+  (:func:`kvvm.projections.fuse_projections`: Q, K and V as one matrix multiply, gate and up
+  as one), restored afterwards.
 
 Each step is timed on the GPU: an event per step (from a logits processor inside
 ``generate``, around each replay otherwise), so a step's time includes whatever host work
@@ -28,12 +31,13 @@ import torch
 import kvvm
 from kvvm.attention import use_kvvm_attention
 from kvvm.graph import DecodeGraph
+from kvvm.projections import fuse_projections
 from kvvm.transformers import KvvmCache
 
 __all__ = ["CACHES", "Run", "Workload", "run_cache", "reference_check"]
 
 #: The caches a run can use.
-CACHES = ("static", "dynamic", "kvvm-eager", "kvvm-generate", "kvvm-graph")
+CACHES = ("static", "dynamic", "kvvm-eager", "kvvm-generate", "kvvm-graph", "kvvm-graph-fused")
 
 
 @dataclass
@@ -171,9 +175,10 @@ def _generate(model: Any, w: Workload, cache_kind: str, manager: kvvm.Manager | 
 
 @torch.no_grad()
 def _graph(
-    model: Any, w: Workload, manager: kvvm.Manager, max_len: int, mode: str | None = None, profile: bool = False
+    model: Any, w: Workload, manager: kvvm.Manager, max_len: int, mode: str | None = None, profile: bool = False,
+    fuse: bool = False,
 ) -> Run:
-    run = Run("kvvm-graph", w.label, w.batch)
+    run = Run("kvvm-graph-fused" if fuse else "kvvm-graph", w.label, w.batch)
     use_kvvm_attention(model)
     base = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
@@ -184,7 +189,12 @@ def _graph(
             logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         first[slot] = logits[0, -1].argmax()
         del logits
-    step = DecodeGraph(model, cache, mode=mode)
+    fused = fuse_projections(model) if fuse else None
+    try:
+        step = DecodeGraph(model, cache, mode=mode)
+    finally:
+        if fused is not None:
+            fused.restore()  # the captured step keeps the fused modules it traced
     tokens = [first]
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(w.new)]
     tok = first
@@ -221,9 +231,9 @@ def run_cache(
     """One cache at one point (a failure, such as running out of memory, is a note). The
     manager's handle pool is emptied afterwards: the next run starts from the same memory."""
     try:
-        if cache_kind == "kvvm-graph":
+        if cache_kind.startswith("kvvm-graph"):
             assert manager is not None
-            return _graph(model, w, manager, max_len, graph_mode, profile)
+            return _graph(model, w, manager, max_len, graph_mode, profile, fuse=cache_kind == "kvvm-graph-fused")
         return _generate(model, w, cache_kind, manager, max_len)
     except (torch.OutOfMemoryError, kvvm.KvvmError, RuntimeError) as e:
         use_kvvm_attention(model, enable=False)
@@ -294,7 +304,8 @@ def kernel_breakdown(step: Any, steps: int) -> dict[str, float]:
     """GPU time per step of ``step()`` by kind of kernel (``matmul``, ``attention``,
     ``fused``: Inductor's kernels, ``other``), ``kernels``: their sum, ``wall``: the steps'
     time between events, and ``idle``: the difference (launch gaps, waits on the host), all
-    in ms, from ``torch.profiler`` over ``steps`` calls."""
+    in ms, from ``torch.profiler`` over ``steps`` calls; ``launches``: kernels per step, and
+    ``launches_<kind>`` of each kind."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -306,6 +317,7 @@ def kernel_breakdown(step: Any, steps: int) -> dict[str, float]:
         end.record()
         torch.cuda.synchronize()
     kinds: dict[str, float] = {"matmul": 0.0, "attention": 0.0, "fused": 0.0, "other": 0.0}
+    counts: dict[str, int] = dict.fromkeys(kinds, 0)
     for e in prof.key_averages():
         us = float(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0))
         if us <= 0 or e.key.startswith("ProfilerStep"):
@@ -313,10 +325,14 @@ def kernel_breakdown(step: Any, steps: int) -> dict[str, float]:
         name = e.key.lower()
         kind = next((k for k, frags in _KERNEL_KINDS if any(f in name for f in frags)), "other")
         kinds[kind] += us / 1000 / steps
+        counts[kind] += int(e.count)
     out = {k: round(v, 4) for k, v in kinds.items()}
     out["kernels"] = round(sum(kinds.values()), 4)
     out["wall"] = round(begin.elapsed_time(end) / steps, 4)
     out["idle"] = round(out["wall"] - out["kernels"], 4)
+    out["launches"] = round(sum(counts.values()) / steps, 1)
+    for k, n in counts.items():
+        out[f"launches_{k}"] = round(n / steps, 1)
     return out
 
 

@@ -166,13 +166,14 @@ def _peak(device: torch.device, base: int) -> int | None:
 def run_engine(
     model: Any, trace: list[TraceRequest], *, manager: Manager, slots: int, max_len: int,
     prefix_cache_bytes: int, prefill_chunk: int, real_time: bool, bandwidth: float, flops: float,
+    fuse_projections: bool = False,
 ) -> ServeResult:
     """The trace through :class:`~kvvm.engine.Engine`."""
     res = ServeResult("kvvm-engine")
     device = next(model.parameters()).device
     engine = Engine(
         model, slots=slots, max_len=max_len, manager=manager, prefill_chunk=prefill_chunk,
-        prefix_cache_bytes=prefix_cache_bytes, eos_token_ids=[],
+        prefix_cache_bytes=prefix_cache_bytes, eos_token_ids=[], fuse_projections=fuse_projections,
     )
     # Compiled and captured before the trace, on prompts of the trace's median length.
     engine.warmup(prompt_tokens=min(max_len - 8, max(1, int(statistics.median(len(q.prompt) for q in trace)))))

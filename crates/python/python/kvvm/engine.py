@@ -39,6 +39,7 @@ import torch
 from . import Manager, PrefixCache
 from .attention import use_kvvm_attention
 from .errors import BackpressureError, InvalidArgumentError, KvvmError, NeverFitsError
+from .projections import fuse_projections as fuse
 from .transformers import KvvmCache
 
 __all__ = ["Engine", "Request"]
@@ -116,6 +117,9 @@ class Engine:
             boundary, so this is the hit's granularity and ``hit / prefix_handle_tokens`` its
             mappings (256 by default: a 4096-token hit maps 16 handles).
         compile: compile the captured decode step (CUDA only).
+        fuse_projections: run the model's sibling projections (Q, K and V; gate and up) as
+            one matrix multiply each (:func:`kvvm.projections.fuse_projections`; the model's
+            modules are given back by :meth:`close`).
         eos_token_ids: the tokens that end a request (default: the model's).
         seed: the sampler's seed (temperature > 0).
     """
@@ -134,6 +138,7 @@ class Engine:
         prefix_cache_bytes: int = 0,
         prefix_handle_tokens: int = 256,
         compile: bool = True,
+        fuse_projections: bool = False,
         eos_token_ids: list[int] | None = None,
         seed: int = 0,
     ) -> None:
@@ -146,6 +151,7 @@ class Engine:
         self.manager = manager
         # K/V in the model's own dtype.
         self.cache = KvvmCache(model.config, slots, max_len, manager=manager, dtype=model.dtype)
+        self._fused = fuse(model) if fuse_projections else None
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
         self.compile = compile
@@ -245,11 +251,15 @@ class Engine:
         self.stats = EngineStats()
 
     def close(self) -> None:
-        """Drops the captured step and releases every slot."""
+        """Drops the captured step, releases every slot and gives the model its own
+        projection modules back."""
         if self._graph is not None:
             self._graph.close()
             self._graph = None
         self.cache.release()
+        if self._fused is not None:
+            self._fused.restore()
+            self._fused = None
 
     def __enter__(self) -> Engine:
         return self
