@@ -112,6 +112,26 @@ def test_a_cached_prompt_prefix_is_mapped_not_prefilled() -> None:
     engine.close()
 
 
+def test_requests_arriving_together_with_one_prefix_prefill_it_once() -> None:
+    """Three requests opening with one system prompt arrive at once: the first prefills it,
+    the other two wait for its publication and map it (while a request with another prompt,
+    behind them in line, is admitted meanwhile)."""
+    model, ref = tiny()
+    mgr = kvvm.Manager("host", precommit=True)
+    engine = Engine(model, slots=4, max_len=2400, manager=mgr, prefill_chunk=512, prefix_cache_bytes=64 << 20)
+    system = prompts([2100], seed=3)[0]
+    together = [engine.submit(system + t, 4) for t in prompts([5, 12, 7], seed=4)]
+    other = engine.submit(prompts([30], seed=8)[0], 4)
+    engine.run()
+    assert [r.prefix_hit_tokens for r in together] == [0, 2048, 2048]
+    assert engine.stats.prefix_hits == 2 and engine.stats.prefix_waits > 0
+    assert other._admitted < together[1]._admitted, "the request with another prompt was not held up"
+    for r in [*together, other]:
+        assert r.tokens == reference(ref, r.prompt, r.max_new_tokens)
+    engine.close()
+    assert mgr.snapshot().committed == 0
+
+
 @pytest.mark.parametrize(("handle_tokens", "hit"), [(2048, 6144), (4096, 4096)])
 def test_a_hit_ends_on_a_handle_boundary(handle_tokens: int, hit: int) -> None:
     """A published prompt of four windows (2048 tokens each on the host) in handles of one

@@ -4,7 +4,8 @@ their own lengths and leave, on one :class:`~kvvm.transformers.KvvmCache`.
 A request takes a free slot when the budget grants its prompt (its windows are committed at
 admission; a refusal leaves it waiting, first in line); with a prefix cache, the longest cached
 prefix of its prompt is mapped read-only into the slot (no prefill of those tokens, billed
-once) and only the rest is prefilled. Its prefill runs in chunks of ``prefill_chunk`` tokens, one
+once) and only the rest is prefilled; a request whose prefix another request is still
+prefilling waits for that prefill to be published rather than prefilling it again. Its prefill runs in chunks of ``prefill_chunk`` tokens, one
 chunk per request per step, between the decode steps of the others (the slot is suspended in
 between: a decode step neither writes nor reads it). Every decoding request advances by one
 token per step in one step of the whole batch (captured once as a CUDA graph on a GPU, eager on
@@ -91,12 +92,23 @@ class EngineStats:
     admission_refusals: int = 0
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0
+    #: Admissions put off because the request's prefix was being prefilled by another.
+    prefix_waits: int = 0
     #: The last :data:`HIT_TIMES_KEPT` prefix-cache lookups that hit: (tokens hit, ms the
     #: admission's lookup and mapping took on the host, the rest of the prompt's commit
     #: included). Bounded: an engine that serves for days keeps the recent ones only.
     prefix_hit_ms: collections.deque[tuple[int, float]] = field(
         default_factory=lambda: collections.deque(maxlen=HIT_TIMES_KEPT)
     )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 class Engine:
@@ -165,6 +177,8 @@ class Engine:
             if prefix_cache_bytes > 0
             else None
         )
+        #: The prefix cache's hit granularity in tokens (whole handles).
+        self._hit_unit = max(1, prefix_handle_tokens // self.cache.plan.mapped_tokens(1)) * self.cache.plan.mapped_tokens(1)
         eos = eos_token_ids if eos_token_ids is not None else getattr(model.generation_config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.device = self.cache.state.device
@@ -273,9 +287,17 @@ class Engine:
         return [i for i in range(self.cache.batch_size) if i not in self.running]
 
     def _admit(self) -> None:
+        """Admits waiting requests in order into free slots, until the budget refuses one. A
+        request whose prompt opens with a prefix another request is still prefilling waits
+        for it to be published (and is passed over meanwhile), so that requests arriving
+        together with one system prompt prefill it once."""
         free = self._free_slots()
-        while self.waiting and free:
-            r = self.waiting[0]
+        for r in list(self.waiting):
+            if not free:
+                return
+            if self._waits_for_prefill(r):
+                self.stats.prefix_waits += 1
+                continue
             slot = free[0]
             try:
                 hit = self._admit_into(slot, r)
@@ -284,11 +306,11 @@ class Engine:
                 return
             except NeverFitsError:
                 # Its context can never fit, whatever is freed.
-                self.waiting.popleft()
+                self.waiting.remove(r)
                 r.finish_reason = "memory"
                 self.stats.finished += 1
                 continue
-            self.waiting.popleft()
+            self.waiting.remove(r)
             free.pop(0)
             r.slot, r._filled, r._admitted = slot, hit, next(self._order)
             r.prefix_hit_tokens = hit
@@ -297,6 +319,22 @@ class Engine:
             if hit:
                 self.stats.prefix_hits += 1
                 self.stats.prefix_hit_tokens += hit
+
+    def _waits_for_prefill(self, r: Request) -> bool:
+        """Whether a request still prefilling will publish at least one more hit unit of
+        ``r``'s prompt than it found cached itself (what ``r`` could map once it is
+        published, and cannot map now)."""
+        if self.prefix_cache is None:
+            return False
+        unit = self._hit_unit
+        mine = r._context[:-1]  # the last token is always computed
+        for other in self.running.values():
+            if other._filled >= len(other._context) or other._context[:unit] != mine[:unit]:
+                continue
+            shared = _common_prefix(other._context, mine) // unit * unit
+            if shared > other.prefix_hit_tokens:
+                return True
+        return False
 
     def _admit_into(self, slot: int, r: Request) -> int:
         """Commits the request's context in ``slot`` (mapping a cached prefix of it when

@@ -39,6 +39,9 @@ DEFAULT_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), (
 class _Group(nn.Module):
     """One group's concatenated weight (and bias) and the product of the last input."""
 
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: int) -> None:
         super().__init__()
         # Buffers, not parameters: the members' weights are the parameters (views of these).
