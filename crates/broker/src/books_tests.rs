@@ -16,6 +16,7 @@ fn policy(floor: u64, ceiling: Option<u64>) -> TenantPolicy {
         floor,
         ceiling,
         token: None,
+        users: None,
     }
 }
 

@@ -19,15 +19,19 @@ pub struct TenantPolicy {
     pub ceiling: Option<u64>,
     /// The token its clients must present (`None`: none needed).
     pub token: Option<String>,
+    /// The user ids whose processes may be this tenant, checked against the socket peer's
+    /// credentials (`SO_PEERCRED`) at hello (`None`: any user that may open the socket).
+    pub users: Option<Vec<u32>>,
 }
 
 impl Default for TenantPolicy {
-    /// No floor, no ceiling below the node's budget, no token.
+    /// No floor, no ceiling below the node's budget, no token, any user.
     fn default() -> Self {
         TenantPolicy {
             floor: 0,
             ceiling: None,
             token: None,
+            users: None,
         }
     }
 }

@@ -27,7 +27,8 @@
 //! rest), `prefixes.rs` (published prefixes and their descriptors), `server/` ([`Broker`]:
 //! accept, one thread per client, validation; `prefix.rs` its prefix requests), `client.rs`
 //! ([`BrokerClient`], the [`LeaseSource`](kvvm_governor::LeaseSource) of a leased governor),
-//! `fdpass.rs` (descriptors over the socket with `SCM_RIGHTS`), `config.rs`, `error.rs`,
+//! `fdpass.rs` (descriptors over the socket with `SCM_RIGHTS`), `peer.rs` (the peer's
+//! credentials, `SO_PEERCRED`), `config.rs`, `error.rs`,
 //! `signal.rs` (waiting for SIGTERM).
 //!
 //! Prefixes: a client publishes a shared prefix's exported handles
@@ -40,6 +41,7 @@ mod client;
 mod config;
 mod error;
 mod fdpass;
+mod peer;
 mod prefixes;
 pub mod proto;
 mod server;
@@ -49,6 +51,7 @@ pub use books::{BooksError, NodeBooks, ReclaimAsk};
 pub use client::{leased_governor, BrokerClient, ClientOptions, Welcome};
 pub use config::{BrokerConfig, TenantPolicy};
 pub use error::BrokerError;
+pub use peer::{peer_credentials, PeerCredentials};
 pub use prefixes::{OpenedPrefix, PrefixRow};
 pub use proto::{Reply, Request, WireRefusal};
 pub use server::Broker;

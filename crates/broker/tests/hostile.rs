@@ -215,6 +215,40 @@ fn tokens_tenants_client_count_and_rate_are_enforced() {
 }
 
 #[test]
+fn a_tenant_with_a_list_of_users_admits_only_their_processes() {
+    // SAFETY: geteuid cannot fail and touches no memory.
+    let me = unsafe { libc::geteuid() };
+    let mut config = BrokerConfig::new(socket("users"), 1000)
+        .tenant(
+            "mine",
+            TenantPolicy {
+                users: Some(vec![me]),
+                ..TenantPolicy::default()
+            },
+        )
+        .tenant(
+            "theirs",
+            TenantPolicy {
+                users: Some(vec![me.wrapping_add(1)]),
+                ..TenantPolicy::default()
+            },
+        );
+    config.default_tenant = None;
+    let broker = Broker::start(config).unwrap();
+    let mut theirs = raw(&broker);
+    let refused = hello(&mut theirs, "theirs", None);
+    assert_eq!(code(&refused), Some(ErrorCode::Unauthorized));
+    // The same answer as for a tenant that does not exist: nothing to probe.
+    let unknown = hello(&mut raw(&broker), "nobody", None);
+    assert_eq!(format!("{refused:?}"), format!("{unknown:?}"));
+    assert!(closed(&mut theirs));
+    assert!(matches!(
+        hello(&mut raw(&broker), "mine", None),
+        Reply::Welcome { .. }
+    ));
+}
+
+#[test]
 fn prefix_requests_are_checked_against_the_clients_books() {
     let broker = Broker::start(BrokerConfig::new(socket("prefix-hostile"), 1000)).unwrap();
     let mut s = raw(&broker);

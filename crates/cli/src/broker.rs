@@ -27,6 +27,11 @@ pub struct BrokerArgs {
     /// NAME=VARIABLE; repeatable.
     #[arg(long = "token-env")]
     tokens: Vec<String>,
+    /// The users whose processes may be a tenant, checked against the peer's credentials
+    /// (`SO_PEERCRED`): NAME=UID[,UID...]; repeatable (default: any user who may open the
+    /// socket).
+    #[arg(long = "tenant-users", value_parser = parse_users)]
+    users: Vec<(String, Vec<u32>)>,
     /// Refuse tenants not named with --tenant.
     #[arg(long)]
     named_only: bool,
@@ -58,9 +63,24 @@ fn parse_tenant(s: &str) -> Result<(String, TenantPolicy), String> {
     let policy = TenantPolicy {
         floor,
         ceiling,
-        token: None,
+        ..TenantPolicy::default()
     };
     Ok((name, policy))
+}
+
+fn parse_users(s: &str) -> Result<(String, Vec<u32>), String> {
+    let (name, ids) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s}: NAME=UID[,UID...]"))?;
+    let users = ids
+        .split(',')
+        .map(|id| {
+            id.trim()
+                .parse::<u32>()
+                .map_err(|e| format!("{s}: user id {id:?}: {e}"))
+        })
+        .collect::<Result<Vec<u32>, String>>()?;
+    Ok((name.to_owned(), users))
 }
 
 fn config(args: &BrokerArgs) -> CliResult<BrokerConfig> {
@@ -78,6 +98,13 @@ fn config(args: &BrokerArgs) -> CliResult<BrokerConfig> {
             .get_mut(name)
             .ok_or_else(|| failed(format!("--token-env {t}: no --tenant {name}")))?;
         policy.token = Some(token);
+    }
+    for (name, users) in &args.users {
+        let policy = config
+            .tenants
+            .get_mut(name)
+            .ok_or_else(|| failed(format!("--tenant-users {name}=...: no --tenant {name}")))?;
+        policy.users = Some(users.clone());
     }
     if args.named_only {
         config.default_tenant = None;

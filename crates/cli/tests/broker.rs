@@ -64,3 +64,28 @@ fn sigterm_tells_every_client_and_exits_cleanly() {
     assert!(rest.contains("stopped by signal 15"), "{rest}");
     assert!(!socket.exists(), "the socket file is removed");
 }
+
+#[test]
+fn tenant_users_must_name_a_tenant_and_numeric_user_ids() {
+    let socket =
+        std::env::temp_dir().join(format!("kvvm-cli-broker-users-{}.sock", std::process::id()));
+    for (users, why) in [("a=root", "user id"), ("b=0", "no --tenant b")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvvm"))
+            .args(["broker", "--socket"])
+            .arg(&socket)
+            .args([
+                "--budget-bytes",
+                "1MiB",
+                "--tenant",
+                "a",
+                "--tenant-users",
+                users,
+            ])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{users}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(why), "{users}: {err}");
+        assert!(!socket.exists(), "no socket was made");
+    }
+}

@@ -142,6 +142,16 @@ fn same_token(given: Option<&str>, wanted: &str) -> bool {
             == 0
 }
 
+/// Whether the connection's user may be a tenant of `policy` (a tenant without a list of
+/// users admits anyone who could open the socket; one with a list, only a peer whose
+/// credentials were read and whose user id is in it).
+fn user_allowed(policy: &TenantPolicy, conn: &Conn) -> bool {
+    policy
+        .users
+        .as_ref()
+        .is_none_or(|users| conn.peer.is_some_and(|p| users.contains(&p.uid)))
+}
+
 fn hello(
     shared: &Shared,
     conn: &Conn,
@@ -158,17 +168,22 @@ fn hello(
         )));
     }
     let policy: Option<TenantPolicy> = shared.config.policy(tenant).cloned();
-    let allowed = policy
-        .as_ref()
-        .is_some_and(|p| p.token.as_deref().is_none_or(|t| same_token(token, t)));
+    let allowed = policy.as_ref().is_some_and(|p| {
+        p.token.as_deref().is_none_or(|t| same_token(token, t)) && user_allowed(p, conn)
+    });
     let Some(policy) = policy.filter(|_| allowed) else {
-        let why = "unknown tenant or wrong token";
+        // One answer for every reason: a client cannot probe which tenants exist or whom
+        // they admit.
+        let why = "unknown tenant, wrong token or user not allowed";
         return Next::Close(Some(error(id, ErrorCode::Unauthorized, why)));
     };
     let ceiling = shared.config.ceiling(&policy);
     let client = lock(&shared.books).register(tenant, &policy, ceiling);
     *lock(&conn.client) = Some(client);
-    tracing::info!(client, tenant, "client registered");
+    let (pid, uid) = conn
+        .peer
+        .map_or((None, None), |p| (Some(p.pid), Some(p.uid)));
+    tracing::info!(client, tenant, ?pid, ?uid, "client registered");
     conn.send(&Reply::Welcome {
         id,
         client,

@@ -19,6 +19,7 @@ use crate::books::NodeBooks;
 use crate::config::BrokerConfig;
 use crate::error::BrokerError;
 use crate::fdpass::send_with_fds;
+use crate::peer::{peer_credentials, PeerCredentials};
 use crate::prefixes::PrefixRow;
 use crate::proto::{encode_frame, write_frame, ErrorCode, Reply};
 
@@ -29,6 +30,9 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
 struct Conn {
     stream: Mutex<UnixStream>,
     client: Mutex<Option<u64>>,
+    /// Who connected, as the kernel saw it (`None`: it could not be read; a tenant with a
+    /// list of users then refuses the connection).
+    peer: Option<PeerCredentials>,
 }
 
 impl Conn {
@@ -211,9 +215,13 @@ fn accept_loop(shared: &Arc<Shared>, listener: &UnixListener) {
 fn admit(shared: &Arc<Shared>, stream: UnixStream) -> io::Result<()> {
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
     let writer = stream.try_clone()?;
+    let peer = peer_credentials(&stream)
+        .inspect_err(|e| tracing::warn!(error = %e, "peer credentials not read"))
+        .ok();
     let conn = Arc::new(Conn {
         stream: Mutex::new(writer),
         client: Mutex::new(None),
+        peer,
     });
     let id = shared.next_conn.fetch_add(1, Ordering::SeqCst);
     {
