@@ -9,6 +9,7 @@ use kvvm_governor::RetryPolicy;
 use std::os::fd::OwnedFd;
 
 use crate::config::{BrokerConfig, TenantPolicy};
+use crate::metrics::{BrokerCounters, BrokerMetrics};
 use crate::prefixes::{OpenedPrefix, PrefixRow, Prefixes, MAX_PREFIXES};
 use crate::proto::WireRefusal;
 
@@ -69,6 +70,7 @@ pub struct NodeBooks {
     next_client: u64,
     given_back: BTreeMap<u32, VecDeque<(Instant, u64)>>,
     prefixes: Prefixes,
+    counters: BrokerCounters,
 }
 
 impl NodeBooks {
@@ -81,6 +83,7 @@ impl NodeBooks {
             next_client: 1,
             given_back: BTreeMap::new(),
             prefixes: Prefixes::default(),
+            counters: BrokerCounters::default(),
         }
     }
 
@@ -90,6 +93,7 @@ impl NodeBooks {
             .insert(tenant.to_owned(), (policy.floor.min(ceiling), ceiling));
         let id = self.next_client;
         self.next_client = self.next_client.saturating_add(1);
+        self.counters.clients_registered += 1;
         self.clients.insert(
             id,
             ClientBooks {
@@ -145,6 +149,30 @@ impl NodeBooks {
     /// The number of clients registered.
     pub fn clients(&self) -> usize {
         self.clients.len()
+    }
+
+    /// The books now, with what they did since the start.
+    pub fn metrics(&self) -> BrokerMetrics {
+        let mut m = BrokerMetrics {
+            budget: self.budget,
+            clients: self.clients.len() as u64,
+            counters: self.counters,
+            ..BrokerMetrics::default()
+        };
+        for c in self.clients.values() {
+            for (device, bytes) in &c.held {
+                let h = m.held.entry((c.tenant.clone(), *device)).or_default();
+                *h = h.saturating_add(*bytes);
+            }
+        }
+        for (tenant, _, device, bytes, _) in self.prefixes.rows() {
+            let p = m.prefix_bytes.entry((tenant.clone(), device)).or_default();
+            *p = p.saturating_add(bytes);
+            let h = m.held.entry((tenant.clone(), device)).or_default();
+            *h = h.saturating_add(bytes);
+            *m.prefixes.entry(tenant).or_default() += 1;
+        }
+        m
     }
 
     /// Bytes kept free on `device` for tenants other than `tenant` that are under their floor.
@@ -207,6 +235,7 @@ impl NodeBooks {
                 limit: limit.to_owned(),
                 limit_bytes,
             };
+            self.counters.never_fits += 1;
             return Ok(Err((refusal, Vec::new())));
         }
         let tenant_room = ceiling.saturating_sub(self.tenant_held(&tenant, device));
@@ -221,6 +250,8 @@ impl NodeBooks {
                 let h = c.held.entry(device).or_default();
                 *h = h.saturating_add(granted);
             }
+            self.counters.grants += 1;
+            self.counters.granted_bytes = self.counters.granted_bytes.saturating_add(granted);
             return Ok(Ok(granted));
         }
         let shortfall = need.saturating_sub(available);
@@ -236,6 +267,10 @@ impl NodeBooks {
             available,
             retry_after_ms: u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX),
         };
+        self.counters.backpressure += 1;
+        self.counters.reclaim_asks += asks.len() as u64;
+        let asked = asks.iter().fold(0u64, |a, k| a.saturating_add(k.bytes));
+        self.counters.reclaim_asked_bytes = self.counters.reclaim_asked_bytes.saturating_add(asked);
         Ok(Err((refusal, asks)))
     }
 
@@ -298,11 +333,11 @@ impl NodeBooks {
     /// Forgets `client` (its socket closed): everything it held goes back to the node.
     /// Returns the bytes per device it held.
     pub fn drop_client(&mut self, client: u64, now: Instant) -> BTreeMap<u32, u64> {
-        let held = self
-            .clients
-            .remove(&client)
-            .map(|c| c.held)
-            .unwrap_or_default();
+        let removed = self.clients.remove(&client);
+        if removed.is_some() {
+            self.counters.clients_dropped += 1;
+        }
+        let held = removed.map(|c| c.held).unwrap_or_default();
         for (d, b) in &held {
             self.note_given_back(*d, *b, now);
         }
@@ -375,6 +410,7 @@ impl NodeBooks {
         if bytes == 0 {
             return;
         }
+        self.counters.returned_bytes = self.counters.returned_bytes.saturating_add(bytes);
         let q = self.given_back.entry(device).or_default();
         if q.len() >= MAX_EVENTS {
             q.pop_front();

@@ -130,3 +130,40 @@ fn claims_once_per_device_within_the_ceiling() {
     assert!(b.claim(a, 1, 51).is_err(), "over the ceiling");
     assert_eq!(b.holdings(), vec![(a, 0, 40)]);
 }
+
+#[test]
+fn the_metrics_count_what_the_books_did() {
+    let (mut b, _) = books(100);
+    let big = b.register("big", &policy(0, None), 100);
+    let small = b.register("small", &policy(40, Some(50)), 50);
+    assert_eq!(
+        acquire(&mut b, big, 10, 90),
+        Ok(60),
+        "the small tenant's floor stays free"
+    );
+    assert_eq!(acquire(&mut b, small, 30, 30), Ok(30));
+    // 20 more for small: 10 are free (the rest of its floor), big is asked for 10.
+    let (refusal, asks) = b
+        .acquire(small, 0, 20, 20, &RetryPolicy::default(), Instant::now())
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(refusal, WireRefusal::Backpressure { .. }));
+    assert_eq!(asks.len(), 1);
+    assert!(matches!(
+        acquire(&mut b, small, 60, 60),
+        Err(WireRefusal::NeverFits { .. })
+    ));
+    b.give_back(big, 0, 15, Instant::now()).unwrap();
+    b.drop_client(small, Instant::now());
+    b.drop_client(small, Instant::now()); // a second close changes nothing
+    let m = b.metrics();
+    assert_eq!((m.budget, m.clients), (100, 1));
+    assert_eq!(m.held.get(&("big".to_owned(), 0)), Some(&45));
+    assert_eq!(m.held.get(&("small".to_owned(), 0)), None);
+    let c = m.counters;
+    assert_eq!((c.clients_registered, c.clients_dropped), (2, 1));
+    assert_eq!((c.grants, c.granted_bytes), (2, 90));
+    assert_eq!((c.backpressure, c.never_fits), (1, 1));
+    assert_eq!((c.reclaim_asks, c.reclaim_asked_bytes), (1, asks[0].bytes));
+    assert_eq!(c.returned_bytes, 15 + 30);
+}

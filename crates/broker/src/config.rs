@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use kvvm_governor::{Clock, RetryPolicy, SystemClock};
 
@@ -59,11 +60,17 @@ pub struct BrokerConfig {
     pub retry: RetryPolicy,
     /// The clock of the rate limit and the retry estimate.
     pub clock: Arc<dyn Clock>,
+    /// A file the broker's metrics are written to in Prometheus' text format (for
+    /// node_exporter's textfile collector; `None`: none).
+    pub metrics_file: Option<PathBuf>,
+    /// How often the metrics file is rewritten.
+    pub metrics_interval: Duration,
 }
 
 impl BrokerConfig {
     /// A broker on `socket` with `budget` bytes per device, unnamed tenants welcome with no
-    /// floor, 64 clients, bursts of 256 messages and 1000 messages per second per client.
+    /// floor, 64 clients, bursts of 256 messages and 1000 messages per second per client, no
+    /// metrics file (every 5 s once one is set).
     pub fn new(socket: impl Into<PathBuf>, budget: u64) -> Self {
         BrokerConfig {
             socket: socket.into(),
@@ -76,6 +83,8 @@ impl BrokerConfig {
             messages_per_second: 1000,
             retry: RetryPolicy::default(),
             clock: Arc::new(SystemClock),
+            metrics_file: None,
+            metrics_interval: Duration::from_secs(5),
         }
     }
 
@@ -114,6 +123,11 @@ impl BrokerConfig {
                 "the floors add up to {floors} bytes, over the budget of {}",
                 self.budget
             )));
+        }
+        if self.metrics_interval.is_zero() {
+            return Err(BrokerError::Config(
+                "metrics_interval must be above zero".into(),
+            ));
         }
         if self.max_clients == 0 || self.burst == 0 {
             return Err(BrokerError::Config(

@@ -28,7 +28,7 @@
 //! accept, one thread per client, validation; `prefix.rs` its prefix requests), `client.rs`
 //! ([`BrokerClient`], the [`LeaseSource`](kvvm_governor::LeaseSource) of a leased governor),
 //! `fdpass.rs` (descriptors over the socket with `SCM_RIGHTS`), `peer.rs` (the peer's
-//! credentials, `SO_PEERCRED`), `config.rs`, `error.rs`,
+//! credentials, `SO_PEERCRED`), `metrics.rs` (counters and the Prometheus text), `config.rs`, `error.rs`,
 //! `signal.rs` (waiting for SIGTERM).
 //!
 //! Prefixes: a client publishes a shared prefix's exported handles
@@ -41,6 +41,7 @@ mod client;
 mod config;
 mod error;
 mod fdpass;
+mod metrics;
 mod peer;
 mod prefixes;
 pub mod proto;
@@ -51,6 +52,7 @@ pub use books::{BooksError, NodeBooks, ReclaimAsk};
 pub use client::{leased_governor, BrokerClient, ClientOptions, Welcome};
 pub use config::{BrokerConfig, TenantPolicy};
 pub use error::BrokerError;
+pub use metrics::{BrokerCounters, BrokerMetrics};
 pub use peer::{peer_credentials, PeerCredentials};
 pub use prefixes::{OpenedPrefix, PrefixRow};
 pub use proto::{Reply, Request, WireRefusal};

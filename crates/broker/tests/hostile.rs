@@ -1,5 +1,6 @@
 //! Clients that break the protocol, on raw sockets: every message is checked, a client can
-//! only return what it holds, and nothing a hostile client sends changes another's books.
+//! only return what it holds, and nothing a hostile client sends changes another's books;
+//! and what the broker's metrics file says of clients that come and go.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -246,6 +247,59 @@ fn a_tenant_with_a_list_of_users_admits_only_their_processes() {
         hello(&mut raw(&broker), "mine", None),
         Reply::Welcome { .. }
     ));
+}
+
+#[test]
+fn the_metrics_file_is_written_at_start_and_once_more_at_stop() {
+    let file =
+        std::env::temp_dir().join(format!("kvvm-broker-{}-metrics.prom", std::process::id()));
+    let mut config = BrokerConfig::new(socket("metrics"), 1000);
+    config.metrics_file = Some(file.clone());
+    config.metrics_interval = Duration::from_secs(3600); // no periodic write in this test
+    let mut broker = Broker::start(config).unwrap();
+    let at_start = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        at_start.lines().any(|l| l == "kvvm_broker_clients 0"),
+        "{at_start}"
+    );
+    let mut a = raw(&broker);
+    assert!(matches!(hello(&mut a, "a", None), Reply::Welcome { .. }));
+    assert!(matches!(
+        acquire(&mut a, 600),
+        Reply::Held { granted: 600, .. }
+    ));
+    let mut b = raw(&broker);
+    assert!(matches!(hello(&mut b, "b", None), Reply::Welcome { .. }));
+    assert!(matches!(acquire(&mut b, 500), Reply::Refused { .. }));
+    let now = broker.metrics();
+    assert_eq!(now.held.get(&("a".to_owned(), 0)), Some(&600));
+    assert_eq!((now.counters.grants, now.counters.backpressure), (1, 1));
+    broker.stop();
+    let at_stop = std::fs::read_to_string(&file).unwrap();
+    for line in [
+        "kvvm_broker_clients 0",
+        "kvvm_broker_clients_dropped_total 2",
+        "kvvm_broker_grants_total 1",
+        "kvvm_broker_granted_bytes_total 600",
+        "kvvm_broker_refusals_total{kind=\"backpressure\"} 1",
+        "kvvm_broker_returned_bytes_total 600",
+    ] {
+        assert!(
+            at_stop.lines().any(|l| l == line),
+            "{line} missing from\n{at_stop}"
+        );
+    }
+    assert!(
+        !at_stop.contains("held_bytes{"),
+        "nobody holds anything: {at_stop}"
+    );
+    let mut tmp = file.as_os_str().to_owned();
+    tmp.push(".tmp");
+    assert!(
+        !std::path::Path::new(&tmp).exists(),
+        "written beside, then renamed over"
+    );
+    std::fs::remove_file(&file).unwrap();
 }
 
 #[test]

@@ -41,6 +41,13 @@ pub struct BrokerArgs {
     /// The most clients served at once.
     #[arg(long, default_value_t = 64, value_parser = flags::int_in::<usize>(1, 4096))]
     max_clients: usize,
+    /// Write the broker's metrics to this file in Prometheus' text format (for
+    /// node_exporter's textfile collector), at start, every --metrics-interval-ms and at stop.
+    #[arg(long)]
+    metrics_file: Option<PathBuf>,
+    /// How often the metrics file is rewritten, in milliseconds.
+    #[arg(long, default_value_t = 5000, value_parser = flags::int_in::<u64>(1, 86_400_000))]
+    metrics_interval_ms: u64,
     /// Messages per second a client may send in the long run (bursts of four times that).
     #[arg(long, default_value_t = 1000, value_parser = flags::int_in::<u32>(1, 1_000_000))]
     messages_per_second: u32,
@@ -112,6 +119,8 @@ fn config(args: &BrokerArgs) -> CliResult<BrokerConfig> {
     config.socket_mode = u32::from_str_radix(&args.mode, 8)
         .map_err(|e| failed(format!("--mode {}: {e}", args.mode)))?;
     config.max_clients = args.max_clients;
+    config.metrics_file.clone_from(&args.metrics_file);
+    config.metrics_interval = std::time::Duration::from_millis(args.metrics_interval_ms);
     config.messages_per_second = args.messages_per_second;
     config.burst = args.messages_per_second.saturating_mul(4);
     config.validate().map_err(failed)?;

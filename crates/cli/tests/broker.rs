@@ -13,10 +13,13 @@ use kvvm::broker::{Reply, Request};
 #[test]
 fn sigterm_tells_every_client_and_exits_cleanly() {
     let socket = std::env::temp_dir().join(format!("kvvm-cli-broker-{}.sock", std::process::id()));
+    let metrics = socket.with_extension("prom");
     let mut daemon = Command::new(env!("CARGO_BIN_EXE_kvvm"))
         .args(["broker", "--socket"])
         .arg(&socket)
         .args(["--budget-bytes", "1MiB", "--tenant", "a:256KiB:512KiB"])
+        .arg("--metrics-file")
+        .arg(&metrics)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -63,6 +66,17 @@ fn sigterm_tells_every_client_and_exits_cleanly() {
     stdout.read_to_string(&mut rest).unwrap();
     assert!(rest.contains("stopped by signal 15"), "{rest}");
     assert!(!socket.exists(), "the socket file is removed");
+    // The last write of the metrics file saw the client go.
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    assert!(
+        text.contains("kvvm_broker_clients_registered_total 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("kvvm_broker_clients_dropped_total 1"),
+        "{text}"
+    );
+    std::fs::remove_file(&metrics).unwrap();
 }
 
 #[test]

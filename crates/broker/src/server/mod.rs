@@ -3,6 +3,7 @@
 //! one mutex, never held while a socket is written.
 
 mod conn;
+mod metrics_file;
 mod prefix;
 
 use std::collections::BTreeMap;
@@ -19,9 +20,11 @@ use crate::books::NodeBooks;
 use crate::config::BrokerConfig;
 use crate::error::BrokerError;
 use crate::fdpass::send_with_fds;
+use crate::metrics::BrokerMetrics;
 use crate::peer::{peer_credentials, PeerCredentials};
 use crate::prefixes::PrefixRow;
 use crate::proto::{encode_frame, write_frame, ErrorCode, Reply};
+use metrics_file::MetricsWriter;
 
 /// How long a write to a client may block before the client is dropped (it is not reading).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
@@ -92,6 +95,7 @@ impl Shared {
 pub struct Broker {
     shared: Arc<Shared>,
     acceptor: Option<JoinHandle<()>>,
+    metrics: Option<MetricsWriter>,
 }
 
 impl std::fmt::Debug for Broker {
@@ -134,10 +138,16 @@ impl Broker {
             .name("kvvm-broker-accept".into())
             .spawn(move || accept_loop(&s, &listener))?;
         tracing::info!(socket = %shared.config.socket.display(), "broker started");
-        Ok(Broker {
+        let mut broker = Broker {
             shared,
             acceptor: Some(acceptor),
-        })
+            metrics: None,
+        };
+        if let Some(path) = broker.shared.config.metrics_file.clone() {
+            let interval = broker.shared.config.metrics_interval;
+            broker.metrics = Some(MetricsWriter::start(&broker.shared, path, interval)?);
+        }
+        Ok(broker)
     }
 
     /// The configuration served.
@@ -165,6 +175,12 @@ impl Broker {
         lock(&self.shared.books).clients()
     }
 
+    /// The books now and what they did since the start
+    /// ([`BrokerMetrics::to_prometheus`] renders them for a monitoring system).
+    pub fn metrics(&self) -> BrokerMetrics {
+        lock(&self.shared.books).metrics()
+    }
+
     /// Stops: no new connection is accepted, every client is told ([`Reply::Shutdown`]) and
     /// disconnected, every thread joined and the socket file removed.
     pub fn stop(&mut self) {
@@ -189,6 +205,9 @@ impl Broker {
             let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.shared.config.socket);
+        if let Some(mut m) = self.metrics.take() {
+            m.stop(); // the last write sees every client gone
+        }
         tracing::info!("broker stopped");
     }
 }
