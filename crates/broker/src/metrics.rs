@@ -51,86 +51,78 @@ impl BrokerMetrics {
     /// prefixed `kvvm_broker_`.
     pub fn to_prometheus(&self) -> String {
         let mut out = String::new();
-        let c = &self.counters;
+        self.write_gauges(&mut out);
+        self.counters.write(&mut out);
+        out
+    }
+
+    fn write_gauges(&self, out: &mut String) {
+        let budget = [("", self.budget)];
         gauge(
-            &mut out,
+            out,
             "budget_bytes",
             "The node's KV budget on every device.",
-            &[("", self.budget)],
+            &budget,
         );
         gauge(
-            &mut out,
+            out,
             "clients",
             "Clients registered now.",
             &[("", self.clients)],
         );
         let held = labelled(&self.held);
-        gauge(
-            &mut out,
-            "held_bytes",
-            "Bytes held per tenant and device (leases and prefixes).",
-            &held,
-        );
+        let help = "Bytes held per tenant and device (leases and prefixes).";
+        gauge(out, "held_bytes", help, &held);
         let prefix = labelled(&self.prefix_bytes);
-        gauge(
-            &mut out,
-            "prefix_bytes",
-            "Bytes of published prefixes per tenant and device.",
-            &prefix,
-        );
+        let help = "Bytes of published prefixes per tenant and device.";
+        gauge(out, "prefix_bytes", help, &prefix);
         let count: Vec<(String, u64)> = self
             .prefixes
             .iter()
             .map(|(t, n)| (format!("tenant=\"{}\"", escape(t)), *n))
             .collect();
-        gauge(
-            &mut out,
-            "prefixes",
-            "Published prefixes per tenant.",
-            &count,
-        );
+        gauge(out, "prefixes", "Published prefixes per tenant.", &count);
+    }
+}
+
+impl BrokerCounters {
+    fn write(&self, out: &mut String) {
         let refusals = [
-            ("kind=\"backpressure\"", c.backpressure),
-            ("kind=\"never_fits\"", c.never_fits),
+            ("kind=\"backpressure\"", self.backpressure),
+            ("kind=\"never_fits\"", self.never_fits),
         ];
-        counter(
-            &mut out,
-            "refusals_total",
-            "Leases refused, by kind.",
-            &refusals,
-        );
+        counter(out, "refusals_total", "Leases refused, by kind.", &refusals);
         for (name, help, value) in [
             (
                 "clients_registered_total",
                 "Clients registered since the start.",
-                c.clients_registered,
+                self.clients_registered,
             ),
             (
                 "clients_dropped_total",
                 "Clients whose socket closed.",
-                c.clients_dropped,
+                self.clients_dropped,
             ),
-            ("grants_total", "Leases granted.", c.grants),
-            ("granted_bytes_total", "Bytes granted.", c.granted_bytes),
+            ("grants_total", "Leases granted.", self.grants),
+            ("granted_bytes_total", "Bytes granted.", self.granted_bytes),
             (
                 "reclaim_asks_total",
                 "Reclaim asks sent to tenants over their floor.",
-                c.reclaim_asks,
+                self.reclaim_asks,
             ),
             (
                 "reclaim_asked_bytes_total",
                 "Bytes reclaim asks wanted back.",
-                c.reclaim_asked_bytes,
+                self.reclaim_asked_bytes,
             ),
             (
                 "returned_bytes_total",
                 "Bytes given back (returns, dropped clients and prefixes).",
-                c.returned_bytes,
+                self.returned_bytes,
             ),
         ] {
-            counter(&mut out, name, help, &[("", value)]);
+            counter(out, name, help, &[("", value)]);
         }
-        out
     }
 }
 
