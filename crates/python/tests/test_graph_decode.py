@@ -289,7 +289,9 @@ def test_the_triton_decode_kernel_matches_the_reference_in_the_interpreter() -> 
         k, v = base[:, :, 1, 0].transpose(1, 2), base[:, :, 1, 1].transpose(1, 2)
         q = torch.randn(B, 1, H, D).transpose(1, 2)
         kn = torch.randn(B, 1, Hk, D).transpose(1, 2)
-        vn = torch.randn(B, 1, Hk, D).transpose(1, 2)
+        # V as a fused projection gives it: a slice of a wider row (other strides than K's).
+        vn = torch.randn(B, 1, 3 * Hk * D)[..., 2 * Hk * D :].view(B, 1, Hk, D).transpose(1, 2)
+        assert kn.stride() != vn.stride()
         ws, wt = torch.tensor([[0], [1], [B]]), torch.tensor([[100], [7], [0]])
         bounds = torch.tensor([[0, 0, 101], [1, 2, 8], [2, 0, 0]], dtype=torch.int32)
         for splits in (1, 2, 4):

@@ -105,8 +105,10 @@ def _partial_kernel(
     VN,
     WS,
     WT,
-    stride_nb,
-    stride_nh,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -189,9 +191,10 @@ def _partial_kernel(
             )
 
     if FUSED:
-        n_base = b.to(tl.int64) * stride_nb + kvh.to(tl.int64) * stride_nh
-        kn = tl.load(KN + n_base + offs_d, mask=d_mask, other=0.0)
-        vn = tl.load(VN + n_base + offs_d, mask=d_mask, other=0.0)
+        kn_at = b.to(tl.int64) * stride_knb + kvh.to(tl.int64) * stride_knh
+        vn_at = b.to(tl.int64) * stride_vnb + kvh.to(tl.int64) * stride_vnh
+        kn = tl.load(KN + kn_at + offs_d, mask=d_mask, other=0.0)
+        vn = tl.load(VN + vn_at + offs_d, mask=d_mask, other=0.0)
         if split == 0:
             w_off = w_slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + w_token.to(tl.int64) * stride_kt
             tl.store(K + w_off + offs_d, kn, mask=d_mask)
@@ -360,7 +363,8 @@ def decode_attention(
         scale: the softmax scale.
         config: a :class:`Config` (:func:`tuned_config`), or only its ``splits``
             (:func:`choose_splits`; a power of two).
-        new: the step's new K and V (``[batch, kv_heads, 1, head_dim]``) and where they go
+        new: the step's new K and V (``[batch, kv_heads, 1, head_dim]``, any strides with a
+            unit last one) and where they go
             (slot and token, int64 ``[batch, 1]``): written by the kernel itself and attended
             from registers (``bounds``' ends include them when their write lands at the end).
 
@@ -371,10 +375,9 @@ def decode_attention(
     fused = new is not None
     if new is not None:
         key_new, value_new, w_slot, w_token = new
+        # Each read at its own strides (V a slice of a fused projection's output, K the
+        # rotary's): no copy kernel.
         kn, vn = key_new[:, :, 0], value_new[:, :, 0]
-        if kn.stride() != vn.stride():
-            vn = vn.contiguous()
-            kn = kn.contiguous()
         ws, wt = w_slot.reshape(-1), w_token.reshape(-1)
     else:
         kn = vn = ws = wt = bounds
@@ -403,6 +406,8 @@ def decode_attention(
         wt,
         kn.stride(0) if fused else 0,
         kn.stride(1) if fused else 0,
+        vn.stride(0) if fused else 0,
+        vn.stride(1) if fused else 0,
         q.stride(0),
         q.stride(1),
         key.stride(0),
