@@ -256,7 +256,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         if ref is not None and r.outputs:
             r.agreement = sv.agreement(r.outputs, ref)
         print(f"{r.runner:>24}: {r.tokens_per_s} tok/s in {r.wall_s:.2f} s, TTFT {r.ttft_ms} ms, ITL {r.itl_ms} ms, "
-              f"peak {(r.peak_gpu_bytes or 0) / 2**30:.2f} GiB, agreement {r.agreement} {r.note}", file=sys.stderr, flush=True)
+              f"peak {(r.peak_gpu_bytes or 0) / 2**30:.2f} GiB, agreement {r.agreement} {r.note}"
+              + (f", held after: {r.after}" if r.after else ""), file=sys.stderr, flush=True)
         results.append(r)
 
     if "kvvm-engine" in runners:

@@ -67,10 +67,18 @@ class ServeResult:
     peak_gpu_bytes: int | None = None
     kv_bytes_over_time: list[tuple[float, int]] = field(default_factory=list)
     prefix_hits: int | None = None
+    #: Admissions put off until a prefix another request was prefilling was published.
+    prefix_waits: int | None = None
     preemptions: int | None = None
     floor_s: float | None = None
     agreement: float | None = None
     outputs: list[list[int]] = field(default_factory=list)
+    #: What was held after the trace (the engine): the manager's books once the engine
+    #: closed (``committed``, ``shared``, ``pooled``, ``quarantined``), then ``pooled_after_trim``
+    #: once the pool was emptied; on a GPU also the driver's free memory and torch's reserved
+    #: bytes before the engine was made and after (``driver_free_*``, ``torch_reserved_*``):
+    #: their sums before and after differ by what something else than torch still holds.
+    after: dict[str, int] = field(default_factory=dict)
     note: str = ""
 
 
@@ -171,6 +179,7 @@ def run_engine(
     """The trace through :class:`~kvvm.engine.Engine`."""
     res = ServeResult("kvvm-engine")
     device = next(model.parameters()).device
+    memory_before = _device_memory(device, "before")
     engine = Engine(
         model, slots=slots, max_len=max_len, manager=manager, prefill_chunk=prefill_chunk,
         prefix_cache_bytes=prefix_cache_bytes, eos_token_ids=[], fuse_projections=fuse_projections,
@@ -218,11 +227,34 @@ def run_engine(
     peak = _peak(device, base)
     res.peak_gpu_bytes = None if peak is None else peak + peak_kv
     res.prefix_hits = engine.stats.prefix_hits
+    res.prefix_waits = engine.stats.prefix_waits
     res.preemptions = engine.stats.preempted
     res.floor_s = floor
     engine.close()
     use_kvvm_attention(model, enable=False)
+    res.after = _held_after(manager, device, memory_before)
     return res
+
+
+def _device_memory(device: torch.device, when: str) -> dict[str, int]:
+    """The driver's free bytes and torch's reserved bytes now (on a GPU; nothing on a CPU)."""
+    if device.type != "cuda":
+        return {}
+    torch.cuda.synchronize(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    return {f"driver_free_{when}": int(free), f"torch_reserved_{when}": int(torch.cuda.memory_reserved(device))}
+
+
+def _held_after(manager: Manager, device: torch.device, before: dict[str, int]) -> dict[str, int]:
+    """The manager's books after the engine closed and after its pool was emptied, with the
+    device's memory before and now (see :attr:`ServeResult.after`)."""
+    snap = manager.snapshot()
+    out = {
+        "committed": snap.committed, "shared": snap.shared, "pooled": snap.pooled, "quarantined": snap.quarantined,
+    }
+    manager.trim_pool(0)
+    out["pooled_after_trim"] = manager.snapshot().pooled
+    return {**out, **before, **_device_memory(device, "after")}
 
 
 @torch.no_grad()

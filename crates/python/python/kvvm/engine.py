@@ -265,12 +265,15 @@ class Engine:
         self.stats = EngineStats()
 
     def close(self) -> None:
-        """Drops the captured step, releases every slot and gives the model its own
-        projection modules back."""
+        """Drops the captured step, releases every slot, empties the prefix cache (its
+        published prefixes' memory goes back) and gives the model its own projection
+        modules back."""
         if self._graph is not None:
             self._graph.close()
             self._graph = None
         self.cache.release()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         if self._fused is not None:
             self._fused.restore()
             self._fused = None
