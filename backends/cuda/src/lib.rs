@@ -16,14 +16,15 @@
 //!
 //! ## Layers
 //!
-//! * `driver`: the table of entry points (cudarc's `sys` types, raw `u32` return codes, so a
-//!   code newer than the bindings cannot be undefined behaviour);
-//! * `result`: thin wrappers, `MaybeUninit` out-parameters in, `Result<_, CuCode>` out;
+//! * `driver/`: the table of entry points (cudarc's `sys` types, raw `u32` return codes, so a
+//!   code newer than the bindings cannot be undefined behaviour), and in `driver/result.rs`
+//!   thin wrappers, `MaybeUninit` out-parameters in, `Result<_, CuCode>` out;
 //! * [`error`]: names and classification of `CUresult` codes;
 //! * `conv`: checked conversions between the neutral types and the driver's;
-//! * `backend`: [`VirtualMemoryBackend`](kvvm_hal::VirtualMemoryBackend); `kernel` (with the
-//!   PTX of `probe`): [`KernelProbe`](kvvm_hal::KernelProbe); `linear`: plain device memory
-//!   for the realloc-and-copy baseline.
+//! * `backend/`: [`CudaBackend`] itself: [`VirtualMemoryBackend`](kvvm_hal::VirtualMemoryBackend)
+//!   in `mod.rs`; opening and closing in `open.rs`; in `kernel.rs` (with the PTX of `probe`)
+//!   [`KernelProbe`](kvvm_hal::KernelProbe); row copies in `rows.rs` (with the PTX of
+//!   `rows_kernel`); in `linear.rs` plain device memory for the realloc-and-copy baseline.
 //!
 //! ## Contexts and threads
 //!
@@ -42,12 +43,7 @@ mod backend;
 mod conv;
 mod driver;
 pub mod error;
-mod kernel;
-mod linear;
-mod open;
 mod probe;
-mod result;
-mod rows;
 mod rows_kernel;
 
 pub use backend::CudaBackend;

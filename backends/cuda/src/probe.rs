@@ -1,5 +1,5 @@
 //! The probe kernels of `KernelProbe`: hand-written PTX, JIT-compiled by the driver, and the
-//! module that holds them on a device. The trait implementation is `kernel.rs`.
+//! module that holds them on a device. The trait implementation is `backend/kernel.rs`.
 //!
 //! `kvvm_probe_load(ptr, len, out)` sums the `len` bytes at `ptr` with `ld.global.u8` (a
 //! grid-stride loop; each thread adds its partial sum to `*out` with one `atom.global.add`),
@@ -9,8 +9,7 @@
 
 use std::ffi::{c_uint, CStr};
 
-use crate::driver::Driver;
-use crate::result::CuResult;
+use crate::driver::{CuResult, Driver};
 use cudarc::driver::sys::{CUdeviceptr, CUfunction, CUmodule};
 
 /// The PTX text of the probe kernels (ISA 7.0, sm_70: the driver JITs it for newer GPUs).

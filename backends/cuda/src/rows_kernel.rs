@@ -1,14 +1,13 @@
 //! The row-copy kernel: hand-written PTX (ISA 7.0, sm_70), JIT-compiled by the driver, and the
 //! module that holds it on a device. `kvvm_copy_rows(dst, dst_pitch, src, src_pitch, words,
 //! rows)` copies `words` 32-bit words per row, a block per row (grid-stride over rows), the
-//! block's threads over the words. The launch is `rows.rs`.
+//! block's threads over the words. The launch is `backend/rows.rs`.
 
 use std::ffi::{c_uint, CStr};
 
 use cudarc::driver::sys::{CUfunction, CUmodule};
 
-use crate::driver::Driver;
-use crate::result::CuResult;
+use crate::driver::{CuResult, Driver};
 
 /// The PTX text of the row-copy kernel.
 pub const ROWS_PTX: &CStr = cr#"

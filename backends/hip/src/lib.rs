@@ -45,11 +45,12 @@
 //!
 //! ## Files
 //!
-//! The same file set as the CUDA backend: `driver` (the loaded symbol table and the raw ABI),
-//! `result` (one thin checked wrapper per entry point; every `unsafe` call is there), `error`
-//! (one `(code, name, kind)` table), `conv` (checked conversions), `backend` (the trait, one
-//! tracing span per driver call); plus `devices` (names, memory, peer access), `runtime`
-//! (loading and initialising) and `version`.
+//! The same file set as the CUDA backend: `driver/` (the loaded symbol table and the raw ABI,
+//! and in `driver/result.rs` one thin checked wrapper per entry point; every `unsafe` call
+//! into the runtime is there), `error` (one `(code, name, kind)` table), `conv` (checked
+//! conversions), `backend/` (the trait in `mod.rs`, one tracing span per driver call; plus
+//! `devices.rs`: names, memory, peer access; and `runtime.rs`: [`HipRuntime`], loading and
+//! initialising); and `version`.
 //!
 //! ## Threads and devices
 //!
@@ -89,16 +90,12 @@ compile_error!("kvvm-hip requires a 64-bit target (device addresses and handles 
 
 mod backend;
 mod conv;
-mod devices;
 pub mod driver;
 pub mod error;
-mod result;
-mod runtime;
 pub mod version;
 
-pub use crate::backend::HipBackend;
-pub use crate::result::error_name;
-pub use crate::runtime::HipRuntime;
+pub use crate::backend::{HipBackend, HipRuntime};
+pub use crate::driver::result::error_name;
 pub use crate::version::{PropLayout, RuntimeVersion};
 
 /// The environment variable naming the HIP runtime library to load instead of the defaults.

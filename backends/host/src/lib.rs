@@ -104,25 +104,16 @@
 //! # }
 //! ```
 
-#[cfg(target_os = "linux")]
 mod backend;
 #[cfg(target_os = "linux")]
 mod conv;
 pub mod error;
 #[cfg(target_os = "linux")]
-mod probe;
-#[cfg(target_os = "linux")]
 mod result;
 #[cfg(target_os = "linux")]
 mod state;
-#[cfg(any(not(target_os = "linux"), test))]
-#[cfg_attr(test, allow(dead_code))]
-mod unsupported;
 
-#[cfg(target_os = "linux")]
 pub use backend::{mmap_first_touch, HostBackend};
-#[cfg(not(target_os = "linux"))]
-pub use unsupported::{mmap_first_touch, HostBackend};
 
 /// Environment variable read by [`HostBackend::open`]: the capacity in bytes, optionally with
 /// a binary suffix (`K`, `M`, `G`, `T`, e.g. `8G`).
@@ -272,13 +263,13 @@ mod tests {
     #[test]
     fn the_stub_of_other_platforms_is_unavailable() {
         use kvvm_hal::ErrorKind;
-        match unsupported::HostBackend::open() {
+        match backend::unsupported::HostBackend::open() {
             Ok(_) => panic!("the stub opened"),
             Err(e) => {
                 assert_eq!(e.kind, ErrorKind::Unavailable);
                 assert!(e.to_string().contains("Linux"), "{e}");
             }
         }
-        assert!(unsupported::mmap_first_touch(4096).is_err());
+        assert!(backend::unsupported::mmap_first_touch(4096).is_err());
     }
 }

@@ -7,7 +7,8 @@
 //! closes someone else's descriptor), so the backend keeps what it needs to refuse exactly
 //! what the CUDA driver refuses (`docs/driver-semantics.md`), in the driver's order, and to
 //! make every `MAP_FIXED`, `mprotect` and `munmap` provably touch only its own ranges. The
-//! methods here only check and record; `backend.rs` makes the system calls in between.
+//! methods here only check and record; `backend/linux.rs` makes the system calls in
+//! between.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 

@@ -57,15 +57,10 @@
 
 #![forbid(unsafe_code)]
 
-mod address;
 mod config;
-mod data;
 mod faults;
 mod host;
-mod kernel;
 mod ledger;
-mod mapping;
-mod physical;
 mod state;
 mod store;
 
@@ -90,8 +85,8 @@ use std::time::{Duration, Instant};
 
 use kvvm_hal::{
     traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
-    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
-    Operation, PhysicalHandle, RowCopy, StreamHandle, VirtualMemoryBackend,
+    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, KernelProbeOp,
+    MemoryInfo, Operation, PhysicalHandle, RowCopy, StreamHandle, VirtualMemoryBackend,
 };
 
 use state::State;
@@ -452,5 +447,28 @@ impl VirtualMemoryBackend for SimBackend {
 
     fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
         Some(self)
+    }
+}
+
+/// The probe kernels on the simulated device: loads and stores checked against the access of
+/// the launching device (`state/kernel.rs`); a fault is `DeviceLost` and leaves the device
+/// usable.
+impl KernelProbe for SimBackend {
+    fn run(
+        &self,
+        device: DeviceId,
+        op: KernelProbeOp,
+        address: DeviceAddress,
+        len: u64,
+        value: u8,
+    ) -> BackendResult<u64> {
+        self.call(Operation::Kernel, |s| {
+            s.device(Operation::Kernel, device)?;
+            Ok((s.kernel(device, op, address, len, value)?, Covered::NOTHING))
+        })
+    }
+
+    fn faults_are_recoverable(&self) -> bool {
+        true
     }
 }

@@ -1,14 +1,15 @@
 //! [`HipRuntime`]: loading the HIP runtime library, resolving its symbols and reading its
-//! version. Initialising it into a `HipBackend` is `backend.rs` (`HipRuntime::open`).
+//! version, then initialising it into a [`HipBackend`] ([`HipRuntime::open`]).
 
 use std::mem::ManuallyDrop;
 
 use kvvm_hal::{BackendError, BackendResult, Operation};
 use libloading::Library;
 
+use super::HipBackend;
+use crate::driver::result::error_name;
 use crate::driver::HipApi;
-use crate::error::unavailable;
-use crate::result::error_name;
+use crate::error::{unavailable, HIP_ERROR_NO_DEVICE, HIP_SUCCESS};
 use crate::version::{self, PropLayout, RuntimeVersion};
 use crate::{LIBRARY_ENV, LIBRARY_NAMES};
 
@@ -111,6 +112,59 @@ impl HipRuntime {
         version::layout_for(self.version).map_err(|reason| {
             BackendError::unavailable(Operation::Load, format!("{reason} ({})", self.path))
         })
+    }
+}
+
+impl HipRuntime {
+    /// Initialises the runtime (`hipInit(0)`, `hipGetDeviceCount`) and returns the backend.
+    ///
+    /// Fails with `Unavailable` when the version is outside the verified range, when the
+    /// runtime cannot initialise, or when there is no device (`no HIP device
+    /// (hipErrorNoDevice, HIP runtime X.Y.Z)`).
+    pub fn open(self) -> BackendResult<HipBackend> {
+        let layout = self.layout()?;
+        let api = self.api;
+        let version = self.version;
+        // 0 is the only documented flag value.
+        let init_rc = api.call_init(0).err().unwrap_or(HIP_SUCCESS);
+        let (count_rc, count) = api.call_get_device_count();
+        tracing::debug!(
+            library = %self.path, %version, init_rc, count_rc, count, "HIP runtime initialised"
+        );
+        let init_note = if init_rc == HIP_SUCCESS {
+            String::new()
+        } else {
+            format!("; hipInit(0) returned {}", error_name(&api, init_rc))
+        };
+        if count_rc == HIP_ERROR_NO_DEVICE || (count_rc == HIP_SUCCESS && count <= 0) {
+            return Err(
+                unavailable(HIP_ERROR_NO_DEVICE, error_name(&api, HIP_ERROR_NO_DEVICE))
+                    .with_detail(format!(
+                "no HIP device (hipErrorNoDevice, HIP runtime {version}){init_note}; library {}",
+                self.path
+            )),
+            );
+        }
+        if count_rc != HIP_SUCCESS {
+            return Err(
+                unavailable(count_rc, error_name(&api, count_rc)).with_detail(format!(
+                    "hipGetDeviceCount failed ({}, HIP runtime {version}){init_note}; library {}",
+                    error_name(&api, count_rc),
+                    self.path
+                )),
+            );
+        }
+        if init_rc != HIP_SUCCESS {
+            return Err(
+                unavailable(init_rc, error_name(&api, init_rc)).with_detail(format!(
+                    "hipInit(0) failed ({}, HIP runtime {version}); library {}",
+                    error_name(&api, init_rc),
+                    self.path
+                )),
+            );
+        }
+        let device_count = u32::try_from(count).unwrap_or(0);
+        HipBackend::new(self, layout, device_count)
     }
 }
 

@@ -3,7 +3,7 @@
 
 use kvvm_hal::{traced, BackendResult, DeviceAddress, DeviceId, Operation};
 
-use crate::backend::CudaBackend;
+use super::CudaBackend;
 use crate::conv::to_usize;
 
 impl CudaBackend {

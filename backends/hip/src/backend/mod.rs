@@ -1,6 +1,27 @@
-//! [`HipBackend`]: the [`VirtualMemoryBackend`] implementation over the HIP runtime. Each
-//! method is one driver call (or the `hipSetDevice` it needs first) inside one tracing span;
-//! the calls themselves are `result.rs`, the conversions `conv.rs`.
+//! [`HipBackend`]: the [`VirtualMemoryBackend`] implementation over the HIP runtime, and
+//! [`HipRuntime`], the loaded runtime it is opened from and keeps. Each method is one driver
+//! call (or the `hipSetDevice` it needs first) inside one tracing span; the calls themselves
+//! are `driver/result.rs`, the conversions `conv.rs`.
+//!
+//! The invariants they keep:
+//!
+//! * a [`HipRuntime`] exists only once its library is loaded, every required symbol is
+//!   resolved and its version is read; the library is never unloaded, so the entry points of
+//!   its [`HipApi`] stay valid for the life of the process;
+//! * a [`HipBackend`] exists only over a runtime that `hipInit` initialised, whose version has
+//!   a verified `hipMemAllocationProp` layout, and with at least one device; it owns that
+//!   runtime and builds every allocation property in that layout;
+//! * every call tied to a device makes that device current on the calling thread first
+//!   (`hipSetDevice`), so the backend may be used from any thread;
+//! * it translates and does not validate: a runtime code becomes a [`BackendError`] through
+//!   `check`, named by our table or else by the runtime.
+//!
+//! Their methods live in the files of this folder:
+//!
+//! * `mod.rs` (this file): [`HipBackend`], its helpers and [`VirtualMemoryBackend`];
+//! * `devices.rs`: what the backend reports about its devices (names, memory, peer access);
+//! * `runtime.rs`: [`HipRuntime`]: loading the library, reading its version, and
+//!   [`HipRuntime::open`], which initialises it into a [`HipBackend`].
 
 use std::ffi::c_void;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -15,16 +36,20 @@ use crate::conv::{
     access_flags, allocation_prop, from_ptr, handle_of, handle_ptr, ordinal, to_ptr, to_u64,
     to_usize,
 };
+use crate::driver::result::{error_name, HipResult};
 use crate::driver::{
     HipApi, HipMemAccessDesc, HipMemAllocationProp, HipMemLocation,
     HIP_MEM_ALLOCATION_GRANULARITY_MINIMUM, HIP_MEM_ALLOCATION_GRANULARITY_RECOMMENDED,
     HIP_MEM_HANDLE_TYPE_POSIX_FD, HIP_MEM_LOCATION_TYPE_DEVICE,
 };
-use crate::error::{call_error, unavailable, HIP_ERROR_NO_DEVICE, HIP_SUCCESS};
-use crate::result::{error_name, HipResult};
-use crate::runtime::HipRuntime;
+use crate::error::call_error;
 use crate::version::{PropLayout, RuntimeVersion};
 use crate::SET_ACCESS_RETRIES;
+
+mod devices;
+mod runtime;
+
+pub use runtime::HipRuntime;
 
 /// The HIP backend: a loaded, initialised HIP runtime with at least one device.
 ///
@@ -488,59 +513,6 @@ impl VirtualMemoryBackend for HipBackend {
                 Ok(handle_of(handle))
             },
         )
-    }
-}
-
-impl HipRuntime {
-    /// Initialises the runtime (`hipInit(0)`, `hipGetDeviceCount`) and returns the backend.
-    ///
-    /// Fails with `Unavailable` when the version is outside the verified range, when the
-    /// runtime cannot initialise, or when there is no device (`no HIP device
-    /// (hipErrorNoDevice, HIP runtime X.Y.Z)`).
-    pub fn open(self) -> BackendResult<HipBackend> {
-        let layout = self.layout()?;
-        let api = self.api;
-        let version = self.version;
-        // 0 is the only documented flag value.
-        let init_rc = api.call_init(0).err().unwrap_or(HIP_SUCCESS);
-        let (count_rc, count) = api.call_get_device_count();
-        tracing::debug!(
-            library = %self.path, %version, init_rc, count_rc, count, "HIP runtime initialised"
-        );
-        let init_note = if init_rc == HIP_SUCCESS {
-            String::new()
-        } else {
-            format!("; hipInit(0) returned {}", error_name(&api, init_rc))
-        };
-        if count_rc == HIP_ERROR_NO_DEVICE || (count_rc == HIP_SUCCESS && count <= 0) {
-            return Err(
-                unavailable(HIP_ERROR_NO_DEVICE, error_name(&api, HIP_ERROR_NO_DEVICE))
-                    .with_detail(format!(
-                "no HIP device (hipErrorNoDevice, HIP runtime {version}){init_note}; library {}",
-                self.path
-            )),
-            );
-        }
-        if count_rc != HIP_SUCCESS {
-            return Err(
-                unavailable(count_rc, error_name(&api, count_rc)).with_detail(format!(
-                    "hipGetDeviceCount failed ({}, HIP runtime {version}){init_note}; library {}",
-                    error_name(&api, count_rc),
-                    self.path
-                )),
-            );
-        }
-        if init_rc != HIP_SUCCESS {
-            return Err(
-                unavailable(init_rc, error_name(&api, init_rc)).with_detail(format!(
-                    "hipInit(0) failed ({}, HIP runtime {version}); library {}",
-                    error_name(&api, init_rc),
-                    self.path
-                )),
-            );
-        }
-        let device_count = u32::try_from(count).unwrap_or(0);
-        HipBackend::new(self, layout, device_count)
     }
 }
 

@@ -16,7 +16,7 @@ use std::ffi::{c_uint, c_void};
 use cudarc::driver::sys::CUstream;
 use kvvm_hal::{BackendError, BackendResult, ErrorKind, Operation, RowCopy, StreamHandle};
 
-use crate::backend::CudaBackend;
+use super::CudaBackend;
 use crate::rows_kernel::{block_for, RowsModule, MAX_BLOCKS};
 
 fn invalid(detail: String) -> BackendError {

@@ -1,4 +1,26 @@
-//! [`CudaBackend`]: the [`VirtualMemoryBackend`] implementation over the CUDA driver API.
+//! [`CudaBackend`]: the CUDA driver backend, the [`VirtualMemoryBackend`] implementation over
+//! the CUDA driver API (and [`KernelProbe`], row copies and plain device memory besides).
+//!
+//! The invariants it keeps:
+//!
+//! * every `Device` it holds has its primary context retained exactly once, by
+//!   [`CudaBackend::open`], and released exactly once, by `Drop` (after unloading the kernel
+//!   modules loaded in it), so a context a method hands the driver is always live;
+//! * every method makes one of its own contexts current on the calling thread before calling
+//!   the driver (`make_current`, `owner_context`, `any_context`), so it may be called from
+//!   any thread;
+//! * the kernel modules (probe, row copy) are loaded lazily, at most once per device, in that
+//!   device's context, under that module's mutex in the `Device`;
+//! * it translates and does not validate: a driver code becomes a [`BackendError`] through
+//!   `check`, named by our table or else by the driver.
+//!
+//! Its methods live in the files of this folder:
+//!
+//! * `mod.rs` (this file): the type, its context helpers and [`VirtualMemoryBackend`];
+//! * `open.rs`: [`CudaBackend::open`] and `Drop`;
+//! * `kernel.rs`: [`KernelProbe`], one launch of a probe kernel;
+//! * `rows.rs`: row copies ([`VirtualMemoryBackend::copy_rows_async`]) as one kernel launch;
+//! * `linear.rs`: plain device memory outside the VMM API, for the realloc-and-copy baseline.
 
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -15,11 +37,15 @@ use kvvm_hal::{
 };
 
 use crate::conv::{access_flags, allocation_prop, ordinal, to_u64, to_usize};
-use crate::driver::Driver;
+use crate::driver::{CuResult, Driver};
 use crate::error::CuCode;
 use crate::probe::ProbeModule;
-use crate::result::CuResult;
 use crate::rows_kernel::RowsModule;
+
+mod kernel;
+mod linear;
+mod open;
+mod rows;
 
 /// A retained primary context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

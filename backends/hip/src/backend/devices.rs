@@ -5,7 +5,7 @@ use kvvm_hal::{
     BackendError, BackendResult, DeviceId, DeviceInfo, ErrorKind, Operation, ShareableHandleType,
 };
 
-use crate::backend::HipBackend;
+use super::HipBackend;
 use crate::conv::{ordinal, to_u64};
 
 impl HipBackend {

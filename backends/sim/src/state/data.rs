@@ -5,7 +5,7 @@
 use kvvm_hal::model::{Need, Piece};
 use kvvm_hal::{BackendError, DeviceAddress, DeviceId, ErrorKind, Operation, RowCopy};
 
-use crate::state::State;
+use super::State;
 
 impl State {
     /// Splits `[start, start + len)` into pieces of one allocation each, checking that every

@@ -10,7 +10,7 @@
 
 use kvvm_hal::{BackendResult, DeviceAddress, DeviceId, KernelProbe, KernelProbeOp, Operation};
 
-use crate::backend::HostBackend;
+use super::HostBackend;
 use crate::conv::{pointer, to_usize};
 use crate::state::State;
 

@@ -1,10 +1,10 @@
 //! Thin wrappers over [`HipApi`]: one per entry point, out-parameters in, `Result` out, every
-//! `unsafe` call here with its reason. `Err` carries the raw code; `backend.rs` names and
+//! `unsafe` call here with its reason. `Err` carries the raw code; `backend/` names and
 //! classifies it (`error.rs`).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
-use crate::driver::{HipApi, HipMemAccessDesc, HipMemAllocationProp};
+use super::{HipApi, HipMemAccessDesc, HipMemAllocationProp};
 use crate::error::{self, HipErrorCode, HIP_ERROR_UNKNOWN, HIP_SUCCESS};
 
 /// The result of one HIP call.

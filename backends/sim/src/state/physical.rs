@@ -10,8 +10,8 @@ use kvvm_hal::{
     ShareableHandleType,
 };
 
+use super::{invalid, SimAllocation, State};
 use crate::sim_error;
-use crate::state::{invalid, SimAllocation, State};
 
 impl State {
     pub(crate) fn create(

@@ -3,7 +3,7 @@
 
 use kvvm_hal::{AccessDescriptor, BackendError, DeviceAddress, Operation, PhysicalHandle};
 
-use crate::state::{invalid, State};
+use super::{invalid, State};
 
 impl State {
     pub(crate) fn map(

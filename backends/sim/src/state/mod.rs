@@ -3,7 +3,22 @@
 //! allocation's bytes and exports, the quirks' marks), the call counts and fault plan, the
 //! devices, and the ledger of its truth. The semantics of the calls are in `address.rs`
 //! (reserve, free), `physical.rs` (create, release, export, import), `mapping.rs` (map, set
-//! access, unmap) and `data.rs` (copies).
+//! access, unmap), `data.rs` (copies) and `kernel.rs` (the probe kernels).
+//!
+//! [`State`] is the whole of one simulated driver: a `SimBackend` holds one behind its mutex,
+//! and every call of the backend is one method of it, run with the lock held. The invariants
+//! it keeps:
+//!
+//! * the model's books are the driver's truth: the ledger, the memory info and every check
+//!   read them, and nothing else records a reservation, a handle, an allocation or a mapping;
+//! * an allocation's bytes live in its `ChunkStore` (`store.rs`), only where they were written,
+//!   and go with the allocation when it is freed;
+//! * the misuses the CUDA driver refuses are refused here with the same kind, in the driver's
+//!   order (the shared model's checks; a quirk changes that on purpose), and a copy, a row
+//!   copy or a probe kernel checks every byte before it touches any, so a refused one writes
+//!   nothing;
+//! * every call is counted, and the fault plan is consulted after the count and before the
+//!   call's semantics, so an injected fault has no side effect.
 
 use std::collections::BTreeSet;
 use std::os::fd::OwnedFd;
@@ -20,6 +35,12 @@ use crate::faults::{FaultPlan, FaultRule};
 use crate::ledger::{Ledger, LedgerAllocation, LedgerHandle, LedgerMapping, LedgerReservation};
 use crate::sim_error;
 
+mod address;
+mod data;
+mod kernel;
+mod mapping;
+mod physical;
+
 /// Lowest simulated virtual address (1 TiB).
 pub(crate) const VA_BASE: u64 = 1 << 40;
 
@@ -34,6 +55,7 @@ pub(crate) struct SimAllocation {
     pub(crate) exports: Vec<(u64, OwnedFd)>,
 }
 
+/// The simulated driver's state (see the module documentation).
 #[derive(Debug)]
 pub(crate) struct State {
     pub(crate) devices: Vec<SimDeviceConfig>,

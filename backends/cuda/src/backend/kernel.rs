@@ -4,7 +4,7 @@ use std::ffi::{c_uint, c_void};
 
 use kvvm_hal::{BackendResult, DeviceAddress, DeviceId, KernelProbe, KernelProbeOp, Operation};
 
-use crate::backend::CudaBackend;
+use super::CudaBackend;
 use crate::probe::{grid_for, ProbeModule, BLOCK};
 
 impl KernelProbe for CudaBackend {

@@ -1,43 +1,21 @@
-//! The probe "kernels" of [`KernelProbe`] on the simulated device: a load or a store of every
-//! byte of a range, checked against the access the *launching* device has to each mapping
-//! (a copy is checked against the holding device's instead). A forbidden or unmapped access
-//! is the fault a GPU reports (`DeviceLost`, the simulated `ILLEGAL_ADDRESS`) and nothing is
-//! written; unlike a GPU's, the simulated device stays usable afterwards, so the conformance
-//! suite provokes such faults in its own process
-//! ([`KernelProbe::faults_are_recoverable`]).
+//! The probe "kernels" of [`KernelProbe`](kvvm_hal::KernelProbe) on the simulated device: a
+//! load or a store of every byte of a range, checked against the access the *launching* device
+//! has to each mapping (a copy is checked against the holding device's instead). A forbidden
+//! or unmapped access is the fault a GPU reports (`DeviceLost`, the simulated
+//! `ILLEGAL_ADDRESS`) and nothing is written; unlike a GPU's, the simulated device stays
+//! usable afterwards, so the conformance suite provokes such faults in its own process
+//! ([`KernelProbe::faults_are_recoverable`](kvvm_hal::KernelProbe::faults_are_recoverable)).
+//! The trait implementation, one call of [`State::kernel`], is in `lib.rs`.
 
-use kvvm_hal::{
-    BackendError, BackendResult, DeviceAddress, DeviceId, ErrorKind, KernelProbe, KernelProbeOp,
-    Operation,
-};
+use kvvm_hal::{BackendError, DeviceAddress, DeviceId, ErrorKind, KernelProbeOp, Operation};
 
-use crate::state::State;
-use crate::{sim_error, Covered, SimBackend};
-
-impl KernelProbe for SimBackend {
-    fn run(
-        &self,
-        device: DeviceId,
-        op: KernelProbeOp,
-        address: DeviceAddress,
-        len: u64,
-        value: u8,
-    ) -> BackendResult<u64> {
-        self.call(Operation::Kernel, |s| {
-            s.device(Operation::Kernel, device)?;
-            Ok((s.kernel(device, op, address, len, value)?, Covered::NOTHING))
-        })
-    }
-
-    fn faults_are_recoverable(&self) -> bool {
-        true
-    }
-}
+use super::State;
+use crate::sim_error;
 
 impl State {
     /// What the probe kernel does on `device`: the wrapping sum of the bytes for a load, 0
     /// after a store of `value` into every byte.
-    fn kernel(
+    pub(crate) fn kernel(
         &mut self,
         device: DeviceId,
         op: KernelProbeOp,

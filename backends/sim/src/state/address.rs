@@ -4,8 +4,8 @@
 
 use kvvm_hal::{BackendError, DeviceAddress, ErrorKind, Operation};
 
+use super::{invalid, State, VA_BASE};
 use crate::sim_error;
-use crate::state::{invalid, State, VA_BASE};
 
 impl State {
     pub(crate) fn reserve(

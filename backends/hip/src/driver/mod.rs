@@ -1,6 +1,14 @@
 //! The loaded symbol table and the raw HIP ABI it speaks: hand-written `#[repr(C)]` structs,
 //! enum values and function-pointer types, plus [`HipApi`], every symbol resolved up front.
-//! Calling them is `result.rs`'s job.
+//! Calling them is the job of `driver/result.rs`, the thin wrappers of [`HipApi`].
+//!
+//! [`HipApi`] is a `Copy` table of function pointers. The invariants it keeps: a `HipApi`
+//! exists only once every required symbol resolved from the loaded library
+//! ([`HipApi::load`]; the optional ones are `Option`s, `None` when the runtime lacks them),
+//! so calling an entry point never resolves anything; a return code is always the raw `i32`
+//! ([`HipErrorCode`]), never a Rust enum. Its methods live in two files: this one (the table
+//! and loading it) and `result.rs` (one checked wrapper per entry point; every call into the
+//! runtime is there).
 //!
 //! Nothing here is generated from headers at build time. Each struct layout is written from a
 //! named ROCm header and pinned by `offset_of!`/`size_of` assertions that fail the *build* if
@@ -20,6 +28,8 @@ use kvvm_hal::{BackendError, Operation};
 use libloading::Library;
 
 pub use crate::error::{HipErrorCode, HIP_SUCCESS};
+
+pub(crate) mod result;
 
 /// `hipMemAllocationTypePinned`.
 pub const HIP_MEM_ALLOCATION_TYPE_PINNED: u32 = 1;

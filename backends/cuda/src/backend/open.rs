@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use cudarc::driver::sys::CUdevice_attribute;
 use kvvm_hal::{BackendError, DeviceId, DeviceInfo, ErrorKind, Operation};
 
-use crate::backend::{error_with_name, Context, CudaBackend, Device};
+use super::{error_with_name, Context, CudaBackend, Device};
 use crate::conv::{format_driver_version, to_u64};
 use crate::driver;
 use crate::error::CuCode;

@@ -16,7 +16,7 @@ use cudarc::driver::sys::{
     CUmemGenericAllocationHandle, CUmodule, CUstream,
 };
 
-use crate::driver::{Driver, RawResult};
+use super::{Driver, RawResult};
 use crate::error::CuCode;
 
 /// The result of one driver call.

@@ -8,6 +8,16 @@
 //! opens, into a table of function pointers whose return type is the raw `u32` code. A missing
 //! library or symbol is an [`ErrorKind::Unavailable`](kvvm_hal::ErrorKind::Unavailable) error
 //! listing what is missing; nothing is resolved (or can panic) later.
+//!
+//! [`Driver`] is that table: a `Copy` struct of function pointers, one per symbol of
+//! [`Driver::SYMBOLS`]. The invariants it keeps: a `Driver` exists only once every one of its
+//! symbols resolved from the CUDA driver library ([`load`], `Driver::resolve`), so calling an
+//! entry point never resolves anything and never panics; every entry point returns the raw
+//! `u32` code ([`RawResult`]), never cudarc's `CUresult` enum. Its methods live in two files:
+//!
+//! * `mod.rs` (this file): the table, its symbol list and loading it;
+//! * `result.rs`: the thin wrappers, `MaybeUninit` out-parameters in, `Result<_, CuCode>`
+//!   ([`CuResult`]) out.
 
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
 
@@ -17,6 +27,10 @@ use cudarc::driver::sys::{
     CUmemGenericAllocationHandle, CUmodule, CUstream,
 };
 use kvvm_hal::{BackendError, Operation};
+
+mod result;
+
+pub(crate) use result::CuResult;
 
 /// The raw `CUresult` every entry point returns (see [`crate::error::CuCode`]).
 pub(crate) type RawResult = c_uint;
