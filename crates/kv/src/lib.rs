@@ -116,7 +116,7 @@
 //! assert_eq!((a.hit_tokens, a.owned_prefix_tokens), (0, 96));
 //! let bpt = geometry.bytes_per_token() as usize;
 //! let kv = vec![7u8; 100 * bpt];                               // prefill's KV, host layout
-//! a.sequence.write_tokens(a.hit_tokens, &kv)?;                 // tokens 0..100
+//! a.sequence.write_tokens(a.info.hit_tokens, &kv)?;            // tokens 0..100
 //! cache.publish(&mut a.sequence)?;                             // now others can hit it
 //!
 //! // Request 2: the same prompt. 96 tokens mapped read-only, 4 to write.

@@ -234,7 +234,7 @@ fn concurrent_admissions_under_a_budget() {
                         }
                     };
                     admitted.fetch_add(1, Relaxed);
-                    write_prompt(&geo, &mut adm.sequence, &ids, adm.hit_tokens);
+                    write_prompt(&geo, &mut adm.sequence, &ids, adm.info.hit_tokens);
                     cache.publish(&mut adm.sequence).unwrap();
                     check_prompt(&geo, &adm.sequence, &ids);
                     if adm.sequence.ensure_tokens(len + 30).is_ok() {
@@ -264,7 +264,7 @@ fn concurrent_admissions_under_a_budget() {
     // evicts every idle prefix before its grant is decided.
     let ids = prompt(64, 3);
     let mut a = cache.admit(&ids, 64).unwrap();
-    write_prompt(&geo, &mut a.sequence, &ids, a.hit_tokens);
+    write_prompt(&geo, &mut a.sequence, &ids, a.info.hit_tokens);
     cache.publish(&mut a.sequence).unwrap();
     drop(a);
     assert_eq!(cache.admit(&ids, 64).unwrap().hit_tokens, 64);
@@ -415,7 +415,7 @@ fn handle_blocks_trade_mappings_per_hit_for_hit_granularity() {
         b_ids.extend(prompt(3 * block, 0xbeef));
         let mut b = cache.admit(&b_ids, 600).unwrap();
         assert_eq!(b.hit_tokens, partial_hit * block, "k={k}");
-        write_prompt(&geo, &mut b.sequence, &b_ids, b.hit_tokens);
+        write_prompt(&geo, &mut b.sequence, &b_ids, b.info.hit_tokens);
         check_prompt(&geo, &b.sequence, &b_ids);
         let seqs = [&owner.sequence, &full.sequence, &b.sequence];
         let sets: Vec<_> = seqs

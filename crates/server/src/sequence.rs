@@ -85,7 +85,7 @@ impl LiveSequence {
         let admission = cache
             .admit(token_ids, max_tokens)
             .map_err(|e| kv_error(vm, e, needed))?;
-        let mut kv = admission.sequence;
+        let (mut kv, admission) = (admission.sequence, admission.info);
         let mut published_tokens = 0;
         if admission.owned_prefix_tokens > 0 {
             let first = admission.hit_tokens;

@@ -35,11 +35,7 @@ impl PrefixCache {
         let a = self.admit_into(token_ids, &mut seq)?;
         Ok(Admission {
             sequence: seq,
-            hit_tokens: a.hit_tokens,
-            prompt_tokens: a.prompt_tokens,
-            owned_prefix_tokens: a.owned_prefix_tokens,
-            shared_bytes: a.shared_bytes,
-            committed_bytes: a.committed_bytes,
+            info: a,
         })
     }
 

@@ -78,7 +78,8 @@ pub struct PrefixCacheStats {
 }
 
 /// What `PrefixCache::admit` returns: the request's sequence, with its cached prefix mapped
-/// read-only and the rest of its prompt committed.
+/// read-only and the rest of its prompt committed, and what the admission did
+/// ([`AdmissionInfo`]: its fields read through this type, `admission.hit_tokens`).
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct Admission {
@@ -86,21 +87,20 @@ pub struct Admission {
     /// the cached prefix (already written, read-only); the caller writes
     /// `hit_tokens..prompt_tokens` and then calls `PrefixCache::publish`.
     pub sequence: SequenceKv,
-    /// Prompt tokens found in the cache (a multiple of the block size).
-    pub hit_tokens: u64,
-    /// Prompt tokens (`token_ids.len()`).
-    pub prompt_tokens: u64,
-    /// Tokens of the new shared prefix segment this request owns (its full blocks past the
-    /// hit), to be published once written; 0 when there is nothing new to publish.
-    pub owned_prefix_tokens: u64,
-    /// Physical bytes mapped read-only from the cache (not committed by this request).
-    pub shared_bytes: u64,
-    /// Physical bytes this admission committed (private windows and a new owned segment).
-    pub committed_bytes: u64,
+    /// What the admission did.
+    pub info: AdmissionInfo,
 }
 
-/// What `PrefixCache::admit_into` did to the caller's sequence (the fields of
-/// [`Admission`] beside the sequence).
+impl std::ops::Deref for Admission {
+    type Target = AdmissionInfo;
+
+    fn deref(&self) -> &AdmissionInfo {
+        &self.info
+    }
+}
+
+/// What `PrefixCache::admit_into` did to the caller's sequence (and what
+/// `PrefixCache::admit` did, beside the sequence it returns in [`Admission`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AdmissionInfo {
