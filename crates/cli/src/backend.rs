@@ -168,6 +168,18 @@ pub fn open(command: &str, name: &str) -> CliResult<OpenedBackend> {
     Ok(opened)
 }
 
+/// Checks that `device` (the `--device` flag) is one of `opened`'s devices; a backend that
+/// cannot list its devices is an error too.
+pub fn check_device(opened: &OpenedBackend, device: u32) -> CliResult<()> {
+    let name = opened.backend.name();
+    let devices = opened
+        .backend
+        .devices()
+        .map_err(|e| CliError::Failed(format!("backend {name} cannot list its devices: {e}")))?;
+    crate::flags::check_device("--device", device, name, devices.len())?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

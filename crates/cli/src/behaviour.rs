@@ -6,8 +6,7 @@ use clap::Args;
 use kvvm_behaviour::{run_behaviour, BehaviourOptions, FaultDepth};
 
 use crate::backend;
-use crate::error::{failed, CliError, CliResult};
-use crate::flags;
+use crate::error::{CliError, CliResult};
 use crate::junit;
 use crate::output::{self, note, Out};
 use crate::progress::Progress;
@@ -33,13 +32,7 @@ fn parse_depth(s: &str) -> Result<FaultDepth, String> {
 pub fn run(args: &BehaviourArgs, out: Out<'_>) -> CliResult<ExitCode> {
     backend::check_name(&args.suite.backend)?;
     let opened = backend::open("behaviour", &args.suite.backend)?;
-    let devices = opened.backend.devices().map_err(failed)?;
-    flags::check_device(
-        "--device",
-        args.suite.device,
-        opened.backend.name(),
-        devices.len(),
-    )?;
+    backend::check_device(&opened, args.suite.device)?;
     let options = BehaviourOptions {
         device: kvvm::DeviceId(args.suite.device),
         filter: args.suite.cases.clone(),

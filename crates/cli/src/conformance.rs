@@ -9,7 +9,6 @@ use kvvm_conformance::{
 
 use crate::backend;
 use crate::error::{CliError, CliResult};
-use crate::flags;
 use crate::junit;
 use crate::output::{self, note, Out};
 use crate::progress::Progress;
@@ -65,18 +64,7 @@ fn run_report(args: &ConformanceArgs) -> CliResult<Report> {
     if let Some(n) = backend::notice("conformance", &opened) {
         note(n);
     }
-    let devices = opened.backend.devices().map_err(|e| {
-        CliError::Failed(format!(
-            "backend {} cannot list its devices: {e}",
-            opened.backend.name()
-        ))
-    })?;
-    flags::check_device(
-        "--device",
-        args.suite.device,
-        opened.backend.name(),
-        devices.len(),
-    )?;
+    backend::check_device(&opened, args.suite.device)?;
     let options = RunOptions {
         device: kvvm::DeviceId(args.suite.device),
         filter: args.suite.cases.clone(),

@@ -117,13 +117,7 @@ pub fn run(args: &ServeArgs, out: Out<'_>) -> CliResult<ExitCode> {
     let net = args.net.settings()?;
     backend::check_name(&args.backend)?;
     let opened = backend::open("serve", &args.backend)?;
-    let devices = opened.backend.devices().map_err(failed)?;
-    flags::check_device(
-        "--device",
-        args.device,
-        opened.backend.name(),
-        devices.len(),
-    )?;
+    backend::check_device(&opened, args.device)?;
     check_budget(args.budget_bytes, &*opened.backend, args.device)?;
     let backend_name = opened.backend.name().to_owned();
     let config = ServiceConfig {
