@@ -231,3 +231,126 @@ impl DecodeLoopReport {
         s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A report with every figure distinct, shared and verified on the simulator.
+    fn shared() -> DecodeLoopReport {
+        let mut cache = PrefixCacheStats::default();
+        cache.hits = 63;
+        cache.misses = 1;
+        cache.tokens_saved = 63 * 4096;
+        cache.bytes_saved = 63 << 29;
+        DecodeLoopReport {
+            backend: "sim".to_owned(),
+            model: "llama-3-8b fp16".to_owned(),
+            layout: KvLayout::SeqMajor,
+            granule: 2 << 20,
+            sequences: 64,
+            prompt_tokens: 4096,
+            decode_tokens: 64,
+            bytes_per_token: 131_072,
+            share_prefix: true,
+            block_tokens: 16,
+            prefix_handle_blocks: 4,
+            hit_tokens: 4096,
+            prompt_shareable: true,
+            prompt_refusal: None,
+            shared_prefix_bytes: 1 << 29,
+            committed_bytes_with_sharing: (1 << 29) + (64 << 23),
+            committed_bytes_without_sharing: 64 * ((1 << 29) + (1 << 23)),
+            attach_median: Duration::from_micros(41),
+            attach_min: Duration::from_micros(37),
+            attach_mappings: 64,
+            attach_after_copy_median: Duration::from_micros(95),
+            attach_after_copy_min: Duration::from_micros(88),
+            admit_hit_median: Duration::from_micros(120),
+            admit_hit_mappings: 66,
+            copy_median: Duration::from_millis(3),
+            copy_min: Duration::from_micros(2_900),
+            copy_bytes: 1 << 29,
+            prefill_time: Duration::from_millis(250),
+            decode_time: Duration::from_millis(80),
+            verify_time: Duration::from_millis(900),
+            bytes_written: 3 << 30,
+            bytes_verified: 33 << 30,
+            verified: true,
+            cache,
+            used_bytes_at_end: 0,
+        }
+    }
+
+    /// The same run on another backend with sharing off, not shareable and not verified.
+    fn unshared() -> DecodeLoopReport {
+        DecodeLoopReport {
+            backend: "cuda".to_owned(),
+            share_prefix: false,
+            prompt_shareable: false,
+            prompt_refusal: Some("the prefix ends inside a window".to_owned()),
+            committed_bytes_with_sharing: 0,
+            committed_bytes_without_sharing: 512,
+            shared_prefix_bytes: 0,
+            attach_after_copy_median: Duration::ZERO,
+            verified: false,
+            bytes_verified: 0,
+            used_bytes_at_end: 1000,
+            ..shared()
+        }
+    }
+
+    #[test]
+    fn the_table_is_pinned() {
+        assert_eq!(shared().to_markdown(), SHARED);
+        assert_eq!(unshared().to_markdown(), UNSHARED);
+        let refused = DecodeLoopReport {
+            share_prefix: true,
+            ..unshared()
+        };
+        assert!(refused
+            .to_markdown()
+            .contains("| prompt shared | no: the prompt is not shareable here: the prefix ends inside a window |"));
+    }
+
+    const SHARED: &str = r#"### KV decode loop: llama-3-8b fp16 seq-major, 64 sequences x 4096-token prompt + 64 decode tokens (sim, granule 2 MiB)
+
+simulated timings: backend sim is an in-process simulated driver; the times are its bookkeeping, not a GPU's (run on a GPU for real figures)
+
+| figure | value |
+|---|---|
+| prompt shared | yes: 4096 tokens per sharer mapped read-only from the prefix cache (blocks of 16 tokens, handles of up to 4 blocks) |
+| committed with sharing | 1 GiB (1073741824 B) |
+| committed without sharing | 32.5 GiB (34896609280 B) |
+| saved | 31.5 GiB (33822867456 B), 32.5x less |
+| shared prefix (billed once) | 512 MiB (536870912 B) |
+| attach shared prefix (map_shared_prefix_readonly), back to back, median / min | 41µs / 37µs (64 mappings) |
+| attach right after a copy of the prompt, median / min | 95µs / 88µs |
+| admit with a cache hit, median | 120µs (66 mappings) |
+| copy prefix into a private reservation (512 MiB), median / min | 3ms / 2.9ms |
+| copy / attach (after a copy) | 31.6x |
+| prefill / decode / verify | 250ms / 80ms / 900ms |
+| bytes written | 3 GiB (3221225472 B) |
+| read back and compared | every byte equal: 33 GiB (35433480192 B) |
+| cache: hits / misses / tokens saved / bytes saved | 63 / 1 / 258048 / 31.5 GiB (33822867456 B) |
+| used bytes at the end | 0 B |
+"#;
+    const UNSHARED: &str = r#"### KV decode loop: llama-3-8b fp16 seq-major, 64 sequences x 4096-token prompt + 64 decode tokens (cuda, granule 2 MiB)
+
+| figure | value |
+|---|---|
+| prompt shared | no: sharing turned off (every sequence commits and writes its own prompt) |
+| committed with sharing | 0 B |
+| committed without sharing | 512 B |
+| saved | 512 B, 0.0x less |
+| shared prefix (billed once) | 0 B |
+| attach shared prefix (map_shared_prefix_readonly) | not measured: the prompt is not shareable |
+| admit with a cache hit, median | 120µs (66 mappings) |
+| copy prefix into a private reservation (512 MiB), median / min | 3ms / 2.9ms |
+| prefill / decode / verify | 250ms / 80ms / 900ms |
+| bytes written | 3 GiB (3221225472 B) |
+| read back and compared | skipped (verification off) |
+| cache: hits / misses / tokens saved / bytes saved | 63 / 1 / 258048 / 31.5 GiB (33822867456 B) |
+| used bytes at the end | 1000 B |
+"#;
+}

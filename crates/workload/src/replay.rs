@@ -587,3 +587,7 @@ fn share_fields(v: &PrefixShareability) -> (Option<bool>, Option<u64>, Option<St
         v.refusal_reason(),
     )
 }
+
+#[cfg(test)]
+#[path = "replay_tests.rs"]
+mod tests;
