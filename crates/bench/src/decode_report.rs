@@ -116,14 +116,18 @@ impl DecodeLoopReport {
     /// A Markdown table of the figures: sizes in binary units with the exact bytes, times as
     /// measured (labelled when they come from the simulated driver).
     pub fn to_markdown(&self) -> String {
-        let size = |b: u64| {
-            if b < 1024 {
-                format!("{b} B")
-            } else {
-                format!("{} ({b} B)", format_size(b))
-            }
-        };
         let mut s = String::new();
+        self.title_markdown(&mut s);
+        let _ = writeln!(s, "| figure | value |\n|---|---|");
+        let _ = writeln!(s, "| prompt shared | {} |", self.sharing_text());
+        self.memory_rows(&mut s);
+        self.attach_and_copy_rows(&mut s);
+        self.run_rows(&mut s);
+        s
+    }
+
+    /// The title (model, layout, shape, backend, granule) and the simulated-timings note.
+    fn title_markdown(&self, s: &mut String) {
         let _ = writeln!(
             s,
             "### KV decode loop: {} {}, {} sequences x {}-token prompt + {} decode tokens ({}, granule {})\n",
@@ -138,8 +142,11 @@ impl DecodeLoopReport {
         if let Some(note) = crate::timing::simulated_timing_note(&self.backend, false) {
             let _ = writeln!(s, "{note}\n");
         }
-        let _ = writeln!(s, "| figure | value |\n|---|---|");
-        let _ = writeln!(s, "| prompt shared | {} |", self.sharing_text());
+    }
+
+    /// The bytes committed with and without sharing, what sharing saved, and the shared
+    /// prefix.
+    fn memory_rows(&self, s: &mut String) {
         let _ = writeln!(
             s,
             "| committed with sharing | {} |",
@@ -165,6 +172,11 @@ impl DecodeLoopReport {
             "| shared prefix (billed once) | {} |",
             size(self.shared_prefix_bytes)
         );
+    }
+
+    /// The times to attach the shared prefix (when shareable), to admit with a hit and to copy
+    /// the prefix instead, and their ratio.
+    fn attach_and_copy_rows(&self, s: &mut String) {
         if self.prompt_shareable {
             let _ = writeln!(
                 s,
@@ -200,6 +212,11 @@ impl DecodeLoopReport {
                 self.copy_median.as_secs_f64() / self.attach_after_copy_median.as_secs_f64();
             let _ = writeln!(s, "| copy / attach (after a copy) | {speedup:.1}x |");
         }
+    }
+
+    /// The phases' times, the bytes written and verified, the cache's counters and the bytes
+    /// left at the end.
+    fn run_rows(&self, s: &mut String) {
         let _ = writeln!(
             s,
             "| prefill / decode / verify | {:?} / {:?} / {:?} |",
@@ -228,7 +245,15 @@ impl DecodeLoopReport {
             "| used bytes at the end | {} |",
             size(self.used_bytes_at_end)
         );
-        s
+    }
+}
+
+/// A size in binary units with the exact bytes (bytes alone under 1 KiB).
+fn size(b: u64) -> String {
+    if b < 1024 {
+        format!("{b} B")
+    } else {
+        format!("{} ({b} B)", format_size(b))
     }
 }
 

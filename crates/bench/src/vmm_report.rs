@@ -101,6 +101,21 @@ impl BenchReport {
     /// The report as Markdown tables: medians, 90th percentiles and ratios.
     pub fn to_markdown(&self) -> String {
         let mut s = String::new();
+        self.header_markdown(&mut s);
+        self.commit_markdown(&mut s);
+        runs_markdown(&mut s, &self.runs, self.max_handle_bytes);
+        if let Some(p) = &self.pool {
+            pool_markdown(&mut s, p);
+        }
+        self.growth_markdown(&mut s);
+        for n in &self.notes {
+            let _ = writeln!(s, "\nnote: {n}");
+        }
+        s
+    }
+
+    /// The title (backend, device, granule, iterations) and the simulated-timings note.
+    fn header_markdown(&self, s: &mut String) {
         let _ = writeln!(
             s,
             "## kvvm vmm bench: backend `{}`, {}, granule {}, {} iterations\n",
@@ -113,6 +128,10 @@ impl BenchReport {
         {
             let _ = writeln!(s, "{note}\n");
         }
+    }
+
+    /// The table of manager commits against the raw driver sequence.
+    fn commit_markdown(&self, s: &mut String) {
         let _ = writeln!(
             s,
             "### Commit of k granules: manager vs raw driver sequence\n"
@@ -135,29 +154,11 @@ impl BenchReport {
                 ratio(r.manager.median, r.raw.median)
             );
         }
-        runs_markdown(&mut s, &self.runs, self.max_handle_bytes);
-        if let Some(p) = &self.pool {
-            let _ = writeln!(
-                s,
-                "\n### Commit of {} granules: from the pool vs fresh\n",
-                p.granules
-            );
-            let _ = writeln!(s, "| case | p50 | p90 |");
-            let _ = writeln!(s, "|---|---|---|");
-            percentile_row(&mut s, "from pool", p.from_pool);
-            percentile_row(
-                &mut s,
-                "from parked windows (same reservation)",
-                p.from_parked,
-            );
-            percentile_row(&mut s, "fresh", p.fresh);
-            let _ = writeln!(
-                s,
-                "\nfresh/pool = {}, fresh/parked = {}",
-                ratio(p.fresh.median, p.from_pool.median),
-                ratio(p.fresh.median, p.from_parked.median)
-            );
-        }
+    }
+
+    /// The table of growth by one granule, and a remark when the backend measured no
+    /// realloc-and-copy baseline.
+    fn growth_markdown(&self, s: &mut String) {
         let _ = writeln!(s, "\n### Growing a buffer by one granule\n");
         let _ = writeln!(
             s,
@@ -165,26 +166,7 @@ impl BenchReport {
         );
         let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
         for r in &self.growth {
-            if let Some(why) = &r.skipped {
-                let _ = writeln!(s, "| {} | skipped: {why} | | | | | | |", fmt_bytes(r.size));
-                continue;
-            }
-            let rr = match (r.realloc_copy, r.manager) {
-                (Some(a), Some(m)) => ratio(a.median, m.median),
-                _ => "-".to_owned(),
-            };
-            let _ = writeln!(
-                s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} |",
-                fmt_bytes(r.size),
-                opt(r.manager, |x| x.median),
-                opt(r.manager, |x| x.p90),
-                opt(r.raw, |x| x.median),
-                opt(r.raw, |x| x.p90),
-                opt(r.realloc_copy, |x| x.median),
-                opt(r.realloc_copy, |x| x.p90),
-                rr
-            );
+            growth_row_markdown(s, r);
         }
         if self
             .growth
@@ -197,11 +179,51 @@ impl BenchReport {
                  device-to-device copy, outside the VMM trait)."
             );
         }
-        for n in &self.notes {
-            let _ = writeln!(s, "\nnote: {n}");
-        }
-        s
     }
+}
+
+/// The pool-vs-fresh table and its ratios.
+fn pool_markdown(s: &mut String, p: &PoolRow) {
+    let _ = writeln!(
+        s,
+        "\n### Commit of {} granules: from the pool vs fresh\n",
+        p.granules
+    );
+    let _ = writeln!(s, "| case | p50 | p90 |");
+    let _ = writeln!(s, "|---|---|---|");
+    percentile_row(s, "from pool", p.from_pool);
+    percentile_row(s, "from parked windows (same reservation)", p.from_parked);
+    percentile_row(s, "fresh", p.fresh);
+    let _ = writeln!(
+        s,
+        "\nfresh/pool = {}, fresh/parked = {}",
+        ratio(p.fresh.median, p.from_pool.median),
+        ratio(p.fresh.median, p.from_parked.median)
+    );
+}
+
+/// One row of the growth table (or why its size was skipped).
+fn growth_row_markdown(s: &mut String, r: &GrowthRow) {
+    if let Some(why) = &r.skipped {
+        let _ = writeln!(s, "| {} | skipped: {why} | | | | | | |", fmt_bytes(r.size));
+        return;
+    }
+    let rr = match (r.realloc_copy, r.manager) {
+        (Some(a), Some(m)) => ratio(a.median, m.median),
+        _ => "-".to_owned(),
+    };
+    let _ = writeln!(
+        s,
+        "| {} | {} | {} | {} | {} | {} | {} | {} |",
+        fmt_bytes(r.size),
+        opt(r.manager, |x| x.median),
+        opt(r.manager, |x| x.p90),
+        opt(r.raw, |x| x.median),
+        opt(r.raw, |x| x.p90),
+        opt(r.realloc_copy, |x| x.median),
+        opt(r.realloc_copy, |x| x.p90),
+        rr
+    );
 }
 
 #[cfg(test)]

@@ -27,20 +27,19 @@
 //! ```
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvvm::governor::{Governor, GovernorConfig};
 use kvvm::hal::{DeviceId, VirtualMemoryBackend};
-use kvvm::kv::synthetic::{decode_token_id, fill_tokens, prompt_token_id};
-use kvvm::kv::{KvCacheError, PrefixCache, PrefixCacheConfig, SequenceKv, SharedDevicePrefix};
+use kvvm::kv::{KvCacheError, PrefixCache, PrefixCacheConfig};
 use kvvm::layout::{KvDtype, KvError, KvGeometry, KvLayout, LayoutPlan};
-use kvvm::num::{mul, to_usize};
 use kvvm::vmm::{GranularityChoice, VirtualMemory, VmmConfig};
 
 pub use crate::decode_report::DecodeLoopReport;
 
-/// Host bytes per verification / write chunk.
-const CHUNK_BYTES: u64 = 64 << 20;
+mod phases;
+
+use phases::{DecodeLoop, Measured, Ticker};
 
 /// What [`run_decode_loop`] runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,36 +107,6 @@ impl DecodeLoopConfig {
     }
 }
 
-fn median(v: &mut [Duration]) -> Duration {
-    v.sort_unstable();
-    v.get(v.len() / 2).copied().unwrap_or_default()
-}
-
-fn compare(
-    sequence: u64,
-    first: u64,
-    bpt: u64,
-    expected: &[u8],
-    got: &[u8],
-) -> Result<(), KvCacheError> {
-    if expected == got {
-        return Ok(());
-    }
-    let i = expected
-        .iter()
-        .zip(got)
-        .position(|(a, b)| a != b)
-        .unwrap_or(0);
-    let i = i as u64;
-    Err(KvCacheError::Verification {
-        sequence,
-        token: first + i / bpt.max(1),
-        byte: i % bpt.max(1),
-        expected: expected.get(i as usize).copied().unwrap_or(0),
-        got: got.get(i as usize).copied().unwrap_or(0),
-    })
-}
-
 /// Runs the synthetic decode loop on `backend` (the simulator in CI, CUDA on the H200).
 ///
 /// 1. A manager over `backend` (no handle pool, so the governor's used bytes are exactly the
@@ -181,23 +150,7 @@ pub fn run_decode_loop_with_progress(
     config: &DecodeLoopConfig,
     progress: &mut dyn FnMut(LoopProgress),
 ) -> Result<DecodeLoopReport, KvCacheError> {
-    let seqs_n = u64::from(config.sequences);
-    let steps = config.decode_tokens.div_ceil(config.step_tokens.max(1));
-    let verify_units = if config.verify { seqs_n } else { 0 };
-    let total_units = seqs_n
-        .saturating_mul(steps.saturating_add(1))
-        .saturating_add(verify_units)
-        .saturating_add(u64::from(config.attach_copy_samples))
-        .saturating_add(u64::from(config.attach_samples));
-    let mut units = 0u64;
-    let mut tick = |phase: &'static str, n: u64| {
-        units = units.saturating_add(n);
-        progress(LoopProgress {
-            phase,
-            done: units.min(total_units),
-            total: total_units,
-        });
-    };
+    let ticker = Ticker::new(config, progress);
     let span = tracing::info_span!(
         "kv.decode_loop",
         layout = config.layout.as_str(),
@@ -223,267 +176,37 @@ pub fn run_decode_loop_with_progress(
             .granularity(config.granularity),
     )?;
     let plan = LayoutPlan::new(geometry, config.layout, vm.granule())?;
-    let bpt = geometry.bytes_per_token();
-    let chunk_tokens = (CHUNK_BYTES / bpt.max(1)).max(1);
-    let prompt_ids: Vec<u32> = (0..config.prompt_tokens).map(prompt_token_id).collect();
-    let prompt_id = |p: u64| prompt_token_id(p);
     let cache = PrefixCache::with_config(
         vm.clone(),
         plan,
         PrefixCacheConfig::default().handle_blocks(config.prefix_handle_blocks),
     )?;
-    let mut bytes_written = 0u64;
-    let mut buf: Vec<u8> = Vec::new();
+    let mut run = DecodeLoop::new(config, &vm, geometry, plan, total_tokens, ticker);
+    let mut m = Measured::default();
 
-    // ---- prefill ----
     let t0 = Instant::now();
-    let mut seqs: Vec<SequenceKv> = Vec::with_capacity(config.sequences as usize);
-    let mut froms: Vec<u64> = Vec::with_capacity(config.sequences as usize);
-    let mut admit_hits = Vec::new();
-    let mut admit_hit_mappings = 0usize;
-    let mut hit_tokens = 0u64;
-    for s in 0..config.sequences {
-        let (mut seq, from) = if config.share_prefix {
-            let t = Instant::now();
-            let adm = cache.admit(&prompt_ids, total_tokens)?;
-            if adm.hit_tokens > 0 {
-                admit_hits.push(t.elapsed());
-                hit_tokens = adm.hit_tokens;
-                if admit_hits.len() == 1 {
-                    admit_hit_mappings = adm.sequence.reservation().mappings().len();
-                }
-            }
-            let from = adm.hit_tokens;
-            (adm.sequence, from)
-        } else {
-            let mut seq = SequenceKv::new(&vm, &plan, total_tokens)?;
-            seq.ensure_tokens(config.prompt_tokens)?;
-            (seq, 0)
-        };
-        if s == 0 && config.share_prefix {
-            // The first request writes its prompt and publishes it before anyone else is
-            // admitted, so that they hit it.
-            let mut t = from;
-            while t < config.prompt_tokens {
-                let n = chunk_tokens.min(config.prompt_tokens - t);
-                buf.resize(to_usize(mul(n, bpt, "chunk")?, "usize")?, 0);
-                fill_tokens(&geometry, t, &mut buf, &prompt_id);
-                seq.write_tokens(t, &buf)?;
-                bytes_written = bytes_written.saturating_add(buf.len() as u64);
-                t += n;
-            }
-            cache.publish(&mut seq)?;
-            froms.push(config.prompt_tokens);
-        } else {
-            froms.push(from);
-        }
-        seqs.push(seq);
-        tick("prefill", 1);
-    }
-    // Everyone else writes the part of the prompt it did not find in the cache; each chunk of
-    // the prompt is generated once and written to every sequence that needs it.
-    let mut t = 0;
-    while t < config.prompt_tokens {
-        let n = chunk_tokens.min(config.prompt_tokens - t);
-        let end = t + n;
-        let mut generated = false;
-        for (seq, &from) in seqs.iter_mut().zip(&froms) {
-            let lo = from.max(t);
-            if lo >= end {
-                continue;
-            }
-            if !generated {
-                buf.resize(to_usize(mul(n, bpt, "chunk")?, "usize")?, 0);
-                fill_tokens(&geometry, t, &mut buf, &prompt_id);
-                generated = true;
-            }
-            let skip = to_usize(mul(lo - t, bpt, "chunk")?, "usize")?;
-            seq.write_tokens(lo, &buf[skip..])?;
-            bytes_written = bytes_written.saturating_add((buf.len() - skip) as u64);
-        }
-        t = end;
-    }
-    if config.share_prefix {
-        for seq in &mut seqs {
-            cache.publish(seq)?;
-        }
-    }
-    let prefill_time = t0.elapsed();
-
-    // ---- decode ----
+    let mut seqs = run.prefill(&cache, &mut m)?;
+    m.prefill_time = t0.elapsed();
     let t1 = Instant::now();
-    let step = config.step_tokens.max(1);
-    let mut len = config.prompt_tokens;
-    while len < total_tokens {
-        let n = step.min(total_tokens - len);
-        buf.resize(to_usize(mul(n, bpt, "step")?, "usize")?, 0);
-        for (s, seq) in seqs.iter_mut().enumerate() {
-            seq.ensure_tokens(len + n)?;
-            let s = s as u64;
-            fill_tokens(&geometry, len, &mut buf, &|p| decode_token_id(s, p));
-            seq.write_tokens(len, &buf)?;
-            bytes_written = bytes_written.saturating_add(buf.len() as u64);
-        }
-        len += n;
-        tick("decode", seqs_n);
-    }
-    let decode_time = t1.elapsed();
-    let committed_measured = governor.snapshot().device(config.device).used();
-    let shared_prefix_bytes = seqs
+    run.decode(&mut seqs)?;
+    m.decode_time = t1.elapsed();
+    m.committed_with_sharing = governor.snapshot().device(config.device).used();
+    m.shared_prefix_bytes = seqs
         .first()
         .and_then(|s| s.owned_prefix().map(|p| p.bytes()))
         .unwrap_or(0);
-
-    // ---- verify ----
     let t2 = Instant::now();
-    let mut bytes_verified = 0u64;
     if config.verify {
-        let mut expected = Vec::new();
-        let mut got = Vec::new();
-        let mut t = 0;
-        while t < config.prompt_tokens {
-            let n = chunk_tokens.min(config.prompt_tokens - t);
-            expected.resize(to_usize(mul(n, bpt, "chunk")?, "usize")?, 0);
-            got.resize(expected.len(), 0);
-            fill_tokens(&geometry, t, &mut expected, &prompt_id);
-            for (s, seq) in seqs.iter().enumerate() {
-                seq.read_tokens(t, &mut got)?;
-                compare(s as u64, t, bpt, &expected, &got)?;
-                bytes_verified = bytes_verified.saturating_add(got.len() as u64);
-            }
-            t += n;
-        }
-        for (s, seq) in seqs.iter().enumerate() {
-            let s64 = s as u64;
-            let mut t = config.prompt_tokens;
-            while t < total_tokens {
-                let n = chunk_tokens.min(total_tokens - t);
-                expected.resize(to_usize(mul(n, bpt, "chunk")?, "usize")?, 0);
-                got.resize(expected.len(), 0);
-                fill_tokens(&geometry, t, &mut expected, &|p| decode_token_id(s64, p));
-                seq.read_tokens(t, &mut got)?;
-                compare(s64, t, bpt, &expected, &got)?;
-                bytes_verified = bytes_verified.saturating_add(got.len() as u64);
-                t += n;
-            }
-            tick("verify", 1);
-        }
+        run.verify(&seqs)?;
     }
-    let verify_time = t2.elapsed();
+    m.verify_time = t2.elapsed();
     for mut s in seqs.drain(..) {
         s.release()?;
     }
-    let cache_stats = cache.stats();
+    m.cache = cache.stats();
     cache.clear();
-
-    // ---- attach vs copy ----
-    let mut attach = Vec::new();
-    let mut copy = Vec::new();
-    let mut attach_after_copy = Vec::new();
-    let mut attach_mappings = 0usize;
-    let verdict = kvvm::layout::evaluate_prefix_shareability(
-        &geometry,
-        config.layout,
-        config.prompt_tokens,
-        plan.granule(),
-    )?;
-    let copy_bytes = mul(config.prompt_tokens, bpt, "copy bytes")?;
-    if config.attach_copy_samples > 0 && config.prompt_tokens > 0 {
-        let mut host = vec![0u8; to_usize(copy_bytes, "usize")?];
-        fill_tokens(&geometry, 0, &mut host, &prompt_id);
-        let owner = if verdict.shareable {
-            let (prefix, owner) = SharedDevicePrefix::reserve_unwritten(
-                &vm,
-                &plan,
-                config.prompt_tokens,
-                total_tokens,
-            )?;
-            let mut owner = owner;
-            owner.write_tokens(0, &host)?;
-            prefix.seal();
-            Some((prefix, owner))
-        } else {
-            None
-        };
-        if let Some((prefix, _)) = &owner {
-            for _ in 0..config.attach_samples {
-                let t = Instant::now();
-                let seq = prefix.map_shared_prefix_readonly(&vm, total_tokens)?;
-                attach.push(t.elapsed());
-                if attach.len() == 1 {
-                    attach_mappings = seq.reservation().mappings().len();
-                }
-                drop(seq);
-                tick("attach", 1);
-            }
-        }
-        for _ in 0..config.attach_copy_samples {
-            if let Some((prefix, _)) = &owner {
-                let t = Instant::now();
-                let seq = prefix.map_shared_prefix_readonly(&vm, total_tokens)?;
-                attach_after_copy.push(t.elapsed());
-                drop(seq);
-            }
-            let t = Instant::now();
-            let mut seq = SequenceKv::new(&vm, &plan, total_tokens)?;
-            seq.ensure_tokens(config.prompt_tokens)?;
-            seq.write_tokens(0, &host)?;
-            backend.synchronize(config.device)?;
-            copy.push(t.elapsed());
-            drop(seq);
-            tick("attach vs copy", 1);
-        }
-        drop(owner);
-    }
-    let without = if config.share_prefix {
-        mul(
-            u64::from(config.sequences),
-            plan.committed_bytes_for_tokens(total_tokens)?,
-            "committed without sharing",
-        )?
-    } else {
-        committed_measured
-    };
-    let attach_min = attach.iter().min().copied().unwrap_or_default();
-    let attach_after_copy_min = attach_after_copy.iter().min().copied().unwrap_or_default();
-    let copy_min = copy.iter().min().copied().unwrap_or_default();
-    let report = DecodeLoopReport {
-        backend: backend.name().to_owned(),
-        model: config.model.clone(),
-        layout: config.layout,
-        granule: plan.granule(),
-        sequences: config.sequences,
-        prompt_tokens: config.prompt_tokens,
-        decode_tokens: config.decode_tokens,
-        bytes_per_token: bpt,
-        share_prefix: config.share_prefix,
-        block_tokens: cache.block_tokens(),
-        prefix_handle_blocks: config.prefix_handle_blocks.max(1),
-        hit_tokens,
-        prompt_shareable: verdict.shareable,
-        prompt_refusal: verdict.refusal_reason(),
-        shared_prefix_bytes,
-        committed_bytes_with_sharing: committed_measured,
-        committed_bytes_without_sharing: without,
-        attach_median: median(&mut attach),
-        attach_min,
-        attach_mappings,
-        attach_after_copy_median: median(&mut attach_after_copy),
-        attach_after_copy_min,
-        admit_hit_median: median(&mut admit_hits),
-        admit_hit_mappings,
-        copy_median: median(&mut copy),
-        copy_min,
-        copy_bytes,
-        prefill_time,
-        decode_time,
-        verify_time,
-        bytes_written,
-        bytes_verified,
-        verified: config.verify,
-        cache: cache_stats,
-        used_bytes_at_end: 0,
-    };
+    let timed = run.attach_vs_copy(&*backend)?;
+    let report = run.report(backend.name(), cache.block_tokens(), m, timed)?;
     drop(cache);
     let used_bytes_at_end = governor.snapshot().device(config.device).used();
     Ok(DecodeLoopReport {
