@@ -176,7 +176,14 @@ impl HttpMetrics {
 
     /// Appends the HTTP metrics to a Prometheus text.
     pub(crate) fn render(&self, out: &mut String) {
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        self.render_requests(out);
+        self.render_latency(out);
+        self.render_gauges(out);
+        self.render_closed_connections(out);
+    }
+
+    /// The requests answered, by route, method and status.
+    fn render_requests(&self, out: &mut String) {
         // Writing to a String cannot fail.
         let _ = writeln!(
             out,
@@ -188,6 +195,10 @@ impl HttpMetrics {
                 "kvvm_http_requests_total{{route=\"{route}\",method=\"{method}\",status=\"{status}\"}} {n}"
             );
         }
+    }
+
+    /// The latency histogram of each route: cumulative buckets, then `+Inf`, sum and count.
+    fn render_latency(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "# HELP kvvm_http_request_duration_seconds Time from the request head to the response, by route.\n# TYPE kvvm_http_request_duration_seconds histogram"
@@ -205,6 +216,12 @@ impl HttpMetrics {
                 h.count, h.sum_seconds, h.count
             );
         }
+    }
+
+    /// The connections (open, accepted, refused, accept errors) and the requests in flight,
+    /// one family each.
+    fn render_gauges(&self, out: &mut String) {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let gauges = [
             (
                 "kvvm_http_connections_open",
@@ -243,6 +260,10 @@ impl HttpMetrics {
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
             );
         }
+    }
+
+    /// The connections the HTTP layer closed itself, by reason (every reason, 0 included).
+    fn render_closed_connections(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "# HELP kvvm_http_connections_closed_total Connections the HTTP layer closed without a handler's answer, by reason.\n# TYPE kvvm_http_connections_closed_total counter"
