@@ -4,11 +4,11 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kvvm_hal::decorate::FaultInjecting;
+use kvvm_hal::decorate::{FaultInjecting, Recording};
 use kvvm_hal::{Access, DeviceAddress, Operation};
-use kvvm_kv::precommit::{Ensured, PrecommitConfig, Precommitter};
-use kvvm_kv::{KvLayout, PrefixCache, SequenceKv};
-use kvvm_vmm::VmmError;
+use kvvm_kv::precommit::{Ensured, PrecommitConfig, PrecommittedSequence, Precommitter};
+use kvvm_kv::{KvLayout, LayoutPlan, PrefixCache, SequenceKv};
+use kvvm_vmm::{VirtualMemory, VmmError};
 
 use crate::check::books;
 use crate::scenarios::{plan, plan_windows, window_tokens};
@@ -238,58 +238,12 @@ pub fn precommit_ready_is_always_mapped(w: &World, s: &mut State) -> Result<(), 
         let (rec, stop) = (w.recording.clone(), stop.clone());
         let base = seq.with_sequence(|q| q.address());
         let g = w.g;
-        decoders.push(std::thread::spawn(move || -> Result<(), String> {
-            for round in 0..20u64 {
-                let step = (max / 64).max(1);
-                for n in (1..=max).step_by(usize::try_from(step).unwrap_or(1)) {
-                    if stop.load(Ordering::Relaxed) {
-                        return Ok(());
-                    }
-                    // A decode step's pace: the worker gets time to commit ahead.
-                    std::thread::sleep(std::time::Duration::from_micros(100));
-                    if let Ok(Ensured::Ready) = seq.ensure_tokens(n) {
-                        // Token n-1 lies in window (n-1) x 256 / g of this token-major range.
-                        let window = (n - 1) * 256 / g * g;
-                        let at = base.0 + window;
-                        let record = rec.record();
-                        if !record
-                            .mappings
-                            .iter()
-                            .any(|m| m.address.0 <= at && at < m.address.0 + m.size)
-                        {
-                            return Err(format!(
-                                "round {round}: Ready for {n} tokens, window at {at:#x} unmapped"
-                            ));
-                        }
-                    }
-                }
-                seq.release().map_err(|e| e.to_string())?;
-            }
-            Ok(())
+        decoders.push(std::thread::spawn(move || {
+            decode_checking_ready(&seq, &rec, &stop, base, g, max)
         }));
     }
-    let (vm, stop2) = (w.vm.clone(), stop.clone());
-    let g = w.g;
-    let pressure = std::thread::spawn(move || {
-        while !stop2.load(Ordering::Relaxed) {
-            // A grant just over what is free: the governor asks the pool and the
-            // pre-committer to give back headroom first.
-            let free = vm.governor().snapshot().device(vm.device()).free();
-            if let Ok(grant) = vm.try_grant(free.saturating_add(2 * g)) {
-                grant.rollback();
-            }
-            vm.trim_pool(0);
-            std::thread::yield_now();
-        }
-    });
-    let mut failure = None;
-    for d in decoders {
-        match d.join() {
-            Ok(Ok(())) => {}
-            Ok(Err(m)) => failure = failure.or(Some(m)),
-            Err(_) => failure = failure.or(Some("a decode thread panicked".to_owned())),
-        }
-    }
+    let pressure = spawn_reclaim_pressure(w.vm.clone(), w.g, stop.clone());
+    let failure = first_failure(decoders);
     stop.store(true, Ordering::Relaxed);
     let _ = pressure.join();
     if let Some(m) = failure {
@@ -298,23 +252,100 @@ pub fn precommit_ready_is_always_mapped(w: &World, s: &mut State) -> Result<(), 
     }
     // How many steps above found their tokens ready depends on the schedule. With the
     // pressure gone the worker gets ahead by construction: one Ready over a mapped window.
-    let seq = pre.attach(SequenceKv::new(&w.vm, &p, max).map_err(e)?);
+    ready_without_pressure(w, &pre, &p)?;
+    books(w, s)
+}
+
+/// Whether the recording holds a mapping over address `at`.
+fn is_mapped(rec: &Recording, at: u64) -> bool {
+    rec.record()
+        .mappings
+        .iter()
+        .any(|m| m.address.0 <= at && at < m.address.0 + m.size)
+}
+
+/// A decode thread's rounds: `seq` (at `base`) grows to `max` tokens a step at a time, at a
+/// decode step's pace, then releases everything; every `Ready` must find its window mapped.
+/// Stops early once `stop` is set.
+fn decode_checking_ready(
+    seq: &PrecommittedSequence,
+    rec: &Recording,
+    stop: &AtomicBool,
+    base: DeviceAddress,
+    g: u64,
+    max: u64,
+) -> Result<(), String> {
+    for round in 0..20u64 {
+        let step = (max / 64).max(1);
+        for n in (1..=max).step_by(usize::try_from(step).unwrap_or(1)) {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            // A decode step's pace: the worker gets time to commit ahead.
+            std::thread::sleep(std::time::Duration::from_micros(100));
+            if let Ok(Ensured::Ready) = seq.ensure_tokens(n) {
+                // Token n-1 lies in window (n-1) x 256 / g of this token-major range.
+                let window = (n - 1) * 256 / g * g;
+                let at = base.0 + window;
+                if !is_mapped(rec, at) {
+                    return Err(format!(
+                        "round {round}: Ready for {n} tokens, window at {at:#x} unmapped"
+                    ));
+                }
+            }
+        }
+        seq.release().map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// A thread that, until `stop` is set, asks for a grant just over what is free (the governor
+/// asks the pool and the pre-committer to give back headroom first) and trims the pool.
+fn spawn_reclaim_pressure(
+    vm: VirtualMemory,
+    g: u64,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            let free = vm.governor().snapshot().device(vm.device()).free();
+            if let Ok(grant) = vm.try_grant(free.saturating_add(2 * g)) {
+                grant.rollback();
+            }
+            vm.trim_pool(0);
+            std::thread::yield_now();
+        }
+    })
+}
+
+/// Joins every decode thread; the first failure, if any.
+fn first_failure(decoders: Vec<std::thread::JoinHandle<Result<(), String>>>) -> Option<String> {
+    let mut failure = None;
+    for d in decoders {
+        match d.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(m)) => failure = failure.or(Some(m)),
+            Err(_) => failure = failure.or(Some("a decode thread panicked".to_owned())),
+        }
+    }
+    failure
+}
+
+/// With nothing else running, the worker gets ahead of a new sequence: its second token is
+/// `Ready`, over a mapped window. Shuts the pre-committer down.
+fn ready_without_pressure(w: &World, pre: &Precommitter, p: &LayoutPlan) -> Result<(), String> {
+    let max = p.geometry().max_tokens();
+    let seq = pre.attach(SequenceKv::new(&w.vm, p, max).map_err(e)?);
     seq.ensure_tokens(1).map_err(e)?;
     pre.wait_idle();
     let got = seq.ensure_tokens(2).map_err(e)?;
     let at = seq.with_sequence(|q| q.address().0);
-    let mapped = w
-        .recording
-        .record()
-        .mappings
-        .iter()
-        .any(|m| m.address.0 <= at && at < m.address.0 + m.size);
+    let mapped = is_mapped(&w.recording, at);
     pre.shutdown();
     drop(seq);
     ensure(got == Ensured::Ready && mapped, || {
         format!("with no pressure the worker did not get ahead: {got:?}, mapped {mapped}")
-    })?;
-    books(w, s)
+    })
 }
 
 /// The pre-committer grows ahead in buddy-aligned multi-window handles, within its bound: a

@@ -197,22 +197,46 @@ fn cache_of(s: &State) -> Result<Arc<PrefixCache>, String> {
 
 /// Every fault scenario, in report order.
 pub fn all_scenarios() -> Vec<Scenario> {
-    let pooled = WorldSpec {
+    [
+        reservation_scenarios(),
+        sequence_scenarios(),
+        shared_set_scenarios(),
+        pool_scenarios(),
+        prefix_cache_scenarios(),
+    ]
+    .concat()
+}
+
+/// A pool of 8 granules.
+fn pooled() -> WorldSpec {
+    WorldSpec {
         pool_granules: 8,
         ..WorldSpec::default()
-    };
-    let parked = WorldSpec {
+    }
+}
+
+/// A pool of 8 granules that parks released windows in their reservation.
+fn parked() -> WorldSpec {
+    WorldSpec {
         pool_granules: 8,
         park: true,
         ..WorldSpec::default()
-    };
-    // Multi-window handles of up to 8 granules, and a pool of 4 (so that some handles are
-    // pooled and the 8-window one is released).
-    let multi = WorldSpec {
+    }
+}
+
+/// Multi-window handles of up to 8 granules, and a pool of 4 (so that some handles are
+/// pooled and the 8-window one is released).
+fn multi() -> WorldSpec {
+    WorldSpec {
         pool_granules: 4,
         max_handle_granules: 8,
         ..WorldSpec::default()
-    };
+    }
+}
+
+/// The manager's own operations on a reservation: commits (pooled, over ranges, as
+/// multi-window handles), release and truncate.
+fn reservation_scenarios() -> Vec<Scenario> {
     vec![
         Scenario {
             name: "commit",
@@ -224,7 +248,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
         Scenario {
             name: "commit_pooled",
             description: "commit of 3 granules, 2 from the pool",
-            spec: pooled,
+            spec: pooled(),
             setup: |w, s| {
                 reserve(w, s, 8)?;
                 first(s)?.commit(2 * w.g).map_err(e)?;
@@ -262,7 +286,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
             name: "commit_multi_handle",
             description: "a commit of 13 windows from window 1 as 5 buddy-aligned handles \
                           (1, 2, 4, 4, 2 windows; handles of at most 8)",
-            spec: multi,
+            spec: multi(),
             setup: |w, s| reserve_and_commit(w, s, 32, 1),
             op: |w, s| first(s)?.commit(13 * w.g).map(|_| ()).map_err(e),
         },
@@ -270,7 +294,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
             name: "truncate_multi_window",
             description: "truncate through a 4-window handle: it stays whole, the 2 handles \
                           past it go (to the pool or the driver)",
-            spec: multi,
+            spec: multi(),
             setup: |w, s| reserve_and_commit(w, s, 32, 15),
             op: |w, s| first(s)?.truncate(9 * w.g + 1).map(|_| ()).map_err(e),
         },
@@ -278,7 +302,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
             name: "release_inside_handle",
             description: "release of windows 0..10: the 8-window handle goes, the 4-window \
                           handle it cuts into stays mapped and committed",
-            spec: multi,
+            spec: multi(),
             setup: |w, s| reserve_and_commit(w, s, 32, 12),
             op: |w, s| {
                 first(s)?
@@ -287,6 +311,12 @@ pub fn all_scenarios() -> Vec<Scenario> {
                     .map_err(e)
             },
         },
+    ]
+}
+
+/// A KV sequence growing, shrinking and releasing, and the pre-committer's steps.
+fn sequence_scenarios() -> Vec<Scenario> {
+    vec![
         Scenario {
             name: "kv_ensure",
             description: "a head-major sequence grows to its maximum (2 windows per fragment)",
@@ -302,7 +332,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
         Scenario {
             name: "kv_shrink",
             description: "a sequence gives back the windows committed ahead of its live end",
-            spec: pooled,
+            spec: pooled(),
             setup: |w, s| seq(w, s, KvLayout::SeqMajor, 3 * window_tokens(w)),
             op: |w, s| {
                 first_seq(s)?
@@ -321,7 +351,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
         Scenario {
             name: "precommit_job",
             description: "the pre-committer's steps: begin, run unlocked, finish",
-            spec: pooled,
+            spec: pooled(),
             setup: |w, s| seq(w, s, KvLayout::TokenMajor, 1),
             op: |w, s| {
                 let q = first_seq(s)?;
@@ -337,7 +367,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
             name: "precommit_grow",
             description: "the pre-committer grows a sequence ahead in one 4-window handle, \
                           then the sequence is dropped",
-            spec: multi,
+            spec: multi(),
             setup: |w, s| {
                 let p = plan_windows(w, KvLayout::TokenMajor, 16)?;
                 let mut q = SequenceKv::new(&w.vm, &p, p.geometry().max_tokens()).map_err(e)?;
@@ -347,6 +377,13 @@ pub fn all_scenarios() -> Vec<Scenario> {
             },
             op: precommit_grow,
         },
+    ]
+}
+
+/// Shared sets: an owner's commit, a sharer's attach and withdrawal, and the teardown of a
+/// reservation holding both.
+fn shared_set_scenarios() -> Vec<Scenario> {
+    vec![
         Scenario {
             name: "shared_commit",
             description: "an owner commits 2 windows as a shared set",
@@ -393,7 +430,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
         Scenario {
             name: "teardown",
             description: "dropping a reservation with owned and shared blocks",
-            spec: pooled,
+            spec: pooled(),
             setup: |w, s| {
                 owner_and_sharer(w, s)?;
                 let set = s.sets.first().cloned().ok_or("no set")?;
@@ -407,20 +444,32 @@ pub fn all_scenarios() -> Vec<Scenario> {
                 Ok(())
             },
         },
+    ]
+}
+
+/// The pool giving back parked windows and free handles.
+fn pool_scenarios() -> Vec<Scenario> {
+    vec![
         Scenario {
             name: "unpark",
             description: "the pool gives back parked windows (unmap and release)",
-            spec: parked,
+            spec: parked(),
             setup: committed_then_released,
             op: trim_pool,
         },
         Scenario {
             name: "pool_trim",
             description: "the pool releases its free handles",
-            spec: pooled,
+            spec: pooled(),
             setup: committed_then_released,
             op: trim_pool,
         },
+    ]
+}
+
+/// The prefix cache: publish, hit and evict.
+fn prefix_cache_scenarios() -> Vec<Scenario> {
+    vec![
         Scenario {
             name: "prefix_publish",
             description: "a missed prompt of 2 blocks is admitted, written and published",
@@ -453,7 +502,7 @@ pub fn all_scenarios() -> Vec<Scenario> {
         Scenario {
             name: "prefix_evict",
             description: "the prefix cache evicts an idle prompt",
-            spec: pooled,
+            spec: pooled(),
             setup: |w, s| {
                 published(w, s)?;
                 s.seqs.clear();

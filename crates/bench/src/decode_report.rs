@@ -116,14 +116,18 @@ impl DecodeLoopReport {
     /// A Markdown table of the figures: sizes in binary units with the exact bytes, times as
     /// measured (labelled when they come from the simulated driver).
     pub fn to_markdown(&self) -> String {
-        let size = |b: u64| {
-            if b < 1024 {
-                format!("{b} B")
-            } else {
-                format!("{} ({b} B)", format_size(b))
-            }
-        };
         let mut s = String::new();
+        self.title_markdown(&mut s);
+        let _ = writeln!(s, "| figure | value |\n|---|---|");
+        let _ = writeln!(s, "| prompt shared | {} |", self.sharing_text());
+        self.memory_rows(&mut s);
+        self.attach_and_copy_rows(&mut s);
+        self.run_rows(&mut s);
+        s
+    }
+
+    /// The title (model, layout, shape, backend, granule) and the simulated-timings note.
+    fn title_markdown(&self, s: &mut String) {
         let _ = writeln!(
             s,
             "### KV decode loop: {} {}, {} sequences x {}-token prompt + {} decode tokens ({}, granule {})\n",
@@ -138,8 +142,11 @@ impl DecodeLoopReport {
         if let Some(note) = crate::timing::simulated_timing_note(&self.backend, false) {
             let _ = writeln!(s, "{note}\n");
         }
-        let _ = writeln!(s, "| figure | value |\n|---|---|");
-        let _ = writeln!(s, "| prompt shared | {} |", self.sharing_text());
+    }
+
+    /// The bytes committed with and without sharing, what sharing saved, and the shared
+    /// prefix.
+    fn memory_rows(&self, s: &mut String) {
         let _ = writeln!(
             s,
             "| committed with sharing | {} |",
@@ -165,6 +172,11 @@ impl DecodeLoopReport {
             "| shared prefix (billed once) | {} |",
             size(self.shared_prefix_bytes)
         );
+    }
+
+    /// The times to attach the shared prefix (when shareable), to admit with a hit and to copy
+    /// the prefix instead, and their ratio.
+    fn attach_and_copy_rows(&self, s: &mut String) {
         if self.prompt_shareable {
             let _ = writeln!(
                 s,
@@ -200,6 +212,11 @@ impl DecodeLoopReport {
                 self.copy_median.as_secs_f64() / self.attach_after_copy_median.as_secs_f64();
             let _ = writeln!(s, "| copy / attach (after a copy) | {speedup:.1}x |");
         }
+    }
+
+    /// The phases' times, the bytes written and verified, the cache's counters and the bytes
+    /// left at the end.
+    fn run_rows(&self, s: &mut String) {
         let _ = writeln!(
             s,
             "| prefill / decode / verify | {:?} / {:?} / {:?} |",
@@ -228,6 +245,137 @@ impl DecodeLoopReport {
             "| used bytes at the end | {} |",
             size(self.used_bytes_at_end)
         );
-        s
     }
+}
+
+/// A size in binary units with the exact bytes (bytes alone under 1 KiB).
+fn size(b: u64) -> String {
+    if b < 1024 {
+        format!("{b} B")
+    } else {
+        format!("{} ({b} B)", format_size(b))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A report with every figure distinct, shared and verified on the simulator.
+    fn shared() -> DecodeLoopReport {
+        let mut cache = PrefixCacheStats::default();
+        cache.hits = 63;
+        cache.misses = 1;
+        cache.tokens_saved = 63 * 4096;
+        cache.bytes_saved = 63 << 29;
+        DecodeLoopReport {
+            backend: "sim".to_owned(),
+            model: "llama-3-8b fp16".to_owned(),
+            layout: KvLayout::SeqMajor,
+            granule: 2 << 20,
+            sequences: 64,
+            prompt_tokens: 4096,
+            decode_tokens: 64,
+            bytes_per_token: 131_072,
+            share_prefix: true,
+            block_tokens: 16,
+            prefix_handle_blocks: 4,
+            hit_tokens: 4096,
+            prompt_shareable: true,
+            prompt_refusal: None,
+            shared_prefix_bytes: 1 << 29,
+            committed_bytes_with_sharing: (1 << 29) + (64 << 23),
+            committed_bytes_without_sharing: 64 * ((1 << 29) + (1 << 23)),
+            attach_median: Duration::from_micros(41),
+            attach_min: Duration::from_micros(37),
+            attach_mappings: 64,
+            attach_after_copy_median: Duration::from_micros(95),
+            attach_after_copy_min: Duration::from_micros(88),
+            admit_hit_median: Duration::from_micros(120),
+            admit_hit_mappings: 66,
+            copy_median: Duration::from_millis(3),
+            copy_min: Duration::from_micros(2_900),
+            copy_bytes: 1 << 29,
+            prefill_time: Duration::from_millis(250),
+            decode_time: Duration::from_millis(80),
+            verify_time: Duration::from_millis(900),
+            bytes_written: 3 << 30,
+            bytes_verified: 33 << 30,
+            verified: true,
+            cache,
+            used_bytes_at_end: 0,
+        }
+    }
+
+    /// The same run on another backend with sharing off, not shareable and not verified.
+    fn unshared() -> DecodeLoopReport {
+        DecodeLoopReport {
+            backend: "cuda".to_owned(),
+            share_prefix: false,
+            prompt_shareable: false,
+            prompt_refusal: Some("the prefix ends inside a window".to_owned()),
+            committed_bytes_with_sharing: 0,
+            committed_bytes_without_sharing: 512,
+            shared_prefix_bytes: 0,
+            attach_after_copy_median: Duration::ZERO,
+            verified: false,
+            bytes_verified: 0,
+            used_bytes_at_end: 1000,
+            ..shared()
+        }
+    }
+
+    #[test]
+    fn the_table_is_pinned() {
+        assert_eq!(shared().to_markdown(), SHARED);
+        assert_eq!(unshared().to_markdown(), UNSHARED);
+        let refused = DecodeLoopReport {
+            share_prefix: true,
+            ..unshared()
+        };
+        assert!(refused
+            .to_markdown()
+            .contains("| prompt shared | no: the prompt is not shareable here: the prefix ends inside a window |"));
+    }
+
+    const SHARED: &str = r#"### KV decode loop: llama-3-8b fp16 seq-major, 64 sequences x 4096-token prompt + 64 decode tokens (sim, granule 2 MiB)
+
+simulated timings: backend sim is an in-process simulated driver; the times are its bookkeeping, not a GPU's (run on a GPU for real figures)
+
+| figure | value |
+|---|---|
+| prompt shared | yes: 4096 tokens per sharer mapped read-only from the prefix cache (blocks of 16 tokens, handles of up to 4 blocks) |
+| committed with sharing | 1 GiB (1073741824 B) |
+| committed without sharing | 32.5 GiB (34896609280 B) |
+| saved | 31.5 GiB (33822867456 B), 32.5x less |
+| shared prefix (billed once) | 512 MiB (536870912 B) |
+| attach shared prefix (map_shared_prefix_readonly), back to back, median / min | 41µs / 37µs (64 mappings) |
+| attach right after a copy of the prompt, median / min | 95µs / 88µs |
+| admit with a cache hit, median | 120µs (66 mappings) |
+| copy prefix into a private reservation (512 MiB), median / min | 3ms / 2.9ms |
+| copy / attach (after a copy) | 31.6x |
+| prefill / decode / verify | 250ms / 80ms / 900ms |
+| bytes written | 3 GiB (3221225472 B) |
+| read back and compared | every byte equal: 33 GiB (35433480192 B) |
+| cache: hits / misses / tokens saved / bytes saved | 63 / 1 / 258048 / 31.5 GiB (33822867456 B) |
+| used bytes at the end | 0 B |
+"#;
+    const UNSHARED: &str = r#"### KV decode loop: llama-3-8b fp16 seq-major, 64 sequences x 4096-token prompt + 64 decode tokens (cuda, granule 2 MiB)
+
+| figure | value |
+|---|---|
+| prompt shared | no: sharing turned off (every sequence commits and writes its own prompt) |
+| committed with sharing | 0 B |
+| committed without sharing | 512 B |
+| saved | 512 B, 0.0x less |
+| shared prefix (billed once) | 0 B |
+| attach shared prefix (map_shared_prefix_readonly) | not measured: the prompt is not shareable |
+| admit with a cache hit, median | 120µs (66 mappings) |
+| copy prefix into a private reservation (512 MiB), median / min | 3ms / 2.9ms |
+| prefill / decode / verify | 250ms / 80ms / 900ms |
+| bytes written | 3 GiB (3221225472 B) |
+| read back and compared | skipped (verification off) |
+| cache: hits / misses / tokens saved / bytes saved | 63 / 1 / 258048 / 31.5 GiB (33822867456 B) |
+| used bytes at the end | 1000 B |
+"#;
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvvm::host::{mmap_first_touch, HostBackend};
-use kvvm::vmm::{Governor, VirtualMemory, VmmConfig};
+use kvvm::vmm::{Governor, SharedHandles, VirtualMemory, VmmConfig};
 use kvvm::{Access, DeviceId, VirtualMemoryBackend};
 
 /// The samples of each case, one per iteration (after one unmeasured warm-up).
@@ -35,7 +35,6 @@ pub fn measure_host(
     bytes: u64,
     iterations: usize,
 ) -> Result<HostSamples, String> {
-    let err = |e: &dyn std::fmt::Display| e.to_string();
     let backend: Arc<dyn VirtualMemoryBackend> = host.clone();
     let vm = VirtualMemory::new(
         backend,
@@ -45,14 +44,7 @@ pub fn measure_host(
     )
     .map_err(|e| err(&e))?;
     let len = usize::try_from(bytes).map_err(|e| err(&e))?;
-    let mut s = HostSamples {
-        commit: Vec::new(),
-        touch: Vec::new(),
-        commit_touch: Vec::new(),
-        mmap_touch: Vec::new(),
-        attach: Vec::new(),
-        memcpy: Vec::new(),
-    };
+    let mut s = HostSamples::default();
 
     // The owner of a shared prefix of `bytes`, written once.
     let prefix: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
@@ -65,37 +57,10 @@ pub fn measure_host(
 
     for i in 0..=iterations {
         let keep = i > 0; // sample 0 is the warm-up
-                          // Commit through the manager, then first touch.
-        let mut r = vm.reserve(bytes).map_err(|e| err(&e))?;
-        let t = Instant::now();
-        r.commit(bytes).map_err(|e| err(&e))?;
-        let commit = t.elapsed();
-        let t = Instant::now();
-        host.touch_pages(r.address(), bytes).map_err(|e| err(&e))?;
-        let touch = t.elapsed();
-        r.release().map_err(|e| err(&e))?;
-        drop(r);
+        let (commit, touch) = time_commit_and_touch(host, &vm, bytes)?;
         // Plain mmap and first touch of the same bytes.
         let plain = mmap_first_touch(bytes).map_err(|e| err(&e))?;
-        // Attach the prefix read-only vs copy it.
-        let t = Instant::now();
-        let mut sharer = vm.reserve(bytes).map_err(|e| err(&e))?;
-        sharer
-            .map_shared(&set, &windows, Access::Read)
-            .map_err(|e| err(&e))?;
-        let attach = t.elapsed();
-        let mut probe = [0u8; 64];
-        let last = sharer
-            .address()
-            .checked_add(bytes - 64)
-            .ok_or("address overflow")?;
-        host.copy_from_device(&mut probe, last)
-            .map_err(|e| err(&e))?;
-        if probe[..] != prefix[len - 64..] {
-            return Err("the attached prefix does not show the owner's bytes".into());
-        }
-        sharer.release().map_err(|e| err(&e))?;
-        drop(sharer);
+        let attach = time_attach(host, &vm, (&set, &windows), &prefix)?;
         let t = Instant::now();
         copy_dst.copy_from_slice(&prefix);
         let memcpy = t.elapsed();
@@ -114,4 +79,57 @@ pub fn measure_host(
     drop(set);
     drop(vm);
     Ok(s)
+}
+
+fn err(e: &dyn std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// A commit of `bytes` through the manager, then the first touch of its pages: the time of
+/// each. The reservation is released after.
+fn time_commit_and_touch(
+    host: &HostBackend,
+    vm: &VirtualMemory,
+    bytes: u64,
+) -> Result<(Duration, Duration), String> {
+    let mut r = vm.reserve(bytes).map_err(|e| err(&e))?;
+    let t = Instant::now();
+    r.commit(bytes).map_err(|e| err(&e))?;
+    let commit = t.elapsed();
+    let t = Instant::now();
+    host.touch_pages(r.address(), bytes).map_err(|e| err(&e))?;
+    let touch = t.elapsed();
+    r.release().map_err(|e| err(&e))?;
+    drop(r);
+    Ok((commit, touch))
+}
+
+/// The time to attach the shared prefix (`set`, all its `windows`) read-only into a new
+/// reservation, which must then show the owner's bytes (`prefix`) at its end.
+fn time_attach(
+    host: &HostBackend,
+    vm: &VirtualMemory,
+    (set, windows): (&Arc<SharedHandles>, &[usize]),
+    prefix: &[u8],
+) -> Result<Duration, String> {
+    let bytes = prefix.len() as u64;
+    let t = Instant::now();
+    let mut sharer = vm.reserve(bytes).map_err(|e| err(&e))?;
+    sharer
+        .map_shared(set, windows, Access::Read)
+        .map_err(|e| err(&e))?;
+    let attach = t.elapsed();
+    let mut probe = [0u8; 64];
+    let last = sharer
+        .address()
+        .checked_add(bytes - 64)
+        .ok_or("address overflow")?;
+    host.copy_from_device(&mut probe, last)
+        .map_err(|e| err(&e))?;
+    if probe[..] != prefix[prefix.len() - 64..] {
+        return Err("the attached prefix does not show the owner's bytes".into());
+    }
+    sharer.release().map_err(|e| err(&e))?;
+    drop(sharer);
+    Ok(attach)
 }

@@ -2,6 +2,7 @@
 //! against a background [`Precommitter`], side by side in one run (`kvvm bench decode`).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use kvvm::hal::{DeviceId, VirtualMemoryBackend};
 use kvvm::kv::precommit::{Ensured, PrecommitConfig, PrecommitStats, Precommitter};
@@ -120,26 +121,49 @@ pub fn run_decode_bench(
     backend: Arc<dyn VirtualMemoryBackend>,
     config: &DecodeBenchConfig,
 ) -> Result<DecodeBenchReport, KvCacheError> {
-    use std::time::Instant;
-
-    let new_vm = || -> Result<VirtualMemory, KvCacheError> {
-        Ok(VirtualMemory::new(
-            Arc::clone(&backend),
-            config.device,
-            kvvm::governor::Governor::unlimited(),
-            kvvm::vmm::VmmConfig::default().granularity(kvvm::vmm::GranularityChoice::Minimum),
-        )?)
-    };
     let total = config.prompt_tokens.saturating_add(config.decode_tokens);
     let geometry = config.geometry.with_max_tokens(total.max(1))?;
-
-    // Inline: plain sequences.
-    let vm = new_vm()?;
+    let vm = fresh_vm(&backend, config)?;
     let plan = LayoutPlan::new(geometry, config.layout, vm.granule())?;
     let granule = vm.granule();
+    let inline = decode_inline(&vm, &plan, config, total)?;
+    drop(vm);
+    let vm = fresh_vm(&backend, config)?;
+    let (precommit, stats) = decode_precommitted(&vm, &plan, config, total)?;
+    Ok(DecodeBenchReport {
+        backend: backend.name().to_owned(),
+        inline,
+        precommit,
+        extra_committed_bytes: stats.peak_headroom_bytes,
+        max_headroom_bytes: config.precommit.max_headroom_bytes,
+        stats,
+        granule,
+    })
+}
+
+/// A fresh manager on `backend` for one run: no budget, the minimum granularity.
+fn fresh_vm(
+    backend: &Arc<dyn VirtualMemoryBackend>,
+    config: &DecodeBenchConfig,
+) -> Result<VirtualMemory, KvCacheError> {
+    Ok(VirtualMemory::new(
+        Arc::clone(backend),
+        config.device,
+        kvvm::governor::Governor::unlimited(),
+        kvvm::vmm::VmmConfig::default().granularity(kvvm::vmm::GranularityChoice::Minimum),
+    )?)
+}
+
+/// The inline run: plain sequences commit on the decode path; every `ensure_tokens` timed.
+fn decode_inline(
+    vm: &VirtualMemory,
+    plan: &LayoutPlan,
+    config: &DecodeBenchConfig,
+    total: u64,
+) -> Result<LatencySummary, KvCacheError> {
     let mut seqs = Vec::new();
     for _ in 0..config.sequences {
-        let mut s = SequenceKv::new(&vm, &plan, total)?;
+        let mut s = SequenceKv::new(vm, plan, total)?;
         s.ensure_tokens(config.prompt_tokens)?;
         seqs.push(s);
     }
@@ -159,15 +183,22 @@ pub fn run_decode_bench(
     }
     let inline = summarize(samples, inline_commits);
     drop(seqs);
-    drop(vm);
+    Ok(inline)
+}
 
-    // Pre-commit: the same loop through the worker.
-    let vm = new_vm()?;
-    let pre = Precommitter::start(&vm, config.precommit)?;
+/// The pre-commit run: the same loop through a [`Precommitter`]'s sequences; every
+/// `ensure_tokens` timed. Returns the latencies and the worker's counters.
+fn decode_precommitted(
+    vm: &VirtualMemory,
+    plan: &LayoutPlan,
+    config: &DecodeBenchConfig,
+    total: u64,
+) -> Result<(LatencySummary, PrecommitStats), KvCacheError> {
+    let pre = Precommitter::start(vm, config.precommit)?;
     pre.set_grow_ahead_bytes(config.grow_ahead_bytes);
     let mut seqs = Vec::new();
     for _ in 0..config.sequences {
-        let mut s = SequenceKv::new(&vm, &plan, total)?;
+        let mut s = SequenceKv::new(vm, plan, total)?;
         s.ensure_tokens(config.prompt_tokens)?;
         let p = pre.attach(s);
         p.ensure_tokens(config.prompt_tokens)?;
@@ -191,13 +222,5 @@ pub fn run_decode_bench(
     let stats = pre.stats();
     pre.shutdown();
     drop(seqs);
-    Ok(DecodeBenchReport {
-        backend: backend.name().to_owned(),
-        inline,
-        precommit: summarize(samples, inline_commits),
-        extra_committed_bytes: stats.peak_headroom_bytes,
-        max_headroom_bytes: config.precommit.max_headroom_bytes,
-        stats,
-        granule,
-    })
+    Ok((summarize(samples, inline_commits), stats))
 }

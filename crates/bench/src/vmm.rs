@@ -147,11 +147,17 @@ pub fn run_all_with_baseline(
             .granularity(GranularityChoice::Minimum)
             .max_handle_bytes(config.max_handle_bytes),
     )?;
-    let g = fresh_vm.granule();
+    let bench = Bench {
+        backend: &backend,
+        config,
+        fresh_vm: &fresh_vm,
+        g: fresh_vm.granule(),
+        rounds: config.warmup.saturating_add(config.iterations),
+    };
     let mut report = BenchReport {
         backend: backend.name().to_owned(),
         device,
-        granule: g,
+        granule: bench.g,
         iterations: config.iterations,
         commit: Vec::new(),
         runs: Vec::new(),
@@ -161,46 +167,11 @@ pub fn run_all_with_baseline(
         growth: Vec::new(),
         notes: Vec::new(),
     };
-    let rounds = config.warmup.saturating_add(config.iterations);
-    let free_memory = |b: &dyn VirtualMemoryBackend| b.memory_info(device).map(|m| m.free);
-
     for &k in &config.commit_granules {
-        let bytes = k.checked_mul(g).ok_or(VmmError::SizeOverflow {
-            what: "bench commit size",
-        })?;
-        if k == 0 || free_memory(&*backend)? < bytes {
-            report.notes.push(format!(
-                "commit of {k} granules skipped: does not fit free memory"
-            ));
-            continue;
-        }
-        let mut res = fresh_vm.reserve(bytes)?;
-        let raw = RawRange::reserve(&*backend, device, bytes)?;
-        let (mut manager, mut raw_samples) = (Vec::new(), Vec::new());
-        for round in 0..rounds {
-            let t = time_commit(&mut res, bytes)?;
-            let r = raw.time_commit(k, g);
-            let r = r?;
-            if round >= config.warmup {
-                manager.push(t);
-                raw_samples.push(r);
-            }
-        }
-        drop(res);
-        raw.free()?;
-        if let (Some(manager), Some(raw)) = (
-            Stats::from_samples(manager),
-            Stats::from_samples(raw_samples),
-        ) {
-            report.commit.push(CommitRow {
-                granules: k,
-                bytes,
-                manager,
-                raw,
-            });
+        if let Some(row) = bench.commit_row(k, &mut report.notes)? {
+            report.commit.push(row);
         }
     }
-
     report.runs = crate::vmm_runs::measure_runs(
         &*backend,
         &fresh_vm,
@@ -209,73 +180,156 @@ pub fn run_all_with_baseline(
         (config.warmup, config.iterations),
         &mut report.notes,
     )?;
+    if config.pool_granules > 0 {
+        report.pool = bench.pool_row(config.pool_granules, &mut report.notes)?;
+    }
+    for &size in &config.growth_sizes {
+        let row = bench.growth_row(size, realloc.as_mut())?;
+        report.growth.push(row);
+    }
+    Ok(report)
+}
 
-    let k = config.pool_granules;
-    if k > 0 {
-        let bytes = k.checked_mul(g).ok_or(VmmError::SizeOverflow {
-            what: "bench pool size",
-        })?;
-        if free_memory(&*backend)? < bytes {
-            report.notes.push(format!(
-                "pool case of {k} granules skipped: does not fit free memory"
-            ));
-        } else {
-            let pool_vm = VirtualMemory::new(
-                backend.clone(),
-                device,
-                Governor::unlimited(),
-                VmmConfig::default()
-                    .pool_cap_bytes(bytes)
-                    .granularity(GranularityChoice::Minimum),
-            )?;
-            let park_vm = VirtualMemory::new(
-                backend.clone(),
-                device,
-                Governor::unlimited(),
-                VmmConfig::default()
-                    .pool_cap_bytes(bytes)
-                    .granularity(GranularityChoice::Minimum)
-                    .park_released(true),
-            )?;
-            let mut pooled_res = pool_vm.reserve(bytes)?;
-            pooled_res.commit(bytes)?;
-            pooled_res.release()?;
-            let mut parked_res = park_vm.reserve(bytes)?;
-            parked_res.commit(bytes)?;
-            parked_res.release()?;
-            let mut fresh_res = fresh_vm.reserve(bytes)?;
-            let (mut pooled, mut parked, mut fresh) = (Vec::new(), Vec::new(), Vec::new());
-            for round in 0..rounds {
-                let p = time_commit(&mut pooled_res, bytes)?;
-                let q = time_commit(&mut parked_res, bytes)?;
-                let f = time_commit(&mut fresh_res, bytes)?;
-                if round >= config.warmup {
-                    pooled.push(p);
-                    parked.push(q);
-                    fresh.push(f);
-                }
-            }
-            drop(pooled_res);
-            drop(parked_res);
-            drop(fresh_res);
-            pool_vm.trim_pool(0);
-            park_vm.trim_pool(0);
-            if let (Some(from_pool), Some(from_parked), Some(fresh)) = (
-                Stats::from_samples(pooled),
-                Stats::from_samples(parked),
-                Stats::from_samples(fresh),
-            ) {
-                report.pool = Some(PoolRow {
-                    granules: k,
-                    from_pool,
-                    from_parked,
-                    fresh,
-                });
-            }
-        }
+/// What every measurement of one run works with.
+struct Bench<'a> {
+    backend: &'a Arc<dyn VirtualMemoryBackend>,
+    config: &'a BenchConfig,
+    /// The manager with no pool: every commit is fresh.
+    fresh_vm: &'a VirtualMemory,
+    /// Its granule.
+    g: u64,
+    /// Rounds per case, warm-up included.
+    rounds: usize,
+}
+
+impl Bench<'_> {
+    fn free_memory(&self) -> VmmResult<u64> {
+        Ok(self.backend.memory_info(self.config.device)?.free)
     }
 
-    for &size in &config.growth_sizes {
+    /// Whether `round` is measured (past the warm-up).
+    fn measured(&self, round: usize) -> bool {
+        round >= self.config.warmup
+    }
+
+    /// A manager commit of `k` granules against the raw driver sequence; `None` with a note
+    /// when it does not fit free memory.
+    fn commit_row(&self, k: u64, notes: &mut Vec<String>) -> VmmResult<Option<CommitRow>> {
+        let g = self.g;
+        let bytes = k.checked_mul(g).ok_or(VmmError::SizeOverflow {
+            what: "bench commit size",
+        })?;
+        if k == 0 || self.free_memory()? < bytes {
+            notes.push(format!(
+                "commit of {k} granules skipped: does not fit free memory"
+            ));
+            return Ok(None);
+        }
+        let mut res = self.fresh_vm.reserve(bytes)?;
+        let raw = RawRange::reserve(&**self.backend, self.config.device, bytes)?;
+        let (mut manager, mut raw_samples) = (Vec::new(), Vec::new());
+        for round in 0..self.rounds {
+            let t = time_commit(&mut res, bytes)?;
+            let r = raw.time_commit(k, g);
+            let r = r?;
+            if self.measured(round) {
+                manager.push(t);
+                raw_samples.push(r);
+            }
+        }
+        drop(res);
+        raw.free()?;
+        let (Some(manager), Some(raw)) = (
+            Stats::from_samples(manager),
+            Stats::from_samples(raw_samples),
+        ) else {
+            return Ok(None);
+        };
+        Ok(Some(CommitRow {
+            granules: k,
+            bytes,
+            manager,
+            raw,
+        }))
+    }
+
+    /// A commit of `k` granules served from the pool and one served from windows parked in
+    /// the same reservation, against a fresh commit; `None` with a note when it does not fit
+    /// free memory.
+    fn pool_row(&self, k: u64, notes: &mut Vec<String>) -> VmmResult<Option<PoolRow>> {
+        let bytes = k.checked_mul(self.g).ok_or(VmmError::SizeOverflow {
+            what: "bench pool size",
+        })?;
+        if self.free_memory()? < bytes {
+            notes.push(format!(
+                "pool case of {k} granules skipped: does not fit free memory"
+            ));
+            return Ok(None);
+        }
+        let pool_vm = self.pooling_manager(bytes, false)?;
+        let park_vm = self.pooling_manager(bytes, true)?;
+        let mut pooled_res = committed_then_released(&pool_vm, bytes)?;
+        let mut parked_res = committed_then_released(&park_vm, bytes)?;
+        let mut fresh_res = self.fresh_vm.reserve(bytes)?;
+        let (mut pooled, mut parked, mut fresh) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..self.rounds {
+            let p = time_commit(&mut pooled_res, bytes)?;
+            let q = time_commit(&mut parked_res, bytes)?;
+            let f = time_commit(&mut fresh_res, bytes)?;
+            if self.measured(round) {
+                pooled.push(p);
+                parked.push(q);
+                fresh.push(f);
+            }
+        }
+        drop(pooled_res);
+        drop(parked_res);
+        drop(fresh_res);
+        pool_vm.trim_pool(0);
+        park_vm.trim_pool(0);
+        let (Some(from_pool), Some(from_parked), Some(fresh)) = (
+            Stats::from_samples(pooled),
+            Stats::from_samples(parked),
+            Stats::from_samples(fresh),
+        ) else {
+            return Ok(None);
+        };
+        Ok(Some(PoolRow {
+            granules: k,
+            from_pool,
+            from_parked,
+            fresh,
+        }))
+    }
+
+    /// A manager whose pool holds `bytes`, parking released windows in their reservation
+    /// when `park`.
+    fn pooling_manager(&self, bytes: u64, park: bool) -> VmmResult<VirtualMemory> {
+        let config = VmmConfig::default()
+            .pool_cap_bytes(bytes)
+            .granularity(GranularityChoice::Minimum);
+        let config = if park {
+            config.park_released(true)
+        } else {
+            config
+        };
+        VirtualMemory::new(
+            self.backend.clone(),
+            self.config.device,
+            Governor::unlimited(),
+            config,
+        )
+    }
+
+    /// Growth of a buffer of `size` bytes by one granule, through the manager and the raw
+    /// driver sequence, and with `realloc` when given; skipped when the buffer, one more
+    /// granule and a second copy do not fit free memory.
+    fn growth_row(
+        &self,
+        size: u64,
+        realloc: Option<&mut ReallocBaseline<'_>>,
+    ) -> VmmResult<GrowthRow> {
+        let g = self.g;
         let mut row = GrowthRow {
             size,
             manager: None,
@@ -283,7 +337,7 @@ pub fn run_all_with_baseline(
             realloc_copy: None,
             skipped: None,
         };
-        let base = fresh_vm.round_up(size)?;
+        let base = self.fresh_vm.round_up(size)?;
         // Room for the buffer, one more granule, and (for the baseline) a second copy.
         let needed = base
             .checked_mul(2)
@@ -291,12 +345,29 @@ pub fn run_all_with_baseline(
             .ok_or(VmmError::SizeOverflow {
                 what: "bench growth size",
             })?;
-        if free_memory(&*backend)? < needed {
+        if self.free_memory()? < needed {
             row.skipped = Some(format!("needs {needed} bytes free, the device has less"));
-            report.growth.push(row);
-            continue;
+            return Ok(row);
         }
-        let mut res = fresh_vm.reserve(base.saturating_add(g))?;
+        (row.manager, row.raw) = self.time_growth(base)?;
+        if let Some(f) = realloc {
+            let mut samples = Vec::new();
+            for round in 0..self.rounds {
+                let t = f(size, g)?;
+                if self.measured(round) {
+                    samples.push(t);
+                }
+            }
+            row.realloc_copy = Stats::from_samples(samples);
+        }
+        Ok(row)
+    }
+
+    /// The manager's commit of one granule past a committed buffer of `base` bytes (then
+    /// truncated back), against the raw create + map + set access of the same tail granule.
+    fn time_growth(&self, base: u64) -> VmmResult<(Option<Stats>, Option<Stats>)> {
+        let g = self.g;
+        let mut res = self.fresh_vm.reserve(base.saturating_add(g))?;
         res.commit(base)?;
         let tail = res
             .address()
@@ -305,41 +376,39 @@ pub fn run_all_with_baseline(
                 what: "bench growth tail",
             })?;
         let raw = RawRange {
-            backend: &*backend,
-            device,
+            backend: &**self.backend,
+            device: self.config.device,
             base: tail,
             size: g,
             owned: false,
         };
         let (mut manager, mut raw_samples) = (Vec::new(), Vec::new());
-        for round in 0..rounds {
+        for round in 0..self.rounds {
             let t0 = Instant::now();
             res.commit(g)?;
             let t = t0.elapsed();
             res.truncate(base)?;
             // The raw growth maps the same tail granule the manager just released.
             let r = raw.time_commit(1, g)?;
-            if round >= config.warmup {
+            if self.measured(round) {
                 manager.push(t);
                 raw_samples.push(r);
             }
         }
         drop(res);
-        row.manager = Stats::from_samples(manager);
-        row.raw = Stats::from_samples(raw_samples);
-        if let Some(f) = realloc.as_mut() {
-            let mut samples = Vec::new();
-            for round in 0..rounds {
-                let t = f(size, g)?;
-                if round >= config.warmup {
-                    samples.push(t);
-                }
-            }
-            row.realloc_copy = Stats::from_samples(samples);
-        }
-        report.growth.push(row);
+        Ok((
+            Stats::from_samples(manager),
+            Stats::from_samples(raw_samples),
+        ))
     }
-    Ok(report)
+}
+
+/// A reservation of `bytes` on `vm`, committed once and released (into the pool, or parked).
+fn committed_then_released(vm: &VirtualMemory, bytes: u64) -> VmmResult<Reservation> {
+    let mut res = vm.reserve(bytes)?;
+    res.commit(bytes)?;
+    res.release()?;
+    Ok(res)
 }
 
 fn time_commit(res: &mut Reservation, bytes: u64) -> VmmResult<Duration> {

@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use kvvm::hal::{DeviceId, VirtualMemoryBackend};
-use kvvm::vmm::{VirtualMemory, VmmResult};
+use kvvm::vmm::{Reservation, VirtualMemory, VmmResult};
 
 use crate::raw::RawRange;
 use crate::stats::Stats;
@@ -47,84 +47,129 @@ pub(crate) fn measure_runs(
     vm: &VirtualMemory,
     device: DeviceId,
     sizes: &[u64],
-    (warmup, iterations): (usize, usize),
+    rounds: (usize, usize),
     notes: &mut Vec<String>,
 ) -> VmmResult<Vec<RunRow>> {
-    let g = vm.granule();
     let mut rows = Vec::new();
     for &bytes in sizes {
-        if bytes == 0 || bytes % g != 0 {
-            notes.push(format!(
-                "run of {} skipped: not a whole number of granules ({})",
-                fmt_bytes(bytes),
-                fmt_bytes(g)
-            ));
+        if let Some(why) = why_skipped(backend, vm, device, bytes)? {
+            notes.push(why);
             continue;
         }
-        let free = backend.memory_info(device)?.free;
-        if free < bytes {
-            notes.push(format!(
-                "run of {} skipped: needs {} free, the device has {}",
-                fmt_bytes(bytes),
-                fmt_bytes(bytes),
-                fmt_bytes(free)
-            ));
-            continue;
-        }
-        let mut res = vm.reserve(bytes)?;
-        let raw = RawRange::reserve(backend, device, bytes)?;
-        let mut samples: [Vec<Duration>; 6] = Default::default();
-        let mut manager_handles = 0;
-        for round in 0..warmup.saturating_add(iterations) {
-            // The manager and the one-handle sequence alternate which goes first; the
-            // per-granule sequence goes last and is followed by an untimed one-handle commit
-            // and teardown, so that neither of the others is measured right after the
-            // teardown of thousands of handles (which leaves the driver's state cold).
-            let mut took = [Duration::ZERO; 6];
-            for case in [round % 2, 1 - round % 2, 2] {
-                match case {
-                    0 => {
-                        let t0 = Instant::now();
-                        let commit = res.commit(bytes)?;
-                        took[0] = t0.elapsed();
-                        let t1 = Instant::now();
-                        res.release()?;
-                        took[1] = t1.elapsed();
-                        manager_handles = commit.mappings;
-                    }
-                    1 => (took[2], took[3]) = raw.time_run(bytes, 1)?,
-                    _ => {
-                        (took[4], took[5]) = raw.time_run(g, bytes / g)?;
-                        raw.time_run(bytes, 1)?;
-                    }
-                }
-            }
-            if round >= warmup {
-                for (v, d) in samples.iter_mut().zip(took) {
-                    v.push(d);
-                }
-            }
-        }
-        drop(res);
-        raw.free()?;
-        let [mc, mt, oc, ot, pc, pt] = samples.map(Stats::from_samples);
-        let case = |c: Option<Stats>, t: Option<Stats>| {
-            c.zip(t)
-                .map(|(commit, teardown)| RunCase { commit, teardown })
-        };
-        if let (Some(manager), Some(one_handle), Some(per_granule)) =
-            (case(mc, mt), case(oc, ot), case(pc, pt))
-        {
-            rows.push(RunRow {
-                bytes,
-                manager_handles,
-                manager,
-                one_handle,
-                per_granule,
-            });
+        if let Some(row) = measure_run(backend, vm, device, bytes, rounds)? {
+            rows.push(row);
         }
     }
     Ok(rows)
+}
+
+/// Why a run of `bytes` cannot be measured, if it cannot: not a whole number of `vm`'s
+/// granules, or more than the device's free memory.
+fn why_skipped(
+    backend: &dyn VirtualMemoryBackend,
+    vm: &VirtualMemory,
+    device: DeviceId,
+    bytes: u64,
+) -> VmmResult<Option<String>> {
+    let g = vm.granule();
+    if bytes == 0 || !bytes.is_multiple_of(g) {
+        return Ok(Some(format!(
+            "run of {} skipped: not a whole number of granules ({})",
+            fmt_bytes(bytes),
+            fmt_bytes(g)
+        )));
+    }
+    let free = backend.memory_info(device)?.free;
+    if free < bytes {
+        return Ok(Some(format!(
+            "run of {} skipped: needs {} free, the device has {}",
+            fmt_bytes(bytes),
+            fmt_bytes(bytes),
+            fmt_bytes(free)
+        )));
+    }
+    Ok(None)
+}
+
+/// Measures a run of `bytes`, `warmup` rounds then `iterations` measured ones: the row, or
+/// `None` without measured rounds.
+fn measure_run(
+    backend: &dyn VirtualMemoryBackend,
+    vm: &VirtualMemory,
+    device: DeviceId,
+    bytes: u64,
+    (warmup, iterations): (usize, usize),
+) -> VmmResult<Option<RunRow>> {
+    let mut res = vm.reserve(bytes)?;
+    let raw = RawRange::reserve(backend, device, bytes)?;
+    let mut samples: [Vec<Duration>; 6] = Default::default();
+    let mut manager_handles = 0;
+    for round in 0..warmup.saturating_add(iterations) {
+        let took;
+        (took, manager_handles) = time_round(&mut res, &raw, vm.granule(), bytes, round)?;
+        if round >= warmup {
+            for (v, d) in samples.iter_mut().zip(took) {
+                v.push(d);
+            }
+        }
+    }
+    drop(res);
+    raw.free()?;
+    let [mc, mt, oc, ot, pc, pt] = samples.map(Stats::from_samples);
+    let case = |c: Option<Stats>, t: Option<Stats>| {
+        c.zip(t)
+            .map(|(commit, teardown)| RunCase { commit, teardown })
+    };
+    let (Some(manager), Some(one_handle), Some(per_granule)) =
+        (case(mc, mt), case(oc, ot), case(pc, pt))
+    else {
+        return Ok(None);
+    };
+    Ok(Some(RunRow {
+        bytes,
+        manager_handles,
+        manager,
+        one_handle,
+        per_granule,
+    }))
+}
+
+/// One round of a run of `bytes`: the commit and teardown of the manager (through `res`),
+/// of one handle and of one handle per granule `g` (through `raw`), and the handles the
+/// manager's commit made.
+///
+/// The manager and the one-handle sequence alternate which goes first; the per-granule
+/// sequence goes last and is followed by an untimed one-handle commit and teardown, so that
+/// neither of the others is measured right after the teardown of thousands of handles (which
+/// leaves the driver's state cold).
+fn time_round(
+    res: &mut Reservation,
+    raw: &RawRange<'_>,
+    g: u64,
+    bytes: u64,
+    round: usize,
+) -> VmmResult<([Duration; 6], u64)> {
+    let mut took = [Duration::ZERO; 6];
+    let mut manager_handles = 0;
+    for case in [round % 2, 1 - round % 2, 2] {
+        match case {
+            0 => {
+                let t0 = Instant::now();
+                let commit = res.commit(bytes)?;
+                took[0] = t0.elapsed();
+                let t1 = Instant::now();
+                res.release()?;
+                took[1] = t1.elapsed();
+                manager_handles = commit.mappings;
+            }
+            1 => (took[2], took[3]) = raw.time_run(bytes, 1)?,
+            _ => {
+                (took[4], took[5]) = raw.time_run(g, bytes / g)?;
+                raw.time_run(bytes, 1)?;
+            }
+        }
+    }
+    Ok((took, manager_handles))
 }
 
 /// The runs as two Markdown tables (commit, teardown): p50, p90 and the two ratios.

@@ -7,7 +7,9 @@ use clap::Args;
 use kvvm::num::format_size;
 use kvvm::sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
 use kvvm::VirtualMemoryBackend;
-use kvvm_bench::precommit::{run_decode_bench, DecodeBenchConfig, LatencySummary};
+use kvvm_bench::precommit::{
+    run_decode_bench, DecodeBenchConfig, DecodeBenchReport, LatencySummary,
+};
 use kvvm_bench::timing::simulated_timing_note;
 use serde_json::json;
 
@@ -54,29 +56,9 @@ fn sim_with(model: LatencyModel) -> Arc<dyn VirtualMemoryBackend> {
 
 /// Runs `kvvm bench decode`.
 pub fn run(args: &DecodeBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
-    let model = match args.latency_model.as_str() {
-        "h200" => LatencyModel::h200(),
-        "none" => LatencyModel::zero(),
-        other => {
-            return Err(CliError::Failed(format!(
-                "--latency-model {other:?}: expected h200 or none"
-            )))
-        }
-    };
+    let model = latency_model(&args.latency_model)?;
     let spent = args.latency_model == "h200";
-    let mut config = DecodeBenchConfig::standard().map_err(failed)?;
-    if config.prompt_tokens + args.steps > MAX_CONTEXT_TOKENS {
-        return Err(CliError::Failed(format!(
-            "--steps {} with the {}-token prompt exceeds the largest context ({MAX_CONTEXT_TOKENS} tokens)",
-            args.steps, config.prompt_tokens
-        )));
-    }
-    config.sequences = args.sequences;
-    config.decode_tokens = args.steps;
-    config.step_time = std::time::Duration::from_micros(args.step_us);
-    config.precommit.max_headroom_bytes = u64::from(config.sequences)
-        .saturating_mul((3u64 * (2 << 20)).saturating_add(args.grow_ahead));
-    config.grow_ahead_bytes = args.grow_ahead;
+    let config = bench_config(args)?;
     backend::check_name(&args.backend)?;
     let backend: Arc<dyn VirtualMemoryBackend> = if args.backend == "sim" {
         sim_with(model)
@@ -94,26 +76,75 @@ pub fn run(args: &DecodeBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     drop(progress);
     let r = r.map_err(failed)?;
     let note = simulated_timing_note(&r.backend, spent);
+    if args.json {
+        print_json(out, &r, note.is_some())?;
+    } else {
+        print_text(out, args, &config, &r, note.as_deref())?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The simulator's latency model named by `--latency-model`.
+fn latency_model(name: &str) -> CliResult<LatencyModel> {
+    match name {
+        "h200" => Ok(LatencyModel::h200()),
+        "none" => Ok(LatencyModel::zero()),
+        other => Err(CliError::Failed(format!(
+            "--latency-model {other:?}: expected h200 or none"
+        ))),
+    }
+}
+
+/// The standard run with the sequences, steps, step time and bytes ahead of `args`; the
+/// prompt and the steps must fit the largest context.
+fn bench_config(args: &DecodeBenchArgs) -> CliResult<DecodeBenchConfig> {
+    let mut config = DecodeBenchConfig::standard().map_err(failed)?;
+    if config.prompt_tokens + args.steps > MAX_CONTEXT_TOKENS {
+        return Err(CliError::Failed(format!(
+            "--steps {} with the {}-token prompt exceeds the largest context ({MAX_CONTEXT_TOKENS} tokens)",
+            args.steps, config.prompt_tokens
+        )));
+    }
+    config.sequences = args.sequences;
+    config.decode_tokens = args.steps;
+    config.step_time = std::time::Duration::from_micros(args.step_us);
+    config.precommit.max_headroom_bytes = u64::from(config.sequences)
+        .saturating_mul((3u64 * (2 << 20)).saturating_add(args.grow_ahead));
+    config.grow_ahead_bytes = args.grow_ahead;
+    Ok(config)
+}
+
+/// The report as one JSON line.
+fn print_json(out: Out<'_>, r: &DecodeBenchReport, simulated: bool) -> CliResult<()> {
     let lat = |l: &LatencySummary| {
         json!({"p50_us": l.p50_us, "p99_us": l.p99_us, "max_us": l.max_us,
                "calls": l.calls, "inline_commits": l.inline_commits})
     };
-    if args.json {
-        let v = json!({
-            "backend": r.backend,
-            "simulated_timings": note.is_some(),
-            "granule": r.granule,
-            "inline": lat(&r.inline),
-            "precommit": lat(&r.precommit),
-            "extra_committed_bytes": r.extra_committed_bytes,
-            "max_headroom_bytes": r.max_headroom_bytes,
-            "background_commits": r.stats.background_commits,
-            "background_refused": r.stats.background_refused,
-            "background_failures": r.stats.background_failures,
-        });
-        output::json_line(out, &v)?;
-        return Ok(ExitCode::SUCCESS);
-    }
+    let v = json!({
+        "backend": r.backend,
+        "simulated_timings": simulated,
+        "granule": r.granule,
+        "inline": lat(&r.inline),
+        "precommit": lat(&r.precommit),
+        "extra_committed_bytes": r.extra_committed_bytes,
+        "max_headroom_bytes": r.max_headroom_bytes,
+        "background_commits": r.stats.background_commits,
+        "background_refused": r.stats.background_refused,
+        "background_failures": r.stats.background_failures,
+    });
+    output::json_line(out, &v)?;
+    Ok(())
+}
+
+/// The report as text: the run, each mode's latencies, their ratio and the worker's
+/// counters.
+fn print_text(
+    out: Out<'_>,
+    args: &DecodeBenchArgs,
+    config: &DecodeBenchConfig,
+    r: &DecodeBenchReport,
+    note: Option<&str>,
+) -> CliResult<()> {
     writeln!(
         out,
         "decode bench on {}: {} sequences x {} steps of {} us, granule {}",
@@ -123,7 +154,7 @@ pub fn run(args: &DecodeBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
         args.step_us,
         format_size(r.granule)
     )?;
-    if let Some(n) = &note {
+    if let Some(n) = note {
         writeln!(out, "  {n}")?;
     }
     for (name, l) in [("inline", &r.inline), ("precommit", &r.precommit)] {
@@ -148,5 +179,5 @@ pub fn run(args: &DecodeBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
         r.stats.background_refused,
         r.stats.background_failures
     )?;
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }

@@ -16,7 +16,7 @@ use clap::Args;
 use kvvm::host::HostBackend;
 use kvvm::num::format_size;
 use kvvm::{DeviceId, VirtualMemoryBackend};
-use kvvm_bench::host::measure_host;
+use kvvm_bench::host::{measure_host, HostSamples};
 use kvvm_bench::vmm::Stats;
 use serde_json::{json, Value};
 
@@ -78,19 +78,7 @@ pub fn run(args: &HostBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
         HostBackend::open()
             .map_err(|e| CliError::Failed(format!("backend host is unavailable: {e}")))?,
     );
-    let granule = host
-        .granularity(&kvvm::AllocationProperties::device(DeviceId(0)))
-        .map_err(failed)?
-        .recommended;
-    if granule == 0 || !args.bytes.is_multiple_of(granule) {
-        return Err(CliError::Failed(format!(
-            "--bytes {} ({} bytes) is not a multiple of the host granule ({}): try {}",
-            format_size(args.bytes),
-            args.bytes,
-            format_size(granule),
-            format_size(args.bytes.div_ceil(granule.max(1)).max(1) * granule)
-        )));
-    }
+    let granule = host_granule(&host, args.bytes)?;
     let bytes = args.bytes;
     let progress = Progress::start("bench host", None);
     progress.message("commit, touch, attach and copy");
@@ -104,72 +92,145 @@ pub fn run(args: &HostBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
         .and_then(|d| d.into_iter().next())
         .map(|d| format!("{}, {}", d.name, d.driver_version))
         .unwrap_or_default();
-    let commit = summary(s.commit);
-    let touch = summary(s.touch);
-    let commit_touch = summary(s.commit_touch);
-    let mmap_touch = summary(s.mmap_touch);
-    let attach = summary(s.attach);
-    let memcpy = summary(s.memcpy);
+    let run = HostRun {
+        device,
+        bytes,
+        granule,
+        samples: args.iterations,
+        cases: HostCases::of(s),
+        ledger_empty: ledger.is_empty(),
+    };
     if args.json {
-        let row = |x: Summary| json!({"p50_us": us(x.median), "p90_us": us(x.p90)});
-        let v: Value = json!({
-            "backend": "host",
-            "device": device,
-            "bytes": bytes,
-            "granule": granule,
-            "samples": args.iterations,
-            "manager_commit": row(commit),
-            "manager_first_touch": row(touch),
-            "manager_commit_and_touch": row(commit_touch),
-            "mmap_and_touch": row(mmap_touch),
-            "commit_and_touch_over_mmap": ratio(commit_touch.median, mmap_touch.median),
-            "prefix_attach": row(attach),
-            "prefix_memcpy": row(memcpy),
-            "memcpy_over_attach": ratio(memcpy.median, attach.median),
-            "ledger_empty_after_run": ledger.is_empty(),
-        });
-        output::json_line(out, &v)?;
+        print_json(out, &run)?;
     } else {
-        let granules = bytes / granule;
-        writeln!(
-            out,
-            "### host backend vs plain memory: {}, {granules} granules of {} ({device}), p50 / p90 of {} samples\n",
-            format_size(bytes),
-            format_size(granule),
-            args.iterations
-        )?;
-        writeln!(out, "| case | p50 | p90 |")?;
-        writeln!(out, "|---|---|---|")?;
-        let rows = [
-            (
-                "commit through the manager (create + map + set access)",
-                commit,
-            ),
-            ("first touch of the committed pages", touch),
-            ("commit + first touch", commit_touch),
-            ("plain mmap + first touch", mmap_touch),
-            ("attach the shared prefix read-only (reserve + map)", attach),
-            ("memcpy of the prefix (into a touched buffer)", memcpy),
-        ];
-        for (name, x) in rows {
-            writeln!(
-                out,
-                "| {name} | {:.1} us | {:.1} us |",
-                us(x.median),
-                us(x.p90)
-            )?;
-        }
-        writeln!(
-            out,
-            "\ncommit + touch / mmap + touch = {:.2}x; memcpy / attach = {:.1}x; host ledger after the run: {}",
-            ratio(commit_touch.median, mmap_touch.median),
-            ratio(memcpy.median, attach.median),
-            if ledger.is_empty() { "empty" } else { "NOT EMPTY (leak)" }
-        )?;
+        print_table(out, &run)?;
     }
     Ok(if ledger.is_empty() {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
     })
+}
+
+/// The host backend's granule; `bytes` must be a whole number of them.
+fn host_granule(host: &HostBackend, bytes: u64) -> CliResult<u64> {
+    let granule = host
+        .granularity(&kvvm::AllocationProperties::device(DeviceId(0)))
+        .map_err(failed)?
+        .recommended;
+    if granule == 0 || !bytes.is_multiple_of(granule) {
+        return Err(CliError::Failed(format!(
+            "--bytes {} ({} bytes) is not a multiple of the host granule ({}): try {}",
+            format_size(bytes),
+            bytes,
+            format_size(granule),
+            format_size(bytes.div_ceil(granule.max(1)).max(1) * granule)
+        )));
+    }
+    Ok(granule)
+}
+
+/// The summary of each case.
+struct HostCases {
+    commit: Summary,
+    touch: Summary,
+    commit_touch: Summary,
+    mmap_touch: Summary,
+    attach: Summary,
+    memcpy: Summary,
+}
+
+impl HostCases {
+    fn of(s: HostSamples) -> Self {
+        HostCases {
+            commit: summary(s.commit),
+            touch: summary(s.touch),
+            commit_touch: summary(s.commit_touch),
+            mmap_touch: summary(s.mmap_touch),
+            attach: summary(s.attach),
+            memcpy: summary(s.memcpy),
+        }
+    }
+}
+
+/// What one run measured, for its output.
+struct HostRun {
+    /// The host's name and kernel.
+    device: String,
+    bytes: u64,
+    granule: u64,
+    /// Measured samples per case.
+    samples: usize,
+    cases: HostCases,
+    ledger_empty: bool,
+}
+
+/// The run as one JSON line.
+fn print_json(out: Out<'_>, run: &HostRun) -> CliResult<()> {
+    let c = &run.cases;
+    let row = |x: Summary| json!({"p50_us": us(x.median), "p90_us": us(x.p90)});
+    let v: Value = json!({
+        "backend": "host",
+        "device": run.device,
+        "bytes": run.bytes,
+        "granule": run.granule,
+        "samples": run.samples,
+        "manager_commit": row(c.commit),
+        "manager_first_touch": row(c.touch),
+        "manager_commit_and_touch": row(c.commit_touch),
+        "mmap_and_touch": row(c.mmap_touch),
+        "commit_and_touch_over_mmap": ratio(c.commit_touch.median, c.mmap_touch.median),
+        "prefix_attach": row(c.attach),
+        "prefix_memcpy": row(c.memcpy),
+        "memcpy_over_attach": ratio(c.memcpy.median, c.attach.median),
+        "ledger_empty_after_run": run.ledger_empty,
+    });
+    output::json_line(out, &v)?;
+    Ok(())
+}
+
+/// The run as a Markdown table, then the two ratios and the ledger.
+fn print_table(out: Out<'_>, run: &HostRun) -> CliResult<()> {
+    let c = &run.cases;
+    let granules = run.bytes / run.granule;
+    writeln!(
+        out,
+        "### host backend vs plain memory: {}, {granules} granules of {} ({}), p50 / p90 of {} samples\n",
+        format_size(run.bytes),
+        format_size(run.granule),
+        run.device,
+        run.samples
+    )?;
+    writeln!(out, "| case | p50 | p90 |")?;
+    writeln!(out, "|---|---|---|")?;
+    let rows = [
+        (
+            "commit through the manager (create + map + set access)",
+            c.commit,
+        ),
+        ("first touch of the committed pages", c.touch),
+        ("commit + first touch", c.commit_touch),
+        ("plain mmap + first touch", c.mmap_touch),
+        (
+            "attach the shared prefix read-only (reserve + map)",
+            c.attach,
+        ),
+        ("memcpy of the prefix (into a touched buffer)", c.memcpy),
+    ];
+    for (name, x) in rows {
+        writeln!(
+            out,
+            "| {name} | {:.1} us | {:.1} us |",
+            us(x.median),
+            us(x.p90)
+        )?;
+    }
+    writeln!(
+        out,
+        "\ncommit + touch / mmap + touch = {:.2}x; memcpy / attach = {:.1}x; host ledger after the run: {}",
+        ratio(c.commit_touch.median, c.mmap_touch.median),
+        ratio(c.memcpy.median, c.attach.median),
+        if run.ledger_empty { "empty" } else { "NOT EMPTY (leak)" }
+    )?;
+    Ok(())
 }

@@ -4,9 +4,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Args;
+use kvvm::host::HostBackend;
 use kvvm::layout::KvLayout;
 use kvvm::VirtualMemoryBackend;
-use kvvm_bench::decode::{run_decode_loop_with_progress, DecodeLoopConfig};
+use kvvm_bench::decode::{run_decode_loop_with_progress, DecodeLoopConfig, DecodeLoopReport};
 use kvvm_bench::timing::simulated_timing_note;
 use serde_json::json;
 
@@ -48,31 +49,9 @@ pub struct KvBenchArgs {
 
 /// Runs `kvvm bench kv`.
 pub fn run(args: &KvBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
-    let layout: KvLayout = args.layout.parse().map_err(failed)?;
-    let mut config = DecodeLoopConfig::reference().map_err(failed)?;
-    if args.prompt_tokens + config.decode_tokens > MAX_CONTEXT_TOKENS {
-        return Err(CliError::Failed(format!(
-            "--prompt-tokens {} with {} decode tokens exceeds the largest context ({MAX_CONTEXT_TOKENS} tokens)",
-            args.prompt_tokens, config.decode_tokens
-        )));
-    }
-    config.layout = layout;
-    config.sequences = args.sequences;
-    config.prompt_tokens = args.prompt_tokens;
-    config.share_prefix = !args.no_sharing;
-    config.prefix_handle_blocks = args.prefix_handle_blocks;
-    config.verify = !args.no_verify;
+    let config = loop_config(args)?;
     backend::check_name(&args.backend)?;
-    // The host backend is opened directly, for its leak record after the run.
-    let (backend, host): (Arc<dyn VirtualMemoryBackend>, _) = if args.backend == "host" {
-        let h = Arc::new(
-            kvvm::host::HostBackend::open()
-                .map_err(|e| CliError::Failed(format!("backend host is unavailable: {e}")))?,
-        );
-        (h.clone(), Some(h))
-    } else {
-        (backend::open("bench kv", &args.backend)?.backend, None)
-    };
+    let OpenedBackend { backend, host } = open_backend(&args.backend)?;
     let progress = Progress::start("bench kv", None);
     let r = run_decode_loop_with_progress(backend, &config, &mut |p| {
         progress.update(p.done, Some(p.total), p.phase)
@@ -81,37 +60,7 @@ pub fn run(args: &KvBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     let r = r.map_err(failed)?;
     let leak_free = host.as_ref().map(|h| h.ledger().is_empty());
     if args.json {
-        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
-        let v = json!({
-            "backend": r.backend,
-            "simulated_timings": simulated_timing_note(&r.backend, false).is_some(),
-            "model": r.model,
-            "layout": r.layout.as_str(),
-            "granule": r.granule,
-            "sequences": r.sequences,
-            "prompt_tokens": r.prompt_tokens,
-            "decode_tokens": r.decode_tokens,
-            "share_prefix": r.share_prefix,
-            "prompt_shareable": r.prompt_shareable,
-            "prompt_refusal": r.prompt_refusal,
-            "shared_prefix_bytes": r.shared_prefix_bytes,
-            "committed_bytes_with_sharing": r.committed_bytes_with_sharing,
-            "committed_bytes_without_sharing": r.committed_bytes_without_sharing,
-            "attach_median_us": us(r.attach_median),
-            "attach_mappings": r.attach_mappings,
-            "admit_hit_mappings": r.admit_hit_mappings,
-            "attach_min_us": us(r.attach_min),
-            "attach_after_copy_median_us": us(r.attach_after_copy_median),
-            "copy_median_us": us(r.copy_median),
-            "copy_bytes": r.copy_bytes,
-            "bytes_written": r.bytes_written,
-            "bytes_verified": r.bytes_verified,
-            "verified": r.verified,
-            "used_bytes_at_end": r.used_bytes_at_end,
-            "prefix_hits": r.cache.hits,
-            "ledger_empty_after_run": leak_free,
-        });
-        output::json_line(out, &v)?;
+        print_json(out, &r, leak_free)?;
     } else {
         output::text(out, &r.to_markdown())?;
         if let Some(empty) = leak_free {
@@ -130,4 +79,85 @@ pub fn run(args: &KvBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// The reference run with the layout, sequences, prompt, sharing and verification of
+/// `args`; the prompt and the decode tokens must fit the largest context.
+fn loop_config(args: &KvBenchArgs) -> CliResult<DecodeLoopConfig> {
+    let layout: KvLayout = args.layout.parse().map_err(failed)?;
+    let mut config = DecodeLoopConfig::reference().map_err(failed)?;
+    if args.prompt_tokens + config.decode_tokens > MAX_CONTEXT_TOKENS {
+        return Err(CliError::Failed(format!(
+            "--prompt-tokens {} with {} decode tokens exceeds the largest context ({MAX_CONTEXT_TOKENS} tokens)",
+            args.prompt_tokens, config.decode_tokens
+        )));
+    }
+    config.layout = layout;
+    config.sequences = args.sequences;
+    config.prompt_tokens = args.prompt_tokens;
+    config.share_prefix = !args.no_sharing;
+    config.prefix_handle_blocks = args.prefix_handle_blocks;
+    config.verify = !args.no_verify;
+    Ok(config)
+}
+
+/// The backend of the run, with the host backend kept for its leak record after the run.
+struct OpenedBackend {
+    backend: Arc<dyn VirtualMemoryBackend>,
+    host: Option<Arc<HostBackend>>,
+}
+
+/// The backend named `name`; the host backend is opened directly, for its leak record.
+fn open_backend(name: &str) -> CliResult<OpenedBackend> {
+    if name == "host" {
+        let h = Arc::new(
+            HostBackend::open()
+                .map_err(|e| CliError::Failed(format!("backend host is unavailable: {e}")))?,
+        );
+        Ok(OpenedBackend {
+            backend: h.clone(),
+            host: Some(h),
+        })
+    } else {
+        Ok(OpenedBackend {
+            backend: backend::open("bench kv", name)?.backend,
+            host: None,
+        })
+    }
+}
+
+/// The report as one JSON line, with whether the host ledger was empty after the run.
+fn print_json(out: Out<'_>, r: &DecodeLoopReport, leak_free: Option<bool>) -> CliResult<()> {
+    let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+    let v = json!({
+        "backend": r.backend,
+        "simulated_timings": simulated_timing_note(&r.backend, false).is_some(),
+        "model": r.model,
+        "layout": r.layout.as_str(),
+        "granule": r.granule,
+        "sequences": r.sequences,
+        "prompt_tokens": r.prompt_tokens,
+        "decode_tokens": r.decode_tokens,
+        "share_prefix": r.share_prefix,
+        "prompt_shareable": r.prompt_shareable,
+        "prompt_refusal": r.prompt_refusal,
+        "shared_prefix_bytes": r.shared_prefix_bytes,
+        "committed_bytes_with_sharing": r.committed_bytes_with_sharing,
+        "committed_bytes_without_sharing": r.committed_bytes_without_sharing,
+        "attach_median_us": us(r.attach_median),
+        "attach_mappings": r.attach_mappings,
+        "admit_hit_mappings": r.admit_hit_mappings,
+        "attach_min_us": us(r.attach_min),
+        "attach_after_copy_median_us": us(r.attach_after_copy_median),
+        "copy_median_us": us(r.copy_median),
+        "copy_bytes": r.copy_bytes,
+        "bytes_written": r.bytes_written,
+        "bytes_verified": r.bytes_verified,
+        "verified": r.verified,
+        "used_bytes_at_end": r.used_bytes_at_end,
+        "prefix_hits": r.cache.hits,
+        "ledger_empty_after_run": leak_free,
+    });
+    output::json_line(out, &v)?;
+    Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::Args;
 use kvvm::num::format_size;
 use kvvm_bench::realloc::BenchBackend;
-use kvvm_bench::tp::measure_tp;
+use kvvm_bench::tp::{measure_tp, TpSamples};
 use kvvm_bench::vmm::Stats;
 use serde_json::{json, Value};
 
@@ -76,77 +76,125 @@ pub fn run(args: &TpBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     let s = measure_tp(&backend, args.windows, args.iterations);
     drop(progress);
     let s = s.map_err(CliError::Failed)?;
-    let (tx, ind, raw) = (p50(&s.transaction), p50(&s.independent), p50(&s.raw));
-    let (own, peer) = (p50(&s.own_set_access), p50(&s.peer_set_access));
-    let bytes = s.granule.saturating_mul(s.windows);
+    let cases = TpCases::of(&s);
     if args.json {
-        let v = json!({
-            "backend": backend.name(),
-            "simulated_timings": backend.name() == "sim",
-            "ranks": s.ranks,
-            "granule": s.granule,
-            "windows_per_rank": s.windows,
-            "bytes_per_rank": bytes,
-            "samples": args.iterations,
-            "transaction": us(tx),
-            "independent": us(ind),
-            "raw": us(raw),
-            "independent_over_transaction": ratio(ind, tx),
-            "transaction_over_raw": ratio(tx, raw),
-            "own_set_access": us(own),
-            "peer_set_access": us(peer),
-            "peer_over_own_set_access": ratio(peer, own),
-        });
-        output::json_line(out, &v)?;
+        print_json(out, backend.name(), &s, args.iterations, &cases)?;
     } else {
-        writeln!(
-            out,
-            "### tensor-parallel commit on `{}`: {} rank(s), {} per rank ({} windows of {}), p50 | p90 of {} samples{}\n",
-            backend.name(),
-            s.ranks,
-            format_size(bytes),
-            s.windows,
-            format_size(s.granule),
-            args.iterations,
-            if backend.name() == "sim" { " (simulated timings)" } else { "" }
-        )?;
-        writeln!(out, "| case | p50 | p90 |")?;
-        writeln!(out, "|---|---|---|")?;
-        writeln!(out, "| one transaction over every rank | {} |", cell(tx))?;
-        writeln!(
-            out,
-            "| the ranks' commits one after the other | {} |",
-            cell(ind)
-        )?;
-        writeln!(
-            out,
-            "| raw driver sequence (create, map, set access) | {} |",
-            cell(raw)
-        )?;
-        if own.is_some() {
-            writeln!(
-                out,
-                "| set access, owner only (1 granule) | {} |",
-                cell(own)
-            )?;
-            writeln!(
-                out,
-                "| set access, owner + peer read (1 granule) | {} |",
-                cell(peer)
-            )?;
-        }
-        let fmt = |r: Option<f64>| r.map_or("-".to_owned(), |r| format!("{r:.2}x"));
-        writeln!(
-            out,
-            "\nindependent / transaction = {}; transaction / raw = {}{}",
-            fmt(ratio(ind, tx)),
-            fmt(ratio(tx, raw)),
-            if own.is_some() {
-                format!("; peer / own set access = {}", fmt(ratio(peer, own)))
-            } else {
-                "; no peer device: the peer set-access rows need two devices".to_owned()
-            }
-        )?;
+        print_table(out, backend.name(), &s, args.iterations, &cases)?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The summary of each case (`None` when not measured).
+struct TpCases {
+    /// One transaction over every rank.
+    tx: Option<Stats>,
+    /// The ranks' commits one after the other.
+    ind: Option<Stats>,
+    /// The raw driver sequence.
+    raw: Option<Stats>,
+    /// Set access, owner only.
+    own: Option<Stats>,
+    /// Set access, owner and a peer.
+    peer: Option<Stats>,
+}
+
+impl TpCases {
+    fn of(s: &TpSamples) -> Self {
+        TpCases {
+            tx: p50(&s.transaction),
+            ind: p50(&s.independent),
+            raw: p50(&s.raw),
+            own: p50(&s.own_set_access),
+            peer: p50(&s.peer_set_access),
+        }
+    }
+}
+
+/// The run on backend `name` as one JSON line.
+fn print_json(
+    out: Out<'_>,
+    name: &str,
+    s: &TpSamples,
+    iterations: usize,
+    c: &TpCases,
+) -> CliResult<()> {
+    let v = json!({
+        "backend": name,
+        "simulated_timings": name == "sim",
+        "ranks": s.ranks,
+        "granule": s.granule,
+        "windows_per_rank": s.windows,
+        "bytes_per_rank": s.granule.saturating_mul(s.windows),
+        "samples": iterations,
+        "transaction": us(c.tx),
+        "independent": us(c.ind),
+        "raw": us(c.raw),
+        "independent_over_transaction": ratio(c.ind, c.tx),
+        "transaction_over_raw": ratio(c.tx, c.raw),
+        "own_set_access": us(c.own),
+        "peer_set_access": us(c.peer),
+        "peer_over_own_set_access": ratio(c.peer, c.own),
+    });
+    output::json_line(out, &v)?;
+    Ok(())
+}
+
+/// The run on backend `name` as a Markdown table, then the ratios.
+fn print_table(
+    out: Out<'_>,
+    name: &str,
+    s: &TpSamples,
+    iterations: usize,
+    c: &TpCases,
+) -> CliResult<()> {
+    writeln!(
+        out,
+        "### tensor-parallel commit on `{}`: {} rank(s), {} per rank ({} windows of {}), p50 | p90 of {} samples{}\n",
+        name,
+        s.ranks,
+        format_size(s.granule.saturating_mul(s.windows)),
+        s.windows,
+        format_size(s.granule),
+        iterations,
+        if name == "sim" { " (simulated timings)" } else { "" }
+    )?;
+    writeln!(out, "| case | p50 | p90 |")?;
+    writeln!(out, "|---|---|---|")?;
+    writeln!(out, "| one transaction over every rank | {} |", cell(c.tx))?;
+    writeln!(
+        out,
+        "| the ranks' commits one after the other | {} |",
+        cell(c.ind)
+    )?;
+    writeln!(
+        out,
+        "| raw driver sequence (create, map, set access) | {} |",
+        cell(c.raw)
+    )?;
+    if c.own.is_some() {
+        writeln!(
+            out,
+            "| set access, owner only (1 granule) | {} |",
+            cell(c.own)
+        )?;
+        writeln!(
+            out,
+            "| set access, owner + peer read (1 granule) | {} |",
+            cell(c.peer)
+        )?;
+    }
+    let fmt = |r: Option<f64>| r.map_or("-".to_owned(), |r| format!("{r:.2}x"));
+    writeln!(
+        out,
+        "\nindependent / transaction = {}; transaction / raw = {}{}",
+        fmt(ratio(c.ind, c.tx)),
+        fmt(ratio(c.tx, c.raw)),
+        if c.own.is_some() {
+            format!("; peer / own set access = {}", fmt(ratio(c.peer, c.own)))
+        } else {
+            "; no peer device: the peer set-access rows need two devices".to_owned()
+        }
+    )?;
+    Ok(())
 }

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::Args;
 use kvvm::layout::{
     commit_lower_bound, evaluate_prefix_shareability, KvDtype, KvGeometry, KvLayout, LayoutPlan,
+    PrefixShareability,
 };
 use kvvm::num::format_size;
 use kvvm::vmm::{
@@ -87,18 +88,49 @@ fn count(n: u64, word: &str) -> String {
 
 /// Prints the plan.
 pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
+    let f = figures(args)?;
+    if args.json {
+        print_json(out, args, &f)?;
+    } else {
+        print_text(out, args, &f)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What the plan says for a model and layout.
+struct Figures {
+    layout: KvLayout,
+    geometry: KvGeometry,
+    verdict: PrefixShareability,
+    /// The live tokens of the commit lower bound.
+    tokens: u64,
+    /// Their bytes.
+    live: u64,
+    lower_bound: u64,
+    reservation: u64,
+    max_handle: u64,
+    max_windows: u64,
+    /// Handles and windows of one commit of the live tokens.
+    live_handles: u64,
+    live_windows: u64,
+    /// Handles and windows of the shared prefix (none when it is not shareable).
+    shared_handles: u64,
+    shared_windows: u64,
+}
+
+/// Works out the plan of `args`: the verdict on the prefix, the commit lower bound of the
+/// live tokens, and the handles both are committed as.
+fn figures(args: &PlanArgs) -> CliResult<Figures> {
     let dtype: KvDtype = args.dtype.parse().map_err(failed)?;
     let layout: KvLayout = args.layout.parse().map_err(failed)?;
     check_lengths(args)?;
-    let max_tokens = args.max_tokens;
-    let geometry = KvGeometry::preset(&args.model, dtype, max_tokens).map_err(failed)?;
+    let geometry = KvGeometry::preset(&args.model, dtype, args.max_tokens).map_err(failed)?;
     let verdict = evaluate_prefix_shareability(&geometry, layout, args.prefix, args.granule)
         .map_err(failed)?;
     let tokens = args.tokens.unwrap_or(args.prefix.max(1));
     let lower_bound =
         commit_lower_bound(&geometry, layout, tokens, args.granule).map_err(failed)?;
     let plan = LayoutPlan::new(geometry, layout, args.granule).map_err(failed)?;
-    let reservation = plan.reservation_bytes();
     let max_handle = args.max_handle.unwrap_or(DEFAULT_MAX_HANDLE_BYTES);
     let max_windows = max_handle_windows(max_handle, args.granule);
     let live_ranges = plan.windows_for_tokens(tokens).map_err(failed)?;
@@ -121,47 +153,71 @@ pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
         .bytes_per_token()
         .checked_mul(tokens)
         .ok_or_else(|| CliError::Failed("live bytes overflow".into()))?;
-    if args.json {
-        let v = json!({
-            "model": args.model,
-            "dtype": args.dtype,
-            "layout": layout.as_str(),
-            "granule": args.granule,
-            "max_tokens": max_tokens,
-            "bytes_per_token": geometry.bytes_per_token(),
-            "prefix_len": args.prefix,
-            "shareable": verdict.shareable,
-            "refusal_reason": verdict.refusal_reason(),
-            "fragment_bytes": verdict.fragment_bytes,
-            "fragment_bytes_per_token": verdict.fragment_bytes_per_token,
-            "fragments": verdict.fragments,
-            "shareable_granules_per_fragment": verdict.shareable_granules_per_fragment,
-            "multi_map_ops": verdict.multi_map_ops,
-            "shared_bytes": verdict.shared_bytes,
-            "min_shareable_prefix": verdict.min_shareable_prefix,
-            "tokens": tokens,
-            "live_bytes": live,
-            "commit_lower_bound_bytes": lower_bound,
-            "commit_lower_bound_windows": live_windows,
-            "max_handle_bytes": max_handle,
-            "commit_handles": live_handles,
-            "commit_mappings": live_handles,
-            "shared_prefix_windows": shared_windows,
-            "shared_prefix_handles": shared_handles,
-            "reservation_bytes": reservation,
-        });
-        output::json_line(out, &v)?;
-        return Ok(ExitCode::SUCCESS);
-    }
+    Ok(Figures {
+        layout,
+        geometry,
+        verdict,
+        tokens,
+        live,
+        lower_bound,
+        reservation: plan.reservation_bytes(),
+        max_handle,
+        max_windows,
+        live_handles,
+        live_windows,
+        shared_handles,
+        shared_windows,
+    })
+}
+
+/// The plan as one JSON line.
+fn print_json(out: Out<'_>, args: &PlanArgs, f: &Figures) -> CliResult<()> {
+    let verdict = &f.verdict;
+    let v = json!({
+        "model": args.model,
+        "dtype": args.dtype,
+        "layout": f.layout.as_str(),
+        "granule": args.granule,
+        "max_tokens": args.max_tokens,
+        "bytes_per_token": f.geometry.bytes_per_token(),
+        "prefix_len": args.prefix,
+        "shareable": verdict.shareable,
+        "refusal_reason": verdict.refusal_reason(),
+        "fragment_bytes": verdict.fragment_bytes,
+        "fragment_bytes_per_token": verdict.fragment_bytes_per_token,
+        "fragments": verdict.fragments,
+        "shareable_granules_per_fragment": verdict.shareable_granules_per_fragment,
+        "multi_map_ops": verdict.multi_map_ops,
+        "shared_bytes": verdict.shared_bytes,
+        "min_shareable_prefix": verdict.min_shareable_prefix,
+        "tokens": f.tokens,
+        "live_bytes": f.live,
+        "commit_lower_bound_bytes": f.lower_bound,
+        "commit_lower_bound_windows": f.live_windows,
+        "max_handle_bytes": f.max_handle,
+        "commit_handles": f.live_handles,
+        "commit_mappings": f.live_handles,
+        "shared_prefix_windows": f.shared_windows,
+        "shared_prefix_handles": f.shared_handles,
+        "reservation_bytes": f.reservation,
+    });
+    output::json_line(out, &v)?;
+    Ok(())
+}
+
+/// The plan as text: the model, the prefix's verdict, the commit lower bound and the
+/// handles, the reservation.
+fn print_text(out: Out<'_>, args: &PlanArgs, f: &Figures) -> CliResult<()> {
+    let verdict = &f.verdict;
     writeln!(
         out,
         "{} ({}, {} per token), {} layout, granule {}, max {} tokens",
         args.model,
         args.dtype,
-        format_size(geometry.bytes_per_token()),
-        layout,
+        format_size(f.geometry.bytes_per_token()),
+        f.layout,
         format_size(args.granule),
-        max_tokens
+        args.max_tokens
     )?;
     writeln!(
         out,
@@ -176,9 +232,9 @@ pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
             verdict.shareable_granules_per_fragment,
             verdict.multi_map_ops,
             format_size(verdict.shared_bytes),
-            count(shared_handles, "handle"),
-            count(shared_handles, "mapping"),
-            shared_windows
+            count(f.shared_handles, "handle"),
+            count(f.shared_handles, "mapping"),
+            f.shared_windows
         )?,
         Some(reason) => writeln!(out, "  prefix of {} tokens: {reason}", args.prefix)?,
     }
@@ -190,23 +246,23 @@ pub fn run(args: &PlanArgs, out: Out<'_>) -> CliResult<ExitCode> {
     writeln!(
         out,
         "  {} live tokens ({}): commit lower bound {} (granule x windows holding live bytes) = {} windows",
-        tokens,
-        format_size(live),
-        format_size(lower_bound),
-        live_windows
+        f.tokens,
+        format_size(f.live),
+        format_size(f.lower_bound),
+        f.live_windows
     )?;
     writeln!(
         out,
         "  committed at once: {} of at most {} = {} ({} with one handle per granule)",
-        count(live_handles, "handle"),
-        format_size(max_windows.saturating_mul(args.granule)),
-        count(live_handles, "mapping"),
-        live_windows
+        count(f.live_handles, "handle"),
+        format_size(f.max_windows.saturating_mul(args.granule)),
+        count(f.live_handles, "mapping"),
+        f.live_windows
     )?;
     writeln!(
         out,
         "  reservation (virtual address space, padded; not memory): {}",
-        format_size(reservation)
+        format_size(f.reservation)
     )?;
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }

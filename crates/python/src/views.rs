@@ -111,72 +111,11 @@ pub(crate) fn make_view(
         return Err(errors::invalid(py, "a view needs at least one sequence"));
     };
     let device = dl_device(py, first)?;
-    let geo = *first.plan.geometry();
-    if !req.all_layers && req.layer >= geo.layers() {
-        return Err(errors::invalid(
-            py,
-            format!(
-                "layer {} out of range: the model has {} layers",
-                req.layer,
-                geo.layers()
-            ),
-        ));
-    }
-    let end = req
-        .end
-        .unwrap_or_else(|| cells.iter().map(|c| c.usable_tokens()).min().unwrap_or(0));
-    if req.start > end || end > first.max_tokens {
-        return Err(errors::raise(
-            py,
-            errors::ErrorClass::TooManyTokens,
-            format!(
-                "tokens {}..{end} are not a range inside the sequence's {} tokens",
-                req.start, first.max_tokens
-            ),
-            &[
-                ("tokens", Attr::Int(end)),
-                ("max_tokens", Attr::Int(first.max_tokens)),
-            ],
-        ));
-    }
-    let e = u64::from(geo.dtype_bytes().max(1));
-    let strides = first.plan.strides();
-    let (layer, kind) = if req.all_layers {
-        (0, KvKind::Key)
-    } else {
-        (req.layer, req.kind)
-    };
-    let offset = first
-        .offset(layer, kind, req.start)
-        .map_err(|err| errors::kv(py, &err))?;
-    let ptr = first
-        .base
-        .checked_add(offset)
-        .ok_or_else(|| errors::invalid(py, "view address overflows"))?;
-    let mut shape = vec![
-        i64::from(geo.kv_heads()),
-        to_i64(py, end - req.start, "token count")?,
-        i64::from(geo.head_dim()),
-    ];
-    let mut el_strides = vec![
-        to_i64(py, strides.head / e, "head stride")?,
-        to_i64(py, strides.token / e, "token stride")?,
-        1,
-    ];
-    if batched {
-        shape.insert(0, to_i64(py, cells.len() as u64, "batch")?);
-        el_strides.insert(0, to_i64(py, slot_stride / e, "slot stride")?);
-    }
-    if req.all_layers {
-        shape.splice(0..0, [i64::from(geo.layers()), 2]);
-        el_strides.splice(
-            0..0,
-            [
-                to_i64(py, strides.layer / e, "layer stride")?,
-                to_i64(py, strides.kv / e, "K/V stride")?,
-            ],
-        );
-    }
+    check_layer(py, first, req)?;
+    let end = token_end(py, cells, first.max_tokens, req)?;
+    let ptr = view_address(py, first, req)?;
+    let batch = batched.then_some((cells.len() as u64, slot_stride));
+    let (shape, el_strides) = view_shape(py, first, req, end, batch)?;
     // Count first, check second: once counted, no release or shrink can start on these
     // sequences, so what the check sees stays true while the view lives.
     if let Err(busy) = SeqCell::view_all(cells) {
@@ -200,6 +139,106 @@ pub(crate) fn make_view(
         device,
         readonly,
     ))
+}
+
+/// Refuses a layer the model does not have (unless the view is of every layer).
+fn check_layer(py: Python<'_>, first: &SeqCell, req: &ViewRequest) -> PyResult<()> {
+    let layers = first.plan.geometry().layers();
+    if !req.all_layers && req.layer >= layers {
+        return Err(errors::invalid(
+            py,
+            format!(
+                "layer {} out of range: the model has {} layers",
+                req.layer, layers
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The view's end token: `req.end`, or the tokens every cell can use; `req.start..end` must
+/// be a range inside the sequence's `max_tokens`.
+fn token_end(
+    py: Python<'_>,
+    cells: &[Arc<SeqCell>],
+    max_tokens: u64,
+    req: &ViewRequest,
+) -> PyResult<u64> {
+    let end = req
+        .end
+        .unwrap_or_else(|| cells.iter().map(|c| c.usable_tokens()).min().unwrap_or(0));
+    if req.start > end || end > max_tokens {
+        return Err(errors::raise(
+            py,
+            errors::ErrorClass::TooManyTokens,
+            format!(
+                "tokens {}..{end} are not a range inside the sequence's {} tokens",
+                req.start, max_tokens
+            ),
+            &[
+                ("tokens", Attr::Int(end)),
+                ("max_tokens", Attr::Int(max_tokens)),
+            ],
+        ));
+    }
+    Ok(end)
+}
+
+/// The address of the view's first element in `first`: token `req.start` of the layer and
+/// kind asked for (layer 0's K for a view of every layer).
+fn view_address(py: Python<'_>, first: &SeqCell, req: &ViewRequest) -> PyResult<u64> {
+    let (layer, kind) = if req.all_layers {
+        (0, KvKind::Key)
+    } else {
+        (req.layer, req.kind)
+    };
+    let offset = first
+        .offset(layer, kind, req.start)
+        .map_err(|err| errors::kv(py, &err))?;
+    first
+        .base
+        .checked_add(offset)
+        .ok_or_else(|| errors::invalid(py, "view address overflows"))
+}
+
+/// The view's shape and strides in elements: `[H, T, D]`, with the batch of `batch` (slots,
+/// slot stride in bytes) in front, and `[layers, 2]` in front of that for a view of every
+/// layer.
+fn view_shape(
+    py: Python<'_>,
+    first: &SeqCell,
+    req: &ViewRequest,
+    end: u64,
+    batch: Option<(u64, u64)>,
+) -> PyResult<(Vec<i64>, Vec<i64>)> {
+    let geo = *first.plan.geometry();
+    let e = u64::from(geo.dtype_bytes().max(1));
+    let strides = first.plan.strides();
+    let mut shape = vec![
+        i64::from(geo.kv_heads()),
+        to_i64(py, end - req.start, "token count")?,
+        i64::from(geo.head_dim()),
+    ];
+    let mut el_strides = vec![
+        to_i64(py, strides.head / e, "head stride")?,
+        to_i64(py, strides.token / e, "token stride")?,
+        1,
+    ];
+    if let Some((slots, slot_stride)) = batch {
+        shape.insert(0, to_i64(py, slots, "batch")?);
+        el_strides.insert(0, to_i64(py, slot_stride / e, "slot stride")?);
+    }
+    if req.all_layers {
+        shape.splice(0..0, [i64::from(geo.layers()), 2]);
+        el_strides.splice(
+            0..0,
+            [
+                to_i64(py, strides.layer / e, "layer stride")?,
+                to_i64(py, strides.kv / e, "K/V stride")?,
+            ],
+        );
+    }
+    Ok((shape, el_strides))
 }
 
 /// Checks that tokens `req.start..end` are committed in every cell (unless the request allows

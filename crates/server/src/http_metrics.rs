@@ -176,7 +176,14 @@ impl HttpMetrics {
 
     /// Appends the HTTP metrics to a Prometheus text.
     pub(crate) fn render(&self, out: &mut String) {
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        self.render_requests(out);
+        self.render_latency(out);
+        self.render_gauges(out);
+        self.render_closed_connections(out);
+    }
+
+    /// The requests answered, by route, method and status.
+    fn render_requests(&self, out: &mut String) {
         // Writing to a String cannot fail.
         let _ = writeln!(
             out,
@@ -188,6 +195,10 @@ impl HttpMetrics {
                 "kvvm_http_requests_total{{route=\"{route}\",method=\"{method}\",status=\"{status}\"}} {n}"
             );
         }
+    }
+
+    /// The latency histogram of each route: cumulative buckets, then `+Inf`, sum and count.
+    fn render_latency(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "# HELP kvvm_http_request_duration_seconds Time from the request head to the response, by route.\n# TYPE kvvm_http_request_duration_seconds histogram"
@@ -205,6 +216,12 @@ impl HttpMetrics {
                 h.count, h.sum_seconds, h.count
             );
         }
+    }
+
+    /// The connections (open, accepted, refused, accept errors) and the requests in flight,
+    /// one family each.
+    fn render_gauges(&self, out: &mut String) {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let gauges = [
             (
                 "kvvm_http_connections_open",
@@ -243,6 +260,10 @@ impl HttpMetrics {
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
             );
         }
+    }
+
+    /// The connections the HTTP layer closed itself, by reason (every reason, 0 included).
+    fn render_closed_connections(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "# HELP kvvm_http_connections_closed_total Connections the HTTP layer closed without a handler's answer, by reason.\n# TYPE kvvm_http_connections_closed_total counter"
@@ -301,4 +322,131 @@ mod tests {
         ));
         assert_eq!(m.requests_with_status(200), 2);
     }
+
+    #[test]
+    fn the_exposition_is_pinned() {
+        let m = Arc::new(HttpMetrics::default());
+        m.observe("/healthz", "GET", 200, Duration::from_micros(700));
+        m.observe("/v1/sequences", "POST", 201, Duration::from_millis(3));
+        m.observe("/v1/sequences", "POST", 429, Duration::from_millis(30));
+        m.observe("other", "BREW", 404, Duration::from_secs(7));
+        m.connections_accepted.store(5, Ordering::Relaxed);
+        m.connections_refused.store(2, Ordering::Relaxed);
+        m.accept_errors.store(1, Ordering::Relaxed);
+        let _open = m.connection_open();
+        let _busy = m.request_in_flight();
+        m.connection_end(ConnectionEnd::IdleTimeout);
+        m.connection_end(ConnectionEnd::IdleTimeout);
+        m.connection_end(ConnectionEnd::Io);
+        let mut out = String::new();
+        m.render(&mut out);
+        assert_eq!(out, EXPOSITION);
+        let mut empty = String::new();
+        HttpMetrics::default().render(&mut empty);
+        assert_eq!(empty, EMPTY);
+    }
+
+    const EXPOSITION: &str = r#"# HELP kvvm_http_requests_total HTTP requests answered, by route, method and status.
+# TYPE kvvm_http_requests_total counter
+kvvm_http_requests_total{route="/healthz",method="GET",status="200"} 1
+kvvm_http_requests_total{route="/v1/sequences",method="POST",status="201"} 1
+kvvm_http_requests_total{route="/v1/sequences",method="POST",status="429"} 1
+kvvm_http_requests_total{route="other",method="other",status="404"} 1
+# HELP kvvm_http_request_duration_seconds Time from the request head to the response, by route.
+# TYPE kvvm_http_request_duration_seconds histogram
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="0.0005"} 0
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="0.001"} 1
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="0.0025"} 1
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="0.005"} 1
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="0.01"} 1
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="0.025"} 1
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="0.05"} 1
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="0.1"} 1
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="0.25"} 1
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="0.5"} 1
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="1"} 1
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="5"} 1
+kvvm_http_request_duration_seconds_bucket{route="/healthz",le="+Inf"} 1
+kvvm_http_request_duration_seconds_sum{route="/healthz"} 0.0007
+kvvm_http_request_duration_seconds_count{route="/healthz"} 1
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="0.0005"} 0
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="0.001"} 0
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="0.0025"} 0
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="0.005"} 1
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="0.01"} 1
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="0.025"} 1
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="0.05"} 2
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="0.1"} 2
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="0.25"} 2
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="0.5"} 2
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="1"} 2
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="5"} 2
+kvvm_http_request_duration_seconds_bucket{route="/v1/sequences",le="+Inf"} 2
+kvvm_http_request_duration_seconds_sum{route="/v1/sequences"} 0.033
+kvvm_http_request_duration_seconds_count{route="/v1/sequences"} 2
+kvvm_http_request_duration_seconds_bucket{route="other",le="0.0005"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="0.001"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="0.0025"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="0.005"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="0.01"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="0.025"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="0.05"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="0.1"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="0.25"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="0.5"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="1"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="5"} 0
+kvvm_http_request_duration_seconds_bucket{route="other",le="+Inf"} 1
+kvvm_http_request_duration_seconds_sum{route="other"} 7
+kvvm_http_request_duration_seconds_count{route="other"} 1
+# HELP kvvm_http_connections_open Connections open now.
+# TYPE kvvm_http_connections_open gauge
+kvvm_http_connections_open 1
+# HELP kvvm_http_connections_accepted_total Connections accepted.
+# TYPE kvvm_http_connections_accepted_total counter
+kvvm_http_connections_accepted_total 5
+# HELP kvvm_http_connections_refused_total Connections answered 503 (or closed) at the connection cap.
+# TYPE kvvm_http_connections_refused_total counter
+kvvm_http_connections_refused_total 2
+# HELP kvvm_http_accept_errors_total Errors accepting a connection (e.g. out of file descriptors).
+# TYPE kvvm_http_accept_errors_total counter
+kvvm_http_accept_errors_total 1
+# HELP kvvm_http_requests_in_flight Requests being handled now.
+# TYPE kvvm_http_requests_in_flight gauge
+kvvm_http_requests_in_flight 1
+# HELP kvvm_http_connections_closed_total Connections the HTTP layer closed without a handler's answer, by reason.
+# TYPE kvvm_http_connections_closed_total counter
+kvvm_http_connections_closed_total{reason="header_timeout"} 0
+kvvm_http_connections_closed_total{reason="idle_timeout"} 2
+kvvm_http_connections_closed_total{reason="parse_error"} 0
+kvvm_http_connections_closed_total{reason="shutdown_deadline"} 0
+kvvm_http_connections_closed_total{reason="io_error"} 1
+"#;
+    const EMPTY: &str = r#"# HELP kvvm_http_requests_total HTTP requests answered, by route, method and status.
+# TYPE kvvm_http_requests_total counter
+# HELP kvvm_http_request_duration_seconds Time from the request head to the response, by route.
+# TYPE kvvm_http_request_duration_seconds histogram
+# HELP kvvm_http_connections_open Connections open now.
+# TYPE kvvm_http_connections_open gauge
+kvvm_http_connections_open 0
+# HELP kvvm_http_connections_accepted_total Connections accepted.
+# TYPE kvvm_http_connections_accepted_total counter
+kvvm_http_connections_accepted_total 0
+# HELP kvvm_http_connections_refused_total Connections answered 503 (or closed) at the connection cap.
+# TYPE kvvm_http_connections_refused_total counter
+kvvm_http_connections_refused_total 0
+# HELP kvvm_http_accept_errors_total Errors accepting a connection (e.g. out of file descriptors).
+# TYPE kvvm_http_accept_errors_total counter
+kvvm_http_accept_errors_total 0
+# HELP kvvm_http_requests_in_flight Requests being handled now.
+# TYPE kvvm_http_requests_in_flight gauge
+kvvm_http_requests_in_flight 0
+# HELP kvvm_http_connections_closed_total Connections the HTTP layer closed without a handler's answer, by reason.
+# TYPE kvvm_http_connections_closed_total counter
+kvvm_http_connections_closed_total{reason="header_timeout"} 0
+kvvm_http_connections_closed_total{reason="idle_timeout"} 0
+kvvm_http_connections_closed_total{reason="parse_error"} 0
+kvvm_http_connections_closed_total{reason="shutdown_deadline"} 0
+kvvm_http_connections_closed_total{reason="io_error"} 0
+"#;
 }

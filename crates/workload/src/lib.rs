@@ -76,6 +76,7 @@ mod paged_policy;
 mod plot;
 mod policy;
 mod replay;
+mod replay_loop;
 mod report;
 mod table;
 mod trace;

@@ -83,6 +83,36 @@ fn syntax(e: &serde_json::Error) -> String {
 
 /// Reads one non-blank, non-comment line of a JSONL trace.
 pub(crate) fn parse(text: &str) -> Result<Row, String> {
+    let members = object_members(text)?;
+    let [arrival, prompt_tokens, token_ids, output, shared] = by_field(&members)?;
+    let arrival_s = arrival_seconds(arrival)?;
+    let output = output
+        .ok_or_else(|| "missing field `output_tokens` (the tokens to generate, >= 1)".to_owned())?;
+    let output = count("output_tokens", output, 1)?;
+    let (prompt, ids) = prompt_of(prompt_tokens, token_ids, shared)?;
+    let declared = match shared {
+        Some(v) => count("shared_prefix_tokens", v, 0)?,
+        None => 0,
+    };
+    if declared > prompt {
+        return Err(format!(
+            "shared_prefix_tokens {declared} exceeds the prompt of {prompt} tokens"
+        ));
+    }
+    // In range: at most MAX_ARRIVAL_S seconds, so at most u64::MAX / 4 microseconds.
+    let arrival_us = (arrival_s * 1e6).round().min((u64::MAX / 4) as f64) as u64;
+    Ok(Row {
+        arrival_us,
+        prompt,
+        output,
+        declared,
+        ids,
+    })
+}
+
+/// The members of the line's JSON object, in the order written; a line that is not one JSON
+/// object is refused, saying what it is instead.
+fn object_members(text: &str) -> Result<Vec<(String, Value)>, String> {
     let value: Value = serde_json::from_str(text).map_err(|e| syntax(&e))?;
     match &value {
         Value::Object(_) => {}
@@ -103,8 +133,14 @@ pub(crate) fn parse(text: &str) -> Result<Row, String> {
         }
     }
     let Members(members) = serde_json::from_str(text).map_err(|e| syntax(&e))?;
+    Ok(members)
+}
+
+/// The members by field, in the order of [`FIELDS`]; an unknown field, or one given twice,
+/// is refused.
+fn by_field(members: &[(String, Value)]) -> Result<[Option<&Value>; 5], String> {
     let mut fields: [Option<&Value>; 5] = [None; 5];
-    for (k, v) in &members {
+    for (k, v) in members {
         let slot = match k.as_str() {
             "arrival_s" => 0,
             "prompt_tokens" => 1,
@@ -117,7 +153,11 @@ pub(crate) fn parse(text: &str) -> Result<Row, String> {
             return Err(format!("the field `{k}` is given twice"));
         }
     }
-    let [arrival, prompt_tokens, token_ids, output, shared] = fields;
+    Ok(fields)
+}
+
+/// `arrival_s`: a number of seconds, at least 0 and at most [`MAX_ARRIVAL_S`].
+fn arrival_seconds(arrival: Option<&Value>) -> Result<f64, String> {
     let arrival = arrival
         .ok_or_else(|| "missing field `arrival_s` (the arrival time in seconds)".to_owned())?;
     let arrival_s = match arrival.as_f64() {
@@ -135,17 +175,25 @@ pub(crate) fn parse(text: &str) -> Result<Row, String> {
             shown(arrival)
         ));
     }
-    let output = output
-        .ok_or_else(|| "missing field `output_tokens` (the tokens to generate, >= 1)".to_owned())?;
-    let output = count("output_tokens", output, 1)?;
-    let (prompt, ids) = match (prompt_tokens, token_ids) {
-        (Some(_), Some(_)) => return Err("give prompt_tokens or token_ids, not both".into()),
-        (None, None) => return Err("missing prompt_tokens or token_ids".into()),
+    Ok(arrival_s)
+}
+
+/// The prompt's length and, when it was given as `token_ids`, its ids: exactly one of
+/// `prompt_tokens` and `token_ids`, at least one token (`shared_prefix_tokens` goes with
+/// `prompt_tokens` only).
+fn prompt_of(
+    prompt_tokens: Option<&Value>,
+    token_ids: Option<&Value>,
+    shared: Option<&Value>,
+) -> Result<(u64, Option<Vec<u64>>), String> {
+    match (prompt_tokens, token_ids) {
+        (Some(_), Some(_)) => Err("give prompt_tokens or token_ids, not both".into()),
+        (None, None) => Err("missing prompt_tokens or token_ids".into()),
         (Some(n), None) => {
             if n.as_u64() == Some(0) {
                 return Err("the prompt must hold at least one token (prompt_tokens 0)".into());
             }
-            (count("prompt_tokens", n, 1)?, None)
+            Ok((count("prompt_tokens", n, 1)?, None))
         }
         (None, Some(ids)) => {
             if shared.is_some() {
@@ -155,46 +203,33 @@ pub(crate) fn parse(text: &str) -> Result<Row, String> {
                         .into(),
                 );
             }
-            let Value::Array(items) = ids else {
-                return Err(format!(
-                    "token_ids must be an array of token ids, not {}",
-                    shown(ids)
-                ));
-            };
-            if items.is_empty() {
-                return Err("the prompt must hold at least one token (token_ids is empty)".into());
-            }
-            let ids = items
-                .iter()
-                .enumerate()
-                .map(|(i, v)| {
-                    v.as_u64().ok_or_else(|| {
-                        format!(
-                            "token_ids[{i}] must be a whole number >= 0, not {}",
-                            shown(v)
-                        )
-                    })
-                })
-                .collect::<Result<Vec<u64>, String>>()?;
-            (ids.len() as u64, Some(ids))
+            let ids = token_id_list(ids)?;
+            Ok((ids.len() as u64, Some(ids)))
         }
-    };
-    let declared = match shared {
-        Some(v) => count("shared_prefix_tokens", v, 0)?,
-        None => 0,
-    };
-    if declared > prompt {
-        return Err(format!(
-            "shared_prefix_tokens {declared} exceeds the prompt of {prompt} tokens"
-        ));
     }
-    // In range: at most MAX_ARRIVAL_S seconds, so at most u64::MAX / 4 microseconds.
-    let arrival_us = (arrival_s * 1e6).round().min((u64::MAX / 4) as f64) as u64;
-    Ok(Row {
-        arrival_us,
-        prompt,
-        output,
-        declared,
-        ids,
-    })
+}
+
+/// `token_ids`: a non-empty array of whole numbers.
+fn token_id_list(ids: &Value) -> Result<Vec<u64>, String> {
+    let Value::Array(items) = ids else {
+        return Err(format!(
+            "token_ids must be an array of token ids, not {}",
+            shown(ids)
+        ));
+    };
+    if items.is_empty() {
+        return Err("the prompt must hold at least one token (token_ids is empty)".into());
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_u64().ok_or_else(|| {
+                format!(
+                    "token_ids[{i}] must be a whole number >= 0, not {}",
+                    shown(v)
+                )
+            })
+        })
+        .collect()
 }
