@@ -17,12 +17,10 @@ package's Rust sources):
 4. no library function over 80 lines unless a comment right above it (among its doc comment
    and attributes) says why, starting `// Long:`. Functions in test code are not counted.
 
-Offenders of rules 3 and 4 outside crates/vmm and crates/kv that are listed in
-ci/scattered-types-allowed.txt (`crate-src::Type` a line) or ci/long-functions-allowed.txt
-(`path::function` a line) are warnings while their owners fix them; everything else is an
-error. An entry that no longer names an offender is a warning too (delete it).
+Every offence is an error, in every crate (the allow-lists the rules began with are
+empty and gone).
 
-Exits 1 with the problems listed; warnings are printed and do not fail.
+Exits 1 with the problems listed.
 """
 import glob
 import os
@@ -31,10 +29,7 @@ import sys
 
 MAX_LINES = 700
 MAX_FN_LINES = 80
-STRICT = ("crates/vmm/", "crates/kv/")
 root = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-ALLOWED_LONG = os.path.join(root, "ci", "long-functions-allowed.txt")
-ALLOWED_SCATTERED = os.path.join(root, "ci", "scattered-types-allowed.txt")
 srcs = sorted(set(
     glob.glob(os.path.join(root, "crates/*/src")) + glob.glob(os.path.join(root, "backends/*/src"))
     + glob.glob(os.path.join(root, "conformance/src")) + glob.glob(os.path.join(root, "conformance/*/src"))
@@ -130,15 +125,7 @@ def in_ranges(line, ranges):
     return any(a <= line <= b for a, b in ranges)
 
 
-def allow_list(path):
-    if not os.path.exists(path):
-        return set()
-    return {line.split("#", 1)[0].strip() for line in open(path)} - {""}
-
-
-problems, warnings = [], []
-allowed_long, allowed_scattered = allow_list(ALLOWED_LONG), allow_list(ALLOWED_SCATTERED)
-seen = set()
+problems = []
 
 for src in srcs:
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs if f.endswith(".rs"))
@@ -268,14 +255,8 @@ for src in srcs:
             homes.setdefault(name, {}).setdefault(unit, []).append(f)
     for name, units in sorted(homes.items()):
         if len(units) > 1:
-            msg = (f"{rel(src)}: impl blocks of `{name}` span {', '.join(sorted(units))} "
-                   "(give it a folder named after it)")
-            key = f"{rel(src)}::{name}"
-            if key in allowed_scattered and not rel(src).startswith(STRICT):
-                seen.add(("scattered", key))
-                warnings.append(msg + " [allowed for now: ci/scattered-types-allowed.txt]")
-            else:
-                problems.append(msg)
+            problems.append(f"{rel(src)}: impl blocks of `{name}` span {', '.join(sorted(units))} "
+                            "(give it a folder named after it)")
 
     # 4. long functions
     fn_re = re.compile(r"\bfn\s+(\w+)")
@@ -301,23 +282,10 @@ for src in srcs:
                 k -= 1
             if why:
                 continue
-            key = f"{rel(f)}::{m.group(1)}"
-            msg = f"{rel(f)}:{start + 1}: fn {m.group(1)} is {length} lines (over {MAX_FN_LINES}, no `// Long:` comment)"
-            if key in allowed_long and not rel(f).startswith(STRICT):
-                seen.add(("long", key))
-                warnings.append(msg + " [allowed for now: ci/long-functions-allowed.txt]")
-            else:
-                problems.append(msg)
+            problems.append(f"{rel(f)}:{start + 1}: fn {m.group(1)} is {length} lines "
+                            f"(over {MAX_FN_LINES}, no `// Long:` comment)")
 
-for kind, path, allowed in (("long", ALLOWED_LONG, allowed_long),
-                            ("scattered", ALLOWED_SCATTERED, allowed_scattered)):
-    for stale in sorted(k for k in allowed if (kind, k) not in seen):
-        warnings.append(f"{rel(path)}: {stale} is no longer an offender (or is in crates/vmm or "
-                        "crates/kv, where none is allowed); delete the entry")
-
-for w in warnings:
-    print(f"warning: {w}")
 for p in problems:
     print(p)
-print(f"structure: {len(srcs)} source folders checked, {len(problems)} problems, {len(warnings)} warnings")
+print(f"structure: {len(srcs)} source folders checked, {len(problems)} problems")
 sys.exit(1 if problems else 0)
