@@ -134,6 +134,30 @@ def test_requests_arriving_together_with_one_prefix_prefill_it_once() -> None:
     assert snap.committed == snap.shared == 0, "close gives the prefix cache's memory back too"
 
 
+@pytest.mark.parametrize(("batch_tokens", "forwards"), [(8192, 4), (40, 7)])
+def test_requests_in_consecutive_slots_prefill_together(batch_tokens: int, forwards: int) -> None:
+    """Four prompts of 40 tokens admitted together into slots 0..3 are prefilled in chunks of
+    16 (16 + 16 + 8), requests in consecutive slots with chunks of one length in one forward;
+    a fifth prompt of 23 tokens arrives after the first step and joins them at another
+    position. Every request still gets its reference tokens.
+
+    Forwards, without a cap: [0-3] x 16; [0-4] x 16 (the late one's first chunk beside the
+    others' second); [0-3] x 8 and [4] x 7: 4. Under a cap of 40 tokens a forward: [0-1],
+    [2-3]; [0-1], [2-3], [4]; [0-3] x 8, [4] x 7: 7."""
+    model, ref = tiny()
+    mgr = kvvm.Manager("host", precommit=True, headroom_tokens=4)
+    engine = Engine(model, slots=5, max_len=256, manager=mgr, prefill_chunk=16, prefill_batch_tokens=batch_tokens)
+    same = [engine.submit(p, 5) for p in prompts([40, 40, 40, 40], seed=11)]
+    engine.step()  # admits the four and prefills their first chunks
+    late = engine.submit(prompts([23], seed=12)[0], 6)
+    engine.run()
+    assert engine.stats.prefill_chunks == 4 * 3 + 2
+    assert engine.stats.prefill_forwards == forwards
+    for r in [*same, late]:
+        assert r.tokens == reference(ref, r.prompt, r.max_new_tokens)
+    engine.close()
+
+
 @pytest.mark.parametrize(("handle_tokens", "hit"), [(2048, 6144), (4096, 4096)])
 def test_a_hit_ends_on_a_handle_boundary(handle_tokens: int, hit: int) -> None:
     """A published prompt of four windows (2048 tokens each on the host) in handles of one

@@ -5,9 +5,11 @@ A request takes a free slot when the budget grants its prompt (its windows are c
 admission; a refusal leaves it waiting, first in line); with a prefix cache, the longest cached
 prefix of its prompt is mapped read-only into the slot (no prefill of those tokens, billed
 once) and only the rest is prefilled; a request whose prefix another request is still
-prefilling waits for that prefill to be published rather than prefilling it again. Its prefill runs in chunks of ``prefill_chunk`` tokens, one
-chunk per request per step, between the decode steps of the others (the slot is suspended in
-between: a decode step neither writes nor reads it). Every decoding request advances by one
+prefilling waits for that prefill to be published rather than prefilling it again. Its
+prefill runs in chunks of ``prefill_chunk`` tokens, one chunk per request per step, between
+the decode steps of the others (the slot is suspended in between: a decode step neither
+writes nor reads it); requests in consecutive slots whose chunks have one length are
+prefilled in one forward. Every decoding request advances by one
 token per step in one step of the whole batch (captured once as a CUDA graph on a GPU, eager on
 a CPU); requests of different lengths need no padding. A finished request's slot is released
 (its memory goes back to the pool) and taken by the next request, without recapturing.
@@ -85,6 +87,9 @@ class EngineStats:
     steps: int = 0
     decode_steps: int = 0
     prefill_chunks: int = 0
+    #: Forwards those chunks took (requests in consecutive slots whose chunks have one length
+    #: share one).
+    prefill_forwards: int = 0
     generated_tokens: int = 0
     admitted: int = 0
     finished: int = 0
@@ -123,6 +128,8 @@ class Engine:
         manager: a :class:`~kvvm.Manager` (made from ``backend``/``budget_bytes`` with the
             pre-committer when omitted).
         prefill_chunk: prompt tokens prefilled per request and step.
+        prefill_batch_tokens: the most tokens one prefill forward takes: requests in
+            consecutive slots whose chunks have one length are prefilled together up to it.
         prefix_cache_bytes: the prefix cache's cap (0: no prefix cache).
         prefix_handle_tokens: tokens per handle of a published prefix (rounded down to whole
             windows, at least one): a hit maps one handle per mapping and ends on a handle
@@ -147,6 +154,7 @@ class Engine:
         budget_bytes: int | None = None,
         headroom_tokens: int = 4,
         prefill_chunk: int = 512,
+        prefill_batch_tokens: int = 8192,
         prefix_cache_bytes: int = 0,
         prefix_handle_tokens: int = 256,
         compile: bool = True,
@@ -154,8 +162,8 @@ class Engine:
         eos_token_ids: list[int] | None = None,
         seed: int = 0,
     ) -> None:
-        if slots < 1 or max_len < 2 or prefill_chunk < 1:
-            raise InvalidArgumentError("slots, max_len and prefill_chunk must be positive")
+        if slots < 1 or max_len < 2 or prefill_chunk < 1 or prefill_batch_tokens < 1:
+            raise InvalidArgumentError("slots, max_len, prefill_chunk and prefill_batch_tokens must be positive")
         if manager is None:
             manager = Manager(backend, budget_bytes=budget_bytes, precommit=True, headroom_tokens=headroom_tokens)
         use_kvvm_attention(model)
@@ -166,6 +174,7 @@ class Engine:
         self._fused = fuse(model) if fuse_projections else None
         self.max_len = max_len
         self.prefill_chunk = prefill_chunk
+        self.prefill_batch_tokens = prefill_batch_tokens
         self.compile = compile
         self.prefix_cache = (
             PrefixCache(
@@ -365,27 +374,56 @@ class Engine:
     # ---- prefill ----
 
     def _prefill(self) -> int:
+        """A chunk of every request still prefilling, requests in consecutive slots whose
+        chunks have one length in one forward; a request whose prompt is then complete is
+        published and gets its first token."""
         produced = 0
-        for slot, r in list(self.running.items()):
-            if r._filled >= len(r._context):
-                continue
-            first, last = r._filled, min(len(r._context), r._filled + self.prefill_chunk)
-            ids = torch.tensor([r._context[first:last]], dtype=torch.long, device=self.device)
-            pos = torch.arange(first, last, device=self.device)[None]
-            self.cache.state.resume(slot)
-            with self.cache.select(slot, 1):
-                out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
-            self.stats.prefill_chunks += 1
-            r._filled = last
-            if last < len(r._context):
-                self.cache.state.suspend(slot)
-                continue
-            if self.prefix_cache is not None:
-                self._publish(slot)
-            token = self._sample(out.logits[:, -1], [r])
-            self._last[slot] = token[0]
-            produced += self._accept(slot, r, int(token[0]))
+        for slots, n in self._prefill_runs():
+            logits = self._prefill_forward(slots, n)
+            for row, slot in enumerate(slots):
+                r = self.running[slot]
+                r._filled += n
+                if r._filled < len(r._context):
+                    self.cache.state.suspend(slot)
+                    continue
+                if self.prefix_cache is not None:
+                    self._publish(slot)
+                token = self._sample(logits[row : row + 1], [r])
+                self._last[slot] = token[0]
+                produced += self._accept(slot, r, int(token[0]))
         return produced
+
+    def _prefill_runs(self) -> list[tuple[list[int], int]]:
+        """The slots still prefilling as runs of consecutive slots whose next chunk has the
+        same length ``n``, each of at most ``prefill_batch_tokens`` tokens (one row at least)."""
+        chunks = sorted(
+            (slot, min(len(r._context) - r._filled, self.prefill_chunk))
+            for slot, r in self.running.items()
+            if r._filled < len(r._context)
+        )
+        runs: list[tuple[list[int], int]] = []
+        for slot, n in chunks:
+            last = runs[-1] if runs else None
+            if last and last[1] == n and last[0][-1] == slot - 1 and (len(last[0]) + 1) * n <= self.prefill_batch_tokens:
+                last[0].append(slot)
+            else:
+                runs.append(([slot], n))
+        return runs
+
+    def _prefill_forward(self, slots: list[int], n: int) -> torch.Tensor:
+        """The next ``n`` tokens of the requests in ``slots`` (consecutive) in one forward;
+        returns each row's logits at its last token."""
+        rows = [self.running[s] for s in slots]
+        ids = torch.tensor([r._context[r._filled : r._filled + n] for r in rows], dtype=torch.long, device=self.device)
+        first = torch.tensor([r._filled for r in rows], device=self.device)
+        pos = first[:, None] + torch.arange(n, device=self.device)[None]
+        for s in slots:
+            self.cache.state.resume(s)
+        with self.cache.select(slots[0], len(slots)):
+            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.stats.prefill_chunks += len(slots)
+        self.stats.prefill_forwards += 1
+        return out.logits[:, -1]
 
     def _publish(self, slot: int) -> None:
         """Publishes the prompt the slot just prefilled (the model wrote it on the device,
