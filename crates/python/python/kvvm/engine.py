@@ -107,12 +107,12 @@ class EngineStats:
     )
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
+def _shared_units(a: list[int], b: list[int], unit: int) -> int:
+    """Tokens of the longest common prefix of ``a`` and ``b`` in whole units of ``unit``
+    (each unit compared as one slice)."""
+    n = 0
+    while n + unit <= min(len(a), len(b)) and a[n : n + unit] == b[n : n + unit]:
+        n += unit
     return n
 
 
@@ -176,18 +176,15 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.prefill_batch_tokens = prefill_batch_tokens
         self.compile = compile
+        window = self.cache.plan.mapped_tokens(1)
+        handle_blocks = max(1, prefix_handle_tokens // window)
         self.prefix_cache = (
-            PrefixCache(
-                manager,
-                self.cache.plan,
-                max_cached_bytes=prefix_cache_bytes,
-                handle_blocks=max(1, prefix_handle_tokens // self.cache.plan.mapped_tokens(1)),
-            )
+            PrefixCache(manager, self.cache.plan, max_cached_bytes=prefix_cache_bytes, handle_blocks=handle_blocks)
             if prefix_cache_bytes > 0
             else None
         )
         #: The prefix cache's hit granularity in tokens (whole handles).
-        self._hit_unit = max(1, prefix_handle_tokens // self.cache.plan.mapped_tokens(1)) * self.cache.plan.mapped_tokens(1)
+        self._hit_unit = handle_blocks * window
         eos = eos_token_ids if eos_token_ids is not None else getattr(model.generation_config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.device = self.cache.state.device
@@ -338,15 +335,12 @@ class Engine:
         published, and cannot map now)."""
         if self.prefix_cache is None:
             return False
-        unit = self._hit_unit
         mine = r._context[:-1]  # the last token is always computed
-        for other in self.running.values():
-            if other._filled >= len(other._context) or other._context[:unit] != mine[:unit]:
-                continue
-            shared = _common_prefix(other._context, mine) // unit * unit
-            if shared > other.prefix_hit_tokens:
-                return True
-        return False
+        return any(
+            _shared_units(other._context, mine, self._hit_unit) > other.prefix_hit_tokens
+            for other in self.running.values()
+            if other._filled < len(other._context)
+        )
 
     def _admit_into(self, slot: int, r: Request) -> int:
         """Commits the request's context in ``slot`` (mapping a cached prefix of it when

@@ -86,13 +86,14 @@ class FusedProjections:
     :meth:`restore` puts the original modules back."""
 
     groups: list[str] = field(default_factory=list)
-    _undo: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list, repr=False)
+    #: (owner, attribute, what it was: None where it was added).
+    _undo: list[tuple[nn.Module, str, nn.Module | None]] = field(default_factory=list, repr=False)
 
     def restore(self) -> None:
         """The original ``Linear`` modules back in place (their weights stay views of the
         concatenated ones: no memory is freed or copied)."""
         for owner, name, module in reversed(self._undo):
-            if name.startswith("_kvvm_fused_"):
+            if module is None:
                 delattr(owner, name)
             else:
                 setattr(owner, name, module)
@@ -157,4 +158,4 @@ def _fuse(owner: nn.Module, names: tuple[str, ...], linears: list[nn.Linear], fu
     # The group is a child of the layer; its members' weights are views of its buffers.
     group_name = "_kvvm_fused_" + "_".join(names)
     owner.add_module(group_name, group)
-    fused._undo.append((owner, group_name, group))
+    fused._undo.append((owner, group_name, None))

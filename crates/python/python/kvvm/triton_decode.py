@@ -376,8 +376,8 @@ def decode_attention(
     if new is not None:
         key_new, value_new, w_slot, w_token = new
         # Each read at its own strides (V a slice of a fused projection's output, K the
-        # rotary's): no copy kernel.
-        kn, vn = key_new[:, :, 0], value_new[:, :, 0]
+        # rotary's): no copy kernel, unless a last stride is not 1 (the kernel reads rows).
+        kn, vn = (t[:, :, 0] if t.stride(-1) == 1 else t[:, :, 0].contiguous() for t in (key_new, value_new))
         ws, wt = w_slot.reshape(-1), w_token.reshape(-1)
     else:
         kn = vn = ws = wt = bounds
