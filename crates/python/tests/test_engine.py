@@ -261,6 +261,7 @@ def test_the_serve_benchmark_runs_on_the_cpu(tmp_path) -> None:
     assert set(rows) == {"kvvm-engine", "padded-dynamic"}
     for r in rows.values():
         assert r["generated_tokens"] == 16 and r["agreement"] == 1.0
+        assert r["reference"]["argmax_equal"] == 1.0 and r["reference"]["tokens"] == 16
         assert r["ttft_ms"]["p50"] > 0 and r["tokens_per_s"] > 0
     engine = rows["kvvm-engine"]
     # Every request but the first maps the system prompt (the others wait for its prefill).
@@ -269,6 +270,23 @@ def test_the_serve_benchmark_runs_on_the_cpu(tmp_path) -> None:
     after = engine["after"]
     assert after["committed"] == after["shared"] == after["quarantined"] == 0, after
     assert after["pooled_after_trim"] == 0, after
+
+
+def test_the_reference_check_counts_a_token_the_reference_does_not_rank_first() -> None:
+    """The teacher-forced check finds the reference's own greedy tokens in agreement and a
+    changed token not (the model's logits are far from ties in fp32)."""
+    from kvvm_bench.serve import TraceRequest, reference_check
+
+    model, ref = tiny()
+    prompt = list(range(3, 19))
+    want = reference(ref, prompt, 5)
+    trace = [TraceRequest(0.0, prompt, 5)]
+    good = reference_check(ref, trace, [want])
+    assert good["agreement"] == good["argmax_equal"] == 1.0 and good["tokens"] == 5
+    wrong = list(want)
+    wrong[-1] = (wrong[-1] + 1) % ref.config.vocab_size
+    bad = reference_check(ref, trace, [wrong])
+    assert bad["argmax_equal"] == 0.8 and bad["clear_equal"] == bad["clear_checked"] - 1
 
 
 def test_warmup_leaves_an_idle_engine_with_fresh_counters() -> None:

@@ -245,7 +245,6 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
             shared_prefix=args.shared_prefix, shared_share=args.shared_share, rate=args.rate, seed=args.seed,
         )
     runners = [r for r in args.runners.split(",") if r]
-    ref = sv.reference(model, trace) if args.reference else None
     max_len = args.max_len or max(len(q.prompt) + q.output_tokens for q in trace) + 16
     on_gpu = args.device == "cuda"
     free_at_start = torch.cuda.mem_get_info()[0] if on_gpu else 0
@@ -253,8 +252,9 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     def done(r: Any) -> None:
         # Each runner's line as soon as it finished: a run cut short keeps what it measured.
-        if ref is not None and r.outputs:
-            r.agreement = sv.agreement(r.outputs, ref)
+        if args.reference and r.outputs:
+            r.reference = sv.reference_check(model, trace, r.outputs)
+            r.agreement = r.reference["agreement"]
         print(f"{r.runner:>24}: {r.tokens_per_s} tok/s in {r.wall_s:.2f} s, TTFT {r.ttft_ms} ms, ITL {r.itl_ms} ms, "
               f"peak {(r.peak_gpu_bytes or 0) / 2**30:.2f} GiB, agreement {r.agreement} {r.note}"
               + (f", held after: {r.after}" if r.after else ""), file=sys.stderr, flush=True)
@@ -365,7 +365,7 @@ def _serve_args(sub: Any) -> None:
     p.add_argument("--padded-batch", type=int, default=64)
     p.add_argument("--fuse-projections", action="store_true", help="the engine fuses Q/K/V and gate/up (kvvm.projections)")
     p.add_argument("--real-time", action="store_true", help="submit at the arrival times (the engine)")
-    p.add_argument("--reference", action="store_true", help="check greedy tokens against one request at a time")
+    p.add_argument("--reference", action="store_true", help="check greedy tokens against one request at a time (teacher-forced DynamicCache)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--backend", default="auto", help="kvvm backend (host on a CPU)")

@@ -33,6 +33,7 @@ from kvvm.attention import use_kvvm_attention
 from kvvm.graph import DecodeGraph
 from kvvm.projections import fuse_projections
 from kvvm.transformers import KvvmCache
+from kvvm_bench.numerics import bf16_tie
 
 __all__ = ["CACHES", "Run", "Workload", "run_cache", "reference_check"]
 
@@ -270,7 +271,7 @@ def reference_check(model: Any, w: Workload, manager: kvvm.Manager, max_len: int
     for i in range(steps + 1):
         worst = max(worst, (out - ref).abs().max().item())
         top2 = ref.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 2 * 2 ** -7 * top2[:, 0].abs().clamp_min(1)
+        clear = (top2[:, 0] - top2[:, 1]) > bf16_tie(top2[:, 0])
         agree += int(((out.argmax(-1) == ref.argmax(-1)) & clear).sum())
         checked += int(clear.sum())
         if i == steps:

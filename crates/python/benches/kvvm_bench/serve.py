@@ -11,8 +11,8 @@ synthetic one. Requests are submitted as fast as possible (every request at the 
 per second, time to first token and inter-token latency p50/p99, peak GPU memory beyond the
 weights (PyTorch's reserved peak + kvvm's committed bytes), KV bytes held over time (kvvm),
 prefix hits and preemptions (kvvm), and each request's greedy tokens against a
-one-request-at-a-time ``DynamicCache`` reference (the share that agrees up to the first
-difference). The floor of the trace is its prefill FLOPs at the dense bf16 rate plus every
+one-request-at-a-time ``DynamicCache`` reference (teacher-forced: the share that
+agrees, ties bf16 cannot order aside). The floor of the trace is its prefill FLOPs at the dense bf16 rate plus every
 decode step of the engine at its HBM floor (weights + the distinct KV bytes of the step).
 """
 
@@ -30,6 +30,7 @@ import torch
 from kvvm import Manager
 from kvvm.attention import use_kvvm_attention
 from kvvm.engine import Engine
+from kvvm_bench.numerics import bf16_tie
 
 __all__ = [
     "TraceRequest",
@@ -71,7 +72,10 @@ class ServeResult:
     prefix_waits: int | None = None
     preemptions: int | None = None
     floor_s: float | None = None
+    #: The share of generated tokens that agree with the reference (:func:`reference_check`).
     agreement: float | None = None
+    #: :func:`reference_check`'s whole report.
+    reference: dict[str, Any] = field(default_factory=dict)
     outputs: list[list[int]] = field(default_factory=list)
     #: What was held after the trace (the engine): the manager's books once the engine
     #: closed (``committed``, ``shared``, ``pooled``, ``quarantined``), then ``pooled_after_trim``
@@ -351,26 +355,43 @@ def run_generate_batch(model: Any, trace: list[TraceRequest], *, memory_fraction
 
 
 @torch.no_grad()
-def reference(model: Any, trace: list[TraceRequest]) -> list[list[int]]:
-    """Each request alone through ``generate()`` with ``DynamicCache``, greedy."""
+def reference_check(model: Any, trace: list[TraceRequest], outputs: list[list[int]]) -> dict[str, Any]:
+    """Each request's greedy tokens against a one-request-at-a-time ``DynamicCache`` reference,
+    teacher-forced: one forward of the request's prompt and its own tokens gives the
+    reference's logits at every generated position, so one early difference does not hide
+    the rest. A token agrees when the reference ranks it first, or when its reference logit is
+    within bf16's resolution of the first (a tie bf16 cannot order). Returns ``agreement``
+    (the share of generated tokens that agree), ``argmax_equal`` (the share equal to the
+    reference's argmax), ``clear_checked`` / ``clear_equal`` (positions whose top two are
+    further apart than a tie, and how many of them are the argmax) and ``ties``."""
+    from transformers import DynamicCache
+
     use_kvvm_attention(model, enable=False)
     device = next(model.parameters()).device
-    out = []
-    for q in trace:
-        ids = torch.tensor([q.prompt], device=device)
-        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=q.output_tokens, do_sample=False)
-        out.append(g[0, len(q.prompt) :].tolist())
-    return out
-
-
-def agreement(outputs: list[list[int]], ref: list[list[int]]) -> float:
-    """Tokens equal to the reference up to each request's first difference, over all
-    reference tokens."""
-    same = total = 0
-    for a, b in zip(outputs, ref, strict=False):
-        total += len(b)
-        for x, y in zip(a, b, strict=False):
-            if x != y:
-                break
-            same += 1
-    return round(same / max(total, 1), 4)
+    total = equal = agree = clear = clear_equal = 0
+    for q, out in zip(trace, outputs, strict=False):
+        if not out:
+            continue
+        ids = torch.tensor([q.prompt + out[:-1]], device=device)
+        logits = model(
+            input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=len(out)
+        ).logits[0].float()
+        tokens = torch.tensor(out, device=device)
+        top2 = logits.topk(2, dim=-1).values
+        tie = bf16_tie(top2[:, 0])
+        is_max = logits.argmax(-1) == tokens
+        near = (top2[:, 0] - logits.gather(-1, tokens[:, None])[:, 0]) <= tie
+        is_clear = (top2[:, 0] - top2[:, 1]) > tie
+        total += len(out)
+        equal += int(is_max.sum())
+        agree += int((is_max | near).sum())
+        clear += int(is_clear.sum())
+        clear_equal += int((is_max & is_clear).sum())
+    return {
+        "agreement": round(agree / max(total, 1), 4),
+        "argmax_equal": round(equal / max(total, 1), 4),
+        "tokens": total,
+        "clear_checked": clear,
+        "clear_equal": clear_equal,
+        "ties": total - clear,
+    }

@@ -1,0 +1,14 @@
+"""How close two bf16 logits can be before their order means nothing."""
+
+from __future__ import annotations
+
+import torch
+
+#: Relative resolution of a bf16 logit: two logits closer than twice this (relative to the
+#: larger, at least 1 in absolute terms) are a tie bf16 cannot order.
+BF16_TIE = 2 * 2**-7
+
+
+def bf16_tie(top: torch.Tensor) -> torch.Tensor:
+    """The gap under which a logit of magnitude ``top`` ties with the top one in bf16."""
+    return BF16_TIE * top.abs().clamp_min(1)
