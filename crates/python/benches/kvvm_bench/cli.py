@@ -293,7 +293,9 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         report["simulate"] = {
             "measured_peak_bytes": max(held),
             "measured_mean_bytes": round(statistics.mean(held)),
-            "predicted": sv.simulate_prediction(args.kvvm_bin, trace_path, args.simulate_model, step_ms),
+            "predicted": sv.simulate_prediction(
+                args.kvvm_bin, trace_path, args.simulate_model, step_ms, args.budget_bytes or free_at_start or None
+            ),
         }
     _flush(args, report)
     return report

@@ -132,13 +132,19 @@ def save_trace(trace: list[TraceRequest], path: str) -> None:
             f.write(json.dumps({"arrival_s": q.arrival_s, "token_ids": q.prompt, "output_tokens": q.output_tokens}) + "\n")
 
 
-def simulate_prediction(kvvm_bin: str, trace_path: str, model: str, step_ms: float) -> dict[str, Any]:
+def simulate_prediction(
+    kvvm_bin: str, trace_path: str, model: str, step_ms: float, budget_bytes: int | None = None
+) -> dict[str, Any]:
     """What ``kvvm simulate`` predicts for the trace under kvvm's token-major layout with
-    prefix sharing: its peak and mean committed KV bytes (and its step, the simulator's clock)."""
+    prefix sharing: its peak and mean committed KV bytes (and its step, the simulator's clock).
+    ``budget_bytes``: the engine's budget (the simulator's default of 8 GiB otherwise, which
+    holds back admissions an engine with more memory makes)."""
     import subprocess
 
     cmd = [kvvm_bin, "simulate", "--trace", trace_path, "--json", "--backend", "sim", "--model", model,
            "--policies", "kvvm-token-major+prefix", "--step-ms", str(max(1, round(step_ms)))]
+    if budget_bytes:
+        cmd += ["--budget-bytes", str(budget_bytes)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         return {"error": out.stderr.strip()[-300:]}
@@ -148,6 +154,7 @@ def simulate_prediction(kvvm_bin: str, trace_path: str, model: str, step_ms: flo
         "mean_committed_bytes": p["mean_committed_bytes"],
         "completed": p["completed"],
         "step_ms": step_ms,
+        "budget_bytes": budget_bytes,
     }
 
 
