@@ -1,0 +1,102 @@
+"""Continuous batching (``kvvm.engine.Engine``) on a CUDA GPU with a small random fp32 model:
+the captured decode step, chunked and batched prefill, slot reuse, a prefix-cache hit and
+preemption under a tight budget, each request's greedy tokens against a one-request-at-a-time
+DynamicCache reference, and nothing held once the engine closes. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvvm
+
+torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
+transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
+
+
+def _cuda() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        kvvm.Backend("cuda")
+    except kvvm.KvvmError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _cuda(), reason="skipped: no CUDA driver")
+
+from kvvm.engine import Engine  # noqa: E402
+
+VOCAB = 2048
+
+
+def _models() -> tuple[object, object]:
+    """The same random fp32 weights twice on the GPU: the engine's and the reference's. fp32
+    with TF32 off: the engine and the reference differ by float rounding only, far below the
+    gaps between a random model's top logits at this size."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=8192, eos_token_id=None,
+    )
+    cfg._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        ref = transformers.LlamaForCausalLM(cfg).eval()
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    return model, ref
+
+
+@torch.no_grad()
+def _reference(ref: object, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_a_stream_on_cuda_gets_the_reference_tokens_and_gives_every_byte_back() -> None:
+    model, ref = _models()
+    mgr = kvvm.Manager("cuda", precommit=True, headroom_tokens=4)
+    free_before = torch.cuda.mem_get_info()[0]
+    engine = Engine(model, slots=3, max_len=3000, manager=mgr, prefill_chunk=256, prefix_cache_bytes=256 << 20)
+    system = _prompts([2100], seed=3)[0]
+    tails = _prompts([5, 40, 300, 9, 77, 1], seed=4)
+    news = [6, 20, 3, 11, 8, 15]
+    reqs = [engine.submit(system + t, n) for t, n in zip(tails, news, strict=True)]
+    reqs += [engine.submit(p, n) for p, n in zip(_prompts([600, 33], seed=5), [9, 12], strict=True)]
+    engine.run()
+    for r in reqs:
+        assert r.done and r.finish_reason == "length"
+        assert r.tokens == _reference(ref, r.prompt, r.max_new_tokens), r.id
+    assert engine.stats.admitted == len(reqs) > 3, "slots were reused"
+    assert engine.stats.prefix_hits >= len(tails) - 1, "the system prompt was mapped, not prefilled again"
+    engine.cache.check()
+    engine.close()
+    snap = mgr.snapshot()
+    assert snap.committed == snap.shared == 0
+    mgr.trim_pool(0)
+    assert mgr.snapshot().pooled == 0
+    torch.cuda.synchronize()
+    # The driver's free memory is back (torch's own cache aside).
+    assert torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() >= free_before
+
+
+def test_a_budget_too_small_for_every_request_preempts_and_still_gets_the_reference_tokens() -> None:
+    model, ref = _models()
+    # 2 layers x {K, V} x 2 KV heads x 64 x 4 bytes = 2 KiB a token: a 2 MiB granule holds
+    # 1024 tokens, and a budget of three granules cannot hold three growing 700-token requests.
+    mgr = kvvm.Manager("cuda", budget_bytes=3 << 21, precommit=False)
+    engine = Engine(model, slots=3, max_len=2048, manager=mgr, prefill_chunk=512)
+    reqs = [engine.submit(p, 400) for p in _prompts([700, 700, 700], seed=6)]
+    engine.run()
+    assert engine.stats.preempted > 0
+    for r in reqs:
+        assert r.tokens == _reference(ref, r.prompt, r.max_new_tokens), r.id
+    engine.close()
+    assert mgr.snapshot().committed == 0
