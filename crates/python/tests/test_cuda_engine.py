@@ -63,8 +63,12 @@ def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
 def test_a_stream_on_cuda_gets_the_reference_tokens_and_gives_every_byte_back() -> None:
     model, ref = _models()
     mgr = kvvm.Manager("cuda", precommit=True, headroom_tokens=4)
-    free_before = torch.cuda.mem_get_info()[0]
     engine = Engine(model, slots=3, max_len=3000, manager=mgr, prefill_chunk=256, prefix_cache_bytes=256 << 20)
+    # Compiled, captured and tuned first: the kernels the process loads stay loaded.
+    engine.warmup(prompt_tokens=64)
+    mgr.trim_pool(0)
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved()
     system = _prompts([2100], seed=3)[0]
     tails = _prompts([5, 40, 300, 9, 77, 1], seed=4)
     news = [6, 20, 3, 11, 8, 15]
@@ -83,7 +87,8 @@ def test_a_stream_on_cuda_gets_the_reference_tokens_and_gives_every_byte_back() 
     mgr.trim_pool(0)
     assert mgr.snapshot().pooled == 0
     torch.cuda.synchronize()
-    # The driver's free memory is back (torch's own cache aside).
+    # The driver's free memory is back to what it was before the stream (torch's own cache
+    # counted as free: it holds the captured graph's pool, not kvvm's memory).
     assert torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() >= free_before
 
 

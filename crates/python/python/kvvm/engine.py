@@ -348,8 +348,8 @@ class Engine:
         prefill is done."""
         seq = self.cache.batch[slot]
         hit = 0
-        with self.cache.unbound():
-            try:
+        try:
+            with self.cache.unbound():
                 if self.prefix_cache is not None:
                     # The last token is always computed (its logits give the first new token),
                     # so it is left out of the lookup: it never lies in read-only memory.
@@ -358,9 +358,9 @@ class Engine:
                     if hit:
                         self.stats.prefix_hit_ms.append((hit, (time.perf_counter() - began) * 1000))
                 seq.ensure(len(r._context))
-            except KvvmError:
-                seq.release()
-                raise
+        except KvvmError:
+            self.cache.free(slot)
+            raise
         self.cache.state.set_lengths({slot: hit}, {slot: 0})
         self.cache.state.suspend(slot)
         return hit

@@ -32,9 +32,11 @@ Requires torch and transformers (5.x); the rest of kvvm does not.
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,7 +54,7 @@ from . import (
 from .attend import slab_kv
 from .attention import ATTENTION, KvvmMask, decoder_config, register_attention, use_kvvm_attention
 from .cache_layer import KvvmLayer, StepQuery, host_work
-from .errors import GraphsAliveError, InvalidArgumentError
+from .errors import GraphsAliveError, InvalidArgumentError, ViewsAliveError
 from .slots import SlotState
 
 __all__ = [
@@ -99,6 +101,19 @@ def _check_full_attention(config: Any) -> None:
         )
     if getattr(config, "sliding_window", None) is not None:
         raise InvalidArgumentError("KvvmCache does not support sliding-window attention")
+
+
+def _unmap(unmap: Callable[[], int]) -> int:
+    """``unmap()`` (a release or shrink of the cache's memory), once more after a collection
+    of unreachable Python objects when it is refused because views are alive: a view kept
+    only by a reference cycle (a frame kept by an exception's traceback, for one) reads
+    nothing and is freed by the collector, at a time that would otherwise decide whether the
+    unmap succeeds. A view something can still reach keeps the refusal."""
+    try:
+        return unmap()
+    except ViewsAliveError:
+        gc.collect()
+        return unmap()
 
 
 class KvvmCache(Cache):
@@ -505,7 +520,7 @@ class KvvmCache(Cache):
         st.set_lengths({slot: 0}, {slot: 0})
         st.suspended.discard(slot)
         with self.unbound():
-            return self.batch[slot].release()
+            return _unmap(self.batch[slot].release)
 
     def step_done(self) -> None:
         """Marks the prepared step as run (after a replay), so that an eager forward next
@@ -559,7 +574,7 @@ class KvvmCache(Cache):
         st.set_lengths(lengths)
         self._unbind()
         try:
-            return sum(self.batch[i].shrink(n) for i, n in lengths.items())
+            return sum(_unmap(functools.partial(self.batch[i].shrink, n)) for i, n in lengths.items())
         finally:
             self._bind()
 
@@ -579,7 +594,7 @@ class KvvmCache(Cache):
             )
         self._unbind()
         try:
-            freed = self.batch.release()
+            freed = _unmap(self.batch.release)
         except Exception:
             self._bind()
             raise
