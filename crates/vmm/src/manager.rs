@@ -3,6 +3,7 @@
 //! address ranges and reports on the pool and the quarantine.
 
 use std::fmt;
+use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Weak};
 
 use kvvm_governor::{Backpressure, Governor, MappedGrowthGrant, Reclaimer};
@@ -17,8 +18,10 @@ use crate::device::pool::HandlePool;
 use crate::device::quarantine::QuarantineEntry;
 use crate::device::DeviceContext;
 use crate::device::DeviceState;
+use crate::device::Source;
 use crate::error::{VmmError, VmmResult};
 use crate::reservation::Reservation;
+use crate::shared::{SharedHandles, SharedPiece};
 use crate::strided::SharedRange;
 
 /// The virtual-memory manager of one device. Cheap to clone (clones share the pool, the
@@ -240,6 +243,44 @@ impl VirtualMemory {
         Ok(out)
     }
 
+    /// Imports another process's exported shared handles ([`SharedHandles::export_fds`]:
+    /// each a descriptor with the offset and granule windows of its piece) as a set that
+    /// reservations of this manager map at the same offsets, read-only
+    /// ([`Reservation::map_shared`] refuses write access to it). Billed nowhere here (the
+    /// exporter's books, or a node broker's, hold the bytes); dropping the set releases the
+    /// imported handles to the driver, and the memory lives until no process holds a handle,
+    /// a descriptor or a mapping of it. Refused before any driver call unless every offset is
+    /// granule-aligned, every piece spans at least one window and no two overlap; if an import
+    /// fails, the handles imported so far are released.
+    pub fn import_shared(
+        &self,
+        pieces: &[(BorrowedFd<'_>, u64, u64)],
+    ) -> VmmResult<Arc<SharedHandles>> {
+        let ctx = &self.inner.ctx;
+        check_imported(pieces, ctx.granule)?;
+        let mut imported: Vec<SharedPiece> = Vec::with_capacity(pieces.len());
+        for (fd, offset, windows) in pieces {
+            match ctx.backend.import_posix_fd(ctx.device, *fd) {
+                Ok(handle) => imported.push(SharedPiece {
+                    offset: *offset,
+                    windows: *windows,
+                    handle,
+                }),
+                Err(e) => {
+                    for p in imported {
+                        let bytes = p.windows.saturating_mul(ctx.granule);
+                        let _ = ctx.release_handle(p.handle, bytes, Source::Unbilled);
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(Arc::new(SharedHandles::imported(
+            Arc::clone(&self.inner),
+            imported,
+        )))
+    }
+
     /// Whether `other` is this manager or a clone of it (the same pool, quarantine and
     /// reservations' books): what may share handles with it.
     pub fn same_manager(&self, other: &VirtualMemory) -> bool {
@@ -337,4 +378,34 @@ impl VirtualMemory {
     pub fn accounting_errors(&self) -> u64 {
         self.inner.ctx.accounting_errors()
     }
+}
+
+/// Checks the pieces of an import: at least one, aligned, non-empty, not overlapping.
+fn check_imported(pieces: &[(BorrowedFd<'_>, u64, u64)], granule: u64) -> VmmResult<()> {
+    let invalid = |reason: String| VmmError::InvalidArgument { reason };
+    if pieces.is_empty() {
+        return Err(invalid("an import needs at least one handle".to_owned()));
+    }
+    let mut spans: Vec<(u64, u64)> = Vec::with_capacity(pieces.len());
+    for (_, offset, windows) in pieces {
+        if *windows == 0 || offset % granule != 0 {
+            return Err(invalid(format!(
+                "imported piece at offset {offset} of {windows} windows: offsets are multiples \
+                 of the granule ({granule}) and a piece spans at least one window"
+            )));
+        }
+        let end = windows
+            .checked_mul(granule)
+            .and_then(|b| offset.checked_add(b))
+            .ok_or_else(|| invalid(format!("imported piece at offset {offset} overflows")))?;
+        spans.push((*offset, end));
+    }
+    spans.sort_unstable();
+    if let Some(pair) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+        return Err(invalid(format!(
+            "imported pieces overlap: {:?} and {:?}",
+            pair[0], pair[1]
+        )));
+    }
+    Ok(())
 }

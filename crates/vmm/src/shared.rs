@@ -2,11 +2,14 @@
 //! by its owner and read-only by any number of sharers (one mapping per handle), billed once.
 
 use std::fmt;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kvvm_governor::Bucket;
 use kvvm_hal::PhysicalHandle;
+
+use crate::error::VmmResult;
 
 use crate::device::DeviceState;
 use crate::device::Source;
@@ -45,6 +48,9 @@ pub struct SharedHandles {
     mappings: AtomicU64,
     /// Per piece: a mapping of it could not be proven idle, so it is never released.
     quarantined: Vec<AtomicBool>,
+    /// Imported from another process's export: billed there, mapped read-only here, and
+    /// released straight to the driver (never pooled) when the set is dropped.
+    imported: bool,
 }
 
 impl fmt::Debug for SharedHandles {
@@ -58,7 +64,18 @@ impl fmt::Debug for SharedHandles {
 }
 
 impl SharedHandles {
-    pub(crate) fn new(vm: Arc<DeviceState>, mut pieces: Vec<SharedPiece>) -> Self {
+    /// A set of handles this manager created (billed here, as shared).
+    pub(crate) fn new(vm: Arc<DeviceState>, pieces: Vec<SharedPiece>) -> Self {
+        Self::with_origin(vm, pieces, false)
+    }
+
+    /// A set of handles imported from another process's export (billed there; see
+    /// [`VirtualMemory::import_shared`](crate::VirtualMemory::import_shared)).
+    pub(crate) fn imported(vm: Arc<DeviceState>, pieces: Vec<SharedPiece>) -> Self {
+        Self::with_origin(vm, pieces, true)
+    }
+
+    fn with_origin(vm: Arc<DeviceState>, mut pieces: Vec<SharedPiece>, imported: bool) -> Self {
         pieces.sort_unstable_by_key(|p| p.offset);
         let quarantined = pieces.iter().map(|_| AtomicBool::new(false)).collect();
         let mut first_window = Vec::with_capacity(pieces.len());
@@ -74,7 +91,26 @@ impl SharedHandles {
             windows,
             mappings: AtomicU64::new(0),
             quarantined,
+            imported,
         }
+    }
+
+    /// Whether the set was imported from another process (mapped read-only only, billed
+    /// where it was created).
+    pub fn is_imported(&self) -> bool {
+        self.imported
+    }
+
+    /// Each handle exported as a file descriptor (the manager must create handles as
+    /// `ShareableHandleType::PosixFd`), with its piece: what another process imports with
+    /// [`VirtualMemory::import_shared`](crate::VirtualMemory::import_shared) to map the same
+    /// memory. The memory lives while any process holds a handle or a descriptor of it.
+    pub fn export_fds(&self) -> VmmResult<Vec<(OwnedFd, SharedPiece)>> {
+        let backend = &self.vm.ctx.backend;
+        self.pieces
+            .iter()
+            .map(|p| Ok((backend.export_posix_fd(p.handle)?, *p)))
+            .collect()
     }
 
     /// Number of granule windows in the set.
@@ -169,15 +205,17 @@ impl SharedHandles {
     }
 
     /// A mapping of the handle at `offset` could not be proven idle: it is never released.
-    /// Returns whether this call quarantined it (its bytes then move from shared to
-    /// quarantined, once).
+    /// Returns whether this call quarantined bytes billed here (they then move from shared
+    /// to quarantined, once; an imported set's are billed elsewhere).
     pub(crate) fn quarantine_window(&self, offset: u64) -> bool {
         let Ok(i) = self.pieces.binary_search_by_key(&offset, |p| p.offset) else {
             return false;
         };
-        self.quarantined
+        let first = self
+            .quarantined
             .get(i)
-            .is_some_and(|q| !q.swap(true, Ordering::AcqRel))
+            .is_some_and(|q| !q.swap(true, Ordering::AcqRel));
+        first && !self.imported
     }
 
     /// Bytes of handles quarantined.
@@ -209,12 +247,17 @@ impl Drop for SharedHandles {
                 // Still mapped where it cannot be proven idle: kept, accounted as quarantined.
                 continue;
             }
-            // A failed release is quarantined inside `dispose`.
-            let _ = self.vm.dispose(
-                p.handle,
-                p.windows.saturating_mul(g),
-                Source::Bucket(Bucket::Shared),
-            );
+            let bytes = p.windows.saturating_mul(g);
+            // A failed release is quarantined inside `dispose` / `release_handle`.
+            let _ = if self.imported {
+                // Not this process's memory to pool: only its handle goes.
+                self.vm
+                    .ctx
+                    .release_handle(p.handle, bytes, Source::Unbilled)
+            } else {
+                self.vm
+                    .dispose(p.handle, bytes, Source::Bucket(Bucket::Shared))
+            };
         }
     }
 }

@@ -19,6 +19,9 @@ pub(crate) enum Source<'a> {
     Bucket(Bucket),
     /// A grant not yet settled (a handle created by a failing commit).
     Grant(&'a mut MappedGrowthGrant),
+    /// Billed nowhere in this process: a handle imported from another process's export
+    /// (its bytes are billed where it was created, for a node's broker to its tenant).
+    Unbilled,
 }
 
 impl Source<'_> {
@@ -32,6 +35,7 @@ impl Source<'_> {
         match self {
             Source::Bucket(b) => ctx.governor.transfer(ctx.device, b, to, bytes),
             Source::Grant(grant) => grant.settle(bytes, to),
+            Source::Unbilled => Ok(()),
         }
     }
 
@@ -40,6 +44,7 @@ impl Source<'_> {
         match self {
             Source::Bucket(b) => ctx.governor.free(ctx.device, b, bytes),
             Source::Grant(grant) => grant.give_back(bytes),
+            Source::Unbilled => Ok(()),
         }
     }
 }

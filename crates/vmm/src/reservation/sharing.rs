@@ -160,6 +160,13 @@ impl Reservation {
         let ctx = &st.ctx;
         let g = ctx.granule;
         self.check_set(set)?;
+        if set.is_imported() && access.can_write() {
+            return Err(VmmError::InvalidArgument {
+                reason: "an imported shared set is mapped read-only (its writer is another \
+                         process)"
+                    .to_owned(),
+            });
+        }
         let chosen = self.handles_named(set, ranges)?;
         let mut spans = Vec::with_capacity(chosen.len());
         for p in &chosen {
