@@ -161,6 +161,7 @@ pub use cache::records::{
 pub use cache::PrefixCache;
 pub use error::KvCacheError;
 pub use sequence::prefix::SharedDevicePrefix;
+pub use sequence::prefix_export::PrefixDescriptor;
 pub use sequence::{EnsureJob, LayerPointers, SequenceKv};
 pub use tensor_parallel::precommit::{GroupPrecommitStats, PrecommittedGroup};
 pub use tensor_parallel::{TensorParallelJob, TensorParallelSequence};

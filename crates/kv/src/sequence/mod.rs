@@ -20,9 +20,11 @@
 //! | `share.rs` | attaching shared segments read-only, owning a new one |
 //! | `prefix.rs` | [`SharedDevicePrefix`]: the set, its windows, seal |
 //! | `prefix_setup.rs` | making a prefix, mapping it into sequences |
+//! | `prefix_export.rs` | a prefix handed to another process: export as descriptors, import |
 
 mod copy;
 pub(crate) mod prefix;
+pub(crate) mod prefix_export;
 mod prefix_setup;
 mod release;
 mod share;

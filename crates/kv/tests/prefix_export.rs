@@ -1,0 +1,161 @@
+//! A shared prefix handed to another manager (as to another process) on the simulated driver:
+//! exported as descriptors with its encoded descriptor, imported under the same plan, attached
+//! read-only to the importer's sequences with every token read back, billed at the exporter
+//! only, alive after the exporter let go; plans that do not match, unsealed prefixes and
+//! foreign text are refused.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::os::fd::AsFd;
+use std::sync::Arc;
+
+use kvvm_governor::{Governor, GovernorConfig};
+use kvvm_hal::{DeviceId, ShareableHandleType, VirtualMemoryBackend};
+use kvvm_kv::synthetic::token_kv_bytes;
+use kvvm_kv::{
+    KvCacheError, KvDtype, KvGeometry, KvLayout, LayoutPlan, PrefixDescriptor, SequenceKv,
+    SharedDevicePrefix,
+};
+use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
+use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
+
+const D0: DeviceId = DeviceId(0);
+const G: u64 = 4096;
+
+fn managers() -> (Arc<SimBackend>, [(VirtualMemory, Governor); 2]) {
+    let sim = Arc::new(SimBackend::new(
+        SimConfig::single(G, 4096 * G).with_latency(LatencyModel::zero(), LatencyMode::Account),
+    ));
+    let make = || {
+        let gov = Governor::new(GovernorConfig::default().device_budget(D0, 1024 * G));
+        let backend: Arc<dyn VirtualMemoryBackend> = sim.clone();
+        let config = VmmConfig {
+            handle_type: ShareableHandleType::PosixFd,
+            ..VmmConfig::default()
+                .pool_cap_bytes(0)
+                .granularity(GranularityChoice::Minimum)
+        };
+        (
+            VirtualMemory::new(backend, D0, gov.clone(), config).unwrap(),
+            gov,
+        )
+    };
+    let pair = [make(), make()];
+    (sim, pair)
+}
+
+/// 2 layers, 2 KV heads, head_dim 32, fp16: 512 B a token.
+fn geometry(max_tokens: u64) -> KvGeometry {
+    KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, max_tokens).unwrap()
+}
+
+fn fill(geo: &KvGeometry) -> impl FnMut(u64, &mut [u8]) + '_ {
+    let bpt = geo.bytes_per_token() as usize;
+    move |first, buf| {
+        for (i, chunk) in buf.chunks_mut(bpt).enumerate() {
+            let pos = first + i as u64;
+            token_kv_bytes(geo, pos as u32, pos, chunk);
+        }
+    }
+}
+
+#[test]
+fn an_exported_prefix_imports_under_the_same_plan_and_reads_back_in_every_layout() {
+    for layout in [KvLayout::TokenMajor, KvLayout::SeqMajor] {
+        let (_sim, [(exporter, gov_a), (importer, gov_b)]) = managers();
+        let geo = geometry(1000);
+        let plan = LayoutPlan::new(geo, layout, G).unwrap();
+        let mut f = fill(&geo);
+        let (prefix, owner) =
+            SharedDevicePrefix::reserve_and_map_shared_prefix(&exporter, &plan, 300, 1000, &mut f)
+                .unwrap();
+        let (descriptor, fds) = prefix.export().unwrap();
+        assert_eq!(descriptor.tokens, prefix.shared_tokens().min(300));
+        assert!(
+            descriptor.tokens > 0 && descriptor.tokens <= 300,
+            "{layout:?}"
+        );
+        let text = descriptor.encode();
+        let decoded = PrefixDescriptor::decode(&text).unwrap();
+        assert_eq!(decoded, descriptor);
+        let borrowed: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
+        let imported = SharedDevicePrefix::import(&importer, &plan, &decoded, &borrowed).unwrap();
+        drop(borrowed);
+        drop(fds);
+        assert!(imported.is_sealed() && imported.handles().is_imported());
+        assert_eq!(imported.prefix_len(), descriptor.tokens);
+
+        let mut reader = SequenceKv::new(&importer, &plan, 1000).unwrap();
+        imported.attach_to(&mut reader).unwrap();
+        assert_eq!(
+            gov_b.snapshot().device(D0).used(),
+            0,
+            "billed at the exporter only"
+        );
+        let billed = gov_a.snapshot().device(D0).used();
+        assert!(billed >= prefix.bytes(), "{layout:?}");
+
+        // The exporter lets go of its prefix and its owner: the reader still reads it.
+        drop(owner);
+        drop(prefix);
+        assert_eq!(gov_a.snapshot().device(D0).used(), 0);
+        let bpt = geo.bytes_per_token();
+        let n = descriptor.tokens;
+        let mut got = vec![0u8; (n * bpt) as usize];
+        reader.read_tokens(0, &mut got).unwrap();
+        let mut want = vec![0u8; got.len()];
+        fill(&geo)(0, &mut want);
+        assert_eq!(got, want, "{layout:?}: every token of the prefix");
+        // The reader grows privately past the prefix, billed to its own manager.
+        reader.ensure_tokens(n + 40).unwrap();
+        assert!(gov_b.snapshot().device(D0).used() > 0);
+        drop(reader);
+        drop(imported);
+        assert_eq!(gov_b.snapshot().device(D0).used(), 0);
+        assert_eq!(
+            exporter.accounting_errors() + importer.accounting_errors(),
+            0
+        );
+    }
+}
+
+#[test]
+fn another_plan_an_unsealed_prefix_and_foreign_text_are_refused() {
+    let (_sim, [(exporter, _), (importer, _)]) = managers();
+    let geo = geometry(1000);
+    let plan = LayoutPlan::new(geo, KvLayout::SeqMajor, G).unwrap();
+    let (unsealed, _owner) =
+        SharedDevicePrefix::reserve_unwritten(&exporter, &plan, 300, 1000).unwrap();
+    assert!(matches!(
+        unsealed.export(),
+        Err(KvCacheError::PrefixNotWritten { .. })
+    ));
+    unsealed.seal();
+    let (descriptor, fds) = unsealed.export().unwrap();
+    let borrowed: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
+    // Seq-major fragments lie at offsets that depend on the maximum length.
+    let other = LayoutPlan::new(geometry(2000), KvLayout::SeqMajor, G).unwrap();
+    let e = SharedDevicePrefix::import(&importer, &other, &descriptor, &borrowed).unwrap_err();
+    assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
+    let e = SharedDevicePrefix::import(&importer, &plan, &descriptor, &borrowed[1..]).unwrap_err();
+    assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
+    let mut longer = descriptor.clone();
+    longer.tokens = 100_000;
+    let e = SharedDevicePrefix::import(&importer, &plan, &longer, &borrowed).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            KvCacheError::PlanMismatch { .. } | KvCacheError::Layout(_)
+        ),
+        "{e}"
+    );
+    for text in [
+        "",
+        "kvvm-prefix/2 1 0 1 0:1",
+        "kvvm-prefix/1 1 0",
+        "kvvm-prefix/1 1 0 1 0-1",
+    ] {
+        assert!(PrefixDescriptor::decode(text).is_err(), "{text:?}");
+    }
+    // The same plan imports.
+    assert!(SharedDevicePrefix::import(&importer, &plan, &descriptor, &borrowed).is_ok());
+}
