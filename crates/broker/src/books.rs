@@ -347,7 +347,8 @@ impl NodeBooks {
         held
     }
 
-    /// `client` publishes `key` on `device` with its handles `fds` of `sizes`: the bytes move
+    /// `client` publishes `key` on `device` with its handles `fds` of `sizes` (and the `meta`
+    /// its readers get with them): the bytes move
     /// from its holding to the prefix (billed once, to its tenant) and it is the first user.
     /// Returns what the client holds now.
     pub fn publish_prefix(
@@ -356,6 +357,7 @@ impl NodeBooks {
         device: u32,
         key: &str,
         sizes: Vec<u64>,
+        meta: String,
         fds: Vec<OwnedFd>,
     ) -> Result<u64, BooksError> {
         let bytes = sizes
@@ -376,7 +378,7 @@ impl NodeBooks {
             c.held.insert(device, rest);
         }
         self.prefixes
-            .publish(&tenant, key, client, device, sizes, fds);
+            .publish(&tenant, key, client, device, sizes, meta, fds);
         Ok(rest)
     }
 

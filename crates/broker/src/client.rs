@@ -358,12 +358,15 @@ impl BrokerClient {
     /// Publishes a prefix on `device` under `key` with its exported handles (a descriptor and
     /// its size each): the bytes leave this client's lease (and its governor's) for the prefix, billed once to
     /// the tenant for as long as any client uses it. The publisher is its first user; it
-    /// lets go with [`close_prefix`](Self::close_prefix) or by disconnecting.
+    /// lets go with [`close_prefix`](Self::close_prefix) or by disconnecting. `meta` rides
+    /// with the descriptors to every reader (what they need to map them: the KV layer's
+    /// `PrefixDescriptor::encode`; at most 2048 bytes of printable ASCII).
     pub fn publish_prefix(
         &self,
         device: u32,
         key: &str,
         handles: &[(BorrowedFd<'_>, u64)],
+        meta: &str,
     ) -> Result<(), BrokerError> {
         let fds: Vec<BorrowedFd<'_>> = handles.iter().map(|(fd, _)| *fd).collect();
         let sizes: Vec<u64> = handles.iter().map(|(_, s)| *s).collect();
@@ -373,6 +376,7 @@ impl BrokerClient {
             device,
             key: key.to_owned(),
             sizes: sizes.clone(),
+            meta: meta.to_owned(),
         };
         match self.request_fds(make, &fds)?.0 {
             Reply::Held { .. } => {
@@ -394,7 +398,8 @@ impl BrokerClient {
         }
     }
 
-    /// Opens the tenant's prefix `key`: its device, bytes and handles (import them read-only).
+    /// Opens the tenant's prefix `key`: its device, bytes, handles (import them read-only) and
+    /// the publisher's `meta`.
     /// Not billed again; the client is a user until it closes it or disconnects.
     pub fn open_prefix(&self, key: &str) -> Result<OpenedPrefix, BrokerError> {
         let make = |id| Request::Open {
@@ -402,9 +407,20 @@ impl BrokerClient {
             key: key.to_owned(),
         };
         match self.request_fds(make, &[])? {
-            (Reply::Prefix { device, sizes, .. }, fds) if fds.len() == sizes.len() => {
-                Ok(OpenedPrefix { device, sizes, fds })
-            }
+            (
+                Reply::Prefix {
+                    device,
+                    sizes,
+                    meta,
+                    ..
+                },
+                fds,
+            ) if fds.len() == sizes.len() => Ok(OpenedPrefix {
+                device,
+                sizes,
+                fds,
+                meta,
+            }),
             (Reply::Error { message, .. }, _) => Err(BrokerError::Refused(message)),
             (other, _) => Err(BrokerError::Protocol(format!("open: {other:?}"))),
         }

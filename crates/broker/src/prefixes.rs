@@ -15,6 +15,7 @@ struct Entry {
     device: u32,
     bytes: u64,
     sizes: Vec<u64>,
+    meta: String,
     /// Client → how many times it opened (or published) the prefix and has not closed it.
     users: BTreeMap<u64, u32>,
     fds: Vec<OwnedFd>,
@@ -29,6 +30,8 @@ pub struct OpenedPrefix {
     pub sizes: Vec<u64>,
     /// The handles, duplicated for the client, in the order of `sizes`.
     pub fds: Vec<OwnedFd>,
+    /// What the publisher said its readers need besides the descriptors.
+    pub meta: String,
 }
 
 /// Every published prefix, by (tenant, key).
@@ -75,6 +78,7 @@ impl Prefixes {
         client: u64,
         device: u32,
         sizes: Vec<u64>,
+        meta: String,
         fds: Vec<OwnedFd>,
     ) {
         let users = BTreeMap::from([(client, 1)]);
@@ -83,6 +87,7 @@ impl Prefixes {
             device,
             bytes,
             sizes,
+            meta,
             users,
             fds,
         };
@@ -105,6 +110,7 @@ impl Prefixes {
             device: e.device,
             sizes: e.sizes.clone(),
             fds,
+            meta: e.meta.clone(),
         })
     }
 

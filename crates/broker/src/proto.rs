@@ -24,6 +24,10 @@ pub const MAX_TOKEN: usize = 256;
 /// The longest prefix key, in bytes.
 pub const MAX_KEY: usize = 128;
 
+/// The most bytes of a prefix's `meta` (what its readers need besides the descriptors; the
+/// frame that carries it holds at most [`MAX_FRAME`]).
+pub const MAX_META: usize = 2048;
+
 /// A message from a client to the broker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -81,6 +85,11 @@ pub enum Request {
         key: String,
         /// The size of each handle, in the order of the descriptors (1 to 64 of them).
         sizes: Vec<u64>,
+        /// What the prefix's readers need besides the descriptors (the KV layer's encoded
+        /// descriptor: where each handle lies, the tokens it holds), carried as is: at most
+        /// [`MAX_META`] bytes of printable ASCII.
+        #[serde(default)]
+        meta: String,
     },
     /// Opens a prefix of the client's tenant: the answer carries its descriptors.
     Open {
@@ -191,6 +200,9 @@ pub enum Reply {
         device: u32,
         /// The size of each handle, in the order of the descriptors.
         sizes: Vec<u64>,
+        /// The publisher's `meta`, as published.
+        #[serde(default)]
+        meta: String,
     },
     /// The users a prefix has left after a close (0: it was freed).
     Users {
@@ -301,6 +313,12 @@ pub fn valid_tenant(name: &str) -> bool {
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// Whether `meta` may ride with a published prefix: at most [`MAX_META`] bytes of printable
+/// ASCII (spaces included).
+pub fn valid_meta(meta: &str) -> bool {
+    meta.len() <= MAX_META && meta.bytes().all(|b| b == b' ' || b.is_ascii_graphic())
 }
 
 /// Whether `key` is a valid prefix key: 1 to [`MAX_KEY`] bytes of ASCII letters, digits, `-`,

@@ -328,6 +328,7 @@ fn prefix_requests_are_checked_against_the_clients_books() {
         device: 0,
         key: "p".into(),
         sizes: vec![1, 1],
+        meta: String::new(),
     };
     let r = send(&mut s, &publish);
     assert_eq!(
@@ -344,15 +345,28 @@ fn prefix_requests_are_checked_against_the_clients_books() {
     .unwrap();
     let file = std::fs::File::open("/dev/null").unwrap();
     use std::os::fd::AsFd;
-    let r = client.publish_prefix(0, "p", &[(file.as_fd(), 10)]);
+    let r = client.publish_prefix(0, "p", &[(file.as_fd(), 10)], "");
     assert!(r.is_err(), "publishing bytes it does not hold");
+    assert!(broker.prefixes().is_empty());
+    let bad = kvvm_broker::BrokerClient::connect(kvvm_broker::ClientOptions::new(
+        &broker.config().socket,
+        "t",
+    ))
+    .unwrap();
+    assert_eq!(bad.acquire_bytes(0, 10, 10), Ok(10));
+    for meta in ["line\nbreak".to_owned(), "x".repeat(2049)] {
+        let r = bad.publish_prefix(0, "q", &[(file.as_fd(), 10)], &meta);
+        assert!(r.is_err(), "meta {:?}... refused", &meta[..4]);
+    }
     assert!(broker.prefixes().is_empty());
     assert_eq!(client.acquire_bytes(0, 10, 10), Ok(10));
     client
-        .publish_prefix(0, "p", &[(file.as_fd(), 10)])
+        .publish_prefix(0, "p", &[(file.as_fd(), 10)], &"m".repeat(2048))
         .unwrap();
     assert!(
-        client.publish_prefix(0, "p", &[(file.as_fd(), 1)]).is_err(),
+        client
+            .publish_prefix(0, "p", &[(file.as_fd(), 1)], "")
+            .is_err(),
         "a second p"
     );
     assert_eq!(client.held(0), 0);

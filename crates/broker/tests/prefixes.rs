@@ -21,6 +21,7 @@ use kvvm_vmm::{VirtualMemory, VmmConfig};
 
 const D: DeviceId = DeviceId(0);
 const KEY: &str = "system-prompt:v1";
+const META: &str = "kvvm-prefix/1 64 0 2 0:1 4096:1";
 
 fn byte(i: usize) -> u8 {
     (i.wrapping_mul(13) ^ (i >> 11)) as u8
@@ -75,7 +76,7 @@ fn publisher() {
         .collect();
     let handles: Vec<_> = fds.iter().map(|(fd, size)| (fd.as_fd(), *size)).collect();
     let leased = client.held(0);
-    client.publish_prefix(0, KEY, &handles).unwrap();
+    client.publish_prefix(0, KEY, &handles, META).unwrap();
     assert_eq!(client.held(0), leased - 2 * g, "the prefix left the lease");
     drop(fds);
     owner.release().unwrap();
@@ -105,6 +106,10 @@ fn reader() {
         let what = match line.unwrap().trim() {
             "open" => match client.open_prefix(KEY) {
                 Ok(p) => {
+                    assert_eq!(
+                        p.meta, META,
+                        "the publisher's meta rides with the descriptors"
+                    );
                     let total: u64 = p.sizes.iter().sum();
                     let base = host.reserve(total, 0, None).unwrap();
                     let mut at = base;

@@ -8,7 +8,7 @@ use super::conn::{error, refuse, Next};
 use super::{lock, Conn, Shared};
 use crate::books::BooksError;
 use crate::fdpass::MAX_FDS;
-use crate::proto::{valid_key, ErrorCode, Reply, Request};
+use crate::proto::{valid_key, valid_meta, ErrorCode, Reply, Request};
 
 /// Serves a `publish`, `open` or `close` of `client`.
 pub(super) fn request(
@@ -25,12 +25,19 @@ pub(super) fn request(
             device,
             key,
             sizes,
+            meta,
         } => {
-            if !valid_key(&key) || fds.is_empty() || fds.len() > MAX_FDS || sizes.contains(&0) {
-                let why = "a prefix needs a valid key and 1 to 64 descriptors of nonzero size";
+            if !valid_key(&key)
+                || !valid_meta(&meta)
+                || fds.is_empty()
+                || fds.len() > MAX_FDS
+                || sizes.contains(&0)
+            {
+                let why = "a prefix needs a valid key, 1 to 64 descriptors of nonzero size and \
+                           at most 2048 bytes of printable meta";
                 return Next::Close(Some(error(id, ErrorCode::Invalid, why)));
             }
-            let r = lock(&shared.books).publish_prefix(client, device, &key, sizes, fds);
+            let r = lock(&shared.books).publish_prefix(client, device, &key, sizes, meta, fds);
             answer(
                 conn,
                 id,
@@ -50,6 +57,7 @@ pub(super) fn request(
                         id,
                         device: p.device,
                         sizes: p.sizes,
+                        meta: p.meta,
                     };
                     let borrowed: Vec<_> = p.fds.iter().map(AsFd::as_fd).collect();
                     conn.send_fds(&reply, &borrowed);
