@@ -6,11 +6,10 @@ use std::time::{Duration, Instant};
 
 use kvvm_governor::RetryPolicy;
 
-use std::os::fd::OwnedFd;
 
 use crate::config::{BrokerConfig, TenantPolicy};
 use crate::metrics::{BrokerCounters, BrokerMetrics};
-use crate::prefixes::{OpenedPrefix, PrefixRow, Prefixes, MAX_PREFIXES};
+use crate::prefixes::{OpenedPrefix, PrefixRow, Prefixes, Published, MAX_PREFIXES};
 use crate::proto::WireRefusal;
 
 /// Most recent give-backs remembered per device for the retry estimate.
@@ -347,20 +346,19 @@ impl NodeBooks {
         held
     }
 
-    /// `client` publishes `key` on `device` with its handles `fds` of `sizes` (and the `meta`
-    /// its readers get with them): the bytes move
+    /// `client` publishes `key` (its handles, their sizes, the device and the `meta` its
+    /// readers get with them): the bytes move
     /// from its holding to the prefix (billed once, to its tenant) and it is the first user.
     /// Returns what the client holds now.
     pub fn publish_prefix(
         &mut self,
         client: u64,
-        device: u32,
         key: &str,
-        sizes: Vec<u64>,
-        meta: String,
-        fds: Vec<OwnedFd>,
+        published: Published,
     ) -> Result<u64, BooksError> {
-        let bytes = sizes
+        let device = published.device;
+        let bytes = published
+            .sizes
             .iter()
             .try_fold(0u64, |a, s| a.checked_add(*s))
             .unwrap_or(u64::MAX);
@@ -377,8 +375,7 @@ impl NodeBooks {
         if let Some(c) = self.clients.get_mut(&client) {
             c.held.insert(device, rest);
         }
-        self.prefixes
-            .publish(&tenant, key, client, device, sizes, meta, fds);
+        self.prefixes.publish(&tenant, key, client, published);
         Ok(rest)
     }
 

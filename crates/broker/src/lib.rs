@@ -54,6 +54,6 @@ pub use config::{BrokerConfig, TenantPolicy};
 pub use error::BrokerError;
 pub use metrics::{BrokerCounters, BrokerMetrics};
 pub use peer::{peer_credentials, PeerCredentials};
-pub use prefixes::{OpenedPrefix, PrefixRow};
+pub use prefixes::{OpenedPrefix, PrefixRow, Published};
 pub use proto::{Reply, Request, WireRefusal};
 pub use server::Broker;

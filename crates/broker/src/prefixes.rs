@@ -34,6 +34,19 @@ pub struct OpenedPrefix {
     pub meta: String,
 }
 
+/// What a client publishes: where the prefix lives, its handles and what its readers need.
+#[derive(Debug)]
+pub struct Published {
+    /// The device index.
+    pub device: u32,
+    /// The size of each handle.
+    pub sizes: Vec<u64>,
+    /// What its readers need besides the descriptors (carried as is).
+    pub meta: String,
+    /// The handles, in the order of `sizes`.
+    pub fds: Vec<OwnedFd>,
+}
+
 /// Every published prefix, by (tenant, key).
 #[derive(Debug, Default)]
 pub struct Prefixes {
@@ -71,17 +84,14 @@ impl Prefixes {
     }
 
     /// Records a prefix published by `client`, its first user.
-    pub fn publish(
-        &mut self,
-        tenant: &str,
-        key: &str,
-        client: u64,
-        device: u32,
-        sizes: Vec<u64>,
-        meta: String,
-        fds: Vec<OwnedFd>,
-    ) {
+    pub fn publish(&mut self, tenant: &str, key: &str, client: u64, published: Published) {
         let users = BTreeMap::from([(client, 1)]);
+        let Published {
+            device,
+            sizes,
+            meta,
+            fds,
+        } = published;
         let bytes = sizes.iter().fold(0u64, |a, s| a.saturating_add(*s));
         let entry = Entry {
             device,

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dlpark::ffi::{DLDevice, DLDeviceType};
-use kvvm::broker::BrokerClient;
+use kvvm::broker::{BrokerClient, BrokerError};
 use kvvm::governor::Governor;
-use kvvm::hal::{DeviceId, VirtualMemoryBackend};
+use kvvm::hal::{DeviceId, ShareableHandleType, VirtualMemoryBackend};
 use kvvm::kv::precommit::{PrecommitConfig, Precommitter};
 use kvvm::vmm::{VirtualMemory, VmmConfig};
 use pyo3::prelude::*;
@@ -15,7 +15,7 @@ use pyo3::types::PyDict;
 
 use crate::count::{Count, Dim};
 use crate::errors;
-use crate::manager_open::{budget, granularity_choice, open_error, open_memory};
+use crate::manager_open::{budget, granularity_choice, open_error, open_memory, Budget};
 
 /// A driver backend opened by name (`"auto"`, `"cuda"`, `"hip"`, `"host"`, `"sim"`).
 #[pyclass(frozen, module = "kvvm._native")]
@@ -226,6 +226,10 @@ impl Manager {
         let mut vmm = VmmConfig::default()
             .granularity(choice)
             .park_released(park_released);
+        if matches!(source, Budget::Broker(..)) && backend.capabilities().posix_fd_handles {
+            // Handles a published prefix can pass to other processes.
+            vmm.handle_type = ShareableHandleType::PosixFd;
+        }
         if let Some(cap) = pool_cap_bytes {
             vmm = vmm.pool_cap_bytes(cap.0);
         }
@@ -265,6 +269,15 @@ impl Manager {
     fn leased_bytes(&self) -> Option<u64> {
         let s = &self.state;
         s.broker.as_ref().map(|c| c.held(s.device.0))
+    }
+
+    /// Lets go of the tenant's prefix ``key`` once (published or opened by this process);
+    /// returns the users it has left (0: the broker freed it). Mappings of it stay valid
+    /// until they are unmapped.
+    fn close_prefix(&self, py: Python<'_>, key: &str) -> PyResult<u64> {
+        let client = broker_of(py, self)?;
+        py.detach(|| client.close_prefix(key))
+            .map_err(|e| broker_error(py, &e))
     }
 
     /// The backend's name.
@@ -428,4 +441,30 @@ impl MemorySnapshot {
 /// `None` or the number, as Python prints it.
 fn py_opt(v: Option<u64>) -> String {
     v.map_or_else(|| "None".to_owned(), |b| b.to_string())
+}
+
+/// The broker `manager` leases from; `InvalidArgumentError` without one.
+pub(crate) fn broker_of<'a>(py: Python<'_>, manager: &'a Manager) -> PyResult<&'a BrokerClient> {
+    manager.state.broker.as_ref().ok_or_else(|| {
+        errors::invalid(
+            py,
+            "this manager has no broker: prefixes are shared between processes through one \
+             (Manager(broker=...))",
+        )
+    })
+}
+
+/// A broker's answer as a Python exception: a refusal (no such prefix, a key taken, bytes
+/// not held, bad arguments) is `InvalidArgumentError`, a broker that cannot be reached
+/// `UnavailableError`.
+pub(crate) fn broker_error(py: Python<'_>, e: &BrokerError) -> PyErr {
+    match e {
+        BrokerError::Refused(why) => errors::invalid(py, format!("the broker refused: {why}")),
+        other => errors::raise(
+            py,
+            errors::ErrorClass::Unavailable,
+            format!("the memory broker cannot be used: {other}"),
+            &[],
+        ),
+    }
 }

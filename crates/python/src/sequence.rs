@@ -3,9 +3,10 @@
 //! `kvvm.SharedPrefix`: the prompt prefix a sequence owns (`Sequence.own_prefix`) and other
 //! sequences map read-only (`SharedPrefix.attach`), billed once.
 
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 
-use kvvm::kv::{SequenceKv, SharedDevicePrefix};
+use kvvm::kv::{PrefixDescriptor, SequenceKv, SharedDevicePrefix};
 use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
@@ -15,7 +16,7 @@ use crate::cell::{SeqCell, Unmap};
 use crate::count::{Count, Dim};
 use crate::errors;
 use crate::geometry::PyPlan;
-use crate::manager::Manager;
+use crate::manager::{broker_error, broker_of, Manager};
 use crate::view::TensorView;
 use crate::views::{busy_error, kind_arg, make_view, ViewRequest};
 
@@ -362,6 +363,56 @@ impl SharedPrefix {
     #[getter]
     fn bytes(&self) -> u64 {
         self.prefix.bytes()
+    }
+
+    /// Publishes the sealed prefix to the node's broker under ``key`` (the manager must lease
+    /// from one: ``Manager(broker=...)``, on a backend whose handles can be exported as
+    /// descriptors). Its handles travel as descriptors with what a reader needs to map them;
+    /// its bytes leave this process's lease for the prefix, billed once to the tenant while
+    /// any process uses it. Other processes of the tenant :meth:`open` it; this one stays a
+    /// user until :meth:`Manager.close_prefix` or until it disconnects. Returns the bytes
+    /// published.
+    fn publish(&self, py: Python<'_>, manager: &Manager, key: &str) -> PyResult<u64> {
+        let client = broker_of(py, manager)?;
+        let (descriptor, fds) = self.prefix.export().map_err(|e| errors::kv(py, &e))?;
+        let g = manager.state.vm.granule();
+        let handles: Vec<(BorrowedFd<'_>, u64)> = fds
+            .iter()
+            .zip(&descriptor.pieces)
+            .map(|(fd, (_, windows))| (fd.as_fd(), windows.saturating_mul(g)))
+            .collect();
+        let meta = descriptor.encode();
+        let device = manager.state.device.0;
+        py.detach(|| client.publish_prefix(device, key, &handles, &meta))
+            .map_err(|e| broker_error(py, &e))?;
+        Ok(self.prefix.bytes())
+    }
+
+    /// The prefix another process of the tenant published under ``key``, imported into
+    /// ``manager`` under ``plan`` (the publisher's: the same geometry, maximum length, layout
+    /// and granule, else ``InvalidArgumentError``), sealed: attach it to sequences of
+    /// ``plan`` read-only. Its :attr:`tokens` are those lying wholly in its shared windows
+    /// (the publisher's partial tail is not shared). Not billed here; this process is a user
+    /// of the prefix until :meth:`Manager.close_prefix` or until it disconnects, and the
+    /// memory lives while any process maps or holds it.
+    #[staticmethod]
+    fn open(py: Python<'_>, manager: &Manager, key: &str, plan: &PyPlan) -> PyResult<SharedPrefix> {
+        let client = broker_of(py, manager)?;
+        let opened = py
+            .detach(|| client.open_prefix(key))
+            .map_err(|e| broker_error(py, &e))?;
+        let descriptor = PrefixDescriptor::decode(&opened.meta).map_err(|e| errors::kv(py, &e))?;
+        let fds: Vec<BorrowedFd<'_>> = opened.fds.iter().map(AsFd::as_fd).collect();
+        let vm = &manager.state.vm;
+        let imported = py.detach(|| SharedDevicePrefix::import(vm, &plan.plan, &descriptor, &fds));
+        match imported {
+            Ok(prefix) => Ok(SharedPrefix { prefix }),
+            Err(e) => {
+                // Not a user of a prefix it could not map.
+                let _ = client.close_prefix(key);
+                Err(errors::kv(py, &e))
+            }
+        }
     }
 
     /// Maps the prefix read-only into `sequence` (empty, of the same plan); returns the bytes

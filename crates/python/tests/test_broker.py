@@ -111,3 +111,144 @@ def test_a_broker_that_is_not_there_is_unavailable(tmp_path: Path) -> None:
     with pytest.raises(kvvm.UnavailableError, match="memory broker"):
         kvvm.Manager("sim", broker=tmp_path / "nobody.sock", tenant="a")
     assert kvvm.Manager("sim").leased_bytes is None
+
+
+#: The reader of :func:`test_a_prefix_published_by_one_process_is_mapped_read_only_by_another`,
+#: run as its own process: opens the prefix, checks every byte and what it is billed, tries a
+#: write, prints what it saw.
+_READER = """
+import sys, kvvm
+socket, tenant, tokens, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+mgr = kvvm.Manager("host", broker=socket, tenant=tenant, lease_batch_bytes=2 << 20)
+geometry = kvvm.KvGeometry(layers=1, kv_heads=1, head_dim=64, max_tokens=n)
+plan = kvvm.LayoutPlan(geometry, "token-major", mgr.granule)
+try:
+    prefix = kvvm.SharedPrefix.open(mgr, "system-prompt", plan)
+except kvvm.InvalidArgumentError as e:
+    print("refused", e)
+    sys.exit(0)
+seq = kvvm.Sequence(mgr, plan, n)
+prefix.attach(seq)
+data = seq.read_tokens(0, prefix.tokens)
+ok = all(b == (i * 7 + i // 251) % 256 for i, b in enumerate(data))
+try:
+    seq.write_tokens(0, bytes(geometry.bytes_per_token))
+    wrote = "wrote"
+except kvvm.KvvmError as e:
+    wrote = type(e).__name__
+snap = mgr.snapshot()
+print("opened", prefix.tokens, ok, snap.committed, snap.shared, mgr.leased_bytes, wrote, flush=True)
+"""
+
+
+def _pattern(n: int) -> bytes:
+    return bytes((i * 7 + i // 251) % 256 for i in range(n))
+
+
+@needs_host
+def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker: Path) -> None:
+    """One process prefills (writes) a prefix and publishes it; a second process of the same
+    tenant opens it, maps it read-only and reads every byte, billed nothing; a process of
+    another tenant cannot open it; the prefix lives after its publisher let go while the
+    reader's mapping keeps it, and the broker frees it with its last user."""
+    import sys
+
+    n = 4 * WINDOW_TOKENS
+    mgr = kvvm.Manager("host", broker=broker, tenant="b", lease_batch_bytes=2 * MiB)
+    geometry = kvvm.KvGeometry(layers=1, kv_heads=1, head_dim=64, max_tokens=n)
+    plan = kvvm.LayoutPlan(geometry, "token-major", mgr.granule)
+    owner = kvvm.Sequence(mgr, plan, n)
+    tokens = 2 * WINDOW_TOKENS + 100
+    shared = owner.own_prefix(tokens)
+    owner.write_tokens(0, _pattern(tokens * geometry.bytes_per_token))
+    with pytest.raises(kvvm.PrefixNotWrittenError):
+        shared.publish(mgr, "system-prompt")  # not sealed yet
+    shared.seal()
+    leased = mgr.leased_bytes or 0
+    assert shared.publish(mgr, "system-prompt") == 4 * MiB
+    assert (mgr.leased_bytes or 0) == leased - 4 * MiB, "the prefix left the publisher's lease"
+    with pytest.raises(kvvm.InvalidArgumentError, match="refused"):
+        shared.publish(mgr, "system-prompt")  # the key is taken
+
+    def reader(tenant: str) -> str:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        out = subprocess.run(
+            [sys.executable, "-c", _READER, str(broker), tenant, str(tokens), str(n)],
+            capture_output=True, text=True, timeout=120, env=env,
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert reader("a").startswith("refused"), "another tenant's prefix is not found"
+    # The publisher lets go of its own mapping and sequence: the broker still holds the prefix.
+    owner.release()
+    del shared, owner
+    assert reader("b") == f"opened {2 * WINDOW_TOKENS} True 0 0 0 WriteIntoSharedPrefixError"
+    # The reader process is gone (its use dropped with its socket); the publisher's own use
+    # is the last one.
+    assert mgr.close_prefix("system-prompt") == 0
+    with pytest.raises(kvvm.InvalidArgumentError):
+        mgr.close_prefix("system-prompt")
+    with pytest.raises(kvvm.InvalidArgumentError, match="no broker"):
+        kvvm.SharedPrefix.open(kvvm.Manager("host"), "system-prompt", plan)
+
+
+@pytest.fixture
+def roomy_broker(tmp_path: Path) -> Iterator[Path]:
+    """A broker of 256 MiB, any tenant."""
+    binary = _kvvm_binary()
+    if binary is None:
+        pytest.skip("skipped: no kvvm binary (cargo build --release -p kvvm-cli, or set KVVM_BIN)")
+    socket = tmp_path / "roomy.sock"
+    daemon = subprocess.Popen(
+        [binary, "broker", "--socket", str(socket), "--budget-bytes", "256MiB", "--tenant", "t"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert daemon.stdout is not None and "listening on" in daemon.stdout.readline()
+    try:
+        yield socket
+    finally:
+        daemon.terminate()
+        assert daemon.wait(timeout=20) == 0
+
+
+@needs_host
+def test_a_published_prompt_prefix_serves_another_clients_cache_with_the_reference_logits(roomy_broker: Path) -> None:
+    """``KvvmPrefix.build`` + ``publish`` in one client, ``KvvmPrefix.open`` +
+    ``KvvmCache.from_prefix`` in another (another process in production; two clients of the
+    broker here): the opened prefix holds the tokens of its whole windows, the rest of the
+    prompt is prefilled, and the logits equal a DynamicCache forward over the whole prompt."""
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+    from kvvm.transformers import KvvmCache, KvvmPrefix
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=1000, max_position_embeddings=8192,
+    )
+    cfg._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    # fp32, 2 layers x {K, V} x 2 KV heads x 32: 1 KiB a token, 2048 tokens a window.
+    prompt = torch.randint(0, 1000, (1, 2100 + 9), generator=torch.Generator().manual_seed(1))
+    publisher = kvvm.Manager("host", broker=roomy_broker, tenant="t", lease_batch_bytes=4 * MiB)
+    built = KvvmPrefix.build(model, prompt[:, :2100], manager=publisher, max_cache_len=2400)
+    assert built.publish("system") == built.bytes == 2 * MiB
+    reader = kvvm.Manager("host", broker=roomy_broker, tenant="t", lease_batch_bytes=4 * MiB)
+    opened = KvvmPrefix.open(model, "system", manager=reader, max_cache_len=2400)
+    assert opened.tokens == 2048 and opened.cache is None
+    with pytest.raises(kvvm.InvalidArgumentError):
+        # Another plan (fp16: half the bytes a token, so 2048 tokens fill no window).
+        KvvmPrefix.open(model, "system", manager=reader, max_cache_len=2400, dtype=torch.float16)
+    cache = KvvmCache.from_prefix(opened, 2, 2400)
+    assert reader.snapshot().shared == 0, "the prefix is billed to its publisher"
+    rest = prompt[:, 2048:].expand(2, -1)
+    with torch.no_grad():
+        pos = torch.arange(2048, prompt.shape[1])[None].expand(2, -1)
+        got = model(input_ids=rest, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+        want = model(input_ids=prompt, use_cache=True, past_key_values=transformers.DynamicCache(config=cfg)).logits[:, -1]
+    torch.testing.assert_close(got, want.expand(2, -1), rtol=1e-4, atol=1e-4)
+    del got
+    cache.release()
+    assert reader.close_prefix("system") == 1, "the publisher still uses it"
+    assert publisher.close_prefix("system") == 0

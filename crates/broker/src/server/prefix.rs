@@ -8,6 +8,7 @@ use super::conn::{error, refuse, Next};
 use super::{lock, Conn, Shared};
 use crate::books::BooksError;
 use crate::fdpass::MAX_FDS;
+use crate::prefixes::Published;
 use crate::proto::{valid_key, valid_meta, ErrorCode, Reply, Request};
 
 /// Serves a `publish`, `open` or `close` of `client`.
@@ -37,7 +38,13 @@ pub(super) fn request(
                            at most 2048 bytes of printable meta";
                 return Next::Close(Some(error(id, ErrorCode::Invalid, why)));
             }
-            let r = lock(&shared.books).publish_prefix(client, device, &key, sizes, meta, fds);
+            let published = Published {
+                device,
+                sizes,
+                meta,
+                fds,
+            };
+            let r = lock(&shared.books).publish_prefix(client, &key, published);
             answer(
                 conn,
                 id,

@@ -255,6 +255,8 @@ class KvvmCache(Cache):
         )
         tail = prefix.shared.shared_tokens
         if tail < prefix.tokens:
+            if prefix.cache is None:
+                raise InvalidArgumentError("the prefix's tail tokens have no owner to copy them from")
             span = slice(tail, prefix.tokens)
             for layer in range(cache.geometry.layers):
                 for mine, owner in zip(cache._kv(layer), prefix.cache._kv(layer), strict=True):
@@ -625,7 +627,7 @@ class KvvmPrefix:
     """
 
     def __init__(
-        self, config: Any, manager: Manager, plan: LayoutPlan, cache: KvvmCache, shared: SharedPrefix
+        self, config: Any, manager: Manager, plan: LayoutPlan, cache: KvvmCache | None, shared: SharedPrefix
     ) -> None:
         self.config = config
         self.manager = manager
@@ -634,6 +636,37 @@ class KvvmPrefix:
         self.shared = shared
         #: The prefill's logits at the prefix's last token (``[1, vocab]``), set by :meth:`build`.
         self.last_logits: torch.Tensor | None = None
+
+    def publish(self, key: str) -> int:
+        """Publishes the prefix to the node's memory broker under ``key`` (its manager leases
+        from one: ``Manager(broker=...)``): other processes of the tenant :meth:`open` it and
+        map the same memory read-only, billed once to the tenant. Returns the bytes
+        published. Let go of it with ``manager.close_prefix(key)``."""
+        return self.shared.publish(self.manager, key)
+
+    @classmethod
+    def open(
+        cls,
+        model: Any,
+        key: str,
+        *,
+        manager: Manager,
+        max_cache_len: int,
+        layout: str = "token-major",
+        dtype: Any = None,
+    ) -> KvvmPrefix:
+        """The prefix another process published under ``key`` (:meth:`publish`), mapped
+        read-only through ``manager`` (leasing from the same broker, as the same tenant).
+        ``max_cache_len``, ``layout`` and ``dtype`` must be the publisher's (its plan; else
+        ``InvalidArgumentError``). Its :attr:`tokens` are those in whole shared windows (the
+        publisher's partial tail is not shared): prefill the rest of each prompt from there.
+        Not billed here; :attr:`last_logits` is None."""
+        cfg = decoder_config(model.config)
+        if dtype is None and isinstance(getattr(model, "dtype", None), torch.dtype):
+            dtype = model.dtype
+        geometry = geometry_from_config(cfg, max_cache_len, dtype)
+        plan = LayoutPlan(geometry, layout, manager.granule)
+        return cls(cfg, manager, plan, None, SharedPrefix.open(manager, key, plan))
 
     @property
     def tokens(self) -> int:
