@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 
 use kvvm_governor::RetryPolicy;
 
-
 use crate::config::{BrokerConfig, TenantPolicy};
 use crate::metrics::{BrokerCounters, BrokerMetrics};
 use crate::prefixes::{OpenedPrefix, PrefixRow, Prefixes, Published, MAX_PREFIXES};

@@ -39,12 +39,55 @@ impl LeasePolicy {
     }
 }
 
+/// How a leased governor's grants went since it was made: how many the lease covered without
+/// asking its source, and the source's round trips (top-ups) with their time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeaseStats {
+    /// Grants asked for (granted or refused).
+    pub grants: u64,
+    /// Grants the lease held room for: no round trip to the source.
+    pub local_grants: u64,
+    /// Top-ups asked of the source (one round trip each).
+    pub top_ups: u64,
+    /// Top-ups the source refused (backpressure or never fits).
+    pub top_up_refusals: u64,
+    /// Time spent in top-ups, in all.
+    pub top_up_time: Duration,
+    /// The longest top-up.
+    pub top_up_max: Duration,
+}
+
+impl LeaseStats {
+    /// The share of grants served from the lease without a round trip (`None` before the
+    /// first grant).
+    pub fn hit_rate(&self) -> Option<f64> {
+        (self.grants > 0).then(|| self.local_grants as f64 / self.grants as f64)
+    }
+
+    /// The mean top-up round trip (`None` before the first).
+    pub fn mean_top_up(&self) -> Option<Duration> {
+        u32::try_from(self.top_ups)
+            .ok()
+            .filter(|&n| n > 0)
+            .map(|n| self.top_up_time / n)
+    }
+
+    /// Records a top-up of `took`, refused or not.
+    pub(crate) fn note_top_up(&mut self, took: Duration, refused: bool) {
+        self.top_ups = self.top_ups.saturating_add(1);
+        self.top_up_refusals = self.top_up_refusals.saturating_add(u64::from(refused));
+        self.top_up_time = self.top_up_time.saturating_add(took);
+        self.top_up_max = self.top_up_max.max(took);
+    }
+}
+
 /// The lease a governor holds.
 pub(crate) struct Lease {
     pub(crate) source: Arc<dyn LeaseSource>,
     pub(crate) policy: LeasePolicy,
     pub(crate) held: Mutex<BTreeMap<DeviceId, u64>>,
     pub(crate) retry: Mutex<BTreeMap<DeviceId, Duration>>,
+    pub(crate) stats: Mutex<LeaseStats>,
 }
 
 impl Lease {

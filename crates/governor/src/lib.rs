@@ -106,7 +106,7 @@ pub use error::{Backpressure, GovernorError, Limit, NeverFits, Refusal};
 pub use governor::grant::MappedGrowthGrant;
 pub use governor::lease::WeakGovernor;
 pub use governor::Governor;
-pub use lease_source::{LeasePolicy, LeaseSource};
+pub use lease_source::{LeasePolicy, LeaseSource, LeaseStats};
 pub use reclaim::Reclaimer;
 pub use retry::RetryPolicy;
 pub use snapshot::{DeviceSnapshot, GovernorSnapshot};

@@ -280,6 +280,28 @@ impl Manager {
             .map_err(|e| broker_error(py, &e))
     }
 
+    /// How the broker's lease served this manager's grants (None without a broker): ``grants``,
+    /// ``local_grants`` (the lease had room: no round trip), ``hit_rate``, ``top_ups`` (round
+    /// trips to the broker), ``top_up_refusals``, ``top_up_mean_us`` and ``top_up_max_us``.
+    #[getter]
+    fn lease_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(s) = self.state.governor.lease_stats() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("grants", s.grants)?;
+        d.set_item("local_grants", s.local_grants)?;
+        d.set_item("hit_rate", s.hit_rate())?;
+        d.set_item("top_ups", s.top_ups)?;
+        d.set_item("top_up_refusals", s.top_up_refusals)?;
+        d.set_item(
+            "top_up_mean_us",
+            s.mean_top_up().map(|t| t.as_secs_f64() * 1e6),
+        )?;
+        d.set_item("top_up_max_us", s.top_up_max.as_secs_f64() * 1e6)?;
+        Ok(Some(d))
+    }
+
     /// The backend's name.
     #[getter]
     fn backend(&self) -> String {

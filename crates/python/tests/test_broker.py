@@ -71,9 +71,13 @@ def test_two_tenants_share_one_budget_and_bytes_given_back_reach_the_other(broke
     a = kvvm.Manager("host", broker=broker, tenant="a", lease_batch_bytes=2 * MiB)
     b = kvvm.Manager("host", broker=broker, tenant="b", lease_batch_bytes=2 * MiB)
     assert a.budget_bytes is None and a.leased_bytes == 0
+    assert kvvm.Manager("host").lease_stats is None
     sa = _sequence(a)
     sa.ensure(3 * WINDOW_TOKENS)
     assert a.snapshot().committed == 6 * MiB and (a.leased_bytes or 0) >= 6 * MiB
+    stats = a.lease_stats
+    assert stats is not None and stats["grants"] >= 1 and stats["top_ups"] >= 1, stats
+    assert stats["local_grants"] + stats["top_ups"] >= stats["grants"] and stats["top_up_max_us"] > 0, stats
     with pytest.raises((kvvm.BackpressureError, kvvm.NeverFitsError)):
         _sequence(a).ensure(1)  # past a's ceiling of 6 MiB
     sb = _sequence(b)

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvvm_hal::DeviceId;
 
@@ -14,7 +14,7 @@ use super::{Governor, Inner};
 use crate::books::{lock, Ledger};
 use crate::config::GovernorConfig;
 use crate::error::Refusal;
-use crate::lease_source::{Lease, LeasePolicy, LeaseSource};
+use crate::lease_source::{Lease, LeasePolicy, LeaseSource, LeaseStats};
 
 /// A governor that does not keep it alive (what a broker client holds to answer the broker's
 /// asks to give back).
@@ -43,6 +43,7 @@ impl Governor {
             policy,
             held: Mutex::new(BTreeMap::new()),
             retry: Mutex::new(BTreeMap::new()),
+            stats: Mutex::new(LeaseStats::default()),
         };
         Governor {
             inner: Arc::new(Inner {
@@ -57,6 +58,20 @@ impl Governor {
     /// A handle that does not keep the governor alive.
     pub fn downgrade(&self) -> WeakGovernor {
         WeakGovernor(Arc::downgrade(&self.inner))
+    }
+
+    /// How the lease served grants so far (`None`: the governor is not leased).
+    pub fn lease_stats(&self) -> Option<LeaseStats> {
+        self.inner.lease.as_ref().map(|l| *lock(&l.stats))
+    }
+
+    /// Counts a grant asked of a leased governor; `local`: the lease had room for it.
+    pub(crate) fn note_lease_grant(&self, local: bool) {
+        if let Some(lease) = &self.inner.lease {
+            let mut s = lock(&lease.stats);
+            s.grants = s.grants.saturating_add(1);
+            s.local_grants = s.local_grants.saturating_add(u64::from(local));
+        }
     }
 
     /// The bytes leased on `device` (`None`: the governor is not leased).
@@ -105,7 +120,10 @@ impl Governor {
         };
         let need = bytes.saturating_sub(available);
         let want = need.max(lease.policy.batch);
-        match lease.source.acquire(device, need, want) {
+        let began = Instant::now();
+        let answer = lease.source.acquire(device, need, want);
+        lock(&lease.stats).note_top_up(began.elapsed(), answer.is_err());
+        match answer {
             Ok(granted) => {
                 lock(&lease.retry).remove(&device);
                 let mut held = lock(&lease.held);

@@ -124,3 +124,28 @@ fn give_back_unused_returns_only_what_is_not_used() {
     drop(g);
     assert!(weak.upgrade().is_none());
 }
+
+#[test]
+fn lease_stats_count_local_grants_and_round_trips() {
+    let (g, _fake) = leased(150, 100);
+    assert_eq!(g.lease_stats().unwrap().hit_rate(), None);
+    for _ in 0..4 {
+        g.try_grant(D, 25).unwrap().commit();
+    }
+    // 4 grants of 25 in a batch of 100: one top-up, three local.
+    let s = g.lease_stats().unwrap();
+    assert_eq!(
+        (s.grants, s.local_grants, s.top_ups, s.top_up_refusals),
+        (4, 3, 1, 0)
+    );
+    assert_eq!(s.hit_rate(), Some(0.75));
+    assert!(s.mean_top_up().unwrap() <= s.top_up_max && s.top_up_max <= s.top_up_time);
+    // Past the source's 150: the second top-up is refused.
+    assert!(g.try_grant(D, 60).is_err());
+    let s = g.lease_stats().unwrap();
+    assert_eq!(
+        (s.grants, s.local_grants, s.top_ups, s.top_up_refusals),
+        (5, 3, 2, 1)
+    );
+    assert_eq!(Governor::unlimited().lease_stats(), None);
+}

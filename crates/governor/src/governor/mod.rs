@@ -200,7 +200,9 @@ impl Governor {
     pub fn try_grant(&self, device: DeviceId, bytes: u64) -> Result<MappedGrowthGrant, Refusal> {
         let span = tracing::debug_span!("governor.try_grant", device = device.0, bytes);
         let _e = span.enter();
-        let available = match self.try_grant_locked(device, bytes) {
+        let first = self.try_grant_locked(device, bytes);
+        self.note_lease_grant(first.is_ok());
+        let available = match first {
             Ok(g) => return Ok(g),
             Err(Err(never)) => {
                 tracing::debug!(%never, "grant refused for good");
