@@ -256,3 +256,36 @@ def test_a_published_prompt_prefix_serves_another_clients_cache_with_the_referen
     cache.release()
     assert reader.close_prefix("system") == 1, "the publisher still uses it"
     assert publisher.close_prefix("system") == 0
+
+
+@needs_host
+def test_the_engines_benchmark_holds_the_prompt_once_with_a_broker_and_once_per_process_without(tmp_path: Path) -> None:
+    """``python -m kvvm_bench engines`` on a CPU: two decode processes under a broker map one
+    published system prompt (its bytes billed once, to the prefix), two with fixed fractions
+    each hold their own."""
+    pytest.importorskip("transformers", reason="skipped: no transformers")
+    import json
+
+    import kvvm_bench
+
+    binary = _kvvm_binary()
+    if binary is None:
+        pytest.skip("skipped: no kvvm binary (cargo build --release -p kvvm-cli, or set KVVM_BIN)")
+    out = tmp_path / "engines.json"
+    rc = kvvm_bench.main(
+        [
+            "engines", "--processes", "2", "--tiny", "--device", "cpu", "--backend", "host", "--prefix", "2100",
+            "--suffix", "16", "--batch", "2", "--steps", "4", "--budget-bytes", str(256 * MiB),
+            "--lease-batch-bytes", str(4 * MiB), "--kvvm-bin", binary, "--json", str(out),
+        ]
+    )
+    assert rc == 0
+    runs = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    shared = runs["broker"]["workers"]
+    # 4 layers x {K, V} x 2 KV heads x 32 x 4 bytes: 2 KiB a token, 1024 tokens a window.
+    assert [w["shared"] for w in shared] == [4 * MiB, 0], "the publisher holds the prompt, the other maps it"
+    assert shared[1]["prefix_tokens_mapped"] == 2048 and shared[1]["committed"] > 0
+    assert runs["broker"]["held"]['kvvm_broker_prefix_bytes{tenant="engines",device="0"}'] == 4 * MiB
+    assert all(w["lease"]["grants"] > 0 for w in shared)
+    assert [w["shared"] for w in runs["fraction"]["workers"]] == [4 * MiB, 4 * MiB], "each its own"
+    assert all(r["tokens_per_s"] > 0 for r in runs.values())

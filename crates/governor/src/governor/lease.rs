@@ -118,7 +118,13 @@ impl Governor {
         let Some(lease) = &self.inner.lease else {
             return Ok(None);
         };
-        let need = bytes.saturating_sub(available);
+        // Bytes handed over (a published prefix) are still used here until released, but no
+        // longer leased: the lease is short of the books by that much, on top of the grant.
+        let deficit = {
+            let books = lock(&self.inner.ledger.books);
+            Ledger::device_used(&books, device).saturating_sub(lease.held(device))
+        };
+        let need = bytes.saturating_sub(available).saturating_add(deficit);
         let want = need.max(lease.policy.batch);
         let began = Instant::now();
         let answer = lease.source.acquire(device, need, want);

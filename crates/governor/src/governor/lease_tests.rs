@@ -149,3 +149,16 @@ fn lease_stats_count_local_grants_and_round_trips() {
     );
     assert_eq!(Governor::unlimited().lease_stats(), None);
 }
+
+#[test]
+fn a_lease_short_of_the_books_after_a_hand_over_tops_up_the_difference_too() {
+    let (g, fake) = leased(1000, 100);
+    g.try_grant(D, 100).unwrap().commit();
+    // 60 of the 100 used now belong to a published prefix: used 100, leased 40.
+    assert!(g.hand_over_lease(D, 60));
+    assert_eq!(g.lease_held(D), Some(40));
+    // A grant of 30 needs the 60 the lease is short by and its own 30.
+    g.try_grant(D, 30).unwrap().commit();
+    assert_eq!(fake.calls.lock().unwrap().last().unwrap(), "acquire 90 100");
+    assert_eq!(g.lease_held(D), Some(140));
+}

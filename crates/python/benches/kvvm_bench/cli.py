@@ -15,7 +15,9 @@ logits are apart).
 ``python -m kvvm_bench kernels`` measures the attention kernels alone
 (:mod:`kvvm_bench.kernels`); ``python -m kvvm_bench serve`` replays a serving trace through the
 continuous-batching engine and its peers (:mod:`kvvm_bench.serve`); ``python -m kvvm_bench
-prefix`` times prefix-cache hits by handle size, on any backend (:mod:`kvvm_bench.prefix`).
+prefix`` times prefix-cache hits by handle size, on any backend (:mod:`kvvm_bench.prefix`);
+``python -m kvvm_bench engines`` runs engine processes on one device under a broker and under
+fixed fractions (:mod:`kvvm_bench.engines`).
 
 ``--tiny`` runs a small model (what the tests do); the figures that matter come from a GPU.
 """
@@ -330,7 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvvm_bench import prefix as bench_prefix
 
     bench_prefix.add_args(sub.add_parser("prefix", help="what a prefix-cache hit costs, by handle size"))
+    from kvvm_bench import engines
+
+    engines.add_args(sub.add_parser("engines", help="engine processes on one device: a broker vs fixed fractions"))
+    engines.worker_args(sub.add_parser("engines-worker", help="one process of `engines` (started by it)"))
     args = ap.parse_args(argv)
+    if args.cmd == "engines-worker":
+        print(json.dumps(engines.worker(args)), flush=True)
+        return 0
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
         print("python -m kvvm_bench needs a CUDA GPU (serve also runs with --device cpu)", file=sys.stderr)
         return 2
@@ -341,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         report = run_generate(args)
     elif args.cmd == "kernels":
         report = run_kernel_bench(args)
+    elif args.cmd == "engines":
+        report = engines.run_engines_bench(args)
+        _flush(args, report)
     else:
         report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)
