@@ -31,6 +31,21 @@ needs_host = pytest.mark.skipif(
 )
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU and kvvm's CUDA backend opens (a driver is loaded)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    try:
+        kvvm.Backend("cuda")
+    except kvvm.KvvmError:
+        return False
+    return True
+
+
 @pytest.fixture
 def host() -> Iterator[kvvm.Manager]:
     """A host-backend manager with a 256 MiB budget."""

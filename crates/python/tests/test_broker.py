@@ -36,18 +36,14 @@ def _kvvm_binary() -> str | None:
     return shutil.which("kvvm")
 
 
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[Path]:
-    """A broker of 8 MiB: tenant ``a`` between 2 and 6 MiB, tenant ``b`` anything left."""
+def _run_broker(socket: Path, *flags: str) -> Iterator[Path]:
+    """``kvvm broker`` on ``socket`` with ``flags`` until the test ends (stopped by SIGTERM,
+    which it must answer with exit 0)."""
     binary = _kvvm_binary()
     if binary is None:
         pytest.skip("skipped: no kvvm binary (cargo build --release -p kvvm-cli, or set KVVM_BIN)")
-    socket = tmp_path / "broker.sock"
     daemon = subprocess.Popen(
-        [binary, "broker", "--socket", str(socket), "--budget-bytes", "8MiB", "--tenant", "a:2MiB:6MiB", "--tenant", "b"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        [binary, "broker", "--socket", str(socket), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     assert daemon.stdout is not None
     line = daemon.stdout.readline()
@@ -57,6 +53,12 @@ def broker(tmp_path: Path) -> Iterator[Path]:
     finally:
         daemon.terminate()
         assert daemon.wait(timeout=20) == 0
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Path]:
+    """A broker of 8 MiB: tenant ``a`` between 2 and 6 MiB, tenant ``b`` anything left."""
+    yield from _run_broker(tmp_path / "broker.sock", "--budget-bytes", "8MiB", "--tenant", "a:2MiB:6MiB", "--tenant", "b")
 
 
 def _sequence(mgr: kvvm.Manager) -> kvvm.Sequence:
@@ -199,21 +201,8 @@ def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker
 
 @pytest.fixture
 def roomy_broker(tmp_path: Path) -> Iterator[Path]:
-    """A broker of 256 MiB, any tenant."""
-    binary = _kvvm_binary()
-    if binary is None:
-        pytest.skip("skipped: no kvvm binary (cargo build --release -p kvvm-cli, or set KVVM_BIN)")
-    socket = tmp_path / "roomy.sock"
-    daemon = subprocess.Popen(
-        [binary, "broker", "--socket", str(socket), "--budget-bytes", "256MiB", "--tenant", "t"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    assert daemon.stdout is not None and "listening on" in daemon.stdout.readline()
-    try:
-        yield socket
-    finally:
-        daemon.terminate()
-        assert daemon.wait(timeout=20) == 0
+    """A broker of 256 MiB, tenant ``t``."""
+    yield from _run_broker(tmp_path / "roomy.sock", "--budget-bytes", "256MiB", "--tenant", "t")
 
 
 @needs_host

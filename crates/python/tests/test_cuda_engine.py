@@ -8,22 +8,13 @@ from __future__ import annotations
 import pytest
 
 import kvvm
+from conftest import cuda_available
 
 torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
 transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
 
 
-def _cuda() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        kvvm.Backend("cuda")
-    except kvvm.KvvmError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _cuda(), reason="skipped: no CUDA driver")
+pytestmark = pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")
 
 from kvvm.engine import Engine  # noqa: E402
 
