@@ -159,3 +159,101 @@ fn another_plan_an_unsealed_prefix_and_foreign_text_are_refused() {
     // The same plan imports.
     assert!(SharedDevicePrefix::import(&importer, &plan, &descriptor, &borrowed).is_ok());
 }
+
+/// The synthetic prompt of `n` tokens (`salt` makes another one).
+fn ids(n: u64, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| i.wrapping_mul(7919) ^ salt).collect()
+}
+
+fn write(geo: &KvGeometry, seq: &mut SequenceKv, ids: &[u32], from: u64) {
+    let bpt = geo.bytes_per_token() as usize;
+    let mut buf = vec![0u8; (ids.len() - from as usize) * bpt];
+    for (k, tok) in buf.chunks_mut(bpt).enumerate() {
+        let p = from + k as u64;
+        token_kv_bytes(geo, ids[p as usize], p, tok);
+    }
+    seq.write_tokens(from, &buf).unwrap();
+}
+
+#[test]
+fn a_prefix_cache_entry_of_two_segments_is_exported_and_hit_in_another_cache() {
+    use kvvm_kv::{PrefixCache, PublishOutcome};
+
+    let (_sim, [(exporter, _), (importer, gov_b)]) = managers();
+    let geo = geometry(1000);
+    let plan = LayoutPlan::new(geo, KvLayout::SeqMajor, G).unwrap();
+    let ours = PrefixCache::new(exporter.clone(), plan).unwrap();
+    let block = ours.block_tokens(); // 4096 / 64 B a token per fragment
+                                     // Two publishes make a chain: blocks 0..2, then 2..5 on top of them.
+    let long = ids(5 * block + 3, 0);
+    let mut a = ours.admit(&long[..2 * block as usize + 1], 1000).unwrap();
+    write(&geo, &mut a.sequence, &long[..2 * block as usize + 1], 0);
+    ours.publish(&mut a.sequence).unwrap();
+    let mut b = ours.admit(&long, 1000).unwrap();
+    assert_eq!(b.hit_tokens, 2 * block);
+    let hit = b.hit_tokens;
+    write(&geo, &mut b.sequence, &long, hit);
+    ours.publish(&mut b.sequence).unwrap();
+    let prefix = &long[..5 * block as usize];
+    let segments = ours.segments(prefix).unwrap();
+    assert_eq!(segments.len(), 2);
+    assert!(
+        ours.segments(&long[..4 * block as usize]).is_none(),
+        "no entry of 4 blocks"
+    );
+
+    // Across: each segment exported and imported.
+    let theirs = PrefixCache::new(importer.clone(), plan).unwrap();
+    let imported: Vec<_> = segments
+        .iter()
+        .map(|s| {
+            let (d, fds) = s.export().unwrap();
+            let fds: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
+            SharedDevicePrefix::import(
+                &importer,
+                &plan,
+                &PrefixDescriptor::decode(&d.encode()).unwrap(),
+                &fds,
+            )
+            .unwrap()
+        })
+        .collect();
+    // Refused: not whole blocks, a segment missing, segments out of order.
+    for (tokens, segs) in [
+        (&long[..5 * block as usize - 1], imported.clone()),
+        (prefix, imported[1..].to_vec()),
+        (prefix, vec![imported[1].clone(), imported[0].clone()]),
+        (&long[..2 * block as usize], imported.clone()),
+    ] {
+        let e = theirs.insert(tokens.to_vec(), segs).unwrap_err();
+        assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
+    }
+    assert!(matches!(
+        theirs.insert(prefix.to_vec(), imported.clone()).unwrap(),
+        PublishOutcome::Published { .. }
+    ));
+    assert_eq!(
+        theirs.insert(prefix.to_vec(), imported).unwrap(),
+        PublishOutcome::AlreadyCached
+    );
+    // The exporter lets go of everything; the importer's cache still holds the prefix.
+    drop((a, b, segments));
+    ours.clear();
+    let mut c = theirs.admit(&long, 1000).unwrap();
+    assert_eq!(c.hit_tokens, 5 * block, "the imported prefix is hit");
+    let hit = c.hit_tokens;
+    write(&geo, &mut c.sequence, &long, hit);
+    let bpt = geo.bytes_per_token() as usize;
+    let mut back = vec![0u8; long.len() * bpt];
+    c.sequence.read_tokens(0, &mut back).unwrap();
+    let mut want = vec![0u8; back.len()];
+    for (p, tok) in want.chunks_mut(bpt).enumerate() {
+        token_kv_bytes(&geo, long[p], p as u64, tok);
+    }
+    assert_eq!(back, want, "every token, the imported ones included");
+    // Imported segments are billed elsewhere: nothing to evict here for them.
+    drop(c);
+    assert_eq!(theirs.stats().idle_bytes, 0);
+    assert_eq!(theirs.evict(u64::MAX), 0);
+    assert_eq!(gov_b.snapshot().device(D0).used(), 0);
+}

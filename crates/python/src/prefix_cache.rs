@@ -12,7 +12,7 @@ use crate::count::{Count, TokenIds};
 use crate::errors;
 use crate::geometry::PyPlan;
 use crate::manager::Manager;
-use crate::sequence::Sequence;
+use crate::sequence::{Sequence, SharedPrefix};
 use crate::views::busy_error;
 
 /// An automatic prefix cache: longest cached prefix by token ids, LRU, evicted by the budget
@@ -93,6 +93,41 @@ impl PrefixCache {
         let cache = Arc::clone(&self.cache);
         let out = py
             .detach(move || cell.publishing(|s| cache.publish(s)))
+            .map_err(|e| errors::kv(py, &e))?;
+        Ok(match out {
+            PublishOutcome::Published { .. } => "published",
+            PublishOutcome::AlreadyCached => "already_cached",
+            _ => "nothing",
+        })
+    }
+
+    /// The shared segments of the cached prefix whose tokens are exactly ``token_ids``, in
+    /// order (None: no such entry): what :meth:`SharedPrefix.publish` hands to other
+    /// processes, which :meth:`insert` them into their own cache.
+    fn segments(&self, token_ids: TokenIds) -> Option<Vec<SharedPrefix>> {
+        self.cache.segments(&token_ids.0).map(|v| {
+            v.into_iter()
+                .map(|prefix| SharedPrefix { prefix })
+                .collect()
+        })
+    }
+
+    /// Inserts a prefix made elsewhere (segments another process published, opened with
+    /// :meth:`SharedPrefix.open`): ``token_ids`` (whole blocks) held by ``segments``,
+    /// consecutive from the first window. Admissions then hit it like a prefix this cache
+    /// published. Returns ``"published"`` or ``"already_cached"``; ``InvalidArgumentError``
+    /// when the segments do not cover exactly those tokens' windows under this cache's plan.
+    fn insert(
+        &self,
+        py: Python<'_>,
+        token_ids: TokenIds,
+        segments: Vec<PyRef<'_, SharedPrefix>>,
+    ) -> PyResult<&'static str> {
+        let token_ids = token_ids.0;
+        let prefixes = segments.iter().map(|s| Arc::clone(&s.prefix)).collect();
+        let cache = Arc::clone(&self.cache);
+        let out = py
+            .detach(move || cache.insert(token_ids, prefixes))
             .map_err(|e| errors::kv(py, &e))?;
         Ok(match out {
             PublishOutcome::Published { .. } => "published",

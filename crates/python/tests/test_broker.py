@@ -278,3 +278,49 @@ def test_the_engines_benchmark_holds_the_prompt_once_with_a_broker_and_once_per_
     assert all(w["lease"]["grants"] > 0 for w in shared)
     assert [w["shared"] for w in runs["fraction"]["workers"]] == [4 * MiB, 4 * MiB], "each its own"
     assert all(r["tokens_per_s"] > 0 for r in runs.values())
+
+
+@needs_host
+def test_an_engine_serves_requests_from_a_system_prompt_another_process_published(roomy_broker: Path) -> None:
+    """The publisher (another process in production, another client here) prefills a system
+    prompt and publishes it; an engine opens it and adds it to its prefix cache: every request
+    that opens with it maps it (no prefill of those tokens, billed to the publisher) and gets
+    the reference's greedy tokens."""
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+    from kvvm.engine import Engine
+    from kvvm.transformers import KvvmPrefix
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=1000, max_position_embeddings=8192, eos_token_id=None,
+    )
+    cfg._attn_implementation = "sdpa"
+    ref = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model.load_state_dict(ref.state_dict())
+    gen = torch.Generator().manual_seed(2)
+    system = torch.randint(0, 1000, (2100,), generator=gen).tolist()
+    publisher = kvvm.Manager("host", broker=roomy_broker, tenant="t", lease_batch_bytes=4 * MiB)
+    built = KvvmPrefix.build(ref, torch.tensor([system]), manager=publisher, max_cache_len=2400)
+    built.publish("system")
+
+    mgr = kvvm.Manager("host", broker=roomy_broker, tenant="t", lease_batch_bytes=4 * MiB, precommit=True)
+    engine = Engine(model, slots=2, max_len=2400, manager=mgr, prefill_chunk=512, prefix_cache_bytes=64 * MiB)
+    opened = KvvmPrefix.open(model, "system", manager=mgr, max_cache_len=2400)
+    assert engine.add_prefix(system, opened) == 2048
+    tails = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (5, 30, 9)]
+    reqs = [engine.submit(system + t, 4) for t in tails]
+    engine.run()
+    assert engine.stats.prefix_hits == 3 and all(r.prefix_hit_tokens == 2048 for r in reqs)
+    for r in reqs:
+        ids = torch.tensor([r.prompt])
+        with torch.no_grad():
+            want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+        assert r.tokens == want[0, len(r.prompt) :].tolist()
+    assert mgr.snapshot().shared == 0, "the system prompt is billed to its publisher"
+    with pytest.raises(kvvm.InvalidArgumentError):
+        engine.add_prefix(system[:100], opened)
+    engine.close()
+    assert mgr.close_prefix("system") == 1 and publisher.close_prefix("system") == 0

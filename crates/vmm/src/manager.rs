@@ -281,6 +281,11 @@ impl VirtualMemory {
         )))
     }
 
+    /// Whether `set` is this manager's (made or imported by it): what its reservations map.
+    pub fn owns_set(&self, set: &SharedHandles) -> bool {
+        set.is_from(&self.inner)
+    }
+
     /// Whether `other` is this manager or a clone of it (the same pool, quarantine and
     /// reservations' books): what may share handles with it.
     pub fn same_manager(&self, other: &VirtualMemory) -> bool {

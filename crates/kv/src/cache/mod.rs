@@ -9,6 +9,7 @@
 //! |---|---|
 //! | `mod.rs` | the cache, its hash chain, publish, eviction, the reclaimer |
 //! | `admit.rs` | admission: the longest hit, the owned rest, the counts |
+//! | `imported.rs` | prefixes across processes: an entry's segments to export, inserting imported ones |
 //! | `records.rs` | what admission and publication report (plain data) |
 //! | `tests.rs` | unit tests of the block size rule and the hash chain |
 
@@ -25,6 +26,7 @@ use kvvm_layout::KvError;
 use kvvm_num::mul;
 
 mod admit;
+mod imported;
 pub(crate) mod records;
 
 use crate::error::KvCacheError;
@@ -236,16 +238,26 @@ impl PrefixCache {
         if let Some(owned) = sequence.owned_prefix() {
             owned.seal();
         }
-        let bytes = pending.segments.last().map_or(0, |s| s.prefix.bytes());
+        Ok(self.insert_entry(pending.tokens, pending.hashes, pending.segments))
+    }
+
+    /// Inserts an entry of `tokens` (with their block `hashes`) held by `segments` unless an
+    /// entry of the same tokens is cached; then enforces
+    /// [`PrefixCacheConfig::max_cached_bytes`].
+    fn insert_entry(
+        &self,
+        tokens: Vec<u32>,
+        hashes: Vec<u64>,
+        segments: Vec<AttachedSegment>,
+    ) -> PublishOutcome {
+        let needed = tokens.len() as u64;
+        let bytes = segments.last().map_or(0, |s| s.prefix.bytes());
         let outcome = {
             let mut st = self.lock();
-            let exists = pending.hashes.last().is_some_and(|h| {
+            let exists = hashes.last().is_some_and(|h| {
                 st.index.get(h).is_some_and(|ids| {
-                    ids.iter().any(|id| {
-                        st.entries
-                            .get(id)
-                            .is_some_and(|e| e.tokens == pending.tokens)
-                    })
+                    ids.iter()
+                        .any(|id| st.entries.get(id).is_some_and(|e| e.tokens == tokens))
                 })
             });
             if exists {
@@ -255,16 +267,16 @@ impl PrefixCache {
                 st.tick += 1;
                 let id = st.next_id;
                 st.next_id += 1;
-                for h in &pending.hashes {
+                for h in &hashes {
                     st.index.entry(*h).or_default().push(id);
                 }
                 let tick = st.tick;
                 st.entries.insert(
                     id,
                     Entry {
-                        tokens: pending.tokens,
-                        hashes: pending.hashes,
-                        segments: pending.segments,
+                        tokens,
+                        hashes,
+                        segments,
                         last_used: tick,
                     },
                 );
@@ -281,7 +293,7 @@ impl PrefixCache {
                 self.evict(held - cap);
             }
         }
-        Ok(outcome)
+        outcome
     }
 
     /// Counters and sizes.
@@ -401,7 +413,9 @@ fn cache_only(st: &State) -> HashMap<usize, u64> {
     }
     refs.into_iter()
         .filter(|(_, (n, p))| {
-            p.mapped_count() == 0
+            // An imported segment is billed where it was made: evicting it frees nothing here.
+            !p.handles().is_imported()
+                && p.mapped_count() == 0
                 && Arc::strong_count(p) == *n
                 && Arc::strong_count(p.handles()) == 1
         })

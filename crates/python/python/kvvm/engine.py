@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from . import Manager, PrefixCache
+from . import Manager, PrefixCache, SharedPrefix
 from .attention import use_kvvm_attention
 from .errors import BackpressureError, InvalidArgumentError, KvvmError, NeverFitsError
 from .projections import fuse_projections as fuse
-from .transformers import KvvmCache
+from .transformers import KvvmCache, KvvmPrefix
 
 __all__ = ["Engine", "Request"]
 
@@ -249,6 +249,24 @@ class Engine:
                     "nothing runs and the first waiting request cannot be admitted: the budget "
                     "is too small for its prompt"
                 )
+
+    def add_prefix(self, token_ids: list[int], prefix: KvvmPrefix | SharedPrefix) -> int:
+        """Makes a prefix made outside this engine's requests one its prefix cache finds: a
+        ``KvvmPrefix`` built on this engine's manager, or one another process published and
+        this one opened (``KvvmPrefix.open(model, key, manager=engine.manager,
+        max_cache_len=engine.max_len)``: mapped read-only, billed to its publisher).
+        ``token_ids`` are the prefix's tokens; the first ``shared_tokens`` of them (those in
+        whole windows) are inserted, and a request that opens with them maps them instead of
+        prefilling them. Returns that count. ``InvalidArgumentError`` without a prefix cache,
+        or when the prefix is not laid out as this engine's cache."""
+        if self.prefix_cache is None:
+            raise InvalidArgumentError("the engine has no prefix cache (prefix_cache_bytes=0)")
+        shared = prefix.shared if isinstance(prefix, KvvmPrefix) else prefix
+        n = shared.shared_tokens
+        if len(token_ids) < n:
+            raise InvalidArgumentError(f"{len(token_ids)} token ids for a prefix of {n} shared tokens")
+        self.prefix_cache.insert(list(token_ids[:n]), [shared])
+        return n
 
     def warmup(self, prompt_tokens: int = 512, new_tokens: int = 3) -> None:
         """Compiles and captures the decode step before the first request arrives (a
