@@ -159,3 +159,45 @@ def test_an_admission_is_refused_while_a_view_lives_and_unmaps_nothing(host: kvv
     assert seq.shared_tokens > 0
     seq.release()
     owner.release()
+
+
+@needs_host
+def test_a_prefix_inserted_and_cleared_while_admissions_race_is_hit_whole_or_not_at_all(host: kvvm.Manager) -> None:
+    """``PrefixCache.insert`` and ``clear`` (without the GIL) race admissions (without the
+    GIL): an admission finds the inserted prefix whole, with its bytes, or misses it; it
+    never maps part of it, and every insert reports what it did."""
+    geometry = tiny_geometry(3 * 4096)
+    plan = kvvm.LayoutPlan(geometry, "token-major", host.granule)
+    cache = kvvm.PrefixCache(host, plan)
+    n = cache.block_tokens
+    ids = list(range(n + 1))
+    owner = kvvm.Sequence(host, plan, 3 * 4096)
+    shared = owner.own_prefix(n)
+    data = np.arange(n * geometry.bytes_per_token, dtype=np.uint8).tobytes()
+    owner.write_tokens(0, data)
+    shared.seal()
+    reader = kvvm.Sequence(host, plan, 3 * 4096)
+    outcomes: set[str] = set()
+    hits = [0, 0]
+
+    def left(i: int) -> None:
+        if i % 3 == 2:
+            cache.clear()
+        else:
+            outcomes.add(cache.insert(ids[:n], [shared]))
+
+    def right(i: int) -> None:
+        got = cache.admit(reader, ids)["hit_tokens"]
+        assert got in (0, n), got
+        hits[got == n] += 1
+        if got == n:
+            assert reader.read_tokens(0, 16) == data[: 16 * geometry.bytes_per_token]
+        reader.release()
+
+    _race(left, right, rounds=ROUNDS // 5)
+    assert outcomes <= {"published", "already_cached"} and "published" in outcomes
+    assert sum(hits) == ROUNDS // 5
+    # After the race (whatever it did): inserted, the prefix is hit whole.
+    cache.insert(ids[:n], [shared])
+    assert cache.admit(reader, ids)["hit_tokens"] == n
+    reader.release()
