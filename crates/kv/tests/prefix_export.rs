@@ -138,6 +138,13 @@ fn another_plan_an_unsealed_prefix_and_foreign_text_are_refused() {
     assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
     let e = SharedDevicePrefix::import(&importer, &plan, &descriptor, &borrowed[1..]).unwrap_err();
     assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
+    let mut shorter = descriptor.clone();
+    shorter.tokens = 1;
+    let e = SharedDevicePrefix::import(&importer, &plan, &shorter, &borrowed).unwrap_err();
+    assert!(
+        matches!(e, KvCacheError::PlanMismatch { .. }),
+        "1 token fills no window: {e}"
+    );
     let mut longer = descriptor.clone();
     longer.tokens = 100_000;
     let e = SharedDevicePrefix::import(&importer, &plan, &longer, &borrowed).unwrap_err();
@@ -228,6 +235,35 @@ fn a_prefix_cache_entry_of_two_segments_is_exported_and_hit_in_another_cache() {
         let e = theirs.insert(tokens.to_vec(), segs).unwrap_err();
         assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
     }
+    // Refused: no token; a segment of another manager (the exporter's own), unsealed, or
+    // of another plan.
+    assert!(theirs.insert(Vec::new(), imported.clone()).is_err());
+    let e = theirs
+        .insert(prefix.to_vec(), segments.clone())
+        .unwrap_err();
+    assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
+    let (unsealed, _owner) =
+        SharedDevicePrefix::reserve_unwritten(&importer, &plan, 5 * block, 1000).unwrap();
+    let e = theirs
+        .insert(prefix.to_vec(), vec![Arc::clone(&unsealed)])
+        .unwrap_err();
+    assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
+    unsealed.seal();
+    assert!(
+        matches!(
+            theirs.insert(prefix.to_vec(), vec![Arc::clone(&unsealed)]),
+            Ok(PublishOutcome::Published { .. })
+        ),
+        "a sealed segment of this manager and plan is taken"
+    );
+    theirs.clear();
+    let other_plan = LayoutPlan::new(geometry(2000), KvLayout::SeqMajor, G).unwrap();
+    let (foreign, owner2) =
+        SharedDevicePrefix::reserve_unwritten(&importer, &other_plan, 5 * block, 2000).unwrap();
+    foreign.seal();
+    let e = theirs.insert(prefix.to_vec(), vec![foreign]).unwrap_err();
+    assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
+    drop((unsealed, _owner, owner2));
     assert!(matches!(
         theirs.insert(prefix.to_vec(), imported.clone()).unwrap(),
         PublishOutcome::Published { .. }

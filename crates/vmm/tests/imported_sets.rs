@@ -65,6 +65,8 @@ fn an_imported_set_maps_read_only_is_billed_at_the_exporter_only_and_outlives_it
         .collect();
     let imported = importer.import_shared(&pieces).unwrap();
     assert!(imported.is_imported() && !set.is_imported());
+    assert!(importer.owns_set(&imported) && exporter.owns_set(&set));
+    assert!(!importer.owns_set(&set) && !exporter.owns_set(&imported));
     assert_eq!(imported.len(), set.len());
     assert_eq!(imported.bytes(), 6 * G);
     drop(pieces);

@@ -162,3 +162,15 @@ fn a_lease_short_of_the_books_after_a_hand_over_tops_up_the_difference_too() {
     assert_eq!(fake.calls.lock().unwrap().last().unwrap(), "acquire 90 100");
     assert_eq!(g.lease_held(D), Some(140));
 }
+
+#[test]
+fn lease_stats_average_and_bound_their_top_ups() {
+    let mut s = LeaseStats::default();
+    assert_eq!((s.mean_top_up(), s.hit_rate()), (None, None));
+    s.note_top_up(Duration::from_millis(10), false);
+    s.note_top_up(Duration::from_millis(30), true);
+    assert_eq!(s.mean_top_up(), Some(Duration::from_millis(20)));
+    assert_eq!(s.top_up_max, Duration::from_millis(30));
+    assert_eq!(s.top_up_time, Duration::from_millis(40));
+    assert_eq!((s.top_ups, s.top_up_refusals), (2, 1));
+}

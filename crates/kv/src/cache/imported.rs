@@ -76,10 +76,11 @@ impl PrefixCache {
         Ok(self.insert_entry(token_ids, hashes, attached))
     }
 
-    /// The whole blocks `token_ids` is made of (at least one), else a mismatch.
+    /// The whole blocks `token_ids` is made of, else a mismatch (no token at all is refused by
+    /// the segments' check: they cannot end at window 0).
     fn check_whole_blocks(&self, token_ids: &[u32]) -> Result<u64, KvCacheError> {
         let n = token_ids.len() as u64;
-        if n == 0 || !n.is_multiple_of(self.block_tokens) {
+        if !n.is_multiple_of(self.block_tokens) {
             return Err(mismatch(format!(
                 "{n} tokens are not whole blocks of {}",
                 self.block_tokens
