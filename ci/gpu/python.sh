@@ -4,7 +4,9 @@
 # tests (CUDA ones included), the attention kernels' benchmark (`python -m kvvm_bench
 # kernels`, arguments in KERNELS_ARGS) and the end-to-end decode benchmark (`python -m
 # kvvm_bench generate`, arguments in BENCH_ARGS) and, asked by name only, the serving benchmark
-# (`bash gpu-bundle/python.sh serve`: `python -m kvvm_bench serve`, arguments in SERVE_ARGS).
+# (`bash gpu-bundle/python.sh serve`: `python -m kvvm_bench serve`, arguments in SERVE_ARGS;
+# `bash gpu-bundle/python.sh engines`: engine processes under a broker and with fixed
+# fractions, `python -m kvvm_bench engines`, arguments in ENGINES_ARGS).
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
 # to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
@@ -35,6 +37,10 @@ fi
 if [ "$mode" = all ] || [ "$mode" = bench ]; then
   echo "== python -m kvvm_bench generate"
   (cd /tmp && timeout "${BENCH_TIMEOUT:-480}" python3 -m kvvm_bench generate --json "$out/bench-generate.json" ${BENCH_ARGS:-}) > "$out/bench-generate.out"
+fi
+if [ "$mode" = engines ]; then
+  echo "== python -m kvvm_bench engines"
+  (cd /tmp && timeout "${ENGINES_TIMEOUT:-540}" python3 -m kvvm_bench engines --kvvm-bin "$repo/gpu-bundle/kvvm" --json "$out/bench-engines.json" ${ENGINES_ARGS:-}) > "$out/bench-engines.out"
 fi
 if [ "$mode" = serve ]; then
   echo "== python -m kvvm_bench serve"
