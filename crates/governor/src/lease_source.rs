@@ -2,6 +2,7 @@
 //! [`LeasePolicy`] of its top-ups and trims, and the [`Lease`] it holds (bytes per device).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -87,7 +88,12 @@ pub(crate) struct Lease {
     pub(crate) policy: LeasePolicy,
     pub(crate) held: Mutex<BTreeMap<DeviceId, u64>>,
     pub(crate) retry: Mutex<BTreeMap<DeviceId, Duration>>,
-    pub(crate) stats: Mutex<LeaseStats>,
+    /// Grants asked, and those the lease had room for: counted on every grant, so atomics
+    /// (statistics only: no decision reads them).
+    pub(crate) grants: AtomicU64,
+    pub(crate) local_grants: AtomicU64,
+    /// The top-ups' figures (a top-up is a round trip; its lock costs nothing beside it).
+    pub(crate) top_ups: Mutex<LeaseStats>,
 }
 
 impl Lease {

@@ -94,11 +94,7 @@ impl PrefixCache {
         let out = py
             .detach(move || cell.publishing(|s| cache.publish(s)))
             .map_err(|e| errors::kv(py, &e))?;
-        Ok(match out {
-            PublishOutcome::Published { .. } => "published",
-            PublishOutcome::AlreadyCached => "already_cached",
-            _ => "nothing",
-        })
+        Ok(outcome_name(&out))
     }
 
     /// The shared segments of the cached prefix whose tokens are exactly ``token_ids``, in
@@ -129,11 +125,7 @@ impl PrefixCache {
         let out = py
             .detach(move || cache.insert(token_ids, prefixes))
             .map_err(|e| errors::kv(py, &e))?;
-        Ok(match out {
-            PublishOutcome::Published { .. } => "published",
-            PublishOutcome::AlreadyCached => "already_cached",
-            _ => "nothing",
-        })
+        Ok(outcome_name(&out))
     }
 
     /// The cache's counters (a dict).
@@ -165,5 +157,14 @@ impl PrefixCache {
     fn clear(&self, py: Python<'_>) -> u64 {
         let cache = Arc::clone(&self.cache);
         py.detach(move || cache.clear())
+    }
+}
+
+/// A publication's outcome as Python sees it.
+fn outcome_name(out: &PublishOutcome) -> &'static str {
+    match out {
+        PublishOutcome::Published { .. } => "published",
+        PublishOutcome::AlreadyCached => "already_cached",
+        _ => "nothing",
     }
 }

@@ -54,26 +54,23 @@ pub(crate) struct Tally {
     pub(crate) samples: Vec<Sample>,
 }
 
+/// `integral` plus `level` held for `dt`.
+fn accrue(integral: u128, level: u64, dt: u128) -> u128 {
+    integral.saturating_add(u128::from(level).saturating_mul(dt))
+}
+
 impl Tally {
     /// Records the state after a step: bytes committed, live (a shared prefix once) and held,
     /// and the requests running with their tokens.
     fn observe(&mut self, t_us: u64, committed: u64, live: u64, held: u64, running: &[Running]) {
         let dt = u128::from(t_us.saturating_sub(self.last_t));
-        self.running_integral = self
-            .running_integral
-            .saturating_add(u128::from(self.last_running).saturating_mul(dt));
-        self.tokens_integral = self
-            .tokens_integral
-            .saturating_add(u128::from(self.last_tokens).saturating_mul(dt));
+        self.running_integral = accrue(self.running_integral, self.last_running, dt);
+        self.tokens_integral = accrue(self.tokens_integral, self.last_tokens, dt);
         self.last_running = running.len() as u64;
         self.last_tokens = running.iter().fold(0u64, |a, r| a.saturating_add(r.tokens));
         self.peak_running = self.peak_running.max(self.last_running);
-        self.committed_integral = self
-            .committed_integral
-            .saturating_add(u128::from(self.last_committed).saturating_mul(dt));
-        self.live_integral = self
-            .live_integral
-            .saturating_add(u128::from(self.last_live).saturating_mul(dt));
+        self.committed_integral = accrue(self.committed_integral, self.last_committed, dt);
+        self.live_integral = accrue(self.live_integral, self.last_live, dt);
         self.last_t = t_us;
         self.last_committed = committed;
         self.last_live = live;

@@ -4,6 +4,7 @@
 //! lease never leave the process; only a top-up or a trim talks to the [`LeaseSource`].
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -43,7 +44,9 @@ impl Governor {
             policy,
             held: Mutex::new(BTreeMap::new()),
             retry: Mutex::new(BTreeMap::new()),
-            stats: Mutex::new(LeaseStats::default()),
+            grants: AtomicU64::new(0),
+            local_grants: AtomicU64::new(0),
+            top_ups: Mutex::new(LeaseStats::default()),
         };
         Governor {
             inner: Arc::new(Inner {
@@ -62,15 +65,20 @@ impl Governor {
 
     /// How the lease served grants so far (`None`: the governor is not leased).
     pub fn lease_stats(&self) -> Option<LeaseStats> {
-        self.inner.lease.as_ref().map(|l| *lock(&l.stats))
+        self.inner.lease.as_ref().map(|l| LeaseStats {
+            grants: l.grants.load(Ordering::Relaxed),
+            local_grants: l.local_grants.load(Ordering::Relaxed),
+            ..*lock(&l.top_ups)
+        })
     }
 
     /// Counts a grant asked of a leased governor; `local`: the lease had room for it.
     pub(crate) fn note_lease_grant(&self, local: bool) {
         if let Some(lease) = &self.inner.lease {
-            let mut s = lock(&lease.stats);
-            s.grants = s.grants.saturating_add(1);
-            s.local_grants = s.local_grants.saturating_add(u64::from(local));
+            lease.grants.fetch_add(1, Ordering::Relaxed);
+            if local {
+                lease.local_grants.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -128,7 +136,7 @@ impl Governor {
         let want = need.max(lease.policy.batch);
         let began = Instant::now();
         let answer = lease.source.acquire(device, need, want);
-        lock(&lease.stats).note_top_up(began.elapsed(), answer.is_err());
+        lock(&lease.top_ups).note_top_up(began.elapsed(), answer.is_err());
         match answer {
             Ok(granted) => {
                 lock(&lease.retry).remove(&device);

@@ -67,11 +67,6 @@ def worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto")
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    ordered = sorted(xs)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3) if ordered else 0.0
-
-
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One process: its manager, the system prompt (built and published, opened, or built
     privately), a cache of ``batch`` requests from it, the suffixes prefilled; prints
@@ -82,6 +77,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from kvvm.attention import use_kvvm_attention
     from kvvm.transformers import KvvmCache, KvvmPrefix
     from kvvm_bench.cli import _build_model
+    from kvvm_bench.numerics import percentiles
 
     model = _build_model(args)
     vocab = model.config.vocab_size
@@ -123,7 +119,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "index": args.index,
         "mode": args.mode,
         "prefix_tokens_mapped": prefix.tokens,
-        "step_ms": {"p50": _percentile(times, 0.5), "p99": _percentile(times, 0.99)},
+        "step_ms": percentiles(times),
         "tokens_per_s": round(args.batch * len(times) / max(sum(times) / 1000, 1e-9), 1),
         "committed": snap.committed,
         "shared": snap.shared,
@@ -238,11 +234,11 @@ def _run_one(args: argparse.Namespace, mode: str, n: int, tmp: Path) -> dict[str
         if broker is not None:
             broker.terminate()
             broker.wait(timeout=30)
-    p99 = [r["step_ms"]["p99"] for r in reports]
+    p99 = [r["step_ms"].get("p99", 0.0) for r in reports]
     return {
         "mode": mode, "processes": n, "held": held, "workers": reports,
         "step_p99_ms_max": max(p99), "tokens_per_s": round(sum(r["tokens_per_s"] for r in reports), 1),
-        "step_p50_ms_median": statistics.median(r["step_ms"]["p50"] for r in reports),
+        "step_p50_ms_median": statistics.median(r["step_ms"].get("p50", 0.0) for r in reports),
     }
 
 

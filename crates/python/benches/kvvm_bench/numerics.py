@@ -1,6 +1,9 @@
-"""How close two bf16 logits can be before their order means nothing."""
+"""How close two bf16 logits can be before their order means nothing, and the percentiles
+the benchmarks report."""
 
 from __future__ import annotations
+
+import statistics
 
 import torch
 
@@ -12,3 +15,11 @@ BF16_TIE = 2 * 2**-7
 def bf16_tie(top: torch.Tensor) -> torch.Tensor:
     """The gap under which a logit of magnitude ``top`` ties with the top one in bf16."""
     return BF16_TIE * top.abs().clamp_min(1)
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    """``p50`` (the median) and ``p99`` of ``xs``, rounded to 3 places (empty for none)."""
+    if not xs:
+        return {}
+    s = sorted(xs)
+    return {"p50": round(statistics.median(s), 3), "p99": round(s[min(len(s) - 1, int(0.99 * len(s)))], 3)}

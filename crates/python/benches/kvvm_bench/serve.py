@@ -30,7 +30,7 @@ import torch
 from kvvm import Manager
 from kvvm.attention import use_kvvm_attention
 from kvvm.engine import Engine
-from kvvm_bench.numerics import bf16_tie
+from kvvm_bench.numerics import bf16_tie, percentiles
 
 __all__ = [
     "TraceRequest",
@@ -158,13 +158,6 @@ def simulate_prediction(
     }
 
 
-def _percentiles(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {}
-    s = sorted(xs)
-    return {"p50": round(statistics.median(s), 3), "p99": round(s[min(len(s) - 1, int(0.99 * len(s)))], 3)}
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -233,8 +226,8 @@ def run_engine(
     res.outputs = [h.tokens for h in handles]
     res.generated_tokens = sum(len(o) for o in res.outputs)
     res.tokens_per_s = round(res.generated_tokens / res.wall_s, 1)
-    res.ttft_ms = _percentiles([(st[0] - s) * 1000 for s, st in zip(submitted, stamps, strict=True) if st])
-    res.itl_ms = _percentiles([(b - a) * 1000 for st in stamps for a, b in zip(st, st[1:]) if b > a])
+    res.ttft_ms = percentiles([(st[0] - s) * 1000 for s, st in zip(submitted, stamps, strict=True) if st])
+    res.itl_ms = percentiles([(b - a) * 1000 for st in stamps for a, b in zip(st, st[1:]) if b > a])
     peak = _peak(device, base)
     res.peak_gpu_bytes = None if peak is None else peak + peak_kv
     res.prefix_hits = engine.stats.prefix_hits
@@ -306,7 +299,7 @@ def run_padded(model: Any, trace: list[TraceRequest], *, batch: int) -> ServeRes
     res.wall_s = time.perf_counter() - start
     res.generated_tokens = sum(len(o) for o in res.outputs)
     res.tokens_per_s = round(res.generated_tokens / res.wall_s, 1)
-    res.ttft_ms, res.itl_ms = _percentiles(ttft), _percentiles(itl)
+    res.ttft_ms, res.itl_ms = percentiles(ttft), percentiles(itl)
     res.peak_gpu_bytes = _peak(device, base)
     return res
 
@@ -356,7 +349,7 @@ def run_generate_batch(model: Any, trace: list[TraceRequest], *, memory_fraction
             itl += [(b - a) * 1000 for a, b in zip(ts, ts[1:])]
     res.generated_tokens = sum(len(o) for o in res.outputs)
     res.tokens_per_s = round(res.generated_tokens / max(res.wall_s, 1e-9), 1)
-    res.ttft_ms, res.itl_ms = _percentiles(ttft), _percentiles(itl)
+    res.ttft_ms, res.itl_ms = percentiles(ttft), percentiles(itl)
     res.peak_gpu_bytes = _peak(device, base)
     return res
 

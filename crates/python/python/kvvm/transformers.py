@@ -618,6 +618,15 @@ class KvvmCache(Cache):
                 yield layer.keys, layer.values
 
 
+def _prefix_plan(model: Any, manager: Manager, max_cache_len: int, layout: str, dtype: Any) -> tuple[Any, LayoutPlan]:
+    """The decoder config and the plan a prefix of ``model`` is laid out under (the model's
+    dtype unless ``dtype`` is given): one for the process that builds it and those that open it."""
+    cfg = decoder_config(model.config)
+    if dtype is None and isinstance(getattr(model, "dtype", None), torch.dtype):
+        dtype = model.dtype
+    return cfg, LayoutPlan(geometry_from_config(cfg, max_cache_len, dtype), layout, manager.granule)
+
+
 class KvvmPrefix:
     """A prompt prefix prefilled once into shared kvvm memory, to be attached read-only to
     new requests with :meth:`KvvmCache.from_prefix`.
@@ -661,11 +670,7 @@ class KvvmPrefix:
         ``InvalidArgumentError``). Its :attr:`tokens` are those in whole shared windows (the
         publisher's partial tail is not shared): prefill the rest of each prompt from there.
         Not billed here; :attr:`last_logits` is None."""
-        cfg = decoder_config(model.config)
-        if dtype is None and isinstance(getattr(model, "dtype", None), torch.dtype):
-            dtype = model.dtype
-        geometry = geometry_from_config(cfg, max_cache_len, dtype)
-        plan = LayoutPlan(geometry, layout, manager.granule)
+        cfg, plan = _prefix_plan(model, manager, max_cache_len, layout, dtype)
         return cls(cfg, manager, plan, None, SharedPrefix.open(manager, key, plan))
 
     @property
@@ -697,11 +702,8 @@ class KvvmPrefix:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise InvalidArgumentError("input_ids must be [1, prefix_tokens]")
         prompt = int(input_ids.shape[1])
-        cfg = decoder_config(model.config)
-        if dtype is None and isinstance(getattr(model, "dtype", None), torch.dtype):
-            dtype = model.dtype
-        geometry = geometry_from_config(cfg, max_cache_len, dtype)
-        plan = LayoutPlan(geometry, layout, manager.granule)
+        cfg, plan = _prefix_plan(model, manager, max_cache_len, layout, dtype)
+        geometry = plan.geometry
         batch = SequenceBatch(manager, plan, 2, max_cache_len)
         shared = batch[0].own_prefix(prompt)
         cache = KvvmCache(
