@@ -210,14 +210,13 @@ impl Forward for Recording {
         Ok(address)
     }
 
+    /// The books stay locked across the driver's call, as in `release` and `unmap`.
     fn free(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        {
-            let mut b = lock(&self.books);
-            let checked = b.model.check_free(address, size);
-            b.note_refusal(format_args!("free of {address}"), checked);
-        }
+        let mut b = lock(&self.books);
+        let checked = b.model.check_free(address, size);
+        b.note_refusal(format_args!("free of {address}"), checked);
         self.inner.free(address, size)?;
-        lock(&self.books).model.remove_range(address.0);
+        b.model.remove_range(address.0);
         Ok(())
     }
 
@@ -231,21 +230,22 @@ impl Forward for Recording {
         Ok(handle)
     }
 
+    /// The books stay locked across the driver's call: once the driver has released a handle
+    /// it may hand the same value to a create on another thread at once, and that create must
+    /// not find the value still live in the books (it waits for them instead).
     fn release(&self, handle: PhysicalHandle) -> BackendResult<()> {
-        {
-            let mut b = lock(&self.books);
-            if b.model.handle(Operation::Release, handle).is_err() {
-                let what = if b.released_but_mapped(handle) {
-                    format!("second release of {handle}")
-                } else {
-                    format!("release of {handle}: not live")
-                };
-                b.note(what);
-            }
+        let mut b = lock(&self.books);
+        if b.model.handle(Operation::Release, handle).is_err() {
+            let what = if b.released_but_mapped(handle) {
+                format!("second release of {handle}")
+            } else {
+                format!("release of {handle}: not live")
+            };
+            b.note(what);
         }
         self.inner.release(handle)?;
         // A handle the books do not know was noted above.
-        let _ = lock(&self.books).model.release(handle);
+        let _ = b.model.release(handle);
         Ok(())
     }
 
@@ -291,14 +291,14 @@ impl Forward for Recording {
         Ok(())
     }
 
+    /// The books stay locked across the driver's call, as in `release`: a map of the same
+    /// range on another thread right after the driver's unmap finds it unmapped in the books.
     fn unmap(&self, address: DeviceAddress, size: u64) -> BackendResult<()> {
-        {
-            let mut b = lock(&self.books);
-            let whole = b.model.check_unmap(address, size);
-            b.note_refusal(format_args!("unmap at {address}"), whole);
-        }
+        let mut b = lock(&self.books);
+        let whole = b.model.check_unmap(address, size);
+        b.note_refusal(format_args!("unmap at {address}"), whole);
         self.inner.unmap(address, size)?;
-        lock(&self.books).model.unmap(address, size);
+        b.model.unmap(address, size);
         Ok(())
     }
 
