@@ -8,7 +8,8 @@
 //! 2. runs of [`BenchConfig::run_sizes`] bytes (128 MiB, 512 MiB and 4 GiB by default): the
 //!    manager's commit against one handle per run (the driver's limit: create one handle of
 //!    the run's size, map it, set access once) and one handle per granule, and the teardown
-//!    (unmap + release) of the same runs, side by side;
+//!    (unmap + release) of the same runs, side by side, and the manager again with handles
+//!    exportable as POSIX fds where the backend can export;
 //! 3. a commit served from the handle pool (remap) and one served from windows parked in the
 //!    same reservation ([`VmmConfig::park_released`](kvvm::vmm::VmmConfig::park_released): no driver call) against a fresh commit,
 //!    at [`BenchConfig::pool_granules`];
@@ -40,7 +41,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvvm::governor::Governor;
-use kvvm::hal::{BackendError, DeviceId, VirtualMemoryBackend};
+use kvvm::hal::{BackendError, DeviceId, ShareableHandleType, VirtualMemoryBackend};
 use kvvm::vmm::{
     GranularityChoice, Reservation, VirtualMemory, VmmConfig, VmmError, VmmResult,
     DEFAULT_MAX_HANDLE_BYTES,
@@ -49,6 +50,7 @@ use kvvm::vmm::{
 use crate::raw::RawRange;
 pub use crate::stats::Stats;
 pub use crate::vmm_report::{BenchReport, CommitRow, GrowthRow, PoolRow};
+use crate::vmm_runs::RunManagers;
 pub use crate::vmm_runs::{RunCase, RunRow};
 
 const MIB: u64 = 1 << 20;
@@ -142,10 +144,7 @@ pub fn run_all_with_baseline(
         backend.clone(),
         device,
         Governor::unlimited(),
-        VmmConfig::default()
-            .pool_cap_bytes(0)
-            .granularity(GranularityChoice::Minimum)
-            .max_handle_bytes(config.max_handle_bytes),
+        run_config(config),
     )?;
     let bench = Bench {
         backend: &backend,
@@ -172,9 +171,14 @@ pub fn run_all_with_baseline(
             report.commit.push(row);
         }
     }
+    let exportable_vm = exportable_manager(&backend, config, &mut report.notes)?;
+    let managers = RunManagers {
+        plain: &fresh_vm,
+        exportable: exportable_vm.as_ref(),
+    };
     report.runs = crate::vmm_runs::measure_runs(
         &*backend,
-        &fresh_vm,
+        managers,
         device,
         &config.run_sizes,
         (config.warmup, config.iterations),
@@ -188,6 +192,35 @@ pub fn run_all_with_baseline(
         report.growth.push(row);
     }
     Ok(report)
+}
+
+/// A manager like the runs' plain one whose handles are exportable as POSIX file descriptors
+/// (what a manager leasing from a broker makes), or `None` with a note where the backend
+/// cannot export.
+fn exportable_manager(
+    backend: &Arc<dyn VirtualMemoryBackend>,
+    config: &BenchConfig,
+    notes: &mut Vec<String>,
+) -> VmmResult<Option<VirtualMemory>> {
+    if !backend.capabilities().posix_fd_handles {
+        notes.push(format!(
+            "exportable handles not measured: the {} backend cannot export handles",
+            backend.name()
+        ));
+        return Ok(None);
+    }
+    let mut vmm = run_config(config);
+    vmm.handle_type = ShareableHandleType::PosixFd;
+    VirtualMemory::new(backend.clone(), config.device, Governor::unlimited(), vmm).map(Some)
+}
+
+/// The configuration of the managers the runs are measured through: no pool, the minimum
+/// granularity, handles of at most `config.max_handle_bytes`.
+fn run_config(config: &BenchConfig) -> VmmConfig {
+    VmmConfig::default()
+        .pool_cap_bytes(0)
+        .granularity(GranularityChoice::Minimum)
+        .max_handle_bytes(config.max_handle_bytes)
 }
 
 /// What every measurement of one run works with.
@@ -462,6 +495,7 @@ mod tests {
         assert_eq!(report.runs.len(), 2);
         assert_eq!(report.runs[1].bytes, 32 * g);
         assert_eq!(report.runs[1].manager_handles, 1);
+        assert!(report.runs.iter().all(|r| r.exportable.is_some()));
         for needle in [
             "one handle per run",
             "manager / one handle",
@@ -472,5 +506,26 @@ mod tests {
         let stats = report.growth[0].manager.unwrap();
         report.set_realloc_baseline(4 * g, stats);
         assert_eq!(report.growth[0].realloc_copy, Some(stats));
+    }
+
+    #[test]
+    fn a_backend_that_cannot_export_is_measured_without_the_exportable_case() {
+        let g = 64 << 10;
+        let mut cfg =
+            SimConfig::single(g, 256 * g).with_latency(LatencyModel::zero(), LatencyMode::Account);
+        for d in &mut cfg.devices {
+            d.posix_fd = false;
+        }
+        let sim = Arc::new(SimBackend::new(cfg));
+        let report = run_all(sim.clone(), &BenchConfig::tiny(g)).unwrap();
+        assert_eq!(report.runs.len(), 2);
+        assert!(report.runs.iter().all(|r| r.exportable.is_none()));
+        assert!(
+            report.notes.iter().any(|n| n.contains("cannot export")),
+            "{:?}",
+            report.notes
+        );
+        assert!(report.to_markdown().contains("| not exportable | - |"));
+        assert!(sim.ledger().is_empty(), "{:?}", sim.ledger());
     }
 }

@@ -272,6 +272,7 @@ mod tests {
                 manager: run(300, 200),
                 one_handle: run(280, 190),
                 per_granule: run(6000, 4000),
+                exportable: Some(run(330, 210)),
             }],
             max_handle_bytes: 512 << 20,
             latency_spent,
@@ -333,19 +334,19 @@ simulated timings: backend sim spends the H200 latency model's cost for each dri
 | 1 | 2 MiB | 12.0 us | 15.0 us | 10.0 us | 11.0 us | 1.20x |
 | 64 | 128 MiB | 700.0 us | 760.0 us | 650.0 us | 700.0 us | 1.08x |
 
-### Runs: the manager (handles of at most 512 MiB) vs one handle per run (the driver's limit) vs one handle per granule
+### Runs: the manager (handles of at most 512 MiB) vs one handle per run (the driver's limit) vs one handle per granule; the manager with exportable (POSIX fd) handles
 
 commit (create + map + set access):
 
-| run | manager handles | manager p50 | manager p90 | one handle p50 | one handle p90 | per granule p50 | per granule p90 | manager / one handle | per granule / manager |
-|---|---|---|---|---|---|---|---|---|---|
-| 128 MiB | 1 | 300.0 us | 305.0 us | 280.0 us | 285.0 us | 6000.0 us | 6005.0 us | 1.07x | 20.00x |
+| run | manager handles | manager p50 | manager p90 | one handle p50 | one handle p90 | per granule p50 | per granule p90 | manager / one handle | per granule / manager | exportable p50 | exportable / manager |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+| 128 MiB | 1 | 300.0 us | 305.0 us | 280.0 us | 285.0 us | 6000.0 us | 6005.0 us | 1.07x | 20.00x | 330.0 us | 1.10x |
 
 teardown (unmap + release):
 
-| run | manager handles | manager p50 | manager p90 | one handle p50 | one handle p90 | per granule p50 | per granule p90 | manager / one handle | per granule / manager |
-|---|---|---|---|---|---|---|---|---|---|
-| 128 MiB | 1 | 200.0 us | 203.0 us | 190.0 us | 193.0 us | 4000.0 us | 4003.0 us | 1.05x | 20.00x |
+| run | manager handles | manager p50 | manager p90 | one handle p50 | one handle p90 | per granule p50 | per granule p90 | manager / one handle | per granule / manager | exportable p50 | exportable / manager |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+| 128 MiB | 1 | 200.0 us | 203.0 us | 190.0 us | 193.0 us | 4000.0 us | 4003.0 us | 1.05x | 20.00x | 210.0 us | 1.05x |
 
 
 ### Commit of 64 granules: from the pool vs fresh

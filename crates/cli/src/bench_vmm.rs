@@ -101,6 +101,9 @@ fn to_json(r: &BenchReport) -> Value {
             "commit_per_granule_over_manager": run_ratio(x.per_granule.commit, x.manager.commit),
             "teardown_manager_over_one_handle": run_ratio(x.manager.teardown, x.one_handle.teardown),
             "teardown_per_granule_over_manager": run_ratio(x.per_granule.teardown, x.manager.teardown),
+            "exportable": x.exportable.as_ref().map(run_case),
+            "commit_exportable_over_manager": x.exportable.map(|e| run_ratio(e.commit, x.manager.commit)),
+            "teardown_exportable_over_manager": x.exportable.map(|e| run_ratio(e.teardown, x.manager.teardown)),
         })).collect::<Vec<_>>(),
         "pool": r.pool.as_ref().map(|p| json!({
             "granules": p.granules,

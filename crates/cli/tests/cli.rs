@@ -235,7 +235,8 @@ fn bench_vmm_reports_runs_against_one_handle_and_one_handle_per_granule() {
     );
     for r in runs {
         assert_eq!(r["manager_handles"], 1);
-        for case in ["manager", "one_handle", "per_granule"] {
+        // The simulator exports handles: the manager with exportable handles is measured too.
+        for case in ["manager", "one_handle", "per_granule", "exportable"] {
             for step in ["commit", "teardown"] {
                 assert!(r[case][step]["p50_us"].as_f64().unwrap() > 0.0, "{r}");
             }
@@ -262,6 +263,16 @@ fn bench_vmm_reports_runs_against_one_handle_and_one_handle_per_granule() {
             (
                 "teardown_per_granule_over_manager",
                 p50("per_granule", "teardown"),
+                p50("manager", "teardown"),
+            ),
+            (
+                "commit_exportable_over_manager",
+                p50("exportable", "commit"),
+                p50("manager", "commit"),
+            ),
+            (
+                "teardown_exportable_over_manager",
+                p50("exportable", "teardown"),
                 p50("manager", "teardown"),
             ),
         ] {

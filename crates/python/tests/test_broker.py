@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import needs_host
+from conftest import cuda_available, needs_host
 
 import kvvm
 
@@ -124,8 +124,8 @@ def test_a_broker_that_is_not_there_is_unavailable(tmp_path: Path) -> None:
 #: write, prints what it saw.
 _READER = """
 import sys, kvvm
-socket, tenant, tokens, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-mgr = kvvm.Manager("host", broker=socket, tenant=tenant, lease_batch_bytes=2 << 20)
+socket, tenant, tokens, n, backend = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+mgr = kvvm.Manager(backend, broker=socket, tenant=tenant, lease_batch_bytes=2 << 20)
 geometry = kvvm.KvGeometry(layers=1, kv_heads=1, head_dim=64, max_tokens=n)
 plan = kvvm.LayoutPlan(geometry, "token-major", mgr.granule)
 try:
@@ -151,16 +151,24 @@ def _pattern(n: int) -> bytes:
     return bytes((i * 7 + i // 251) % 256 for i in range(n))
 
 
-@needs_host
-def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker: Path) -> None:
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("host", marks=needs_host),
+        pytest.param("cuda", marks=pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")),
+    ],
+)
+def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker: Path, backend: str) -> None:
     """One process prefills (writes) a prefix and publishes it; a second process of the same
     tenant opens it, maps it read-only and reads every byte, billed nothing; a process of
-    another tenant cannot open it; the prefix lives after its publisher let go while the
-    reader's mapping keeps it, and the broker frees it with its last user."""
+    another tenant cannot open it; once the publisher has released every handle of its own
+    (sequence, prefix, pool), the descriptors the broker holds alone keep the memory for the
+    next reader; the broker frees it with its last user. On CUDA the descriptors are the
+    driver's POSIX fds of its allocations, on the host memfds."""
     import sys
 
     n = 4 * WINDOW_TOKENS
-    mgr = kvvm.Manager("host", broker=broker, tenant="b", lease_batch_bytes=2 * MiB)
+    mgr = kvvm.Manager(backend, broker=broker, tenant="b", lease_batch_bytes=2 * MiB)
     geometry = kvvm.KvGeometry(layers=1, kv_heads=1, head_dim=64, max_tokens=n)
     plan = kvvm.LayoutPlan(geometry, "token-major", mgr.granule)
     owner = kvvm.Sequence(mgr, plan, n)
@@ -179,16 +187,20 @@ def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker
     def reader(tenant: str) -> str:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         out = subprocess.run(
-            [sys.executable, "-c", _READER, str(broker), tenant, str(tokens), str(n)],
+            [sys.executable, "-c", _READER, str(broker), tenant, str(tokens), str(n), backend],
             capture_output=True, text=True, timeout=120, env=env,
         )
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
     assert reader("a").startswith("refused"), "another tenant's prefix is not found"
-    # The publisher lets go of its own mapping and sequence: the broker still holds the prefix.
+    # The publisher lets go of its own mapping, sequence and pool: only the descriptors the
+    # broker holds keep the memory.
     owner.release()
     del shared, owner
+    mgr.trim_pool(0)
+    snap = mgr.snapshot()
+    assert (snap.committed, snap.shared, snap.pooled, snap.quarantined) == (0, 0, 0, 0), snap
     assert reader("b") == f"opened {2 * WINDOW_TOKENS} True 0 0 0 WriteIntoSharedPrefixError"
     # The reader process is gone (its use dropped with its socket); the publisher's own use
     # is the last one.

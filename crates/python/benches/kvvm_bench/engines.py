@@ -105,6 +105,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     tok = logits.argmax(-1)
     step = _decode_step(model, cache, args.device)
     step(tok)  # compiled and captured before the clock starts
+    if args.device == "cuda":
+        # The prefill's activations go back to the driver, so that the driver's free memory
+        # tells the KV bytes apart from what torch keeps (reported as ``torch_reserved``).
+        torch.cuda.empty_cache()
     print("ready", flush=True)
     sys.stdin.readline()
     times = []
@@ -125,6 +129,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "shared": snap.shared,
         "leased": mgr.leased_bytes,
         "lease": mgr.lease_stats,
+        "torch_reserved": torch.cuda.memory_reserved() if args.device == "cuda" else None,
     }
     return out
 
@@ -252,4 +257,8 @@ def run_engines_bench(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{mode:>8} x {n}: {r['tokens_per_s']} tok/s, step p50 {r['step_p50_ms_median']} ms, "
                       f"p99 {r['step_p99_ms_max']} ms, held {r['held']}", file=sys.stderr, flush=True)
                 results.append(r)
+                report = {"prefix": args.prefix, "batch": args.batch, "steps": args.steps, "results": results}
+                if args.json:
+                    # Written after every run: a run cut short by a time limit keeps the others.
+                    Path(args.json).write_text(json.dumps(report, indent=2))
     return {"prefix": args.prefix, "batch": args.batch, "steps": args.steps, "results": results}
