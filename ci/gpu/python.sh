@@ -6,7 +6,9 @@
 # kvvm_bench generate`, arguments in BENCH_ARGS) and, asked by name only, the serving benchmark
 # (`bash gpu-bundle/python.sh serve`: `python -m kvvm_bench serve`, arguments in SERVE_ARGS;
 # `bash gpu-bundle/python.sh engines`: engine processes under a broker and with fixed
-# fractions, `python -m kvvm_bench engines`, arguments in ENGINES_ARGS).
+# fractions, `python -m kvvm_bench engines`, arguments in ENGINES_ARGS; `bash gpu-bundle/python.sh
+# kvcached`: kvcached 0.1.6 built from the bundle's sdist (gpu-bundle/kvcached-0.1.6.tar.gz), then
+# `python -m kvvm_bench kvcached`, kvvm beside it, arguments in KVCACHED_ARGS).
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
 # to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
@@ -41,6 +43,25 @@ fi
 if [ "$mode" = engines ]; then
   echo "== python -m kvvm_bench engines"
   (cd /tmp && timeout "${ENGINES_TIMEOUT:-540}" python3 -m kvvm_bench engines --kvvm-bin "$repo/gpu-bundle/kvvm" --json "$out/bench-engines.json" ${ENGINES_ARGS:-}) > "$out/bench-engines.out"
+fi
+if [ "$mode" = kvcached ]; then
+  echo "== kvcached 0.1.6 from gpu-bundle/kvcached-0.1.6.tar.gz, then python -m kvvm_bench kvcached"
+  kvcached_site=/tmp/kvcached-site
+  rm -rf "$kvcached_site" gpu-bundle/kvcached-0.1.6
+  tar -xzf gpu-bundle/kvcached-0.1.6.tar.gz -C gpu-bundle
+  # Its run-time dependencies (posix_ipc, wrapt), carried as wheels for the machine's Python.
+  if ls gpu-bundle/kvcached-deps/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target "$kvcached_site" gpu-bundle/kvcached-deps/*.whl \
+      || echo "kvcached's dependencies did not install"
+  fi
+  # Built against the installed torch; a failed build leaves the directory without kvcached,
+  # which the benchmark records (kvcached's side failed, its import error as evidence).
+  timeout "${KVCACHED_BUILD_TIMEOUT:-300}" python3 -m pip install --no-index --no-build-isolation --no-deps \
+    --target "$kvcached_site" gpu-bundle/kvcached-0.1.6 > "$out/kvcached-build.log" 2>&1 \
+    || echo "kvcached did not build: see kvcached-build.log"
+  (cd /tmp && timeout "${KVCACHED_TIMEOUT:-420}" python3 -m kvvm_bench kvcached --kvvm-bin "$repo/gpu-bundle/kvvm" \
+    --kvcached-dir "$kvcached_site" --kvcached-src "$repo/gpu-bundle/kvcached-0.1.6" \
+    --json "$out/bench-kvcached.json" ${KVCACHED_ARGS:-}) > "$out/bench-kvcached.out"
 fi
 if [ "$mode" = serve ]; then
   echo "== python -m kvvm_bench serve"

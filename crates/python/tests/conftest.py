@@ -3,6 +3,8 @@ the benchmarks (``crates/python/benches``, not in the wheel) made importable."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,3 +68,19 @@ def sim() -> kvvm.Manager:
 def tiny_geometry(max_tokens: int = 1024, dtype: str = "fp16") -> kvvm.KvGeometry:
     """2 layers, 2 KV heads, head_dim 32: 512 B per token in fp16."""
     return kvvm.KvGeometry(layers=2, kv_heads=2, head_dim=32, max_tokens=max_tokens, dtype=dtype)
+
+
+def kvvm_binary() -> str | None:
+    """The ``kvvm`` binary (it runs the broker): ``KVVM_BIN``, else the workspace's build
+    (``CARGO_TARGET_DIR`` or ``target``, release before debug), else one on ``PATH``."""
+    named = os.environ.get("KVVM_BIN")
+    if named:
+        return named
+    root = Path(__file__).resolve().parents[3]
+    targets = [Path(os.environ["CARGO_TARGET_DIR"])] if os.environ.get("CARGO_TARGET_DIR") else []
+    for target in [*targets, root / "target"]:
+        for profile in ("release", "debug"):
+            candidate = target / profile / "kvvm"
+            if candidate.is_file():
+                return str(candidate)
+    return shutil.which("kvvm")

@@ -1,10 +1,17 @@
 """The benchmarks that run without a GPU (``crates/python/benches``): ``python -m kvvm_bench
-prefix`` on the simulator."""
+prefix`` on the simulator; kvvm's side of ``python -m kvvm_bench kvcached`` on the host backend
+(kvcached's side needs a CUDA GPU and is recorded as skipped)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
+from conftest import host_available, kvvm_binary
+
+#: What ``python -m kvvm_bench kvcached`` records for kvcached's side on a CPU.
+KVCACHED_SKIPPED = {"skipped": "skipped: kvcached needs a CUDA GPU"}
 
 
 def test_prefix_hits_map_one_handle_per_mapping(tmp_path: Path) -> None:
@@ -21,3 +28,65 @@ def test_prefix_hits_map_one_handle_per_mapping(tmp_path: Path) -> None:
     assert (rows[1]["tokens_per_handle"], rows[1]["mappings"]) == (16, 256)
     assert (rows[16]["tokens_per_handle"], rows[16]["mappings"]) == (256, 16)
     assert all(r["p50_us"] > 0 for r in rows.values())
+
+
+def _kvcached_bench(out: Path, *flags: str) -> dict:
+    """``python -m kvvm_bench kvcached`` on the host backend with small points; its report."""
+    import kvvm_bench
+
+    if not host_available():
+        pytest.skip("skipped: no host backend here")
+    argv = [
+        "kvcached", "--device", "cpu", "--backend", "host", "--tokens", "256,1024", "--reps", "3", "--requests", "6",
+        "--burst-lo", "64", "--burst-hi", "512", "--idle-s", "0.1", "--settle-ms", "0", "--json", str(out), *flags,
+    ]
+    assert kvvm_bench.main(argv) == 0
+    report: dict = json.loads(out.read_text())
+    return report
+
+
+def test_kvcached_bench_gives_and_takes_tokens_on_the_host(tmp_path: Path) -> None:
+    """Part a: every point timed, cold (the pool emptied first) and warm (the previous release
+    pooled); part b: the burst committed at least its live bytes, nothing committed once every
+    request finished, nothing held after the trim. kvcached's side: skipped on a CPU."""
+    report = _kvcached_bench(tmp_path / "kvcached.json", "--parts", "a,b")
+    assert report["kvcached_init"] == KVCACHED_SKIPPED
+    assert report["give_take"]["kvcached"] == report["footprint"]["kvcached"] == KVCACHED_SKIPPED
+    side = report["give_take"]["kvvm"]
+    assert side["ok"] and side["exit_code"] == 0, side
+    rows = {(r["tokens"], r["mode"]): r for r in side["result"]["rows"]}
+    assert set(rows) == {(256, "cold"), (256, "warm"), (1024, "cold"), (1024, "warm")}
+    per_token = report["meta"]["geometry"]["bytes_per_token"]
+    for (tokens, _), r in rows.items():
+        assert r["refused"] is None
+        assert r["give_us"]["p50"] > 0 and r["take_us"]["p50"] > 0 and r["reserve_us"]["p50"] > 0
+        assert r["bytes"] >= tokens * per_token
+    assert rows[(1024, "cold")]["pooled_bytes_before"] == 0
+    assert rows[(1024, "warm")]["pooled_bytes_before"] > 0
+    burst = report["footprint"]["kvvm"]
+    assert burst["ok"], burst
+    readings = burst["result"]["readings"]
+    assert readings["peak"]["committed"] >= report["footprint"]["live_bytes"] > 0
+    assert readings["after_burst"]["committed"] == 0
+    assert readings["after_trim"]["held"] == 0
+    assert "pressure" not in report
+
+
+def test_kvcached_bench_two_kvvm_instances_share_a_broker_on_the_host(tmp_path: Path) -> None:
+    """Part c, kvvm's side: two processes under one broker of 256 MiB grow requests of 256
+    tokens (32 MiB) until refused; together they hold no more than the budget."""
+    binary = kvvm_binary()
+    if binary is None:
+        pytest.skip("skipped: no kvvm binary (cargo build -p kvvm-cli, or set KVVM_BIN)")
+    budget = 256 << 20
+    report = _kvcached_bench(
+        tmp_path / "kvcached.json", "--parts", "c", "--kvvm-bin", binary, "--pressure-budget-bytes", str(budget),
+        "--pressure-tokens", "256", "--lease-batch-bytes", str(32 << 20),
+    )
+    pressure = report["pressure"]
+    assert pressure["kvcached"] == KVCACHED_SKIPPED
+    instances = pressure["kvvm"]["instances"]
+    assert len(instances) == 2 and all(i["ok"] for i in instances), instances
+    results = [i["result"] for i in instances]
+    assert all(r["refusal"]["type"] in ("BackpressureError", "NeverFitsError") for r in results), results
+    assert 0 < sum(r["books"]["committed"] for r in results) <= budget

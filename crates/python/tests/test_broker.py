@@ -6,14 +6,13 @@ workspace's build); the host backend holds the memory."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import cuda_available, needs_host
+from conftest import cuda_available, kvvm_binary, needs_host
 
 import kvvm
 
@@ -22,24 +21,10 @@ MiB = 1 << 20
 WINDOW_TOKENS = 8192
 
 
-def _kvvm_binary() -> str | None:
-    named = os.environ.get("KVVM_BIN")
-    if named:
-        return named
-    root = Path(__file__).resolve().parents[3]
-    targets = [Path(os.environ["CARGO_TARGET_DIR"])] if os.environ.get("CARGO_TARGET_DIR") else []
-    for target in [*targets, root / "target"]:
-        for profile in ("release", "debug"):
-            candidate = target / profile / "kvvm"
-            if candidate.is_file():
-                return str(candidate)
-    return shutil.which("kvvm")
-
-
 def _run_broker(socket: Path, *flags: str) -> Iterator[Path]:
     """``kvvm broker`` on ``socket`` with ``flags`` until the test ends (stopped by SIGTERM,
     which it must answer with exit 0)."""
-    binary = _kvvm_binary()
+    binary = kvvm_binary()
     if binary is None:
         pytest.skip("skipped: no kvvm binary (cargo build --release -p kvvm-cli, or set KVVM_BIN)")
     daemon = subprocess.Popen(
@@ -269,7 +254,7 @@ def test_the_engines_benchmark_holds_the_prompt_once_with_a_broker_and_once_per_
 
     import kvvm_bench
 
-    binary = _kvvm_binary()
+    binary = kvvm_binary()
     if binary is None:
         pytest.skip("skipped: no kvvm binary (cargo build --release -p kvvm-cli, or set KVVM_BIN)")
     out = tmp_path / "engines.json"

@@ -57,8 +57,15 @@ def _build_model(args: argparse.Namespace) -> Any:
     cfg._attn_implementation = "sdpa"
     device = getattr(args, "device", "cuda")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    with torch.device(device):
-        model: Any = LlamaForCausalLM(cfg)
+    # Built in its dtype on its device: an 8B model never passes through fp32 (32 GB), so
+    # that several processes can build theirs on one GPU at once.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model: Any = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
     return model.to(dtype).eval()
 
 
@@ -336,10 +343,16 @@ def main(argv: list[str] | None = None) -> int:
 
     engines.add_args(sub.add_parser("engines", help="engine processes on one device: a broker vs fixed fractions"))
     engines.worker_args(sub.add_parser("engines-worker", help="one process of `engines` (started by it)"))
+    from kvvm_bench import kvcached_compare as bench_kvcached
+
+    bench_kvcached.add_args(sub.add_parser("kvcached", help="kvvm beside kvcached: give/take times, bytes held, two instances"))
+    bench_kvcached.worker_args(sub.add_parser("kvcached-worker", help="one process of `kvcached` (started by it)"))
     args = ap.parse_args(argv)
     if args.cmd == "engines-worker":
         print(json.dumps(engines.worker(args)), flush=True)
         return 0
+    if args.cmd == "kvcached-worker":
+        return bench_kvcached.worker(args)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
         print("python -m kvvm_bench needs a CUDA GPU (serve also runs with --device cpu)", file=sys.stderr)
         return 2
@@ -353,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "engines":
         report = engines.run_engines_bench(args)
         _flush(args, report)
+    elif args.cmd == "kvcached":
+        report = bench_kvcached.run_kvcached_bench(args)
     else:
         report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvvm_bench.node import broker_metrics, smi_free_bytes
+
 __all__ = ["add_args", "run_engines_bench", "worker"]
 
 #: The prefix key every process of a run uses.
@@ -177,28 +179,6 @@ def _wait_ready(p: subprocess.Popen[str]) -> None:
         raise RuntimeError(f"a worker did not start: {line!r} (exit {p.wait()})")
 
 
-def _device_free(device: str) -> int | None:
-    """The driver's free bytes on GPU 0 (nvidia-smi: this process holds no CUDA context)."""
-    if device != "cuda":
-        return None
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
-        capture_output=True, text=True, check=False,
-    )
-    return int(out.stdout.strip()) << 20 if out.returncode == 0 and out.stdout.strip() else None
-
-
-def _broker_metrics(path: Path) -> dict[str, float]:
-    """The held and prefix bytes of the broker's metrics file."""
-    out: dict[str, float] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.startswith(("kvvm_broker_held_bytes", "kvvm_broker_prefix_bytes")):
-                name, value = line.rsplit(" ", 1)
-                out[name] = float(value)
-    return out
-
-
 def _run_one(args: argparse.Namespace, mode: str, n: int, tmp: Path) -> dict[str, Any]:
     """``n`` processes in ``mode``; their reports and what the node held."""
     socket, metrics = tmp / f"{mode}-{n}.sock", tmp / f"{mode}-{n}.prom"
@@ -210,7 +190,7 @@ def _run_one(args: argparse.Namespace, mode: str, n: int, tmp: Path) -> dict[str
             stdout=subprocess.PIPE, text=True,
         )
         assert broker.stdout is not None and "listening on" in broker.stdout.readline()
-    free_before = _device_free(args.device)
+    free_before = smi_free_bytes(args.device)
     procs: list[subprocess.Popen[str]] = []
     try:
         # The first process publishes the prompt before the others open it.
@@ -220,8 +200,8 @@ def _run_one(args: argparse.Namespace, mode: str, n: int, tmp: Path) -> dict[str
         for p in procs[1:]:
             _wait_ready(p)
         time.sleep(0.3)
-        held: dict[str, Any] = {"device_free_before": free_before, "device_free_set_up": _device_free(args.device)}
-        held.update(_broker_metrics(metrics))
+        held: dict[str, Any] = {"device_free_before": free_before, "device_free_set_up": smi_free_bytes(args.device)}
+        held.update(broker_metrics(metrics, ("kvvm_broker_held_bytes", "kvvm_broker_prefix_bytes")))
         for p in procs:
             assert p.stdin is not None
             p.stdin.write("go\n")
