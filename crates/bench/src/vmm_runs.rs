@@ -120,14 +120,14 @@ fn measure_run(
     let mut samples: [Vec<Duration>; 8] = Default::default();
     let mut manager_handles = 0;
     for round in 0..warmup.saturating_add(iterations) {
-        let mut round_of = Round {
-            res: &mut res,
-            exportable: exp.as_mut(),
-            raw: &raw,
-            g: vms.plain.granule(),
-        };
         let took;
-        (took, manager_handles) = round_of.time(bytes, round)?;
+        (took, manager_handles) = time_round(
+            (&mut res, exp.as_mut()),
+            &raw,
+            vms.plain.granule(),
+            bytes,
+            round,
+        )?;
         if round >= warmup {
             // Without an exportable manager its two slots stay empty (no samples, no row).
             let measured = if exp.is_some() { 8 } else { 6 };
@@ -158,47 +158,41 @@ fn measure_run(
     }))
 }
 
-/// What one round of a run works through.
-struct Round<'r, 'b> {
-    /// The plain manager's reservation.
-    res: &'r mut Reservation,
-    /// The exportable manager's, where there is one.
-    exportable: Option<&'r mut Reservation>,
-    /// The raw driver sequences.
-    raw: &'r RawRange<'b>,
-    /// The granule.
+/// One round of a run of `bytes`: the commit and teardown of the manager (through `res.0`), of
+/// one handle and of one handle per granule `g` (through `raw`) and of the exportable manager
+/// (through `res.1`, where there is one) in slots 0-1, 2-3, 4-5, 6-7, and the handles the
+/// manager's commit made.
+///
+/// The plain manager, the one-handle sequence and the exportable manager rotate which goes
+/// first; the per-granule sequence goes last and is followed by an untimed one-handle commit
+/// and teardown, so that none of the others is measured right after the teardown of
+/// thousands of handles (which leaves the driver's state cold).
+fn time_round(
+    res: (&mut Reservation, Option<&mut Reservation>),
+    raw: &RawRange<'_>,
     g: u64,
-}
-
-impl Round<'_, '_> {
-    /// One round of a run of `bytes`: the commit and teardown of the manager, of one handle,
-    /// of one handle per granule and of the exportable manager (slots 0-1, 2-3, 4-5, 6-7),
-    /// and the handles the manager's commit made.
-    ///
-    /// The plain manager, the one-handle sequence and the exportable manager rotate which
-    /// goes first; the per-granule sequence goes last and is followed by an untimed
-    /// one-handle commit and teardown, so that none of the others is measured right after
-    /// the teardown of thousands of handles (which leaves the driver's state cold).
-    fn time(&mut self, bytes: u64, round: usize) -> VmmResult<([Duration; 8], u64)> {
-        let mut took = [Duration::ZERO; 8];
-        let mut manager_handles = 0;
-        for case in [round % 3, (round + 1) % 3, (round + 2) % 3, 3] {
-            match case {
-                0 => (took[0], took[1], manager_handles) = commit_and_release(self.res, bytes)?,
-                1 => (took[2], took[3]) = self.raw.time_run(bytes, 1)?,
-                2 => {
-                    if let Some(res) = self.exportable.as_deref_mut() {
-                        (took[6], took[7], _) = commit_and_release(res, bytes)?;
-                    }
-                }
-                _ => {
-                    (took[4], took[5]) = self.raw.time_run(self.g, bytes / self.g)?;
-                    self.raw.time_run(bytes, 1)?;
+    bytes: u64,
+    round: usize,
+) -> VmmResult<([Duration; 8], u64)> {
+    let (plain, mut exportable) = res;
+    let mut took = [Duration::ZERO; 8];
+    let mut manager_handles = 0;
+    for case in [round % 3, (round + 1) % 3, (round + 2) % 3, 3] {
+        match case {
+            0 => (took[0], took[1], manager_handles) = commit_and_release(plain, bytes)?,
+            1 => (took[2], took[3]) = raw.time_run(bytes, 1)?,
+            2 => {
+                if let Some(res) = exportable.as_deref_mut() {
+                    (took[6], took[7], _) = commit_and_release(res, bytes)?;
                 }
             }
+            _ => {
+                (took[4], took[5]) = raw.time_run(g, bytes / g)?;
+                raw.time_run(bytes, 1)?;
+            }
         }
-        Ok((took, manager_handles))
     }
+    Ok((took, manager_handles))
 }
 
 /// The manager's commit of `bytes` in `res` and its release: both times and the handles the

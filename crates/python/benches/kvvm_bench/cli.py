@@ -36,6 +36,7 @@ import torch
 
 import kvvm
 from kvvm_bench import runs
+from kvvm_bench.report_file import write_report
 
 __all__ = ["main"]
 
@@ -156,7 +157,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
         _verdict(point, done)
         point["triton_configs"] = _triton_configs()
         report["points"].append(point)
-        _flush(args, report)
+        write_report(args.json, report)
     return report
 
 
@@ -214,12 +215,6 @@ def _meta(args: argparse.Namespace, weights: int) -> dict[str, Any]:
     }
 
 
-def _flush(args: argparse.Namespace, report: dict[str, Any]) -> None:
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-
-
 def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every attention kernel at every point."""
     from kvvm_bench.kernels import run_kernels
@@ -236,7 +231,7 @@ def run_kernel_bench(args: argparse.Namespace) -> dict[str, Any]:
             out["results"].append(asdict(r))
             print(f"{r.batch:>3} x {r.tokens:>10} {r.kernel:>7}: {r.us_per_call} us ({r.over_floor}x floor "
                   f"{r.floor_us} us), |diff| {r.max_abs_diff}, graph-safe {r.captured} {r.note}", file=sys.stderr, flush=True)
-        _flush(args, out)
+        write_report(args.json, out)
     return out
 
 
@@ -306,7 +301,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
                 args.kvvm_bin, trace_path, args.simulate_model, step_ms, args.budget_bytes or free_at_start or None
             ),
         }
-    _flush(args, report)
+    write_report(args.json, report)
     return report
 
 
@@ -358,14 +353,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cmd == "prefix":
         report = bench_prefix.run_prefix_bench(args)
-        _flush(args, report)
+        write_report(args.json, report)
     elif args.cmd == "generate":
         report = run_generate(args)
     elif args.cmd == "kernels":
         report = run_kernel_bench(args)
     elif args.cmd == "engines":
-        report = engines.run_engines_bench(args)
-        _flush(args, report)
+        report = engines.run_engines_bench(args)  # writes --json after every run
     elif args.cmd == "kvcached":
         report = bench_kvcached.run_kvcached_bench(args)
     else:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvvm_bench.node import broker_metrics, smi_free_bytes
+from kvvm_bench.report_file import write_report
 
 __all__ = ["add_args", "run_engines_bench", "worker"]
 
@@ -229,7 +230,8 @@ def _run_one(args: argparse.Namespace, mode: str, n: int, tmp: Path) -> dict[str
 
 def run_engines_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every process count in every mode; the report."""
-    results = []
+    results: list[dict[str, Any]] = []
+    report = {"prefix": args.prefix, "batch": args.batch, "steps": args.steps, "results": results}
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.processes.split(",") if x):
             for mode in (m for m in args.modes.split(",") if m):
@@ -237,8 +239,5 @@ def run_engines_bench(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{mode:>8} x {n}: {r['tokens_per_s']} tok/s, step p50 {r['step_p50_ms_median']} ms, "
                       f"p99 {r['step_p99_ms_max']} ms, held {r['held']}", file=sys.stderr, flush=True)
                 results.append(r)
-                report = {"prefix": args.prefix, "batch": args.batch, "steps": args.steps, "results": results}
-                if args.json:
-                    # Written after every run: a run cut short by a time limit keeps the others.
-                    Path(args.json).write_text(json.dumps(report, indent=2))
-    return {"prefix": args.prefix, "batch": args.batch, "steps": args.steps, "results": results}
+                write_report(args.json, report)
+    return report

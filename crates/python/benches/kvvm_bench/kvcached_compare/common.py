@@ -99,8 +99,6 @@ def _parse(payload: str | None) -> dict[str, Any] | None:
     return parsed if isinstance(parsed, dict) else None
 
 
-
-
 def _median_int(xs: list[int]) -> int | None:
     return sorted(xs)[len(xs) // 2] if xs else None
 

@@ -25,9 +25,6 @@ from .common import (
 )
 
 
-# kvcached --------------------------------------------------------------------------------
-
-
 def _torch_dtype(name: str, size: int) -> Any:
     import torch
 

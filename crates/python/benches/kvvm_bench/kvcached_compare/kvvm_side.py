@@ -12,9 +12,6 @@ from kvvm_bench.numerics import percentiles
 from .common import READY, RESULT, _driver_free, _emit, _step, _time_give_take
 
 
-# kvvm -----------------------------------------------------------------------------------
-
-
 def _kvvm_child(spec: dict[str, Any]) -> int:
     part = spec["part"]
     if spec["device"] == "cuda":

@@ -21,10 +21,6 @@ from typing import IO, Any
 from .common import CTOR_DONE, RESULT, TAIL, _parse
 
 
-# ---------------------------------------------------------------------------------------
-# The run: children started, watched and read.
-# ---------------------------------------------------------------------------------------
-
 #: The sessions of the children alive now (each child leads its own): killed if the run is.
 _live: set[int] = set()
 
@@ -154,7 +150,6 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
-
 
 
 def _verdict(result: dict[str, Any] | None, end: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import random
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvvm_bench.node import broker_metrics, smi_free_bytes
+from kvvm_bench.report_file import write_report
 
 from .common import BLOCK_TOKENS, CTOR_ONLY, DEFAULT_TESTS, READY, RECIPES, RESULT, TAIL, _parse
 from .processes import _clean_ipc, _kill_session, _live, _recipe_env, _Run, _say, _signal_name, _verdict
@@ -180,7 +180,7 @@ def _pressure(run: _Run, budget: int | None) -> dict[str, Any]:
     if budget is None:
         out["kvvm"] = out["kvcached"] = {"skipped": "no budget: pass --pressure-budget-bytes (nvidia-smi gave none)"}
         return out
-    free_before = smi_free_bytes("cuda") if a.device == "cuda" else None
+    free_before = smi_free_bytes(a.device)
     out["device_free_before"] = free_before
     if not a.kvvm_bin:
         out["kvvm"] = {"skipped": "no --kvvm-bin (the broker)"}
@@ -204,7 +204,7 @@ def _pressure(run: _Run, budget: int | None) -> dict[str, Any]:
 
                 def sample() -> dict[str, Any]:
                     time.sleep(0.3)  # one metrics interval and more
-                    return {"device_free": smi_free_bytes("cuda") if a.device == "cuda" else None, **broker_metrics(metrics)}
+                    return {"device_free": smi_free_bytes(a.device), **broker_metrics(metrics)}
 
                 out["kvvm"] = _pair(run, "kvvm", specs, sample)
         finally:
@@ -230,11 +230,6 @@ def _geometry(model: str) -> dict[str, Any]:
     g = kvvm.KvGeometry.preset(model, BLOCK_TOKENS)
     return {"model": model, "layers": g.layers, "kv_heads": g.kv_heads, "head_dim": g.head_dim, "dtype": g.dtype,
             "dtype_bytes": g.dtype_bytes, "bytes_per_token": g.bytes_per_token}
-
-
-def _flush(args: argparse.Namespace, report: dict[str, Any]) -> None:
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
 
 
 def run_kvcached_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -283,11 +278,11 @@ def _run_parts(
             report["kvcached_init"] = {"skipped": run.kvcached_skip}
         else:
             report["kvcached_init"] = _probe(run)
-        _flush(args, report)
+        write_report(args.json, report)
         if "a" in parts:
             report["give_take"] = {"kvvm": run.run("kvvm", "a-kvvm", run.spec("kvvm", "a"))}
             report["give_take"]["kvcached"] = _kvcached_part(run, "a", run.spec("kvcached", "a"))
-            _flush(args, report)
+            write_report(args.json, report)
         if "b" in parts:
             burst = {"lengths": lengths, "order": order, "idle_s": args.idle_s}
             report["footprint"] = {
@@ -295,17 +290,17 @@ def _run_parts(
                 "kvvm": run.run("kvvm", "b-kvvm", run.spec("kvvm", "b", **burst)),
                 "kvcached": _kvcached_part(run, "b", run.spec("kvcached", "b", **burst)),
             }
-            _flush(args, report)
+            write_report(args.json, report)
         if "c" in parts:
             budget = args.pressure_budget_bytes or None
             if budget is None and args.device == "cuda":
                 free = smi_free_bytes("cuda")
                 budget = int(free * 0.9) if free else None
             report["pressure"] = _pressure(run, budget)
-            _flush(args, report)
+            write_report(args.json, report)
         if args.kvcached_src and not run.kvcached_skip and args.kvcached_tests:
             report["kvcached_tests"] = _run_tests(run)
-            _flush(args, report)
+            write_report(args.json, report)
 
 
 def _kvcached_part(run: _Run, part: str, spec: dict[str, Any]) -> dict[str, Any]:
