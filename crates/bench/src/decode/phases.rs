@@ -400,7 +400,7 @@ impl<'a> DecodeLoop<'a> {
             self.total_tokens,
         )?;
         owner.write_tokens(0, host)?;
-        prefix.seal();
+        owner.seal_prefix()?;
         Ok((prefix, owner))
     }
 

@@ -1,9 +1,10 @@
-//! [`PrefixCache`]: automatic prefix sharing by a chained hash over window-aligned token
-//! blocks, with an LRU of published prefixes that the governor can evict under pressure.
+//! [`PrefixCache`]: automatic prefix sharing by a chained hash over token blocks, with an LRU
+//! of published prefixes that the governor can evict under pressure.
 //!
 //! Invariants it keeps: an entry holds only sealed prefixes whose tokens were written; a hit
-//! ends where no handle of its segments is cut (handles are mapped whole); an entry is
-//! evicted only when nothing but the cache holds its segments' memory (eviction frees it).
+//! maps read-only only windows lying wholly before its end, ending where no handle of its
+//! segments is cut (handles are mapped whole), and copies the rest; an entry is evicted only
+//! when nothing but the cache holds its segments' memory (eviction frees it).
 //!
 //! | file | what |
 //! |---|---|
@@ -23,7 +24,6 @@ use kvvm_hal::DeviceId;
 use kvvm_vmm::VirtualMemory;
 
 use kvvm_layout::KvError;
-use kvvm_num::mul;
 
 mod admit;
 mod imported;
@@ -54,21 +54,22 @@ struct State {
 }
 
 /// The automatic prefix cache: given a request's token ids, finds the longest cached prefix,
-/// maps it read-only into the request's new [`SequenceKv`] and commits the rest.
+/// gives it to the request's new [`SequenceKv`] and commits the rest.
 ///
-/// * **Blocks**: prompts are cut into blocks of [`block_tokens`](Self::block_tokens) tokens,
-///   the fewest tokens whose bytes fill whole granule windows in every fragment:
-///   `granule / gcd(granule, fragment_bytes_per_token)` (equal to `min_shareable_prefix`
-///   when the granule is a multiple of the fragment bytes per token, e.g. 16 for llama-3-8b
-///   fp16 token-major at 2 MiB, 1024 seq-major, 8192 head-major). So every cached prefix ends
-///   on a window boundary and is shared whole.
+/// * **Blocks**: prompts are cut into blocks of [`block_tokens`](Self::block_tokens) tokens
+///   (16 by default, [`PrefixCacheConfig::block_tokens`]), the hit granularity, whatever the
+///   granule: a hit of `h` tokens maps read-only the windows lying wholly before token `h`
+///   (cut down to whole handles) and copies the rest of the `h` tokens from the cache into the
+///   request's own windows, so a short system prompt of a small model (2048 tokens to a
+///   window at 1 KiB a token) hits too, as a copy, instead of being computed again.
 /// * **Hashing**: `h_0 = seed`, `h_i = H(h_{i-1}, token ids of block i)` (FNV-1a 64 over the
 ///   little-endian ids with a final avalanche). The longest `i` whose `h_i` is cached and
 ///   whose stored token ids equal the request's is the hit (collisions are checked, never
 ///   trusted).
 /// * **Publishing**: a request whose full blocks go beyond its hit owns a new shared segment
-///   for them; it is published to the cache by [`publish`](Self::publish) only after its
-///   prompt KV has been written, so no sharer ever maps unwritten bytes.
+///   for them (its whole windows, then a tail copied when it is sealed); it is published to
+///   the cache by [`publish`](Self::publish) only after its prompt KV has been written, so no
+///   sharer ever maps or copies unwritten bytes.
 /// * **LRU and billing**: a cached prefix outlives its owner; it is billed once (as shared);
 ///   [`PrefixCacheConfig::max_cached_bytes`] caps the cache.
 /// * **Eviction under pressure**: the cache registers itself with the governor as a
@@ -79,7 +80,6 @@ pub struct PrefixCache {
     vm: VirtualMemory,
     plan: LayoutPlan,
     block_tokens: u64,
-    windows_per_block: u64,
     config: PrefixCacheConfig,
     id: usize,
     state: Mutex<State>,
@@ -93,15 +93,6 @@ impl fmt::Debug for PrefixCache {
             .field("stats", &self.stats())
             .finish()
     }
-}
-
-fn gcd(mut a: u64, mut b: u64) -> u64 {
-    while b != 0 {
-        let t = a % b;
-        a = b;
-        b = t;
-    }
-    a
 }
 
 /// `h_i = H(h_{i-1}, block)`: FNV-1a 64 with a final avalanche (splitmix64's finalizer).
@@ -135,14 +126,14 @@ impl PrefixCache {
         config: PrefixCacheConfig,
     ) -> Result<Arc<PrefixCache>, KvCacheError> {
         check_plan_granule(&vm, &plan)?;
-        let block_tokens = Self::block_tokens_for(&plan)?;
-        let windows_per_block =
-            mul(block_tokens, plan.fragment_bytes_per_token(), "block bytes")? / plan.granule();
+        if plan.fragment_bytes_per_token() == 0 {
+            return Err(KvError::ZeroGranule.into());
+        }
+        let block_tokens = config.block_tokens.max(1);
         let cache = Arc::new(PrefixCache {
             vm,
             plan,
             block_tokens,
-            windows_per_block,
             config,
             id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
             state: Mutex::new(State {
@@ -157,17 +148,6 @@ impl PrefixCache {
         let weak: Weak<dyn Reclaimer> = Arc::downgrade(&arc);
         cache.vm.governor().register_reclaimer(weak);
         Ok(cache)
-    }
-
-    /// The block size rule: the fewest tokens whose bytes fill whole granule windows in every
-    /// fragment, `granule / gcd(granule, fragment_bytes_per_token)`.
-    pub fn block_tokens_for(plan: &LayoutPlan) -> Result<u64, KvError> {
-        let g = plan.granule();
-        let b = plan.fragment_bytes_per_token();
-        if g == 0 || b == 0 {
-            return Err(KvError::ZeroGranule);
-        }
-        Ok(g / gcd(g, b))
     }
 
     /// Tokens per hashed block.
@@ -235,8 +215,13 @@ impl PrefixCache {
         }
         let span = tracing::debug_span!("kv.publish", tokens = needed);
         let _e = span.enter();
-        if let Some(owned) = sequence.owned_prefix() {
-            owned.seal();
+        match sequence.seal_prefix() {
+            Ok(()) => {}
+            Err(e) if e.backpressure().is_some() || matches!(e, KvCacheError::NeverFits(_)) => {
+                tracing::debug!(error = %e, "no memory for the prefix's tail: not published");
+                return Ok(PublishOutcome::NoMemory);
+            }
+            Err(e) => return Err(e),
         }
         Ok(self.insert_entry(pending.tokens, pending.hashes, pending.segments))
     }
@@ -414,10 +399,7 @@ fn cache_only(st: &State) -> HashMap<usize, u64> {
     refs.into_iter()
         .filter(|(_, (n, p))| {
             // An imported segment is billed where it was made: evicting it frees nothing here.
-            !p.handles().is_imported()
-                && p.mapped_count() == 0
-                && Arc::strong_count(p) == *n
-                && Arc::strong_count(p.handles()) == 1
+            !p.handles().is_imported() && Arc::strong_count(p) == *n && p.held_only_here()
         })
         .map(|(k, (_, p))| (k, p.bytes()))
         .collect()

@@ -18,13 +18,17 @@
 //! | `release.rs` | shrink to the live tokens, release, the recount after a failed unmap |
 //! | `copy.rs` | host <-> device copies of tokens (`write_tokens`, `read_tokens`) |
 //! | `share.rs` | attaching shared segments read-only, owning a new one |
-//! | `prefix.rs` | [`SharedDevicePrefix`]: the set, its windows, seal |
-//! | `prefix_setup.rs` | making a prefix, mapping it into sequences |
+//! | `prefix.rs` | [`SharedDevicePrefix`]: the set, its windows, its tail, seal |
+//! | `prefix_home.rs` | a prefix's home view (what copies read from) and its tail's capture |
+//! | `prefix_setup.rs` | making a prefix, sealing it, mapping it into sequences |
+//! | `prefix_copy.rs` | a sharer's side: the read-only windows it may map, the bytes it copies |
 //! | `prefix_export.rs` | a prefix handed to another process: export as descriptors, import |
 
 mod copy;
 pub(crate) mod prefix;
+mod prefix_copy;
 pub(crate) mod prefix_export;
+pub(crate) mod prefix_home;
 mod prefix_setup;
 mod release;
 mod share;
