@@ -20,9 +20,9 @@ def test_prefix_hits_map_one_handle_per_mapping(tmp_path: Path) -> None:
     import kvvm_bench
 
     out = tmp_path / "prefix.json"
-    assert kvvm_bench.main(["prefix", "--backend", "sim", "--hits", "2", "--handle-blocks", "1,16", "--json", str(out)]) == 0
+    assert kvvm_bench.main(["prefix", "--backend", "sim", "--hits", "2", "--handle-windows", "1,16", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    rows = {r["handle_blocks"]: r for r in report["rows"]}
+    rows = {r["handle_windows"]: r for r in report["rows"]}
     assert report["meta"]["window_tokens"] == 16
     assert rows[1]["hit_tokens"] == rows[16]["hit_tokens"] == 4096
     assert (rows[1]["tokens_per_handle"], rows[1]["mappings"]) == (16, 256)

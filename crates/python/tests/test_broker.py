@@ -223,18 +223,19 @@ def test_a_published_prompt_prefix_serves_another_clients_cache_with_the_referen
     prompt = torch.randint(0, 1000, (1, 2100 + 9), generator=torch.Generator().manual_seed(1))
     publisher = kvvm.Manager("host", broker=roomy_broker, tenant="t", lease_batch_bytes=4 * MiB)
     built = KvvmPrefix.build(model, prompt[:, :2100], manager=publisher, max_cache_len=2400)
-    assert built.publish("system") == built.bytes == 2 * MiB
+    # Its whole window and its tail (the 52 tokens past it), both published.
+    assert built.publish("system") == built.bytes == 4 * MiB
     reader = kvvm.Manager("host", broker=roomy_broker, tenant="t", lease_batch_bytes=4 * MiB)
     opened = KvvmPrefix.open(model, "system", manager=reader, max_cache_len=2400)
-    assert opened.tokens == 2048 and opened.cache is None
+    assert opened.tokens == 2100 and opened.cache is None
     with pytest.raises(kvvm.InvalidArgumentError):
         # Another plan (fp16: half the bytes a token, so 2048 tokens fill no window).
         KvvmPrefix.open(model, "system", manager=reader, max_cache_len=2400, dtype=torch.float16)
     cache = KvvmCache.from_prefix(opened, 2, 2400)
     assert reader.snapshot().shared == 0, "the prefix is billed to its publisher"
-    rest = prompt[:, 2048:].expand(2, -1)
+    rest = prompt[:, 2100:].expand(2, -1)
     with torch.no_grad():
-        pos = torch.arange(2048, prompt.shape[1])[None].expand(2, -1)
+        pos = torch.arange(2100, prompt.shape[1])[None].expand(2, -1)
         got = model(input_ids=rest, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
         want = model(input_ids=prompt, use_cache=True, past_key_values=transformers.DynamicCache(config=cfg)).logits[:, -1]
     torch.testing.assert_close(got, want.expand(2, -1), rtol=1e-4, atol=1e-4)
@@ -268,12 +269,13 @@ def test_the_engines_benchmark_holds_the_prompt_once_with_a_broker_and_once_per_
     assert rc == 0
     runs = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     shared = runs["broker"]["workers"]
-    # 4 layers x {K, V} x 2 KV heads x 32 x 4 bytes: 2 KiB a token, 1024 tokens a window.
-    assert [w["shared"] for w in shared] == [4 * MiB, 0], "the publisher holds the prompt, the other maps it"
-    assert shared[1]["prefix_tokens_mapped"] == 2048 and shared[1]["committed"] > 0
-    assert runs["broker"]["held"]['kvvm_broker_prefix_bytes{tenant="engines",device="0"}'] == 4 * MiB
+    # 4 layers x {K, V} x 2 KV heads x 32 x 4 bytes: 2 KiB a token, 1024 tokens a window: the
+    # prompt is two whole windows and a tail of 52 tokens (one more window).
+    assert [w["shared"] for w in shared] == [6 * MiB, 0], "the publisher holds the prompt, the other maps it"
+    assert shared[1]["prefix_tokens_mapped"] == 2100 and shared[1]["committed"] > 0
+    assert runs["broker"]["held"]['kvvm_broker_prefix_bytes{tenant="engines",device="0"}'] == 6 * MiB
     assert all(w["lease"]["grants"] > 0 for w in shared)
-    assert [w["shared"] for w in runs["fraction"]["workers"]] == [4 * MiB, 4 * MiB], "each its own"
+    assert [w["shared"] for w in runs["fraction"]["workers"]] == [6 * MiB, 6 * MiB], "each its own"
     assert all(r["tokens_per_s"] > 0 for r in runs.values())
 
 
@@ -306,11 +308,12 @@ def test_an_engine_serves_requests_from_a_system_prompt_another_process_publishe
     mgr = kvvm.Manager("host", broker=roomy_broker, tenant="t", lease_batch_bytes=4 * MiB, precommit=True)
     engine = Engine(model, slots=2, max_len=2400, manager=mgr, prefill_chunk=512, prefix_cache_bytes=64 * MiB)
     opened = KvvmPrefix.open(model, "system", manager=mgr, max_cache_len=2400)
-    assert engine.add_prefix(system, opened) == 2048
+    assert engine.add_prefix(system, opened) == 2100
     tails = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (5, 30, 9)]
     reqs = [engine.submit(system + t, 4) for t in tails]
     engine.run()
-    assert engine.stats.prefix_hits == 3 and all(r.prefix_hit_tokens == 2048 for r in reqs)
+    # The system prompt's whole blocks of 16 tokens: its first window mapped, the rest copied.
+    assert engine.stats.prefix_hits == 3 and all(r.prefix_hit_tokens == 2096 for r in reqs)
     for r in reqs:
         ids = torch.tensor([r.prompt])
         with torch.no_grad():

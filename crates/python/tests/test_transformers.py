@@ -107,8 +107,9 @@ def test_a_shared_prompt_is_prefilled_once_and_attached_read_only(model, mgr) ->
         ref = model(input_ids=torch.cat([system.expand(4, -1), suffix], 1), use_cache=False)
     assert torch.allclose(out.logits[:, -1], ref.logits[:, -1], atol=1e-4)
     snap = mgr.snapshot()
-    assert snap.shared == prefix.bytes == mgr.granule
-    # Each request holds only its tail window privately.
+    # Billed once: the whole window, and the prefix's tail (its 52 tokens past it).
+    assert snap.shared == prefix.bytes == 2 * mgr.granule
+    # Each request holds only its tail window privately (the tail copied there).
     assert cache.owned_bytes == 4 * mgr.granule
     with pytest.raises(kvvm.InvalidArgumentError):
         KvvmCache.from_prefix(prefix, 2, 2300, dtype="fp16")

@@ -169,9 +169,9 @@ class TensorView:
 
 @final
 class SharedPrefix:
-    """A prefix one sequence owns and others map read-only."""
+    """A prefix one sequence owns and others attach (whole windows read-only, the rest copied)."""
 
-    def seal(self) -> Self: ...
+    def seal(self) -> None: ...
     @property
     def sealed(self) -> bool: ...
     @property
@@ -301,7 +301,8 @@ class PrefixCache:
         manager: Manager,
         plan: LayoutPlan,
         max_cached_bytes: int | None = None,
-        handle_blocks: int = 1,
+        block_tokens: int = 16,
+        handle_windows: int = 1,
     ) -> Self: ...
     @property
     def block_tokens(self) -> int: ...

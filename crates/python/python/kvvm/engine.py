@@ -132,9 +132,10 @@ class Engine:
             consecutive slots whose chunks have one length are prefilled together up to it.
         prefix_cache_bytes: the prefix cache's cap (0: no prefix cache).
         prefix_handle_tokens: tokens per handle of a published prefix (rounded down to whole
-            windows, at least one): a hit maps one handle per mapping and ends on a handle
-            boundary, so this is the hit's granularity and ``hit / prefix_handle_tokens`` its
-            mappings (256 by default: a 4096-token hit maps 16 handles).
+            windows, at least one): a hit maps one handle per mapping, its read-only part ends
+            on a handle boundary and the rest of it is copied, so ``hit / prefix_handle_tokens``
+            is its mappings (256 by default: a 4096-token hit maps 16 handles). Hits are
+            whole blocks of the prefix cache (``prefix_cache.block_tokens``, 16 tokens).
         compile: compile the captured decode step (CUDA only).
         fuse_projections: run the model's sibling projections (Q, K and V; gate and up) as
             one matrix multiply each (:func:`kvvm.projections.fuse_projections`; the model's
@@ -176,15 +177,15 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.prefill_batch_tokens = prefill_batch_tokens
         self.compile = compile
-        window = self.cache.plan.mapped_tokens(1)
-        handle_blocks = max(1, prefix_handle_tokens // window)
+        plan = self.cache.plan
+        handle_windows = max(1, prefix_handle_tokens // plan.mapped_tokens(1))
         self.prefix_cache = (
-            PrefixCache(manager, self.cache.plan, max_cached_bytes=prefix_cache_bytes, handle_blocks=handle_blocks)
+            PrefixCache(manager, plan, max_cached_bytes=prefix_cache_bytes, handle_windows=handle_windows)
             if prefix_cache_bytes > 0
             else None
         )
-        #: The prefix cache's hit granularity in tokens (whole handles).
-        self._hit_unit = handle_blocks * window
+        #: The prefix cache's hit granularity in tokens (whole blocks).
+        self._hit_unit = self.prefix_cache.block_tokens if self.prefix_cache is not None else 1
         eos = eos_token_ids if eos_token_ids is not None else getattr(model.generation_config, "eos_token_id", None)
         self.eos = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.device = self.cache.state.device
@@ -255,14 +256,15 @@ class Engine:
         ``KvvmPrefix`` built on this engine's manager, or one another process published and
         this one opened (``KvvmPrefix.open(model, key, manager=engine.manager,
         max_cache_len=engine.max_len)``: mapped read-only, billed to its publisher).
-        ``token_ids`` are the prefix's tokens; the first ``shared_tokens`` of them (those in
-        whole windows) are inserted, and a request that opens with them maps them instead of
-        prefilling them. Returns that count. ``InvalidArgumentError`` without a prefix cache,
-        or when the prefix is not laid out as this engine's cache."""
+        ``token_ids`` are the prefix's tokens (at least its :attr:`tokens`); a request that
+        opens with them receives them in whole blocks of the cache (whole windows mapped
+        read-only, the rest copied) instead of prefilling them. Returns the count inserted.
+        ``InvalidArgumentError`` without a prefix cache, or when the prefix is not laid out as
+        this engine's cache or is shorter than one block."""
         if self.prefix_cache is None:
             raise InvalidArgumentError("the engine has no prefix cache (prefix_cache_bytes=0)")
         shared = prefix.shared if isinstance(prefix, KvvmPrefix) else prefix
-        n = shared.shared_tokens
+        n = shared.tokens
         if len(token_ids) < n:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for a prefix of {n} shared tokens")
         self.prefix_cache.insert(list(token_ids[:n]), [shared])

@@ -24,7 +24,8 @@ anything is launched); on the device a write past what the host prepared goes to
 slot instead of unmapped memory.
 
 :class:`KvvmPrefix` prefills a shared system prompt once into shared memory;
-:meth:`KvvmCache.from_prefix` attaches it read-only to N new requests (billed once).
+:meth:`KvvmCache.from_prefix` attaches it to N new requests (billed once: its whole windows
+mapped read-only, the few bytes past them copied into each request's own memory).
 
 Requires torch and transformers (5.x); the rest of kvvm does not.
 """
@@ -223,10 +224,11 @@ class KvvmCache(Cache):
     def from_prefix(
         cls, prefix: KvvmPrefix, batch_size: int, max_cache_len: int, **kwargs: Any
     ) -> KvvmCache:
-        """A cache of ``batch_size`` new requests that all start with ``prefix``: its shared
-        windows are mapped read-only into every slot (billed once, no copy), the few tail
-        tokens outside whole windows are copied from the owner, and the cache starts at
-        ``prefix.tokens`` live tokens. Prefill each request's own suffix next."""
+        """A cache of ``batch_size`` new requests that all start with ``prefix``: its whole
+        windows are mapped read-only into every slot (billed once), its bytes past them are
+        copied into each slot's own windows (a request never writes into read-only memory,
+        whatever the model's bytes per token), and the cache starts at ``prefix.tokens`` live
+        tokens. Prefill each request's own suffix next."""
         if max_cache_len < prefix.tokens:
             raise InvalidArgumentError("max_cache_len is shorter than the prefix")
         for fixed in ("dtype", "layout", "manager", "batch", "start_tokens"):
@@ -241,7 +243,6 @@ class KvvmCache(Cache):
         )
         for i in range(batch_size):
             prefix.shared.attach(batch[i])
-        batch.ensure(prefix.tokens, first=0, count=batch_size)
         cache = cls(
             prefix.config,
             batch_size,
@@ -253,15 +254,6 @@ class KvvmCache(Cache):
             start_tokens=prefix.tokens,
             **kwargs,
         )
-        tail = prefix.shared.shared_tokens
-        if tail < prefix.tokens:
-            if prefix.cache is None:
-                raise InvalidArgumentError("the prefix's tail tokens have no owner to copy them from")
-            span = slice(tail, prefix.tokens)
-            for layer in range(cache.geometry.layers):
-                for mine, owner in zip(cache._kv(layer), prefix.cache._kv(layer), strict=True):
-                    # [1, H, t, D] broadcast into every request's slot (not the scratch).
-                    mine[:batch_size, :, span].copy_(owner[:1, :, span])
         return cache
 
     # ---- binding ----
@@ -667,9 +659,10 @@ class KvvmPrefix:
         """The prefix another process published under ``key`` (:meth:`publish`), mapped
         read-only through ``manager`` (leasing from the same broker, as the same tenant).
         ``max_cache_len``, ``layout`` and ``dtype`` must be the publisher's (its plan; else
-        ``InvalidArgumentError``). Its :attr:`tokens` are those in whole shared windows (the
-        publisher's partial tail is not shared): prefill the rest of each prompt from there.
-        Not billed here; :attr:`last_logits` is None."""
+        ``InvalidArgumentError``). Its :attr:`tokens` are the publisher's prompt (its whole
+        windows mapped read-only, the rest copied): prefill the rest of each prompt from
+        there. Not billed here (a request pays for the window it copies the tail into);
+        :attr:`last_logits` is None."""
         cfg, plan = _prefix_plan(model, manager, max_cache_len, layout, dtype)
         return cls(cfg, manager, plan, None, SharedPrefix.open(manager, key, plan))
 
@@ -680,7 +673,7 @@ class KvvmPrefix:
 
     @property
     def bytes(self) -> int:
-        """Physical bytes of the shared windows (billed once)."""
+        """Physical bytes of the prefix, its read-only windows and its tail (billed once)."""
         return self.shared.bytes
 
     @classmethod
