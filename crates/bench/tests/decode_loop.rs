@@ -72,7 +72,7 @@ fn every_byte_verified_at_two_granularities_and_three_layouts() {
                     assert!(r.attach_median >= r.attach_min);
                     // The owner's prefix is one handle per fragment run, mapped whole, and
                     // the window each fragment's tail is copied into.
-                    let tail = usize::from((prompt * b) % g != 0);
+                    let tail = usize::from(!(prompt * b).is_multiple_of(g));
                     assert_eq!(r.attach_mappings, fragments * (1 + tail), "{layout} g={g}");
                     // A hit maps the cache's handles of one window each, then commits the
                     // private rest.

@@ -11,7 +11,7 @@
 //! API says is its own to write (from its written tokens on), and reads every byte back. A
 //! case passes when the process is still alive, every byte reads back, and every byte of the
 //! budget and of the driver is given back.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::sync::Arc;
 
@@ -165,7 +165,10 @@ fn check_tokens(seq: &SequenceKv, ids: &[u32], what: &str) {
                 .chunks(b as usize)
                 .zip(want.chunks(b as usize))
                 .position(|(g, w)| g != w);
-            panic!("{what}: token {bad:?} of fragment {} reads back wrong", f.index);
+            panic!(
+                "{what}: token {bad:?} of fragment {} reads back wrong",
+                f.index
+            );
         }
     }
 }
@@ -176,8 +179,13 @@ fn manager(granule: u64) -> (Arc<HostBackend>, VirtualMemory, Governor) {
     );
     let backend: Arc<dyn VirtualMemoryBackend> = host.clone();
     let gov = Governor::unlimited();
-    let vm = VirtualMemory::new(backend, D0, gov.clone(), VmmConfig::default().pool_cap_bytes(0))
-        .unwrap();
+    let vm = VirtualMemory::new(
+        backend,
+        D0,
+        gov.clone(),
+        VmmConfig::default().pool_cap_bytes(0),
+    )
+    .unwrap();
     assert_eq!(vm.granule(), granule);
     (host, vm, gov)
 }
@@ -194,7 +202,8 @@ fn run_case(c: &Case) {
         .min((8 << 20) / probe.bytes_per_token())
         .max(1);
     let max_tokens = 2 * prefix_len + c.extra + 8;
-    let geo = KvGeometry::with_dtype(c.layers, c.kv_heads, c.head_dim, c.dtype, max_tokens).unwrap();
+    let geo =
+        KvGeometry::with_dtype(c.layers, c.kv_heads, c.head_dim, c.dtype, max_tokens).unwrap();
     let plan = LayoutPlan::new(geo, c.layout, c.granule).unwrap();
     attached_whole(&vm, &plan, prefix_len, c.extra);
     through_the_cache(&vm, &plan, prefix_len, c);

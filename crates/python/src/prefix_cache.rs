@@ -113,11 +113,9 @@ impl PrefixCache {
     /// order (None: no such entry): what :meth:`SharedPrefix.publish` hands to other
     /// processes, which :meth:`insert` them into their own cache.
     fn segments(&self, token_ids: TokenIds) -> Option<Vec<SharedPrefix>> {
-        self.cache.segments(&token_ids.0).map(|v| {
-            v.into_iter()
-                .map(SharedPrefix::without_owner)
-                .collect()
-        })
+        self.cache
+            .segments(&token_ids.0)
+            .map(|v| v.into_iter().map(SharedPrefix::without_owner).collect())
     }
 
     /// Inserts a prefix made elsewhere (built here, or segments another process published,

@@ -46,6 +46,15 @@ def broker(tmp_path: Path) -> Iterator[Path]:
     yield from _run_broker(tmp_path / "broker.sock", "--budget-bytes", "8MiB", "--tenant", "a:2MiB:6MiB", "--tenant", "b")
 
 
+@pytest.fixture
+def prefix_broker(tmp_path: Path) -> Iterator[Path]:
+    """A broker of 12 MiB, tenants ``a`` (between 2 and 6 MiB) and ``b``: room for a prefix of
+    two windows and its tail beside its publisher's lease and a reader's copy of the tail."""
+    yield from _run_broker(
+        tmp_path / "prefix.sock", "--budget-bytes", "12MiB", "--tenant", "a:2MiB:6MiB", "--tenant", "b"
+    )
+
+
 def _sequence(mgr: kvvm.Manager) -> kvvm.Sequence:
     geometry = kvvm.KvGeometry(layers=1, kv_heads=1, head_dim=64, max_tokens=16 * WINDOW_TOKENS)
     plan = kvvm.LayoutPlan(geometry, "token-major", mgr.granule)
@@ -143,7 +152,7 @@ def _pattern(n: int) -> bytes:
         pytest.param("cuda", marks=pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")),
     ],
 )
-def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker: Path, backend: str) -> None:
+def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(prefix_broker: Path, backend: str) -> None:
     """One process prefills (writes) a prefix and publishes it; a second process of the same
     tenant opens it, maps it read-only and reads every byte, billed nothing; a process of
     another tenant cannot open it; once the publisher has released every handle of its own
@@ -153,7 +162,7 @@ def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker
     import sys
 
     n = 4 * WINDOW_TOKENS
-    mgr = kvvm.Manager(backend, broker=broker, tenant="b", lease_batch_bytes=2 * MiB)
+    mgr = kvvm.Manager(backend, broker=prefix_broker, tenant="b", lease_batch_bytes=2 * MiB)
     geometry = kvvm.KvGeometry(layers=1, kv_heads=1, head_dim=64, max_tokens=n)
     plan = kvvm.LayoutPlan(geometry, "token-major", mgr.granule)
     owner = kvvm.Sequence(mgr, plan, n)
@@ -164,15 +173,16 @@ def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker
         shared.publish(mgr, "system-prompt")  # not sealed yet
     shared.seal()
     leased = mgr.leased_bytes or 0
-    assert shared.publish(mgr, "system-prompt") == 4 * MiB
-    assert (mgr.leased_bytes or 0) == leased - 4 * MiB, "the prefix left the publisher's lease"
+    # Two whole windows and the tail (100 tokens past them, one more window).
+    assert shared.publish(mgr, "system-prompt") == 6 * MiB
+    assert (mgr.leased_bytes or 0) == leased - 6 * MiB, "the prefix left the publisher's lease"
     with pytest.raises(kvvm.InvalidArgumentError, match="refused"):
         shared.publish(mgr, "system-prompt")  # the key is taken
 
     def reader(tenant: str) -> str:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         out = subprocess.run(
-            [sys.executable, "-c", _READER, str(broker), tenant, str(tokens), str(n), backend],
+            [sys.executable, "-c", _READER, str(prefix_broker), tenant, str(tokens), str(n), backend],
             capture_output=True, text=True, timeout=120, env=env,
         )
         assert out.returncode == 0, out.stderr
@@ -186,7 +196,9 @@ def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker
     mgr.trim_pool(0)
     snap = mgr.snapshot()
     assert (snap.committed, snap.shared, snap.pooled, snap.quarantined) == (0, 0, 0, 0), snap
-    assert reader("b") == f"opened {2 * WINDOW_TOKENS} True 0 0 0 WriteIntoSharedPrefixError"
+    # The reader receives every token: two windows mapped, the tail copied into a window of its
+    # own (its only commit, leased from the broker).
+    assert reader("b") == f"opened {tokens} True {2 * MiB} 0 {2 * MiB} WriteIntoSharedPrefixError"
     # The reader process is gone (its use dropped with its socket); the publisher's own use
     # is the last one.
     assert mgr.close_prefix("system-prompt") == 0
@@ -319,7 +331,10 @@ def test_an_engine_serves_requests_from_a_system_prompt_another_process_publishe
         with torch.no_grad():
             want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
         assert r.tokens == want[0, len(r.prompt) :].tolist()
-    assert mgr.snapshot().shared == 0, "the system prompt is billed to its publisher"
+    # The system prompt is billed to its publisher: what the engine holds as shared is only
+    # what it cached of its requests' own prompts past it.
+    assert engine.prefix_cache is not None
+    assert mgr.snapshot().shared == engine.prefix_cache.stats()["cached_bytes"] - opened.bytes
     with pytest.raises(kvvm.InvalidArgumentError):
         engine.add_prefix(system[:100], opened)
     engine.close()

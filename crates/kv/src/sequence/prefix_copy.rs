@@ -122,7 +122,8 @@ impl SequenceKv {
             if to <= from {
                 continue;
             }
-            let home = s.prefix.home_address(&self.vm)?;
+            let in_windows = from < mul(s.prefix.end_window(), g, "segment end")?;
+            let home = s.prefix.home_address(&self.vm, in_windows)?;
             copies.push(RowCopy {
                 dst: DeviceAddress(add(self.address().0, from, "copy destination")?),
                 dst_pitch: self.plan.slice_stride(),

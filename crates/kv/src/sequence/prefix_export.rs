@@ -283,7 +283,7 @@ fn check_pieces(
         let within = offset - fragment * stride;
         let w = within / g;
         let inside = fragment < plan.slice_count()
-            && within % g == 0
+            && within.is_multiple_of(g)
             && windows > 0
             && w >= first
             && add(w, windows, "piece end")? <= end;

@@ -3,10 +3,11 @@
 //! owner's memory, which may be gone, or in another process); and its tail, captured there
 //! from the owner when the prefix is sealed.
 //!
-//! The view maps the read-only windows' handles and the tail's at the plan's offsets (the
-//! same offsets as in every sequence), so a byte of the prefix lies at the same offset from
-//! the view's base as from a sequence's. It costs address space and one mapping per handle,
-//! no physical byte of its own. It is made at the first need and dropped with the prefix.
+//! The view maps the tail's handles, and the read-only windows' once a copy needs bytes inside
+//! them, at the plan's offsets (the same offsets as in every sequence), so a byte of the
+//! prefix lies at the same offset from the view's base as from a sequence's. It costs address
+//! space and one mapping per handle, no physical byte of its own. It is made at the first need
+//! and dropped with the prefix.
 
 use std::sync::{Arc, MutexGuard};
 
@@ -40,10 +41,22 @@ impl SharedDevicePrefix {
     }
 
     /// Base address of the home view, made in `vm` (the prefix's manager) if it was not yet:
-    /// the prefix's byte at offset `o` of a sequence lies at `o` from it.
-    pub(crate) fn home_address(&self, vm: &VirtualMemory) -> Result<DeviceAddress, KvCacheError> {
+    /// the prefix's byte at offset `o` of a sequence lies at `o` from it. The tail is mapped
+    /// there from the start; the read-only windows only once `readonly` asks for them (a copy
+    /// of bytes inside them, for a hit that maps fewer windows than the prefix has).
+    pub(crate) fn home_address(
+        &self,
+        vm: &VirtualMemory,
+        readonly: bool,
+    ) -> Result<DeviceAddress, KvCacheError> {
         let mut home = self.lock_home();
-        self.view_in(vm, &mut home)
+        let base = self.view_in(vm, &mut home)?;
+        if readonly && home.set_mappings == 0 && !self.set.is_empty() {
+            let view = home.view.as_mut().ok_or_else(no_view)?;
+            view.map_shared_ranges(&self.set, &whole(&self.set), Access::Read)?;
+            home.set_mappings = self.set.handle_count() as u64;
+        }
+        Ok(base)
     }
 
     /// Whether nothing but this prefix holds its read-only handles: no sequence maps them and
@@ -107,7 +120,7 @@ impl SharedDevicePrefix {
     }
 
     /// The view's base, making it when missing: a reservation up to the end of the tail's
-    /// windows of the last fragment, the read-only set and an imported tail mapped `Read`.
+    /// windows of the last fragment, an imported tail mapped `Read`.
     fn view_in(&self, vm: &VirtualMemory, home: &mut Home) -> Result<DeviceAddress, KvCacheError> {
         if let Some(view) = &home.view {
             return Ok(view.address());
@@ -121,19 +134,20 @@ impl SharedDevicePrefix {
         let windows = self.tail_end_window().max(1);
         let size = add(last, mul(windows, g, "home view size")?, "home view size")?;
         let mut view = vm.reserve(size)?;
-        let mut mappings = 0;
-        if !self.set.is_empty() {
-            view.map_shared_ranges(&self.set, &[0..self.set.len()], Access::Read)?;
-            mappings = self.set.handle_count() as u64;
-        }
         if let Some(tail) = &home.tail {
-            view.map_shared_ranges(tail, &[0..tail.len()], Access::Read)?;
+            view.map_shared_ranges(tail, &whole(tail), Access::Read)?;
         }
         let base = view.address();
         home.view = Some(view);
-        home.set_mappings = mappings;
+        home.set_mappings = 0;
         Ok(base)
     }
+}
+
+/// Every window of `set`, as the one index range a mapping of the whole set names.
+fn whole(set: &SharedHandles) -> [std::ops::Range<usize>; 1] {
+    let all = 0..set.len();
+    [all]
 }
 
 fn no_view() -> KvCacheError {
