@@ -156,6 +156,8 @@ class SlotState:
                 changed = True
         if changed:
             self._upload_limits()
+        # A step advanced inside a compiled or captured forward left its index behind.
+        self._index = None
         self.prepared = True
 
     def suspend(self, slot: int) -> None:
