@@ -276,6 +276,38 @@ def test_prefix_sharing_is_refused_for_sliding_layers_with_the_reason() -> None:
 # ---- the memory underneath ----
 
 
+def test_warm_up_steps_taken_back_forget_nothing_and_a_crop_stops_at_the_window() -> None:
+    """Steps prepared between a snapshot and its restore (a captured step's warm-up) give no
+    window back: the counts go back and the real step reads those tokens. A crop that would
+    need forgotten tokens is refused; a reset starts the sliding layers again from token 0."""
+    mgr = kvvm.Manager("host")
+    cache = KvvmCache(mistral_config(), 2, 512, manager=mgr, dtype="fp32")
+    group = sliding_group(cache)
+    cache.prepare(250)
+    cache.step_done()
+    full = group.batch[0].owned_bytes
+    snap = cache.state.snapshot()
+    for _ in range(3):
+        cache.prepare(1)
+        cache.step_done()
+    assert group.host_floors == [0, 0] and group.batch[0].forgotten_tokens == 0
+    cache.state.restore(snap)
+    cache.prepare(1)
+    # 16 KiB a token: tokens 0..202 leave the window, the first 128 of them fill a window.
+    assert group.host_floors == [203, 203] and group.floors.tolist() == [203, 203]
+    assert group.batch[0].forgotten_tokens == 203 and group.batch[0].owned_bytes == full - mgr.granule
+    cache.step_done()
+    with pytest.raises(kvvm.InvalidArgumentError, match="gave back"):
+        cache.crop_tokens(240)
+    assert cache.state.host_lengths == [251, 251]
+    cache.crop_tokens(-1)  # a step taken back: its window is all there
+    assert cache.state.host_lengths == [250, 250]
+    cache.reset_counts()
+    assert group.host_floors == [0, 0] and group.batch[0].forgotten_tokens == 0
+    cache.release()
+    assert mgr.snapshot().committed == 0
+
+
 def test_forgotten_tokens_are_given_back_and_never_touched_again() -> None:
     mgr = kvvm.Manager("host")
     geometry = kvvm.KvGeometry(layers=2, kv_heads=8, head_dim=128, max_tokens=2048, dtype="fp32")

@@ -69,6 +69,8 @@ class SlotState:
         self._groups = [(batch, plan), *more]
         #: Called with the slots a step prepares, before their tokens are committed.
         self.before_growth: Callable[[list[int]], None] | None = None
+        #: Between :meth:`snapshot` and :meth:`restore`.
+        self.rewinding = False
         self.slots = len(batch) - 1
         if self.slots < 1:
             raise InvalidArgumentError("a slot state needs a batch of at least one slot and the scratch")
@@ -144,7 +146,7 @@ class SlotState:
             raise InvalidArgumentError(
                 f"a step to {max(targets)} tokens is past the cache's {self.max_tokens} tokens"
             )
-        if self.before_growth is not None:
+        if self.before_growth is not None and not self.rewinding:
             self.before_growth(sorted(chosen))
         for b, _ in self._groups:
             b.ensure_each(targets, first=self.first)
@@ -217,7 +219,10 @@ class SlotState:
             )
 
     def snapshot(self) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
-        """The counts, to be put back by :meth:`restore` (around warm-up steps)."""
+        """The counts, to be put back by :meth:`restore` (around warm-up steps). Until then
+        :attr:`before_growth` is not called: the counts will go back, and what a step after
+        the restore reads must still be there."""
+        self.rewinding = True
         return self.lengths.clone(), list(self.host_lengths), list(self.host_limits), list(self.host_starts)
 
     def restore(self, snap: tuple[torch.Tensor, list[int], list[int], list[int]]) -> None:
@@ -230,6 +235,7 @@ class SlotState:
         self._upload(self.starts, self.host_starts)
         self.overruns.zero_()
         self._index = None
+        self.rewinding = False
 
     # ---- the device's side of a step ----
 
