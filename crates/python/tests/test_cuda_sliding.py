@@ -84,3 +84,45 @@ def test_the_engine_on_the_gpu_gives_each_request_its_own_tokens() -> None:
     assert [r.tokens for r in requests] == want
     engine.close()
     assert mgr.snapshot().committed == 0
+
+
+@pytest.mark.parametrize("q_len", [1, 7])
+def test_the_flash_kernel_reads_the_window_as_sdpa_does(q_len: int) -> None:
+    """bf16, ragged requests in any slot order: FlashAttention with ``window_size_left`` over
+    the packed slots against the per-request SDPA kernel, tokens before each earliest window
+    poisoned (NaN: a read of one would show)."""
+    from kvvm.attend import attend
+
+    torch.manual_seed(9)
+    heads, kv_heads, dim, window, tokens = 8, 2, 128, 40, 300
+    k = torch.randn(3, kv_heads, tokens, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(3, kv_heads, tokens, dim, device="cuda", dtype=torch.bfloat16)
+    bounds = torch.tensor([[2, 0, 300], [0, 20, 150], [1, 5, 30]], dtype=torch.int32, device="cuda")
+    q = torch.randn(3, heads, q_len, dim, device="cuda", dtype=torch.bfloat16)
+    want = attend(q, k, v, bounds, kernel="sdpa", window=window)
+    for slot, _, end in bounds.tolist():
+        k[slot, :, : max(0, end - q_len - window + 1)] = float("nan")
+        v[slot, :, : max(0, end - q_len - window + 1)] = float("nan")
+    got = attend(q, k, v, bounds, kernel="flash", window=window)
+    assert (got.float() - want.float()).abs().max().item() < 2e-2
+
+
+def test_a_slot_stride_of_no_whole_tokens_prefills_with_sdpa_instead_of_flash() -> None:
+    """Gemma 3's sliding layers in bf16 (5 KiB a token here) do not divide a 2 MiB window:
+    the slots are not a whole number of tokens apart, FlashAttention cannot see them as one
+    packed sequence, and ``"auto"`` runs SDPA for the prefill: the reference's logits."""
+    model = build("gemma3", "kvvm").to("cuda", torch.bfloat16)
+    reference = build("gemma3", "eager").to("cuda", torch.bfloat16)
+    torch.manual_seed(10)
+    ids = torch.randint(0, VOCAB, (2, 300), device="cuda")
+    mgr = kvvm.Manager("cuda")
+    cache = KvvmCache(model, 2, 512, manager=mgr)
+    group = sliding_group(cache)
+    assert group.batch.slot_stride % group.plan.strides()["token"] != 0
+    dc = transformers.DynamicCache(config=reference.config)
+    with torch.no_grad():
+        for start in range(0, 300, 100):
+            got = model(input_ids=ids[:, start : start + 100], past_key_values=cache, use_cache=True).logits[:, -1]
+            want = reference(input_ids=ids[:, start : start + 100], past_key_values=dc, use_cache=True).logits[:, -1]
+            assert (got.float() - want.float()).abs().max().item() < 0.15
+    cache.release()

@@ -21,7 +21,8 @@ device:
   the host (the CPU kernel; on a GPU eager only, a reference).
 
 ``"auto"`` picks ``"triton"`` for one query token on CUDA, ``"flash"`` for more (``"sdpa"``
-for fp32), ``"sdpa"`` on CPU. Measured against each other and against FlexAttention in
+for fp32, and where a slot is not a whole number of tokens apart: the packed sequence needs
+it), ``"sdpa"`` on CPU. Measured against each other and against FlexAttention in
 ``docs/python.md``.
 
 Every kernel takes a sliding ``window`` (a query at token ``p`` sees the tokens ``p - window <
@@ -184,7 +185,16 @@ def _run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: to
     name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap)
     if name == "triton" and query.shape[2] != 1:
         raise ValueError("the triton kernel takes one query token per request")
+    if name == "flash" and kernel == "auto" and not _packable(key, value):
+        name = "sdpa"
     return _KERNEL_FNS[name](query, key, value, bounds.to(torch.int32), scale, window, softcap)
+
+
+def _packable(key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the flash kernel can see every slot as one packed sequence: a slot stride that
+    is a whole number of tokens (a token of a layer group's bytes need not divide the
+    granule its slots are padded to)."""
+    return all(t.stride(0) % t.stride(2) == 0 and t.stride(0) == key.stride(0) for t in (key, value))
 
 
 @torch.library.custom_op("kvvm::write_attend", mutates_args=())
