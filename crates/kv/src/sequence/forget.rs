@@ -40,11 +40,11 @@ impl SequenceKv {
     }
 
     /// Forgets the tokens before `t`: every window of every fragment holding no byte of the
-    /// committed tokens from `t` on is unmapped (its handle goes back to the pool or the driver and the
-    /// governor is credited), and those tokens are never read or written again
-    /// ([`KvCacheError::Forgotten`]). A window holding a byte of token `t` or later stays
-    /// mapped, and so does a multi-window handle reaching past the windows behind (see
-    /// [`use_window_handles`](Self::use_window_handles)). Returns the bytes unmapped;
+    /// committed tokens from `t` on is unmapped (its handle goes back to the pool or the
+    /// driver and the governor is credited), and those tokens are never read or written
+    /// again ([`KvCacheError::Forgotten`]). A window holding a byte of a committed token from
+    /// `t` on stays mapped, and so does a multi-window handle reaching past the windows behind
+    /// (see [`use_window_handles`](Self::use_window_handles)). Returns the bytes unmapped;
     /// `t` at or below [`forgotten_tokens`](Self::forgotten_tokens) does nothing.
     ///
     /// Like [`release`](Self::release), it does not synchronize the device: work reading the
