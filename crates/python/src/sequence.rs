@@ -149,6 +149,13 @@ impl Sequence {
         self.cell.with(|s| s.shared_tokens())
     }
 
+    /// Tokens before this one were forgotten (:meth:`forget_before`): never read or written
+    /// again, their windows given back. 0 until the sequence forgets, and after a release.
+    #[getter]
+    fn forgotten_tokens(&self) -> u64 {
+        self.cell.forgotten_tokens()
+    }
+
     /// Tokens of the prefix this sequence shares or owns.
     #[getter]
     fn prefix_tokens(&self) -> u64 {
@@ -199,6 +206,18 @@ impl Sequence {
         let out = py.detach(move || cell.unmapping(Unmap::Shrink(tokens)));
         match out {
             Err(busy) => Err(busy_error(py, busy, "shrink")),
+            Ok(r) => r.map_err(|e| errors::kv(py, &e)),
+        }
+    }
+
+    /// Forgets the tokens before `tokens` (see :meth:`SequenceBatch.forget_each`); returns
+    /// the bytes unmapped. Refused while views live.
+    fn forget_before(&self, py: Python<'_>, tokens: Count) -> PyResult<u64> {
+        let tokens = tokens.0;
+        let cell = Arc::clone(&self.cell);
+        let out = py.detach(move || cell.unmapping(Unmap::Forget(tokens)));
+        match out {
+            Err(busy) => Err(busy_error(py, busy, "forget tokens")),
             Ok(r) => r.map_err(|e| errors::kv(py, &e)),
         }
     }

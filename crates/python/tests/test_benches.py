@@ -90,3 +90,31 @@ def test_kvcached_bench_two_kvvm_instances_share_a_broker_on_the_host(tmp_path: 
     results = [i["result"] for i in instances]
     assert all(r["refusal"]["type"] in ("BackpressureError", "NeverFitsError") for r in results), results
     assert 0 < sum(r["books"]["committed"] for r in results) <= budget
+
+
+def test_sliding_bench_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
+    """``python -m kvvm_bench sliding --tiny`` on the host backend: both caches at both
+    lengths, KvvmCache's sliding layers no larger at 640 tokens than at 256 (their windows
+    behind went back) while a cache of every token grows, and DynamicCache's greedy tokens
+    (fp32). The captured step needs CUDA: left out on a CPU."""
+    import kvvm_bench
+
+    if not host_available():
+        pytest.skip("skipped: no host backend here")
+    out = tmp_path / "sliding.json"
+    argv = [
+        "sliding", "--tiny", "--device", "cpu", "--backend", "host", "--lengths", "256,640", "--steps", "3",
+        "--chunk", "128", "--batch", "2", "--json", str(out),
+    ]
+    assert kvvm_bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    runs = {r["cache"]: r["rows"] for r in report["runs"]}
+    assert set(runs) == {"dynamic", "kvvm-eager"}
+    assert report["meta"]["sliding_layers"] == 5 and report["meta"]["sliding_window"] == 64
+    dynamic, kv = runs["dynamic"], runs["kvvm-eager"]
+    assert [r["length"] for r in dynamic] == [r["length"] for r in kv] == [256, 640]
+    short, long = kv
+    assert long["by_group"]["sliding"] <= short["by_group"]["sliding"]
+    assert long["every_token_bytes"] > 2 * short["every_token_bytes"]
+    assert all(r["step_ms"]["p50"] > 0 and r["greedy_agree_with_dynamic"] == 1.0 for r in kv)
+    assert all(r["kv_bytes"] > 0 for r in dynamic)

@@ -163,8 +163,9 @@ def test_a_view_only_a_reference_cycle_keeps_does_not_block_an_unmap(model, mgr,
 def test_unsupported_configs_and_backends_are_refused(model) -> None:
     with pytest.raises(kvvm.InvalidArgumentError, match="not hold torch tensors"):
         KvvmCache(model.config, 1, 10, backend="sim")
-    cfg = transformers.MistralConfig(sliding_window=16)
-    with pytest.raises(kvvm.InvalidArgumentError):
+    # Sliding windows are served (test_sliding.py); bidirectional attention is not.
+    cfg = transformers.Gemma3TextConfig(use_bidirectional_attention=True)
+    with pytest.raises(kvvm.InvalidArgumentError, match="causal"):
         KvvmCache(cfg, 1, 10, backend="host")
 
 

@@ -22,6 +22,7 @@ impl SequenceKv {
             });
         }
         let n = len / bpt;
+        self.check_not_forgotten(first)?;
         let end = add(first, n, "token range end")?;
         if end > self.committed_tokens {
             return Err(KvCacheError::NotCommitted {

@@ -17,7 +17,8 @@ logits are apart).
 continuous-batching engine and its peers (:mod:`kvvm_bench.serve`); ``python -m kvvm_bench
 prefix`` times prefix-cache hits by handle size, on any backend (:mod:`kvvm_bench.prefix`);
 ``python -m kvvm_bench engines`` runs engine processes on one device under a broker and under
-fixed fractions (:mod:`kvvm_bench.engines`).
+fixed fractions (:mod:`kvvm_bench.engines`); ``python -m kvvm_bench sliding`` decodes a
+Gemma-3-shaped model to 32k tokens with KvvmCache and DynamicCache (:mod:`kvvm_bench.sliding`).
 
 ``--tiny`` runs a small model (what the tests do); the figures that matter come from a GPU.
 """
@@ -338,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
 
     engines.add_args(sub.add_parser("engines", help="engine processes on one device: a broker vs fixed fractions"))
     engines.worker_args(sub.add_parser("engines-worker", help="one process of `engines` (started by it)"))
+    from kvvm_bench import sliding as bench_sliding
+
+    bench_sliding.add_args(sub.add_parser("sliding", help="a Gemma-3-shaped model to 32k tokens: KvvmCache vs DynamicCache"))
     from kvvm_bench import kvcached_compare as bench_kvcached
 
     bench_kvcached.add_args(sub.add_parser("kvcached", help="kvvm beside kvcached: give/take times, bytes held, two instances"))
@@ -362,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         report = engines.run_engines_bench(args)  # writes --json after every run
     elif args.cmd == "kvcached":
         report = bench_kvcached.run_kvcached_bench(args)
+    elif args.cmd == "sliding":
+        report = bench_sliding.run_sliding_bench(args)  # writes --json after every cache
     else:
         report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)

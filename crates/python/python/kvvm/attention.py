@@ -67,23 +67,49 @@ class KvvmMask:
     :class:`~kvvm.transformers.KvvmCache`: where each request's new K/V go (``slot``,
     ``token``: int64 ``[batch, q]``), each request's slot and tokens once they are written
     (``bounds``: int32 ``[batch, 3]``), the batch's memory (``slab``) and where each layer
-    lies in it (``layouts``). Built once per forward, before the first layer."""
+    lies in it (``layouts``). Built once per forward, before the first layer.
+
+    A cache whose layers form several groups (full and sliding attention, each group its own
+    memory) gives each layer its group's memory, token ranges and window (``layer_slabs``,
+    ``layer_bounds``, ``windows``: one entry per layer; a window of 0 is full attention)."""
 
     bounds: Any
     slot: Any
     token: Any
     slab: Any
     layouts: list[list[int]]
+    layer_slabs: list[Any] | None = None
+    layer_bounds: list[Any] | None = None
+    windows: list[int] | None = None
     #: transformers' mask preparation takes any 4-D mask as finished and passes it through.
     ndim: int = 4
 
-    def attend(self, layer: int, query: Any, key_new: Any, value_new: Any, scale: float | None, kernel: str) -> Any:
-        """Layer ``layer``'s write of the step's K/V and its attention (one operator)."""
+    def attend(
+        self, layer: int, query: Any, key_new: Any, value_new: Any, scale: float | None, kernel: str,
+        softcap: float = 0.0,
+    ) -> Any:
+        """Layer ``layer``'s write of the step's K/V and its attention (one operator), over
+        its group's tokens and window, with the model's attention-logit soft cap."""
         from .attend import write_attend
 
+        slab = self.slab if self.layer_slabs is None else self.layer_slabs[layer]
+        bounds = self.bounds if self.layer_bounds is None else self.layer_bounds[layer]
+        window = 0 if self.windows is None else self.windows[layer]
         return write_attend(
-            query, key_new, value_new, self.slab, self.slot, self.token, self.bounds, self.layouts[layer], scale, kernel
+            query, key_new, value_new, slab, self.slot, self.token, bounds, self.layouts[layer], scale, kernel,
+            window, softcap,
         )
+
+    def check_window(self, layer: int, sliding_window: Any) -> None:
+        """Refuses a layer the model attends with a sliding window the cache did not lay out
+        for it (the cache holds what its config's layer types say)."""
+        window = 0 if self.windows is None else self.windows[layer]
+        if sliding_window is not None and window not in (0, int(sliding_window)):
+            raise ValueError(
+                f"layer {layer} attends over a window of {sliding_window} tokens; the cache keeps {window}"
+            )
+        if sliding_window is None and window:
+            raise ValueError(f"layer {layer} attends to every token; the cache keeps a window of {window}")
 
 
 def kvvm_mask(
@@ -125,11 +151,17 @@ def kvvm_attention(
 ) -> tuple[Any, None]:
     """The attention function of :data:`ATTENTION`: with a :class:`KvvmMask`, the step's new
     K/V (``key``, ``value``) written into the KvvmCache and each request's tokens attended
-    (:func:`kvvm.attend.write_attend`); else transformers' SDPA attention (in the kernel
-    scope)."""
+    (:func:`kvvm.attend.write_attend`), over the layer's sliding window if it has one, with
+    the model's attention-logit soft cap (``softcap``, Gemma 2's); else transformers' SDPA
+    attention (in the kernel scope)."""
     if isinstance(attention_mask, KvvmMask):
+        if kwargs.get("s_aux") is not None:
+            raise NotImplementedError("the kvvm attention has no attention sinks (s_aux)")
         kernel = getattr(getattr(module, "config", None), "kvvm_kernel", "auto")
-        return attention_mask.attend(module.layer_idx, query, key, value, scaling, kernel), None
+        if "sliding_window" in kwargs:
+            attention_mask.check_window(module.layer_idx, kwargs["sliding_window"])
+        softcap = float(kwargs.get("softcap") or 0.0)
+        return attention_mask.attend(module.layer_idx, query, key, value, scaling, kernel, softcap), None
     forward = _sdpa()[0]
     with _kernel_scope():
         return forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)

@@ -40,7 +40,8 @@ from typing import Any
 import torch
 
 from . import Manager, PrefixCache, SharedPrefix
-from .attention import use_kvvm_attention
+from .attention import decoder_config, use_kvvm_attention
+from .cache_groups import refuse_sliding_prefix
 from .errors import BackpressureError, InvalidArgumentError, KvvmError, NeverFitsError
 from .projections import fuse_projections as fuse
 from .transformers import KvvmCache, KvvmPrefix
@@ -120,8 +121,9 @@ class Engine:
     """Continuous batching of a transformers causal LM over ``slots`` kvvm slots.
 
     Args:
-        model: a full-attention decoder (Llama, Mistral, Qwen2, ...); it is switched to the
-            kvvm attention.
+        model: a decoder of full and sliding-window attention layers (Llama, Mistral, Qwen2,
+            Gemma 2 and 3, ...); it is switched to the kvvm attention. A prefix cache is
+            refused for a model with sliding-window layers.
         slots: requests decoded together at most.
         max_len: the most tokens a request may reach (prompt + generated), reserved as
             address space only.
@@ -165,6 +167,8 @@ class Engine:
     ) -> None:
         if slots < 1 or max_len < 2 or prefill_chunk < 1 or prefill_batch_tokens < 1:
             raise InvalidArgumentError("slots, max_len, prefill_chunk and prefill_batch_tokens must be positive")
+        if prefix_cache_bytes > 0:
+            refuse_sliding_prefix(decoder_config(model.config), max_len)
         if manager is None:
             manager = Manager(backend, budget_bytes=budget_bytes, precommit=True, headroom_tokens=headroom_tokens)
         use_kvvm_attention(model)
@@ -377,7 +381,7 @@ class Engine:
                     hit = int(self.prefix_cache.admit(seq, r._context[:-1])["hit_tokens"])
                     if hit:
                         self.stats.prefix_hit_ms.append((hit, (time.perf_counter() - began) * 1000))
-                seq.ensure(len(r._context))
+                self.cache.ensure_slot(slot, len(r._context))
         except KvvmError:
             self.cache.free(slot)
             raise

@@ -52,8 +52,8 @@ from . import (
     SharedPrefix,
     geometry_from_config,
 )
-from .attend import slab_kv
 from .attention import ATTENTION, KvvmMask, decoder_config, register_attention, use_kvvm_attention
+from .cache_groups import CacheGroup, layer_groups, refuse_sliding_prefix
 from .cache_layer import KvvmLayer, StepQuery, host_work
 from .errors import GraphsAliveError, InvalidArgumentError, ViewsAliveError
 from .slots import SlotState
@@ -93,17 +93,6 @@ def cache_argument(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _check_full_attention(config: Any) -> None:
-    types = getattr(config, "layer_types", None)
-    if types is not None and any(t != "full_attention" for t in types):
-        raise InvalidArgumentError(
-            "KvvmCache supports full-attention decoders only (layer types: "
-            f"{sorted(set(types))})"
-        )
-    if getattr(config, "sliding_window", None) is not None:
-        raise InvalidArgumentError("KvvmCache does not support sliding-window attention")
-
-
 def _unmap(unmap: Callable[[], int]) -> int:
     """``unmap()`` (a release or shrink of the cache's memory), once more after a collection
     of unreachable Python objects when it is refused because views are alive: a view kept
@@ -121,8 +110,8 @@ class KvvmCache(Cache):
     """A transformers cache over a kvvm :class:`~kvvm.SequenceBatch`.
 
     Args:
-        config: the model (its dtype is then the cache's) or its config (full-attention
-            decoders: Llama, Mistral, Qwen2, ...).
+        config: the model (its dtype is then the cache's) or its config (decoders of full
+            and sliding-window attention layers: Llama, Mistral, Qwen2, Gemma 2 and 3, ...).
         batch_size: requests (slots) in the batch.
         max_cache_len: the most tokens a request may reach (prompt + generated); reserved as
             address space only.
@@ -140,8 +129,15 @@ class KvvmCache(Cache):
         headroom_tokens: how far ahead of each request's live tokens the pre-committer keeps
             windows mapped (for a manager made here).
         batch: a batch to bind to, of ``batch_size + 1`` slots (the last is the scratch
-            slot); made here when omitted.
+            slot); made here when omitted (full-attention models only).
         start_tokens: live tokens already in every slot of ``batch``.
+
+    The layers are laid out in groups (:mod:`kvvm.cache_groups`): the full-attention layers
+    in one batch, a model's sliding-window layers in another whose windows behind the window
+    are given back as requests grow (each request holds about ``window`` tokens there,
+    whatever its length). :attr:`groups` lists them; :attr:`plan` and :attr:`batch` are the
+    first group's (the only one of a full-attention model). A shared prefix
+    (:class:`KvvmPrefix`) is refused for a model with sliding-window layers.
 
     Use it as ``model.generate(..., past_key_values=KvvmCache(model, B, L))`` (transformers
     5.24 and later name the argument ``cache=``), in a hand-written decode loop, or captured
@@ -174,9 +170,11 @@ class KvvmCache(Cache):
             if dtype is None:
                 dtype = model_dtype
         cfg = decoder_config(config)
-        _check_full_attention(cfg)
         if batch_size <= 0 or max_cache_len <= 0:
             raise InvalidArgumentError("batch_size and max_cache_len must be positive")
+        specs = layer_groups(cfg, max_cache_len)
+        if batch is not None and len(specs) > 1:
+            raise InvalidArgumentError("a batch to bind to holds one layer group; this model has several")
         self._owns_manager = manager is None
         if manager is None:
             manager = Manager(
@@ -195,16 +193,21 @@ class KvvmCache(Cache):
         geometry = geometry_from_config(cfg, max_cache_len, dtype)
         self._config = cfg
         self.manager = manager
+        #: The whole model's geometry (every layer).
         self.geometry: KvGeometry = geometry
-        self.plan = LayoutPlan(geometry, layout, manager.granule)
         self._max_len = max_cache_len
-        self.batch = batch or SequenceBatch(
-            manager, self.plan, batch_size + 1, max_cache_len, precommit=precommit
-        )
-        if len(self.batch) != batch_size + 1:
+        if batch is not None and len(batch) != batch_size + 1:
             raise InvalidArgumentError(
-                f"the batch has {len(self.batch)} slots, not {batch_size} and the scratch slot"
+                f"the batch has {len(batch)} slots, not {batch_size} and the scratch slot"
             )
+        #: The layer groups, each in memory of its own (:mod:`kvvm.cache_groups`).
+        self.groups: list[CacheGroup] = [
+            CacheGroup(spec, geometry, manager, layout, batch_size + 1, precommit, batch) for spec in specs
+        ]
+        #: Each layer's group and its index in it.
+        self._where = sorted((layer, g, j) for g, grp in enumerate(self.groups) for j, layer in enumerate(grp.spec.layers))
+        self.plan: LayoutPlan = self.groups[0].plan
+        self.batch: SequenceBatch = self.groups[0].batch
         self._torch_dtype = _torch_dtype(geometry.dtype)
         self._released = False
         self._slab: torch.Tensor | None = None
@@ -212,10 +215,14 @@ class KvvmCache(Cache):
         self._capturing: Any = None
         self._bind()
         assert self._slab is not None
-        self.state: SlotState = SlotState(self.batch, self.plan, self._slab.device)
+        self.state: SlotState = SlotState(
+            self.batch, self.plan, self._slab.device, more=[(g.batch, g.plan) for g in self.groups[1:]]
+        )
+        if any(g.spec.sliding for g in self.groups):
+            self.state.before_growth = self._forget_behind
         if start_tokens:
             self.state.set_lengths({i: start_tokens for i in range(batch_size)})
-        layers: list[Any] = [KvvmLayer(self, i) for i in range(geometry.layers)]
+        layers: list[Any] = [KvvmLayer(self, i, self.groups[g].spec.sliding) for i, g, _ in self._where]
         super().__init__(layers=layers)
 
     # ---- construction from a shared prefix ----
@@ -231,6 +238,7 @@ class KvvmCache(Cache):
         tokens. Prefill each request's own suffix next."""
         if max_cache_len < prefix.tokens:
             raise InvalidArgumentError("max_cache_len is shorter than the prefix")
+        refuse_sliding_prefix(prefix.config, max_cache_len)
         for fixed in ("dtype", "layout", "manager", "batch", "start_tokens"):
             if fixed in kwargs:
                 raise InvalidArgumentError(f"{fixed} comes from the prefix; do not pass it")
@@ -259,42 +267,46 @@ class KvvmCache(Cache):
     # ---- binding ----
 
     def _bind(self) -> None:
-        """The batch as one dense tensor (every slot and the scratch), and where each layer's
-        K and V lie in it (:meth:`_kv`)."""
+        """Each group's batch as one dense tensor (every slot and the scratch), and where each
+        layer's K and V lie in its group's (:meth:`_kv`)."""
         if self._released:
             raise ReleasedError("the KvvmCache was released")
-        slab = torch.from_dlpack(self.batch.slab())
-        if slab.dtype != self._torch_dtype:
-            raise InvalidArgumentError(f"slab dtype {slab.dtype}, expected {self._torch_dtype}")
-        if not torch.compiler.is_compiling():
-            torch._dynamo.mark_static_address(slab)
-        geo = self.geometry
-        e = geo.dtype_bytes
-        strides = self.plan.strides()
-        self._head_stride = strides["head"] // e
-        self._token_stride = strides["token"] // e
-        self._offsets = [
-            (layer * strides["layer"] // e, (layer * strides["layer"] + strides["kv"]) // e)
-            for layer in range(geo.layers)
-        ]
-        self._layouts = [
-            [k_off, v_off, self._head_stride, self._token_stride, geo.kv_heads, self._max_len, geo.head_dim]
-            for k_off, v_off in self._offsets
-        ]
-        self._slab = slab
+        slabs = [g.bind(self._torch_dtype) for g in self.groups]
+        self._layouts = [self.groups[g].layouts[j] for _, g, j in self._where]
+        several = len(self.groups) > 1 or self.groups[0].spec.sliding
+        self._layer_slabs = [slabs[g] for _, g, _ in self._where] if several else None
+        self._slab = slabs[0]
 
     def _unbind(self) -> None:
         self._slab = None
+        self._layer_slabs = None
+        for g in self.groups:
+            g.slab = None
         for layer in self.layers:
             if isinstance(layer, KvvmLayer):
                 layer.keys = layer.values = None
 
     def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V over every slot: ``[slots + 1, kv_heads, max, head_dim]``
-        strided views of the slab."""
+        strided views of its group's memory."""
         if self._slab is None:
             raise ReleasedError("the KvvmCache was released")
-        return slab_kv(self._slab, self._layouts[layer])
+        _, g, j = self._where[layer]
+        return self.groups[g].kv(j)
+
+    def _forget_behind(self, slots: list[int]) -> None:
+        """A step of ``slots`` is being prepared: each sliding group gives back the windows
+        behind each slot's window (see :meth:`CacheGroup.forget_behind`)."""
+        lengths = {i: self.state.host_lengths[i] for i in slots}
+        for g in self.groups:
+            if not g.spec.sliding:
+                continue
+            try:
+                g.forget_behind(lengths, self.state.upload, self.unbound, _unmap)
+            except ViewsAliveError:
+                # A tensor of the cache's memory held elsewhere: the windows stay mapped (safe:
+                # nothing reads them), and go with the next window the slot moves past.
+                pass
 
     # ---- one step ----
 
@@ -328,7 +340,7 @@ class KvvmCache(Cache):
                 "(num_beams > 1) is not supported: KvvmCache does not reorder its slots"
             )
         q = keys.shape[2]
-        last = layer == self.geometry.layers - 1
+        last = layer == len(self._where) - 1
         if host_work():
             self._check_step(layer, q)
         elif layer == 0 and not torch.compiler.is_compiling() and self._capturing is None:
@@ -338,9 +350,12 @@ class KvvmCache(Cache):
                 "inside `with cache.capture(graph):` (or use kvvm.graph.DecodeGraph)"
             )
         if self.device_lengths:
-            # Written by the kvvm attention, with the step the kvvm mask computed.
-            if last and host_work():
-                st.prepared = False
+            # Written by the kvvm attention, with the step the kvvm mask computed (once or,
+            # a mask per attention type, twice: the last layer moves the counts on).
+            if last:
+                st.advance(st.index(q))
+                if host_work():
+                    st.prepared = False
             return keys, values
         index = st.index(q)
         k_all, v_all = self._kv(layer)
@@ -351,7 +366,20 @@ class KvvmCache(Cache):
             st.prepared = False
         k_all, v_all = k_all.narrow(0, st.first, st.count), v_all.narrow(0, st.first, st.count)
         length = self._uniform_length()
-        return k_all.narrow(2, 0, length), v_all.narrow(2, 0, length)
+        lo = self._exact_floor(self._where[layer][1])
+        return k_all.narrow(2, lo, length - lo), v_all.narrow(2, lo, length - lo)
+
+    def _exact_floor(self, group: int, q: int = 0) -> int:
+        """Where exact-length views of ``group`` start: the first token every selected request
+        keeps there once the step is prepared (0 for full attention). ``q``: the step's
+        tokens, when it is not prepared yet (what its preparation will forget is known)."""
+        g = self.groups[group]
+        if not g.spec.sliding:
+            return 0
+        st = self.state
+        if q:
+            return max(g.next_floor(i, st.host_lengths[i]) for i in st.selected)
+        return max(g.host_floors[i] for i in st.selected)
 
     def _check_step(self, layer: int, q: int) -> None:
         """Eagerly, at the first layer: the step is prepared (with exact-length views the
@@ -393,9 +421,15 @@ class KvvmCache(Cache):
                 self._prepare_from_padding(q, padding_mask)
             elif not st.prepared:
                 st.prepare(q)
-        index, bounds = st.step(q)
+        index, bounds = st.bounds(q)
         assert self._slab is not None
-        return KvvmMask(bounds=bounds, slot=index.slot, token=index.token, slab=self._slab, layouts=self._layouts)
+        mask = KvvmMask(bounds=bounds, slot=index.slot, token=index.token, slab=self._slab, layouts=self._layouts)
+        if self._layer_slabs is not None:
+            group_bounds = [g.bounds(bounds, st.first, st.count) for g in self.groups]
+            mask.layer_slabs = self._layer_slabs
+            mask.layer_bounds = [group_bounds[g] for _, g, _ in self._where]
+            mask.windows = [self.groups[g].window for _, g, _ in self._where]
+        return mask
 
     def _prepare_from_padding(self, q: int, mask: torch.Tensor) -> None:
         """``generate``'s step: ``mask`` covers every request's tokens so far and the step's.
@@ -428,12 +462,15 @@ class KvvmCache(Cache):
         sel = st.selected
         st.set_lengths({i: 0 for i in sel}, {i: int(s) for i, s in zip(sel, starts.tolist(), strict=True)})
 
-    def layer_mask_sizes(self, q: int) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` of a step of ``q`` tokens (a layer's ``get_mask_sizes``):
-        the reservation's length with device lengths, else the exact one."""
+    def layer_mask_sizes(self, q: int, layer: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of a step of ``q`` tokens at ``layer`` (its
+        ``get_mask_sizes``): the reservation's length with device lengths, else the exact
+        one, from the first token the layer's group keeps."""
         if self.device_lengths:
             return self._max_len, 0
-        return max(self.state.host_lengths[i] for i in self.state.selected) + q, 0
+        end = max(self.state.host_lengths[i] for i in self.state.selected) + q
+        lo = self._exact_floor(self._where[layer][1], q)
+        return end - lo, lo
 
     def get_query_offset(self, layer_idx: int = 0) -> Any:
         """With device lengths, the hook of the kvvm mask (not a number: the offset differs
@@ -514,7 +551,21 @@ class KvvmCache(Cache):
         st.set_lengths({slot: 0}, {slot: 0})
         st.suspended.discard(slot)
         with self.unbound():
-            return _unmap(self.batch[slot].release)
+            freed = sum(_unmap(g.batch[slot].release) for g in self.groups)
+        for g in self.groups:
+            g.reset_floor(slot, st.upload)
+        return freed
+
+    def ensure_slot(self, slot: int, tokens: int) -> int:
+        """Commits what a request of ``tokens`` tokens in ``slot`` holds (its admission): all
+        of them in the full-attention groups, the first ``window`` at most in a sliding one
+        (the rest comes step by step as its oldest windows go). Returns the bytes committed;
+        raises what :meth:`kvvm.Sequence.ensure` raises."""
+        if not 0 <= slot < self.batch_size:
+            raise InvalidArgumentError(f"slot {slot} is not one of the {self.batch_size} slots")
+        return sum(
+            g.batch[slot].ensure(min(tokens, g.window) if g.spec.sliding else tokens) for g in self.groups
+        )
 
     def step_done(self) -> None:
         """Marks the prepared step as run (after a replay), so that an eager forward next
@@ -532,32 +583,55 @@ class KvvmCache(Cache):
 
     def crop_tokens(self, tokens: int) -> None:
         """Keeps ``tokens`` live tokens per request (negative: drops that many), on the host
-        and the device; the memory stays committed."""
+        and the device; the memory stays committed. A sliding layer group cannot go back
+        before what it forgot: InvalidArgumentError then, with nothing cropped."""
         st = self.state
         keep = {}
         for i in range(st.slots):
             n = st.host_lengths[i]
             keep[i] = max(0, min(n, tokens if tokens >= 0 else n + tokens))
+        for g in self.groups:
+            for i, n in keep.items():
+                if n and n != st.host_lengths[i] and g.spec.kept_from(n) < g.host_floors[i]:
+                    raise InvalidArgumentError(
+                        f"cannot crop request {i} to {n} tokens: its sliding-window layers gave back "
+                        f"the tokens before {g.host_floors[i]}"
+                    )
         st.set_lengths(keep)
+        self._restart([i for i, n in keep.items() if n == 0])
 
     def reset_counts(self) -> None:
-        """Every request back to no live tokens (the memory stays committed)."""
+        """Every request back to no live tokens (the memory stays committed, but for the
+        windows a sliding layer group gave back: its requests start again from token 0)."""
         self.state.set_lengths({i: 0 for i in range(self.state.slots)}, {i: 0 for i in range(self.state.slots)})
+        self._restart(list(range(self.state.slots)))
+
+    def _restart(self, slots: list[int]) -> None:
+        """Slots back at token 0 whose sliding groups forgot tokens start those groups again
+        (released: a forgotten token is never written again)."""
+        for g in self.groups:
+            gone = [i for i in slots if g.host_floors[i]]
+            if gone:
+                with self.unbound():
+                    for i in gone:
+                        _unmap(g.batch[i].release)
+                for i in gone:
+                    g.reset_floor(i, self.state.upload)
 
     @property
     def committed_bytes(self) -> int:
         """Bytes mapped in the requests' slots (shared prefix windows counted per slot)."""
-        return sum(self.batch[i].committed_bytes for i in range(self.batch_size))
+        return sum(g.batch[i].committed_bytes for g in self.groups for i in range(self.batch_size))
 
     @property
     def owned_bytes(self) -> int:
         """Physical bytes the requests hold on their own (a shared prefix excluded)."""
-        return sum(self.batch[i].owned_bytes for i in range(self.batch_size))
+        return sum(g.batch[i].owned_bytes for g in self.groups for i in range(self.batch_size))
 
     @property
     def held_bytes(self) -> int:
         """Physical bytes the cache holds on its own, the scratch slot included."""
-        return self.batch.owned_bytes
+        return sum(g.batch.owned_bytes for g in self.groups)
 
     def shrink(self) -> int:
         """Gives back the windows past each request's live tokens (committed ahead by the
@@ -568,7 +642,9 @@ class KvvmCache(Cache):
         st.set_lengths(lengths)
         self._unbind()
         try:
-            return sum(_unmap(functools.partial(self.batch[i].shrink, n)) for i, n in lengths.items())
+            return sum(
+                _unmap(functools.partial(g.batch[i].shrink, n)) for g in self.groups for i, n in lengths.items()
+            )
         finally:
             self._bind()
 
@@ -588,7 +664,7 @@ class KvvmCache(Cache):
             )
         self._unbind()
         try:
-            freed = _unmap(self.batch.release)
+            freed = sum(_unmap(g.batch.release) for g in self.groups)
         except Exception:
             self._bind()
             raise
@@ -614,6 +690,7 @@ def _prefix_plan(model: Any, manager: Manager, max_cache_len: int, layout: str, 
     """The decoder config and the plan a prefix of ``model`` is laid out under (the model's
     dtype unless ``dtype`` is given): one for the process that builds it and those that open it."""
     cfg = decoder_config(model.config)
+    refuse_sliding_prefix(cfg, max_cache_len)
     if dtype is None and isinstance(getattr(model, "dtype", None), torch.dtype):
         dtype = model.dtype
     return cfg, LayoutPlan(geometry_from_config(cfg, max_cache_len, dtype), layout, manager.granule)

@@ -12,6 +12,10 @@ The work of one (request, KV head) is split over ``splits`` programs along the t
 decoding), so that a batch of a few long requests still fills the GPU; a second kernel merges
 the partial results by their log-sum-exp.
 
+A sliding window (``window``: the query at token ``end - 1`` sees the tokens from ``end -
+window`` on) moves each request's first token up before anything is read, and Gemma 2's
+attention-logit soft cap (``softcap * tanh(logits / softcap)``) is applied to every logit.
+
 Requires triton (shipped with PyTorch's CUDA wheels). Runs on CPU tensors under
 ``TRITON_INTERPRET=1`` (how the tests check it without a GPU).
 """
@@ -58,6 +62,12 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
+def _cap(x, softcap):
+    """``softcap * tanh(x / softcap)``, the tanh from a sigmoid (``tanh(y) = 2 sigmoid(2y) - 1``)."""
+    return softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)
+
+
+@triton.jit
 def _block(
     q,
     k_base,
@@ -72,8 +82,10 @@ def _block(
     l_i,
     acc,
     sm_scale,
+    softcap,
     BLOCK: tl.constexpr,
     PRECISION: tl.constexpr,
+    CAPPED: tl.constexpr,
 ):
     """One block of tokens ``t..t+BLOCK`` (those below ``hi``) folded into the running
     softmax: returns the new ``(max, sum, accumulator)``."""
@@ -83,6 +95,8 @@ def _block(
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+    if CAPPED:
+        qk = _cap(qk, softcap)
     qk = tl.where(n_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp(m_i - m_new)
@@ -126,6 +140,8 @@ def _partial_kernel(
     stride_ob,
     stride_oh,
     sm_scale,
+    softcap,
+    window,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -135,6 +151,8 @@ def _partial_kernel(
     LOOP_WHILE: tl.constexpr,
     PRECISION: tl.constexpr,
     FUSED: tl.constexpr,
+    CAPPED: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -145,6 +163,9 @@ def _partial_kernel(
     slot = tl.sum(tl.where(offs == 0, row, 0), 0)
     start = tl.sum(tl.where(offs == 1, row, 0), 0)
     end = tl.sum(tl.where(offs == 2, row, 0), 0)
+    if SLIDING:
+        # The query (token end - 1) sees the window's tokens only: nothing before is read.
+        start = tl.maximum(start, end - window)
     if FUSED:
         # The step's new token (K and V in registers) is written here and attended to from
         # registers: no program reads it from memory, so none races its write.
@@ -180,14 +201,14 @@ def _partial_kernel(
         while t < hi:
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, BLOCK, PRECISION,
+                sm_scale, softcap, BLOCK, PRECISION, CAPPED,
             )
             t += BLOCK
     else:
         for t in range(lo, hi, BLOCK):
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, BLOCK, PRECISION,
+                sm_scale, softcap, BLOCK, PRECISION, CAPPED,
             )
 
     if FUSED:
@@ -202,6 +223,8 @@ def _partial_kernel(
             tl.store(V + v_off + offs_d, vn, mask=d_mask)
         if (split == SPLITS - 1) & has_new:
             qk_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * sm_scale
+            if CAPPED:
+                qk_new = _cap(qk_new, softcap)
             m_new = tl.maximum(m_i, qk_new)
             alpha = tl.exp(m_i - m_new)
             p_new = tl.exp(qk_new - m_new)
@@ -350,6 +373,9 @@ def decode_attention(
     scale: float,
     config: Config | int,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one query token per request over its own tokens.
 
@@ -367,6 +393,9 @@ def decode_attention(
             unit last one) and where they go
             (slot and token, int64 ``[batch, 1]``): written by the kernel itself and attended
             from registers (``bounds``' ends include them when their write lands at the end).
+        window: a sliding window: the query reads only the tokens from ``end - window`` on
+            (0: all).
+        softcap: the attention-logit soft cap (0: none).
 
     Returns:
         ``[batch, 1, heads, head_dim]`` in the query's dtype (transformers' layout).
@@ -425,6 +454,8 @@ def decode_attention(
         o.stride(0),
         o.stride(1),
         scale,
+        float(softcap) or 1.0,
+        int(window),
         GROUP=group,
         GROUP_PAD=max(16, _pow2_at_least(group)),
         HEAD_DIM=dim,
@@ -435,6 +466,8 @@ def decode_attention(
         # fp32 caches get fp32 products (Triton's default for fp32 is TF32).
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         FUSED=fused,
+        CAPPED=bool(softcap),
+        SLIDING=bool(window),
         num_warps=c.warps,
         num_stages=c.stages,
     )
