@@ -51,6 +51,7 @@ from . import (
     SharedPrefix,
     geometry_from_config,
 )
+from .architectures import check_servable
 from .attend import slab_kv
 from .attention import ATTENTION, KvvmMask, decoder_config, register_attention, use_kvvm_attention
 from .cache_layer import KvvmLayer, StepQuery, host_work
@@ -166,6 +167,7 @@ class KvvmCache(Cache):
         batch: SequenceBatch | None = None,
         start_tokens: int = 0,
     ) -> None:
+        check_servable(config)
         model_dtype = getattr(config, "dtype", None)
         if hasattr(config, "config") and isinstance(model_dtype, torch.dtype):
             # A model: the cache holds what its layers produce.
@@ -621,6 +623,7 @@ class KvvmCache(Cache):
 def _prefix_plan(model: Any, manager: Manager, max_cache_len: int, layout: str, dtype: Any) -> tuple[Any, LayoutPlan]:
     """The decoder config and the plan a prefix of ``model`` is laid out under (the model's
     dtype unless ``dtype`` is given): one for the process that builds it and those that open it."""
+    check_servable(model)
     cfg = decoder_config(model.config)
     if dtype is None and isinstance(getattr(model, "dtype", None), torch.dtype):
         dtype = model.dtype
