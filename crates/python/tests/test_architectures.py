@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host b
 
 #: (model type, config overrides, what the refusal says): transformers' default config of
 #: each, as a user's checkpoint would name it.
-REFUSED = [
+REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("t5", {}, "encoder-decoder"),
     ("bart", {}, "encoder-decoder"),
     ("whisper", {}, "encoder-decoder"),
@@ -40,7 +40,7 @@ REFUSED = [
     ("llama4_text", {}, "chunked attention"),
     ("deepseek_v32", {}, "multi-head latent attention"),
     ("gemma3n_text", {}, "the last 15 layers reuse earlier layers' K/V"),
-    ("gemma4_text", {}, "head_dim differ from layer to layer"),
+    ("gemma4_text", {}, "head_dim differs from layer to layer"),
 ]
 
 
@@ -130,3 +130,26 @@ def test_no_architecture_of_the_matrix_is_refused_for_what_it_is(arch: mm.Arch) 
     model = mm.build_model(arch)
     want = "attention logit softcapping, which kvvm's attention does not apply" if arch.model_type == "gemma2" else None
     assert refusal_reason(model, attention=True) == want
+
+
+def test_the_docs_table_lists_every_architecture_with_its_real_numbers() -> None:
+    """``docs/models.md``'s table: one row per architecture of the matrix, with the real
+    model's layers, heads, GQA ratio, head dim, bf16 bytes per token, tokens per 2 MiB
+    window and sliding window, as the matrix computes them."""
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parents[3] / "docs" / "models.md"
+    rows: dict[str, list[str]] = {}
+    for line in doc.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0]:
+            rows[cells[0]] = cells
+    for arch in mm.ARCHS:
+        assert arch.checkpoint in rows, f"{arch.checkpoint} is not in docs/models.md"
+        cells = rows[arch.checkpoint]
+        heads = f"{arch.real['num_attention_heads']} / {arch.kv_heads}"
+        window = str(arch.real_window) if arch.real_window is not None else "-"
+        per_window = f"{mm.tokens_per_window(arch.bytes_per_token(), mm.REAL_GRANULE):.2f}"
+        want = [arch.model_type, str(arch.layers), heads, str(arch.gqa), str(arch.head_dim),
+                str(arch.bytes_per_token()), per_window, window]
+        assert cells[1:9] == want, (arch.checkpoint, cells[1:9], want)

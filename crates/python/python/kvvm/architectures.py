@@ -120,7 +120,8 @@ def _shared_or_varying_layers(top: Any, dec: Any) -> str | None:
         return f"the last {shared} layers reuse earlier layers' K/V; kvvm holds each layer's own"
     varying = sorted(set(_get(dec, "per_layer_attributes") or ()) & {"head_dim", "num_key_value_heads"})
     if varying:
-        return f"{', '.join(varying)} differ from layer to layer; kvvm lays every layer out with one shape"
+        verb = "differs" if len(varying) == 1 else "differ"
+        return f"{' and '.join(varying)} {verb} from layer to layer; kvvm lays every layer out with one shape"
     return None
 
 
