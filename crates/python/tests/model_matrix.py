@@ -69,6 +69,9 @@ class Arch:
     window: int | None = None
     #: Overrides of the test configuration beyond the shrunk sizes.
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The attention implementation the references run (None: transformers' default, SDPA).
+    #: Gemma 2 runs eager: SDPA drops its attention logit softcapping.
+    attention: str | None = None
 
     @property
     def layers(self) -> int:
@@ -167,6 +170,7 @@ ARCHS: list[Arch] = [
              final_logit_softcapping=30.0, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh"),
         "GQA 2, head dim 256, local/global layers alternating, attention and final logit softcapping",
         window=24,
+        attention="eager",
     ),
     Arch(
         "gemma3-1b", "google/gemma-3-1b-pt", "gemma3_text",
@@ -272,7 +276,7 @@ def build_model(arch: Arch, seed: int = 0) -> Any:
 
     cfg = small_config(arch)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=arch.attention)
     return model.eval()
 
 
