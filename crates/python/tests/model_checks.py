@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -120,14 +121,20 @@ class Peer:
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[str] | None = None
+        self.stderr: Any = None
 
     def _start(self) -> subprocess.Popen[str]:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+        # Its stderr goes to a file, read when it dies: a pipe nobody drains would block the
+        # peer once its warnings filled it.
+        if self.stderr is not None:
+            self.stderr.close()
+        self.stderr = tempfile.TemporaryFile(mode="w+")
         return subprocess.Popen(
             [sys.executable, str(HERE / "model_peer.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=self.stderr,
             text=True,
             env=env,
         )
@@ -143,7 +150,8 @@ class Peer:
         line = self.proc.stdout.readline()
         if not line:
             rc = self.proc.wait(timeout=30)
-            err = self.proc.stderr.read() if self.proc.stderr else ""
+            self.stderr.seek(0)
+            err = self.stderr.read()
             how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
             self.proc = None
             raise PeerDied(f"the peer process died ({how}) serving {command.get('arch')}: {err[-2000:]}")
@@ -159,3 +167,6 @@ class Peer:
             self.proc.stdin.close()
             self.proc.wait(timeout=30)
         self.proc = None
+        if self.stderr is not None:
+            self.stderr.close()
+            self.stderr = None
