@@ -186,11 +186,17 @@ def use_kvvm_attention(model: Any, enable: bool = True, kernel: str = "auto") ->
     ``kernel`` picks the kernel over a KvvmCache's token ranges (one of
     :data:`kvvm.attend.KERNELS`; kept in the config as ``kvvm_kernel``). The SDPA kernel
     choice is made once per call of ``model.forward`` (which is wrapped; the wrapper is
-    removed with ``enable=False``), not once per layer: an eager step is host-bound."""
+    removed with ``enable=False``), not once per layer: an eager step is host-bound.
+
+    A model kvvm or its attention cannot serve is refused first, with the reason
+    (:func:`kvvm.architectures.check_servable`), and left as it was."""
+    from .architectures import check_servable
     from .attend import KERNELS
 
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; one of {KERNELS}")
+    if enable:
+        check_servable(model, attention=True)
     name = register_attention() if enable else "sdpa"
     _wrap_forward(model, enable)
     for cfg in {id(c): c for c in (model.config, decoder_config(model.config))}.values():

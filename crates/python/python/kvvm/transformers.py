@@ -52,6 +52,7 @@ from . import (
     SharedPrefix,
     geometry_from_config,
 )
+from .architectures import check_servable
 from .attention import ATTENTION, KvvmMask, decoder_config, register_attention, use_kvvm_attention
 from .cache_groups import CacheGroup, layer_groups, refuse_sliding_prefix
 from .cache_layer import KvvmLayer, StepQuery, host_work
@@ -163,6 +164,7 @@ class KvvmCache(Cache):
         batch: SequenceBatch | None = None,
         start_tokens: int = 0,
     ) -> None:
+        check_servable(config)
         model_dtype = getattr(config, "dtype", None)
         if hasattr(config, "config") and isinstance(model_dtype, torch.dtype):
             # A model: the cache holds what its layers produce.
@@ -689,6 +691,7 @@ class KvvmCache(Cache):
 def _prefix_plan(model: Any, manager: Manager, max_cache_len: int, layout: str, dtype: Any) -> tuple[Any, LayoutPlan]:
     """The decoder config and the plan a prefix of ``model`` is laid out under (the model's
     dtype unless ``dtype`` is given): one for the process that builds it and those that open it."""
+    check_servable(model)
     cfg = decoder_config(model.config)
     refuse_sliding_prefix(cfg, max_cache_len)
     if dtype is None and isinstance(getattr(model, "dtype", None), torch.dtype):
