@@ -146,16 +146,21 @@ fn store_tokens(seq: &SequenceKv, ids: &[u32], first: u64) {
 /// Reads every byte of tokens `0..ids.len()` of `seq` through its mapping and compares it
 /// with the pattern of `ids`.
 fn check_tokens(seq: &SequenceKv, ids: &[u32], what: &str) {
+    check_tokens_from(seq, ids, 0, what);
+}
+
+/// [`check_tokens`] from token `first` on (the tokens before were forgotten).
+fn check_tokens_from(seq: &SequenceKv, ids: &[u32], first: u64, what: &str) {
     let base = seq.address().0;
     for f in seq.plan().fragments().unwrap() {
         let b = f.bytes_per_token;
-        let want = fragment_bytes(ids, 0, f.index, b);
+        let want = fragment_bytes(ids, first, f.index, b);
         let mut got = vec![0u8; want.len()];
-        // SAFETY: as in `store_tokens`, the committed tokens of one fragment, only read
-        // (read-only and read-write windows alike may be read).
+        // SAFETY: as in `store_tokens`, the committed tokens of one fragment from `first` on,
+        // only read (read-only and read-write windows alike may be read).
         unsafe {
             std::ptr::copy_nonoverlapping(
-                std::ptr::with_exposed_provenance::<u8>((base + f.offset) as usize),
+                std::ptr::with_exposed_provenance::<u8>((base + f.offset + first * b) as usize),
                 got.as_mut_ptr(),
                 got.len(),
             );
@@ -234,6 +239,17 @@ fn attached_whole(vm: &VirtualMemory, plan: &LayoutPlan, prefix_len: u64, extra:
         store_tokens(&seq, &mine, own);
         check_tokens(&seq, &mine, "attached sharer");
     }
+    // A sliding window's layers: the last tokens only, copied, the rest forgotten.
+    let first = prefix_len * (extra % 7) / 7;
+    let mut seq = SequenceKv::new(vm, plan, max).unwrap();
+    prefix.attach_from(&mut seq, first).unwrap();
+    assert_eq!(seq.forgotten_tokens(), first);
+    let own = seq.written_tokens();
+    let mut mine = ids.clone();
+    mine.extend((0..extra as u32).map(|k| 3_000_000 + k));
+    seq.ensure_tokens(mine.len() as u64).unwrap();
+    store_tokens(&seq, &mine, own);
+    check_tokens_from(&seq, &mine, first, "sliding sharer");
     check_tokens(&owner, &ids, "owner");
 }
 

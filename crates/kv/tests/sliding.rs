@@ -428,3 +428,79 @@ proptest! {
         prop_assert!(w.sim.ledger().mappings.is_empty());
     }
 }
+
+/// A sliding window's layers take only the last tokens of a shared prefix: nothing mapped
+/// read-only, the tokens from `first` on copied into windows of their own, those before
+/// forgotten from the start; then they grow and forget as any sliding sequence, in every
+/// layout, with the prefix's tokens straddling windows.
+#[test]
+fn a_sliding_sequence_takes_the_last_tokens_of_a_prefix_by_copy_and_forgets_on() {
+    for layout in KvLayout::ALL {
+        let w = world(G, None);
+        let geo = geometry(1024);
+        let plan = LayoutPlan::new(geo, layout, G).unwrap();
+        let prefix_len = 300;
+        let (prefix, owner) = SharedDevicePrefix::reserve_and_map_shared_prefix(
+            &w.vm,
+            &plan,
+            prefix_len,
+            1024,
+            |t, buf| {
+                let n = buf.len() as u64 / geo.bytes_per_token();
+                buf.copy_from_slice(&tokens_bytes(&geo, 0, t, n, prefix_len));
+            },
+        )
+        .unwrap();
+        for first in [0, 1, 137, prefix_len - 1, prefix_len] {
+            let mut s = sliding(&w.vm, &plan, 1024);
+            let copied = prefix.attach_from(&mut s, first).unwrap();
+            assert_eq!(
+                s.reservation()
+                    .mappings()
+                    .iter()
+                    .filter(|m| m.kind != kvvm_vmm::BlockKind::Owned)
+                    .count(),
+                0
+            );
+            assert_eq!(s.forgotten_tokens(), first, "{layout}");
+            assert_eq!(s.written_tokens(), prefix_len);
+            assert_eq!(
+                copied,
+                (prefix_len - first) * geo.bytes_per_token(),
+                "{layout} {first}"
+            );
+            assert_eq!(
+                mapped(&s),
+                windows_of(&plan, s.forgotten_tokens(), s.committed_tokens())
+            );
+            check_books(&w, &[&owner, &s], &[&prefix]);
+            let n = prefix_len - first;
+            let mut back = vec![0u8; (n * geo.bytes_per_token()) as usize];
+            s.read_tokens(first, &mut back).unwrap();
+            assert_eq!(
+                back,
+                tokens_bytes(&geo, 0, first, n, prefix_len),
+                "{layout} {first}"
+            );
+            if first > 0 {
+                let mut one = vec![0u8; geo.bytes_per_token() as usize];
+                assert!(matches!(
+                    s.read_tokens(first - 1, &mut one),
+                    Err(KvCacheError::Forgotten { .. })
+                ));
+            }
+            // It grows and forgets on, as any sliding sequence.
+            s.ensure_tokens(prefix_len + 40).unwrap();
+            s.forget_tokens_before(prefix_len + 10).unwrap();
+            assert_eq!(
+                mapped(&s),
+                windows_of(&plan, s.forgotten_tokens(), s.committed_tokens())
+            );
+            check_books(&w, &[&owner, &s], &[&prefix]);
+        }
+        check_books(&w, &[&owner], &[&prefix]);
+        drop((prefix, owner));
+        drop(w.vm);
+        assert!(w.sim.ledger().is_empty(), "{layout}");
+    }
+}

@@ -149,11 +149,13 @@ impl SeqCell {
         }
     }
 
-    /// Records what a store must not write of `s` (called under its lock, after anything that
-    /// may have changed it).
+    /// Records what a store or a view must not reach of `s`, its protected bytes and its
+    /// forgotten tokens (called under its lock, after anything that may have changed them).
     fn refresh_protected(&self, s: &SequenceKv) {
         self.protected_bytes
             .store(protected_of(s), Ordering::Release);
+        self.forgotten
+            .store(s.forgotten_tokens(), Ordering::Release);
     }
 
     /// Bytes per fragment from the start that a store must not write (see the field).
@@ -319,8 +321,6 @@ impl SeqCell {
                 self.asked.store(0, Ordering::Release);
             }
             self.refresh_protected(s);
-            self.forgotten
-                .store(s.forgotten_tokens(), Ordering::Release);
         });
         result
     }

@@ -472,10 +472,22 @@ impl SharedPrefix {
     /// and copies it from the prefix (waiting for the copy). Returns the bytes mapped
     /// read-only (shared, not billed to the sequence). The sequence then holds the prefix,
     /// written, and writes its own tokens after it, in its own memory only.
-    fn attach(&self, py: Python<'_>, sequence: &Sequence) -> PyResult<u64> {
+    ///
+    /// With ``first`` (the layers of a sliding window, which read only the last tokens and
+    /// give their oldest windows back): nothing is mapped read-only; the sequence forgets the
+    /// tokens before ``first`` from the start and the prefix's tokens from ``first`` on are
+    /// copied into its own windows. Returns the bytes copied then.
+    #[pyo3(signature = (sequence, first = None))]
+    fn attach(&self, py: Python<'_>, sequence: &Sequence, first: Option<Count>) -> PyResult<u64> {
         let cell = Arc::clone(&sequence.cell);
         let prefix = Arc::clone(&self.prefix);
-        match py.detach(move || cell.admission(|s| prefix.attach_to(s))) {
+        let attached = py.detach(move || {
+            cell.admission(|s| match first {
+                None => prefix.attach_to(s),
+                Some(Count(t)) => prefix.attach_from(s, t),
+            })
+        });
+        match attached {
             Ok(r) => r.map_err(|e| errors::kv(py, &e)),
             Err(busy) => Err(busy_error(py, busy, "attach a prefix")),
         }

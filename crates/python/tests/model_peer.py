@@ -28,7 +28,8 @@ def serve(cmd: dict[str, Any]) -> dict[str, Any]:
     import kvvm
     import model_matrix
     from kvvm.engine import Engine
-    from kvvm.transformers import KvvmCache, KvvmPrefix
+    from kvvm.transformers import KvvmCache
+    from kvvm.prefix import KvvmPrefix
     from model_checks import greedy_after_prefix, snapshot_dict
 
     arch = model_matrix.BY_NAME[cmd["arch"]]

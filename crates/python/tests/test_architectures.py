@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers", reason="skipped: no transform
 import model_matrix as mm  # noqa: E402
 from kvvm.architectures import check_servable, refusal_reason  # noqa: E402
 from kvvm.engine import Engine  # noqa: E402
-from kvvm.transformers import KvvmCache, KvvmPrefix  # noqa: E402
+from kvvm.transformers import KvvmCache  # noqa: E402
+from kvvm.prefix import KvvmPrefix  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
 
@@ -105,13 +106,11 @@ def test_a_model_whose_attention_is_its_own_code_is_served_by_generate_but_refus
 @pytest.mark.parametrize(
     ("model_type", "kw", "reason"),
     [
-        ("gemma2", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=32), "attention logit softcapping"),
         ("gpt_oss", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1),
          "learned attention sinks"),
     ],
-    ids=["gemma2", "gpt_oss"],
+    ids=["gpt_oss"],
 )
 def test_what_kvvms_attention_does_not_compute_is_refused_by_the_engine(model_type: str, kw: dict[str, Any], reason: str) -> None:
     model = _tiny(model_type, **kw)
@@ -124,12 +123,11 @@ def test_what_kvvms_attention_does_not_compute_is_refused_by_the_engine(model_ty
 
 @pytest.mark.parametrize("arch", mm.ARCHS, ids=lambda a: a.name)
 def test_no_architecture_of_the_matrix_is_refused_for_what_it_is(arch: mm.Arch) -> None:
-    """The real configs hold per-token K and V; only Gemma 2's softcapping is beyond kvvm's
-    attention (its engine is refused until kvvm's attention applies it)."""
+    """The real configs hold per-token K and V, and kvvm's attention computes what each needs
+    (Gemma 2's attention logit softcapping included)."""
     assert refusal_reason(mm.real_config(arch)) is None
     model = mm.build_model(arch)
-    want = "attention logit softcapping, which kvvm's attention does not apply" if arch.model_type == "gemma2" else None
-    assert refusal_reason(model, attention=True) == want
+    assert refusal_reason(model, attention=True) is None
 
 
 def test_the_docs_table_lists_every_architecture_with_its_real_numbers() -> None:

@@ -222,7 +222,8 @@ def test_a_published_prompt_prefix_serves_another_clients_cache_with_the_referen
     prompt is prefilled, and the logits equal a DynamicCache forward over the whole prompt."""
     torch = pytest.importorskip("torch", reason="skipped: no torch")
     transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
-    from kvvm.transformers import KvvmCache, KvvmPrefix
+    from kvvm.transformers import KvvmCache
+    from kvvm.prefix import KvvmPrefix
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
@@ -300,7 +301,7 @@ def test_an_engine_serves_requests_from_a_system_prompt_another_process_publishe
     torch = pytest.importorskip("torch", reason="skipped: no torch")
     transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
     from kvvm.engine import Engine
-    from kvvm.transformers import KvvmPrefix
+    from kvvm.prefix import KvvmPrefix
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(

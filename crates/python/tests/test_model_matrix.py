@@ -34,7 +34,8 @@ transformers = pytest.importorskip("transformers", reason="skipped: no transform
 
 import model_matrix as mm  # noqa: E402
 from kvvm.engine import Engine  # noqa: E402
-from kvvm.transformers import KvvmCache, KvvmPrefix  # noqa: E402
+from kvvm.transformers import KvvmCache  # noqa: E402
+from kvvm.prefix import KvvmPrefix  # noqa: E402
 from model_checks import MiB, Peer, greedy_after_prefix, holds_nothing, reference_greedy, run_broker  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")

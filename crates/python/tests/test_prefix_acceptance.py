@@ -28,7 +28,8 @@ transformers = pytest.importorskip("transformers", reason="skipped: no transform
 
 import model_matrix as mm  # noqa: E402
 from kvvm.engine import Engine  # noqa: E402
-from kvvm.transformers import KvvmCache, KvvmPrefix  # noqa: E402
+from kvvm.transformers import KvvmCache  # noqa: E402
+from kvvm.prefix import KvvmPrefix  # noqa: E402
 from model_checks import MiB, Peer, greedy_after_prefix, holds_nothing, run_broker  # noqa: E402
 
 ARCH = mm.BY_NAME["qwen2.5-0.5b"]

@@ -3,8 +3,8 @@ random models (the real models' per-layer shapes: KV heads, head dim, GQA ratio,
 logit soft cap, Gemma 3's 5 local to 1 global layers and two RoPE bases), fp32 on the host
 backend. ``generate`` and the engine give DynamicCache's greedy tokens with prompts and
 generations longer than the window; the sliding layers' memory is bounded by their window
-(computed from the plan) while the full layers keep everything; prefix sharing is refused for
-them with the reason; nothing is held afterwards."""
+(computed from the plan) while the full layers keep everything; a shared prefix gives the
+sliding layers only its last tokens; nothing is held afterwards."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ from conftest import host_available
 torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
-from kvvm.cache_groups import SLIDING_PREFIX_REFUSAL, LayerGroup, layer_groups  # noqa: E402
+from kvvm.cache_groups import SLIDING_PREFIX_CACHE_REFUSAL, LayerGroup, layer_groups  # noqa: E402
 from kvvm.engine import Engine  # noqa: E402
-from kvvm.transformers import KvvmCache, KvvmPrefix, use_kvvm_attention  # noqa: E402
+from kvvm.transformers import KvvmCache, use_kvvm_attention  # noqa: E402
+from kvvm.prefix import KvvmPrefix  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
 
@@ -251,17 +252,50 @@ def test_the_engine_gives_each_request_its_own_tokens_and_holds_nothing_after() 
 # ---- prefixes ----
 
 
-def test_prefix_sharing_is_refused_for_sliding_layers_with_the_reason() -> None:
-    model = build("gemma3", "eager")
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_a_prefix_is_shared_across_sliding_layers_by_its_last_tokens(kind: str) -> None:
+    """A system prompt of several windows built once and given to 3 requests: on the full
+    layers its whole windows mapped read-only, on the sliding layers only the tokens the next
+    step reads, copied (the rest forgotten from the start: each slot holds about its window
+    there); each request prefills its own tail and decodes, and the greedy tokens are
+    DynamicCache's over the whole prompt. The engine's automatic prefix cache is refused for
+    such models, with the reason."""
+    reference = build(kind, "eager")
+    model = build(kind, "kvvm")
+    mgr = kvvm.Manager("host")
+    torch.manual_seed(5)
+    system = torch.randint(0, VOCAB, (1, 300))
+    tails = torch.randint(0, VOCAB, (3, 9))
+    with torch.no_grad():
+        prefix = KvvmPrefix.build(model, system, manager=mgr, max_cache_len=512)
+        assert len(prefix.shares) == len(layer_groups(model.config, 512))
+        cache = KvvmCache.from_prefix(prefix, 3, 512)
+        group = sliding_group(cache)
+        first = group.spec.kept_from(300)
+        for slot in range(3):
+            assert group.batch[slot].forgotten_tokens == group.host_floors[slot] == first
+            assert group.batch[slot].owned_bytes <= window_bound(group, 1)
+        full = torch.cat([system.expand(3, -1), tails], 1)
+        want = reference.generate(full, attention_mask=torch.ones_like(full), max_new_tokens=8, do_sample=False)
+        got = model.generate(
+            full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=8, do_sample=False
+        )
+    assert torch.equal(got, want)
+    cache.release()
+    with pytest.raises(kvvm.InvalidArgumentError) as e:
+        Engine(model, slots=1, max_len=512, manager=mgr, prefix_cache_bytes=1 << 24)
+    assert str(e.value) == SLIDING_PREFIX_CACHE_REFUSAL
+    assert prefix.cache is not None
+    prefix.cache.release()
+    del prefix
+    assert mgr.snapshot().committed == mgr.snapshot().shared == 0
+
+
+def test_a_window_the_cache_never_outgrows_shares_its_prefix_as_full_attention() -> None:
+    """A window at least as long as the cache never slides: one group, shared as any other
+    (Mistral's 16 KiB a token: the prefix ends its shared windows on a token boundary)."""
     mgr = kvvm.Manager("host")
     system = torch.randint(0, VOCAB, (1, 300))
-    with pytest.raises(kvvm.InvalidArgumentError) as e:
-        KvvmPrefix.build(model, system, manager=mgr, max_cache_len=512)
-    assert str(e.value) == SLIDING_PREFIX_REFUSAL
-    with pytest.raises(kvvm.InvalidArgumentError, match="sliding"):
-        Engine(model, slots=1, max_len=512, manager=mgr, prefix_cache_bytes=1 << 24)
-    # A window the cache never outgrows never slides: its prefix is shared as any other
-    # (Mistral's 16 KiB a token: the prefix ends its shared windows on a token boundary).
     wide = build("mistral", "eager", window=4096)
     with torch.no_grad():
         prefix = KvvmPrefix.build(wide, system, manager=mgr, max_cache_len=400)

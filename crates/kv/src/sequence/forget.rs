@@ -67,11 +67,7 @@ impl SequenceKv {
                 committed: self.committed_tokens,
             });
         }
-        if !self.readonly.is_empty()
-            || self.owned.is_some()
-            || self.pending.is_some()
-            || self.prefix_tokens > 0
-        {
+        if !self.readonly.is_empty() || self.owned.is_some() || self.pending.is_some() {
             return Err(KvCacheError::NotShareable {
                 reason: format!(
                     "a sequence that maps or owns a shared prefix ({} prefix tokens) cannot \
@@ -97,6 +93,27 @@ impl SequenceKv {
         // unmap left mapped stay recorded (the next forget or the release retries them).
         self.forgotten_tokens = t;
         Ok(result?)
+    }
+
+    /// Makes an empty sequence start at token `first`: the tokens before it are forgotten from
+    /// the start (nothing is mapped for them, and reading or writing them is refused), as the
+    /// layers of a sliding window that takes only the last tokens of a prefix
+    /// ([`SharedDevicePrefix::attach_from`](crate::SharedDevicePrefix::attach_from)).
+    ///
+    /// Errors: [`KvCacheError::InUse`] when the sequence is not empty;
+    /// [`KvCacheError::TooManyTokens`] past its maximum.
+    pub(crate) fn start_at(&mut self, first: u64) -> Result<(), KvCacheError> {
+        self.check_empty()?;
+        if first > self.max_tokens {
+            return Err(KvCacheError::TooManyTokens {
+                tokens: first,
+                max_tokens: self.max_tokens,
+            });
+        }
+        self.forgotten_tokens = first;
+        self.committed_tokens = first;
+        self.written_tokens = first;
+        Ok(())
     }
 
     /// Fragment `f`'s bytes of the tokens `forgotten_tokens..n`, widened at the start to the

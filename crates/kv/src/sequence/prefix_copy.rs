@@ -108,8 +108,14 @@ impl SequenceKv {
         tokens: u64,
     ) -> Result<Vec<RowCopy>, KvCacheError> {
         let g = self.plan.granule();
-        let want_end = mul(tokens, self.plan.fragment_bytes_per_token(), "prefix bytes")?;
-        let mut from = mul(self.readonly_windows, g, "read-only bytes")?;
+        let b = self.plan.fragment_bytes_per_token();
+        let want_end = mul(tokens, b, "prefix bytes")?;
+        // From the end of the read-only windows, or the first token kept when it forgot some.
+        let mut from = mul(self.readonly_windows, g, "read-only bytes")?.max(mul(
+            self.forgotten_tokens,
+            b,
+            "forgotten bytes",
+        )?);
         let mut copies = Vec::new();
         for (i, s) in segments.iter().enumerate() {
             let last = i + 1 == segments.len();

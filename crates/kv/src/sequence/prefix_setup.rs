@@ -187,6 +187,43 @@ impl SharedDevicePrefix {
         }
     }
 
+    /// The sharer's side for a sequence that keeps only the prefix's tokens from `first` on
+    /// (the layers of a sliding window, which read only the last tokens and give their oldest
+    /// windows back as they grow): nothing is mapped read-only; `seq`, an empty sequence of the
+    /// prefix's plan, forgets the tokens before `first` from the start, commits the rest of the
+    /// prefix's [`tokens`](Self::tokens) and copies them from the prefix. Returns the bytes
+    /// copied (in every fragment).
+    ///
+    /// Errors: those of [`attach_to`](Self::attach_to); [`KvCacheError::TooManyTokens`] when
+    /// `first` is past the prefix. On a failure `seq` is released again (empty).
+    pub fn attach_from(
+        self: &Arc<Self>,
+        seq: &mut SequenceKv,
+        first: u64,
+    ) -> Result<u64, KvCacheError> {
+        self.check_attachable()?;
+        let tokens = self.tokens();
+        if first > tokens {
+            return Err(KvCacheError::TooManyTokens {
+                tokens: first,
+                max_tokens: tokens,
+            });
+        }
+        seq.check_empty()?;
+        let chain = [AttachedSegment {
+            prefix: Arc::clone(self),
+            end_window: self.end_window,
+        }];
+        let copied = seq
+            .start_at(first)
+            .and_then(|()| seq.ensure_tokens(tokens))
+            .and_then(|_| seq.copy_chain(&chain, tokens));
+        if copied.is_err() {
+            seq.release_after_error();
+        }
+        copied
+    }
+
     /// [`attach_to`](Self::attach_to) once checked: map, commit, copy.
     fn attach_whole(self: &Arc<Self>, seq: &mut SequenceKv) -> Result<u64, KvCacheError> {
         let chain = [AttachedSegment {

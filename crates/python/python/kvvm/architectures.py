@@ -25,8 +25,8 @@ The engine and :func:`kvvm.attention.use_kvvm_attention` attend with kvvm's own 
 - a model whose attention does not go through transformers' attention interface (its own
   code, often with ALiBi biases: Bloom, MPT, Falcon, GPT-J, CodeGen), which kvvm's attention
   cannot replace;
-- attention logit softcapping (Gemma 2) and learned attention sinks (GPT-OSS), which kvvm's
-  attention does not compute.
+- learned attention sinks (GPT-OSS), which kvvm's attention does not compute (it applies
+  Gemma 2's attention logit softcapping as the model's own attention does).
 
 Sliding-window attention is decided where the cache lays its layers out (``KvvmCache``).
 ``docs/models.md`` lists the architectures tried and what each gives.
@@ -138,8 +138,6 @@ def _own_attention(model: Any, dec: Any) -> str | None:
 
 
 def _attention_extras(model: Any, dec: Any) -> str | None:
-    if _get(dec, "attn_logit_softcapping") is not None:
-        return "attention logit softcapping, which kvvm's attention does not apply"
     modules = getattr(model, "modules", None)
     if callable(modules) and any(_get(m, "sinks") is not None for m in modules()):
         return "learned attention sinks, which kvvm's attention does not add"

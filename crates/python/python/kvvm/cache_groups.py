@@ -32,14 +32,22 @@ from . import KvGeometry, LayoutPlan, Manager, SequenceBatch
 from .attend import slab_kv
 from .errors import InvalidArgumentError
 
-__all__ = ["CacheGroup", "LayerGroup", "SLIDING_PREFIX_REFUSAL", "layer_groups", "refuse_sliding_prefix"]
+__all__ = [
+    "CacheGroup",
+    "LayerGroup",
+    "SLIDING_PREFIX_CACHE_REFUSAL",
+    "group_plan",
+    "layer_groups",
+    "refuse_sliding_prefix_cache",
+]
 
-#: Why a prefix is not shared across sliding-window layers (what the prefix paths raise).
-SLIDING_PREFIX_REFUSAL = (
-    "prefix sharing is refused for models with sliding-window layers: a shared prefix's "
-    "windows are mapped read-only into every request for the prefix's whole life, while a "
-    "sliding layer gives its windows back as its window moves past them, so the two cannot "
-    "hold the same memory (prefill each request's prompt instead)"
+#: Why the engine's automatic prefix cache is not run for a model with sliding-window layers
+#: (an explicit :class:`kvvm.prefix.KvvmPrefix` is shared across them).
+SLIDING_PREFIX_CACHE_REFUSAL = (
+    "the engine's prefix cache is refused for models with sliding-window layers: it keeps one "
+    "chain of shared segments per layout plan, and a sliding model's two layer groups would "
+    "need each entry's segments kept, hit and evicted together; share a system prompt with "
+    "kvvm.prefix.KvvmPrefix and KvvmCache.from_prefix instead"
 )
 
 #: The layer types a KvvmCache lays out.
@@ -108,11 +116,25 @@ def layer_groups(config: Any, max_cache_len: int) -> list[LayerGroup]:
     return groups
 
 
-def refuse_sliding_prefix(config: Any, max_cache_len: int) -> None:
-    """Raises InvalidArgumentError (:data:`SLIDING_PREFIX_REFUSAL`) when ``config`` has layers
-    whose window slides within ``max_cache_len`` tokens."""
+def refuse_sliding_prefix_cache(config: Any, max_cache_len: int) -> None:
+    """Raises InvalidArgumentError (:data:`SLIDING_PREFIX_CACHE_REFUSAL`) when ``config`` has
+    layers whose window slides within ``max_cache_len`` tokens."""
     if any(g.sliding for g in layer_groups(config, max_cache_len)):
-        raise InvalidArgumentError(SLIDING_PREFIX_REFUSAL)
+        raise InvalidArgumentError(SLIDING_PREFIX_CACHE_REFUSAL)
+
+
+def group_plan(spec: LayerGroup, geometry: KvGeometry, layout: str, granule: int) -> LayoutPlan:
+    """The plan of layer group ``spec`` of a model of ``geometry`` (every layer): the
+    geometry's heads, head dim, dtype and maximum tokens over the group's layers."""
+    if len(spec.layers) != geometry.layers:
+        geometry = KvGeometry(
+            layers=len(spec.layers),
+            kv_heads=geometry.kv_heads,
+            head_dim=geometry.head_dim,
+            max_tokens=geometry.max_tokens,
+            dtype=geometry.dtype,
+        )
+    return LayoutPlan(geometry, layout, granule)
 
 
 class CacheGroup:
@@ -141,17 +163,8 @@ class CacheGroup:
         batch: SequenceBatch | None = None,
     ) -> None:
         self.spec = spec
-        if len(spec.layers) == geometry.layers:
-            self.geometry = geometry
-        else:
-            self.geometry = KvGeometry(
-                layers=len(spec.layers),
-                kv_heads=geometry.kv_heads,
-                head_dim=geometry.head_dim,
-                max_tokens=geometry.max_tokens,
-                dtype=geometry.dtype,
-            )
-        self.plan = LayoutPlan(self.geometry, layout, manager.granule)
+        self.plan = group_plan(spec, geometry, layout, manager.granule)
+        self.geometry = self.plan.geometry
         self.batch = batch or SequenceBatch(
             manager, self.plan, slots, geometry.max_tokens, precommit=precommit, window_handles=spec.sliding
         )
@@ -248,6 +261,15 @@ class CacheGroup:
         tokens = [moved.get(i, 0) for i in range(first, last + 1)]
         with unbound():
             return unmap(lambda: int(self.batch.forget_each(tokens, first=first)))
+
+    def start_floors(self, first: int, upload: Callable[[torch.Tensor, list[int]], None]) -> None:
+        """Every request slot starts at token ``first``: the tokens before it were forgotten
+        from the start (a sliding group given a prefix's last tokens)."""
+        if not first:
+            return
+        self.host_floors = [first] * len(self.host_floors)
+        if self.floors is not None:
+            upload(self.floors, self.host_floors)
 
     def reset_floor(self, slot: int, upload: Callable[[torch.Tensor, list[int]], None]) -> None:
         """``slot`` starts again from token 0 (its memory was released)."""

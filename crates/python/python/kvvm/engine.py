@@ -41,10 +41,11 @@ import torch
 
 from . import Manager, PrefixCache, SharedPrefix
 from .attention import decoder_config, use_kvvm_attention
-from .cache_groups import refuse_sliding_prefix
+from .cache_groups import refuse_sliding_prefix_cache
 from .errors import BackpressureError, InvalidArgumentError, KvvmError, NeverFitsError
 from .projections import fuse_projections as fuse
-from .transformers import KvvmCache, KvvmPrefix
+from .transformers import KvvmCache
+from .prefix import KvvmPrefix
 
 __all__ = ["Engine", "Request"]
 
@@ -168,7 +169,7 @@ class Engine:
         if slots < 1 or max_len < 2 or prefill_chunk < 1 or prefill_batch_tokens < 1:
             raise InvalidArgumentError("slots, max_len, prefill_chunk and prefill_batch_tokens must be positive")
         if prefix_cache_bytes > 0:
-            refuse_sliding_prefix(decoder_config(model.config), max_len)
+            refuse_sliding_prefix_cache(decoder_config(model.config), max_len)
         if manager is None:
             manager = Manager(backend, budget_bytes=budget_bytes, precommit=True, headroom_tokens=headroom_tokens)
         use_kvvm_attention(model)

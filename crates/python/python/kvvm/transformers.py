@@ -23,9 +23,10 @@ budget cannot grant is raised then, as :class:`~kvvm.errors.BackpressureError`, 
 anything is launched); on the device a write past what the host prepared goes to a scratch
 slot instead of unmapped memory.
 
-:class:`KvvmPrefix` prefills a shared system prompt once into shared memory;
-:meth:`KvvmCache.from_prefix` attaches it to N new requests (billed once: its whole windows
-mapped read-only, the few bytes past them copied into each request's own memory).
+:class:`kvvm.prefix.KvvmPrefix` prefills a shared system prompt once into shared memory;
+:meth:`KvvmCache.from_prefix` gives it to N new requests (billed once: its whole windows
+mapped read-only, the few bytes past them copied into each request's own memory; on
+sliding-window layers the last tokens copied).
 
 Requires torch and transformers (5.x); the rest of kvvm does not.
 """
@@ -38,7 +39,7 @@ import gc
 import inspect
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -49,21 +50,22 @@ from . import (
     Manager,
     ReleasedError,
     SequenceBatch,
-    SharedPrefix,
     geometry_from_config,
 )
 from .architectures import check_servable
 from .attention import ATTENTION, KvvmMask, decoder_config, register_attention, use_kvvm_attention
-from .cache_groups import CacheGroup, layer_groups, refuse_sliding_prefix
+from .cache_groups import CacheGroup, layer_groups
 from .cache_layer import KvvmLayer, StepQuery, host_work
 from .errors import GraphsAliveError, InvalidArgumentError, ViewsAliveError
 from .slots import SlotState
+
+if TYPE_CHECKING:
+    from .prefix import KvvmPrefix
 
 __all__ = [
     "ATTENTION",
     "KvvmCache",
     "KvvmLayer",
-    "KvvmPrefix",
     "cache_argument",
     "register_attention",
     "use_kvvm_attention",
@@ -130,7 +132,8 @@ class KvvmCache(Cache):
         headroom_tokens: how far ahead of each request's live tokens the pre-committer keeps
             windows mapped (for a manager made here).
         batch: a batch to bind to, of ``batch_size + 1`` slots (the last is the scratch
-            slot); made here when omitted (full-attention models only).
+            slot), or a list of one per layer group (:mod:`kvvm.cache_groups`, in their order);
+            made here when omitted.
         start_tokens: live tokens already in every slot of ``batch``.
 
     The layers are laid out in groups (:mod:`kvvm.cache_groups`): the full-attention layers
@@ -138,7 +141,7 @@ class KvvmCache(Cache):
     are given back as requests grow (each request holds about ``window`` tokens there,
     whatever its length). :attr:`groups` lists them; :attr:`plan` and :attr:`batch` are the
     first group's (the only one of a full-attention model). A shared prefix
-    (:class:`KvvmPrefix`) is refused for a model with sliding-window layers.
+    (:class:`kvvm.prefix.KvvmPrefix`) is laid out in the same groups (:meth:`from_prefix`).
 
     Use it as ``model.generate(..., past_key_values=KvvmCache(model, B, L))`` (transformers
     5.24 and later name the argument ``cache=``), in a hand-written decode loop, or captured
@@ -161,7 +164,7 @@ class KvvmCache(Cache):
         dtype: Any = None,
         precommit: bool = True,
         headroom_tokens: int = 4,
-        batch: SequenceBatch | None = None,
+        batch: SequenceBatch | list[SequenceBatch] | None = None,
         start_tokens: int = 0,
     ) -> None:
         check_servable(config)
@@ -175,8 +178,13 @@ class KvvmCache(Cache):
         if batch_size <= 0 or max_cache_len <= 0:
             raise InvalidArgumentError("batch_size and max_cache_len must be positive")
         specs = layer_groups(cfg, max_cache_len)
-        if batch is not None and len(specs) > 1:
-            raise InvalidArgumentError("a batch to bind to holds one layer group; this model has several")
+        batches: list[SequenceBatch | None] = (
+            list(batch) if isinstance(batch, list) else [None] * len(specs) if batch is None else [batch]
+        )
+        if len(batches) != len(specs):
+            raise InvalidArgumentError(
+                f"{len(batches)} batch(es) to bind to for the model's {len(specs)} layer group(s)"
+            )
         self._owns_manager = manager is None
         if manager is None:
             manager = Manager(
@@ -198,13 +206,15 @@ class KvvmCache(Cache):
         #: The whole model's geometry (every layer).
         self.geometry: KvGeometry = geometry
         self._max_len = max_cache_len
-        if batch is not None and len(batch) != batch_size + 1:
-            raise InvalidArgumentError(
-                f"the batch has {len(batch)} slots, not {batch_size} and the scratch slot"
-            )
+        for b in batches:
+            if b is not None and len(b) != batch_size + 1:
+                raise InvalidArgumentError(
+                    f"the batch has {len(b)} slots, not {batch_size} and the scratch slot"
+                )
         #: The layer groups, each in memory of its own (:mod:`kvvm.cache_groups`).
         self.groups: list[CacheGroup] = [
-            CacheGroup(spec, geometry, manager, layout, batch_size + 1, precommit, batch) for spec in specs
+            CacheGroup(spec, geometry, manager, layout, batch_size + 1, precommit, b)
+            for spec, b in zip(specs, batches, strict=True)
         ]
         #: Each layer's group and its index in it.
         self._where = sorted((layer, g, j) for g, grp in enumerate(self.groups) for j, layer in enumerate(grp.spec.layers))
@@ -233,26 +243,18 @@ class KvvmCache(Cache):
     def from_prefix(
         cls, prefix: KvvmPrefix, batch_size: int, max_cache_len: int, **kwargs: Any
     ) -> KvvmCache:
-        """A cache of ``batch_size`` new requests that all start with ``prefix``: its whole
-        windows are mapped read-only into every slot (billed once), its bytes past them are
-        copied into each slot's own windows (a request never writes into read-only memory,
-        whatever the model's bytes per token), and the cache starts at ``prefix.tokens`` live
-        tokens. Prefill each request's own suffix next."""
-        if max_cache_len < prefix.tokens:
-            raise InvalidArgumentError("max_cache_len is shorter than the prefix")
-        refuse_sliding_prefix(prefix.config, max_cache_len)
+        """A cache of ``batch_size`` new requests that all start with ``prefix``
+        (:class:`kvvm.prefix.KvvmPrefix`), at ``prefix.tokens`` live tokens. On full-attention
+        layers its whole windows are mapped read-only into every slot (billed once) and its
+        bytes past them copied into each slot's own windows (a request never writes into
+        read-only memory, whatever the model's bytes per token); on sliding-window layers each
+        slot takes, by copy, only the last tokens the next step reads. Prefill each request's
+        own suffix next."""
         for fixed in ("dtype", "layout", "manager", "batch", "start_tokens"):
             if fixed in kwargs:
                 raise InvalidArgumentError(f"{fixed} comes from the prefix; do not pass it")
-        batch = SequenceBatch(
-            prefix.manager,
-            prefix.plan,
-            batch_size + 1,
-            max_cache_len,
-            precommit=kwargs.pop("precommit", True) and prefix.manager.precommit,
-        )
-        for i in range(batch_size):
-            prefix.shared.attach(batch[i])
+        precommit = kwargs.pop("precommit", True)
+        batches, firsts = prefix.batches_for(batch_size, max_cache_len, precommit)
         cache = cls(
             prefix.config,
             batch_size,
@@ -260,10 +262,12 @@ class KvvmCache(Cache):
             manager=prefix.manager,
             layout=prefix.plan.layout,
             dtype=prefix.plan.geometry.dtype,
-            batch=batch,
+            batch=batches,
             start_tokens=prefix.tokens,
             **kwargs,
         )
+        for group, first in zip(cache.groups, firsts, strict=True):
+            group.start_floors(first, cache.state.upload)
         return cache
 
     # ---- binding ----
@@ -686,107 +690,3 @@ class KvvmCache(Cache):
         for layer in self.layers:
             if isinstance(layer, KvvmLayer):
                 yield layer.keys, layer.values
-
-
-def _prefix_plan(model: Any, manager: Manager, max_cache_len: int, layout: str, dtype: Any) -> tuple[Any, LayoutPlan]:
-    """The decoder config and the plan a prefix of ``model`` is laid out under (the model's
-    dtype unless ``dtype`` is given): one for the process that builds it and those that open it."""
-    check_servable(model)
-    cfg = decoder_config(model.config)
-    refuse_sliding_prefix(cfg, max_cache_len)
-    if dtype is None and isinstance(getattr(model, "dtype", None), torch.dtype):
-        dtype = model.dtype
-    return cfg, LayoutPlan(geometry_from_config(cfg, max_cache_len, dtype), layout, manager.granule)
-
-
-class KvvmPrefix:
-    """A prompt prefix prefilled once into shared kvvm memory, to be attached read-only to
-    new requests with :meth:`KvvmCache.from_prefix`.
-
-    Build it with :meth:`build`; keep it alive while caches made from it live (it holds
-    the owner's sequence).
-    """
-
-    def __init__(
-        self, config: Any, manager: Manager, plan: LayoutPlan, cache: KvvmCache | None, shared: SharedPrefix
-    ) -> None:
-        self.config = config
-        self.manager = manager
-        self.plan = plan
-        self.cache = cache
-        self.shared = shared
-        #: The prefill's logits at the prefix's last token (``[1, vocab]``), set by :meth:`build`.
-        self.last_logits: torch.Tensor | None = None
-
-    def publish(self, key: str) -> int:
-        """Publishes the prefix to the node's memory broker under ``key`` (its manager leases
-        from one: ``Manager(broker=...)``): other processes of the tenant :meth:`open` it and
-        map the same memory read-only, billed once to the tenant. Returns the bytes
-        published. Let go of it with ``manager.close_prefix(key)``."""
-        return self.shared.publish(self.manager, key)
-
-    @classmethod
-    def open(
-        cls,
-        model: Any,
-        key: str,
-        *,
-        manager: Manager,
-        max_cache_len: int,
-        layout: str = "token-major",
-        dtype: Any = None,
-    ) -> KvvmPrefix:
-        """The prefix another process published under ``key`` (:meth:`publish`), mapped
-        read-only through ``manager`` (leasing from the same broker, as the same tenant).
-        ``max_cache_len``, ``layout`` and ``dtype`` must be the publisher's (its plan; else
-        ``InvalidArgumentError``). Its :attr:`tokens` are the publisher's prompt (its whole
-        windows mapped read-only, the rest copied): prefill the rest of each prompt from
-        there. Not billed here (a request pays for the window it copies the tail into);
-        :attr:`last_logits` is None."""
-        cfg, plan = _prefix_plan(model, manager, max_cache_len, layout, dtype)
-        return cls(cfg, manager, plan, None, SharedPrefix.open(manager, key, plan))
-
-    @property
-    def tokens(self) -> int:
-        """The prefix's length in tokens."""
-        return self.shared.tokens
-
-    @property
-    def bytes(self) -> int:
-        """Physical bytes of the prefix, its read-only windows and its tail (billed once)."""
-        return self.shared.bytes
-
-    @classmethod
-    @torch.no_grad()
-    def build(
-        cls,
-        model: Any,
-        input_ids: torch.Tensor,
-        *,
-        manager: Manager,
-        max_cache_len: int,
-        layout: str = "token-major",
-        dtype: Any = None,
-    ) -> KvvmPrefix:
-        """Prefills ``input_ids`` (``[1, P]``) with ``model`` into a new shared prefix: the
-        owner sequence commits the prefix's windows as shared memory, the model writes its
-        K/V there, then it is sealed read-only. Returns the prefix and the owner's logits
-        through :attr:`last_logits`."""
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise InvalidArgumentError("input_ids must be [1, prefix_tokens]")
-        prompt = int(input_ids.shape[1])
-        cfg, plan = _prefix_plan(model, manager, max_cache_len, layout, dtype)
-        geometry = plan.geometry
-        batch = SequenceBatch(manager, plan, 2, max_cache_len)
-        shared = batch[0].own_prefix(prompt)
-        cache = KvvmCache(
-            cfg, 1, max_cache_len, manager=manager, layout=layout, dtype=geometry.dtype, batch=batch
-        )
-        pos = torch.arange(prompt, device=input_ids.device)[None]
-        out = model(input_ids=input_ids, use_cache=True, position_ids=pos, **{cache_argument(model): cache})
-        if input_ids.device.type == "cuda":
-            torch.cuda.synchronize(input_ids.device)
-        shared.seal()
-        prefix = cls(cfg, manager, plan, cache, shared)
-        prefix.last_logits = out.logits[:, -1]
-        return prefix
