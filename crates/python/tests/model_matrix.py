@@ -153,13 +153,12 @@ ARCHS: list[Arch] = [
         "GQA 2, qk-norm, heads x head dim != hidden, tied embeddings",
     ),
     Arch(
-        "mistral-7b", "mistralai/Mistral-7B-v0.1", "mistral",
+        "mistral-7b", "mistralai/Mistral-7B-v0.3", "mistral",
         dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-             num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=32768,
-             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-5,
-             tie_word_embeddings=False, sliding_window=4096),
-        "GQA 4, sliding window on every layer",
-        window=24,
+             num_key_value_heads=8, head_dim=128, vocab_size=32768, max_position_embeddings=32768,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-5,
+             tie_word_embeddings=False, sliding_window=None),
+        "GQA 4, no sliding window (v0.1's 4096-token window: tests/test_sliding.py)",
     ),
     Arch(
         "gemma2-2b", "google/gemma-2-2b", "gemma2",
@@ -189,8 +188,9 @@ ARCHS: list[Arch] = [
              num_key_value_heads=32, vocab_size=32064, max_position_embeddings=4096,
              original_max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
              rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=2047),
-        "no GQA (32 KV heads), head dim 96, fused QKV, sliding window",
-        window=12,
+        "no GQA (32 KV heads), head dim 96, fused QKV, a 2047-token sliding window (longer than the "
+        "matrix's requests: every layer attends to all of them)",
+        window=2047,
         extra={"head_dim": 96},
     ),
     Arch(
@@ -266,6 +266,15 @@ def small_config(arch: Arch) -> Any:
     kw.update(arch.extra)
     cfg = AutoConfig.for_model(arch.model_type, **kw)
     return cfg
+
+
+def slides(model: Any, max_len: int) -> bool:
+    """Whether ``model`` has layers whose window slides within requests of ``max_len`` tokens
+    (the engine's automatic prefix cache is refused for it: :mod:`kvvm.cache_groups`)."""
+    from kvvm.attention import decoder_config
+    from kvvm.cache_groups import layer_groups
+
+    return any(g.sliding for g in layer_groups(decoder_config(model.config), max_len))
 
 
 def build_model(arch: Arch, seed: int = 0) -> Any:

@@ -44,16 +44,24 @@ def serve(cmd: dict[str, Any]) -> dict[str, Any]:
     billed = mgr.snapshot().shared
     attach = greedy_after_prefix(model, cache, [prefix[n:] + t for t in cmd["tails"]], n, new_tokens)
     cache.release()
-    engine = Engine(
-        copy.deepcopy(model), slots=len(cmd["engine_tails"]), max_len=max_len, manager=mgr,
-        prefill_chunk=64, prefix_cache_bytes=64 * MiB, prefix_handle_tokens=1, compile=False,
-    )
-    added = engine.add_prefix(prefix, opened)
-    reqs = [engine.submit(prefix + t, new_tokens, eos_token_ids=[]) for t in cmd["engine_tails"]]
-    engine.run()
-    engine.close()
+    served: dict[str, Any] = {}
+    try:
+        engine = Engine(
+            copy.deepcopy(model), slots=len(cmd["engine_tails"]), max_len=max_len, manager=mgr,
+            prefill_chunk=64, prefix_cache_bytes=64 * MiB, prefix_handle_tokens=1, compile=False,
+        )
+    except kvvm.InvalidArgumentError as refused:
+        # A sliding model: its engine's prefix cache is refused, with the reason.
+        served["engine_refused"] = str(refused)
+    else:
+        served["added"] = engine.add_prefix(prefix, opened)
+        reqs = [engine.submit(prefix + t, new_tokens, eos_token_ids=[]) for t in cmd["engine_tails"]]
+        engine.run()
+        engine.close()
+        served["engine"] = [r.tokens for r in reqs]
+        served["hits"] = [r.prefix_hit_tokens for r in reqs]
+    remaining = opened.close(cmd["key"])
     del opened, cache
-    remaining = mgr.close_prefix(cmd["key"])
     committed_after = snapshot_dict(mgr.snapshot())
     mgr.trim_pool(0)
     return {
@@ -61,9 +69,7 @@ def serve(cmd: dict[str, Any]) -> dict[str, Any]:
         "opened_tokens": n,
         "billed_shared": int(billed),
         "attach": attach,
-        "added": added,
-        "engine": [r.tokens for r in reqs],
-        "hits": [r.prefix_hit_tokens for r in reqs],
+        **served,
         "remaining_users": remaining,
         "after_close": committed_after,
         "after_trim": snapshot_dict(mgr.snapshot()),

@@ -33,6 +33,7 @@ torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 import model_matrix as mm  # noqa: E402
+from kvvm.cache_groups import SLIDING_PREFIX_CACHE_REFUSAL  # noqa: E402
 from kvvm.engine import Engine  # noqa: E402
 from kvvm.transformers import KvvmCache  # noqa: E402
 from kvvm.prefix import KvvmPrefix  # noqa: E402
@@ -200,6 +201,13 @@ def test_the_engines_prefix_cache_is_hit_by_requests_sharing_a_system_prompt(
     p = mm.prompts(arch)
     system, tails = _prefix_and_tails(arch, p.tails, seed=40)
     prompts = [system + t for t in tails]
+    if mm.slides(engine_model, _max_len(p)):
+        # Refused with the reason (a KvvmPrefix is shared across sliding layers instead).
+        with pytest.raises(kvvm.InvalidArgumentError) as refused:
+            Engine(engine_model, slots=1, max_len=_max_len(p), manager=mgr, prefix_cache_bytes=64 * MiB)
+        assert str(refused.value) == SLIDING_PREFIX_CACHE_REFUSAL
+        holds_nothing(mgr)
+        return
     engine = Engine(
         engine_model, slots=len(prompts), max_len=_max_len(p), manager=mgr, prefill_chunk=64,
         prefix_cache_bytes=64 * MiB, prefix_handle_tokens=1, compile=False,
@@ -239,15 +247,18 @@ def test_a_prefix_published_through_the_broker_serves_another_process(
     assert 0 < reply["opened_tokens"] <= p.prefix
     assert reply["billed_shared"] == 0, "the prefix is billed to its publisher"
     assert reply["attach"] == reference([prefix + t for t in tails], p.new_tokens)
-    assert 0 < reply["added"] <= p.prefix
-    assert all(h > 0 for h in reply["hits"]), reply["hits"]
-    assert reply["engine"] == reference([prefix + t for t in engine_tails], p.new_tokens)
+    if mm.slides(model, _max_len(p)):
+        assert reply["engine_refused"] == SLIDING_PREFIX_CACHE_REFUSAL
+    else:
+        assert 0 < reply["added"] <= p.prefix
+        assert all(h > 0 for h in reply["hits"]), reply["hits"]
+        assert reply["engine"] == reference([prefix + t for t in engine_tails], p.new_tokens)
     assert reply["remaining_users"] == 1, "the publisher still uses it"
     after = reply["after_close"]
     assert (after["committed"], after["shared"], after["quarantined"]) == (0, 0, 0), after
     assert reply["after_trim"]["used"] == 0, reply["after_trim"]
     assert built.cache is not None
     built.cache.release()
+    assert built.close(key) == 0
     del built
-    assert publisher.close_prefix(key) == 0
     holds_nothing(publisher)
