@@ -119,9 +119,18 @@ class DecodeGraph:
         step neither writes nor reads them; their logits mean nothing)."""
         if self.graph is None:
             raise ReleasedError("the DecodeGraph was closed")
+        self.cache.prepare(1, slots)
+        return self.replay(tokens)
+
+    def replay(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One step whose host side is prepared already (``cache.prepare(1, slots)``, which
+        is where a growth the budget cannot grant is refused): what :meth:`__call__` runs
+        after preparing. A replay nothing prepared writes nothing past the committed windows
+        (see :meth:`~kvvm.transformers.KvvmCache.check`)."""
+        if self.graph is None:
+            raise ReleasedError("the DecodeGraph was closed")
         if tokens is not None:
             self.tokens.copy_(tokens.view(self.batch, 1))
-        self.cache.prepare(1, slots)
         self.graph.replay()
         self.cache.step_done()
         return self.logits
