@@ -109,7 +109,7 @@ def kvvm_mask(
     KvvmCache (its ``get_query_offset`` is the hook), else SDPA's mask."""
     hook = getattr(q_offset, "kvvm_mask", None)
     if hook is not None:
-        return hook(q_length, attention_mask)
+        return hook(q_length, attention_mask, batch_size)
     return _sdpa()[1](
         batch_size=batch_size,
         q_length=q_length,
