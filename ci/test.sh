@@ -225,7 +225,7 @@ echo "== the Python package: pip install . into a fresh virtual environment, the
 rm -rf "$OUT/pyenv"
 python3 -m venv "$OUT/pyenv"
 "$OUT/pyenv/bin/python" -m pip install -q --upgrade pip
-"$OUT/pyenv/bin/python" -m pip install -q numpy pytest mypy==2.4.1 torch==2.11.0 transformers==5.17.0
+"$OUT/pyenv/bin/python" -m pip install -q numpy pytest hypothesis==6.170.27 mypy==2.4.1 torch==2.11.0 transformers==5.17.0
 "$OUT/pyenv/bin/python" -m pip install -q .
 # The pure-Python half is typed and mypy checks it, against torch's and transformers' types.
 "$OUT/pyenv/bin/python" -m mypy --ignore-missing-imports --no-incremental crates/python/python/kvvm crates/python/benches/kvvm_bench

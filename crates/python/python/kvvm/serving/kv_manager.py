@@ -28,7 +28,7 @@ import torch
 from .. import Manager, PrefixCache, SharedPrefix
 from ..errors import InvalidArgumentError, KvvmError, NeverFitsError
 from ..transformers import KvvmCache, KvvmPrefix
-from .scheduler import Admission
+from .scheduler import Admission, PrefillRun
 
 __all__ = ["KvManager"]
 
@@ -184,11 +184,13 @@ class KvManager:
     # ---- what the runner asks ----
 
     @contextlib.contextmanager
-    def prefill(self, slots: list[int], completing: list[bool]) -> Iterator[KvvmCache]:
-        """Opens one prefill forward over consecutive ``slots``: they are resumed and
-        selected, the forward runs on the cache yielded, then each slot whose context is not
-        complete yet (``completing[i]`` False) is suspended again and each complete one is
-        published to the prefix cache. A forward that raises leaves every slot suspended."""
+    def prefill(self, run: PrefillRun) -> Iterator[KvvmCache]:
+        """Opens the forward of one prefill run (consecutive slots, their windows committed
+        at admission): the slots are resumed and selected, the forward runs on the cache
+        yielded, then each slot whose context is not complete yet is suspended again and
+        each complete one is published to the prefix cache. A forward that raises leaves
+        every slot of the run suspended."""
+        slots, completing = run.slots, run.completing
         state = self.cache.state
         for s in slots:
             state.resume(s)

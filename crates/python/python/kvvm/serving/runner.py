@@ -64,7 +64,7 @@ class ModelRunner:
         ids = torch.tensor([r._context[r._filled : r._filled + n] for r in run.requests], dtype=torch.long, device=self.device)
         first = torch.tensor([r._filled for r in run.requests], device=self.device)
         pos = first[:, None] + torch.arange(n, device=self.device)[None]
-        with kv.prefill(run.slots, run.completing) as cache:
+        with kv.prefill(run) as cache:
             out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 

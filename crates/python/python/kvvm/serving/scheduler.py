@@ -11,27 +11,27 @@ The contract of one step (``docs/engine.md``)::
 
 :meth:`Scheduler.schedule`, in order:
 
-1. **Growth of the running requests.** Every request that decodes this step (those decoding,
-   and those whose prefill ends this step and are not finished by their first token's length)
-   needs its next token's windows: the KV manager reserves them all at once
-   (:meth:`KvSpace.reserve`). When it refuses, the youngest running request (the last
-   admitted, whether decoding or prefilling) is preempted: its slot is freed and it goes back
-   first in line, the tokens it generated appended to its context (recomputed when it is
-   admitted again); then the reservation is tried again. A request alone in the batch that
-   still cannot grow finishes as ``"memory"``: that is the only way a request that was
-   admitted finishes so.
+1. **Growth of the decoding requests.** Each decoding request needs its next token's
+   windows: the KV manager reserves them all at once (:meth:`KvSpace.reserve`). When it
+   refuses, the youngest running request (the last admitted, whether decoding or
+   prefilling) is preempted: its slot is freed and it goes back first in line, the tokens it
+   generated appended to its context (recomputed when it is admitted again); then the
+   reservation is tried again. A request alone in the batch that still cannot grow finishes
+   as ``"memory"``: that is the only way a request that was admitted finishes so.
 2. **Admission**, in a step that preempted nobody: waiting requests in order of arrival
    (preempted ones first, oldest first) take free slots while the KV manager admits them
    (their whole context committed, a cached prefix of it mapped). A refusal for memory
    now stops admission for this step (the request stays first in line); a context that can
    never fit the budget, whatever is freed, finishes as ``"memory"`` without running (it
-   never blocks the line). The one exception to the order: a request whose context opens
+   never holds up the line). The one exception to the order: a request whose context opens
    with a prefix that a request still prefilling will publish, and that it could map then,
    waits for that publication and is passed over meanwhile (``prefix_waits``), so that
-   requests arriving together with one system prompt prefill it once. A newly admitted
-   request whose whole context is prefilled this step gets its decode token reserved too
-   when memory allows (else it decodes from the next step).
-3. **Prefill runs**: each request still prefilling gets its next chunk of at most
+   requests arriving together with one system prompt prefill it once.
+3. **Growth of the requests whose prefill ends this step**: their first token comes from
+   the prefill, their second from this step's decode, whose token is reserved where memory
+   allows without preempting anyone (else the request decodes from the next step, as in 1;
+   a request its first token finishes never needs it).
+4. **Prefill runs**: each request still prefilling gets its next chunk of at most
    ``prefill_chunk`` tokens; requests in consecutive slots whose chunks have one length form
    one run (one forward) of at most ``prefill_batch_tokens`` tokens.
 
@@ -177,32 +177,21 @@ class Scheduler:
         """This step's work: growth (and preemptions), admissions, prefill runs, decode slots."""
         self.stats.steps += 1
         out = SchedulerOutput()
-        decode = self._grow_running(out)
+        decode = self._grow_decoding(out)
         if not out.preempted:
             self._admit(out)
-            decode |= self._grow_admitted(out)
+        decode |= self._grow_prefilled()
         out.prefill = self._prefill_runs()
         out.decode = [s for s in self.running if s in decode]
         out.decode_requests = [self.running[s] for s in out.decode]
         return out
 
-    def _decode_target(self, r: Request) -> int | None:
-        """Tokens ``r``'s slot holds once this step's decode wrote its last token, when it
-        decodes this step (None: it prefills on, or its prefill's token finishes it)."""
-        generated = len(r.tokens)
-        if r._filled < len(r._context):
-            if r.remaining_prefill > self.prefill_chunk:
-                return None
-            generated += 1
-            if generated >= r.max_new_tokens or len(r.prompt) + generated >= self.max_len:
-                return None
-        return len(r.prompt) + generated
-
-    def _grow_running(self, out: SchedulerOutput) -> set[int]:
-        """Reserves the decode token of every running request that decodes this step,
-        preempting the youngest running request until the KV manager grants it."""
+    def _grow_decoding(self, out: SchedulerOutput) -> set[int]:
+        """Reserves the next token of every decoding request (its cache then holds its
+        prompt and every token it generated but the last, which this step writes),
+        preempting the youngest running request until the KV manager grants them all."""
         while True:
-            targets = {s: t for s, r in self.running.items() if (t := self._decode_target(r)) is not None}
+            targets = {s: len(r.prompt) + len(r.tokens) for s, r in self.running.items() if r.prefilled}
             if not targets:
                 return set()
             try:
@@ -210,6 +199,34 @@ class Scheduler:
                 return set(targets)
             except BackpressureError:
                 self._make_room(out)
+
+    def _grow_prefilled(self) -> set[int]:
+        """Reserves, where memory allows without preempting anyone, the decode token of each
+        request whose prefill ends this step (its first token comes from the prefill, its
+        second from this step's decode); one that gets none decodes from the next step, and
+        one that its first token finishes never needs it."""
+        targets = {}
+        for s, r in self.running.items():
+            if r.prefilled or r.remaining_prefill > self.prefill_chunk:
+                continue
+            generated = len(r.tokens) + 1
+            if generated < r.max_new_tokens and len(r.prompt) + generated < self.max_len:
+                targets[s] = len(r.prompt) + generated
+        if not targets:
+            return set()
+        try:
+            self.kv.reserve(targets)
+            return set(targets)
+        except BackpressureError:
+            pass
+        grown = set()
+        for s, t in targets.items():
+            try:
+                self.kv.reserve({s: t})
+            except BackpressureError:
+                continue
+            grown.add(s)
+        return grown
 
     def _make_room(self, out: SchedulerOutput) -> None:
         """Preempts the youngest running request, or finishes it as ``"memory"`` when it is
@@ -276,21 +293,6 @@ class Scheduler:
             for other in self.running.values()
             if other._filled < len(other._context)
         )
-
-    def _grow_admitted(self, out: SchedulerOutput) -> set[int]:
-        """Reserves the decode token of each request admitted this step whose prefill ends
-        this step, where memory allows without preempting anyone."""
-        grown: set[int] = set()
-        for r in out.admitted:
-            target = self._decode_target(r)
-            if target is None or r.slot is None:
-                continue
-            try:
-                self.kv.reserve({r.slot: target})
-            except BackpressureError:
-                continue
-            grown.add(r.slot)
-        return grown
 
     def _prefill_runs(self) -> list[PrefillRun]:
         """The requests still prefilling as runs of consecutive slots whose next chunk has
