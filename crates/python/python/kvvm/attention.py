@@ -25,7 +25,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ATTENTION", "KvvmMask", "kvvm_attention", "kvvm_mask", "register_attention", "use_kvvm_attention"]
+__all__ = [
+    "ATTENTION",
+    "AttentionSwitch",
+    "KvvmMask",
+    "kvvm_attention",
+    "kvvm_mask",
+    "register_attention",
+    "switch_attention",
+    "use_kvvm_attention",
+]
 
 #: The transformers attention implementation :func:`register_attention` registers.
 ATTENTION = "kvvm"
@@ -126,7 +135,7 @@ def kvvm_mask(
     KvvmCache (its ``get_query_offset`` is the hook), else SDPA's mask."""
     hook = getattr(q_offset, "kvvm_mask", None)
     if hook is not None:
-        return hook(q_length, attention_mask)
+        return hook(q_length, attention_mask, batch_size)
     return _sdpa()[1](
         batch_size=batch_size,
         q_length=q_length,
@@ -210,6 +219,79 @@ def use_kvvm_attention(model: Any, enable: bool = True, kernel: str = "auto") ->
             pass
     for cfg in {id(c): c for c in (model.config, decoder_config(model.config))}.values():
         cfg._attn_implementation = name
+
+
+_MISSING = object()
+
+
+@dataclass
+class AttentionSwitch:
+    """How a model attended before :func:`switch_attention` moved it to the kvvm attention;
+    :meth:`restore` puts it back as it was."""
+
+    model: Any
+    #: Whether the model's forward was wrapped already (by an earlier switch).
+    wrapped: bool
+    #: Every config of the model and its attention implementation then (set directly back:
+    #: no recursion through sub-configs).
+    implementations: list[tuple[Any, Any]]
+    #: Every config and its ``kvvm_kernel`` then (``_MISSING``: none).
+    kernels: list[tuple[Any, Any]]
+
+    def restore(self) -> None:
+        """The model's attention implementations, kernel choices and forward as they were
+        before the switch (idempotent)."""
+        if not self.wrapped:
+            _wrap_forward(self.model, False)
+        for cfg, name in self.implementations:
+            if name is _MISSING:
+                cfg.__dict__.pop("_attn_implementation_internal", None)
+            else:
+                cfg._attn_implementation_internal = name
+        for cfg, kernel in self.kernels:
+            if kernel is _MISSING:
+                cfg.__dict__.pop("kvvm_kernel", None)
+            else:
+                cfg.kvvm_kernel = kernel
+
+
+def _configs(model: Any) -> list[Any]:
+    """Every config of ``model``: its own, its decoder's, its sub-models' and their
+    sub-configs, each once."""
+    seen: dict[int, Any] = {}
+    stack = [model.config, decoder_config(model.config)]
+    modules = getattr(model, "modules", None)
+    if callable(modules):
+        stack += [m.config for m in modules() if getattr(m, "config", None) is not None]
+    while stack:
+        cfg = stack.pop()
+        if id(cfg) in seen:
+            continue
+        seen[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", None) or {}:
+            sub = getattr(cfg, key, None)
+            if sub is not None and hasattr(sub, "__dict__"):
+                stack.append(sub)
+    return list(seen.values())
+
+
+def switch_attention(model: Any, kernel: str = "auto") -> AttentionSwitch:
+    """:func:`use_kvvm_attention` on ``model``, remembering what it changes: the returned
+    :class:`AttentionSwitch` gives the model back its own attention implementation (``sdpa``,
+    ``eager``, a flash kernel, ... whatever it had) with :meth:`AttentionSwitch.restore`."""
+    configs = _configs(model)
+    switch = AttentionSwitch(
+        model,
+        "_kvvm_original_forward" in model.__dict__,
+        [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in configs],
+        [(c, c.__dict__.get("kvvm_kernel", _MISSING)) for c in configs],
+    )
+    try:
+        use_kvvm_attention(model, kernel=kernel)
+    except BaseException:
+        switch.restore()
+        raise
+    return switch
 
 
 def _wrap_forward(model: Any, enable: bool) -> None:

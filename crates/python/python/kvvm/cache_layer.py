@@ -28,7 +28,7 @@ class _Cache(Protocol):
 
     def layer_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def step_mask(self, q: int, padding_mask: Any) -> Any: ...
+    def step_mask(self, q: int, padding_mask: Any, batch: Any = None) -> Any: ...
 
     def layer_mask_sizes(self, q: int, layer: int = 0) -> tuple[int, int]: ...
 
@@ -54,8 +54,8 @@ class StepQuery:
     def __init__(self, cache: _Cache) -> None:
         self._cache = cache
 
-    def kvvm_mask(self, q: int, padding_mask: Any) -> Any:
-        return self._cache.step_mask(q, padding_mask)
+    def kvvm_mask(self, q: int, padding_mask: Any, batch: Any = None) -> Any:
+        return self._cache.step_mask(q, padding_mask, batch)
 
 
 class KvvmLayer(CacheLayerMixin):

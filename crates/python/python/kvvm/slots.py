@@ -13,7 +13,9 @@ preparation (a graph replayed by hand) can never reach an unmapped window: ``lim
 per slot, the tokens that lie in windows the host has committed and claimed; a write at or
 past its slot's limit goes to a scratch slot (the batch's last, one window committed) and is
 counted in ``overruns``, and attention reads no further than the limit. A free slot has a
-limit of 0: nothing of it is written or read.
+limit of 0: nothing of it is written or read. The lower bound is held too: a write at a
+negative token (a count on the device that went wrong) is refused the same way, and a read
+starts at token 0 at the earliest.
 
 A cache whose layers form several groups, each in memory of its own (full and sliding
 attention), gives the others as ``more``: every step commits the same tokens in each, and a
@@ -255,8 +257,9 @@ class SlotState:
         step, and its last layer advances."""
         lengths, limits = self._view(self.lengths), self._view(self.limits)
         index = self.index(q)
-        end = torch.minimum(lengths + q, limits)
-        start = torch.minimum(self._view(self.starts), end)
+        # Never outside [0, limit): a count on the device is not trusted to be non-negative.
+        end = torch.minimum(lengths + q, limits).clamp_min(0)
+        start = torch.minimum(self._view(self.starts), end).clamp_min(0)
         bounds = torch.stack([self._view(self._ids).to(torch.int32), start, end], dim=1)
         return index, bounds
 
@@ -267,7 +270,9 @@ class SlotState:
             return self._index[1]
         lengths, limits = self._view(self.lengths), self._view(self.limits)
         tokens = lengths[:, None].to(torch.int64) + torch.arange(q, device=self.device)
-        accepted = tokens < limits[:, None]
+        # Inside the slot's mapped tokens only: a negative count (a corrupted or hand-set
+        # device tensor) would otherwise index before the slot, or before the reservation.
+        accepted = (tokens >= 0) & (tokens < limits[:, None])
         ids = self._view(self._ids)[:, None]
         index = StepIndex(
             slot=torch.where(accepted, ids, self.slots),

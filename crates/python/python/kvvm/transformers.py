@@ -339,12 +339,7 @@ class KvvmCache(Cache):
                 f"make the cache with dtype={keys.dtype} (or pass the model itself, "
                 "KvvmCache(model, ...), to take its dtype)"
             )
-        if keys.shape[0] != st.count:
-            raise InvalidArgumentError(
-                f"a batch of {keys.shape[0]} sequences for {st.count} KvvmCache slot(s): make the "
-                "cache with one slot per sequence (requests x num_return_sequences). Beam search "
-                "(num_beams > 1) is not supported: KvvmCache does not reorder its slots"
-            )
+        self._check_batch(keys.shape[0])
         q = keys.shape[2]
         last = layer == len(self._where) - 1
         if host_work():
@@ -387,6 +382,16 @@ class KvvmCache(Cache):
             return max(g.next_floor(i, st.host_lengths[i]) for i in st.selected)
         return max(g.host_floors[i] for i in st.selected)
 
+    def _check_batch(self, batch: int) -> None:
+        """A forward of ``batch`` sequences over the selected slots: one each."""
+        count = self.state.count
+        if batch != count:
+            raise InvalidArgumentError(
+                f"a batch of {batch} sequences for {count} KvvmCache slot(s): make the "
+                "cache with one slot per sequence (requests x num_return_sequences). Beam search "
+                "(num_beams > 1) is not supported: KvvmCache does not reorder its slots"
+            )
+
     def _check_step(self, layer: int, q: int) -> None:
         """Eagerly, at the first layer: the step is prepared (with exact-length views the
         update prepares it; with the kvvm attention the kvvm mask must have)."""
@@ -411,10 +416,11 @@ class KvvmCache(Cache):
             )
         return lengths.pop()
 
-    def step_mask(self, q: int, padding_mask: Any) -> KvvmMask:
-        """The kvvm mask of the next forward: the step's device work (where each request's
-        new tokens go, each request's tokens after them, the counts moved on), after its host
-        work when Python runs eagerly (the step's tokens committed and claimed; from a 2-D
+    def step_mask(self, q: int, padding_mask: Any, batch: Any = None) -> KvvmMask:
+        """The kvvm mask of the next forward of ``batch`` sequences: the step's device work
+        (where each request's new tokens go, each request's tokens after them, the counts
+        moved on), after its host work when Python runs eagerly (the forward's batch checked
+        against the selected slots, then the step's tokens committed and claimed; from a 2-D
         padding mask, a new batch's left padding recorded). A mask already made for this
         forward (``generate`` makes it before the forward) is handed back as it is."""
         if isinstance(padding_mask, KvvmMask):
@@ -423,7 +429,10 @@ class KvvmCache(Cache):
         if host_work():
             if self._released:
                 raise ReleasedError("the KvvmCache was released")
+            if isinstance(batch, int):
+                self._check_batch(batch)
             if isinstance(padding_mask, torch.Tensor) and padding_mask.dim() == 2:
+                self._check_batch(int(padding_mask.shape[0]))
                 self._prepare_from_padding(q, padding_mask)
             elif not st.prepared:
                 st.prepare(q)
@@ -572,6 +581,25 @@ class KvvmCache(Cache):
         return sum(
             g.batch[slot].ensure(min(tokens, g.window) if g.spec.sliding else tokens) for g in self.groups
         )
+
+    def bytes_for_tokens(self, tokens: int) -> int:
+        """Bytes a request of ``tokens`` tokens commits at most at admission, in every layer
+        group (see :meth:`ensure_slot`)."""
+        return sum(
+            g.plan.committed_bytes_for_tokens(min(tokens, g.window) if g.spec.sliding else tokens)
+            for g in self.groups
+        )
+
+    def reserve_tokens(self, tokens: dict[int, int]) -> None:
+        """Commits, in every layer group, the windows each slot of ``tokens`` needs to hold
+        ``tokens[slot]`` tokens (the next step's), after a sliding group gave back the windows
+        behind each slot's window: the step's own preparation then needs no grant. Raises what
+        :meth:`kvvm.SequenceBatch.ensure_each` raises (BackpressureError: nothing launched)."""
+        if self.state.before_growth is not None:
+            self.state.before_growth(sorted(tokens))
+        targets = [tokens.get(i, 0) for i in range(self.batch_size)]
+        for g in self.groups:
+            g.batch.ensure_each(targets, first=0)
 
     def step_done(self) -> None:
         """Marks the prepared step as run (after a replay), so that an eager forward next
