@@ -21,7 +21,9 @@ device:
   the host (the CPU kernel; on a GPU eager only, a reference).
 
 ``"auto"`` picks ``"triton"`` for one query token on CUDA, ``"flash"`` for more (``"sdpa"``
-for fp32), ``"sdpa"`` on CPU. Measured against each other and against FlexAttention in
+for fp32), ``"sdpa"`` on CPU; under Triton's interpreter (``TRITON_INTERPRET=1``) the CPU runs
+``"triton"`` for one query token too, as CUDA would (how the tests check the decode step
+without a GPU). Measured against each other and against FlexAttention in
 ``docs/python.md``.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -44,6 +47,8 @@ def kernel_for(device: torch.device, q_tokens: int, kernel: str = "auto", dtype:
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; one of {KERNELS}")
     if device.type != "cuda":
+        if q_tokens == 1 and kernel in ("auto", "triton") and _interpreted():
+            return "triton"
         return "sdpa"
     if kernel != "auto":
         return kernel
@@ -59,6 +64,17 @@ def _has_triton() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def _interpreted() -> bool:
+    """Whether Triton's kernels run in its interpreter, on CPU tensors (read once, as Triton
+    does)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and _has_triton()
+
+
+#: The multiprocessors the interpreter's split count is chosen for (a CPU has none).
+_INTERPRETER_MULTIPROCESSORS = 4
 
 
 @functools.cache
@@ -128,8 +144,12 @@ def _triton(
 ) -> torch.Tensor:
     from .triton_decode import decode_attention, tuned_config
 
-    index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    config = tuned_config(query, key, value, bounds, scale, _multiprocessors(index), new)
+    if query.device.type == "cuda":
+        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        multiprocessors = _multiprocessors(index)
+    else:
+        multiprocessors = _INTERPRETER_MULTIPROCESSORS
+    config = tuned_config(query, key, value, bounds, scale, multiprocessors, new)
     return decode_attention(query, key, value, bounds, scale, config, new)
 
 

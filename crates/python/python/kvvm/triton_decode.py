@@ -74,6 +74,7 @@ def _block(
     sm_scale,
     BLOCK: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One block of tokens ``t..t+BLOCK`` (those below ``hi``) folded into the running
     softmax: returns the new ``(max, sum, accumulator)``."""
@@ -82,6 +83,11 @@ def _block(
     rows = offs_n.to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        # Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns: widened
+        # to fp32 there (on a GPU the tensor cores take bf16 as it is).
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
     qk = tl.where(n_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -89,7 +95,11 @@ def _block(
     p = tl.exp(qk - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    p = p.to(v.dtype)
+    if UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return m_new, l_new, acc
 
 
@@ -134,6 +144,7 @@ def _partial_kernel(
     SPLITS: tl.constexpr,
     LOOP_WHILE: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     FUSED: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -180,14 +191,14 @@ def _partial_kernel(
         while t < hi:
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, BLOCK, PRECISION,
+                sm_scale, BLOCK, PRECISION, UPCAST,
             )
             t += BLOCK
     else:
         for t in range(lo, hi, BLOCK):
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, BLOCK, PRECISION,
+                sm_scale, BLOCK, PRECISION, UPCAST,
             )
 
     if FUSED:
@@ -434,6 +445,8 @@ def decode_attention(
         LOOP_WHILE=_INTERPRETED,
         # fp32 caches get fp32 products (Triton's default for fp32 is TF32).
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # Products in fp32 for bf16 in the interpreter only (see _block).
+        UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
         FUSED=fused,
         num_warps=c.warps,
         num_stages=c.stages,
