@@ -8,7 +8,9 @@
 # `bash gpu-bundle/python.sh engines`: engine processes under a broker and with fixed
 # fractions, `python -m kvvm_bench engines`, arguments in ENGINES_ARGS; `bash gpu-bundle/python.sh
 # kvcached`: kvcached 0.1.6 built from the bundle's sdist (gpu-bundle/kvcached-0.1.6.tar.gz), then
-# `python -m kvvm_bench kvcached`, kvvm beside it, arguments in KVCACHED_ARGS).
+# `python -m kvvm_bench kvcached`, kvvm beside it, arguments in KVCACHED_ARGS; `bash
+# gpu-bundle/python.sh shapes`: the decode kernel and the captured step on every head dim, GQA
+# ratio and dtype, `python -m kvvm_bench shapes`, arguments in SHAPES_ARGS).
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
 # to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
@@ -62,6 +64,11 @@ if [ "$mode" = kvcached ]; then
   (cd /tmp && timeout "${KVCACHED_TIMEOUT:-420}" python3 -m kvvm_bench kvcached --kvvm-bin "$repo/gpu-bundle/kvvm" \
     --kvcached-dir "$kvcached_site" --kvcached-src "$repo/gpu-bundle/kvcached-0.1.6" \
     --json "$out/bench-kvcached.json" ${KVCACHED_ARGS:-}) > "$out/bench-kvcached.out"
+fi
+if [ "$mode" = shapes ]; then
+  echo "== python -m kvvm_bench shapes"
+  (cd /tmp && timeout "${SHAPES_TIMEOUT:-540}" python3 -m kvvm_bench shapes --commit "$(cat "$repo/gpu-bundle/COMMIT" 2>/dev/null)" \
+    --json "$out/bench-shapes.json" ${SHAPES_ARGS:-}) > "$out/bench-shapes.out"
 fi
 if [ "$mode" = serve ]; then
   echo "== python -m kvvm_bench serve"

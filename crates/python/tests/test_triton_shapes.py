@@ -243,3 +243,20 @@ def test_the_decode_kernel_matches_sdpa_on_every_shape_on_the_gpu() -> None:
             err = (got.float().cpu() - want).abs().max().item()
             assert err < tol[dtype], (dtype, dim, gqa, c, err)
             assert torch.equal(kk, want_k) and torch.equal(vv, want_v), (dtype, dim, gqa, c)
+
+
+def test_the_tuner_off_gives_the_heuristic_configuration_untimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``AUTOTUNE`` off (``KVVM_TRITON_AUTOTUNE=0``) the tuner measures nothing (here on
+    CPU tensors, outside the interpreter, where a measurement could not even run) and gives
+    :func:`choose_splits`' configuration, remembering nothing."""
+    import torch
+
+    import kvvm.triton_decode as td
+
+    monkeypatch.setattr(td, "AUTOTUNE", False)
+    q = torch.zeros(3, 8, 1, 64)
+    kv = torch.zeros(4, 2, 700, 64)
+    bounds = torch.zeros(3, 3, dtype=torch.int32)
+    before = dict(td._TUNED)
+    assert td.tuned_config(q, kv, kv, bounds, 0.125, 132) == td.Config(td.choose_splits(3, 2, 700, 132))
+    assert td._TUNED == before

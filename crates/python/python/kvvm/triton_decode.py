@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["Config", "choose_splits", "decode_attention", "tuned_config"]
+__all__ = ["AUTOTUNE", "Config", "choose_splits", "decode_attention", "tuned_config"]
 
 #: Tokens a program reads per iteration, by default.
 BLOCK_N = 64
@@ -55,6 +55,11 @@ _TUNED: dict[tuple[object, ...], Config] = {}
 
 #: Whether kernels run in Triton's interpreter (on CPU tensors).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+#: Whether :func:`tuned_config` measures configurations. Off (``KVVM_TRITON_AUTOTUNE=0``, or
+#: this set to False), it returns :func:`choose_splits`' configuration untimed, as in the
+#: interpreter: one compile per shape instead of one per candidate, a shorter first step.
+AUTOTUNE = os.environ.get("KVVM_TRITON_AUTOTUNE", "1") not in ("", "0")
 
 
 @triton.jit
@@ -293,7 +298,7 @@ def tuned_config(
     measured once on these very inputs (each replayed in a captured graph, as the decode
     step runs it) and remembered; the
     heuristic one while a graph is captured or a compiler traces (nothing may be timed
-    then) and in Triton's interpreter."""
+    then), in Triton's interpreter and without :data:`AUTOTUNE`."""
     batch, heads, _, dim = query.shape
     shape = (batch, heads, key.shape[1], dim, query.dtype, key.shape[2], tuple(key.stride()), multiprocessors)
     found = _TUNED.get(shape)
@@ -301,7 +306,7 @@ def tuned_config(
         return found
     splits = choose_splits(batch, key.shape[1], key.shape[2], multiprocessors)
     default = Config(splits)
-    if _INTERPRETED or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+    if not AUTOTUNE or _INTERPRETED or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
         return default
     candidates = {default}
     # Fewer splits with more warps and stages keep as many bytes in flight with fewer
