@@ -262,3 +262,83 @@ def test_the_tuner_off_gives_the_heuristic_configuration_untimed(monkeypatch: py
     before = dict(td._TUNED)
     assert td.tuned_config(q, kv, kv, bounds, 0.125, 132) == td.Config(td.choose_splits(3, 2, 700, 132))
     assert td._TUNED == before
+
+
+def _misaligned_kv(device: str, dtype: object, slots: int, kv_heads: int, dim: int, shift: int) -> tuple:
+    """K and V strided as the token-major layout (one layer) with a slot stride ``shift``
+    elements past a whole number of tokens, as a reservation of whole granules is when the
+    bytes of a token do not divide it (head dim 96 at 4 layers: 3072 elements a token, 2730.67
+    tokens a slot): slot ``s`` starts ``s * shift`` elements (mod a token) off the rows of
+    slot 0."""
+    import torch
+
+    token = 2 * kv_heads * dim
+    tokens = 10
+    slot = tokens * token + shift
+    flat = torch.randn(slots * slot, device=device, dtype=dtype)  # type: ignore[arg-type]
+    size, stride = (slots, kv_heads, tokens, dim), (slot, dim, token, 1)
+    return flat.as_strided(size, stride, 0), flat.as_strided(size, stride, kv_heads * dim)
+
+
+def _emulated_flash(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used):  # type: ignore[no-untyped-def]
+    """PyTorch's FlashAttention varlen forward as it reads its arguments: request ``b``'s
+    queries are rows ``cu_q[b]..cu_q[b+1]``, its keys rows ``cu_k[b]`` on for ``used[b]``
+    rows (causal: aligned to the last key); an empty request's rows are NaN (the caller must
+    drop them)."""
+    import torch
+
+    out = torch.full_like(q, float("nan"))
+    for b in range(len(cu_q) - 1):
+        n, first = int(used[b]), int(cu_k[b])
+        if n == 0:
+            continue
+        assert 0 <= first and first + n <= k.shape[0], "a read outside the packed rows"
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[int(cu_q[b]) : int(cu_q[b + 1])], k[first : first + n], v[first : first + n]))
+        ql = qs.shape[2]
+        mask = torch.arange(n)[None, :] <= torch.arange(ql)[:, None] + (n - ql) if causal else None
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[int(cu_q[b]) : int(cu_q[b + 1])] = o[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("shift", [0, 16, 40])
+def test_the_flash_path_reads_slots_whose_stride_is_not_whole_tokens(shift: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill's kernel sees the slots as one packed sequence of token rows; where a
+    slot does not start on a whole token of slot 0's rows, the slots are read in classes by
+    their offset (one call each, the other requests reading nothing), no row outside the
+    packed tensor is read, and every request gets SDPA's result over its exact tokens (on the
+    CPU, FlashAttention's varlen call emulated as it reads its arguments)."""
+    import torch
+
+    import kvvm.attend as attend
+
+    monkeypatch.setattr(attend, "_flash_forward", _emulated_flash)
+    torch.manual_seed(7)
+    k, v = _misaligned_kv("cpu", torch.float32, 6, 2, 16, shift)
+    # Slots of every offset class (shift 16: 0, 16, 32, 48 elements into a 64-element token),
+    # in any order, ragged, one empty.
+    bounds = torch.tensor([[3, 0, 10], [0, 2, 9], [1, 4, 4], [4, 1, 7], [2, 0, 5], [5, 3, 10]], dtype=torch.int32)
+    for q_len in (1, 3):
+        q = torch.randn(6, 8, q_len, 16)
+        got = attend._flash(q, k, v, bounds, 0.25)
+        want = attend.attend(q, k, v, bounds, 0.25, kernel="sdpa")
+        assert not got[2].any(), "an empty range gives zeros"
+        assert torch.allclose(got, want, atol=1e-5), (shift, q_len, (got - want).abs().max())
+
+
+@pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")
+def test_the_flash_kernel_reads_slots_whose_stride_is_not_whole_tokens_on_the_gpu() -> None:
+    """PyTorch's FlashAttention itself over slots whose stride is not a whole number of
+    tokens (every offset class), prefill-like (several query tokens, causal) and one."""
+    import torch
+
+    from kvvm.attend import attend
+
+    torch.manual_seed(8)
+    k, v = _misaligned_kv("cuda", torch.bfloat16, 6, 2, 96, 64)
+    bounds = torch.tensor([[3, 0, 10], [0, 2, 9], [1, 4, 4], [4, 1, 7], [2, 0, 5], [5, 3, 10]], dtype=torch.int32, device="cuda")
+    for q_len in (1, 3):
+        q = torch.randn(6, 8, q_len, 96, device="cuda", dtype=torch.bfloat16)
+        got = attend(q, k, v, bounds, kernel="flash").float().cpu()
+        want = attend(q.cpu().float(), k.cpu().float(), v.cpu().float(), bounds.cpu(), kernel="sdpa")
+        assert (got - want).abs().max().item() < 2e-2, q_len
