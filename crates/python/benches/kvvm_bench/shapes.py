@@ -21,8 +21,9 @@ For each shape:
 
 The Triton configuration is :func:`~kvvm.triton_decode.choose_splits`' (untimed: one compile
 per shape) unless ``--tune``, which runs the per-shape tuner the decode step runs by default
-(some 26 compiles per shape). ``--compile`` compiles the step before the capture (a minute or
-more per shape); by default the eager step is captured, its pointwise kernels unfused.
+(up to 26 compiles per shape). ``--compile`` compiles the step before the capture (each
+shape's model its own compile); by default the eager step is captured, its pointwise kernels
+unfused.
 
 Without CUDA (``--device cpu --tiny``, under ``TRITON_INTERPRET=1``): the host backend, the
 kernel in Triton's interpreter and the step run eagerly (a CUDA graph needs CUDA), their
