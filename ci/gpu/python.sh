@@ -10,7 +10,9 @@
 # kvcached`: kvcached 0.1.6 built from the bundle's sdist (gpu-bundle/kvcached-0.1.6.tar.gz), then
 # `python -m kvvm_bench kvcached`, kvvm beside it, arguments in KVCACHED_ARGS; `bash
 # gpu-bundle/python.sh sliding`: a Gemma-3-shaped model to 32k tokens, KvvmCache against
-# DynamicCache, `python -m kvvm_bench sliding`, arguments in SLIDING_ARGS).
+# DynamicCache, `python -m kvvm_bench sliding`, arguments in SLIDING_ARGS; `bash
+# gpu-bundle/python.sh shapes`: the decode kernel and the captured step on every head dim, GQA
+# ratio and dtype, `python -m kvvm_bench shapes`, arguments in SHAPES_ARGS).
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
 # to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
@@ -70,6 +72,11 @@ fi
 if [ "$mode" = sliding ]; then
   echo "== python -m kvvm_bench sliding"
   (cd /tmp && timeout "${SLIDING_TIMEOUT:-420}" python3 -m kvvm_bench sliding --json "$out/bench-sliding.json" ${SLIDING_ARGS:-}) > "$out/bench-sliding.out"
+fi
+if [ "$mode" = shapes ]; then
+  echo "== python -m kvvm_bench shapes"
+  (cd /tmp && timeout "${SHAPES_TIMEOUT:-540}" python3 -m kvvm_bench shapes --commit "$(cat "$repo/gpu-bundle/COMMIT" 2>/dev/null)" \
+    --json "$out/bench-shapes.json" ${SHAPES_ARGS:-}) > "$out/bench-shapes.out"
 fi
 if [ "$mode" = serve ]; then
   echo "== python -m kvvm_bench serve"

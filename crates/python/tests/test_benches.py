@@ -1,11 +1,15 @@
 """The benchmarks that run without a GPU (``crates/python/benches``): ``python -m kvvm_bench
 prefix`` on the simulator; kvvm's side of ``python -m kvvm_bench kvcached`` on the host backend
-(kvcached's side needs a CUDA GPU and is recorded as skipped). Skipped without torch, as
-the rest of the suite."""
+(kvcached's side needs a CUDA GPU and is recorded as skipped); ``python -m kvvm_bench shapes``
+in its tiny mode (the Triton kernel in Triton's interpreter, nothing timed). Skipped without
+torch, as the rest of the suite."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,3 +126,41 @@ def test_sliding_bench_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
     assert long["every_token_bytes"] > 2 * short["every_token_bytes"]
     assert all(r["step_ms"]["p50"] > 0 and r["greedy_agree_with_dynamic"] == 1.0 for r in kv)
     assert all(r["kv_bytes"] > 0 for r in dynamic)
+
+
+def test_shapes_bench_checks_the_kernel_and_the_step_on_the_cpu_untimed(tmp_path: Path) -> None:
+    """``python -m kvvm_bench shapes --tiny --device cpu`` under Triton's interpreter (a process
+    of its own: Triton reads ``TRITON_INTERPRET`` once): the kernel alone against SDPA and the
+    decode step of a model of the shape over a KvvmCache against DynamicCache, at one shape in
+    both dtypes; the timing parts skipped, and the report says so."""
+    pytest.importorskip("torch", reason="skipped: no torch")
+    pytest.importorskip("triton", reason="skipped: no triton")
+    if not host_available():
+        pytest.skip("skipped: no host backend here")
+    out = tmp_path / "shapes.json"
+    benches = str(Path(__file__).resolve().parents[1] / "benches")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [benches, os.environ.get("PYTHONPATH")])))
+    argv = ["shapes", "--tiny", "--device", "cpu", "--head-dims", "96", "--gqa", "8", "--dtypes", "bf16,fp16", "--json", str(out)]
+    r = subprocess.run([sys.executable, "-m", "kvvm_bench", *argv], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    meta = report["meta"]
+    assert meta["timing"].startswith("skipped: no CUDA") and meta["device"].startswith("cpu")
+    assert all(meta[k] for k in ("date", "torch", "triton", "transformers", "kvvm"))
+    assert [(p["head_dim"], p["heads"], p["kv_heads"], p["dtype"]) for p in report["points"]] == [
+        (96, 16, 2, "bf16"), (96, 16, 2, "fp16"),
+    ]
+    for p in report["points"]:
+        tol = 2e-2 if p["dtype"] == "bf16" else 2e-3
+        kernel, step = p["kernel"], p["step"]
+        assert kernel["us_per_call"] is None and "no CUDA" in kernel["note"] and kernel["floor_us"] > 0
+        assert kernel["max_abs_diff"] < tol, kernel
+        assert step["p50_ms"] is None and "no CUDA" in step["note"] and step["floor_ms"] > 0
+        assert step["max_abs_logit_diff"] < tol, step
+        assert 0 < step["argmax_checked"] == step["argmax_agree"], step
+        assert step["live_kv_bytes"] > 0 and step["weight_bytes"] > 0
+        assert p["triton_configs"] and all("untuned" in c for c in p["triton_configs"])
+    rows = report["markdown"].splitlines()
+    assert len(rows) == 4 and rows[2].startswith("| 96 | 16/2 | bf16 |") and rows[3].startswith("| 96 | 16/2 | fp16 |")
+    # One line a shape, the kernel and the step each "not timed".
+    assert r.stderr.count("kernel not timed") == r.stderr.count("step not timed") == 2, r.stderr

@@ -107,10 +107,11 @@ def test_the_flash_kernel_reads_the_window_as_sdpa_does(q_len: int) -> None:
     assert (got.float() - want.float()).abs().max().item() < 2e-2
 
 
-def test_a_slot_stride_of_no_whole_tokens_prefills_with_sdpa_instead_of_flash() -> None:
+def test_a_slot_stride_of_no_whole_tokens_prefills_with_flash_per_class_of_slots() -> None:
     """Gemma 3's sliding layers in bf16 (5 KiB a token here) do not divide a 2 MiB window:
-    the slots are not a whole number of tokens apart, FlashAttention cannot see them as one
-    packed sequence, and ``"auto"`` runs SDPA for the prefill: the reference's logits."""
+    the slots are not a whole number of tokens apart, and ``"auto"``'s FlashAttention prefill
+    makes one call per class of slots (by their offset from a token boundary): the
+    reference's logits."""
     model = build("gemma3", "kvvm").to("cuda", torch.bfloat16)
     reference = build("gemma3", "eager").to("cuda", torch.bfloat16)
     torch.manual_seed(10)

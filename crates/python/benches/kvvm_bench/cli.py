@@ -18,7 +18,9 @@ continuous-batching engine and its peers (:mod:`kvvm_bench.serve`); ``python -m 
 prefix`` times prefix-cache hits by handle size, on any backend (:mod:`kvvm_bench.prefix`);
 ``python -m kvvm_bench engines`` runs engine processes on one device under a broker and under
 fixed fractions (:mod:`kvvm_bench.engines`); ``python -m kvvm_bench sliding`` decodes a
-Gemma-3-shaped model to 32k tokens with KvvmCache and DynamicCache (:mod:`kvvm_bench.sliding`).
+Gemma-3-shaped model to 32k tokens with KvvmCache and DynamicCache (:mod:`kvvm_bench.sliding`);
+``python -m kvvm_bench shapes`` runs the decode kernel and the captured step on every head dim,
+GQA ratio and dtype (:mod:`kvvm_bench.shapes`).
 
 ``--tiny`` runs a small model (what the tests do); the figures that matter come from a GPU.
 """
@@ -342,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvvm_bench import sliding as bench_sliding
 
     bench_sliding.add_args(sub.add_parser("sliding", help="a Gemma-3-shaped model to 32k tokens: KvvmCache vs DynamicCache"))
+    from kvvm_bench import shapes as bench_shapes
+
+    bench_shapes.add_args(sub.add_parser("shapes", help="the decode kernel and the captured step on every head dim, GQA ratio and dtype"))
     from kvvm_bench import kvcached_compare as bench_kvcached
 
     bench_kvcached.add_args(sub.add_parser("kvcached", help="kvvm beside kvcached: give/take times, bytes held, two instances"))
@@ -353,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "kvcached-worker":
         return bench_kvcached.worker(args)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
-        print("python -m kvvm_bench needs a CUDA GPU (serve also runs with --device cpu)", file=sys.stderr)
+        print("python -m kvvm_bench needs a CUDA GPU (serve and shapes also run with --device cpu)", file=sys.stderr)
         return 2
     if args.cmd == "prefix":
         report = bench_prefix.run_prefix_bench(args)
@@ -368,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         report = bench_kvcached.run_kvcached_bench(args)
     elif args.cmd == "sliding":
         report = bench_sliding.run_sliding_bench(args)  # writes --json after every cache
+    elif args.cmd == "shapes":
+        report = bench_shapes.run_shapes_bench(args)  # writes --json after every shape
     else:
         report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)

@@ -16,13 +16,14 @@ device:
 - ``"triton"`` (CUDA, one query token): split-KV decode attention (:mod:`kvvm.triton_decode`);
 - ``"flash"`` (CUDA): PyTorch's FlashAttention varlen kernel with ``seqused_k`` over the
   slots seen as one packed sequence (causal, aligned to each request's end, for several
-  query tokens);
+  query tokens; one call per class of slots where a slot is not a whole number of tokens);
 - ``"sdpa"``: SDPA on each request's exact tokens, one request at a time, lengths read on
   the host (the CPU kernel; on a GPU eager only, a reference).
 
 ``"auto"`` picks ``"triton"`` for one query token on CUDA, ``"flash"`` for more (``"sdpa"``
-for fp32, and where a slot is not a whole number of tokens apart: the packed sequence needs
-it), ``"sdpa"`` on CPU. Measured against each other and against FlexAttention in
+for fp32), ``"sdpa"`` on CPU; under Triton's interpreter (``TRITON_INTERPRET=1``) the CPU runs
+``"triton"`` for one query token too, as CUDA would (how the tests check the decode step
+without a GPU). Measured against each other and against FlexAttention in
 ``docs/python.md``.
 
 Every kernel takes a sliding ``window`` (a query at token ``p`` sees the tokens ``p - window <
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -54,6 +56,8 @@ def kernel_for(
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; one of {KERNELS}")
     if device.type != "cuda":
+        if q_tokens == 1 and kernel in ("auto", "triton") and _interpreted():
+            return "triton"
         return "sdpa"
     if kernel == "flash" and softcap:
         raise ValueError("the flash kernel has no attention-logit soft cap; use 'sdpa' or 'auto'")
@@ -71,6 +75,17 @@ def _has_triton() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def _interpreted() -> bool:
+    """Whether Triton's kernels run in its interpreter, on CPU tensors (read once, as Triton
+    does)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and _has_triton()
+
+
+#: The multiprocessors the interpreter's split count is chosen for (a CPU has none).
+_INTERPRETER_MULTIPROCESSORS = 4
 
 
 @functools.cache
@@ -126,43 +141,65 @@ def _capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(weights, v)
 
 
+def _flash_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+    max_k: int, causal: bool, scale: float, used: torch.Tensor, window: int = 0,
+) -> torch.Tensor:
+    """PyTorch's FlashAttention varlen forward: request ``b``'s queries are rows
+    ``cu_q[b]..cu_q[b+1]`` of ``q``, its keys ``used[b]`` rows of ``k``/``v`` from
+    ``cu_k[b]`` (with a sliding ``window``, each query sees its last ``window`` keys)."""
+    sliding = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
+    out: torch.Tensor = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used, **sliding,
+    )[0]
+    return out
+
+
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
            scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    """FlashAttention varlen over the slots as one packed sequence: slot ``s``'s token ``t``
-    is row ``s * rows_per_slot + t``; each request starts at its slot's ``start`` (with a
-    window, at the first token its earliest query sees) and reads ``end - start`` rows
-    (``seqused_k``)."""
+    """FlashAttention varlen over the slots seen as one packed sequence of token rows: token
+    ``t`` of slot ``s`` is element ``s * S + t * T`` (``S``, ``T``: the slot and token
+    strides), each request reading ``end - start`` rows (``seqused_k``) from its first (with a
+    window, from the first token its earliest query sees; no soft cap).
+
+    A row starts a whole number of tokens from the packed tensor's first element, and a slot
+    need not (a reservation is whole granules, which the bytes of a token need not divide):
+    the slots fall into classes by ``s * S mod T``, each class is one call over the rows
+    shifted by its offset in which the other classes' requests read nothing, and each request
+    takes its own class's output. The classes come from the strides alone (nothing is read
+    on the host); one class, one call, where the slot stride is whole tokens."""
     if softcap:
         raise ValueError("the flash kernel has no attention-logit soft cap")
     batch, heads, q_len, dim = query.shape
-    rows_per_slot, packed = [], []
-    for t in (key, value):
-        if t.stride(0) % t.stride(2) != 0:
-            raise ValueError("the flash kernel needs a slot stride that is a whole number of tokens")
-        per = t.stride(0) // t.stride(2)
-        rows_per_slot.append(per)
-        total = (t.shape[0] - 1) * per + t.shape[2]
-        packed.append(t.as_strided((total, t.shape[1], dim), (t.stride(2), t.stride(1), 1), t.storage_offset()))
-    if rows_per_slot[0] != rows_per_slot[1]:
-        raise ValueError("the flash kernel needs K and V at the same slot stride")
-    ids = torch.arange(batch + 1, device=query.device, dtype=torch.int32)
-    start = bounds[:, 1]
+    slot_stride, token_stride = key.stride(0), key.stride(2)
+    if (value.stride(0), value.stride(2)) != (slot_stride, token_stride):
+        raise ValueError("the flash kernel needs K and V at the same slot and token strides")
+    begin = bounds[:, 1]
     if window:
-        start = torch.maximum(start, bounds[:, 2] - (q_len + window - 1))
-    used = (bounds[:, 2] - start).clamp_min(0).to(torch.int32)
-    first = bounds[:, 0] * rows_per_slot[0] + start
-    last = torch.full((1,), packed[0].shape[0], dtype=torch.int32, device=query.device)
-    cu_k = torch.cat([first, last]).to(torch.int32)
-    cu_q = ids * q_len
+        begin = torch.maximum(begin, bounds[:, 2] - (q_len + window - 1))
+    start = bounds[:, 0].to(torch.int64) * slot_stride + begin.to(torch.int64) * token_stride
+    used = (bounds[:, 2] - begin).clamp_min(0).to(torch.int32)
+    cu_q = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * q_len
     q = query.transpose(1, 2).reshape(batch * q_len, heads, dim)
-    sliding = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
-    out = torch.ops.aten._flash_attention_forward(
-        q, packed[0], packed[1], cu_q, cu_k, q_len, key.shape[2], 0.0, q_len > 1, False,
-        scale=scale, seqused_k=used, **sliding,
-    )[0]
-    out = out.view(batch, q_len, heads, dim)
-    # A request with no tokens reads nothing: zeros, as the other kernels give.
-    return torch.where((used > 0).view(batch, 1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    out = torch.zeros((batch, q_len, heads, dim), dtype=query.dtype, device=query.device)
+    for offset in sorted({s * slot_stride % token_stride for s in range(key.shape[0])}):
+        # Rows from `offset` elements on: every slot of this class starts on one of them.
+        rows = ((key.shape[0] - 1) * slot_stride - offset) // token_stride + key.shape[2]
+        packed = [
+            t.as_strided((rows, t.shape[1], dim), (token_stride, t.stride(1), 1), t.storage_offset() + offset)
+            for t in (key, value)
+        ]
+        mine = start % token_stride == offset
+        first = torch.where(mine, (start - offset) // token_stride, 0)
+        cu_k = torch.cat([first, first.new_full((1,), rows)]).to(torch.int32)
+        part = _flash_forward(
+            q, packed[0], packed[1], cu_q, cu_k, q_len, key.shape[2], q_len > 1, scale, torch.where(mine, used, 0),
+            window,
+        ).view(batch, q_len, heads, dim)
+        # A request of another class, or with no tokens, read nothing: zeros, as the other
+        # kernels give.
+        out = torch.where((mine & (used > 0)).view(batch, 1, 1, 1), part, out)
+    return out
 
 
 def _triton(
@@ -172,8 +209,12 @@ def _triton(
 ) -> torch.Tensor:
     from .triton_decode import decode_attention, tuned_config
 
-    index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    config = tuned_config(query, key, value, bounds, scale, _multiprocessors(index), new)
+    if query.device.type == "cuda":
+        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        multiprocessors = _multiprocessors(index)
+    else:
+        multiprocessors = _INTERPRETER_MULTIPROCESSORS
+    config = tuned_config(query, key, value, bounds, scale, multiprocessors, new)
     return decode_attention(query, key, value, bounds, scale, config, new, window=window, softcap=softcap)
 
 
@@ -185,16 +226,7 @@ def _run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: to
     name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap)
     if name == "triton" and query.shape[2] != 1:
         raise ValueError("the triton kernel takes one query token per request")
-    if name == "flash" and kernel == "auto" and not _packable(key, value):
-        name = "sdpa"
     return _KERNEL_FNS[name](query, key, value, bounds.to(torch.int32), scale, window, softcap)
-
-
-def _packable(key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the flash kernel can see every slot as one packed sequence: a slot stride that
-    is a whole number of tokens (a token of a layer group's bytes need not divide the
-    granule its slots are padded to)."""
-    return all(t.stride(0) % t.stride(2) == 0 and t.stride(0) == key.stride(0) for t in (key, value))
 
 
 @torch.library.custom_op("kvvm::write_attend", mutates_args=())

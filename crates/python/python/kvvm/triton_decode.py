@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["Config", "choose_splits", "decode_attention", "tuned_config"]
+__all__ = ["AUTOTUNE", "Config", "choose_splits", "decode_attention", "tuned_config"]
 
 #: Tokens a program reads per iteration, by default.
 BLOCK_N = 64
@@ -60,6 +60,11 @@ _TUNED: dict[tuple[object, ...], Config] = {}
 #: Whether kernels run in Triton's interpreter (on CPU tensors).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+#: Whether :func:`tuned_config` measures configurations. Off (``KVVM_TRITON_AUTOTUNE=0``, or
+#: this set to False), it returns :func:`choose_splits`' configuration untimed, as in the
+#: interpreter: one compile per shape instead of one per candidate, a shorter first step.
+AUTOTUNE = os.environ.get("KVVM_TRITON_AUTOTUNE", "1") not in ("", "0")
+
 
 @triton.jit
 def _cap(x, softcap):
@@ -86,6 +91,7 @@ def _block(
     BLOCK: tl.constexpr,
     PRECISION: tl.constexpr,
     CAPPED: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One block of tokens ``t..t+BLOCK`` (those below ``hi``) folded into the running
     softmax: returns the new ``(max, sum, accumulator)``."""
@@ -94,6 +100,11 @@ def _block(
     rows = offs_n.to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        # Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns: widened
+        # to fp32 there (on a GPU the tensor cores take bf16 as it is).
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
     if CAPPED:
         qk = _cap(qk, softcap)
@@ -103,7 +114,11 @@ def _block(
     p = tl.exp(qk - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    p = p.to(v.dtype)
+    if UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return m_new, l_new, acc
 
 
@@ -150,6 +165,7 @@ def _partial_kernel(
     SPLITS: tl.constexpr,
     LOOP_WHILE: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     FUSED: tl.constexpr,
     CAPPED: tl.constexpr,
     SLIDING: tl.constexpr,
@@ -201,14 +217,14 @@ def _partial_kernel(
         while t < hi:
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, softcap, BLOCK, PRECISION, CAPPED,
+                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
             )
             t += BLOCK
     else:
         for t in range(lo, hi, BLOCK):
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, softcap, BLOCK, PRECISION, CAPPED,
+                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
             )
 
     if FUSED:
@@ -305,7 +321,7 @@ def tuned_config(
     measured once on these very inputs (each replayed in a captured graph, as the decode
     step runs it) and remembered; the
     heuristic one while a graph is captured or a compiler traces (nothing may be timed
-    then) and in Triton's interpreter."""
+    then), in Triton's interpreter and without :data:`AUTOTUNE`."""
     batch, heads, _, dim = query.shape
     shape = (batch, heads, key.shape[1], dim, query.dtype, key.shape[2], tuple(key.stride()), multiprocessors)
     found = _TUNED.get(shape)
@@ -313,7 +329,7 @@ def tuned_config(
         return found
     splits = choose_splits(batch, key.shape[1], key.shape[2], multiprocessors)
     default = Config(splits)
-    if _INTERPRETED or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+    if not AUTOTUNE or _INTERPRETED or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
         return default
     candidates = {default}
     # Fewer splits with more warps and stages keep as many bytes in flight with fewer
@@ -465,6 +481,8 @@ def decode_attention(
         LOOP_WHILE=_INTERPRETED,
         # fp32 caches get fp32 products (Triton's default for fp32 is TF32).
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # Products in fp32 for bf16 in the interpreter only (see _block).
+        UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
         FUSED=fused,
         CAPPED=bool(softcap),
         SLIDING=bool(window),
