@@ -584,3 +584,55 @@ fn tokens_written_on_the_device_are_published_once_marked_written() {
     assert_eq!(adm.sequence.written_tokens(), 100);
     assert_eq!(cache.admit(&a, 200).unwrap().hit_tokens, 96);
 }
+
+/// A prefix cache's tail is memory the cache gives back under pressure: a request that
+/// published its prompt (which ends inside a window, so the entry has a tail of its own)
+/// grows past what the budget holds beside the tail; the cache gives the tail back and the
+/// request grows; a later hit then takes only the entry's whole windows, copying nothing.
+#[test]
+fn a_cache_tail_is_given_back_under_pressure() {
+    let g = 4096;
+    // Token-major, 512 B a token: 8 tokens a window; blocks of 4 tokens.
+    let geo = tiny(1000);
+    let plan = LayoutPlan::new(geo, KvLayout::TokenMajor, g).unwrap();
+    let w = world(g, Some(6 * g));
+    let cache = PrefixCache::with_config(
+        w.vm.clone(),
+        plan,
+        PrefixCacheConfig::default().block_tokens(4),
+    )
+    .unwrap();
+    // 20 tokens: two whole windows and a tail of 4 tokens.
+    let ids = prompt(20, 1);
+    let mut a = cache.admit(&ids, 64).unwrap();
+    write_prompt(&geo, &mut a.sequence, &ids, 0);
+    assert!(matches!(
+        cache.publish(&mut a.sequence).unwrap(),
+        PublishOutcome::Published { tokens: 20, .. }
+    ));
+    let owned = a.sequence.owned_prefix().cloned().unwrap();
+    assert_eq!(owned.tokens(), 20);
+    assert_eq!(cache.stats().tail_bytes, g);
+    assert_eq!(w.gov.snapshot().device(D0).used(), 4 * g);
+    // 48 tokens hold 6 windows: with the tail, 7 would be over the budget.
+    a.sequence.ensure_tokens(48).unwrap();
+    assert_eq!(cache.stats().tail_bytes, 0);
+    assert_eq!(
+        owned.tokens(),
+        16,
+        "only the whole windows' tokens are handed on now"
+    );
+    check_books(&w, &[&a.sequence], &[&owned]);
+    drop(a);
+    let b = cache.admit(&ids, 64).unwrap();
+    assert_eq!(
+        (b.hit_tokens, b.shared_bytes, b.copied_bytes),
+        (16, 2 * g, 0)
+    );
+    check_prompt(&geo, &b.sequence, &ids[..16]);
+    drop((b, owned));
+    cache.clear();
+    drop(cache);
+    drop(w.vm);
+    assert!(w.sim.ledger().is_empty());
+}

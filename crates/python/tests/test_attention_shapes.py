@@ -280,11 +280,11 @@ def _misaligned_kv(device: str, dtype: object, slots: int, kv_heads: int, dim: i
     return flat.as_strided(size, stride, 0), flat.as_strided(size, stride, kv_heads * dim)
 
 
-def _emulated_flash(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used):  # type: ignore[no-untyped-def]
+def _emulated_flash(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used, window=0):  # type: ignore[no-untyped-def]
     """PyTorch's FlashAttention varlen forward as it reads its arguments: request ``b``'s
     queries are rows ``cu_q[b]..cu_q[b+1]``, its keys rows ``cu_k[b]`` on for ``used[b]``
-    rows (causal: aligned to the last key); an empty request's rows are NaN (the caller must
-    drop them)."""
+    rows (causal: aligned to the last key; with ``window``, each query its last ``window``
+    keys); an empty request's rows are NaN (the caller must drop them)."""
     import torch
 
     out = torch.full_like(q, float("nan"))
@@ -296,6 +296,10 @@ def _emulated_flash(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, used):  # 
         qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[int(cu_q[b]) : int(cu_q[b + 1])], k[first : first + n], v[first : first + n]))
         ql = qs.shape[2]
         mask = torch.arange(n)[None, :] <= torch.arange(ql)[:, None] + (n - ql) if causal else None
+        if window:
+            # Each query sees its last `window` keys (FlashAttention's window_size_left + 1).
+            seen = torch.arange(n)[None, :] > torch.arange(ql)[:, None] + (n - ql) - window
+            mask = seen if mask is None else mask & seen
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[int(cu_q[b]) : int(cu_q[b + 1])] = o[0].transpose(0, 1)
     return out
@@ -319,11 +323,12 @@ def test_the_flash_path_reads_slots_whose_stride_is_not_whole_tokens(shift: int,
     # in any order, ragged, one empty.
     bounds = torch.tensor([[3, 0, 10], [0, 2, 9], [1, 4, 4], [4, 1, 7], [2, 0, 5], [5, 3, 10]], dtype=torch.int32)
     for q_len in (1, 3):
-        q = torch.randn(6, 8, q_len, 16)
-        got = attend._flash(q, k, v, bounds, 0.25)
-        want = attend.attend(q, k, v, bounds, 0.25, kernel="sdpa")
-        assert not got[2].any(), "an empty range gives zeros"
-        assert torch.allclose(got, want, atol=1e-5), (shift, q_len, (got - want).abs().max())
+        for window in (0, 4):
+            q = torch.randn(6, 8, q_len, 16)
+            got = attend._flash(q, k, v, bounds, 0.25, window)
+            want = attend.attend(q, k, v, bounds, 0.25, kernel="sdpa", window=window)
+            assert not got[2].any(), "an empty range gives zeros"
+            assert torch.allclose(got, want, atol=1e-5), (shift, q_len, window, (got - want).abs().max())
 
 
 @pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")

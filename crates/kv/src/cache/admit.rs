@@ -8,6 +8,7 @@ use std::sync::Arc;
 use kvvm_layout::evaluate_prefix_shareability;
 
 use crate::error::KvCacheError;
+use crate::sequence::prefix_home::TailPins;
 use crate::sequence::{AttachedSegment, PendingPublish, SequenceKv};
 
 use super::records::{Admission, AdmissionInfo};
@@ -102,6 +103,8 @@ impl PrefixCache {
         let hashes = self.block_hashes(token_ids);
         let blocks = hashes.len() as u64;
         let (hit_tokens, segments) = self.longest_hit(token_ids, &hashes);
+        // The tails copied from are not given back under pressure until the copy is done.
+        let _pins = TailPins::new(segments.iter().map(|s| &s.prefix));
         let hit_tokens = hit_tokens.min(seq.chain_tokens(&segments));
         let readonly_end = seq.readonly_end(&segments, hit_tokens);
         let shared_bytes = seq.attach_chain(&segments, readonly_end)?;
@@ -195,6 +198,7 @@ impl PrefixCache {
             verdict,
             self.config.handle_windows.max(1),
         )?;
+        owned.mark_cache_tail();
         let mut all = kept;
         all.push(AttachedSegment {
             end_window: owned.end_window(),

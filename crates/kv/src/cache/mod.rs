@@ -296,9 +296,12 @@ impl PrefixCache {
         }
         out.cached_entries = st.entries.len() as u64;
         out.cached_bytes = cached;
-        out.idle_bytes = cache_only(&st)
-            .values()
-            .fold(0u64, |a, b| a.saturating_add(*b));
+        let idle = cache_only(&st);
+        out.idle_bytes = idle.values().fold(0u64, |a, b| a.saturating_add(*b));
+        out.tail_bytes = in_use(&st, &idle)
+            .iter()
+            .map(|p| p.releasable_tail_bytes())
+            .fold(0u64, u64::saturating_add);
         out
     }
 
@@ -378,10 +381,57 @@ impl PrefixCache {
             let after = self.vm.governor().snapshot().device(device).used();
             freed = before.saturating_sub(after);
         }
+        if freed < bytes {
+            freed = freed.saturating_add(self.release_tails(bytes - freed, pooled));
+        }
         self.lock().stats.evicted_bytes += freed;
         tracing::debug!(freed, "prefix cache evicted");
         freed
     }
+}
+
+impl PrefixCache {
+    /// Gives back the tails of entries still in use, least recently used first, until `bytes`
+    /// were freed (their entries then hand on their read-only windows' tokens only). Returns
+    /// the bytes freed, measured on the governor.
+    fn release_tails(&self, bytes: u64, pooled: u64) -> u64 {
+        let device = self.vm.device();
+        let before = self.vm.governor().snapshot().device(device).used();
+        let prefixes: Vec<Arc<SharedDevicePrefix>> = {
+            let st = self.lock();
+            let idle = cache_only(&st);
+            in_use(&st, &idle)
+        };
+        let mut freed = 0u64;
+        for p in prefixes {
+            if freed >= bytes {
+                break;
+            }
+            if p.release_tail() > 0 {
+                self.vm.trim_pool(pooled);
+                let after = self.vm.governor().snapshot().device(device).used();
+                freed = before.saturating_sub(after);
+            }
+        }
+        freed
+    }
+}
+
+/// The segments of entries still in use (not idle: `idle` is [`cache_only`]'s), least recently
+/// used entry first, each once.
+fn in_use(st: &State, idle: &HashMap<usize, u64>) -> Vec<Arc<SharedDevicePrefix>> {
+    let mut entries: Vec<&Entry> = st.entries.values().collect();
+    entries.sort_by_key(|e| e.last_used);
+    let mut seen = HashSet::new();
+    entries
+        .iter()
+        .flat_map(|e| e.segments.iter())
+        .filter(|s| {
+            let key = Arc::as_ptr(&s.prefix) as usize;
+            !idle.contains_key(&key) && seen.insert(key)
+        })
+        .map(|s| Arc::clone(&s.prefix))
+        .collect()
 }
 
 /// The segments only cache entries hold (no sequence maps or holds them, no caller keeps a
@@ -413,12 +463,15 @@ impl Reclaimer for PrefixCache {
         self.evict_inner(bytes)
     }
 
-    /// The idle prefixes' bytes ([`PrefixCacheStats::idle_bytes`]): what eviction gives back.
+    /// The idle prefixes' bytes and the tails the cache may give back
+    /// ([`PrefixCacheStats::idle_bytes`], [`PrefixCacheStats::tail_bytes`]): what eviction
+    /// gives back.
     fn reclaimable(&self, device: DeviceId) -> u64 {
         if device != self.vm.device() {
             return 0;
         }
-        self.stats().idle_bytes
+        let s = self.stats();
+        s.idle_bytes.saturating_add(s.tail_bytes)
     }
 }
 

@@ -87,6 +87,10 @@ pub struct PrefixCacheStats {
     /// Of those, bytes only the cache holds (no live sequence maps or holds them): what
     /// eviction frees now, and what the governor counts as available.
     pub idle_bytes: u64,
+    /// Of the rest, the tails of entries still in use (their bytes past their read-only
+    /// windows, in memory of their own) that the cache may give back under pressure: the
+    /// entry then hands on only its read-only windows' tokens.
+    pub tail_bytes: u64,
     /// Prefixes evicted (by the LRU cap or the governor's reclaim).
     pub evictions: u64,
     /// Physical bytes freed by eviction.

@@ -93,20 +93,20 @@ impl SequenceKv {
                 committed: self.committed_tokens,
             });
         }
-        let copies = self.chain_copies(segments, tokens)?;
-        let bytes = copy_rows(&self.vm, &copies)?;
+        let bytes = self.copy_segments(segments, tokens)?;
         self.set_attached_prefix_tokens(tokens);
         Ok(bytes)
     }
 
-    /// The row copies of [`copy_chain`](Self::copy_chain): per segment, the bytes of
+    /// The copies of [`copy_chain`](Self::copy_chain): per segment, the bytes of
     /// `[readonly end, tokens)` that segment holds (its windows; the last one's tail too), one
-    /// row per fragment.
-    fn chain_copies(
+    /// row per fragment, from its home view with the view's lock held. Returns the bytes
+    /// copied.
+    fn copy_segments(
         &self,
         segments: &[AttachedSegment],
         tokens: u64,
-    ) -> Result<Vec<RowCopy>, KvCacheError> {
+    ) -> Result<u64, KvCacheError> {
         let g = self.plan.granule();
         let b = self.plan.fragment_bytes_per_token();
         let want_end = mul(tokens, b, "prefix bytes")?;
@@ -116,7 +116,7 @@ impl SequenceKv {
             b,
             "forgotten bytes",
         )?);
-        let mut copies = Vec::new();
+        let mut bytes = 0u64;
         for (i, s) in segments.iter().enumerate() {
             let last = i + 1 == segments.len();
             let held_end = if last {
@@ -129,17 +129,21 @@ impl SequenceKv {
                 continue;
             }
             let in_windows = from < mul(s.prefix.end_window(), g, "segment end")?;
-            let home = s.prefix.home_address(&self.vm, in_windows)?;
-            copies.push(RowCopy {
-                dst: DeviceAddress(add(self.address().0, from, "copy destination")?),
-                dst_pitch: self.plan.slice_stride(),
-                src: DeviceAddress(add(home.0, from, "copy source")?),
-                src_pitch: self.plan.slice_stride(),
-                width: to - from,
-                rows: self.plan.slice_count(),
-            });
+            let dst = add(self.address().0, from, "copy destination")?;
+            let copied = s.prefix.with_home(&self.vm, in_windows, |home| {
+                let row = RowCopy {
+                    dst: DeviceAddress(dst),
+                    dst_pitch: self.plan.slice_stride(),
+                    src: DeviceAddress(add(home.0, from, "copy source")?),
+                    src_pitch: self.plan.slice_stride(),
+                    width: to - from,
+                    rows: self.plan.slice_count(),
+                };
+                copy_rows(&self.vm, &[row])
+            })?;
+            bytes = bytes.saturating_add(copied);
             from = to;
         }
-        Ok(copies)
+        Ok(bytes)
     }
 }

@@ -8,6 +8,17 @@
 //! prefix lies at the same offset from the view's base as from a sequence's. It costs address
 //! space and one mapping per handle, no physical byte of its own. It is made at the first need
 //! and dropped with the prefix.
+//!
+//! A tail made for a prefix cache's entry is memory the cache may give back under pressure
+//! ([`SharedDevicePrefix::release_tail`]): the entry then hands on only the tokens of its
+//! read-only windows. Copies read the view with its lock held, and an admission pins the tails
+//! it copies from ([`TailPins`]), so a tail is never given back under a copy.
+//!
+//! Lock order: a prefix cache's lock, then a prefix's home lock. The one call made with a home
+//! lock held that may reach a cache's lock is the tail's commit when the owner seals
+//! ([`SharedDevicePrefix::capture_tail`]: a grant may ask the governor's reclaimers); a prefix
+//! being sealed is in no cache yet (a cache takes only sealed prefixes), so no thread holding
+//! a cache's lock waits for its home lock.
 
 use std::sync::{Arc, MutexGuard};
 
@@ -28,8 +39,37 @@ pub(crate) struct Home {
     /// Handles of the read-only set mapped in the view (each mapping holds one reference).
     pub(crate) set_mappings: u64,
     /// The tail's handles: windows `[end_window, tail_end_window)` of every fragment, holding
-    /// the prefix's bytes up to its last token; `None` until captured (or imported).
+    /// the prefix's bytes up to its last token; `None` until captured (or imported), and
+    /// after it was given back.
     pub(crate) tail: Option<Arc<SharedHandles>>,
+    /// The tail belongs to a prefix cache's entry, which may give it back under pressure.
+    cache_tail: bool,
+    /// Admissions copying from the tail now: it is not given back meanwhile.
+    pins: u64,
+}
+
+/// The tails of a chain of segments pinned while an admission copies from them: none is given
+/// back under pressure until the pins are dropped.
+pub(crate) struct TailPins(Vec<Arc<SharedDevicePrefix>>);
+
+impl TailPins {
+    /// Pins every tail of `prefixes`.
+    pub(crate) fn new<'a>(prefixes: impl Iterator<Item = &'a Arc<SharedDevicePrefix>>) -> Self {
+        let held: Vec<Arc<SharedDevicePrefix>> = prefixes.cloned().collect();
+        for p in &held {
+            p.lock_home().pins += 1;
+        }
+        TailPins(held)
+    }
+}
+
+impl Drop for TailPins {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let mut home = p.lock_home();
+            home.pins = home.pins.saturating_sub(1);
+        }
+    }
 }
 
 impl SharedDevicePrefix {
@@ -40,15 +80,17 @@ impl SharedDevicePrefix {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Base address of the home view, made in `vm` (the prefix's manager) if it was not yet:
+    /// Runs `copy` with the base address of the home view, its lock held (nothing is given
+    /// back under the copy), the view made in `vm` (the prefix's manager) if it was not yet:
     /// the prefix's byte at offset `o` of a sequence lies at `o` from it. The tail is mapped
     /// there from the start; the read-only windows only once `readonly` asks for them (a copy
     /// of bytes inside them, for a hit that maps fewer windows than the prefix has).
-    pub(crate) fn home_address(
+    pub(crate) fn with_home<T>(
         &self,
         vm: &VirtualMemory,
         readonly: bool,
-    ) -> Result<DeviceAddress, KvCacheError> {
+        copy: impl FnOnce(DeviceAddress) -> Result<T, KvCacheError>,
+    ) -> Result<T, KvCacheError> {
         let mut home = self.lock_home();
         let base = self.view_in(vm, &mut home)?;
         if readonly && home.set_mappings == 0 && !self.set.is_empty() {
@@ -56,7 +98,53 @@ impl SharedDevicePrefix {
             view.map_shared_ranges(&self.set, &whole(&self.set), Access::Read)?;
             home.set_mappings = self.set.handle_count() as u64;
         }
-        Ok(base)
+        copy(base)
+    }
+
+    /// Marks the tail, once made, as a prefix cache's entry's: the cache may give it back
+    /// under pressure ([`release_tail`](Self::release_tail)).
+    pub(crate) fn mark_cache_tail(&self) {
+        self.lock_home().cache_tail = true;
+    }
+
+    /// Bytes of a tail the cache may give back now (a cache's, not pinned by an admission).
+    pub(crate) fn releasable_tail_bytes(&self) -> u64 {
+        let home = self.lock_home();
+        match &home.tail {
+            Some(t) if home.cache_tail && home.pins == 0 => t.bytes(),
+            _ => 0,
+        }
+    }
+
+    /// Gives back the tail of a prefix cache's entry that no admission is copying from: its
+    /// windows are unmapped from the home view and its handles released (the pool or the
+    /// driver; the governor credited). The prefix then hands on only the tokens of its
+    /// read-only windows ([`tokens`](Self::tokens)). Returns the bytes given back (0: none, or
+    /// pinned, or not the cache's to give back, or an unmap failed and left it recorded).
+    pub(crate) fn release_tail(&self) -> u64 {
+        let mut home = self.lock_home();
+        if !home.cache_tail || home.pins > 0 {
+            return 0;
+        }
+        let Some(tail) = home.tail.take() else {
+            return 0;
+        };
+        let g = self.plan.granule();
+        let ranges: Vec<(u64, u64)> = tail
+            .pieces()
+            .iter()
+            .map(|p| (p.offset, p.windows.saturating_mul(g)))
+            .collect();
+        if let Some(view) = home.view.as_mut() {
+            if let Err(e) = view.release_ranges(&ranges) {
+                tracing::warn!(error = %e, "giving a prefix's tail back failed; it stays");
+                home.tail = Some(tail);
+                return 0;
+            }
+        }
+        let bytes = tail.bytes();
+        drop(tail);
+        bytes
     }
 
     /// Whether nothing but this prefix holds its read-only handles: no sequence maps them and
