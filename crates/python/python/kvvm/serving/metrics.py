@@ -23,6 +23,11 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+def _num(value: float) -> str:
+    """A sample value, exact (an integer as an integer, never in exponent form)."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
 def _labels(labels: dict[str, str]) -> str:
     if not labels:
         return ""
@@ -33,13 +38,13 @@ def _labels(labels: dict[str, str]) -> str:
 def render_counter(name: str, help_text: str, values: Iterable[tuple[dict[str, str], float]]) -> str:
     """A counter family in the text format."""
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
-    lines += [f"{name}{_labels(labels)} {value:g}" for labels, value in values]
+    lines += [f"{name}{_labels(labels)} {_num(value)}" for labels, value in values]
     return "\n".join(lines) + "\n"
 
 
 def render_gauge(name: str, help_text: str, value: float) -> str:
     """One gauge in the text format."""
-    return f"# HELP {name} {help_text}\n# TYPE {name} gauge\n{name} {value:g}\n"
+    return f"# HELP {name} {help_text}\n# TYPE {name} gauge\n{name} {_num(value)}\n"
 
 
 class Histogram:

@@ -60,10 +60,13 @@ def _finish(r: Request) -> str:
 
 
 class OpenAIServer:
-    """The application (:attr:`app`) and its counters over ``engine``."""
+    """The application (:attr:`app`) and its counters over ``engine``. With
+    ``manage_engine`` (the default) the application's lifespan starts the engine's background
+    loop and stops it; without, the caller does (several applications over one engine)."""
 
-    def __init__(self, engine: Any, config: ServerConfig) -> None:
+    def __init__(self, engine: Any, config: ServerConfig, manage_engine: bool = True) -> None:
         self.engine = engine
+        self.manage_engine = manage_engine
         self.tokenizer = engine.tokenizer
         self.config = config
         self.created = int(time.time())
@@ -83,6 +86,9 @@ class OpenAIServer:
 
     @asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        if not self.manage_engine:
+            yield
+            return
         self.engine.start()
         try:
             yield
