@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--operator-key", action="append", default=[], help="a key that reads /metrics (also KVVM_OPERATOR_KEYS)")
     p.add_argument("--allow-unauthenticated", action="store_true", help="listen on a non-loopback address without keys")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--switch-interval", type=float, default=0.001,
+                   help="sys.setswitchinterval: how soon the engine's loop gets the GIL back from the HTTP thread")
     return p
 
 
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if not _loopback(args.host) and not keys and not args.allow_unauthenticated:
         print(f"refusing to listen on {args.host} without API keys (--api-key, or --allow-unauthenticated)", file=sys.stderr)
         return 2
+    sys.setswitchinterval(args.switch_interval)
     sock = bind(args.host, args.port)
     engine, server = build(args)
     port = sock.getsockname()[1]
