@@ -20,7 +20,10 @@ prefix`` times prefix-cache hits by handle size, on any backend (:mod:`kvvm_benc
 fixed fractions (:mod:`kvvm_bench.engines`); ``python -m kvvm_bench sliding`` decodes a
 Gemma-3-shaped model to 32k tokens with KvvmCache and DynamicCache (:mod:`kvvm_bench.sliding`);
 ``python -m kvvm_bench shapes`` runs the decode kernel and the captured step on every head dim,
-GQA ratio and dtype (:mod:`kvvm_bench.shapes`).
+GQA ratio and dtype (:mod:`kvvm_bench.shapes`); ``python -m kvvm_bench http`` replays a trace
+through the engine directly and through its OpenAI-compatible server (:mod:`kvvm_bench.http_serve`);
+``python -m kvvm_bench sampling`` times the engine's step with sampling on against greedy
+(:mod:`kvvm_bench.sampling_step`).
 
 ``--tiny`` runs a small model (what the tests do); the figures that matter come from a GPU.
 """
@@ -351,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_kvcached.add_args(sub.add_parser("kvcached", help="kvvm beside kvcached: give/take times, bytes held, two instances"))
     bench_kvcached.worker_args(sub.add_parser("kvcached-worker", help="one process of `kvcached` (started by it)"))
+    from kvvm_bench import http_serve, sampling_step
+
+    http_serve.add_args(sub.add_parser("http", help="a trace through the engine directly and through its OpenAI server"))
+    sampling_step.add_args(sub.add_parser("sampling", help="the engine's decode step with sampling on against greedy"))
     args = ap.parse_args(argv)
     if args.cmd == "engines-worker":
         print(json.dumps(engines.worker(args)), flush=True)
@@ -358,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "kvcached-worker":
         return bench_kvcached.worker(args)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
-        print("python -m kvvm_bench needs a CUDA GPU (serve and shapes also run with --device cpu)", file=sys.stderr)
+        print("python -m kvvm_bench needs a CUDA GPU (serve, http, sampling and shapes also run with --device cpu)",
+              file=sys.stderr)
         return 2
     if args.cmd == "prefix":
         report = bench_prefix.run_prefix_bench(args)
@@ -375,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         report = bench_sliding.run_sliding_bench(args)  # writes --json after every cache
     elif args.cmd == "shapes":
         report = bench_shapes.run_shapes_bench(args)  # writes --json after every shape
+    elif args.cmd == "http":
+        report = http_serve.run_http_bench(args)  # writes --json after each run
+    elif args.cmd == "sampling":
+        report = sampling_step.run_sampling_bench(args)  # writes --json after every configuration
     else:
         report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)
