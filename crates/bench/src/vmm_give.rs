@@ -76,6 +76,8 @@ pub struct GiveRow {
     pub warm: GiveCase,
     /// One handle of `bytes`: create, map, set access.
     pub one_handle: Stats,
+    /// The manager's pool cap and largest handle.
+    pub pool_and_max_handle: (u64, u64),
 }
 
 impl GiveRow {
@@ -148,6 +150,7 @@ pub(crate) fn measure_gives(
         clock: &clock,
         raw: &raw,
         rounds: (warmup, iterations),
+        pool_and_max_handle: (config.pool_bytes, config.max_handle_bytes),
     };
     for (tokens, bytes) in sizes {
         if let Some(row) = measure.row(&mut res, tokens, bytes)? {
@@ -166,6 +169,7 @@ struct Measure<'a> {
     clock: &'a CallClock,
     raw: &'a RawRange<'a>,
     rounds: (usize, usize),
+    pool_and_max_handle: (u64, u64),
 }
 
 /// One case's samples over the measured rounds.
@@ -223,6 +227,7 @@ impl Measure<'_> {
             cold,
             warm,
             one_handle,
+            pool_and_max_handle: self.pool_and_max_handle,
         }))
     }
 
@@ -279,10 +284,14 @@ pub(crate) fn gives_markdown(s: &mut String, rows: &[GiveRow]) {
     if rows.is_empty() {
         return;
     }
+    let (pool, max_handle) = rows.first().map_or((0, 0), |r| r.pool_and_max_handle);
     let _ = writeln!(
         s,
         "\n### Giving a request N tokens: cold (pool emptied first) vs warm (the pool as the \
-         last give left it) vs one handle of the same bytes\n"
+         last give left it) vs one handle of the same bytes (pool cap {}, handles of at most \
+         {})\n",
+        fmt_bytes(pool),
+        fmt_bytes(max_handle)
     );
     let _ = writeln!(
         s,

@@ -44,6 +44,10 @@ pub struct VmmBenchArgs {
     /// Bytes of KV per token for the gives (default 128KiB: Llama-3.1-8B in bf16).
     #[arg(long, value_parser = flags::size_in(1, 1 << 40))]
     bytes_per_token: Option<u64>,
+    /// Pool cap of the manager the gives are measured through (`VmmConfig::pool_cap_bytes`;
+    /// default 1GiB, the manager's default).
+    #[arg(long, value_parser = flags::size_in(0, u64::MAX))]
+    give_pool: Option<u64>,
     /// Largest handle the manager creates (`VmmConfig::max_handle_bytes`; default 512MiB).
     #[arg(long, value_parser = flags::size_in(1, u64::MAX))]
     max_handle: Option<u64>,
@@ -166,6 +170,8 @@ fn give_json(g: &GiveRow) -> Value {
         "one_handle": stats(&Some(g.one_handle)),
         "warm_over_cold": g.warm_over_cold(),
         "cold_over_one_handle": g.cold_over_one_handle(),
+        "pool_cap_bytes": g.pool_and_max_handle.0,
+        "max_handle_bytes": g.pool_and_max_handle.1,
     })
 }
 
@@ -227,6 +233,9 @@ pub fn run(args: &VmmBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     }
     if let Some(b) = args.bytes_per_token {
         config.gives.bytes_per_token = b;
+    }
+    if let Some(p) = args.give_pool {
+        config.gives.pool_bytes = p;
     }
     config.latency_spent = spent && backend.name() == "sim";
     let progress = Progress::start("bench vmm", None);
