@@ -235,3 +235,32 @@ proptest! {
         prop_assert!(t.sim.ledger().is_empty());
     }
 }
+
+/// Under a budget with no room for a fresh handle, a commit that does not take the pooled
+/// handles (on the H200's costs they cost more mappings than one create) has the pool release
+/// what the grant needs (the governor's reclaimer: evict before refusing) and creates its
+/// handle; with a dear create the same commit maps the pooled handles instead and nothing is
+/// released. Either way the books equal the driver's.
+#[test]
+fn under_a_tight_budget_the_pool_gives_way_or_serves_by_the_model() {
+    for (model, from_pool, released) in [(LatencyModel::h200(), 0, 2), (dear_create(), 8, 0)] {
+        let mut c = WorldConfig::new(G);
+        c.capacity_granules = 64;
+        c.budget_granules = Some(12);
+        c.pool_granules = 8;
+        c.max_handle_granules = 8;
+        c.commit_cost = model;
+        let w = World::new(c);
+        pool_handles(&w, 4, 2);
+        let mut r = w.vm.reserve(8 * w.g).unwrap();
+        w.sim.reset_counters();
+        let commit = r.commit(8 * w.g).unwrap();
+        assert_eq!(commit.from_pool, from_pool);
+        assert_eq!(w.sim.calls(Operation::Release), released);
+        let d = w.gov.snapshot().device(D0);
+        assert_eq!(d.committed, 8 * w.g);
+        assert_eq!(d.pooled, (8 - from_pool - 2 * released) * w.g);
+        assert!(d.committed + d.pooled <= 12 * w.g, "within the budget");
+        w.check(&[&r]);
+    }
+}
