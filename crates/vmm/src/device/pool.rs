@@ -40,6 +40,12 @@ impl Free {
         Some(h)
     }
 
+    /// Puts a free handle of `size` bytes in.
+    fn push(&mut self, size: u64, handle: PhysicalHandle) {
+        self.by_size.entry(size).or_default().push(handle);
+        self.bytes = self.bytes.saturating_add(size);
+    }
+
     /// The sizes (bytes, largest first) of the fewest free handles of power-of-two numbers of
     /// `g`-byte windows, each smaller than `bytes`, that add up to `bytes` exactly, if at most
     /// `most` of them do. Largest first, each one starts at a multiple of its own size from
@@ -130,10 +136,20 @@ impl HandlePool {
         let Some(sizes) = free.tiling(bytes, g, most) else {
             return Vec::new();
         };
-        sizes
+        let taken: Vec<(u64, PhysicalHandle)> = sizes
             .into_iter()
             .filter_map(|size| free.pop(size).map(|h| (size / g, h)))
-            .collect()
+            .collect();
+        let covered = taken.iter().map(|t| t.0).fold(0u64, u64::saturating_add);
+        if covered != windows {
+            // Cannot happen (the tiling was counted under this lock), but a piece is served
+            // whole or not at all: put them back.
+            for (n, h) in taken {
+                free.push(n.saturating_mul(g), h);
+            }
+            return Vec::new();
+        }
+        taken
     }
 
     /// Puts handles taken by [`take_for`](Self::take_for) back (accounted as pooled all along);
@@ -160,8 +176,7 @@ impl HandlePool {
             if self.held(&free).saturating_add(size) <= free.cap_bytes {
                 // Account before the handle becomes visible to other threads.
                 ctx.account(source.settle(ctx, Bucket::Pooled, size));
-                free.by_size.entry(size).or_default().push(handle);
-                free.bytes = free.bytes.saturating_add(size);
+                free.push(size, handle);
                 return Ok(0);
             }
         }
