@@ -5,8 +5,8 @@
 //! (create one handle, map it, set access: the driver's limit). The three are measured side
 //! by side, round by round, in a rotating order, on the same backend. Each give's driver calls
 //! are timed one by one ([`CallClock`]), so that the report says where warm and cold differ
-//! (fewer creates, more or fewer mappings, a slower set access). Each give is followed by an
-//! untimed release.
+//! (fewer creates, more or fewer mappings, a slower set access). Each give is followed by its
+//! release (the take), timed apart.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -53,6 +53,8 @@ impl Default for GiveConfig {
 pub struct GiveCase {
     /// The commit's time.
     pub time: Stats,
+    /// The release that follows it (handles to the pool up to its cap, the rest released).
+    pub take: Stats,
     /// Its driver calls and their time, per give (the mean over the measured rounds).
     pub calls: CallTimes,
     /// Mappings the commit made (`Commit::mappings`, the last round).
@@ -176,6 +178,7 @@ struct Measure<'a> {
 #[derive(Default)]
 struct Samples {
     times: Vec<Duration>,
+    takes: Vec<Duration>,
     calls: CallTimes,
     last: (u64, u64, u64),
 }
@@ -183,8 +186,10 @@ struct Samples {
 impl Samples {
     fn case(self, rounds: usize) -> Option<GiveCase> {
         let n = u64::try_from(rounds).unwrap_or(u64::MAX);
+        let take = Stats::from_samples(self.takes)?;
         Stats::from_samples(self.times).map(|time| GiveCase {
             time,
+            take,
             calls: self.calls.per(n),
             mappings: self.last.0,
             from_pool_bytes: self.last.1,
@@ -232,7 +237,7 @@ impl Measure<'_> {
     }
 
     /// One give of `bytes` in `res` (the pool emptied first when `cold`), then its release
-    /// (untimed); recorded into `into` when measured.
+    /// (timed apart); recorded into `into` when measured.
     fn give(
         &self,
         res: &mut Reservation,
@@ -249,9 +254,12 @@ impl Measure<'_> {
         let commit = res.commit(bytes)?;
         let took = t0.elapsed();
         let calls = self.clock.take();
+        let t1 = Instant::now();
         res.release()?;
+        let take = t1.elapsed();
         if let Some(s) = into {
             s.times.push(took);
+            s.takes.push(take);
             s.calls.add(&calls);
             let from_pool = commit.from_pool.saturating_mul(self.vm.granule());
             s.last = (commit.mappings, from_pool, pooled_before);
@@ -295,7 +303,7 @@ pub(crate) fn gives_markdown(s: &mut String, rows: &[GiveRow]) {
     );
     let _ = writeln!(
         s,
-        "| tokens | bytes | cold p50 | cold p90 | warm p50 | warm p90 | one handle p50 | warm / cold | cold / one handle | mappings cold / warm | pooled before warm | from pool (warm) | cold: creates / maps / set accesses | warm: creates / maps / set accesses |"
+        "| tokens | bytes | cold p50 | cold p90 | warm p50 | warm p90 | one handle p50 | warm / cold | cold / one handle | take p50 cold / warm | mappings cold / warm | pooled before warm | from pool (warm) | cold: creates / maps / set accesses | warm: creates / maps / set accesses |"
     );
     let _ = writeln!(
         s,
@@ -304,7 +312,7 @@ pub(crate) fn gives_markdown(s: &mut String, rows: &[GiveRow]) {
     for r in rows {
         let _ = writeln!(
             s,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} | {} | {} | {} |",
             r.tokens,
             fmt_bytes(r.bytes),
             us(r.cold.time.median),
@@ -314,6 +322,8 @@ pub(crate) fn gives_markdown(s: &mut String, rows: &[GiveRow]) {
             us(r.one_handle.median),
             ratio(r.warm.time.median, r.cold.time.median),
             ratio(r.cold.time.median, r.one_handle.median),
+            us(r.cold.take.median),
+            us(r.warm.take.median),
             r.cold.mappings,
             r.warm.mappings,
             fmt_bytes(r.warm.pooled_before),

@@ -153,6 +153,7 @@ fn give_case(c: &GiveCase) -> Value {
         .collect();
     json!({
         "time": stats(&Some(c.time)),
+        "take": stats(&Some(c.take)),
         "mappings": c.mappings,
         "from_pool_bytes": c.from_pool_bytes,
         "pooled_before": c.pooled_before,

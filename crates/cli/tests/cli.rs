@@ -251,6 +251,7 @@ fn bench_vmm_reports_warm_and_cold_gives_against_one_handle() {
         assert_eq!(g["warm"]["calls_per_give"]["create"]["calls"], 0, "{g}");
         assert_eq!(g["cold"]["first_call"]["op"], "create", "{g}");
         assert_eq!(g["warm"]["first_call"]["op"], "map", "{g}");
+        assert!(g["warm"]["take"]["p50_us"].as_f64().unwrap() > 0.0, "{g}");
     }
 }
 
