@@ -33,6 +33,10 @@ pub struct GiveConfig {
     pub pool_bytes: u64,
     /// The manager's largest handle (`VmmConfig::max_handle_bytes`; 512 MiB, the default).
     pub max_handle_bytes: u64,
+    /// Whether each give (cold and warm) is preceded by an untimed query of the device's
+    /// memory (`memory_info`, `cuMemGetInfo` on CUDA): a driver that defers the freeing of
+    /// released handles to its next call then does it there, not in the give.
+    pub settle: bool,
 }
 
 impl Default for GiveConfig {
@@ -44,6 +48,7 @@ impl Default for GiveConfig {
             bytes_per_token: 128 << 10,
             pool_bytes: VmmConfig::default().pool_cap_bytes,
             max_handle_bytes: VmmConfig::default().max_handle_bytes,
+            settle: false,
         }
     }
 }
@@ -80,6 +85,8 @@ pub struct GiveRow {
     pub one_handle: Stats,
     /// The manager's pool cap and largest handle.
     pub pool_and_max_handle: (u64, u64),
+    /// Whether each give followed an untimed memory query ([`GiveConfig::settle`]).
+    pub settled: bool,
 }
 
 impl GiveRow {
@@ -153,6 +160,7 @@ pub(crate) fn measure_gives(
         raw: &raw,
         rounds: (warmup, iterations),
         pool_and_max_handle: (config.pool_bytes, config.max_handle_bytes),
+        settle: config.settle.then_some(device),
     };
     for (tokens, bytes) in sizes {
         if let Some(row) = measure.row(&mut res, tokens, bytes)? {
@@ -172,6 +180,8 @@ struct Measure<'a> {
     raw: &'a RawRange<'a>,
     rounds: (usize, usize),
     pool_and_max_handle: (u64, u64),
+    /// The device to query before each give, when the gives settle.
+    settle: Option<DeviceId>,
 }
 
 /// One case's samples over the measured rounds.
@@ -233,6 +243,7 @@ impl Measure<'_> {
             warm,
             one_handle,
             pool_and_max_handle: self.pool_and_max_handle,
+            settled: self.settle.is_some(),
         }))
     }
 
@@ -247,6 +258,9 @@ impl Measure<'_> {
     ) -> VmmResult<()> {
         if cold {
             self.vm.trim_pool(0);
+        }
+        if let Some(device) = self.settle {
+            VirtualMemoryBackend::memory_info(self.clock, device)?;
         }
         let pooled_before = self.vm.pooled_bytes();
         self.clock.take();
@@ -293,11 +307,16 @@ pub(crate) fn gives_markdown(s: &mut String, rows: &[GiveRow]) {
         return;
     }
     let (pool, max_handle) = rows.first().map_or((0, 0), |r| r.pool_and_max_handle);
+    let settled = if rows.first().is_some_and(|r| r.settled) {
+        ", each give after an untimed memory query"
+    } else {
+        ""
+    };
     let _ = writeln!(
         s,
         "\n### Giving a request N tokens: cold (pool emptied first) vs warm (the pool as the \
          last give left it) vs one handle of the same bytes (pool cap {}, handles of at most \
-         {})\n",
+         {}{settled})\n",
         fmt_bytes(pool),
         fmt_bytes(max_handle)
     );
@@ -384,6 +403,20 @@ mod tests {
             assert_eq!(r.cold.calls.of(Operation::SetAccess).0, 1);
             assert!(r.warm.calls.of(Operation::Create).0 < r.cold.calls.of(Operation::Create).0);
         }
+        let settled = GiveConfig {
+            tokens: vec![256],
+            settle: true,
+            ..GiveConfig::default()
+        };
+        let calls = sim.calls(Operation::MemoryInfo);
+        let one = measure_gives(&backend, DeviceId(0), &settled, (0, 2), &mut notes).unwrap();
+        // One query per give (2 rounds of cold and warm), one for the size check and one by
+        // the manager when it is made.
+        assert_eq!(sim.calls(Operation::MemoryInfo) - calls, 6);
+        assert!(one[0].settled);
+        let mut s = String::new();
+        gives_markdown(&mut s, &one);
+        assert!(s.contains("untimed memory query"), "{s}");
         let mut s = String::new();
         gives_markdown(&mut s, &rows);
         assert!(s.contains("| 32768 | 4 GiB |"), "{s}");

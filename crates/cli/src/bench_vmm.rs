@@ -48,6 +48,10 @@ pub struct VmmBenchArgs {
     /// default 1GiB, the manager's default).
     #[arg(long, value_parser = flags::size_in(0, u64::MAX))]
     give_pool: Option<u64>,
+    /// Precede each give with an untimed query of the device's memory (cuMemGetInfo on CUDA),
+    /// so that freeing a driver defers from the last release is done there, not in the give.
+    #[arg(long)]
+    give_settle: bool,
     /// Largest handle the manager creates (`VmmConfig::max_handle_bytes`; default 512MiB).
     #[arg(long, value_parser = flags::size_in(1, u64::MAX))]
     max_handle: Option<u64>,
@@ -173,6 +177,7 @@ fn give_json(g: &GiveRow) -> Value {
         "cold_over_one_handle": g.cold_over_one_handle(),
         "pool_cap_bytes": g.pool_and_max_handle.0,
         "max_handle_bytes": g.pool_and_max_handle.1,
+        "settled": g.settled,
     })
 }
 
@@ -238,6 +243,7 @@ pub fn run(args: &VmmBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     if let Some(p) = args.give_pool {
         config.gives.pool_bytes = p;
     }
+    config.gives.settle = args.give_settle;
     config.latency_spent = spent && backend.name() == "sim";
     let progress = Progress::start("bench vmm", None);
     progress.message("measuring commits, runs, the pool and growth");
