@@ -5,7 +5,8 @@
 //!
 //! | module | `kvvm bench` | what |
 //! |---|---|---|
-//! | [`vmm`] | `vmm` | the manager's commit against the raw driver sequence, pool and parked windows against fresh commits, growth by one granule (with [`realloc`] on CUDA) |
+//! | [`vmm`] | `vmm` | the manager's commit against the raw driver sequence, pool and parked windows against fresh commits, a request's give warm against cold against one handle, growth by one granule (with [`realloc`] on CUDA) |
+//! | [`call_clock`] | `vmm` | a backend wrapper timing each driver call of a commit |
 //! | [`realloc`] | `vmm` | the realloc-and-copy baseline (CUDA's plain allocation and device copy) |
 //! | [`decode`] | `kv` | the synthetic decode loop: sequences sharing a prompt prefix, every byte verified; committed bytes with and without sharing, attach against copy |
 //! | [`host`] | `host` | the host backend against plain memory: commit + first touch vs mmap, prefix attach vs memcpy |
@@ -16,6 +17,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod call_clock;
 pub mod decode;
 mod decode_report;
 pub mod host;
@@ -27,5 +29,6 @@ pub mod timing;
 pub mod tp;
 mod units;
 pub mod vmm;
+mod vmm_give;
 mod vmm_report;
 mod vmm_runs;

@@ -13,7 +13,11 @@
 //! 3. a commit served from the handle pool (remap) and one served from windows parked in the
 //!    same reservation ([`VmmConfig::park_released`](kvvm::vmm::VmmConfig::park_released): no driver call) against a fresh commit,
 //!    at [`BenchConfig::pool_granules`];
-//! 4. growing a buffer of each size of [`BenchConfig::growth_sizes`] by one granule with the
+//! 4. giving a request `N` tokens (256, 4096 and 32768 of Llama-3.1-8B's 128 KiB by default,
+//!    [`BenchConfig::gives`]) in one reservation, cold (the pool emptied first) and warm (the
+//!    pool as the previous give left it) against one handle of the same bytes, with each
+//!    give's driver calls timed one by one;
+//! 5. growing a buffer of each size of [`BenchConfig::growth_sizes`] by one granule with the
 //!    manager, against the raw create + map + set access of one granule, with a slot for the
 //!    "realloc and copy" baseline (allocate size + granule, copy device to device, free the
 //!    old buffer). The trait has no plain allocation nor device-to-device copy, so that
@@ -49,6 +53,7 @@ use kvvm::vmm::{
 
 use crate::raw::RawRange;
 pub use crate::stats::Stats;
+pub use crate::vmm_give::{GiveCase, GiveConfig, GiveRow};
 pub use crate::vmm_report::{BenchReport, CommitRow, GrowthRow, PoolRow};
 use crate::vmm_runs::RunManagers;
 pub use crate::vmm_runs::{RunCase, RunRow};
@@ -72,6 +77,8 @@ pub struct BenchConfig {
     pub latency_spent: bool,
     /// Commit size in granules for the pool-vs-fresh comparison (0: skip).
     pub pool_granules: u64,
+    /// The gives of a request's tokens, warm against cold (no token counts: skipped).
+    pub gives: GiveConfig,
     /// Buffer sizes in bytes grown by one granule.
     pub growth_sizes: Vec<u64>,
     /// Measured iterations per case.
@@ -82,8 +89,8 @@ pub struct BenchConfig {
 
 impl Default for BenchConfig {
     /// The reference sizes: k = 1, 8, 64, 512; runs of 128 MiB, 512 MiB and 4 GiB; pool at
-    /// 64; growth of 256 MiB, 1, 4, 16 GiB; handles of at most 512 MiB; 20 iterations after 2
-    /// of warm-up.
+    /// 64; gives of 256, 4096 and 32768 tokens of 128 KiB with a 1 GiB pool; growth of
+    /// 256 MiB, 1, 4, 16 GiB; handles of at most 512 MiB; 20 iterations after 2 of warm-up.
     fn default() -> Self {
         BenchConfig {
             device: DeviceId(0),
@@ -92,6 +99,7 @@ impl Default for BenchConfig {
             max_handle_bytes: DEFAULT_MAX_HANDLE_BYTES,
             latency_spent: false,
             pool_granules: 64,
+            gives: GiveConfig::default(),
             growth_sizes: vec![256 * MIB, GIB, 4 * GIB, 16 * GIB],
             iterations: 20,
             warmup: 2,
@@ -101,7 +109,7 @@ impl Default for BenchConfig {
 
 impl BenchConfig {
     /// Tiny sizes for a smoke run on the simulator: k = 1, 2, 4; runs of 8 and 32 granules;
-    /// pool at 4; growth of 4 and 16 granules; 3 iterations.
+    /// pool at 4; gives of 1, 4 and 16 granules; growth of 4 and 16 granules; 3 iterations.
     pub fn tiny(granule: u64) -> Self {
         BenchConfig {
             device: DeviceId(0),
@@ -110,6 +118,11 @@ impl BenchConfig {
             max_handle_bytes: DEFAULT_MAX_HANDLE_BYTES,
             latency_spent: false,
             pool_granules: 4,
+            gives: GiveConfig {
+                tokens: vec![1, 4, 16],
+                bytes_per_token: granule,
+                ..GiveConfig::default()
+            },
             growth_sizes: vec![4 * granule, 16 * granule],
             iterations: 3,
             warmup: 1,
@@ -163,6 +176,7 @@ pub fn run_all_with_baseline(
         max_handle_bytes: config.max_handle_bytes,
         latency_spent: config.latency_spent,
         pool: None,
+        gives: Vec::new(),
         growth: Vec::new(),
         notes: Vec::new(),
     };
@@ -187,6 +201,13 @@ pub fn run_all_with_baseline(
     if config.pool_granules > 0 {
         report.pool = bench.pool_row(config.pool_granules, &mut report.notes)?;
     }
+    report.gives = crate::vmm_give::measure_gives(
+        &backend,
+        device,
+        &config.gives,
+        (config.warmup, config.iterations),
+        &mut report.notes,
+    )?;
     for &size in &config.growth_sizes {
         let row = bench.growth_row(size, realloc.as_mut())?;
         report.growth.push(row);
@@ -478,6 +499,13 @@ mod tests {
         assert_eq!(report.commit.len(), 3);
         assert_eq!(report.commit[2].granules, 4);
         assert!(report.pool.is_some());
+        // Gives of 1, 4 and 16 granules, each warm one from the pool.
+        let pooled: Vec<u64> = report
+            .gives
+            .iter()
+            .map(|r| r.warm.from_pool_bytes / g)
+            .collect();
+        assert_eq!(pooled, vec![1, 4, 16]);
         assert_eq!(report.growth.len(), 3);
         assert!(report.growth[2].skipped.is_some());
         assert_eq!(
@@ -485,7 +513,13 @@ mod tests {
             Duration::from_micros(16)
         );
         let md = report.to_markdown();
-        for needle in ["manager/raw", "from pool", "realloc/manager", "skipped"] {
+        for needle in [
+            "manager/raw",
+            "from pool",
+            "realloc/manager",
+            "skipped",
+            "warm / cold",
+        ] {
             assert!(md.contains(needle), "{needle} missing from {md}");
         }
         assert!(md.contains("| 4 | 256 KiB |"), "{md}");

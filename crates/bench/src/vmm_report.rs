@@ -7,6 +7,7 @@ use kvvm::hal::DeviceId;
 
 use crate::stats::Stats;
 use crate::units::{fmt_bytes, ratio, us};
+use crate::vmm_give::{gives_markdown, GiveRow};
 use crate::vmm_runs::{runs_markdown, RunRow};
 
 /// Manager commit against the raw driver sequence, for one `k`.
@@ -75,6 +76,8 @@ pub struct BenchReport {
     pub latency_spent: bool,
     /// Pool vs fresh.
     pub pool: Option<PoolRow>,
+    /// A request's give, warm vs cold vs one handle.
+    pub gives: Vec<GiveRow>,
     /// Growth by one granule.
     pub growth: Vec<GrowthRow>,
     /// Remarks (skipped cases, ...).
@@ -107,6 +110,7 @@ impl BenchReport {
         if let Some(p) = &self.pool {
             pool_markdown(&mut s, p);
         }
+        gives_markdown(&mut s, &self.gives);
         self.growth_markdown(&mut s);
         for n in &self.notes {
             let _ = writeln!(s, "\nnote: {n}");
@@ -282,6 +286,7 @@ mod tests {
                 from_parked: stats(1, 2),
                 fresh: stats(700, 760),
             }),
+            gives: Vec::new(),
             growth: vec![
                 GrowthRow {
                     size: 256 << 20,

@@ -7,8 +7,11 @@ use std::sync::Arc;
 use clap::Args;
 use kvvm::sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
 use kvvm::VirtualMemoryBackend;
+use kvvm_bench::call_clock::TIMED_OPS;
 use kvvm_bench::realloc::BenchBackend;
-use kvvm_bench::vmm::{run_all_with_baseline, BenchConfig, BenchReport, RunCase, Stats};
+use kvvm_bench::vmm::{
+    run_all_with_baseline, BenchConfig, BenchReport, GiveCase, GiveRow, RunCase, Stats,
+};
 use serde_json::{json, Value};
 
 use crate::backend;
@@ -34,6 +37,21 @@ pub struct VmmBenchArgs {
     /// without 4 GiB free). Sizes that do not fit the free memory are skipped anyway.
     #[arg(long, value_delimiter = ',', value_parser = flags::size_in(1, u64::MAX))]
     runs: Vec<u64>,
+    /// Token counts given to a request, warm against cold against one handle (comma-separated;
+    /// default 256,4096,32768).
+    #[arg(long, value_delimiter = ',', value_parser = flags::int_in::<u64>(1, 1 << 40))]
+    give_tokens: Vec<u64>,
+    /// Bytes of KV per token for the gives (default 128KiB: Llama-3.1-8B in bf16).
+    #[arg(long, value_parser = flags::size_in(1, 1 << 40))]
+    bytes_per_token: Option<u64>,
+    /// Pool cap of the manager the gives are measured through (`VmmConfig::pool_cap_bytes`;
+    /// default 1GiB, the manager's default).
+    #[arg(long, value_parser = flags::size_in(0, u64::MAX))]
+    give_pool: Option<u64>,
+    /// Precede each give with an untimed query of the device's memory (cuMemGetInfo on CUDA),
+    /// so that freeing a driver defers from the last release is done there, not in the give.
+    #[arg(long)]
+    give_settle: bool,
     /// Largest handle the manager creates (`VmmConfig::max_handle_bytes`; default 512MiB).
     #[arg(long, value_parser = flags::size_in(1, u64::MAX))]
     max_handle: Option<u64>,
@@ -105,6 +123,7 @@ fn to_json(r: &BenchReport) -> Value {
             "commit_exportable_over_manager": x.exportable.map(|e| run_ratio(e.commit, x.manager.commit)),
             "teardown_exportable_over_manager": x.exportable.map(|e| run_ratio(e.teardown, x.manager.teardown)),
         })).collect::<Vec<_>>(),
+        "gives": r.gives.iter().map(give_json).collect::<Vec<_>>(),
         "pool": r.pool.as_ref().map(|p| json!({
             "granules": p.granules,
             "from_pool": stats(&Some(p.from_pool)),
@@ -122,6 +141,43 @@ fn to_json(r: &BenchReport) -> Value {
             "skipped": g.skipped,
         })).collect::<Vec<_>>(),
         "notes": r.notes,
+    })
+}
+
+fn give_case(c: &GiveCase) -> Value {
+    let calls: serde_json::Map<String, Value> = TIMED_OPS
+        .iter()
+        .map(|op| {
+            let (n, t) = c.calls.of(*op);
+            (
+                op.as_str().to_owned(),
+                json!({"calls": n, "us": t.as_secs_f64() * 1e6}),
+            )
+        })
+        .collect();
+    json!({
+        "time": stats(&Some(c.time)),
+        "take": stats(&Some(c.take)),
+        "mappings": c.mappings,
+        "from_pool_bytes": c.from_pool_bytes,
+        "pooled_before": c.pooled_before,
+        "calls_per_give": calls,
+        "first_call": c.calls.first.map(|(op, t)| json!({"op": op.as_str(), "us": t.as_secs_f64() * 1e6})),
+    })
+}
+
+fn give_json(g: &GiveRow) -> Value {
+    json!({
+        "tokens": g.tokens,
+        "bytes": g.bytes,
+        "cold": give_case(&g.cold),
+        "warm": give_case(&g.warm),
+        "one_handle": stats(&Some(g.one_handle)),
+        "warm_over_cold": g.warm_over_cold(),
+        "cold_over_one_handle": g.cold_over_one_handle(),
+        "pool_cap_bytes": g.pool_and_max_handle.0,
+        "max_handle_bytes": g.pool_and_max_handle.1,
+        "settled": g.settled,
     })
 }
 
@@ -176,7 +232,18 @@ pub fn run(args: &VmmBenchArgs, out: Out<'_>) -> CliResult<ExitCode> {
     }
     if let Some(m) = args.max_handle {
         config.max_handle_bytes = m;
+        config.gives.max_handle_bytes = m;
     }
+    if !args.give_tokens.is_empty() {
+        config.gives.tokens.clone_from(&args.give_tokens);
+    }
+    if let Some(b) = args.bytes_per_token {
+        config.gives.bytes_per_token = b;
+    }
+    if let Some(p) = args.give_pool {
+        config.gives.pool_bytes = p;
+    }
+    config.gives.settle = args.give_settle;
     config.latency_spent = spent && backend.name() == "sim";
     let progress = Progress::start("bench vmm", None);
     progress.message("measuring commits, runs, the pool and growth");

@@ -211,6 +211,51 @@ fn off_a_terminal_a_long_run_prints_periodic_progress_lines() {
 }
 
 #[test]
+fn bench_vmm_reports_warm_and_cold_gives_against_one_handle() {
+    let (code, stdout, stderr) = kvvm(&[
+        "bench",
+        "vmm",
+        "--backend",
+        "sim",
+        "--quick",
+        "--give-tokens",
+        "256,4096",
+        "--bytes-per-token",
+        "128KiB",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let gives = v["gives"].as_array().unwrap();
+    let bytes: Vec<u64> = gives.iter().map(|g| g["bytes"].as_u64().unwrap()).collect();
+    assert_eq!(bytes, vec![32 << 20, 512 << 20], "{v}");
+    for g in gives {
+        let p50 = |case: &str| {
+            let t = if case == "one_handle" {
+                &g[case]
+            } else {
+                &g[case]["time"]
+            };
+            t["p50_us"].as_f64().unwrap()
+        };
+        let got = g["warm_over_cold"].as_f64().unwrap();
+        let want = p50("warm") / p50("cold");
+        assert!((got - want).abs() <= 1e-9 * got.abs().max(1.0), "{g}");
+        let got = g["cold_over_one_handle"].as_f64().unwrap();
+        let want = p50("cold") / p50("one_handle");
+        assert!((got - want).abs() <= 1e-9 * got.abs().max(1.0), "{g}");
+        // One handle each, and the warm give takes it from the pool: no create.
+        assert_eq!(g["cold"]["mappings"], 1, "{g}");
+        assert_eq!(g["warm"]["from_pool_bytes"], g["bytes"], "{g}");
+        assert_eq!(g["cold"]["calls_per_give"]["create"]["calls"], 1, "{g}");
+        assert_eq!(g["warm"]["calls_per_give"]["create"]["calls"], 0, "{g}");
+        assert_eq!(g["cold"]["first_call"]["op"], "create", "{g}");
+        assert_eq!(g["warm"]["first_call"]["op"], "map", "{g}");
+        assert!(g["warm"]["take"]["p50_us"].as_f64().unwrap() > 0.0, "{g}");
+    }
+}
+
+#[test]
 fn bench_vmm_reports_runs_against_one_handle_and_one_handle_per_granule() {
     let (code, stdout, stderr) = kvvm(&[
         "bench",

@@ -1,6 +1,6 @@
 //! [`VmmConfig`]: how a `VirtualMemory` pools, parks and maps.
 
-use kvvm_hal::{AccessDescriptor, ShareableHandleType};
+use kvvm_hal::{AccessDescriptor, LatencyModel, ShareableHandleType};
 
 /// Which of the driver's granularities the manager uses as its granule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -47,11 +47,22 @@ pub struct VmmConfig {
     /// given back only with the whole handle. Default 512 MiB; the granule (or 0) gives one
     /// handle per granule.
     pub max_handle_bytes: u64,
+    /// The driver costs a commit chooses its handles by: where the pool holds no handle of
+    /// exactly a piece's size but smaller ones that tile it, the commit maps those `k` pooled
+    /// handles only if `k` re-mappings (`map` + a fresh mapping's `set_access`) cost no more
+    /// than creating one handle of the piece's size and mapping it; otherwise it creates one
+    /// and leaves the pool as it is. A handle of exactly the size is always taken (it saves
+    /// the create). Default [`LatencyModel::h200`] (the H200 fit: a create of 7 us + 37 ns a
+    /// MiB against 21.7 us a mapping, so a piece of up to 256 MiB is never served by two
+    /// pooled handles, one of 512 MiB by at most two). A platform whose `cuMemCreate` is
+    /// slower (about 190 us measured on an A100) wants its own figures: more pooled handles
+    /// then beat one fresh one. See `docs/manager.md`, "How a commit uses the pool".
+    pub commit_cost: LatencyModel,
 }
 
 impl Default for VmmConfig {
     /// A 1 GiB pool, the recommended granularity, read-write access for the device, handles
-    /// that are not exportable, handles of at most 512 MiB.
+    /// that are not exportable, handles of at most 512 MiB, the H200's costs.
     fn default() -> Self {
         VmmConfig {
             pool_cap_bytes: 1 << 30,
@@ -60,6 +71,7 @@ impl Default for VmmConfig {
             handle_type: ShareableHandleType::None,
             park_released: false,
             max_handle_bytes: DEFAULT_MAX_HANDLE_BYTES,
+            commit_cost: LatencyModel::h200(),
         }
     }
 }
@@ -92,6 +104,14 @@ impl VmmConfig {
     #[must_use]
     pub fn max_handle_bytes(mut self, bytes: u64) -> Self {
         self.max_handle_bytes = bytes;
+        self
+    }
+
+    /// Sets the driver costs a commit chooses between pooled and fresh handles by (see
+    /// [`commit_cost`](Self::commit_cost)).
+    #[must_use]
+    pub fn commit_cost(mut self, model: LatencyModel) -> Self {
+        self.commit_cost = model;
         self
     }
 }

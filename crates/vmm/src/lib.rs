@@ -15,7 +15,11 @@
 //! [`Reservation::commit`] maps whole granules after the committed end, never beyond the
 //! reservation (the driver does not check; the manager does, with checked arithmetic):
 //!
-//! 1. take up to `k` handles from the pool (a pool hit skips create and release);
+//! 1. take handles from the pool where it pays: a handle of exactly a piece's size skips a
+//!    create; smaller pooled handles tiling a piece serve it only when mapping them costs no
+//!    more than creating one handle and mapping it, by [`VmmConfig::commit_cost`] (the cost
+//!    of a commit is per mapping, so the pool never turns one mapping into many that cost
+//!    more);
 //! 2. **grant first**: ask the governor for the bytes the pool cannot supply
 //!    ([`Reservation::commit_with_grant`] takes a grant obtained earlier). No grant, no commit:
 //!    a refusal is [`VmmError::Backpressure`] with a `retry_after` when freeing can help, and
@@ -28,8 +32,8 @@
 //!    (`windows/spans.rs`), so that besides the driver calls it costs per run and per handle;
 //! 3. each contiguous run of windows is cut into as few handles as it allows (largest first,
 //!    power-of-two numbers of granules aligned to their size from the base, at most
-//!    [`VmmConfig::max_handle_bytes`]); each handle is created (unless the pool holds one of
-//!    exactly that size) and mapped whole. No over-commit: exactly the windows asked for;
+//!    [`VmmConfig::max_handle_bytes`]); each handle is created (unless the pool serves it,
+//!    step 1) and mapped whole. No over-commit: exactly the windows asked for;
 //! 4. set access **once** over each contiguous run (the driver's cost is per mapping), retrying
 //!    [`Capabilities::set_access_retries`](kvvm_hal::Capabilities) extra times.
 //!

@@ -100,6 +100,7 @@ impl VirtualMemory {
                 config.max_handle_bytes,
                 access,
                 governor.clone(),
+                config.commit_cost,
             ),
             pool: HandlePool::new(config.pool_cap_bytes),
             parking: ParkingLot::new(config.park_released),

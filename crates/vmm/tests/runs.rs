@@ -13,7 +13,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{calls_of, Run, Setup, World, D0};
+use common::{calls_of, Run, Setup, World, WorldConfig, D0};
 use kvvm_hal::{Access, ErrorKind, Operation};
 use kvvm_sim::FaultRule;
 use kvvm_vmm::{Reservation, VmmError};
@@ -247,6 +247,48 @@ fn a_run_around_committed_windows_maps_the_gaps_and_survives_every_fault() {
     w.check(&[&r]);
     let n = every_fault_and_pair(w_no_parking, with_committed_islands, commit_around_islands);
     assert!(n > 100, "{n} cases");
+}
+
+/// 2 MiB granules, handles of up to 8 windows, a pool of 16, and a create as dear as an
+/// A100's (193 us): pooled handles smaller than a piece serve it when they cost less.
+fn w_tiling() -> World {
+    let mut c = WorldConfig::new(2 * kvvm_sim::MIB);
+    c.capacity_granules = 64;
+    c.pool_granules = 16;
+    c.max_handle_granules = 8;
+    c.commit_cost = kvvm_sim::LatencyModel {
+        create: std::time::Duration::from_micros(193),
+        ..kvvm_sim::LatencyModel::h200()
+    };
+    World::new(c)
+}
+
+/// Four pooled handles of 2 windows, left by this reservation's own release.
+fn with_small_pooled_handles(w: &World) -> Reservation {
+    let mut r = w.vm.reserve(16 * w.g).unwrap();
+    r.set_max_handle_windows(2);
+    r.commit(8 * w.g).unwrap();
+    r.release().unwrap();
+    r.set_max_handle_windows(8);
+    r
+}
+
+/// 12 windows: 8 @0 tiled by the four pooled handles, 4 @8 created.
+fn commit_tiled(w: &World, r: &mut Reservation) -> Result<u64, VmmError> {
+    r.commit(12 * w.g).map(|c| c.bytes)
+}
+
+#[test]
+fn a_piece_tiled_by_pooled_handles_survives_every_fault() {
+    let w = w_tiling();
+    let mut r = with_small_pooled_handles(&w);
+    let c = r.commit(12 * w.g).unwrap();
+    assert_eq!((c.from_pool, c.mappings), (8, 5));
+    w.check(&[&r]);
+    // 7 driver calls (1 create, 5 maps, 1 set access): 7 alone, 21 pairs, 14 with the
+    // rollback's first unmap or release failing too.
+    let n = every_fault_and_pair(w_tiling, with_small_pooled_handles, commit_tiled);
+    assert_eq!(n, 42);
 }
 
 #[test]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use kvvm_governor::{Bucket, Governor, GovernorError, Limit, MappedGrowthGrant, NeverFits};
 use kvvm_hal::{
     AccessDescriptor, AllocationProperties, BackendError, Capabilities, DeviceAddress, DeviceId,
-    PhysicalHandle, VirtualMemoryBackend,
+    LatencyModel, PhysicalHandle, VirtualMemoryBackend,
 };
 
 use crate::device::quarantine::{Quarantine, QuarantineEntry};
@@ -66,6 +66,9 @@ pub(crate) struct DeviceContext {
     pub(crate) quarantine: Quarantine,
     /// The device's physical memory as the driver reported it at creation (`None`: unknown).
     pub(crate) capacity: Option<u64>,
+    /// The driver costs a commit chooses between pooled and fresh handles by
+    /// (`VmmConfig::commit_cost`).
+    pub(crate) commit_cost: LatencyModel,
     accounting_errors: AtomicU64,
 }
 
@@ -77,6 +80,7 @@ impl DeviceContext {
         max_handle_bytes: u64,
         access: Vec<AccessDescriptor>,
         governor: Governor,
+        commit_cost: LatencyModel,
     ) -> Self {
         let max_windows = crate::windows::cut::max_handle_windows(max_handle_bytes, granule);
         let caps = backend.capabilities();
@@ -96,6 +100,7 @@ impl DeviceContext {
             governor,
             quarantine: Quarantine::default(),
             capacity,
+            commit_cost,
             accounting_errors: AtomicU64::new(0),
         }
     }

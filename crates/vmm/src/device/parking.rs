@@ -475,6 +475,7 @@ mod tests {
             g,
             Vec::new(),
             kvvm_governor::Governor::unlimited(),
+            kvvm_hal::LatencyModel::h200(),
         );
         let lot = ParkingLot::new(true);
         let live = lot.open(DeviceAddress(1 << 40)).unwrap();

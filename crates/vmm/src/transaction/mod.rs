@@ -9,7 +9,7 @@
 //! | step | file | undone by |
 //! |---|---|---|
 //! | take back parked mappings lying wholly inside the windows (no driver call); unmap any other that overlaps | `parked.rs` | put back in parking |
-//! | plan the pieces: cut each run into handles (`crate::windows::cut`), take pooled handles of exactly those sizes | `plan.rs` | [`Plan::untake`](plan::Plan::untake) |
+//! | plan the pieces: cut each run into handles (`crate::windows::cut`), serve each from the pool where the cost model says it pays (a handle of exactly its size, or smaller ones tiling it) | `plan.rs` | [`Plan::untake`](plan::Plan::untake) |
 //! | grant the bytes the pool cannot supply (no grant, no commit) | `plan.rs` | the grant's rollback |
 //! | create each handle (unless pooled) and map it whole | `map.rs` | `rollback.rs`: unmap last first, dispose |
 //! | set access once over each contiguous run | `map.rs` | `rollback.rs` |

@@ -42,20 +42,36 @@ impl Plan {
 
 impl Target {
     /// Cuts `spans` into handles (one per range up to the largest handle for a shared
-    /// commit, buddy-aligned pieces otherwise; none crossing `cuts`) and takes from the pool
-    /// a handle of exactly each piece's size where it holds one.
+    /// commit, buddy-aligned pieces otherwise; none crossing `cuts`) and serves each piece
+    /// from the pool where it can ([`HandlePool::take_for`](crate::device::pool::HandlePool::take_for)): a handle of exactly its size,
+    /// or, for a private commit, smaller pooled handles that tile it when the cost model says
+    /// mapping them costs no more than creating one. A shared commit never tiles: every
+    /// sharer maps each of its handles, so more handles cost every sharer.
     pub(super) fn plan(&self, spans: &[Span], shared: bool, cuts: &[u64]) -> Plan {
         let st = &self.state;
         let g = st.ctx.granule;
         let cut = if shared { run_pieces } else { pieces };
-        let pieces: Vec<Piece> = cut(spans, g, self.max_windows, cuts)
-            .into_iter()
-            .map(|(offset, windows)| Piece {
-                offset,
-                windows,
-                pooled: st.pool.take(windows.saturating_mul(g)),
-            })
-            .collect();
+        let mut pieces: Vec<Piece> = Vec::new();
+        for (offset, windows) in cut(spans, g, self.max_windows, cuts) {
+            let pooled = st.pool.take_for(windows, g, &st.ctx.commit_cost, !shared);
+            if pooled.is_empty() {
+                pieces.push(Piece {
+                    offset,
+                    windows,
+                    pooled: None,
+                });
+                continue;
+            }
+            let mut at = offset;
+            for (n, handle) in pooled {
+                pieces.push(Piece {
+                    offset: at,
+                    windows: n,
+                    pooled: Some(handle),
+                });
+                at = at.saturating_add(n.saturating_mul(g));
+            }
+        }
         let pooled_bytes = pieces
             .iter()
             .filter(|p| p.pooled.is_some())

@@ -28,6 +28,8 @@ pub struct WorldConfig {
     pub max_handle_granules: u64,
     pub quirks: SimQuirks,
     pub park: bool,
+    /// The manager's cost model (`VmmConfig::commit_cost`).
+    pub commit_cost: LatencyModel,
 }
 
 impl WorldConfig {
@@ -40,6 +42,7 @@ impl WorldConfig {
             max_handle_granules: 1,
             quirks: SimQuirks::default(),
             park: false,
+            commit_cost: LatencyModel::h200(),
         }
     }
 }
@@ -65,7 +68,8 @@ impl World {
                 .pool_cap_bytes(c.pool_granules * g)
                 .granularity(GranularityChoice::Minimum)
                 .park_released(c.park)
-                .max_handle_bytes(c.max_handle_granules * g),
+                .max_handle_bytes(c.max_handle_granules * g)
+                .commit_cost(c.commit_cost),
         )
         .unwrap();
         World { sim, gov, vm, g }
