@@ -20,6 +20,11 @@ package's Rust sources):
 Every offence is an error, in every crate (the allow-lists the rules began with are
 empty and gone).
 
+Then the Python sources (`ci/structure_python.py`, the same rules in Python's terms: no
+module over 500 lines, no function over 80 lines, no import cycle between modules or between
+the subpackages of a package, in the `kvvm` package, its benchmarks and, for the length, its
+tests), with no allow-list either.
+
 Exits 1 with the problems listed.
 """
 import glob
@@ -285,7 +290,14 @@ for src in srcs:
             problems.append(f"{rel(f)}:{start + 1}: fn {m.group(1)} is {length} lines "
                             f"(over {MAX_FN_LINES}, no `// Long:` comment)")
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import structure_python  # noqa: E402 (beside this script)
+
+rust_problems = len(problems)
+py_problems, py_modules = structure_python.check(root)
+problems += py_problems
 for p in problems:
     print(p)
-print(f"structure: {len(srcs)} source folders checked, {len(problems)} problems")
+print(f"structure: {len(srcs)} Rust source folders checked, {rust_problems} problems; "
+      f"{py_modules} Python modules checked, {len(py_problems)} problems")
 sys.exit(1 if problems else 0)

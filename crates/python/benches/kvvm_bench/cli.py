@@ -39,38 +39,10 @@ import torch
 
 import kvvm
 from kvvm_bench import runs
+from kvvm_bench.model import build_model
 from kvvm_bench.report_file import write_report
 
 __all__ = ["main"]
-
-
-def _build_model(args: argparse.Namespace) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if args.tiny:
-        cfg = LlamaConfig(
-            hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=2, vocab_size=2048, max_position_embeddings=16384,
-        )
-    else:
-        cfg = LlamaConfig(
-            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=16384,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        )
-    cfg._attn_implementation = "sdpa"
-    device = getattr(args, "device", "cuda")
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    # Built in its dtype on its device: an 8B model never passes through fp32 (32 GB), so
-    # that several processes can build theirs on one GPU at once.
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model: Any = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(default)
-    return model.to(dtype).eval()
 
 
 def _points(text: str) -> list[tuple[int, int]]:
@@ -129,7 +101,7 @@ def _agreement(r: runs.Run, ref: runs.Run | None) -> float | None:
 def run_generate(args: argparse.Namespace) -> dict[str, Any]:
     """Every cache at every point; returns the report."""
     torch._dynamo.config.cache_size_limit = 64
-    model = _build_model(args)
+    model = build_model(args)
     cfg = model.config
     weights = _weight_bytes(model)
     caches = [c for c in args.caches.split(",") if c]
@@ -167,7 +139,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
 def _triton_configs() -> list[str]:
     """The attention configurations the autotuner chose so far (shape: configuration)."""
     try:
-        from kvvm.triton_decode import _TUNED
+        from kvvm.kernels.triton_decode import _TUNED
     except ImportError:
         return []
     return [f"batch {k[0]} heads {k[1]}/{k[2]} tokens {k[5]}: {v}" for k, v in _TUNED.items()]
@@ -242,7 +214,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     """A trace through every runner; returns the report."""
     from kvvm_bench import serve as sv
 
-    model = _build_model(args)
+    model = build_model(args)
     vocab = model.config.vocab_size
     if args.trace:
         trace = sv.load_trace(args.trace, vocab, args.seed)
@@ -399,7 +371,7 @@ def _serve_args(sub: Any) -> None:
     p.add_argument("--prefix-cache-bytes", type=int, default=8 << 30)
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--padded-batch", type=int, default=64)
-    p.add_argument("--fuse-projections", action="store_true", help="the engine fuses Q/K/V and gate/up (kvvm.projections)")
+    p.add_argument("--fuse-projections", action="store_true", help="the engine fuses Q/K/V and gate/up (kvvm.transformers.projections)")
     p.add_argument("--real-time", action="store_true", help="submit at the arrival times (the engine)")
     p.add_argument("--reference", action="store_true", help="check greedy tokens against one request at a time (teacher-forced DynamicCache)")
     p.add_argument("--tiny", action="store_true")

@@ -10,7 +10,7 @@ measures of them.
 - ``kvvm-graph``: every request prefilled into its own slot (no padding), then a
   :class:`~kvvm.graph.DecodeGraph` replayed once per step;
 - ``kvvm-graph-fused``: the same with the model's sibling projections fused
-  (:func:`kvvm.projections.fuse_projections`: Q, K and V as one matrix multiply, gate and up
+  (:func:`kvvm.transformers.projections.fuse_projections`: Q, K and V as one matrix multiply, gate and up
   as one), restored afterwards.
 
 Each step is timed on the GPU: an event per step (from a logits processor inside
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 import kvvm
-from kvvm.attention import use_kvvm_attention
+from kvvm.transformers import use_kvvm_attention
 from kvvm.graph import DecodeGraph
-from kvvm.projections import fuse_projections
+from kvvm.transformers.projections import fuse_projections
 from kvvm.transformers import KvvmCache
 from kvvm_bench.numerics import bf16_tie
 

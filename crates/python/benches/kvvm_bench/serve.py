@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvvm import Manager
-from kvvm.attention import use_kvvm_attention
+from kvvm.transformers import use_kvvm_attention
 from kvvm.engine import Engine
 from kvvm_bench.numerics import bf16_tie, percentiles
 

@@ -154,7 +154,7 @@ class _Runner:
     def __init__(self, kind: str, model: Any, args: argparse.Namespace, max_len: int, manager: kvvm.Manager | None) -> None:
         from transformers import DynamicCache
 
-        from kvvm.attention import use_kvvm_attention
+        from kvvm.transformers import use_kvvm_attention
         from kvvm.transformers import KvvmCache
 
         self.kind, self.model, self.device = kind, model, args.device
@@ -200,7 +200,7 @@ class _Runner:
         return {"kv_bytes": self.cache.held_bytes, "by_group": groups}
 
     def close(self) -> None:
-        from kvvm.attention import use_kvvm_attention
+        from kvvm.transformers import use_kvvm_attention
 
         if self.graph is not None:
             self.graph.close()

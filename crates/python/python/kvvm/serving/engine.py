@@ -44,11 +44,11 @@ from typing import Any
 import torch
 
 from .. import Manager, SharedPrefix
-from ..attention import switch_attention
 from ..errors import BackpressureError, InvalidArgumentError
-from ..projections import fuse_projections as fuse
-from ..prefix import KvvmPrefix
-from ..transformers import KvvmCache
+from ..transformers.attention import switch_attention
+from ..transformers.cache import KvvmCache
+from ..transformers.prefix import KvvmPrefix
+from ..transformers.projections import fuse_projections as fuse
 from .kv_manager import KvManager
 from .request import EngineStats, Request, check_eos, check_positive, check_temperature, check_token_ids
 from .runner import ModelRunner
@@ -99,7 +99,7 @@ class Engine:
             whole blocks of the prefix cache (``prefix_cache.block_tokens``, 16 tokens).
         compile: compile the captured decode step (CUDA only).
         fuse_projections: run the model's sibling projections (Q, K and V; gate and up) as
-            one matrix multiply each (:func:`kvvm.projections.fuse_projections`; the model's
+            one matrix multiply each (:func:`kvvm.transformers.projections.fuse_projections`; the model's
             modules are given back by :meth:`close`).
         eos_token_ids: the tokens that end a request: an int or a list of ints (default:
             the model's).

@@ -13,7 +13,7 @@ step's new K/V written into the batch's memory, then :func:`attend`, as one cust
 memory is never copied by the compiler. The kernels are chosen at run time, on the tensors'
 device:
 
-- ``"triton"`` (CUDA, one query token): split-KV decode attention (:mod:`kvvm.triton_decode`);
+- ``"triton"`` (CUDA, one query token): split-KV decode attention (:mod:`kvvm.kernels.triton_decode`);
 - ``"flash"`` (CUDA): PyTorch's FlashAttention varlen kernel with ``seqused_k`` over the
   slots seen as one packed sequence (causal, aligned to each request's end, for several
   query tokens; one call per class of slots where a slot is not a whole number of tokens);
