@@ -30,8 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import os
 import statistics
 import sys
+import tempfile
 from dataclasses import asdict
 from typing import Any
 
@@ -263,21 +265,43 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         row = asdict(r)
         row.pop("outputs")
         report["results"].append(row)
+    report["failed"] = [r.runner for r in results if r.failed]
     engine_run = next((r for r in results if r.runner == "kvvm-engine"), None)
     if args.kvvm_bin and engine_run and engine_run.kv_bytes_over_time:
-        trace_path = (args.json or "serve.json") + ".trace.jsonl"
-        sv.save_trace(trace, trace_path)
-        held = [b for _, b in engine_run.kv_bytes_over_time]
-        step_ms = engine_run.wall_s * 1000 / max(len(held), 1)
-        report["simulate"] = {
-            "measured_peak_bytes": max(held),
-            "measured_mean_bytes": round(statistics.mean(held)),
-            "predicted": sv.simulate_prediction(
-                args.kvvm_bin, trace_path, args.simulate_model, step_ms, args.budget_bytes or free_at_start or None
-            ),
-        }
+        report["simulate"] = _simulate(args, trace, engine_run, free_at_start)
+        if "error" in report["simulate"]["predicted"]:
+            report["failed"].append("simulate")
     write_report(args.json, report)
     return report
+
+
+def _simulate(args: argparse.Namespace, trace: list[Any], engine_run: Any, free_at_start: int) -> dict[str, Any]:
+    """What the engine held beside ``kvvm simulate``'s prediction for the trace. The trace is
+    written next to the report (``<json>.trace.jsonl``), or without a report into a temporary
+    folder removed afterwards: nothing lands in the working folder."""
+    from kvvm_bench import serve as sv
+
+    held = [b for _, b in engine_run.kv_bytes_over_time]
+    step_ms = engine_run.wall_s * 1000 / max(len(held), 1)
+    with tempfile.TemporaryDirectory(prefix="kvvm-serve-") as tmp:
+        trace_path = args.json + ".trace.jsonl" if args.json else os.path.join(tmp, "serve.trace.jsonl")
+        sv.save_trace(trace, trace_path)
+        predicted = sv.simulate_prediction(
+            args.kvvm_bin, trace_path, args.simulate_model, step_ms, args.budget_bytes or free_at_start or None
+        )
+    return {
+        "measured_peak_bytes": max(held),
+        "measured_mean_bytes": round(statistics.mean(held)),
+        "predicted": predicted,
+    }
+
+
+def _failures(report: dict[str, Any]) -> str:
+    """Why the runs of a serve report that could not run did not, one line each."""
+    notes = {r["runner"]: r.get("note", "") for r in report.get("results", [])}
+    if "simulate" in report:
+        notes["simulate"] = str(report["simulate"]["predicted"].get("error", ""))
+    return "\n".join(f"  {name}: {notes.get(name) or 'failed'}" for name in report.get("failed", []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
         report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)
     print()
+    if args.cmd == "serve" and report["failed"]:
+        print(f"python -m kvvm_bench serve: {len(report['failed'])} of the runs could not run (the report "
+              f"keeps what the others measured):\n{_failures(report)}", file=sys.stderr)
+        return 1
     return 0
 
 
