@@ -33,7 +33,7 @@ from kvvm.transformers import use_kvvm_attention
 from kvvm.graph import DecodeGraph
 from kvvm.transformers.projections import fuse_projections
 from kvvm.transformers import KvvmCache
-from kvvm_bench.numerics import bf16_tie
+from kvvm_bench.numerics import bf16_tie, tensor_bytes
 
 __all__ = ["CACHES", "Run", "Workload", "run_cache", "reference_check"]
 
@@ -126,12 +126,7 @@ def _free() -> None:
 def _kv_bytes(cache: Any) -> int:
     if isinstance(cache, KvvmCache):
         return cache.held_bytes
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    return tensor_bytes(cache)
 
 
 def _generate(model: Any, w: Workload, cache_kind: str, manager: kvvm.Manager | None, max_len: int) -> Run:

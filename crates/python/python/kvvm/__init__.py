@@ -38,76 +38,11 @@ See ``docs/python.md``.
 
 from __future__ import annotations
 
-from . import errors
-from .bindings import (
-    BACKEND_NAMES,
-    Backend,
-    KvGeometry,
-    LayoutPlan,
-    Manager,
-    MemorySnapshot,
-    PrefixCache,
-    Sequence,
-    SequenceBatch,
-    SharedPrefix,
-    TensorView,
-    __version__,
-    config_dtype,
-    dtype_name,
-    geometry_from_config,
-    open_backend,
-)
-from .errors import (
-    BackpressureError,
-    BusyError,
-    DriverError,
-    GraphsAliveError,
-    InvalidArgumentError,
-    KvvmError,
-    NeverFitsError,
-    NotCommittedError,
-    NotShareableError,
-    OutOfMemoryError,
-    PrefixNotWrittenError,
-    ReleasedError,
-    TooManyTokensError,
-    UnavailableError,
-    ViewsAliveError,
-    WriteIntoSharedPrefixError,
-)
+from . import bindings, errors
+from .bindings import *  # noqa: F403 (the native classes and the config helpers)
+from .errors import *  # noqa: F403 (the exception hierarchy)
 
-__all__ = [
-    "BACKEND_NAMES",
-    "Backend",
-    "KvGeometry",
-    "LayoutPlan",
-    "Manager",
-    "MemorySnapshot",
-    "PrefixCache",
-    "Sequence",
-    "SequenceBatch",
-    "SharedPrefix",
-    "TensorView",
-    "open_backend",
-    "config_dtype",
-    "dtype_name",
-    "geometry_from_config",
-    "errors",
-    "BackpressureError",
-    "DriverError",
-    "InvalidArgumentError",
-    "KvvmError",
-    "NeverFitsError",
-    "BusyError",
-    "NotCommittedError",
-    "NotShareableError",
-    "OutOfMemoryError",
-    "PrefixNotWrittenError",
-    "ReleasedError",
-    "TooManyTokensError",
-    "UnavailableError",
-    "ViewsAliveError",
-    "GraphsAliveError",
-    "WriteIntoSharedPrefixError",
-    "__version__",
-]
+#: What ``from kvvm import *`` gives: the bindings and the exceptions.
+__all__ = ["bindings", "errors"]
+__all__ += bindings.__all__
+__all__ += errors.__all__

@@ -43,20 +43,8 @@ from ._native import (
 )
 
 __all__ = [
-    "KvvmError",
-    "BackpressureError",
-    "NeverFitsError",
-    "BusyError",
-    "UnavailableError",
-    "InvalidArgumentError",
-    "TooManyTokensError",
-    "DriverError",
-    "OutOfMemoryError",
-    "ViewsAliveError",
-    "GraphsAliveError",
-    "ReleasedError",
-    "NotCommittedError",
-    "WriteIntoSharedPrefixError",
-    "NotShareableError",
-    "PrefixNotWrittenError",
+    "KvvmError", "BackpressureError", "NeverFitsError", "BusyError", "UnavailableError",
+    "InvalidArgumentError", "TooManyTokensError", "DriverError", "OutOfMemoryError", "ViewsAliveError",
+    "GraphsAliveError", "ReleasedError", "NotCommittedError", "WriteIntoSharedPrefixError",
+    "NotShareableError", "PrefixNotWrittenError",
 ]

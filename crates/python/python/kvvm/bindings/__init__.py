@@ -26,21 +26,7 @@ from .._native import (
 from .config import config_dtype, decoder_config, dtype_name, geometry_from_config, open_backend
 
 __all__ = [
-    "BACKEND_NAMES",
-    "Backend",
-    "KvGeometry",
-    "LayoutPlan",
-    "Manager",
-    "MemorySnapshot",
-    "PrefixCache",
-    "Sequence",
-    "SequenceBatch",
-    "SharedPrefix",
-    "TensorView",
-    "__version__",
-    "config_dtype",
-    "decoder_config",
-    "dtype_name",
-    "geometry_from_config",
-    "open_backend",
+    "BACKEND_NAMES", "Backend", "KvGeometry", "LayoutPlan", "Manager", "MemorySnapshot", "PrefixCache",
+    "Sequence", "SequenceBatch", "SharedPrefix", "TensorView", "__version__",
+    "config_dtype", "decoder_config", "dtype_name", "geometry_from_config", "open_backend",
 ]

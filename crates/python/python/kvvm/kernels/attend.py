@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Any
 
 import torch
 
@@ -261,20 +262,10 @@ def _write_attend(
 
 
 @_write_attend.register_fake
-def _write_attend_fake(
-    query: torch.Tensor,
-    key_new: torch.Tensor,
-    value_new: torch.Tensor,
-    slab: torch.Tensor,
-    slot: torch.Tensor,
-    token: torch.Tensor,
-    bounds: torch.Tensor,
-    layout: list[int],
-    scale: float,
-    kernel: str,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
+def _write_attend_fake(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """What the operator returns, without running it (for the compiler): the attention's
+    output in transformers' layout, ``[batch, q, heads, head_dim]``; the other arguments are
+    the operator's."""
     batch, heads, q_len, dim = query.shape
     return query.new_empty((batch, q_len, heads, dim))
 
