@@ -1,8 +1,9 @@
 //! # kvvm-sim: a simulated GPU virtual-memory driver
 //!
-//! [`SimBackend`] implements [`VirtualMemoryBackend`] in process, reproducing the semantics the
-//! CUDA driver showed on an NVIDIA H200 (`docs/driver-semantics.md`, summarised in the
-//! `kvvm-hal` crate docs): the same [`ErrorKind`] for the same misuse, deferred free of a
+//! [`SimBackend`] implements [`VirtualMemoryBackend`](kvvm_hal::VirtualMemoryBackend) in
+//! process, reproducing the semantics the CUDA driver showed on an NVIDIA H200
+//! (`docs/driver-semantics.md`, summarised in the `kvvm-hal` crate docs): the same
+//! [`ErrorKind`](kvvm_hal::ErrorKind) for the same misuse, deferred free of a
 //! released-but-mapped handle, unreported double unmap, access enforcement on copies, and
 //! granularity rules. Where the real driver is silent about a misuse (a map that runs past the
 //! end of its reservation), the simulator refuses with `InvalidValue` so that bugs in the
@@ -26,9 +27,10 @@
 //!   call for what it covers as the driver does (a handle by its size, `set_access` by its
 //!   fresh mappings, `unmap` by its mappings), accounted
 //!   ([`SimBackend::estimated_driver_time`]) or also spent ([`LatencyMode::Spin`]).
-//! * **Probe kernels** ([`KernelProbe`]): loads and stores checked against the access of the
-//!   device that launches them, so a peer's read-only mapping refuses its stores. A fault is
-//!   `DeviceLost`, as on a GPU, but the simulated device stays usable.
+//! * **Probe kernels** ([`KernelProbe`](kvvm_hal::KernelProbe)): loads and stores checked
+//!   against the access of the device that launches them, so a peer's read-only mapping
+//!   refuses its stores. A fault is `DeviceLost`, as on a GPU, but the simulated device stays
+//!   usable.
 //! * **Quirks** ([`SimQuirks`]): deliberately wrong semantics, to prove the conformance suite
 //!   can fail, and the ROCm multi-unmap bug, to exercise the manager's capability handling.
 //!
