@@ -9,8 +9,8 @@
 #
 # Pack here: `bash ci/gpu/pack.sh` (the new wheel), then the base wheel and benchmarks from the
 # other commit's checkout: `python3 -m pip wheel --no-deps -w gpu-bundle/ab-base/wheels BASE` and
-# `cp -r BASE/crates/python/benches gpu-bundle/ab-base/benches`. ROUNDS (default 2) rounds;
-# AB_ARGS go to every run. Prints one line a run and the median tokens/s of each build and
+# `cp -r BASE/crates/python/benches gpu-bundle/ab-base/benches`. ROUNDS (default 2) rounds of
+# WORKLOADS (default "A B"; one a call keeps a call under 10 minutes); AB_ARGS go to every run. Prints one line a run and the median tokens/s of each build and
 # workload; reports under $OUT (or gpu-out/).
 set -uo pipefail
 repo="$PWD"
@@ -29,7 +29,7 @@ declare -A workload=(
   [B]="--requests 64 --prompt-lo 128 --prompt-hi 128 --shared-prefix 2048 --output 128"
 )
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for w in A B; do
+  for w in ${WORKLOADS:-A B}; do
     for build in base new; do
       benches="$repo/crates/python/benches"
       [ "$build" = base ] && benches="$repo/gpu-bundle/ab-base/benches"
@@ -45,6 +45,8 @@ done
 python3 - "$out" <<'PY'
 import glob, json, statistics, sys
 for w in "AB":
+    if not glob.glob(f"{sys.argv[1]}/serve-ab-{w}-*.json"):
+        continue
     med = {}
     for build in ("base", "new"):
         runs = [json.load(open(p))["results"][0]["tokens_per_s"] for p in sorted(glob.glob(f"{sys.argv[1]}/serve-ab-{w}-{build}-*.json"))]
