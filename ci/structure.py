@@ -20,12 +20,20 @@ package's Rust sources):
 Every offence is an error, in every crate (the allow-lists the rules began with are
 empty and gone).
 
+Then the Python sources (`ci/structure_python.py`, the same rules in Python's terms: no
+module over 500 lines, no function over 80 lines, no import cycle between modules or between
+the subpackages of a package, in the `kvvm` package, its benchmarks and, for the length, its
+tests), with no allow-list either.
+
 Exits 1 with the problems listed.
 """
 import glob
 import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import structure_python  # noqa: E402 (beside this script: the Python rules and the cycle search)
 
 MAX_LINES = 700
 MAX_FN_LINES = 80
@@ -203,35 +211,9 @@ for src in srcs:
                     continue
                 graph.setdefault(ua, set()).add(ub)
                 graph.setdefault(ub, set())
-        index, low, stack, on, counter = {}, {}, [], set(), [0]
-        sys.setrecursionlimit(10000)
-
-        def visit(v):
-            index[v] = low[v] = counter[0]
-            counter[0] += 1
-            stack.append(v)
-            on.add(v)
-            for w in graph[v]:
-                if w not in index:
-                    visit(w)
-                    low[v] = min(low[v], low[w])
-                elif w in on:
-                    low[v] = min(low[v], index[w])
-            if low[v] == index[v]:
-                comp = []
-                while True:
-                    w = stack.pop()
-                    on.discard(w)
-                    comp.append(w)
-                    if w == v:
-                        break
-                if len(comp) > 1:
-                    where = os.path.join(rel(src), *folder)
-                    problems.append(f"{where}: import cycle between {' <-> '.join(sorted(comp))}")
-
-        for v in sorted(graph):
-            if v not in index:
-                visit(v)
+        for comp in structure_python.cycles(graph):
+            where = os.path.join(rel(src), *folder)
+            problems.append(f"{where}: import cycle between {' <-> '.join(comp)}")
 
     # 3. the folder rule
     impl_re = re.compile(r"^[ \t]*(?:unsafe\s+)?impl\b\s*(<[^{;]*?>)?\s*([^{;]*?)\s*(?:where\b[^{]*)?\{", re.M)
@@ -285,7 +267,11 @@ for src in srcs:
             problems.append(f"{rel(f)}:{start + 1}: fn {m.group(1)} is {length} lines "
                             f"(over {MAX_FN_LINES}, no `// Long:` comment)")
 
+rust_problems = len(problems)
+py_problems, py_modules = structure_python.check(root)
+problems += py_problems
 for p in problems:
     print(p)
-print(f"structure: {len(srcs)} source folders checked, {len(problems)} problems")
+print(f"structure: {len(srcs)} Rust source folders checked, {rust_problems} problems; "
+      f"{py_modules} Python modules checked, {len(py_problems)} problems")
 sys.exit(1 if problems else 0)

@@ -25,8 +25,12 @@ use kvvm_layout::KvError;
 /// * [`Vmm`](Self::Vmm), [`Backend`](Self::Backend): the manager or a copy failed; the
 ///   manager's books still equal the driver's truth (see `kvvm-vmm`).
 /// * [`Verification`](Self::Verification): the decode loop read back a byte it did not write.
+/// * [`Worker`](Self::Worker): the pre-commit worker thread could not be started.
+///
+/// The enum is exhaustive on purpose: the workspace's mappings of it (the Python package's
+/// exception classes) match every variant, so a new one is given its meaning there before it
+/// compiles.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
 pub enum KvCacheError {
     /// The governor refused the grant: retry after `retry_after` or shed load.
     #[error(transparent)]

@@ -14,6 +14,7 @@
 //! | [`kvvm::vmm`](vmm) | `kvvm-vmm` | the manager: reservations, commit, pool, quarantine |
 //! | [`kvvm::layout`](layout) | `kvvm-layout` | KV geometry, layouts, shareability arithmetic |
 //! | [`kvvm::kv`](kv) | `kvvm-kv` | sequences, shared prefixes, the prefix cache, pre-commit |
+//! | [`kvvm::host_kv`](host_kv) | `kvvm-host-kv` | a paged KV cache in host RAM whose forks share pages, copied on the first write (no GPU) |
 //! | [`kvvm::num`](num) | `kvvm-num` | checked arithmetic, sizes, the seeded RNG |
 //! | [`kvvm::prelude`](prelude) | | the names most programs use |
 //!
@@ -72,6 +73,11 @@ pub use kvvm_hal::{
 };
 pub use kvvm_hip as hip;
 pub use kvvm_host as host;
+/// The host paged KV cache with copy-on-write forks (`PagedKvCache::fork`,
+/// `ensure_page_for_write`): the host side of kvvm, where a fork shares every page and copies
+/// one only when it writes into it while a sibling still maps it. On the device a shared
+/// prefix is read-only instead ([`kv::SharedDevicePrefix`]).
+pub use kvvm_host_kv as host_kv;
 pub use kvvm_kv as kv;
 pub use kvvm_layout as layout;
 pub use kvvm_num as num;

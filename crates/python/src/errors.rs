@@ -1,29 +1,31 @@
 //! Rust errors as the Python exceptions of `kvvm.errors`.
 //!
-//! The exception classes are written in Python (`kvvm/errors.py`, with their attributes and
-//! docs) and cached once (`error_class.rs`); this module picks the class that says what the
-//! caller can do and fills its attributes. Nothing here panics: if the module cannot be
-//! imported, a `RuntimeError` with the same message is raised instead.
+//! The exception classes are made by this module's sibling (`exceptions.rs`); this module
+//! picks, for every variant of every error the stack returns, the class that says what the
+//! caller can do, and fills its attributes. Every match is exhaustive: a new variant of
+//! `VmmError`, `KvCacheError` or `ErrorKind` does not compile until it is given its class
+//! here. Nothing here panics.
 
 use kvvm::governor::{Backpressure, Limit, NeverFits};
 use kvvm::hal::{BackendError, ErrorKind};
 use kvvm::kv::{KvCacheError, KvError};
 use kvvm::vmm::VmmError;
 use kvvm::OpenError;
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-pub(crate) use crate::error_class::ErrorClass;
+pub(crate) use crate::exceptions::ErrorClass;
 
 /// An attribute value of an exception.
 pub(crate) enum Attr {
     Int(u64),
+    Signed(i64),
     Float(f64),
     Str(String),
 }
 
-/// Builds `class(message, **attrs)` as a Python exception.
+/// Builds `class(message, **attrs)` as a Python exception. If the exception itself cannot be
+/// made (no memory left for it), what failed is raised instead.
 pub(crate) fn raise(
     py: Python<'_>,
     class: ErrorClass,
@@ -36,6 +38,7 @@ pub(crate) fn raise(
         for (k, v) in attrs {
             match v {
                 Attr::Int(i) => kwargs.set_item(*k, *i)?,
+                Attr::Signed(i) => kwargs.set_item(*k, *i)?,
                 Attr::Float(f) => kwargs.set_item(*k, *f)?,
                 Attr::Str(s) => kwargs.set_item(*k, s.as_str())?,
             }
@@ -43,10 +46,7 @@ pub(crate) fn raise(
         let value = cls.call((message.clone(),), Some(&kwargs))?;
         Ok(PyErr::from_value(value))
     };
-    match build() {
-        Ok(e) => e,
-        Err(_) => PyRuntimeError::new_err(message),
-    }
+    build().unwrap_or_else(|failed| failed)
 }
 
 /// `kvvm.errors.InvalidArgumentError(message)`.
@@ -93,7 +93,10 @@ pub(crate) fn backend(py: Python<'_>, e: &BackendError) -> PyErr {
     let class = match e.kind {
         ErrorKind::Unavailable => return raise(py, ErrorClass::Unavailable, e.to_string(), &[]),
         ErrorKind::OutOfMemory => ErrorClass::OutOfMemory,
-        _ => ErrorClass::Driver,
+        ErrorKind::InvalidValue
+        | ErrorKind::NotSupported
+        | ErrorKind::DeviceLost
+        | ErrorKind::Other => ErrorClass::Driver,
     };
     raise(
         py,
@@ -102,7 +105,7 @@ pub(crate) fn backend(py: Python<'_>, e: &BackendError) -> PyErr {
         &[
             ("op", Attr::Str(e.op.as_str().to_owned())),
             ("kind", Attr::Str(e.kind.as_str().to_owned())),
-            ("code", Attr::Int(e.code.unsigned_abs())),
+            ("code", Attr::Signed(e.code)),
             ("code_name", Attr::Str(e.code_name.clone())),
         ],
     )
@@ -165,7 +168,11 @@ pub(crate) fn kv(py: Python<'_>, e: &KvCacheError) -> PyErr {
         KvCacheError::PrefixNotWritten { .. } => {
             raise(py, ErrorClass::PrefixNotWritten, e.to_string(), &[])
         }
-        _ => raise(py, ErrorClass::Kvvm, e.to_string(), &[]),
+        // A byte read back differs from what was written, or the worker thread did not
+        // start: neither is the caller's to fix, nor a driver call's.
+        KvCacheError::Verification { .. } | KvCacheError::Worker { .. } => {
+            raise(py, ErrorClass::Kvvm, e.to_string(), &[])
+        }
     }
 }
 

@@ -2,8 +2,10 @@
 //!
 //! PyO3 bindings over the kvvm stack (facade, manager, governor, KV layer), built by maturin
 //! as the extension module `kvvm._native` (abi3: one wheel for every CPython >= 3.11). The
-//! pure-Python half (`python/kvvm`) re-exports these classes, defines the exceptions
-//! (`kvvm.errors`) and the Hugging Face transformers cache (`kvvm.transformers`).
+//! module also makes the exception hierarchy (`exceptions.rs`), which `kvvm.errors`
+//! re-exports. The pure-Python half (`python/kvvm`) re-exports these classes
+//! (`kvvm.bindings`) and adds the Hugging Face transformers integration, the attention
+//! kernels and the serving engine.
 //!
 //! | class | what it wraps |
 //! |---|---|
@@ -15,9 +17,10 @@
 //! | `SharedPrefix`, `PrefixCache` | `SharedDevicePrefix`, `PrefixCache` |
 //! | `TensorView` | a DLPack export of one layer's K or V (zero-copy) |
 //!
-//! Every call that may reach the driver releases the GIL. Errors become the exceptions of
-//! `kvvm.errors` (backpressure with `retry_after`, never-fits, unavailable, invalid argument,
-//! driver error with op and code, ...); nothing panics on bad input.
+//! Every call that may reach the driver releases the GIL. Errors become the exceptions this
+//! module makes (`errors.rs` maps every error variant to its class: backpressure with
+//! `retry_after`, never-fits, unavailable, invalid argument, driver error with op and code,
+//! ...); nothing panics on bad input.
 //!
 //! Lifetimes: a `TensorView`, and every tensor exported from it, keeps the sequences it covers
 //! alive and counts as a view of each; `release` and `shrink` are refused with
@@ -27,8 +30,8 @@ mod batch;
 mod cell;
 mod count;
 mod dict;
-mod error_class;
 mod errors;
+mod exceptions;
 mod geometry;
 mod manager;
 mod manager_open;
@@ -55,5 +58,5 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<view::TensorView>()?;
     m.add("BACKEND_NAMES", kvvm::BACKEND_NAMES.to_vec())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    Ok(())
+    exceptions::add_to(m)
 }

@@ -448,14 +448,15 @@ pub struct MemorySnapshot {
 impl MemorySnapshot {
     fn __repr__(&self) -> String {
         format!(
-            "MemorySnapshot(used={}, committed={}, pooled={}, shared={}, quarantined={}, pending={}, budget={})",
+            "MemorySnapshot(used={}, committed={}, pooled={}, shared={}, quarantined={}, pending={}, budget={}, free={})",
             self.used,
             self.committed,
             self.pooled,
             self.shared,
             self.quarantined,
             self.pending,
-            py_opt(self.budget)
+            py_opt(self.budget),
+            py_opt(self.free)
         )
     }
 }

@@ -270,9 +270,9 @@ def small_config(arch: Arch) -> Any:
 
 def slides(model: Any, max_len: int) -> bool:
     """Whether ``model`` has layers whose window slides within requests of ``max_len`` tokens
-    (the engine's automatic prefix cache is refused for it: :mod:`kvvm.cache_groups`)."""
-    from kvvm.attention import decoder_config
-    from kvvm.cache_groups import layer_groups
+    (the engine's automatic prefix cache is refused for it: :mod:`kvvm.transformers.cache_groups`)."""
+    from kvvm.bindings import decoder_config
+    from kvvm.transformers.cache_groups import layer_groups
 
     return any(g.sliding for g in layer_groups(decoder_config(model.config), max_len))
 

@@ -95,6 +95,18 @@ def test_sequences_grow_shrink_release_and_keep_the_books(sim: kvvm.Manager) -> 
         s.ensure(-1)
 
 
+def test_a_snapshot_prints_every_figure_it_holds(sim: kvvm.Manager) -> None:
+    plan = kvvm.LayoutPlan(tiny_geometry(), "token-major", sim.granule)
+    s = kvvm.Sequence(sim, plan)
+    s.ensure(10)
+    snap = sim.snapshot()
+    text = repr(snap)
+    for name in ("used", "committed", "pooled", "shared", "quarantined", "pending", "budget", "free"):
+        assert f"{name}={getattr(snap, name)}" in text, (name, text)
+    assert snap.free == (1 << 30) - sim.granule
+    assert repr(kvvm.Manager("sim").snapshot()).endswith("budget=None, free=None)")
+
+
 def test_write_and_read_tokens_round_trip_with_bad_input_refused(sim: kvvm.Manager) -> None:
     plan = kvvm.LayoutPlan(tiny_geometry(), "seq-major", sim.granule)
     s = kvvm.Sequence(sim, plan, max_tokens=256)

@@ -1,5 +1,5 @@
 """Architectures kvvm cannot serve are refused when the cache, the prefix or the engine is
-made, with the reason (:func:`kvvm.architectures.check_servable`), and nothing is allocated;
+made, with the reason (:func:`kvvm.transformers.architectures.check_servable`), and nothing is allocated;
 every architecture of the model matrix is not refused for what it is (sliding windows are
 decided elsewhere)."""
 
@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 import model_matrix as mm  # noqa: E402
-from kvvm.architectures import check_servable, refusal_reason  # noqa: E402
+from kvvm.transformers.architectures import check_servable, refusal_reason  # noqa: E402
 from kvvm.engine import Engine  # noqa: E402
 from kvvm.transformers import KvvmCache  # noqa: E402
 from kvvm.prefix import KvvmPrefix  # noqa: E402

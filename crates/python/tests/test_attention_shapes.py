@@ -74,7 +74,7 @@ def test_the_decode_kernel_matches_sdpa_on_every_shape() -> None:
     ratios. On another diagonal, the kernel reading the cache only, over several splits."""
     out = _run(
         """
-        from kvvm.triton_decode import decode_attention
+        from kvvm.kernels.triton_decode import decode_attention
         torch.set_num_threads(1)
         torch.manual_seed(4)
         B, T = 3, 100
@@ -134,8 +134,8 @@ def test_the_decode_step_over_a_kvvm_cache_matches_dynamic_cache_on_every_shape(
         """
         import gc
         import transformers, kvvm
-        import kvvm.triton_decode as td
-        from kvvm.attend import kernel_for
+        import kvvm.kernels.triton_decode as td
+        from kvvm.kernels.attend import kernel_for
         from kvvm.transformers import KvvmCache, use_kvvm_attention
         torch.set_num_threads(1)
         assert kernel_for(torch.device("cpu"), 1) == "triton", "the interpreter runs the CUDA kernel"
@@ -211,7 +211,7 @@ def test_the_decode_kernel_matches_sdpa_on_every_shape_on_the_gpu() -> None:
 
     import torch
 
-    from kvvm.triton_decode import Config, choose_splits, decode_attention, tuned_config
+    from kvvm.kernels.triton_decode import Config, choose_splits, decode_attention, tuned_config
 
     shapes, sdpa, HEAD_DIMS, GQA = (_SHARED[k] for k in ("shapes", "sdpa", "HEAD_DIMS", "GQA"))
     # Longer ranges than the interpreter's, in compiled code: a little more room than there.
@@ -253,7 +253,7 @@ def test_the_tuner_off_gives_the_heuristic_configuration_untimed(monkeypatch: py
     :func:`choose_splits`' configuration, remembering nothing."""
     import torch
 
-    import kvvm.triton_decode as td
+    import kvvm.kernels.triton_decode as td
 
     monkeypatch.setattr(td, "AUTOTUNE", False)
     q = torch.zeros(3, 8, 1, 64)
@@ -314,7 +314,7 @@ def test_the_flash_path_reads_slots_whose_stride_is_not_whole_tokens(shift: int,
     CPU, FlashAttention's varlen call emulated as it reads its arguments)."""
     import torch
 
-    import kvvm.attend as attend
+    import kvvm.kernels.attend as attend
 
     monkeypatch.setattr(attend, "_flash_forward", _emulated_flash)
     torch.manual_seed(7)
@@ -337,7 +337,7 @@ def test_the_flash_kernel_reads_slots_whose_stride_is_not_whole_tokens_on_the_gp
     tokens (every offset class), prefill-like (several query tokens, causal) and one."""
     import torch
 
-    from kvvm.attend import attend
+    from kvvm.kernels.attend import attend
 
     torch.manual_seed(8)
     k, v = _misaligned_kv("cuda", torch.bfloat16, 6, 2, 96, 64)

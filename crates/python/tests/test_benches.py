@@ -164,3 +164,64 @@ def test_shapes_bench_checks_the_kernel_and_the_step_on_the_cpu_untimed(tmp_path
     assert len(rows) == 4 and rows[2].startswith("| 96 | 16/2 | bf16 |") and rows[3].startswith("| 96 | 16/2 | fp16 |")
     # One line a shape, the kernel and the step each "not timed".
     assert r.stderr.count("kernel not timed") == r.stderr.count("step not timed") == 2, r.stderr
+
+
+#: A small serve run on the CPU (the host backend): two short requests.
+SERVE_CPU = [
+    "serve", "--tiny", "--device", "cpu", "--backend", "host", "--requests", "2", "--prompt-lo", "8",
+    "--prompt-hi", "16", "--output", "2", "--slots", "2", "--prefix-cache-bytes", "0", "--padded-batch", "2",
+]
+
+
+def test_a_serve_runner_that_cannot_run_fails_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A runner that cannot run (here transformers' ``generate_batch``, made to refuse) is
+    reported in the JSON with its reason, and the command exits 1 saying which and why, after
+    the other runners ran."""
+    pytest.importorskip("transformers", reason="skipped: no transformers")
+    if not host_available():
+        pytest.skip("skipped: no host backend")
+    from transformers import LlamaForCausalLM
+
+    import kvvm_bench
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no continuous batching on this machine")
+
+    home = next(c for c in LlamaForCausalLM.__mro__ if "generate_batch" in c.__dict__)
+    monkeypatch.setattr(home, "generate_batch", refuse)
+    out = tmp_path / "serve.json"
+    rc = kvvm_bench.main([*SERVE_CPU, "--runners", "kvvm-engine,generate-batch", "--json", str(out)])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "could not run" in err and "generate_batch: RuntimeError: no continuous batching on this machine" in err
+    report = json.loads(out.read_text())
+    assert report["failed"] == ["generate_batch"]
+    rows = {r["runner"]: r for r in report["results"]}
+    assert rows["generate_batch"]["failed"] and "no continuous batching" in rows["generate_batch"]["note"]
+    assert not rows["kvvm-engine"]["failed"] and rows["kvvm-engine"]["generated_tokens"] == 4
+
+
+def test_serve_with_the_kvvm_binary_and_no_report_file_leaves_nothing_in_the_working_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``--kvvm-bin`` the trace goes to ``kvvm simulate``; without ``--json`` it is written
+    into a temporary folder (with ``--json``, next to the report), never the working folder."""
+    pytest.importorskip("transformers", reason="skipped: no transformers")
+    binary = kvvm_binary()
+    if binary is None or not host_available():
+        pytest.skip("skipped: no kvvm binary or no host backend")
+    import kvvm_bench
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert kvvm_bench.main([*SERVE_CPU, "--runners", "kvvm-engine", "--kvvm-bin", binary]) == 0
+    assert list(work.iterdir()) == []
+    out = tmp_path / "serve.json"
+    assert kvvm_bench.main([*SERVE_CPU, "--runners", "kvvm-engine", "--kvvm-bin", binary, "--json", str(out)]) == 0
+    assert list(work.iterdir()) == []
+    assert (tmp_path / "serve.json.trace.jsonl").is_file()
+    report = json.loads(out.read_text())
+    assert report["failed"] == [] and report["simulate"]["predicted"]["completed"] == 2

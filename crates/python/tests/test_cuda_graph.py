@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no 
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")
 
-from kvvm.attend import attend  # noqa: E402
+from kvvm.kernels.attend import attend  # noqa: E402
 from kvvm.graph import DecodeGraph  # noqa: E402
-from kvvm.projections import fuse_projections  # noqa: E402
+from kvvm.transformers.projections import fuse_projections  # noqa: E402
 from kvvm.transformers import KvvmCache, use_kvvm_attention  # noqa: E402
 
 VOCAB = 4096
@@ -184,7 +184,7 @@ def test_every_tuned_configuration_of_the_triton_kernel_agrees_with_sdpa() -> No
     pytest.importorskip("triton", reason="skipped: no triton")
     import math
 
-    from kvvm.triton_decode import _SHAPES, Config, decode_attention
+    from kvvm.kernels.triton_decode import _SHAPES, Config, decode_attention
 
     torch.manual_seed(3)
     dev = torch.device("cuda")

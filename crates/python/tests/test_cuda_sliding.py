@@ -91,7 +91,7 @@ def test_the_flash_kernel_reads_the_window_as_sdpa_does(q_len: int) -> None:
     """bf16, ragged requests in any slot order: FlashAttention with ``window_size_left`` over
     the packed slots against the per-request SDPA kernel, tokens before each earliest window
     poisoned (NaN: a read of one would show)."""
-    from kvvm.attend import attend
+    from kvvm.kernels.attend import attend
 
     torch.manual_seed(9)
     heads, kv_heads, dim, window, tokens = 8, 2, 128, 40, 300

@@ -14,7 +14,7 @@ from conftest import cuda_available, host_available
 torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
-from kvvm.attention import use_kvvm_attention  # noqa: E402
+from kvvm.transformers import use_kvvm_attention  # noqa: E402
 from kvvm.transformers import KvvmCache  # noqa: E402
 
 

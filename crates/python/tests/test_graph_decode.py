@@ -24,7 +24,7 @@ from conftest import host_available
 torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
-from kvvm.attend import attend  # noqa: E402
+from kvvm.kernels.attend import attend  # noqa: E402
 from kvvm.transformers import KvvmCache, use_kvvm_attention  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
@@ -268,8 +268,8 @@ def test_the_triton_decode_kernel_matches_the_reference_in_the_interpreter() -> 
     code = textwrap.dedent(
         """
         import math, torch
-        from kvvm.attend import attend
-        from kvvm.triton_decode import decode_attention
+        from kvvm.kernels.attend import attend
+        from kvvm.kernels.triton_decode import decode_attention
         torch.manual_seed(2)
         batch, heads, kv_heads, tokens = 3, 8, 2, 150
         for dim in (32, 48):

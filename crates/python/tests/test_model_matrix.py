@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 import model_matrix as mm  # noqa: E402
-from kvvm.cache_groups import SLIDING_PREFIX_CACHE_REFUSAL  # noqa: E402
+from kvvm.transformers.cache_groups import SLIDING_PREFIX_CACHE_REFUSAL  # noqa: E402
 from kvvm.engine import Engine  # noqa: E402
 from kvvm.transformers import KvvmCache  # noqa: E402
 from kvvm.prefix import KvvmPrefix  # noqa: E402

@@ -1,4 +1,4 @@
-"""Fused sibling projections (:mod:`kvvm.projections`): the same outputs as the separate
+"""Fused sibling projections (:mod:`kvvm.transformers.projections`): the same outputs as the separate
 projections, the same parameters, one matrix multiply per group in a compiled step, and the
 model given back by ``restore``. On CPU."""
 
@@ -12,7 +12,7 @@ from conftest import host_available
 torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
-from kvvm.projections import fuse_projections  # noqa: E402
+from kvvm.transformers.projections import fuse_projections  # noqa: E402
 from kvvm.transformers import KvvmCache, use_kvvm_attention  # noqa: E402
 
 VOCAB = 512

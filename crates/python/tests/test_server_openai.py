@@ -29,7 +29,7 @@ httpx = pytest.importorskip("httpx", reason="skipped: no httpx")
 
 from kvvm.engine import Engine  # noqa: E402
 from kvvm.serving.http import BackgroundServer, OpenAIServer, ServerConfig  # noqa: E402
-from kvvm.serving.http.load import load_model, smollm2_gguf  # noqa: E402
+from kvvm.serving.load import load_model, smollm2_gguf  # noqa: E402
 from kvvm.serving.params import SamplingParams  # noqa: E402
 from model_checks import MiB, holds_nothing  # noqa: E402
 

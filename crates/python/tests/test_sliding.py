@@ -22,7 +22,7 @@ from conftest import host_available
 torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
-from kvvm.cache_groups import SLIDING_PREFIX_CACHE_REFUSAL, LayerGroup, layer_groups  # noqa: E402
+from kvvm.transformers.cache_groups import SLIDING_PREFIX_CACHE_REFUSAL, LayerGroup, layer_groups  # noqa: E402
 from kvvm.engine import Engine  # noqa: E402
 from kvvm.transformers import KvvmCache, use_kvvm_attention  # noqa: E402
 from kvvm.prefix import KvvmPrefix  # noqa: E402
@@ -395,7 +395,7 @@ def reference_attention(q: object, k: object, v: object, positions: object, wind
 def test_attend_reads_the_window_only_and_caps_the_logits(softcap: float) -> None:
     """Ragged requests in any slot order, prefill and decode: each query sees its window,
     and tokens before the earliest query's window are never read (they hold NaN)."""
-    from kvvm.attend import attend
+    from kvvm.kernels.attend import attend
 
     torch.manual_seed(4)
     heads, kv_heads, dim, window = 8, 2, 32, 20
@@ -425,8 +425,8 @@ def test_the_triton_decode_kernel_reads_the_window_and_caps_in_the_interpreter()
     code = textwrap.dedent(
         """
         import math, torch
-        from kvvm.attend import attend
-        from kvvm.triton_decode import decode_attention
+        from kvvm.kernels.attend import attend
+        from kvvm.kernels.triton_decode import decode_attention
         torch.manual_seed(5)
         B, H, Hk, T, D, W = 3, 8, 2, 160, 32, 37
         k = torch.randn(B + 1, Hk, T, D) * 3

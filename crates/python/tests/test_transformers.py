@@ -173,7 +173,7 @@ def test_unsupported_configs_and_backends_are_refused(model) -> None:
 def test_kvvm_attention_sets_the_kernels_once_per_forward_and_unwraps(model, mgr, monkeypatch) -> None:
     import torch.nn.attention as attention
 
-    from kvvm import attention as kt
+    from kvvm.transformers import attention as kt
 
     entered: list[int] = []
     real = attention.sdpa_kernel
@@ -199,3 +199,47 @@ def test_kvvm_attention_sets_the_kernels_once_per_forward_and_unwraps(model, mgr
         again = model(input_ids=ids).logits
     assert torch.allclose(out, ref, atol=1e-5) and torch.equal(again, ref)
     cache.release()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "kvvm"])
+def test_layers_and_iteration_give_every_cached_token_as_dynamic_cache_does(model, mgr, attention: str) -> None:
+    """``cache.layers[i].keys``/``.values`` and ``iter(cache)`` are every token each layer
+    holds, as a DynamicCache's are, with the kvvm attention too (where attention reads the
+    cache's memory itself): views of the cache's memory, no copy."""
+    from kvvm.transformers import use_kvvm_attention
+
+    cfg = model.config
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    if attention == "kvvm":
+        use_kvvm_attention(model)
+    try:
+        dc = transformers.DynamicCache(config=cfg)
+        kc = KvvmCache(cfg, 2, 64, manager=mgr, dtype="fp32")
+        with torch.no_grad():
+            a = model(input_ids=ids, past_key_values=dc, use_cache=True)
+            b = model(input_ids=ids, past_key_values=kc, use_cache=True)
+            for _ in range(3):
+                tok = a.logits[:, -1:].argmax(-1)
+                a = model(input_ids=tok, past_key_values=dc, use_cache=True)
+                b = model(input_ids=tok, past_key_values=kc, use_cache=True)
+        assert len(kc.layers) == len(dc.layers) == cfg.num_hidden_layers
+        for mine, theirs in zip(kc.layers, dc.layers, strict=True):
+            assert mine.keys.shape == theirs.keys.shape == (2, 2, 15, 32)
+            assert torch.allclose(mine.keys, theirs.keys, atol=1e-5)
+            assert torch.allclose(mine.values, theirs.values, atol=1e-5)
+        for (k, v), (dk, dv, *_) in zip(kc, dc, strict=True):
+            assert torch.allclose(k, dk, atol=1e-5) and torch.allclose(v, dv, atol=1e-5)
+        # Views of the cache's own memory: no copy.
+        assert kc.layers[1].keys.untyped_storage().data_ptr() == kc._kv(1)[0].untyped_storage().data_ptr()
+        if attention == "kvvm":
+            # A ragged batch is read one request at a time.
+            with torch.no_grad(), kc.select(0):
+                model(input_ids=tok[:1], past_key_values=kc, use_cache=True)
+            with pytest.raises(kvvm.InvalidArgumentError, match="select"):
+                kc.layers[0].keys
+            with kc.select(0):
+                assert kc.layers[0].keys.shape == (1, 2, 16, 32)
+        del a, b, k, v
+        assert kc.release() > 0
+    finally:
+        use_kvvm_attention(model, enable=False)

@@ -114,7 +114,7 @@ def test_a_batch_other_than_the_caches_is_refused_before_any_work(model, kvvm_at
     """``generate`` with more sequences than the cache has slots (two rows, beams, several
     returned sequences) is refused with a clear InvalidArgumentError before the cache commits
     or counts anything; the same cache then generates the reference tokens."""
-    from kvvm.attention import use_kvvm_attention
+    from kvvm.transformers import use_kvvm_attention
 
     use_kvvm_attention(model, enable=kvvm_attention)
     try:

@@ -14,8 +14,7 @@ use std::sync::Arc;
 use common::{assert_accessible, World, WorldConfig, D0};
 use kvvm_governor::{Governor, GovernorConfig};
 use kvvm_hal::{
-    AccessDescriptor, AllocationProperties, BackendResult, Capabilities, DeviceAddress, DeviceId,
-    DeviceInfo, ErrorKind, Granularity, MemoryInfo, Operation, PhysicalHandle,
+    BackendResult, Capabilities, DeviceAddress, DeviceId, ErrorKind, Granularity, Operation,
     VirtualMemoryBackend,
 };
 use kvvm_sim::{FaultRule, SimBackend, SimConfig, SimQuirks, GIB, MIB};
@@ -351,7 +350,10 @@ struct FlakySetAccess {
     retries: u32,
 }
 
-impl VirtualMemoryBackend for FlakySetAccess {
+impl kvvm_hal::decorate::Forward for FlakySetAccess {
+    fn inner(&self) -> &dyn VirtualMemoryBackend {
+        &*self.sim
+    }
     fn name(&self) -> &str {
         "flaky"
     }
@@ -361,37 +363,15 @@ impl VirtualMemoryBackend for FlakySetAccess {
             ..self.sim.capabilities()
         }
     }
-    fn devices(&self) -> BackendResult<Vec<DeviceInfo>> {
-        self.sim.devices()
-    }
-    fn memory_info(&self, d: DeviceId) -> BackendResult<MemoryInfo> {
-        self.sim.memory_info(d)
-    }
-    fn granularity(&self, p: &AllocationProperties) -> BackendResult<Granularity> {
-        self.sim.granularity(p)
-    }
-    fn reserve(&self, s: u64, a: u64, f: Option<DeviceAddress>) -> BackendResult<DeviceAddress> {
-        self.sim.reserve(s, a, f)
-    }
-    fn free(&self, a: DeviceAddress, s: u64) -> BackendResult<()> {
-        self.sim.free(a, s)
-    }
-    fn create(&self, s: u64, p: &AllocationProperties) -> BackendResult<PhysicalHandle> {
-        self.sim.create(s, p)
-    }
-    fn release(&self, h: PhysicalHandle) -> BackendResult<()> {
-        self.sim.release(h)
-    }
-    fn map(&self, a: DeviceAddress, s: u64, h: PhysicalHandle) -> BackendResult<()> {
-        self.sim.map(a, s, h)
-    }
-    fn set_access(&self, a: DeviceAddress, s: u64, d: &[AccessDescriptor]) -> BackendResult<()> {
+    /// Fails the first `fail` set-access calls before they reach the simulator.
+    fn before(&self, op: Operation) -> BackendResult<()> {
         use std::sync::atomic::Ordering;
-        if self
-            .fail
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok()
-        {
+        let failing = op == Operation::SetAccess
+            && self
+                .fail
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+        if failing {
             return Err(kvvm_hal::BackendError::new(
                 Operation::SetAccess,
                 ErrorKind::Other,
@@ -399,29 +379,7 @@ impl VirtualMemoryBackend for FlakySetAccess {
                 "FLAKY",
             ));
         }
-        self.sim.set_access(a, s, d)
-    }
-    fn unmap(&self, a: DeviceAddress, s: u64) -> BackendResult<()> {
-        self.sim.unmap(a, s)
-    }
-    fn synchronize(&self, d: DeviceId) -> BackendResult<()> {
-        self.sim.synchronize(d)
-    }
-    fn copy_to_device(&self, d: DeviceAddress, s: &[u8]) -> BackendResult<()> {
-        self.sim.copy_to_device(d, s)
-    }
-    fn copy_from_device(&self, d: &mut [u8], s: DeviceAddress) -> BackendResult<()> {
-        self.sim.copy_from_device(d, s)
-    }
-    fn export_posix_fd(&self, h: PhysicalHandle) -> BackendResult<std::os::fd::OwnedFd> {
-        self.sim.export_posix_fd(h)
-    }
-    fn import_posix_fd(
-        &self,
-        device: DeviceId,
-        fd: std::os::fd::BorrowedFd<'_>,
-    ) -> BackendResult<PhysicalHandle> {
-        self.sim.import_posix_fd(device, fd)
+        Ok(())
     }
 }
 

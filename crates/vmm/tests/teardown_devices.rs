@@ -4,10 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use kvvm_hal::{
-    Access, AccessDescriptor, AllocationProperties, BackendResult, Capabilities, DeviceAddress,
-    DeviceId, DeviceInfo, Granularity, MemoryInfo, PhysicalHandle, VirtualMemoryBackend,
-};
+use kvvm_hal::{Access, AccessDescriptor, BackendResult, DeviceId, VirtualMemoryBackend};
 use kvvm_sim::{SimBackend, SimConfig};
 use kvvm_vmm::{VirtualMemory, VmmConfig};
 
@@ -19,65 +16,16 @@ struct Syncs {
     synced: Mutex<Vec<DeviceId>>,
 }
 
-impl VirtualMemoryBackend for Syncs {
+impl kvvm_hal::decorate::Forward for Syncs {
+    fn inner(&self) -> &dyn VirtualMemoryBackend {
+        &*self.sim
+    }
     fn name(&self) -> &str {
         "syncs"
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.sim.capabilities()
-    }
-    fn devices(&self) -> BackendResult<Vec<DeviceInfo>> {
-        self.sim.devices()
-    }
-    fn memory_info(&self, d: DeviceId) -> BackendResult<MemoryInfo> {
-        self.sim.memory_info(d)
-    }
-    fn granularity(&self, p: &AllocationProperties) -> BackendResult<Granularity> {
-        self.sim.granularity(p)
-    }
-    fn reserve(&self, s: u64, a: u64, f: Option<DeviceAddress>) -> BackendResult<DeviceAddress> {
-        self.sim.reserve(s, a, f)
-    }
-    fn free(&self, a: DeviceAddress, s: u64) -> BackendResult<()> {
-        self.sim.free(a, s)
-    }
-    fn create(&self, s: u64, p: &AllocationProperties) -> BackendResult<PhysicalHandle> {
-        self.sim.create(s, p)
-    }
-    fn release(&self, h: PhysicalHandle) -> BackendResult<()> {
-        self.sim.release(h)
-    }
-    fn map(&self, a: DeviceAddress, s: u64, h: PhysicalHandle) -> BackendResult<()> {
-        self.sim.map(a, s, h)
-    }
-    fn set_access(&self, a: DeviceAddress, s: u64, d: &[AccessDescriptor]) -> BackendResult<()> {
-        self.sim.set_access(a, s, d)
-    }
-    fn unmap(&self, a: DeviceAddress, s: u64) -> BackendResult<()> {
-        self.sim.unmap(a, s)
-    }
-    fn can_access_peer(&self, device: DeviceId, peer: DeviceId) -> BackendResult<bool> {
-        self.sim.can_access_peer(device, peer)
     }
     fn synchronize(&self, d: DeviceId) -> BackendResult<()> {
         self.synced.lock().unwrap().push(d);
         self.sim.synchronize(d)
-    }
-    fn copy_to_device(&self, d: DeviceAddress, s: &[u8]) -> BackendResult<()> {
-        self.sim.copy_to_device(d, s)
-    }
-    fn copy_from_device(&self, d: &mut [u8], s: DeviceAddress) -> BackendResult<()> {
-        self.sim.copy_from_device(d, s)
-    }
-    fn export_posix_fd(&self, h: PhysicalHandle) -> BackendResult<std::os::fd::OwnedFd> {
-        self.sim.export_posix_fd(h)
-    }
-    fn import_posix_fd(
-        &self,
-        device: DeviceId,
-        fd: std::os::fd::BorrowedFd<'_>,
-    ) -> BackendResult<PhysicalHandle> {
-        self.sim.import_posix_fd(device, fd)
     }
 }
 

@@ -5,7 +5,7 @@
 use kvvm_hal::{BackendError, DeviceAddress, ErrorKind, Operation};
 
 use super::{invalid, State, VA_BASE};
-use crate::sim_error;
+use crate::error::sim_error;
 
 impl State {
     pub(crate) fn reserve(

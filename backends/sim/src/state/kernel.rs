@@ -10,7 +10,7 @@
 use kvvm_hal::{BackendError, DeviceAddress, DeviceId, ErrorKind, KernelProbeOp, Operation};
 
 use super::State;
-use crate::sim_error;
+use crate::error::sim_error;
 
 impl State {
     /// What the probe kernel does on `device`: the wrapping sum of the bytes for a load, 0

@@ -31,9 +31,9 @@ use kvvm_hal::{
 };
 
 use crate::config::{SimConfig, SimDeviceConfig, SimQuirks};
+use crate::error::sim_error;
 use crate::faults::{FaultPlan, FaultRule};
 use crate::ledger::{Ledger, LedgerAllocation, LedgerHandle, LedgerMapping, LedgerReservation};
-use crate::sim_error;
 
 mod address;
 mod data;

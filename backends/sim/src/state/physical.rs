@@ -11,7 +11,7 @@ use kvvm_hal::{
 };
 
 use super::{invalid, SimAllocation, State};
-use crate::sim_error;
+use crate::error::sim_error;
 
 impl State {
     pub(crate) fn create(

@@ -33,8 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import os
 import statistics
 import sys
+import tempfile
 from dataclasses import asdict
 from typing import Any
 
@@ -42,38 +44,10 @@ import torch
 
 import kvvm
 from kvvm_bench import runs
+from kvvm_bench.model import build_model
 from kvvm_bench.report_file import write_report
 
 __all__ = ["main"]
-
-
-def _build_model(args: argparse.Namespace) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if args.tiny:
-        cfg = LlamaConfig(
-            hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-            num_key_value_heads=2, vocab_size=2048, max_position_embeddings=16384,
-        )
-    else:
-        cfg = LlamaConfig(
-            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-            num_key_value_heads=8, vocab_size=128256, max_position_embeddings=16384,
-            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-        )
-    cfg._attn_implementation = "sdpa"
-    device = getattr(args, "device", "cuda")
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    # Built in its dtype on its device: an 8B model never passes through fp32 (32 GB), so
-    # that several processes can build theirs on one GPU at once.
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model: Any = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(default)
-    return model.to(dtype).eval()
 
 
 def _points(text: str) -> list[tuple[int, int]]:
@@ -132,7 +106,7 @@ def _agreement(r: runs.Run, ref: runs.Run | None) -> float | None:
 def run_generate(args: argparse.Namespace) -> dict[str, Any]:
     """Every cache at every point; returns the report."""
     torch._dynamo.config.cache_size_limit = 64
-    model = _build_model(args)
+    model = build_model(args)
     cfg = model.config
     weights = _weight_bytes(model)
     caches = [c for c in args.caches.split(",") if c]
@@ -170,7 +144,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
 def _triton_configs() -> list[str]:
     """The attention configurations the autotuner chose so far (shape: configuration)."""
     try:
-        from kvvm.triton_decode import _TUNED
+        from kvvm.kernels.triton_decode import _TUNED
     except ImportError:
         return []
     return [f"batch {k[0]} heads {k[1]}/{k[2]} tokens {k[5]}: {v}" for k, v in _TUNED.items()]
@@ -245,7 +219,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
     """A trace through every runner; returns the report."""
     from kvvm_bench import serve as sv
 
-    model = _build_model(args)
+    model = build_model(args)
     vocab = model.config.vocab_size
     if args.trace:
         trace = sv.load_trace(args.trace, vocab, args.seed)
@@ -294,48 +268,50 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         row = asdict(r)
         row.pop("outputs")
         report["results"].append(row)
+    report["failed"] = [r.runner for r in results if r.failed]
     engine_run = next((r for r in results if r.runner == "kvvm-engine"), None)
     if args.kvvm_bin and engine_run and engine_run.kv_bytes_over_time:
-        trace_path = (args.json or "serve.json") + ".trace.jsonl"
-        sv.save_trace(trace, trace_path)
-        held = [b for _, b in engine_run.kv_bytes_over_time]
-        step_ms = engine_run.wall_s * 1000 / max(len(held), 1)
-        report["simulate"] = {
-            "measured_peak_bytes": max(held),
-            "measured_mean_bytes": round(statistics.mean(held)),
-            "predicted": sv.simulate_prediction(
-                args.kvvm_bin, trace_path, args.simulate_model, step_ms, args.budget_bytes or free_at_start or None
-            ),
-        }
+        report["simulate"] = _simulate(args, trace, engine_run, free_at_start)
+        if "error" in report["simulate"]["predicted"]:
+            report["failed"].append("simulate")
     write_report(args.json, report)
     return report
+
+
+def _simulate(args: argparse.Namespace, trace: list[Any], engine_run: Any, free_at_start: int) -> dict[str, Any]:
+    """What the engine held beside ``kvvm simulate``'s prediction for the trace. The trace is
+    written next to the report (``<json>.trace.jsonl``), or without a report into a temporary
+    folder removed afterwards: nothing lands in the working folder."""
+    from kvvm_bench import serve as sv
+
+    held = [b for _, b in engine_run.kv_bytes_over_time]
+    step_ms = engine_run.wall_s * 1000 / max(len(held), 1)
+    with tempfile.TemporaryDirectory(prefix="kvvm-serve-") as tmp:
+        trace_path = args.json + ".trace.jsonl" if args.json else os.path.join(tmp, "serve.trace.jsonl")
+        sv.save_trace(trace, trace_path)
+        predicted = sv.simulate_prediction(
+            args.kvvm_bin, trace_path, args.simulate_model, step_ms, args.budget_bytes or free_at_start or None
+        )
+    return {
+        "measured_peak_bytes": max(held),
+        "measured_mean_bytes": round(statistics.mean(held)),
+        "predicted": predicted,
+    }
+
+
+def _failures(report: dict[str, Any]) -> str:
+    """Why the runs of a serve report that could not run did not, one line each."""
+    notes = {r["runner"]: r.get("note", "") for r in report.get("results", [])}
+    if "simulate" in report:
+        notes["simulate"] = str(report["simulate"]["predicted"].get("error", ""))
+    return "\n".join(f"  {name}: {notes.get(name) or 'failed'}" for name in report.get("failed", []))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m kvvm_bench``."""
     ap = argparse.ArgumentParser(prog="python -m kvvm_bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name, helptext in (("generate", "decode with every cache side by side"), ("kernels", "attention kernels alone")):
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("--points", default="1x4096,16x2048,16x4096,64x2048", help="batch x prompt, comma-separated")
-        p.add_argument("--ragged", default="64:128-4096", help="N:LO-HI prompts uniform in LO..HI ('' for none)")
-        p.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the floor (H200: 4.8e12)")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--json", help="write the report here")
-    g = sub.choices["generate"]
-    g.add_argument("--tiny", action="store_true", help="a small model instead of the Llama-3.1-8B shape")
-    g.add_argument(
-        "--measured-bandwidth", type=float, default=4.3e12,
-        help="a device-to-device copy's bytes/s on the device (H200, measured: 4.3e12), for a second floor",
-    )
-    g.add_argument("--new", type=int, default=64, help="tokens generated per request")
-    g.add_argument("--warmup", type=int, default=4, help="steps left out of p50/p99")
-    g.add_argument("--caches", default=",".join(runs.CACHES), help=f"comma-separated, of {runs.CACHES}")
-    g.add_argument("--check-steps", type=int, default=8, help="teacher-forced steps of the logits check (0: none)")
-    g.add_argument("--headroom", type=int, default=4, help="pre-commit headroom tokens")
-    g.add_argument("--max-len", type=int, default=0, help="KvvmCache's max_cache_len (0: longest prompt + new + 64)")
-    g.add_argument("--graph-mode", default=None, help="torch.compile mode of the captured kvvm step (default: its default)")
-    g.add_argument("--profile", action="store_true", help="the captured kvvm step's GPU time by kind of kernel")
+    _decode_args(sub)
     _serve_args(sub)
     from kvvm_bench import prefix as bench_prefix
 
@@ -391,7 +367,36 @@ def main(argv: list[str] | None = None) -> int:
         report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)
     print()
+    if args.cmd == "serve" and report["failed"]:
+        print(f"python -m kvvm_bench serve: {len(report['failed'])} of the runs could not run (the report "
+              f"keeps what the others measured):\n{_failures(report)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _decode_args(sub: Any) -> None:
+    """The ``generate`` and ``kernels`` commands' arguments."""
+    for name, helptext in (("generate", "decode with every cache side by side"), ("kernels", "attention kernels alone")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--points", default="1x4096,16x2048,16x4096,64x2048", help="batch x prompt, comma-separated")
+        p.add_argument("--ragged", default="64:128-4096", help="N:LO-HI prompts uniform in LO..HI ('' for none)")
+        p.add_argument("--bandwidth", type=float, default=4.8e12, help="HBM bytes/s of the floor (H200: 4.8e12)")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", help="write the report here")
+    g = sub.choices["generate"]
+    g.add_argument("--tiny", action="store_true", help="a small model instead of the Llama-3.1-8B shape")
+    g.add_argument(
+        "--measured-bandwidth", type=float, default=4.3e12,
+        help="a device-to-device copy's bytes/s on the device (H200, measured: 4.3e12), for a second floor",
+    )
+    g.add_argument("--new", type=int, default=64, help="tokens generated per request")
+    g.add_argument("--warmup", type=int, default=4, help="steps left out of p50/p99")
+    g.add_argument("--caches", default=",".join(runs.CACHES), help=f"comma-separated, of {runs.CACHES}")
+    g.add_argument("--check-steps", type=int, default=8, help="teacher-forced steps of the logits check (0: none)")
+    g.add_argument("--headroom", type=int, default=4, help="pre-commit headroom tokens")
+    g.add_argument("--max-len", type=int, default=0, help="KvvmCache's max_cache_len (0: longest prompt + new + 64)")
+    g.add_argument("--graph-mode", default=None, help="torch.compile mode of the captured kvvm step (default: its default)")
+    g.add_argument("--profile", action="store_true", help="the captured kvvm step's GPU time by kind of kernel")
 
 
 def _serve_args(sub: Any) -> None:
@@ -411,7 +416,7 @@ def _serve_args(sub: Any) -> None:
     p.add_argument("--prefix-cache-bytes", type=int, default=8 << 30)
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--padded-batch", type=int, default=64)
-    p.add_argument("--fuse-projections", action="store_true", help="the engine fuses Q/K/V and gate/up (kvvm.projections)")
+    p.add_argument("--fuse-projections", action="store_true", help="the engine fuses Q/K/V and gate/up (kvvm.transformers.projections)")
     p.add_argument("--real-time", action="store_true", help="submit at the arrival times (the engine)")
     p.add_argument("--reference", action="store_true", help="check greedy tokens against one request at a time (teacher-forced DynamicCache)")
     p.add_argument("--tiny", action="store_true")

@@ -77,13 +77,13 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import kvvm
-    from kvvm.attention import use_kvvm_attention
+    from kvvm.transformers import use_kvvm_attention
     from kvvm.transformers import KvvmCache
     from kvvm.prefix import KvvmPrefix
-    from kvvm_bench.cli import _build_model
+    from kvvm_bench.model import build_model
     from kvvm_bench.numerics import percentiles
 
-    model = _build_model(args)
+    model = build_model(args)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(args.seed)
     system = torch.randint(0, vocab, (1, args.prefix), generator=g).to(args.device)
@@ -142,7 +142,7 @@ def _decode_step(model: Any, cache: Any, device: str) -> Any:
     """One decode step of every request: the captured graph on a GPU, eager on a CPU."""
     import torch
 
-    from kvvm.attention import use_kvvm_attention
+    from kvvm.transformers import use_kvvm_attention
 
     use_kvvm_attention(model)
     if device == "cuda":

@@ -194,14 +194,14 @@ def _http_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     from kvvm.serving.engine import Engine
     from kvvm_bench import serve as sv
-    from kvvm_bench.cli import _build_model
+    from kvvm_bench.model import build_model
 
     import sys
 
     sys.setswitchinterval(args.switch_interval)
     if args.device == "cpu":
         torch.set_num_threads(1)  # two threads spinning for each other on a busy 2-core machine: 10-20x slower
-    model = _build_model(args)
+    model = build_model(args)
     trace = sv.synthetic_trace(args.requests, model.config.vocab_size, prompt_lo=args.prompt_lo, prompt_hi=args.prompt_hi,
                                output=args.output, shared_prefix=args.shared_prefix, shared_share=args.shared_share,
                                rate=args.rate, seed=args.seed)

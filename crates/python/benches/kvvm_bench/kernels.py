@@ -8,8 +8,8 @@ bytes of the live tokens at the given bandwidth) and the ratio, and the largest 
 SDPA over each request's exact tokens. The lengths change after the capture and the replay
 is checked again: a kernel whose graph only knew the lengths of the capture fails there.
 
-- ``triton``: kvvm's split-KV decode kernel (:mod:`kvvm.triton_decode`);
-- ``flash``: PyTorch's FlashAttention varlen with ``seqused_k`` (:mod:`kvvm.attend`);
+- ``triton``: kvvm's split-KV decode kernel (:mod:`kvvm.kernels.triton_decode`);
+- ``flash``: PyTorch's FlashAttention varlen with ``seqused_k`` (:mod:`kvvm.kernels.attend`);
 - ``flex``: FlexAttention, its block mask built from the lengths inside ``torch.compile``
   (block 128: it reads whole blocks, up to 127 tokens past a request's end, which kvvm's
   memory may not have mapped);
@@ -113,7 +113,7 @@ def run_kernels(
     """Every kernel of ``kernels`` at one point (``lengths``: one per request). On a CPU
     (``device="cpu"``; the Triton kernel in Triton's interpreter) each kernel runs once,
     checked against SDPA, neither timed nor captured."""
-    from kvvm.attend import attend
+    from kvvm.kernels.attend import attend
 
     dev = torch.device(device)
     torch.manual_seed(0)

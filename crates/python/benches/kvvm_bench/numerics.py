@@ -1,5 +1,5 @@
-"""How close two bf16 (or fp16) logits can be before their order means nothing, and the
-percentiles the benchmarks report."""
+"""How close two bf16 (or fp16) logits can be before their order means nothing, the
+percentiles the benchmarks report, and the bytes a transformers cache's tensors hold."""
 
 from __future__ import annotations
 
@@ -29,3 +29,14 @@ def percentiles(xs: list[float]) -> dict[str, float]:
         return {}
     s = sorted(xs)
     return {"p50": round(statistics.median(s), 3), "p99": round(s[min(len(s) - 1, int(0.99 * len(s)))], 3)}
+
+
+def tensor_bytes(cache: object) -> int:
+    """What the K/V tensors of a transformers cache's layers hold (a DynamicCache's, a
+    StaticCache's)."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total

@@ -10,7 +10,7 @@ measures of them.
 - ``kvvm-graph``: every request prefilled into its own slot (no padding), then a
   :class:`~kvvm.graph.DecodeGraph` replayed once per step;
 - ``kvvm-graph-fused``: the same with the model's sibling projections fused
-  (:func:`kvvm.projections.fuse_projections`: Q, K and V as one matrix multiply, gate and up
+  (:func:`kvvm.transformers.projections.fuse_projections`: Q, K and V as one matrix multiply, gate and up
   as one), restored afterwards.
 
 Each step is timed on the GPU: an event per step (from a logits processor inside
@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 import kvvm
-from kvvm.attention import use_kvvm_attention
+from kvvm.transformers import use_kvvm_attention
 from kvvm.graph import DecodeGraph
-from kvvm.projections import fuse_projections
+from kvvm.transformers.projections import fuse_projections
 from kvvm.transformers import KvvmCache
-from kvvm_bench.numerics import bf16_tie
+from kvvm_bench.numerics import bf16_tie, tensor_bytes
 
 __all__ = ["CACHES", "Run", "Workload", "run_cache", "reference_check"]
 
@@ -126,12 +126,7 @@ def _free() -> None:
 def _kv_bytes(cache: Any) -> int:
     if isinstance(cache, KvvmCache):
         return cache.held_bytes
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    return tensor_bytes(cache)
 
 
 def _generate(model: Any, w: Workload, cache_kind: str, manager: kvvm.Manager | None, max_len: int) -> Run:

@@ -50,7 +50,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def run_sampling_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every configuration's step times; returns the report."""
-    from kvvm_bench.cli import _build_model
+    from kvvm_bench.model import build_model
 
     import torch
 
@@ -58,7 +58,7 @@ def run_sampling_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cpu":
         torch.set_num_threads(1)
     try:
-        return _bench(args, _build_model(args))
+        return _bench(args, build_model(args))
     finally:
         torch.set_num_threads(threads)
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvvm import Manager
-from kvvm.attention import use_kvvm_attention
+from kvvm.transformers import use_kvvm_attention
 from kvvm.engine import Engine
 from kvvm_bench.numerics import bf16_tie, percentiles
 
@@ -84,6 +84,9 @@ class ServeResult:
     #: their sums before and after differ by what something else than torch still holds.
     after: dict[str, int] = field(default_factory=dict)
     note: str = ""
+    #: The runner could not run the trace (``note`` says why): ``python -m kvvm_bench serve``
+    #: exits 1 after writing its report.
+    failed: bool = False
 
 
 def load_trace(path: str, vocab: int, seed: int = 0) -> list[TraceRequest]:
@@ -321,8 +324,8 @@ def run_generate_batch(model: Any, trace: list[TraceRequest], *, memory_fraction
             generation_config=GenerationConfig(max_new_tokens=4, do_sample=False),
             continuous_batching_config=config,
         )
-    except Exception as e:  # noqa: BLE001 - a runner that cannot run is reported
-        res.note = f"{type(e).__name__}: {e}"[:300]
+    except Exception as e:  # noqa: BLE001 - a runner that cannot run is reported, and fails the run
+        res.note, res.failed = f"{type(e).__name__}: {e}"[:300], True
         return res
     base = _peak_start(device)
     start = time.perf_counter()
@@ -333,8 +336,8 @@ def run_generate_batch(model: Any, trace: list[TraceRequest], *, memory_fraction
             continuous_batching_config=config,
             record_timestamps=True,
         )
-    except Exception as e:  # noqa: BLE001 - a runner that cannot run is reported
-        res.note = f"{type(e).__name__}: {e}"[:300]
+    except Exception as e:  # noqa: BLE001 - a runner that cannot run is reported, and fails the run
+        res.note, res.failed = f"{type(e).__name__}: {e}"[:300], True
         return res
     _sync(device)
     res.wall_s = time.perf_counter() - start

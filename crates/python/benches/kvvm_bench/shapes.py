@@ -19,7 +19,7 @@ For each shape:
   at the mean timed length) at the device's bandwidth and at the bandwidth a device-to-device
   copy reaches on it, and the ratios.
 
-The Triton configuration is :func:`~kvvm.triton_decode.choose_splits`' (untimed: one compile
+The Triton configuration is :func:`~kvvm.kernels.triton_decode.choose_splits`' (untimed: one compile
 per shape) unless ``--tune``, which runs the per-shape tuner the decode step runs by default
 (up to 26 compiles per shape). ``--compile`` compiles the step before the capture (each
 shape's model its own compile); by default the eager step is captured, its pointwise kernels
@@ -38,20 +38,19 @@ import gc
 import os
 import platform
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 import kvvm
 from kvvm_bench.report_file import write_report
-from kvvm_bench.shapes_step import StepResult, run_step, step_tokens
+from kvvm_bench.shapes_step import DTYPES, Shape, StepResult, run_step, step_tokens
 
 __all__ = ["BANDWIDTHS", "DTYPES", "GQA", "HEAD_DIMS", "Shape", "add_args", "copy_bandwidth", "run_shapes_bench", "table"]
 
 HEAD_DIMS = (64, 96, 128, 256)
 GQA = (1, 4, 8, 16)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 #: HBM bytes/s by device name, the first match winning (the vendors' figures).
 BANDWIDTHS = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12))
@@ -59,24 +58,6 @@ BANDWIDTHS = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H
 #: Sizes of ``--tiny`` (a CPU runs them in seconds), for the flags left unset.
 _TINY = {"batch": 2, "tokens": 40, "layers": 1, "hidden": 64, "vocab": 256, "check_steps": 2, "steps": 4}
 _FULL = {"batch": 16, "tokens": 2048, "layers": 4, "hidden": 0, "vocab": 32000, "check_steps": 4, "steps": 32}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One attention shape: ``heads`` query heads of ``head_dim``, ``gqa`` per KV head."""
-
-    head_dim: int
-    gqa: int
-    dtype: str
-    heads: int
-
-    @property
-    def kv_heads(self) -> int:
-        return self.heads // self.gqa
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -191,7 +172,7 @@ def _meta(args: argparse.Namespace, device: torch.device, bandwidth: tuple[float
 
 def run_shapes_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape; returns the report (also written to ``--json`` after each shape)."""
-    from kvvm import triton_decode
+    from kvvm.kernels import triton_decode
 
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
@@ -223,7 +204,7 @@ def _point(
     shape: Shape, parts: set[str], args: argparse.Namespace, device: torch.device, manager: kvvm.Manager,
     bandwidth: float, measured: float | None,
 ) -> dict[str, Any]:
-    from kvvm.triton_decode import _TUNED
+    from kvvm.kernels.triton_decode import _TUNED
 
     sizes = _sizes(args)
     tuned_before = set(_TUNED)
@@ -248,9 +229,9 @@ def _point(
 
 def _configs(shape: Shape, sizes: dict[str, int], device: torch.device, parts: set[str], tuned_before: set[Any]) -> list[str]:
     """The Triton configurations the shape ran: those the tuner chose for it, else
-    :func:`~kvvm.triton_decode.choose_splits`' for the kernel's and the step's reservations."""
-    from kvvm import attend
-    from kvvm.triton_decode import _TUNED, Config, choose_splits
+    :func:`~kvvm.kernels.triton_decode.choose_splits`' for the kernel's and the step's reservations."""
+    from kvvm.kernels import attend
+    from kvvm.kernels.triton_decode import _TUNED, Config, choose_splits
 
     tuned = [f"batch {k[0]}, heads {k[1]}/{k[2]}, {k[5]} tokens reserved: {v}" for k, v in _TUNED.items() if k not in tuned_before]
     if tuned:

@@ -7,17 +7,35 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import kvvm
 from kvvm_bench.numerics import percentiles, tie
 
-if TYPE_CHECKING:
-    from kvvm_bench.shapes import Shape
+__all__ = ["DTYPES", "Shape", "StepResult", "run_step", "step_tokens"]
 
-__all__ = ["StepResult", "run_step", "step_tokens"]
+#: The dtypes a shape may have.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention shape: ``heads`` query heads of ``head_dim``, ``gqa`` per KV head."""
+
+    head_dim: int
+    gqa: int
+    dtype: str
+    heads: int
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads // self.gqa
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
 
 
 def step_tokens(sizes: dict[str, int]) -> int:
@@ -70,7 +88,7 @@ def _model(shape: Shape, sizes: dict[str, int], args: argparse.Namespace, device
     """A Llama of the shape with random weights, built in its dtype on its device."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvvm.attention import use_kvvm_attention
+    from kvvm.transformers import use_kvvm_attention
 
     hidden = sizes["hidden"] or shape.heads * shape.head_dim
     cfg = LlamaConfig(

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import kvvm
-from kvvm_bench.numerics import percentiles
+from kvvm_bench.numerics import percentiles, tensor_bytes
 from kvvm_bench.report_file import write_report
 
 __all__ = ["CACHES", "add_args", "run_sliding_bench"]
@@ -137,16 +137,6 @@ class _Clock:
         return [round((b - a) * 1000, 4) for a, b in zip(self.marks, self.marks[1:])]
 
 
-def _tensor_bytes(cache: Any) -> int:
-    """What a DynamicCache's tensors hold."""
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
-
-
 class _Runner:
     """One cache growing ``batch`` requests: ``prefill`` to a length, ``decode`` greedy steps,
     ``held`` bytes."""
@@ -154,7 +144,7 @@ class _Runner:
     def __init__(self, kind: str, model: Any, args: argparse.Namespace, max_len: int, manager: kvvm.Manager | None) -> None:
         from transformers import DynamicCache
 
-        from kvvm.attention import use_kvvm_attention
+        from kvvm.transformers import use_kvvm_attention
         from kvvm.transformers import KvvmCache
 
         self.kind, self.model, self.device = kind, model, args.device
@@ -190,7 +180,7 @@ class _Runner:
 
     def held(self) -> dict[str, Any]:
         if self.kind == "dynamic":
-            return {"kv_bytes": _tensor_bytes(self.cache)}
+            return {"kv_bytes": tensor_bytes(self.cache)}
         requests = range(self.cache.batch_size)
         groups = {
             ("sliding" if g.spec.sliding else "full"): sum(g.batch[i].owned_bytes for i in requests)
@@ -200,7 +190,7 @@ class _Runner:
         return {"kv_bytes": self.cache.held_bytes, "by_group": groups}
 
     def close(self) -> None:
-        from kvvm.attention import use_kvvm_attention
+        from kvvm.transformers import use_kvvm_attention
 
         if self.graph is not None:
             self.graph.close()

@@ -16,6 +16,22 @@ __all__ = [
     "TensorView",
     "BACKEND_NAMES",
     "__version__",
+    "KvvmError",
+    "BackpressureError",
+    "NeverFitsError",
+    "BusyError",
+    "UnavailableError",
+    "InvalidArgumentError",
+    "TooManyTokensError",
+    "DriverError",
+    "OutOfMemoryError",
+    "ViewsAliveError",
+    "GraphsAliveError",
+    "ReleasedError",
+    "NotCommittedError",
+    "WriteIntoSharedPrefixError",
+    "NotShareableError",
+    "PrefixNotWrittenError",
 ]
 
 BACKEND_NAMES: list[str]
@@ -318,3 +334,98 @@ class PrefixCache:
     def stats(self) -> dict[str, int]: ...
     def evict(self, bytes: int) -> int: ...
     def clear(self) -> int: ...
+
+# The exception hierarchy, made by the module when it is imported (src/exceptions.rs) and
+# re-exported by `kvvm.errors` (their `__module__`).
+
+class KvvmError(Exception):
+    """Base class of every error kvvm raises."""
+
+class BackpressureError(KvvmError):
+    """The memory budget cannot grant the request now; freeing memory can help."""
+
+    retry_after: float
+    needed_bytes: int
+    available_bytes: int
+    device: int
+    def __init__(
+        self,
+        message: str,
+        retry_after: float = 0.0,
+        needed_bytes: int = 0,
+        available_bytes: int = 0,
+        device: int = 0,
+    ) -> None: ...
+
+class NeverFitsError(KvvmError):
+    """The request is larger than a limit that no amount of freeing can lift."""
+
+    needed_bytes: int
+    limit_bytes: int
+    limit: str
+    limit_kind: str
+    def __init__(
+        self,
+        message: str,
+        needed_bytes: int = 0,
+        limit_bytes: int = 0,
+        limit: str = "budget",
+        limit_kind: str = "device_budget",
+    ) -> None: ...
+
+class BusyError(KvvmError):
+    """A window is being committed or given back by another thread right now."""
+
+class UnavailableError(KvvmError):
+    """The backend cannot be used on this machine."""
+
+class InvalidArgumentError(KvvmError, ValueError):
+    """An argument is out of range or does not fit the object's state."""
+
+class TooManyTokensError(InvalidArgumentError):
+    """More tokens than the sequence (or the geometry) can hold."""
+
+    tokens: int
+    max_tokens: int
+    def __init__(self, message: str, tokens: int = 0, max_tokens: int = 0) -> None: ...
+
+class DriverError(KvvmError):
+    """A driver call failed."""
+
+    op: str
+    kind: str
+    code: int
+    code_name: str
+    def __init__(
+        self, message: str, op: str = "", kind: str = "", code: int = 0, code_name: str = ""
+    ) -> None: ...
+
+class OutOfMemoryError(DriverError, MemoryError):
+    """The driver itself ran out of physical memory or address space."""
+
+class ViewsAliveError(KvvmError):
+    """The memory is still viewed by tensors and cannot be unmapped."""
+
+    views: int
+    def __init__(self, message: str, views: int = 0) -> None: ...
+
+class GraphsAliveError(ViewsAliveError):
+    """A CUDA graph captured over the memory is alive and may be replayed into it."""
+
+    graphs: int
+    def __init__(self, message: str, graphs: int = 0) -> None: ...  # type: ignore[override]
+
+class ReleasedError(KvvmError):
+    """The object was closed (released for good) and cannot be used any more."""
+
+class NotCommittedError(KvvmError, IndexError):
+    """Tokens were read or written past the committed ones."""
+
+class WriteIntoSharedPrefixError(KvvmError, PermissionError):
+    """A write into the read-only shared prefix of a sequence."""
+
+class NotShareableError(KvvmError):
+    """The prefix cannot be shared under this layout and granule."""
+
+class PrefixNotWrittenError(KvvmError):
+    """A prefix was published or attached before its tokens were written and sealed."""

@@ -52,12 +52,12 @@ from typing import Any
 import torch
 
 from .. import Manager, SharedPrefix
-from ..attention import switch_attention
 from ..errors import BackpressureError, InvalidArgumentError, KvvmError
+from ..transformers.attention import switch_attention
+from ..transformers.cache import KvvmCache
+from ..transformers.prefix import KvvmPrefix
+from ..transformers.projections import fuse_projections as fuse
 from .control import EngineControl
-from ..projections import fuse_projections as fuse
-from ..prefix import KvvmPrefix
-from ..transformers import KvvmCache
 from .kv_manager import KvManager
 from .loop import BackgroundLoop
 from .metrics import EngineMetrics
@@ -113,7 +113,7 @@ class Engine(EngineControl):
             whole blocks of the prefix cache (``prefix_cache.block_tokens``, 16 tokens).
         compile: compile the captured decode step (CUDA only).
         fuse_projections: run the model's sibling projections (Q, K and V; gate and up) as
-            one matrix multiply each (:func:`kvvm.projections.fuse_projections`; the model's
+            one matrix multiply each (:func:`kvvm.transformers.projections.fuse_projections`; the model's
             modules are given back by :meth:`close`).
         eos_token_ids: the tokens that end a request: an int or a list of ints (default:
             the model's).

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from .. import Manager, PrefixCache, SharedPrefix
-from ..attention import decoder_config
-from ..cache_groups import refuse_sliding_prefix_cache
+from ..bindings import decoder_config
 from ..errors import InvalidArgumentError, KvvmError, NeverFitsError
-from ..prefix import KvvmPrefix
-from ..transformers import KvvmCache
+from ..transformers.cache import KvvmCache
+from ..transformers.cache_groups import refuse_sliding_prefix_cache
+from ..transformers.prefix import KvvmPrefix
 from .scheduler import Admission, PrefillRun
 
 __all__ = ["KvManager"]

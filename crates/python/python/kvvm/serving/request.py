@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 from .params import SamplingParams
-from .stream import OutputChannel, TokenLogprob
+from .channel import OutputChannel, TokenLogprob
 
 __all__ = [
     "HIT_TIMES_KEPT",

@@ -108,7 +108,7 @@ class ModelRunner:
         """The logits of one decode step of ``slots`` (the other slots are free or suspended)."""
         if self.device.type == "cuda":
             if self._graph is None:
-                from ..graph import DecodeGraph
+                from ..transformers.graph import DecodeGraph
 
                 self._graph = DecodeGraph(self.model, kv.cache, compile=self.compile, slots=slots)
             kv.prepare_decode(slots)

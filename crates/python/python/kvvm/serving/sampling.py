@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request
-from .stream import TokenLogprob
+from .channel import TokenLogprob
 
 __all__ = ["Sampled", "Sampler", "to_host"]
 

@@ -50,7 +50,7 @@ from typing import Protocol
 
 from ..errors import BackpressureError, NeverFitsError
 from .request import EngineStats, Request
-from .stream import TokenLogprob
+from .channel import TokenLogprob
 
 __all__ = ["Admission", "KvSpace", "PrefillRun", "RunnerOutput", "Scheduler", "SchedulerOutput"]
 
@@ -199,11 +199,9 @@ class Scheduler:
             targets = {s: len(r.prompt) + len(r.tokens) for s, r in self.running.items() if r.prefilled}
             if not targets:
                 return set()
-            try:
-                self.kv.reserve(targets)
+            if self._reserve(targets):
                 return set(targets)
-            except BackpressureError:
-                self._make_room(out)
+            self._make_room(out)
 
     def _grow_prefilled(self) -> set[int]:
         """Reserves, where memory allows without preempting anyone, the decode token of each
@@ -217,21 +215,18 @@ class Scheduler:
             generated = len(r.tokens) + 1
             if generated < r.max_new_tokens and len(r.prompt) + generated < self.max_len:
                 targets[s] = len(r.prompt) + generated
-        if not targets:
-            return set()
+        if not targets or self._reserve(targets):
+            return set(targets)
+        return {s for s, t in targets.items() if self._reserve({s: t})}
+
+    def _reserve(self, targets: dict[int, int]) -> bool:
+        """Asks the KV manager for every slot's target at once; False (nothing reserved) when
+        the budget refuses them."""
         try:
             self.kv.reserve(targets)
-            return set(targets)
         except BackpressureError:
-            pass
-        grown = set()
-        for s, t in targets.items():
-            try:
-                self.kv.reserve({s: t})
-            except BackpressureError:
-                continue
-            grown.add(s)
-        return grown
+            return False
+        return True
 
     def _make_room(self, out: SchedulerOutput) -> None:
         """Preempts the youngest running request, or finishes it as ``"memory"`` when it is

@@ -1,9 +1,8 @@
-"""A request's output as it is generated: what the engine's loop publishes after each step
-(:class:`OutputChannel`) and what a consumer reads from it (:class:`Delta`), as a blocking
-iterator (:class:`TokenStream`) or an async one (:class:`AsyncTokenStream`).
+"""A request's output as it is generated, as its readers take it: what the engine's loop
+published after each step (:class:`~kvvm.serving.channel.OutputChannel`) in :class:`Delta`
+objects, from a blocking iterator (:class:`TokenStream`), an async one
+(:class:`AsyncTokenStream`) or a callback (:func:`deliver`).
 
-The engine's loop appends a request's tokens, log-probabilities and text, then publishes how
-far they go (:meth:`OutputChannel.publish`, under the channel's lock) and wakes its readers.
 A reader takes everything up to the published marks only, so that it never sees a token
 without its log-probability, or text past a stop string the loop has not cut yet. Several
 tokens published before a reader woke come as one delta.
@@ -13,27 +12,14 @@ Torch-free.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .request import Request
+from .channel import TokenLogprob
+from .request import Request
 
-__all__ = ["AsyncTokenStream", "Delta", "OutputChannel", "TokenLogprob", "TokenStream"]
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability under the model (the log-softmax of its logits,
-    before temperature, penalties and truncation) and, when asked, the likeliest tokens and
-    theirs (``top``: ``(token id, logprob)``, likeliest first)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+__all__ = ["AsyncTokenStream", "Delta", "TokenStream", "callback_cursor", "deliver"]
 
 
 @dataclass(frozen=True)
@@ -46,57 +32,6 @@ class Delta:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-
-
-class OutputChannel:
-    """The published marks of one request's output and the readers waiting on them."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        #: Tokens, text characters and the finish reason published so far.
-        self.tokens = 0
-        self.text = 0
-        self.finish_reason: str | None = None
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
-
-    def publish(self, tokens: int, text: int, finish_reason: str | None) -> None:
-        """Moves the marks (the engine's loop, after it appended what they cover) and wakes
-        every reader."""
-        with self._cond:
-            self.tokens, self.text, self.finish_reason = tokens, text, finish_reason
-            self._cond.notify_all()
-            waiters, self._waiters = self._waiters, []
-        for loop, fut in waiters:
-            loop.call_soon_threadsafe(_wake, fut)
-
-    def marks(self) -> tuple[int, int, str | None]:
-        """The published marks, read together."""
-        with self._cond:
-            return self.tokens, self.text, self.finish_reason
-
-    def wait(self, seen: tuple[int, int], timeout: float | None) -> None:
-        """Blocks until the marks moved past ``seen`` (tokens, text), the request finished, or
-        ``timeout`` seconds passed."""
-        with self._cond:
-            if (self.tokens, self.text) == seen and self.finish_reason is None:
-                self._cond.wait(timeout)
-
-    def waiter(self, seen: tuple[int, int]) -> asyncio.Future[None]:
-        """A future of the running event loop, done once the marks moved past ``seen`` or the
-        request finished (at once when they already did)."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        with self._cond:
-            if (self.tokens, self.text) != seen or self.finish_reason is not None:
-                fut.set_result(None)
-            else:
-                self._waiters.append((loop, fut))
-        return fut
-
-
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class _Cursor:

@@ -19,7 +19,7 @@ import uvicorn
 from ... import Manager
 from ..engine import Engine
 from .app import OpenAIServer, ServerConfig
-from .load import RANDOM_CONFIGS, load_model
+from ..load import RANDOM_CONFIGS, load_model
 from .run import bind
 
 __all__ = ["main", "parse_keys"]

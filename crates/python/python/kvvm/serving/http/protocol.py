@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..params import MAX_TOP_LOGPROBS, SamplingParams
-from ..stream import TokenLogprob
+from ..channel import TokenLogprob
 from .errors import ApiError, invalid
 
 __all__ = ["Job", "parse_chat", "parse_completion", "logprobs_chat", "logprobs_completion"]

@@ -18,7 +18,7 @@ reason, rather than failing inside a forward or giving other tokens:
 - layers that reuse another layer's K/V (``num_kv_shared_layers``), and attention shapes
   that differ from layer to layer (a per-layer ``head_dim``).
 
-The engine and :func:`kvvm.attention.use_kvvm_attention` attend with kvvm's own attention
+The engine and :func:`kvvm.transformers.attention.use_kvvm_attention` attend with kvvm's own attention
 (softmax of scaled ``Q K^T`` over each request's tokens, times ``V``), which also refuses
 (``attention=True``):
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .attention import decoder_config
-from .errors import InvalidArgumentError
+from ..bindings import decoder_config
+from ..errors import InvalidArgumentError
 
 __all__ = ["check_servable", "refusal_reason"]
 
@@ -158,7 +158,7 @@ _ATTENTION_RULES: tuple[Callable[[Any, Any], str | None], ...] = (_own_attention
 def refusal_reason(model_or_config: Any, *, attention: bool = False) -> str | None:
     """Why kvvm cannot serve ``model_or_config`` (a transformers model or its config), or
     None when it can. With ``attention``, also what kvvm's own attention (the engine's,
-    :func:`~kvvm.attention.use_kvvm_attention`) cannot compute; those checks need the
+    :func:`~kvvm.transformers.attention.use_kvvm_attention`) cannot compute; those checks need the
     model."""
     is_model = hasattr(model_or_config, "config") and callable(getattr(model_or_config, "modules", None))
     top = model_or_config.config if is_model else model_or_config

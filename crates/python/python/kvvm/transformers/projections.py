@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_GROUPS", "FusedProjections", "fuse_projections"]
 

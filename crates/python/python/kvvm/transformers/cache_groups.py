@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from . import KvGeometry, LayoutPlan, Manager, SequenceBatch
-from .attend import slab_kv
-from .errors import InvalidArgumentError
+from ..bindings import KvGeometry, LayoutPlan, Manager, SequenceBatch
+from ..errors import InvalidArgumentError
+from ..kernels.attend import slab_kv
 
 __all__ = [
     "CacheGroup",
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 #: Why the engine's automatic prefix cache is not run for a model with sliding-window layers
-#: (an explicit :class:`kvvm.prefix.KvvmPrefix` is shared across them).
+#: (an explicit :class:`kvvm.transformers.KvvmPrefix` is shared across them).
 SLIDING_PREFIX_CACHE_REFUSAL = (
     "the engine's prefix cache is refused for models with sliding-window layers: it keeps one "
     "chain of shared segments per layout plan, and a sliding model's two layer groups would "
@@ -171,7 +171,7 @@ class CacheGroup:
         strides = self.plan.strides()
         e = geometry.dtype_bytes
         self._token_bytes = int(strides["token"])
-        #: Each of the group's layers' place in the slab (see :func:`kvvm.attend.slab_kv`).
+        #: Each of the group's layers' place in the slab (see :func:`kvvm.kernels.attend.slab_kv`).
         self.layouts = [
             [
                 j * strides["layer"] // e,

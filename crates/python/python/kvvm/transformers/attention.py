@@ -5,7 +5,7 @@ that selects it.
 With a KvvmCache, the mask function registered under this name does not build a mask: it
 asks the cache for each request's token range ``[start, end)`` of the step (an int32 tensor,
 handed to attention in the mask's place), and attention reads exactly those tokens from the
-cache's full-length K/V with :func:`kvvm.attend.attend`. No mask, no ``repeat_kv``, no
+cache's full-length K/V with :func:`kvvm.kernels.attend.attend`. No mask, no ``repeat_kv``, no
 length known on the host: the step compiles and captures.
 
 With any other cache (or none) it is transformers' SDPA attention and mask, restricted to the
@@ -24,6 +24,10 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from ..bindings import decoder_config
+from ..kernels.attend import KERNELS, write_attend
+from .architectures import check_servable
 
 __all__ = [
     "ATTENTION",
@@ -99,8 +103,6 @@ class KvvmMask:
     ) -> Any:
         """Layer ``layer``'s write of the step's K/V and its attention (one operator), over
         its group's tokens and window, with the model's attention-logit soft cap."""
-        from .attend import write_attend
-
         slab = self.slab if self.layer_slabs is None else self.layer_slabs[layer]
         bounds = self.bounds if self.layer_bounds is None else self.layer_bounds[layer]
         window = 0 if self.windows is None else self.windows[layer]
@@ -160,7 +162,7 @@ def kvvm_attention(
 ) -> tuple[Any, None]:
     """The attention function of :data:`ATTENTION`: with a :class:`KvvmMask`, the step's new
     K/V (``key``, ``value``) written into the KvvmCache and each request's tokens attended
-    (:func:`kvvm.attend.write_attend`), over the layer's sliding window if it has one, with
+    (:func:`kvvm.kernels.attend.write_attend`), over the layer's sliding window if it has one, with
     the model's attention-logit soft cap (``softcap``, Gemma 2's); else transformers' SDPA
     attention (in the kernel scope)."""
     if isinstance(attention_mask, KvvmMask):
@@ -193,15 +195,12 @@ def use_kvvm_attention(model: Any, enable: bool = True, kernel: str = "auto") ->
     decode step compileable and ragged batches possible; with other caches it is SDPA.
 
     ``kernel`` picks the kernel over a KvvmCache's token ranges (one of
-    :data:`kvvm.attend.KERNELS`; kept in the config as ``kvvm_kernel``). The SDPA kernel
+    :data:`kvvm.kernels.attend.KERNELS`; kept in the config as ``kvvm_kernel``). The SDPA kernel
     choice is made once per call of ``model.forward`` (which is wrapped; the wrapper is
     removed with ``enable=False``), not once per layer: an eager step is host-bound.
 
     A model kvvm or its attention cannot serve is refused first, with the reason
-    (:func:`kvvm.architectures.check_servable`), and left as it was."""
-    from .architectures import check_servable
-    from .attend import KERNELS
-
+    (:func:`kvvm.transformers.architectures.check_servable`), and left as it was."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; one of {KERNELS}")
     if enable:
@@ -322,9 +321,3 @@ def _wrap_forward(model: Any, enable: bool) -> None:
 
     model._kvvm_original_forward = inner
     model.forward = forward
-
-
-def decoder_config(config: Any) -> Any:
-    """The decoder half of a config (the text config of a multimodal one), else the config."""
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if callable(get) else config

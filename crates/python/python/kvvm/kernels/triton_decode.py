@@ -123,68 +123,88 @@ def _block(
 
 
 @triton.jit
-def _partial_kernel(
-    Q,
-    K,
-    V,
-    Bounds,
-    Acc,
-    Lse,
-    KN,
-    VN,
-    WS,
-    WT,
-    stride_knb,
-    stride_knh,
-    stride_vnb,
-    stride_vnh,
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_kh,
-    stride_kt,
-    stride_vb,
-    stride_vh,
-    stride_vt,
-    stride_ab,
-    stride_ah,
-    stride_as,
-    stride_lb,
-    stride_lh,
-    Out,
-    stride_ob,
-    stride_oh,
-    sm_scale,
-    softcap,
-    window,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SPLITS: tl.constexpr,
-    LOOP_WHILE: tl.constexpr,
-    PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    FUSED: tl.constexpr,
-    CAPPED: tl.constexpr,
-    SLIDING: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    # The request's slot and tokens in one load, reduced to scalars.
+def _request(Bounds, b, window, SLIDING: tl.constexpr):
+    """Request ``b``'s slot and tokens ``[start, end)``, in one load reduced to scalars; with a
+    sliding window the query (token ``end - 1``) sees the window's tokens only."""
     offs = tl.arange(0, 4)
     row = tl.load(Bounds + b * 3 + offs, mask=offs < 3, other=0)
     slot = tl.sum(tl.where(offs == 0, row, 0), 0)
     start = tl.sum(tl.where(offs == 1, row, 0), 0)
     end = tl.sum(tl.where(offs == 2, row, 0), 0)
     if SLIDING:
-        # The query (token end - 1) sees the window's tokens only: nothing before is read.
         start = tl.maximum(start, end - window)
+    return slot, start, end
+
+
+@triton.jit
+def _write_and_fold_new(
+    K, V, kn, vn, w_slot, w_token, has_new, kvh, split, q, offs_d, d_mask, m_i, l_i, acc,
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, sm_scale, softcap,
+    SPLITS: tl.constexpr, CAPPED: tl.constexpr,
+):
+    """The step's new token (``kn``, ``vn``, in registers): written to its slot and token by
+    the first split, attended to from registers by the last one (no program reads it from
+    memory, so none races its write). Returns the running softmax with it folded in."""
+    if split == 0:
+        w_off = w_slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + w_token.to(tl.int64) * stride_kt
+        tl.store(K + w_off + offs_d, kn, mask=d_mask)
+        v_off = w_slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + w_token.to(tl.int64) * stride_vt
+        tl.store(V + v_off + offs_d, vn, mask=d_mask)
+    if (split == SPLITS - 1) & has_new:
+        qk_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * sm_scale
+        if CAPPED:
+            qk_new = _cap(qk_new, softcap)
+        m_new = tl.maximum(m_i, qk_new)
+        alpha = tl.exp(m_i - m_new)
+        p_new = tl.exp(qk_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partial(
+    Out, Acc, Lse, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc,
+    stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
+    SPLITS: tl.constexpr,
+):
+    """The split's normalized output: the output itself when one program saw every token,
+    else a partial result and its log-sum-exp for the merge."""
+    has = l_i > 0.0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    if SPLITS == 1:
+        o_ptr = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        a_ptr = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + split * stride_as
+        tl.store(a_ptr + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _partial_kernel(
+    Q, K, V, Bounds, Acc, Lse, KN, VN, WS, WT,
+    stride_knb, stride_knh, stride_vnb, stride_vnh,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ab, stride_ah, stride_as,
+    stride_lb, stride_lh,
+    Out, stride_ob, stride_oh,
+    sm_scale, softcap, window,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    slot, start, end = _request(Bounds, b, window, SLIDING)
     if FUSED:
-        # The step's new token (K and V in registers) is written here and attended to from
-        # registers: no program reads it from memory, so none races its write.
+        # The step's new token is attended from registers (see _write_and_fold_new): the
+        # range read from memory ends before it when its write lands at the end.
         w_slot = tl.load(WS + b)
         w_token = tl.load(WT + b)
         has_new = (w_slot == slot) & (w_token == end - 1)
@@ -228,53 +248,25 @@ def _partial_kernel(
             )
 
     if FUSED:
-        kn_at = b.to(tl.int64) * stride_knb + kvh.to(tl.int64) * stride_knh
-        vn_at = b.to(tl.int64) * stride_vnb + kvh.to(tl.int64) * stride_vnh
-        kn = tl.load(KN + kn_at + offs_d, mask=d_mask, other=0.0)
-        vn = tl.load(VN + vn_at + offs_d, mask=d_mask, other=0.0)
-        if split == 0:
-            w_off = w_slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + w_token.to(tl.int64) * stride_kt
-            tl.store(K + w_off + offs_d, kn, mask=d_mask)
-            v_off = w_slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + w_token.to(tl.int64) * stride_vt
-            tl.store(V + v_off + offs_d, vn, mask=d_mask)
-        if (split == SPLITS - 1) & has_new:
-            qk_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * sm_scale
-            if CAPPED:
-                qk_new = _cap(qk_new, softcap)
-            m_new = tl.maximum(m_i, qk_new)
-            alpha = tl.exp(m_i - m_new)
-            p_new = tl.exp(qk_new - m_new)
-            l_i = l_i * alpha + p_new
-            acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
-            m_i = m_new
-    has = l_i > 0.0
-    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-    if SPLITS == 1:
-        # One program saw every token: its result is the output (no merge).
-        o_ptr = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        a_ptr = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + split * stride_as
-        tl.store(a_ptr + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+        kn = tl.load(KN + b.to(tl.int64) * stride_knb + kvh.to(tl.int64) * stride_knh + offs_d, mask=d_mask, other=0.0)
+        vn = tl.load(VN + b.to(tl.int64) * stride_vnb + kvh.to(tl.int64) * stride_vnh + offs_d, mask=d_mask, other=0.0)
+        m_i, l_i, acc = _write_and_fold_new(
+            K, V, kn, vn, w_slot, w_token, has_new, kvh, split, q, offs_d, d_mask, m_i, l_i, acc,
+            stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, sm_scale, softcap, SPLITS, CAPPED,
+        )
+    _store_partial(
+        Out, Acc, Lse, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc,
+        stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, SPLITS,
+    )
 
 
 @triton.jit
 def _merge_kernel(
-    Acc,
-    Lse,
-    Out,
-    stride_ab,
-    stride_ah,
-    stride_as,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    DIM_PAD: tl.constexpr,
-    SPLITS: tl.constexpr,
+    Acc, Lse, Out,
+    stride_ab, stride_ah, stride_as,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -418,93 +410,71 @@ def decode_attention(
     """
     c = config if isinstance(config, Config) else Config(config)
     fused = new is not None
-    if new is not None:
-        key_new, value_new, w_slot, w_token = new
-        # Each read at its own strides (V a slice of a fused projection's output, K the
-        # rotary's): no copy kernel, unless a last stride is not 1 (the kernel reads rows).
-        kn, vn = (t[:, :, 0] if t.stride(-1) == 1 else t[:, :, 0].contiguous() for t in (key_new, value_new))
-        ws, wt = w_slot.reshape(-1), w_token.reshape(-1)
-    else:
-        kn = vn = ws = wt = bounds
+    kn, vn, ws, wt = _new_rows(new, bounds)
     splits = c.splits
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    out = torch.empty((batch, 1, heads, dim), dtype=query.dtype, device=query.device)
+    out, acc, lse = _buffers(query, splits)
     o = out[:, 0]
-    if splits == 1:
-        acc = lse = o  # not read: the partial kernel writes the output itself
-    else:
-        acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=query.device)
-        lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
     q = query[:, :, 0]
     _partial_kernel[(batch, kv_heads, splits)](
-        q,
-        key,
-        value,
-        bounds,
-        acc,
-        lse,
-        kn,
-        vn,
-        ws,
-        wt,
-        kn.stride(0) if fused else 0,
-        kn.stride(1) if fused else 0,
-        vn.stride(0) if fused else 0,
-        vn.stride(1) if fused else 0,
-        q.stride(0),
-        q.stride(1),
-        key.stride(0),
-        key.stride(1),
-        key.stride(2),
-        value.stride(0),
-        value.stride(1),
-        value.stride(2),
-        acc.stride(0),
-        acc.stride(1),
-        acc.stride(2) if splits > 1 else 0,
-        lse.stride(0),
-        lse.stride(1),
-        o,
-        o.stride(0),
-        o.stride(1),
-        scale,
-        float(softcap) or 1.0,
-        int(window),
-        GROUP=group,
-        GROUP_PAD=max(16, _pow2_at_least(group)),
-        HEAD_DIM=dim,
-        DIM_PAD=max(16, _pow2_at_least(dim)),
-        BLOCK=c.block,
-        SPLITS=splits,
-        LOOP_WHILE=_INTERPRETED,
+        q, key, value, bounds, acc, lse, kn, vn, ws, wt,
+        kn.stride(0) if fused else 0, kn.stride(1) if fused else 0,
+        vn.stride(0) if fused else 0, vn.stride(1) if fused else 0,
+        q.stride(0), q.stride(1),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        acc.stride(0), acc.stride(1), acc.stride(2) if splits > 1 else 0,
+        lse.stride(0), lse.stride(1),
+        o, o.stride(0), o.stride(1),
+        scale, float(softcap) or 1.0, int(window),
+        GROUP=group, GROUP_PAD=max(16, _pow2_at_least(group)),
+        HEAD_DIM=dim, DIM_PAD=max(16, _pow2_at_least(dim)),
+        BLOCK=c.block, SPLITS=splits, LOOP_WHILE=_INTERPRETED,
         # fp32 caches get fp32 products (Triton's default for fp32 is TF32).
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # Products in fp32 for bf16 in the interpreter only (see _block).
         UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
-        FUSED=fused,
-        CAPPED=bool(softcap),
-        SLIDING=bool(window),
-        num_warps=c.warps,
-        num_stages=c.stages,
+        FUSED=fused, CAPPED=bool(softcap), SLIDING=bool(window),
+        num_warps=c.warps, num_stages=c.stages,
     )
-    if splits == 1:
-        return out
-    _merge_kernel[(batch, heads)](
-        acc,
-        lse,
-        o,
-        acc.stride(0),
-        acc.stride(1),
-        acc.stride(2),
-        lse.stride(0),
-        lse.stride(1),
-        o.stride(0),
-        o.stride(1),
-        HEAD_DIM=dim,
-        DIM_PAD=max(16, _pow2_at_least(dim)),
-        SPLITS=splits,
-        num_warps=4,
-    )
+    if splits > 1:
+        _merge_kernel[(batch, heads)](
+            acc, lse, o,
+            acc.stride(0), acc.stride(1), acc.stride(2),
+            lse.stride(0), lse.stride(1),
+            o.stride(0), o.stride(1),
+            HEAD_DIM=dim,
+            DIM_PAD=max(16, _pow2_at_least(dim)),
+            SPLITS=splits,
+            num_warps=4,
+        )
     return out
+
+
+def _new_rows(
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None, bounds: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's new K and V rows (``[batch, kv_heads, head_dim]``) and where they go (slot
+    and token, ``[batch]``); without them, placeholders the kernel does not read."""
+    if new is None:
+        return bounds, bounds, bounds, bounds
+    key_new, value_new, w_slot, w_token = new
+    # Each read at its own strides (V a slice of a fused projection's output, K the
+    # rotary's): no copy kernel, unless a last stride is not 1 (the kernel reads rows).
+    kn, vn = (t[:, :, 0] if t.stride(-1) == 1 else t[:, :, 0].contiguous() for t in (key_new, value_new))
+    return kn, vn, w_slot.reshape(-1), w_token.reshape(-1)
+
+
+def _buffers(query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output (``[batch, 1, heads, head_dim]``), and the partial results and their
+    log-sum-exps of several splits (one split writes the output itself: the output stands
+    in for both, unread)."""
+    batch, heads, _, dim = query.shape
+    out = torch.empty((batch, 1, heads, dim), dtype=query.dtype, device=query.device)
+    if splits == 1:
+        return out, out[:, 0], out[:, 0]
+    acc = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=query.device)
+    lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
+    return out, acc, lse

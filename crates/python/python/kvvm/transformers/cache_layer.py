@@ -28,6 +28,8 @@ class _Cache(Protocol):
 
     def layer_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
     def step_mask(self, q: int, padding_mask: Any, batch: Any = None) -> Any: ...
 
     def layer_mask_sizes(self, q: int, layer: int = 0) -> tuple[int, int]: ...
@@ -48,7 +50,7 @@ def host_work() -> bool:
 
 class StepQuery:
     """What the cache answers to ``get_query_offset``: the hook through which the kvvm mask
-    function (:func:`kvvm.attention.kvvm_mask`) asks the cache for the step's token ranges.
+    function (:func:`kvvm.transformers.attention.kvvm_mask`) asks the cache for the step's token ranges.
     Any other mask function cannot use it (it is not a number)."""
 
     def __init__(self, cache: _Cache) -> None:
@@ -59,8 +61,10 @@ class StepQuery:
 
 
 class KvvmLayer(CacheLayerMixin):
-    """One layer of a :class:`KvvmCache`. ``keys``/``values`` are what the last update
-    returned; the full-length tensors cover the whole reservation of every slot."""
+    """One layer of a :class:`KvvmCache`. ``keys``/``values`` are every token the layer holds
+    of the selected requests, as views of the cache's memory, read when asked for
+    (:meth:`KvvmCache.layer_kv <kvvm.transformers.cache_step.CacheStep.layer_kv>`), as a
+    ``DynamicCache``'s layer holds them, whatever the attention."""
 
     is_croppable = True
     supports_early_init = False
@@ -88,10 +92,26 @@ class KvvmLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes ``key_states``/``value_states`` (``[batch, kv_heads, q, head_dim]``) after
         each request's live tokens and returns what attention reads (see the module)."""
-        keys, values = self._cache.layer_update(self._index, key_states, value_states)
-        if not torch.compiler.is_compiling():
-            self.keys, self.values = keys, values
-        return keys, values
+        return self._cache.layer_update(self._index, key_states, value_states)
+
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor:
+        """K of every token the layer holds, ``[requests, kv_heads, tokens, head_dim]``."""
+        return self._cache.layer_kv(self._index)[0]
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        """What transformers' layer sets (None at first) is not kept: the K/V live in the
+        cache's memory."""
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor:
+        """V of every token the layer holds, ``[requests, kv_heads, tokens, head_dim]``."""
+        return self._cache.layer_kv(self._index)[1]
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        """See :attr:`keys`."""
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)``: the exact length with exact-length views (from the
