@@ -17,7 +17,7 @@ from conftest import host_available
 
 torch = pytest.importorskip("torch", reason="skipped: no torch")
 
-from kvvm.kernels.cascade import CascadeTables, Share, member_tiles, plan_groups  # noqa: E402
+from kvvm.kernels.cascade import CascadeTables, Share, choose_prefix_splits, member_tiles, plan_groups  # noqa: E402
 
 
 def test_groups_are_two_or_more_requests_sharing_one_prefix_tokens_and_start() -> None:
@@ -69,6 +69,15 @@ def test_a_prefix_program_takes_at_least_sixteen_query_rows() -> None:
     assert member_tiles(20, 1) == (32, 1)
     assert member_tiles(64, 16) == (4, 16)
     assert member_tiles(3, 128) == (1, 3)
+
+
+def test_a_prefix_split_reads_at_least_512_tokens() -> None:
+    # 64 requests of 32 heads over 8 KV heads on 132 multiprocessors: 32 splits would fill
+    # the device, but a reservation of 2400 tokens gets 4 (and 8192 tokens 16).
+    assert choose_prefix_splits(64, 32, 8, 2400, 132) == 4
+    assert choose_prefix_splits(64, 32, 8, 8192, 132) == 16
+    assert choose_prefix_splits(64, 32, 8, 1 << 20, 132) == 32
+    assert choose_prefix_splits(4, 8, 2, 300, 4) == 1
 
 
 def _interpreted(code: str) -> str:

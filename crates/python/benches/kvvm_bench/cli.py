@@ -340,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     from kvvm_bench import sliding as bench_sliding
 
     bench_sliding.add_args(sub.add_parser("sliding", help="a Gemma-3-shaped model to 32k tokens: KvvmCache vs DynamicCache"))
+    from kvvm_bench import cascade as bench_cascade
+    bench_cascade.add_args(sub.add_parser("cascade", help="the cascade decode over shared prefixes against the plain one"))
     from kvvm_bench import shapes as bench_shapes
 
     bench_shapes.add_args(sub.add_parser("shapes", help="the decode kernel and the captured step on every head dim, GQA ratio and dtype"))
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "kvcached-worker":
         return bench_kvcached.worker(args)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
-        print("python -m kvvm_bench needs a CUDA GPU (serve and shapes also run with --device cpu)", file=sys.stderr)
+        print("python -m kvvm_bench needs a CUDA GPU (serve, shapes, sliding and cascade also run with --device cpu)", file=sys.stderr)
         return 2
     if args.cmd == "prefix":
         report = bench_prefix.run_prefix_bench(args)
@@ -371,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         report = bench_sliding.run_sliding_bench(args)  # writes --json after every cache
     elif args.cmd == "shapes":
         report = bench_shapes.run_shapes_bench(args)  # writes --json after every shape
+    elif args.cmd == "cascade":
+        report = bench_cascade.run_cascade_bench(args)  # writes --json after every group count
     else:
         report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)

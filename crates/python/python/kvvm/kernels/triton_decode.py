@@ -212,8 +212,9 @@ def run_partial(
     direct = c.splits == 1 and not cascade
     o = out[:, 0]
     q = query[:, :, 0]
+    base, k_from, v_from = from_last_slot(key, value)
     _partial_kernel[(batch, kv_heads, c.splits)](
-        q, key, value, bounds, acc, lse, kn, vn, ws, wt,
+        q, k_from, v_from, bounds, acc, lse, kn, vn, ws, wt,
         kn.stride(0) if fused else 0, kn.stride(1) if fused else 0,
         vn.stride(0) if fused else 0, vn.stride(1) if fused else 0,
         q.stride(0), q.stride(1),
@@ -222,7 +223,7 @@ def run_partial(
         acc.stride(0), acc.stride(1), 0 if direct else acc.stride(2),
         lse.stride(0), lse.stride(1),
         o, o.stride(0), o.stride(1),
-        scale, float(softcap) or 1.0, int(window), shared if cascade else bounds,
+        scale, float(softcap) or 1.0, int(window), shared if cascade else bounds, base,
         GROUP=heads // kv_heads, GROUP_PAD=max(16, _pow2_at_least(heads // kv_heads)),
         HEAD_DIM=dim, DIM_PAD=max(16, _pow2_at_least(dim)),
         BLOCK=c.block, SPLITS=c.splits, LOOP_WHILE=_INTERPRETED,
@@ -234,6 +235,16 @@ def run_partial(
         CASCADE=cascade, PSPLITS=prefix_splits, PSPLITS_PAD=_pow2_at_least(max(prefix_splits, 1)), DIRECT=direct,
         num_warps=c.warps, num_stages=c.stages,
     )
+
+
+def from_last_slot(key: torch.Tensor, value: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """K and V as the kernels take them: from their last slot on (kvvm's scratch slot, whose
+    first token is always mapped), every slot reached at a negative offset from it. Triton
+    checks that a pointer argument points into device memory, and the first slot's first
+    token need not be mapped (a free slot, a sliding layer's windows given back). Returns
+    the last slot's index (the kernels subtract it from every slot) and the two views."""
+    base = key.shape[0] - 1
+    return base, key[base:], value[base:]
 
 
 def run_merge(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, splits: int) -> None:

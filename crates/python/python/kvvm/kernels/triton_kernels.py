@@ -68,9 +68,10 @@ def _block(
 
 
 @triton.jit
-def _request(Bounds, b, window, SLIDING: tl.constexpr):
+def _request(Bounds, Shared, b, window, SLIDING: tl.constexpr, CASCADE: tl.constexpr):
     """Request ``b``'s slot and tokens ``[start, end)``, in one load reduced to scalars; with a
-    sliding window the query (token ``end - 1``) sees the window's tokens only."""
+    sliding window the query (token ``end - 1``) sees the window's tokens only; in a cascade,
+    the request's first ``Shared[b]`` tokens are its group's (the prefix pass reads them)."""
     offs = tl.arange(0, 4)
     row = tl.load(Bounds + b * 3 + offs, mask=offs < 3, other=0)
     slot = tl.sum(tl.where(offs == 0, row, 0), 0)
@@ -78,7 +79,19 @@ def _request(Bounds, b, window, SLIDING: tl.constexpr):
     end = tl.sum(tl.where(offs == 2, row, 0), 0)
     if SLIDING:
         start = tl.maximum(start, end - window)
+    if CASCADE:
+        start = start + tl.load(Shared + b)
     return slot, start, end
+
+
+@triton.jit
+def split_range(start, end, split, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Split ``split`` of ``SPLITS`` of the tokens ``[start, end)``: each a whole number of
+    blocks (the last what is left)."""
+    n = tl.maximum(end - start, 0)
+    per_split = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
+    lo = start + split * per_split
+    return lo, tl.minimum(lo + per_split, end)
 
 
 @triton.jit
@@ -129,6 +142,19 @@ def _store_partial(
 
 
 @triton.jit
+def _no_prefix(
+    Lse, b, heads, g_mask, stride_lb, stride_lh,
+    GROUP_PAD: tl.constexpr, SPLITS: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr,
+):
+    """A request no group reads for: its prefix pass's columns (after the ``SPLITS`` of its
+    own pass) weigh nothing in the merge."""
+    offs_p = tl.arange(0, PSPLITS_PAD)
+    l_ptr = Lse + b.to(tl.int64) * stride_lb + heads[:, None] * stride_lh + SPLITS + offs_p[None, :]
+    none = tl.full([GROUP_PAD, PSPLITS_PAD], float("-inf"), dtype=tl.float32)
+    tl.store(l_ptr, none, mask=g_mask[:, None] & (offs_p < PSPLITS)[None, :])
+
+
+@triton.jit
 def _partial_kernel(
     Q, K, V, Bounds, Acc, Lse, KN, VN, WS, WT,
     stride_knb, stride_knh, stride_vnb, stride_vnh,
@@ -138,7 +164,7 @@ def _partial_kernel(
     stride_ab, stride_ah, stride_as,
     stride_lb, stride_lh,
     Out, stride_ob, stride_oh,
-    sm_scale, softcap, window, Shared,
+    sm_scale, softcap, window, Shared, base,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
@@ -147,11 +173,7 @@ def _partial_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    slot, start, end = _request(Bounds, b, window, SLIDING)
-    if CASCADE:
-        # The request's first ``own`` tokens are its group's, read by the cascade's prefix pass.
-        own = tl.load(Shared + b)
-        start = start + own
+    slot, start, end = _request(Bounds, Shared, b, window, SLIDING, CASCADE)
     if FUSED:
         # The step's new token is attended from registers (see _write_and_fold_new): the
         # range read from memory ends before it when its write lands at the end.
@@ -159,11 +181,10 @@ def _partial_kernel(
         w_token = tl.load(WT + b)
         has_new = (w_slot == slot) & (w_token == end - 1)
         end = end - has_new.to(end.dtype)
-    n = tl.maximum(end - start, 0)
-    # Every split of a request gets a whole number of blocks.
-    per_split = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
-    lo = start + split * per_split
-    hi = tl.minimum(lo + per_split, end)
+        w_slot = w_slot - base
+    # Slots are counted from the one ``K`` and ``V`` point into (see decode_attention).
+    slot = slot - base
+    lo, hi = split_range(start, end, split, SPLITS, BLOCK)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, DIM_PAD)
@@ -209,12 +230,8 @@ def _partial_kernel(
         stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, DIRECT,
     )
     if CASCADE:
-        if (split == 0) & (own == 0):
-            # No group reads for this request: its prefix pass's columns weigh nothing.
-            offs_p = tl.arange(0, PSPLITS_PAD)
-            l_ptr = Lse + b.to(tl.int64) * stride_lb + heads[:, None] * stride_lh + SPLITS + offs_p[None, :]
-            none = tl.full([GROUP_PAD, PSPLITS_PAD], float("-inf"), dtype=tl.float32)
-            tl.store(l_ptr, none, mask=g_mask[:, None] & (offs_p < PSPLITS)[None, :])
+        if (split == 0) & (tl.load(Shared + b) == 0):
+            _no_prefix(Lse, b, heads, g_mask, stride_lb, stride_lh, GROUP_PAD, SPLITS, PSPLITS, PSPLITS_PAD)
 
 
 @triton.jit

@@ -232,7 +232,7 @@ class KvvmCache(CacheStep, Cache):
         )
         for group, first in zip(cache.groups, firsts, strict=True):
             group.start_floors(first, cache.state.upload)
-        cache.share_prefix(range(batch_size), prefix, prefix.tokens)
+        cache.share_prefix(range(batch_size), ("from_prefix", id(prefix)), prefix.tokens)
         return cache
 
     # ---- what transformers asks ----
