@@ -51,7 +51,9 @@ class CacheCascade(CacheMemory):
         """Records that the first ``tokens`` tokens of each slot in ``slots`` are prefix
         ``key``'s, the same bytes in every slot that shares ``key`` with the same ``tokens``
         (a prefix mapped or copied from one source: ``from_prefix``, a prefix-cache hit).
-        The record ends when the slot is freed, reset or cropped below ``tokens``."""
+        The record ends when the slot is freed, reset or cropped below ``tokens``, or with
+        ``tokens=0``; a step may read a group's prefix through any member's slot, so a slot
+        whose windows are to be unmapped otherwise (a swap to the host) is unshared first."""
         slots = list(slots)
         if tokens < 0:
             raise InvalidArgumentError(f"a prefix of {tokens} tokens")
