@@ -213,3 +213,31 @@ def test_every_tuned_configuration_of_the_triton_kernel_agrees_with_sdpa() -> No
             assert torch.equal(kk, k2) and torch.equal(vv, v2)
             tried += 1
     assert tried == 5 * len(_SHAPES)
+
+
+def test_a_step_whose_first_slot_holds_nothing_decodes_the_others(model, reference) -> None:
+    """The Triton kernel reaches every slot from the last (the scratch slot, always mapped):
+    Triton refuses a pointer argument into unmapped memory, and the first slot's first
+    window is not mapped while it holds no request (nor once a sliding layer gave it back)."""
+    mgr = kvvm.Manager("cuda", precommit=True, headroom_tokens=4)
+    cache = KvvmCache(model, 3, 512, manager=mgr)
+    torch.manual_seed(3)
+    prompts = {1: torch.randint(0, VOCAB, (1, 40), device="cuda"), 2: torch.randint(0, VOCAB, (1, 70), device="cuda")}
+    refs, tok = {}, torch.zeros(3, dtype=torch.long, device="cuda")
+    with torch.no_grad():
+        for slot, p in prompts.items():
+            with cache.select(slot):
+                model(input_ids=p, past_key_values=cache, use_cache=True)
+            refs[slot] = transformers.DynamicCache(config=reference.config)
+            tok[slot] = reference(input_ids=p, past_key_values=refs[slot], use_cache=True).logits[0, -1].argmax()
+        step = DecodeGraph(model, cache, slots=[1, 2])
+        try:
+            for _ in range(4):
+                got = step(tok, slots=[1, 2])
+                for slot in prompts:
+                    want = reference(input_ids=tok[slot].view(1, 1), past_key_values=refs[slot], use_cache=True).logits[0, -1]
+                    _close(got[slot], want)
+                tok = got.argmax(-1)
+        finally:
+            step.close()
+            cache.release()

@@ -330,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
 
     bench_kvcached.add_args(sub.add_parser("kvcached", help="kvvm beside kvcached: give/take times, bytes held, two instances"))
     bench_kvcached.worker_args(sub.add_parser("kvcached-worker", help="one process of `kvcached` (started by it)"))
+    from kvvm_bench import cascade as bench_cascade
+
+    bench_cascade.add_args(sub.add_parser("cascade", help="the cascade decode over shared prefixes against the plain one"))
     from kvvm_bench import http_serve, sampling_step
 
     http_serve.add_args(sub.add_parser("http", help="a trace through the engine directly and through its OpenAI server"))
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "kvcached-worker":
         return bench_kvcached.worker(args)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
-        print("python -m kvvm_bench needs a CUDA GPU (serve, http, sampling and shapes also run with --device cpu)",
+        print("python -m kvvm_bench needs a CUDA GPU (serve, http, sampling, shapes, sliding and cascade also run with --device cpu)",
               file=sys.stderr)
         return 2
     if args.cmd == "prefix":
@@ -359,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         report = bench_sliding.run_sliding_bench(args)  # writes --json after every cache
     elif args.cmd == "shapes":
         report = bench_shapes.run_shapes_bench(args)  # writes --json after every shape
+    elif args.cmd == "cascade":
+        report = bench_cascade.run_cascade_bench(args)  # writes --json after every group count
     elif args.cmd == "http":
         report = http_serve.run_http_bench(args)  # writes --json after each run
     elif args.cmd == "sampling":

@@ -38,9 +38,12 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .cascade import Tables
 
 __all__ = ["KERNELS", "attend", "kernel_for", "slab_kv", "write_attend"]
 
@@ -92,6 +95,14 @@ _INTERPRETER_MULTIPROCESSORS = 4
 @functools.cache
 def _multiprocessors(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The multiprocessors a kernel's programs spread over: the CUDA device's, or a few in
+    Triton's interpreter."""
+    if device.type != "cuda":
+        return _INTERPRETER_MULTIPROCESSORS
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
@@ -207,15 +218,15 @@ def _triton(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
     window: int = 0, softcap: float = 0.0,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    cascade: Tables | None = None,
 ) -> torch.Tensor:
     from .triton_decode import decode_attention, tuned_config
 
-    if query.device.type == "cuda":
-        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-        multiprocessors = _multiprocessors(index)
-    else:
-        multiprocessors = _INTERPRETER_MULTIPROCESSORS
-    config = tuned_config(query, key, value, bounds, scale, multiprocessors, new)
+    config = tuned_config(query, key, value, bounds, scale, multiprocessors(query.device), new)
+    if cascade is not None and not window:
+        from .cascade import cascade_attention
+
+        return cascade_attention(query, key, value, bounds, scale, config, cascade, new, softcap=softcap)
     return decode_attention(query, key, value, bounds, scale, config, new, window=window, softcap=softcap)
 
 
@@ -244,6 +255,10 @@ def _write_attend(
     kernel: str,
     window: int = 0,
     softcap: float = 0.0,
+    shared: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None,
+    members: torch.Tensor | None = None,
+    prefix_splits: int = 0,
 ) -> torch.Tensor:
     # ``slab`` is written in place although the schema says it is not: the compiler must not
     # see a mutation of it, or it would copy it whole (functionalization, autotuning clones),
@@ -253,8 +268,9 @@ def _write_attend(
     name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap)
     if name == "triton":
         # One kernel writes the token and attends (the token read from registers).
+        cascade = None if shared is None or groups is None or members is None else (shared, groups, members, prefix_splits)
         return _triton(
-            query, key, value, bounds.to(torch.int32), scale, window, softcap, (key_new, value_new, slot, token)
+            query, key, value, bounds.to(torch.int32), scale, window, softcap, (key_new, value_new, slot, token), cascade,
         )
     key[slot, :, token] = key_new.transpose(1, 2)
     value[slot, :, token] = value_new.transpose(1, 2)
@@ -293,6 +309,7 @@ def write_attend(
     kernel: str = "auto",
     window: int = 0,
     softcap: float = 0.0,
+    cascade: Tables | None = None,
 ) -> torch.Tensor:
     """Writes one layer's new K/V of a step into ``slab`` and attends, as one operator
     (``kvvm::write_attend``): what :class:`~kvvm.transformers.KvvmCache` runs per layer with
@@ -308,12 +325,18 @@ def write_attend(
             after the write (see :func:`attend`).
         layout: the layer's place in the slab (see :func:`slab_kv`).
         scale, kernel, window, softcap: as :func:`attend`.
+        cascade: the step's groups of requests sharing a prefix
+            (:attr:`kvvm.kernels.cascade.CascadeTables.tables`): with the Triton kernel and
+            no window, each group's prefix is read once for all its members
+            (:func:`kvvm.kernels.cascade.cascade_attention`); other kernels read every
+            request's tokens themselves, as without.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    shared, groups, members, prefix_splits = (None, None, None, 0) if cascade is None else cascade
     return torch.ops.kvvm.write_attend(
         query, key_new, value_new, slab, slot, token, bounds, layout, float(scale), kernel, int(window),
-        float(softcap),
+        float(softcap), shared, groups, members, int(prefix_splits),
     )
 
 

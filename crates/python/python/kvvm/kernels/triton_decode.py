@@ -27,7 +27,8 @@ import os
 from dataclasses import dataclass
 import torch
 import triton
-import triton.language as tl
+
+from .triton_kernels import _merge_kernel, _partial_kernel
 
 __all__ = ["AUTOTUNE", "Config", "choose_splits", "decode_attention", "tuned_config"]
 
@@ -64,231 +65,6 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 #: this set to False), it returns :func:`choose_splits`' configuration untimed, as in the
 #: interpreter: one compile per shape instead of one per candidate, a shorter first step.
 AUTOTUNE = os.environ.get("KVVM_TRITON_AUTOTUNE", "1") not in ("", "0")
-
-
-@triton.jit
-def _cap(x, softcap):
-    """``softcap * tanh(x / softcap)``, the tanh from a sigmoid (``tanh(y) = 2 sigmoid(2y) - 1``)."""
-    return softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)
-
-
-@triton.jit
-def _block(
-    q,
-    k_base,
-    v_base,
-    t,
-    hi,
-    stride_kt,
-    stride_vt,
-    offs_d,
-    d_mask,
-    m_i,
-    l_i,
-    acc,
-    sm_scale,
-    softcap,
-    BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
-    CAPPED: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """One block of tokens ``t..t+BLOCK`` (those below ``hi``) folded into the running
-    softmax: returns the new ``(max, sum, accumulator)``."""
-    offs_n = t + tl.arange(0, BLOCK)
-    n_mask = offs_n < hi
-    rows = offs_n.to(tl.int64)
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
-        # Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns: widened
-        # to fp32 there (on a GPU the tensor cores take bf16 as it is).
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-    if CAPPED:
-        qk = _cap(qk, softcap)
-    qk = tl.where(n_mask[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(qk - m_new[:, None])
-    l_new = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-    p = p.to(v.dtype)
-    if UPCAST:
-        p = p.to(tl.float32)
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-    return m_new, l_new, acc
-
-
-@triton.jit
-def _request(Bounds, b, window, SLIDING: tl.constexpr):
-    """Request ``b``'s slot and tokens ``[start, end)``, in one load reduced to scalars; with a
-    sliding window the query (token ``end - 1``) sees the window's tokens only."""
-    offs = tl.arange(0, 4)
-    row = tl.load(Bounds + b * 3 + offs, mask=offs < 3, other=0)
-    slot = tl.sum(tl.where(offs == 0, row, 0), 0)
-    start = tl.sum(tl.where(offs == 1, row, 0), 0)
-    end = tl.sum(tl.where(offs == 2, row, 0), 0)
-    if SLIDING:
-        start = tl.maximum(start, end - window)
-    return slot, start, end
-
-
-@triton.jit
-def _write_and_fold_new(
-    K, V, kn, vn, w_slot, w_token, has_new, kvh, split, q, offs_d, d_mask, m_i, l_i, acc,
-    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, sm_scale, softcap,
-    SPLITS: tl.constexpr, CAPPED: tl.constexpr,
-):
-    """The step's new token (``kn``, ``vn``, in registers): written to its slot and token by
-    the first split, attended to from registers by the last one (no program reads it from
-    memory, so none races its write). Returns the running softmax with it folded in."""
-    if split == 0:
-        w_off = w_slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + w_token.to(tl.int64) * stride_kt
-        tl.store(K + w_off + offs_d, kn, mask=d_mask)
-        v_off = w_slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + w_token.to(tl.int64) * stride_vt
-        tl.store(V + v_off + offs_d, vn, mask=d_mask)
-    if (split == SPLITS - 1) & has_new:
-        qk_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * sm_scale
-        if CAPPED:
-            qk_new = _cap(qk_new, softcap)
-        m_new = tl.maximum(m_i, qk_new)
-        alpha = tl.exp(m_i - m_new)
-        p_new = tl.exp(qk_new - m_new)
-        l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _store_partial(
-    Out, Acc, Lse, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc,
-    stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
-    SPLITS: tl.constexpr,
-):
-    """The split's normalized output: the output itself when one program saw every token,
-    else a partial result and its log-sum-exp for the merge."""
-    has = l_i > 0.0
-    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-    if SPLITS == 1:
-        o_ptr = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
-    else:
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-        a_ptr = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + split * stride_as
-        tl.store(a_ptr + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
-
-
-@triton.jit
-def _partial_kernel(
-    Q, K, V, Bounds, Acc, Lse, KN, VN, WS, WT,
-    stride_knb, stride_knh, stride_vnb, stride_vnh,
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_kt,
-    stride_vb, stride_vh, stride_vt,
-    stride_ab, stride_ah, stride_as,
-    stride_lb, stride_lh,
-    Out, stride_ob, stride_oh,
-    sm_scale, softcap, window,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    slot, start, end = _request(Bounds, b, window, SLIDING)
-    if FUSED:
-        # The step's new token is attended from registers (see _write_and_fold_new): the
-        # range read from memory ends before it when its write lands at the end.
-        w_slot = tl.load(WS + b)
-        w_token = tl.load(WT + b)
-        has_new = (w_slot == slot) & (w_token == end - 1)
-        end = end - has_new.to(end.dtype)
-    n = tl.maximum(end - start, 0)
-    # Every split of a request gets a whole number of blocks.
-    per_split = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
-    lo = start + split * per_split
-    hi = tl.minimum(lo + per_split, end)
-
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
-    heads = kvh * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    q = tl.load(
-        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
-    if LOOP_WHILE:
-        # Triton's interpreter (CPU) takes a loop bound only as a Python int.
-        t = lo
-        while t < hi:
-            m_i, l_i, acc = _block(
-                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
-            )
-            t += BLOCK
-    else:
-        for t in range(lo, hi, BLOCK):
-            m_i, l_i, acc = _block(
-                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
-            )
-
-    if FUSED:
-        kn = tl.load(KN + b.to(tl.int64) * stride_knb + kvh.to(tl.int64) * stride_knh + offs_d, mask=d_mask, other=0.0)
-        vn = tl.load(VN + b.to(tl.int64) * stride_vnb + kvh.to(tl.int64) * stride_vnh + offs_d, mask=d_mask, other=0.0)
-        m_i, l_i, acc = _write_and_fold_new(
-            K, V, kn, vn, w_slot, w_token, has_new, kvh, split, q, offs_d, d_mask, m_i, l_i, acc,
-            stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, sm_scale, softcap, SPLITS, CAPPED,
-        )
-    _store_partial(
-        Out, Acc, Lse, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc,
-        stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, SPLITS,
-    )
-
-
-@triton.jit
-def _merge_kernel(
-    Acc, Lse, Out,
-    stride_ab, stride_ah, stride_as,
-    stride_lb, stride_lh,
-    stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
-    lse = tl.load(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s)
-    m = tl.max(lse, 0)
-    finite = m > float("-inf")
-    w = tl.where(finite, tl.exp(lse - tl.where(finite, m, 0.0)), 0.0)
-    total = tl.sum(w, 0)
-    parts = tl.load(
-        Acc + b.to(tl.int64) * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
-        mask=d_mask[None, :],
-        other=0.0,
-    )
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-        out.to(Out.dtype.element_ty),
-        mask=d_mask,
-    )
 
 
 def _pow2_at_least(n: int) -> int:
@@ -409,48 +185,95 @@ def decode_attention(
         ``[batch, 1, heads, head_dim]`` in the query's dtype (transformers' layout).
     """
     c = config if isinstance(config, Config) else Config(config)
+    out, acc, lse = buffers(query, c.splits)
+    run_partial(query, key, value, bounds, scale, c, new, out, acc, lse, window=window, softcap=softcap)
+    if c.splits > 1:
+        run_merge(acc, lse, out, c.splits)
+    return out
+
+
+def run_partial(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
+    c: Config, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    out: torch.Tensor, acc: torch.Tensor, lse: torch.Tensor, *, window: int = 0, softcap: float = 0.0,
+    shared: torch.Tensor | None = None, prefix_splits: int = 0,
+) -> None:
+    """Each request's own tokens, ``c.splits`` programs per (request, KV head): into ``out``
+    when one split sees them all and nothing else is merged, else into the columns
+    ``0..c.splits`` of ``acc``/``lse``. With ``shared`` (int32 ``[batch]``), each request's
+    range starts that many tokens later (a cascade's prefix pass reads them, into the
+    ``prefix_splits`` columns after those), and a request sharing none marks those columns
+    empty."""
     fused = new is not None
+    cascade = shared is not None
     kn, vn, ws, wt = _new_rows(new, bounds)
-    splits = c.splits
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    group = heads // kv_heads
-    out, acc, lse = _buffers(query, splits)
+    direct = c.splits == 1 and not cascade
     o = out[:, 0]
     q = query[:, :, 0]
-    _partial_kernel[(batch, kv_heads, splits)](
-        q, key, value, bounds, acc, lse, kn, vn, ws, wt,
+    base, k_from, v_from = from_last_slot(key, value)
+    _partial_kernel[(batch, kv_heads, c.splits)](
+        q, k_from, v_from, bounds, acc, lse, kn, vn, ws, wt,
         kn.stride(0) if fused else 0, kn.stride(1) if fused else 0,
         vn.stride(0) if fused else 0, vn.stride(1) if fused else 0,
         q.stride(0), q.stride(1),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
-        acc.stride(0), acc.stride(1), acc.stride(2) if splits > 1 else 0,
+        acc.stride(0), acc.stride(1), 0 if direct else acc.stride(2),
         lse.stride(0), lse.stride(1),
         o, o.stride(0), o.stride(1),
-        scale, float(softcap) or 1.0, int(window),
-        GROUP=group, GROUP_PAD=max(16, _pow2_at_least(group)),
+        scale, float(softcap) or 1.0, int(window), shared if cascade else bounds, base,
+        GROUP=heads // kv_heads, GROUP_PAD=max(16, _pow2_at_least(heads // kv_heads)),
         HEAD_DIM=dim, DIM_PAD=max(16, _pow2_at_least(dim)),
-        BLOCK=c.block, SPLITS=splits, LOOP_WHILE=_INTERPRETED,
+        BLOCK=c.block, SPLITS=c.splits, LOOP_WHILE=_INTERPRETED,
         # fp32 caches get fp32 products (Triton's default for fp32 is TF32).
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        PRECISION=precision(query.dtype),
         # Products in fp32 for bf16 in the interpreter only (see _block).
-        UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
+        UPCAST=upcast(query.dtype),
         FUSED=fused, CAPPED=bool(softcap), SLIDING=bool(window),
+        CASCADE=cascade, PSPLITS=prefix_splits, PSPLITS_PAD=_pow2_at_least(max(prefix_splits, 1)), DIRECT=direct,
         num_warps=c.warps, num_stages=c.stages,
     )
-    if splits > 1:
-        _merge_kernel[(batch, heads)](
-            acc, lse, o,
-            acc.stride(0), acc.stride(1), acc.stride(2),
-            lse.stride(0), lse.stride(1),
-            o.stride(0), o.stride(1),
-            HEAD_DIM=dim,
-            DIM_PAD=max(16, _pow2_at_least(dim)),
-            SPLITS=splits,
-            num_warps=4,
-        )
-    return out
+
+
+def from_last_slot(key: torch.Tensor, value: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """K and V as the kernels take them: from their last slot on (kvvm's scratch slot, whose
+    first token is always mapped), every slot reached at a negative offset from it. Triton
+    checks that a pointer argument points into device memory, and the first slot's first
+    token need not be mapped (a free slot, a sliding layer's windows given back). Returns
+    the last slot's index (the kernels subtract it from every slot) and the two views."""
+    base = key.shape[0] - 1
+    return base, key[base:], value[base:]
+
+
+def run_merge(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, splits: int) -> None:
+    """Each (request, head)'s ``splits`` partial results merged by their log-sum-exps into
+    ``out``."""
+    batch, heads, _, dim = acc.shape
+    o = out[:, 0]
+    _merge_kernel[(batch, heads)](
+        acc, lse, o,
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        lse.stride(0), lse.stride(1),
+        o.stride(0), o.stride(1),
+        HEAD_DIM=dim,
+        DIM_PAD=max(16, _pow2_at_least(dim)),
+        SPLITS=splits,
+        SPLITS_PAD=_pow2_at_least(splits),
+        num_warps=4,
+    )
+
+
+def precision(dtype: torch.dtype) -> str:
+    """The products' precision: fp32 caches get fp32 products (Triton's default for fp32 is
+    TF32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast(dtype: torch.dtype) -> bool:
+    """Whether products are taken in fp32: bf16 in Triton's interpreter only (see _block)."""
+    return _INTERPRETED and dtype == torch.bfloat16
 
 
 def _new_rows(
@@ -467,9 +290,9 @@ def _new_rows(
     return kn, vn, w_slot.reshape(-1), w_token.reshape(-1)
 
 
-def _buffers(query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def buffers(query: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The output (``[batch, 1, heads, head_dim]``), and the partial results and their
-    log-sum-exps of several splits (one split writes the output itself: the output stands
+    log-sum-exps of ``splits`` columns (one column is the output itself: the output stands
     in for both, unread)."""
     batch, heads, _, dim = query.shape
     out = torch.empty((batch, 1, heads, dim), dtype=query.dtype, device=query.device)

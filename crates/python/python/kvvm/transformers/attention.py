@@ -23,11 +23,14 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..bindings import decoder_config
 from ..kernels.attend import KERNELS, write_attend
 from .architectures import check_servable
+
+if TYPE_CHECKING:
+    from ..kernels.cascade import Tables
 
 __all__ = [
     "ATTENTION",
@@ -94,6 +97,9 @@ class KvvmMask:
     layer_slabs: list[Any] | None = None
     layer_bounds: list[Any] | None = None
     windows: list[int] | None = None
+    #: The step's groups of requests sharing a prefix (:mod:`kvvm.kernels.cascade`), read by
+    #: the full-attention layers of a decode step.
+    cascade: Tables | None = None
     #: transformers' mask preparation takes any 4-D mask as finished and passes it through.
     ndim: int = 4
 
@@ -108,7 +114,7 @@ class KvvmMask:
         window = 0 if self.windows is None else self.windows[layer]
         return write_attend(
             query, key_new, value_new, slab, self.slot, self.token, bounds, self.layouts[layer], scale, kernel,
-            window, softcap,
+            window, softcap, None if window else self.cascade,
         )
 
     def check_window(self, layer: int, sliding_window: Any) -> None:

@@ -139,6 +139,10 @@ class KvvmCache(CacheStep, Cache):
             slot), or a list of one per layer group (:mod:`kvvm.transformers.cache_groups`, in their order);
             made here when omitted.
         start_tokens: live tokens already in every slot of ``batch``.
+        cascade: make the device tables of the cascade decode now, so that a step captured
+            later reads a prefix shared by several requests once for all of them
+            (:meth:`share_prefix`, :mod:`kvvm.kernels.cascade`; the Triton kernel on CUDA,
+            full-attention models). :meth:`from_prefix` makes them by default.
 
     The layers are laid out in groups (:mod:`kvvm.transformers.cache_groups`): the full-attention layers
     in one batch, a model's sliding-window layers in another whose windows behind the window
@@ -170,6 +174,7 @@ class KvvmCache(CacheStep, Cache):
         headroom_tokens: int = 4,
         batch: SequenceBatch | list[SequenceBatch] | None = None,
         start_tokens: int = 0,
+        cascade: bool = False,
     ) -> None:
         check_servable(config)
         cfg, dtype = _model_config(config, dtype)
@@ -189,7 +194,7 @@ class KvvmCache(CacheStep, Cache):
             )
         CacheStep.__init__(
             self, cfg, specs, batch_size, max_cache_len, manager, owns_manager=owns_manager, layout=layout,
-            dtype=dtype, precommit=precommit, batches=batches, start_tokens=start_tokens,
+            dtype=dtype, precommit=precommit, batches=batches, start_tokens=start_tokens, cascade=cascade,
         )
         layers: list[Any] = [KvvmLayer(self, i, self.groups[g].spec.sliding) for i, g, _ in self._where]
         Cache.__init__(self, layers=layers)
@@ -206,11 +211,13 @@ class KvvmCache(CacheStep, Cache):
         bytes past them copied into each slot's own windows (a request never writes into
         read-only memory, whatever the model's bytes per token); on sliding-window layers each
         slot takes, by copy, only the last tokens the next step reads. Prefill each request's
-        own suffix next."""
+        own suffix next. Every slot shares the prefix (:meth:`share_prefix`): a decode step
+        reads it once for all of them (``cascade=False`` to read it per request)."""
         for fixed in ("dtype", "layout", "manager", "batch", "start_tokens"):
             if fixed in kwargs:
                 raise InvalidArgumentError(f"{fixed} comes from the prefix; do not pass it")
         precommit = kwargs.pop("precommit", True)
+        kwargs.setdefault("cascade", True)
         batches, firsts = prefix.batches_for(batch_size, max_cache_len, precommit)
         cache = cls(
             prefix.config,
@@ -225,6 +232,7 @@ class KvvmCache(CacheStep, Cache):
         )
         for group, first in zip(cache.groups, firsts, strict=True):
             group.start_floors(first, cache.state.upload)
+        cache.share_prefix(range(batch_size), ("from_prefix", id(prefix)), prefix.tokens)
         return cache
 
     # ---- what transformers asks ----

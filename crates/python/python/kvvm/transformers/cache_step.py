@@ -2,7 +2,7 @@
 hands attention, the kvvm mask of a forward, the checks of a step's batch and padding, and
 the views of every cached token (``cache.layers[i].keys``).
 
-:class:`CacheStep` adds these to :class:`~kvvm.transformers.cache_memory.CacheMemory`; the
+:class:`CacheStep` adds these to :class:`~kvvm.transformers.cache_cascade.CacheCascade`; the
 transformers ``Cache`` on top is ``KvvmCache``. Requires torch.
 """
 
@@ -15,12 +15,12 @@ import torch
 from ..errors import InvalidArgumentError, ReleasedError
 from .attention import ATTENTION, KvvmMask
 from .cache_layer import host_work
-from .cache_memory import CacheMemory
+from .cache_cascade import CacheCascade
 
 __all__ = ["CacheStep"]
 
 
-class CacheStep(CacheMemory):
+class CacheStep(CacheCascade):
     """The per-step half of a KvvmCache (see the module)."""
 
     @property
@@ -167,7 +167,10 @@ class CacheStep(CacheMemory):
                 st.prepare(q)
         index, bounds = st.bounds(q)
         assert self._slab is not None
-        mask = KvvmMask(bounds=bounds, slot=index.slot, token=index.token, slab=self._slab, layouts=self._layouts)
+        mask = KvvmMask(
+            bounds=bounds, slot=index.slot, token=index.token, slab=self._slab, layouts=self._layouts,
+            cascade=self.cascade_tables() if q == 1 else None,
+        )
         if self._layer_slabs is not None:
             group_bounds = [g.bounds(bounds, st.first, st.count) for g in self.groups]
             mask.layer_slabs = self._layer_slabs

@@ -1,0 +1,268 @@
+"""The split-KV decode kernels in Triton (:mod:`kvvm.kernels.triton_decode` launches them):
+one program per (request, KV head, split of its tokens) folds its blocks into a running
+softmax and stores its partial result (:func:`_partial_kernel`, built from :func:`_block` and
+its other parts), a second kernel merges the partial results by their log-sum-exps
+(:func:`_merge_kernel`).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _cap(x, softcap):
+    """``softcap * tanh(x / softcap)``, the tanh from a sigmoid (``tanh(y) = 2 sigmoid(2y) - 1``)."""
+    return softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)
+
+
+@triton.jit
+def _block(
+    q,
+    k_base,
+    v_base,
+    t,
+    hi,
+    stride_kt,
+    stride_vt,
+    offs_d,
+    d_mask,
+    m_i,
+    l_i,
+    acc,
+    sm_scale,
+    softcap,
+    BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    CAPPED: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One block of tokens ``t..t+BLOCK`` (those below ``hi``) folded into the running
+    softmax: returns the new ``(max, sum, accumulator)``."""
+    offs_n = t + tl.arange(0, BLOCK)
+    n_mask = offs_n < hi
+    rows = offs_n.to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        # Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns: widened
+        # to fp32 there (on a GPU the tensor cores take bf16 as it is).
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+    if CAPPED:
+        qk = _cap(qk, softcap)
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+    p = p.to(v.dtype)
+    if UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l_new, acc
+
+
+@triton.jit
+def _request(Bounds, Shared, b, window, SLIDING: tl.constexpr, CASCADE: tl.constexpr):
+    """Request ``b``'s slot and tokens ``[start, end)``, in one load reduced to scalars; with a
+    sliding window the query (token ``end - 1``) sees the window's tokens only; in a cascade,
+    the request's first ``Shared[b]`` tokens are its group's (the prefix pass reads them)."""
+    offs = tl.arange(0, 4)
+    row = tl.load(Bounds + b * 3 + offs, mask=offs < 3, other=0)
+    slot = tl.sum(tl.where(offs == 0, row, 0), 0)
+    start = tl.sum(tl.where(offs == 1, row, 0), 0)
+    end = tl.sum(tl.where(offs == 2, row, 0), 0)
+    if SLIDING:
+        start = tl.maximum(start, end - window)
+    if CASCADE:
+        start = start + tl.load(Shared + b)
+    return slot, start, end
+
+
+@triton.jit
+def split_range(start, end, split, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Split ``split`` of ``SPLITS`` of the tokens ``[start, end)``: each a whole number of
+    blocks (the last what is left)."""
+    n = tl.maximum(end - start, 0)
+    per_split = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
+    lo = start + split * per_split
+    return lo, tl.minimum(lo + per_split, end)
+
+
+@triton.jit
+def _write_and_fold_new(
+    K, V, kn, vn, w_slot, w_token, has_new, kvh, split, q, offs_d, d_mask, m_i, l_i, acc,
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, sm_scale, softcap,
+    SPLITS: tl.constexpr, CAPPED: tl.constexpr,
+):
+    """The step's new token (``kn``, ``vn``, in registers): written to its slot and token by
+    the first split, attended to from registers by the last one (no program reads it from
+    memory, so none races its write). Returns the running softmax with it folded in."""
+    if split == 0:
+        w_off = w_slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh + w_token.to(tl.int64) * stride_kt
+        tl.store(K + w_off + offs_d, kn, mask=d_mask)
+        v_off = w_slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh + w_token.to(tl.int64) * stride_vt
+        tl.store(V + v_off + offs_d, vn, mask=d_mask)
+    if (split == SPLITS - 1) & has_new:
+        qk_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * sm_scale
+        if CAPPED:
+            qk_new = _cap(qk_new, softcap)
+        m_new = tl.maximum(m_i, qk_new)
+        alpha = tl.exp(m_i - m_new)
+        p_new = tl.exp(qk_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * vn.to(tl.float32)[None, :]
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_partial(
+    Out, Acc, Lse, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc,
+    stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
+    DIRECT: tl.constexpr,
+):
+    """The split's normalized output: the output itself when one program saw every token
+    (``DIRECT``), else a partial result and its log-sum-exp for the merge."""
+    has = l_i > 0.0
+    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    if DIRECT:
+        o_ptr = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        a_ptr = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + split * stride_as
+        tl.store(a_ptr + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(Lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _no_prefix(
+    Lse, b, heads, g_mask, stride_lb, stride_lh,
+    GROUP_PAD: tl.constexpr, SPLITS: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr,
+):
+    """A request no group reads for: its prefix pass's columns (after the ``SPLITS`` of its
+    own pass) weigh nothing in the merge."""
+    offs_p = tl.arange(0, PSPLITS_PAD)
+    l_ptr = Lse + b.to(tl.int64) * stride_lb + heads[:, None] * stride_lh + SPLITS + offs_p[None, :]
+    none = tl.full([GROUP_PAD, PSPLITS_PAD], float("-inf"), dtype=tl.float32)
+    tl.store(l_ptr, none, mask=g_mask[:, None] & (offs_p < PSPLITS)[None, :])
+
+
+@triton.jit
+def _partial_kernel(
+    Q, K, V, Bounds, Acc, Lse, KN, VN, WS, WT,
+    stride_knb, stride_knh, stride_vnb, stride_vnh,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ab, stride_ah, stride_as,
+    stride_lb, stride_lh,
+    Out, stride_ob, stride_oh,
+    sm_scale, softcap, window, Shared, base,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
+    CASCADE: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    slot, start, end = _request(Bounds, Shared, b, window, SLIDING, CASCADE)
+    if FUSED:
+        # The step's new token is attended from registers (see _write_and_fold_new): the
+        # range read from memory ends before it when its write lands at the end.
+        w_slot = tl.load(WS + b)
+        w_token = tl.load(WT + b)
+        has_new = (w_slot == slot) & (w_token == end - 1)
+        end = end - has_new.to(end.dtype)
+        w_slot = w_slot - base
+    # Slots are counted from the one ``K`` and ``V`` point into (see decode_attention).
+    slot = slot - base
+    lo, hi = split_range(start, end, split, SPLITS, BLOCK)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
+    if LOOP_WHILE:
+        # Triton's interpreter (CPU) takes a loop bound only as a Python int.
+        t = lo
+        while t < hi:
+            m_i, l_i, acc = _block(
+                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
+                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
+            )
+            t += BLOCK
+    else:
+        for t in range(lo, hi, BLOCK):
+            m_i, l_i, acc = _block(
+                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
+                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
+            )
+
+    if FUSED:
+        kn = tl.load(KN + b.to(tl.int64) * stride_knb + kvh.to(tl.int64) * stride_knh + offs_d, mask=d_mask, other=0.0)
+        vn = tl.load(VN + b.to(tl.int64) * stride_vnb + kvh.to(tl.int64) * stride_vnh + offs_d, mask=d_mask, other=0.0)
+        m_i, l_i, acc = _write_and_fold_new(
+            K, V, kn, vn, w_slot, w_token, has_new, kvh, split, q, offs_d, d_mask, m_i, l_i, acc,
+            stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, sm_scale, softcap, SPLITS, CAPPED,
+        )
+    _store_partial(
+        Out, Acc, Lse, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc,
+        stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, DIRECT,
+    )
+    if CASCADE:
+        if (split == 0) & (tl.load(Shared + b) == 0):
+            _no_prefix(Lse, b, heads, g_mask, stride_lb, stride_lh, GROUP_PAD, SPLITS, PSPLITS, PSPLITS_PAD)
+
+
+@triton.jit
+def _merge_kernel(
+    Acc, Lse, Out,
+    stride_ab, stride_ah, stride_as,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_mask = offs_s < SPLITS
+    offs_d = tl.arange(0, DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    finite = m > float("-inf")
+    w = tl.where(finite, tl.exp(lse - tl.where(finite, m, 0.0)), 0.0)
+    total = tl.sum(w, 0)
+    parts = tl.load(
+        Acc + b.to(tl.int64) * stride_ab + h * stride_ah + offs_s[:, None] * stride_as + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    # A part that weighs nothing is not read into the sum (a cascade's unwritten column may
+    # hold anything).
+    out = tl.sum(tl.where(w[:, None] > 0.0, parts * w[:, None], 0.0), 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+        out.to(Out.dtype.element_ty),
+        mask=d_mask,
+    )

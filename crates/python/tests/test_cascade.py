@@ -1,0 +1,209 @@
+"""The cascade decode (kvvm.kernels.cascade): requests sharing a prefix grouped on the host,
+the groups' device tables rewritten in place, the kernels against the plain decode kernel in
+Triton's interpreter (every query-head ratio, split counts, members over several programs,
+the step's token written by the kernel, the soft cap), and a KvvmCache made from a prefix
+decoding the same greedy tokens with the cascade as without it and as DynamicCache (fp32,
+host backend, the Triton kernel in the interpreter)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import host_available
+
+torch = pytest.importorskip("torch", reason="skipped: no torch")
+
+from kvvm.kernels.cascade import CascadeTables, Share, choose_prefix_splits, member_tiles, plan_groups  # noqa: E402
+
+
+def test_groups_are_two_or_more_requests_sharing_one_prefix_tokens_and_start() -> None:
+    shares = [
+        Share("a", 0, 0, 100),
+        None,
+        Share("a", 2, 0, 100),
+        Share("b", 3, 0, 50),  # alone: reads its tokens itself
+        Share("a", 4, 0, 64),  # the same prefix, fewer tokens: another group
+        Share("a", 5, 0, 64),
+        Share("a", 6, 0, 100),
+        Share("c", 7, 0, 0),  # no tokens
+        Share("c", 8, 0, 0),
+        Share("a", 9, 3, 100),  # another start
+    ]
+    plan = plan_groups(shares, max_groups=5)
+    assert plan.groups == [(0, 0, 100), (4, 0, 64)]
+    assert plan.members == [[0, 2, 6], [4, 5]]
+    assert plan.shared == [100, 0, 100, 0, 64, 64, 100, 0, 0, 0]
+    # Past the most groups, the rest read their tokens themselves.
+    capped = plan_groups(shares, max_groups=1)
+    assert capped.groups == [(0, 0, 100)] and capped.shared == [100, 0, 100, 0, 0, 0, 100, 0, 0, 0]
+    assert plan_groups([None, None], 1).groups == []
+
+
+def test_the_tables_are_rewritten_in_place_and_checked() -> None:
+    t = CascadeTables(4, "cpu", prefix_splits=2)
+    assert t.max_groups == 2
+    pointers = [x.data_ptr() for x in (t.shared, t.groups, t.members)]
+    t.update([Share("p", 0, 0, 9), Share("p", 1, 0, 9), None, Share("p", 3, 0, 9)])
+    assert t.count == 1
+    assert t.shared.tolist() == [9, 9, 0, 9]
+    assert t.groups.tolist() == [[0, 0, 9], [0, 0, 0]]
+    assert t.members.tolist() == [[0, 1, 3, -1], [-1, -1, -1, -1]]
+    t.update([None] * 4)
+    assert t.count == 0 and t.shared.tolist() == [0] * 4 and t.members.tolist() == [[-1] * 4] * 2
+    assert [x.data_ptr() for x in (t.shared, t.groups, t.members)] == pointers
+    with pytest.raises(ValueError):
+        t.update([None] * 3)
+    with pytest.raises(ValueError):
+        CascadeTables(4, "cpu", prefix_splits=3)
+    with pytest.raises(ValueError):
+        CascadeTables(0, "cpu")
+
+
+def test_a_prefix_program_takes_at_least_sixteen_query_rows() -> None:
+    assert member_tiles(64, 4) == (16, 4)  # 64 rows a program, 4 programs a group
+    assert member_tiles(2, 1) == (16, 1)  # 16 rows at least (tensor cores)
+    assert member_tiles(20, 1) == (32, 1)
+    assert member_tiles(64, 16) == (4, 16)
+    assert member_tiles(3, 128) == (1, 3)
+
+
+def test_a_prefix_split_reads_at_least_512_tokens() -> None:
+    # 64 requests of 32 heads over 8 KV heads on 132 multiprocessors: 32 splits would fill
+    # the device, but a reservation of 2400 tokens gets 4 (and 8192 tokens 16).
+    assert choose_prefix_splits(64, 32, 8, 2400, 132) == 4
+    assert choose_prefix_splits(64, 32, 8, 8192, 132) == 16
+    assert choose_prefix_splits(64, 32, 8, 1 << 20, 132) == 32
+    assert choose_prefix_splits(4, 8, 2, 300, 4) == 1
+
+
+def _interpreted(code: str) -> str:
+    """Runs ``code`` in a process of its own under Triton's interpreter (it reads
+    ``TRITON_INTERPRET`` once); returns its output."""
+    pytest.importorskip("triton", reason="skipped: no triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stdout
+
+
+def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> None:
+    out = _interpreted(
+        """
+        import math, random, torch
+        from kvvm.kernels.cascade import CascadeTables, Share, cascade_attention
+        from kvvm.kernels.triton_decode import decode_attention
+        random.seed(5)
+        torch.manual_seed(5)
+        cases = 0
+        for heads, kv_heads, dim, batch in ((8, 8, 32, 20), (8, 2, 48, 6), (8, 1, 64, 5), (16, 2, 32, 7)):
+            T = 136
+            k = torch.randn(batch + 1, kv_heads, T, dim)
+            v = torch.randn_like(k)
+            # Groups: prefixes of random lengths copied into their members' slots (the same
+            # bytes), a request alone with a prefix, requests with none.
+            keys = [random.choice(["a", "b", "c", None]) for _ in range(batch)]
+            lengths = {"a": random.randint(1, 100), "b": random.randint(60, 120), "c": 64}
+            shares, ends = [], []
+            for row, key in enumerate(keys):
+                n = lengths[key] if key else 0
+                if key:
+                    first = keys.index(key)
+                    k[row, :, :n], v[row, :, :n] = k[first, :, :n], v[first, :, :n]
+                shares.append(Share(key, row, 0, n) if key else None)
+                ends.append(random.randint(n + 1, T - 1))
+            bounds = torch.tensor([[r, 0, e] for r, e in enumerate(ends)], dtype=torch.int32)
+            q = torch.randn(batch, 1, heads, dim).transpose(1, 2)
+            for splits, psplits, softcap in ((1, 1, 0.0), (2, 4, 0.0), (4, 2, 30.0)):
+                tables = CascadeTables(batch, "cpu", prefix_splits=psplits)
+                tables.update(shares)
+                want = decode_attention(q, k, v, bounds, dim ** -0.5, splits, softcap=softcap)
+                got = cascade_attention(q, k, v, bounds, dim ** -0.5, splits, tables.tables, softcap=softcap)
+                err = (got - want).abs().max().item()
+                assert err < 1e-5, (heads, kv_heads, dim, splits, psplits, err)
+                cases += 1
+            # The step's token written by the kernel and attended from registers, as the
+            # plain kernel does; a refused write (the scratch slot) is not attended to.
+            kn = torch.randn(batch, kv_heads, 1, dim)
+            vn = torch.randn(batch, kv_heads, 1, dim)
+            ws = torch.tensor([[r] for r in range(batch)])
+            ws[-1, 0] = batch
+            wt = torch.tensor([[e - 1] for e in ends])
+            k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
+            want = decode_attention(q, k1, v1, bounds, dim ** -0.5, 2, (kn, vn, ws, wt))
+            got = cascade_attention(q, k2, v2, bounds, dim ** -0.5, 2, tables.tables, (kn, vn, ws, wt))
+            assert (got - want).abs().max().item() < 1e-5
+            assert torch.equal(k1, k2) and torch.equal(v1, v2)
+            cases += 1
+        print("cases", cases)
+        """
+    )
+    assert "cases 16" in out
+
+
+@pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
+def test_a_cache_from_a_prefix_decodes_the_same_tokens_with_the_cascade() -> None:
+    out = _interpreted(
+        """
+        import torch, kvvm
+        from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+        from kvvm.transformers import KvvmCache, use_kvvm_attention
+        from kvvm.prefix import KvvmPrefix
+        import kvvm.kernels.cascade as kc
+        calls, plain = [0], kc.cascade_attention
+
+        def counted(*args, **kwargs):
+            calls[0] += 1
+            return plain(*args, **kwargs)
+
+        kc.cascade_attention = counted
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=97, max_position_embeddings=256)
+        model = LlamaForCausalLM(cfg).eval()
+        use_kvvm_attention(model, kernel="triton")
+        system = torch.randint(0, 97, (1, 37))
+        tails = torch.randint(0, 97, (3, 5))
+        mgr = kvvm.Manager("host")
+        prefix = KvvmPrefix.build(model, system, manager=mgr, max_cache_len=128)
+
+        def greedy(cascade):
+            cache = KvvmCache.from_prefix(prefix, 3, 128, cascade=cascade)
+            assert cache.cascade == cascade
+            assert [cache.shared_tokens(s) for s in range(3)] == [37, 37, 37]
+            pos = torch.arange(37, 42)[None].expand(3, -1)
+            out = []
+            with torch.no_grad():
+                logits = model(input_ids=tails, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+                for step in range(6):
+                    tok = logits.argmax(-1)
+                    out.append(tok.tolist())
+                    at = torch.full((3, 1), 42 + step)
+                    logits = model(input_ids=tok[:, None], position_ids=at, past_key_values=cache, use_cache=True).logits[:, -1]
+            cache.free(1)
+            assert cache.shared_tokens(1) == 0 and cache.shared_tokens(0) == 37
+            if cascade:
+                assert cache.cascade_tables()[0].tolist() == [37, 0, 37]
+            cache.release()
+            return out
+
+        with_cascade = greedy(True)
+        calls = [calls[0]]
+        without = greedy(False)
+        use_kvvm_attention(model, enable=False)
+        ids = torch.cat([system.expand(3, -1), tails], 1)
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=DynamicCache(config=cfg))
+        reference = want[:, 42:].T.tolist()
+        assert with_cascade == without == reference, (with_cascade, without, reference)
+        del prefix
+        import gc; gc.collect()
+        assert mgr.snapshot().committed == 0 and mgr.snapshot().shared == 0, mgr.snapshot()
+        assert calls[0] == 2 * 6, calls  # the cascade ran in each layer of each decode step (2 layers, 6 steps)
+        print("tokens", with_cascade)
+        """
+    )
+    assert "tokens" in out
