@@ -201,6 +201,10 @@ pub struct Capabilities {
     /// The driver checks that a map stays inside its reservation. False on CUDA and HIP: the
     /// manager must check (it always does).
     pub checks_reservation_bounds: bool,
+    /// The backend allocates page-locked host memory and copies between it and device memory
+    /// on a stream, with events ([`VirtualMemoryBackend::host_alloc`](crate::VirtualMemoryBackend::host_alloc)
+    /// and the calls after it): what a host tier needs. False: those calls say `NotSupported`.
+    pub host_copies: bool,
 }
 
 impl Default for Capabilities {
@@ -211,6 +215,7 @@ impl Default for Capabilities {
             kernels: false,
             set_access_retries: 0,
             checks_reservation_bounds: false,
+            host_copies: false,
         }
     }
 }

@@ -77,6 +77,7 @@ impl CudaBackend {
             driver,
             devices: Vec::new(),
             posix_fd: false,
+            tier: super::tier::new_books(),
         };
         for ordinal in 0..count {
             let cu = driver
@@ -119,6 +120,7 @@ impl CudaBackend {
                 },
                 probe: Mutex::new(None),
                 rows: Mutex::new(None),
+                copy_stream: Mutex::new(None),
             });
         }
         backend.posix_fd = backend.devices.iter().all(|d| d.info.posix_fd_supported);
@@ -129,6 +131,18 @@ impl CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         let driver = self.driver;
+        if let Some(first) = self.devices.first() {
+            // SAFETY: the context is still retained (released below).
+            if unsafe { driver.ctx_set_current(first.ctx.0) }.is_ok() {
+                self.drop_tier();
+            }
+        }
+        for device in &self.devices {
+            // SAFETY: as above.
+            if unsafe { driver.ctx_set_current(device.ctx.0) }.is_ok() {
+                self.drop_copy_stream(device);
+            }
+        }
         for device in self.devices.iter_mut().rev() {
             let probe = device
                 .probe
