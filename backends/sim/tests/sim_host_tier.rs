@@ -3,6 +3,8 @@
 //! mapped with the access the copy needs) before any byte moves, copies charged by the latency
 //! model, the recording's books of buffers and events, and injected faults.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 
 use kvvm_hal::decorate::{FaultInjecting, Recording};
