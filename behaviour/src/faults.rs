@@ -5,7 +5,6 @@
 
 use std::sync::Arc;
 
-use kvvm_hal::decorate::FaultInjecting;
 use kvvm_hal::{DeviceId, VirtualMemoryBackend};
 
 use crate::check::{books, clean};
@@ -61,7 +60,7 @@ fn run_once(
     let mut state = State::default();
     (sc.setup)(&w, &mut state).map_err(|e| format!("setup: {e}"))?;
     books(&w, &state).map_err(|e| format!("after setup: {e}"))?;
-    w.faults.arm(&FaultInjecting::STEPS, at);
+    w.faults.arm(&sc.spec.counted_ops(), at);
     let result = (sc.op)(&w, &mut state);
     let counted = w.faults.counted();
     let fired = w.faults.disarm();

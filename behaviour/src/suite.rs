@@ -101,6 +101,7 @@ fn plain_cases() -> Vec<Case> {
                 pool_granules: 4,
                 park: false,
                 max_handle_granules: 0,
+                ..WorldSpec::default()
             },
             run: cases::precommit_ready_is_always_mapped,
         },
@@ -111,6 +112,7 @@ fn plain_cases() -> Vec<Case> {
                 pool_granules: 0,
                 park: false,
                 max_handle_granules: 16,
+                ..WorldSpec::default()
             },
             run: cases::precommit_grows_in_handles_within_its_bound,
         },
