@@ -30,6 +30,7 @@ from . import errors
 from ._native import (
     BACKEND_NAMES,
     Backend,
+    HostTier,
     KvGeometry,
     LayoutPlan,
     Manager,
@@ -38,6 +39,7 @@ from ._native import (
     Sequence,
     SequenceBatch,
     SharedPrefix,
+    SwappedKv,
     TensorView,
     __version__,
 )
@@ -63,6 +65,7 @@ from .errors import (
 __all__ = [
     "BACKEND_NAMES",
     "Backend",
+    "HostTier",
     "KvGeometry",
     "LayoutPlan",
     "Manager",
@@ -71,6 +74,7 @@ __all__ = [
     "Sequence",
     "SequenceBatch",
     "SharedPrefix",
+    "SwappedKv",
     "TensorView",
     "open_backend",
     "config_dtype",
