@@ -38,15 +38,15 @@ pub struct HostTier {
 #[pymethods]
 impl HostTier {
     #[new]
-    #[pyo3(signature = (manager, slab_windows = Count(16), keep_pooled_bytes = None))]
+    #[pyo3(signature = (manager, slab_windows = 16, keep_pooled_bytes = None))]
     fn new(
         py: Python<'_>,
         manager: Bound<'_, Manager>,
-        slab_windows: Count,
+        slab_windows: u64,
         keep_pooled_bytes: Option<Count>,
     ) -> PyResult<Self> {
         let config = HostTierConfig::default()
-            .slab_windows(slab_windows.0)
+            .slab_windows(slab_windows)
             .keep_pooled_bytes(keep_pooled_bytes.map(|c| c.0));
         let vm = manager.get().state.vm.clone();
         let tier = py
@@ -81,10 +81,10 @@ impl HostTier {
 
     /// Frees idle page-locked allocations until at most `keep_bytes` free bytes are left;
     /// returns the bytes given back to the host budget.
-    #[pyo3(signature = (keep_bytes = Count(0)))]
-    fn trim(&self, py: Python<'_>, keep_bytes: Count) -> u64 {
+    #[pyo3(signature = (keep_bytes = 0))]
+    fn trim(&self, py: Python<'_>, keep_bytes: u64) -> u64 {
         let tier = Arc::clone(&self.tier);
-        py.detach(move || tier.trim(keep_bytes.0))
+        py.detach(move || tier.trim(keep_bytes))
     }
 
     /// What the tier holds and did: ``chunk_bytes``, ``slabs``, ``held_bytes`` (windows on

@@ -14,6 +14,8 @@ __all__ = [
     "SharedPrefix",
     "PrefixCache",
     "TensorView",
+    "HostTier",
+    "SwappedKv",
     "BACKEND_NAMES",
     "__version__",
 ]
