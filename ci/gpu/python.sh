@@ -12,7 +12,10 @@
 # gpu-bundle/python.sh sliding`: a Gemma-3-shaped model to 32k tokens, KvvmCache against
 # DynamicCache, `python -m kvvm_bench sliding`, arguments in SLIDING_ARGS; `bash
 # gpu-bundle/python.sh shapes`: the decode kernel and the captured step on every head dim, GQA
-# ratio and dtype, `python -m kvvm_bench shapes`, arguments in SHAPES_ARGS).
+# ratio and dtype, `python -m kvvm_bench shapes`, arguments in SHAPES_ARGS; `bash
+# gpu-bundle/python.sh swap`: the host tier's copy bandwidth, decode while swapping, the
+# swap-vs-recompute crossover and a memory-pressure trace, `python -m kvvm_bench swap`,
+# arguments in SWAP_ARGS).
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
 # to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
@@ -77,6 +80,10 @@ if [ "$mode" = shapes ]; then
   echo "== python -m kvvm_bench shapes"
   (cd /tmp && timeout "${SHAPES_TIMEOUT:-540}" python3 -m kvvm_bench shapes --commit "$(cat "$repo/gpu-bundle/COMMIT" 2>/dev/null)" \
     --json "$out/bench-shapes.json" ${SHAPES_ARGS:-}) > "$out/bench-shapes.out"
+fi
+if [ "$mode" = swap ]; then
+  echo "== python -m kvvm_bench swap"
+  (cd /tmp && timeout "${SWAP_TIMEOUT:-540}" python3 -m kvvm_bench swap --json "$out/bench-swap.json" ${SWAP_ARGS:-}) > "$out/bench-swap.out"
 fi
 if [ "$mode" = serve ]; then
   echo "== python -m kvvm_bench serve"

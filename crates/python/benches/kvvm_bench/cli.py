@@ -20,7 +20,9 @@ prefix`` times prefix-cache hits by handle size, on any backend (:mod:`kvvm_benc
 fixed fractions (:mod:`kvvm_bench.engines`); ``python -m kvvm_bench sliding`` decodes a
 Gemma-3-shaped model to 32k tokens with KvvmCache and DynamicCache (:mod:`kvvm_bench.sliding`);
 ``python -m kvvm_bench shapes`` runs the decode kernel and the captured step on every head dim,
-GQA ratio and dtype (:mod:`kvvm_bench.shapes`).
+GQA ratio and dtype (:mod:`kvvm_bench.shapes`); ``python -m kvvm_bench swap`` measures the host
+tier: copy bandwidth against a plain pinned copy, decode while swapping, the swap-vs-recompute
+crossover and a memory-pressure trace (:mod:`kvvm_bench.swap`).
 
 ``--tiny`` runs a small model (what the tests do); the figures that matter come from a GPU.
 """
@@ -347,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvvm_bench import shapes as bench_shapes
 
     bench_shapes.add_args(sub.add_parser("shapes", help="the decode kernel and the captured step on every head dim, GQA ratio and dtype"))
+    from kvvm_bench import swap as bench_swap
+
+    bench_swap.add_args(sub.add_parser("swap", help="the host tier: copy bandwidth, decode while swapping, crossover, a trace"))
     from kvvm_bench import kvcached_compare as bench_kvcached
 
     bench_kvcached.add_args(sub.add_parser("kvcached", help="kvvm beside kvcached: give/take times, bytes held, two instances"))
@@ -358,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "kvcached-worker":
         return bench_kvcached.worker(args)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
-        print("python -m kvvm_bench needs a CUDA GPU (serve and shapes also run with --device cpu)", file=sys.stderr)
+        print("python -m kvvm_bench needs a CUDA GPU (serve, shapes and swap also run with --device cpu)", file=sys.stderr)
         return 2
     if args.cmd == "prefix":
         report = bench_prefix.run_prefix_bench(args)
@@ -375,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         report = bench_sliding.run_sliding_bench(args)  # writes --json after every cache
     elif args.cmd == "shapes":
         report = bench_shapes.run_shapes_bench(args)  # writes --json after every shape
+    elif args.cmd == "swap":
+        report = bench_swap.run_swap_bench(args)  # writes --json after every part
     else:
         report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)
