@@ -42,6 +42,31 @@ pub fn books(w: &World, state: &State) -> Result<(), String> {
             w.vm.quarantined_bytes()
         ));
     }
+    let owned = mappings_agree(w, state, &rec)?;
+    if snap.committed != owned {
+        return Err(format!(
+            "invariant 2: committed {} vs owned blocks {owned}",
+            snap.committed
+        ));
+    }
+    for s in &state.seqs {
+        tokens_mapped(w, s)?;
+    }
+    host_books(w, state)?;
+    if let Some(v) = state.violations.first() {
+        return Err(format!("{v} ({} in all)", state.violations.len()));
+    }
+    Ok(())
+}
+
+/// Invariants 1 and 3 over the mappings: every reservation's committed bytes are its blocks',
+/// and the driver maps exactly the manager's blocks, parked windows and quarantined mappings.
+/// Returns the bytes of the blocks the reservations own.
+fn mappings_agree(
+    w: &World,
+    state: &State,
+    rec: &kvvm_hal::decorate::Record,
+) -> Result<u64, String> {
     let recorded: BTreeSet<(u64, u64, u64)> = rec
         .mappings
         .iter()
@@ -82,20 +107,7 @@ pub fn books(w: &World, state: &State) -> Result<(), String> {
             "invariant 3: mappings differ: driver-only {missing:x?}, manager-only {extra:x?}"
         ));
     }
-    if snap.committed != owned {
-        return Err(format!(
-            "invariant 2: committed {} vs owned blocks {owned}",
-            snap.committed
-        ));
-    }
-    for s in &state.seqs {
-        tokens_mapped(w, s)?;
-    }
-    host_books(w, state)?;
-    if let Some(v) = state.violations.first() {
-        return Err(format!("{v} ({} in all)", state.violations.len()));
-    }
-    Ok(())
+    Ok(owned)
 }
 
 /// The host's books: the governor's host bytes equal the live page-locked buffers; the

@@ -8,8 +8,15 @@ use std::sync::Arc;
 use kvvm_hal::{DeviceId, VirtualMemoryBackend};
 
 use crate::check::{books, clean};
-use crate::scenarios::Scenario;
+use crate::scenarios::{manager_scenarios, Scenario};
+use crate::tier::tier_scenarios;
 use crate::world::{State, World};
+
+/// Every fault scenario, in report order: the manager's and the KV layer's
+/// (`scenarios.rs`), then the host tier's (`tier.rs`).
+pub fn all_scenarios() -> Vec<Scenario> {
+    [manager_scenarios(), tier_scenarios()].concat()
+}
 
 /// How many faults each run injects at most.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]

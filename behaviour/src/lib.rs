@@ -58,7 +58,7 @@ mod tier;
 mod world;
 
 pub use check::{books, clean};
-pub use faults::{exhaust, FaultDepth, FaultStats};
-pub use scenarios::{all_scenarios, Scenario, Step};
+pub use faults::{all_scenarios, exhaust, FaultDepth, FaultStats};
+pub use scenarios::{Scenario, Step};
 pub use suite::{run_behaviour, BehaviourOptions, BehaviourReport, FaultCase};
 pub use world::{State, World, WorldSpec};

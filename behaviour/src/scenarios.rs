@@ -195,15 +195,15 @@ fn cache_of(s: &State) -> Result<Arc<PrefixCache>, String> {
     s.cache.clone().ok_or_else(|| "no cache".to_owned())
 }
 
-/// Every fault scenario, in report order.
-pub fn all_scenarios() -> Vec<Scenario> {
+/// The manager's and the KV layer's fault scenarios, in report order (the host tier's are
+/// `tier.rs`'s).
+pub(crate) fn manager_scenarios() -> Vec<Scenario> {
     [
         reservation_scenarios(),
         sequence_scenarios(),
         shared_set_scenarios(),
         pool_scenarios(),
         prefix_cache_scenarios(),
-        crate::tier::tier_scenarios(),
     ]
     .concat()
 }

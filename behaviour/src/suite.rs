@@ -9,8 +9,7 @@ use kvvm_hal::{DeviceId, VirtualMemoryBackend};
 
 use crate::cases;
 use crate::check::clean;
-use crate::faults::{exhaust, FaultDepth, FaultStats};
-use crate::scenarios::all_scenarios;
+use crate::faults::{all_scenarios, exhaust, FaultDepth, FaultStats};
 use crate::world::{State, World, WorldSpec};
 
 /// Options of a run.

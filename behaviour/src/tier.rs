@@ -282,8 +282,13 @@ fn with_tier(slab: u64) -> WorldSpec {
     }
 }
 
-/// The host tier's scenarios.
+/// The host tier's scenarios, in report order.
 pub(crate) fn tier_scenarios() -> Vec<Scenario> {
+    [swap_scenarios(), tier_memory_scenarios()].concat()
+}
+
+/// A sequence's swap: out, in, both, with a mapped prefix.
+fn swap_scenarios() -> Vec<Scenario> {
     vec![
         Scenario {
             name: "tier_swap_out",
@@ -330,6 +335,12 @@ pub(crate) fn tier_scenarios() -> Vec<Scenario> {
             setup: prefix_hit,
             op: prefix_round_trip,
         },
+    ]
+}
+
+/// The tier's memory: its trim, a host budget spent.
+fn tier_memory_scenarios() -> Vec<Scenario> {
+    vec![
         Scenario {
             name: "tier_trim",
             description: "the tier frees its 2 idle page-locked allocations, then again \

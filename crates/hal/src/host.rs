@@ -1,22 +1,10 @@
 //! The neutral types of a host tier: page-locked host memory a backend allocated
 //! ([`HostBuffer`]), a copy between it and device memory ([`HostCopy`]), an event that says
-//! when queued work is done ([`EventHandle`]), and the device number budgets give the host's
-//! memory ([`DeviceId::HOST`]).
+//! when queued work is done ([`EventHandle`]). The device number that budgets give the
+//! host's memory, [`DeviceId::HOST`](crate::DeviceId::HOST), is defined with
+//! [`DeviceId`](crate::DeviceId).
 
-use crate::{BackendError, DeviceAddress, DeviceId, ErrorKind, Operation};
-
-impl DeviceId {
-    /// The host's page-locked memory, as a budget names it: the governor and the node's
-    /// broker keep its books like any device's (a budget, floors and ceilings), so that KV
-    /// moved to the host is billed there. Never a backend's device ordinal (`u32::MAX` fits
-    /// no driver's `int` ordinal, so a driver call given it is refused).
-    pub const HOST: DeviceId = DeviceId(u32::MAX);
-
-    /// Whether this is [`DeviceId::HOST`].
-    pub fn is_host(self) -> bool {
-        self == DeviceId::HOST
-    }
-}
+use crate::{BackendError, DeviceAddress, ErrorKind, Operation};
 
 /// Page-locked ("pinned") host memory a backend allocated with
 /// [`VirtualMemoryBackend::host_alloc`](crate::VirtualMemoryBackend::host_alloc): an opaque
@@ -81,6 +69,7 @@ impl HostCopy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::DeviceId;
 
     #[test]
     fn the_host_is_no_driver_ordinal() {

@@ -55,6 +55,17 @@ impl fmt::Display for DeviceId {
 }
 
 impl DeviceId {
+    /// The host's page-locked memory, as a budget names it: the governor and the node's
+    /// broker keep its books like any device's (a budget, floors and ceilings), so that KV
+    /// moved to the host is billed there. Never a backend's device ordinal (`u32::MAX` fits
+    /// no driver's `int` ordinal, so a driver call given it is refused).
+    pub const HOST: DeviceId = DeviceId(u32::MAX);
+
+    /// Whether this is [`DeviceId::HOST`].
+    pub fn is_host(self) -> bool {
+        self == DeviceId::HOST
+    }
+
     /// The `int` ordinal a driver call of `op` takes, or the `InvalidValue` a backend raises
     /// itself when it does not fit; `ordinal` names the vendor's ordinal in the message
     /// (`"CUDA ordinal"`).

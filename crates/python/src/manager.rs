@@ -15,7 +15,9 @@ use pyo3::types::PyDict;
 
 use crate::count::{Count, Dim};
 use crate::errors;
-use crate::manager_open::{budget, granularity_choice, open_error, open_memory, Budget};
+use crate::manager_open::{
+    budget, granularity_choice, host_budget, open_error, open_memory, Budget,
+};
 
 /// A driver backend opened by name (`"auto"`, `"cuda"`, `"hip"`, `"host"`, `"sim"`).
 #[pyclass(frozen, module = "kvvm._native")]
@@ -236,13 +238,7 @@ impl Manager {
         }
         let id = DeviceId(device.0);
         let b = Arc::clone(&backend);
-        let host = host_budget_bytes.map(|c| c.0);
-        if host == Some(0) {
-            return Err(errors::invalid(
-                py,
-                "host_budget_bytes must be positive (or None)",
-            ));
-        }
+        let host = host_budget(py, host_budget_bytes.map(|c| c.0))?;
         let (vm, governor, broker) = py
             .detach(move || open_memory(&b, id, source, vmm, host))
             .map_err(|f| open_error(py, &f))?;

@@ -68,6 +68,17 @@ pub(crate) fn granularity_choice(py: Python<'_>, name: &str) -> PyResult<Granula
     }
 }
 
+/// The host budget a manager asks for (page-locked memory of a host tier), checked.
+pub(crate) fn host_budget(py: Python<'_>, bytes: Option<u64>) -> PyResult<Option<u64>> {
+    if bytes == Some(0) {
+        return Err(errors::invalid(
+            py,
+            "host_budget_bytes must be positive (or None)",
+        ));
+    }
+    Ok(bytes)
+}
+
 /// The budget a manager asks for: a local one, or with `broker` a lease (a local budget is
 /// then refused: the broker owns the node's budget).
 pub(crate) fn budget(

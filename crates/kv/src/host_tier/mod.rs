@@ -6,9 +6,9 @@
 //! chunks of one window, free chunks kept for reuse, every byte billed on the host), the copy
 //! stream its copies are queued on (the caller's, or the backend's own, which overlaps the
 //! work of other streams) and the events that say they are done (`event.rs`). What moves is a
-//! sequence's windows ([`SequenceKv::swap_out`](crate::SequenceKv::swap_out), `swap.rs`) or a
-//! cached prefix's (the prefix cache's host level), window by window into chunks, back into
-//! the same offsets of a reservation: a sequence swapped back into itself keeps its address.
+//! sequence's windows (`SequenceKv::swap_out`, `sequence/swap.rs`), window by window into
+//! chunks, back into the same offsets of a reservation: a sequence swapped back into itself
+//! keeps its address.
 //!
 //! Invariants it keeps:
 //! * the governor's host books equal the tier's memory: `committed` = chunks holding a window,
@@ -296,8 +296,8 @@ impl Reclaimer for HostTier {
 }
 
 impl Drop for HostTier {
-    /// Every chunk is back (a [`HostChunks`] keeps its tier alive) or quarantined: the device
-    /// is synchronized, then every slab is freed, the quarantined ones too.
+    /// Every chunk is back (the chunks a swap holds keep their tier alive) or quarantined: the
+    /// device is synchronized, then every slab is freed, the quarantined ones too.
     fn drop(&mut self) {
         let pool = std::mem::take(
             self.pool
