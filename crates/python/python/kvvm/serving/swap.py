@@ -215,6 +215,11 @@ class Swapper:
         swaps = self.swaps[r.id]
         cache = self.kv.cache
         began = time.perf_counter()
+        budget = self.kv.manager.budget_bytes
+        if budget is not None and cache.bytes_for_tokens(len(r._context)) > budget:
+            # Its context can never be held (the admission that recomputes it says so).
+            del self.swaps[r.id]
+            return None
         self._check_room(len(r._context))
         done: list[Sequence] = []
         try:
