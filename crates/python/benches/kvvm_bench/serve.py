@@ -317,16 +317,21 @@ def run_padded(model: Any, trace: list[TraceRequest], *, batch: int) -> ServeRes
 
 
 @torch.no_grad()
-def run_generate_batch(model: Any, trace: list[TraceRequest], *, memory_fraction: float | None) -> ServeResult:
-    """The trace through transformers' ``generate_batch`` (every request at the start)."""
+def run_generate_batch(
+    model: Any, trace: list[TraceRequest], *, memory_fraction: float | None, cpu_offload_gib: float = 0.0
+) -> ServeResult:
+    """The trace through transformers' ``generate_batch`` (every request at the start); with
+    ``cpu_offload_gib``, its evicted blocks are copied to that much pinned host memory and back
+    (``cpu_offload_space``) instead of recomputed."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     label = "generate_batch" + ("" if memory_fraction is None else f"@{memory_fraction:.3f}")
+    label += f"+offload{cpu_offload_gib:g}GiB" if cpu_offload_gib else ""
     res = ServeResult(label)
     device = next(model.parameters()).device
     use_kvvm_attention(model, enable=False)
-    config = ContinuousBatchingConfig(max_memory_percent=memory_fraction)
+    config = ContinuousBatchingConfig(max_memory_percent=memory_fraction, cpu_offload_space=cpu_offload_gib)
     try:
         # Its CUDA graphs and compiled kernels are made on a first call: made before the trace.
         model.generate_batch(

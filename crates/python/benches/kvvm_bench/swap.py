@@ -19,7 +19,9 @@ Four parts, each in the same process and run (``--parts``):
   ``--prompt-lo..--prompt-hi``, ``--output`` tokens each) through the engine under a budget
   (``--budget-bytes``) that forces preemptions, once recomputing them and once swapping them
   (``--host-tier-bytes``, decided by measured costs): tokens/s, TTFT p50/p99, preemptions,
-  swaps.
+  swaps; on a GPU also transformers' ``generate_batch`` with ``cpu_offload_space`` set to the
+  host tier's bytes and its cache to the budget's share of the free memory (``--no-peer``:
+  not).
 
 On a CPU (``--device cpu --backend host --tiny``) every part runs small (what CI does); the
 figures that matter come from a GPU.
@@ -271,10 +273,27 @@ def trace_part(args: argparse.Namespace, model: Any, device: torch.device) -> di
             "swaps": res.swaps, "wall_s": round(res.wall_s, 3),
         }
         del manager
+    if args.peer and device.type == "cuda":
+        out["generate_batch_offload"] = _peer(model, trace, args, device)
     rec, swp = out["recompute"], out["swap"]
     out["swap_faster"] = swp["tokens_per_s"] > rec["tokens_per_s"]
     out["swap_lower_ttft_p99"] = swp["ttft_ms"].get("p99", 0) < rec["ttft_ms"].get("p99", 0)
     return out
+
+
+def _peer(model: Any, trace: list[Any], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """transformers' continuous batching on the same trace with its cache's memory set to the
+    budget's share of the free memory and ``cpu_offload_space`` set to the host tier's bytes
+    (where it runs: a runner that fails is recorded with its error)."""
+    from kvvm_bench import serve as sv
+
+    free, _ = torch.cuda.mem_get_info(device)
+    fraction = min(0.9, args.budget_bytes / free) if args.budget_bytes else None
+    res = sv.run_generate_batch(model, trace, memory_fraction=fraction, cpu_offload_gib=args.host_tier_bytes / 2**30)
+    return {
+        "runner": res.runner, "tokens_per_s": res.tokens_per_s, "ttft_ms": res.ttft_ms, "itl_ms": res.itl_ms,
+        "wall_s": round(res.wall_s, 3), "note": res.note,
+    }
 
 
 def run_swap_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -340,6 +359,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-bytes", type=int, default=8 << 30, help="the trace's device budget (forces preemptions)")
     p.add_argument("--host-tier-bytes", type=int, default=32 << 30, help="the trace's host tier")
     p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument(
+        "--no-peer", dest="peer", action="store_false",
+        help="leave out transformers' generate_batch with cpu_offload_space on the trace (CUDA only)",
+    )
     p.add_argument("--bandwidth", type=float, default=4.8e12)
     p.add_argument("--flops", type=float, default=7.9e14)
     p.add_argument("--seed", type=int, default=0)
