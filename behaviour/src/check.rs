@@ -42,6 +42,31 @@ pub fn books(w: &World, state: &State) -> Result<(), String> {
             w.vm.quarantined_bytes()
         ));
     }
+    let owned = mappings_agree(w, state, &rec)?;
+    if snap.committed != owned {
+        return Err(format!(
+            "invariant 2: committed {} vs owned blocks {owned}",
+            snap.committed
+        ));
+    }
+    for s in &state.seqs {
+        tokens_mapped(w, s)?;
+    }
+    host_books(w, state)?;
+    if let Some(v) = state.violations.first() {
+        return Err(format!("{v} ({} in all)", state.violations.len()));
+    }
+    Ok(())
+}
+
+/// Invariants 1 and 3 over the mappings: every reservation's committed bytes are its blocks',
+/// and the driver maps exactly the manager's blocks, parked windows and quarantined mappings.
+/// Returns the bytes of the blocks the reservations own.
+fn mappings_agree(
+    w: &World,
+    state: &State,
+    rec: &kvvm_hal::decorate::Record,
+) -> Result<u64, String> {
     let recorded: BTreeSet<(u64, u64, u64)> = rec
         .mappings
         .iter()
@@ -82,14 +107,30 @@ pub fn books(w: &World, state: &State) -> Result<(), String> {
             "invariant 3: mappings differ: driver-only {missing:x?}, manager-only {extra:x?}"
         ));
     }
-    if snap.committed != owned {
+    Ok(owned)
+}
+
+/// The host's books: the governor's host bytes equal the live page-locked buffers; the
+/// tier's chunks holding a window are billed as committed and are exactly the swaps' (none
+/// held by no one), its free chunks as pooled.
+fn host_books(w: &World, state: &State) -> Result<(), String> {
+    let rec = w.recording.record();
+    let host = w.gov.snapshot().device(kvvm_hal::DeviceId::HOST);
+    if host.pending != 0 || host.used() != rec.host_bytes() {
         return Err(format!(
-            "invariant 2: committed {} vs owned blocks {owned}",
-            snap.committed
+            "host: governor {host:?}, the driver holds {} page-locked bytes",
+            rec.host_bytes()
         ));
     }
-    for s in &state.seqs {
-        tokens_mapped(w, s)?;
+    let Some(tier) = &w.tier else {
+        return Ok(());
+    };
+    let t = tier.stats();
+    let swapped: u64 = state.swaps.iter().map(kvvm_kv::SwappedKv::bytes).sum();
+    if t.held_bytes != host.committed || t.pooled_bytes != host.pooled || t.held_bytes != swapped {
+        return Err(format!(
+            "host tier: {t:?} vs governor {host:?}; the swaps hold {swapped} bytes"
+        ));
     }
     Ok(())
 }
@@ -128,9 +169,17 @@ pub fn clean(w: World) -> Result<u64, String> {
         vm,
         gov,
         device,
+        tier,
         ..
     } = w;
     faults.disarm();
+    // The tier first: it holds the manager and frees its page-locked memory, quarantine
+    // included, and the events it could not destroy.
+    drop(tier);
+    let host = gov.snapshot().device(kvvm_hal::DeviceId::HOST);
+    if host.used() != 0 || host.pending != 0 {
+        return Err(format!("after teardown the host's books hold {host:?}"));
+    }
     // The last holder of the manager's state: the pool goes back to the driver.
     drop(vm);
     let snap = gov.snapshot().device(device);

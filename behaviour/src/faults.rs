@@ -5,12 +5,18 @@
 
 use std::sync::Arc;
 
-use kvvm_hal::decorate::FaultInjecting;
 use kvvm_hal::{DeviceId, VirtualMemoryBackend};
 
 use crate::check::{books, clean};
-use crate::scenarios::Scenario;
+use crate::scenarios::{manager_scenarios, Scenario};
+use crate::tier::tier_scenarios;
 use crate::world::{State, World};
+
+/// Every fault scenario, in report order: the manager's and the KV layer's
+/// (`scenarios.rs`), then the host tier's (`tier.rs`).
+pub fn all_scenarios() -> Vec<Scenario> {
+    [manager_scenarios(), tier_scenarios()].concat()
+}
 
 /// How many faults each run injects at most.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -61,7 +67,7 @@ fn run_once(
     let mut state = State::default();
     (sc.setup)(&w, &mut state).map_err(|e| format!("setup: {e}"))?;
     books(&w, &state).map_err(|e| format!("after setup: {e}"))?;
-    w.faults.arm(&FaultInjecting::STEPS, at);
+    w.faults.arm(&sc.spec.counted_ops(), at);
     let result = (sc.op)(&w, &mut state);
     let counted = w.faults.counted();
     let fired = w.faults.disarm();

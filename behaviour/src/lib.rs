@@ -28,8 +28,11 @@
 //! * **fault scenarios** (`scenarios.rs`), one per multi-step operation (commit, commit of
 //!   ranges, release, truncate, KV growth, shrink and release, the pre-committer's job steps,
 //!   shared commit, attach and withdraw, teardown, unpark, pool trim, prefix publish, hit and
-//!   evict), run by `faults.rs` with no fault, then every driver step failing alone, then
-//!   every ordered pair of steps failing ([`FaultDepth`]).
+//!   evict), and the host tier's steps (`tier.rs`: swap out, swap in, both with a mapped
+//!   prefix, trim, a host budget spent), run by `faults.rs` with no fault, then every driver
+//!   step failing alone, then every ordered pair of steps failing ([`FaultDepth`]); the
+//!   tier's scenarios fail its calls too (pinned memory, copies, events), check the host's
+//!   books beside the device's, and that no swap loses a byte.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -51,10 +54,11 @@ mod check;
 mod faults;
 mod scenarios;
 mod suite;
+mod tier;
 mod world;
 
 pub use check::{books, clean};
-pub use faults::{exhaust, FaultDepth, FaultStats};
-pub use scenarios::{all_scenarios, Scenario, Step};
+pub use faults::{all_scenarios, exhaust, FaultDepth, FaultStats};
+pub use scenarios::{Scenario, Step};
 pub use suite::{run_behaviour, BehaviourOptions, BehaviourReport, FaultCase};
 pub use world::{State, World, WorldSpec};

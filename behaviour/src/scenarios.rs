@@ -159,7 +159,7 @@ fn prompt(w: &World, blocks: u64) -> Vec<u32> {
 }
 
 /// Admits the prompt of 2 blocks into `cache`, with room to grow by one window.
-fn admit_prompt(w: &World, cache: &PrefixCache) -> Result<SequenceKv, String> {
+pub(crate) fn admit_prompt(w: &World, cache: &PrefixCache) -> Result<SequenceKv, String> {
     let ids = prompt(w, 2);
     let n = ids.len() as u64;
     let a = cache
@@ -184,7 +184,7 @@ fn written_admission(w: &World, s: &mut State) -> Result<(), String> {
     Ok(())
 }
 
-fn published(w: &World, s: &mut State) -> Result<(), String> {
+pub(crate) fn published(w: &World, s: &mut State) -> Result<(), String> {
     written_admission(w, s)?;
     let cache = s.cache.clone().ok_or("no cache")?;
     cache.publish(first_seq(s)?).map_err(e)?;
@@ -195,8 +195,9 @@ fn cache_of(s: &State) -> Result<Arc<PrefixCache>, String> {
     s.cache.clone().ok_or_else(|| "no cache".to_owned())
 }
 
-/// Every fault scenario, in report order.
-pub fn all_scenarios() -> Vec<Scenario> {
+/// The manager's and the KV layer's fault scenarios, in report order (the host tier's are
+/// `tier.rs`'s).
+pub(crate) fn manager_scenarios() -> Vec<Scenario> {
     [
         reservation_scenarios(),
         sequence_scenarios(),

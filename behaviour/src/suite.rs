@@ -9,8 +9,7 @@ use kvvm_hal::{DeviceId, VirtualMemoryBackend};
 
 use crate::cases;
 use crate::check::clean;
-use crate::faults::{exhaust, FaultDepth, FaultStats};
-use crate::scenarios::all_scenarios;
+use crate::faults::{all_scenarios, exhaust, FaultDepth, FaultStats};
 use crate::world::{State, World, WorldSpec};
 
 /// Options of a run.
@@ -101,6 +100,7 @@ fn plain_cases() -> Vec<Case> {
                 pool_granules: 4,
                 park: false,
                 max_handle_granules: 0,
+                ..WorldSpec::default()
             },
             run: cases::precommit_ready_is_always_mapped,
         },
@@ -111,6 +111,7 @@ fn plain_cases() -> Vec<Case> {
                 pool_granules: 0,
                 park: false,
                 max_handle_granules: 16,
+                ..WorldSpec::default()
             },
             run: cases::precommit_grows_in_handles_within_its_bound,
         },

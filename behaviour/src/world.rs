@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use kvvm_governor::{Governor, GovernorConfig};
 use kvvm_hal::decorate::{FaultInjecting, Recording};
-use kvvm_hal::{DeviceId, VirtualMemoryBackend};
-use kvvm_kv::{EnsureJob, PrefixCache, SequenceKv};
+use kvvm_hal::{DeviceId, Operation, VirtualMemoryBackend};
+use kvvm_kv::{EnsureJob, HostTier, HostTierConfig, PrefixCache, SequenceKv, SwappedKv};
 use kvvm_vmm::{GranularityChoice, Reservation, SharedHandles, VirtualMemory, VmmConfig};
 
 /// How a case's manager is set up, in granules.
@@ -21,6 +21,23 @@ pub struct WorldSpec {
     /// Largest handle a commit creates, in granules (`VmmConfig::max_handle_bytes`); 0 or 1:
     /// one handle per window.
     pub max_handle_granules: u64,
+    /// A host tier over the manager, its page-locked allocations of this many windows at
+    /// least (`None`: no tier). Its calls are then failed too.
+    pub tier_slab_windows: Option<u64>,
+    /// The host's budget, in granules (`None`: unlimited).
+    pub host_budget_granules: Option<u64>,
+}
+
+impl WorldSpec {
+    /// The driver calls a fault run counts and fails: the manager's steps, and the tier's
+    /// (pinned memory, copies to and from it, events) when there is one.
+    pub fn counted_ops(&self) -> Vec<Operation> {
+        let mut ops = FaultInjecting::STEPS.to_vec();
+        if self.tier_slab_windows.is_some() {
+            ops.extend(Operation::TIER_CALLS);
+        }
+        ops
+    }
 }
 
 /// One run's stack. Everything goes through `recording`, which wraps `faults`, which wraps
@@ -40,6 +57,8 @@ pub struct World {
     pub g: u64,
     /// The device.
     pub device: DeviceId,
+    /// The host tier, when the spec asks for one.
+    pub tier: Option<Arc<HostTier>>,
 }
 
 impl World {
@@ -62,12 +81,14 @@ impl World {
         .map_err(|e| format!("cannot open a manager: {e}"))?;
         let g = probe.granule();
         drop(probe);
-        let gov = match spec.budget_granules {
-            Some(b) => {
-                Governor::new(GovernorConfig::default().device_budget(device, b.saturating_mul(g)))
-            }
-            None => Governor::unlimited(),
-        };
+        let mut config = GovernorConfig::default();
+        if let Some(b) = spec.budget_granules {
+            config = config.device_budget(device, b.saturating_mul(g));
+        }
+        if let Some(b) = spec.host_budget_granules {
+            config = config.device_budget(DeviceId::HOST, b.saturating_mul(g));
+        }
+        let gov = Governor::new(config);
         let vm = VirtualMemory::new(
             Arc::clone(&backend),
             device,
@@ -79,6 +100,13 @@ impl World {
                 .max_handle_bytes(spec.max_handle_granules.saturating_mul(g)),
         )
         .map_err(|e| format!("cannot open a manager: {e}"))?;
+        let tier = match spec.tier_slab_windows {
+            Some(n) => Some(
+                HostTier::new(&vm, HostTierConfig::default().slab_windows(n))
+                    .map_err(|e| format!("cannot open a host tier: {e}"))?,
+            ),
+            None => None,
+        };
         Ok(World {
             backend,
             recording,
@@ -87,6 +115,7 @@ impl World {
             vm,
             g,
             device,
+            tier,
         })
     }
 }
@@ -105,6 +134,11 @@ pub struct State {
     pub cache: Option<Arc<PrefixCache>>,
     /// A background commit begun and not finished.
     pub job: Option<EnsureJob>,
+    /// Swaps to the host tier (dropped after the sequences).
+    pub swaps: Vec<SwappedKv>,
+    /// Broken promises an operation found in its own outcome (bytes lost, a swap in a phase
+    /// its result does not allow): each fails the run, faults or not.
+    pub violations: Vec<String>,
 }
 
 impl State {

@@ -39,3 +39,35 @@ fn sim_with_one_unmap_per_mapping_passes_with_every_pair_of_faults() {
     });
     run(Arc::new(SimBackend::new(config)));
 }
+
+/// The host tier's scenarios on the simulator and the host backend: every step of the tier
+/// (pinned memory, copies, events) fails alone and in pairs, the books on both sides stay
+/// exact, no swap loses a byte, nothing is left after each run.
+#[test]
+fn the_host_tier_passes_with_every_pair_of_faults() {
+    let host =
+        kvvm_host::HostBackend::with_config(kvvm_host::HostConfig::default().capacity(64 << 20));
+    let mut backends: Vec<Arc<dyn VirtualMemoryBackend>> = vec![Arc::new(SimBackend::new(
+        SimConfig::single(64 << 10, 64 << 20),
+    ))];
+    match host {
+        Ok(h) => backends.push(Arc::new(h)),
+        Err(e) => println!("skipped: no host backend here ({e})"),
+    }
+    for backend in backends {
+        let options = BehaviourOptions {
+            filter: vec!["fault_tier_".to_owned()],
+            ..BehaviourOptions::default()
+        };
+        let report = run_behaviour(&backend, &options);
+        print!("{}", report.to_table());
+        assert_eq!(report.report.failed, 0, "{}", report.to_table());
+        assert_eq!(report.faults.len(), 6, "{:?}", report.faults);
+        for f in &report.faults {
+            // Every scenario has tier steps to fail, and pairs of them.
+            println!("{f:?}");
+            assert!(f.stats.steps >= 2, "{f:?}");
+            assert!(f.stats.runs > f.stats.steps, "{f:?}");
+        }
+    }
+}

@@ -15,7 +15,11 @@
 # ratio and dtype, `python -m kvvm_bench shapes`, arguments in SHAPES_ARGS; `bash
 # gpu-bundle/python.sh http`: a trace through the engine directly and through its OpenAI server,
 # `python -m kvvm_bench http`, arguments in HTTP_ARGS; `bash gpu-bundle/python.sh sampling`: the
-# engine's step with sampling on against greedy, `python -m kvvm_bench sampling`, SAMPLING_ARGS).
+# engine's step with sampling on against greedy, `python -m kvvm_bench sampling`, SAMPLING_ARGS; `bash
+# gpu-bundle/python.sh swap`: the host tier's copy bandwidth, decode while swapping, the
+# swap-vs-recompute crossover and a memory-pressure trace, `python -m kvvm_bench swap`,
+# arguments in SWAP_ARGS; `bash gpu-bundle/python.sh cascade`: the cascade decode over shared
+# prefixes against the plain step, `python -m kvvm_bench cascade`, arguments in CASCADE_ARGS).
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
 # to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
@@ -93,6 +97,14 @@ fi
 if [ "$mode" = sampling ]; then
   echo "== python -m kvvm_bench sampling"
   (cd /tmp && timeout "${SAMPLING_TIMEOUT:-420}" python3 -m kvvm_bench sampling --json "$out/bench-sampling.json" ${SAMPLING_ARGS:-}) > "$out/bench-sampling.out"
+fi
+if [ "$mode" = swap ]; then
+  echo "== python -m kvvm_bench swap"
+  (cd /tmp && timeout "${SWAP_TIMEOUT:-540}" python3 -m kvvm_bench swap --json "$out/bench-swap.json" ${SWAP_ARGS:-}) > "$out/bench-swap.out"
+fi
+if [ "$mode" = cascade ]; then
+  echo "== python -m kvvm_bench cascade"
+  (cd /tmp && timeout "${CASCADE_TIMEOUT:-420}" python3 -m kvvm_bench cascade --json "$out/bench-cascade.json" ${CASCADE_ARGS:-}) > "$out/bench-cascade.out"
 fi
 if [ "$mode" = serve ]; then
   echo "== python -m kvvm_bench serve"

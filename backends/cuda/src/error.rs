@@ -29,6 +29,8 @@ impl CuCode {
     pub const NO_DEVICE: CuCode = CuCode(100);
     /// `CUDA_ERROR_INVALID_DEVICE`.
     pub const INVALID_DEVICE: CuCode = CuCode(101);
+    /// `CUDA_ERROR_NOT_READY`: queued work (an event's) is not done yet; not a failure.
+    pub const NOT_READY: CuCode = CuCode(600);
     /// `CUDA_ERROR_NOT_SUPPORTED`.
     pub const NOT_SUPPORTED: CuCode = CuCode(801);
 

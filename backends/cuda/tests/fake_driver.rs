@@ -15,8 +15,9 @@ use std::process::Command;
 
 use kvvm_cuda::CudaBackend;
 use kvvm_hal::{
-    AccessDescriptor, AllocationProperties, DeviceAddress, DeviceId, ErrorKind, KernelProbeOp,
-    Operation, PhysicalHandle, ShareableHandleType, VirtualMemoryBackend,
+    AccessDescriptor, AllocationProperties, DeviceAddress, DeviceId, ErrorKind, HostBuffer,
+    HostCopy, KernelProbeOp, Operation, PhysicalHandle, ShareableHandleType, StreamHandle,
+    VirtualMemoryBackend,
 };
 
 const SCENARIO_ENV: &str = "KVVM_FAKE_CUDA_SCENARIO";
@@ -320,6 +321,8 @@ fn full() {
     assert!(back[..100].iter().all(|&x| x == 0xC3));
     assert_eq!(back[100], data[100]);
 
+    host_tier(&b, base);
+
     for handle in [h, h0, imported] {
         b.release(handle).expect("release");
     }
@@ -359,4 +362,80 @@ fn full() {
         (0, 0),
         "Drop releases the contexts"
     );
+    assert_eq!(
+        getter_i32(c"fake_tier_live"),
+        0,
+        "Drop frees the tier's objects"
+    );
+}
+
+/// The host tier's calls: a pinned buffer, a round trip through it on the backend's copy
+/// stream (made once per device), events (a "not ready" answer is `Ok(false)`), the books'
+/// refusals of unknown buffers, events and out-of-range copies, and nothing left behind.
+fn host_tier(b: &CudaBackend, base: DeviceAddress) {
+    assert!(b.capabilities().host_copies);
+    let buf = b.host_alloc(DeviceId(0), 4096).expect("host_alloc");
+    let stream = b.copy_stream(DeviceId(0)).expect("copy stream");
+    assert_ne!(stream, StreamHandle(0));
+    assert_eq!(
+        b.copy_stream(DeviceId(0)).expect("again"),
+        stream,
+        "one stream a device"
+    );
+    let mut data = [0u8; 256];
+    b.copy_from_device(&mut data, base).expect("read");
+    let out = HostCopy {
+        device: base,
+        host: buf,
+        offset: 64,
+        bytes: 256,
+    };
+    b.copy_to_host_async(&out, stream).expect("to host");
+    let back = HostCopy {
+        device: DeviceAddress(base.0 + 1024),
+        ..out
+    };
+    b.copy_from_host_async(&back, stream).expect("from host");
+    let ev = b.event_record(DeviceId(0), stream).expect("record");
+    assert!(
+        !b.event_query(ev).expect("query"),
+        "the fake's first answer"
+    );
+    assert!(b.event_query(ev).expect("query again"));
+    b.event_wait(ev).expect("wait");
+    b.stream_wait_event(StreamHandle(0), ev)
+        .expect("stream wait");
+    let mut got = [0u8; 256];
+    b.copy_from_device(&mut got, DeviceAddress(base.0 + 1024))
+        .expect("read back");
+    assert_eq!(got, data, "the round trip is byte-exact");
+    // Refusals made before the driver is called.
+    let past = HostCopy {
+        offset: 4000,
+        ..out
+    };
+    let e = b.copy_to_host_async(&past, stream).unwrap_err();
+    assert_eq!(
+        (e.kind, e.op),
+        (ErrorKind::InvalidValue, Operation::CopyToHost)
+    );
+    let unknown = HostCopy {
+        host: HostBuffer(8),
+        ..out
+    };
+    let e = b.copy_from_host_async(&unknown, stream).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::InvalidValue);
+    b.event_destroy(ev).expect("destroy");
+    assert_eq!(
+        b.event_destroy(ev).unwrap_err().kind,
+        ErrorKind::InvalidValue
+    );
+    assert_eq!(b.event_query(ev).unwrap_err().kind, ErrorKind::InvalidValue);
+    b.host_free(buf).expect("free");
+    assert_eq!(b.host_free(buf).unwrap_err().kind, ErrorKind::InvalidValue);
+    // An event and a buffer left live, and the stream, go with the backend's drop.
+    b.host_alloc(DeviceId(1), 64).expect("second buffer");
+    b.event_record(DeviceId(1), StreamHandle(0))
+        .expect("second event");
+    assert_eq!(getter_i32(c"fake_tier_live"), 10101);
 }

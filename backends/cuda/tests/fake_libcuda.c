@@ -266,6 +266,68 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
     return 400;
 }
 
+/* The host tier: pinned memory from malloc, copies made at once (checked in the current
+ * context), streams and events as counted objects; a query reports "not ready" once per
+ * event (CUDA_ERROR_NOT_READY, 600) to exercise that path. */
+static int streams_live, events_live, host_live;
+static int stream_objects[4], event_objects[64], event_queried[64];
+int fake_tier_live(void) { return streams_live * 10000 + events_live * 100 + host_live; }
+CUresult cuMemHostAlloc(void **p, size_t size, unsigned int flags) {
+    if (!valid_ctx() || flags != 1 || size == 0) return 1;
+    *p = calloc(1, size);
+    if (!*p) return 2;
+    host_live++;
+    return 0;
+}
+CUresult cuMemFreeHost(void *p) { if (!p) return 1; free(p); host_live--; return 0; }
+static int event_index(void *e) {
+    for (int i = 0; i < 64; i++) if (e == &event_objects[i]) return i;
+    return -1;
+}
+static int stream_ok(void *s) {
+    return s == NULL || (s >= (void *)&stream_objects[0] && s <= (void *)&stream_objects[3]);
+}
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *stream) {
+    if (!valid_ctx() || !stream_ok(stream)) return 201;
+    for (size_t i = 0; i < n; i++) ((unsigned char *)dst)[i] = *mem(src + i);
+    return 0;
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *stream) {
+    if (!valid_ctx() || !stream_ok(stream)) return 201;
+    for (size_t i = 0; i < n; i++) *mem(dst + i) = ((const unsigned char *)src)[i];
+    return 0;
+}
+CUresult cuStreamCreate(void **s, unsigned int flags) {
+    if (!valid_ctx() || flags != 1 || streams_live >= 4) return 1;
+    *s = &stream_objects[streams_live++];
+    return 0;
+}
+CUresult cuStreamDestroy_v2(void *s) { if (!stream_ok(s) || !s) return 400; streams_live--; return 0; }
+CUresult cuEventCreate(void **e, unsigned int flags) {
+    if (!valid_ctx() || flags != 2) return 1;
+    for (int i = 0; i < 64; i++)
+        if (event_queried[i] == 0) { event_queried[i] = 1; *e = &event_objects[i]; events_live++; return 0; }
+    return 2;
+}
+CUresult cuEventRecord(void *e, void *stream) { return event_index(e) < 0 || !stream_ok(stream) ? 400 : 0; }
+CUresult cuEventQuery(void *e) {
+    int i = event_index(e);
+    if (i < 0) return 400;
+    if (event_queried[i] == 1) { event_queried[i] = 2; return 600; }
+    return 0;
+}
+CUresult cuEventSynchronize(void *e) { return event_index(e) < 0 ? 400 : 0; }
+CUresult cuEventDestroy_v2(void *e) {
+    int i = event_index(e);
+    if (i < 0 || event_queried[i] == 0) return 400;
+    event_queried[i] = 0;
+    events_live--;
+    return 0;
+}
+CUresult cuStreamWaitEvent(void *s, void *e, unsigned int flags) {
+    return event_index(e) < 0 || !stream_ok(s) || flags ? 400 : 0;
+}
+
 #endif /* ONLY_INIT */
 CUresult cuDeviceCanAccessPeer(int *can, CUdevice d, CUdevice peer) {
     if (d < 0 || d >= n_devices() || peer < 0 || peer >= n_devices()) return 101;

@@ -219,13 +219,24 @@ pub struct HostLedger {
     pub mapped_bytes: u64,
     /// Bytes of the live allocations (what `memory_info` counts as used).
     pub used_bytes: u64,
+    /// Live host-tier buffers.
+    pub host_buffers: usize,
+    /// Their bytes.
+    pub host_bytes: u64,
+    /// Live events.
+    pub events: usize,
 }
 
 impl HostLedger {
-    /// Whether the backend holds nothing at all: no reservation, handle, allocation or
-    /// mapping (what a run that leaks nothing leaves).
+    /// Whether the backend holds nothing at all: no reservation, handle, allocation,
+    /// mapping, host buffer or event (what a run that leaks nothing leaves).
     pub fn is_empty(&self) -> bool {
-        self.reservations == 0 && self.handles == 0 && self.allocations == 0 && self.mappings == 0
+        self.reservations == 0
+            && self.handles == 0
+            && self.allocations == 0
+            && self.mappings == 0
+            && self.host_buffers == 0
+            && self.events == 0
     }
 }
 

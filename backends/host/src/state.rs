@@ -99,6 +99,7 @@ impl State {
             mappings: m.mappings().count(),
             mapped_bytes: m.mappings().map(|(_, map)| map.size).sum(),
             used_bytes: self.used(),
+            ..HostLedger::default()
         }
     }
 

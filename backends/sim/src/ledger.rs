@@ -69,15 +69,26 @@ pub struct Ledger {
     /// only where they were written, and a chunk of equal bytes as one byte
     /// ([`SimBackend::stored_bytes`](crate::SimBackend::stored_bytes)).
     pub stored_bytes: u64,
+    /// Live page-locked host buffers and their sizes.
+    pub host_buffers: Vec<(kvvm_hal::HostBuffer, u64)>,
+    /// Live events.
+    pub events: usize,
 }
 
 impl Ledger {
-    /// Nothing is live: no reservation, handle, allocation or mapping.
+    /// Nothing is live: no reservation, handle, allocation, mapping, host buffer or event.
     pub fn is_empty(&self) -> bool {
         self.reservations.is_empty()
             && self.handles.is_empty()
             && self.allocations.is_empty()
             && self.mappings.is_empty()
+            && self.host_buffers.is_empty()
+            && self.events == 0
+    }
+
+    /// Bytes of the live page-locked host buffers.
+    pub fn host_bytes(&self) -> u64 {
+        self.host_buffers.iter().map(|(_, n)| *n).sum()
     }
 
     /// Physical bytes in use on all devices.

@@ -6,6 +6,7 @@ pub(crate) mod copies;
 pub(crate) mod create;
 pub(crate) mod devices;
 pub(crate) mod export;
+pub(crate) mod host_copies;
 pub(crate) mod kernels;
 pub(crate) mod map;
 pub(crate) mod peers;
@@ -173,6 +174,22 @@ pub fn all_cases() -> Vec<Case> {
         case!(
             copies::copy_rows_pitch_below_width_is_invalid,
             "a row copy whose pitch is below its width: InvalidValue"
+        ),
+        case!(
+            host_copies::host_copy_round_trip,
+            "device -> pinned host -> device on the copy stream is byte-exact"
+        ),
+        case!(
+            host_copies::host_copy_outside_buffer_is_invalid,
+            "a host copy past its buffer or with an unknown buffer: InvalidValue, nothing written"
+        ),
+        case!(
+            host_copies::host_free_and_event_destroy_twice_are_invalid,
+            "a second host free or event destroy: InvalidValue"
+        ),
+        case!(
+            host_copies::stream_waits_for_a_copy_event,
+            "a stream made to wait for a copy's event sees its bytes"
         ),
         case!(
             export::export_import_posix_fd,

@@ -148,7 +148,11 @@ impl LatencyModel {
             Operation::Unmap => times(self.unmap_per_mapping, mappings.max(1))
                 .saturating_add(per_mib(self.unmap_per_mib, bytes)),
             Operation::Synchronize => self.synchronize,
-            Operation::CopyToDevice | Operation::CopyFromDevice | Operation::CopyRows => {
+            Operation::CopyToDevice
+            | Operation::CopyFromDevice
+            | Operation::CopyRows
+            | Operation::CopyToHost
+            | Operation::CopyFromHost => {
                 let bw = self.copy_bytes_per_us.max(1);
                 self.copy_base
                     .saturating_add(Duration::from_nanos(bytes.saturating_mul(1000) / bw))

@@ -41,6 +41,18 @@ pub enum Operation {
     Import,
     /// Launching a probe kernel.
     Kernel,
+    /// Allocating page-locked host memory (a host tier's buffer).
+    HostAlloc,
+    /// Freeing page-locked host memory.
+    HostFree,
+    /// Queuing a copy from device memory into page-locked host memory on a stream.
+    CopyToHost,
+    /// Queuing a copy from page-locked host memory into device memory on a stream.
+    CopyFromHost,
+    /// Recording, querying, waiting for or destroying an event; making a stream wait for one.
+    Event,
+    /// Creating the backend's own copy stream.
+    Stream,
 }
 
 impl Operation {
@@ -51,7 +63,7 @@ impl Operation {
     }
 
     /// Every operation, in declaration order (for per-operation tables and fault plans).
-    pub const ALL: [Operation; 18] = [
+    pub const ALL: [Operation; 24] = [
         Operation::Load,
         Operation::Devices,
         Operation::MemoryInfo,
@@ -70,6 +82,23 @@ impl Operation {
         Operation::Export,
         Operation::Import,
         Operation::Kernel,
+        Operation::HostAlloc,
+        Operation::HostFree,
+        Operation::CopyToHost,
+        Operation::CopyFromHost,
+        Operation::Event,
+        Operation::Stream,
+    ];
+
+    /// The calls of a host tier: pinned host memory, copies to and from it on a stream, and
+    /// the events that say when they are done (what fault injection fails beside
+    /// [`VMM_CALLS`](Self::VMM_CALLS) when a swap is under test).
+    pub const TIER_CALLS: [Operation; 5] = [
+        Operation::HostAlloc,
+        Operation::HostFree,
+        Operation::CopyToHost,
+        Operation::CopyFromHost,
+        Operation::Event,
     ];
 
     /// The memory-management calls: reserve, free, create, release, map, set access, unmap,
@@ -106,6 +135,12 @@ impl Operation {
             Operation::Export => "export",
             Operation::Import => "import",
             Operation::Kernel => "kernel",
+            Operation::HostAlloc => "host_alloc",
+            Operation::HostFree => "host_free",
+            Operation::CopyToHost => "copy_to_host",
+            Operation::CopyFromHost => "copy_from_host",
+            Operation::Event => "event",
+            Operation::Stream => "stream",
         }
     }
 }

@@ -97,6 +97,7 @@ mod codes;
 mod cost;
 pub mod decorate;
 mod error;
+mod host;
 pub mod model;
 mod trace;
 mod types;
@@ -105,6 +106,7 @@ pub use calls::CallCounts;
 pub use codes::ErrorCodes;
 pub use cost::LatencyModel;
 pub use error::{BackendError, ErrorKind, Operation};
+pub use host::{EventHandle, HostBuffer, HostCopy};
 pub use trace::traced;
 pub use types::{
     Access, AccessDescriptor, AllocationProperties, Capabilities, DeviceAddress, DeviceId,
@@ -244,6 +246,89 @@ pub trait VirtualMemoryBackend: Send + Sync {
         ))
     }
 
+    /// Allocates `bytes` of page-locked ("pinned") host memory that `device`'s copy engines
+    /// reach directly (CUDA: `cuMemHostAlloc`, portable to every context): the memory a host
+    /// tier keeps KV windows in. It is reached only through
+    /// [`copy_to_host_async`](Self::copy_to_host_async) and
+    /// [`copy_from_host_async`](Self::copy_from_host_async), which refuse any byte outside it.
+    /// Backends without host copies ([`Capabilities::host_copies`]) say `NotSupported`.
+    fn host_alloc(&self, device: DeviceId, bytes: u64) -> BackendResult<HostBuffer> {
+        let _ = (device, bytes);
+        Err(not_supported(self.name(), Operation::HostAlloc))
+    }
+
+    /// Frees a buffer of [`host_alloc`](Self::host_alloc). Every copy touching it must be done
+    /// (its event waited for); a second free is `InvalidValue`.
+    fn host_free(&self, buffer: HostBuffer) -> BackendResult<()> {
+        let _ = buffer;
+        Err(not_supported(self.name(), Operation::HostFree))
+    }
+
+    /// Queues on `stream` a copy of `copy.bytes` from device memory at `copy.device` into the
+    /// host buffer at `copy.offset` and returns without waiting (CUDA: `cuMemcpyDtoHAsync`);
+    /// work queued on `stream` before it is done first. The device range must be mapped and
+    /// readable and stay so until the copy is done; a host range outside the buffer is
+    /// `InvalidValue` before anything is queued. Backends without streams copy at once.
+    fn copy_to_host_async(&self, copy: &HostCopy, stream: StreamHandle) -> BackendResult<()> {
+        let _ = (copy, stream);
+        Err(not_supported(self.name(), Operation::CopyToHost))
+    }
+
+    /// The mirror of [`copy_to_host_async`](Self::copy_to_host_async): queues a copy from the
+    /// host buffer into device memory (mapped writable until the copy is done; CUDA:
+    /// `cuMemcpyHtoDAsync`).
+    fn copy_from_host_async(&self, copy: &HostCopy, stream: StreamHandle) -> BackendResult<()> {
+        let _ = (copy, stream);
+        Err(not_supported(self.name(), Operation::CopyFromHost))
+    }
+
+    /// The backend's own copy stream of `device`: made at the first call (CUDA: a stream that
+    /// does not wait for the legacy default stream, `CU_STREAM_NON_BLOCKING`), the same one
+    /// afterwards, destroyed with the backend. Copies queued on it overlap the work of other
+    /// streams. Backends without streams give `StreamHandle(0)`.
+    fn copy_stream(&self, device: DeviceId) -> BackendResult<StreamHandle> {
+        let _ = device;
+        Err(not_supported(self.name(), Operation::Stream))
+    }
+
+    /// Records a new event on `stream` of `device` (CUDA: `cuEventCreate` without timing, then
+    /// `cuEventRecord`): it completes when the work queued on `stream` before it is done.
+    /// The caller destroys it with [`event_destroy`](Self::event_destroy). Backends without
+    /// streams give an event that is complete at once.
+    fn event_record(&self, device: DeviceId, stream: StreamHandle) -> BackendResult<EventHandle> {
+        let _ = (device, stream);
+        Err(not_supported(self.name(), Operation::Event))
+    }
+
+    /// Whether `event` is complete, without waiting (CUDA: `cuEventQuery`). An error is the
+    /// failure of the work it follows (a copy that faulted) or an unknown event.
+    fn event_query(&self, event: EventHandle) -> BackendResult<bool> {
+        let _ = event;
+        Err(not_supported(self.name(), Operation::Event))
+    }
+
+    /// Waits until `event` is complete (CUDA: `cuEventSynchronize`). An error is the failure
+    /// of the work it follows: the bytes it copied cannot be trusted.
+    fn event_wait(&self, event: EventHandle) -> BackendResult<()> {
+        let _ = event;
+        Err(not_supported(self.name(), Operation::Event))
+    }
+
+    /// Makes the work queued on `stream` after this call wait, on the device, for `event`
+    /// (CUDA: `cuStreamWaitEvent`): a copy that reads what a kernel wrote on another stream.
+    /// The host does not wait.
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> BackendResult<()> {
+        let _ = (stream, event);
+        Err(not_supported(self.name(), Operation::Event))
+    }
+
+    /// Destroys an event of [`event_record`](Self::event_record) (a wait queued on it still
+    /// holds; CUDA: `cuEventDestroy`). A second destroy is `InvalidValue`.
+    fn event_destroy(&self, event: EventHandle) -> BackendResult<()> {
+        let _ = event;
+        Err(not_supported(self.name(), Operation::Event))
+    }
+
     /// Exports a handle created with `ShareableHandleType::PosixFd` as a file descriptor.
     /// Fails with `NotSupported` when [`Capabilities::posix_fd_handles`] is false.
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd>;
@@ -271,6 +356,15 @@ pub trait VirtualMemoryBackend: Send + Sync {
     fn kernel_probe(&self) -> Option<&dyn KernelProbe> {
         None
     }
+}
+
+/// The `NotSupported` error of a host-tier call on a backend without host copies.
+fn not_supported(backend: &str, op: Operation) -> BackendError {
+    BackendError::raised(
+        op,
+        ErrorKind::NotSupported,
+        format!("the {backend} backend has no page-locked host memory or host copies"),
+    )
 }
 
 impl std::fmt::Debug for dyn VirtualMemoryBackend + '_ {

@@ -55,6 +55,17 @@ impl fmt::Display for DeviceId {
 }
 
 impl DeviceId {
+    /// The host's page-locked memory, as a budget names it: the governor and the node's
+    /// broker keep its books like any device's (a budget, floors and ceilings), so that KV
+    /// moved to the host is billed there. Never a backend's device ordinal (`u32::MAX` fits
+    /// no driver's `int` ordinal, so a driver call given it is refused).
+    pub const HOST: DeviceId = DeviceId(u32::MAX);
+
+    /// Whether this is [`DeviceId::HOST`].
+    pub fn is_host(self) -> bool {
+        self == DeviceId::HOST
+    }
+
     /// The `int` ordinal a driver call of `op` takes, or the `InvalidValue` a backend raises
     /// itself when it does not fit; `ordinal` names the vendor's ordinal in the message
     /// (`"CUDA ordinal"`).
@@ -201,6 +212,10 @@ pub struct Capabilities {
     /// The driver checks that a map stays inside its reservation. False on CUDA and HIP: the
     /// manager must check (it always does).
     pub checks_reservation_bounds: bool,
+    /// The backend allocates page-locked host memory and copies between it and device memory
+    /// on a stream, with events ([`VirtualMemoryBackend::host_alloc`](crate::VirtualMemoryBackend::host_alloc)
+    /// and the calls after it): what a host tier needs. False: those calls say `NotSupported`.
+    pub host_copies: bool,
 }
 
 impl Default for Capabilities {
@@ -211,6 +226,7 @@ impl Default for Capabilities {
             kernels: false,
             set_access_retries: 0,
             checks_reservation_bounds: false,
+            host_copies: false,
         }
     }
 }

@@ -21,7 +21,8 @@ use kvvm_layout::KvError;
 /// * [`WriteIntoSharedPrefix`](Self::WriteIntoSharedPrefix), [`NotCommitted`](Self::NotCommitted),
 ///   [`BadLength`](Self::BadLength), [`Layout`](Self::Layout), [`PlanMismatch`](Self::PlanMismatch),
 ///   [`InUse`](Self::InUse), [`OtherManager`](Self::OtherManager), [`Forgotten`](Self::Forgotten),
-///   [`PrefixNotWritten`](Self::PrefixNotWritten): caller bugs, refused before any driver call.
+///   [`PrefixNotWritten`](Self::PrefixNotWritten), [`Swap`](Self::Swap): caller bugs, refused
+///   before any driver call.
 /// * [`Vmm`](Self::Vmm), [`Backend`](Self::Backend): the manager or a copy failed; the
 ///   manager's books still equal the driver's truth (see `kvvm-vmm`).
 /// * [`Verification`](Self::Verification): the decode loop read back a byte it did not write.
@@ -149,6 +150,14 @@ pub enum KvCacheError {
         expected: u8,
         /// Value read.
         got: u8,
+    },
+    /// A swap to or from the host tier was asked of a sequence or in a phase it does not fit
+    /// (copies in flight, another sequence's swap, a swap already back): a caller bug,
+    /// refused before any driver call.
+    #[error("swap refused: {reason}")]
+    Swap {
+        /// Why.
+        reason: String,
     },
     /// The pre-commit worker thread could not be started.
     #[error("cannot start the pre-commit worker: {reason}")]

@@ -151,6 +151,7 @@
 mod cache;
 mod device_copy;
 mod error;
+mod host_tier;
 pub mod precommit;
 mod sequence;
 pub mod synthetic;
@@ -162,8 +163,10 @@ pub use cache::records::{
 };
 pub use cache::PrefixCache;
 pub use error::KvCacheError;
+pub use host_tier::{HostTier, HostTierConfig, HostTierStats};
 pub use sequence::prefix::SharedDevicePrefix;
 pub use sequence::prefix_export::PrefixDescriptor;
+pub use sequence::swap::{SwapPhase, SwappedKv};
 pub use sequence::{EnsureJob, LayerPointers, SequenceKv};
 pub use tensor_parallel::precommit::{GroupPrecommitStats, PrecommittedGroup};
 pub use tensor_parallel::{TensorParallelJob, TensorParallelSequence};

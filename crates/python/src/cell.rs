@@ -325,6 +325,31 @@ impl SeqCell {
         result
     }
 
+    /// Runs `f`, the end of a swap step that may release the sequence (its copies waited
+    /// for first), only while no view is alive, with new views blocked: what it unmaps is
+    /// never under a view. No device synchronization: the copies' own event is waited for,
+    /// and no step touches a sequence being swapped. A pre-committed sequence left empty
+    /// goes dormant, as after a release (the worker maps nothing ahead of it).
+    pub(crate) fn swap_releasing(
+        &self,
+        f: impl FnOnce(&mut SequenceKv) -> Result<u64, KvCacheError>,
+    ) -> Result<Result<u64, KvCacheError>, Busy> {
+        self.begin_unmap()?;
+        let out = self.with(f);
+        let empty = self.with(|s| s.is_empty());
+        if empty {
+            if let Kind::Pre(p) = &self.kind {
+                if let Err(e) = p.release() {
+                    tracing::warn!(error = %e, "releasing an empty swapped sequence failed");
+                }
+            }
+            self.asked.store(0, Ordering::Release);
+        }
+        self.with(|s| self.refresh_protected(s));
+        self.end_unmap();
+        Ok(out)
+    }
+
     /// Tokens before this one are forgotten: a view or a store must not reach them.
     pub(crate) fn forgotten_tokens(&self) -> u64 {
         self.forgotten.load(Ordering::Acquire)

@@ -164,7 +164,8 @@ pub(crate) fn kv(py: Python<'_>, e: &KvCacheError) -> PyErr {
         KvCacheError::BadLength { .. }
         | KvCacheError::PlanMismatch { .. }
         | KvCacheError::InUse { .. }
-        | KvCacheError::OtherManager { .. } => invalid(py, e.to_string()),
+        | KvCacheError::OtherManager { .. }
+        | KvCacheError::Swap { .. } => invalid(py, e.to_string()),
         KvCacheError::PrefixNotWritten { .. } => {
             raise(py, ErrorClass::PrefixNotWritten, e.to_string(), &[])
         }

@@ -16,6 +16,7 @@
 //! | `SequenceBatch` | sequences in the slots of one strided reservation |
 //! | `SharedPrefix`, `PrefixCache` | `SharedDevicePrefix`, `PrefixCache` |
 //! | `TensorView` | a DLPack export of one layer's K or V (zero-copy) |
+//! | `HostTier`, `SwappedKv` | `HostTier` (page-locked host memory), a sequence's swap |
 //!
 //! Every call that may reach the driver releases the GIL. Errors become the exceptions this
 //! module makes (`errors.rs` maps every error variant to its class: backpressure with
@@ -33,6 +34,7 @@ mod dict;
 mod errors;
 mod exceptions;
 mod geometry;
+mod host_tier;
 mod manager;
 mod manager_open;
 mod prefix_cache;
@@ -56,6 +58,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sequence::SharedPrefix>()?;
     m.add_class::<prefix_cache::PrefixCache>()?;
     m.add_class::<view::TensorView>()?;
+    m.add_class::<host_tier::HostTier>()?;
+    m.add_class::<host_tier::SwappedKv>()?;
     m.add("BACKEND_NAMES", kvvm::BACKEND_NAMES.to_vec())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     exceptions::add_to(m)

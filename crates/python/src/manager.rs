@@ -15,7 +15,9 @@ use pyo3::types::PyDict;
 
 use crate::count::{Count, Dim};
 use crate::errors;
-use crate::manager_open::{budget, granularity_choice, open_error, open_memory, Budget};
+use crate::manager_open::{
+    budget, granularity_choice, host_budget, open_error, open_memory, Budget,
+};
 
 /// A driver backend opened by name (`"auto"`, `"cuda"`, `"hip"`, `"host"`, `"sim"`).
 #[pyclass(frozen, module = "kvvm._native")]
@@ -182,11 +184,11 @@ impl Manager {
         park_released = false, granularity = "recommended", precommit = false,
         headroom_tokens = Count(64), max_headroom_bytes = Count(1u64 << 30),
         poll_interval_us = Count(1000), broker = None, tenant = "default".to_owned(),
-        broker_token = None, lease_batch_bytes = Count(256u64 << 20)),
+        broker_token = None, lease_batch_bytes = Count(256u64 << 20), host_budget_bytes = None),
         text_signature = "(backend=None, device=0, budget_bytes=None, pool_cap_bytes=None, \
         park_released=False, granularity='recommended', precommit=False, headroom_tokens=64, \
         max_headroom_bytes=1073741824, poll_interval_us=1000, broker=None, tenant='default', \
-        broker_token=None, lease_batch_bytes=268435456)")]
+        broker_token=None, lease_batch_bytes=268435456, host_budget_bytes=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -204,6 +206,7 @@ impl Manager {
         tenant: String,
         broker_token: Option<String>,
         lease_batch_bytes: Count,
+        host_budget_bytes: Option<Count>,
     ) -> PyResult<Self> {
         let choice = granularity_choice(py, granularity)?;
         let budget_bytes = budget_bytes.map(|c| c.0);
@@ -235,8 +238,9 @@ impl Manager {
         }
         let id = DeviceId(device.0);
         let b = Arc::clone(&backend);
+        let host = host_budget(py, host_budget_bytes.map(|c| c.0))?;
         let (vm, governor, broker) = py
-            .detach(move || open_memory(&b, id, source, vmm))
+            .detach(move || open_memory(&b, id, source, vmm, host))
             .map_err(|f| open_error(py, &f))?;
         let precommitter = precommit
             .then(|| {
@@ -350,6 +354,22 @@ impl Manager {
             used: s.used(),
             budget: self.state.budget,
             free: self.state.budget.map(|b| b.saturating_sub(s.used())),
+        }
+    }
+
+    /// The governor's books of page-locked host memory (a :class:`HostTier`'s) right now:
+    /// a :class:`MemorySnapshot` whose ``budget`` is ``host_budget_bytes``.
+    fn host_snapshot(&self) -> MemorySnapshot {
+        let s = self.state.governor.snapshot().device(DeviceId::HOST);
+        MemorySnapshot {
+            committed: s.committed,
+            pooled: s.pooled,
+            shared: s.shared,
+            quarantined: s.quarantined,
+            pending: s.pending,
+            used: s.used(),
+            budget: s.budget,
+            free: s.budget.map(|b| b.saturating_sub(s.used())),
         }
     }
 

@@ -68,6 +68,17 @@ pub(crate) fn granularity_choice(py: Python<'_>, name: &str) -> PyResult<Granula
     }
 }
 
+/// The host budget a manager asks for (page-locked memory of a host tier), checked.
+pub(crate) fn host_budget(py: Python<'_>, bytes: Option<u64>) -> PyResult<Option<u64>> {
+    if bytes == Some(0) {
+        return Err(errors::invalid(
+            py,
+            "host_budget_bytes must be positive (or None)",
+        ));
+    }
+    Ok(bytes)
+}
+
 /// The budget a manager asks for: a local one, or with `broker` a lease (a local budget is
 /// then refused: the broker owns the node's budget).
 pub(crate) fn budget(
@@ -103,16 +114,25 @@ pub(crate) fn budget(
 }
 
 /// The manager of `device` of `backend` with its governor (and the broker's client, which
-/// lives as long as the manager: its socket closing gives the lease back).
+/// lives as long as the manager: its socket closing gives the lease back); `host`: the
+/// budget of page-locked host memory (a host tier's) of a local governor.
 pub(crate) fn open_memory(
     backend: &Arc<dyn VirtualMemoryBackend>,
     device: DeviceId,
     budget: Budget,
     vmm: VmmConfig,
+    host: Option<u64>,
 ) -> Result<(VirtualMemory, Governor, Option<BrokerClient>), OpenFailure> {
     check_device(backend.as_ref(), device)?;
     let (governor, client) = match budget {
-        Budget::Local(bytes) => (local_governor(backend.as_ref(), device, bytes)?, None),
+        Budget::Local(bytes) => (local_governor(backend.as_ref(), device, bytes, host)?, None),
+        Budget::Broker(..) if host.is_some() => {
+            return Err(OpenFailure::Invalid(
+                "host_budget_bytes and broker exclude each other: with a broker, the host's \
+                 budget is the broker's to decide"
+                    .to_owned(),
+            ))
+        }
         Budget::Broker(options, batch) => {
             let (g, c) = leased_governor(options, LeasePolicy::batches_of(batch))
                 .map_err(OpenFailure::Broker)?;
@@ -134,14 +154,19 @@ fn check_device(backend: &dyn VirtualMemoryBackend, device: DeviceId) -> Result<
     Ok(())
 }
 
-/// A governor with at most `bytes` on `device`: a budget is a share of the device, so one past
-/// its memory could never be spent and is refused.
+/// A governor with at most `bytes` on `device` (and `host` on the host's page-locked memory):
+/// a budget is a share of the device, so one past its memory could never be spent and is
+/// refused.
 fn local_governor(
     backend: &dyn VirtualMemoryBackend,
     device: DeviceId,
     bytes: Option<u64>,
+    host: Option<u64>,
 ) -> Result<Governor, OpenFailure> {
     let mut config = GovernorConfig::default();
+    if let Some(h) = host {
+        config = config.device_budget(DeviceId::HOST, h);
+    }
     if let Some(bytes) = bytes {
         let total = backend.memory_info(device)?.total;
         if bytes > total {

@@ -16,6 +16,7 @@ use crate::cell::{SeqCell, Unmap};
 use crate::count::{Count, Dim};
 use crate::errors;
 use crate::geometry::PyPlan;
+use crate::host_tier::{self, HostTier, SwappedKv};
 use crate::manager::{broker_error, broker_of, Manager};
 use crate::view::TensorView;
 use crate::views::{busy_error, kind_arg, make_view, ViewRequest};
@@ -238,6 +239,46 @@ impl Sequence {
             Err(busy) => Err(busy_error(py, busy, "release")),
             Ok(r) => r.map_err(|e| errors::kv(py, &e)),
         }
+    }
+
+    /// Begins moving the first `tokens` tokens to `tier` (page-locked host memory billed to
+    /// the host budget): their windows' copies are queued on the tier's copy stream after
+    /// the work queued on `after` (the torch stream that wrote them; None: the device is
+    /// synchronized first). The sequence keeps its memory until :meth:`finish_swap_out` and
+    /// must be neither read nor written meanwhile. A mapped shared prefix stays on the
+    /// device, held by the swap. Raises BackpressureError or NeverFitsError (the host budget;
+    /// nothing changed), NotCommittedError, DriverError.
+    #[pyo3(signature = (tier, tokens, after = None))]
+    fn swap_out(
+        &self,
+        py: Python<'_>,
+        tier: &HostTier,
+        tokens: Count,
+        after: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<SwappedKv> {
+        host_tier::swap_out(py, &self.cell, tier, tokens.0, after)
+    }
+
+    /// Waits for a swap's copies to the host, then releases the sequence (its memory goes
+    /// back to the budget; its address stays); returns the bytes released. A failed copy
+    /// raises and fails the swap: the sequence keeps its tokens. Refused (ViewsAliveError)
+    /// while views live.
+    fn finish_swap_out(&self, py: Python<'_>, swap: &Bound<'_, SwappedKv>) -> PyResult<u64> {
+        host_tier::finish_swap_out(py, &self.cell, swap)
+    }
+
+    /// Brings a swap back into this sequence (empty, of the plan it came from): its windows
+    /// committed at the same offsets, the prefix it kept mapped again, the copies back queued.
+    /// BackpressureError: nothing changed, the swap waits on the host (try later); any other
+    /// error fails the swap and leaves the sequence empty (compute the request again).
+    fn swap_in(&self, py: Python<'_>, swap: &Bound<'_, SwappedKv>) -> PyResult<()> {
+        host_tier::swap_in(py, &self.cell, swap)
+    }
+
+    /// Waits for a swap's copies back; the sequence holds its tokens again. Returns the bytes
+    /// copied. A failed copy raises, fails the swap and releases the sequence.
+    fn finish_swap_in(&self, py: Python<'_>, swap: &Bound<'_, SwappedKv>) -> PyResult<u64> {
+        host_tier::finish_swap_in(py, &self.cell, swap)
     }
 
     /// Records that tokens ``0..tokens`` hold their data although they were not written with

@@ -144,7 +144,10 @@ pub(crate) struct StoreRequest<'a, 'py> {
     pub(crate) stream: Option<&'a Bound<'py, PyAny>>,
 }
 
-fn stream_arg(py: Python<'_>, stream: Option<&Bound<'_, PyAny>>) -> PyResult<StreamHandle> {
+pub(crate) fn stream_arg(
+    py: Python<'_>,
+    stream: Option<&Bound<'_, PyAny>>,
+) -> PyResult<StreamHandle> {
     match stream {
         None => Ok(StreamHandle(0)),
         Some(s) if s.is_none() => Ok(StreamHandle(0)),

@@ -247,3 +247,38 @@ def test_serve_with_the_kvvm_binary_and_no_report_file_leaves_nothing_in_the_wor
     assert (tmp_path / "serve.json.trace.jsonl").is_file()
     report = json.loads(out.read_text())
     assert report["failed"] == [] and report["simulate"]["predicted"]["completed"] == 2
+def test_swap_bench_runs_tiny_on_the_host_backend(tmp_path: Path) -> None:
+    """``python -m kvvm_bench swap --tiny`` on the host backend, every part small: the copies'
+    bandwidth both ways beside a plain copy of the same bytes, the decode step while a thread
+    swaps, the crossover's rows, and a trace whose budget preempts: recomputed in one run,
+    swapped out and back in the other (a swapped request that crossed into a window it had
+    not committed gets it at its admission, not in its prefill). CPU figures: nothing timed is
+    asserted."""
+    import kvvm_bench
+
+    if not host_available():
+        pytest.skip("skipped: no host backend here")
+    out = tmp_path / "swap.json"
+    window = 2 << 20
+    argv = [
+        "swap", "--tiny", "--device", "cpu", "--backend", "host", "--model", "llama-3-8b",
+        "--copy-tokens", "256", "--repeat", "2", "--slots", "2", "--prompt", "32", "--decode-steps", "4",
+        "--swap-tokens", "256", "--lengths", "32,64", "--requests", "3", "--prompt-lo", "990", "--prompt-hi", "1010",
+        "--output", "40", "--trace-slots", "3", "--budget-bytes", str(4 * window),
+        "--host-tier-bytes", str(8 * window), "--prefill-chunk", "512", "--json", str(out),
+    ]
+    assert kvvm_bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    copy = report["copy"]
+    assert copy["bytes"] > 0 and copy["tokens"] == 256
+    assert all(copy[k] > 0 for k in ("kvvm_out_Bps", "kvvm_in_Bps", "plain_out_Bps", "plain_in_Bps"))
+    assert copy["tier"]["swaps_out"] == copy["tier"]["swaps_in"] == 2 and copy["tier"]["held_bytes"] == 0
+    decode = report["decode"]
+    assert decode["step_ms_without"]["p50"] > 0 and decode["step_ms_while_swapping"]["p50"] > 0
+    assert [r["tokens"] for r in report["crossover"]["rows"]] == [32, 64]
+    trace = report["trace"]
+    recompute, swap = trace["recompute"], trace["swap"]
+    assert recompute["preempted_requests"] > 0 and recompute["swaps"] is None
+    assert swap["preemptions"] > 0
+    s = swap["swaps"]
+    assert s["swapped_out"] > 0 and s["swapped_in"] == s["swapped_out"] and s["fallbacks"] == 0

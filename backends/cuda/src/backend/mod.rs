@@ -20,7 +20,9 @@
 //! * `open.rs`: [`CudaBackend::open`] and `Drop`;
 //! * `kernel.rs`: [`KernelProbe`], one launch of a probe kernel;
 //! * `rows.rs`: row copies ([`VirtualMemoryBackend::copy_rows_async`]) as one kernel launch;
-//! * `linear.rs`: plain device memory outside the VMM API, for the realloc-and-copy baseline.
+//! * `linear.rs`: plain device memory outside the VMM API, for the realloc-and-copy baseline;
+//! * `tier.rs`: the host tier's calls (page-locked host memory, copies to and from it on a
+//!   stream, the copy stream, events), with the books of the buffers and events it made.
 
 use std::ffi::c_int;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -32,8 +34,9 @@ use cudarc::driver::sys::{
 };
 use kvvm_hal::{
     traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
-    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
-    Operation, PhysicalHandle, RowCopy, StreamHandle, VirtualMemoryBackend,
+    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, EventHandle, Granularity, HostBuffer, HostCopy,
+    KernelProbe, MemoryInfo, Operation, PhysicalHandle, RowCopy, StreamHandle,
+    VirtualMemoryBackend,
 };
 
 use crate::conv::{access_flags, allocation_prop, ordinal, to_u64, to_usize};
@@ -46,6 +49,7 @@ mod kernel;
 mod linear;
 mod open;
 mod rows;
+mod tier;
 
 /// A retained primary context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +76,8 @@ pub(crate) struct Device {
     pub(crate) probe: Mutex<Option<ProbeModule>>,
     /// The row-copy kernel, loaded on first use.
     pub(crate) rows: Mutex<Option<RowsModule>>,
+    /// The backend's copy stream of this device, made on first use.
+    pub(crate) copy_stream: Mutex<Option<tier::OwnStream>>,
 }
 
 /// The CUDA driver backend: the driver's virtual-memory management API (`cuMemCreate`,
@@ -91,6 +97,8 @@ pub struct CudaBackend {
     pub(crate) driver: Driver,
     pub(crate) devices: Vec<Device>,
     pub(crate) posix_fd: bool,
+    /// The page-locked buffers and events it made (`tier.rs`).
+    pub(crate) tier: Mutex<tier::TierBooks>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -214,6 +222,7 @@ impl VirtualMemoryBackend for CudaBackend {
             kernels: true,
             set_access_retries: 0,
             checks_reservation_bounds: false,
+            host_copies: true,
         }
     }
 
@@ -422,6 +431,63 @@ impl VirtualMemoryBackend for CudaBackend {
             rows = copy.rows
         );
         traced(span, || self.launch_copy_rows(copy, stream))
+    }
+
+    fn host_alloc(&self, device: DeviceId, bytes: u64) -> BackendResult<HostBuffer> {
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuMemHostAlloc", %device, bytes);
+        traced(span, || self.tier_host_alloc(device, bytes))
+    }
+
+    fn host_free(&self, buffer: HostBuffer) -> BackendResult<()> {
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuMemFreeHost", %buffer);
+        traced(span, || self.tier_host_free(buffer))
+    }
+
+    fn copy_to_host_async(&self, copy: &HostCopy, stream: StreamHandle) -> BackendResult<()> {
+        let span = tracing::debug_span!(
+            "kvvm_cuda",
+            op = "cuMemcpyDtoHAsync",
+            src = %copy.device,
+            bytes = copy.bytes
+        );
+        traced(span, || self.tier_copy(copy, stream, true))
+    }
+
+    fn copy_from_host_async(&self, copy: &HostCopy, stream: StreamHandle) -> BackendResult<()> {
+        let span = tracing::debug_span!(
+            "kvvm_cuda",
+            op = "cuMemcpyHtoDAsync",
+            dst = %copy.device,
+            bytes = copy.bytes
+        );
+        traced(span, || self.tier_copy(copy, stream, false))
+    }
+
+    fn copy_stream(&self, device: DeviceId) -> BackendResult<StreamHandle> {
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuStreamCreate", %device);
+        traced(span, || self.tier_copy_stream(device))
+    }
+
+    fn event_record(&self, device: DeviceId, stream: StreamHandle) -> BackendResult<EventHandle> {
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuEventRecord", %device);
+        traced(span, || self.tier_event_record(device, stream))
+    }
+
+    fn event_query(&self, event: EventHandle) -> BackendResult<bool> {
+        self.tier_event_query(event)
+    }
+
+    fn event_wait(&self, event: EventHandle) -> BackendResult<()> {
+        let span = tracing::debug_span!("kvvm_cuda", op = "cuEventSynchronize");
+        traced(span, || self.tier_event_wait(event))
+    }
+
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> BackendResult<()> {
+        self.tier_stream_wait_event(stream, event)
+    }
+
+    fn event_destroy(&self, event: EventHandle) -> BackendResult<()> {
+        self.tier_event_destroy(event)
     }
 
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {

@@ -46,16 +46,7 @@ impl CudaBackend {
 
     fn open_inner() -> Result<CudaBackend, BackendError> {
         let driver = driver::load()?;
-        // Every failure while opening means "this backend cannot be used here".
-        let unavailable = |call: &str, code: CuCode| {
-            let e = error_with_name(&driver, Operation::Load, code);
-            let kind = e.kind;
-            BackendError {
-                kind: ErrorKind::Unavailable,
-                detail: Some(format!("{call} failed ({kind})")),
-                ..e
-            }
-        };
+        let unavailable = |call: &str, code: CuCode| unavailable(&driver, call, code);
         driver.init().map_err(|c| unavailable("cuInit", c))?;
         let version = driver
             .driver_version()
@@ -77,49 +68,11 @@ impl CudaBackend {
             driver,
             devices: Vec::new(),
             posix_fd: false,
+            tier: super::tier::new_books(),
         };
         for ordinal in 0..count {
-            let cu = driver
-                .device(ordinal)
-                .map_err(|c| unavailable("cuDeviceGet", c))?;
-            let name = driver
-                .device_name(cu)
-                .map_err(|c| unavailable("cuDeviceGetName", c))?;
-            let total = driver
-                .device_total_mem(cu)
-                .map_err(|c| unavailable("cuDeviceTotalMem", c))?;
-            let vmm = driver
-                .device_attribute(
-                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
-                    cu,
-                )
-                .map_err(|c| unavailable("cuDeviceGetAttribute(VMM supported)", c))?;
-            let posix_fd = driver
-                .device_attribute(
-                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-                    cu,
-                )
-                .map_err(|c| unavailable("cuDeviceGetAttribute(POSIX FD supported)", c))?;
-            let ctx = driver
-                .primary_ctx_retain(cu)
-                .map_err(|c| unavailable("cuDevicePrimaryCtxRetain", c))?;
-            let id = DeviceId(u32::try_from(ordinal).unwrap_or_default());
-            tracing::debug!(%id, %name, total, vmm, posix_fd, "device");
-            backend.devices.push(Device {
-                cu,
-                ordinal,
-                ctx: Context(ctx),
-                info: DeviceInfo {
-                    id,
-                    name,
-                    total_memory: to_u64(total),
-                    vmm_supported: vmm != 0,
-                    posix_fd_supported: posix_fd != 0,
-                    driver_version: version.clone(),
-                },
-                probe: Mutex::new(None),
-                rows: Mutex::new(None),
-            });
+            let device = open_device(&driver, ordinal, &version)?;
+            backend.devices.push(device);
         }
         backend.posix_fd = backend.devices.iter().all(|d| d.info.posix_fd_supported);
         Ok(backend)
@@ -129,6 +82,18 @@ impl CudaBackend {
 impl Drop for CudaBackend {
     fn drop(&mut self) {
         let driver = self.driver;
+        if let Some(first) = self.devices.first() {
+            // SAFETY: the context is still retained (released below).
+            if unsafe { driver.ctx_set_current(first.ctx.0) }.is_ok() {
+                self.drop_tier();
+            }
+        }
+        for device in &self.devices {
+            // SAFETY: as above.
+            if unsafe { driver.ctx_set_current(device.ctx.0) }.is_ok() {
+                self.drop_copy_stream(device);
+            }
+        }
         for device in self.devices.iter_mut().rev() {
             let probe = device
                 .probe
@@ -163,4 +128,67 @@ impl Drop for CudaBackend {
             }
         }
     }
+}
+
+/// Every failure while opening means "this backend cannot be used here": `call`'s failure
+/// with `code`, as an `Unavailable` error.
+fn unavailable(driver: &driver::Driver, call: &str, code: CuCode) -> BackendError {
+    let e = error_with_name(driver, Operation::Load, code);
+    let kind = e.kind;
+    BackendError {
+        kind: ErrorKind::Unavailable,
+        detail: Some(format!("{call} failed ({kind})")),
+        ..e
+    }
+}
+
+/// Device `ordinal`: its name, memory and capabilities queried, its primary context retained.
+fn open_device(
+    driver: &driver::Driver,
+    ordinal: std::ffi::c_int,
+    version: &str,
+) -> Result<Device, BackendError> {
+    let unavailable = |call: &str, code: CuCode| unavailable(driver, call, code);
+    let cu = driver
+        .device(ordinal)
+        .map_err(|c| unavailable("cuDeviceGet", c))?;
+    let name = driver
+        .device_name(cu)
+        .map_err(|c| unavailable("cuDeviceGetName", c))?;
+    let total = driver
+        .device_total_mem(cu)
+        .map_err(|c| unavailable("cuDeviceTotalMem", c))?;
+    let vmm = driver
+        .device_attribute(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+            cu,
+        )
+        .map_err(|c| unavailable("cuDeviceGetAttribute(VMM supported)", c))?;
+    let posix_fd = driver
+        .device_attribute(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            cu,
+        )
+        .map_err(|c| unavailable("cuDeviceGetAttribute(POSIX FD supported)", c))?;
+    let ctx = driver
+        .primary_ctx_retain(cu)
+        .map_err(|c| unavailable("cuDevicePrimaryCtxRetain", c))?;
+    let id = DeviceId(u32::try_from(ordinal).unwrap_or_default());
+    tracing::debug!(%id, %name, total, vmm, posix_fd, "device");
+    Ok(Device {
+        cu,
+        ordinal,
+        ctx: Context(ctx),
+        info: DeviceInfo {
+            id,
+            name,
+            total_memory: to_u64(total),
+            vmm_supported: vmm != 0,
+            posix_fd_supported: posix_fd != 0,
+            driver_version: version.to_owned(),
+        },
+        probe: Mutex::new(None),
+        rows: Mutex::new(None),
+        copy_stream: Mutex::new(None),
+    })
 }

@@ -17,18 +17,21 @@
 //!
 //! * `mod.rs` (this file): the table, its symbol list and loading it;
 //! * `result.rs`: the thin wrappers, `MaybeUninit` out-parameters in, `Result<_, CuCode>`
-//!   ([`CuResult`]) out.
+//!   ([`CuResult`]) out;
+//! * `streams.rs`: the wrappers of a host tier's calls (pinned host memory, copies on a
+//!   stream, streams and events).
 
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
 
 use cudarc::driver::sys::{
-    CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUfunction, CUmemAccessDesc,
+    CUcontext, CUdevice, CUdevice_attribute, CUdeviceptr, CUevent, CUfunction, CUmemAccessDesc,
     CUmemAllocationGranularity_flags, CUmemAllocationHandleType, CUmemAllocationProp,
     CUmemGenericAllocationHandle, CUmodule, CUstream,
 };
 use kvvm_hal::{BackendError, Operation};
 
 mod result;
+pub(crate) mod streams;
 
 pub(crate) use result::CuResult;
 
@@ -130,6 +133,18 @@ driver_table! {
     module_get_function = c"cuModuleGetFunction": fn(*mut CUfunction, CUmodule, *const c_char);
     device_can_access_peer = c"cuDeviceCanAccessPeer": fn(*mut c_int, CUdevice, CUdevice);
     pointer_get_attribute = c"cuPointerGetAttribute": fn(*mut c_void, c_int, CUdeviceptr);
+    mem_host_alloc = c"cuMemHostAlloc": fn(*mut *mut c_void, usize, c_uint);
+    mem_free_host = c"cuMemFreeHost": fn(*mut c_void);
+    memcpy_dtoh_async = c"cuMemcpyDtoHAsync_v2": fn(*mut c_void, CUdeviceptr, usize, CUstream);
+    memcpy_htod_async = c"cuMemcpyHtoDAsync_v2": fn(CUdeviceptr, *const c_void, usize, CUstream);
+    stream_create = c"cuStreamCreate": fn(*mut CUstream, c_uint);
+    stream_destroy = c"cuStreamDestroy_v2": fn(CUstream);
+    stream_wait_event = c"cuStreamWaitEvent": fn(CUstream, CUevent, c_uint);
+    event_create = c"cuEventCreate": fn(*mut CUevent, c_uint);
+    event_record = c"cuEventRecord": fn(CUevent, CUstream);
+    event_query = c"cuEventQuery": fn(CUevent);
+    event_synchronize = c"cuEventSynchronize": fn(CUevent);
+    event_destroy = c"cuEventDestroy_v2": fn(CUevent);
     launch_kernel = c"cuLaunchKernel": fn(
         CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, CUstream,
         *mut *mut c_void, *mut *mut c_void,

@@ -209,6 +209,8 @@ impl VirtualMemoryBackend for HipBackend {
             // gfx942 / ROCm 7.2: hipMemSetAccess on a new tail fails intermittently.
             set_access_retries: SET_ACCESS_RETRIES,
             checks_reservation_bounds: false,
+            // hipHostMalloc and hipMemcpyAsync are not wired yet: the host tier is off here.
+            host_copies: false,
         }
     }
 

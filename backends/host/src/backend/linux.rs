@@ -6,8 +6,9 @@ use std::time::{Duration, Instant};
 
 use kvvm_hal::{
     traced, AccessDescriptor, AllocationProperties, BackendError, BackendResult, Capabilities,
-    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, Granularity, KernelProbe, MemoryInfo,
-    Operation, PhysicalHandle, RowCopy, ShareableHandleType, StreamHandle, VirtualMemoryBackend,
+    DeviceAddress, DeviceId, DeviceInfo, ErrorKind, EventHandle, Granularity, HostBuffer, HostCopy,
+    KernelProbe, MemoryInfo, Operation, PhysicalHandle, RowCopy, ShareableHandleType, StreamHandle,
+    VirtualMemoryBackend,
 };
 
 use crate::conv::{align_up, is_multiple, pointer, protection, to_u64, to_usize};
@@ -28,6 +29,8 @@ const MEMFD_NAME: &std::ffi::CStr = c"kvvm-host";
 /// context frees its memory); memory shared with another process lives on there.
 pub struct HostBackend {
     state: RwLock<State>,
+    /// Page-locked buffers and events of the host tier (`tier.rs`).
+    pub(crate) tier: std::sync::Mutex<super::tier::Tier>,
     recommended: u64,
     populate: bool,
     info: DeviceInfo,
@@ -102,6 +105,7 @@ impl HostBackend {
         tracing::debug!(page, capacity, recommended, %release, "opened");
         Ok(HostBackend {
             state: RwLock::new(State::new(page, capacity)),
+            tier: super::tier::new_tier(),
             recommended,
             populate: config.populate,
             info,
@@ -127,7 +131,13 @@ impl HostBackend {
     /// What the backend holds right now; [`HostLedger::is_empty`] after a run that leaked
     /// nothing.
     pub fn ledger(&self) -> HostLedger {
-        self.read().ledger()
+        let (host_buffers, host_bytes, events) = self.lock_tier().held();
+        HostLedger {
+            host_buffers,
+            host_bytes,
+            events,
+            ..self.read().ledger()
+        }
     }
 
     /// Touches every page of the mapped, writable range `[address, address + len)` for
@@ -247,6 +257,7 @@ impl VirtualMemoryBackend for HostBackend {
             kernels: true,
             set_access_retries: 0,
             checks_reservation_bounds: true,
+            host_copies: true,
         }
     }
 
@@ -486,6 +497,50 @@ impl VirtualMemoryBackend for HostBackend {
             unsafe { std::ptr::copy(from, to, width) };
         }
         Ok(())
+    }
+
+    fn host_alloc(&self, device: DeviceId, bytes: u64) -> BackendResult<HostBuffer> {
+        let span = tracing::debug_span!("kvvm_host", op = "host_alloc", bytes);
+        traced(span, || self.tier_host_alloc(device, bytes))
+    }
+
+    fn host_free(&self, buffer: HostBuffer) -> BackendResult<()> {
+        let span = tracing::debug_span!("kvvm_host", op = "host_free", %buffer);
+        traced(span, || self.tier_host_free(buffer))
+    }
+
+    fn copy_to_host_async(&self, copy: &HostCopy, _stream: StreamHandle) -> BackendResult<()> {
+        // The CPU has no queue: copied now, under the read lock.
+        self.tier_copy_to_host(copy)
+    }
+
+    fn copy_from_host_async(&self, copy: &HostCopy, _stream: StreamHandle) -> BackendResult<()> {
+        self.tier_copy_from_host(copy)
+    }
+
+    fn copy_stream(&self, device: DeviceId) -> BackendResult<StreamHandle> {
+        State::check_device(Operation::Stream, device)?;
+        Ok(StreamHandle(0))
+    }
+
+    fn event_record(&self, device: DeviceId, stream: StreamHandle) -> BackendResult<EventHandle> {
+        self.tier_event_record(device, stream)
+    }
+
+    fn event_query(&self, event: EventHandle) -> BackendResult<bool> {
+        self.tier_check_event(event).map(|()| true)
+    }
+
+    fn event_wait(&self, event: EventHandle) -> BackendResult<()> {
+        self.tier_check_event(event)
+    }
+
+    fn stream_wait_event(&self, _stream: StreamHandle, event: EventHandle) -> BackendResult<()> {
+        self.tier_check_event(event)
+    }
+
+    fn event_destroy(&self, event: EventHandle) -> BackendResult<()> {
+        self.tier_event_destroy(event)
     }
 
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {

@@ -24,12 +24,16 @@
 //!   [`VirtualMemoryBackend`](kvvm_hal::VirtualMemoryBackend) over `mmap` and memfds;
 //! * `probe.rs`: [`KernelProbe`](kvvm_hal::KernelProbe), CPU loads and stores through the
 //!   mapping, checked by the MMU;
+//! * `tier.rs`: the host tier's calls (page-locked buffers as heap memory, copies as
+//!   `memcpy` made at once, events complete when recorded);
 //! * `unsupported.rs`: the type on other operating systems (also built by the tests).
 
 #[cfg(target_os = "linux")]
 mod linux;
 #[cfg(target_os = "linux")]
 mod probe;
+#[cfg(target_os = "linux")]
+mod tier;
 #[cfg(any(not(target_os = "linux"), test))]
 #[cfg_attr(test, allow(dead_code))]
 pub(crate) mod unsupported;

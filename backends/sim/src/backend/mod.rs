@@ -14,9 +14,9 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use kvvm_hal::{
-    AccessDescriptor, AllocationProperties, BackendResult, Capabilities, DeviceAddress, DeviceId,
-    DeviceInfo, Granularity, KernelProbe, MemoryInfo, Operation, PhysicalHandle, RowCopy,
-    StreamHandle, VirtualMemoryBackend,
+    traced, AccessDescriptor, AllocationProperties, BackendResult, Capabilities, DeviceAddress,
+    DeviceId, DeviceInfo, EventHandle, Granularity, HostBuffer, HostCopy, KernelProbe, MemoryInfo,
+    Operation, PhysicalHandle, RowCopy, StreamHandle, VirtualMemoryBackend,
 };
 
 use crate::config::{SimConfig, SimDeviceConfig};
@@ -142,6 +142,7 @@ impl VirtualMemoryBackend for SimBackend {
             kernels: true,
             set_access_retries: 0,
             checks_reservation_bounds: true,
+            host_copies: true,
         }
     }
 
@@ -267,6 +268,71 @@ impl VirtualMemoryBackend for SimBackend {
             s.copy_rows(copy)?;
             Ok(((), Covered::bytes(copy.width.saturating_mul(copy.rows))))
         })
+    }
+
+    fn host_alloc(&self, device: DeviceId, bytes: u64) -> BackendResult<HostBuffer> {
+        self.call(Operation::HostAlloc, |s| {
+            Ok((s.host_alloc(device, bytes)?, Covered::NOTHING))
+        })
+    }
+
+    fn host_free(&self, buffer: HostBuffer) -> BackendResult<()> {
+        self.call(Operation::HostFree, |s| {
+            Ok((s.host_free(buffer)?, Covered::NOTHING))
+        })
+    }
+
+    fn copy_to_host_async(&self, copy: &HostCopy, _stream: StreamHandle) -> BackendResult<()> {
+        self.call(Operation::CopyToHost, |s| {
+            s.copy_to_host(copy)?;
+            Ok(((), Covered::bytes(copy.bytes)))
+        })
+    }
+
+    fn copy_from_host_async(&self, copy: &HostCopy, _stream: StreamHandle) -> BackendResult<()> {
+        self.call(Operation::CopyFromHost, |s| {
+            s.copy_from_host(copy)?;
+            Ok(((), Covered::bytes(copy.bytes)))
+        })
+    }
+
+    fn copy_stream(&self, device: DeviceId) -> BackendResult<StreamHandle> {
+        self.call(Operation::Stream, |s| {
+            s.device(Operation::Stream, device)?;
+            Ok((StreamHandle(0), Covered::NOTHING))
+        })
+    }
+
+    fn event_record(&self, device: DeviceId, stream: StreamHandle) -> BackendResult<EventHandle> {
+        self.call(Operation::Event, |s| {
+            Ok((s.event_record(device, stream)?, Covered::NOTHING))
+        })
+    }
+
+    fn event_query(&self, event: EventHandle) -> BackendResult<bool> {
+        self.call(Operation::Event, |s| {
+            s.check_event(event)?;
+            Ok((true, Covered::NOTHING))
+        })
+    }
+
+    fn event_wait(&self, event: EventHandle) -> BackendResult<()> {
+        self.call(Operation::Event, |s| {
+            Ok((s.check_event(event)?, Covered::NOTHING))
+        })
+    }
+
+    fn stream_wait_event(&self, _stream: StreamHandle, event: EventHandle) -> BackendResult<()> {
+        self.call(Operation::Event, |s| {
+            Ok((s.check_event(event)?, Covered::NOTHING))
+        })
+    }
+
+    /// Neither counted nor failed by a fault plan: destroying a live event always succeeds,
+    /// as on a driver, and it is what every cleanup after a failure does.
+    fn event_destroy(&self, event: EventHandle) -> BackendResult<()> {
+        let span = tracing::debug_span!("kvvm_sim", op = "event_destroy");
+        traced(span, || self.lock().event_destroy(event))
     }
 
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {

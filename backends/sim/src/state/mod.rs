@@ -37,6 +37,7 @@ use crate::ledger::{Ledger, LedgerAllocation, LedgerHandle, LedgerMapping, Ledge
 
 mod address;
 mod data;
+mod host;
 mod kernel;
 mod mapping;
 mod physical;
@@ -70,6 +71,8 @@ pub(crate) struct State {
     pub(crate) counts: CallCounts,
     pub(crate) faults: FaultPlan,
     pub(crate) driver_time: Duration,
+    /// Page-locked host buffers and events (`host.rs`).
+    pub(crate) host: host::HostState,
 }
 
 pub(crate) fn invalid(op: Operation, detail: impl Into<String>) -> BackendError {
@@ -100,6 +103,7 @@ impl State {
             counts: CallCounts::default(),
             faults: FaultPlan::default(),
             driver_time: Duration::ZERO,
+            host: host::HostState::default(),
         }
     }
 
@@ -204,15 +208,18 @@ impl State {
                 .collect(),
             physical_bytes: m.used().to_vec(),
             stored_bytes: self.stored_bytes(),
+            host_buffers: self.host.buffers(),
+            events: self.host.event_count(),
         }
     }
 
-    /// Host bytes holding the data written into every live allocation (`store.rs`).
+    /// Host bytes holding the data written into every live allocation and host buffer
+    /// (`store.rs`).
     pub(crate) fn stored_bytes(&self) -> u64 {
         self.model
             .allocations()
             .map(|(_, a)| a.extra.data.stored_bytes())
-            .fold(0u64, u64::saturating_add)
+            .fold(self.host.stored_bytes(), u64::saturating_add)
     }
 }
 

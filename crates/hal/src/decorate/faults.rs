@@ -70,10 +70,11 @@ impl FaultInjecting {
     }
 
     /// The error kind an injected failure of `op` has unless told otherwise: out of memory
-    /// for what allocates, device lost for a synchronization, invalid value for the rest.
+    /// for what allocates (pinned host memory included), device lost for a synchronization,
+    /// invalid value for the rest.
     pub fn default_kind(op: Operation) -> ErrorKind {
         match op {
-            Operation::Create | Operation::Reserve => ErrorKind::OutOfMemory,
+            Operation::Create | Operation::Reserve | Operation::HostAlloc => ErrorKind::OutOfMemory,
             Operation::Synchronize => ErrorKind::DeviceLost,
             _ => ErrorKind::InvalidValue,
         }

@@ -13,8 +13,8 @@ use std::os::fd::{BorrowedFd, OwnedFd};
 
 use crate::{
     AccessDescriptor, AllocationProperties, BackendResult, Capabilities, DeviceAddress, DeviceId,
-    DeviceInfo, Granularity, KernelProbe, MemoryInfo, Operation, PhysicalHandle, RowCopy,
-    StreamHandle, VirtualMemoryBackend,
+    DeviceInfo, EventHandle, Granularity, HostBuffer, HostCopy, KernelProbe, MemoryInfo, Operation,
+    PhysicalHandle, RowCopy, StreamHandle, VirtualMemoryBackend,
 };
 
 /// A backend that wraps another: each method defaults to [`before`](Forward::before) with its
@@ -140,6 +140,66 @@ pub trait Forward: Send + Sync {
         self.inner().copy_rows_async(copy, stream)
     }
 
+    /// [`VirtualMemoryBackend::host_alloc`].
+    fn host_alloc(&self, device: DeviceId, bytes: u64) -> BackendResult<HostBuffer> {
+        self.before(Operation::HostAlloc)?;
+        self.inner().host_alloc(device, bytes)
+    }
+
+    /// [`VirtualMemoryBackend::host_free`].
+    fn host_free(&self, buffer: HostBuffer) -> BackendResult<()> {
+        self.before(Operation::HostFree)?;
+        self.inner().host_free(buffer)
+    }
+
+    /// [`VirtualMemoryBackend::copy_to_host_async`].
+    fn copy_to_host_async(&self, copy: &HostCopy, stream: StreamHandle) -> BackendResult<()> {
+        self.before(Operation::CopyToHost)?;
+        self.inner().copy_to_host_async(copy, stream)
+    }
+
+    /// [`VirtualMemoryBackend::copy_from_host_async`].
+    fn copy_from_host_async(&self, copy: &HostCopy, stream: StreamHandle) -> BackendResult<()> {
+        self.before(Operation::CopyFromHost)?;
+        self.inner().copy_from_host_async(copy, stream)
+    }
+
+    /// [`VirtualMemoryBackend::copy_stream`].
+    fn copy_stream(&self, device: DeviceId) -> BackendResult<StreamHandle> {
+        self.before(Operation::Stream)?;
+        self.inner().copy_stream(device)
+    }
+
+    /// [`VirtualMemoryBackend::event_record`].
+    fn event_record(&self, device: DeviceId, stream: StreamHandle) -> BackendResult<EventHandle> {
+        self.before(Operation::Event)?;
+        self.inner().event_record(device, stream)
+    }
+
+    /// [`VirtualMemoryBackend::event_query`].
+    fn event_query(&self, event: EventHandle) -> BackendResult<bool> {
+        self.before(Operation::Event)?;
+        self.inner().event_query(event)
+    }
+
+    /// [`VirtualMemoryBackend::event_wait`].
+    fn event_wait(&self, event: EventHandle) -> BackendResult<()> {
+        self.before(Operation::Event)?;
+        self.inner().event_wait(event)
+    }
+
+    /// [`VirtualMemoryBackend::stream_wait_event`].
+    fn stream_wait_event(&self, stream: StreamHandle, event: EventHandle) -> BackendResult<()> {
+        self.before(Operation::Event)?;
+        self.inner().stream_wait_event(stream, event)
+    }
+
+    /// [`VirtualMemoryBackend::event_destroy`] (not a counted step: destroying an event is what
+    /// cleaning up after any failure does, and a driver destroys a valid event).
+    fn event_destroy(&self, event: EventHandle) -> BackendResult<()> {
+        self.inner().event_destroy(event)
+    }
+
     /// [`VirtualMemoryBackend::export_posix_fd`].
     fn export_posix_fd(&self, handle: PhysicalHandle) -> BackendResult<OwnedFd> {
         self.before(Operation::Export)?;
@@ -218,6 +278,36 @@ impl<T: Forward> VirtualMemoryBackend for T {
     }
     fn copy_rows_async(&self, c: &RowCopy, s: StreamHandle) -> BackendResult<()> {
         Forward::copy_rows_async(self, c, s)
+    }
+    fn host_alloc(&self, d: DeviceId, bytes: u64) -> BackendResult<HostBuffer> {
+        Forward::host_alloc(self, d, bytes)
+    }
+    fn host_free(&self, b: HostBuffer) -> BackendResult<()> {
+        Forward::host_free(self, b)
+    }
+    fn copy_to_host_async(&self, c: &HostCopy, s: StreamHandle) -> BackendResult<()> {
+        Forward::copy_to_host_async(self, c, s)
+    }
+    fn copy_from_host_async(&self, c: &HostCopy, s: StreamHandle) -> BackendResult<()> {
+        Forward::copy_from_host_async(self, c, s)
+    }
+    fn copy_stream(&self, d: DeviceId) -> BackendResult<StreamHandle> {
+        Forward::copy_stream(self, d)
+    }
+    fn event_record(&self, d: DeviceId, s: StreamHandle) -> BackendResult<EventHandle> {
+        Forward::event_record(self, d, s)
+    }
+    fn event_query(&self, e: EventHandle) -> BackendResult<bool> {
+        Forward::event_query(self, e)
+    }
+    fn event_wait(&self, e: EventHandle) -> BackendResult<()> {
+        Forward::event_wait(self, e)
+    }
+    fn stream_wait_event(&self, s: StreamHandle, e: EventHandle) -> BackendResult<()> {
+        Forward::stream_wait_event(self, s, e)
+    }
+    fn event_destroy(&self, e: EventHandle) -> BackendResult<()> {
+        Forward::event_destroy(self, e)
     }
     fn export_posix_fd(&self, h: PhysicalHandle) -> BackendResult<OwnedFd> {
         Forward::export_posix_fd(self, h)

@@ -1,5 +1,6 @@
 //! [`Recording`]: a backend that keeps its own books of what was created through it.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Mutex};
 
@@ -8,7 +9,8 @@ use super::{lock, Forward};
 use crate::model::{bytes_within, DriverModel};
 use crate::{
     AccessDescriptor, AllocationProperties, BackendError, BackendResult, DeviceAddress, DeviceId,
-    Operation, PhysicalHandle, VirtualMemoryBackend,
+    EventHandle, HostBuffer, HostCopy, Operation, PhysicalHandle, StreamHandle,
+    VirtualMemoryBackend,
 };
 
 /// A live physical handle in a [`Record`].
@@ -47,6 +49,10 @@ pub struct Record {
     pub handles: Vec<RecordedHandle>,
     /// Live mappings, by address.
     pub mappings: Vec<RecordedMapping>,
+    /// Live page-locked host buffers `(buffer, bytes)`, by buffer.
+    pub host_buffers: Vec<(HostBuffer, u64)>,
+    /// Live events, by handle.
+    pub events: Vec<EventHandle>,
     /// Calls that broke the drivers' rules: a second release or free, a map over a mapping
     /// or outside any range, an unmap of part of a mapping, a free under a mapping, ...
     pub anomalies: Vec<String>,
@@ -58,7 +64,17 @@ impl Record {
         self.ranges.is_empty()
             && self.handles.is_empty()
             && self.mappings.is_empty()
+            && self.host_buffers.is_empty()
+            && self.events.is_empty()
             && self.anomalies.is_empty()
+    }
+
+    /// Bytes of the live page-locked host buffers.
+    pub fn host_bytes(&self) -> u64 {
+        self.host_buffers
+            .iter()
+            .map(|(_, b)| *b)
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Bytes of the live handles.
@@ -90,6 +106,10 @@ impl Record {
 #[derive(Debug)]
 struct Books {
     model: DriverModel<PhysicalHandle>,
+    /// Live host buffers and their sizes.
+    host: BTreeMap<u64, u64>,
+    /// Live events.
+    events: BTreeSet<u64>,
     anomalies: Vec<String>,
 }
 
@@ -137,7 +157,35 @@ impl Books {
                     handle: handle_of(map.allocation),
                 })
                 .collect(),
+            host_buffers: self
+                .host
+                .iter()
+                .map(|(b, n)| (HostBuffer(*b), *n))
+                .collect(),
+            events: self.events.iter().map(|e| EventHandle(*e)).collect(),
             anomalies: self.anomalies.clone(),
+        }
+    }
+
+    /// Notes a host copy (`what`) whose host range is not inside a live buffer, or whose
+    /// device range is not mapped whole.
+    fn check_host_copy(&mut self, what: &str, copy: &HostCopy) {
+        match self.host.get(&copy.host.0) {
+            None => self.note(format!("{what} with {}: not live", copy.host)),
+            Some(&size) if copy.offset.checked_add(copy.bytes).is_none_or(|e| e > size) => {
+                self.note(format!(
+                    "{what} of {} bytes at {} of {} ({size} bytes)",
+                    copy.bytes, copy.offset, copy.host
+                ));
+            }
+            Some(_) => {}
+        }
+        let spans = self.model.mappings().map(|(a, m)| (a, m.size));
+        if bytes_within(spans, copy.device.0, copy.bytes) != copy.bytes {
+            self.note(format!(
+                "{what} over unmapped bytes: {} bytes at {}",
+                copy.bytes, copy.device
+            ));
         }
     }
 }
@@ -156,6 +204,8 @@ impl Recording {
     pub fn new(inner: Arc<dyn VirtualMemoryBackend>) -> Self {
         let books = Books {
             model: DriverModel::new(0, BackendError::raised),
+            host: BTreeMap::new(),
+            events: BTreeSet::new(),
             anomalies: Vec::new(),
         };
         Recording {
@@ -311,5 +361,57 @@ impl Forward for Recording {
         // The import does not say the size: booked as 0 bytes.
         self.adopt("import", handle, device, 0);
         Ok(handle)
+    }
+
+    fn host_alloc(&self, device: DeviceId, bytes: u64) -> BackendResult<HostBuffer> {
+        let buffer = self.inner.host_alloc(device, bytes)?;
+        let mut b = lock(&self.books);
+        if b.host.insert(buffer.0, bytes).is_some() {
+            b.note(format!("host_alloc returned {buffer}, already live"));
+        }
+        Ok(buffer)
+    }
+
+    /// The books stay locked across the driver's call (as in `release`).
+    fn host_free(&self, buffer: HostBuffer) -> BackendResult<()> {
+        let mut b = lock(&self.books);
+        if !b.host.contains_key(&buffer.0) {
+            b.note(format!("host_free of {buffer}: not live"));
+        }
+        self.inner.host_free(buffer)?;
+        b.host.remove(&buffer.0);
+        Ok(())
+    }
+
+    fn copy_to_host_async(&self, copy: &HostCopy, stream: StreamHandle) -> BackendResult<()> {
+        lock(&self.books).check_host_copy("copy to host", copy);
+        self.inner.copy_to_host_async(copy, stream)
+    }
+
+    fn copy_from_host_async(&self, copy: &HostCopy, stream: StreamHandle) -> BackendResult<()> {
+        lock(&self.books).check_host_copy("copy from host", copy);
+        self.inner.copy_from_host_async(copy, stream)
+    }
+
+    fn event_record(&self, device: DeviceId, stream: StreamHandle) -> BackendResult<EventHandle> {
+        let event = self.inner.event_record(device, stream)?;
+        let mut b = lock(&self.books);
+        if !b.events.insert(event.0) {
+            b.note(format!(
+                "event_record returned event {:#x}, already live",
+                event.0
+            ));
+        }
+        Ok(event)
+    }
+
+    fn event_destroy(&self, event: EventHandle) -> BackendResult<()> {
+        let mut b = lock(&self.books);
+        if !b.events.contains(&event.0) {
+            b.note(format!("event_destroy of event {:#x}: not live", event.0));
+        }
+        self.inner.event_destroy(event)?;
+        b.events.remove(&event.0);
+        Ok(())
     }
 }

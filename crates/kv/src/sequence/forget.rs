@@ -76,6 +76,7 @@ impl SequenceKv {
                 ),
             });
         }
+        self.wait_copies()?;
         let g = self.plan.granule();
         // Every token forgotten: the window of token `t`'s first bytes holds none kept.
         let all = t == self.committed_tokens;

@@ -24,6 +24,8 @@
 //! | `prefix_setup.rs` | making a prefix, sealing it, mapping it into sequences |
 //! | `prefix_copy.rs` | a sharer's side: the read-only windows it may map, the bytes it copies |
 //! | `prefix_export.rs` | a prefix handed to another process: export as descriptors, import |
+//! | `swap.rs` | the sequence's windows moved to the host tier ([`SwappedKv`](swap::SwappedKv)) |
+//! | `swap_back.rs` | the steps after: its memory given back, and the way back to the same offsets |
 
 mod copy;
 mod forget;
@@ -34,6 +36,8 @@ pub(crate) mod prefix_home;
 mod prefix_setup;
 mod release;
 mod share;
+pub(crate) mod swap;
+mod swap_back;
 
 use std::fmt;
 use std::sync::Arc;
@@ -151,6 +155,9 @@ pub struct SequenceKv {
     /// Tokens before this one were forgotten (`forget.rs`): their windows are given back and
     /// they are never read or written again.
     pub(crate) forgotten_tokens: u64,
+    /// Copies of a swap in flight over its windows (`swap.rs`): waited for before any of them
+    /// is unmapped.
+    pub(crate) fence: Option<std::sync::Arc<crate::host_tier::Fence>>,
 }
 
 impl fmt::Debug for SequenceKv {
@@ -237,6 +244,7 @@ impl SequenceKv {
             owned: None,
             pending: None,
             forgotten_tokens: 0,
+            fence: None,
         })
     }
 

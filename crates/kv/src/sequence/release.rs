@@ -22,6 +22,7 @@ impl SequenceKv {
         if n >= self.committed_tokens {
             return Ok(0);
         }
+        self.wait_copies()?;
         let g = self.plan.granule();
         let mut ranges = Vec::with_capacity(self.fragments.len());
         for f in &self.fragments {
@@ -101,6 +102,7 @@ impl SequenceKv {
     pub fn release(&mut self) -> Result<u64, KvCacheError> {
         let span = tracing::debug_span!("kv.release", tokens = self.committed_tokens);
         let _e = span.enter();
+        self.wait_copies()?;
         let bytes = match self.reservation.release() {
             Ok(bytes) => bytes,
             Err(e) => {

@@ -23,7 +23,9 @@ Gemma-3-shaped model to 32k tokens with KvvmCache and DynamicCache (:mod:`kvvm_b
 GQA ratio and dtype (:mod:`kvvm_bench.shapes`); ``python -m kvvm_bench http`` replays a trace
 through the engine directly and through its OpenAI-compatible server (:mod:`kvvm_bench.http_serve`);
 ``python -m kvvm_bench sampling`` times the engine's step with sampling on against greedy
-(:mod:`kvvm_bench.sampling_step`).
+(:mod:`kvvm_bench.sampling_step`); ``python -m kvvm_bench swap`` measures the host
+tier: copy bandwidth against a plain pinned copy, decode while swapping, the swap-vs-recompute
+crossover and a memory-pressure trace (:mod:`kvvm_bench.swap`).
 
 ``--tiny`` runs a small model (what the tests do); the figures that matter come from a GPU.
 """
@@ -333,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvvm_bench import cascade as bench_cascade
 
     bench_cascade.add_args(sub.add_parser("cascade", help="the cascade decode over shared prefixes against the plain one"))
+    from kvvm_bench import swap as bench_swap
+
+    bench_swap.add_args(sub.add_parser("swap", help="the host tier: copy bandwidth, decode while swapping, crossover, a trace"))
     from kvvm_bench import http_serve, sampling_step
 
     http_serve.add_args(sub.add_parser("http", help="a trace through the engine directly and through its OpenAI server"))
@@ -344,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "kvcached-worker":
         return bench_kvcached.worker(args)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
-        print("python -m kvvm_bench needs a CUDA GPU (serve, http, sampling, shapes, sliding and cascade also run with --device cpu)",
+        print("python -m kvvm_bench needs a CUDA GPU (serve, http, sampling, shapes, sliding, cascade and swap also run with --device cpu)",
               file=sys.stderr)
         return 2
     if args.cmd == "prefix":
@@ -364,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         report = bench_shapes.run_shapes_bench(args)  # writes --json after every shape
     elif args.cmd == "cascade":
         report = bench_cascade.run_cascade_bench(args)  # writes --json after every group count
+    elif args.cmd == "swap":
+        report = bench_swap.run_swap_bench(args)  # writes --json after every part
     elif args.cmd == "http":
         report = http_serve.run_http_bench(args)  # writes --json after each run
     elif args.cmd == "sampling":

@@ -71,6 +71,11 @@ class ServeResult:
     #: Admissions put off until a prefix another request was prefilling was published.
     prefix_waits: int | None = None
     preemptions: int | None = None
+    #: Requests preempted at least once (kvvm).
+    preempted_requests: int | None = None
+    #: The engine's swaps to the host tier (``swapped_out``, ``swapped_in``, ``fallbacks``)
+    #: and its measured costs, with a host tier.
+    swaps: dict[str, Any] | None = None
     floor_s: float | None = None
     #: The share of generated tokens that agree with the reference (:func:`reference_check`).
     agreement: float | None = None
@@ -181,15 +186,16 @@ def _peak(device: torch.device, base: int) -> int | None:
 def run_engine(
     model: Any, trace: list[TraceRequest], *, manager: Manager, slots: int, max_len: int,
     prefix_cache_bytes: int, prefill_chunk: int, real_time: bool, bandwidth: float, flops: float,
-    fuse_projections: bool = False,
+    fuse_projections: bool = False, engine_kwargs: dict[str, Any] | None = None,
 ) -> ServeResult:
-    """The trace through :class:`~kvvm.engine.Engine`."""
+    """The trace through :class:`~kvvm.engine.Engine` (made with ``engine_kwargs`` too)."""
     res = ServeResult("kvvm-engine")
     device = next(model.parameters()).device
     memory_before = _device_memory(device, "before")
     engine = Engine(
         model, slots=slots, max_len=max_len, manager=manager, prefill_chunk=prefill_chunk,
         prefix_cache_bytes=prefix_cache_bytes, eos_token_ids=[], fuse_projections=fuse_projections,
+        **(engine_kwargs or {}),
     )
     # Compiled and captured before the trace, on prompts of the trace's median length.
     engine.warmup(prompt_tokens=min(max_len - 8, max(1, int(statistics.median(len(q.prompt) for q in trace)))))
@@ -236,6 +242,13 @@ def run_engine(
     res.prefix_hits = engine.stats.prefix_hits
     res.prefix_waits = engine.stats.prefix_waits
     res.preemptions = engine.stats.preempted
+    res.preempted_requests = sum(1 for h in handles if h.preemptions)
+    if engine.swapper is not None:
+        es = engine.stats
+        res.swaps = {
+            "swapped_out": es.swapped_out, "swapped_in": es.swapped_in, "fallbacks": es.swap_fallbacks,
+            **engine.swapper.costs.as_dict(),
+        }
     res.floor_s = floor
     engine.close()  # the model attends as before the engine again
     res.after = _held_after(manager, device, memory_before)
@@ -307,16 +320,21 @@ def run_padded(model: Any, trace: list[TraceRequest], *, batch: int) -> ServeRes
 
 
 @torch.no_grad()
-def run_generate_batch(model: Any, trace: list[TraceRequest], *, memory_fraction: float | None) -> ServeResult:
-    """The trace through transformers' ``generate_batch`` (every request at the start)."""
+def run_generate_batch(
+    model: Any, trace: list[TraceRequest], *, memory_fraction: float | None, cpu_offload_gib: float = 0.0
+) -> ServeResult:
+    """The trace through transformers' ``generate_batch`` (every request at the start); with
+    ``cpu_offload_gib``, its evicted blocks are copied to that much pinned host memory and back
+    (``cpu_offload_space``) instead of recomputed."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     label = "generate_batch" + ("" if memory_fraction is None else f"@{memory_fraction:.3f}")
+    label += f"+offload{cpu_offload_gib:g}GiB" if cpu_offload_gib else ""
     res = ServeResult(label)
     device = next(model.parameters()).device
     use_kvvm_attention(model, enable=False)
-    config = ContinuousBatchingConfig(max_memory_percent=memory_fraction)
+    config = ContinuousBatchingConfig(max_memory_percent=memory_fraction, cpu_offload_space=cpu_offload_gib)
     try:
         # Its CUDA graphs and compiled kernels are made on a first call: made before the trace.
         model.generate_batch(

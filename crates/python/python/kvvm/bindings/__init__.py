@@ -12,6 +12,7 @@ from __future__ import annotations
 from .._native import (
     BACKEND_NAMES,
     Backend,
+    HostTier,
     KvGeometry,
     LayoutPlan,
     Manager,
@@ -20,13 +21,14 @@ from .._native import (
     Sequence,
     SequenceBatch,
     SharedPrefix,
+    SwappedKv,
     TensorView,
     __version__,
 )
 from .config import config_dtype, decoder_config, dtype_name, geometry_from_config, open_backend
 
 __all__ = [
-    "BACKEND_NAMES", "Backend", "KvGeometry", "LayoutPlan", "Manager", "MemorySnapshot", "PrefixCache",
-    "Sequence", "SequenceBatch", "SharedPrefix", "TensorView", "__version__",
+    "BACKEND_NAMES", "Backend", "HostTier", "KvGeometry", "LayoutPlan", "Manager", "MemorySnapshot", "PrefixCache",
+    "Sequence", "SequenceBatch", "SharedPrefix", "SwappedKv", "TensorView", "__version__",
     "config_dtype", "decoder_config", "dtype_name", "geometry_from_config", "open_backend",
 ]

@@ -22,7 +22,10 @@ A step whose growth the budget cannot grant is never launched: the youngest runn
 (decoding or prefilling) is preempted (its slot released, the request put back first in line
 with the tokens it generated appended to its prompt, to be recomputed) until the step fits; a
 request alone that still cannot grow finishes as ``"memory"``, and so does a prompt that can
-never fit the budget (without running, and without holding up the requests behind it).
+never fit the budget (without running, and without holding up the requests behind it). With a
+host tier (``host_tier_bytes``) a preempted request is swapped to host memory instead, when
+that is cheaper than computing it again, and swapped back at its admission
+(:mod:`kvvm.serving.swap`).
 
 ::
 
@@ -47,6 +50,7 @@ import collections
 import itertools
 import threading
 from collections.abc import Callable
+import time
 from typing import Any
 
 import torch
@@ -67,6 +71,7 @@ from .request import EngineStats, Request, check_eos, check_positive, check_temp
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .stream import Delta
+from .swap import SwapCosts, Swapper, SwapScheduler
 
 __all__ = ["Engine"]
 
@@ -123,6 +128,13 @@ class Engine(EngineControl):
         max_waiting: the most requests waiting for a slot (queued, not yet admitted); a
             submission past it raises :class:`~kvvm.errors.BackpressureError` (None: no
             limit).
+        host_tier_bytes: page-locked host memory for preemption by swap (0: none, preempted
+            requests are computed again): allocated at start, and the host budget of a
+            manager made here (:mod:`kvvm.serving.swap`).
+        swap: with a host tier, when a preempted request is swapped rather than computed
+            again: ``"auto"`` (by measured costs), ``"always"`` or ``"never"``.
+        swap_costs: the costs ``"auto"`` decides by (:class:`~kvvm.serving.swap.SwapCosts`;
+            measured when omitted).
 
     Raises:
         InvalidArgumentError: an argument of the wrong type or out of range.
@@ -148,6 +160,9 @@ class Engine(EngineControl):
         seed: int = 0,
         tokenizer: Any = None,
         max_waiting: int | None = None,
+        host_tier_bytes: int = 0,
+        swap: str = "auto",
+        swap_costs: SwapCosts | None = None,
     ) -> None:
         check_positive(slots, "slots")
         check_positive(max_len, "max_len", 2)
@@ -157,10 +172,14 @@ class Engine(EngineControl):
         check_positive(prefix_handle_tokens, "prefix_handle_tokens")
         if max_waiting is not None:
             check_positive(max_waiting, "max_waiting")
+        check_positive(host_tier_bytes, "host_tier_bytes", 0)
         self.vocab_size = _vocab_size(model)
         self.eos = check_eos(eos_token_ids, self.vocab_size) if eos_token_ids is not None else _default_eos(model)
         if manager is None:
-            manager = Manager(backend, budget_bytes=budget_bytes, precommit=True, headroom_tokens=headroom_tokens)
+            manager = Manager(
+                backend, budget_bytes=budget_bytes, precommit=True, headroom_tokens=headroom_tokens,
+                host_budget_bytes=host_tier_bytes or None,
+            )
         self._attention = switch_attention(model)
         try:
             self.kv = KvManager(
@@ -176,8 +195,18 @@ class Engine(EngineControl):
         self._fused = fuse(model) if fuse_projections else None
         self.device = self.kv.device
         self.runner = ModelRunner(model, slots=slots, device=self.device, compile=compile)
-        self.scheduler = Scheduler(
-            self.kv, max_len=max_len, prefill_chunk=prefill_chunk, prefill_batch_tokens=prefill_batch_tokens
+        sizes = {"max_len": max_len, "prefill_chunk": prefill_chunk, "prefill_batch_tokens": prefill_batch_tokens}
+        #: The host tier's swapper (None without one).
+        self.swapper: Swapper | None = None
+        if host_tier_bytes:
+            try:
+                self.swapper = Swapper(self.kv, host_tier_bytes, swap, swap_costs)
+            except BaseException:
+                self.kv.close()
+                self._attention.restore()
+                raise
+        self.scheduler = (
+            SwapScheduler(self.kv, self.swapper, **sizes) if self.swapper else Scheduler(self.kv, **sizes)
         )
         self.tokenizer = tokenizer
         self.max_waiting = max_waiting
@@ -348,7 +377,11 @@ class Engine(EngineControl):
             self._check_open()
             self._drain()
             out = self.scheduler.schedule()
+            began = time.perf_counter()
             result = self.runner.execute(out, self.kv)
+            if self.swapper is not None:
+                prefilled = sum(run.tokens * len(run.slots) for run in out.prefill)
+                self.swapper.costs.record_step(prefilled, len(out.decode), time.perf_counter() - began)
             produced = self.scheduler.update(out, result)
             self._outputs.after_step(touched(out), self.scheduler)
             return produced
@@ -420,6 +453,8 @@ class Engine(EngineControl):
                 self.scheduler.finish(r, "cancelled")
                 self._outputs.publish(r, self.scheduler)
             self.runner.close()
+            if self.swapper is not None:
+                self.swapper.close()
             self.kv.close()
             self._closed = True
         if self._fused is not None:

@@ -121,6 +121,11 @@ class EngineStats:
     admitted: int = 0
     finished: int = 0
     preempted: int = 0
+    #: Preemptions that swapped the request's KV to the host (the rest recompute it), swaps
+    #: brought back at admission, and swaps that failed on the way back (recomputed).
+    swapped_out: int = 0
+    swapped_in: int = 0
+    swap_fallbacks: int = 0
     admission_refusals: int = 0
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0

@@ -58,10 +58,13 @@ __all__ = ["Admission", "KvSpace", "PrefillRun", "RunnerOutput", "Scheduler", "S
 @dataclass(frozen=True)
 class Admission:
     """What the KV manager did to admit a request: ``hit_tokens`` of its context mapped from
-    the prefix cache (not to be prefilled), and the host time the lookup and commit took."""
+    the prefix cache (not to be prefilled), and the host time the lookup and commit took;
+    ``swapped``: those tokens were swapped back in from the host, not found in the prefix
+    cache."""
 
     hit_tokens: int = 0
     ms: float = 0.0
+    swapped: bool = False
 
 
 class KvSpace(Protocol):
@@ -237,7 +240,7 @@ class Scheduler:
             out.finished.append(r)
             return
         self.running.pop(slot)
-        self.kv.free(slot)
+        self._vacate(slot, r)
         r.slot, r._filled, r.preemptions = None, 0, r.preemptions + 1
         r._context = r.prompt + r.tokens
         self.waiting.appendleft(r)
@@ -257,7 +260,7 @@ class Scheduler:
                 continue
             slot = free[0]
             try:
-                admission = self.kv.admit(slot, r._context)
+                admission = self._admit_one(slot, r)
             except BackpressureError:
                 self.stats.admission_refusals += 1
                 return
@@ -272,13 +275,22 @@ class Scheduler:
             self._start(slot, r, admission)
             out.admitted.append(r)
 
+    def _vacate(self, slot: int, r: Request) -> None:
+        """Frees a preempted request's slot: its context is computed again at its next
+        admission (a :class:`~kvvm.serving.swap.SwapScheduler` may swap it out instead)."""
+        self.kv.free(slot)
+
+    def _admit_one(self, slot: int, r: Request) -> Admission:
+        """Admits ``r`` into the free ``slot`` (raises what :meth:`KvSpace.admit` raises)."""
+        return self.kv.admit(slot, r._context)
+
     def _start(self, slot: int, r: Request, admission: Admission) -> None:
         hit = admission.hit_tokens
         r.slot, r._filled, r._admitted = slot, hit, next(self._order)
         r.prefix_hit_tokens = hit
         self.running[slot] = r
         self.stats.admitted += 1
-        if hit:
+        if hit and not admission.swapped:
             self.stats.prefix_hits += 1
             self.stats.prefix_hit_tokens += hit
             self.stats.prefix_hit_ms.append((hit, admission.ms))

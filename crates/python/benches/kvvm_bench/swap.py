@@ -1,0 +1,369 @@
+"""``python -m kvvm_bench swap``: what the host tier costs and buys (``docs/host-tier.md``).
+
+Four parts, each in the same process and run (``--parts``):
+
+* ``copy``: a sequence of the model's KV geometry (Llama-3.1-8B by default, token-major, its
+  windows scattered among other sequences' so that they are not one run) swapped to the host
+  and back, ``--repeat`` times: the copies' bandwidth each way (bytes over the time from
+  queuing them to their event, the release and the commit apart) and the whole step's (the
+  release and the commit included), against a plain pinned copy of the same bytes in the same
+  run (``torch``'s ``copy_(non_blocking=True)`` between one device tensor and one pinned host
+  tensor: ``cudaMemcpyAsync``; a host-to-host copy on a CPU);
+* ``decode``: the engine's decode step (``--slots`` requests of ``--prompt`` tokens) p50 and
+  p99 without swapping, then while another thread swaps a sequence of ``--swap-tokens``
+  tokens out and back without pause (on the tier's copy stream);
+* ``crossover``: at each length of ``--lengths``, the time to swap a request back (commit and
+  copies) and out, against the time to prefill it again (one forward of that many tokens):
+  the shortest length above which swapping back beats recomputing;
+* ``trace``: the serving benchmark's synthetic trace (``--requests``, prompts uniform in
+  ``--prompt-lo..--prompt-hi``, ``--output`` tokens each) through the engine under a budget
+  (``--budget-bytes``) that forces preemptions, once recomputing them and once swapping them
+  (``--host-tier-bytes``, decided by measured costs): tokens/s, TTFT p50/p99, preemptions,
+  swaps; on a GPU also transformers' ``generate_batch`` with ``cpu_offload_space`` set to the
+  host tier's bytes and its cache to the budget's share of the free memory (``--no-peer``:
+  not).
+
+On a CPU (``--device cpu --backend host --tiny``) every part runs small (what CI does); the
+figures that matter come from a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+
+import kvvm
+from kvvm_bench.numerics import percentiles
+from kvvm_bench.report_file import write_report
+
+__all__ = ["add_args", "run_swap_bench"]
+
+PARTS = ("copy", "decode", "crossover", "trace")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _plan(manager: kvvm.Manager, geometry: kvvm.KvGeometry) -> kvvm.LayoutPlan:
+    return kvvm.LayoutPlan(geometry, "token-major", manager.granule)
+
+
+def _wait(swap: kvvm.SwappedKv) -> None:
+    """Spins until the swap's copies are done (their event)."""
+    while not swap.is_done():
+        pass
+
+
+def _swap_times(seq: kvvm.Sequence, tier: kvvm.HostTier, tokens: int) -> dict[str, float]:
+    """One round trip of ``seq``'s first ``tokens`` tokens: seconds of each phase (the copies
+    out: from queuing them to their event; back: the way back less a commit of the same
+    tokens, timed after it)."""
+    t0 = time.perf_counter()
+    swap = seq.swap_out(tier, tokens)
+    _wait(swap)
+    t1 = time.perf_counter()
+    seq.finish_swap_out(swap)
+    t2 = time.perf_counter()
+    seq.swap_in(swap)
+    t3 = time.perf_counter()
+    _wait(swap)
+    t4 = time.perf_counter()
+    seq.finish_swap_in(swap)
+    t5 = time.perf_counter()
+    # The commit alone, to take out of the way back (its copies may start while it queues
+    # them, and a backend whose copies are synchronous makes them while it does).
+    seq.release()
+    t6 = time.perf_counter()
+    seq.ensure(tokens)
+    commit = time.perf_counter() - t6
+    return {
+        "out_copy_s": t1 - t0, "out_s": t2 - t0, "in_commit_s": commit,
+        "in_copy_s": max(t4 - t2 - commit, 1e-9), "in_s": t5 - t2,
+    }
+
+
+def _plain_copy(nbytes: int, device: torch.device, repeat: int) -> dict[str, float]:
+    """Bytes/s of a plain pinned copy of ``nbytes`` each way (median of ``repeat``)."""
+    pinned = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out, back = [], []
+    for _ in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        host.copy_(dev, non_blocking=pinned)
+        _sync(device)
+        t1 = time.perf_counter()
+        dev.copy_(host, non_blocking=pinned)
+        _sync(device)
+        t2 = time.perf_counter()
+        out.append(t1 - t0)
+        back.append(t2 - t1)
+    return {"out_Bps": nbytes / statistics.median(out), "in_Bps": nbytes / statistics.median(back)}
+
+
+def copy_part(args: argparse.Namespace, manager: kvvm.Manager, device: torch.device) -> dict[str, Any]:
+    """The copies' bandwidth each way against a plain pinned copy (see the module's text)."""
+    geometry = kvvm.KvGeometry.preset(args.model, args.copy_tokens)
+    plan = _plan(manager, geometry)
+    nbytes = plan.committed_bytes_for_tokens(args.copy_tokens)
+    # One page-locked allocation for the whole sequence: its adjacent windows, one copy.
+    tier = kvvm.HostTier(manager, slab_windows=max(1, nbytes // manager.granule))
+    tier.prewarm(nbytes)
+    # Interleaved with another sequence's windows: not one contiguous run.
+    seq, other = kvvm.Sequence(manager, plan), kvvm.Sequence(manager, plan)
+    step = plan.mapped_tokens(1)
+    for n in range(step, args.copy_tokens + step, step):
+        seq.ensure(min(n, args.copy_tokens))
+        other.ensure(min(n, args.copy_tokens))
+    rows = [_swap_times(seq, tier, args.copy_tokens) for _ in range(args.repeat)]
+    nbytes = seq.committed_bytes
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    plain = _plain_copy(nbytes, device, args.repeat)
+    out_bw, in_bw = nbytes / med["out_copy_s"], nbytes / med["in_copy_s"]
+    seq.release()
+    other.release()
+    return {
+        "bytes": nbytes,
+        "tokens": args.copy_tokens,
+        "median_s": {k: round(v, 6) for k, v in med.items()},
+        "kvvm_out_Bps": round(out_bw), "kvvm_in_Bps": round(in_bw),
+        "kvvm_out_with_release_Bps": round(nbytes / med["out_s"]),
+        "kvvm_in_with_commit_Bps": round(nbytes / med["in_s"]),
+        "plain_out_Bps": round(plain["out_Bps"]), "plain_in_Bps": round(plain["in_Bps"]),
+        "ratio_out": round(out_bw / plain["out_Bps"], 3), "ratio_in": round(in_bw / plain["in_Bps"], 3),
+        "tier": tier.stats(),
+    }
+
+
+def _decode_steps(engine: Any, steps: int) -> list[float]:
+    """Seconds of ``steps`` decode-only engine steps."""
+    times = []
+    for _ in range(steps):
+        if engine.idle:
+            break
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def decode_part(args: argparse.Namespace, model: Any, manager: kvvm.Manager, device: torch.device) -> dict[str, Any]:
+    """Decode step p50/p99 without and while swapping (see the module's text)."""
+    from kvvm.engine import Engine
+
+    max_len = args.prompt + 2 * args.decode_steps + 8
+    engine = Engine(model, slots=args.slots, max_len=max_len, manager=manager, prefill_chunk=args.prompt, eos_token_ids=[])
+    vocab = model.config.vocab_size
+    for i in range(args.slots):
+        engine.submit([(7 + 13 * (i * args.prompt + t)) % vocab for t in range(args.prompt)], 2 * args.decode_steps + 4)
+    while any(not r.prefilled for r in engine.running.values()) or engine.waiting:
+        engine.step()
+    _decode_steps(engine, 4)
+    quiet = _decode_steps(engine, args.decode_steps)
+    plan = _plan(manager, kvvm.geometry_from_config(model.config, args.swap_tokens, dtype=model.dtype))
+    tier = kvvm.HostTier(manager)
+    seq = kvvm.Sequence(manager, plan, args.swap_tokens)
+    seq.ensure(args.swap_tokens)
+    tier.prewarm(seq.committed_bytes)
+    stop = threading.Event()
+    swaps = [0]
+    # The copies out wait for this idle stream only (nobody writes the swapped sequence): no
+    # device synchronization under the decode.
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def swapper() -> None:
+        while not stop.is_set():
+            swap = seq.swap_out(tier, args.swap_tokens, after=side)
+            seq.finish_swap_out(swap)
+            seq.swap_in(swap)
+            seq.finish_swap_in(swap)
+            swaps[0] += 1
+
+    t = threading.Thread(target=swapper, daemon=True)
+    t.start()
+    busy = _decode_steps(engine, args.decode_steps)
+    stop.set()
+    t.join()
+    engine.close()
+    seq.release()
+    q, b = percentiles([x * 1000 for x in quiet]), percentiles([x * 1000 for x in busy])
+    return {
+        "slots": args.slots, "prompt": args.prompt, "swap_tokens": args.swap_tokens,
+        "step_ms_without": q, "step_ms_while_swapping": b, "round_trips_during": swaps[0],
+        "p50_ratio": round(b["p50"] / q["p50"], 3) if q.get("p50") else None,
+    }
+
+
+def _prefill_s(model: Any, tokens: int, device: torch.device, repeat: int) -> float:
+    """Median seconds of one forward of ``tokens`` tokens (a prefill, DynamicCache)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+    times = []
+    with torch.no_grad():
+        for _ in range(repeat):
+            _sync(device)
+            t0 = time.perf_counter()
+            model(ids, use_cache=True)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def crossover_part(args: argparse.Namespace, model: Any, manager: kvvm.Manager, device: torch.device) -> dict[str, Any]:
+    """Swap back (and out) against a prefill, by length (see the module's text)."""
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    geometry = kvvm.geometry_from_config(model.config, max(lengths), dtype=model.dtype)
+    plan = _plan(manager, geometry)
+    tier = kvvm.HostTier(manager)
+    tier.prewarm(plan.committed_bytes_for_tokens(max(lengths)))
+    rows = []
+    for n in lengths:
+        seq = kvvm.Sequence(manager, plan, n)
+        seq.ensure(n)
+        times = [_swap_times(seq, tier, n) for _ in range(args.repeat)]
+        seq.release()
+        back = statistics.median(t["in_s"] for t in times)
+        out = statistics.median(t["out_s"] for t in times)
+        prefill = _prefill_s(model, n, device, args.repeat)
+        rows.append({
+            "tokens": n, "swap_in_s": round(back, 6), "swap_out_s": round(out, 6), "prefill_s": round(prefill, 6),
+            "swap_in_wins": back < prefill, "round_trip_wins": back + out < prefill,
+        })
+    wins = [r["tokens"] for r in rows if r["swap_in_wins"]]
+    trip = [r["tokens"] for r in rows if r["round_trip_wins"]]
+    return {
+        "rows": rows,
+        "swap_in_beats_prefill_from": min(wins) if wins else None,
+        "round_trip_beats_prefill_from": min(trip) if trip else None,
+    }
+
+
+def trace_part(args: argparse.Namespace, model: Any, device: torch.device) -> dict[str, Any]:
+    """The trace recomputing its preemptions, then swapping them (see the module's text)."""
+    from kvvm_bench import serve as sv
+
+    vocab = model.config.vocab_size
+    trace = sv.synthetic_trace(
+        args.requests, vocab, prompt_lo=args.prompt_lo, prompt_hi=args.prompt_hi, output=args.output,
+        shared_prefix=0, shared_share=0.0, rate=0.0, seed=args.seed,
+    )
+    max_len = args.prompt_hi + args.output + 8
+    out: dict[str, Any] = {"requests": len(trace), "budget_bytes": args.budget_bytes}
+    for name, host in (("recompute", 0), ("swap", args.host_tier_bytes)):
+        manager = kvvm.Manager(
+            args.backend, budget_bytes=args.budget_bytes or None, precommit=True, headroom_tokens=4,
+            host_budget_bytes=host or None,
+        )
+        res = sv.run_engine(
+            model, trace, manager=manager, slots=args.trace_slots, max_len=max_len, prefix_cache_bytes=0,
+            prefill_chunk=args.prefill_chunk, real_time=False, bandwidth=args.bandwidth, flops=args.flops,
+            engine_kwargs={"host_tier_bytes": host} if host else None,
+        )
+        out[name] = {
+            "tokens_per_s": res.tokens_per_s, "ttft_ms": res.ttft_ms, "itl_ms": res.itl_ms,
+            "preemptions": res.preemptions, "preempted_requests": res.preempted_requests,
+            "preempted_share": round((res.preempted_requests or 0) / len(trace), 3),
+            "swaps": res.swaps, "wall_s": round(res.wall_s, 3),
+        }
+        del manager
+    if args.peer and device.type == "cuda":
+        out["generate_batch_offload"] = _peer(model, trace, args, device)
+    rec, swp = out["recompute"], out["swap"]
+    out["swap_faster"] = swp["tokens_per_s"] > rec["tokens_per_s"]
+    out["swap_lower_ttft_p99"] = swp["ttft_ms"].get("p99", 0) < rec["ttft_ms"].get("p99", 0)
+    return out
+
+
+def _peer(model: Any, trace: list[Any], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """transformers' continuous batching on the same trace with its cache's memory set to the
+    budget's share of the free memory and ``cpu_offload_space`` set to the host tier's bytes
+    (where it runs: a runner that fails is recorded with its error)."""
+    from kvvm_bench import serve as sv
+
+    free, _ = torch.cuda.mem_get_info(device)
+    fraction = min(0.9, args.budget_bytes / free) if args.budget_bytes else None
+    res = sv.run_generate_batch(model, trace, memory_fraction=fraction, cpu_offload_gib=args.host_tier_bytes / 2**30)
+    return {
+        "runner": res.runner, "tokens_per_s": res.tokens_per_s, "ttft_ms": res.ttft_ms, "itl_ms": res.itl_ms,
+        "wall_s": round(res.wall_s, 3), "note": res.note,
+    }
+
+
+def run_swap_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """The parts of ``--parts``; the report is written after each."""
+    from kvvm_bench.cli import _build_model
+
+    device = torch.device(args.device)
+    parts = [p for p in args.parts.split(",") if p]
+    report: dict[str, Any] = {"meta": {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "device": args.device, "backend": args.backend,
+        "torch": torch.__version__, "kvvm": kvvm.__version__,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "driver": _driver(),
+    }}
+    model = _build_model(args) if {"decode", "crossover", "trace"} & set(parts) else None
+    for part in parts:
+        if part == "copy":
+            report["copy"] = copy_part(args, kvvm.Manager(args.backend), device)
+        elif part == "decode":
+            report["decode"] = decode_part(args, model, kvvm.Manager(args.backend, precommit=True), device)
+        elif part == "crossover":
+            report["crossover"] = crossover_part(args, model, kvvm.Manager(args.backend), device)
+        elif part == "trace":
+            report["trace"] = trace_part(args, model, device)
+        else:
+            raise SystemExit(f"unknown part {part!r}: one of {PARTS}")
+        write_report(args.json, report)
+    return report
+
+
+def _driver() -> str | None:
+    try:
+        import subprocess
+
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``python -m kvvm_bench swap``."""
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--backend", default="auto", help="kvvm backend (host on a CPU)")
+    p.add_argument("--tiny", action="store_true", help="a small model instead of the Llama-3.1-8B shape")
+    p.add_argument("--model", default="llama-3-8b", help="the copy part's KV geometry preset")
+    p.add_argument("--copy-tokens", type=int, default=16384, help="tokens of the copy part's sequence")
+    p.add_argument("--repeat", type=int, default=5, help="round trips (and prefills) per measurement")
+    p.add_argument("--slots", type=int, default=16, help="requests decoding in the decode part")
+    p.add_argument("--prompt", type=int, default=1024, help="their prompts' tokens")
+    p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed, without and while swapping")
+    p.add_argument("--swap-tokens", type=int, default=8192, help="tokens of the sequence swapped meanwhile")
+    p.add_argument("--lengths", default="128,256,512,1024,2048,4096,8192,16384", help="the crossover's lengths")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-lo", type=int, default=512)
+    p.add_argument("--prompt-hi", type=int, default=4096)
+    p.add_argument("--output", type=int, default=256)
+    p.add_argument("--trace-slots", type=int, default=32)
+    p.add_argument("--budget-bytes", type=int, default=8 << 30, help="the trace's device budget (forces preemptions)")
+    p.add_argument("--host-tier-bytes", type=int, default=32 << 30, help="the trace's host tier")
+    p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument(
+        "--no-peer", dest="peer", action="store_false",
+        help="leave out transformers' generate_batch with cpu_offload_space on the trace (CUDA only)",
+    )
+    p.add_argument("--bandwidth", type=float, default=4.8e12)
+    p.add_argument("--flops", type=float, default=7.9e14)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the report here")

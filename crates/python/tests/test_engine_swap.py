@@ -1,0 +1,158 @@
+"""Preemption by swap in the serving engine, on the host backend with tiny random fp32 models:
+a preempted request's KV goes to page-locked host memory and comes back at its admission
+instead of being computed again (decided by measured costs, or forced), its greedy tokens
+those of a one-request-at-a-time reference; every failure falls back to recomputing it;
+nothing is held on the host afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvvm
+from conftest import host_available
+
+torch = pytest.importorskip("torch", reason="skipped: no torch")
+transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+
+from kvvm.engine import Engine  # noqa: E402
+from kvvm.serving.swap import SwapCosts  # noqa: E402
+from test_engine import prompts, reference, tiny  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
+
+WINDOW = 2 << 20
+
+
+def _setup(
+    windows: int, host_windows: int | None = None
+) -> tuple[object, object, kvvm.Manager, int]:
+    """A model of 32 KiB per token (64 tokens a window), a device budget of ``windows`` and a
+    host budget of ``host_windows`` (None: unlimited)."""
+    model, ref = tiny(layers=4, kv_heads=8, head_dim=128, hidden=64, heads=8)
+    host = host_windows * WINDOW if host_windows is not None else None
+    mgr = kvvm.Manager("host", budget_bytes=windows * WINDOW, precommit=False, host_budget_bytes=host)
+    return model, ref, mgr, mgr.granule // (4 * 2 * 8 * 128 * 4)
+
+
+def _pressure(swap: str, host_windows: int | None = None, costs: SwapCosts | None = None) -> tuple[Engine, list]:
+    """Two requests that fit with their prompts; both crossing into a second window need two
+    more, and only one is there: the youngest is preempted (see test_engine)."""
+    model, ref, mgr, per_window = _setup(4, host_windows)
+    host_bytes = (host_windows or 4) * WINDOW
+    engine = Engine(
+        model, slots=2, max_len=4 * per_window, manager=mgr, prefill_chunk=64,
+        host_tier_bytes=host_bytes, swap=swap, swap_costs=costs,
+    )
+    a, b = (engine.submit(p, per_window) for p in prompts([per_window - 8, per_window - 6], seed=6))
+    engine._ref = ref  # type: ignore[attr-defined]
+    return engine, [a, b]
+
+
+#: Reference tokens by (prompt, new tokens): every test's model has the same seeded weights.
+_REFERENCE: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+
+def _check_tokens(engine: Engine, reqs: list) -> None:
+    for r in reqs:
+        key = (tuple(r.prompt), r.max_new_tokens)
+        if key not in _REFERENCE:
+            _REFERENCE[key] = reference(engine._ref, r.prompt, r.max_new_tokens)  # type: ignore[attr-defined]
+        assert r.tokens == _REFERENCE[key], r.id
+
+
+def _nothing_on_the_host(engine: Engine) -> None:
+    assert engine.swapper is not None
+    stats = engine.swapper.tier.stats()
+    assert stats["held_bytes"] == 0 and stats["quarantined_bytes"] == 0, stats
+    assert engine.manager.host_snapshot().committed == 0
+
+
+def test_a_preempted_request_is_swapped_out_and_back_and_gets_its_reference_tokens() -> None:
+    engine, (a, b) = _pressure("always")
+    while not engine.idle:
+        engine.step()
+        assert engine.swapper is not None
+        for r in (a, b):
+            if engine.swapper.holds(r):
+                # A swapped request holds no slot: no step can read or write its KV.
+                assert r.slot is None and r not in engine.running.values()
+    s = engine.stats
+    assert s.preempted >= 1 and s.swapped_out == s.preempted and s.swapped_in == s.swapped_out
+    assert b.preemptions >= 1 and a.preemptions == 0
+    assert engine.swapper is not None and engine.swapper.tier.stats()["swaps_in"] == s.swapped_in
+    _check_tokens(engine, [a, b])
+    _nothing_on_the_host(engine)
+    engine.close()
+    assert engine.manager.host_snapshot().used == 0
+
+
+def test_never_swapping_recomputes() -> None:
+    engine, reqs = _pressure("never")
+    engine.run()
+    assert engine.stats.preempted >= 1 and engine.stats.swapped_out == 0
+    _check_tokens(engine, reqs)
+    engine.close()
+
+
+@pytest.mark.parametrize(("rate", "swaps"), [(1e-12, False), (1.0, True)])
+def test_auto_swaps_only_when_the_measured_costs_say_it_is_cheaper(rate: float, swaps: bool) -> None:
+    # A copy of 1 GB/s both ways against a prefill of `rate` seconds a token.
+    costs = SwapCosts(bandwidth_out=1e9, bandwidth_in=1e9, prefill_s_per_token=rate)
+    engine, reqs = _pressure("auto", costs=costs)
+    engine.run()
+    assert engine.stats.preempted >= 1
+    assert (engine.stats.swapped_out > 0) == swaps
+    _check_tokens(engine, reqs)
+    engine.close()
+
+
+def test_auto_measures_the_bandwidth_at_start_and_the_prefill_as_it_runs() -> None:
+    engine, reqs = _pressure("auto")
+    assert engine.swapper is not None
+    costs = engine.swapper.costs
+    assert costs.bandwidth_out and costs.bandwidth_in and costs.prefill_s_per_token is None
+    engine.run()
+    assert costs.prefill_s_per_token is not None and costs.prefill_s_per_token > 0
+    _check_tokens(engine, reqs)
+    _nothing_on_the_host(engine)
+    engine.close()
+
+
+def test_a_host_budget_too_small_for_the_request_falls_back_to_recompute() -> None:
+    # One window of host memory: the preempted request holds two.
+    engine, reqs = _pressure("always", host_windows=1)
+    engine.run()
+    assert engine.stats.preempted >= 1 and engine.stats.swapped_out == 0
+    _check_tokens(engine, reqs)
+    _nothing_on_the_host(engine)
+    engine.close()
+
+
+def test_a_swap_that_fails_on_the_way_back_is_recomputed() -> None:
+    engine, (a, b) = _pressure("always")
+    assert engine.swapper is not None
+    while engine.stats.swapped_out == 0:
+        engine.step()
+    # The swap is replaced by one of another manager: bringing it back is refused.
+    other = kvvm.Manager("host", budget_bytes=64 << 20)
+    plan = engine.cache.groups[0].plan
+    seq = kvvm.Sequence(other, plan)
+    seq.ensure(8)
+    tier = kvvm.HostTier(other)
+    foreign = seq.swap_out(tier, 8)
+    seq.finish_swap_out(foreign)
+    swapped = next(r for r in (a, b) if engine.swapper.holds(r))
+    engine.swapper.swaps[swapped.id] = [foreign]
+    engine.run()
+    assert engine.stats.swap_fallbacks == 1 and not engine.swapper.holds(swapped)
+    _check_tokens(engine, [a, b])
+    _nothing_on_the_host(engine)
+    engine.close()
+
+
+def test_bad_swap_arguments_are_refused() -> None:
+    model, _ = tiny()
+    with pytest.raises(kvvm.InvalidArgumentError):
+        Engine(model, slots=1, max_len=64, backend="host", host_tier_bytes=WINDOW, swap="sometimes")
+    with pytest.raises(kvvm.InvalidArgumentError):
+        Engine(model, slots=1, max_len=64, backend="host", host_tier_bytes=-1)
