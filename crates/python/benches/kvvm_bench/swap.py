@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 import kvvm
+from kvvm_bench.model import build_model
 from kvvm_bench.numerics import percentiles
 from kvvm_bench.report_file import write_report
 
@@ -298,8 +299,6 @@ def _peer(model: Any, trace: list[Any], args: argparse.Namespace, device: torch.
 
 def run_swap_bench(args: argparse.Namespace) -> dict[str, Any]:
     """The parts of ``--parts``; the report is written after each."""
-    from kvvm_bench.cli import _build_model
-
     device = torch.device(args.device)
     parts = [p for p in args.parts.split(",") if p]
     report: dict[str, Any] = {"meta": {
@@ -308,7 +307,7 @@ def run_swap_bench(args: argparse.Namespace) -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "driver": _driver(),
     }}
-    model = _build_model(args) if {"decode", "crossover", "trace"} & set(parts) else None
+    model = build_model(args) if {"decode", "crossover", "trace"} & set(parts) else None
     for part in parts:
         if part == "copy":
             report["copy"] = copy_part(args, kvvm.Manager(args.backend), device)

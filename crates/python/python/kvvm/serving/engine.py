@@ -197,14 +197,7 @@ class Engine(EngineControl):
         self.runner = ModelRunner(model, slots=slots, device=self.device, compile=compile)
         sizes = {"max_len": max_len, "prefill_chunk": prefill_chunk, "prefill_batch_tokens": prefill_batch_tokens}
         #: The host tier's swapper (None without one).
-        self.swapper: Swapper | None = None
-        if host_tier_bytes:
-            try:
-                self.swapper = Swapper(self.kv, host_tier_bytes, swap, swap_costs)
-            except BaseException:
-                self.kv.close()
-                self._attention.restore()
-                raise
+        self.swapper: Swapper | None = self._make_swapper(host_tier_bytes, swap, swap_costs)
         self.scheduler = (
             SwapScheduler(self.kv, self.swapper, **sizes) if self.swapper else Scheduler(self.kv, **sizes)
         )
@@ -221,6 +214,18 @@ class Engine(EngineControl):
         self._inbox: collections.deque[Request] = collections.deque()
         self._inbox_lock = threading.Lock()
         self._loop = BackgroundLoop(self)
+
+    def _make_swapper(self, host_tier_bytes: int, swap: str, swap_costs: SwapCosts | None) -> Swapper | None:
+        """The host tier's swapper (None without a host tier); if it cannot be made, the KV
+        manager is closed and the model's attention given back before the error is raised."""
+        if not host_tier_bytes:
+            return None
+        try:
+            return Swapper(self.kv, host_tier_bytes, swap, swap_costs)
+        except BaseException:
+            self.kv.close()
+            self._attention.restore()
+            raise
 
     # ---- the parts' state, as the engine's ----
 
