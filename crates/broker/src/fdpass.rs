@@ -1,13 +1,16 @@
 //! File descriptors over a Unix stream socket (`SCM_RIGHTS`): [`send_with_fds`] attaches
 //! descriptors to the first byte of a write; [`FdReader`] reads with `recvmsg` so descriptors
 //! that arrive are kept (a plain `read` would close them) until the frame that carries them
-//! is parsed.
+//! is parsed. A reader keeps at most [`MAX_FDS`] descriptors not taken (more is an error: a
+//! peer cannot fill the process's descriptor table with a frame it never finishes), and may
+//! be given a deadline for its reads.
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::time::Instant;
 
 /// The most descriptors one frame may carry.
 pub const MAX_FDS: usize = 64;
@@ -74,6 +77,55 @@ pub fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) 
 pub struct FdReader {
     stream: UnixStream,
     fds: VecDeque<OwnedFd>,
+    deadline: Option<Instant>,
+}
+
+impl std::fmt::Debug for FdReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FdReader")
+            .field("fds", &self.fds.len())
+            .field("deadline", &self.deadline)
+            .finish()
+    }
+}
+
+/// Waits until `fd` has something to read (data, a descriptor or the end), or `deadline`
+/// passes (`TimedOut`).
+fn wait_readable(fd: RawFd, deadline: Instant) -> io::Result<()> {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        // Rounded up: a wait of 0 ms would spin until the deadline.
+        let ms = libc::c_int::try_from(left.as_millis().saturating_add(1)).unwrap_or(i32::MAX);
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is one valid pollfd for the call; the descriptor is open.
+        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        match rc {
+            0 => {}
+            r if r > 0 => return Ok(()),
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// Whether `fd` has something to read within `wait` (`false`: nothing came).
+pub(crate) fn readable_within(fd: RawFd, wait: std::time::Duration) -> io::Result<bool> {
+    match wait_readable(fd, Instant::now() + wait) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::TimedOut => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 impl FdReader {
@@ -82,7 +134,19 @@ impl FdReader {
         FdReader {
             stream,
             fds: VecDeque::new(),
+            deadline: None,
         }
+    }
+
+    /// From now on, a read that has nothing by `deadline` fails with `TimedOut` (`None`: reads
+    /// wait as long as it takes).
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.deadline = deadline;
+    }
+
+    /// The stream read.
+    pub fn stream(&self) -> &UnixStream {
+        &self.stream
     }
 
     /// Takes the `n` oldest descriptors received, or none if fewer arrived.
@@ -100,6 +164,9 @@ impl FdReader {
 
 impl Read for FdReader {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if let Some(deadline) = self.deadline {
+            wait_readable(self.stream.as_raw_fd(), deadline)?;
+        }
         let mut control = Cmsg([0u8; CMSG_BYTES]);
         let mut iov = libc::iovec {
             iov_base: buf.as_mut_ptr().cast(),
@@ -132,7 +199,8 @@ impl Read for FdReader {
                 cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
             }
         }
-        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 || self.fds.len() > MAX_FDS {
+            self.fds.clear();
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "too many descriptors",

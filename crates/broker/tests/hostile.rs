@@ -343,7 +343,8 @@ fn prefix_requests_are_checked_against_the_clients_books() {
         "t",
     ))
     .unwrap();
-    let file = std::fs::File::open("/dev/null").unwrap();
+    let file = common::memfd(10);
+    let one = common::memfd(1);
     use std::os::fd::AsFd;
     let r = client.publish_prefix(0, "p", &[(file.as_fd(), 10)], "");
     assert!(r.is_err(), "publishing bytes it does not hold");
@@ -359,13 +360,24 @@ fn prefix_requests_are_checked_against_the_clients_books() {
         assert!(r.is_err(), "meta {:?}... refused", &meta[..4]);
     }
     assert!(broker.prefixes().is_empty());
+    // The bad meta closed `bad`'s connection: it came back and claimed its 10 bytes.
+    bad.sync().unwrap();
+    assert_eq!(bad.held(0), 10);
+    let bad_id = bad.welcome().unwrap().client;
+    assert!(
+        broker.holdings().contains(&(bad_id, 0, 10)),
+        "{:?}",
+        broker.holdings()
+    );
+    drop(bad);
+    common::wait_until(&broker, "bad's socket closed", |b| b.clients() == 1);
     assert_eq!(client.acquire_bytes(0, 10, 10), Ok(10));
     client
         .publish_prefix(0, "p", &[(file.as_fd(), 10)], &"m".repeat(2048))
         .unwrap();
     assert!(
         client
-            .publish_prefix(0, "p", &[(file.as_fd(), 1)], "")
+            .publish_prefix(0, "p", &[(one.as_fd(), 1)], "")
             .is_err(),
         "a second p"
     );

@@ -1,0 +1,177 @@
+//! [`BooksFile`]: what a broker has lent, per tenant and device, kept in a file
+//! ([`BrokerConfig::books_path`](crate::BrokerConfig::books_path)) for the broker started
+//! after it. That broker keeps those bytes for the claims of the clients that hold them
+//! ([`NodeBooks::keep_for_claims`](crate::NodeBooks::keep_for_claims)), so nothing is granted
+//! twice while they reconnect, whether the first one stopped or was killed.
+//!
+//! The file is rewritten (a new file renamed over it) after every change of what is lent and
+//! before the change is answered, so it never says less than clients may hold; it is removed
+//! when nothing is lent. One line per (tenant, device): `<tenant> <device> <bytes>`, after a
+//! first line `kvvm-broker-lent/1`.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use crate::error::BrokerError;
+use crate::proto::valid_tenant;
+
+/// The first line of the file, with its version.
+const TAG: &str = "kvvm-broker-lent/1";
+
+/// What is lent, per (tenant, device).
+pub type Lent = BTreeMap<(String, u32), u64>;
+
+/// The file and what it says now.
+#[derive(Debug)]
+pub struct BooksFile {
+    path: PathBuf,
+    written: Lent,
+    /// Whether the last write failed (logged once until one succeeds).
+    failing: bool,
+}
+
+fn parse(text: &str) -> Option<Lent> {
+    let mut lines = text.lines();
+    if lines.next() != Some(TAG) {
+        return None;
+    }
+    let mut lent = Lent::new();
+    for line in lines {
+        let mut w = line.split(' ');
+        let (tenant, device, bytes) = (w.next()?, w.next()?, w.next()?);
+        if w.next().is_some() || !valid_tenant(tenant) {
+            return None;
+        }
+        let key = (tenant.to_owned(), device.parse().ok()?);
+        lent.insert(key, bytes.parse().ok()?);
+    }
+    Some(lent)
+}
+
+fn render(lent: &Lent) -> String {
+    let mut out = format!("{TAG}\n");
+    for ((tenant, device), bytes) in lent {
+        out.push_str(&format!("{tenant} {device} {bytes}\n"));
+    }
+    out
+}
+
+impl BooksFile {
+    /// Opens the file at `path`: what a previous broker had lent (empty when there is no
+    /// file: nothing was).
+    ///
+    /// # Errors
+    /// [`BrokerError::Path`] when the file cannot be read or is not one a broker wrote (it
+    /// is not guessed at: remove it if no client holds memory of an earlier broker).
+    pub fn open(path: &Path) -> Result<(BooksFile, Lent), BrokerError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => Some(t),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+            Err(e) => return Err(BrokerError::path("the books file", path, e)),
+        };
+        let lent = match text {
+            None => Lent::new(),
+            Some(t) => parse(&t).ok_or_else(|| {
+                let why = "not a broker's books file (remove it if no client holds memory \
+                           lent by an earlier broker)";
+                BrokerError::path("the books file", path, io::Error::other(why))
+            })?,
+        };
+        let file = BooksFile {
+            path: path.to_owned(),
+            written: lent.clone(),
+            failing: false,
+        };
+        Ok((file, lent))
+    }
+
+    /// Writes `lent` if it differs from what the file says (removes the file when nothing is
+    /// lent).
+    ///
+    /// # Errors
+    /// The write's (the file then says what it said before).
+    pub fn write(&mut self, lent: &Lent) -> io::Result<()> {
+        if *lent == self.written {
+            return Ok(());
+        }
+        let done = if lent.is_empty() {
+            match std::fs::remove_file(&self.path) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            }
+        } else {
+            let mut tmp = self.path.as_os_str().to_owned();
+            tmp.push(".tmp");
+            std::fs::write(&tmp, render(lent)).and_then(|()| std::fs::rename(&tmp, &self.path))
+        };
+        if done.is_ok() {
+            self.written.clone_from(lent);
+        }
+        done
+    }
+
+    /// [`write`](Self::write), a failure logged (once, until a write succeeds again); with
+    /// `only_more`, each entry is written as the larger of `lent`'s and the file's.
+    pub fn write_logged(&mut self, lent: &Lent, only_more: bool) {
+        let done = if only_more {
+            let mut most = self.written.clone();
+            for (k, b) in lent {
+                let m = most.entry(k.clone()).or_default();
+                *m = (*m).max(*b);
+            }
+            self.write(&most)
+        } else {
+            self.write(lent)
+        };
+        match done {
+            Ok(()) => self.failing = false,
+            Err(e) if !self.failing => {
+                self.failing = true;
+                tracing::error!(error = %e, path = %self.path.display(),
+                    "the books file cannot be written: a broker started after this one will not \
+                     know what it lent");
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn path(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("kvvm-books-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn what_is_written_is_read_back_and_nothing_lent_leaves_no_file() {
+        let p = path("round");
+        let (mut f, lent) = BooksFile::open(&p).unwrap();
+        assert!(lent.is_empty(), "no file: nothing lent");
+        let lent = Lent::from([(("a".into(), 0), 10), (("b.2".into(), 3), u64::MAX)]);
+        f.write(&lent).unwrap();
+        assert_eq!(BooksFile::open(&p).unwrap().1, lent);
+        f.write(&Lent::new()).unwrap();
+        assert!(!p.exists(), "nothing lent: no file");
+    }
+
+    #[test]
+    fn a_file_a_broker_did_not_write_is_refused_with_its_path() {
+        let p = path("bad");
+        for text in [
+            "",
+            "kvvm-broker-lent/2\n",
+            "kvvm-broker-lent/1\na 0\n",
+            "kvvm-broker-lent/1\na 0 1 2\n",
+            "kvvm-broker-lent/1\n../x 0 1\n",
+            "kvvm-broker-lent/1\na -1 1\n",
+        ] {
+            std::fs::write(&p, text).unwrap();
+            let e = BooksFile::open(&p).unwrap_err().to_string();
+            assert!(e.contains(&p.display().to_string()), "{text:?}: {e}");
+        }
+        std::fs::remove_file(&p).unwrap();
+    }
+}
