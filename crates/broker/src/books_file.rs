@@ -4,13 +4,17 @@
 //! ([`NodeBooks::keep_for_claims`](crate::NodeBooks::keep_for_claims)), so nothing is granted
 //! twice while they reconnect, whether the first one stopped or was killed.
 //!
-//! The file is rewritten (a new file renamed over it) after every change of what is lent and
-//! before the change is answered, so it never says less than clients may hold; it is removed
-//! when nothing is lent. One line per (tenant, device): `<tenant> <device> <bytes>`, after a
-//! first line `kvvm-broker-lent/1`.
+//! The file is rewritten in place after every change of what is lent and before the change
+//! is answered, so it never says less than clients may hold (one small write at its start,
+//! then a truncation: what a crash between the two leaves after the `end` line is ignored;
+//! no rename, which some file systems make wait for the disk). A clean stop with nothing
+//! lent removes it. The text: a first line `kvvm-broker-lent/1`, one line per (tenant,
+//! device) `<tenant> <device> <bytes>`, and `end`.
 
 use std::collections::BTreeMap;
+use std::fs::File;
 use std::io;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use crate::error::BrokerError;
@@ -19,6 +23,9 @@ use crate::proto::valid_tenant;
 /// The first line of the file, with its version.
 const TAG: &str = "kvvm-broker-lent/1";
 
+/// The last line of the file.
+const END: &str = "end";
+
 /// What is lent, per (tenant, device).
 pub type Lent = BTreeMap<(String, u32), u64>;
 
@@ -26,6 +33,8 @@ pub type Lent = BTreeMap<(String, u32), u64>;
 #[derive(Debug)]
 pub struct BooksFile {
     path: PathBuf,
+    /// The file, once written to.
+    file: Option<File>,
     written: Lent,
     /// Whether the last write failed (logged once until one succeeds).
     failing: bool,
@@ -38,6 +47,9 @@ fn parse(text: &str) -> Option<Lent> {
     }
     let mut lent = Lent::new();
     for line in lines {
+        if line == END {
+            return Some(lent);
+        }
         let mut w = line.split(' ');
         let (tenant, device, bytes) = (w.next()?, w.next()?, w.next()?);
         if w.next().is_some() || !valid_tenant(tenant) {
@@ -46,7 +58,7 @@ fn parse(text: &str) -> Option<Lent> {
         let key = (tenant.to_owned(), device.parse().ok()?);
         lent.insert(key, bytes.parse().ok()?);
     }
-    Some(lent)
+    None
 }
 
 fn render(lent: &Lent) -> String {
@@ -54,6 +66,8 @@ fn render(lent: &Lent) -> String {
     for ((tenant, device), bytes) in lent {
         out.push_str(&format!("{tenant} {device} {bytes}\n"));
     }
+    out.push_str(END);
+    out.push('\n');
     out
 }
 
@@ -80,35 +94,46 @@ impl BooksFile {
         };
         let file = BooksFile {
             path: path.to_owned(),
+            file: None,
             written: lent.clone(),
             failing: false,
         };
         Ok((file, lent))
     }
 
-    /// Writes `lent` if it differs from what the file says (removes the file when nothing is
-    /// lent).
+    /// Writes `lent` if it differs from what the file says.
     ///
     /// # Errors
-    /// The write's (the file then says what it said before).
+    /// The write's (the file may then say less than what is lent until a write succeeds).
     pub fn write(&mut self, lent: &Lent) -> io::Result<()> {
         if *lent == self.written {
             return Ok(());
         }
-        let done = if lent.is_empty() {
-            match std::fs::remove_file(&self.path) {
-                Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
-                _ => Ok(()),
-            }
-        } else {
-            let mut tmp = self.path.as_os_str().to_owned();
-            tmp.push(".tmp");
-            std::fs::write(&tmp, render(lent)).and_then(|()| std::fs::rename(&tmp, &self.path))
-        };
-        if done.is_ok() {
-            self.written.clone_from(lent);
+        if self.file.is_none() {
+            let f = File::options()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&self.path)?;
+            self.file = Some(f);
         }
-        done
+        let text = render(lent);
+        if let Some(f) = &self.file {
+            f.write_all_at(text.as_bytes(), 0)?;
+            f.set_len(text.len() as u64)?;
+        }
+        self.written.clone_from(lent);
+        Ok(())
+    }
+
+    /// At a clean stop: the file is removed if nothing is lent (a broker started later has
+    /// nothing to keep).
+    pub fn close(&mut self) {
+        if self.written.is_empty() {
+            self.file = None;
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
 
     /// [`write`](Self::write), a failure logged (once, until a write succeeds again); with
@@ -153,8 +178,29 @@ mod tests {
         let lent = Lent::from([(("a".into(), 0), 10), (("b.2".into(), 3), u64::MAX)]);
         f.write(&lent).unwrap();
         assert_eq!(BooksFile::open(&p).unwrap().1, lent);
+        let less = Lent::from([(("a".into(), 0), 9)]);
+        f.write(&less).unwrap();
+        assert_eq!(
+            BooksFile::open(&p).unwrap().1,
+            less,
+            "shorter: the rest cut off"
+        );
         f.write(&Lent::new()).unwrap();
-        assert!(!p.exists(), "nothing lent: no file");
+        assert!(BooksFile::open(&p).unwrap().1.is_empty());
+        f.close();
+        assert!(!p.exists(), "nothing lent at a clean stop: no file");
+        std::fs::write(
+            &p,
+            "kvvm-broker-lent/1\na 0 1\nend\nb 0 5 what a crash left",
+        )
+        .unwrap();
+        let read = BooksFile::open(&p).unwrap().1;
+        assert_eq!(
+            read,
+            Lent::from([(("a".into(), 0), 1)]),
+            "after `end`: ignored"
+        );
+        std::fs::remove_file(&p).unwrap();
     }
 
     #[test]
@@ -163,10 +209,11 @@ mod tests {
         for text in [
             "",
             "kvvm-broker-lent/2\n",
-            "kvvm-broker-lent/1\na 0\n",
-            "kvvm-broker-lent/1\na 0 1 2\n",
-            "kvvm-broker-lent/1\n../x 0 1\n",
-            "kvvm-broker-lent/1\na -1 1\n",
+            "kvvm-broker-lent/1\na 0\nend\n",
+            "kvvm-broker-lent/1\na 0 1\n",
+            "kvvm-broker-lent/1\na 0 1 2\nend\n",
+            "kvvm-broker-lent/1\n../x 0 1\nend\n",
+            "kvvm-broker-lent/1\na -1 1\nend\n",
         ] {
             std::fs::write(&p, text).unwrap();
             let e = BooksFile::open(&p).unwrap_err().to_string();

@@ -68,8 +68,11 @@ impl NodeBooks {
         Ok(bytes)
     }
 
-    /// Bills a claim of `bytes` on `device` to `tenant` (and its `client`, if any): first out
-    /// of what is kept for the tenant's claims, the rest if it fits; all or nothing.
+    /// Bills a claim of `bytes` on `device` to `tenant` (and its `client`, if any): out of
+    /// what is kept for the tenant's claims; outside a grace (no books file was left, or the
+    /// grace is over) the rest if it fits; all or nothing. During a grace a claim of more
+    /// than is kept for its tenant is refused: what the previous broker lent is all kept,
+    /// so more is no client's.
     pub(super) fn bill_claim(
         &mut self,
         tenant: &str,
@@ -83,7 +86,8 @@ impl NodeBooks {
         let extra = bytes - from_kept;
         let ceiling = self.tenants.get(tenant).map_or(0, |t| t.limits.ceiling);
         let fits = self.tenant_held(tenant, device).saturating_add(extra) <= ceiling
-            && self.total.get(device).saturating_add(extra) <= self.budget;
+            && self.total.get(device).saturating_add(extra) <= self.budget
+            && (extra == 0 || self.grace.until.is_none());
         if !fits {
             return Err(BooksError::Claim(device));
         }

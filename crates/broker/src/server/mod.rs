@@ -308,6 +308,7 @@ impl Broker {
         }
         if clean {
             let _ = std::fs::remove_file(&self.shared.config.socket);
+            lock(&self.shared.file).close();
         }
         if let Some(mut m) = self.metrics.take() {
             m.stop(); // the last write sees every client gone
