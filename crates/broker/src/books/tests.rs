@@ -323,8 +323,12 @@ fn prefix_uses_are_claimed_once_billed_and_freed_with_their_last_user() {
     );
     assert!(b.claim_prefix(r1, "q", (0, 20), 0, now).is_err(), "no use");
     let e = b.claim_prefix(other, "p", (0, 19), 1, now);
-    assert_eq!(e, Ok(1), "another tenant's key is its own");
-    assert_eq!(b.total_held(0), 30 + 19, "t's 20 out of what was kept");
+    assert_eq!(
+        e,
+        Err(BooksError::Claim(0)),
+        "nothing kept for u: during the grace more is no client's"
+    );
+    assert_eq!(b.total_held(0), 30, "t's 20 out of what was kept");
     assert_eq!(b.unclaimed(), lent(&[("t", 0, 10)]));
     assert!(
         b.open_prefix(r2, "p").is_err(),
@@ -334,6 +338,13 @@ fn prefix_uses_are_claimed_once_billed_and_freed_with_their_last_user() {
     assert_eq!(b.close_prefix(r1, "p", now), Ok(1));
     assert_eq!(b.close_prefix(r2, "p", now), Ok(0));
     assert_eq!(b.tenant_held("t", 0), 10, "freed; what is still kept stays");
+    let later = now + std::time::Duration::from_secs(10);
+    let e = b.claim_prefix(other, "p", (0, 19), 1, later);
+    assert_eq!(
+        e,
+        Ok(1),
+        "after the grace, what fits; another tenant's key is its own"
+    );
     let mut uses = b.prefix_uses();
     uses.sort();
     assert_eq!(uses, vec![(other, "p".to_owned(), 1)]);
