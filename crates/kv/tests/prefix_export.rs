@@ -160,9 +160,17 @@ fn another_plan_an_unsealed_prefix_and_foreign_text_are_refused() {
         "kvvm-prefix/2 1 0 1 0:1",
         "kvvm-prefix/1 1 0",
         "kvvm-prefix/1 1 0 1 0-1",
+        // Windows no prefix can have, refused before anything is built from them.
+        "kvvm-prefix/1 0 0 4000000000 0:4000000000",
+        "kvvm-prefix/1 0 0 1048577 0:1048577",
+        "kvvm-prefix/1 0 0 2 0:1",
+        "kvvm-prefix/1 0 1 1 0:1",
+        "kvvm-prefix/1 0 0 1 0:0 0:1",
     ] {
         assert!(PrefixDescriptor::decode(text).is_err(), "{text:?}");
     }
+    let largest = PrefixDescriptor::decode("kvvm-prefix/1 0 0 1048576 0:1048576").unwrap();
+    assert_eq!(largest.pieces, vec![(0, 1 << 20)]);
     // The same plan imports.
     assert!(SharedDevicePrefix::import(&importer, &plan, &descriptor, &borrowed).is_ok());
 }

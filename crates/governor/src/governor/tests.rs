@@ -354,3 +354,21 @@ fn dropped_reclaimers_are_forgotten_when_another_registers() {
         "only the live one is kept"
     );
 }
+
+/// A reclaimer that says nothing of what it holds (the trait's default).
+struct Silent;
+
+impl Reclaimer for Silent {
+    fn reclaim(&self, _device: DeviceId, _bytes: u64) -> u64 {
+        0
+    }
+}
+
+#[test]
+fn a_reclaimer_that_counts_nothing_ahead_adds_nothing_to_available_bytes() {
+    let (g, _) = governor(10 * MIB);
+    let r: Arc<dyn Reclaimer> = Arc::new(Silent);
+    g.register_reclaimer(Arc::downgrade(&r));
+    assert_eq!(r.reclaimable(D0), 0);
+    assert_eq!(g.available_bytes(D0), 10 * MIB);
+}

@@ -52,8 +52,13 @@ impl PrefixDescriptor {
     }
 
     /// The descriptor [`encode`](Self::encode) wrote; [`KvCacheError::PlanMismatch`] for any
-    /// other text.
+    /// other text, and for one whose windows cannot be a prefix's (checked before anything
+    /// is built from them: no window range empty or past 2^20 windows, no piece of 0
+    /// windows, pieces of 2^20 windows at most in all, and at least as many as one
+    /// fragment's range).
     pub fn decode(text: &str) -> Result<Self, KvCacheError> {
+        /// The most windows a descriptor may name (a prefix of 2 TiB in 2 MiB windows).
+        const MAX_WINDOWS: u64 = 1 << 20;
         let bad = || KvCacheError::PlanMismatch {
             reason: format!("not a kvvm prefix descriptor: {text:?}"),
         };
@@ -74,6 +79,16 @@ impl PrefixDescriptor {
                 Ok((o.parse().map_err(|_| bad())?, n.parse().map_err(|_| bad())?))
             })
             .collect::<Result<Vec<(u64, u64)>, KvCacheError>>()?;
+        let range = end_window.checked_sub(first_window).unwrap_or(0);
+        let windows = pieces
+            .iter()
+            .try_fold(0u64, |a, (_, w)| {
+                (*w > 0).then(|| a.checked_add(*w)).flatten()
+            })
+            .unwrap_or(u64::MAX);
+        if range == 0 || end_window > MAX_WINDOWS || windows > MAX_WINDOWS || windows < range {
+            return Err(bad());
+        }
         Ok(PrefixDescriptor {
             tokens,
             first_window,
