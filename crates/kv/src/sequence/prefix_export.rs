@@ -79,7 +79,7 @@ impl PrefixDescriptor {
                 Ok((o.parse().map_err(|_| bad())?, n.parse().map_err(|_| bad())?))
             })
             .collect::<Result<Vec<(u64, u64)>, KvCacheError>>()?;
-        let range = end_window.checked_sub(first_window).unwrap_or(0);
+        let range = end_window.saturating_sub(first_window);
         let windows = pieces
             .iter()
             .try_fold(0u64, |a, (_, w)| {
