@@ -1,9 +1,9 @@
 //! An honest client's round trip while an attacker floods the broker, against the same
 //! client's round trip on a quiet broker: after 20,000 one-shot hellos (each a tenant of its
 //! own) and while one-shot hellos, connections that never say hello and a client sending as
-//! fast as it can go on. The bound is wide (the attacker's threads share the machine's cores
-//! with the broker): what it catches is a broker whose every request walks what the attacker
-//! left behind, or that turns the honest client away.
+//! fast as it can go on. The bounds are wide (the attacker's threads share the machine's
+//! cores with the broker): what they catch is a broker whose every request walks what the
+//! attacker left behind, or that turns the honest client away.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -143,7 +143,11 @@ fn an_honest_client_is_served_within_its_usual_latency_while_an_attacker_floods(
     let path = broker.config().socket.clone();
     let honest = BrokerClient::connect(ClientOptions::new(&path, "honest")).unwrap();
     let quiet = median_round_trip(&honest, 300);
-    let bound = quiet * 50 + Duration::from_millis(25);
+    // Medians, against the same client's on a quiet broker. A broker that walks what the
+    // attacker left behind was 90 times slower after the hellos (4 ms against 44 us in a
+    // debug build) and 300 times during the flood; this one within 2 and 5 times.
+    let bound_after = quiet * 10 + Duration::from_micros(500);
+    let bound_during = quiet * 25 + Duration::from_millis(1);
     for i in 0..20_000 {
         one_shot(&path, i);
     }
@@ -177,15 +181,15 @@ fn an_honest_client_is_served_within_its_usual_latency_while_an_attacker_floods(
     }
     eprintln!(
         "honest round trip (median): quiet {quiet:?}, after 20,000 hellos {after:?}, \
-         during the flood {during:?} (bound {bound:?}); the attacker's hellos, connections, \
-         messages: {flooded:?}"
+         during the flood {during:?} (bounds {bound_after:?}, {bound_during:?}); the attacker's \
+         hellos, connections, messages: {flooded:?}"
     );
     assert!(
-        after <= bound,
+        after <= bound_after,
         "after the hellos: {after:?} against {quiet:?}"
     );
     assert!(
-        during <= bound,
+        during <= bound_during,
         "during the flood: {during:?} against {quiet:?}"
     );
 }
