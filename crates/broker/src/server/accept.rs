@@ -3,6 +3,7 @@
 //! before trying again, doubling the wait up to [`MAX_PAUSE`], rather than spinning.
 
 use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -68,28 +69,75 @@ pub(super) fn raise_descriptor_limit(config: &BrokerConfig) {
     }
 }
 
-/// Accepts connections until the broker stops, pausing after each failed `accept`.
-pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &UnixListener) {
+/// What `poll` found on the listener and the waker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Woken {
+    /// A connection waits.
+    Connection,
+    /// The broker stops.
+    Stop,
+    /// The wait passed.
+    Timeout,
+}
+
+/// Waits for a connection on `listener` (`None`: none looked for) or a byte on `waker`, at
+/// most `wait` (`None`: as long as it takes).
+fn wait(listener: Option<&UnixListener>, waker: &UnixStream, wait: Option<Duration>) -> Woken {
+    let fd = |raw: RawFd| libc::pollfd {
+        fd: raw,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let mut fds = [
+        fd(waker.as_raw_fd()),
+        fd(listener.map_or(-1, AsRawFd::as_raw_fd)),
+    ];
+    let ms = wait.map_or(-1, |w| {
+        libc::c_int::try_from(w.as_millis().saturating_add(1)).unwrap_or(libc::c_int::MAX)
+    });
+    // SAFETY: `fds` are two valid pollfds (a negative descriptor is ignored by poll), alive
+    // for the call.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+    if rc < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
+        return Woken::Stop;
+    }
+    if fds[0].revents != 0 {
+        Woken::Stop
+    } else if fds[1].revents != 0 {
+        Woken::Connection
+    } else {
+        Woken::Timeout
+    }
+}
+
+/// Accepts connections until the broker stops (a byte on `waker`), pausing after each failed
+/// `accept`.
+pub(super) fn accept_loop(shared: &Arc<Shared>, listener: &UnixListener, waker: &UnixStream) {
     let mut pause = Duration::ZERO;
     loop {
-        let accepted = listener.accept();
-        if shared.stopping.load(Ordering::SeqCst) {
+        if shared.stopping.load(Ordering::SeqCst)
+            || wait(Some(listener), waker, None) == Woken::Stop
+        {
             break;
         }
-        match accepted {
+        match listener.accept() {
             Ok((stream, _)) => {
                 pause = Duration::ZERO;
                 if let Err(e) = admit(shared, stream) {
                     tracing::warn!(error = %e, "connection not served");
                 }
             }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(e) => {
                 lock(&shared.books).note_accept_failure();
                 if pause.is_zero() {
                     tracing::warn!(error = %e, "accept failed; trying again after a pause");
                 }
                 pause = (pause * 2).clamp(FIRST_PAUSE, MAX_PAUSE);
-                std::thread::sleep(pause);
+                // The connection is still queued: wait without looking at it.
+                if wait(None, waker, Some(pause)) == Woken::Stop {
+                    break;
+                }
             }
         }
     }

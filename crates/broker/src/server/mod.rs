@@ -134,6 +134,8 @@ impl Shared {
 pub struct Broker {
     shared: Arc<Shared>,
     acceptor: Option<JoinHandle<()>>,
+    /// A byte written here stops the acceptor.
+    waker: UnixStream,
     metrics: Option<MetricsWriter>,
 }
 
@@ -188,6 +190,8 @@ impl Broker {
             books.take_changed();
         }
         let listener = socket::bind(&config.socket, config.socket_mode)?;
+        listener.set_nonblocking(true)?;
+        let (waker, woken) = UnixStream::pair()?;
         let shared = Arc::new(Shared {
             books: Mutex::new(books),
             file: Mutex::new(file),
@@ -200,11 +204,12 @@ impl Broker {
         let s = Arc::clone(&shared);
         let acceptor = std::thread::Builder::new()
             .name("kvvm-broker-accept".into())
-            .spawn(move || accept::accept_loop(&s, &listener))?;
+            .spawn(move || accept::accept_loop(&s, &listener, &woken))?;
         tracing::info!(socket = %shared.config.socket.display(), "broker started");
         let mut broker = Broker {
             shared,
             acceptor: Some(acceptor),
+            waker,
             metrics: None,
         };
         if let Some(path) = broker.shared.config.metrics_file.clone() {
@@ -287,8 +292,7 @@ impl Broker {
         if self.shared.stopping.swap(true, Ordering::SeqCst) {
             return;
         }
-        // Wake the acceptor with a connection of our own.
-        let _ = UnixStream::connect(&self.shared.config.socket);
+        let _ = std::io::Write::write_all(&mut self.waker, &[1]);
         if let Some(a) = self.acceptor.take() {
             let _ = a.join();
         }
