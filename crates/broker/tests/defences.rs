@@ -200,6 +200,8 @@ fn a_return_over_the_rate_limit_is_applied_and_the_books_agree() {
     assert_eq!(client.acquire_bytes(0, 100, 100), Ok(100));
     client.return_bytes(0, 10);
     assert_eq!(client.held(0), 90, "off the client's books at once");
+    // A barrier, itself over the rate: its answer comes once the return was read.
+    assert!(client.sync().is_err(), "the ping is dropped");
     clock.advance(Duration::from_secs(10));
     client.sync().unwrap();
     let id = client.welcome().unwrap().client;
