@@ -191,6 +191,19 @@ impl World {
         self.broker = Some(Broker::start(config(&self.path, &self.clock)).unwrap());
     }
 
+    /// Waits (a failure guard, never an outcome) until every client came back by itself and
+    /// claimed what it holds, nothing asked of it: what is kept for claims is the raw
+    /// client's alone.
+    fn clients_come_back(&self) {
+        let raw = self.raw_held;
+        common::wait_until(self.broker(), "the clients came back by themselves", |b| {
+            b.clients() == self.clients.len()
+                && b.unclaimed()
+                    .into_iter()
+                    .all(|((t, _), bytes)| t == "r" && bytes == raw)
+        });
+    }
+
     /// Steps the raw client back in: hello, then its claim, checking the budget at each step.
     fn raw_rejoins(&mut self) {
         self.check_budget();
@@ -267,6 +280,7 @@ fn a_broker_killed_at_every_step_never_lends_a_byte_twice_and_its_books_come_bac
         for i in 0..STEPS {
             if i == kill_at {
                 w.restart();
+                w.clients_come_back();
                 w.raw_rejoins();
                 w.check_books_exactly();
                 // Twice more, back to back: the second kill may find clients half way
