@@ -11,7 +11,7 @@ impl NodeBooks {
     /// `client` publishes `key` (its handles, their sizes, the device and the `meta` its
     /// readers get with them): the bytes move from its holding to the prefix (billed once, to
     /// its tenant) and it is the first user. Refused when the tenant has that key or
-    /// [`MAX_PREFIXES`] prefixes, or the broker would hold more descriptors than it may.
+    /// 256 prefixes, or the broker would hold more descriptors than it may.
     /// Returns what the client holds now.
     pub fn publish_prefix(
         &mut self,
