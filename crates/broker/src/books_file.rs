@@ -136,20 +136,9 @@ impl BooksFile {
         }
     }
 
-    /// [`write`](Self::write), a failure logged (once, until a write succeeds again); with
-    /// `only_more`, each entry is written as the larger of `lent`'s and the file's.
-    pub fn write_logged(&mut self, lent: &Lent, only_more: bool) {
-        let done = if only_more {
-            let mut most = self.written.clone();
-            for (k, b) in lent {
-                let m = most.entry(k.clone()).or_default();
-                *m = (*m).max(*b);
-            }
-            self.write(&most)
-        } else {
-            self.write(lent)
-        };
-        match done {
+    /// [`write`](Self::write), a failure logged (once, until a write succeeds again).
+    pub fn write_logged(&mut self, lent: &Lent) {
+        match self.write(lent) {
             Ok(()) => self.failing = false,
             Err(e) if !self.failing => {
                 self.failing = true;

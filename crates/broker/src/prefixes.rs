@@ -63,6 +63,28 @@ pub struct Prefixes {
 /// One prefix as the books see it: (tenant, key, device, bytes, users).
 pub type PrefixRow = (String, String, u32, u64, u32);
 
+/// A prefix freed with its last user.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Freed {
+    /// Its device.
+    pub device: u32,
+    /// Its bytes.
+    pub bytes: u64,
+    /// Whether it was claimed after a restart (not published since): users of the previous
+    /// broker may still come to claim it.
+    pub claimed: bool,
+}
+
+impl Freed {
+    fn of(e: &Entry) -> Freed {
+        Freed {
+            device: e.device,
+            bytes: e.bytes,
+            claimed: e.fds.is_empty(),
+        }
+    }
+}
+
 /// What a claim of a prefix use found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefixClaim {
@@ -196,13 +218,13 @@ impl Prefixes {
     }
 
     /// `client` lets go of `tenant`'s prefix `key` once. Returns the users left, and the
-    /// (device, bytes) freed when it was the last; `None` if the client was not a user.
+    /// prefix freed when it was the last; `None` if the client was not a user.
     pub fn close(
         &mut self,
         tenant: &str,
         key_: &str,
         client: u64,
-    ) -> Option<(usize, Option<(u32, u64)>)> {
+    ) -> Option<(usize, Option<Freed>)> {
         let k = key(tenant, key_);
         let e = self.map.get_mut(&k)?;
         let n = e.users.get_mut(&client)?;
@@ -215,7 +237,7 @@ impl Prefixes {
             return Some((left, None));
         }
         let e = self.remove(&k)?;
-        Some((0, Some((e.device, e.bytes))))
+        Some((0, Some(Freed::of(&e))))
     }
 
     fn remove(&mut self, k: &(String, String)) -> Option<Entry> {
@@ -224,9 +246,9 @@ impl Prefixes {
         Some(e)
     }
 
-    /// Drops every use of `client` of `tenant` (its socket closed); returns the (device,
-    /// bytes) of the prefixes it was the last user of, which are freed.
-    pub fn drop_client(&mut self, tenant: &str, client: u64) -> Vec<(u32, u64)> {
+    /// Drops every use of `client` of `tenant` (its socket closed); returns the prefixes it
+    /// was the last user of, which are freed.
+    pub fn drop_client(&mut self, tenant: &str, client: u64) -> Vec<Freed> {
         let mut freed = Vec::new();
         for (k, e) in self.map.range_mut(key(tenant, "")..) {
             if k.0 != tenant {
@@ -239,7 +261,7 @@ impl Prefixes {
         freed
             .iter()
             .filter_map(|k| self.remove(k))
-            .map(|e| (e.device, e.bytes))
+            .map(|e| Freed::of(&e))
             .collect()
     }
 

@@ -348,9 +348,8 @@ impl NodeBooks {
             self.take_back(&c.tenant, None, *d, *b);
             self.note_given_back(*d, *b, now);
         }
-        for (d, b) in self.prefixes.drop_client(&c.tenant, client) {
-            self.take_back(&c.tenant, None, d, b);
-            self.note_given_back(d, b, now);
+        for f in self.prefixes.drop_client(&c.tenant, client) {
+            self.free_prefix(&c.tenant, f, now);
         }
         self.prune(&c.tenant);
         held

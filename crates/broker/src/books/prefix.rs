@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use super::{BooksError, NodeBooks};
-use crate::prefixes::{OpenedPrefix, PrefixClaim, Published, MAX_PREFIXES};
+use crate::prefixes::{Freed, OpenedPrefix, PrefixClaim, Published, MAX_PREFIXES};
 
 impl NodeBooks {
     /// `client` publishes `key` (its handles, their sizes, the device and the `meta` its
@@ -71,11 +71,32 @@ impl NodeBooks {
             .prefixes
             .close(&tenant, key, client)
             .ok_or_else(|| BooksError::NoPrefix(key.to_owned()))?;
-        if let Some((d, b)) = freed {
-            self.take_back(&tenant, None, d, b);
-            self.note_given_back(d, b, now);
+        if let Some(f) = freed {
+            self.free_prefix(&tenant, f, now);
         }
         Ok(left)
+    }
+
+    /// A prefix of `tenant` freed with its last user: its bytes go back to the node, or,
+    /// when it was claimed after a restart and the grace runs, back to what is kept for the
+    /// tenant's claims (its other users of the previous broker may not have claimed it yet).
+    pub(super) fn free_prefix(&mut self, tenant: &str, freed: Freed, now: Instant) {
+        let Freed {
+            device,
+            bytes,
+            claimed,
+        } = freed;
+        if claimed && self.grace.until.is_some() {
+            let kept = self
+                .grace
+                .unclaimed
+                .entry((tenant.to_owned(), device))
+                .or_default();
+            *kept = kept.saturating_add(bytes);
+            return;
+        }
+        self.take_back(tenant, None, device, bytes);
+        self.note_given_back(device, bytes, now);
     }
 
     /// `client` used its tenant's prefix `key` (`bytes` on `device`) `uses` times under a

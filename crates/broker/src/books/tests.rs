@@ -337,7 +337,11 @@ fn prefix_uses_are_claimed_once_billed_and_freed_with_their_last_user() {
     assert_eq!(b.close_prefix(r1, "p", now), Ok(2));
     assert_eq!(b.close_prefix(r1, "p", now), Ok(1));
     assert_eq!(b.close_prefix(r2, "p", now), Ok(0));
-    assert_eq!(b.tenant_held("t", 0), 10, "freed; what is still kept stays");
+    assert_eq!(
+        b.tenant_held("t", 0),
+        30,
+        "during the grace a claimed prefix's bytes go back to what is kept for t"
+    );
     let later = now + std::time::Duration::from_secs(10);
     let e = b.claim_prefix(other, "p", (0, 19), 1, later);
     assert_eq!(
@@ -348,4 +352,44 @@ fn prefix_uses_are_claimed_once_billed_and_freed_with_their_last_user() {
     let mut uses = b.prefix_uses();
     uses.sort();
     assert_eq!(uses, vec![(other, "p".to_owned(), 1)]);
+}
+
+#[test]
+fn a_claimed_prefix_closed_during_the_grace_is_kept_for_its_other_users() {
+    let (mut b, _) = books(100);
+    let now = Instant::now();
+    let until = now + std::time::Duration::from_secs(10);
+    b.keep_for_claims(lent(&[("t", 0, 30), ("u", 0, 70)]), until);
+    let first = b.register("t", &policy(0, None), 100);
+    assert_eq!(b.claim_prefix(first, "p", (0, 30), 1, now), Ok(1));
+    assert_eq!(
+        b.close_prefix(first, "p", now),
+        Ok(0),
+        "the first user back lets go"
+    );
+    assert_eq!(
+        b.unclaimed(),
+        lent(&[("t", 0, 30), ("u", 0, 70)]),
+        "kept again, not freed"
+    );
+    let second = b.register("t", &policy(0, None), 100);
+    assert_eq!(
+        b.claim_prefix(second, "p", (0, 30), 1, now),
+        Ok(1),
+        "its other user claims it"
+    );
+    b.drop_client(second, now);
+    assert_eq!(
+        b.unclaimed().get(&("t".to_owned(), 0)),
+        Some(&30),
+        "kept again"
+    );
+    let newcomer = b.register("v", &policy(0, None), 100);
+    assert!(
+        b.acquire(newcomer, 0, 1, 1, &RetryPolicy::default(), until)
+            .unwrap()
+            .is_ok(),
+        "the grace is over: what was kept goes"
+    );
+    assert_eq!(b.total_held(0), 1);
 }

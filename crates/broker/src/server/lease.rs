@@ -7,12 +7,22 @@ use super::{Conn, Shared};
 use crate::books::BooksError;
 use crate::proto::{ErrorCode, Reply, Request};
 
+/// The answer to a request that would lend while the broker stops: the connection ends
+/// (its client reconnects to the next broker).
+pub(super) fn stopping() -> Next {
+    Next::Close(Some(Reply::Shutdown {
+        reason: "the broker is stopping".into(),
+    }))
+}
+
 /// Serves a `claim`, `acquire` or `return` of `client`.
 pub(super) fn request(shared: &Arc<Shared>, conn: &Conn, client: u64, req: Request) -> Next {
     let now = shared.config.clock.now();
     let (id, device, result) = match req {
         Request::Claim { id, device, bytes } => {
-            let r = shared.books(|b| b.claim(client, device, bytes, now));
+            let Some(r) = shared.lend(|b| b.claim(client, device, bytes, now)) else {
+                return stopping();
+            };
             (id, device, r.map(|held| (0, held)))
         }
         Request::Return { id, device, bytes } => {
@@ -26,10 +36,11 @@ pub(super) fn request(shared: &Arc<Shared>, conn: &Conn, client: u64, req: Reque
             want,
         } => {
             let retry = &shared.config.retry;
-            let r = shared.books(|b| {
+            let r = shared.lend(|b| {
                 let r = b.acquire(client, device, need, want, retry, now);
                 (r, b.client_held(client, device))
             });
+            let Some(r) = r else { return stopping() };
             match r {
                 (Ok(Ok(granted)), held) => (id, device, Ok((granted, held))),
                 (Ok(Err((refusal, asks))), _) => {

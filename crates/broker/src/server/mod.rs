@@ -109,16 +109,22 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Shared {
     /// Runs `f` on the books; when it changed what is lent, writes the books file before
     /// the books are let go (so before any answer: the file never says less than was
-    /// lent). Once the broker stops the file only grows (a grant racing the stop is
-    /// written; what the connections' ends give back is not: their clients keep it).
+    /// lent). Once the broker stops nothing is written: what the connections' ends give
+    /// back, their clients keep, to claim from the next broker.
     fn books<R>(&self, f: impl FnOnce(&mut NodeBooks) -> R) -> R {
         let mut books = lock(&self.books);
         let r = f(&mut books);
-        if books.take_changed() {
-            let only_more = self.stopping.load(Ordering::SeqCst);
-            lock(&self.file).write_logged(&books.lent(), only_more);
+        if books.take_changed() && !self.stopping.load(Ordering::SeqCst) {
+            lock(&self.file).write_logged(&books.lent());
         }
         r
+    }
+
+    /// [`books`](Self::books) for a request that may lend more (an acquire, a claim): `None`
+    /// once the broker stops (set under the books' lock, so no grant slips in after it and
+    /// into room that a stopping connection's end left).
+    fn lend<R>(&self, f: impl FnOnce(&mut NodeBooks) -> R) -> Option<R> {
+        self.books(|b| (!self.stopping.load(Ordering::SeqCst)).then(|| f(b)))
     }
 
     /// Sends `reply` to the connection of broker client `client`, if it is connected.
@@ -289,8 +295,12 @@ impl Broker {
     }
 
     fn halt(&mut self, clean: bool) {
-        if self.shared.stopping.swap(true, Ordering::SeqCst) {
-            return;
+        {
+            // Under the books' lock: a request that lends sees it before or after, whole.
+            let _books = lock(&self.shared.books);
+            if self.shared.stopping.swap(true, Ordering::SeqCst) {
+                return;
+            }
         }
         let _ = std::io::Write::write_all(&mut self.waker, &[1]);
         if let Some(a) = self.acceptor.take() {

@@ -70,7 +70,10 @@ pub(super) fn request(
             bytes,
             uses,
         } => {
-            let r = shared.books(|b| b.claim_prefix(client, &key, (device, bytes), uses, now));
+            let r = shared.lend(|b| b.claim_prefix(client, &key, (device, bytes), uses, now));
+            let Some(r) = r else {
+                return super::lease::stopping();
+            };
             answer(conn, id, r.map(|users| users_reply(id, users)))
         }
         other => Next::Close(Some(error(
