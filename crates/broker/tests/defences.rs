@@ -110,7 +110,11 @@ fn idle_and_half_frame_connections_are_dropped_after_their_deadline_and_an_hones
     wait_until(&broker, "the dropped connections' slots are free", |b| {
         b.connections() == 0
     });
-    assert_eq!(broker.metrics().counters.connections_timed_out, 3);
+    let counters = broker.metrics().counters;
+    assert_eq!(
+        (counters.connections_timed_out, counters.connections_refused),
+        (3, 1)
+    );
     let honest = BrokerClient::connect(ClientOptions::new(&path, "honest"))
         .expect("the honest client gets in");
     assert_eq!(honest.acquire_bytes(0, 10, 10), Ok(10));

@@ -183,7 +183,7 @@ impl NodeBooks {
         }
         self.tenant_mut(tenant).held.add(device, bytes);
         self.total.add(device, bytes);
-        self.changed |= bytes > 0;
+        self.changed = true;
     }
 
     /// `bytes` on `device` back from `tenant` (and its `client`, if any).
@@ -195,7 +195,7 @@ impl NodeBooks {
             t.held.sub(device, bytes);
         }
         self.total.sub(device, bytes);
-        self.changed |= bytes > 0;
+        self.changed = true;
         self.prune(tenant);
     }
 

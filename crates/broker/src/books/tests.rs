@@ -193,6 +193,10 @@ fn twenty_thousand_one_shot_tenants_leave_the_books_as_they_were() {
     }
     let after = b.entries();
     assert_eq!(
+        before.devices, 3,
+        "honest's device 0: its own, its tenant's, the node's"
+    );
+    assert_eq!(
         (after.tenants, after.clients, after.devices),
         (before.tenants, before.clients, before.devices + 1),
         "only device 0's give-back history is new: {before:?} then {after:?}"
