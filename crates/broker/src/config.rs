@@ -197,3 +197,68 @@ impl BrokerConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn refused(c: &BrokerConfig) -> String {
+        match c.validate() {
+            Err(BrokerError::Config(why)) => why,
+            other => format!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_configuration_that_cannot_be_served_is_refused_with_the_reason() {
+        let base = || BrokerConfig::new("/x.sock", 100);
+        assert!(base().validate().is_ok());
+        let floor = |f: u64, c: Option<u64>| TenantPolicy {
+            floor: f,
+            ceiling: c,
+            ..TenantPolicy::default()
+        };
+        assert!(refused(&base().tenant("a", floor(0, Some(101)))).contains("ceiling 101 over"));
+        assert!(base().tenant("a", floor(0, Some(100))).validate().is_ok());
+        assert!(refused(&base().tenant("a", floor(60, Some(50)))).contains("floor 60 over"));
+        assert!(base().tenant("a", floor(50, Some(50))).validate().is_ok());
+        let two = base()
+            .tenant("a", floor(60, None))
+            .tenant("b", floor(41, None));
+        assert!(refused(&two).contains("add up to 101"));
+        let exact = base()
+            .tenant("a", floor(60, None))
+            .tenant("b", floor(40, None));
+        assert!(exact.validate().is_ok());
+        let mut c = base();
+        c.socket_mode = 0o1777;
+        assert!(refused(&c).contains("permission bits"));
+        c.socket_mode = 0o777;
+        assert!(c.validate().is_ok());
+        c.default_tenant = None;
+        assert!(refused(&c).contains("no tenant may connect"));
+        assert!(c.clone().tenant("a", floor(0, None)).validate().is_ok());
+        for (name, set) in [
+            (
+                "metrics_interval",
+                (|c: &mut BrokerConfig| c.metrics_interval = Duration::ZERO)
+                    as fn(&mut BrokerConfig),
+            ),
+            ("hello_timeout", |c| c.hello_timeout = Duration::ZERO),
+            ("idle_timeout", |c| c.idle_timeout = Duration::ZERO),
+            ("max_clients", |c| c.max_clients = 0),
+            ("max_clients_per_user", |c| c.max_clients_per_user = 0),
+            ("burst", |c| c.burst = 0),
+            ("devices", |c| c.devices = 0),
+        ] {
+            let mut c = base();
+            set(&mut c);
+            assert_eq!(refused(&c), format!("{name} must be above zero"));
+        }
+        assert_eq!(base().books_path(), PathBuf::from("/x.sock.books"));
+        let mut c = base();
+        c.books_file = Some("/elsewhere".into());
+        assert_eq!(c.books_path(), PathBuf::from("/elsewhere"));
+    }
+}

@@ -5,13 +5,14 @@
 //!
 //! | backend | what `export_posix_fd` gives | accepted when |
 //! |---|---|---|
-//! | host | a `memfd` (a regular file of tmpfs or hugetlbfs) whose size is sealed | its size is sealed against growing and shrinking and is the size claimed |
+//! | host | a `memfd` whose size is sealed | a regular file whose size is sealed against growing and shrinking (only files in memory can have seals: tmpfs, hugetlbfs, memfds) and is the size claimed |
 //! | CUDA | a descriptor of the NVIDIA control device (`/dev/nvidiactl`, a character device of major 195) the driver exported the allocation onto | it is a character device of major 195 (its size cannot be read: the claim is trusted, and billed) |
 //! | HIP, others | a dma-buf (an anonymous inode of the dma-buf file system) | its size is the size claimed |
 //!
 //! Everything else is refused: sockets (the client's own broker connection among them, which
-//! would keep the client alive in the broker after it died), pipes, directories, regular
-//! files of other file systems or without sealed sizes, other devices.
+//! would keep the client alive in the broker after it died), pipes, directories, files
+//! without sealed sizes (on disk, or in memory but growable), other devices, other
+//! anonymous inodes.
 
 use std::fmt;
 use std::mem::MaybeUninit;
@@ -44,46 +45,50 @@ impl fmt::Display for ExportKind {
     }
 }
 
-/// What `fstat` and `fstatfs` say of a descriptor.
+/// What `fstat` says of a descriptor.
 #[derive(Debug, Clone, Copy)]
 struct Stat {
     kind: u32,
     size: u64,
     rdev_major: u32,
     rdev_minor: u32,
-    fs_magic: u64,
 }
 
 #[cfg(target_os = "linux")]
 fn stat(fd: BorrowedFd<'_>) -> Result<Stat, String> {
-    let raw = fd.as_raw_fd();
     let mut st = MaybeUninit::<libc::stat>::uninit();
     // SAFETY: the descriptor is open for the borrow; `st` has room for a stat.
-    if unsafe { libc::fstat(raw, st.as_mut_ptr()) } != 0 {
+    if unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) } != 0 {
         return Err(format!("fstat: {}", std::io::Error::last_os_error()));
     }
     // SAFETY: fstat succeeded, so it wrote the whole struct.
     let st = unsafe { st.assume_init() };
-    let mut fs = MaybeUninit::<libc::statfs>::uninit();
-    // SAFETY: as above, for fstatfs and a statfs.
-    if unsafe { libc::fstatfs(raw, fs.as_mut_ptr()) } != 0 {
-        return Err(format!("fstatfs: {}", std::io::Error::last_os_error()));
-    }
-    // SAFETY: fstatfs succeeded, so it wrote the whole struct.
-    let fs = unsafe { fs.assume_init() };
     Ok(Stat {
         kind: st.st_mode & libc::S_IFMT,
         size: u64::try_from(st.st_size).unwrap_or(0),
         rdev_major: libc::major(st.st_rdev),
         rdev_minor: libc::minor(st.st_rdev),
-        // The type's width differs between targets; the magic numbers fit 32 bits.
-        #[allow(clippy::useless_conversion, clippy::unnecessary_cast)]
-        fs_magic: fs.f_type as u64,
     })
 }
 
+/// Whether `fd` is of the dma-buf file system (`fstatfs`).
+#[cfg(target_os = "linux")]
+fn is_dma_buf(fd: BorrowedFd<'_>) -> bool {
+    let mut fs = MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: the descriptor is open for the borrow; `fs` has room for a statfs.
+    if unsafe { libc::fstatfs(fd.as_raw_fd(), fs.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    // SAFETY: fstatfs succeeded, so it wrote the whole struct.
+    let fs = unsafe { fs.assume_init() };
+    // The type's width differs between targets; the magic numbers fit 32 bits.
+    #[allow(clippy::useless_conversion, clippy::unnecessary_cast)]
+    let magic = fs.f_type as u64;
+    magic == DMA_BUF_MAGIC
+}
+
 /// Whether `fd`'s size is sealed against growing and shrinking (what the host backend does
-/// to every memfd it makes).
+/// to every memfd it makes; only files in memory, memfds among them, can have seals).
 #[cfg(target_os = "linux")]
 fn size_sealed(fd: BorrowedFd<'_>) -> bool {
     // SAFETY: F_GET_SEALS reads the descriptor's seals and touches no memory of ours.
@@ -92,17 +97,19 @@ fn size_sealed(fd: BorrowedFd<'_>) -> bool {
     seals >= 0 && seals & wanted == wanted
 }
 
-/// What a descriptor of kind `kind` is, in words.
-fn kind_name(kind: u32) -> &'static str {
-    match kind {
-        libc::S_IFSOCK => "a socket",
-        libc::S_IFIFO => "a pipe",
-        libc::S_IFDIR => "a directory",
-        libc::S_IFREG => "a regular file",
-        libc::S_IFCHR => "a character device",
-        libc::S_IFBLK => "a block device",
-        libc::S_IFLNK => "a symbolic link",
-        _ => "an anonymous inode",
+/// What a descriptor that is not exported memory is, in words.
+fn what(st: &Stat) -> String {
+    match st.kind {
+        libc::S_IFSOCK => "a socket".into(),
+        libc::S_IFIFO => "a pipe".into(),
+        libc::S_IFDIR => "a directory".into(),
+        libc::S_IFREG => "a file without a sealed size (not a memfd the host backend made)".into(),
+        libc::S_IFCHR => format!(
+            "a character device {}:{} (not the NVIDIA driver's)",
+            st.rdev_major, st.rdev_minor
+        ),
+        0 => "an anonymous inode that is no dma-buf".into(),
+        other => format!("a file of mode {other:o}"),
     }
 }
 
@@ -113,25 +120,11 @@ fn kind_name(kind: u32) -> &'static str {
 #[cfg(target_os = "linux")]
 pub fn check_exported(fd: BorrowedFd<'_>, size: u64) -> Result<ExportKind, String> {
     let st = stat(fd)?;
-    let is_memory_fs =
-        st.fs_magic == libc::TMPFS_MAGIC as u64 || st.fs_magic == libc::HUGETLBFS_MAGIC as u64;
     let kind = match st.kind {
-        libc::S_IFREG if is_memory_fs && size_sealed(fd) => ExportKind::Memfd,
-        libc::S_IFREG if is_memory_fs => {
-            return Err(
-                "a file in memory whose size is not sealed (not a memfd the host backend made)"
-                    .into(),
-            )
-        }
+        libc::S_IFREG if size_sealed(fd) => ExportKind::Memfd,
         libc::S_IFCHR if st.rdev_major == NVIDIA_MAJOR => return Ok(ExportKind::NvidiaControl),
-        libc::S_IFCHR => {
-            return Err(format!(
-                "a character device {}:{} (not the NVIDIA driver's)",
-                st.rdev_major, st.rdev_minor
-            ))
-        }
-        0 if st.fs_magic == DMA_BUF_MAGIC => ExportKind::DmaBuf,
-        other => return Err(format!("{}, not exported device memory", kind_name(other))),
+        0 if is_dma_buf(fd) => ExportKind::DmaBuf,
+        _ => return Err(format!("{}, not exported device memory", what(&st))),
     };
     if st.size != size {
         return Err(format!(
@@ -182,7 +175,7 @@ mod tests {
         assert!(e.contains("8192 bytes, not the 1 claimed"), "{e}");
         let unsealed = memfd(8192, false);
         let e = check_exported(unsealed.as_fd(), 8192).unwrap_err();
-        assert!(e.contains("not sealed"), "{e}");
+        assert!(e.starts_with("a file without a sealed size"), "{e}");
         let (a, _b) = UnixStream::pair().unwrap();
         let e = check_exported(a.as_fd(), 1).unwrap_err();
         assert!(e.starts_with("a socket"), "{e}");
@@ -200,9 +193,35 @@ mod tests {
         let null = std::fs::File::open("/dev/null").unwrap();
         let e = check_exported(null.as_fd(), 1).unwrap_err();
         assert!(e.contains("character device 1:3"), "{e}");
-        // A file on disk (or, where the build lives in memory, a file without sealed size).
         let exe = std::fs::File::open(std::env::current_exe().unwrap()).unwrap();
         let size = exe.metadata().unwrap().len();
-        assert!(check_exported(exe.as_fd(), size).is_err());
+        let e = check_exported(exe.as_fd(), size).unwrap_err();
+        assert!(e.starts_with("a file without a sealed size"), "{e}");
+        // An anonymous inode of another kind (an eventfd: of size 0, as claimed here).
+        // SAFETY: eventfd makes a new descriptor we own.
+        let event = unsafe { OwnedFd::from_raw_fd(libc::eventfd(0, libc::EFD_CLOEXEC)) };
+        let e = check_exported(event.as_fd(), 0).unwrap_err();
+        assert!(
+            e.starts_with("an anonymous inode that is no dma-buf"),
+            "{e}"
+        );
+        // A symbolic link itself (opened with O_PATH).
+        let link = std::env::temp_dir().join(format!("kvvm-link-{}", std::process::id()));
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink("/nonexistent", &link).unwrap();
+        let path = std::ffi::CString::new(link.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid C string; O_PATH | O_NOFOLLOW opens the link itself.
+        let raw = unsafe {
+            libc::open(
+                path.as_ptr(),
+                libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            )
+        };
+        assert!(raw >= 0);
+        // SAFETY: open returned a new descriptor we own.
+        let l = unsafe { OwnedFd::from_raw_fd(raw) };
+        let e = check_exported(l.as_fd(), 0).unwrap_err();
+        assert!(e.starts_with("a file of mode 120000"), "{e}");
+        std::fs::remove_file(&link).unwrap();
     }
 }

@@ -209,3 +209,61 @@ impl Read for FdReader {
         Ok(n)
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::os::fd::AsFd;
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn a_write_carries_1_to_64_descriptors_and_a_reader_keeps_at_most_64_not_taken() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let many: Vec<OwnedFd> = (0..65)
+            .map(|_| null.as_fd().try_clone_to_owned().unwrap())
+            .collect();
+        let fds: Vec<BorrowedFd<'_>> = many.iter().map(AsFd::as_fd).collect();
+        assert!(send_with_fds(&a, b"x", &[]).is_err(), "none");
+        assert!(send_with_fds(&a, b"x", &fds).is_err(), "65");
+        assert!(
+            send_with_fds(&a, b"", &fds[..1]).is_err(),
+            "no byte to carry them"
+        );
+        // Two writes of 40 before the frame they ride on is read: 80 kept is too many.
+        send_with_fds(&a, b"a", &fds[..40]).unwrap();
+        send_with_fds(&a, b"b", &fds[..40]).unwrap();
+        let mut r = FdReader::new(b);
+        let mut buf = [0u8; 1];
+        assert_eq!(r.read(&mut buf).unwrap(), 1);
+        assert_eq!(r.take_fds(40).map(|f| f.len()), Some(40));
+        send_with_fds(&a, b"c", &fds[..40]).unwrap();
+        assert_eq!(r.read(&mut buf).unwrap(), 1, "40 kept: fine");
+        assert_eq!(
+            r.read(&mut buf).unwrap_err().kind(),
+            io::ErrorKind::InvalidData
+        );
+        assert_eq!(r.drop_fds(), 0, "the descriptors are closed");
+        assert_eq!(format!("{r:?}"), "FdReader { fds: 0, deadline: None }");
+    }
+
+    #[test]
+    fn a_read_waits_until_its_deadline_and_no_longer() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut r = FdReader::new(b);
+        r.set_deadline(Some(Instant::now() + Duration::from_millis(50)));
+        let mut buf = [0u8; 1];
+        assert_eq!(
+            r.read(&mut buf).unwrap_err().kind(),
+            io::ErrorKind::TimedOut
+        );
+        let fd = r.stream().as_raw_fd();
+        assert!(!readable_within(fd, Duration::from_millis(10)).unwrap());
+        (&a).write_all(b"x").unwrap();
+        assert!(readable_within(fd, Duration::from_secs(20)).unwrap());
+        r.set_deadline(Some(Instant::now() + Duration::from_secs(20)));
+        assert_eq!(r.read(&mut buf).unwrap(), 1);
+    }
+}

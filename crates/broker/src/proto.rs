@@ -403,6 +403,22 @@ mod tests {
     }
 
     #[test]
+    fn keys_and_meta() {
+        assert!(valid_key("system-prompt:v1.2_x"));
+        assert!(valid_key(&"k".repeat(MAX_KEY)));
+        assert!(!valid_key(""));
+        assert!(!valid_key("a b"));
+        assert!(!valid_key("a/b"));
+        assert!(!valid_key(&"k".repeat(MAX_KEY + 1)));
+        assert!(valid_meta(""));
+        assert!(valid_meta("kvvm-prefix/1 64 0 2 0:1"));
+        assert!(valid_meta(&"m".repeat(MAX_META)));
+        assert!(!valid_meta("a\nb"));
+        assert!(!valid_meta("\u{e9}"));
+        assert!(!valid_meta(&"m".repeat(MAX_META + 1)));
+    }
+
+    #[test]
     fn tenant_names() {
         assert!(valid_tenant("engine-a.1_x"));
         assert!(!valid_tenant(""));

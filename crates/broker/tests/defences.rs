@@ -325,3 +325,25 @@ fn accept_backs_off_while_descriptors_run_out_and_serves_once_they_are_back() {
     drop(fillers);
     welcomed(&hello(&mut s, "t"));
 }
+
+#[test]
+fn a_socket_and_a_metrics_file_named_without_a_folder_live_in_the_working_folder() {
+    if !common::raw::alone(
+        "a_socket_and_a_metrics_file_named_without_a_folder_live_in_the_working_folder",
+    ) {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("kvvm-broker-cwd-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // This process runs this test alone: its working folder is its own.
+    std::env::set_current_dir(&dir).unwrap();
+    let mut config = BrokerConfig::new("b.sock", 1000);
+    config.metrics_file = Some("m.prom".into());
+    let broker = Broker::start(config).unwrap();
+    assert!(dir.join("b.sock").exists() && dir.join("m.prom").exists());
+    let mut s = connect(std::path::Path::new("b.sock"));
+    welcomed(&hello(&mut s, "t"));
+    drop(s);
+    drop(broker);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -386,3 +386,49 @@ fn prefix_requests_are_checked_against_the_clients_books() {
     assert_eq!(client.close_prefix("p").unwrap(), 0);
     assert_eq!(broker.total_held(0), 0);
 }
+
+#[test]
+fn a_client_tries_a_request_once_more_on_a_new_connection_and_then_gives_up() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let path = socket("drops-requests");
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let requests = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&requests);
+    // Not a broker: it welcomes every client and hangs up on its first request.
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            let seen = Arc::clone(&seen);
+            std::thread::spawn(move || {
+                let hello = read_frame::<Request>(&mut s);
+                if !matches!(hello, Ok(Frame::Message(Request::Hello { .. }))) {
+                    return;
+                }
+                let welcome = Reply::Welcome {
+                    id: 1,
+                    client: 1,
+                    floor: 0,
+                    ceiling: 100,
+                    budget: 100,
+                    idle_ms: 0,
+                };
+                if write_frame(&mut s, &welcome).is_ok()
+                    && matches!(read_frame::<Request>(&mut s), Ok(Frame::Message(_)))
+                {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    let client =
+        kvvm_broker::BrokerClient::connect(kvvm_broker::ClientOptions::new(&path, "t")).unwrap();
+    assert!(client.acquire_bytes(0, 1, 1).is_err(), "no answer came");
+    assert_eq!(
+        requests.load(Ordering::SeqCst),
+        2,
+        "the request, and once more on a new connection"
+    );
+    drop(client);
+    let _ = std::fs::remove_file(&path);
+}

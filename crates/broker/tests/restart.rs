@@ -197,6 +197,16 @@ impl World {
     fn restart(&mut self) {
         self.broker.take().unwrap().abandon();
         self.raw = None;
+        // Every client notices at once (its connection ended), nothing asked of it (a
+        // failure guard, never an outcome).
+        let began = std::time::Instant::now();
+        while self.clients.iter().any(BrokerClient::connected) {
+            assert!(
+                began.elapsed() < GUARD,
+                "a client did not notice its broker died"
+            );
+            std::thread::yield_now();
+        }
         self.broker = Some(Broker::start(config(&self.path, &self.clock)).unwrap());
     }
 

@@ -181,7 +181,6 @@ impl BrokerClient {
     pub fn holdings(&self) -> Vec<(u32, u64)> {
         lock(&self.inner.held)
             .iter()
-            .filter(|(_, b)| **b > 0)
             .map(|(d, b)| (*d, *b))
             .collect()
     }
@@ -291,11 +290,7 @@ impl BrokerClient {
         {
             let mut writer = lock(&self.inner.writer);
             *writer = Some(Arc::clone(&conn.writer));
-            let held: Vec<(u32, u64)> = lock(&self.inner.held)
-                .iter()
-                .filter(|(_, b)| **b > 0)
-                .map(|(d, b)| (*d, *b))
-                .collect();
+            let held = self.holdings();
             let mut w = lock(&conn.writer);
             for (device, bytes) in held {
                 write_frame(
@@ -423,9 +418,11 @@ impl BrokerClient {
         };
         let reply = self.request(make, &[], |reply, _| {
             if let Reply::Held { granted, .. } = reply {
-                let mut held = lock(&self.inner.held);
-                let h = held.entry(device).or_default();
-                *h = h.saturating_add(granted);
+                if granted > 0 {
+                    let mut held = lock(&self.inner.held);
+                    let h = held.entry(device).or_default();
+                    *h = h.saturating_add(granted);
+                }
             }
             reply
         });
@@ -449,7 +446,9 @@ impl BrokerClient {
         let writer = lock(&self.inner.writer);
         let bytes = {
             let mut held = lock(&self.inner.held);
-            let h = held.entry(device).or_default();
+            let Some(h) = held.get_mut(&device) else {
+                return;
+            };
             let b = bytes.min(*h);
             *h -= b;
             if *h == 0 {
