@@ -347,3 +347,60 @@ fn a_socket_and_a_metrics_file_named_without_a_folder_live_in_the_working_folder
     drop(broker);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_broker_leaves_a_file_at_its_socket_s_path_alone() {
+    let path = socket("a-file");
+    std::fs::write(&path, "keep me").unwrap();
+    let e = Broker::start(BrokerConfig::new(&path, 1000)).unwrap_err();
+    assert!(e.to_string().contains("a regular file"), "{e}");
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "keep me");
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn starting_raises_the_descriptor_limit_to_the_hard_limit() {
+    if !common::raw::alone("starting_raises_the_descriptor_limit_to_the_hard_limit") {
+        return;
+    }
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid rlimit to fill.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    let low = libc::rlimit {
+        rlim_cur: 64,
+        rlim_max: lim.rlim_max,
+    };
+    // SAFETY: a valid rlimit; lowering the soft limit is always allowed.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &low) }, 0);
+    let broker = Broker::start(BrokerConfig::new(socket("rlimit"), 1000)).unwrap();
+    let mut now = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut now) }, 0);
+    assert_eq!(now.rlim_cur, lim.rlim_max);
+    drop(broker);
+}
+
+#[test]
+fn sigterm_is_waited_for_without_a_handler() {
+    if !common::raw::alone("sigterm_is_waited_for_without_a_handler") {
+        return;
+    }
+    kvvm_broker::signal::block_termination_signals().unwrap();
+    // SAFETY: pthread_kill only sends a signal, to this thread, which has it blocked: it
+    // waits (the test harness's other threads do not block it: a signal to the process
+    // could be taken by one of them).
+    assert_eq!(
+        unsafe { libc::pthread_kill(libc::pthread_self(), libc::SIGTERM) },
+        0
+    );
+    assert_eq!(
+        kvvm_broker::signal::wait_for_termination().unwrap(),
+        libc::SIGTERM
+    );
+}

@@ -182,6 +182,11 @@ fn tokens_tenants_client_count_and_rate_are_enforced() {
     config.clock = clock.clone();
     let broker = Broker::start(config).unwrap();
     assert_eq!(
+        code(&hello(&mut raw(&broker), "secret", Some("3scret"))),
+        Some(ErrorCode::Unauthorized),
+        "two bytes swapped: their differences do not cancel"
+    );
+    assert_eq!(
         code(&hello(&mut raw(&broker), "secret", Some("guess"))),
         Some(ErrorCode::Unauthorized)
     );

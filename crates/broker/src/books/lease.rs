@@ -91,18 +91,17 @@ impl NodeBooks {
         if !fits {
             return Err(BooksError::Claim(device));
         }
-        if from_kept > 0 {
-            if from_kept == kept {
-                self.grace.unclaimed.remove(&key);
-            } else {
-                self.grace.unclaimed.insert(key, kept - from_kept);
-            }
-            if self.grace.unclaimed.is_empty() {
-                self.grace.until = None;
-            }
-            if let Some(c) = client.and_then(|c| self.clients.get_mut(&c)) {
-                c.held.add(device, from_kept);
-            }
+        if from_kept == kept {
+            self.grace.unclaimed.remove(&key);
+        } else {
+            self.grace.unclaimed.insert(key, kept - from_kept);
+        }
+        if self.grace.unclaimed.is_empty() {
+            self.grace.until = None;
+        }
+        // What was kept counts already as the tenant's and the node's.
+        if let Some(c) = client.and_then(|c| self.clients.get_mut(&c)) {
+            c.held.add(device, from_kept);
         }
         self.lend(tenant, client, device, extra);
         Ok(())

@@ -397,3 +397,26 @@ fn a_claimed_prefix_closed_during_the_grace_is_kept_for_its_other_users() {
     );
     assert_eq!(b.total_held(0), 1);
 }
+
+#[test]
+fn a_tenant_is_asked_for_its_excess_over_its_floor_once_across_its_clients() {
+    let (mut b, _) = books(100);
+    let big1 = b.register("big", &policy(50, None), 100);
+    let big2 = b.register("big", &policy(50, None), 100);
+    assert_eq!(acquire(&mut b, big1, 40, 40), Ok(40));
+    assert_eq!(acquire(&mut b, big2, 40, 40), Ok(40));
+    let other = b.register("other", &policy(0, None), 100);
+    let (_, asks) = b
+        .acquire(other, 0, 100, 100, &RetryPolicy::default(), Instant::now())
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(
+        asks,
+        vec![ReclaimAsk {
+            client: big1,
+            device: 0,
+            bytes: 30
+        }],
+        "big holds 80 over a floor of 50: 30 in all, the first client has them"
+    );
+}
