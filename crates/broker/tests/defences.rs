@@ -395,10 +395,8 @@ fn sigterm_is_waited_for_without_a_handler() {
     // SAFETY: pthread_kill only sends a signal, to this thread, which has it blocked: it
     // waits (the test harness's other threads do not block it: a signal to the process
     // could be taken by one of them).
-    assert_eq!(
-        unsafe { libc::pthread_kill(libc::pthread_self(), libc::SIGTERM) },
-        0
-    );
+    let sent = unsafe { libc::pthread_kill(libc::pthread_self(), libc::SIGTERM) };
+    assert_eq!(sent, 0);
     assert_eq!(
         kvvm_broker::signal::wait_for_termination().unwrap(),
         libc::SIGTERM
