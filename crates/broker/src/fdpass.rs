@@ -249,6 +249,35 @@ mod tests {
         assert_eq!(format!("{r:?}"), "FdReader { fds: 0, deadline: None }");
     }
 
+    extern "C" fn nothing(_: libc::c_int) {}
+
+    #[test]
+    fn a_signal_does_not_cut_a_wait_short() {
+        // SAFETY: sigaction is plain data; all-zero is an empty action.
+        let mut sa: libc::sigaction = unsafe { MaybeUninit::zeroed().assume_init() };
+        sa.sa_sigaction = nothing as extern "C" fn(libc::c_int) as usize;
+        // SAFETY: a handler that does nothing, for a signal nothing else in these tests uses.
+        assert_eq!(
+            unsafe { libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut()) },
+            0
+        );
+        let (_a, b) = UnixStream::pair().unwrap();
+        let fd = b.as_raw_fd();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn(move || {
+            // SAFETY: pthread_self cannot fail.
+            tx.send(unsafe { libc::pthread_self() }).unwrap();
+            wait_readable(fd, Instant::now() + Duration::from_millis(300)).map_err(|e| e.kind())
+        });
+        let thread = rx.recv().unwrap();
+        while !waiter.is_finished() {
+            // SAFETY: the thread is not joined yet, so its id is valid; the signal is handled.
+            unsafe { libc::pthread_kill(thread, libc::SIGUSR2) };
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(waiter.join().unwrap(), Err(io::ErrorKind::TimedOut));
+    }
+
     #[test]
     fn a_read_waits_until_its_deadline_and_no_longer() {
         let (a, b) = UnixStream::pair().unwrap();

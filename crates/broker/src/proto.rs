@@ -402,6 +402,27 @@ mod tests {
         );
     }
 
+    /// A reader interrupted once before every read it serves.
+    struct Interrupted<'a>(&'a [u8], bool);
+
+    impl Read for Interrupted<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.1 = !self.1;
+            if self.1 {
+                return Err(io::ErrorKind::Interrupted.into());
+            }
+            self.0.read(buf)
+        }
+    }
+
+    #[test]
+    fn an_interrupted_read_is_tried_again() {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, &Request::Ping { id: 3 }).unwrap();
+        let got = read_frame::<Request>(&mut Interrupted(&buf, false)).unwrap();
+        assert!(matches!(got, Frame::Message(Request::Ping { id: 3 })));
+    }
+
     #[test]
     fn keys_and_meta() {
         assert!(valid_key("system-prompt:v1.2_x"));
