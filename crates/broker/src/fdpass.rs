@@ -257,10 +257,8 @@ mod tests {
         let mut sa: libc::sigaction = unsafe { MaybeUninit::zeroed().assume_init() };
         sa.sa_sigaction = nothing as extern "C" fn(libc::c_int) as usize;
         // SAFETY: a handler that does nothing, for a signal nothing else in these tests uses.
-        assert_eq!(
-            unsafe { libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut()) },
-            0
-        );
+        let installed = unsafe { libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut()) };
+        assert_eq!(installed, 0);
         let (_a, b) = UnixStream::pair().unwrap();
         let fd = b.as_raw_fd();
         let (tx, rx) = std::sync::mpsc::channel();
