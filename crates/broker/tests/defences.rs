@@ -267,7 +267,14 @@ fn under_umask_000_the_socket_has_its_final_mode_from_the_moment_it_appears() {
     assert!(unsafe { libc::inotify_add_watch(fd, c_dir.as_ptr(), mask) } >= 0);
     let path = dir.join("b.sock");
     let broker = Broker::start(BrokerConfig::new(&path, 1000)).unwrap();
-    let events: Vec<(u32, String)> = folder_events(fd)
+    let all = folder_events(fd);
+    assert!(
+        all.iter().any(|(mask, name)| mask & libc::IN_CREATE != 0
+            && mask & libc::IN_ISDIR != 0
+            && name.starts_with(".kvvm")),
+        "bound in a private folder beside it: {all:?}"
+    );
+    let events: Vec<(u32, String)> = all
         .into_iter()
         .filter(|(_, name)| name == "b.sock")
         .collect();

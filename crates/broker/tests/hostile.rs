@@ -437,3 +437,47 @@ fn a_client_tries_a_request_once_more_on_a_new_connection_and_then_gives_up() {
     drop(client);
     let _ = std::fs::remove_file(&path);
 }
+
+#[test]
+fn a_client_whose_broker_turns_it_away_tries_again_less_and_less_often() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let path = socket("turns-away");
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let tries = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&tries);
+    let first = Arc::new(std::sync::Barrier::new(2));
+    let welcomed = Arc::clone(&first);
+    // Not a broker: it welcomes the first connection and cuts it, then hangs up on every hello.
+    std::thread::spawn(move || {
+        for (n, s) in listener.incoming().enumerate() {
+            let Ok(mut s) = s else { return };
+            if n > 0 {
+                seen.fetch_add(1, Ordering::SeqCst);
+                continue;
+            }
+            drop(read_frame::<Request>(&mut s));
+            let welcome = Reply::Welcome {
+                id: 1,
+                client: 1,
+                floor: 0,
+                ceiling: 100,
+                budget: 100,
+                idle_ms: 0,
+            };
+            write_frame(&mut s, &welcome).unwrap();
+            welcomed.wait();
+        }
+    });
+    let client =
+        kvvm_broker::BrokerClient::connect(kvvm_broker::ClientOptions::new(&path, "t")).unwrap();
+    first.wait(); // the connection is cut: the client tries again, and again
+    std::thread::sleep(Duration::from_millis(500));
+    let n = tries.load(Ordering::SeqCst);
+    assert!(
+        (3..=40).contains(&n),
+        "{n} tries in 500 ms: a pause growing from 2 ms between them"
+    );
+    drop(client);
+    let _ = std::fs::remove_file(&path);
+}

@@ -6,6 +6,7 @@ use std::time::Instant;
 use kvvm_governor::RetryPolicy;
 
 use super::*;
+use crate::prefixes::Published;
 use crate::proto::WireRefusal;
 
 fn books(budget: u64) -> (NodeBooks, BrokerConfig) {
@@ -419,4 +420,99 @@ fn a_tenant_is_asked_for_its_excess_over_its_floor_once_across_its_clients() {
         }],
         "big holds 80 over a floor of 50: 30 in all, the first client has them"
     );
+}
+
+#[test]
+fn a_tenant_with_bytes_kept_for_its_claims_is_not_forgotten_when_a_client_leaves() {
+    let (mut b, _) = books(100);
+    let now = Instant::now();
+    b.keep_for_claims(
+        lent(&[("r", 0, 50)]),
+        now + std::time::Duration::from_secs(10),
+    );
+    let r = b.register("r", &policy(0, None), 100);
+    b.drop_client(r, now);
+    assert_eq!(
+        b.lent(),
+        lent(&[("r", 0, 50)]),
+        "still kept, still in the books file"
+    );
+    assert_eq!(b.entries().tenants, 1);
+}
+
+#[test]
+fn no_asks_when_the_tenant_s_own_ceiling_leaves_as_little_as_the_node() {
+    let (mut b, _) = books(100);
+    let other = b.register("other", &policy(0, None), 100);
+    let small = b.register("small", &policy(0, Some(50)), 50);
+    let small2 = b.register("small", &policy(0, Some(50)), 50);
+    assert_eq!(acquire(&mut b, other, 50, 50), Ok(50));
+    assert_eq!(acquire(&mut b, small, 10, 10), Ok(10));
+    // Room: 40 in small's ceiling, 40 on the node. Others giving back would not help.
+    let (r, asks) = b
+        .acquire(small2, 0, 41, 41, &RetryPolicy::default(), Instant::now())
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(r, WireRefusal::Backpressure { available: 40, .. }),
+        "{r:?}"
+    );
+    assert!(asks.is_empty(), "{asks:?}");
+}
+
+#[test]
+fn retry_after_follows_what_was_given_back_in_the_window() {
+    let (mut b, _) = books(100);
+    let a = b.register("a", &policy(0, None), 100);
+    let c = b.register("c", &policy(0, None), 100);
+    assert_eq!(acquire(&mut b, a, 100, 100), Ok(100));
+    let now = Instant::now();
+    b.give_back(a, 0, 50, now).unwrap();
+    assert_eq!(acquire(&mut b, a, 50, 50), Ok(50));
+    let retry = RetryPolicy::default();
+    let r = b.acquire(c, 0, 10, 10, &retry, now).unwrap().unwrap_err().0;
+    let want = u64::try_from(retry.estimate(10, 50).as_millis()).unwrap();
+    assert!(want < 5000, "{want}");
+    assert!(
+        matches!(r, WireRefusal::Backpressure { retry_after_ms, .. } if retry_after_ms == want),
+        "{r:?}"
+    );
+}
+
+fn published(device: u32, size: u64, fds: usize) -> Published {
+    let null = std::fs::File::open("/dev/null").unwrap();
+    Published {
+        device,
+        sizes: vec![size],
+        meta: String::new(),
+        fds: (0..fds).map(|_| null.try_clone().unwrap().into()).collect(),
+    }
+}
+
+#[test]
+fn a_tenant_publishes_at_most_256_prefixes_and_the_broker_keeps_at_most_its_descriptors() {
+    let (mut b, _) = books(1000);
+    let a = b.register("a", &policy(0, None), 1000);
+    assert_eq!(acquire(&mut b, a, 1000, 1000), Ok(1000));
+    for i in 0..256 {
+        b.publish_prefix(a, &format!("p{i}"), published(0, 1, 0))
+            .unwrap();
+    }
+    let e = b.publish_prefix(a, "p256", published(0, 1, 0)).unwrap_err();
+    assert_eq!(e, BooksError::PrefixExists("p256".into()));
+    let mut config = BrokerConfig::new("/nonexistent", 100);
+    config.max_prefix_descriptors = 3;
+    let mut b = NodeBooks::new(&config);
+    let a = b.register("a", &policy(0, None), 100);
+    assert_eq!(acquire(&mut b, a, 10, 10), Ok(10));
+    b.publish_prefix(a, "two", published(0, 1, 2)).unwrap();
+    let e = b
+        .publish_prefix(a, "two-more", published(0, 1, 2))
+        .unwrap_err();
+    assert_eq!(
+        e,
+        BooksError::PrefixExists("two-more".into()),
+        "4 descriptors of 3"
+    );
+    b.publish_prefix(a, "one-more", published(0, 1, 1)).unwrap();
 }

@@ -3,7 +3,7 @@
 //! before trying again, doubling the wait up to [`MAX_PAUSE`], rather than spinning.
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -83,27 +83,25 @@ enum Woken {
 /// Waits for a connection on `listener` (`None`: none looked for) or a byte on `waker`, at
 /// most `wait` (`None`: as long as it takes).
 fn wait(listener: Option<&UnixListener>, waker: &UnixStream, wait: Option<Duration>) -> Woken {
-    let fd = |raw: RawFd| libc::pollfd {
-        fd: raw,
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    let mut fds = [
-        fd(waker.as_raw_fd()),
-        fd(listener.map_or(-1, AsRawFd::as_raw_fd)),
-    ];
+    let mut fds: Vec<libc::pollfd> = std::iter::once(waker.as_raw_fd())
+        .chain(listener.map(AsRawFd::as_raw_fd))
+        .map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
     let ms = wait.map_or(-1, |w| {
         libc::c_int::try_from(w.as_millis().saturating_add(1)).unwrap_or(libc::c_int::MAX)
     });
-    // SAFETY: `fds` are two valid pollfds (a negative descriptor is ignored by poll), alive
-    // for the call.
-    let rc = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+    // SAFETY: `fds` holds `fds.len()` valid pollfds, alive for the call.
+    let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
     if rc < 0 && io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
         return Woken::Stop;
     }
     if fds[0].revents != 0 {
         Woken::Stop
-    } else if fds[1].revents != 0 {
+    } else if fds.get(1).is_some_and(|l| l.revents != 0) {
         Woken::Connection
     } else {
         Woken::Timeout

@@ -141,8 +141,25 @@ impl Conns {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
+
     use super::*;
+
+    #[test]
+    fn a_connection_is_dead_once_its_peer_hung_up_and_not_for_unread_bytes() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        assert!(!hung_up(b.as_raw_fd()), "quiet");
+        a.write_all(b"unread").unwrap();
+        assert!(!hung_up(b.as_raw_fd()), "bytes waiting to be read");
+        a.shutdown(std::net::Shutdown::Write).unwrap();
+        assert!(hung_up(b.as_raw_fd()), "its peer writes no more");
+        drop(a);
+        assert!(hung_up(b.as_raw_fd()), "its peer is gone");
+    }
 
     #[test]
     fn one_user_cannot_take_every_slot_and_a_slot_given_back_is_free_again() {
