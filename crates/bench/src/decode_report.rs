@@ -32,7 +32,7 @@ pub struct DecodeLoopReport {
     /// Prefix-cache block size in tokens.
     pub block_tokens: u64,
     /// The prefix cache's most blocks per handle of a published prompt.
-    pub prefix_handle_blocks: u64,
+    pub prefix_handle_windows: u64,
     /// Prompt tokens each sharer found in the cache.
     pub hit_tokens: u64,
     /// Whether the whole prompt is shareable under the layout and granule (when not, the
@@ -40,8 +40,12 @@ pub struct DecodeLoopReport {
     pub prompt_shareable: bool,
     /// The shareability verdict's refusal reason for the prompt, if any.
     pub prompt_refusal: Option<String>,
-    /// Physical bytes of the shared prompt prefix (billed once).
+    /// Physical bytes of the shared prompt prefix's read-only windows (billed once; what each
+    /// sharer maps instead of committing).
     pub shared_prefix_bytes: u64,
+    /// Physical bytes of the shared prompt prefix's tail (billed once; what each sharer copies
+    /// into windows of its own).
+    pub prefix_tail_bytes: u64,
     /// Physical bytes held when every sequence reached its final length, measured (the
     /// governor's used bytes: private windows + the shared prefix once).
     pub committed_bytes_with_sharing: u64,
@@ -105,10 +109,13 @@ impl DecodeLoopReport {
         match (self.share_prefix, &self.prompt_refusal) {
             (false, _) => "no: sharing turned off (every sequence commits and writes its own prompt)"
                 .to_owned(),
-            (true, Some(reason)) => format!("no: the prompt is not shareable here: {reason}"),
+            (true, Some(reason)) => format!(
+                "by copy only: {} tokens per sharer copied from the prefix cache; {reason}",
+                self.hit_tokens
+            ),
             (true, None) => format!(
-                "yes: {} tokens per sharer mapped read-only from the prefix cache (blocks of {} tokens, handles of up to {} blocks)",
-                self.hit_tokens, self.block_tokens, self.prefix_handle_blocks
+                "yes: {} tokens per sharer from the prefix cache, whole windows mapped read-only and the rest copied (blocks of {} tokens, handles of up to {} windows)",
+                self.hit_tokens, self.block_tokens, self.prefix_handle_windows
             ),
         }
     }
@@ -169,8 +176,9 @@ impl DecodeLoopReport {
         );
         let _ = writeln!(
             s,
-            "| shared prefix (billed once) | {} |",
-            size(self.shared_prefix_bytes)
+            "| shared prefix (billed once) | {} read-only, {} tail |",
+            size(self.shared_prefix_bytes),
+            size(self.prefix_tail_bytes)
         );
     }
 
@@ -279,11 +287,12 @@ mod tests {
             bytes_per_token: 131_072,
             share_prefix: true,
             block_tokens: 16,
-            prefix_handle_blocks: 4,
+            prefix_handle_windows: 4,
             hit_tokens: 4096,
             prompt_shareable: true,
             prompt_refusal: None,
             shared_prefix_bytes: 1 << 29,
+            prefix_tail_bytes: 0,
             committed_bytes_with_sharing: (1 << 29) + (64 << 23),
             committed_bytes_without_sharing: 64 * ((1 << 29) + (1 << 23)),
             attach_median: Duration::from_micros(41),
@@ -335,7 +344,7 @@ mod tests {
         };
         assert!(refused
             .to_markdown()
-            .contains("| prompt shared | no: the prompt is not shareable here: the prefix ends inside a window |"));
+            .contains("| prompt shared | by copy only: 4096 tokens per sharer copied from the prefix cache; the prefix ends inside a window |"));
     }
 
     const SHARED: &str = r#"### KV decode loop: llama-3-8b fp16 seq-major, 64 sequences x 4096-token prompt + 64 decode tokens (sim, granule 2 MiB)
@@ -344,11 +353,11 @@ simulated timings: backend sim is an in-process simulated driver; the times are 
 
 | figure | value |
 |---|---|
-| prompt shared | yes: 4096 tokens per sharer mapped read-only from the prefix cache (blocks of 16 tokens, handles of up to 4 blocks) |
+| prompt shared | yes: 4096 tokens per sharer from the prefix cache, whole windows mapped read-only and the rest copied (blocks of 16 tokens, handles of up to 4 windows) |
 | committed with sharing | 1 GiB (1073741824 B) |
 | committed without sharing | 32.5 GiB (34896609280 B) |
 | saved | 31.5 GiB (33822867456 B), 32.5x less |
-| shared prefix (billed once) | 512 MiB (536870912 B) |
+| shared prefix (billed once) | 512 MiB (536870912 B) read-only, 0 B tail |
 | attach shared prefix (map_shared_prefix_readonly), back to back, median / min | 41µs / 37µs (64 mappings) |
 | attach right after a copy of the prompt, median / min | 95µs / 88µs |
 | admit with a cache hit, median | 120µs (66 mappings) |
@@ -368,7 +377,7 @@ simulated timings: backend sim is an in-process simulated driver; the times are 
 | committed with sharing | 0 B |
 | committed without sharing | 512 B |
 | saved | 512 B, 0.0x less |
-| shared prefix (billed once) | 0 B |
+| shared prefix (billed once) | 0 B read-only, 0 B tail |
 | attach shared prefix (map_shared_prefix_readonly) | not measured: the prompt is not shareable |
 | admit with a cache hit, median | 120µs (66 mappings) |
 | copy prefix into a private reservation (512 MiB), median / min | 3ms / 2.9ms |

@@ -42,11 +42,12 @@ fn md_mappings(r: &kvvm_bench::decode::DecodeLoopReport) -> bool {
 fn every_byte_verified_at_two_granularities_and_three_layouts() {
     for g in [4096u64, 64 << 10] {
         for layout in KvLayout::ALL {
-            // A prompt of 2.5 prefix-cache blocks, so the tail is private to each sharer.
+            // A prompt of 2.5 windows of every fragment, so the prefix has a tail, and not a
+            // whole number of the cache's blocks, so the sharers compute a rest of their own.
             let plan_g = KvGeometry::with_dtype(2, 2, 32, KvDtype::F16, 1 << 20).unwrap();
             let plan = LayoutPlan::new(plan_g, layout, g).unwrap();
-            let block = kvvm::kv::PrefixCache::block_tokens_for(&plan).unwrap();
-            let prompt = block * 5 / 2;
+            let b = plan.fragment_bytes_per_token();
+            let prompt = g / b * 5 / 2 + 3;
             for share in [true, false] {
                 let s = sim(g);
                 let r = run_decode_loop(s.clone(), &config(layout, prompt, share)).unwrap();
@@ -59,32 +60,40 @@ fn every_byte_verified_at_two_granularities_and_three_layouts() {
                     6 * plan.with_max_tokens_committed(total)
                 );
                 if share {
-                    assert_eq!(r.hit_tokens, 2 * block, "{layout} g={g}");
-                    if r.prompt_shareable {
-                        // Both attach figures come from real samples, in their report rows.
-                        assert!(r.attach_min > std::time::Duration::ZERO);
-                        assert!(r.attach_after_copy_min > std::time::Duration::ZERO);
-                        assert!(r.attach_median >= r.attach_min);
-                        // The owner's prefix is one handle per fragment run, mapped whole.
-                        let fragments = plan.fragments().unwrap().len();
-                        assert_eq!(r.attach_mappings, fragments, "{layout} g={g}");
-                        // A hit maps the cache's handles of one block each (2 blocks per
-                        // fragment), then commits the private rest.
-                        assert!(r.admit_hit_mappings >= 2 * fragments, "{layout} g={g}");
-                        assert!(md_mappings(&r), "{layout} g={g}");
-                        let md = r.to_markdown();
-                        assert!(md.contains("back to back, median / min"), "{md}");
-                        assert!(
-                            md.contains("attach right after a copy of the prompt"),
-                            "{md}"
-                        );
-                    }
+                    // Whole blocks of the prompt hit; the windows before the hit's end are
+                    // mapped read-only, the rest of it copied.
+                    assert_eq!(r.hit_tokens, prompt / r.block_tokens * r.block_tokens);
+                    let readonly = r.hit_tokens * b / g;
+                    let fragments = plan.fragments().unwrap().len();
+                    assert!(r.prompt_shareable, "{layout} g={g}");
+                    // Both attach figures come from real samples, in their report rows.
+                    assert!(r.attach_min > std::time::Duration::ZERO);
+                    assert!(r.attach_after_copy_min > std::time::Duration::ZERO);
+                    assert!(r.attach_median >= r.attach_min);
+                    // The owner's prefix is one handle per fragment run, mapped whole, and
+                    // the window each fragment's tail is copied into.
+                    let tail = usize::from(!(prompt * b).is_multiple_of(g));
+                    assert_eq!(r.attach_mappings, fragments * (1 + tail), "{layout} g={g}");
+                    // A hit maps the cache's handles of one window each, then commits the
+                    // private rest.
+                    assert!(
+                        r.admit_hit_mappings as u64 >= readonly * fragments as u64,
+                        "{layout} g={g}"
+                    );
+                    assert!(md_mappings(&r), "{layout} g={g}");
+                    let md = r.to_markdown();
+                    assert!(md.contains("back to back, median / min"), "{md}");
+                    assert!(
+                        md.contains("attach right after a copy of the prompt"),
+                        "{md}"
+                    );
                     assert_eq!(r.cache.hits, 5);
                     assert_eq!(r.cache.misses, 1);
-                    // Shared: the prefix's 2 blocks once, every sequence's private rest.
+                    // Shared: the prefix's read-only windows once instead of six times; its
+                    // tail is held once more (each sequence copies it into its own windows).
                     assert_eq!(
                         r.committed_bytes_with_sharing + 5 * r.shared_prefix_bytes,
-                        r.committed_bytes_without_sharing,
+                        r.committed_bytes_without_sharing + r.prefix_tail_bytes,
                         "{layout} g={g}"
                     );
                 } else {
@@ -116,13 +125,13 @@ impl Committed for LayoutPlan {
     }
 }
 
-/// Head-major with a prompt shorter than a block: nothing is shared, the report says why,
-/// every byte is still verified.
+/// Head-major with a prompt shorter than a window: nothing is mapped read-only, the report
+/// says why, the hit is copied from the cache, every byte is still verified.
 #[test]
-fn unshareable_prompt_is_reported_with_the_reason() {
+fn a_prompt_shorter_than_a_window_is_shared_by_copy_with_the_reason() {
     let g = 4096;
     let s = sim(g);
-    // head-major: 64 B per token per fragment, a block is 64 tokens.
+    // head-major: 64 B per token per fragment, a window is 64 tokens.
     let r = run_decode_loop(s.clone(), &config(KvLayout::HeadMajor, 40, true)).unwrap();
     assert!(r.verified);
     assert!(!r.prompt_shareable);
@@ -130,14 +139,17 @@ fn unshareable_prompt_is_reported_with_the_reason() {
         .prompt_refusal
         .as_deref()
         .is_some_and(|x| x.contains("prefix not shareable")));
-    assert_eq!(r.hit_tokens, 0);
+    // Two blocks of 16 tokens hit, copied: the prompt's whole blocks are held once more, in
+    // the prefix's tail.
+    assert_eq!(r.hit_tokens, 32);
+    assert_eq!(r.shared_prefix_bytes, 0);
     assert_eq!(
         r.committed_bytes_with_sharing,
-        r.committed_bytes_without_sharing
+        r.committed_bytes_without_sharing + r.prefix_tail_bytes
     );
     let md = r.to_markdown();
     assert!(
-        md.contains("| prompt shared | no: the prompt is not shareable here: prefix not shareable"),
+        md.contains("| prompt shared | by copy only: 32 tokens per sharer copied from the prefix cache; prefix not shareable"),
         "{md}"
     );
     assert!(md.contains("simulated timings"), "{md}");

@@ -35,10 +35,11 @@ pub struct KvBenchArgs {
     /// Run without prefix sharing (every sequence commits and writes its own prompt).
     #[arg(long)]
     no_sharing: bool,
-    /// Most prefix cache blocks per handle of a published prompt (1 to 1048576): a hit maps
-    /// that many times fewer handles and ends on a multiple of it (`PrefixCacheConfig::handle_blocks`).
+    /// Most windows per handle of a published prompt in the prefix cache (1 to 1048576): a
+    /// hit maps that many times fewer handles, and its read-only part ends on a multiple of it
+    /// (the rest is copied; `PrefixCacheConfig::handle_windows`).
     #[arg(long, default_value_t = 1, value_parser = flags::int_in::<u64>(1, 1 << 20))]
-    prefix_handle_blocks: u64,
+    prefix_handle_windows: u64,
     /// Skip the read-back verification.
     #[arg(long)]
     no_verify: bool,
@@ -96,7 +97,7 @@ fn loop_config(args: &KvBenchArgs) -> CliResult<DecodeLoopConfig> {
     config.sequences = args.sequences;
     config.prompt_tokens = args.prompt_tokens;
     config.share_prefix = !args.no_sharing;
-    config.prefix_handle_blocks = args.prefix_handle_blocks;
+    config.prefix_handle_windows = args.prefix_handle_windows;
     config.verify = !args.no_verify;
     Ok(config)
 }
@@ -142,6 +143,7 @@ fn print_json(out: Out<'_>, r: &DecodeLoopReport, leak_free: Option<bool>) -> Cl
         "prompt_shareable": r.prompt_shareable,
         "prompt_refusal": r.prompt_refusal,
         "shared_prefix_bytes": r.shared_prefix_bytes,
+        "prefix_tail_bytes": r.prefix_tail_bytes,
         "committed_bytes_with_sharing": r.committed_bytes_with_sharing,
         "committed_bytes_without_sharing": r.committed_bytes_without_sharing,
         "attach_median_us": us(r.attach_median),

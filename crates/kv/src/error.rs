@@ -20,7 +20,7 @@ use kvvm_layout::KvError;
 ///   [`PrefixShareability::refusal_reason`](crate::PrefixShareability::refusal_reason).
 /// * [`WriteIntoSharedPrefix`](Self::WriteIntoSharedPrefix), [`NotCommitted`](Self::NotCommitted),
 ///   [`BadLength`](Self::BadLength), [`Layout`](Self::Layout), [`PlanMismatch`](Self::PlanMismatch),
-///   [`InUse`](Self::InUse), [`OtherManager`](Self::OtherManager),
+///   [`InUse`](Self::InUse), [`OtherManager`](Self::OtherManager), [`Forgotten`](Self::Forgotten),
 ///   [`PrefixNotWritten`](Self::PrefixNotWritten): caller bugs, refused before any driver call.
 /// * [`Vmm`](Self::Vmm), [`Backend`](Self::Backend): the manager or a copy failed; the
 ///   manager's books still equal the driver's truth (see `kvvm-vmm`).
@@ -70,6 +70,18 @@ pub enum KvCacheError {
         end: u64,
         /// Tokens committed.
         committed: u64,
+    },
+    /// A read or write touched a token a sliding window forgot
+    /// ([`SequenceKv::forget_tokens_before`](crate::SequenceKv::forget_tokens_before)): its
+    /// window may be given back already.
+    #[error(
+        "token {token} was forgotten: the tokens before {forgotten} lie behind the sliding window"
+    )]
+    Forgotten {
+        /// The first token of the access.
+        token: u64,
+        /// Tokens before this one are forgotten.
+        forgotten: u64,
     },
     /// More tokens were asked for than the sequence may hold.
     #[error("{tokens} tokens asked for, the sequence holds at most {max_tokens}")]

@@ -149,6 +149,7 @@
 #![forbid(unsafe_code)]
 
 mod cache;
+mod device_copy;
 mod error;
 pub mod precommit;
 mod sequence;
@@ -157,6 +158,7 @@ mod tensor_parallel;
 
 pub use cache::records::{
     Admission, AdmissionInfo, PrefixCacheConfig, PrefixCacheStats, PublishOutcome,
+    DEFAULT_BLOCK_TOKENS,
 };
 pub use cache::PrefixCache;
 pub use error::KvCacheError;

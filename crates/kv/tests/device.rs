@@ -130,26 +130,42 @@ fn a_warm_pool_is_no_discount_to_a_sequence_that_can_never_fit() {
     check_books(&w, &[&a, &b], &[]);
 }
 
+/// A prefix shorter than a window has no read-only window: it is handed on by copy alone
+/// (its bytes held once, in its tail); an empty one is refused with the reason.
 #[test]
-fn not_shareable_is_refused_with_the_reason() {
+fn a_prefix_shorter_than_a_window_is_handed_on_by_copy() {
     let g = 4096;
     let w = world(g, None);
-    let plan = LayoutPlan::new(tiny(1000), KvLayout::HeadMajor, g).unwrap();
-    // head-major: 64 B/token per fragment, a 4096-byte granule needs 64 tokens.
-    let e = SharedDevicePrefix::reserve_and_map_shared_prefix(&w.vm, &plan, 63, 1000, |_, _| {})
+    let geo = tiny(1000);
+    let plan = LayoutPlan::new(geo, KvLayout::HeadMajor, g).unwrap();
+    let e = SharedDevicePrefix::reserve_and_map_shared_prefix(&w.vm, &plan, 0, 1000, |_, _| {})
         .unwrap_err();
     match e {
-        KvCacheError::NotShareable { reason } => {
-            assert!(reason.contains("prefix not shareable"), "{reason}");
-            assert!(reason.contains("64 tokens"), "{reason}");
-        }
+        KvCacheError::NotShareable { reason } => assert!(reason.contains("empty"), "{reason}"),
         other => panic!("{other:?}"),
     }
-    assert_eq!(w.sim.ledger().total_physical_bytes(), 0);
+    // head-major: 64 B/token per fragment, so 63 tokens fill no window.
+    let (prefix, owner) =
+        SharedDevicePrefix::reserve_and_map_shared_prefix(&w.vm, &plan, 63, 1000, |t, buf| {
+            let n = buf.len() as u64 / geo.bytes_per_token();
+            buf.copy_from_slice(&tokens_bytes(&geo, 0, t, n, 63));
+        })
+        .unwrap();
+    assert_eq!((prefix.end_window(), prefix.tokens()), (0, 63));
+    assert_eq!(prefix.bytes(), plan.slice_count() * g);
+    let sharer = prefix.map_shared_prefix_readonly(&w.vm, 1000).unwrap();
+    assert_eq!(sharer.written_tokens(), 63);
+    let mut back = vec![0u8; (63 * geo.bytes_per_token()) as usize];
+    sharer.read_tokens(0, &mut back).unwrap();
+    assert_eq!(back, tokens_bytes(&geo, 0, 0, 63, 63));
+    check_books(&w, &[&owner, &sharer], &[&prefix]);
+    drop((prefix, owner, sharer));
+    drop(w.vm);
+    assert!(w.sim.ledger().is_empty());
 }
 
-/// Owner writes a prefix that does not end on a window boundary; sharers map it read-only,
-/// write the tail themselves, grow privately; the owner finishes first (invariant 4).
+/// Owner writes a prefix that does not end on a window boundary; sharers map its whole windows
+/// read-only, receive its tail by copy, grow privately; the owner finishes first (invariant 4).
 #[test]
 fn owner_finishes_first_and_sharers_keep_reading() {
     let g = 4096;
@@ -175,7 +191,9 @@ fn owner_finishes_first_and_sharers_keep_reading() {
         let k = prefix.shareability().shareable_granules_per_fragment;
         let fragments = plan.slice_count();
         assert_eq!(prefix.windows_per_fragment(), k);
-        assert_eq!(prefix.bytes(), fragments * k * g);
+        // The whole windows, then one tail window per fragment (every layout has a tail here).
+        assert_eq!(prefix.handles().bytes(), fragments * k * g);
+        assert_eq!(prefix.bytes(), fragments * (k + 1) * g);
         // The owner maps each handle once; each fragment's run is as few handles as it allows.
         let handles = prefix.handles().handle_count() as u64;
         assert_eq!(prefix.mapped_count(), handles);
@@ -188,7 +206,7 @@ fn owner_finishes_first_and_sharers_keep_reading() {
         );
         assert_eq!(
             owner.additional_owned_bytes(),
-            owner.committed_bytes() - prefix.bytes()
+            owner.committed_bytes() - prefix.handles().bytes()
         );
         // Sealed: the owner cannot write into the shared part either.
         assert!(matches!(
@@ -199,10 +217,11 @@ fn owner_finishes_first_and_sharers_keep_reading() {
         let mut sharers = Vec::new();
         for s in 1..=3u64 {
             let mut sh = prefix.map_shared_prefix_readonly(&w.vm, 400).unwrap();
-            assert_eq!(sh.additional_owned_bytes(), 0, "{layout}");
+            // Its own: the tail's window of every fragment, copied.
+            assert_eq!(sh.additional_owned_bytes(), fragments * g, "{layout}");
             assert_eq!(sh.committed_bytes(), prefix.bytes());
-            let whole = prefix.shared_tokens();
-            assert_eq!(sh.committed_tokens(), whole);
+            assert_eq!(sh.committed_tokens(), prefix_len);
+            assert_eq!(sh.written_tokens(), prefix_len);
             // Write into the shared part: refused before any driver call.
             let calls = w.sim.driver_calls();
             let e = sh
@@ -213,16 +232,17 @@ fn owner_finishes_first_and_sharers_keep_reading() {
                 "{e:?}"
             );
             assert_eq!(w.sim.driver_calls(), calls);
-            // The tail of the prefix and the sharer's own tokens are private.
+            // The sharer's own tokens are private.
             sh.ensure_tokens(prefix_len + 20).unwrap();
             sh.write_tokens(
-                whole,
-                &tokens_bytes(&geo, s, whole, prefix_len + 20 - whole, prefix_len),
+                prefix_len,
+                &tokens_bytes(&geo, s, prefix_len, 20, prefix_len),
             )
             .unwrap();
             assert_eq!(
                 sh.additional_owned_bytes(),
-                plan.committed_bytes_for_tokens(prefix_len + 20).unwrap() - prefix.bytes()
+                plan.committed_bytes_for_tokens(prefix_len + 20).unwrap()
+                    - prefix.handles().bytes()
             );
             sharers.push(sh);
         }

@@ -14,14 +14,28 @@ use kvvm_kv::{
 };
 use kvvm_sim::FaultRule;
 
+/// A cache whose blocks are one window of every fragment (`plan`'s fragment bytes per token
+/// divide the granule): its hits end on window boundaries and copy nothing.
+fn window_blocks(w: &World, plan: LayoutPlan) -> std::sync::Arc<PrefixCache> {
+    let tokens = plan.granule() / plan.fragment_bytes_per_token();
+    assert_eq!(tokens * plan.fragment_bytes_per_token(), plan.granule());
+    PrefixCache::with_config(
+        w.vm.clone(),
+        plan,
+        PrefixCacheConfig::default().block_tokens(tokens),
+    )
+    .unwrap()
+}
+
 #[test]
 fn prefix_cache_hits_chains_and_counts() {
     let g = 4096;
     let w = world(g, None);
     let geo = tiny(1000);
     let plan = LayoutPlan::new(geo, KvLayout::SeqMajor, g).unwrap();
-    let cache = PrefixCache::new(w.vm.clone(), plan).unwrap();
-    assert_eq!(cache.block_tokens(), 32); // 4096 / 128 B per token per fragment
+    // Blocks of one window (4096 / 128 B per token per fragment): every hit is mapped whole.
+    let cache = window_blocks(&w, plan);
+    assert_eq!(cache.block_tokens(), 32);
     let a = prompt(100, 0); // 3 full blocks
     let mut adm = cache.admit(&a, 200).unwrap();
     assert_eq!((adm.hit_tokens, adm.owned_prefix_tokens), (0, 96));
@@ -125,7 +139,7 @@ fn eviction_under_pressure() {
     let plan = LayoutPlan::new(geo, KvLayout::TokenMajor, g).unwrap();
     // token-major: 8 tokens per window; budget 40 windows.
     let w = world(g, Some(40 * g));
-    let cache = PrefixCache::new(w.vm.clone(), plan).unwrap();
+    let cache = window_blocks(&w, plan);
     assert_eq!(cache.block_tokens(), 8);
     let old = prompt(64, 1); // 8 windows
     let hot = prompt(64, 2); // 8 windows
@@ -289,10 +303,11 @@ fn concurrent_admissions_under_a_budget() {
 }
 
 /// A prefix whose end is not on a window boundary and whose tokens straddle windows (96-byte
-/// heads): the sharer writes the straddling prefix token's private bytes only, refuses the
-/// tokens wholly inside the shared windows, and reads back every byte.
+/// heads): the sharer maps the windows before the straddling token read-only, receives every
+/// prefix token (the straddling one and the tail by copy), refuses writes into the read-only
+/// windows, writes its own tokens and reads back every byte.
 #[test]
-fn straddling_prefix_token_is_written_privately() {
+fn straddling_prefix_token_is_copied_never_written() {
     let g = 4096;
     for layout in KvLayout::ALL {
         let w = world(g, None);
@@ -317,15 +332,20 @@ fn straddling_prefix_token_is_written_privately() {
         assert_ne!((whole * bpt_f) % g, 0, "{layout}");
         assert!(whole < prefix_len);
         let mut sh = prefix.map_shared_prefix_readonly(&w.vm, 300).unwrap();
-        assert_eq!(sh.committed_tokens(), whole);
+        assert_eq!(sh.written_tokens(), prefix_len);
+        // Read-only: the windows before the first byte of the token it will write next.
+        assert!(sh.shared_tokens() * bpt_f <= prefix_len * bpt_f, "{layout}");
         sh.ensure_tokens(prefix_len + 5).unwrap();
-        assert!(matches!(
-            sh.write_tokens(whole - 1, &tokens_bytes(&geo, 1, whole - 1, 2, prefix_len)),
-            Err(KvCacheError::WriteIntoSharedPrefix { .. })
-        ));
+        if sh.shared_tokens() > 0 {
+            let t = sh.shared_tokens() - 1;
+            assert!(matches!(
+                sh.write_tokens(t, &tokens_bytes(&geo, 1, t, 1, prefix_len)),
+                Err(KvCacheError::WriteIntoSharedPrefix { .. })
+            ));
+        }
         sh.write_tokens(
-            whole,
-            &tokens_bytes(&geo, 1, whole, prefix_len + 5 - whole, prefix_len),
+            prefix_len,
+            &tokens_bytes(&geo, 1, prefix_len, 5, prefix_len),
         )
         .unwrap();
         let n = prefix_len + 5;
@@ -380,20 +400,23 @@ fn faults_inside_admit_leave_nothing_behind() {
     assert!(w.sim.ledger().is_empty());
 }
 
-/// With `handle_blocks`, a published segment is made of handles of that many blocks: a full
-/// hit maps that many times fewer handles (one mapping each), and a partial match is cut
-/// down to a handle boundary.
+/// With `handle_windows`, a published segment is made of handles of that many windows: a
+/// full hit maps that many times fewer handles (one mapping each), and a partial match maps
+/// read-only only up to a handle boundary and copies the rest of the hit.
 #[test]
-fn handle_blocks_trade_mappings_per_hit_for_hit_granularity() {
+fn handle_windows_trade_mappings_per_hit_for_copied_bytes() {
     let g = 4096;
-    for (k, partial_hit) in [(1u64, 6u64), (4, 4)] {
+    for (k, readonly) in [(1u64, 6u64), (4, 4)] {
         let w = world(g, None);
         let geo = tiny(1000);
         let plan = LayoutPlan::new(geo, KvLayout::SeqMajor, g).unwrap();
+        // One block is one window of every fragment (32 tokens x 128 B).
         let cache = PrefixCache::with_config(
             w.vm.clone(),
             plan,
-            PrefixCacheConfig::default().handle_blocks(k),
+            PrefixCacheConfig::default()
+                .block_tokens(32)
+                .handle_windows(k),
         )
         .unwrap();
         let block = cache.block_tokens();
@@ -402,19 +425,23 @@ fn handle_blocks_trade_mappings_per_hit_for_hit_granularity() {
         write_prompt(&geo, &mut owner.sequence, &a, 0);
         cache.publish(&mut owner.sequence).unwrap();
         let fragments = plan.fragments().unwrap().len() as u64;
-        // Full hit: 8 blocks in 8 / k handles per fragment.
+        // Full hit: 8 windows in 8 / k handles per fragment.
         let maps = w.sim.calls(Operation::Map);
         let full = cache.admit(&a, 600).unwrap();
         assert_eq!(full.hit_tokens, 8 * block, "k={k}");
         let shared_maps = w.sim.calls(Operation::Map) - maps;
         // The sharer also commits its private rest (none here: the prompt is whole blocks).
         assert_eq!(shared_maps, fragments * 8 / k, "k={k}");
+        assert_eq!(full.copied_bytes, 0, "k={k}");
         check_prompt(&geo, &full.sequence, &a);
-        // A prompt matching 6 blocks: all 6 with k = 1, cut down to 4 with k = 4.
+        // A prompt matching 6 blocks: all 6 hit; read-only up to a handle boundary (6 windows
+        // with k = 1, 4 with k = 4), the rest copied.
         let mut b_ids = a[..(6 * block) as usize].to_vec();
         b_ids.extend(prompt(3 * block, 0xbeef));
         let mut b = cache.admit(&b_ids, 600).unwrap();
-        assert_eq!(b.hit_tokens, partial_hit * block, "k={k}");
+        assert_eq!(b.hit_tokens, 6 * block, "k={k}");
+        assert_eq!(b.shared_bytes, readonly * fragments * g, "k={k}");
+        assert_eq!(b.copied_bytes, (6 - readonly) * fragments * g, "k={k}");
         write_prompt(&geo, &mut b.sequence, &b_ids, b.info.hit_tokens);
         check_prompt(&geo, &b.sequence, &b_ids);
         let seqs = [&owner.sequence, &full.sequence, &b.sequence];
@@ -556,4 +583,56 @@ fn tokens_written_on_the_device_are_published_once_marked_written() {
     adm.sequence.mark_written(10).unwrap();
     assert_eq!(adm.sequence.written_tokens(), 100);
     assert_eq!(cache.admit(&a, 200).unwrap().hit_tokens, 96);
+}
+
+/// A prefix cache's tail is memory the cache gives back under pressure: a request that
+/// published its prompt (which ends inside a window, so the entry has a tail of its own)
+/// grows past what the budget holds beside the tail; the cache gives the tail back and the
+/// request grows; a later hit then takes only the entry's whole windows, copying nothing.
+#[test]
+fn a_cache_tail_is_given_back_under_pressure() {
+    let g = 4096;
+    // Token-major, 512 B a token: 8 tokens a window; blocks of 4 tokens.
+    let geo = tiny(1000);
+    let plan = LayoutPlan::new(geo, KvLayout::TokenMajor, g).unwrap();
+    let w = world(g, Some(6 * g));
+    let cache = PrefixCache::with_config(
+        w.vm.clone(),
+        plan,
+        PrefixCacheConfig::default().block_tokens(4),
+    )
+    .unwrap();
+    // 20 tokens: two whole windows and a tail of 4 tokens.
+    let ids = prompt(20, 1);
+    let mut a = cache.admit(&ids, 64).unwrap();
+    write_prompt(&geo, &mut a.sequence, &ids, 0);
+    assert!(matches!(
+        cache.publish(&mut a.sequence).unwrap(),
+        PublishOutcome::Published { tokens: 20, .. }
+    ));
+    let owned = a.sequence.owned_prefix().cloned().unwrap();
+    assert_eq!(owned.tokens(), 20);
+    assert_eq!(cache.stats().tail_bytes, g);
+    assert_eq!(w.gov.snapshot().device(D0).used(), 4 * g);
+    // 48 tokens hold 6 windows: with the tail, 7 would be over the budget.
+    a.sequence.ensure_tokens(48).unwrap();
+    assert_eq!(cache.stats().tail_bytes, 0);
+    assert_eq!(
+        owned.tokens(),
+        16,
+        "only the whole windows' tokens are handed on now"
+    );
+    check_books(&w, &[&a.sequence], &[&owned]);
+    drop(a);
+    let b = cache.admit(&ids, 64).unwrap();
+    assert_eq!(
+        (b.hit_tokens, b.shared_bytes, b.copied_bytes),
+        (16, 2 * g, 0)
+    );
+    check_prompt(&geo, &b.sequence, &ids[..16]);
+    drop((b, owned));
+    cache.clear();
+    drop(cache);
+    drop(w.vm);
+    assert!(w.sim.ledger().is_empty());
 }

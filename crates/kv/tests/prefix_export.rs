@@ -69,9 +69,10 @@ fn an_exported_prefix_imports_under_the_same_plan_and_reads_back_in_every_layout
             SharedDevicePrefix::reserve_and_map_shared_prefix(&exporter, &plan, 300, 1000, &mut f)
                 .unwrap();
         let (descriptor, fds) = prefix.export().unwrap();
-        assert_eq!(descriptor.tokens, prefix.shared_tokens().min(300));
+        // Every token travels: the whole windows' and the tail's handles.
+        assert_eq!((descriptor.tokens, prefix.tokens()), (300, 300));
         assert!(
-            descriptor.tokens > 0 && descriptor.tokens <= 300,
+            descriptor.tail_end_window > descriptor.end_window,
             "{layout:?}"
         );
         let text = descriptor.encode();
@@ -86,11 +87,14 @@ fn an_exported_prefix_imports_under_the_same_plan_and_reads_back_in_every_layout
 
         let mut reader = SequenceKv::new(&importer, &plan, 1000).unwrap();
         imported.attach_to(&mut reader).unwrap();
+        // The prefix is billed at the exporter only; the reader pays for the windows it
+        // copied the tail into (one per fragment).
         assert_eq!(
             gov_b.snapshot().device(D0).used(),
-            0,
-            "billed at the exporter only"
+            plan.slice_count() * G,
+            "{layout:?}"
         );
+        assert_eq!(reader.additional_owned_bytes(), plan.slice_count() * G);
         let billed = gov_a.snapshot().device(D0).used();
         assert!(billed >= prefix.bytes(), "{layout:?}");
 
@@ -123,13 +127,13 @@ fn another_plan_an_unsealed_prefix_and_foreign_text_are_refused() {
     let (_sim, [(exporter, _), (importer, _)]) = managers();
     let geo = geometry(1000);
     let plan = LayoutPlan::new(geo, KvLayout::SeqMajor, G).unwrap();
-    let (unsealed, _owner) =
+    let (unsealed, mut owner) =
         SharedDevicePrefix::reserve_unwritten(&exporter, &plan, 300, 1000).unwrap();
     assert!(matches!(
         unsealed.export(),
         Err(KvCacheError::PrefixNotWritten { .. })
     ));
-    unsealed.seal();
+    owner.seal_prefix().unwrap();
     let (descriptor, fds) = unsealed.export().unwrap();
     let borrowed: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
     // Seq-major fragments lie at offsets that depend on the maximum length.
@@ -160,17 +164,46 @@ fn another_plan_an_unsealed_prefix_and_foreign_text_are_refused() {
         "kvvm-prefix/2 1 0 1 0:1",
         "kvvm-prefix/1 1 0",
         "kvvm-prefix/1 1 0 1 0-1",
-        // Windows no prefix can have, refused before anything is built from them.
-        "kvvm-prefix/1 0 0 4000000000 0:4000000000",
-        "kvvm-prefix/1 0 0 1048577 0:1048577",
-        "kvvm-prefix/1 0 0 2 0:1",
-        "kvvm-prefix/1 0 1 1 0:1",
-        "kvvm-prefix/1 0 0 1 0:0 0:1",
     ] {
         assert!(PrefixDescriptor::decode(text).is_err(), "{text:?}");
     }
-    let largest = PrefixDescriptor::decode("kvvm-prefix/1 0 0 1048576 0:1048576").unwrap();
-    assert_eq!(largest.pieces, vec![(0, 1 << 20)]);
+    // Numbers no prefix of this plan can have (a hostile tenant-mate's meta): refused before
+    // anything is allocated for the windows they claim.
+    let hostile = |f: &dyn Fn(&mut PrefixDescriptor)| {
+        let mut d = descriptor.clone();
+        f(&mut d);
+        let text = d.encode();
+        let d = PrefixDescriptor::decode(&text).unwrap();
+        let fds: Vec<_> = borrowed
+            .iter()
+            .cycle()
+            .take(d.handle_count())
+            .copied()
+            .collect();
+        let e = SharedDevicePrefix::import(&importer, &plan, &d, &fds).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                KvCacheError::PlanMismatch { .. } | KvCacheError::Layout(_)
+            ),
+            "{text}: {e}"
+        );
+    };
+    hostile(&|d| {
+        d.end_window = 4_000_000_000;
+        d.tail_end_window = 4_000_000_000;
+        d.pieces = vec![(0, 4_000_000_000)];
+        d.tail_pieces.clear();
+    });
+    hostile(&|d| d.tokens = u64::MAX);
+    hostile(&|d| d.pieces.iter_mut().for_each(|p| p.1 = u64::MAX));
+    hostile(&|d| d.pieces.iter_mut().for_each(|p| p.1 = 0));
+    hostile(&|d| d.pieces.iter_mut().for_each(|p| p.0 = u64::MAX));
+    hostile(&|d| {
+        let first = d.pieces[0];
+        d.pieces.push(first);
+    });
+    hostile(&|d| d.first_window = d.end_window + 1);
     // The same plan imports.
     assert!(SharedDevicePrefix::import(&importer, &plan, &descriptor, &borrowed).is_ok());
 }
@@ -192,14 +225,16 @@ fn write(geo: &KvGeometry, seq: &mut SequenceKv, ids: &[u32], from: u64) {
 
 #[test]
 fn a_prefix_cache_entry_of_two_segments_is_exported_and_hit_in_another_cache() {
-    use kvvm_kv::{PrefixCache, PublishOutcome};
+    use kvvm_kv::{PrefixCache, PrefixCacheConfig, PublishOutcome};
 
     let (_sim, [(exporter, _), (importer, gov_b)]) = managers();
     let geo = geometry(1000);
     let plan = LayoutPlan::new(geo, KvLayout::SeqMajor, G).unwrap();
-    let ours = PrefixCache::new(exporter.clone(), plan).unwrap();
-    let block = ours.block_tokens(); // 4096 / 64 B a token per fragment
-                                     // Two publishes make a chain: blocks 0..2, then 2..5 on top of them.
+    // Blocks of one window: 4096 / 64 B a token per fragment.
+    let blocks = PrefixCacheConfig::default().block_tokens(G / 64);
+    let ours = PrefixCache::with_config(exporter.clone(), plan, blocks).unwrap();
+    let block = ours.block_tokens();
+    // Two publishes make a chain: blocks 0..2, then 2..5 on top of them.
     let long = ids(5 * block + 3, 0);
     let mut a = ours.admit(&long[..2 * block as usize + 1], 1000).unwrap();
     write(&geo, &mut a.sequence, &long[..2 * block as usize + 1], 0);
@@ -218,7 +253,7 @@ fn a_prefix_cache_entry_of_two_segments_is_exported_and_hit_in_another_cache() {
     );
 
     // Across: each segment exported and imported.
-    let theirs = PrefixCache::new(importer.clone(), plan).unwrap();
+    let theirs = PrefixCache::with_config(importer.clone(), plan, blocks).unwrap();
     let imported: Vec<_> = segments
         .iter()
         .map(|s| {
@@ -233,9 +268,10 @@ fn a_prefix_cache_entry_of_two_segments_is_exported_and_hit_in_another_cache() {
             .unwrap()
         })
         .collect();
-    // Refused: not whole blocks, a segment missing, segments out of order.
+    // Refused: more tokens than the segments hold, a segment missing, segments out of order,
+    // a segment no token needs.
     for (tokens, segs) in [
-        (&long[..5 * block as usize - 1], imported.clone()),
+        (&long[..5 * block as usize + 1], imported.clone()),
         (prefix, imported[1..].to_vec()),
         (prefix, vec![imported[1].clone(), imported[0].clone()]),
         (&long[..2 * block as usize], imported.clone()),
@@ -250,13 +286,13 @@ fn a_prefix_cache_entry_of_two_segments_is_exported_and_hit_in_another_cache() {
         .insert(prefix.to_vec(), segments.clone())
         .unwrap_err();
     assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
-    let (unsealed, _owner) =
+    let (unsealed, mut owner) =
         SharedDevicePrefix::reserve_unwritten(&importer, &plan, 5 * block, 1000).unwrap();
     let e = theirs
         .insert(prefix.to_vec(), vec![Arc::clone(&unsealed)])
         .unwrap_err();
     assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
-    unsealed.seal();
+    owner.seal_prefix().unwrap();
     assert!(
         matches!(
             theirs.insert(prefix.to_vec(), vec![Arc::clone(&unsealed)]),
@@ -266,12 +302,12 @@ fn a_prefix_cache_entry_of_two_segments_is_exported_and_hit_in_another_cache() {
     );
     theirs.clear();
     let other_plan = LayoutPlan::new(geometry(2000), KvLayout::SeqMajor, G).unwrap();
-    let (foreign, owner2) =
+    let (foreign, mut owner2) =
         SharedDevicePrefix::reserve_unwritten(&importer, &other_plan, 5 * block, 2000).unwrap();
-    foreign.seal();
+    owner2.seal_prefix().unwrap();
     let e = theirs.insert(prefix.to_vec(), vec![foreign]).unwrap_err();
     assert!(matches!(e, KvCacheError::PlanMismatch { .. }), "{e}");
-    drop((unsealed, _owner, owner2));
+    drop((unsealed, owner, owner2));
     assert!(matches!(
         theirs.insert(prefix.to_vec(), imported.clone()).unwrap(),
         PublishOutcome::Published { .. }

@@ -121,7 +121,7 @@ fn a_prefix_is_owned_and_attached_inside_slots() {
         all.extend_from_slice(&t);
     }
     seqs[0].write_tokens(0, &all).unwrap();
-    prefix.seal();
+    seqs[0].seal_prefix().unwrap();
     for s in &mut seqs[1..] {
         prefix.attach_to(s).unwrap();
         assert_eq!(s.additional_owned_bytes(), 0);

@@ -112,9 +112,12 @@ fn address_space_error(
 #[pymethods]
 impl SequenceBatch {
     /// Reserves `slots` sequences of at most `max_tokens` tokens (default: the geometry's)
-    /// under `plan` in one address range, at a stride of ``plan.reservation_bytes``.
+    /// under `plan` in one address range, at a stride of ``plan.reservation_bytes``. With
+    /// `window_handles`, every commit maps one handle per window, so that
+    /// :meth:`forget_each` gives back each window behind a sliding window on its own.
     #[new]
-    #[pyo3(signature = (manager, plan, slots, max_tokens = None, precommit = false))]
+    #[pyo3(signature = (manager, plan, slots, max_tokens = None, precommit = false,
+        window_handles = false))]
     fn new(
         py: Python<'_>,
         manager: &Manager,
@@ -122,6 +125,7 @@ impl SequenceBatch {
         slots: Count,
         max_tokens: Option<Count>,
         precommit: bool,
+        window_handles: bool,
     ) -> PyResult<Self> {
         let slots = slots.0;
         let max_tokens = max_tokens_arg(py, plan, max_tokens.map(|c| c.0))?;
@@ -137,7 +141,13 @@ impl SequenceBatch {
             .detach(move || -> Result<Vec<SequenceKv>, kvvm::kv::KvCacheError> {
                 vm.reserve_strided(slots, p.reservation_bytes())?
                     .into_iter()
-                    .map(|r| SequenceKv::in_reservation(&vm, &p, max_tokens, r))
+                    .map(|r| {
+                        let mut s = SequenceKv::in_reservation(&vm, &p, max_tokens, r)?;
+                        if window_handles {
+                            s.use_window_handles();
+                        }
+                        Ok(s)
+                    })
                     .collect()
             })
             .map_err(|e| address_space_error(py, &e, slots, span))?;
@@ -217,6 +227,29 @@ impl SequenceBatch {
     fn ensure_each(&self, py: Python<'_>, tokens: Vec<Count>, first: usize) -> PyResult<u64> {
         let slots = self.slots(py, first, Some(tokens.len()))?;
         ensure_slots(py, slots, tokens.into_iter().map(|c| c.0).collect())
+    }
+
+    /// Forgets the tokens before ``tokens[i]`` in slot ``first + i``, for every ``i`` (0: that
+    /// slot is left alone): a sliding window's oldest tokens, never read again. The windows
+    /// holding none of the later tokens are unmapped (the pool takes them back); reading or
+    /// writing a forgotten token is refused afterwards. Returns the bytes unmapped. Refused,
+    /// with nothing unmapped, while a view of any of those slots is alive (ViewsAliveError);
+    /// the device is synchronized first. NotCommittedError when a slot has not committed
+    /// that many tokens, NotShareableError when it maps or owns a shared prefix.
+    #[pyo3(signature = (tokens, first = 0))]
+    fn forget_each(&self, py: Python<'_>, tokens: Vec<Count>, first: usize) -> PyResult<u64> {
+        let slots = self.slots(py, first, Some(tokens.len()))?;
+        let (cells, ops): (Vec<Arc<SeqCell>>, Vec<Unmap>) = slots
+            .iter()
+            .zip(tokens)
+            .filter(|(_, t)| t.0 > 0)
+            .map(|(c, t)| (Arc::clone(c), Unmap::Forget(t.0)))
+            .unzip();
+        match py.detach(move || SeqCell::unmapping_each(&cells, &ops)) {
+            Ok(Ok(bytes)) => Ok(bytes),
+            Ok(Err(e)) => Err(errors::kv(py, &e)),
+            Err(busy) => Err(busy_error(py, busy, "forget tokens")),
+        }
     }
 
     /// Releases every slot (see :meth:`Sequence.release`); returns the bytes unmapped.

@@ -24,6 +24,9 @@ pub(crate) enum Unmap {
     Release,
     /// Gives back the windows holding no byte of the first this many tokens.
     Shrink(u64),
+    /// Forgets the tokens before this one (a sliding window's): the windows holding none of
+    /// the later tokens are given back.
+    Forget(u64),
 }
 
 /// Why a view or an unmap cannot start now.
@@ -53,6 +56,9 @@ pub(crate) struct SeqCell {
     /// the sequence's lock, by every admission and unmap, so that a store checks it without
     /// taking that lock.
     protected_bytes: AtomicU64,
+    /// Tokens before this one are forgotten (a sliding window's; read by views and stores
+    /// without the sequence's lock). Set under the lock by every unmap.
+    forgotten: AtomicU64,
 }
 
 /// What [`SeqCell::protected_bytes`] keeps for `s`: its protected shared windows, or the
@@ -94,6 +100,7 @@ impl SeqCell {
             views: AtomicU64::new(0),
             asked: AtomicU64::new(0),
             protected_bytes: AtomicU64::new(0),
+            forgotten: AtomicU64::new(0),
         }
     }
 
@@ -142,11 +149,13 @@ impl SeqCell {
         }
     }
 
-    /// Records what a store must not write of `s` (called under its lock, after anything that
-    /// may have changed it).
+    /// Records what a store or a view must not reach of `s`, its protected bytes and its
+    /// forgotten tokens (called under its lock, after anything that may have changed them).
     fn refresh_protected(&self, s: &SequenceKv) {
         self.protected_bytes
             .store(protected_of(s), Ordering::Release);
+        self.forgotten
+            .store(s.forgotten_tokens(), Ordering::Release);
     }
 
     /// Bytes per fragment from the start that a store must not write (see the field).
@@ -262,6 +271,16 @@ impl SeqCell {
         cells: &[Arc<SeqCell>],
         op: Unmap,
     ) -> Result<Result<u64, KvCacheError>, Busy> {
+        let ops = vec![op; cells.len()];
+        Self::unmapping_each(cells, &ops)
+    }
+
+    /// [`unmapping_all`](Self::unmapping_all) with an operation of its own for each cell
+    /// (`ops[i]` for `cells[i]`).
+    pub(crate) fn unmapping_each(
+        cells: &[Arc<SeqCell>],
+        ops: &[Unmap],
+    ) -> Result<Result<u64, KvCacheError>, Busy> {
         let Some(first) = cells.first() else {
             return Ok(Ok(0));
         };
@@ -278,9 +297,9 @@ impl SeqCell {
             .synchronize()
             .map_err(KvCacheError::Backend)
             .and_then(|()| {
-                cells
-                    .iter()
-                    .try_fold(0u64, |total, c| Ok(total.saturating_add(c.unmap(op)?)))
+                cells.iter().zip(ops).try_fold(0u64, |total, (c, &op)| {
+                    Ok(total.saturating_add(c.unmap(op)?))
+                })
             });
         for c in cells {
             c.end_unmap();
@@ -295,6 +314,7 @@ impl SeqCell {
             (Kind::Pre(p), Unmap::Release) => p.release(),
             (_, Unmap::Release) => self.with(|s| s.release()),
             (_, Unmap::Shrink(tokens)) => self.with(|s| s.shrink_committed(tokens)),
+            (_, Unmap::Forget(tokens)) => self.with(|s| s.forget_tokens_before(tokens)),
         };
         self.with(|s| {
             if s.is_empty() {
@@ -303,6 +323,11 @@ impl SeqCell {
             self.refresh_protected(s);
         });
         result
+    }
+
+    /// Tokens before this one are forgotten: a view or a store must not reach them.
+    pub(crate) fn forgotten_tokens(&self) -> u64 {
+        self.forgotten.load(Ordering::Acquire)
     }
 
     /// Marks the cell as being unmapped, if no view is alive and no other unmap runs.

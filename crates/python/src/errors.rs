@@ -146,7 +146,7 @@ pub(crate) fn kv(py: Python<'_>, e: &KvCacheError) -> PyErr {
         KvCacheError::WriteIntoSharedPrefix { .. } => {
             raise(py, ErrorClass::WriteIntoSharedPrefix, e.to_string(), &[])
         }
-        KvCacheError::NotCommitted { .. } => {
+        KvCacheError::NotCommitted { .. } | KvCacheError::Forgotten { .. } => {
             raise(py, ErrorClass::NotCommitted, e.to_string(), &[])
         }
         KvCacheError::TooManyTokens { tokens, max_tokens } => raise(

@@ -25,42 +25,52 @@ pub struct PrefixCache {
 #[pymethods]
 impl PrefixCache {
     /// A cache for sequences of `plan` on `manager`, holding at most `max_cached_bytes` of
-    /// idle prefixes (None: only the budget limits it). A published prefix is made of
-    /// handles of at most `handle_blocks` blocks (at least 1): a hit maps one handle per
-    /// mapping and ends on a multiple of `handle_blocks` blocks, so a larger value means fewer
-    /// mappings per hit and coarser hits.
+    /// idle prefixes (None: only the budget limits it). Prompts are found in whole blocks of
+    /// `block_tokens` tokens (the hit granularity, whatever the granule): a hit maps read-only
+    /// the windows lying wholly before its end and copies the rest of it from the cache. A
+    /// published prefix is made of handles of at most `handle_windows` windows (at least 1): a
+    /// hit maps one handle per mapping and its read-only part ends on a multiple of
+    /// `handle_windows` windows, so a larger value means fewer mappings per hit and more
+    /// bytes copied.
     #[new]
-    #[pyo3(signature = (manager, plan, max_cached_bytes = None, handle_blocks = Count(1)),
-        text_signature = "(manager, plan, max_cached_bytes=None, handle_blocks=1)")]
+    #[pyo3(signature = (manager, plan, max_cached_bytes = None, block_tokens = Count(16),
+        handle_windows = Count(1)),
+        text_signature = "(manager, plan, max_cached_bytes=None, block_tokens=16, handle_windows=1)")]
     fn new(
         py: Python<'_>,
         manager: &Manager,
         plan: &PyPlan,
         max_cached_bytes: Option<u64>,
-        handle_blocks: Count,
+        block_tokens: Count,
+        handle_windows: Count,
     ) -> PyResult<Self> {
-        if handle_blocks.0 == 0 {
-            return Err(errors::invalid(py, "handle_blocks must be at least 1"));
+        if block_tokens.0 == 0 || handle_windows.0 == 0 {
+            return Err(errors::invalid(
+                py,
+                "block_tokens and handle_windows must be at least 1",
+            ));
         }
         let config = PrefixCacheConfig::default()
             .max_cached_bytes(max_cached_bytes)
-            .handle_blocks(handle_blocks.0);
+            .block_tokens(block_tokens.0)
+            .handle_windows(handle_windows.0);
         let cache = KvPrefixCache::with_config(manager.state.vm.clone(), plan.plan, config)
             .map_err(|e| errors::kv(py, &e))?;
         Ok(PrefixCache { cache })
     }
 
-    /// Tokens per cached block (prefixes are found in whole blocks).
+    /// Tokens per cached block: prefixes are found in whole blocks (the hit granularity).
     #[getter]
     fn block_tokens(&self) -> u64 {
         self.cache.block_tokens()
     }
 
-    /// Admits a request into `sequence` (empty): maps the longest cached prefix of
-    /// `token_ids` read-only, makes the sequence the owner of its new full blocks, and commits
-    /// the rest of the prompt. Returns a dict with ``hit_tokens``, ``prompt_tokens``,
-    /// ``owned_prefix_tokens``, ``shared_bytes``, ``committed_bytes``. Write tokens
-    /// ``hit_tokens..prompt_tokens``, then :meth:`publish`.
+    /// Admits a request into `sequence` (empty): gives it the longest cached prefix of
+    /// `token_ids` (its whole windows mapped read-only, the rest copied), makes the sequence
+    /// the owner of its new full blocks, and commits the rest of the prompt. Returns a dict
+    /// with ``hit_tokens``, ``prompt_tokens``, ``owned_prefix_tokens``, ``shared_bytes``,
+    /// ``copied_bytes``, ``committed_bytes``. Write tokens ``hit_tokens..prompt_tokens``,
+    /// then :meth:`publish`.
     fn admit<'py>(
         &self,
         py: Python<'py>,
@@ -81,13 +91,15 @@ impl PrefixCache {
                 ("prompt_tokens", info.prompt_tokens),
                 ("owned_prefix_tokens", info.owned_prefix_tokens),
                 ("shared_bytes", info.shared_bytes),
+                ("copied_bytes", info.copied_bytes),
                 ("committed_bytes", info.committed_bytes),
             ],
         )
     }
 
-    /// Publishes the prefix `sequence` owns once its tokens are written. Returns
-    /// ``"published"``, ``"already_cached"`` or ``"nothing"``.
+    /// Publishes the prefix `sequence` owns once its tokens are written (its tail is copied
+    /// then). Returns ``"published"``, ``"already_cached"``, ``"no_memory"`` (the budget could
+    /// not hold the tail now: not published) or ``"nothing"``.
     fn publish(&self, py: Python<'_>, sequence: &Sequence) -> PyResult<&'static str> {
         let cell = Arc::clone(&sequence.cell);
         let cache = Arc::clone(&self.cache);
@@ -101,18 +113,17 @@ impl PrefixCache {
     /// order (None: no such entry): what :meth:`SharedPrefix.publish` hands to other
     /// processes, which :meth:`insert` them into their own cache.
     fn segments(&self, token_ids: TokenIds) -> Option<Vec<SharedPrefix>> {
-        self.cache.segments(&token_ids.0).map(|v| {
-            v.into_iter()
-                .map(|prefix| SharedPrefix { prefix })
-                .collect()
-        })
+        self.cache
+            .segments(&token_ids.0)
+            .map(|v| v.into_iter().map(SharedPrefix::without_owner).collect())
     }
 
-    /// Inserts a prefix made elsewhere (segments another process published, opened with
-    /// :meth:`SharedPrefix.open`): ``token_ids`` (whole blocks) held by ``segments``,
-    /// consecutive from the first window. Admissions then hit it like a prefix this cache
-    /// published. Returns ``"published"`` or ``"already_cached"``; ``InvalidArgumentError``
-    /// when the segments do not cover exactly those tokens' windows under this cache's plan.
+    /// Inserts a prefix made elsewhere (built here, or segments another process published,
+    /// opened with :meth:`SharedPrefix.open`): ``token_ids`` (at least one block) held by
+    /// ``segments``, in order from the first window. Admissions then hit it, in whole blocks,
+    /// like a prefix this cache published. Returns ``"published"`` or ``"already_cached"``;
+    /// ``InvalidArgumentError`` when the segments do not hold those tokens under this cache's
+    /// plan.
     fn insert(
         &self,
         py: Python<'_>,
@@ -165,6 +176,7 @@ fn outcome_name(out: &PublishOutcome) -> &'static str {
     match out {
         PublishOutcome::Published { .. } => "published",
         PublishOutcome::AlreadyCached => "already_cached",
+        PublishOutcome::NoMemory => "no_memory",
         _ => "nothing",
     }
 }

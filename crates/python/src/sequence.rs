@@ -4,7 +4,7 @@
 //! sequences map read-only (`SharedPrefix.attach`), billed once.
 
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use kvvm::kv::{PrefixDescriptor, SequenceKv, SharedDevicePrefix};
 use pyo3::buffer::{PyBuffer, PyUntypedBuffer};
@@ -149,6 +149,13 @@ impl Sequence {
         self.cell.with(|s| s.shared_tokens())
     }
 
+    /// Tokens before this one were forgotten (:meth:`forget_before`): never read or written
+    /// again, their windows given back. 0 until the sequence forgets, and after a release.
+    #[getter]
+    fn forgotten_tokens(&self) -> u64 {
+        self.cell.forgotten_tokens()
+    }
+
     /// Tokens of the prefix this sequence shares or owns.
     #[getter]
     fn prefix_tokens(&self) -> u64 {
@@ -199,6 +206,18 @@ impl Sequence {
         let out = py.detach(move || cell.unmapping(Unmap::Shrink(tokens)));
         match out {
             Err(busy) => Err(busy_error(py, busy, "shrink")),
+            Ok(r) => r.map_err(|e| errors::kv(py, &e)),
+        }
+    }
+
+    /// Forgets the tokens before `tokens` (see :meth:`SequenceBatch.forget_each`); returns
+    /// the bytes unmapped. Refused while views live.
+    fn forget_before(&self, py: Python<'_>, tokens: Count) -> PyResult<u64> {
+        let tokens = tokens.0;
+        let cell = Arc::clone(&self.cell);
+        let out = py.detach(move || cell.unmapping(Unmap::Forget(tokens)));
+        match out {
+            Err(busy) => Err(busy_error(py, busy, "forget tokens")),
             Ok(r) => r.map_err(|e| errors::kv(py, &e)),
         }
     }
@@ -303,8 +322,10 @@ impl Sequence {
     }
 
     /// Makes this empty sequence the owner of a new shared prefix of `tokens` tokens: its
-    /// windows are committed as shared memory, read-write for this sequence. Write the
-    /// prefix's tokens, then :meth:`SharedPrefix.seal` it and attach it to other sequences.
+    /// whole windows are committed as shared memory, read-write for this sequence, the rest of
+    /// its tokens privately. Write the prefix's tokens, then :meth:`SharedPrefix.seal` it (its
+    /// tail, the bytes past its last whole window, is copied then) and attach it to other
+    /// sequences.
     fn own_prefix(&self, py: Python<'_>, tokens: Count) -> PyResult<SharedPrefix> {
         let tokens = tokens.0;
         let cell = Arc::clone(&self.cell);
@@ -313,7 +334,10 @@ impl Sequence {
                 Ok(r) => r.map_err(|e| errors::kv(py, &e))?,
                 Err(busy) => return Err(busy_error(py, busy, "own a prefix")),
             };
-        Ok(SharedPrefix { prefix })
+        Ok(SharedPrefix {
+            prefix,
+            owner: Some(Arc::downgrade(&self.cell)),
+        })
     }
 
     fn __repr__(&self) -> String {
@@ -327,17 +351,44 @@ impl Sequence {
     }
 }
 
-/// A prefix one sequence owns (read-write until sealed) and others map read-only.
+/// A prefix one sequence owns (read-write until sealed) and others attach: its whole windows
+/// mapped read-only, the rest copied.
 #[pyclass(frozen, module = "kvvm._native")]
 pub struct SharedPrefix {
     pub(crate) prefix: Arc<SharedDevicePrefix>,
+    /// The owner's sequence, for a prefix made here by `Sequence.own_prefix` (it seals it).
+    pub(crate) owner: Option<Weak<SeqCell>>,
+}
+
+impl SharedPrefix {
+    /// A prefix held by a cache or opened from another process: sealed, no owner here.
+    pub(crate) fn without_owner(prefix: Arc<SharedDevicePrefix>) -> Self {
+        SharedPrefix {
+            prefix,
+            owner: None,
+        }
+    }
 }
 
 #[pymethods]
 impl SharedPrefix {
-    /// Seals the prefix read-only: call after the owner wrote its tokens, before attaching.
-    fn seal(&self) {
-        self.prefix.seal();
+    /// Seals the prefix read-only: call after the owner wrote its tokens (on a GPU, after the
+    /// device finished writing them), before attaching. Its tail is copied into memory of its
+    /// own then (one window per fragment, billed once), so that sequences it is attached to
+    /// receive every token. ``InvalidArgumentError`` when the owner's sequence was released or
+    /// dropped first; backpressure when the budget cannot hold the tail.
+    fn seal(&self, py: Python<'_>) -> PyResult<()> {
+        if self.prefix.is_sealed() {
+            return Ok(());
+        }
+        let Some(cell) = self.owner.as_ref().and_then(Weak::upgrade) else {
+            return Err(errors::invalid(
+                py,
+                "the prefix's owner sequence is gone: only the owner seals a prefix",
+            ));
+        };
+        py.detach(move || cell.publishing(SequenceKv::seal_prefix))
+            .map_err(|e| errors::kv(py, &e))
     }
 
     /// Whether the prefix is sealed.
@@ -346,20 +397,20 @@ impl SharedPrefix {
         self.prefix.is_sealed()
     }
 
-    /// The prefix's length in tokens.
+    /// The tokens a sequence it is attached to receives (the prefix's length once sealed).
     #[getter]
     fn tokens(&self) -> u64 {
-        self.prefix.prefix_len()
+        self.prefix.tokens()
     }
 
-    /// Tokens lying wholly in the shared windows (the rest of the prefix, in partial tail
-    /// windows, is each sequence's own and must be written by each).
+    /// Tokens lying wholly in the read-only windows (a sequence it is attached to receives
+    /// the rest of :attr:`tokens` by copy).
     #[getter]
     fn shared_tokens(&self) -> u64 {
         self.prefix.shared_tokens()
     }
 
-    /// Physical bytes of the shared windows (billed once).
+    /// Physical bytes of the prefix, its read-only windows and its tail (billed once).
     #[getter]
     fn bytes(&self) -> u64 {
         self.prefix.bytes()
@@ -367,7 +418,8 @@ impl SharedPrefix {
 
     /// Publishes the sealed prefix to the node's broker under ``key`` (the manager must lease
     /// from one: ``Manager(broker=...)``, on a backend whose handles can be exported as
-    /// descriptors). Its handles travel as descriptors with what a reader needs to map them;
+    /// descriptors). Its handles (read-only windows and tail) travel as descriptors with what
+    /// a reader needs to map them;
     /// its bytes leave this process's lease for the prefix, billed once to the tenant while
     /// any process uses it. Other processes of the tenant :meth:`open` it; this one stays a
     /// user until :meth:`Manager.close_prefix` or until it disconnects. Returns the bytes
@@ -378,7 +430,7 @@ impl SharedPrefix {
         let g = manager.state.vm.granule();
         let handles: Vec<(BorrowedFd<'_>, u64)> = fds
             .iter()
-            .zip(&descriptor.pieces)
+            .zip(descriptor.pieces.iter().chain(&descriptor.tail_pieces))
             .map(|(fd, (_, windows))| (fd.as_fd(), windows.saturating_mul(g)))
             .collect();
         let meta = descriptor.encode();
@@ -391,8 +443,8 @@ impl SharedPrefix {
     /// The prefix another process of the tenant published under ``key``, imported into
     /// ``manager`` under ``plan`` (the publisher's: the same geometry, maximum length, layout
     /// and granule, else ``InvalidArgumentError``), sealed: attach it to sequences of
-    /// ``plan`` read-only. Its :attr:`tokens` are those lying wholly in its shared windows
-    /// (the publisher's partial tail is not shared). Not billed here; this process is a user
+    /// ``plan``, which receive all its :attr:`tokens`. Not billed here (a sequence pays only
+    /// for the windows it copies the tail into); this process is a user
     /// of the prefix until :meth:`Manager.close_prefix` or until it disconnects, and the
     /// memory lives while any process maps or holds it. A prefix whose descriptor cannot be
     /// read (the publisher wrote something else, or windows no prefix can have) or mapped
@@ -410,7 +462,7 @@ impl SharedPrefix {
                 .and_then(|d| SharedDevicePrefix::import(vm, &plan.plan, &d, &fds))
         });
         match imported {
-            Ok(prefix) => Ok(SharedPrefix { prefix }),
+            Ok(prefix) => Ok(SharedPrefix::without_owner(prefix)),
             Err(e) => {
                 // Not a user of a prefix it could not read or map.
                 let _ = py.detach(|| client.close_prefix(key));
@@ -419,14 +471,27 @@ impl SharedPrefix {
         }
     }
 
-    /// Maps the prefix read-only into `sequence` (empty, of the same plan); returns the bytes
-    /// mapped (shared, not billed to the sequence). Its first :attr:`shared_tokens` tokens
-    /// are readable at once; the tail tokens, if any, are the sequence's own: ensure and
-    /// write them.
-    fn attach(&self, py: Python<'_>, sequence: &Sequence) -> PyResult<u64> {
+    /// Gives `sequence` (empty, of the same plan) the prefix's :attr:`tokens`: maps read-only
+    /// the windows lying wholly before the end of its last token, commits the rest privately
+    /// and copies it from the prefix (waiting for the copy). Returns the bytes mapped
+    /// read-only (shared, not billed to the sequence). The sequence then holds the prefix,
+    /// written, and writes its own tokens after it, in its own memory only.
+    ///
+    /// With ``first`` (the layers of a sliding window, which read only the last tokens and
+    /// give their oldest windows back): nothing is mapped read-only; the sequence forgets the
+    /// tokens before ``first`` from the start and the prefix's tokens from ``first`` on are
+    /// copied into its own windows. Returns the bytes copied then.
+    #[pyo3(signature = (sequence, first = None))]
+    fn attach(&self, py: Python<'_>, sequence: &Sequence, first: Option<Count>) -> PyResult<u64> {
         let cell = Arc::clone(&sequence.cell);
         let prefix = Arc::clone(&self.prefix);
-        match py.detach(move || cell.admission(|s| prefix.attach_to(s))) {
+        let attached = py.detach(move || {
+            cell.admission(|s| match first {
+                None => prefix.attach_to(s),
+                Some(Count(t)) => prefix.attach_from(s, t),
+            })
+        });
+        match attached {
             Ok(r) => r.map_err(|e| errors::kv(py, &e)),
             Err(busy) => Err(busy_error(py, busy, "attach a prefix")),
         }

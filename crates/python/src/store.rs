@@ -376,6 +376,15 @@ fn check_slots(
                 &[],
             ));
         }
+        let forgotten = c.forgotten_tokens();
+        if start < forgotten {
+            return Err(errors::raise(
+                py,
+                errors::ErrorClass::NotCommitted,
+                format!("token {start} was forgotten: the tokens before {forgotten} lie behind the sliding window"),
+                &[],
+            ));
+        }
         if start.saturating_mul(bpt) < c.protected_bytes() {
             return Err(errors::raise(
                 py,

@@ -264,6 +264,18 @@ fn committed_and_readonly(
                 &[],
             ));
         }
+        let forgotten = c.forgotten_tokens();
+        if !req.allow_uncommitted && req.start < forgotten && end > req.start {
+            return Err(errors::raise(
+                py,
+                errors::ErrorClass::NotCommitted,
+                format!(
+                    "tokens {}..{end} reach forgotten tokens: those before {forgotten} lie                      behind the sliding window",
+                    req.start
+                ),
+                &[],
+            ));
+        }
         let shared = c.with(|s| s.shared_tokens());
         readonly &= end <= shared;
     }

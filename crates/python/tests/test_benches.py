@@ -1,14 +1,22 @@
 """The benchmarks that run without a GPU (``crates/python/benches``): ``python -m kvvm_bench
 prefix`` on the simulator; kvvm's side of ``python -m kvvm_bench kvcached`` on the host backend
-(kvcached's side needs a CUDA GPU and is recorded as skipped)."""
+(kvcached's side needs a CUDA GPU and is recorded as skipped); ``python -m kvvm_bench shapes``
+in its tiny mode (the Triton kernel in Triton's interpreter, nothing timed). Skipped without
+torch, as the rest of the suite."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from conftest import host_available, kvvm_binary
+
+# The benchmarks import torch (their package's command line does, for every subcommand).
+pytest.importorskip("torch", reason="skipped: no torch")
 
 #: What ``python -m kvvm_bench kvcached`` records for kvcached's side on a CPU.
 KVCACHED_SKIPPED = {"skipped": "skipped: kvcached needs a CUDA GPU"}
@@ -20,9 +28,9 @@ def test_prefix_hits_map_one_handle_per_mapping(tmp_path: Path) -> None:
     import kvvm_bench
 
     out = tmp_path / "prefix.json"
-    assert kvvm_bench.main(["prefix", "--backend", "sim", "--hits", "2", "--handle-blocks", "1,16", "--json", str(out)]) == 0
+    assert kvvm_bench.main(["prefix", "--backend", "sim", "--hits", "2", "--handle-windows", "1,16", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    rows = {r["handle_blocks"]: r for r in report["rows"]}
+    rows = {r["handle_windows"]: r for r in report["rows"]}
     assert report["meta"]["window_tokens"] == 16
     assert rows[1]["hit_tokens"] == rows[16]["hit_tokens"] == 4096
     assert (rows[1]["tokens_per_handle"], rows[1]["mappings"]) == (16, 256)
@@ -90,3 +98,69 @@ def test_kvcached_bench_two_kvvm_instances_share_a_broker_on_the_host(tmp_path: 
     results = [i["result"] for i in instances]
     assert all(r["refusal"]["type"] in ("BackpressureError", "NeverFitsError") for r in results), results
     assert 0 < sum(r["books"]["committed"] for r in results) <= budget
+
+
+def test_sliding_bench_runs_tiny_on_the_cpu(tmp_path: Path) -> None:
+    """``python -m kvvm_bench sliding --tiny`` on the host backend: both caches at both
+    lengths, KvvmCache's sliding layers no larger at 640 tokens than at 256 (their windows
+    behind went back) while a cache of every token grows, and DynamicCache's greedy tokens
+    (fp32). The captured step needs CUDA: left out on a CPU."""
+    import kvvm_bench
+
+    if not host_available():
+        pytest.skip("skipped: no host backend here")
+    out = tmp_path / "sliding.json"
+    argv = [
+        "sliding", "--tiny", "--device", "cpu", "--backend", "host", "--lengths", "256,640", "--steps", "3",
+        "--chunk", "128", "--batch", "2", "--json", str(out),
+    ]
+    assert kvvm_bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    runs = {r["cache"]: r["rows"] for r in report["runs"]}
+    assert set(runs) == {"dynamic", "kvvm-eager"}
+    assert report["meta"]["sliding_layers"] == 5 and report["meta"]["sliding_window"] == 64
+    dynamic, kv = runs["dynamic"], runs["kvvm-eager"]
+    assert [r["length"] for r in dynamic] == [r["length"] for r in kv] == [256, 640]
+    short, long = kv
+    assert long["by_group"]["sliding"] <= short["by_group"]["sliding"]
+    assert long["every_token_bytes"] > 2 * short["every_token_bytes"]
+    assert all(r["step_ms"]["p50"] > 0 and r["greedy_agree_with_dynamic"] == 1.0 for r in kv)
+    assert all(r["kv_bytes"] > 0 for r in dynamic)
+
+
+def test_shapes_bench_checks_the_kernel_and_the_step_on_the_cpu_untimed(tmp_path: Path) -> None:
+    """``python -m kvvm_bench shapes --tiny --device cpu`` under Triton's interpreter (a process
+    of its own: Triton reads ``TRITON_INTERPRET`` once): the kernel alone against SDPA and the
+    decode step of a model of the shape over a KvvmCache against DynamicCache, at one shape in
+    both dtypes; the timing parts skipped, and the report says so."""
+    pytest.importorskip("torch", reason="skipped: no torch")
+    pytest.importorskip("triton", reason="skipped: no triton")
+    if not host_available():
+        pytest.skip("skipped: no host backend here")
+    out = tmp_path / "shapes.json"
+    benches = str(Path(__file__).resolve().parents[1] / "benches")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [benches, os.environ.get("PYTHONPATH")])))
+    argv = ["shapes", "--tiny", "--device", "cpu", "--head-dims", "96", "--gqa", "8", "--dtypes", "bf16,fp16", "--json", str(out)]
+    r = subprocess.run([sys.executable, "-m", "kvvm_bench", *argv], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    meta = report["meta"]
+    assert meta["timing"].startswith("skipped: no CUDA") and meta["device"].startswith("cpu")
+    assert all(meta[k] for k in ("date", "torch", "triton", "transformers", "kvvm"))
+    assert [(p["head_dim"], p["heads"], p["kv_heads"], p["dtype"]) for p in report["points"]] == [
+        (96, 16, 2, "bf16"), (96, 16, 2, "fp16"),
+    ]
+    for p in report["points"]:
+        tol = 2e-2 if p["dtype"] == "bf16" else 2e-3
+        kernel, step = p["kernel"], p["step"]
+        assert kernel["us_per_call"] is None and "no CUDA" in kernel["note"] and kernel["floor_us"] > 0
+        assert kernel["max_abs_diff"] < tol, kernel
+        assert step["p50_ms"] is None and "no CUDA" in step["note"] and step["floor_ms"] > 0
+        assert step["max_abs_logit_diff"] < tol, step
+        assert 0 < step["argmax_checked"] == step["argmax_agree"], step
+        assert step["live_kv_bytes"] > 0 and step["weight_bytes"] > 0
+        assert p["triton_configs"] and all("untuned" in c for c in p["triton_configs"])
+    rows = report["markdown"].splitlines()
+    assert len(rows) == 4 and rows[2].startswith("| 96 | 16/2 | bf16 |") and rows[3].startswith("| 96 | 16/2 | fp16 |")
+    # One line a shape, the kernel and the step each "not timed".
+    assert r.stderr.count("kernel not timed") == r.stderr.count("step not timed") == 2, r.stderr

@@ -50,6 +50,15 @@ def broker(tmp_path: Path) -> Iterator[Path]:
     yield from _run_broker(tmp_path / "broker.sock", "--budget-bytes", "8MiB", "--tenant", "a:2MiB:6MiB", "--tenant", "b")
 
 
+@pytest.fixture
+def prefix_broker(tmp_path: Path) -> Iterator[Path]:
+    """A broker of 12 MiB, tenants ``a`` (between 2 and 6 MiB) and ``b``: room for a prefix of
+    two windows and its tail beside its publisher's lease and a reader's copy of the tail."""
+    yield from _run_broker(
+        tmp_path / "prefix.sock", "--budget-bytes", "12MiB", "--tenant", "a:2MiB:6MiB", "--tenant", "b"
+    )
+
+
 def _sequence(mgr: kvvm.Manager) -> kvvm.Sequence:
     geometry = kvvm.KvGeometry(layers=1, kv_heads=1, head_dim=64, max_tokens=16 * WINDOW_TOKENS)
     plan = kvvm.LayoutPlan(geometry, "token-major", mgr.granule)
@@ -147,7 +156,7 @@ def _pattern(n: int) -> bytes:
         pytest.param("cuda", marks=pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")),
     ],
 )
-def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker: Path, backend: str) -> None:
+def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(prefix_broker: Path, backend: str) -> None:
     """One process prefills (writes) a prefix and publishes it; a second process of the same
     tenant opens it, maps it read-only and reads every byte, billed nothing; a process of
     another tenant cannot open it; once the publisher has released every handle of its own
@@ -157,7 +166,7 @@ def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker
     import sys
 
     n = 4 * WINDOW_TOKENS
-    mgr = kvvm.Manager(backend, broker=broker, tenant="b", lease_batch_bytes=2 * MiB)
+    mgr = kvvm.Manager(backend, broker=prefix_broker, tenant="b", lease_batch_bytes=2 * MiB)
     geometry = kvvm.KvGeometry(layers=1, kv_heads=1, head_dim=64, max_tokens=n)
     plan = kvvm.LayoutPlan(geometry, "token-major", mgr.granule)
     owner = kvvm.Sequence(mgr, plan, n)
@@ -168,15 +177,16 @@ def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker
         shared.publish(mgr, "system-prompt")  # not sealed yet
     shared.seal()
     leased = mgr.leased_bytes or 0
-    assert shared.publish(mgr, "system-prompt") == 4 * MiB
-    assert (mgr.leased_bytes or 0) == leased - 4 * MiB, "the prefix left the publisher's lease"
+    # Two whole windows and the tail (100 tokens past them, one more window).
+    assert shared.publish(mgr, "system-prompt") == 6 * MiB
+    assert (mgr.leased_bytes or 0) == leased - 6 * MiB, "the prefix left the publisher's lease"
     with pytest.raises(kvvm.InvalidArgumentError, match="refused"):
         shared.publish(mgr, "system-prompt")  # the key is taken
 
     def reader(tenant: str) -> str:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
         out = subprocess.run(
-            [sys.executable, "-c", _READER, str(broker), tenant, str(tokens), str(n), backend],
+            [sys.executable, "-c", _READER, str(prefix_broker), tenant, str(tokens), str(n), backend],
             capture_output=True, text=True, timeout=120, env=env,
         )
         assert out.returncode == 0, out.stderr
@@ -190,7 +200,9 @@ def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(broker
     mgr.trim_pool(0)
     snap = mgr.snapshot()
     assert (snap.committed, snap.shared, snap.pooled, snap.quarantined) == (0, 0, 0, 0), snap
-    assert reader("b") == f"opened {2 * WINDOW_TOKENS} True 0 0 0 WriteIntoSharedPrefixError"
+    # The reader receives every token: two windows mapped, the tail copied into a window of its
+    # own (its only commit, leased from the broker).
+    assert reader("b") == f"opened {tokens} True {2 * MiB} 0 {2 * MiB} WriteIntoSharedPrefixError"
     # The reader process is gone (its use dropped with its socket); the publisher's own use
     # is the last one.
     assert mgr.close_prefix("system-prompt") == 0
@@ -256,7 +268,7 @@ sys.stdin.readline()
 
 
 @needs_host
-@pytest.mark.parametrize("meta", ["not a descriptor", "kvvm-prefix/1 0 0 4000000000 0:4000000000"])
+@pytest.mark.parametrize("meta", ["not a descriptor", "kvvm-prefix/2 0 0 4000000000 4000000000 0:4000000000 |"])
 def test_a_prefix_whose_descriptor_cannot_be_read_is_let_go_by_its_reader(broker: Path, meta: str) -> None:
     """A tenant-mate publishes a prefix with a descriptor that does not decode, or that claims
     four billion windows: the reader refuses it (without allocating for the windows, in its
@@ -309,7 +321,8 @@ def test_a_published_prompt_prefix_serves_another_clients_cache_with_the_referen
     prompt is prefilled, and the logits equal a DynamicCache forward over the whole prompt."""
     torch = pytest.importorskip("torch", reason="skipped: no torch")
     transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
-    from kvvm.transformers import KvvmCache, KvvmPrefix
+    from kvvm.transformers import KvvmCache
+    from kvvm.prefix import KvvmPrefix
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
@@ -322,18 +335,19 @@ def test_a_published_prompt_prefix_serves_another_clients_cache_with_the_referen
     prompt = torch.randint(0, 1000, (1, 2100 + 9), generator=torch.Generator().manual_seed(1))
     publisher = kvvm.Manager("host", broker=roomy_broker, tenant="t", lease_batch_bytes=4 * MiB)
     built = KvvmPrefix.build(model, prompt[:, :2100], manager=publisher, max_cache_len=2400)
-    assert built.publish("system") == built.bytes == 2 * MiB
+    # Its whole window and its tail (the 52 tokens past it), both published.
+    assert built.publish("system") == built.bytes == 4 * MiB
     reader = kvvm.Manager("host", broker=roomy_broker, tenant="t", lease_batch_bytes=4 * MiB)
     opened = KvvmPrefix.open(model, "system", manager=reader, max_cache_len=2400)
-    assert opened.tokens == 2048 and opened.cache is None
+    assert opened.tokens == 2100 and opened.cache is None
     with pytest.raises(kvvm.InvalidArgumentError):
         # Another plan (fp16: half the bytes a token, so 2048 tokens fill no window).
         KvvmPrefix.open(model, "system", manager=reader, max_cache_len=2400, dtype=torch.float16)
     cache = KvvmCache.from_prefix(opened, 2, 2400)
     assert reader.snapshot().shared == 0, "the prefix is billed to its publisher"
-    rest = prompt[:, 2048:].expand(2, -1)
+    rest = prompt[:, 2100:].expand(2, -1)
     with torch.no_grad():
-        pos = torch.arange(2048, prompt.shape[1])[None].expand(2, -1)
+        pos = torch.arange(2100, prompt.shape[1])[None].expand(2, -1)
         got = model(input_ids=rest, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
         want = model(input_ids=prompt, use_cache=True, past_key_values=transformers.DynamicCache(config=cfg)).logits[:, -1]
     torch.testing.assert_close(got, want.expand(2, -1), rtol=1e-4, atol=1e-4)
@@ -367,12 +381,13 @@ def test_the_engines_benchmark_holds_the_prompt_once_with_a_broker_and_once_per_
     assert rc == 0
     runs = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     shared = runs["broker"]["workers"]
-    # 4 layers x {K, V} x 2 KV heads x 32 x 4 bytes: 2 KiB a token, 1024 tokens a window.
-    assert [w["shared"] for w in shared] == [4 * MiB, 0], "the publisher holds the prompt, the other maps it"
-    assert shared[1]["prefix_tokens_mapped"] == 2048 and shared[1]["committed"] > 0
-    assert runs["broker"]["held"]['kvvm_broker_prefix_bytes{tenant="engines",device="0"}'] == 4 * MiB
+    # 4 layers x {K, V} x 2 KV heads x 32 x 4 bytes: 2 KiB a token, 1024 tokens a window: the
+    # prompt is two whole windows and a tail of 52 tokens (one more window).
+    assert [w["shared"] for w in shared] == [6 * MiB, 0], "the publisher holds the prompt, the other maps it"
+    assert shared[1]["prefix_tokens_mapped"] == 2100 and shared[1]["committed"] > 0
+    assert runs["broker"]["held"]['kvvm_broker_prefix_bytes{tenant="engines",device="0"}'] == 6 * MiB
     assert all(w["lease"]["grants"] > 0 for w in shared)
-    assert [w["shared"] for w in runs["fraction"]["workers"]] == [4 * MiB, 4 * MiB], "each its own"
+    assert [w["shared"] for w in runs["fraction"]["workers"]] == [6 * MiB, 6 * MiB], "each its own"
     assert all(r["tokens_per_s"] > 0 for r in runs.values())
 
 
@@ -385,7 +400,7 @@ def test_an_engine_serves_requests_from_a_system_prompt_another_process_publishe
     torch = pytest.importorskip("torch", reason="skipped: no torch")
     transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
     from kvvm.engine import Engine
-    from kvvm.transformers import KvvmPrefix
+    from kvvm.prefix import KvvmPrefix
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
@@ -405,17 +420,21 @@ def test_an_engine_serves_requests_from_a_system_prompt_another_process_publishe
     mgr = kvvm.Manager("host", broker=roomy_broker, tenant="t", lease_batch_bytes=4 * MiB, precommit=True)
     engine = Engine(model, slots=2, max_len=2400, manager=mgr, prefill_chunk=512, prefix_cache_bytes=64 * MiB)
     opened = KvvmPrefix.open(model, "system", manager=mgr, max_cache_len=2400)
-    assert engine.add_prefix(system, opened) == 2048
+    assert engine.add_prefix(system, opened) == 2100
     tails = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (5, 30, 9)]
     reqs = [engine.submit(system + t, 4) for t in tails]
     engine.run()
-    assert engine.stats.prefix_hits == 3 and all(r.prefix_hit_tokens == 2048 for r in reqs)
+    # The system prompt's whole blocks of 16 tokens: its first window mapped, the rest copied.
+    assert engine.stats.prefix_hits == 3 and all(r.prefix_hit_tokens == 2096 for r in reqs)
     for r in reqs:
         ids = torch.tensor([r.prompt])
         with torch.no_grad():
             want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
         assert r.tokens == want[0, len(r.prompt) :].tolist()
-    assert mgr.snapshot().shared == 0, "the system prompt is billed to its publisher"
+    # The system prompt is billed to its publisher: what the engine holds as shared is only
+    # what it cached of its requests' own prompts past it.
+    assert engine.prefix_cache is not None
+    assert mgr.snapshot().shared == engine.prefix_cache.stats()["cached_bytes"] - opened.bytes
     with pytest.raises(kvvm.InvalidArgumentError):
         engine.add_prefix(system[:100], opened)
     engine.close()

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no 
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")
 
-from kvvm.transformers import KvvmCache, KvvmPrefix  # noqa: E402
+from kvvm.transformers import KvvmCache  # noqa: E402
+from kvvm.prefix import KvvmPrefix  # noqa: E402
 
 
 def test_views_are_cuda_tensors_over_kvvm_memory() -> None:

@@ -101,11 +101,12 @@ def test_a_cached_prompt_prefix_is_mapped_not_prefilled() -> None:
     later = [engine.submit(system + t, 4) for t in tails[1:]]
     engine.run()
     for r in later:
-        assert r.prefix_hit_tokens == 2048, "the prompt's first window comes from the cache"
+        # The system prompt's whole blocks of 16: its first window mapped, the rest copied.
+        assert r.prefix_hit_tokens == 2096, "the prompt's whole blocks come from the cache"
     chunks_per_miss = -(-2105 // 512)
     assert engine.stats.prefill_chunks < chunks_per_miss * 3
     assert engine.stats.prefix_hits == 2
-    assert [tokens for tokens, _ in engine.stats.prefix_hit_ms] == [2048, 2048]
+    assert [tokens for tokens, _ in engine.stats.prefix_hit_ms] == [2096, 2096]
     assert all(ms > 0 for _, ms in engine.stats.prefix_hit_ms)
     for r in [first, *later]:
         assert r.tokens == reference(ref, r.prompt, r.max_new_tokens)
@@ -123,7 +124,7 @@ def test_requests_arriving_together_with_one_prefix_prefill_it_once() -> None:
     together = [engine.submit(system + t, 4) for t in prompts([5, 12, 7], seed=4)]
     other = engine.submit(prompts([30], seed=8)[0], 4)
     engine.run()
-    assert [r.prefix_hit_tokens for r in together] == [0, 2048, 2048]
+    assert [r.prefix_hit_tokens for r in together] == [0, 2096, 2096]
     assert engine.stats.prefix_hits == 2 and engine.stats.prefix_waits > 0
     assert other._admitted < together[1]._admitted, "the request with another prompt was not held up"
     for r in [*together, other]:
@@ -158,11 +159,12 @@ def test_requests_in_consecutive_slots_prefill_together(batch_tokens: int, forwa
     engine.close()
 
 
-@pytest.mark.parametrize(("handle_tokens", "hit"), [(2048, 6144), (4096, 4096)])
-def test_a_hit_ends_on_a_handle_boundary(handle_tokens: int, hit: int) -> None:
+@pytest.mark.parametrize(("handle_tokens", "mapped_windows"), [(2048, 3), (4096, 2)])
+def test_a_hit_maps_whole_handles_and_copies_the_rest(handle_tokens: int, mapped_windows: int) -> None:
     """A published prompt of four windows (2048 tokens each on the host) in handles of one
-    window lets a request sharing three and a bit of them hit three; in handles of two
-    windows, two (the third is only half of a handle)."""
+    window: a request sharing three and a bit of them hits all the shared whole blocks, maps
+    three windows and copies the rest; in handles of two windows it maps two (the third is
+    only half of a handle) and copies the rest."""
     model, ref = tiny()
     mgr = kvvm.Manager("host", precommit=True)
     engine = Engine(
@@ -174,8 +176,10 @@ def test_a_hit_ends_on_a_handle_boundary(handle_tokens: int, hit: int) -> None:
     engine.run()
     r = engine.submit(system[:6200] + prompts([3], seed=6)[0], 2)
     engine.run()
-    assert r.prefix_hit_tokens == hit
-    assert engine.stats.prefix_hit_ms[-1][0] == hit
+    assert r.prefix_hit_tokens == 6192
+    assert engine.stats.prefix_hit_ms[-1][0] == 6192
+    assert engine.prefix_cache is not None
+    assert engine.prefix_cache.stats()["bytes_saved"] == mapped_windows * mgr.granule
     assert r.tokens == reference(ref, r.prompt, r.max_new_tokens)
     engine.close()
 

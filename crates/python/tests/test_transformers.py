@@ -12,7 +12,8 @@ from conftest import host_available
 torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
-from kvvm.transformers import KvvmCache, KvvmPrefix  # noqa: E402
+from kvvm.transformers import KvvmCache  # noqa: E402
+from kvvm.prefix import KvvmPrefix  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
 
@@ -107,8 +108,9 @@ def test_a_shared_prompt_is_prefilled_once_and_attached_read_only(model, mgr) ->
         ref = model(input_ids=torch.cat([system.expand(4, -1), suffix], 1), use_cache=False)
     assert torch.allclose(out.logits[:, -1], ref.logits[:, -1], atol=1e-4)
     snap = mgr.snapshot()
-    assert snap.shared == prefix.bytes == mgr.granule
-    # Each request holds only its tail window privately.
+    # Billed once: the whole window, and the prefix's tail (its 52 tokens past it).
+    assert snap.shared == prefix.bytes == 2 * mgr.granule
+    # Each request holds only its tail window privately (the tail copied there).
     assert cache.owned_bytes == 4 * mgr.granule
     with pytest.raises(kvvm.InvalidArgumentError):
         KvvmCache.from_prefix(prefix, 2, 2300, dtype="fp16")
@@ -162,8 +164,9 @@ def test_a_view_only_a_reference_cycle_keeps_does_not_block_an_unmap(model, mgr,
 def test_unsupported_configs_and_backends_are_refused(model) -> None:
     with pytest.raises(kvvm.InvalidArgumentError, match="not hold torch tensors"):
         KvvmCache(model.config, 1, 10, backend="sim")
-    cfg = transformers.MistralConfig(sliding_window=16)
-    with pytest.raises(kvvm.InvalidArgumentError):
+    # Sliding windows are served (test_sliding.py); bidirectional attention is not.
+    cfg = transformers.Gemma3TextConfig(use_bidirectional_attention=True)
+    with pytest.raises(kvvm.InvalidArgumentError, match="causal"):
         KvvmCache(cfg, 1, 10, backend="host")
 
 

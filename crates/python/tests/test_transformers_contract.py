@@ -14,7 +14,8 @@ from conftest import host_available
 torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
-from kvvm.transformers import KvvmCache, KvvmPrefix, cache_argument  # noqa: E402
+from kvvm.transformers import KvvmCache, cache_argument  # noqa: E402
+from kvvm.prefix import KvvmPrefix  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
 
@@ -101,3 +102,33 @@ def test_the_cache_keyword_follows_the_models_forward(model) -> None:
             pass
 
     assert cache_argument(Newer()) == "cache"
+
+
+@pytest.mark.parametrize("kvvm_attention", [True, False], ids=["kvvm-attention", "sdpa"])
+@pytest.mark.parametrize(
+    ("rows", "kwargs"),
+    [(2, {}), (1, {"num_beams": 2}), (1, {"num_return_sequences": 2, "do_sample": True})],
+    ids=["two-rows", "num_beams", "num_return_sequences"],
+)
+def test_a_batch_other_than_the_caches_is_refused_before_any_work(model, kvvm_attention, rows, kwargs) -> None:
+    """``generate`` with more sequences than the cache has slots (two rows, beams, several
+    returned sequences) is refused with a clear InvalidArgumentError before the cache commits
+    or counts anything; the same cache then generates the reference tokens."""
+    from kvvm.attention import use_kvvm_attention
+
+    use_kvvm_attention(model, enable=kvvm_attention)
+    try:
+        cache = KvvmCache(model, 1, 64, manager=kvvm.Manager("host"))
+        ids = torch.randint(0, 1000, (rows, 10), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad(), pytest.raises(kvvm.InvalidArgumentError, match="2 sequences for 1 KvvmCache slot"):
+            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3, **kwargs)
+        assert cache.committed_bytes == 0 and cache.get_seq_length() == 0, "nothing was done"
+        one = ids[:1]
+        with torch.no_grad():
+            out = model.generate(one, attention_mask=torch.ones_like(one), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        cache.release()
+    finally:
+        use_kvvm_attention(model, enable=False)
+    with torch.no_grad():
+        ref = model.generate(one, attention_mask=torch.ones_like(one), max_new_tokens=3, do_sample=False)
+    assert torch.equal(out, ref)

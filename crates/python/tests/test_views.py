@@ -158,9 +158,10 @@ def test_a_shared_prefix_is_billed_once_and_read_only() -> None:
     del w
     for i in range(1, 4):
         assert prefix.attach(batch[i]) == mgr.granule
-        assert batch[i].shared_tokens == 4096 and batch[i].owned_bytes == 0
+        # Its own: the window the prefix's tail (tokens 4096..5000) was copied into.
+        assert batch[i].shared_tokens == 4096 and batch[i].owned_bytes == mgr.granule
     snap = mgr.snapshot()
-    assert snap.shared == prefix.bytes == mgr.granule
+    assert snap.shared == prefix.bytes == 2 * mgr.granule
     ro = batch[2].view(0, "key", end=4096)
     assert ro.readonly
     r = np.from_dlpack(ro)
@@ -169,17 +170,19 @@ def test_a_shared_prefix_is_billed_once_and_read_only() -> None:
         r[0, 0, 0] = 1
     with pytest.raises(kvvm.WriteIntoSharedPrefixError):
         batch[2].write_tokens(0, bytes(512))
-    # The tail tokens are each sharer's own.
+    # The tail tokens are each sharer's own, copied.
     batch[2].ensure(5000)
     assert batch[2].owned_bytes == mgr.granule
     straddling = batch[2].view(0, "key", end=5000)
     assert not straddling.readonly
-    del r, ro, straddling
+    tail = np.from_dlpack(batch[2].view(0, "key", start=4096, end=5000))
+    assert (tail == 8).all()
+    del r, ro, straddling, tail
     with pytest.raises(kvvm.InvalidArgumentError, match="in use"):
         prefix.attach(batch[2])
     with pytest.raises(kvvm.NotShareableError):
         batch[3].release()
-        batch[3].own_prefix(100)
+        batch[3].own_prefix(0)
 
 
 @needs_host
@@ -229,17 +232,21 @@ def test_dlpack_protocol_details(host: kvvm.Manager) -> None:
 def test_prefix_cache_admits_publishes_and_hits(host: kvvm.Manager) -> None:
     plan = kvvm.LayoutPlan(tiny_geometry(16384), "token-major", host.granule)
     cache = kvvm.PrefixCache(host, plan)
-    assert cache.block_tokens == 4096
+    assert cache.block_tokens == 16
     batch = kvvm.SequenceBatch(host, plan, 2)
     ids = list(range(5000))
     first = cache.admit(batch[0], ids)
-    assert first["hit_tokens"] == 0 and first["owned_prefix_tokens"] == 4096
+    assert first["hit_tokens"] == 0 and first["owned_prefix_tokens"] == 4992
     with pytest.raises(kvvm.PrefixNotWrittenError):
         cache.publish(batch[0])
-    batch[0].write_tokens(0, bytes(512 * 5000))
+    batch[0].write_tokens(0, bytes(range(256)) * (2 * 5000))
     assert cache.publish(batch[0]) == "published"
+    # 4496 tokens hit (whole blocks of 16): the first window (4096 tokens) mapped read-only,
+    # the other 400 tokens copied.
     second = cache.admit(batch[1], ids[:4500])
-    assert second["hit_tokens"] == 4096 and second["shared_bytes"] == host.granule
+    assert second["hit_tokens"] == 4496 and second["shared_bytes"] == host.granule
+    assert second["copied_bytes"] == 400 * 512
+    assert batch[1].read_tokens(0, 4496) == batch[0].read_tokens(0, 4496)
     stats = cache.stats()
     assert stats["hits"] == 1 and stats["misses"] == 1
     batch.release()
@@ -247,13 +254,16 @@ def test_prefix_cache_admits_publishes_and_hits(host: kvvm.Manager) -> None:
 
 
 @needs_host
-def test_prefix_cache_handle_blocks_cut_hits_to_whole_handles(host: kvvm.Manager) -> None:
+def test_prefix_cache_handle_windows_cut_the_read_only_part_to_whole_handles(host: kvvm.Manager) -> None:
     plan = kvvm.LayoutPlan(tiny_geometry(16384), "token-major", host.granule)
     with pytest.raises(kvvm.InvalidArgumentError):
-        kvvm.PrefixCache(host, plan, handle_blocks=0)
+        kvvm.PrefixCache(host, plan, handle_windows=0)
     with pytest.raises(kvvm.InvalidArgumentError):
-        kvvm.PrefixCache(host, plan, handle_blocks=-1)
-    cache = kvvm.PrefixCache(host, plan, handle_blocks=2)
+        kvvm.PrefixCache(host, plan, handle_windows=-1)
+    with pytest.raises(kvvm.InvalidArgumentError):
+        kvvm.PrefixCache(host, plan, block_tokens=0)
+    # Blocks of one window (4096 tokens of 512 B), handles of two windows.
+    cache = kvvm.PrefixCache(host, plan, block_tokens=4096, handle_windows=2)
     block = cache.block_tokens
     batch = kvvm.SequenceBatch(host, plan, 2)
     ids = list(range(4 * block))
@@ -261,10 +271,12 @@ def test_prefix_cache_handle_blocks_cut_hits_to_whole_handles(host: kvvm.Manager
     assert first["owned_prefix_tokens"] == 4 * block
     batch[0].write_tokens(0, bytes(512 * len(ids)))
     assert cache.publish(batch[0]) == "published"
-    # Three blocks match, in handles of two blocks: the hit is cut down to the first handle.
+    # Three blocks match, in handles of two windows: the first handle is mapped read-only,
+    # the third window copied.
     other = ids[: 3 * block] + [7] * 100
     second = cache.admit(batch[1], other)
-    assert second["hit_tokens"] == 2 * block
+    assert second["hit_tokens"] == 3 * block
     assert second["shared_bytes"] == 2 * host.granule
+    assert second["copied_bytes"] == host.granule
     batch.release()
     assert cache.clear() >= 0

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kvvm::kv::{LayoutPlan, PrefixCache, PrefixCacheStats};
+use kvvm::kv::{LayoutPlan, PrefixCache, PrefixCacheConfig, PrefixCacheStats};
 use kvvm::vmm::VirtualMemory;
 
 use crate::auth::Owner;
@@ -50,7 +50,7 @@ impl PrefixCaches {
         if let Some(c) = caches.get(&owner) {
             return Ok(Some(c.clone()));
         }
-        let c = PrefixCache::new(vm.clone(), *plan)
+        let c = window_block_cache(vm, plan)
             .map_err(|e| ServiceError::Internal(format!("prefix cache: {e}")))?;
         caches.insert(owner, c.clone());
         Ok(Some(c))
@@ -86,4 +86,19 @@ impl PrefixCaches {
         }
         Some(sum)
     }
+}
+
+/// A prefix cache whose blocks fill whole windows ([`PrefixCache::window_block_tokens`]):
+/// every hit is mapped whole, nothing copied, and the placeholder the server writes for a
+/// block (one value) fills whole windows, which the simulator stores as next to nothing.
+pub(crate) fn window_block_cache(
+    vm: &VirtualMemory,
+    plan: &LayoutPlan,
+) -> Result<Arc<PrefixCache>, kvvm::kv::KvCacheError> {
+    let blocks = PrefixCache::window_block_tokens(plan)?;
+    PrefixCache::with_config(
+        vm.clone(),
+        *plan,
+        PrefixCacheConfig::default().block_tokens(blocks),
+    )
 }

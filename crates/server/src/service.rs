@@ -119,7 +119,7 @@ impl KvService {
             .map_err(|e| ServeError::Config(e.to_string()))?;
         let cache = if prefix_cache {
             Some(
-                PrefixCache::new(vm.clone(), plan)
+                crate::caches::window_block_cache(&vm, &plan)
                     .map_err(|e| ServeError::Config(format!("prefix cache: {e}")))?,
             )
         } else {

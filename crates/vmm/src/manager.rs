@@ -281,6 +281,13 @@ impl VirtualMemory {
         )))
     }
 
+    /// An empty [`SharedHandles`] set of this manager: no handle and no byte, mapped nowhere.
+    /// What a shared prefix holds as read-only windows when every byte of it lies before the
+    /// end of its first window (such a prefix is handed on by copy only).
+    pub fn empty_shared(&self) -> Arc<SharedHandles> {
+        Arc::new(SharedHandles::new(Arc::clone(&self.inner), Vec::new()))
+    }
+
     /// Whether `set` is this manager's (made or imported by it): what its reservations map.
     pub fn owns_set(&self, set: &SharedHandles) -> bool {
         set.is_from(&self.inner)

@@ -236,3 +236,30 @@ fn every_fault_of_a_multi_handle_teardown_leaves_the_books_exact() {
     }
     assert!(faulted >= 3);
 }
+
+#[test]
+fn a_reservation_asking_for_one_window_handles_gives_back_each_window_behind_alone() {
+    let w = World::multi(8, 0, false);
+    let mut r = w.vm.reserve(64 * w.g).unwrap();
+    assert_eq!(r.max_handle_windows(), 8);
+    r.set_max_handle_windows(1);
+    assert_eq!(r.max_handle_windows(), 1);
+    let c = r.commit(13 * w.g).unwrap();
+    assert_eq!((c.granules, c.mappings), (13, 13), "one handle per window");
+    // The oldest windows go one at a time, as a sliding window moves past them.
+    for gone in 1..=5u64 {
+        assert_eq!(r.release_ranges(&[(0, gone * w.g)]).unwrap(), w.g);
+        assert_eq!(r.committed_bytes(), (13 - gone) * w.g);
+        assert!(!r.is_mapped((gone - 1) * w.g) && r.is_mapped(gone * w.g));
+        w.check(&[&r]);
+    }
+    // Rounded down to a power of two, capped at the manager's largest handle; 0 resets.
+    r.set_max_handle_windows(3);
+    assert_eq!(r.max_handle_windows(), 2);
+    r.set_max_handle_windows(1 << 20);
+    assert_eq!(r.max_handle_windows(), 8);
+    r.set_max_handle_windows(0);
+    assert_eq!(r.max_handle_windows(), 8);
+    r.release().unwrap();
+    w.check(&[&r]);
+}

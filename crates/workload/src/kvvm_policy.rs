@@ -265,8 +265,8 @@ impl Policy for KvvmPolicy {
         let owner = sharer && !had_prefix;
         if owner {
             self.write(&mut kv, id, 0, self.prefix_len)?;
+            kv.seal_prefix()?;
             if let Some(p) = &self.prefix {
-                p.prefix.seal();
                 let bytes = p.prefix.bytes();
                 self.committed = add(self.committed, bytes, "committed")?;
                 self.live = add(self.live, self.shared_bytes(), "live bytes")?;

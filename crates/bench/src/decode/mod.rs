@@ -74,9 +74,9 @@ pub struct DecodeLoopConfig {
     /// Attaches of the shared prompt timed back to back, with no copy between them (what a
     /// server admitting requests on a prefix hit does; 0: skip them).
     pub attach_samples: u32,
-    /// The prefix cache's most blocks per handle of a published prompt
-    /// ([`PrefixCacheConfig::handle_blocks`](kvvm::kv::PrefixCacheConfig::handle_blocks)).
-    pub prefix_handle_blocks: u64,
+    /// The prefix cache's most windows per handle of a published prompt
+    /// ([`PrefixCacheConfig::handle_windows`](kvvm::kv::PrefixCacheConfig::handle_windows)).
+    pub prefix_handle_windows: u64,
     /// Governor budget for the device (`None`: unlimited).
     pub budget_bytes: Option<u64>,
 }
@@ -101,7 +101,7 @@ impl DecodeLoopConfig {
             verify: true,
             attach_copy_samples: 5,
             attach_samples: 63,
-            prefix_handle_blocks: 1,
+            prefix_handle_windows: 1,
             budget_bytes: None,
         })
     }
@@ -179,7 +179,7 @@ pub fn run_decode_loop_with_progress(
     let cache = PrefixCache::with_config(
         vm.clone(),
         plan,
-        PrefixCacheConfig::default().handle_blocks(config.prefix_handle_blocks),
+        PrefixCacheConfig::default().handle_windows(config.prefix_handle_windows),
     )?;
     let mut run = DecodeLoop::new(config, &vm, geometry, plan, total_tokens, ticker);
     let mut m = Measured::default();
@@ -191,10 +191,9 @@ pub fn run_decode_loop_with_progress(
     run.decode(&mut seqs)?;
     m.decode_time = t1.elapsed();
     m.committed_with_sharing = governor.snapshot().device(config.device).used();
-    m.shared_prefix_bytes = seqs
-        .first()
-        .and_then(|s| s.owned_prefix().map(|p| p.bytes()))
-        .unwrap_or(0);
+    let prefix = seqs.first().and_then(|s| s.owned_prefix());
+    m.shared_prefix_bytes = prefix.map_or(0, |p| p.handles().bytes());
+    m.prefix_tail_bytes = prefix.map_or(0, |p| p.bytes() - p.handles().bytes());
     let t2 = Instant::now();
     if config.verify {
         run.verify(&seqs)?;

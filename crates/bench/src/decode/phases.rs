@@ -99,6 +99,7 @@ pub(super) struct Measured {
     pub(super) verify_time: Duration,
     pub(super) committed_with_sharing: u64,
     pub(super) shared_prefix_bytes: u64,
+    pub(super) prefix_tail_bytes: u64,
     pub(super) cache: PrefixCacheStats,
 }
 
@@ -400,7 +401,7 @@ impl<'a> DecodeLoop<'a> {
             self.total_tokens,
         )?;
         owner.write_tokens(0, host)?;
-        prefix.seal();
+        owner.seal_prefix()?;
         Ok((prefix, owner))
     }
 
@@ -479,11 +480,12 @@ impl<'a> DecodeLoop<'a> {
             bytes_per_token: self.bpt,
             share_prefix: config.share_prefix,
             block_tokens,
-            prefix_handle_blocks: config.prefix_handle_blocks.max(1),
+            prefix_handle_windows: config.prefix_handle_windows.max(1),
             hit_tokens: m.hit_tokens,
             prompt_shareable: timed.verdict.shareable,
             prompt_refusal: timed.verdict.refusal_reason(),
             shared_prefix_bytes: m.shared_prefix_bytes,
+            prefix_tail_bytes: m.prefix_tail_bytes,
             committed_bytes_with_sharing: m.committed_with_sharing,
             committed_bytes_without_sharing: without,
             attach_median: median(&mut timed.attach),

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use kvvm_layout::evaluate_prefix_shareability;
 
 use crate::error::KvCacheError;
+use crate::sequence::prefix_home::TailPins;
 use crate::sequence::{AttachedSegment, PendingPublish, SequenceKv};
 
 use super::records::{Admission, AdmissionInfo};
@@ -88,9 +89,10 @@ impl PrefixCache {
         }
     }
 
-    /// Admits `token_ids` into the empty `seq`: attaches the longest cached prefix, makes
-    /// the rest of the prompt's whole blocks a segment `seq` owns (published later), commits
-    /// the prompt and counts the hit or miss.
+    /// Admits `token_ids` into the empty `seq`: maps the read-only windows of the longest
+    /// cached prefix, makes the rest of the prompt's whole blocks a segment `seq` owns
+    /// (published later), commits the prompt, copies the cached tokens past the read-only
+    /// windows from the cache, and counts the hit or miss.
     fn admit_empty(
         &self,
         token_ids: &[u32],
@@ -100,104 +102,104 @@ impl PrefixCache {
         let prompt = token_ids.len() as u64;
         let hashes = self.block_hashes(token_ids);
         let blocks = hashes.len() as u64;
-        let (hit_blocks, segments) = self.longest_hit(token_ids, &hashes);
-        let mut shared_bytes = 0u64;
-        for s in &segments {
-            shared_bytes =
-                shared_bytes.saturating_add(seq.attach_readonly(&s.prefix, s.end_window)?);
-            *hit_bytes = shared_bytes;
-        }
-        let hit_tokens = hit_blocks.saturating_mul(self.block_tokens);
-        seq.set_attached_prefix_tokens(hit_tokens);
+        let (hit_tokens, segments) = self.longest_hit(token_ids, &hashes);
+        // The tails copied from are not given back under pressure until the copy is done.
+        let _pins = TailPins::new(segments.iter().map(|s| &s.prefix));
+        let hit_tokens = hit_tokens.min(seq.chain_tokens(&segments));
+        let readonly_end = seq.readonly_end(&segments, hit_tokens);
+        let shared_bytes = seq.attach_chain(&segments, readonly_end)?;
+        *hit_bytes = shared_bytes;
+        let end_tokens = blocks.saturating_mul(self.block_tokens);
         let mut owned_prefix_tokens = 0;
-        if blocks > hit_blocks {
-            let end_tokens = blocks.saturating_mul(self.block_tokens);
-            self.own_the_rest(token_ids, hashes, segments, seq, hit_blocks, end_tokens)?;
+        if end_tokens > hit_tokens {
+            let kept = restrict(&segments, readonly_end);
+            self.own_the_rest(token_ids, hashes, kept, seq, end_tokens)?;
             owned_prefix_tokens = end_tokens - hit_tokens;
         }
         seq.ensure_tokens(prompt)?;
+        let copied_bytes = seq.copy_chain(&segments, hit_tokens)?;
         let committed_bytes = seq.committed_bytes().saturating_sub(shared_bytes);
-        self.count_admission(hit_blocks, hit_tokens, shared_bytes);
-        tracing::debug!(hit_tokens, owned_prefix_tokens, shared_bytes, "admitted");
+        self.count_admission(hit_tokens, shared_bytes);
+        tracing::debug!(
+            hit_tokens,
+            owned_prefix_tokens,
+            shared_bytes,
+            copied_bytes,
+            "admitted"
+        );
         Ok(AdmissionInfo {
             hit_tokens,
             prompt_tokens: prompt,
             owned_prefix_tokens,
             shared_bytes,
+            copied_bytes,
             committed_bytes,
         })
     }
 
-    /// The longest cached prefix of `token_ids` (`hashes` its block hashes) that ends where
-    /// no handle of its segments is cut: its blocks and segments (none on a miss). Marks the
-    /// entry used.
+    /// The longest cached prefix of `token_ids` (`hashes` its block hashes), in whole blocks:
+    /// its tokens and the segments of the entry holding it (none on a miss). Marks the entry
+    /// used.
     fn longest_hit(&self, token_ids: &[u32], hashes: &[u64]) -> (u64, Vec<AttachedSegment>) {
         let bt = usize::try_from(self.block_tokens).unwrap_or(usize::MAX);
         let mut st = self.lock();
         st.stats.lookups += 1;
         st.tick += 1;
         let tick = st.tick;
-        let mut found: Option<(u64, u64)> = None;
+        let mut found: Option<(u64, usize)> = None;
         'outer: for i in (1..=hashes.len()).rev() {
             if let Some(ids) = st.index.get(&hashes[i - 1]) {
                 for id in ids.iter().rev() {
                     if let Some(e) = st.entries.get(id) {
                         let n = i.saturating_mul(bt);
                         if e.tokens.len() >= n && e.tokens[..n] == token_ids[..n] {
-                            found = Some((*id, i as u64));
+                            found = Some((*id, n));
                             break 'outer;
                         }
                     }
                 }
             }
         }
-        let Some((id, mut i)) = found else {
+        let Some((id, n)) = found else {
             return (0, Vec::new());
         };
-        let segs = st.entries.get_mut(&id).map_or_else(Vec::new, |e| {
-            e.last_used = tick;
-            // Handles are mapped whole: a shorter hit ends where no handle of the cached
-            // segments is cut.
-            while i > 0
-                && !restrict(&e.segments, i.saturating_mul(self.windows_per_block))
-                    .iter()
-                    .all(|s| s.prefix.can_end_at(s.end_window))
-            {
-                i -= 1;
+        match st.entries.get_mut(&id) {
+            Some(e) => {
+                e.last_used = tick;
+                (n as u64, e.segments.clone())
             }
-            restrict(&e.segments, i.saturating_mul(self.windows_per_block))
-        });
-        (if segs.is_empty() { 0 } else { i }, segs)
+            None => (0, Vec::new()),
+        }
     }
 
-    /// Makes the prompt's blocks past the hit (`hit_blocks`) up to `end_tokens` a segment
-    /// `seq` owns, and records what to publish once it is written: the hashes, the tokens and
-    /// every segment (the attached ones and the owned one).
+    /// Makes the prompt's blocks up to `end_tokens`, past the read-only windows `seq` maps
+    /// (the segments `kept`), a segment `seq` owns, and records what to publish once it is
+    /// written: the hashes, the tokens and every segment (the attached ones and the owned one).
     fn own_the_rest(
         &self,
         token_ids: &[u32],
         hashes: Vec<u64>,
-        segments: Vec<AttachedSegment>,
+        kept: Vec<AttachedSegment>,
         seq: &mut SequenceKv,
-        hit_blocks: u64,
         end_tokens: u64,
     ) -> Result<(), KvCacheError> {
-        let blocks = hashes.len() as u64;
         let verdict = evaluate_prefix_shareability(
             self.plan.geometry(),
             self.plan.layout(),
             end_tokens,
             self.plan.granule(),
         )?;
+        let first = seq.readonly_windows;
+        let end = verdict.shareable_granules_per_fragment.max(first);
         let owned = seq.create_owned_segment(
-            hit_blocks.saturating_mul(self.windows_per_block),
-            blocks.saturating_mul(self.windows_per_block),
+            first,
+            end,
             end_tokens,
             verdict,
-            self.windows_per_block
-                .saturating_mul(self.config.handle_blocks.max(1)),
+            self.config.handle_windows.max(1),
         )?;
-        let mut all = segments;
+        owned.mark_cache_tail();
+        let mut all = kept;
         all.push(AttachedSegment {
             end_window: owned.end_window(),
             prefix: owned,
@@ -212,11 +214,10 @@ impl PrefixCache {
         Ok(())
     }
 
-    /// Counts an admission: a hit of `hit_blocks` (`hit_tokens`) saving `shared_bytes`, or
-    /// a miss.
-    fn count_admission(&self, hit_blocks: u64, hit_tokens: u64, shared_bytes: u64) {
+    /// Counts an admission: a hit of `hit_tokens` mapping `shared_bytes` read-only, or a miss.
+    fn count_admission(&self, hit_tokens: u64, shared_bytes: u64) {
         let mut st = self.lock();
-        if hit_blocks > 0 {
+        if hit_tokens > 0 {
             st.stats.hits += 1;
             st.stats.tokens_saved = st.stats.tokens_saved.saturating_add(hit_tokens);
             st.stats.bytes_saved = st.stats.bytes_saved.saturating_add(shared_bytes);
@@ -227,7 +228,7 @@ impl PrefixCache {
 }
 
 /// The segments restricted to windows `[0, end_window)`.
-fn restrict(segments: &[AttachedSegment], end_window: u64) -> Vec<AttachedSegment> {
+pub(super) fn restrict(segments: &[AttachedSegment], end_window: u64) -> Vec<AttachedSegment> {
     segments
         .iter()
         .filter(|s| s.prefix.first_window() < end_window)

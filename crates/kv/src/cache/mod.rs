@@ -1,9 +1,10 @@
-//! [`PrefixCache`]: automatic prefix sharing by a chained hash over window-aligned token
-//! blocks, with an LRU of published prefixes that the governor can evict under pressure.
+//! [`PrefixCache`]: automatic prefix sharing by a chained hash over token blocks, with an LRU
+//! of published prefixes that the governor can evict under pressure.
 //!
 //! Invariants it keeps: an entry holds only sealed prefixes whose tokens were written; a hit
-//! ends where no handle of its segments is cut (handles are mapped whole); an entry is
-//! evicted only when nothing but the cache holds its segments' memory (eviction frees it).
+//! maps read-only only windows lying wholly before its end, ending where no handle of its
+//! segments is cut (handles are mapped whole), and copies the rest; an entry is evicted only
+//! when nothing but the cache holds its segments' memory (eviction frees it).
 //!
 //! | file | what |
 //! |---|---|
@@ -23,7 +24,6 @@ use kvvm_hal::DeviceId;
 use kvvm_vmm::VirtualMemory;
 
 use kvvm_layout::KvError;
-use kvvm_num::mul;
 
 mod admit;
 mod imported;
@@ -54,21 +54,22 @@ struct State {
 }
 
 /// The automatic prefix cache: given a request's token ids, finds the longest cached prefix,
-/// maps it read-only into the request's new [`SequenceKv`] and commits the rest.
+/// gives it to the request's new [`SequenceKv`] and commits the rest.
 ///
-/// * **Blocks**: prompts are cut into blocks of [`block_tokens`](Self::block_tokens) tokens,
-///   the fewest tokens whose bytes fill whole granule windows in every fragment:
-///   `granule / gcd(granule, fragment_bytes_per_token)` (equal to `min_shareable_prefix`
-///   when the granule is a multiple of the fragment bytes per token, e.g. 16 for llama-3-8b
-///   fp16 token-major at 2 MiB, 1024 seq-major, 8192 head-major). So every cached prefix ends
-///   on a window boundary and is shared whole.
+/// * **Blocks**: prompts are cut into blocks of [`block_tokens`](Self::block_tokens) tokens
+///   (16 by default, [`PrefixCacheConfig::block_tokens`]), the hit granularity, whatever the
+///   granule: a hit of `h` tokens maps read-only the windows lying wholly before token `h`
+///   (cut down to whole handles) and copies the rest of the `h` tokens from the cache into the
+///   request's own windows, so a short system prompt of a small model (2048 tokens to a
+///   window at 1 KiB a token) hits too, as a copy, instead of being computed again.
 /// * **Hashing**: `h_0 = seed`, `h_i = H(h_{i-1}, token ids of block i)` (FNV-1a 64 over the
 ///   little-endian ids with a final avalanche). The longest `i` whose `h_i` is cached and
 ///   whose stored token ids equal the request's is the hit (collisions are checked, never
 ///   trusted).
 /// * **Publishing**: a request whose full blocks go beyond its hit owns a new shared segment
-///   for them; it is published to the cache by [`publish`](Self::publish) only after its
-///   prompt KV has been written, so no sharer ever maps unwritten bytes.
+///   for them (its whole windows, then a tail copied when it is sealed); it is published to
+///   the cache by [`publish`](Self::publish) only after its prompt KV has been written, so no
+///   sharer ever maps or copies unwritten bytes.
 /// * **LRU and billing**: a cached prefix outlives its owner; it is billed once (as shared);
 ///   [`PrefixCacheConfig::max_cached_bytes`] caps the cache.
 /// * **Eviction under pressure**: the cache registers itself with the governor as a
@@ -79,7 +80,6 @@ pub struct PrefixCache {
     vm: VirtualMemory,
     plan: LayoutPlan,
     block_tokens: u64,
-    windows_per_block: u64,
     config: PrefixCacheConfig,
     id: usize,
     state: Mutex<State>,
@@ -93,15 +93,6 @@ impl fmt::Debug for PrefixCache {
             .field("stats", &self.stats())
             .finish()
     }
-}
-
-fn gcd(mut a: u64, mut b: u64) -> u64 {
-    while b != 0 {
-        let t = a % b;
-        a = b;
-        b = t;
-    }
-    a
 }
 
 /// `h_i = H(h_{i-1}, block)`: FNV-1a 64 with a final avalanche (splitmix64's finalizer).
@@ -135,14 +126,14 @@ impl PrefixCache {
         config: PrefixCacheConfig,
     ) -> Result<Arc<PrefixCache>, KvCacheError> {
         check_plan_granule(&vm, &plan)?;
-        let block_tokens = Self::block_tokens_for(&plan)?;
-        let windows_per_block =
-            mul(block_tokens, plan.fragment_bytes_per_token(), "block bytes")? / plan.granule();
+        if plan.fragment_bytes_per_token() == 0 {
+            return Err(KvError::ZeroGranule.into());
+        }
+        let block_tokens = config.block_tokens.max(1);
         let cache = Arc::new(PrefixCache {
             vm,
             plan,
             block_tokens,
-            windows_per_block,
             config,
             id: NEXT_CACHE_ID.fetch_add(1, Ordering::Relaxed),
             state: Mutex::new(State {
@@ -159,15 +150,22 @@ impl PrefixCache {
         Ok(cache)
     }
 
-    /// The block size rule: the fewest tokens whose bytes fill whole granule windows in every
-    /// fragment, `granule / gcd(granule, fragment_bytes_per_token)`.
-    pub fn block_tokens_for(plan: &LayoutPlan) -> Result<u64, KvError> {
-        let g = plan.granule();
-        let b = plan.fragment_bytes_per_token();
-        if g == 0 || b == 0 {
+    /// The fewest tokens whose bytes fill whole windows in every fragment of `plan`,
+    /// `granule / gcd(granule, fragment_bytes_per_token)`: with blocks of this size
+    /// ([`PrefixCacheConfig::block_tokens`]) every hit ends on a window boundary and is mapped
+    /// whole, nothing copied (coarser hits: 16 tokens for llama-3-8b token-major at 2 MiB,
+    /// 512 for Qwen2.5-0.5B, 2048 at 1 KiB a token). What a server with no model, which writes
+    /// one placeholder value per block, uses.
+    pub fn window_block_tokens(plan: &LayoutPlan) -> Result<u64, KvError> {
+        let (mut a, mut b) = (plan.granule(), plan.fragment_bytes_per_token());
+        if a == 0 || b == 0 {
             return Err(KvError::ZeroGranule);
         }
-        Ok(g / gcd(g, b))
+        let g = a;
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        Ok(g / a)
     }
 
     /// Tokens per hashed block.
@@ -235,8 +233,13 @@ impl PrefixCache {
         }
         let span = tracing::debug_span!("kv.publish", tokens = needed);
         let _e = span.enter();
-        if let Some(owned) = sequence.owned_prefix() {
-            owned.seal();
+        match sequence.seal_prefix() {
+            Ok(()) => {}
+            Err(e) if e.backpressure().is_some() || matches!(e, KvCacheError::NeverFits(_)) => {
+                tracing::debug!(error = %e, "no memory for the prefix's tail: not published");
+                return Ok(PublishOutcome::NoMemory);
+            }
+            Err(e) => return Err(e),
         }
         Ok(self.insert_entry(pending.tokens, pending.hashes, pending.segments))
     }
@@ -311,9 +314,12 @@ impl PrefixCache {
         }
         out.cached_entries = st.entries.len() as u64;
         out.cached_bytes = cached;
-        out.idle_bytes = cache_only(&st)
-            .values()
-            .fold(0u64, |a, b| a.saturating_add(*b));
+        let idle = cache_only(&st);
+        out.idle_bytes = idle.values().fold(0u64, |a, b| a.saturating_add(*b));
+        out.tail_bytes = in_use(&st, &idle)
+            .iter()
+            .map(|p| p.releasable_tail_bytes())
+            .fold(0u64, u64::saturating_add);
         out
     }
 
@@ -393,10 +399,57 @@ impl PrefixCache {
             let after = self.vm.governor().snapshot().device(device).used();
             freed = before.saturating_sub(after);
         }
+        if freed < bytes {
+            freed = freed.saturating_add(self.release_tails(bytes - freed, pooled));
+        }
         self.lock().stats.evicted_bytes += freed;
         tracing::debug!(freed, "prefix cache evicted");
         freed
     }
+}
+
+impl PrefixCache {
+    /// Gives back the tails of entries still in use, least recently used first, until `bytes`
+    /// were freed (their entries then hand on their read-only windows' tokens only). Returns
+    /// the bytes freed, measured on the governor.
+    fn release_tails(&self, bytes: u64, pooled: u64) -> u64 {
+        let device = self.vm.device();
+        let before = self.vm.governor().snapshot().device(device).used();
+        let prefixes: Vec<Arc<SharedDevicePrefix>> = {
+            let st = self.lock();
+            let idle = cache_only(&st);
+            in_use(&st, &idle)
+        };
+        let mut freed = 0u64;
+        for p in prefixes {
+            if freed >= bytes {
+                break;
+            }
+            if p.release_tail() > 0 {
+                self.vm.trim_pool(pooled);
+                let after = self.vm.governor().snapshot().device(device).used();
+                freed = before.saturating_sub(after);
+            }
+        }
+        freed
+    }
+}
+
+/// The segments of entries still in use (not idle: `idle` is [`cache_only`]'s), least recently
+/// used entry first, each once.
+fn in_use(st: &State, idle: &HashMap<usize, u64>) -> Vec<Arc<SharedDevicePrefix>> {
+    let mut entries: Vec<&Entry> = st.entries.values().collect();
+    entries.sort_by_key(|e| e.last_used);
+    let mut seen = HashSet::new();
+    entries
+        .iter()
+        .flat_map(|e| e.segments.iter())
+        .filter(|s| {
+            let key = Arc::as_ptr(&s.prefix) as usize;
+            !idle.contains_key(&key) && seen.insert(key)
+        })
+        .map(|s| Arc::clone(&s.prefix))
+        .collect()
 }
 
 /// The segments only cache entries hold (no sequence maps or holds them, no caller keeps a
@@ -414,10 +467,7 @@ fn cache_only(st: &State) -> HashMap<usize, u64> {
     refs.into_iter()
         .filter(|(_, (n, p))| {
             // An imported segment is billed where it was made: evicting it frees nothing here.
-            !p.handles().is_imported()
-                && p.mapped_count() == 0
-                && Arc::strong_count(p) == *n
-                && Arc::strong_count(p.handles()) == 1
+            !p.handles().is_imported() && Arc::strong_count(p) == *n && p.held_only_here()
         })
         .map(|(k, (_, p))| (k, p.bytes()))
         .collect()
@@ -431,12 +481,15 @@ impl Reclaimer for PrefixCache {
         self.evict_inner(bytes)
     }
 
-    /// The idle prefixes' bytes ([`PrefixCacheStats::idle_bytes`]): what eviction gives back.
+    /// The idle prefixes' bytes and the tails the cache may give back
+    /// ([`PrefixCacheStats::idle_bytes`], [`PrefixCacheStats::tail_bytes`]): what eviction
+    /// gives back.
     fn reclaimable(&self, device: DeviceId) -> u64 {
         if device != self.vm.device() {
             return 0;
         }
-        self.stats().idle_bytes
+        let s = self.stats();
+        s.idle_bytes.saturating_add(s.tail_bytes)
     }
 }
 

@@ -11,19 +11,28 @@ pub struct PrefixCacheConfig {
     /// budget and the reclaimer bound them). Beyond it, least recently used prefixes that no
     /// sequence maps are evicted at publish time.
     pub max_cached_bytes: Option<u64>,
-    /// The most hashed blocks one handle of a segment an admission commits for publication
-    /// holds (at least 1; default 1). A sharer maps handles whole, one mapping each, and the
-    /// driver charges per mapping: with `k` blocks per handle a hit maps `k` times fewer
-    /// handles, and ends on a multiple of `k` blocks from the segment's start (a longer match
-    /// is cut down to it; the rest of the prompt is computed privately).
-    pub handle_blocks: u64,
+    /// Tokens per hashed block: the hit granularity (a hit is a whole number of blocks, at
+    /// least one; default [`DEFAULT_BLOCK_TOKENS`]). It is independent of the granule: the
+    /// windows of a hit lying wholly before its end are mapped read-only, the rest of it is
+    /// copied from the cache.
+    pub block_tokens: u64,
+    /// The most windows (per fragment) one handle of a segment an admission commits for
+    /// publication spans (at least 1; default 1). A sharer maps handles whole, one mapping
+    /// each, and the driver charges per mapping: with `k` windows per handle a hit maps about
+    /// `k` times fewer handles, and its read-only part ends on a multiple of `k` windows from
+    /// the segment's start (the rest of the hit is copied).
+    pub handle_windows: u64,
 }
+
+/// Tokens per hashed block of a prefix cache by default: its hit granularity.
+pub const DEFAULT_BLOCK_TOKENS: u64 = 16;
 
 impl Default for PrefixCacheConfig {
     fn default() -> Self {
         PrefixCacheConfig {
             max_cached_bytes: None,
-            handle_blocks: 1,
+            block_tokens: DEFAULT_BLOCK_TOKENS,
+            handle_windows: 1,
         }
     }
 }
@@ -36,10 +45,17 @@ impl PrefixCacheConfig {
         self
     }
 
-    /// Sets [`handle_blocks`](Self::handle_blocks) (0 is taken as 1).
+    /// Sets [`block_tokens`](Self::block_tokens) (0 is taken as 1).
     #[must_use]
-    pub fn handle_blocks(mut self, blocks: u64) -> Self {
-        self.handle_blocks = blocks.max(1);
+    pub fn block_tokens(mut self, tokens: u64) -> Self {
+        self.block_tokens = tokens.max(1);
+        self
+    }
+
+    /// Sets [`handle_windows`](Self::handle_windows) (0 is taken as 1).
+    #[must_use]
+    pub fn handle_windows(mut self, windows: u64) -> Self {
+        self.handle_windows = windows.max(1);
         self
     }
 }
@@ -48,7 +64,7 @@ impl PrefixCacheConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub struct PrefixCacheStats {
-    /// Tokens per hashed block (see `PrefixCache::block_tokens_for`).
+    /// Tokens per hashed block: the hit granularity (`PrefixCacheConfig::block_tokens`).
     pub block_tokens: u64,
     /// Admissions looked up.
     pub lookups: u64,
@@ -56,9 +72,9 @@ pub struct PrefixCacheStats {
     pub hits: u64,
     /// Admissions that found nothing.
     pub misses: u64,
-    /// Prompt tokens attached from the cache instead of being computed and written.
+    /// Prompt tokens taken from the cache (mapped read-only or copied) instead of computed.
     pub tokens_saved: u64,
-    /// Physical bytes attached read-only instead of committed privately.
+    /// Physical bytes mapped read-only instead of committed privately.
     pub bytes_saved: u64,
     /// Prefixes published.
     pub published: u64,
@@ -71,6 +87,10 @@ pub struct PrefixCacheStats {
     /// Of those, bytes only the cache holds (no live sequence maps or holds them): what
     /// eviction frees now, and what the governor counts as available.
     pub idle_bytes: u64,
+    /// Of the rest, the tails of entries still in use (their bytes past their read-only
+    /// windows, in memory of their own) that the cache may give back under pressure: the
+    /// entry then hands on only its read-only windows' tokens.
+    pub tail_bytes: u64,
     /// Prefixes evicted (by the LRU cap or the governor's reclaim).
     pub evictions: u64,
     /// Physical bytes freed by eviction.
@@ -84,7 +104,7 @@ pub struct PrefixCacheStats {
 #[non_exhaustive]
 pub struct Admission {
     /// The request's KV cache: `prompt_tokens` tokens committed; tokens `0..hit_tokens` are
-    /// the cached prefix (already written, read-only); the caller writes
+    /// the cached prefix (already written: mapped read-only, then copied); the caller writes
     /// `hit_tokens..prompt_tokens` and then calls `PrefixCache::publish`.
     pub sequence: SequenceKv,
     /// What the admission did.
@@ -113,6 +133,9 @@ pub struct AdmissionInfo {
     pub owned_prefix_tokens: u64,
     /// Physical bytes mapped read-only from the cache.
     pub shared_bytes: u64,
+    /// Bytes of the hit copied from the cache into the request's own windows (the hit's
+    /// bytes past its read-only windows, in every fragment).
+    pub copied_bytes: u64,
     /// Physical bytes this admission committed.
     pub committed_bytes: u64,
 }
@@ -133,4 +156,7 @@ pub enum PublishOutcome {
     AlreadyCached,
     /// The sequence owns nothing to publish.
     NothingToPublish,
+    /// The budget could not hold the prefix's tail (one window per fragment) now: not
+    /// published; its segment stays private to its sequence (freed with it).
+    NoMemory,
 }

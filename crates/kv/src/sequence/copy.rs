@@ -22,6 +22,7 @@ impl SequenceKv {
             });
         }
         let n = len / bpt;
+        self.check_not_forgotten(first)?;
         let end = add(first, n, "token range end")?;
         if end > self.committed_tokens {
             return Err(KvCacheError::NotCommitted {
@@ -44,11 +45,10 @@ impl SequenceKv {
     /// contiguous device run (per fragment; adjacent runs are merged).
     ///
     /// Refused before any driver call: tokens not committed ([`KvCacheError::NotCommitted`]);
-    /// a token whose bytes lie in the read-only shared prefix
-    /// ([`KvCacheError::WriteIntoSharedPrefix`]). A prefix token that straddles the end of
-    /// the shared windows (possible when the prefix does not end on a window boundary) has
-    /// its shared bytes already (identical, written by the owner): only its private bytes
-    /// are written.
+    /// a token with a byte in the read-only shared prefix
+    /// ([`KvCacheError::WriteIntoSharedPrefix`]). A sharer holds the prefix's tokens before
+    /// it writes its own (`SharedDevicePrefix::attach_to` copies those past the read-only
+    /// windows), so no token it writes touches them.
     pub fn write_tokens(&mut self, first: u64, src: &[u8]) -> Result<(), KvCacheError> {
         let (n, end) = self.check_access(first, src.len())?;
         if n == 0 {
@@ -57,23 +57,15 @@ impl SequenceKv {
         let g = self.plan.granule();
         let bpt_f = self.plan.fragment_bytes_per_token();
         let protected = mul(self.protected_windows(), g, "protected bytes")?;
-        let shared_tokens = protected / bpt_f.max(1);
-        if first < shared_tokens {
+        if mul(first, bpt_f, "token offset")? < protected {
             return Err(KvCacheError::WriteIntoSharedPrefix {
                 token: first,
-                shared_tokens,
-            });
-        }
-        let first_bytes = mul(first, bpt_f, "token offset")?;
-        if first_bytes < protected && first >= self.prefix_tokens {
-            return Err(KvCacheError::WriteIntoSharedPrefix {
-                token: first,
-                shared_tokens,
+                shared_tokens: self.shared_tokens(),
             });
         }
         let span = tracing::debug_span!("kv.write_tokens", first, n);
         let _e = span.enter();
-        self.transfer(first, end, protected, Dir::Write(src))?;
+        self.transfer(first, end, Dir::Write(src))?;
         if first <= self.written_tokens {
             self.written_tokens = self.written_tokens.max(end);
         }
@@ -115,23 +107,16 @@ impl SequenceKv {
         }
         let span = tracing::debug_span!("kv.read_tokens", first, n);
         let _e = span.enter();
-        self.transfer(first, end, 0, Dir::Read(out))
+        self.transfer(first, end, Dir::Read(out))
     }
 
-    /// Moves the bytes of tokens `first..end` between the host buffer and the device, skipping
-    /// the first `clip` bytes of every fragment (the protected shared part).
-    fn transfer(
-        &self,
-        first: u64,
-        end: u64,
-        clip: u64,
-        mut dir: Dir<'_>,
-    ) -> Result<(), KvCacheError> {
+    /// Moves the bytes of tokens `first..end` between the host buffer and the device.
+    fn transfer(&self, first: u64, end: u64, mut dir: Dir<'_>) -> Result<(), KvCacheError> {
         let backend: &Arc<dyn VirtualMemoryBackend> = self.vm.backend();
         let base = self.reservation.address();
         let bpt = self.plan.geometry().bytes_per_token();
         let bpt_f = self.plan.fragment_bytes_per_token();
-        let lo = mul(first, bpt_f, "device range")?.max(clip);
+        let lo = mul(first, bpt_f, "device range")?;
         let hi = mul(end, bpt_f, "device range")?;
         if lo >= hi {
             return Ok(());

@@ -5,9 +5,9 @@
 //!
 //! Invariants a sequence keeps:
 //! * its base address never changes (the reservation's);
-//! * every window holding a live byte of its first `committed_tokens` tokens is mapped, in
-//!   every fragment, and `committed_tokens <= max_tokens`; a write or read lands only in
-//!   committed tokens;
+//! * every window holding a live byte of its tokens `forgotten_tokens..committed_tokens` is
+//!   mapped, in every fragment, and `committed_tokens <= max_tokens`; a write or read lands
+//!   only in those tokens (a sliding window's forgotten tokens are never touched again);
 //! * the windows of the prefixes it maps read-only are never written, released or truncated
 //!   by it: a write into them is refused before any driver call;
 //! * a prefix it owns is mapped read-write by it until the prefix is sealed.
@@ -16,15 +16,21 @@
 //! |---|---|
 //! | `mod.rs` | [`SequenceKv`]: construction, pointers, `ensure_tokens` and commit jobs |
 //! | `release.rs` | shrink to the live tokens, release, the recount after a failed unmap |
+//! | `forget.rs` | a sliding window's oldest tokens forgotten: the windows behind it unmapped |
 //! | `copy.rs` | host <-> device copies of tokens (`write_tokens`, `read_tokens`) |
 //! | `share.rs` | attaching shared segments read-only, owning a new one |
-//! | `prefix.rs` | [`SharedDevicePrefix`]: the set, its windows, seal |
-//! | `prefix_setup.rs` | making a prefix, mapping it into sequences |
+//! | `prefix.rs` | [`SharedDevicePrefix`]: the set, its windows, its tail, seal |
+//! | `prefix_home.rs` | a prefix's home view (what copies read from) and its tail's capture |
+//! | `prefix_setup.rs` | making a prefix, sealing it, mapping it into sequences |
+//! | `prefix_copy.rs` | a sharer's side: the read-only windows it may map, the bytes it copies |
 //! | `prefix_export.rs` | a prefix handed to another process: export as descriptors, import |
 
 mod copy;
+mod forget;
 pub(crate) mod prefix;
+mod prefix_copy;
 pub(crate) mod prefix_export;
+pub(crate) mod prefix_home;
 mod prefix_setup;
 mod release;
 mod share;
@@ -142,6 +148,9 @@ pub struct SequenceKv {
     pub(crate) readonly_windows: u64,
     pub(crate) owned: Option<Arc<SharedDevicePrefix>>,
     pub(crate) pending: Option<PendingPublish>,
+    /// Tokens before this one were forgotten (`forget.rs`): their windows are given back and
+    /// they are never read or written again.
+    pub(crate) forgotten_tokens: u64,
 }
 
 impl fmt::Debug for SequenceKv {
@@ -227,6 +236,7 @@ impl SequenceKv {
             readonly_windows: 0,
             owned: None,
             pending: None,
+            forgotten_tokens: 0,
         })
     }
 
@@ -451,11 +461,12 @@ impl SequenceKv {
         self.reservation.has_commit_in_flight()
     }
 
-    /// Each fragment's live range of the first `n` tokens, as `(offset, len)`.
+    /// Each fragment's live range of the first `n` tokens, as `(offset, len)`: from the
+    /// window of its first token not forgotten.
     fn live_ranges(&self, n: u64) -> Result<Vec<(u64, u64)>, KvCacheError> {
         let mut ranges = Vec::with_capacity(self.fragments.len());
         for f in &self.fragments {
-            let live = f.live_bytes(n)?;
+            let live = self.kept_bytes(f, n)?;
             ranges.push((live.start, live.end.saturating_sub(live.start)));
         }
         Ok(ranges)

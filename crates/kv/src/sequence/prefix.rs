@@ -4,13 +4,14 @@
 use std::fmt;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use kvvm_vmm::SharedHandles;
 
 use kvvm_num::mul;
 
 use crate::error::KvCacheError;
+use crate::sequence::prefix_home::Home;
 use kvvm_layout::LayoutPlan;
 use kvvm_layout::PrefixShareability;
 
@@ -19,26 +20,36 @@ pub(crate) const FILL_BATCH_BYTES: u64 = 32 << 20;
 
 /// A shared prefix on the device: the granule windows `[first_window, end_window)` of every
 /// fragment of a [`LayoutPlan`], backed by one set of physical handles
-/// ([`SharedHandles`]) that every sequence of the prefix maps at the same offsets of its own
-/// reservation.
+/// ([`SharedHandles`]) that every sequence of the prefix maps read-only at the same offsets of
+/// its own reservation, and its *tail*: the prefix's bytes past those windows, which sharers
+/// copy.
 ///
+/// * **Read-only windows hold prefix bytes only**: a window is mapped read-only by a sharer
+///   only when every byte of it belongs to prefix tokens that the sharer will never write,
+///   for every geometry (bytes per token need not divide a window). A sharer that takes the
+///   first `t` tokens maps the windows lying wholly before token `t`'s first byte
+///   (`floor(t x fragment_bytes_per_token / granule)`, cut down to whole handles) and
+///   receives the bytes from there to token `t` by a device copy into its own windows; it
+///   writes tokens `t..` only, all in its own memory (`prefix_copy.rs`).
+/// * **The tail**: when the prefix does not end on a window boundary, its bytes after the
+///   last whole window (`[end_window x granule, prefix_len x fragment_bytes_per_token)` of
+///   every fragment) are copied, when the owner seals the prefix
+///   ([`SequenceKv::seal_prefix`](crate::SequenceKv::seal_prefix)), into handles of the prefix's own (one window per
+///   fragment, billed once with the prefix), so that a sharer receives every prefix token:
+///   from the read-only windows, then by copy. A prefix shorter than one window has no
+///   read-only window at all and is handed on by copy alone.
 /// * **Billed once**: the handles are granted and accounted once, as *shared*, however many
-///   sequences map them; a sharer's `SequenceKv::additional_owned_bytes` is 0 right after
-///   [`map_shared_prefix_readonly`](Self::map_shared_prefix_readonly) (`prefix_setup.rs`).
+///   sequences map them; a sharer pays only for the windows it copies into.
 /// * **Lifetime is the union**: each mapping and each `Arc` of this prefix (the owner's and
 ///   the sharers' sequences, a prefix cache) keeps the handles alive; they are released only
 ///   when the last is gone. The owner may finish first.
-/// * **Reference count per handle**: [`mapped_count`](Self::mapped_count) is the number of
-///   live window mappings (`note_shared_map` / `note_unmapped`).
-/// * **Read-only**: the owner writes the prefix through its read-write mapping and seals it;
+/// * **Home view**: the prefix maps its own handles, read-only, in a reservation of its own
+///   (made at the first need, dropped with the prefix; no physical byte of its own): what
+///   copies read from, so that a sharer never needs the owner (`prefix_home.rs`).
+/// * **Sealed**: the owner writes the prefix through its read-write mapping and seals it;
 ///   after that nobody writes it (sharers map it with `Read` access, and a write into it is
 ///   refused with [`KvCacheError::WriteIntoSharedPrefix`] before any driver call). There is
 ///   no copy-on-write on the device.
-/// * **Only whole windows are shared**: per fragment, the first
-///   `floor(prefix_len x fragment_bytes_per_token / granule)` windows
-///   ([`PrefixShareability::shareable_granules_per_fragment`]). The partial window at the end
-///   of each fragment's prefix is private to each sequence: a sharer commits it and writes
-///   those prefix tokens itself.
 pub struct SharedDevicePrefix {
     pub(crate) set: Arc<SharedHandles>,
     pub(crate) plan: LayoutPlan,
@@ -47,6 +58,7 @@ pub struct SharedDevicePrefix {
     pub(crate) prefix_len: u64,
     pub(crate) shareability: PrefixShareability,
     pub(crate) sealed: AtomicBool,
+    pub(crate) home: Mutex<Home>,
 }
 
 impl fmt::Debug for SharedDevicePrefix {
@@ -79,11 +91,14 @@ impl SharedDevicePrefix {
             prefix_len,
             shareability,
             sealed: AtomicBool::new(false),
+            home: Mutex::new(Home::default()),
         }
     }
 
     /// Marks the prefix written: from now on it is read-only for everyone, owner included.
-    pub fn seal(&self) {
+    /// The owner seals through [`SequenceKv::seal_prefix`](crate::SequenceKv::seal_prefix),
+    /// which first copies the tail.
+    pub(crate) fn seal(&self) {
         self.sealed.store(true, Ordering::Release);
     }
 
@@ -128,15 +143,45 @@ impl SharedDevicePrefix {
             / self.plan.fragment_bytes_per_token().max(1)
     }
 
-    /// Physical bytes of the prefix (billed once).
+    /// Tokens a sharer receives from token 0 (read-only windows, then copies): the whole
+    /// prefix once it is sealed with its tail (or when it needs none), else only the tokens
+    /// lying wholly in the read-only windows.
+    pub fn tokens(&self) -> u64 {
+        if self.tail_bytes() == 0 || self.lock_home().tail.is_some() {
+            self.prefix_len
+        } else {
+            self.shared_tokens().min(self.prefix_len)
+        }
+    }
+
+    /// Bytes of the tail in each fragment: the prefix's bytes past its read-only windows
+    /// (`prefix_len x fragment_bytes_per_token - end_window x granule`, 0 when the prefix ends
+    /// on a window boundary).
+    pub fn tail_bytes(&self) -> u64 {
+        let bytes = self
+            .prefix_len
+            .saturating_mul(self.plan.fragment_bytes_per_token());
+        bytes.saturating_sub(self.end_window.saturating_mul(self.plan.granule()))
+    }
+
+    /// One past the last window holding a byte of the prefix, in every fragment: the read-only
+    /// windows, then the tail's.
+    pub fn tail_end_window(&self) -> u64 {
+        self.end_window
+            .saturating_add(self.tail_bytes().div_ceil(self.plan.granule().max(1)))
+    }
+
+    /// Physical bytes of the prefix (billed once): its read-only windows and its tail.
     pub fn bytes(&self) -> u64 {
-        self.set.bytes()
+        let tail = self.lock_home().tail.as_ref().map_or(0, |t| t.bytes());
+        self.set.bytes().saturating_add(tail)
     }
 
     /// Live window mappings of the prefix's handles (owner's and sharers'), counted per
     /// window: the pool's reference count (`note_shared_map` / `note_unmapped`).
     pub fn mapped_count(&self) -> u64 {
-        self.set.mapped_count()
+        let own = self.lock_home().set_mappings;
+        self.set.mapped_count().saturating_sub(own)
     }
 
     /// The physical handles.

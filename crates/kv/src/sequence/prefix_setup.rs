@@ -1,6 +1,7 @@
 //! Making and mapping a [`SharedDevicePrefix`] with sequences: the owner's
-//! `reserve_and_map_shared_prefix` / `reserve_unwritten` / `own_in` and a sharer's
-//! `map_shared_prefix_readonly` / `attach_to`. The prefix itself is `prefix.rs`; the sequence `mod.rs`.
+//! `reserve_and_map_shared_prefix` / `reserve_unwritten` / `own_in` / `seal_prefix` and a
+//! sharer's `map_shared_prefix_readonly` / `attach_to`. The prefix itself is `prefix.rs`; the
+//! sequence `mod.rs`; what a sharer maps and copies `prefix_copy.rs`.
 
 use std::sync::Arc;
 
@@ -10,16 +11,16 @@ use kvvm_vmm::VirtualMemory;
 
 use crate::error::KvCacheError;
 use crate::sequence::prefix::{SharedDevicePrefix, FILL_BATCH_BYTES};
-use crate::sequence::SequenceKv;
+use crate::sequence::{AttachedSegment, SequenceKv};
 
 impl SharedDevicePrefix {
-    /// The owner's side: evaluates shareability, reserves a sequence of at most `max_tokens`,
-    /// commits the windows lying entirely inside the prefix (the first
-    /// `shareable_granules_per_fragment` windows of every fragment) as one shared set mapped
-    /// read-write (billed here, once, as shared), commits the prefix's partial tail windows
-    /// privately, writes the prefix's KV (`fill(first_token, buf)` fills the host bytes of
-    /// tokens `first_token..` in the layout `[token][layer][K, V][kv_head][head_dim]`, in
-    /// batches of about 32 MiB) and seals the prefix read-only.
+    /// The owner's side: reserves a sequence of at most `max_tokens`, commits the windows
+    /// lying entirely inside the prefix (the first `shareable_granules_per_fragment` windows
+    /// of every fragment) as one shared set mapped read-write (billed here, once, as shared),
+    /// commits the prefix's partial tail windows privately, writes the prefix's KV
+    /// (`fill(first_token, buf)` fills the host bytes of tokens `first_token..` in the layout
+    /// `[token][layer][K, V][kv_head][head_dim]`, in batches of about 32 MiB) and seals the
+    /// prefix read-only ([`SequenceKv::seal_prefix`]: its tail is copied then).
     ///
     /// Returns the prefix (to hand to sharers) and the owner's sequence, which holds
     /// `prefix_len` committed tokens and grows privately from there.
@@ -54,14 +55,15 @@ impl SharedDevicePrefix {
             owner.write_tokens(t, &buf)?;
             t += n;
         }
-        prefix.seal();
+        owner.seal_prefix()?;
         Ok((prefix, owner))
     }
 
     /// Like [`reserve_and_map_shared_prefix`](Self::reserve_and_map_shared_prefix) but writes
     /// nothing and does not seal: the owner writes the prefix through
-    /// [`SequenceKv::write_tokens`] and then calls [`seal`](Self::seal) before handing the
-    /// prefix to sharers (so a sharer never maps unwritten bytes).
+    /// [`SequenceKv::write_tokens`] (or a model writes it through a tensor view) and then
+    /// calls [`SequenceKv::seal_prefix`] before handing the prefix to sharers (so a sharer
+    /// never maps unwritten bytes).
     pub fn reserve_unwritten(
         vm: &VirtualMemory,
         plan: &LayoutPlan,
@@ -76,7 +78,8 @@ impl SharedDevicePrefix {
     }
 
     /// The shareability of a prefix of `prefix_len` tokens for an owner of at most
-    /// `max_tokens`, refused with the reason when it cannot be shared.
+    /// `max_tokens`. A prefix shorter than a window is made too (it has no read-only window:
+    /// sharers receive it by copy); an empty one is refused.
     fn owner_verdict(
         plan: &LayoutPlan,
         prefix_len: u64,
@@ -88,8 +91,10 @@ impl SharedDevicePrefix {
             prefix_len,
             plan.granule(),
         )?;
-        if let Some(reason) = verdict.refusal_reason() {
-            return Err(KvCacheError::NotShareable { reason });
+        if prefix_len == 0 {
+            return Err(KvCacheError::NotShareable {
+                reason: "an empty prefix has nothing to share".to_owned(),
+            });
         }
         if prefix_len > max_tokens {
             return Err(KvCacheError::TooManyTokens {
@@ -117,11 +122,12 @@ impl SharedDevicePrefix {
     }
 
     /// Makes `owner`, an empty sequence (fresh, or released), the owner of a new prefix of
-    /// `prefix_len` tokens: commits the prefix's windows as shared handles mapped read-write
-    /// (and the rest of the first `prefix_len` tokens privately). The owner writes the prefix
-    /// through [`SequenceKv::write_tokens`] and then calls [`seal`](Self::seal).
+    /// `prefix_len` tokens: commits the prefix's whole windows as shared handles mapped
+    /// read-write (and the rest of the first `prefix_len` tokens privately). The owner writes
+    /// the prefix through [`SequenceKv::write_tokens`] (or a tensor view) and then calls
+    /// [`SequenceKv::seal_prefix`].
     ///
-    /// Errors: [`KvCacheError::NotShareable`] with the reason; [`KvCacheError::TooManyTokens`];
+    /// Errors: [`KvCacheError::NotShareable`] for an empty prefix; [`KvCacheError::TooManyTokens`];
     /// [`KvCacheError::PlanMismatch`] when `owner` is not empty; backpressure and driver
     /// failures, after which `owner` is released again (empty).
     pub fn own_in(
@@ -152,13 +158,17 @@ impl SharedDevicePrefix {
         }
     }
 
-    /// The sharer's side for a sequence made by the caller: maps every window of the prefix
-    /// read-only at the same offsets of `seq`, an empty sequence (fresh or released) of the
-    /// prefix's plan, as [`map_shared_prefix_readonly`](Self::map_shared_prefix_readonly)
-    /// does for a new one. Returns the bytes mapped (shared, not billed to `seq`).
+    /// The sharer's side for a sequence made by the caller: gives `seq`, an empty sequence
+    /// (fresh or released) of the prefix's plan, the prefix's [`tokens`](Self::tokens): maps
+    /// read-only the windows lying wholly before its last token's end (see `prefix_copy.rs`:
+    /// one map per handle, one set-access per contiguous run), commits the rest of them
+    /// privately and copies their bytes from the prefix. `seq` then holds the prefix's tokens,
+    /// written, and writes its own tokens after them in its own memory only. Returns the bytes
+    /// mapped read-only (shared, not billed to `seq`).
     ///
-    /// Errors: those of `map_shared_prefix_readonly`, and [`KvCacheError::PlanMismatch`] when
-    /// `seq` is not empty; on a driver failure `seq` is released again (empty).
+    /// Errors: those of [`map_shared_prefix_readonly`](Self::map_shared_prefix_readonly), and
+    /// [`KvCacheError::PlanMismatch`] when `seq` is not empty; on a failure `seq` is released
+    /// again (empty).
     pub fn attach_to(self: &Arc<Self>, seq: &mut SequenceKv) -> Result<u64, KvCacheError> {
         let span = tracing::debug_span!(
             "kv.attach_shared_prefix",
@@ -168,11 +178,8 @@ impl SharedDevicePrefix {
         let _e = span.enter();
         self.check_attachable()?;
         seq.check_empty()?;
-        match seq.attach_readonly(self, self.end_window) {
-            Ok(bytes) => {
-                seq.set_attached_prefix_tokens(self.prefix_len);
-                Ok(bytes)
-            }
+        match self.attach_whole(seq) {
+            Ok(bytes) => Ok(bytes),
             Err(e) => {
                 seq.release_after_error();
                 Err(e)
@@ -180,20 +187,69 @@ impl SharedDevicePrefix {
         }
     }
 
+    /// The sharer's side for a sequence that keeps only the prefix's tokens from `first` on
+    /// (the layers of a sliding window, which read only the last tokens and give their oldest
+    /// windows back as they grow): nothing is mapped read-only; `seq`, an empty sequence of the
+    /// prefix's plan, forgets the tokens before `first` from the start, commits the rest of the
+    /// prefix's [`tokens`](Self::tokens) and copies them from the prefix. Returns the bytes
+    /// copied (in every fragment).
+    ///
+    /// Errors: those of [`attach_to`](Self::attach_to); [`KvCacheError::TooManyTokens`] when
+    /// `first` is past the prefix. On a failure `seq` is released again (empty).
+    pub fn attach_from(
+        self: &Arc<Self>,
+        seq: &mut SequenceKv,
+        first: u64,
+    ) -> Result<u64, KvCacheError> {
+        self.check_attachable()?;
+        let tokens = self.tokens();
+        if first > tokens {
+            return Err(KvCacheError::TooManyTokens {
+                tokens: first,
+                max_tokens: tokens,
+            });
+        }
+        seq.check_empty()?;
+        let chain = [AttachedSegment {
+            prefix: Arc::clone(self),
+            end_window: self.end_window,
+        }];
+        let copied = seq
+            .start_at(first)
+            .and_then(|()| seq.ensure_tokens(tokens))
+            .and_then(|_| seq.copy_chain(&chain, tokens));
+        if copied.is_err() {
+            seq.release_after_error();
+        }
+        copied
+    }
+
+    /// [`attach_to`](Self::attach_to) once checked: map, commit, copy.
+    fn attach_whole(self: &Arc<Self>, seq: &mut SequenceKv) -> Result<u64, KvCacheError> {
+        let chain = [AttachedSegment {
+            prefix: Arc::clone(self),
+            end_window: self.end_window,
+        }];
+        let tokens = self.tokens();
+        let end = seq.readonly_end(&chain, tokens);
+        let bytes = seq.attach_chain(&chain, end)?;
+        seq.ensure_tokens(tokens)?;
+        seq.copy_chain(&chain, tokens)?;
+        Ok(bytes)
+    }
+
     /// The sharer's side: reserves a sequence of at most `max_tokens` under the prefix's plan
-    /// and maps every window of the prefix at the same offsets with `Read` access (one map
-    /// per handle of the prefix, one set-access per contiguous run, named as one range of
-    /// windows per fragment). The sharer adds no physical bytes
-    /// (`additional_owned_bytes() == 0`); its tokens up to the last whole token inside the
-    /// shared windows are readable at once. Tokens of the prefix's partial tail windows (if
-    /// any) are the sharer's own: `ensure_tokens(prefix_len)` and write them.
+    /// and gives it the prefix as [`attach_to`](Self::attach_to) does. The sharer owns only
+    /// the windows it copied into (none when the prefix ends on a window boundary and its
+    /// handles are mapped whole): `additional_owned_bytes()` counts them.
     ///
     /// If a map succeeds and its set access fails, the manager withdraws the mappings made
     /// and counts them down; the handles stay with the prefix. The new sequence is then torn
     /// down and the error returned.
     ///
     /// Errors: the prefix is not sealed yet ([`KvCacheError::PrefixNotWritten`]); a manager
-    /// of another granule ([`KvCacheError::PlanMismatch`]); driver failures.
+    /// of another granule ([`KvCacheError::PlanMismatch`]); backpressure for the copied
+    /// windows; driver failures.
     pub fn map_shared_prefix_readonly(
         self: &Arc<Self>,
         vm: &VirtualMemory,
@@ -207,8 +263,30 @@ impl SharedDevicePrefix {
         let _e = span.enter();
         self.check_attachable()?;
         let mut seq = SequenceKv::new(vm, &self.plan, max_tokens)?;
-        seq.attach_readonly(self, self.end_window)?;
-        seq.set_attached_prefix_tokens(self.prefix_len);
+        self.attach_whole(&mut seq)?;
         Ok(seq)
+    }
+}
+
+impl SequenceKv {
+    /// Seals the prefix this sequence owns once it wrote it: copies the prefix's tail (its
+    /// bytes past the last whole window, when it does not end on a window boundary) into the
+    /// prefix's own handles, then marks it read-only for everyone. Sharers then receive every
+    /// prefix token. A prefix sealed already is left as it is.
+    ///
+    /// Errors: [`KvCacheError::PlanMismatch`] when the sequence owns no prefix; backpressure
+    /// for the tail's windows (one per fragment) or a failed copy: the prefix stays unsealed.
+    pub fn seal_prefix(&mut self) -> Result<(), KvCacheError> {
+        let Some(prefix) = self.owned.clone() else {
+            return Err(KvCacheError::PlanMismatch {
+                reason: "this sequence owns no shared prefix to seal".to_owned(),
+            });
+        };
+        if prefix.is_sealed() {
+            return Ok(());
+        }
+        prefix.capture_tail(self)?;
+        prefix.seal();
+        Ok(())
     }
 }

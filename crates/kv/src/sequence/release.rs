@@ -15,7 +15,10 @@ impl SequenceKv {
     /// [`written_tokens`](Self::written_tokens)), and neither is a shared window. Returns the
     /// bytes unmapped. Like [`release`](Self::release), it does not synchronize the device.
     pub fn shrink_committed(&mut self, n: u64) -> Result<u64, KvCacheError> {
-        let n = n.max(self.written_tokens).max(self.prefix_tokens);
+        let n = n
+            .max(self.written_tokens)
+            .max(self.prefix_tokens)
+            .max(self.forgotten_tokens);
         if n >= self.committed_tokens {
             return Ok(0);
         }
@@ -57,7 +60,7 @@ impl SequenceKv {
         let g = self.plan.granule();
         let all_mapped = |n: u64| {
             self.fragments.iter().all(|f| {
-                f.live_bytes(n).is_ok_and(|live| {
+                self.kept_bytes(f, n).is_ok_and(|live| {
                     let (first, last) = (live.start / g, live.end.div_ceil(g));
                     (first..last).all(
                         |w| match self.reservation.window_kind(w.saturating_mul(g)) {
@@ -115,6 +118,7 @@ impl SequenceKv {
         self.committed_tokens = 0;
         self.written_tokens = 0;
         self.prefix_tokens = 0;
+        self.forgotten_tokens = 0;
         self.readonly.clear();
         self.readonly_windows = 0;
         self.owned = None;

@@ -63,7 +63,8 @@ impl SequenceKv {
     }
 
     /// Commits windows `[first_window, end_window)` of every fragment as a new shared set
-    /// owned (read-write) by this sequence; `prefix_len` is the prefix's length in tokens.
+    /// owned (read-write) by this sequence (none when `end_window == first_window`: the
+    /// segment is then only its tail); `prefix_len` is the prefix's length in tokens.
     /// The set is made of as few handles as each fragment's run allows; with `block_windows`
     /// non-zero, no handle crosses a multiple of `block_windows` windows from
     /// `first_window` (a prefix cache's blocks: a shorter hit can then map whole handles).
@@ -99,7 +100,13 @@ impl SequenceKv {
                 done = done.saturating_add(n);
             }
         }
-        let set = self.reservation.commit_shared(&ranges)?;
+        // A segment whose prefix bytes end before its first whole window has no read-only
+        // window: an empty set (its tail is made when it is sealed).
+        let set = if ranges.is_empty() {
+            self.vm.empty_shared()
+        } else {
+            self.reservation.commit_shared(&ranges)?
+        };
         let prefix = Arc::new(SharedDevicePrefix::new(
             set,
             self.plan,

@@ -17,7 +17,13 @@ logits are apart).
 continuous-batching engine and its peers (:mod:`kvvm_bench.serve`); ``python -m kvvm_bench
 prefix`` times prefix-cache hits by handle size, on any backend (:mod:`kvvm_bench.prefix`);
 ``python -m kvvm_bench engines`` runs engine processes on one device under a broker and under
-fixed fractions (:mod:`kvvm_bench.engines`).
+fixed fractions (:mod:`kvvm_bench.engines`); ``python -m kvvm_bench sliding`` decodes a
+Gemma-3-shaped model to 32k tokens with KvvmCache and DynamicCache (:mod:`kvvm_bench.sliding`);
+``python -m kvvm_bench shapes`` runs the decode kernel and the captured step on every head dim,
+GQA ratio and dtype (:mod:`kvvm_bench.shapes`); ``python -m kvvm_bench http`` replays a trace
+through the engine directly and through its OpenAI-compatible server (:mod:`kvvm_bench.http_serve`);
+``python -m kvvm_bench sampling`` times the engine's step with sampling on against greedy
+(:mod:`kvvm_bench.sampling_step`).
 
 ``--tiny`` runs a small model (what the tests do); the figures that matter come from a GPU.
 """
@@ -338,10 +344,20 @@ def main(argv: list[str] | None = None) -> int:
 
     engines.add_args(sub.add_parser("engines", help="engine processes on one device: a broker vs fixed fractions"))
     engines.worker_args(sub.add_parser("engines-worker", help="one process of `engines` (started by it)"))
+    from kvvm_bench import sliding as bench_sliding
+
+    bench_sliding.add_args(sub.add_parser("sliding", help="a Gemma-3-shaped model to 32k tokens: KvvmCache vs DynamicCache"))
+    from kvvm_bench import shapes as bench_shapes
+
+    bench_shapes.add_args(sub.add_parser("shapes", help="the decode kernel and the captured step on every head dim, GQA ratio and dtype"))
     from kvvm_bench import kvcached_compare as bench_kvcached
 
     bench_kvcached.add_args(sub.add_parser("kvcached", help="kvvm beside kvcached: give/take times, bytes held, two instances"))
     bench_kvcached.worker_args(sub.add_parser("kvcached-worker", help="one process of `kvcached` (started by it)"))
+    from kvvm_bench import http_serve, sampling_step
+
+    http_serve.add_args(sub.add_parser("http", help="a trace through the engine directly and through its OpenAI server"))
+    sampling_step.add_args(sub.add_parser("sampling", help="the engine's decode step with sampling on against greedy"))
     args = ap.parse_args(argv)
     if args.cmd == "engines-worker":
         print(json.dumps(engines.worker(args)), flush=True)
@@ -349,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "kvcached-worker":
         return bench_kvcached.worker(args)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
-        print("python -m kvvm_bench needs a CUDA GPU (serve also runs with --device cpu)", file=sys.stderr)
+        print("python -m kvvm_bench needs a CUDA GPU (serve, http, sampling and shapes also run with --device cpu)",
+              file=sys.stderr)
         return 2
     if args.cmd == "prefix":
         report = bench_prefix.run_prefix_bench(args)
@@ -362,6 +379,14 @@ def main(argv: list[str] | None = None) -> int:
         report = engines.run_engines_bench(args)  # writes --json after every run
     elif args.cmd == "kvcached":
         report = bench_kvcached.run_kvcached_bench(args)
+    elif args.cmd == "sliding":
+        report = bench_sliding.run_sliding_bench(args)  # writes --json after every cache
+    elif args.cmd == "shapes":
+        report = bench_shapes.run_shapes_bench(args)  # writes --json after every shape
+    elif args.cmd == "http":
+        report = http_serve.run_http_bench(args)  # writes --json after each run
+    elif args.cmd == "sampling":
+        report = sampling_step.run_sampling_bench(args)  # writes --json after every configuration
     else:
         report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)

@@ -78,7 +78,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     import kvvm
     from kvvm.attention import use_kvvm_attention
-    from kvvm.transformers import KvvmCache, KvvmPrefix
+    from kvvm.transformers import KvvmCache
+    from kvvm.prefix import KvvmPrefix
     from kvvm_bench.cli import _build_model
     from kvvm_bench.numerics import percentiles
 

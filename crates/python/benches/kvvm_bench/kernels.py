@@ -107,19 +107,23 @@ def run_kernels(
     bandwidth: float = 4.8e12,
     calls: int = 20,
     kernels: tuple[str, ...] = ("triton", "flash", "flex", "sdpa"),
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
 ) -> list[KernelResult]:
-    """Every kernel of ``kernels`` at one point (``lengths``: one per request)."""
+    """Every kernel of ``kernels`` at one point (``lengths``: one per request). On a CPU
+    (``device="cpu"``; the Triton kernel in Triton's interpreter) each kernel runs once,
+    checked against SDPA, neither timed nor captured."""
     from kvvm.attend import attend
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     torch.manual_seed(0)
-    slab = torch.randn((batch, max_tokens, min(layers, 2), 2, kv_heads, head_dim), dtype=torch.bfloat16, device=dev)
+    slab = torch.randn((batch, max_tokens, min(layers, 2), 2, kv_heads, head_dim), dtype=dtype, device=dev)
     k, v = slab[:, :, 1, 0].transpose(1, 2), slab[:, :, 1, 1].transpose(1, 2)
-    q = torch.randn((batch, 1, heads, head_dim), dtype=torch.bfloat16, device=dev).transpose(1, 2)
+    q = torch.randn((batch, 1, heads, head_dim), dtype=dtype, device=dev).transpose(1, 2)
     bounds = torch.tensor([[b, 0, n] for b, n in enumerate(lengths)], dtype=torch.int32, device=dev)
     lens = bounds[:, 2].clone()
     label = str(lengths[0]) if len(set(lengths)) == 1 else f"{min(lengths)}..{max(lengths)}"
-    floor = 2 * sum(lengths) * kv_heads * head_dim * 2 / bandwidth * 1e6
+    floor = 2 * sum(lengths) * kv_heads * head_dim * slab.element_size() / bandwidth * 1e6
     want = _reference(q, k, v, lengths)
     fns: dict[str, Callable[[], torch.Tensor]] = {
         "triton": lambda: attend(q, k, v, bounds, kernel="triton"),
@@ -128,6 +132,9 @@ def run_kernels(
     }
     results = []
     for name in kernels:
+        if dev.type != "cuda":
+            results.append(_untimed(name, fns, batch, label, floor, want))
+            continue
         if name == "sdpa":
             results.append(_time_sdpa(q, k, v, lengths, label, floor, want, calls))
             continue
@@ -139,6 +146,18 @@ def run_kernels(
         except Exception as e:  # noqa: BLE001 - a kernel that cannot run is reported, not fatal
             results.append(KernelResult(name, batch, label, None, round(floor, 2), None, None, False, f"{type(e).__name__}: {e}"[:200]))
     return results
+
+
+def _untimed(
+    name: str, fns: dict[str, Callable[[], torch.Tensor]], batch: int, label: str, floor: float, want: torch.Tensor,
+) -> KernelResult:
+    """One call of kernel ``name`` without a GPU: its difference to SDPA only."""
+    note = "no CUDA: run once, not timed, not captured"
+    try:
+        diff = (fns[name]().float() - want.float()).abs().max().item()
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot run is reported, not fatal
+        return KernelResult(name, batch, label, None, round(floor, 2), None, None, False, f"{note}; {type(e).__name__}: {e}"[:200])
+    return KernelResult(name, batch, label, None, round(floor, 2), None, diff, False, note)
 
 
 def _still_right_after_lengths_change(

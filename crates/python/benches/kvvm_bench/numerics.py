@@ -1,5 +1,5 @@
-"""How close two bf16 logits can be before their order means nothing, and the percentiles
-the benchmarks report."""
+"""How close two bf16 (or fp16) logits can be before their order means nothing, and the
+percentiles the benchmarks report."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ BF16_TIE = 2 * 2**-7
 def bf16_tie(top: torch.Tensor) -> torch.Tensor:
     """The gap under which a logit of magnitude ``top`` ties with the top one in bf16."""
     return BF16_TIE * top.abs().clamp_min(1)
+
+
+def tie(top: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gap under which a logit of magnitude ``top`` ties with the top one in ``dtype``:
+    twice its relative resolution (``bf16_tie`` for bf16; 8 times finer for fp16)."""
+    return 2 * torch.finfo(dtype).eps * top.abs().clamp_min(1)
 
 
 def percentiles(xs: list[float]) -> dict[str, float]:

@@ -3,10 +3,10 @@
 
 A hit maps the cached prefix's physical memory read-only into the new request's own
 reservation. CUDA maps a handle whole and from its offset 0, so a hit costs one mapping per
-handle it attaches, and a hit ends on a handle boundary: handles of one window each let a hit
-end at any window (the finest granularity) at the price of one mapping per window; handles of
-``k`` windows cost ``1/k`` of the mappings and make the hit's granularity ``k`` windows (the
-tokens after the last whole handle are prefilled again). This benchmark publishes one
+handle it attaches, and its read-only part ends on a handle boundary: handles of one window
+each let it end at any window at the price of one mapping per window; handles of ``k`` windows
+cost ``1/k`` of the mappings (the hit's tokens after the last whole handle are copied from the
+cache instead of mapped). This benchmark publishes one
 prefix per handle size and times admissions that hit it, with no model (the K/V's content
 does not change the cost of a mapping).
 
@@ -28,12 +28,12 @@ __all__ = ["run_prefix_bench"]
 
 
 def _hit_times(
-    manager: kvvm.Manager, plan: kvvm.LayoutPlan, ids: list[int], handle_blocks: int, hits: int
+    manager: kvvm.Manager, plan: kvvm.LayoutPlan, ids: list[int], handle_windows: int, hits: int
 ) -> dict[str, Any]:
-    """Publishes ``ids`` as a prefix in handles of ``handle_blocks`` windows, then admits
+    """Publishes ``ids`` as a prefix in handles of ``handle_windows`` windows, then admits
     ``hits`` fresh sequences with the same ids, timing each admission."""
     max_tokens = plan.geometry.max_tokens
-    cache = kvvm.PrefixCache(manager, plan, handle_blocks=handle_blocks)
+    cache = kvvm.PrefixCache(manager, plan, handle_windows=handle_windows)
     owner = kvvm.Sequence(manager, plan, max_tokens)
     try:
         cache.admit(owner, ids)
@@ -51,13 +51,13 @@ def _hit_times(
     finally:
         owner.release()
         cache.clear()
-    per_handle = plan.mapped_tokens(1) * handle_blocks
+    per_handle = plan.mapped_tokens(1) * handle_windows
     # One mapping per handle and fragment of the layout (computed: the driver's calls are
     # not counted here).
     mappings = plan.fragments * -(-hit // per_handle)
     p50 = statistics.median(times) * 1e6
     return {
-        "handle_blocks": handle_blocks,
+        "handle_windows": handle_windows,
         "tokens_per_handle": per_handle,
         "hit_tokens": hit,
         "mappings": mappings,
@@ -68,13 +68,13 @@ def _hit_times(
 
 
 def run_prefix_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Every handle size of ``--handle-blocks`` against one prefix of ``--prefix`` tokens;
+    """Every handle size of ``--handle-windows`` against one prefix of ``--prefix`` tokens;
     returns the report."""
     manager = kvvm.Manager(args.backend)
     geometry = kvvm.KvGeometry.preset(args.model, args.prefix + 64)
     plan = kvvm.LayoutPlan(geometry, args.layout, manager.granule)
     ids = [1 + (i * 7919) % 100_000 for i in range(args.prefix)]
-    rows = [_hit_times(manager, plan, ids, int(b), args.hits) for b in args.handle_blocks.split(",") if b]
+    rows = [_hit_times(manager, plan, ids, int(b), args.hits) for b in args.handle_windows.split(",") if b]
     manager.trim_pool(0)
     return {
         "meta": {
@@ -96,6 +96,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3-8b", help="the KV geometry's preset")
     p.add_argument("--layout", default="token-major", help="KvvmCache's default")
     p.add_argument("--prefix", type=int, default=4096, help="tokens of the cached prefix")
-    p.add_argument("--handle-blocks", default="1,4,16,64", help="windows per handle, comma-separated")
+    p.add_argument("--handle-windows", default="1,4,16,64", help="windows per handle, comma-separated")
     p.add_argument("--hits", type=int, default=20, help="admissions timed per handle size")
     p.add_argument("--json", help="write the report here")

@@ -210,7 +210,7 @@ def run_engine(
         if engine.idle:
             time.sleep(max(0.0, pending[0].arrival_s - now))
             continue
-        decoding = [r for r in engine.running.values() if r._filled >= len(r._context)]
+        decoding = [r for r in engine.running.values() if r.prefilled]
         engine.step()
         t = time.perf_counter()
         live = sum(len(r.prompt) + len(r.tokens) - r.prefix_hit_tokens for r in decoding)
@@ -234,8 +234,7 @@ def run_engine(
     res.prefix_waits = engine.stats.prefix_waits
     res.preemptions = engine.stats.preempted
     res.floor_s = floor
-    engine.close()
-    use_kvvm_attention(model, enable=False)
+    engine.close()  # the model attends as before the engine again
     res.after = _held_after(manager, device, memory_before)
     return res
 

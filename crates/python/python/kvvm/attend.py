@@ -16,19 +16,28 @@ device:
 - ``"triton"`` (CUDA, one query token): split-KV decode attention (:mod:`kvvm.triton_decode`);
 - ``"flash"`` (CUDA): PyTorch's FlashAttention varlen kernel with ``seqused_k`` over the
   slots seen as one packed sequence (causal, aligned to each request's end, for several
-  query tokens);
+  query tokens; one call per class of slots where a slot is not a whole number of tokens);
 - ``"sdpa"``: SDPA on each request's exact tokens, one request at a time, lengths read on
   the host (the CPU kernel; on a GPU eager only, a reference).
 
 ``"auto"`` picks ``"triton"`` for one query token on CUDA, ``"flash"`` for more (``"sdpa"``
-for fp32), ``"sdpa"`` on CPU. Measured against each other and against FlexAttention in
+for fp32), ``"sdpa"`` on CPU; under Triton's interpreter (``TRITON_INTERPRET=1``) the CPU runs
+``"triton"`` for one query token too, as CUDA would (how the tests check the decode step
+without a GPU). Measured against each other and against FlexAttention in
 ``docs/python.md``.
+
+Every kernel takes a sliding ``window`` (a query at token ``p`` sees the tokens ``p - window <
+k <= p``, transformers' convention; 0: all) and reads no token before the window, and an
+attention-logit soft cap (``softcap * tanh(logits / softcap)``, Gemma 2's; 0: none), which
+FlashAttention does not have: with a soft cap ``"auto"`` picks ``"sdpa"`` where it would pick
+``"flash"``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -38,18 +47,25 @@ __all__ = ["KERNELS", "attend", "kernel_for", "slab_kv", "write_attend"]
 KERNELS = ("auto", "triton", "flash", "sdpa")
 
 
-def kernel_for(device: torch.device, q_tokens: int, kernel: str = "auto", dtype: torch.dtype = torch.bfloat16) -> str:
+def kernel_for(
+    device: torch.device, q_tokens: int, kernel: str = "auto", dtype: torch.dtype = torch.bfloat16,
+    softcap: float = 0.0,
+) -> str:
     """The kernel ``kernel`` resolves to for ``q_tokens`` query tokens of ``dtype`` on
-    ``device`` (FlashAttention takes fp16 and bf16 only)."""
+    ``device`` (FlashAttention takes fp16 and bf16 only, and no soft cap)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; one of {KERNELS}")
     if device.type != "cuda":
+        if q_tokens == 1 and kernel in ("auto", "triton") and _interpreted():
+            return "triton"
         return "sdpa"
+    if kernel == "flash" and softcap:
+        raise ValueError("the flash kernel has no attention-logit soft cap; use 'sdpa' or 'auto'")
     if kernel != "auto":
         return kernel
     if q_tokens == 1 and _has_triton():
         return "triton"
-    return "flash" if dtype in (torch.float16, torch.bfloat16) else "sdpa"
+    return "flash" if dtype in (torch.float16, torch.bfloat16) and not softcap else "sdpa"
 
 
 @functools.cache
@@ -62,16 +78,30 @@ def _has_triton() -> bool:
 
 
 @functools.cache
+def _interpreted() -> bool:
+    """Whether Triton's kernels run in its interpreter, on CPU tensors (read once, as Triton
+    does)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and _has_triton()
+
+
+#: The multiprocessors the interpreter's split count is chosen for (a CPU has none).
+_INTERPRETER_MULTIPROCESSORS = 4
+
+
+@functools.cache
 def _multiprocessors(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
-          scale: float) -> torch.Tensor:
-    """One request at a time over its exact tokens (lengths read on the host)."""
+          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """One request at a time over its exact tokens (lengths read on the host), from the
+    first token its earliest query's window reaches."""
     batch, heads, q_len, dim = query.shape
     out = torch.zeros((batch, q_len, heads, dim), dtype=query.dtype, device=query.device)
     for b, (slot, start, end) in enumerate(bounds.tolist()):
+        if window:
+            start = max(start, end - q_len - window + 1)
         if end <= start:
             continue
         k = key[slot : slot + 1, :, start:end]
@@ -79,69 +109,124 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: t
         q = query[b : b + 1]
         n = end - start
         mask = None
-        if q_len > 1:
-            # Query i is token n - q_len + i: it sees the tokens up to itself.
+        if q_len > 1 or window:
+            # Query i is token n - q_len + i: it sees the tokens up to itself (and, with a
+            # window, none at or before itself - window).
             rows = torch.arange(q_len, device=query.device)[:, None] + (n - q_len)
-            mask = torch.arange(n, device=query.device)[None, :] <= rows
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != key.shape[1]
-        )
+            cols = torch.arange(n, device=query.device)[None, :]
+            mask = cols <= rows
+            if window:
+                mask = mask & (cols > rows - window)
+        if softcap:
+            o = _capped(q, k, v, mask, scale, softcap)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != key.shape[1]
+            )
         out[b] = o[0].transpose(0, 1)
     return out
 
 
-def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
-           scale: float) -> torch.Tensor:
-    """FlashAttention varlen over the slots as one packed sequence: slot ``s``'s token ``t``
-    is row ``s * rows_per_slot + t``; each request starts at its slot's ``start`` and reads
-    ``end - start`` rows (``seqused_k``)."""
-    batch, heads, q_len, dim = query.shape
-    rows_per_slot, packed = [], []
-    for t in (key, value):
-        if t.stride(0) % t.stride(2) != 0:
-            raise ValueError("the flash kernel needs a slot stride that is a whole number of tokens")
-        per = t.stride(0) // t.stride(2)
-        rows_per_slot.append(per)
-        total = (t.shape[0] - 1) * per + t.shape[2]
-        packed.append(t.as_strided((total, t.shape[1], dim), (t.stride(2), t.stride(1), 1), t.storage_offset()))
-    if rows_per_slot[0] != rows_per_slot[1]:
-        raise ValueError("the flash kernel needs K and V at the same slot stride")
-    ids = torch.arange(batch + 1, device=query.device, dtype=torch.int32)
-    used = (bounds[:, 2] - bounds[:, 1]).clamp_min(0).to(torch.int32)
-    first = bounds[:, 0] * rows_per_slot[0] + bounds[:, 1]
-    last = torch.full((1,), packed[0].shape[0], dtype=torch.int32, device=query.device)
-    cu_k = torch.cat([first, last]).to(torch.int32)
-    cu_q = ids * q_len
-    q = query.transpose(1, 2).reshape(batch * q_len, heads, dim)
-    out = torch.ops.aten._flash_attention_forward(
-        q, packed[0], packed[1], cu_q, cu_k, q_len, key.shape[2], 0.0, q_len > 1, False,
-        scale=scale, seqused_k=used,
+def _capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float) -> torch.Tensor:
+    """Attention with soft-capped logits, as Gemma 2's eager attention computes it: scaled
+    logits, ``softcap * tanh(logits / softcap)``, masked, a softmax in fp32, the values."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    logits = torch.matmul(q, k.transpose(2, 3)) * scale
+    logits = torch.tanh(logits / softcap) * softcap
+    if mask is not None:
+        logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def _flash_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+    max_k: int, causal: bool, scale: float, used: torch.Tensor, window: int = 0,
+) -> torch.Tensor:
+    """PyTorch's FlashAttention varlen forward: request ``b``'s queries are rows
+    ``cu_q[b]..cu_q[b+1]`` of ``q``, its keys ``used[b]`` rows of ``k``/``v`` from
+    ``cu_k[b]`` (with a sliding ``window``, each query sees its last ``window`` keys)."""
+    sliding = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
+    out: torch.Tensor = torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used, **sliding,
     )[0]
-    out = out.view(batch, q_len, heads, dim)
-    # A request with no tokens reads nothing: zeros, as the other kernels give.
-    return torch.where((used > 0).view(batch, 1, 1, 1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out
+
+
+def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
+           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """FlashAttention varlen over the slots seen as one packed sequence of token rows: token
+    ``t`` of slot ``s`` is element ``s * S + t * T`` (``S``, ``T``: the slot and token
+    strides), each request reading ``end - start`` rows (``seqused_k``) from its first (with a
+    window, from the first token its earliest query sees; no soft cap).
+
+    A row starts a whole number of tokens from the packed tensor's first element, and a slot
+    need not (a reservation is whole granules, which the bytes of a token need not divide):
+    the slots fall into classes by ``s * S mod T``, each class is one call over the rows
+    shifted by its offset in which the other classes' requests read nothing, and each request
+    takes its own class's output. The classes come from the strides alone (nothing is read
+    on the host); one class, one call, where the slot stride is whole tokens."""
+    if softcap:
+        raise ValueError("the flash kernel has no attention-logit soft cap")
+    batch, heads, q_len, dim = query.shape
+    slot_stride, token_stride = key.stride(0), key.stride(2)
+    if (value.stride(0), value.stride(2)) != (slot_stride, token_stride):
+        raise ValueError("the flash kernel needs K and V at the same slot and token strides")
+    begin = bounds[:, 1]
+    if window:
+        begin = torch.maximum(begin, bounds[:, 2] - (q_len + window - 1))
+    start = bounds[:, 0].to(torch.int64) * slot_stride + begin.to(torch.int64) * token_stride
+    used = (bounds[:, 2] - begin).clamp_min(0).to(torch.int32)
+    cu_q = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * q_len
+    q = query.transpose(1, 2).reshape(batch * q_len, heads, dim)
+    out = torch.zeros((batch, q_len, heads, dim), dtype=query.dtype, device=query.device)
+    for offset in sorted({s * slot_stride % token_stride for s in range(key.shape[0])}):
+        # Rows from `offset` elements on: every slot of this class starts on one of them.
+        rows = ((key.shape[0] - 1) * slot_stride - offset) // token_stride + key.shape[2]
+        packed = [
+            t.as_strided((rows, t.shape[1], dim), (token_stride, t.stride(1), 1), t.storage_offset() + offset)
+            for t in (key, value)
+        ]
+        mine = start % token_stride == offset
+        first = torch.where(mine, (start - offset) // token_stride, 0)
+        cu_k = torch.cat([first, first.new_full((1,), rows)]).to(torch.int32)
+        part = _flash_forward(
+            q, packed[0], packed[1], cu_q, cu_k, q_len, key.shape[2], q_len > 1, scale, torch.where(mine, used, 0),
+            window,
+        ).view(batch, q_len, heads, dim)
+        # A request of another class, or with no tokens, read nothing: zeros, as the other
+        # kernels give.
+        out = torch.where((mine & (used > 0)).view(batch, 1, 1, 1), part, out)
+    return out
 
 
 def _triton(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
+    window: int = 0, softcap: float = 0.0,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     from .triton_decode import decode_attention, tuned_config
 
-    index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    config = tuned_config(query, key, value, bounds, scale, _multiprocessors(index), new)
-    return decode_attention(query, key, value, bounds, scale, config, new)
+    if query.device.type == "cuda":
+        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        multiprocessors = _multiprocessors(index)
+    else:
+        multiprocessors = _INTERPRETER_MULTIPROCESSORS
+    config = tuned_config(query, key, value, bounds, scale, multiprocessors, new)
+    return decode_attention(query, key, value, bounds, scale, config, new, window=window, softcap=softcap)
 
 
 _KERNEL_FNS = {"sdpa": _sdpa, "flash": _flash, "triton": _triton}
 
 
 def _run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
-         scale: float, kernel: str) -> torch.Tensor:
-    name = kernel_for(query.device, query.shape[2], kernel, query.dtype)
+         scale: float, kernel: str, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap)
     if name == "triton" and query.shape[2] != 1:
         raise ValueError("the triton kernel takes one query token per request")
-    return _KERNEL_FNS[name](query, key, value, bounds.to(torch.int32), scale)
+    return _KERNEL_FNS[name](query, key, value, bounds.to(torch.int32), scale, window, softcap)
 
 
 @torch.library.custom_op("kvvm::write_attend", mutates_args=())
@@ -156,19 +241,23 @@ def _write_attend(
     layout: list[int],
     scale: float,
     kernel: str,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     # ``slab`` is written in place although the schema says it is not: the compiler must not
     # see a mutation of it, or it would copy it whole (functionalization, autotuning clones),
     # reading windows that are not mapped. Nothing else in a graph reads the slab: this op
     # is the only reader and writer of the K/V memory, and it orders its write before its read.
     key, value = slab_kv(slab, layout)
-    name = kernel_for(query.device, query.shape[2], kernel, query.dtype)
+    name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap)
     if name == "triton":
         # One kernel writes the token and attends (the token read from registers).
-        return _triton(query, key, value, bounds.to(torch.int32), scale, (key_new, value_new, slot, token))
+        return _triton(
+            query, key, value, bounds.to(torch.int32), scale, window, softcap, (key_new, value_new, slot, token)
+        )
     key[slot, :, token] = key_new.transpose(1, 2)
     value[slot, :, token] = value_new.transpose(1, 2)
-    return _run(query, key, value, bounds, scale, kernel)
+    return _run(query, key, value, bounds, scale, kernel, window, softcap)
 
 
 @_write_attend.register_fake
@@ -183,6 +272,8 @@ def _write_attend_fake(
     layout: list[int],
     scale: float,
     kernel: str,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     batch, heads, q_len, dim = query.shape
     return query.new_empty((batch, q_len, heads, dim))
@@ -209,6 +300,8 @@ def write_attend(
     layout: list[int],
     scale: float | None = None,
     kernel: str = "auto",
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Writes one layer's new K/V of a step into ``slab`` and attends, as one operator
     (``kvvm::write_attend``): what :class:`~kvvm.transformers.KvvmCache` runs per layer with
@@ -223,12 +316,13 @@ def write_attend(
         bounds: int32 ``[batch, 3]``: each request's slot and tokens ``[start, end)``
             after the write (see :func:`attend`).
         layout: the layer's place in the slab (see :func:`slab_kv`).
-        scale, kernel: as :func:`attend`.
+        scale, kernel, window, softcap: as :func:`attend`.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     return torch.ops.kvvm.write_attend(
-        query, key_new, value_new, slab, slot, token, bounds, layout, float(scale), kernel
+        query, key_new, value_new, slab, slot, token, bounds, layout, float(scale), kernel, int(window),
+        float(softcap),
     )
 
 
@@ -239,6 +333,8 @@ def attend(
     bounds: torch.Tensor,
     scale: float | None = None,
     kernel: str = "auto",
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of each request's last ``q`` tokens over its tokens ``[start, end)``.
 
@@ -251,10 +347,14 @@ def attend(
             ``end - q .. end - 1`` (causal among themselves); an empty range gives zeros.
         scale: the softmax scale (default ``head_dim ** -0.5``).
         kernel: one of :data:`KERNELS`.
+        window: a sliding window: the query at token ``p`` sees only the tokens ``p - window
+            < k <= p`` (no token before the earliest query's window is read); 0: all.
+        softcap: the attention-logit soft cap (``softcap * tanh(logits / softcap)`` before
+            the softmax); 0: none.
 
     Returns:
         ``[batch, q, heads, head_dim]`` (the layout transformers' attention functions return).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    return _run(query, key, value, bounds, float(scale), kernel)
+    return _run(query, key, value, bounds, float(scale), kernel, int(window), float(softcap))

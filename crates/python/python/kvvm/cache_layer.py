@@ -28,9 +28,9 @@ class _Cache(Protocol):
 
     def layer_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def step_mask(self, q: int, padding_mask: Any) -> Any: ...
+    def step_mask(self, q: int, padding_mask: Any, batch: Any = None) -> Any: ...
 
-    def layer_mask_sizes(self, q: int) -> tuple[int, int]: ...
+    def layer_mask_sizes(self, q: int, layer: int = 0) -> tuple[int, int]: ...
 
     def get_seq_length(self, layer_idx: int = 0) -> int: ...
 
@@ -54,23 +54,24 @@ class StepQuery:
     def __init__(self, cache: _Cache) -> None:
         self._cache = cache
 
-    def kvvm_mask(self, q: int, padding_mask: Any) -> Any:
-        return self._cache.step_mask(q, padding_mask)
+    def kvvm_mask(self, q: int, padding_mask: Any, batch: Any = None) -> Any:
+        return self._cache.step_mask(q, padding_mask, batch)
 
 
 class KvvmLayer(CacheLayerMixin):
     """One layer of a :class:`KvvmCache`. ``keys``/``values`` are what the last update
     returned; the full-length tensors cover the whole reservation of every slot."""
 
-    is_sliding = False
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, cache: _Cache, index: int) -> None:
+    def __init__(self, cache: _Cache, index: int, sliding: bool = False) -> None:
         super().__init__()
         # A proxy, not a reference: no cycle keeps the cache (and its manager's worker) alive.
         self._cache = cast(_Cache, weakref.proxy(cache))
         self._index = index
+        #: Whether the layer attends over a sliding window (its group forgets what lies behind).
+        self.is_sliding = sliding
         self.is_initialized = True
 
     @property
@@ -93,9 +94,10 @@ class KvvmLayer(CacheLayerMixin):
         return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """``(kv_length, kv_offset)``: the exact length with exact-length views; the
-        reservation's length with device lengths (only the kvvm mask reads it)."""
-        return self._cache.layer_mask_sizes(query_length)
+        """``(kv_length, kv_offset)``: the exact length with exact-length views (from the
+        first token a sliding layer keeps); the reservation's length with device lengths (only
+        the kvvm mask reads it)."""
+        return self._cache.layer_mask_sizes(query_length, self._index)
 
     def get_seq_length(self) -> int:
         """Live tokens (the longest request's, in a ragged batch)."""

@@ -47,7 +47,8 @@ class DecodeGraph:
         compile: compile the step with ``torch.compile`` first (fuses the pointwise
             kernels; the graph then replays the compiled kernels). Without it the eager
             step is captured.
-        warmup: eager runs before the capture (their tokens are taken back).
+        warmup: eager runs before the capture, each of the next token (taken back after
+            each: the warm-up needs the windows of one step only).
         slots: the requests the warm-up steps prepare (default: all); the others must be free
             or suspended. Any set of requests may decode afterwards (``slots`` of a call).
 
@@ -100,12 +101,14 @@ class DecodeGraph:
         side.wait_stream(torch.cuda.current_stream(state.device))
         with torch.cuda.stream(side):
             for _ in range(max(1, warmup)):
+                # Each warm-up step writes the same next token (its counts are taken back):
+                # the warm-up needs the windows of one step, no more.
                 self.cache.prepare(1, slots)
                 self._fn()
                 self.cache.step_done()
+                state.restore(snap)
         torch.cuda.current_stream(state.device).wait_stream(side)
         torch.cuda.synchronize(state.device)
-        state.restore(snap)
         graph = torch.cuda.CUDAGraph()
         with self.cache.capture(graph), torch.cuda.graph(graph):
             logits = self._fn()
@@ -119,9 +122,18 @@ class DecodeGraph:
         step neither writes nor reads them; their logits mean nothing)."""
         if self.graph is None:
             raise ReleasedError("the DecodeGraph was closed")
+        self.cache.prepare(1, slots)
+        return self.replay(tokens)
+
+    def replay(self, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """One step whose host side is prepared already (``cache.prepare(1, slots)``, which
+        is where a growth the budget cannot grant is refused): what :meth:`__call__` runs
+        after preparing. A replay nothing prepared writes nothing past the committed windows
+        (see :meth:`~kvvm.transformers.KvvmCache.check`)."""
+        if self.graph is None:
+            raise ReleasedError("the DecodeGraph was closed")
         if tokens is not None:
             self.tokens.copy_(tokens.view(self.batch, 1))
-        self.cache.prepare(1, slots)
         self.graph.replay()
         self.cache.step_done()
         return self.logits

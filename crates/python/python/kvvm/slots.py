@@ -13,7 +13,15 @@ preparation (a graph replayed by hand) can never reach an unmapped window: ``lim
 per slot, the tokens that lie in windows the host has committed and claimed; a write at or
 past its slot's limit goes to a scratch slot (the batch's last, one window committed) and is
 counted in ``overruns``, and attention reads no further than the limit. A free slot has a
-limit of 0: nothing of it is written or read.
+limit of 0: nothing of it is written or read. The lower bound is held too: a write at a
+negative token (a count on the device that went wrong) is refused the same way, and a read
+starts at token 0 at the earliest.
+
+A cache whose layers form several groups, each in memory of its own (full and sliding
+attention), gives the others as ``more``: every step commits the same tokens in each, and a
+slot's limit is what all of them have mapped. ``before_growth``, when set, is called with the
+slots a step prepares, before their tokens are committed (a sliding group gives back the
+windows behind its window there).
 
 Requires torch.
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,11 +59,20 @@ class SlotState:
         batch: the slots, the last one reserved as scratch.
         plan: the batch's layout plan.
         device: where the counts live (the K/V's device).
+        more: other batches of the same slots (other layer groups' memory) and their plans.
     """
 
-    def __init__(self, batch: SequenceBatch, plan: LayoutPlan, device: torch.device) -> None:
+    def __init__(
+        self, batch: SequenceBatch, plan: LayoutPlan, device: torch.device,
+        more: Sequence[tuple[SequenceBatch, LayoutPlan]] = (),
+    ) -> None:
         self.batch = batch
         self.plan = plan
+        self._groups = [(batch, plan), *more]
+        #: Called with the slots a step prepares, before their tokens are committed.
+        self.before_growth: Callable[[list[int]], None] | None = None
+        #: Between :meth:`snapshot` and :meth:`restore`.
+        self.rewinding = False
         self.slots = len(batch) - 1
         if self.slots < 1:
             raise InvalidArgumentError("a slot state needs a batch of at least one slot and the scratch")
@@ -81,7 +99,8 @@ class SlotState:
         self._index: tuple[int, StepIndex] | None = None
         self._steps = 0
         self._staging = _Staging(n, device)
-        self.batch.ensure(1, first=self.slots, count=1)
+        for b, _ in self._groups:
+            b.ensure(1, first=self.slots, count=1)
         for t in (self.lengths, self.starts, self.limits, self.overruns):
             if not _compiling():
                 torch._dynamo.mark_static_address(t)
@@ -129,15 +148,20 @@ class SlotState:
             raise InvalidArgumentError(
                 f"a step to {max(targets)} tokens is past the cache's {self.max_tokens} tokens"
             )
-        self.batch.ensure_each(targets, first=self.first)
+        if self.before_growth is not None and not self.rewinding:
+            self.before_growth(sorted(chosen))
+        for b, _ in self._groups:
+            b.ensure_each(targets, first=self.first)
         changed = False
         for i in chosen:
             self.host_lengths[i] += q
             if self.host_lengths[i] > self.host_limits[i]:
-                self.host_limits[i] = self.plan.mapped_tokens(self.host_lengths[i])
+                self.host_limits[i] = self.mapped_tokens(self.host_lengths[i])
                 changed = True
         if changed:
             self._upload_limits()
+        # A step advanced inside a compiled or captured forward left its index behind.
+        self._index = None
         self.prepared = True
 
     def suspend(self, slot: int) -> None:
@@ -152,10 +176,19 @@ class SlotState:
         self.suspended.discard(slot)
         self._upload_limits()
 
+    def mapped_tokens(self, n: int) -> int:
+        """The most tokens every group has mapped once ``n`` are committed in each."""
+        return min(plan.mapped_tokens(n) for _, plan in self._groups)
+
     def _upload_limits(self) -> None:
         self._upload(self.limits, [0 if i in self.suspended else n for i, n in enumerate(self.host_limits)])
 
     def _upload(self, dst: torch.Tensor, values: list[int]) -> None:
+        self._staging.upload(dst, values)
+
+    def upload(self, dst: torch.Tensor, values: list[int]) -> None:
+        """Copies ``values`` into the int32 device tensor ``dst`` (of their length), ordered on
+        the current stream before whatever is launched next, without waiting for the device."""
         self._staging.upload(dst, values)
 
     def set_lengths(self, lengths: dict[int, int], starts: dict[int, int] | None = None) -> None:
@@ -167,7 +200,7 @@ class SlotState:
             if not 0 <= n <= self.max_tokens:
                 raise InvalidArgumentError(f"slot {i}: {n} tokens is not inside 0..{self.max_tokens}")
             self.host_lengths[i] = n
-            self.host_limits[i] = self.plan.mapped_tokens(n) if n else 0
+            self.host_limits[i] = self.mapped_tokens(n) if n else 0
         for i, s in (starts or {}).items():
             self.host_starts[i] = s
         self._upload(self.lengths, self.host_lengths)
@@ -188,7 +221,10 @@ class SlotState:
             )
 
     def snapshot(self) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
-        """The counts, to be put back by :meth:`restore` (around warm-up steps)."""
+        """The counts, to be put back by :meth:`restore` (around warm-up steps). Until then
+        :attr:`before_growth` is not called: the counts will go back, and what a step after
+        the restore reads must still be there."""
+        self.rewinding = True
         return self.lengths.clone(), list(self.host_lengths), list(self.host_limits), list(self.host_starts)
 
     def restore(self, snap: tuple[torch.Tensor, list[int], list[int], list[int]]) -> None:
@@ -201,6 +237,7 @@ class SlotState:
         self._upload(self.starts, self.host_starts)
         self.overruns.zero_()
         self._index = None
+        self.rewinding = False
 
     # ---- the device's side of a step ----
 
@@ -210,12 +247,20 @@ class SlotState:
         once they are written (``[count, 3]`` int32, no further than its limit), and the
         counts moved past the accepted tokens (refused writes of active slots counted as
         overruns)."""
+        index, bounds = self.bounds(q)
+        self.advance(index)
+        return index, bounds
+
+    def bounds(self, q: int) -> tuple[StepIndex, torch.Tensor]:
+        """What :meth:`step` computes, without moving the counts (the same every time until
+        :meth:`advance`): a forward that asks twice (a mask per attention type) gets the same
+        step, and its last layer advances."""
         lengths, limits = self._view(self.lengths), self._view(self.limits)
         index = self.index(q)
-        end = torch.minimum(lengths + q, limits)
-        start = torch.minimum(self._view(self.starts), end)
+        # Never outside [0, limit): a count on the device is not trusted to be non-negative.
+        end = torch.minimum(lengths + q, limits).clamp_min(0)
+        start = torch.minimum(self._view(self.starts), end).clamp_min(0)
         bounds = torch.stack([self._view(self._ids).to(torch.int32), start, end], dim=1)
-        self.advance(index)
         return index, bounds
 
     def index(self, q: int) -> StepIndex:
@@ -225,7 +270,9 @@ class SlotState:
             return self._index[1]
         lengths, limits = self._view(self.lengths), self._view(self.limits)
         tokens = lengths[:, None].to(torch.int64) + torch.arange(q, device=self.device)
-        accepted = tokens < limits[:, None]
+        # Inside the slot's mapped tokens only: a negative count (a corrupted or hand-set
+        # device tensor) would otherwise index before the slot, or before the reservation.
+        accepted = (tokens >= 0) & (tokens < limits[:, None])
         ids = self._view(self._ids)[:, None]
         index = StepIndex(
             slot=torch.where(accepted, ids, self.slots),

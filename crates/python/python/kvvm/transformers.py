@@ -23,8 +23,10 @@ budget cannot grant is raised then, as :class:`~kvvm.errors.BackpressureError`, 
 anything is launched); on the device a write past what the host prepared goes to a scratch
 slot instead of unmapped memory.
 
-:class:`KvvmPrefix` prefills a shared system prompt once into shared memory;
-:meth:`KvvmCache.from_prefix` attaches it read-only to N new requests (billed once).
+:class:`kvvm.prefix.KvvmPrefix` prefills a shared system prompt once into shared memory;
+:meth:`KvvmCache.from_prefix` gives it to N new requests (billed once: its whole windows
+mapped read-only, the few bytes past them copied into each request's own memory; on
+sliding-window layers the last tokens copied).
 
 Requires torch and transformers (5.x); the rest of kvvm does not.
 """
@@ -37,7 +39,7 @@ import gc
 import inspect
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -48,20 +50,22 @@ from . import (
     Manager,
     ReleasedError,
     SequenceBatch,
-    SharedPrefix,
     geometry_from_config,
 )
-from .attend import slab_kv
+from .architectures import check_servable
 from .attention import ATTENTION, KvvmMask, decoder_config, register_attention, use_kvvm_attention
+from .cache_groups import CacheGroup, layer_groups
 from .cache_layer import KvvmLayer, StepQuery, host_work
 from .errors import GraphsAliveError, InvalidArgumentError, ViewsAliveError
 from .slots import SlotState
+
+if TYPE_CHECKING:
+    from .prefix import KvvmPrefix
 
 __all__ = [
     "ATTENTION",
     "KvvmCache",
     "KvvmLayer",
-    "KvvmPrefix",
     "cache_argument",
     "register_attention",
     "use_kvvm_attention",
@@ -92,17 +96,6 @@ def cache_argument(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _check_full_attention(config: Any) -> None:
-    types = getattr(config, "layer_types", None)
-    if types is not None and any(t != "full_attention" for t in types):
-        raise InvalidArgumentError(
-            "KvvmCache supports full-attention decoders only (layer types: "
-            f"{sorted(set(types))})"
-        )
-    if getattr(config, "sliding_window", None) is not None:
-        raise InvalidArgumentError("KvvmCache does not support sliding-window attention")
-
-
 def _unmap(unmap: Callable[[], int]) -> int:
     """``unmap()`` (a release or shrink of the cache's memory), once more after a collection
     of unreachable Python objects when it is refused because views are alive: a view kept
@@ -120,8 +113,8 @@ class KvvmCache(Cache):
     """A transformers cache over a kvvm :class:`~kvvm.SequenceBatch`.
 
     Args:
-        config: the model (its dtype is then the cache's) or its config (full-attention
-            decoders: Llama, Mistral, Qwen2, ...).
+        config: the model (its dtype is then the cache's) or its config (decoders of full
+            and sliding-window attention layers: Llama, Mistral, Qwen2, Gemma 2 and 3, ...).
         batch_size: requests (slots) in the batch.
         max_cache_len: the most tokens a request may reach (prompt + generated); reserved as
             address space only.
@@ -139,8 +132,16 @@ class KvvmCache(Cache):
         headroom_tokens: how far ahead of each request's live tokens the pre-committer keeps
             windows mapped (for a manager made here).
         batch: a batch to bind to, of ``batch_size + 1`` slots (the last is the scratch
-            slot); made here when omitted.
+            slot), or a list of one per layer group (:mod:`kvvm.cache_groups`, in their order);
+            made here when omitted.
         start_tokens: live tokens already in every slot of ``batch``.
+
+    The layers are laid out in groups (:mod:`kvvm.cache_groups`): the full-attention layers
+    in one batch, a model's sliding-window layers in another whose windows behind the window
+    are given back as requests grow (each request holds about ``window`` tokens there,
+    whatever its length). :attr:`groups` lists them; :attr:`plan` and :attr:`batch` are the
+    first group's (the only one of a full-attention model). A shared prefix
+    (:class:`kvvm.prefix.KvvmPrefix`) is laid out in the same groups (:meth:`from_prefix`).
 
     Use it as ``model.generate(..., past_key_values=KvvmCache(model, B, L))`` (transformers
     5.24 and later name the argument ``cache=``), in a hand-written decode loop, or captured
@@ -163,9 +164,10 @@ class KvvmCache(Cache):
         dtype: Any = None,
         precommit: bool = True,
         headroom_tokens: int = 4,
-        batch: SequenceBatch | None = None,
+        batch: SequenceBatch | list[SequenceBatch] | None = None,
         start_tokens: int = 0,
     ) -> None:
+        check_servable(config)
         model_dtype = getattr(config, "dtype", None)
         if hasattr(config, "config") and isinstance(model_dtype, torch.dtype):
             # A model: the cache holds what its layers produce.
@@ -173,9 +175,16 @@ class KvvmCache(Cache):
             if dtype is None:
                 dtype = model_dtype
         cfg = decoder_config(config)
-        _check_full_attention(cfg)
         if batch_size <= 0 or max_cache_len <= 0:
             raise InvalidArgumentError("batch_size and max_cache_len must be positive")
+        specs = layer_groups(cfg, max_cache_len)
+        batches: list[SequenceBatch | None] = (
+            list(batch) if isinstance(batch, list) else [None] * len(specs) if batch is None else [batch]
+        )
+        if len(batches) != len(specs):
+            raise InvalidArgumentError(
+                f"{len(batches)} batch(es) to bind to for the model's {len(specs)} layer group(s)"
+            )
         self._owns_manager = manager is None
         if manager is None:
             manager = Manager(
@@ -194,16 +203,23 @@ class KvvmCache(Cache):
         geometry = geometry_from_config(cfg, max_cache_len, dtype)
         self._config = cfg
         self.manager = manager
+        #: The whole model's geometry (every layer).
         self.geometry: KvGeometry = geometry
-        self.plan = LayoutPlan(geometry, layout, manager.granule)
         self._max_len = max_cache_len
-        self.batch = batch or SequenceBatch(
-            manager, self.plan, batch_size + 1, max_cache_len, precommit=precommit
-        )
-        if len(self.batch) != batch_size + 1:
-            raise InvalidArgumentError(
-                f"the batch has {len(self.batch)} slots, not {batch_size} and the scratch slot"
-            )
+        for b in batches:
+            if b is not None and len(b) != batch_size + 1:
+                raise InvalidArgumentError(
+                    f"the batch has {len(b)} slots, not {batch_size} and the scratch slot"
+                )
+        #: The layer groups, each in memory of its own (:mod:`kvvm.cache_groups`).
+        self.groups: list[CacheGroup] = [
+            CacheGroup(spec, geometry, manager, layout, batch_size + 1, precommit, b)
+            for spec, b in zip(specs, batches, strict=True)
+        ]
+        #: Each layer's group and its index in it.
+        self._where = sorted((layer, g, j) for g, grp in enumerate(self.groups) for j, layer in enumerate(grp.spec.layers))
+        self.plan: LayoutPlan = self.groups[0].plan
+        self.batch: SequenceBatch = self.groups[0].batch
         self._torch_dtype = _torch_dtype(geometry.dtype)
         self._released = False
         self._slab: torch.Tensor | None = None
@@ -211,10 +227,14 @@ class KvvmCache(Cache):
         self._capturing: Any = None
         self._bind()
         assert self._slab is not None
-        self.state: SlotState = SlotState(self.batch, self.plan, self._slab.device)
+        self.state: SlotState = SlotState(
+            self.batch, self.plan, self._slab.device, more=[(g.batch, g.plan) for g in self.groups[1:]]
+        )
+        if any(g.spec.sliding for g in self.groups):
+            self.state.before_growth = self._forget_behind
         if start_tokens:
             self.state.set_lengths({i: start_tokens for i in range(batch_size)})
-        layers: list[Any] = [KvvmLayer(self, i) for i in range(geometry.layers)]
+        layers: list[Any] = [KvvmLayer(self, i, self.groups[g].spec.sliding) for i, g, _ in self._where]
         super().__init__(layers=layers)
 
     # ---- construction from a shared prefix ----
@@ -223,25 +243,18 @@ class KvvmCache(Cache):
     def from_prefix(
         cls, prefix: KvvmPrefix, batch_size: int, max_cache_len: int, **kwargs: Any
     ) -> KvvmCache:
-        """A cache of ``batch_size`` new requests that all start with ``prefix``: its shared
-        windows are mapped read-only into every slot (billed once, no copy), the few tail
-        tokens outside whole windows are copied from the owner, and the cache starts at
-        ``prefix.tokens`` live tokens. Prefill each request's own suffix next."""
-        if max_cache_len < prefix.tokens:
-            raise InvalidArgumentError("max_cache_len is shorter than the prefix")
+        """A cache of ``batch_size`` new requests that all start with ``prefix``
+        (:class:`kvvm.prefix.KvvmPrefix`), at ``prefix.tokens`` live tokens. On full-attention
+        layers its whole windows are mapped read-only into every slot (billed once) and its
+        bytes past them copied into each slot's own windows (a request never writes into
+        read-only memory, whatever the model's bytes per token); on sliding-window layers each
+        slot takes, by copy, only the last tokens the next step reads. Prefill each request's
+        own suffix next."""
         for fixed in ("dtype", "layout", "manager", "batch", "start_tokens"):
             if fixed in kwargs:
                 raise InvalidArgumentError(f"{fixed} comes from the prefix; do not pass it")
-        batch = SequenceBatch(
-            prefix.manager,
-            prefix.plan,
-            batch_size + 1,
-            max_cache_len,
-            precommit=kwargs.pop("precommit", True) and prefix.manager.precommit,
-        )
-        for i in range(batch_size):
-            prefix.shared.attach(batch[i])
-        batch.ensure(prefix.tokens, first=0, count=batch_size)
+        precommit = kwargs.pop("precommit", True)
+        batches, firsts = prefix.batches_for(batch_size, max_cache_len, precommit)
         cache = cls(
             prefix.config,
             batch_size,
@@ -249,60 +262,57 @@ class KvvmCache(Cache):
             manager=prefix.manager,
             layout=prefix.plan.layout,
             dtype=prefix.plan.geometry.dtype,
-            batch=batch,
+            batch=batches,
             start_tokens=prefix.tokens,
             **kwargs,
         )
-        tail = prefix.shared.shared_tokens
-        if tail < prefix.tokens:
-            if prefix.cache is None:
-                raise InvalidArgumentError("the prefix's tail tokens have no owner to copy them from")
-            span = slice(tail, prefix.tokens)
-            for layer in range(cache.geometry.layers):
-                for mine, owner in zip(cache._kv(layer), prefix.cache._kv(layer), strict=True):
-                    # [1, H, t, D] broadcast into every request's slot (not the scratch).
-                    mine[:batch_size, :, span].copy_(owner[:1, :, span])
+        for group, first in zip(cache.groups, firsts, strict=True):
+            group.start_floors(first, cache.state.upload)
         return cache
 
     # ---- binding ----
 
     def _bind(self) -> None:
-        """The batch as one dense tensor (every slot and the scratch), and where each layer's
-        K and V lie in it (:meth:`_kv`)."""
+        """Each group's batch as one dense tensor (every slot and the scratch), and where each
+        layer's K and V lie in its group's (:meth:`_kv`)."""
         if self._released:
             raise ReleasedError("the KvvmCache was released")
-        slab = torch.from_dlpack(self.batch.slab())
-        if slab.dtype != self._torch_dtype:
-            raise InvalidArgumentError(f"slab dtype {slab.dtype}, expected {self._torch_dtype}")
-        if not torch.compiler.is_compiling():
-            torch._dynamo.mark_static_address(slab)
-        geo = self.geometry
-        e = geo.dtype_bytes
-        strides = self.plan.strides()
-        self._head_stride = strides["head"] // e
-        self._token_stride = strides["token"] // e
-        self._offsets = [
-            (layer * strides["layer"] // e, (layer * strides["layer"] + strides["kv"]) // e)
-            for layer in range(geo.layers)
-        ]
-        self._layouts = [
-            [k_off, v_off, self._head_stride, self._token_stride, geo.kv_heads, self._max_len, geo.head_dim]
-            for k_off, v_off in self._offsets
-        ]
-        self._slab = slab
+        slabs = [g.bind(self._torch_dtype) for g in self.groups]
+        self._layouts = [self.groups[g].layouts[j] for _, g, j in self._where]
+        several = len(self.groups) > 1 or self.groups[0].spec.sliding
+        self._layer_slabs = [slabs[g] for _, g, _ in self._where] if several else None
+        self._slab = slabs[0]
 
     def _unbind(self) -> None:
         self._slab = None
+        self._layer_slabs = None
+        for g in self.groups:
+            g.slab = None
         for layer in self.layers:
             if isinstance(layer, KvvmLayer):
                 layer.keys = layer.values = None
 
     def _kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V over every slot: ``[slots + 1, kv_heads, max, head_dim]``
-        strided views of the slab."""
+        strided views of its group's memory."""
         if self._slab is None:
             raise ReleasedError("the KvvmCache was released")
-        return slab_kv(self._slab, self._layouts[layer])
+        _, g, j = self._where[layer]
+        return self.groups[g].kv(j)
+
+    def _forget_behind(self, slots: list[int]) -> None:
+        """A step of ``slots`` is being prepared: each sliding group gives back the windows
+        behind each slot's window (see :meth:`CacheGroup.forget_behind`)."""
+        lengths = {i: self.state.host_lengths[i] for i in slots}
+        for g in self.groups:
+            if not g.spec.sliding:
+                continue
+            try:
+                g.forget_behind(lengths, self.state.upload, self.unbound, _unmap)
+            except ViewsAliveError:
+                # A tensor of the cache's memory held elsewhere: the windows stay mapped (safe:
+                # nothing reads them), and go with the next window the slot moves past.
+                pass
 
     # ---- one step ----
 
@@ -329,14 +339,9 @@ class KvvmCache(Cache):
                 f"make the cache with dtype={keys.dtype} (or pass the model itself, "
                 "KvvmCache(model, ...), to take its dtype)"
             )
-        if keys.shape[0] != st.count:
-            raise InvalidArgumentError(
-                f"a batch of {keys.shape[0]} sequences for {st.count} KvvmCache slot(s): make the "
-                "cache with one slot per sequence (requests x num_return_sequences). Beam search "
-                "(num_beams > 1) is not supported: KvvmCache does not reorder its slots"
-            )
+        self._check_batch(keys.shape[0])
         q = keys.shape[2]
-        last = layer == self.geometry.layers - 1
+        last = layer == len(self._where) - 1
         if host_work():
             self._check_step(layer, q)
         elif layer == 0 and not torch.compiler.is_compiling() and self._capturing is None:
@@ -346,9 +351,12 @@ class KvvmCache(Cache):
                 "inside `with cache.capture(graph):` (or use kvvm.graph.DecodeGraph)"
             )
         if self.device_lengths:
-            # Written by the kvvm attention, with the step the kvvm mask computed.
-            if last and host_work():
-                st.prepared = False
+            # Written by the kvvm attention, with the step the kvvm mask computed (once or,
+            # a mask per attention type, twice: the last layer moves the counts on).
+            if last:
+                st.advance(st.index(q))
+                if host_work():
+                    st.prepared = False
             return keys, values
         index = st.index(q)
         k_all, v_all = self._kv(layer)
@@ -359,7 +367,30 @@ class KvvmCache(Cache):
             st.prepared = False
         k_all, v_all = k_all.narrow(0, st.first, st.count), v_all.narrow(0, st.first, st.count)
         length = self._uniform_length()
-        return k_all.narrow(2, 0, length), v_all.narrow(2, 0, length)
+        lo = self._exact_floor(self._where[layer][1])
+        return k_all.narrow(2, lo, length - lo), v_all.narrow(2, lo, length - lo)
+
+    def _exact_floor(self, group: int, q: int = 0) -> int:
+        """Where exact-length views of ``group`` start: the first token every selected request
+        keeps there once the step is prepared (0 for full attention). ``q``: the step's
+        tokens, when it is not prepared yet (what its preparation will forget is known)."""
+        g = self.groups[group]
+        if not g.spec.sliding:
+            return 0
+        st = self.state
+        if q:
+            return max(g.next_floor(i, st.host_lengths[i]) for i in st.selected)
+        return max(g.host_floors[i] for i in st.selected)
+
+    def _check_batch(self, batch: int) -> None:
+        """A forward of ``batch`` sequences over the selected slots: one each."""
+        count = self.state.count
+        if batch != count:
+            raise InvalidArgumentError(
+                f"a batch of {batch} sequences for {count} KvvmCache slot(s): make the "
+                "cache with one slot per sequence (requests x num_return_sequences). Beam search "
+                "(num_beams > 1) is not supported: KvvmCache does not reorder its slots"
+            )
 
     def _check_step(self, layer: int, q: int) -> None:
         """Eagerly, at the first layer: the step is prepared (with exact-length views the
@@ -385,10 +416,11 @@ class KvvmCache(Cache):
             )
         return lengths.pop()
 
-    def step_mask(self, q: int, padding_mask: Any) -> KvvmMask:
-        """The kvvm mask of the next forward: the step's device work (where each request's
-        new tokens go, each request's tokens after them, the counts moved on), after its host
-        work when Python runs eagerly (the step's tokens committed and claimed; from a 2-D
+    def step_mask(self, q: int, padding_mask: Any, batch: Any = None) -> KvvmMask:
+        """The kvvm mask of the next forward of ``batch`` sequences: the step's device work
+        (where each request's new tokens go, each request's tokens after them, the counts
+        moved on), after its host work when Python runs eagerly (the forward's batch checked
+        against the selected slots, then the step's tokens committed and claimed; from a 2-D
         padding mask, a new batch's left padding recorded). A mask already made for this
         forward (``generate`` makes it before the forward) is handed back as it is."""
         if isinstance(padding_mask, KvvmMask):
@@ -397,13 +429,22 @@ class KvvmCache(Cache):
         if host_work():
             if self._released:
                 raise ReleasedError("the KvvmCache was released")
+            if isinstance(batch, int):
+                self._check_batch(batch)
             if isinstance(padding_mask, torch.Tensor) and padding_mask.dim() == 2:
+                self._check_batch(int(padding_mask.shape[0]))
                 self._prepare_from_padding(q, padding_mask)
             elif not st.prepared:
                 st.prepare(q)
-        index, bounds = st.step(q)
+        index, bounds = st.bounds(q)
         assert self._slab is not None
-        return KvvmMask(bounds=bounds, slot=index.slot, token=index.token, slab=self._slab, layouts=self._layouts)
+        mask = KvvmMask(bounds=bounds, slot=index.slot, token=index.token, slab=self._slab, layouts=self._layouts)
+        if self._layer_slabs is not None:
+            group_bounds = [g.bounds(bounds, st.first, st.count) for g in self.groups]
+            mask.layer_slabs = self._layer_slabs
+            mask.layer_bounds = [group_bounds[g] for _, g, _ in self._where]
+            mask.windows = [self.groups[g].window for _, g, _ in self._where]
+        return mask
 
     def _prepare_from_padding(self, q: int, mask: torch.Tensor) -> None:
         """``generate``'s step: ``mask`` covers every request's tokens so far and the step's.
@@ -436,12 +477,15 @@ class KvvmCache(Cache):
         sel = st.selected
         st.set_lengths({i: 0 for i in sel}, {i: int(s) for i, s in zip(sel, starts.tolist(), strict=True)})
 
-    def layer_mask_sizes(self, q: int) -> tuple[int, int]:
-        """``(kv_length, kv_offset)`` of a step of ``q`` tokens (a layer's ``get_mask_sizes``):
-        the reservation's length with device lengths, else the exact one."""
+    def layer_mask_sizes(self, q: int, layer: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of a step of ``q`` tokens at ``layer`` (its
+        ``get_mask_sizes``): the reservation's length with device lengths, else the exact
+        one, from the first token the layer's group keeps."""
         if self.device_lengths:
             return self._max_len, 0
-        return max(self.state.host_lengths[i] for i in self.state.selected) + q, 0
+        end = max(self.state.host_lengths[i] for i in self.state.selected) + q
+        lo = self._exact_floor(self._where[layer][1], q)
+        return end - lo, lo
 
     def get_query_offset(self, layer_idx: int = 0) -> Any:
         """With device lengths, the hook of the kvvm mask (not a number: the offset differs
@@ -522,7 +566,40 @@ class KvvmCache(Cache):
         st.set_lengths({slot: 0}, {slot: 0})
         st.suspended.discard(slot)
         with self.unbound():
-            return _unmap(self.batch[slot].release)
+            freed = sum(_unmap(g.batch[slot].release) for g in self.groups)
+        for g in self.groups:
+            g.reset_floor(slot, st.upload)
+        return freed
+
+    def ensure_slot(self, slot: int, tokens: int) -> int:
+        """Commits what a request of ``tokens`` tokens in ``slot`` holds (its admission): all
+        of them in the full-attention groups, the first ``window`` at most in a sliding one
+        (the rest comes step by step as its oldest windows go). Returns the bytes committed;
+        raises what :meth:`kvvm.Sequence.ensure` raises."""
+        if not 0 <= slot < self.batch_size:
+            raise InvalidArgumentError(f"slot {slot} is not one of the {self.batch_size} slots")
+        return sum(
+            g.batch[slot].ensure(min(tokens, g.window) if g.spec.sliding else tokens) for g in self.groups
+        )
+
+    def bytes_for_tokens(self, tokens: int) -> int:
+        """Bytes a request of ``tokens`` tokens commits at most at admission, in every layer
+        group (see :meth:`ensure_slot`)."""
+        return sum(
+            g.plan.committed_bytes_for_tokens(min(tokens, g.window) if g.spec.sliding else tokens)
+            for g in self.groups
+        )
+
+    def reserve_tokens(self, tokens: dict[int, int]) -> None:
+        """Commits, in every layer group, the windows each slot of ``tokens`` needs to hold
+        ``tokens[slot]`` tokens (the next step's), after a sliding group gave back the windows
+        behind each slot's window: the step's own preparation then needs no grant. Raises what
+        :meth:`kvvm.SequenceBatch.ensure_each` raises (BackpressureError: nothing launched)."""
+        if self.state.before_growth is not None:
+            self.state.before_growth(sorted(tokens))
+        targets = [tokens.get(i, 0) for i in range(self.batch_size)]
+        for g in self.groups:
+            g.batch.ensure_each(targets, first=0)
 
     def step_done(self) -> None:
         """Marks the prepared step as run (after a replay), so that an eager forward next
@@ -540,32 +617,55 @@ class KvvmCache(Cache):
 
     def crop_tokens(self, tokens: int) -> None:
         """Keeps ``tokens`` live tokens per request (negative: drops that many), on the host
-        and the device; the memory stays committed."""
+        and the device; the memory stays committed. A sliding layer group cannot go back
+        before what it forgot: InvalidArgumentError then, with nothing cropped."""
         st = self.state
         keep = {}
         for i in range(st.slots):
             n = st.host_lengths[i]
             keep[i] = max(0, min(n, tokens if tokens >= 0 else n + tokens))
+        for g in self.groups:
+            for i, n in keep.items():
+                if n and n != st.host_lengths[i] and g.spec.kept_from(n) < g.host_floors[i]:
+                    raise InvalidArgumentError(
+                        f"cannot crop request {i} to {n} tokens: its sliding-window layers gave back "
+                        f"the tokens before {g.host_floors[i]}"
+                    )
         st.set_lengths(keep)
+        self._restart([i for i, n in keep.items() if n == 0])
 
     def reset_counts(self) -> None:
-        """Every request back to no live tokens (the memory stays committed)."""
+        """Every request back to no live tokens (the memory stays committed, but for the
+        windows a sliding layer group gave back: its requests start again from token 0)."""
         self.state.set_lengths({i: 0 for i in range(self.state.slots)}, {i: 0 for i in range(self.state.slots)})
+        self._restart(list(range(self.state.slots)))
+
+    def _restart(self, slots: list[int]) -> None:
+        """Slots back at token 0 whose sliding groups forgot tokens start those groups again
+        (released: a forgotten token is never written again)."""
+        for g in self.groups:
+            gone = [i for i in slots if g.host_floors[i]]
+            if gone:
+                with self.unbound():
+                    for i in gone:
+                        _unmap(g.batch[i].release)
+                for i in gone:
+                    g.reset_floor(i, self.state.upload)
 
     @property
     def committed_bytes(self) -> int:
         """Bytes mapped in the requests' slots (shared prefix windows counted per slot)."""
-        return sum(self.batch[i].committed_bytes for i in range(self.batch_size))
+        return sum(g.batch[i].committed_bytes for g in self.groups for i in range(self.batch_size))
 
     @property
     def owned_bytes(self) -> int:
         """Physical bytes the requests hold on their own (a shared prefix excluded)."""
-        return sum(self.batch[i].owned_bytes for i in range(self.batch_size))
+        return sum(g.batch[i].owned_bytes for g in self.groups for i in range(self.batch_size))
 
     @property
     def held_bytes(self) -> int:
         """Physical bytes the cache holds on its own, the scratch slot included."""
-        return self.batch.owned_bytes
+        return sum(g.batch.owned_bytes for g in self.groups)
 
     def shrink(self) -> int:
         """Gives back the windows past each request's live tokens (committed ahead by the
@@ -576,7 +676,9 @@ class KvvmCache(Cache):
         st.set_lengths(lengths)
         self._unbind()
         try:
-            return sum(_unmap(functools.partial(self.batch[i].shrink, n)) for i, n in lengths.items())
+            return sum(
+                _unmap(functools.partial(g.batch[i].shrink, n)) for g in self.groups for i, n in lengths.items()
+            )
         finally:
             self._bind()
 
@@ -596,7 +698,7 @@ class KvvmCache(Cache):
             )
         self._unbind()
         try:
-            freed = _unmap(self.batch.release)
+            freed = sum(_unmap(g.batch.release) for g in self.groups)
         except Exception:
             self._bind()
             raise
@@ -616,104 +718,3 @@ class KvvmCache(Cache):
         for layer in self.layers:
             if isinstance(layer, KvvmLayer):
                 yield layer.keys, layer.values
-
-
-def _prefix_plan(model: Any, manager: Manager, max_cache_len: int, layout: str, dtype: Any) -> tuple[Any, LayoutPlan]:
-    """The decoder config and the plan a prefix of ``model`` is laid out under (the model's
-    dtype unless ``dtype`` is given): one for the process that builds it and those that open it."""
-    cfg = decoder_config(model.config)
-    if dtype is None and isinstance(getattr(model, "dtype", None), torch.dtype):
-        dtype = model.dtype
-    return cfg, LayoutPlan(geometry_from_config(cfg, max_cache_len, dtype), layout, manager.granule)
-
-
-class KvvmPrefix:
-    """A prompt prefix prefilled once into shared kvvm memory, to be attached read-only to
-    new requests with :meth:`KvvmCache.from_prefix`.
-
-    Build it with :meth:`build`; keep it alive while caches made from it live (it holds
-    the owner's sequence).
-    """
-
-    def __init__(
-        self, config: Any, manager: Manager, plan: LayoutPlan, cache: KvvmCache | None, shared: SharedPrefix
-    ) -> None:
-        self.config = config
-        self.manager = manager
-        self.plan = plan
-        self.cache = cache
-        self.shared = shared
-        #: The prefill's logits at the prefix's last token (``[1, vocab]``), set by :meth:`build`.
-        self.last_logits: torch.Tensor | None = None
-
-    def publish(self, key: str) -> int:
-        """Publishes the prefix to the node's memory broker under ``key`` (its manager leases
-        from one: ``Manager(broker=...)``): other processes of the tenant :meth:`open` it and
-        map the same memory read-only, billed once to the tenant. Returns the bytes
-        published. Let go of it with ``manager.close_prefix(key)``."""
-        return self.shared.publish(self.manager, key)
-
-    @classmethod
-    def open(
-        cls,
-        model: Any,
-        key: str,
-        *,
-        manager: Manager,
-        max_cache_len: int,
-        layout: str = "token-major",
-        dtype: Any = None,
-    ) -> KvvmPrefix:
-        """The prefix another process published under ``key`` (:meth:`publish`), mapped
-        read-only through ``manager`` (leasing from the same broker, as the same tenant).
-        ``max_cache_len``, ``layout`` and ``dtype`` must be the publisher's (its plan; else
-        ``InvalidArgumentError``). Its :attr:`tokens` are those in whole shared windows (the
-        publisher's partial tail is not shared): prefill the rest of each prompt from there.
-        Not billed here; :attr:`last_logits` is None."""
-        cfg, plan = _prefix_plan(model, manager, max_cache_len, layout, dtype)
-        return cls(cfg, manager, plan, None, SharedPrefix.open(manager, key, plan))
-
-    @property
-    def tokens(self) -> int:
-        """The prefix's length in tokens."""
-        return self.shared.tokens
-
-    @property
-    def bytes(self) -> int:
-        """Physical bytes of the shared windows (billed once)."""
-        return self.shared.bytes
-
-    @classmethod
-    @torch.no_grad()
-    def build(
-        cls,
-        model: Any,
-        input_ids: torch.Tensor,
-        *,
-        manager: Manager,
-        max_cache_len: int,
-        layout: str = "token-major",
-        dtype: Any = None,
-    ) -> KvvmPrefix:
-        """Prefills ``input_ids`` (``[1, P]``) with ``model`` into a new shared prefix: the
-        owner sequence commits the prefix's windows as shared memory, the model writes its
-        K/V there, then it is sealed read-only. Returns the prefix and the owner's logits
-        through :attr:`last_logits`."""
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise InvalidArgumentError("input_ids must be [1, prefix_tokens]")
-        prompt = int(input_ids.shape[1])
-        cfg, plan = _prefix_plan(model, manager, max_cache_len, layout, dtype)
-        geometry = plan.geometry
-        batch = SequenceBatch(manager, plan, 2, max_cache_len)
-        shared = batch[0].own_prefix(prompt)
-        cache = KvvmCache(
-            cfg, 1, max_cache_len, manager=manager, layout=layout, dtype=geometry.dtype, batch=batch
-        )
-        pos = torch.arange(prompt, device=input_ids.device)[None]
-        out = model(input_ids=input_ids, use_cache=True, position_ids=pos, **{cache_argument(model): cache})
-        if input_ids.device.type == "cuda":
-            torch.cuda.synchronize(input_ids.device)
-        shared.seal()
-        prefix = cls(cfg, manager, plan, cache, shared)
-        prefix.last_logits = out.logits[:, -1]
-        return prefix

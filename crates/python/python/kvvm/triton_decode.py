@@ -12,6 +12,10 @@ The work of one (request, KV head) is split over ``splits`` programs along the t
 decoding), so that a batch of a few long requests still fills the GPU; a second kernel merges
 the partial results by their log-sum-exp.
 
+A sliding window (``window``: the query at token ``end - 1`` sees the tokens from ``end -
+window`` on) moves each request's first token up before anything is read, and Gemma 2's
+attention-logit soft cap (``softcap * tanh(logits / softcap)``) is applied to every logit.
+
 Requires triton (shipped with PyTorch's CUDA wheels). Runs on CPU tensors under
 ``TRITON_INTERPRET=1`` (how the tests check it without a GPU).
 """
@@ -25,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["Config", "choose_splits", "decode_attention", "tuned_config"]
+__all__ = ["AUTOTUNE", "Config", "choose_splits", "decode_attention", "tuned_config"]
 
 #: Tokens a program reads per iteration, by default.
 BLOCK_N = 64
@@ -56,6 +60,17 @@ _TUNED: dict[tuple[object, ...], Config] = {}
 #: Whether kernels run in Triton's interpreter (on CPU tensors).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+#: Whether :func:`tuned_config` measures configurations. Off (``KVVM_TRITON_AUTOTUNE=0``, or
+#: this set to False), it returns :func:`choose_splits`' configuration untimed, as in the
+#: interpreter: one compile per shape instead of one per candidate, a shorter first step.
+AUTOTUNE = os.environ.get("KVVM_TRITON_AUTOTUNE", "1") not in ("", "0")
+
+
+@triton.jit
+def _cap(x, softcap):
+    """``softcap * tanh(x / softcap)``, the tanh from a sigmoid (``tanh(y) = 2 sigmoid(2y) - 1``)."""
+    return softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)
+
 
 @triton.jit
 def _block(
@@ -72,8 +87,11 @@ def _block(
     l_i,
     acc,
     sm_scale,
+    softcap,
     BLOCK: tl.constexpr,
     PRECISION: tl.constexpr,
+    CAPPED: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One block of tokens ``t..t+BLOCK`` (those below ``hi``) folded into the running
     softmax: returns the new ``(max, sum, accumulator)``."""
@@ -82,14 +100,25 @@ def _block(
     rows = offs_n.to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        # Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns: widened
+        # to fp32 there (on a GPU the tensor cores take bf16 as it is).
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+    if CAPPED:
+        qk = _cap(qk, softcap)
     qk = tl.where(n_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    p = p.to(v.dtype)
+    if UPCAST:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return m_new, l_new, acc
 
 
@@ -126,6 +155,8 @@ def _partial_kernel(
     stride_ob,
     stride_oh,
     sm_scale,
+    softcap,
+    window,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -134,7 +165,10 @@ def _partial_kernel(
     SPLITS: tl.constexpr,
     LOOP_WHILE: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     FUSED: tl.constexpr,
+    CAPPED: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -145,6 +179,9 @@ def _partial_kernel(
     slot = tl.sum(tl.where(offs == 0, row, 0), 0)
     start = tl.sum(tl.where(offs == 1, row, 0), 0)
     end = tl.sum(tl.where(offs == 2, row, 0), 0)
+    if SLIDING:
+        # The query (token end - 1) sees the window's tokens only: nothing before is read.
+        start = tl.maximum(start, end - window)
     if FUSED:
         # The step's new token (K and V in registers) is written here and attended to from
         # registers: no program reads it from memory, so none races its write.
@@ -180,14 +217,14 @@ def _partial_kernel(
         while t < hi:
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, BLOCK, PRECISION,
+                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
             )
             t += BLOCK
     else:
         for t in range(lo, hi, BLOCK):
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, BLOCK, PRECISION,
+                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
             )
 
     if FUSED:
@@ -202,6 +239,8 @@ def _partial_kernel(
             tl.store(V + v_off + offs_d, vn, mask=d_mask)
         if (split == SPLITS - 1) & has_new:
             qk_new = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], 1) * sm_scale
+            if CAPPED:
+                qk_new = _cap(qk_new, softcap)
             m_new = tl.maximum(m_i, qk_new)
             alpha = tl.exp(m_i - m_new)
             p_new = tl.exp(qk_new - m_new)
@@ -282,7 +321,7 @@ def tuned_config(
     measured once on these very inputs (each replayed in a captured graph, as the decode
     step runs it) and remembered; the
     heuristic one while a graph is captured or a compiler traces (nothing may be timed
-    then) and in Triton's interpreter."""
+    then), in Triton's interpreter and without :data:`AUTOTUNE`."""
     batch, heads, _, dim = query.shape
     shape = (batch, heads, key.shape[1], dim, query.dtype, key.shape[2], tuple(key.stride()), multiprocessors)
     found = _TUNED.get(shape)
@@ -290,7 +329,7 @@ def tuned_config(
         return found
     splits = choose_splits(batch, key.shape[1], key.shape[2], multiprocessors)
     default = Config(splits)
-    if _INTERPRETED or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+    if not AUTOTUNE or _INTERPRETED or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
         return default
     candidates = {default}
     # Fewer splits with more warps and stages keep as many bytes in flight with fewer
@@ -350,6 +389,9 @@ def decode_attention(
     scale: float,
     config: Config | int,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one query token per request over its own tokens.
 
@@ -367,6 +409,9 @@ def decode_attention(
             unit last one) and where they go
             (slot and token, int64 ``[batch, 1]``): written by the kernel itself and attended
             from registers (``bounds``' ends include them when their write lands at the end).
+        window: a sliding window: the query reads only the tokens from ``end - window`` on
+            (0: all).
+        softcap: the attention-logit soft cap (0: none).
 
     Returns:
         ``[batch, 1, heads, head_dim]`` in the query's dtype (transformers' layout).
@@ -425,6 +470,8 @@ def decode_attention(
         o.stride(0),
         o.stride(1),
         scale,
+        float(softcap) or 1.0,
+        int(window),
         GROUP=group,
         GROUP_PAD=max(16, _pow2_at_least(group)),
         HEAD_DIM=dim,
@@ -434,7 +481,11 @@ def decode_attention(
         LOOP_WHILE=_INTERPRETED,
         # fp32 caches get fp32 products (Triton's default for fp32 is TF32).
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # Products in fp32 for bf16 in the interpreter only (see _block).
+        UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
         FUSED=fused,
+        CAPPED=bool(softcap),
+        SLIDING=bool(window),
         num_warps=c.warps,
         num_stages=c.stages,
     )

@@ -204,6 +204,24 @@ impl Reservation {
             state: Arc::clone(&self.state),
             base: self.base,
             parked: self.parked.clone(),
+            max_windows: self.max_windows.unwrap_or(self.state.ctx.max_windows),
         }
+    }
+
+    /// Makes every later commit of this reservation map at most `windows` windows per handle
+    /// (rounded down to a power of two, at most the manager's largest handle; 0 goes back to
+    /// the manager's). A handle is mapped and unmapped whole, so a reservation whose windows
+    /// are given back one by one from its start (a sliding window's oldest tokens) wants one
+    /// handle per window (`windows = 1`): then every window behind can go on its own.
+    pub fn set_max_handle_windows(&mut self, windows: u64) {
+        self.max_windows = (windows > 0).then(|| {
+            let pow2 = 1u64 << (63 - windows.leading_zeros());
+            pow2.min(self.state.ctx.max_windows)
+        });
+    }
+
+    /// The most windows one handle of this reservation's commits holds.
+    pub fn max_handle_windows(&self) -> u64 {
+        self.max_windows.unwrap_or(self.state.ctx.max_windows)
     }
 }

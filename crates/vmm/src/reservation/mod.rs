@@ -70,6 +70,9 @@ pub struct Reservation {
     /// this reservation's (taken back into `blocks` at its next change, read with them
     /// until then).
     left_mapped: Arc<LeftMapped>,
+    /// The most windows a handle of this reservation's commits holds, when it is fewer than
+    /// the manager's ([`set_max_handle_windows`](Self::set_max_handle_windows)).
+    max_windows: Option<u64>,
 }
 
 impl fmt::Debug for Reservation {
@@ -95,6 +98,7 @@ impl Reservation {
             shared_range: None,
             in_flight: None,
             left_mapped: Arc::new(LeftMapped::open()),
+            max_windows: None,
         }
     }
 

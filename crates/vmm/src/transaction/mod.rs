@@ -46,6 +46,9 @@ pub(crate) struct Target {
     pub(crate) state: Arc<DeviceState>,
     pub(crate) base: DeviceAddress,
     pub(crate) parked: Option<Arc<ParkedWindows>>,
+    /// The most windows one handle of the commit holds (a power of two, at most the
+    /// manager's largest handle).
+    pub(crate) max_windows: u64,
 }
 
 /// The outcome of a commit's driver work: its result, and the blocks to record (the new ones

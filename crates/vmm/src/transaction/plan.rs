@@ -48,7 +48,7 @@ impl Target {
         let st = &self.state;
         let g = st.ctx.granule;
         let cut = if shared { run_pieces } else { pieces };
-        let pieces: Vec<Piece> = cut(spans, g, st.ctx.max_windows, cuts)
+        let pieces: Vec<Piece> = cut(spans, g, self.max_windows, cuts)
             .into_iter()
             .map(|(offset, windows)| Piece {
                 offset,

@@ -1,0 +1,207 @@
+"""Prompt prefixes prefilled once into shared kvvm memory and given to new requests:
+:class:`KvvmPrefix`.
+
+A prefix is laid out like the cache it feeds: one shared prefix per layer group of the model
+(:mod:`kvvm.cache_groups`). A full-attention group's prefix is given to a request as kvvm gives
+any shared prefix: its whole windows mapped read-only (billed once), its bytes past them copied
+into the request's own windows, so that the request never writes into read-only memory,
+whatever the model's bytes per token. A sliding-window group reads only the last ``window - 1``
+tokens before a step: a request takes only those, by copy, and forgets the tokens before them
+from the start (its sliding layers then give their oldest windows back as they decode, as they
+do for any request). Across processes each group's prefix is published under its own key
+(:func:`group_key`).
+
+Requires torch and transformers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import LayoutPlan, Manager, SequenceBatch, SharedPrefix, geometry_from_config
+from .architectures import check_servable
+from .attention import decoder_config
+from .cache_groups import LayerGroup, group_plan, layer_groups
+from .errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from .transformers import KvvmCache
+
+__all__ = ["KvvmPrefix", "group_key"]
+
+
+def group_key(key: str, group: int) -> str:
+    """The broker key of layer group ``group``'s prefix published under ``key``: ``key`` for
+    the first group, ``key:1`` for the second (a model has at most a full-attention and a
+    sliding-window group)."""
+    return key if group == 0 else f"{key}:{group}"
+
+
+def _plans(model: Any, manager: Manager, max_cache_len: int, layout: str, dtype: Any) -> tuple[Any, list[LayerGroup], list[LayoutPlan]]:
+    """The decoder config, the layer groups and each group's plan of a prefix of ``model``
+    (the model's dtype unless ``dtype`` is given): one for the process that builds it and
+    those that open it."""
+    check_servable(model)
+    cfg = decoder_config(model.config)
+    if dtype is None and isinstance(getattr(model, "dtype", None), torch.dtype):
+        dtype = model.dtype
+    geometry = geometry_from_config(cfg, max_cache_len, dtype)
+    specs = layer_groups(cfg, max_cache_len)
+    return cfg, specs, [group_plan(spec, geometry, layout, manager.granule) for spec in specs]
+
+
+class KvvmPrefix:
+    """A prompt prefix prefilled once into shared kvvm memory, to be given to new requests
+    with :meth:`KvvmCache.from_prefix <kvvm.transformers.KvvmCache.from_prefix>`.
+
+    Build it with :meth:`build` (keep it alive while caches made from it live: it holds the
+    owner's sequences) or :meth:`open` one another process published.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        manager: Manager,
+        specs: list[LayerGroup],
+        plans: list[LayoutPlan],
+        cache: KvvmCache | None,
+        shares: list[SharedPrefix],
+    ) -> None:
+        self.config = config
+        self.manager = manager
+        #: The model's layer groups and each one's plan and shared prefix, in the cache's order.
+        self.specs = specs
+        self.plans = plans
+        self.shares = shares
+        #: The owner's cache (None for a prefix opened from another process).
+        self.cache = cache
+        #: The prefill's logits at the prefix's last token (``[1, vocab]``), set by :meth:`build`.
+        self.last_logits: torch.Tensor | None = None
+
+    @property
+    def plan(self) -> LayoutPlan:
+        """The first layer group's plan (the only one of a full-attention model)."""
+        return self.plans[0]
+
+    @property
+    def shared(self) -> SharedPrefix:
+        """The first layer group's shared prefix (the only one of a full-attention model)."""
+        return self.shares[0]
+
+    @property
+    def tokens(self) -> int:
+        """The prefix's length in tokens."""
+        return self.shares[0].tokens
+
+    @property
+    def bytes(self) -> int:
+        """Physical bytes of the prefix in every layer group, read-only windows and tails
+        (billed once)."""
+        return sum(s.bytes for s in self.shares)
+
+    def publish(self, key: str) -> int:
+        """Publishes the prefix to the node's memory broker under ``key`` (its manager leases
+        from one: ``Manager(broker=...)``), each layer group's under :func:`group_key`: other
+        processes of the tenant :meth:`open` it and take the same memory, billed once to the
+        tenant. Returns the bytes published. Let go of it with :meth:`close`."""
+        return sum(s.publish(self.manager, group_key(key, g)) for g, s in enumerate(self.shares))
+
+    def close(self, key: str) -> int:
+        """Lets go of the prefix published or opened under ``key`` once in this process (every
+        layer group's); returns the users the first group's prefix has left (0: the broker
+        freed it)."""
+        left = [self.manager.close_prefix(group_key(key, g)) for g in range(len(self.shares))]
+        return left[0]
+
+    @classmethod
+    def open(
+        cls,
+        model: Any,
+        key: str,
+        *,
+        manager: Manager,
+        max_cache_len: int,
+        layout: str = "token-major",
+        dtype: Any = None,
+    ) -> KvvmPrefix:
+        """The prefix another process published under ``key`` (:meth:`publish`), through
+        ``manager`` (leasing from the same broker, as the same tenant). ``max_cache_len``,
+        ``layout`` and ``dtype`` must be the publisher's (its plans; else
+        ``InvalidArgumentError``). Its :attr:`tokens` are the publisher's prompt: prefill the
+        rest of each prompt from there. Not billed here (a request pays for the windows it
+        copies into); :attr:`last_logits` is None."""
+        cfg, specs, plans = _plans(model, manager, max_cache_len, layout, dtype)
+        shares: list[SharedPrefix] = []
+        try:
+            for g, plan in enumerate(plans):
+                shares.append(SharedPrefix.open(manager, group_key(key, g), plan))
+        except Exception:
+            for g in range(len(shares)):
+                manager.close_prefix(group_key(key, g))
+            raise
+        if len({s.tokens for s in shares}) != 1:
+            raise InvalidArgumentError(f"the layer groups of the prefix {key!r} hold different token counts")
+        return cls(cfg, manager, specs, plans, None, shares)
+
+    @classmethod
+    @torch.no_grad()
+    def build(
+        cls,
+        model: Any,
+        input_ids: torch.Tensor,
+        *,
+        manager: Manager,
+        max_cache_len: int,
+        layout: str = "token-major",
+        dtype: Any = None,
+    ) -> KvvmPrefix:
+        """Prefills ``input_ids`` (``[1, P]``) with ``model`` into a new shared prefix: in each
+        layer group, the owner sequence commits the prefix's windows as shared memory and the
+        model writes its K/V there; then each is sealed read-only (its tail copied). Returns
+        the prefix, with the owner's logits in :attr:`last_logits`."""
+        from .transformers import KvvmCache, cache_argument
+
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise InvalidArgumentError("input_ids must be [1, prefix_tokens]")
+        prompt = int(input_ids.shape[1])
+        cfg, specs, plans = _plans(model, manager, max_cache_len, layout, dtype)
+        batches = [SequenceBatch(manager, plan, 2, max_cache_len) for plan in plans]
+        shares = [b[0].own_prefix(prompt) for b in batches]
+        cache = KvvmCache(
+            cfg, 1, max_cache_len, manager=manager, layout=layout, dtype=plans[0].geometry.dtype, batch=batches
+        )
+        pos = torch.arange(prompt, device=input_ids.device)[None]
+        out = model(input_ids=input_ids, use_cache=True, position_ids=pos, **{cache_argument(model): cache})
+        if input_ids.device.type == "cuda":
+            torch.cuda.synchronize(input_ids.device)
+        for s in shares:
+            s.seal()
+        prefix = cls(cfg, manager, specs, plans, cache, shares)
+        prefix.last_logits = out.logits[:, -1]
+        return prefix
+
+    def batches_for(self, batch_size: int, max_cache_len: int, precommit: bool) -> tuple[list[SequenceBatch], list[int]]:
+        """Each layer group's batch of ``batch_size`` requests (and the scratch slot) that all
+        start with the prefix, and the first token each group keeps: a full group's requests
+        map its whole windows and copy the rest (0), a sliding group's take its last tokens by
+        copy (what the first step after it reads)."""
+        if max_cache_len < self.tokens:
+            raise InvalidArgumentError("max_cache_len is shorter than the prefix")
+        batches: list[SequenceBatch] = []
+        firsts: list[int] = []
+        for spec, plan, share in zip(self.specs, self.plans, self.shares, strict=True):
+            batch = SequenceBatch(
+                self.manager, plan, batch_size + 1, max_cache_len,
+                precommit=precommit and self.manager.precommit, window_handles=spec.sliding,
+            )
+            first = spec.kept_from(self.tokens)
+            for i in range(batch_size):
+                if spec.sliding:
+                    share.attach(batch[i], first=first)
+                else:
+                    share.attach(batch[i])
+            batches.append(batch)
+            firsts.append(first)
+        return batches, firsts

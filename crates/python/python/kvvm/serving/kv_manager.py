@@ -1,0 +1,235 @@
+"""The KV manager of the serving engine: the one owner of the engine's kvvm memory.
+
+It holds the :class:`~kvvm.transformers.KvvmCache` (one slot per running request and the
+scratch slot) and the :class:`~kvvm.PrefixCache`, and it is the only code of the engine that
+calls into kvvm: admissions (a cached prefix mapped, the rest of the context committed),
+reservations of the next tokens' windows, the device-side token counts around each forward
+(a slot is resumed for its prefill chunk and suspended after it, so that a decode step
+neither writes nor reads it), publication of a prefilled prompt, and releases.
+
+Towards the scheduler it answers about memory (:class:`~kvvm.serving.scheduler.KvSpace`);
+towards the runner it opens each forward over the cache (:meth:`KvManager.prefill` and
+:meth:`KvManager.prepare_decode`). Every prefix-cache call is in one small method here
+(:meth:`KvManager._lookup_prefix`, :meth:`KvManager._publish`,
+:meth:`KvManager.add_prefix`, :meth:`KvManager.shareable`).
+
+Requires torch and transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .. import Manager, PrefixCache, SharedPrefix
+from ..attention import decoder_config
+from ..cache_groups import refuse_sliding_prefix_cache
+from ..errors import InvalidArgumentError, KvvmError, NeverFitsError
+from ..prefix import KvvmPrefix
+from ..transformers import KvvmCache
+from .scheduler import Admission, PrefillRun
+
+__all__ = ["KvManager"]
+
+
+def _shared_units(a: list[int], b: list[int], unit: int) -> int:
+    """Tokens of the longest common prefix of ``a`` and ``b`` in whole units of ``unit``
+    (each unit compared as one slice)."""
+    n = 0
+    while n + unit <= min(len(a), len(b)) and a[n : n + unit] == b[n : n + unit]:
+        n += unit
+    return n
+
+
+class KvManager:
+    """The engine's cache slots and prefix cache (see the module's text).
+
+    Args:
+        model: the model (its config and dtype lay the cache out).
+        slots: requests held at once.
+        max_len: the most tokens a request may reach (reserved as address space only).
+        manager: the :class:`~kvvm.Manager` every byte comes from.
+        prefix_cache_bytes: the prefix cache's cap (0: no prefix cache).
+        prefix_handle_tokens: tokens per handle of a published prefix (rounded down to
+            whole windows, at least one).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        slots: int,
+        max_len: int,
+        manager: Manager,
+        prefix_cache_bytes: int = 0,
+        prefix_handle_tokens: int = 256,
+    ) -> None:
+        self.manager = manager
+        if prefix_cache_bytes > 0:
+            refuse_sliding_prefix_cache(decoder_config(model.config), max_len)
+        # K/V in the model's own dtype.
+        self.cache = KvvmCache(model.config, slots, max_len, manager=manager, dtype=model.dtype)
+        plan = self.cache.plan
+        handle_windows = max(1, prefix_handle_tokens // plan.mapped_tokens(1))
+        self.prefix_cache = (
+            PrefixCache(manager, plan, max_cached_bytes=prefix_cache_bytes, handle_windows=handle_windows)
+            if prefix_cache_bytes > 0
+            else None
+        )
+        #: The prefix cache's hit granularity in tokens (whole blocks).
+        self._hit_unit = self.prefix_cache.block_tokens if self.prefix_cache is not None else 1
+        #: What the scratch slot holds for good, in every layer group: no request can have it.
+        scratch = self.cache.batch_size
+        self._scratch_bytes = sum(g.batch[scratch].committed_bytes for g in self.cache.groups)
+        self.device: torch.device = self.cache.state.device
+
+    # ---- what the scheduler asks ----
+
+    @property
+    def slots(self) -> int:
+        """Requests held at once."""
+        return self.cache.batch_size
+
+    def admit(self, slot: int, context: list[int]) -> Admission:
+        """Commits ``context`` in ``slot`` (mapping a cached prefix of it when there is one);
+        the slot stays suspended until its prefill is done. Raises NeverFitsError, before
+        anything is committed, for a context the budget can never hold beside the scratch
+        window; on any refusal the slot is left free."""
+        self._check_fits(len(context))
+        seq = self.cache.batch[slot]
+        hit, ms = 0, 0.0
+        try:
+            with self.cache.unbound():
+                if self.prefix_cache is not None:
+                    hit, ms = self._lookup_prefix(seq, context)
+                self.cache.ensure_slot(slot, len(context))
+        except KvvmError:
+            self.cache.free(slot)
+            raise
+        self.cache.state.set_lengths({slot: hit}, {slot: 0})
+        self.cache.state.suspend(slot)
+        return Admission(hit, ms)
+
+    def _check_fits(self, tokens: int) -> None:
+        """NeverFitsError when one request of ``tokens`` tokens, alone with the scratch window,
+        is over the budget less its quarantine: no freeing can ever admit it. (The governor
+        counts the request alone; the scratch window it does not know about would leave the
+        request refused for memory now, and first in line, for ever.)"""
+        budget = self.manager.budget_bytes
+        if budget is None:
+            return
+        limit = budget - self.manager.snapshot().quarantined
+        needed = self.cache.bytes_for_tokens(tokens)
+        if needed + self._scratch_bytes > limit:
+            raise NeverFitsError(
+                f"a context of {tokens} tokens needs {needed} bytes; with the cache's scratch window "
+                f"({self._scratch_bytes} bytes) that is over the budget of {limit} bytes",
+                needed_bytes=needed + self._scratch_bytes,
+                limit_bytes=limit,
+            )
+
+    def shareable(self, published: list[int], context: list[int]) -> int:
+        """Tokens of ``context`` a request could map from the prefix cache once ``published``
+        is published: their common prefix in whole hit units (0 without a prefix cache)."""
+        if self.prefix_cache is None:
+            return 0
+        return _shared_units(published, context, self._hit_unit)
+
+    def reserve(self, tokens: dict[int, int]) -> None:
+        """Commits the windows each slot needs to hold ``tokens[slot]`` tokens (a decode
+        step's next token): the step's own preparation then needs no grant. Raises
+        BackpressureError when the budget cannot grant them now."""
+        self.cache.reserve_tokens(tokens)
+
+    def free(self, slot: int) -> None:
+        """Releases the slot's memory (once the device is done with it)."""
+        self.cache.free(slot)
+
+    # ---- the prefix cache ----
+
+    def _lookup_prefix(self, seq: Any, context: list[int]) -> tuple[int, float]:
+        """Maps the longest cached prefix of ``context`` into ``seq``; returns the tokens hit
+        and the host time of the lookup in ms. The last token is always computed (its logits
+        give the first new token), so it is left out: it never lies in read-only memory."""
+        assert self.prefix_cache is not None
+        began = time.perf_counter()
+        hit = int(self.prefix_cache.admit(seq, context[:-1])["hit_tokens"])
+        return hit, (time.perf_counter() - began) * 1000
+
+    def _publish(self, slot: int) -> None:
+        """Publishes the prompt the slot just prefilled (the model wrote it on the device,
+        on the stream every later reader uses)."""
+        assert self.prefix_cache is not None
+        seq = self.cache.batch[slot]
+        seq.mark_written(self.cache.state.host_lengths[slot])
+        with self.cache.unbound():
+            self.prefix_cache.publish(seq)
+
+    def add_prefix(self, token_ids: list[int], prefix: KvvmPrefix | SharedPrefix) -> int:
+        """Inserts a prefix made outside the engine's requests into the prefix cache (see
+        :meth:`~kvvm.serving.engine.Engine.add_prefix`); returns the tokens inserted."""
+        if self.prefix_cache is None:
+            raise InvalidArgumentError("the engine has no prefix cache (prefix_cache_bytes=0)")
+        shared = prefix.shared if isinstance(prefix, KvvmPrefix) else prefix
+        n = shared.tokens
+        if len(token_ids) < n:
+            raise InvalidArgumentError(f"{len(token_ids)} token ids for a prefix of {n} shared tokens")
+        self.prefix_cache.insert(list(token_ids[:n]), [shared])
+        return n
+
+    def clear_prefixes(self) -> None:
+        """Empties the prefix cache (its published prefixes' memory goes back)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    # ---- what the runner asks ----
+
+    @contextlib.contextmanager
+    def prefill(self, run: PrefillRun) -> Iterator[KvvmCache]:
+        """Opens the forward of one prefill run (consecutive slots, their windows committed
+        at admission): the slots are resumed and selected, the forward runs on the cache
+        yielded, then each slot whose context is not complete yet is suspended again and
+        each complete one is published to the prefix cache. A forward that raises leaves
+        every slot of the run suspended."""
+        slots, completing = run.slots, run.completing
+        state = self.cache.state
+        for s in slots:
+            state.resume(s)
+        try:
+            with self.cache.select(slots[0], len(slots)):
+                yield self.cache
+        except BaseException:
+            for s in slots:
+                state.suspend(s)
+            raise
+        for s, done in zip(slots, completing, strict=True):
+            if not done:
+                state.suspend(s)
+            elif self.prefix_cache is not None:
+                self._publish(s)
+
+    def prepare_decode(self, slots: list[int]) -> None:
+        """The host's side of a decode step of ``slots`` (their counts move past the step's
+        token; the other slots are free or suspended). Its windows were reserved by
+        :meth:`reserve`."""
+        self.cache.prepare(1, slots)
+
+    def decode_positions(self) -> torch.Tensor:
+        """``[slots, 1]``: each slot's position of a decode step's token."""
+        return self.cache.state.positions(1)
+
+    # ---- the engine's ----
+
+    def check(self) -> None:
+        """Raises if a step wrote past what was prepared (:meth:`KvvmCache.check`)."""
+        self.cache.check()
+
+    def close(self) -> None:
+        """Releases every slot and empties the prefix cache (close the runner's captured
+        graph first)."""
+        self.cache.release()
+        self.clear_prefixes()

@@ -1,0 +1,95 @@
+"""The second process of the matrix's broker tests (:class:`model_checks.Peer` runs it): for
+each request on stdin (one JSON object a line) it builds the matrix model, opens the prefix
+another process published through the broker, attaches it to new requests that prefill
+their own tails and decode greedily, serves the same prompts with an engine whose prefix
+cache holds the opened prefix, lets go of everything and answers (one JSON line) with the
+tokens, the hits and what its manager holds afterwards.
+
+Request fields: ``arch``, ``seed``, ``socket``, ``tenant``, ``key``, ``max_len``,
+``backend``, ``device``, ``prefix`` (the prefix's token ids), ``tails`` (each request's own
+tokens after it; one length), ``engine_tails`` (the engine's requests' tails), ``new_tokens``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import traceback
+from typing import Any
+
+MiB = 1 << 20
+
+
+def serve(cmd: dict[str, Any]) -> dict[str, Any]:
+    """One request: open, attach, decode, serve with the engine, let go."""
+    import torch
+
+    import kvvm
+    import model_matrix
+    from kvvm.engine import Engine
+    from kvvm.transformers import KvvmCache
+    from kvvm.prefix import KvvmPrefix
+    from model_checks import greedy_after_prefix, snapshot_dict
+
+    arch = model_matrix.BY_NAME[cmd["arch"]]
+    model = model_matrix.build_model(arch, cmd["seed"]).to(cmd["device"])
+    max_len = int(cmd["max_len"])
+    prefix: list[int] = cmd["prefix"]
+    new_tokens = int(cmd["new_tokens"])
+    mgr = kvvm.Manager(cmd["backend"], broker=cmd["socket"], tenant=cmd["tenant"], lease_batch_bytes=4 * MiB)
+    opened = KvvmPrefix.open(model, cmd["key"], manager=mgr, max_cache_len=max_len)
+    n = opened.tokens
+    cache = KvvmCache.from_prefix(opened, len(cmd["tails"]), max_len)
+    billed = mgr.snapshot().shared
+    attach = greedy_after_prefix(model, cache, [prefix[n:] + t for t in cmd["tails"]], n, new_tokens)
+    cache.release()
+    served: dict[str, Any] = {}
+    try:
+        engine = Engine(
+            copy.deepcopy(model), slots=len(cmd["engine_tails"]), max_len=max_len, manager=mgr,
+            prefill_chunk=64, prefix_cache_bytes=64 * MiB, prefix_handle_tokens=1, compile=False,
+        )
+    except kvvm.InvalidArgumentError as refused:
+        # A sliding model: its engine's prefix cache is refused, with the reason.
+        served["engine_refused"] = str(refused)
+    else:
+        served["added"] = engine.add_prefix(prefix, opened)
+        reqs = [engine.submit(prefix + t, new_tokens, eos_token_ids=[]) for t in cmd["engine_tails"]]
+        engine.run()
+        engine.close()
+        served["engine"] = [r.tokens for r in reqs]
+        served["hits"] = [r.prefix_hit_tokens for r in reqs]
+    remaining = opened.close(cmd["key"])
+    del opened, cache
+    committed_after = snapshot_dict(mgr.snapshot())
+    mgr.trim_pool(0)
+    return {
+        "digest": model_matrix.weights_digest(model),
+        "opened_tokens": n,
+        "billed_shared": int(billed),
+        "attach": attach,
+        **served,
+        "remaining_users": remaining,
+        "after_close": committed_after,
+        "after_trim": snapshot_dict(mgr.snapshot()),
+        "device": str(torch.device(cmd["device"])),
+    }
+
+
+def main() -> None:
+    """Serves requests until stdin closes."""
+    import torch
+
+    torch.set_num_threads(1)
+    for line in sys.stdin:
+        try:
+            reply = serve(json.loads(line))
+        except Exception:  # reported to the test, which fails with it
+            reply = {"error": traceback.format_exc()}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
