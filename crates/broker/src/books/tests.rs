@@ -77,6 +77,24 @@ fn never_fits_over_the_ceiling() {
 }
 
 #[test]
+fn a_request_past_the_budget_names_the_limit_that_binds() {
+    let (mut b, _) = books(100);
+    let whole = b.register("whole", &policy(0, Some(100)), 100);
+    let part = b.register("part", &policy(0, Some(99)), 99);
+    let limit = |r: WireRefusal| match r {
+        WireRefusal::NeverFits {
+            limit, limit_bytes, ..
+        } => (limit, limit_bytes),
+        other => panic!("{other:?}"),
+    };
+    // A ceiling equal to the budget binds no more than the budget: the node's is named.
+    let r = acquire(&mut b, whole, 101, 101).unwrap_err();
+    assert_eq!(limit(r), ("node_budget".to_owned(), 100));
+    let r = acquire(&mut b, part, 100, 100).unwrap_err();
+    assert_eq!(limit(r), ("tenant_ceiling".to_owned(), 99));
+}
+
+#[test]
 fn floors_are_kept_free_and_over_floor_tenants_are_asked() {
     let (mut b, _) = books(100);
     let big = b.register("big", &policy(0, None), 100);
