@@ -1,8 +1,10 @@
 //! The parts the books are made of: [`DeviceBytes`] (bytes per device, no entry for a device
 //! at 0), what one client holds ([`ClientBooks`]), what one tenant holds and may hold
-//! ([`TenantBooks`], [`Limits`]).
+//! ([`TenantBooks`], with the governor's [`TenantBounds`]).
 
 use std::collections::{BTreeMap, BTreeSet};
+
+use kvvm_governor::TenantBounds;
 
 /// Bytes per device. A device at 0 has no entry, so what a client or tenant once held and
 /// gave back leaves nothing behind.
@@ -49,14 +51,6 @@ impl DeviceBytes {
     }
 }
 
-/// A tenant's floor and ceiling on every device (the floor at most the ceiling, the ceiling
-/// at most the budget).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Limits {
-    pub(crate) floor: u64,
-    pub(crate) ceiling: u64,
-}
-
 /// One client's holdings.
 #[derive(Debug, Clone)]
 pub(crate) struct ClientBooks {
@@ -68,14 +62,15 @@ pub(crate) struct ClientBooks {
 /// for its clients' claims after a restart). A tenant with none of these is forgotten.
 #[derive(Debug, Clone)]
 pub(crate) struct TenantBooks {
-    pub(crate) limits: Limits,
+    /// Its floor and ceiling on every device.
+    pub(crate) limits: TenantBounds,
     pub(crate) clients: BTreeSet<u64>,
     /// Its clients' leases, its prefixes and what is kept for its claims, per device.
     pub(crate) held: DeviceBytes,
 }
 
 impl TenantBooks {
-    pub(crate) fn new(limits: Limits) -> Self {
+    pub(crate) fn new(limits: TenantBounds) -> Self {
         TenantBooks {
             limits,
             clients: BTreeSet::new(),

@@ -114,14 +114,14 @@ impl NodeBooks {
             .named
             .iter()
             .filter(|(name, l)| l.floor > 0 && name.as_str() != tenant)
-            .map(|(name, l)| l.floor.saturating_sub(self.tenant_held(name, device)));
+            .map(|(name, l)| l.kept_free(self.tenant_held(name, device)));
         let others = self
             .tenants
             .iter()
             .filter(|(name, t)| {
                 t.limits.floor > 0 && name.as_str() != tenant && !self.named.contains_key(*name)
             })
-            .map(|(_, t)| t.limits.floor.saturating_sub(t.held.get(device)));
+            .map(|(_, t)| t.limits.kept_free(t.held.get(device)));
         named.chain(others).fold(0u64, u64::saturating_add)
     }
 
@@ -158,7 +158,10 @@ impl NodeBooks {
             self.counters.never_fits += 1;
             return Ok(Err((refusal, Vec::new())));
         }
-        let tenant_room = ceiling.saturating_sub(self.tenant_held(&tenant, device));
+        let tenant_room = self
+            .tenants
+            .get(&tenant)
+            .map_or(0, |t| t.limits.room(t.held.get(device)));
         let node_room = self
             .budget
             .saturating_sub(self.total.get(device))
@@ -200,7 +203,7 @@ impl NodeBooks {
             if name == tenant || left == 0 {
                 continue;
             }
-            let mut excess = t.held.get(device).saturating_sub(t.limits.floor);
+            let mut excess = t.limits.excess(t.held.get(device));
             for id in &t.clients {
                 let bytes = self.client_held(*id, device).min(excess).min(left);
                 if bytes > 0 {
@@ -240,9 +243,9 @@ impl NodeBooks {
 
     /// Bytes given back on `device` during the `window` before `now`.
     fn given_back_in(&mut self, device: u32, now: Instant, window: Duration) -> u64 {
-        self.given_back.get_mut(&device).map_or(0, |q| {
-            q.retain(|(t, _)| now.saturating_duration_since(*t) <= window);
-            q.iter().fold(0u64, |a, (_, b)| a.saturating_add(*b))
+        self.given_back.get_mut(&device).map_or(0, |w| {
+            w.prune(now, window);
+            w.total(now, window)
         })
     }
 }

@@ -15,17 +15,17 @@ mod held;
 mod lease;
 mod prefix;
 
-use std::collections::{BTreeMap, VecDeque};
-use std::time::Instant;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use kvvm_governor::ReleaseWindow;
 
 use crate::config::{BrokerConfig, TenantPolicy};
 use crate::metrics::{BrokerCounters, BrokerMetrics};
 use crate::prefixes::{PrefixRow, Prefixes};
-use held::{ClientBooks, DeviceBytes, Limits, TenantBooks};
+use held::{ClientBooks, DeviceBytes, TenantBooks};
+use kvvm_governor::TenantBounds;
 pub use lease::AcquireOutcome;
-
-/// Most recent give-backs remembered per device for the retry estimate.
-const MAX_EVENTS: usize = 1024;
 
 /// A client's request the books would not serve: nothing changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -99,15 +99,18 @@ pub struct NodeBooks {
     devices: u32,
     max_descriptors: usize,
     /// The limits of the tenants named in the configuration.
-    named: BTreeMap<String, Limits>,
+    named: BTreeMap<String, TenantBounds>,
     /// The limits of tenants not named (`None`: refused).
-    default: Option<Limits>,
+    default: Option<TenantBounds>,
     tenants: BTreeMap<String, TenantBooks>,
     clients: BTreeMap<u64, ClientBooks>,
     /// Every tenant's bytes, per device.
     total: DeviceBytes,
     next_client: u64,
-    given_back: BTreeMap<u32, VecDeque<(Instant, u64)>>,
+    /// Bytes given back per device during the last window of the retry policy.
+    given_back: BTreeMap<u32, ReleaseWindow>,
+    /// That window.
+    window: Duration,
     prefixes: Prefixes,
     grace: Grace,
     counters: BrokerCounters,
@@ -115,12 +118,8 @@ pub struct NodeBooks {
     changed: bool,
 }
 
-fn limits(config: &BrokerConfig, p: &TenantPolicy) -> Limits {
-    let ceiling = config.ceiling(p);
-    Limits {
-        floor: p.floor.min(ceiling),
-        ceiling,
-    }
+fn limits(config: &BrokerConfig, p: &TenantPolicy) -> TenantBounds {
+    TenantBounds::within(p.floor, p.ceiling, config.budget)
 }
 
 impl NodeBooks {
@@ -141,6 +140,7 @@ impl NodeBooks {
             total: DeviceBytes::default(),
             next_client: 1,
             given_back: BTreeMap::new(),
+            window: config.retry.window,
             prefixes: Prefixes::default(),
             grace: Grace::default(),
             counters: BrokerCounters::default(),
@@ -150,12 +150,12 @@ impl NodeBooks {
 
     /// The limits of `tenant` by the configuration (the default's for a tenant not named;
     /// none at all, the budget as its ceiling, for one no longer admitted).
-    fn limits_of(&self, tenant: &str) -> Limits {
+    fn limits_of(&self, tenant: &str) -> TenantBounds {
         self.named
             .get(tenant)
             .copied()
             .or(self.default)
-            .unwrap_or(Limits {
+            .unwrap_or(TenantBounds {
                 floor: 0,
                 ceiling: self.budget,
             })
@@ -213,10 +213,7 @@ impl NodeBooks {
         self.next_client = self.next_client.saturating_add(1);
         self.counters.clients_registered += 1;
         let t = self.tenant_mut(tenant);
-        t.limits = Limits {
-            floor: policy.floor.min(ceiling),
-            ceiling,
-        };
+        t.limits = TenantBounds::within(policy.floor, Some(ceiling), ceiling);
         t.clients.insert(id);
         self.clients.insert(
             id,
@@ -367,11 +364,11 @@ impl NodeBooks {
             return;
         }
         self.counters.returned_bytes = self.counters.returned_bytes.saturating_add(bytes);
-        let q = self.given_back.entry(device).or_default();
-        if q.len() >= MAX_EVENTS {
-            q.pop_front();
-        }
-        q.push_back((now, bytes));
+        let window = self.window;
+        self.given_back
+            .entry(device)
+            .or_default()
+            .note(now, window, bytes);
     }
 }
 

@@ -2,9 +2,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use super::*;
-use crate::books::MAX_FREE_EVENTS;
+use crate::release_window::ReleaseWindow;
 use crate::{GovernorConfig, ManualClock, RetryPolicy};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+const MAX_FREE_EVENTS: usize = ReleaseWindow::<u64>::MAX_EVENTS;
 
 const D0: DeviceId = DeviceId(0);
 const D1: DeviceId = DeviceId(1);
@@ -208,13 +210,11 @@ fn free_events_are_bounded() {
     for _ in 0..(4 * MAX_FREE_EVENTS) {
         g.free(D0, Bucket::Committed, 1).unwrap();
     }
+    let (now, window) = (g.config().clock.now(), g.config().retry.window);
     let books = lock(&g.inner.ledger.books);
     let d = books.devices.get(&D0).unwrap();
     assert!(d.frees.len() <= MAX_FREE_EVENTS);
-    assert_eq!(
-        d.frees.iter().map(|(_, b)| b).sum::<u64>(),
-        4 * MAX_FREE_EVENTS as u64
-    );
+    assert_eq!(d.frees.total(now, window), 4 * MAX_FREE_EVENTS as u64);
 }
 
 #[test]
