@@ -98,6 +98,7 @@ mod tests {
         let mut w = ReleaseWindow::<u64>::new();
         assert!(w.is_empty());
         w.note(t0, W, 10);
+        assert!(!w.is_empty());
         w.note(t0 + W, W, 5);
         assert_eq!(
             w.total(t0 + W, W),
@@ -106,6 +107,8 @@ mod tests {
         );
         assert_eq!(w.total(t0 + W + Duration::from_millis(1), W), 5);
         assert_eq!(w.len(), 2, "total drops nothing");
+        w.prune(t0 + W, W);
+        assert_eq!(w.len(), 2, "prune keeps an event exactly a window old");
         w.prune(t0 + W + Duration::from_millis(1), W);
         assert_eq!(w.len(), 1);
         w.note(t0 + 3 * W, W, 1);

@@ -178,3 +178,27 @@ fn admit(shared: &Arc<Shared>, stream: UnixStream) -> io::Result<()> {
         }
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    #[test]
+    fn with_no_deadline_the_wait_lasts_until_something_comes() {
+        let (waker, mut wake) = UnixStream::pair().unwrap();
+        let dir = std::env::temp_dir().join(format!("kvvm-accept-wait-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let listener = UnixListener::bind(dir.join("s")).unwrap();
+        let waiter = std::thread::spawn(move || wait(Some(&listener), &waker, None));
+        // Whenever the byte comes, the wait ends with it, never before (a wait that timed out
+        // by itself would say so first).
+        std::thread::sleep(Duration::from_millis(100));
+        wake.write_all(&[1]).unwrap();
+        assert_eq!(waiter.join().unwrap(), Woken::Stop);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

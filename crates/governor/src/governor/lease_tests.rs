@@ -96,6 +96,19 @@ fn frees_trim_the_lease_down_to_keep() {
 }
 
 #[test]
+fn a_free_that_leaves_no_more_than_keep_unused_gives_nothing_back() {
+    let (g, fake) = leased(1000, 100);
+    g.try_grant(D, 30).unwrap().commit();
+    g.free(D, Bucket::Committed, 10).unwrap();
+    assert_eq!(g.lease_held(D), Some(100), "80 unused, under the 200 kept");
+    assert_eq!(
+        *fake.calls.lock().unwrap(),
+        vec!["acquire 30 100"],
+        "no give-back of 0 bytes"
+    );
+}
+
+#[test]
 fn refusals_keep_the_sources_kind_and_retry_after() {
     let (g, _) = leased(10, 100);
     let r = g.try_grant(D, 20).unwrap_err();
