@@ -409,3 +409,13 @@ fn sigterm_is_waited_for_without_a_handler() {
         libc::SIGTERM
     );
 }
+
+#[test]
+fn a_grant_of_nothing_leaves_no_entry_on_the_client_s_books() {
+    let broker = Broker::start(BrokerConfig::new(socket("grant-nothing"), 1000)).unwrap();
+    let client = BrokerClient::connect(ClientOptions::new(&broker.config().socket, "t")).unwrap();
+    assert_eq!(client.acquire_bytes(3, 0, 0), Ok(0));
+    assert_eq!(client.holdings(), vec![], "no device at 0");
+    assert_eq!(client.acquire_bytes(3, 10, 10), Ok(10));
+    assert_eq!(client.holdings(), vec![(3, 10)]);
+}

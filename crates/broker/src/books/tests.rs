@@ -534,3 +534,27 @@ fn a_tenant_publishes_at_most_256_prefixes_and_the_broker_keeps_at_most_its_desc
     );
     b.publish_prefix(a, "one-more", published(0, 1, 1)).unwrap();
 }
+
+#[test]
+fn a_tenant_known_only_by_what_is_kept_for_its_claims_has_its_configured_floor() {
+    let mut config = BrokerConfig::new("/nonexistent", 100);
+    config.default_tenant = Some(policy(30, None));
+    let mut b = NodeBooks::new(&config);
+    let until = Instant::now() + std::time::Duration::from_secs(10);
+    b.keep_for_claims(lent(&[("x", 0, 10)]), until);
+    let c = b.register("c", &policy(0, None), 100);
+    // x holds 10 for its claims and 20 more of its floor are kept free for it.
+    assert_eq!(acquire(&mut b, c, 1, 100), Ok(70));
+}
+
+#[test]
+fn the_metrics_count_every_tenant_s_prefixes_and_their_bytes() {
+    let (mut b, _) = books(1000);
+    let a = b.register("a", &policy(0, None), 1000);
+    assert_eq!(acquire(&mut b, a, 100, 100), Ok(100));
+    b.publish_prefix(a, "p", published(0, 10, 0)).unwrap();
+    b.publish_prefix(a, "q", published(0, 20, 0)).unwrap();
+    let m = b.metrics();
+    assert_eq!(m.prefixes.get("a"), Some(&2));
+    assert_eq!(m.prefix_bytes.get(&("a".to_owned(), 0)), Some(&30));
+}
