@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# Mutation testing of the governor (kvvm-governor) and the manager (kvvm-vmm) with
-# cargo-mutants: every mutant of a crate's code must make one of the tests below fail. Not run
-# by CI (the two crates take over an hour on two cores); docs/reliability.md, "Mutation
-# testing", records the last figures and every surviving mutant judged harmless.
+# Mutation testing of the governor (kvvm-governor), the manager (kvvm-vmm) and the node's
+# broker (kvvm-broker) with cargo-mutants: every mutant of a crate's code must make one of the
+# tests below fail. Not run by CI (each crate takes an hour or more on two cores);
+# docs/reliability.md, "Mutation testing", records the last figures and every surviving
+# mutant judged harmless.
 #
 #   cargo install cargo-mutants --locked        # once
-#   ci/mutants.sh                               # both crates
-#   ci/mutants.sh governor                      # one crate: governor or vmm
+#   ci/mutants.sh                               # every crate
+#   ci/mutants.sh governor                      # one crate: governor, vmm or broker
 #   ci/mutants.sh vmm --file crates/vmm/src/device/parking.rs    # one file (more cargo-mutants args)
 #
 # Which tests judge which crate (what keeps a run tractable):
 #   kvvm-governor: the governor's own tests and the manager's (kvvm-vmm), its first user;
-#   kvvm-vmm:      the manager's own tests (unit and tests/).
+#   kvvm-vmm:      the manager's own tests (unit and tests/);
+#   kvvm-broker:   the broker's own tests (unit and tests/: processes, restarts, the soak).
 # The KV layer, the server and the other crates also exercise both, but building them for each
 # mutant would take many hours; what they rely on is asserted by these tests.
 #
 # Environment: MUTANTS_JOBS (default 1: parallel builds of a mutated tree each take a core),
-# MUTANTS_TIMEOUT (seconds a mutant's tests may run, default 30; the suites take a few seconds
-# on a loaded machine, so a mutant that runs this long hangs a test and counts as a timeout),
+# MUTANTS_TIMEOUT (seconds a mutant's tests may run, default 30, 120 for the broker; the
+# suites take a few seconds (the broker's about 30) on a loaded machine, so a mutant that runs
+# this long hangs a test and counts as a timeout),
 # MUTANTS_SHARD=k/n (test every n-th mutant from the k-th, counted from 0, round-robin: a
 # sample spread over every file; its outcomes go to mutants/<crate>-shard-k-of-n).
 #
@@ -78,7 +81,7 @@ def show(name, c):
     )
 
 
-for crate in ("governor", "vmm"):
+for crate in ("governor", "vmm", "broker"):
     runs = sorted(
         d for d in os.listdir(out)
         if re.fullmatch(crate + r"(-shard-[0-9]+-of-[0-9]+)?", d)
@@ -124,10 +127,14 @@ run() {
   if [ "$c" = governor ]; then
     tests+=(--test-package kvvm-vmm)
   fi
+  local timeout=$TIMEOUT
+  if [ "$c" = broker ] && [ -z "${MUTANTS_TIMEOUT:-}" ]; then
+    timeout=120
+  fi
   echo "== cargo mutants on $pkg (tests: ${tests[*]}), outcomes in $OUT/$name"
   local rc=0
   cargo mutants --package "$pkg" "${tests[@]}" --jobs "$JOBS" --jobserver-tasks "$JOBS" \
-    --timeout "$TIMEOUT" --output "$OUT/$name" --colors never "$@" || rc=$?
+    --timeout "$timeout" --output "$OUT/$name" --colors never "$@" || rc=$?
   # 0: every mutant caught; 2: some missed; 3: some timed out. Anything else is a failure of
   # the run itself (the baseline failed, bad arguments).
   case $rc in
@@ -163,8 +170,8 @@ main() {
       ;;
     recheck)
       local c=${1:-}
-      case "$c" in governor | vmm) shift ;; *)
-        echo "usage: ci/mutants.sh recheck governor|vmm [cargo-mutants args...]" >&2
+      case "$c" in governor | vmm | broker) shift ;; *)
+        echo "usage: ci/mutants.sh recheck governor|vmm|broker [cargo-mutants args...]" >&2
         exit 2
         ;;
       esac
@@ -194,15 +201,15 @@ PY
       summary
       return
       ;;
-    all) set -- governor vmm "$@" ;;
-    governor | vmm) set -- "$which" "$@" ;;
+    all) set -- governor vmm broker "$@" ;;
+    governor | vmm | broker) set -- "$which" "$@" ;;
     *)
-      echo "usage: ci/mutants.sh [all|governor|vmm|recheck CRATE|summary] [cargo-mutants args...]" >&2
+      echo "usage: ci/mutants.sh [all|governor|vmm|broker|recheck CRATE|summary] [cargo-mutants args...]" >&2
       exit 2
       ;;
   esac
   local crates=()
-  while [ $# -gt 0 ] && { [ "$1" = governor ] || [ "$1" = vmm ]; }; do
+  while [ $# -gt 0 ] && { [ "$1" = governor ] || [ "$1" = vmm ] || [ "$1" = broker ]; }; do
     crates+=("$1")
     shift
   done

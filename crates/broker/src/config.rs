@@ -50,8 +50,29 @@ pub struct BrokerConfig {
     pub tenants: BTreeMap<String, TenantPolicy>,
     /// The policy of tenants not named (`None`: unnamed tenants are refused).
     pub default_tenant: Option<TenantPolicy>,
-    /// The most clients served at once.
+    /// The most connections served at once (registered clients and connections that have
+    /// not said hello yet).
     pub max_clients: usize,
+    /// The most connections of one user (the peer's user id) at once: one user cannot take
+    /// every slot.
+    pub max_clients_per_user: usize,
+    /// How long a new connection has to say hello before it is dropped.
+    pub hello_timeout: Duration,
+    /// How long a registered client may stay silent (no complete message) before it is
+    /// dropped; clients ping at a quarter of it ([`Reply::Welcome`](crate::Reply::Welcome)
+    /// tells them).
+    pub idle_timeout: Duration,
+    /// The devices budgeted: indices `0..devices`; a request on another is refused.
+    pub devices: u32,
+    /// The most descriptors the broker keeps for published prefixes, over all tenants.
+    pub max_prefix_descriptors: usize,
+    /// Where the broker records what it has lent, for the broker started after it (`None`:
+    /// beside the socket, `<socket>.books`).
+    pub books_file: Option<PathBuf>,
+    /// After a restart, how long the bytes a previous broker had lent are kept for the
+    /// claims of its clients (nothing new is granted out of them until then); the kept bytes
+    /// go as soon as every one is claimed.
+    pub restart_grace: Duration,
     /// Messages a client may send at once before the rate limit applies.
     pub burst: u32,
     /// Messages per second a client may send in the long run.
@@ -68,9 +89,11 @@ pub struct BrokerConfig {
 }
 
 impl BrokerConfig {
-    /// A broker on `socket` with `budget` bytes per device, unnamed tenants welcome with no
-    /// floor, 64 clients, bursts of 256 messages and 1000 messages per second per client, no
-    /// metrics file (every 5 s once one is set).
+    /// A broker on `socket` with `budget` bytes per device on 64 devices, unnamed tenants
+    /// welcome with no floor, 64 connections (32 per user), a hello within 5 s and a message
+    /// at least every 60 s, bursts of 256 messages and 1000 messages per second per client,
+    /// 4096 prefix descriptors, a grace of 10 s after a restart, no metrics file (every 5 s
+    /// once one is set).
     pub fn new(socket: impl Into<PathBuf>, budget: u64) -> Self {
         BrokerConfig {
             socket: socket.into(),
@@ -79,6 +102,13 @@ impl BrokerConfig {
             tenants: BTreeMap::new(),
             default_tenant: Some(TenantPolicy::default()),
             max_clients: 64,
+            max_clients_per_user: 32,
+            hello_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
+            devices: 64,
+            max_prefix_descriptors: 4096,
+            books_file: None,
+            restart_grace: Duration::from_secs(10),
             burst: 256,
             messages_per_second: 1000,
             retry: RetryPolicy::default(),
@@ -105,35 +135,130 @@ impl BrokerConfig {
         policy.ceiling.map_or(self.budget, |c| c.min(self.budget))
     }
 
-    /// Checks that the floors fit in the budget and each floor under its ceiling.
+    /// Where the broker records what it has lent ([`books_file`](Self::books_file), or
+    /// `<socket>.books`).
+    pub fn books_path(&self) -> PathBuf {
+        self.books_file.clone().unwrap_or_else(|| {
+            let mut p = self.socket.as_os_str().to_owned();
+            p.push(".books");
+            PathBuf::from(p)
+        })
+    }
+
+    /// Checks that the configuration can be served: floors within their ceilings and
+    /// together within the budget, ceilings within the budget, a socket mode of permission
+    /// bits only, some tenant admitted, and every limit and timeout above zero.
     pub fn validate(&self) -> Result<(), BrokerError> {
+        let bad = |m: String| Err(BrokerError::Config(m));
         let mut floors = 0u64;
         for (name, p) in &self.tenants {
+            if let Some(c) = p.ceiling.filter(|c| *c > self.budget) {
+                return bad(format!(
+                    "tenant {name}: ceiling {c} over the budget of {}",
+                    self.budget
+                ));
+            }
             if p.floor > self.ceiling(p) {
-                return Err(BrokerError::Config(format!(
+                return bad(format!(
                     "tenant {name}: floor {} over its ceiling {}",
                     p.floor,
                     self.ceiling(p)
-                )));
+                ));
             }
             floors = floors.saturating_add(p.floor);
         }
         if floors > self.budget {
-            return Err(BrokerError::Config(format!(
+            return bad(format!(
                 "the floors add up to {floors} bytes, over the budget of {}",
                 self.budget
-            )));
-        }
-        if self.metrics_interval.is_zero() {
-            return Err(BrokerError::Config(
-                "metrics_interval must be above zero".into(),
             ));
         }
-        if self.max_clients == 0 || self.burst == 0 {
-            return Err(BrokerError::Config(
-                "max_clients and burst must be at least 1".into(),
+        if self.socket_mode > 0o777 {
+            return bad(format!(
+                "socket mode {:o}: permission bits only (0..=777)",
+                self.socket_mode
             ));
+        }
+        if self.default_tenant.is_none() && self.tenants.is_empty() {
+            return bad("no tenant may connect: name one, or admit tenants not named".into());
+        }
+        let zero = [
+            ("metrics_interval", self.metrics_interval.is_zero()),
+            ("hello_timeout", self.hello_timeout.is_zero()),
+            ("idle_timeout", self.idle_timeout.is_zero()),
+            ("max_clients", self.max_clients == 0),
+            ("max_clients_per_user", self.max_clients_per_user == 0),
+            ("burst", self.burst == 0),
+            ("devices", self.devices == 0),
+        ];
+        if let Some((name, _)) = zero.iter().find(|(_, z)| *z) {
+            return bad(format!("{name} must be above zero"));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    fn refused(c: &BrokerConfig) -> String {
+        match c.validate() {
+            Err(BrokerError::Config(why)) => why,
+            other => format!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_configuration_that_cannot_be_served_is_refused_with_the_reason() {
+        let base = || BrokerConfig::new("/x.sock", 100);
+        assert!(base().validate().is_ok());
+        let floor = |f: u64, c: Option<u64>| TenantPolicy {
+            floor: f,
+            ceiling: c,
+            ..TenantPolicy::default()
+        };
+        assert!(refused(&base().tenant("a", floor(0, Some(101)))).contains("ceiling 101 over"));
+        assert!(base().tenant("a", floor(0, Some(100))).validate().is_ok());
+        assert!(refused(&base().tenant("a", floor(60, Some(50)))).contains("floor 60 over"));
+        assert!(base().tenant("a", floor(50, Some(50))).validate().is_ok());
+        let two = base()
+            .tenant("a", floor(60, None))
+            .tenant("b", floor(41, None));
+        assert!(refused(&two).contains("add up to 101"));
+        let exact = base()
+            .tenant("a", floor(60, None))
+            .tenant("b", floor(40, None));
+        assert!(exact.validate().is_ok());
+        let mut c = base();
+        c.socket_mode = 0o1777;
+        assert!(refused(&c).contains("permission bits"));
+        c.socket_mode = 0o777;
+        assert!(c.validate().is_ok());
+        c.default_tenant = None;
+        assert!(refused(&c).contains("no tenant may connect"));
+        assert!(c.clone().tenant("a", floor(0, None)).validate().is_ok());
+        for (name, set) in [
+            (
+                "metrics_interval",
+                (|c: &mut BrokerConfig| c.metrics_interval = Duration::ZERO)
+                    as fn(&mut BrokerConfig),
+            ),
+            ("hello_timeout", |c| c.hello_timeout = Duration::ZERO),
+            ("idle_timeout", |c| c.idle_timeout = Duration::ZERO),
+            ("max_clients", |c| c.max_clients = 0),
+            ("max_clients_per_user", |c| c.max_clients_per_user = 0),
+            ("burst", |c| c.burst = 0),
+            ("devices", |c| c.devices = 0),
+        ] {
+            let mut c = base();
+            set(&mut c);
+            assert_eq!(refused(&c), format!("{name} must be above zero"));
+        }
+        assert_eq!(base().books_path(), PathBuf::from("/x.sock.books"));
+        let mut c = base();
+        c.books_file = Some("/elsewhere".into());
+        assert_eq!(c.books_path(), PathBuf::from("/elsewhere"));
     }
 }

@@ -15,21 +15,27 @@
 //!   (with a `retry_after` estimated from the bytes given back recently) or
 //!   [`NeverFits`](kvvm_governor::NeverFits).
 //! * A client's socket closing (exit, crash, SIGKILL) gives everything it held back. A client
-//!   whose broker restarts keeps what it holds and claims it from the new broker.
+//!   whose broker restarts keeps what it holds, reconnects at once and claims it from the
+//!   new broker, which keeps what its predecessor lent for those claims (it never grants
+//!   the same bytes twice).
 //! * Every request is checked against the client's own books: it can only return what it
-//!   holds; the messages per second and the number of clients are bounded.
+//!   holds; the messages per second, the connections (in all and per user), the time to
+//!   say hello and to stay silent, the devices, and the descriptors a publish may carry (a
+//!   driver's exported memory only) are bounded.
 //!
 //! See `docs/broker.md` for the protocol, the security model and the failure semantics.
 //!
 //! ## Where each part lives
 //!
-//! `proto.rs` (frames and messages), `books.rs` ([`NodeBooks`]: floors, ceilings, the shared
-//! rest), `prefixes.rs` (published prefixes and their descriptors), `server/` ([`Broker`]:
-//! accept, one thread per client, validation; `prefix.rs` its prefix requests), `client.rs`
-//! ([`BrokerClient`], the [`LeaseSource`](kvvm_governor::LeaseSource) of a leased governor),
-//! `fdpass.rs` (descriptors over the socket with `SCM_RIGHTS`), `peer.rs` (the peer's
-//! credentials, `SO_PEERCRED`), `metrics.rs` (counters and the Prometheus text), `config.rs`, `error.rs`,
-//! `signal.rs` (waiting for SIGTERM).
+//! `proto.rs` (frames and messages), `books/` ([`NodeBooks`]: floors, ceilings, the shared
+//! rest, claims and the grace after a restart), `books_file.rs` (what was lent, for the next
+//! broker), `prefixes.rs` (published prefixes and their descriptors), `descriptor.rs` (which
+//! descriptors a publish may carry), `server/` ([`Broker`]: the socket, accept, slots, one
+//! thread per connection, deadlines, validation), `client/` ([`BrokerClient`], the
+//! [`LeaseSource`](kvvm_governor::LeaseSource) of a leased governor, its reader thread and
+//! reconnects), `fdpass.rs` (descriptors over the socket with `SCM_RIGHTS`), `peer.rs` (the
+//! peer's credentials, `SO_PEERCRED`), `metrics.rs` (counters and the Prometheus text),
+//! `config.rs`, `error.rs`, `signal.rs` (waiting for SIGTERM).
 //!
 //! Prefixes: a client publishes a shared prefix's exported handles
 //! ([`BrokerClient::publish_prefix`]); its bytes are billed once, to the tenant, until the
@@ -37,10 +43,12 @@
 //! import the descriptors read-only.
 
 mod books;
+mod books_file;
 mod client;
 mod config;
+pub mod descriptor;
 mod error;
-mod fdpass;
+pub mod fdpass;
 mod metrics;
 mod peer;
 mod prefixes;
@@ -48,7 +56,7 @@ pub mod proto;
 mod server;
 pub mod signal;
 
-pub use books::{BooksError, NodeBooks, ReclaimAsk};
+pub use books::{AcquireOutcome, BookEntries, BooksError, NodeBooks, ReclaimAsk};
 pub use client::{leased_governor, BrokerClient, ClientOptions, Welcome};
 pub use config::{BrokerConfig, TenantPolicy};
 pub use error::BrokerError;

@@ -27,6 +27,12 @@ pub struct BrokerCounters {
     pub reclaim_asked_bytes: u64,
     /// Bytes given back: returns, and everything a dropped client or prefix held.
     pub returned_bytes: u64,
+    /// Connections the acceptor could not take (`accept` failed: out of descriptors, ...).
+    pub accept_failures: u64,
+    /// Connections refused for want of a slot (every slot, or every slot of their user, taken).
+    pub connections_refused: u64,
+    /// Connections dropped for saying hello too late or staying silent too long.
+    pub connections_timed_out: u64,
 }
 
 /// The books at one moment, with the counters.
@@ -36,8 +42,13 @@ pub struct BrokerMetrics {
     pub budget: u64,
     /// Clients registered now.
     pub clients: u64,
-    /// Bytes held per (tenant, device): its clients' leases and its prefixes.
+    /// Tenants the books know now (with a client or bytes).
+    pub tenants: u64,
+    /// Bytes held per (tenant, device): its clients' leases, its prefixes and what is kept
+    /// for its clients' claims after a restart.
     pub held: BTreeMap<(String, u32), u64>,
+    /// Bytes kept for claims after a restart and not claimed yet, per (tenant, device).
+    pub unclaimed: BTreeMap<(String, u32), u64>,
     /// Bytes of published prefixes per (tenant, device).
     pub prefix_bytes: BTreeMap<(String, u32), u64>,
     /// Published prefixes per tenant.
@@ -70,9 +81,18 @@ impl BrokerMetrics {
             "Clients registered now.",
             &[("", self.clients)],
         );
+        gauge(
+            out,
+            "tenants",
+            "Tenants known now (with a client or bytes).",
+            &[("", self.tenants)],
+        );
         let held = labelled(&self.held);
-        let help = "Bytes held per tenant and device (leases and prefixes).";
+        let help = "Bytes held per tenant and device (leases, prefixes, kept for claims).";
         gauge(out, "held_bytes", help, &held);
+        let unclaimed = labelled(&self.unclaimed);
+        let help = "Bytes kept after a restart for claims not made yet, per tenant and device.";
+        gauge(out, "unclaimed_bytes", help, &unclaimed);
         let prefix = labelled(&self.prefix_bytes);
         let help = "Bytes of published prefixes per tenant and device.";
         gauge(out, "prefix_bytes", help, &prefix);
@@ -119,6 +139,21 @@ impl BrokerCounters {
                 "returned_bytes_total",
                 "Bytes given back (returns, dropped clients and prefixes).",
                 self.returned_bytes,
+            ),
+            (
+                "accept_failures_total",
+                "Connections the acceptor could not take.",
+                self.accept_failures,
+            ),
+            (
+                "connections_refused_total",
+                "Connections refused for want of a slot.",
+                self.connections_refused,
+            ),
+            (
+                "connections_timed_out_total",
+                "Connections dropped for a late hello or a long silence.",
+                self.connections_timed_out,
             ),
         ] {
             counter(out, name, help, &[("", value)]);
@@ -207,7 +242,7 @@ mod tests {
         }
         let helps = text.lines().filter(|l| l.starts_with("# HELP")).count();
         let types = text.lines().filter(|l| l.starts_with("# TYPE")).count();
-        assert_eq!((helps, types), (13, 13));
+        assert_eq!((helps, types), (18, 18));
         assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }

@@ -10,7 +10,7 @@ use std::io::{self, Read, Write};
 use serde::{Deserialize, Serialize};
 
 /// The protocol version a client announces in [`Request::Hello`].
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The largest frame either side accepts, in bytes.
 pub const MAX_FRAME: usize = 4096;
@@ -105,6 +105,28 @@ pub enum Request {
         /// The prefix's name within the tenant.
         key: String,
     },
+    /// After a reconnect: the client used its tenant's prefix `key` (`bytes` on `device`)
+    /// `uses` times under a previous broker. It is a user again; a prefix nobody claimed
+    /// yet is billed again to the tenant (without descriptors: it cannot be opened until
+    /// published again).
+    ClaimPrefix {
+        /// Echoed in the reply.
+        id: u64,
+        /// The prefix's name within the tenant.
+        key: String,
+        /// The device index.
+        device: u32,
+        /// The prefix's bytes (the sum of its handles' sizes).
+        bytes: u64,
+        /// Times the client opened (or published) it and has not closed it.
+        uses: u32,
+    },
+    /// Nothing but an answer: a client's sign of life when it has nothing to ask, and a
+    /// barrier (every message sent before it has been served when its answer comes).
+    Ping {
+        /// Echoed in the reply.
+        id: u64,
+    },
 }
 
 impl Request {
@@ -117,7 +139,9 @@ impl Request {
             | Request::Return { id, .. }
             | Request::Publish { id, .. }
             | Request::Open { id, .. }
-            | Request::Close { id, .. } => *id,
+            | Request::Close { id, .. }
+            | Request::ClaimPrefix { id, .. }
+            | Request::Ping { id } => *id,
         }
     }
 }
@@ -147,7 +171,8 @@ pub enum WireRefusal {
 }
 
 /// Why the broker answered a request with an error (the connection is closed after each,
-/// except [`ErrorCode::RateLimited`] and [`ErrorCode::NotHeld`]).
+/// except [`ErrorCode::RateLimited`], [`ErrorCode::NotHeld`] and
+/// [`ErrorCode::BadDescriptor`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
@@ -161,6 +186,9 @@ pub enum ErrorCode {
     RateLimited,
     /// A return of more than the client holds, or a second claim: nothing changed.
     NotHeld,
+    /// A published descriptor that is not a driver's exported memory of the size claimed
+    /// (a socket, a pipe, a file, ...): nothing changed.
+    BadDescriptor,
 }
 
 /// A message from the broker to a client.
@@ -179,6 +207,10 @@ pub enum Reply {
         ceiling: u64,
         /// The node's budget per device.
         budget: u64,
+        /// The most the client may stay silent, in milliseconds, before it is dropped: it
+        /// pings well within it (0: no limit).
+        #[serde(default)]
+        idle_ms: u64,
     },
     /// Bytes the client now holds on `device` (the answer to a claim, an acquire or a
     /// return); `granted` is what an acquire added (0 otherwise).
@@ -204,7 +236,12 @@ pub enum Reply {
         #[serde(default)]
         meta: String,
     },
-    /// The users a prefix has left after a close (0: it was freed).
+    /// The answer to [`Request::Ping`].
+    Pong {
+        /// The request's id.
+        id: u64,
+    },
+    /// The users a prefix has left after a close (0: it was freed), or has after a claim.
     Users {
         /// The request's id.
         id: u64,
@@ -363,6 +400,43 @@ mod tests {
             matches!(got, Frame::Malformed(_)),
             "unknown fields are refused"
         );
+    }
+
+    /// A reader interrupted once before every read it serves.
+    struct Interrupted<'a>(&'a [u8], bool);
+
+    impl Read for Interrupted<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.1 = !self.1;
+            if self.1 {
+                return Err(io::ErrorKind::Interrupted.into());
+            }
+            self.0.read(buf)
+        }
+    }
+
+    #[test]
+    fn an_interrupted_read_is_tried_again() {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, &Request::Ping { id: 3 }).unwrap();
+        let got = read_frame::<Request>(&mut Interrupted(&buf, false)).unwrap();
+        assert!(matches!(got, Frame::Message(Request::Ping { id: 3 })));
+    }
+
+    #[test]
+    fn keys_and_meta() {
+        assert!(valid_key("system-prompt:v1.2_x"));
+        assert!(valid_key(&"k".repeat(MAX_KEY)));
+        assert!(!valid_key(""));
+        assert!(!valid_key("a b"));
+        assert!(!valid_key("a/b"));
+        assert!(!valid_key(&"k".repeat(MAX_KEY + 1)));
+        assert!(valid_meta(""));
+        assert!(valid_meta("kvvm-prefix/1 64 0 2 0:1"));
+        assert!(valid_meta(&"m".repeat(MAX_META)));
+        assert!(!valid_meta("a\nb"));
+        assert!(!valid_meta("\u{e9}"));
+        assert!(!valid_meta(&"m".repeat(MAX_META + 1)));
     }
 
     #[test]

@@ -182,6 +182,11 @@ fn tokens_tenants_client_count_and_rate_are_enforced() {
     config.clock = clock.clone();
     let broker = Broker::start(config).unwrap();
     assert_eq!(
+        code(&hello(&mut raw(&broker), "secret", Some("3scret"))),
+        Some(ErrorCode::Unauthorized),
+        "two bytes swapped: their differences do not cancel"
+    );
+    assert_eq!(
         code(&hello(&mut raw(&broker), "secret", Some("guess"))),
         Some(ErrorCode::Unauthorized)
     );
@@ -343,7 +348,8 @@ fn prefix_requests_are_checked_against_the_clients_books() {
         "t",
     ))
     .unwrap();
-    let file = std::fs::File::open("/dev/null").unwrap();
+    let file = common::memfd(10);
+    let one = common::memfd(1);
     use std::os::fd::AsFd;
     let r = client.publish_prefix(0, "p", &[(file.as_fd(), 10)], "");
     assert!(r.is_err(), "publishing bytes it does not hold");
@@ -359,13 +365,24 @@ fn prefix_requests_are_checked_against_the_clients_books() {
         assert!(r.is_err(), "meta {:?}... refused", &meta[..4]);
     }
     assert!(broker.prefixes().is_empty());
+    // The bad meta closed `bad`'s connection: it came back and claimed its 10 bytes.
+    bad.sync().unwrap();
+    assert_eq!(bad.held(0), 10);
+    let bad_id = bad.welcome().unwrap().client;
+    assert!(
+        broker.holdings().contains(&(bad_id, 0, 10)),
+        "{:?}",
+        broker.holdings()
+    );
+    drop(bad);
+    common::wait_until(&broker, "bad's socket closed", |b| b.clients() == 1);
     assert_eq!(client.acquire_bytes(0, 10, 10), Ok(10));
     client
         .publish_prefix(0, "p", &[(file.as_fd(), 10)], &"m".repeat(2048))
         .unwrap();
     assert!(
         client
-            .publish_prefix(0, "p", &[(file.as_fd(), 1)], "")
+            .publish_prefix(0, "p", &[(one.as_fd(), 1)], "")
             .is_err(),
         "a second p"
     );
@@ -373,4 +390,94 @@ fn prefix_requests_are_checked_against_the_clients_books() {
     assert_eq!(broker.total_held(0), 10, "billed once, to the prefix");
     assert_eq!(client.close_prefix("p").unwrap(), 0);
     assert_eq!(broker.total_held(0), 0);
+}
+
+#[test]
+fn a_client_tries_a_request_once_more_on_a_new_connection_and_then_gives_up() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let path = socket("drops-requests");
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let requests = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&requests);
+    // Not a broker: it welcomes every client and hangs up on its first request.
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            let seen = Arc::clone(&seen);
+            std::thread::spawn(move || {
+                let hello = read_frame::<Request>(&mut s);
+                if !matches!(hello, Ok(Frame::Message(Request::Hello { .. }))) {
+                    return;
+                }
+                let welcome = Reply::Welcome {
+                    id: 1,
+                    client: 1,
+                    floor: 0,
+                    ceiling: 100,
+                    budget: 100,
+                    idle_ms: 0,
+                };
+                if write_frame(&mut s, &welcome).is_ok()
+                    && matches!(read_frame::<Request>(&mut s), Ok(Frame::Message(_)))
+                {
+                    seen.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    let client =
+        kvvm_broker::BrokerClient::connect(kvvm_broker::ClientOptions::new(&path, "t")).unwrap();
+    assert!(client.acquire_bytes(0, 1, 1).is_err(), "no answer came");
+    assert_eq!(
+        requests.load(Ordering::SeqCst),
+        2,
+        "the request, and once more on a new connection"
+    );
+    drop(client);
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn a_client_whose_broker_turns_it_away_tries_again_less_and_less_often() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let path = socket("turns-away");
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    let tries = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&tries);
+    let first = Arc::new(std::sync::Barrier::new(2));
+    let welcomed = Arc::clone(&first);
+    // Not a broker: it welcomes the first connection and cuts it, then hangs up on every hello.
+    std::thread::spawn(move || {
+        for (n, s) in listener.incoming().enumerate() {
+            let Ok(mut s) = s else { return };
+            if n > 0 {
+                seen.fetch_add(1, Ordering::SeqCst);
+                continue;
+            }
+            drop(read_frame::<Request>(&mut s));
+            let welcome = Reply::Welcome {
+                id: 1,
+                client: 1,
+                floor: 0,
+                ceiling: 100,
+                budget: 100,
+                idle_ms: 0,
+            };
+            write_frame(&mut s, &welcome).unwrap();
+            welcomed.wait();
+        }
+    });
+    let client =
+        kvvm_broker::BrokerClient::connect(kvvm_broker::ClientOptions::new(&path, "t")).unwrap();
+    first.wait(); // the connection is cut: the client tries again, and again
+    std::thread::sleep(Duration::from_millis(500));
+    let n = tries.load(Ordering::SeqCst);
+    assert!(
+        (3..=40).contains(&n),
+        "{n} tries in 500 ms: a pause growing from 2 ms between them"
+    );
+    drop(client);
+    let _ = std::fs::remove_file(&path);
 }

@@ -35,12 +35,36 @@ pub struct BrokerArgs {
     /// Refuse tenants not named with --tenant.
     #[arg(long)]
     named_only: bool,
-    /// The socket's file mode, in octal.
-    #[arg(long, default_value = "600")]
-    mode: String,
-    /// The most clients served at once.
+    /// The socket's file mode, in octal (permission bits: 0 to 777).
+    #[arg(long, default_value = "600", value_parser = parse_mode)]
+    mode: u32,
+    /// The most connections served at once.
     #[arg(long, default_value_t = 64, value_parser = flags::int_in::<usize>(1, 4096))]
     max_clients: usize,
+    /// The most connections of one user (uid) at once.
+    #[arg(long, default_value_t = 32, value_parser = flags::int_in::<usize>(1, 4096))]
+    max_clients_per_user: usize,
+    /// How long a new connection has to say hello, in milliseconds.
+    #[arg(long, default_value_t = 5000, value_parser = flags::int_in::<u64>(1, 3_600_000))]
+    hello_timeout_ms: u64,
+    /// How long a client may stay silent before it is dropped, in milliseconds (clients
+    /// ping at a quarter of it).
+    #[arg(long, default_value_t = 60_000, value_parser = flags::int_in::<u64>(4, 86_400_000))]
+    idle_timeout_ms: u64,
+    /// The devices budgeted: indices 0 to N-1.
+    #[arg(long, default_value_t = 64, value_parser = flags::int_in::<u32>(1, 65_536))]
+    devices: u32,
+    /// The most descriptors kept for published prefixes, over all tenants.
+    #[arg(long, default_value_t = 4096, value_parser = flags::int_in::<usize>(1, 1 << 20))]
+    max_prefix_descriptors: usize,
+    /// Where what the broker lent is recorded for the broker started after it (default:
+    /// the socket's path with `.books` added).
+    #[arg(long)]
+    books_file: Option<PathBuf>,
+    /// After a restart, how long what the previous broker lent is kept for its clients'
+    /// claims, in milliseconds.
+    #[arg(long, default_value_t = 10_000, value_parser = flags::int_in::<u64>(0, 3_600_000))]
+    restart_grace_ms: u64,
     /// Write the broker's metrics to this file in Prometheus' text format (for
     /// node_exporter's textfile collector), at start, every --metrics-interval-ms and at stop.
     #[arg(long)]
@@ -75,6 +99,16 @@ fn parse_tenant(s: &str) -> Result<(String, TenantPolicy), String> {
     Ok((name, policy))
 }
 
+fn parse_mode(s: &str) -> Result<u32, String> {
+    match u32::from_str_radix(s, 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        Ok(_) => Err(format!(
+            "{s} is not a file mode of permission bits (0 to 777, octal)"
+        )),
+        Err(e) => Err(format!("{s}: {e} (an octal mode, 0 to 777)")),
+    }
+}
+
 fn parse_users(s: &str) -> Result<(String, Vec<u32>), String> {
     let (name, ids) = s
         .split_once('=')
@@ -90,10 +124,24 @@ fn parse_users(s: &str) -> Result<(String, Vec<u32>), String> {
     Ok((name.to_owned(), users))
 }
 
-fn config(args: &BrokerArgs) -> CliResult<BrokerConfig> {
-    let mut config = BrokerConfig::new(&args.socket, args.budget_bytes);
+/// The named tenants, each once and each ceiling within the budget.
+fn tenants(args: &BrokerArgs, mut config: BrokerConfig) -> CliResult<BrokerConfig> {
     for (name, policy) in &args.tenants {
+        if config.tenants.contains_key(name) {
+            return Err(failed(format!("--tenant {name} is given twice")));
+        }
+        if let Some(c) = policy.ceiling.filter(|c| *c > args.budget_bytes) {
+            return Err(failed(format!(
+                "--tenant {name}: its ceiling of {c} bytes is over --budget-bytes {}",
+                args.budget_bytes
+            )));
+        }
         config = config.tenant(name.clone(), policy.clone());
+    }
+    if args.named_only && args.tenants.is_empty() {
+        return Err(failed(
+            "--named-only with no --tenant: no tenant could connect",
+        ));
     }
     for t in &args.tokens {
         let (name, var) = t
@@ -113,14 +161,26 @@ fn config(args: &BrokerArgs) -> CliResult<BrokerConfig> {
             .ok_or_else(|| failed(format!("--tenant-users {name}=...: no --tenant {name}")))?;
         policy.users = Some(users.clone());
     }
+    Ok(config)
+}
+
+fn config(args: &BrokerArgs) -> CliResult<BrokerConfig> {
+    let ms = std::time::Duration::from_millis;
+    let mut config = tenants(args, BrokerConfig::new(&args.socket, args.budget_bytes))?;
     if args.named_only {
         config.default_tenant = None;
     }
-    config.socket_mode = u32::from_str_radix(&args.mode, 8)
-        .map_err(|e| failed(format!("--mode {}: {e}", args.mode)))?;
+    config.socket_mode = args.mode;
     config.max_clients = args.max_clients;
+    config.max_clients_per_user = args.max_clients_per_user;
+    config.hello_timeout = ms(args.hello_timeout_ms);
+    config.idle_timeout = ms(args.idle_timeout_ms);
+    config.devices = args.devices;
+    config.max_prefix_descriptors = args.max_prefix_descriptors;
+    config.books_file.clone_from(&args.books_file);
+    config.restart_grace = ms(args.restart_grace_ms);
     config.metrics_file.clone_from(&args.metrics_file);
-    config.metrics_interval = std::time::Duration::from_millis(args.metrics_interval_ms);
+    config.metrics_interval = ms(args.metrics_interval_ms);
     config.messages_per_second = args.messages_per_second;
     config.burst = args.messages_per_second.saturating_mul(4);
     config.validate().map_err(failed)?;

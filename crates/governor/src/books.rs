@@ -1,8 +1,8 @@
 //! [`Ledger`]: the books behind a governor, one [`DeviceBooks`] per device, updated with
 //! checked arithmetic (an underflow or overflow is a [`GovernorError`], never a wrap), and the
-//! recent frees the release rate is measured over.
+//! recent frees and releases the release rate is measured over (each a [`ReleaseWindow`]).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -10,10 +10,8 @@ use kvvm_hal::DeviceId;
 
 use crate::bucket::Bucket;
 use crate::error::GovernorError;
+use crate::release_window::ReleaseWindow;
 use crate::snapshot::DeviceSnapshot;
-
-/// Most free events kept per device (older ones are merged into their neighbour).
-pub(crate) const MAX_FREE_EVENTS: usize = 1024;
 
 /// One device's books.
 #[derive(Debug, Default)]
@@ -23,10 +21,10 @@ pub(crate) struct DeviceBooks {
     shared: u64,
     quarantined: u64,
     pending: u64,
-    /// (time, bytes) of recent frees, oldest first.
-    pub(crate) frees: VecDeque<(Instant, u64)>,
-    /// (time, bytes) of recent releases by consumers (to a pool or the driver), oldest first.
-    releases: VecDeque<(Instant, u64)>,
+    /// Recent frees (to the driver).
+    pub(crate) frees: ReleaseWindow,
+    /// Recent releases by consumers (to a pool or the driver).
+    releases: ReleaseWindow,
 }
 
 impl DeviceBooks {
@@ -88,17 +86,6 @@ fn put(device: DeviceId, slot: &mut u64, bytes: u64) -> Result<(), GovernorError
     Ok(())
 }
 
-/// Drops the events of `events` older than `window` at `now`.
-pub(crate) fn prune<T>(events: &mut VecDeque<(Instant, T)>, now: Instant, window: Duration) {
-    while let Some((t, _)) = events.front() {
-        if now.saturating_duration_since(*t) > window {
-            events.pop_front();
-        } else {
-            break;
-        }
-    }
-}
-
 impl Ledger {
     /// Used plus pending bytes of `device`.
     pub(crate) fn device_used(books: &Books, device: DeviceId) -> u64 {
@@ -143,11 +130,8 @@ impl Ledger {
     pub(crate) fn freed_in_window(&self, device: DeviceId, now: Instant, window: Duration) -> u64 {
         let mut books = lock(&self.books);
         books.devices.get_mut(&device).map_or(0, |d| {
-            prune(&mut d.frees, now, window);
-            d.frees
-                .iter()
-                .map(|(_, b)| *b)
-                .fold(0u64, u64::saturating_add)
+            d.frees.prune(now, window);
+            d.frees.total(now, window)
         })
     }
 
@@ -162,8 +146,7 @@ impl Ledger {
     ) {
         let mut books = lock(&self.books);
         let d = books.devices.entry(device).or_default();
-        d.releases.push_back((now, bytes));
-        prune(&mut d.releases, now, window);
+        d.releases.note(now, window, bytes);
     }
 
     /// Bytes consumers released on `device` during the last `window` before `now`.
@@ -174,13 +157,10 @@ impl Ledger {
         window: Duration,
     ) -> u64 {
         let books = lock(&self.books);
-        books.devices.get(&device).map_or(0, |d| {
-            d.releases
-                .iter()
-                .filter(|(t, _)| now.saturating_duration_since(*t) <= window)
-                .map(|(_, b)| *b)
-                .fold(0u64, u64::saturating_add)
-        })
+        books
+            .devices
+            .get(&device)
+            .map_or(0, |d| d.releases.total(now, window))
     }
 
     /// Moves `bytes` on `device` from one bucket to another.
@@ -221,16 +201,7 @@ impl Ledger {
         let mut books = lock(&self.books);
         let d = books.devices.entry(device).or_default();
         take(device, from.as_str(), d.bucket(from), bytes)?;
-        prune(&mut d.frees, now, window);
-        if d.frees.len() >= MAX_FREE_EVENTS {
-            // Merge the oldest event into the next one: the sum in the window is kept.
-            if let Some((_, b)) = d.frees.pop_front() {
-                if let Some(next) = d.frees.front_mut() {
-                    next.1 = next.1.saturating_add(b);
-                }
-            }
-        }
-        d.frees.push_back((now, bytes));
+        d.frees.note(now, window, bytes);
         Ok(())
     }
 

@@ -78,10 +78,11 @@
 //! `governor/` ([`Governor`]: `mod.rs` grants, reclaim, transfers, snapshots; `grant.rs`
 //! [`MappedGrowthGrant`]; `lease.rs` [`Governor::with_lease`], a budget leased from a
 //! node-wide broker), `books.rs` (the checked books), `bucket.rs`, `error.rs`
-//! ([`Backpressure`], [`GovernorError`]), `clock.rs`, `retry.rs` ([`RetryPolicy`]),
+//! ([`Backpressure`], [`GovernorError`]), `clock.rs`, `retry.rs` ([`RetryPolicy`]), `release_window.rs` ([`ReleaseWindow`], what was
+//! released during the last window: the ledger's, the tenants' and a node broker's),
 //! `reclaim.rs` ([`Reclaimer`]), `config.rs` ([`GovernorConfig`]), `snapshot.rs`, `lease_source.rs`
 //! ([`LeaseSource`], [`LeasePolicy`]), `tenant.rs` (the vocabulary of tenant budgets:
-//! [`TenantId`], [`TenantShare`], [`TenantBudgets`], [`TenantRefusal`]) and `tenants.rs`
+//! [`TenantId`], [`TenantShare`], [`TenantBudgets`], [`TenantRefusal`], [`TenantBounds`]) and `tenants.rs`
 //! ([`Tenants`], [`TenantGrant`]).
 
 #![forbid(unsafe_code)]
@@ -94,6 +95,7 @@ mod error;
 mod governor;
 mod lease_source;
 mod reclaim;
+mod release_window;
 mod retry;
 mod snapshot;
 mod tenant;
@@ -108,10 +110,11 @@ pub use governor::lease::WeakGovernor;
 pub use governor::Governor;
 pub use lease_source::{LeasePolicy, LeaseSource, LeaseStats};
 pub use reclaim::Reclaimer;
+pub use release_window::{ReleaseWindow, Released};
 pub use retry::RetryPolicy;
 pub use snapshot::{DeviceSnapshot, GovernorSnapshot};
 pub use tenant::{
-    Quota, Scope, TenantBackpressure, TenantBudgets, TenantId, TenantLimits, TenantNeverFits,
-    TenantRefusal, TenantShare,
+    Quota, Scope, TenantBackpressure, TenantBounds, TenantBudgets, TenantId, TenantLimits,
+    TenantNeverFits, TenantRefusal, TenantShare,
 };
 pub use tenants::{TenantGrant, Tenants};

@@ -1,6 +1,8 @@
 //! The vocabulary of tenant budgets: who holds a share ([`TenantId`]), what a share is
 //! ([`TenantShare`], one figure per [`Quota`]), the limits on it ([`TenantLimits`] per
-//! [`Scope`], together [`TenantBudgets`]) and why a share is refused ([`TenantRefusal`]).
+//! [`Scope`], together [`TenantBudgets`]) and why a share is refused ([`TenantRefusal`]);
+//! [`TenantBounds`], a tenant's floor and ceiling of a byte budget tenants share (a node
+//! broker's books keep theirs with it).
 //!
 //! A tenant budget sits inside the device budget: the committed bytes of a tenant's share are
 //! also granted by the device budget when they are committed (a `MappedGrowthGrant`); the
@@ -8,6 +10,8 @@
 //! themselves are `Tenants` (`tenants.rs`).
 
 use std::time::Duration;
+
+use crate::release_window::Released;
 
 /// A tenant: a client whose share is budgeted on its own (an API key of a server). Opaque.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -92,6 +96,12 @@ impl TenantShare {
     }
 }
 
+impl Released for TenantShare {
+    fn plus(self, other: Self) -> Self {
+        TenantShare::plus(self, other)
+    }
+}
+
 /// Limits on a share, one per quota (`None`: unlimited).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TenantLimits {
@@ -130,6 +140,45 @@ impl TenantBudgets {
             Scope::AllTenants => self.all_tenants.get(quota),
             Scope::Tenant => self.per_tenant.get(quota),
         }
+    }
+}
+
+/// A tenant's floor and ceiling of a byte budget shared by tenants (a node broker's budget
+/// of device memory): at least `floor` bytes are kept free for it, whether it holds them or
+/// not, and it holds at most `ceiling`. Made by [`within`](Self::within), the floor is at
+/// most the ceiling and the ceiling at most the budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TenantBounds {
+    /// Bytes kept free for the tenant: no other tenant's grant takes them.
+    pub floor: u64,
+    /// Most bytes the tenant holds.
+    pub ceiling: u64,
+}
+
+impl TenantBounds {
+    /// The bounds of a tenant asking for `floor` and `ceiling` (`None`: the whole budget) of
+    /// `budget`: the ceiling at most the budget, the floor at most the ceiling.
+    pub fn within(floor: u64, ceiling: Option<u64>, budget: u64) -> Self {
+        let ceiling = ceiling.map_or(budget, |c| c.min(budget));
+        TenantBounds {
+            floor: floor.min(ceiling),
+            ceiling,
+        }
+    }
+
+    /// What a tenant holding `held` has over its floor: what it may be asked to give back.
+    pub fn excess(&self, held: u64) -> u64 {
+        held.saturating_sub(self.floor)
+    }
+
+    /// What is kept free for a tenant holding `held`: the part of its floor it does not hold.
+    pub fn kept_free(&self, held: u64) -> u64 {
+        self.floor.saturating_sub(held)
+    }
+
+    /// What a tenant holding `held` may still take under its ceiling.
+    pub fn room(&self, held: u64) -> u64 {
+        self.ceiling.saturating_sub(held)
     }
 }
 
@@ -177,4 +226,38 @@ pub enum TenantRefusal {
     /// The limit is full now.
     #[error(transparent)]
     Backpressure(#[from] TenantBackpressure),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounds_keep_the_floor_under_the_ceiling_and_the_ceiling_under_the_budget() {
+        let b = TenantBounds::within(30, Some(50), 100);
+        assert_eq!((b.floor, b.ceiling), (30, 50));
+        assert_eq!(TenantBounds::within(80, Some(50), 100).floor, 50);
+        assert_eq!(TenantBounds::within(0, Some(150), 100).ceiling, 100);
+        assert_eq!(TenantBounds::within(10, None, 100).ceiling, 100);
+        assert_eq!((b.excess(45), b.excess(30), b.excess(10)), (15, 0, 0));
+        assert_eq!(
+            (b.kept_free(10), b.kept_free(30), b.kept_free(45)),
+            (20, 0, 0)
+        );
+        assert_eq!((b.room(45), b.room(50), b.room(70)), (5, 0, 0));
+    }
+
+    #[test]
+    fn a_share_released_adds_figure_by_figure() {
+        let a = TenantShare {
+            sequences: 1,
+            reserved_bytes: 2,
+            committed_bytes: u64::MAX,
+        };
+        let sum = Released::plus(a, a);
+        assert_eq!(
+            (sum.sequences, sum.reserved_bytes, sum.committed_bytes),
+            (2, 4, u64::MAX)
+        );
+    }
 }

@@ -7,14 +7,15 @@
 //! count on). What a tenant holds goes back with [`Tenants::release`], which also counts
 //! towards the release rate behind `retry_after`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use crate::books::{lock, prune};
+use crate::books::lock;
 use crate::clock::Clock;
 use crate::governor::Governor;
+use crate::release_window::ReleaseWindow;
 use crate::retry::RetryPolicy;
 use crate::tenant::{
     Quota, Scope, TenantBackpressure, TenantBudgets, TenantId, TenantNeverFits, TenantRefusal,
@@ -26,8 +27,10 @@ use crate::tenant::{
 struct Held {
     total: TenantShare,
     tenants: HashMap<TenantId, TenantShare>,
-    /// Releases during the last window: when, by whom, what.
-    released: VecDeque<(Instant, (TenantId, TenantShare))>,
+    /// Releases during the last window, of every tenant.
+    released: ReleaseWindow<TenantShare>,
+    /// Releases during the last window, per tenant (a tenant with none has no entry).
+    released_by: HashMap<TenantId, ReleaseWindow<TenantShare>>,
 }
 
 impl Held {
@@ -58,13 +61,44 @@ impl Held {
         }
     }
 
-    /// What `scope` (all tenants, or `tenant`) released of `quota` during the window.
-    fn released(&self, tenant: TenantId, quota: Quota, scope: Scope) -> u64 {
-        self.released
-            .iter()
-            .filter(|(_, (t, _))| scope == Scope::AllTenants || *t == tenant)
-            .map(|(_, (_, s))| s.get(quota))
-            .fold(0u64, u64::saturating_add)
+    /// What `scope` (all tenants, or `tenant`) released of `quota` during the `window`
+    /// before `now`.
+    fn released(
+        &self,
+        tenant: TenantId,
+        quota: Quota,
+        scope: Scope,
+        (now, window): (Instant, Duration),
+    ) -> u64 {
+        let events = match scope {
+            Scope::AllTenants => Some(&self.released),
+            Scope::Tenant => self.released_by.get(&tenant),
+        };
+        events.map_or(0, |w| w.total(now, window).get(quota))
+    }
+
+    /// Records `share` released by `tenant` at `now`.
+    fn note_released(
+        &mut self,
+        tenant: TenantId,
+        share: TenantShare,
+        now: Instant,
+        window: Duration,
+    ) {
+        self.released.note(now, window, share);
+        self.released_by
+            .entry(tenant)
+            .or_default()
+            .note(now, window, share);
+    }
+
+    /// Drops the releases older than `window` at `now`, and the tenants left with none.
+    fn prune(&mut self, now: Instant, window: Duration) {
+        self.released.prune(now, window);
+        self.released_by.retain(|_, w| {
+            w.prune(now, window);
+            !w.is_empty()
+        });
     }
 }
 
@@ -157,8 +191,9 @@ impl Tenants {
                     continue;
                 }
                 let shortfall = used.saturating_add(requested).saturating_sub(limit);
-                self.prune(&mut held);
-                let released = held.released(tenant, quota, scope);
+                let at = (self.inner.clock.now(), self.inner.retry.window);
+                held.prune(at.0, at.1);
+                let released = held.released(tenant, quota, scope, at);
                 return Err(TenantBackpressure {
                     quota,
                     scope,
@@ -183,9 +218,9 @@ impl Tenants {
     pub fn release(&self, tenant: TenantId, share: TenantShare) {
         let mut held = lock(&self.inner.held);
         held.remove(tenant, share);
-        held.released
-            .push_back((self.inner.clock.now(), (tenant, share)));
-        self.prune(&mut held);
+        let (now, window) = (self.inner.clock.now(), self.inner.retry.window);
+        held.note_released(tenant, share, now, window);
+        held.prune(now, window);
     }
 
     /// What `tenant` holds now (zero when nothing).
@@ -201,14 +236,6 @@ impl Tenants {
     /// How many tenants hold something.
     pub fn tenants_holding(&self) -> usize {
         lock(&self.inner.held).tenants.len()
-    }
-
-    fn prune(&self, held: &mut Held) {
-        prune(
-            &mut held.released,
-            self.inner.clock.now(),
-            self.inner.retry.window,
-        );
     }
 }
 

@@ -156,6 +156,65 @@ fn retry_after_follows_what_the_scope_released_in_the_window() {
 }
 
 #[test]
+fn retry_after_of_a_tenant_follows_its_own_releases_only() {
+    let per_tenant = TenantBudgets {
+        per_tenant: TenantLimits {
+            sequences: Some(1),
+            ..TenantLimits::default()
+        },
+        ..TenantBudgets::default()
+    };
+    let (t, clock) = tenants(per_tenant);
+    let policy = RetryPolicy::default();
+    let grant = t.try_take(A, seq(0, 0)).unwrap();
+    assert_eq!((grant.tenant(), grant.share()), (A, seq(0, 0)));
+    grant.settle(0);
+    t.release(A, seq(0, 0));
+    t.try_take(A, seq(0, 0)).unwrap().settle(0);
+    t.try_take(B, seq(0, 0)).unwrap().settle(0);
+    assert_eq!(t.tenants_holding(), 2);
+    let a = backpressure(t.try_take(A, seq(0, 0)));
+    assert_eq!(
+        (a.scope, a.retry_after),
+        (Scope::Tenant, policy.estimate(1, 1))
+    );
+    let b = backpressure(t.try_take(B, seq(0, 0)));
+    assert_eq!(
+        (b.scope, b.retry_after),
+        (Scope::Tenant, policy.cap),
+        "B released nothing, whatever A did"
+    );
+    // Once the window passed, a tenant's releases are forgotten with it.
+    assert_eq!(lock(&t.inner.held).released_by.len(), 1);
+    clock.advance(policy.window + Duration::from_millis(1));
+    let a = backpressure(t.try_take(A, seq(0, 0)));
+    assert_eq!(a.retry_after, policy.cap);
+    let held = lock(&t.inner.held);
+    assert!(held.released_by.is_empty() && held.released.is_empty());
+}
+
+#[test]
+fn the_books_say_their_budgets_and_what_they_hold() {
+    let (t, _) = tenants(budgets());
+    assert_eq!(*t.budgets(), budgets());
+    assert_eq!(t.tenants_holding(), 0);
+    let grant = t.try_take(A, seq(10, 5)).unwrap();
+    let shown = format!("{grant:?}");
+    assert!(
+        shown.contains("TenantGrant") && shown.contains("committed_bytes: 5"),
+        "{shown}"
+    );
+    grant.settle(5);
+    let shown = format!("{t:?}");
+    assert!(
+        shown.contains("Tenants") && shown.contains("reserved_bytes: 10"),
+        "{shown}"
+    );
+    assert!(Quota::CommittedBytes.is_bytes() && Quota::ReservedBytes.is_bytes());
+    assert!(!Quota::Sequences.is_bytes());
+}
+
+#[test]
 fn racing_grants_across_tenants_never_pass_a_limit_and_the_books_balance() {
     let budgets = TenantBudgets {
         all_tenants: TenantLimits {

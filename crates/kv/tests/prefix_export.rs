@@ -167,6 +167,43 @@ fn another_plan_an_unsealed_prefix_and_foreign_text_are_refused() {
     ] {
         assert!(PrefixDescriptor::decode(text).is_err(), "{text:?}");
     }
+    // Numbers no prefix of this plan can have (a hostile tenant-mate's meta): refused before
+    // anything is allocated for the windows they claim.
+    let hostile = |f: &dyn Fn(&mut PrefixDescriptor)| {
+        let mut d = descriptor.clone();
+        f(&mut d);
+        let text = d.encode();
+        let d = PrefixDescriptor::decode(&text).unwrap();
+        let fds: Vec<_> = borrowed
+            .iter()
+            .cycle()
+            .take(d.handle_count())
+            .copied()
+            .collect();
+        let e = SharedDevicePrefix::import(&importer, &plan, &d, &fds).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                KvCacheError::PlanMismatch { .. } | KvCacheError::Layout(_)
+            ),
+            "{text}: {e}"
+        );
+    };
+    hostile(&|d| {
+        d.end_window = 4_000_000_000;
+        d.tail_end_window = 4_000_000_000;
+        d.pieces = vec![(0, 4_000_000_000)];
+        d.tail_pieces.clear();
+    });
+    hostile(&|d| d.tokens = u64::MAX);
+    hostile(&|d| d.pieces.iter_mut().for_each(|p| p.1 = u64::MAX));
+    hostile(&|d| d.pieces.iter_mut().for_each(|p| p.1 = 0));
+    hostile(&|d| d.pieces.iter_mut().for_each(|p| p.0 = u64::MAX));
+    hostile(&|d| {
+        let first = d.pieces[0];
+        d.pieces.push(first);
+    });
+    hostile(&|d| d.first_window = d.end_window + 1);
     // The same plan imports.
     assert!(SharedDevicePrefix::import(&importer, &plan, &descriptor, &borrowed).is_ok());
 }

@@ -487,22 +487,26 @@ impl SharedPrefix {
     /// ``plan``, which receive all its :attr:`tokens`. Not billed here (a sequence pays only
     /// for the windows it copies the tail into); this process is a user
     /// of the prefix until :meth:`Manager.close_prefix` or until it disconnects, and the
-    /// memory lives while any process maps or holds it.
+    /// memory lives while any process maps or holds it. A prefix whose descriptor cannot be
+    /// read (the publisher wrote something else, or windows no prefix can have) or mapped
+    /// here is let go at once.
     #[staticmethod]
     fn open(py: Python<'_>, manager: &Manager, key: &str, plan: &PyPlan) -> PyResult<SharedPrefix> {
         let client = broker_of(py, manager)?;
         let opened = py
             .detach(|| client.open_prefix(key))
             .map_err(|e| broker_error(py, &e))?;
-        let descriptor = PrefixDescriptor::decode(&opened.meta).map_err(|e| errors::kv(py, &e))?;
         let fds: Vec<BorrowedFd<'_>> = opened.fds.iter().map(AsFd::as_fd).collect();
         let vm = &manager.state.vm;
-        let imported = py.detach(|| SharedDevicePrefix::import(vm, &plan.plan, &descriptor, &fds));
+        let imported = py.detach(|| {
+            PrefixDescriptor::decode(&opened.meta)
+                .and_then(|d| SharedDevicePrefix::import(vm, &plan.plan, &d, &fds))
+        });
         match imported {
             Ok(prefix) => Ok(SharedPrefix::without_owner(prefix)),
             Err(e) => {
-                // Not a user of a prefix it could not map.
-                let _ = client.close_prefix(key);
+                // Not a user of a prefix it could not read or map.
+                let _ = py.detach(|| client.close_prefix(key));
                 Err(errors::kv(py, &e))
             }
         }

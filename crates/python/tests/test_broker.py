@@ -5,7 +5,11 @@ workspace's build); the host backend holds the memory."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import socket
+import struct
 import subprocess
 import time
 from collections.abc import Iterator
@@ -206,6 +210,101 @@ def test_a_prefix_published_by_one_process_is_mapped_read_only_by_another(prefix
         mgr.close_prefix("system-prompt")
     with pytest.raises(kvvm.InvalidArgumentError, match="no broker"):
         kvvm.SharedPrefix.open(kvvm.Manager("host"), "system-prompt", plan)
+
+
+def _frame(message: dict[str, object]) -> bytes:
+    body = json.dumps(message).encode()
+    return struct.pack("<I", len(body)) + body
+
+
+def _answer(sock: socket.socket) -> dict[str, object]:
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = sock.recv(n - len(data))
+            assert chunk, "the broker closed the connection"
+            data += chunk
+        return data
+
+    (n,) = struct.unpack("<I", exactly(4))
+    answer: dict[str, object] = json.loads(exactly(n))
+    return answer
+
+
+def _publish_raw(path: Path, tenant: str, key: str, size: int, meta: str) -> socket.socket:
+    """A tenant-mate speaking the protocol itself: publishes ``size`` bytes of sealed memfd
+    under ``key`` with whatever ``meta`` it likes; its connection is returned (the prefix
+    lives while it stays open)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(20)
+    sock.connect(str(path))
+    sock.sendall(_frame({"op": "hello", "id": 1, "tenant": tenant, "token": None, "version": 2}))
+    assert _answer(sock)["op"] == "welcome"
+    sock.sendall(_frame({"op": "acquire", "id": 2, "device": 0, "need": size, "want": size}))
+    assert _answer(sock)["op"] == "held"
+    fd = os.memfd_create("kvvm-test", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    publish = {"op": "publish", "id": 3, "device": 0, "key": key, "sizes": [size], "meta": meta}
+    socket.send_fds(sock, [_frame(publish)], [fd])
+    os.close(fd)
+    assert _answer(sock)["op"] == "held"
+    return sock
+
+
+#: A reader that opens the prefix ``bad``, says what happened, and stays (connected) until told.
+_BAD_READER = """
+import sys, kvvm
+mgr = kvvm.Manager("host", broker=sys.argv[1], tenant="b", lease_batch_bytes=2 << 20)
+geometry = kvvm.KvGeometry(layers=1, kv_heads=1, head_dim=64, max_tokens=4 * 8192)
+plan = kvvm.LayoutPlan(geometry, "token-major", mgr.granule)
+try:
+    kvvm.SharedPrefix.open(mgr, "bad", plan)
+    print("opened", flush=True)
+except kvvm.KvvmError as e:
+    print("refused", type(e).__name__, flush=True)
+sys.stdin.readline()
+"""
+
+
+@needs_host
+@pytest.mark.parametrize("meta", ["not a descriptor", "kvvm-prefix/2 0 0 4000000000 4000000000 0:4000000000 |"])
+def test_a_prefix_whose_descriptor_cannot_be_read_is_let_go_by_its_reader(broker: Path, meta: str) -> None:
+    """A tenant-mate publishes a prefix with a descriptor that does not decode, or that claims
+    four billion windows: the reader refuses it (without allocating for the windows, in its
+    own process here: it would die of it) and lets go of its use at once, so the prefix goes
+    with its publisher's connection."""
+    import sys
+
+    publisher = _publish_raw(broker, "b", "bad", 2 * MiB, meta)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    reader = subprocess.Popen(
+        [sys.executable, "-c", _BAD_READER, str(broker)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    assert reader.stdout is not None and reader.stdin is not None
+    said = reader.stdout.readline().strip()
+    try:
+        assert said.startswith("refused"), (said, reader.stderr.read() if reader.poll() is not None and reader.stderr else "")
+        publisher.close()
+        # The reader is still connected; were its use open, the prefix would be there still.
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(20)
+        probe.connect(str(broker))
+        probe.sendall(_frame({"op": "hello", "id": 1, "tenant": "b", "token": None, "version": 2}))
+        assert _answer(probe)["op"] == "welcome"
+        deadline = time.monotonic() + 20
+        while True:  # the publisher's end reaches the broker without an answer: ask again
+            probe.sendall(_frame({"op": "open", "id": 2, "key": "bad"}))
+            answer = _answer(probe)
+            if answer["op"] == "error" or time.monotonic() > deadline:
+                break
+        assert answer["op"] == "error" and answer["code"] == "not_held", answer
+        probe.close()
+    finally:
+        reader.stdin.write("\n")
+        reader.stdin.flush()
+        assert reader.wait(timeout=60) == 0
 
 
 @pytest.fixture

@@ -1,13 +1,19 @@
 //! One client's connection: reads its requests, validates each against what the client holds,
 //! answers, and gives everything it held back to the node when the socket closes.
+//!
+//! Deadlines (real time, whatever the configured clock): a connection that has not said
+//! hello within [`BrokerConfig::hello_timeout`](crate::BrokerConfig::hello_timeout), or a
+//! client that sends no complete message for
+//! [`idle_timeout`](crate::BrokerConfig::idle_timeout) (clients ping well within it), is
+//! dropped. A frame begun and never finished counts as silence. The rate limit drops
+//! messages over it, except returns: a return is always applied (the client has already
+//! taken the bytes off its books), and counts towards the limit.
 
 use std::os::fd::OwnedFd;
-use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{lock, prefix, Conn, Shared};
-use crate::books::BooksError;
+use super::{lease, lock, prefix, Conn, Shared};
 use crate::config::TenantPolicy;
 use crate::fdpass::FdReader;
 use crate::proto::{read_frame, valid_tenant, ErrorCode, Frame, Reply, Request, PROTOCOL_VERSION};
@@ -27,35 +33,71 @@ pub(super) enum Next {
     Close(Option<Reply>),
 }
 
-/// Serves connection `id` until the client leaves, breaks the protocol or the broker stops.
-pub(super) fn serve(shared: &Arc<Shared>, id: u64, conn: &Arc<Conn>, stream: UnixStream) {
+/// How a connection's reading ended.
+enum End {
+    /// The peer left, or the stream broke.
+    Gone,
+    /// The peer let a deadline pass.
+    TimedOut,
+    /// A last word for the peer.
+    Say(Reply),
+}
+
+/// Reads the next request and its descriptors.
+fn next_request(reader: &mut FdReader) -> Result<(Request, Vec<OwnedFd>), End> {
+    let req = match read_frame::<Request>(reader) {
+        Ok(Frame::Message(r)) => r,
+        Ok(Frame::Closed) => return Err(End::Gone),
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Err(End::TimedOut),
+        Err(_) => return Err(End::Gone),
+        Ok(Frame::Malformed(why)) => return Err(End::Say(error(0, ErrorCode::Invalid, &why))),
+    };
+    let fds = match &req {
+        Request::Publish { sizes, .. } => reader.take_fds(sizes.len()),
+        _ => Some(Vec::new()),
+    };
+    match fds.filter(|_| reader.drop_fds() == 0) {
+        Some(fds) => Ok((req, fds)),
+        None => Err(End::Say(error(
+            req.id(),
+            ErrorCode::Invalid,
+            "descriptors do not match",
+        ))),
+    }
+}
+
+/// Serves connection `id` until the client leaves, breaks the protocol, lets a deadline
+/// pass or the broker stops.
+pub(super) fn serve(
+    shared: &Arc<Shared>,
+    id: u64,
+    conn: &Arc<Conn>,
+    stream: std::os::unix::net::UnixStream,
+) {
+    let config = &shared.config;
     let mut reader = FdReader::new(stream);
-    let now = shared.config.clock.now();
+    reader.set_deadline(Some(Instant::now() + config.hello_timeout));
     let mut rate = RateLimit {
-        tokens: f64::from(shared.config.burst),
-        last: now,
+        tokens: f64::from(config.burst),
+        last: config.clock.now(),
         dropped_in_a_row: 0,
     };
     let last = loop {
-        let req = match read_frame::<Request>(&mut reader) {
-            Ok(Frame::Message(r)) => r,
-            Ok(Frame::Closed) | Err(_) => break None,
-            Ok(Frame::Malformed(why)) => break Some(error(0, ErrorCode::Invalid, &why)),
+        let (req, fds) = match next_request(&mut reader) {
+            Ok(r) => r,
+            Err(End::Gone) => break None,
+            Err(End::Say(reply)) => break Some(reply),
+            Err(End::TimedOut) => {
+                lock(&shared.books).note_timed_out();
+                let why = "no complete message in time (hello, or a sign of life)";
+                break Some(error(0, ErrorCode::Invalid, why));
+            }
         };
-        let fds = match &req {
-            Request::Publish { sizes, .. } => reader.take_fds(sizes.len()),
-            _ => Some(Vec::new()),
-        };
-        let Some(fds) = fds.filter(|_| reader.drop_fds() == 0) else {
-            break Some(error(
-                req.id(),
-                ErrorCode::Invalid,
-                "descriptors do not match",
-            ));
-        };
-        if !admit(shared, &mut rate) {
+        reader.set_deadline(Some(Instant::now() + config.idle_timeout));
+        let is_return = matches!(req, Request::Return { .. });
+        if !admit(shared, &mut rate) && !is_return {
             refuse(conn, req.id(), ErrorCode::RateLimited, "message dropped");
-            if rate.dropped_in_a_row > shared.config.burst {
+            if rate.dropped_in_a_row > config.burst {
                 break None;
             }
             continue;
@@ -63,18 +105,27 @@ pub(super) fn serve(shared: &Arc<Shared>, id: u64, conn: &Arc<Conn>, stream: Uni
         if let Next::Close(last) = handle(shared, conn, req, fds) {
             break last;
         }
+        if rate.dropped_in_a_row > config.burst {
+            break None;
+        }
     };
-    lock(&shared.conns).remove(&id);
+    leave(shared, id, conn, last);
+}
+
+/// The connection's end: its slot and everything its client held go back, then the last
+/// word is said and the socket shut.
+fn leave(shared: &Shared, id: u64, conn: &Conn, last: Option<Reply>) {
+    lock(&shared.conns).remove(id);
     let client = lock(&conn.client).take();
     if let Some(client) = client {
         let now = shared.config.clock.now();
-        let held = lock(&shared.books).drop_client(client, now);
+        let held = shared.books(|b| b.drop_client(client, now));
         tracing::info!(client, ?held, "client left; its grants are back");
     }
     if let Some(last) = last {
         conn.send(&last);
     }
-    let _ = lock(&conn.stream).shutdown(std::net::Shutdown::Both);
+    conn.cut();
 }
 
 /// Whether the rate limit lets one more message through now.
@@ -123,11 +174,18 @@ fn handle(shared: &Arc<Shared>, conn: &Conn, req: Request, fds: Vec<OwnedFd>) ->
             Next::Close(Some(error(id, ErrorCode::Invalid, "hello twice")))
         }
         (req, None) => Next::Close(Some(error(req.id(), ErrorCode::Invalid, "hello first"))),
+        (Request::Ping { id }, Some(_)) => {
+            conn.send(&Reply::Pong { id });
+            Next::Continue
+        }
         (
-            req @ (Request::Publish { .. } | Request::Open { .. } | Request::Close { .. }),
+            req @ (Request::Publish { .. }
+            | Request::Open { .. }
+            | Request::Close { .. }
+            | Request::ClaimPrefix { .. }),
             Some(client),
         ) => prefix::request(shared, conn, client, req, fds),
-        (req, Some(client)) => books_request(shared, conn, client, req),
+        (req, Some(client)) => lease::request(shared, conn, client, req),
     }
 }
 
@@ -184,83 +242,14 @@ fn hello(
         .peer
         .map_or((None, None), |p| (Some(p.pid), Some(p.uid)));
     tracing::info!(client, tenant, ?pid, ?uid, "client registered");
+    let idle_ms = u64::try_from(shared.config.idle_timeout.as_millis()).unwrap_or(u64::MAX);
     conn.send(&Reply::Welcome {
         id,
         client,
         floor: policy.floor.min(ceiling),
         ceiling,
         budget: shared.config.budget,
+        idle_ms,
     });
     Next::Continue
-}
-
-fn books_request(shared: &Arc<Shared>, conn: &Conn, client: u64, req: Request) -> Next {
-    let now = shared.config.clock.now();
-    let (id, device, result) = match req {
-        Request::Hello { .. }
-        | Request::Publish { .. }
-        | Request::Open { .. }
-        | Request::Close { .. } => return Next::Close(None),
-        Request::Claim { id, device, bytes } => {
-            let r = lock(&shared.books).claim(client, device, bytes);
-            (id, device, r.map(|held| (0, held)))
-        }
-        Request::Return { id, device, bytes } => {
-            let r = lock(&shared.books).give_back(client, device, bytes, now);
-            (id, device, r.map(|held| (0, held)))
-        }
-        Request::Acquire {
-            id,
-            device,
-            need,
-            want,
-        } => {
-            let mut books = lock(&shared.books);
-            let r = books.acquire(client, device, need, want, &shared.config.retry, now);
-            let held = books.client_held(client, device);
-            drop(books);
-            match r {
-                Ok(Ok(granted)) => (id, device, Ok((granted, held))),
-                Ok(Err((refusal, asks))) => {
-                    for ask in asks {
-                        let msg = Reply::Reclaim {
-                            device: ask.device,
-                            bytes: ask.bytes,
-                        };
-                        shared.send_to_client(ask.client, &msg);
-                    }
-                    conn.send(&Reply::Refused {
-                        id,
-                        device,
-                        refusal,
-                    });
-                    return Next::Continue;
-                }
-                Err(e) => (id, device, Err(e)),
-            }
-        }
-    };
-    match result {
-        Ok((granted, held)) => {
-            conn.send(&Reply::Held {
-                id,
-                device,
-                granted,
-                held,
-            });
-            Next::Continue
-        }
-        Err(
-            e @ (BooksError::NotHeld { .. }
-            | BooksError::Claim(_)
-            | BooksError::NoPrefix(_)
-            | BooksError::PrefixExists(_)),
-        ) => {
-            refuse(conn, id, ErrorCode::NotHeld, &e.to_string());
-            Next::Continue
-        }
-        Err(e @ BooksError::UnknownClient(_)) => {
-            Next::Close(Some(error(id, ErrorCode::Invalid, &e.to_string())))
-        }
-    }
 }

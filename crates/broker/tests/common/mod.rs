@@ -4,6 +4,8 @@
 //! on stdout after syncing with the broker, so the parent compares the books at quiescence.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, dead_code)]
 
+pub mod raw;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -19,6 +21,24 @@ pub const TENANT_ENV: &str = "KVVM_BROKER_TENANT";
 pub const LINE: &str = "KVVM_BROKER ";
 pub const BATCH: u64 = 100;
 const D: DeviceId = DeviceId(0);
+
+/// A memfd of `size` bytes with its size sealed: what the host backend exports, the kind of
+/// descriptor a broker accepts in a publish.
+pub fn memfd(size: u64) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    // SAFETY: the name is a valid C string; the flags are memfd_create's.
+    let raw = unsafe { libc::memfd_create(c"kvvm-test".as_ptr(), libc::MFD_ALLOW_SEALING) };
+    assert!(raw >= 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: memfd_create returned a new descriptor we own.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+    // SAFETY: the descriptor is open; ftruncate and fcntl touch no memory of ours.
+    unsafe {
+        assert_eq!(libc::ftruncate(raw, i64::try_from(size).unwrap()), 0);
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+        assert_eq!(libc::fcntl(raw, libc::F_ADD_SEALS, seals), 0);
+    }
+    fd
+}
 
 /// A socket path of its own for one test.
 pub fn socket(name: &str) -> PathBuf {

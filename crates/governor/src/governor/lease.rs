@@ -113,6 +113,16 @@ impl Governor {
         }
     }
 
+    /// The lease on `device` is gone (a restarted broker refused to take it back): it drops
+    /// to 0 without giving anything back, and the governor grants nothing there until its
+    /// frees bring what it uses under a new lease. Returns what the lease held.
+    pub fn forget_lease(&self, device: DeviceId) -> u64 {
+        let Some(lease) = &self.inner.lease else {
+            return 0;
+        };
+        lock(&lease.held).remove(&device).unwrap_or(0)
+    }
+
     /// After a grant of `bytes` on `device` found only `available`: tops the lease up and
     /// grants if it now fits (`Ok(None)`: still short, or not leased). A source's
     /// [`NeverFits`](crate::NeverFits) is final; its backpressure is remembered for the

@@ -96,6 +96,19 @@ fn frees_trim_the_lease_down_to_keep() {
 }
 
 #[test]
+fn a_free_that_leaves_no_more_than_keep_unused_gives_nothing_back() {
+    let (g, fake) = leased(1000, 100);
+    g.try_grant(D, 30).unwrap().commit();
+    g.free(D, Bucket::Committed, 10).unwrap();
+    assert_eq!(g.lease_held(D), Some(100), "80 unused, under the 200 kept");
+    assert_eq!(
+        *fake.calls.lock().unwrap(),
+        vec!["acquire 30 100"],
+        "no give-back of 0 bytes"
+    );
+}
+
+#[test]
 fn refusals_keep_the_sources_kind_and_retry_after() {
     let (g, _) = leased(10, 100);
     let r = g.try_grant(D, 20).unwrap_err();
@@ -173,4 +186,73 @@ fn lease_stats_average_and_bound_their_top_ups() {
     assert_eq!(s.top_up_max, Duration::from_millis(30));
     assert_eq!(s.top_up_time, Duration::from_millis(40));
     assert_eq!((s.top_ups, s.top_up_refusals), (2, 1));
+}
+
+/// A pool that frees a whole handle of `handle` bytes per ask (more than asked, as a pool
+/// does), and records what it was asked for.
+struct Pool {
+    governor: Governor,
+    handle: u64,
+    asked: Mutex<Vec<u64>>,
+}
+
+impl crate::reclaim::Reclaimer for Pool {
+    fn reclaim(&self, device: DeviceId, bytes: u64) -> u64 {
+        self.asked.lock().unwrap().push(bytes);
+        self.governor
+            .free(device, Bucket::Pooled, self.handle)
+            .unwrap();
+        self.handle
+    }
+}
+
+#[test]
+fn give_back_unused_asks_the_reclaimers_for_the_shortfall_and_takes_no_more_than_asked() {
+    let (g, _fake) = leased(1000, 100);
+    g.try_grant(D, 100).unwrap().commit();
+    g.transfer(D, Bucket::Committed, Bucket::Pooled, 40)
+        .unwrap();
+    g.free(D, Bucket::Committed, 20).unwrap();
+    // Held 100: 40 pooled, 40 committed, 20 unused (under the trim's keep).
+    let pool = Arc::new(Pool {
+        governor: g.clone(),
+        handle: 40,
+        asked: Mutex::new(Vec::new()),
+    });
+    let r: Arc<dyn crate::reclaim::Reclaimer> = pool.clone();
+    g.register_reclaimer(Arc::downgrade(&r));
+    assert_eq!(
+        g.give_back_unused(D, 30),
+        30,
+        "20 unused and 10 of the pool's 40"
+    );
+    assert_eq!(
+        *pool.asked.lock().unwrap(),
+        vec![10],
+        "asked for the shortfall only"
+    );
+    assert_eq!(
+        g.lease_held(D),
+        Some(70),
+        "the rest of the freed handle stays leased"
+    );
+    assert_eq!(
+        g.give_back_unused(D, 30),
+        30,
+        "the lease's unused 30: nothing asked"
+    );
+    assert_eq!(*pool.asked.lock().unwrap(), vec![10]);
+}
+
+#[test]
+fn a_forgotten_lease_drops_to_zero_without_giving_anything_back() {
+    let (g, fake) = leased(1000, 100);
+    g.try_grant(D, 60).unwrap().commit();
+    assert_eq!(g.forget_lease(D), 100);
+    assert_eq!(g.lease_held(D), Some(0));
+    assert_eq!(*fake.free.lock().unwrap(), 900, "nothing given back");
+    // What is used (60) is not leased: a grant tops up that much as well.
+    g.try_grant(D, 10).unwrap().commit();
+    assert_eq!(fake.calls.lock().unwrap().last().unwrap(), "acquire 70 100");
+    assert_eq!(Governor::unlimited().forget_lease(D), 0);
 }

@@ -2,9 +2,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use super::*;
-use crate::books::MAX_FREE_EVENTS;
+use crate::release_window::ReleaseWindow;
 use crate::{GovernorConfig, ManualClock, RetryPolicy};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+const MAX_FREE_EVENTS: usize = ReleaseWindow::<u64>::MAX_EVENTS;
 
 const D0: DeviceId = DeviceId(0);
 const D1: DeviceId = DeviceId(1);
@@ -208,13 +210,11 @@ fn free_events_are_bounded() {
     for _ in 0..(4 * MAX_FREE_EVENTS) {
         g.free(D0, Bucket::Committed, 1).unwrap();
     }
+    let (now, window) = (g.config().clock.now(), g.config().retry.window);
     let books = lock(&g.inner.ledger.books);
     let d = books.devices.get(&D0).unwrap();
     assert!(d.frees.len() <= MAX_FREE_EVENTS);
-    assert_eq!(
-        d.frees.iter().map(|(_, b)| b).sum::<u64>(),
-        4 * MAX_FREE_EVENTS as u64
-    );
+    assert_eq!(d.frees.total(now, window), 4 * MAX_FREE_EVENTS as u64);
 }
 
 #[test]
@@ -353,4 +353,22 @@ fn dropped_reclaimers_are_forgotten_when_another_registers() {
         1,
         "only the live one is kept"
     );
+}
+
+/// A reclaimer that says nothing of what it holds (the trait's default).
+struct Silent;
+
+impl Reclaimer for Silent {
+    fn reclaim(&self, _device: DeviceId, _bytes: u64) -> u64 {
+        0
+    }
+}
+
+#[test]
+fn a_reclaimer_that_counts_nothing_ahead_adds_nothing_to_available_bytes() {
+    let (g, _) = governor(10 * MIB);
+    let r: Arc<dyn Reclaimer> = Arc::new(Silent);
+    g.register_reclaimer(Arc::downgrade(&r));
+    assert_eq!(r.reclaimable(D0), 0);
+    assert_eq!(g.available_bytes(D0), 10 * MIB);
 }

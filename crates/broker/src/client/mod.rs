@@ -1,21 +1,35 @@
 //! [`BrokerClient`]: an engine process's connection to the node's broker, and the
 //! [`LeaseSource`] of a governor built on it ([`leased_governor`]).
 //!
-//! Requests are serialised (one in flight); a reader thread takes the broker's replies and
+//! Requests are serialised (one in flight); a reader thread takes the broker's replies,
 //! answers its asks to give back ([`Reply::Reclaim`]) through the governor without ever
-//! waiting for a request. Returns are sent without waiting for their answer; the stream keeps
-//! them in order with later requests ([`BrokerClient::sync`] waits until all are applied).
-//! When the broker goes away the client keeps what it holds; the next request reconnects,
-//! registers again and claims what it holds from the new broker.
+//! waiting for a request, and pings the broker when the connection is quiet (a broker drops
+//! clients that stay silent). Returns are sent without waiting for their answer; the stream
+//! keeps them in order with later requests ([`BrokerClient::sync`] waits until all are
+//! applied).
+//!
+//! When the broker goes away (its socket closes: it stopped, crashed or was restarted) the
+//! reader thread notices at once and reconnects, retrying with a growing pause until a
+//! broker answers; it says hello again and claims what the client holds (its lease per
+//! device and its prefix uses) before anything else is sent. A restarted broker keeps what
+//! its predecessor lent for those claims. A claim the new broker refuses (it no longer has
+//! the bytes: the client came back after the grace) drops that lease to 0, on the client's
+//! books and its governor's, so the books stay equal.
+//!
+//! Where each part lives: `reader.rs` (the reader thread, pings, reconnecting),
+//! `prefix.rs` (publishing, opening and closing prefixes, and what the client uses of them).
+
+mod prefix;
+mod reader;
 
 use std::collections::BTreeMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::time::Duration;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use kvvm_governor::{
     Backpressure, Governor, GovernorConfig, LeasePolicy, LeaseSource, Limit, NeverFits, Refusal,
@@ -24,14 +38,13 @@ use kvvm_governor::{
 use kvvm_hal::DeviceId;
 
 use crate::error::BrokerError;
-use crate::fdpass::{send_with_fds, FdReader};
-use crate::prefixes::OpenedPrefix;
+use crate::fdpass::send_with_fds;
 use crate::proto::{
-    encode_frame, read_frame, write_frame, ErrorCode, Frame, Reply, Request, WireRefusal,
-    PROTOCOL_VERSION,
+    encode_frame, read_frame, write_frame, Frame, Reply, Request, WireRefusal, PROTOCOL_VERSION,
 };
+use prefix::PrefixUse;
 
-/// Ids of requests nobody waits for the answer of (returns) have this bit set.
+/// Ids of requests nobody waits for the answer of (returns, pings) have this bit set.
 const UNANSWERED: u64 = 1 << 63;
 
 /// The retry suggested while the broker cannot be reached.
@@ -75,8 +88,10 @@ pub struct Welcome {
     pub budget: u64,
 }
 
+type Writer = Arc<Mutex<UnixStream>>;
+
 struct Connection {
-    writer: Arc<Mutex<UnixStream>>,
+    writer: Writer,
     replies: Receiver<(Reply, Vec<OwnedFd>)>,
     alive: Arc<AtomicBool>,
 }
@@ -84,11 +99,19 @@ struct Connection {
 pub(crate) struct Inner {
     options: ClientOptions,
     conn: Mutex<Option<Connection>>,
-    writer: Mutex<Option<Arc<Mutex<UnixStream>>>>,
+    /// The current connection's writer. Its lock orders what is sent outside a request
+    /// (returns) with a new connection's claims: a return's bytes are either off the claim
+    /// or sent after it, never lost in between.
+    writer: Mutex<Option<Writer>>,
     held: Mutex<BTreeMap<u32, u64>>,
+    /// Prefixes used, by key (changed only under `conn`'s lock, with the request).
+    uses: Mutex<BTreeMap<String, PrefixUse>>,
     welcome: Mutex<Option<Welcome>>,
     governor: Mutex<Option<WeakGovernor>>,
     next_id: AtomicU64,
+    /// Whether a connection is up (registered, its claims made), and its changes.
+    connected: Mutex<bool>,
+    connected_changed: Condvar,
 }
 
 impl Drop for Inner {
@@ -129,13 +152,17 @@ impl BrokerClient {
                 conn: Mutex::new(None),
                 writer: Mutex::new(None),
                 held: Mutex::new(BTreeMap::new()),
+                uses: Mutex::new(BTreeMap::new()),
                 welcome: Mutex::new(None),
                 governor: Mutex::new(None),
                 next_id: AtomicU64::new(1),
+                connected: Mutex::new(false),
+                connected_changed: Condvar::new(),
             }),
         };
         let mut conn = lock(&client.inner.conn);
         *conn = Some(client.open()?);
+        client.set_connected(true);
         drop(conn);
         Ok(client)
     }
@@ -150,9 +177,52 @@ impl BrokerClient {
         lock(&self.inner.held).get(&device).copied().unwrap_or(0)
     }
 
+    /// Every device the client holds bytes on: (device, bytes).
+    pub fn holdings(&self) -> Vec<(u32, u64)> {
+        lock(&self.inner.held)
+            .iter()
+            .map(|(d, b)| (*d, *b))
+            .collect()
+    }
+
     /// Lets the broker's asks to give back reach `governor` (held weakly).
     pub fn attach(&self, governor: &Governor) {
         *lock(&self.inner.governor) = Some(governor.downgrade());
+    }
+
+    /// Whether the client is registered with a broker now, with what it holds claimed.
+    pub fn connected(&self) -> bool {
+        *lock(&self.inner.connected)
+    }
+
+    /// Waits until the client is registered with a broker, what it holds claimed, or until
+    /// `timeout` passes; returns whether it is.
+    pub fn wait_connected(&self, timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        let mut up = lock(&self.inner.connected);
+        while !*up {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            up = self
+                .inner
+                .connected_changed
+                .wait_timeout(up, left)
+                .map_or_else(|p| p.into_inner().0, |(g, _)| g);
+        }
+        true
+    }
+
+    fn set_connected(&self, up: bool) {
+        *lock(&self.inner.connected) = up;
+        self.inner.connected_changed.notify_all();
+    }
+
+    fn governor(&self) -> Option<Governor> {
+        lock(&self.inner.governor)
+            .as_ref()
+            .and_then(WeakGovernor::upgrade)
     }
 
     fn id(&self) -> u64 {
@@ -165,27 +235,30 @@ impl BrokerClient {
         let mut stream = UnixStream::connect(&o.socket)?;
         stream.set_write_timeout(Some(o.reply_timeout))?;
         stream.set_read_timeout(Some(o.reply_timeout))?;
-        let id = self.id();
         let hello = Request::Hello {
-            id,
+            id: self.id(),
             tenant: o.tenant.clone(),
             token: o.token.clone(),
             version: PROTOCOL_VERSION,
         };
         write_frame(&mut stream, &hello)?;
-        let welcome = match read_frame::<Reply>(&mut stream)? {
+        let (welcome, idle_ms) = match read_frame::<Reply>(&mut stream)? {
             Frame::Message(Reply::Welcome {
                 client,
                 floor,
                 ceiling,
                 budget,
+                idle_ms,
                 ..
-            }) => Welcome {
-                client,
-                floor,
-                ceiling,
-                budget,
-            },
+            }) => (
+                Welcome {
+                    client,
+                    floor,
+                    ceiling,
+                    budget,
+                },
+                idle_ms,
+            ),
             Frame::Message(Reply::Error { message, .. }) => {
                 return Err(BrokerError::Refused(message))
             }
@@ -196,39 +269,67 @@ impl BrokerClient {
         let writer = Arc::new(Mutex::new(stream.try_clone()?));
         let (tx, replies) = mpsc::channel();
         let alive = Arc::new(AtomicBool::new(true));
-        let weak = Arc::downgrade(&self.inner);
-        let a = Arc::clone(&alive);
-        std::thread::Builder::new()
-            .name("kvvm-broker-client".into())
-            .spawn(move || read_loop(&weak, stream, &tx, &a))?;
-        *lock(&self.inner.writer) = Some(Arc::clone(&writer));
         let conn = Connection {
-            writer,
+            writer: Arc::clone(&writer),
             replies,
-            alive,
+            alive: Arc::clone(&alive),
         };
+        let ping = (idle_ms > 0).then(|| Duration::from_millis((idle_ms / 4).max(1)));
+        reader::spawn(Arc::downgrade(&self.inner), stream, writer, tx, alive, ping)?;
         self.claim_all(&conn)?;
+        self.claim_uses(&conn)?;
         tracing::info!(client = welcome.client, "registered with the broker");
         Ok(conn)
     }
 
+    /// Claims what the client holds on the new connection `conn`: the claims are sent under
+    /// the writer's lock with what the books say then, so a return is either off a claim or
+    /// sent after it. A device whose claim is refused drops to 0, here and in the governor.
     fn claim_all(&self, conn: &Connection) -> Result<(), BrokerError> {
-        let held: Vec<(u32, u64)> = lock(&self.inner.held)
-            .iter()
-            .filter(|(_, b)| **b > 0)
-            .map(|(d, b)| (*d, *b))
-            .collect();
-        for (device, bytes) in held {
-            let id = self.id();
-            match self
-                .exchange(conn, &Request::Claim { id, device, bytes }, &[])?
-                .0
-            {
+        let mut sent = Vec::new();
+        {
+            let mut writer = lock(&self.inner.writer);
+            *writer = Some(Arc::clone(&conn.writer));
+            let held = self.holdings();
+            let mut w = lock(&conn.writer);
+            for (device, bytes) in held {
+                write_frame(
+                    &mut *w,
+                    &Request::Claim {
+                        id: self.id(),
+                        device,
+                        bytes,
+                    },
+                )?;
+                sent.push(device);
+            }
+        }
+        for device in sent {
+            match self.wait_reply(conn)?.0 {
                 Reply::Held { .. } => {}
+                Reply::Error { message, .. } => self.lose_lease(device, &message),
                 other => return Err(BrokerError::Protocol(format!("claim: {other:?}"))),
             }
         }
         Ok(())
+    }
+
+    /// The broker would not take back the lease on `device`: it is gone, here and in the
+    /// governor.
+    fn lose_lease(&self, device: u32, why: &str) {
+        let lost = {
+            let _writer = lock(&self.inner.writer);
+            lock(&self.inner.held).remove(&device).unwrap_or(0)
+        };
+        if let Some(g) = self.governor() {
+            g.forget_lease(DeviceId(device));
+        }
+        tracing::warn!(
+            device,
+            lost,
+            why,
+            "the broker refused to take back a lease; it is lost"
+        );
     }
 
     /// Sends `req` (with `fds` attached, if any) and waits for its answer.
@@ -243,6 +344,12 @@ impl BrokerClient {
         } else {
             send_with_fds(&lock(&conn.writer), &encode_frame(req)?, fds)?;
         }
+        self.wait_reply(conn)
+    }
+
+    /// Waits for the next answer on `conn` (a failure guard of `reply_timeout`: then the
+    /// connection is cut).
+    fn wait_reply(&self, conn: &Connection) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
         match conn.replies.recv_timeout(self.inner.options.reply_timeout) {
             Ok(r) => Ok(r),
             Err(RecvTimeoutError::Timeout) => {
@@ -256,16 +363,14 @@ impl BrokerClient {
     /// Sends `req` on the current connection, reconnecting when the broker went away (the
     /// connection found dead, or dying under the request: then once more on a new one; a
     /// broker that lost the connection has forgotten the request with everything else).
-    fn request(&self, make: impl Fn(u64) -> Request) -> Result<Reply, BrokerError> {
-        self.request_fds(make, &[]).map(|(r, _)| r)
-    }
-
-    /// [`request`](Self::request) with `fds` attached, answered with descriptors.
-    pub(crate) fn request_fds(
+    /// `then` sees the answer while no reconnect can happen, so what it changes in the
+    /// client's books is in the claims of the next connection.
+    fn request<R>(
         &self,
         make: impl Fn(u64) -> Request,
         fds: &[BorrowedFd<'_>],
-    ) -> Result<(Reply, Vec<OwnedFd>), BrokerError> {
+        then: impl FnOnce(Reply, Vec<OwnedFd>) -> R,
+    ) -> Result<R, BrokerError> {
         let mut conn = lock(&self.inner.conn);
         let mut tries = 0;
         loop {
@@ -275,13 +380,16 @@ impl BrokerClient {
                 .is_some_and(|c| c.alive.load(Ordering::SeqCst));
             if !alive {
                 *conn = None;
+                self.set_connected(false);
                 *conn = Some(self.open()?);
+                self.set_connected(true);
             }
             let c = conn.as_ref().ok_or(BrokerError::Disconnected)?;
             match self.exchange(c, &make(self.id()), fds) {
-                Ok(r) => return Ok(r),
+                Ok((reply, fds)) => return Ok(then(reply, fds)),
                 Err(e) => {
                     *conn = None;
+                    self.set_connected(false);
                     if tries >= 2 {
                         return Err(e);
                     }
@@ -290,16 +398,11 @@ impl BrokerClient {
         }
     }
 
-    /// Reconnects now if the broker went away (otherwise the next request does).
+    /// Reconnects now if the broker went away, and waits until everything sent before
+    /// (returns included) has been applied by the broker.
     pub fn sync(&self) -> Result<(), BrokerError> {
-        let r = self.request(|id| Request::Acquire {
-            id,
-            device: 0,
-            need: 0,
-            want: 0,
-        })?;
-        match r {
-            Reply::Held { .. } => Ok(()),
+        match self.request(|id| Request::Ping { id }, &[], |r, _| r)? {
+            Reply::Pong { .. } => Ok(()),
             other => Err(BrokerError::Protocol(format!("sync: {other:?}"))),
         }
     }
@@ -307,19 +410,24 @@ impl BrokerClient {
     /// Asks for at least `need` and at most `want` more bytes on `device`.
     pub fn acquire_bytes(&self, device: u32, need: u64, want: u64) -> Result<u64, Refusal> {
         let d = DeviceId(device);
-        let reply = self.request(|id| Request::Acquire {
+        let make = |id| Request::Acquire {
             id,
             device,
             need,
             want,
+        };
+        let reply = self.request(make, &[], |reply, _| {
+            if let Reply::Held { granted, .. } = reply {
+                if granted > 0 {
+                    let mut held = lock(&self.inner.held);
+                    let h = held.entry(device).or_default();
+                    *h = h.saturating_add(granted);
+                }
+            }
+            reply
         });
         match reply {
-            Ok(Reply::Held { granted, .. }) => {
-                let mut held = lock(&self.inner.held);
-                let h = held.entry(device).or_default();
-                *h = h.saturating_add(granted);
-                Ok(granted)
-            }
+            Ok(Reply::Held { granted, .. }) => Ok(granted),
             Ok(Reply::Refused { refusal, .. }) => Err(refusal_of(d, refusal)),
             Ok(_) | Err(_) => Err(Backpressure {
                 device: d,
@@ -332,110 +440,33 @@ impl BrokerClient {
     }
 
     /// Gives `bytes` on `device` back (at most what the client holds): the client's books
-    /// drop them at once; the broker's when it reads the message.
+    /// drop them at once; the broker's when it reads the message (a return is never
+    /// dropped by its rate limit).
     pub fn return_bytes(&self, device: u32, bytes: u64) {
+        let writer = lock(&self.inner.writer);
         let bytes = {
             let mut held = lock(&self.inner.held);
-            let h = held.entry(device).or_default();
+            let Some(h) = held.get_mut(&device) else {
+                return;
+            };
             let b = bytes.min(*h);
             *h -= b;
+            if *h == 0 {
+                held.remove(&device);
+            }
             b
         };
         if bytes == 0 {
             return;
         }
-        let writer = lock(&self.inner.writer).clone();
-        if let Some(w) = writer {
-            let id = self.id() | UNANSWERED;
-            let msg = Request::Return { id, device, bytes };
-            // A broker that is gone forgets the bytes anyway; the next one is told by a claim.
-            let _ = write_frame(&mut *lock(&w), &msg);
-        }
-    }
-}
-
-impl BrokerClient {
-    /// Publishes a prefix on `device` under `key` with its exported handles (a descriptor and
-    /// its size each): the bytes leave this client's lease (and its governor's) for the prefix, billed once to
-    /// the tenant for as long as any client uses it. The publisher is its first user; it
-    /// lets go with [`close_prefix`](Self::close_prefix) or by disconnecting. `meta` rides
-    /// with the descriptors to every reader (what they need to map them: the KV layer's
-    /// `PrefixDescriptor::encode`; at most 2048 bytes of printable ASCII).
-    pub fn publish_prefix(
-        &self,
-        device: u32,
-        key: &str,
-        handles: &[(BorrowedFd<'_>, u64)],
-        meta: &str,
-    ) -> Result<(), BrokerError> {
-        let fds: Vec<BorrowedFd<'_>> = handles.iter().map(|(fd, _)| *fd).collect();
-        let sizes: Vec<u64> = handles.iter().map(|(_, s)| *s).collect();
-        let bytes = sizes.iter().fold(0u64, |a, s| a.saturating_add(*s));
-        let make = |id| Request::Publish {
-            id,
-            device,
-            key: key.to_owned(),
-            sizes: sizes.clone(),
-            meta: meta.to_owned(),
-        };
-        match self.request_fds(make, &fds)?.0 {
-            Reply::Held { .. } => {
-                {
-                    let mut held = lock(&self.inner.held);
-                    let h = held.entry(device).or_default();
-                    *h = h.saturating_sub(bytes);
-                }
-                let governor = lock(&self.inner.governor)
-                    .as_ref()
-                    .and_then(WeakGovernor::upgrade);
-                if let Some(g) = governor {
-                    g.hand_over_lease(DeviceId(device), bytes);
-                }
-                Ok(())
-            }
-            Reply::Error { message, .. } => Err(BrokerError::Refused(message)),
-            other => Err(BrokerError::Protocol(format!("publish: {other:?}"))),
-        }
-    }
-
-    /// Opens the tenant's prefix `key`: its device, bytes, handles (import them read-only) and
-    /// the publisher's `meta`.
-    /// Not billed again; the client is a user until it closes it or disconnects.
-    pub fn open_prefix(&self, key: &str) -> Result<OpenedPrefix, BrokerError> {
-        let make = |id| Request::Open {
-            id,
-            key: key.to_owned(),
-        };
-        match self.request_fds(make, &[])? {
-            (
-                Reply::Prefix {
-                    device,
-                    sizes,
-                    meta,
-                    ..
-                },
-                fds,
-            ) if fds.len() == sizes.len() => Ok(OpenedPrefix {
+        if let Some(w) = writer.as_ref() {
+            let msg = Request::Return {
+                id: self.id() | UNANSWERED,
                 device,
-                sizes,
-                fds,
-                meta,
-            }),
-            (Reply::Error { message, .. }, _) => Err(BrokerError::Refused(message)),
-            (other, _) => Err(BrokerError::Protocol(format!("open: {other:?}"))),
-        }
-    }
-
-    /// Lets go of the prefix `key` once; returns the users left (0: it was freed).
-    pub fn close_prefix(&self, key: &str) -> Result<u64, BrokerError> {
-        let make = |id| Request::Close {
-            id,
-            key: key.to_owned(),
-        };
-        match self.request(make)? {
-            Reply::Users { users, .. } => Ok(users),
-            Reply::Error { message, .. } => Err(BrokerError::Refused(message)),
-            other => Err(BrokerError::Protocol(format!("close: {other:?}"))),
+                bytes,
+            };
+            // A broker that is gone forgets the bytes anyway; the next one is told by a claim.
+            let _ = write_frame(&mut *lock(w), &msg);
         }
     }
 }
@@ -465,66 +496,6 @@ fn refusal_of(device: DeviceId, r: WireRefusal) -> Refusal {
         }
         .into(),
     }
-}
-
-/// Takes the broker's messages: answers go to the waiting request, asks to give back are
-/// answered through the governor.
-fn read_loop(
-    inner: &Weak<Inner>,
-    stream: UnixStream,
-    tx: &Sender<(Reply, Vec<OwnedFd>)>,
-    alive: &AtomicBool,
-) {
-    let mut reader = FdReader::new(stream);
-    while let Ok(Frame::Message(reply)) = read_frame::<Reply>(&mut reader) {
-        let fds = match &reply {
-            Reply::Prefix { sizes, .. } => reader.take_fds(sizes.len()),
-            _ => Some(Vec::new()),
-        };
-        let Some(fds) = fds.filter(|_| reader.drop_fds() == 0) else {
-            break;
-        };
-        match reply {
-            Reply::Reclaim { device, bytes } => {
-                let Some(inner) = inner.upgrade() else { break };
-                reclaim(BrokerClient { inner }, device, bytes);
-            }
-            Reply::Shutdown { reason } => {
-                tracing::info!(%reason, "the broker is stopping");
-                break;
-            }
-            Reply::Held { id, .. } | Reply::Error { id, .. } if id & UNANSWERED != 0 => {
-                if let Reply::Error { message, code, .. } = &reply {
-                    tracing::warn!(?code, %message, "a return was refused");
-                }
-            }
-            Reply::Error {
-                code: ErrorCode::TooManyClients,
-                ..
-            } => break,
-            other => {
-                if tx.send((other, fds)).is_err() {
-                    break;
-                }
-            }
-        }
-    }
-    alive.store(false, Ordering::SeqCst);
-}
-
-fn reclaim(client: BrokerClient, device: u32, bytes: u64) {
-    let governor = lock(&client.inner.governor)
-        .as_ref()
-        .and_then(WeakGovernor::upgrade);
-    let Some(g) = governor else { return };
-    let taken = g.give_back_unused(DeviceId(device), bytes);
-    tracing::debug!(
-        device,
-        asked = bytes,
-        taken,
-        "the broker asked for bytes back"
-    );
-    client.return_bytes(device, taken);
 }
 
 impl LeaseSource for BrokerClient {

@@ -1,0 +1,376 @@
+//! [`NodeBooks`]: the broker's books, what every client holds on every device, and the
+//! arithmetic of floors, ceilings and the shared rest. Pure: no sockets, no threads.
+//!
+//! The books keep what they decide with incrementally: each tenant's bytes per device (its
+//! clients' leases, its prefixes, what is kept for its claims after a restart) and the
+//! node's, so that a request costs the same however many clients came and went. A tenant with
+//! no client and no bytes is forgotten, and so is a device at 0 bytes; devices past
+//! [`BrokerConfig::devices`] are refused.
+//!
+//! Where each part lives: `held.rs` (the parts: bytes per device, a client's and a tenant's
+//! books), `lease.rs` (acquire, give back, claim, the grace after a restart), `prefix.rs`
+//! (publish, open, close and claim prefixes).
+
+mod held;
+mod lease;
+mod prefix;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use kvvm_governor::ReleaseWindow;
+
+use crate::config::{BrokerConfig, TenantPolicy};
+use crate::metrics::{BrokerCounters, BrokerMetrics};
+use crate::prefixes::{PrefixRow, Prefixes};
+use held::{ClientBooks, DeviceBytes, TenantBooks};
+use kvvm_governor::TenantBounds;
+pub use lease::AcquireOutcome;
+
+/// A client's request the books would not serve: nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BooksError {
+    /// The client is not registered.
+    #[error("unknown client {0}")]
+    UnknownClient(u64),
+    /// A return of more than the client holds.
+    #[error("returns {bytes} bytes on device {device} but holds {held}")]
+    NotHeld {
+        /// The device.
+        device: u32,
+        /// Bytes returned.
+        bytes: u64,
+        /// Bytes held.
+        held: u64,
+    },
+    /// A claim on a device where the client already holds bytes, or one that does not fit
+    /// (its tenant's ceiling, the budget, or the bytes kept for other tenants' claims).
+    #[error("claim refused on device {0}")]
+    Claim(u32),
+    /// No prefix of that key for the client's tenant, or the client does not use it.
+    #[error("no prefix {0:?} for this client")]
+    NoPrefix(String),
+    /// The tenant already has a prefix of that key, or as many as it may have, or the
+    /// broker holds as many descriptors as it may.
+    #[error("prefix {0:?} exists, or no more prefixes may be published")]
+    PrefixExists(String),
+    /// A device the broker does not budget.
+    #[error("device {0} is not budgeted by this broker")]
+    NoDevice(u32),
+}
+
+/// An ask the broker sends: `client` should give back up to `bytes` on `device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReclaimAsk {
+    /// The client asked.
+    pub client: u64,
+    /// The device.
+    pub device: u32,
+    /// Bytes wanted back.
+    pub bytes: u64,
+}
+
+/// How many entries the books keep: what stays bounded however many clients come and go.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BookEntries {
+    /// Tenants known now (with a client or bytes).
+    pub tenants: usize,
+    /// Clients registered now.
+    pub clients: usize,
+    /// Per-device entries of clients, tenants, the node and the give-back history.
+    pub devices: usize,
+    /// Prefixes published.
+    pub prefixes: usize,
+}
+
+/// The bytes kept after a restart for the claims of the previous broker's clients.
+#[derive(Debug, Default)]
+struct Grace {
+    /// When the bytes not claimed by then are let go (`None`: no grace running).
+    until: Option<Instant>,
+    /// Per (tenant, device): bytes lent by the previous broker and not claimed yet.
+    unclaimed: BTreeMap<(String, u32), u64>,
+}
+
+/// The broker's books.
+#[derive(Debug)]
+pub struct NodeBooks {
+    budget: u64,
+    devices: u32,
+    max_descriptors: usize,
+    /// The limits of the tenants named in the configuration.
+    named: BTreeMap<String, TenantBounds>,
+    /// The limits of tenants not named (`None`: refused).
+    default: Option<TenantBounds>,
+    tenants: BTreeMap<String, TenantBooks>,
+    clients: BTreeMap<u64, ClientBooks>,
+    /// Every tenant's bytes, per device.
+    total: DeviceBytes,
+    next_client: u64,
+    /// Bytes given back per device during the last window of the retry policy.
+    given_back: BTreeMap<u32, ReleaseWindow>,
+    /// That window.
+    window: Duration,
+    prefixes: Prefixes,
+    grace: Grace,
+    counters: BrokerCounters,
+    /// Whether what is lent changed since [`take_changed`](Self::take_changed).
+    changed: bool,
+}
+
+fn limits(config: &BrokerConfig, p: &TenantPolicy) -> TenantBounds {
+    TenantBounds::within(p.floor, p.ceiling, config.budget)
+}
+
+impl NodeBooks {
+    /// Empty books for `config`'s budget, devices and tenants.
+    pub fn new(config: &BrokerConfig) -> Self {
+        NodeBooks {
+            budget: config.budget,
+            devices: config.devices,
+            max_descriptors: config.max_prefix_descriptors,
+            named: config
+                .tenants
+                .iter()
+                .map(|(n, p)| (n.clone(), limits(config, p)))
+                .collect(),
+            default: config.default_tenant.as_ref().map(|p| limits(config, p)),
+            tenants: BTreeMap::new(),
+            clients: BTreeMap::new(),
+            total: DeviceBytes::default(),
+            next_client: 1,
+            given_back: BTreeMap::new(),
+            window: config.retry.window,
+            prefixes: Prefixes::default(),
+            grace: Grace::default(),
+            counters: BrokerCounters::default(),
+            changed: false,
+        }
+    }
+
+    /// The limits of `tenant` by the configuration (the default's for a tenant not named;
+    /// none at all, the budget as its ceiling, for one no longer admitted).
+    fn limits_of(&self, tenant: &str) -> TenantBounds {
+        self.named
+            .get(tenant)
+            .copied()
+            .or(self.default)
+            .unwrap_or(TenantBounds {
+                floor: 0,
+                ceiling: self.budget,
+            })
+    }
+
+    /// The books of `tenant`, entered if it was not known.
+    fn tenant_mut(&mut self, tenant: &str) -> &mut TenantBooks {
+        let limits = self.limits_of(tenant);
+        self.tenants
+            .entry(tenant.to_owned())
+            .or_insert_with(|| TenantBooks::new(limits))
+    }
+
+    /// Forgets `tenant` if it has no client and no bytes left.
+    fn prune(&mut self, tenant: &str) {
+        if self.tenants.get(tenant).is_some_and(TenantBooks::is_idle) {
+            self.tenants.remove(tenant);
+        }
+    }
+
+    /// `bytes` more on `device` for `tenant` (and its `client`, if any).
+    fn lend(&mut self, tenant: &str, client: Option<u64>, device: u32, bytes: u64) {
+        if let Some(c) = client.and_then(|c| self.clients.get_mut(&c)) {
+            c.held.add(device, bytes);
+        }
+        self.tenant_mut(tenant).held.add(device, bytes);
+        self.total.add(device, bytes);
+        self.changed = true;
+    }
+
+    /// `bytes` on `device` back from `tenant` (and its `client`, if any).
+    fn take_back(&mut self, tenant: &str, client: Option<u64>, device: u32, bytes: u64) {
+        if let Some(c) = client.and_then(|c| self.clients.get_mut(&c)) {
+            c.held.sub(device, bytes);
+        }
+        if let Some(t) = self.tenants.get_mut(tenant) {
+            t.held.sub(device, bytes);
+        }
+        self.total.sub(device, bytes);
+        self.changed = true;
+        self.prune(tenant);
+    }
+
+    fn check_device(&self, device: u32) -> Result<(), BooksError> {
+        if device < self.devices {
+            Ok(())
+        } else {
+            Err(BooksError::NoDevice(device))
+        }
+    }
+
+    /// Registers a client of `tenant` (with its floor and ceiling) and returns its number.
+    pub fn register(&mut self, tenant: &str, policy: &TenantPolicy, ceiling: u64) -> u64 {
+        let id = self.next_client;
+        self.next_client = self.next_client.saturating_add(1);
+        self.counters.clients_registered += 1;
+        let t = self.tenant_mut(tenant);
+        t.limits = TenantBounds::within(policy.floor, Some(ceiling), ceiling);
+        t.clients.insert(id);
+        self.clients.insert(
+            id,
+            ClientBooks {
+                tenant: tenant.to_owned(),
+                held: DeviceBytes::default(),
+            },
+        );
+        id
+    }
+
+    /// Bytes `client` holds on `device`.
+    pub fn client_held(&self, client: u64, device: u32) -> u64 {
+        self.clients.get(&client).map_or(0, |c| c.held.get(device))
+    }
+
+    /// Every client's holdings: (client, device, bytes), for the books check.
+    pub fn holdings(&self) -> Vec<(u64, u32, u64)> {
+        self.clients
+            .iter()
+            .flat_map(|(id, c)| c.held.iter().map(move |(d, b)| (*id, d, b)))
+            .collect()
+    }
+
+    /// Bytes `tenant` holds on `device`: its clients' leases, its prefixes, and what is kept
+    /// for its clients' claims after a restart.
+    pub fn tenant_held(&self, tenant: &str, device: u32) -> u64 {
+        self.tenants.get(tenant).map_or(0, |t| t.held.get(device))
+    }
+
+    /// Bytes held on `device`: every client's, every prefix's, and what is kept for claims.
+    pub fn total_held(&self, device: u32) -> u64 {
+        self.total.get(device)
+    }
+
+    /// Every published prefix: (tenant, key, device, bytes, users).
+    pub fn prefixes(&self) -> Vec<PrefixRow> {
+        self.prefixes.rows()
+    }
+
+    /// Every prefix use: (client, key, times opened or published and not closed).
+    pub fn prefix_uses(&self) -> Vec<(u64, String, u32)> {
+        self.prefixes.uses()
+    }
+
+    /// The number of clients registered.
+    pub fn clients(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// How many entries the books keep.
+    pub fn entries(&self) -> BookEntries {
+        let devices = self.clients.values().map(|c| c.held.len()).sum::<usize>()
+            + self.tenants.values().map(|t| t.held.len()).sum::<usize>()
+            + self.total.len()
+            + self.given_back.len();
+        BookEntries {
+            tenants: self.tenants.len(),
+            clients: self.clients.len(),
+            devices,
+            prefixes: self.prefixes.len(),
+        }
+    }
+
+    /// What the node has lent, per (tenant, device): what a broker started after this one
+    /// must keep for the claims of its clients.
+    pub fn lent(&self) -> BTreeMap<(String, u32), u64> {
+        self.tenants
+            .iter()
+            .flat_map(|(name, t)| t.held.iter().map(move |(d, b)| ((name.clone(), d), b)))
+            .collect()
+    }
+
+    /// Whether what is lent changed since the last call.
+    pub fn take_changed(&mut self) -> bool {
+        std::mem::take(&mut self.changed)
+    }
+
+    /// The books now, with what they did since the start.
+    pub fn metrics(&self) -> BrokerMetrics {
+        let mut m = BrokerMetrics {
+            budget: self.budget,
+            clients: self.clients.len() as u64,
+            tenants: self.tenants.len() as u64,
+            counters: self.counters,
+            ..BrokerMetrics::default()
+        };
+        for ((tenant, device), bytes) in self.lent() {
+            m.held.insert((tenant, device), bytes);
+        }
+        for ((tenant, device), bytes) in &self.grace.unclaimed {
+            m.unclaimed.insert((tenant.clone(), *device), *bytes);
+        }
+        for (tenant, _, device, bytes, _) in self.prefixes.rows() {
+            let p = m.prefix_bytes.entry((tenant.clone(), device)).or_default();
+            *p = p.saturating_add(bytes);
+            *m.prefixes.entry(tenant).or_default() += 1;
+        }
+        m
+    }
+
+    /// Counts a connection the acceptor could not take (`accept` failed).
+    pub fn note_accept_failure(&mut self) {
+        self.counters.accept_failures += 1;
+    }
+
+    /// Counts a connection refused for want of a slot.
+    pub fn note_refused(&mut self) {
+        self.counters.connections_refused += 1;
+    }
+
+    /// Counts a connection dropped for a late hello or a long silence.
+    pub fn note_timed_out(&mut self) {
+        self.counters.connections_timed_out += 1;
+    }
+
+    /// Forgets `client` (its socket closed): everything it held goes back to the node.
+    /// Returns the bytes per device it held.
+    pub fn drop_client(&mut self, client: u64, now: Instant) -> BTreeMap<u32, u64> {
+        let Some(c) = self.clients.remove(&client) else {
+            return BTreeMap::new();
+        };
+        self.counters.clients_dropped += 1;
+        if let Some(t) = self.tenants.get_mut(&c.tenant) {
+            t.clients.remove(&client);
+        }
+        let held: BTreeMap<u32, u64> = c.held.iter().collect();
+        for (d, b) in &held {
+            self.take_back(&c.tenant, None, *d, *b);
+            self.note_given_back(*d, *b, now);
+        }
+        for f in self.prefixes.drop_client(&c.tenant, client) {
+            self.free_prefix(&c.tenant, f, now);
+        }
+        self.prune(&c.tenant);
+        held
+    }
+
+    fn tenant_of(&self, client: u64) -> Result<String, BooksError> {
+        self.clients
+            .get(&client)
+            .map(|c| c.tenant.clone())
+            .ok_or(BooksError::UnknownClient(client))
+    }
+
+    fn note_given_back(&mut self, device: u32, bytes: u64, now: Instant) {
+        if bytes == 0 {
+            return;
+        }
+        self.counters.returned_bytes = self.counters.returned_bytes.saturating_add(bytes);
+        let window = self.window;
+        self.given_back
+            .entry(device)
+            .or_default()
+            .note(now, window, bytes);
+    }
+}
+
+#[cfg(test)]
+mod tests;
