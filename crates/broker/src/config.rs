@@ -62,7 +62,9 @@ pub struct BrokerConfig {
     /// dropped; clients ping at a quarter of it ([`Reply::Welcome`](crate::Reply::Welcome)
     /// tells them).
     pub idle_timeout: Duration,
-    /// The devices budgeted: indices `0..devices`; a request on another is refused.
+    /// The devices budgeted: indices `0..devices`, and the host's page-locked memory
+    /// ([`kvvm_hal::DeviceId::HOST`], device number `u32::MAX`); a request on another is
+    /// refused.
     pub devices: u32,
     /// The most descriptors the broker keeps for published prefixes, over all tenants.
     pub max_prefix_descriptors: usize,

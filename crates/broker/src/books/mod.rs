@@ -5,7 +5,8 @@
 //! clients' leases, its prefixes, what is kept for its claims after a restart) and the
 //! node's, so that a request costs the same however many clients came and went. A tenant with
 //! no client and no bytes is forgotten, and so is a device at 0 bytes; devices past
-//! [`BrokerConfig::devices`] are refused.
+//! [`BrokerConfig::devices`] are refused, but for the host's page-locked memory
+//! ([`DeviceId::HOST`], budgeted as one more device).
 //!
 //! Where each part lives: `held.rs` (the parts: bytes per device, a client's and a tenant's
 //! books), `lease.rs` (acquire, give back, claim, the grace after a restart), `prefix.rs`
@@ -19,6 +20,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kvvm_governor::ReleaseWindow;
+use kvvm_hal::DeviceId;
 
 use crate::config::{BrokerConfig, TenantPolicy};
 use crate::metrics::{BrokerCounters, BrokerMetrics};
@@ -200,7 +202,7 @@ impl NodeBooks {
     }
 
     fn check_device(&self, device: u32) -> Result<(), BooksError> {
-        if device < self.devices {
+        if device < self.devices || device == DeviceId::HOST.0 {
             Ok(())
         } else {
             Err(BooksError::NoDevice(device))

@@ -230,7 +230,7 @@ fn devices_past_those_budgeted_are_refused_and_leave_nothing() {
     let mut b = NodeBooks::new(&config);
     let a = b.register("a", &policy(0, None), 100);
     let now = Instant::now();
-    for device in [2, 7, u32::MAX] {
+    for device in [2, 7, u32::MAX - 1] {
         let r = b
             .acquire(a, device, 0, 10, &RetryPolicy::default(), now)
             .unwrap()
@@ -250,6 +250,15 @@ fn devices_past_those_budgeted_are_refused_and_leave_nothing() {
     assert_eq!(b.give_back(a, 0, 5, now), Ok(0));
     let e = b.entries();
     assert_eq!((e.tenants, e.clients, e.devices), (1, 1, 1), "{e:?}");
+    // The host's page-locked memory is budgeted as one more device, whatever `devices` is.
+    let host = kvvm_hal::DeviceId::HOST.0;
+    assert_eq!(
+        b.acquire(a, host, 0, 10, &RetryPolicy::default(), now)
+            .unwrap()
+            .map_err(|(r, _)| r),
+        Ok(10)
+    );
+    assert_eq!(b.give_back(a, host, 10, now), Ok(0));
 }
 
 #[test]
