@@ -23,6 +23,7 @@ import kvvm
 from kvvm_bench.model import build_model
 from kvvm_bench.numerics import percentiles
 from kvvm_bench.report_file import write_report
+from kvvm_bench.shapes_step import EagerStep
 
 __all__ = ["add_args", "run_cascade_bench"]
 
@@ -77,26 +78,6 @@ def _prefill_own(model: Any, cache: Any, own: torch.Tensor, start: int) -> torch
     return out.logits[:, -1]
 
 
-class _EagerStep:
-    """One decode step run eagerly (a CUDA graph needs CUDA)."""
-
-    def __init__(self, model: Any, cache: Any) -> None:
-        self.model, self.cache = model, cache
-
-    @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        self.cache.prepare(1)
-        out = self.model(
-            input_ids=tokens.view(-1, 1), position_ids=self.cache.state.positions(1), past_key_values=self.cache,
-            use_cache=True, logits_to_keep=1,
-        ).logits[:, -1]
-        self.cache.step_done()
-        return out
-
-    def close(self) -> None:
-        """Nothing to drop."""
-
-
 def _timed(step: Any, tok: torch.Tensor, steps: int) -> dict[str, float]:
     """``steps`` greedy replays, an event before each and after the last (CUDA)."""
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
@@ -141,7 +122,7 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, groups: int) -
     try:
         firsts = [_prefill_own(model, c, own, args.prefix).argmax(-1) for c in caches]
         cuda = device.type == "cuda"
-        steps = [DecodeGraph(model, c) if cuda else _EagerStep(model, c) for c in caches]
+        steps = [DecodeGraph(model, c) if cuda else EagerStep(model, c) for c in caches]
         tokens: list[list[list[int]]] = [[], []]
         toks = list(firsts)
         for _ in range(args.check_steps):

@@ -14,7 +14,7 @@ import torch
 import kvvm
 from kvvm_bench.numerics import percentiles, tie
 
-__all__ = ["DTYPES", "Shape", "StepResult", "run_step", "step_tokens"]
+__all__ = ["DTYPES", "EagerStep", "Shape", "StepResult", "run_step", "step_tokens"]
 
 #: The dtypes a shape may have.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,7 +63,7 @@ class StepResult:
     note: str = ""
 
 
-class _EagerStep:
+class EagerStep:
     """What a :class:`~kvvm.graph.DecodeGraph` replays, run eagerly (a CUDA graph needs CUDA):
     the step prepared on the host, the forward, the step marked done."""
 
@@ -132,7 +132,7 @@ def run_step(
 
             step = DecodeGraph(model, cache, compile=args.compile)
         else:
-            step = _EagerStep(model, cache)
+            step = EagerStep(model, cache)
         tok = _check(r, step, model, refs, ref, sizes["check_steps"], shape.torch_dtype)
         del refs
         if device.type == "cuda":

@@ -40,7 +40,7 @@ from .triton_decode import (
     run_partial,
     upcast,
 )
-from .triton_kernels import _block, split_range
+from .triton_kernels import fold_tokens, split_range
 
 __all__ = [
     "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "Share", "Tables", "cascade_attention", "choose_prefix_splits",
@@ -205,24 +205,10 @@ def _prefix_kernel(
     k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
 
-    m_i = tl.full([TILE * GROUP_POW2], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([TILE * GROUP_POW2], dtype=tl.float32)
-    acc = tl.zeros([TILE * GROUP_POW2, DIM_PAD], dtype=tl.float32)
-    if LOOP_WHILE:
-        # Triton's interpreter (CPU) takes a loop bound only as a Python int.
-        t = lo
-        while t < hi:
-            m_i, l_i, acc = _block(
-                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
-            )
-            t += BLOCK
-    else:
-        for t in range(lo, hi, BLOCK):
-            m_i, l_i, acc = _block(
-                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
-            )
+    m_i, l_i, acc = fold_tokens(
+        q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale, softcap,
+        TILE * GROUP_POW2, DIM_PAD, BLOCK, PRECISION, CAPPED, UPCAST, LOOP_WHILE,
+    )
 
     has = l_i > 0.0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)

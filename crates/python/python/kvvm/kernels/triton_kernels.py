@@ -68,6 +68,35 @@ def _block(
 
 
 @triton.jit
+def fold_tokens(
+    q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale, softcap,
+    ROWS: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    CAPPED: tl.constexpr, UPCAST: tl.constexpr, LOOP_WHILE: tl.constexpr,
+):
+    """The running softmax of ``ROWS`` query rows over the tokens ``[lo, hi)`` of one KV head,
+    a block at a time: returns its ``(max, sum, accumulator)``."""
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, DIM_PAD], dtype=tl.float32)
+    if LOOP_WHILE:
+        # Triton's interpreter (CPU) takes a loop bound only as a Python int.
+        t = lo
+        while t < hi:
+            m_i, l_i, acc = _block(
+                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
+                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
+            )
+            t += BLOCK
+    else:
+        for t in range(lo, hi, BLOCK):
+            m_i, l_i, acc = _block(
+                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
+                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
+            )
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _request(Bounds, Shared, b, window, SLIDING: tl.constexpr, CASCADE: tl.constexpr):
     """Request ``b``'s slot and tokens ``[start, end)``, in one load reduced to scalars; with a
     sliding window the query (token ``end - 1``) sees the window's tokens only; in a cascade,
@@ -199,24 +228,10 @@ def _partial_kernel(
     k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)
-    if LOOP_WHILE:
-        # Triton's interpreter (CPU) takes a loop bound only as a Python int.
-        t = lo
-        while t < hi:
-            m_i, l_i, acc = _block(
-                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
-            )
-            t += BLOCK
-    else:
-        for t in range(lo, hi, BLOCK):
-            m_i, l_i, acc = _block(
-                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
-            )
+    m_i, l_i, acc = fold_tokens(
+        q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale, softcap,
+        GROUP_PAD, DIM_PAD, BLOCK, PRECISION, CAPPED, UPCAST, LOOP_WHILE,
+    )
 
     if FUSED:
         kn = tl.load(KN + b.to(tl.int64) * stride_knb + kvh.to(tl.int64) * stride_knh + offs_d, mask=d_mask, other=0.0)
