@@ -29,6 +29,8 @@
 //! * `unsupported.rs`: the type on other operating systems (also built by the tests).
 
 #[cfg(target_os = "linux")]
+mod first_touch;
+#[cfg(target_os = "linux")]
 mod linux;
 #[cfg(target_os = "linux")]
 mod probe;
@@ -39,6 +41,8 @@ mod tier;
 pub(crate) mod unsupported;
 
 #[cfg(target_os = "linux")]
-pub use linux::{mmap_first_touch, HostBackend};
+pub use first_touch::mmap_first_touch;
+#[cfg(target_os = "linux")]
+pub use linux::HostBackend;
 #[cfg(not(target_os = "linux"))]
 pub use unsupported::{mmap_first_touch, HostBackend};
