@@ -19,42 +19,24 @@ import pytest
 from conftest import cuda_available, kvvm_binary, needs_host
 
 import kvvm
+from model_checks import run_broker
 
 MiB = 1 << 20
 #: One window of the geometry below: 2 MiB (the host's granule) of 256-byte tokens.
 WINDOW_TOKENS = 8192
 
 
-def _run_broker(socket: Path, *flags: str) -> Iterator[Path]:
-    """``kvvm broker`` on ``socket`` with ``flags`` until the test ends (stopped by SIGTERM,
-    which it must answer with exit 0)."""
-    binary = kvvm_binary()
-    if binary is None:
-        pytest.skip("skipped: no kvvm binary (cargo build --release -p kvvm-cli, or set KVVM_BIN)")
-    daemon = subprocess.Popen(
-        [binary, "broker", "--socket", str(socket), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    assert daemon.stdout is not None
-    line = daemon.stdout.readline()
-    assert "listening on" in line, (line, daemon.stderr.read() if daemon.poll() is not None and daemon.stderr else "")
-    try:
-        yield socket
-    finally:
-        daemon.terminate()
-        assert daemon.wait(timeout=20) == 0
-
-
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[Path]:
     """A broker of 8 MiB: tenant ``a`` between 2 and 6 MiB, tenant ``b`` anything left."""
-    yield from _run_broker(tmp_path / "broker.sock", "--budget-bytes", "8MiB", "--tenant", "a:2MiB:6MiB", "--tenant", "b")
+    yield from run_broker(tmp_path / "broker.sock", "--budget-bytes", "8MiB", "--tenant", "a:2MiB:6MiB", "--tenant", "b")
 
 
 @pytest.fixture
 def prefix_broker(tmp_path: Path) -> Iterator[Path]:
     """A broker of 12 MiB, tenants ``a`` (between 2 and 6 MiB) and ``b``: room for a prefix of
     two windows and its tail beside its publisher's lease and a reader's copy of the tail."""
-    yield from _run_broker(
+    yield from run_broker(
         tmp_path / "prefix.sock", "--budget-bytes", "12MiB", "--tenant", "a:2MiB:6MiB", "--tenant", "b"
     )
 
@@ -310,7 +292,7 @@ def test_a_prefix_whose_descriptor_cannot_be_read_is_let_go_by_its_reader(broker
 @pytest.fixture
 def roomy_broker(tmp_path: Path) -> Iterator[Path]:
     """A broker of 256 MiB, tenant ``t``."""
-    yield from _run_broker(tmp_path / "roomy.sock", "--budget-bytes", "256MiB", "--tenant", "t")
+    yield from run_broker(tmp_path / "roomy.sock", "--budget-bytes", "256MiB", "--tenant", "t")
 
 
 @needs_host
