@@ -58,6 +58,12 @@
 //! bytes are still granted by the device budget ([`MappedGrowthGrant`]) when they are
 //! committed: a tenant budget narrows the device budget, never widens it.
 //!
+//! Whether a request of a tenant fits is decided in one place, [`TenantRoom`]: the room under
+//! the tenant's own ceiling and the room all tenants together have left, less what is kept
+//! free for the floors of the others ([`TenantBounds::room_in`]). [`Tenants`] asks it per
+//! quota (no floors); a node broker's books ask it per device, with each tenant's
+//! [`TenantBounds`].
+//!
 //! ## How `retry_after` is estimated
 //!
 //! The governor records every [`Governor::free`] (bytes returned to the driver) with its time,
@@ -82,7 +88,8 @@
 //! released during the last window: the ledger's, the tenants' and a node broker's),
 //! `reclaim.rs` ([`Reclaimer`]), `config.rs` ([`GovernorConfig`]), `snapshot.rs`, `lease_source.rs`
 //! ([`LeaseSource`], [`LeasePolicy`]), `tenant.rs` (the vocabulary of tenant budgets:
-//! [`TenantId`], [`TenantShare`], [`TenantBudgets`], [`TenantRefusal`], [`TenantBounds`]) and `tenants.rs`
+//! [`TenantId`], [`TenantShare`], [`TenantBudgets`], [`TenantRefusal`], [`TenantBounds`],
+//! [`TenantRoom`]) and `tenants.rs`
 //! ([`Tenants`], [`TenantGrant`]).
 
 #![forbid(unsafe_code)]
@@ -115,6 +122,6 @@ pub use retry::RetryPolicy;
 pub use snapshot::{DeviceSnapshot, GovernorSnapshot};
 pub use tenant::{
     Quota, Scope, TenantBackpressure, TenantBounds, TenantBudgets, TenantId, TenantLimits,
-    TenantNeverFits, TenantRefusal, TenantShare,
+    TenantNeverFits, TenantRefusal, TenantRoom, TenantShare,
 };
 pub use tenants::{TenantGrant, Tenants};

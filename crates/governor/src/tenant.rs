@@ -2,7 +2,8 @@
 //! ([`TenantShare`], one figure per [`Quota`]), the limits on it ([`TenantLimits`] per
 //! [`Scope`], together [`TenantBudgets`]) and why a share is refused ([`TenantRefusal`]);
 //! [`TenantBounds`], a tenant's floor and ceiling of a byte budget tenants share (a node
-//! broker's books keep theirs with it).
+//! broker's books keep theirs with it), and [`TenantRoom`], the one rule by which a request
+//! of a tenant fits (`Tenants` and a node broker's books both decide with it).
 //!
 //! A tenant budget sits inside the device budget: the committed bytes of a tenant's share are
 //! also granted by the device budget when they are committed (a `MappedGrowthGrant`); the
@@ -180,6 +181,57 @@ impl TenantBounds {
     pub fn room(&self, held: u64) -> u64 {
         self.ceiling.saturating_sub(held)
     }
+
+    /// The room of a tenant holding `held` in a budget shared by tenants: under its own
+    /// ceiling, and in what all tenants together may still take of `shared` (all tenants'
+    /// limit, which they hold `total` of) less `kept` for the floors of the others
+    /// ([`kept_free_for`](Self::kept_free_for)).
+    pub fn room_in(&self, held: u64, (total, shared): (u64, u64), kept: u64) -> TenantRoom {
+        TenantRoom {
+            tenant: self.room(held),
+            shared: shared.saturating_sub(total).saturating_sub(kept),
+        }
+    }
+
+    /// What is kept free for the floors of `tenants` ((bounds, held) of each): the part of
+    /// each one's floor it does not hold, summed (saturating).
+    pub fn kept_free_for(tenants: impl IntoIterator<Item = (TenantBounds, u64)>) -> u64 {
+        tenants
+            .into_iter()
+            .map(|(bounds, held)| bounds.kept_free(held))
+            .fold(0, u64::saturating_add)
+    }
+}
+
+/// The room of one tenant in a budget tenants share ([`TenantBounds::room_in`]): the one
+/// admission rule of tenants, for the governor's tenant books (per quota, no floors) and a
+/// node broker's books (per device, with floors). A request fits when it fits both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantRoom {
+    /// What the tenant may still take under its own ceiling.
+    pub tenant: u64,
+    /// What all tenants together may still take, less what is kept free for the floors of
+    /// the others.
+    pub shared: u64,
+}
+
+impl TenantRoom {
+    /// What the tenant may take now: the lesser room.
+    pub fn available(&self) -> u64 {
+        self.tenant.min(self.shared)
+    }
+
+    /// The scope `requested` bytes do not fit in (all tenants checked first), or `None`
+    /// when they fit (nothing always fits).
+    pub fn refusing(&self, requested: u64) -> Option<Scope> {
+        if requested > self.shared {
+            Some(Scope::AllTenants)
+        } else if requested > self.tenant {
+            Some(Scope::Tenant)
+        } else {
+            None
+        }
+    }
 }
 
 /// A share larger than a limit by itself: no release can ever let it through.
@@ -245,6 +297,42 @@ mod tests {
             (20, 0, 0)
         );
         assert_eq!((b.room(45), b.room(50), b.room(70)), (5, 0, 0));
+    }
+
+    #[test]
+    fn a_tenant_room_is_the_lesser_of_its_ceiling_and_the_shared_rest_past_others_floors() {
+        let b = TenantBounds::within(0, Some(50), 100);
+        // 20 held of 50; 70 held by all of 100, 25 kept for others: 30 - 25 = 5 shared.
+        let room = b.room_in(20, (70, 100), 25);
+        assert_eq!(
+            room,
+            TenantRoom {
+                tenant: 30,
+                shared: 5
+            }
+        );
+        assert_eq!(room.available(), 5);
+        assert_eq!(room.refusing(5), None);
+        assert_eq!(room.refusing(6), Some(Scope::AllTenants));
+        let own = b.room_in(45, (50, 100), 0);
+        assert_eq!((own.available(), own.refusing(6)), (5, Some(Scope::Tenant)));
+        assert_eq!(
+            b.room_in(60, (120, 100), 7).refusing(0),
+            None,
+            "nothing fits even over every limit"
+        );
+        assert_eq!(
+            b.room_in(0, (0, 100), u64::MAX).refusing(1),
+            Some(Scope::AllTenants),
+            "all tenants checked first"
+        );
+        let floors = [
+            (TenantBounds::within(30, None, 100), 10),
+            (TenantBounds::within(20, None, 100), 25),
+            (TenantBounds::within(u64::MAX, None, u64::MAX), 0),
+        ];
+        assert_eq!(TenantBounds::kept_free_for(floors[..2].iter().copied()), 20);
+        assert_eq!(TenantBounds::kept_free_for(floors), u64::MAX, "saturating");
     }
 
     #[test]

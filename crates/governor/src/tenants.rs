@@ -18,8 +18,8 @@ use crate::governor::Governor;
 use crate::release_window::ReleaseWindow;
 use crate::retry::RetryPolicy;
 use crate::tenant::{
-    Quota, Scope, TenantBackpressure, TenantBudgets, TenantId, TenantNeverFits, TenantRefusal,
-    TenantShare,
+    Quota, Scope, TenantBackpressure, TenantBounds, TenantBudgets, TenantId, TenantNeverFits,
+    TenantRefusal, TenantRoom, TenantShare,
 };
 
 /// What the books hold: every tenant's share, their sum, and the releases of the last window.
@@ -182,28 +182,27 @@ impl Tenants {
         self.check_fits(share)?;
         let mut held = lock(&self.inner.held);
         for quota in Quota::ALL {
-            for scope in Scope::ALL {
-                let Some(limit) = self.inner.budgets.limit(quota, scope) else {
-                    continue;
-                };
-                let (used, requested) = (held.used(tenant, quota, scope), share.get(quota));
-                if requested == 0 || used.saturating_add(requested) <= limit {
-                    continue;
-                }
-                let shortfall = used.saturating_add(requested).saturating_sub(limit);
-                let at = (self.inner.clock.now(), self.inner.retry.window);
-                held.prune(at.0, at.1);
-                let released = held.released(tenant, quota, scope, at);
-                return Err(TenantBackpressure {
-                    quota,
-                    scope,
-                    used,
-                    requested,
-                    limit,
-                    retry_after: self.inner.retry.estimate(shortfall, released),
-                }
-                .into());
+            let requested = share.get(quota);
+            let Some(scope) = self.room(&held, tenant, quota).refusing(requested) else {
+                continue;
+            };
+            // A scope without a limit has all the room there is: it refuses only past
+            // u64::MAX, which it reports as its limit.
+            let limit = self.inner.budgets.limit(quota, scope).unwrap_or(u64::MAX);
+            let used = held.used(tenant, quota, scope);
+            let shortfall = used.saturating_add(requested).saturating_sub(limit);
+            let at = (self.inner.clock.now(), self.inner.retry.window);
+            held.prune(at.0, at.1);
+            let released = held.released(tenant, quota, scope, at);
+            return Err(TenantBackpressure {
+                quota,
+                scope,
+                used,
+                requested,
+                limit,
+                retry_after: self.inner.retry.estimate(shortfall, released),
             }
+            .into());
         }
         held.add(tenant, share);
         Ok(TenantGrant {
@@ -211,6 +210,19 @@ impl Tenants {
             tenant,
             share,
         })
+    }
+
+    /// The room of `tenant` in `quota`: under the per-tenant limit and in what all tenants
+    /// may still take (no floors: every tenant is bounded alike).
+    fn room(&self, held: &Held, tenant: TenantId, quota: Quota) -> TenantRoom {
+        let limit = |scope| self.inner.budgets.limit(quota, scope).unwrap_or(u64::MAX);
+        let bounds = TenantBounds {
+            floor: 0,
+            ceiling: limit(Scope::Tenant),
+        };
+        let total = held.used(tenant, quota, Scope::AllTenants);
+        let shared = limit(Scope::AllTenants);
+        bounds.room_in(held.used(tenant, quota, Scope::Tenant), (total, shared), 0)
     }
 
     /// Gives back what `tenant` held as `share` (a sequence that ended): it leaves the books
