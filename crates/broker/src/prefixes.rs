@@ -9,6 +9,8 @@
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 
+use kvvm_governor::TenantId;
+
 /// The most prefixes one tenant may have published at once (each holds descriptors open in
 /// the broker).
 pub const MAX_PREFIXES: usize = 256;
@@ -55,7 +57,7 @@ pub struct Published {
 /// Every published prefix, by (tenant, key).
 #[derive(Debug, Default)]
 pub struct Prefixes {
-    map: BTreeMap<(String, String), Entry>,
+    map: BTreeMap<(TenantId, String), Entry>,
     /// Descriptors held, over every prefix.
     descriptors: usize,
 }
@@ -98,21 +100,21 @@ pub enum PrefixClaim {
     Mismatch,
 }
 
-fn key(tenant: &str, key: &str) -> (String, String) {
-    (tenant.to_owned(), key.to_owned())
+fn key(tenant: TenantId, key: &str) -> (TenantId, String) {
+    (tenant, key.to_owned())
 }
 
 impl Prefixes {
     /// `tenant`'s prefixes.
-    fn of<'a>(&'a self, tenant: &'a str) -> impl Iterator<Item = (&'a String, &'a Entry)> + 'a {
+    fn of(&self, tenant: TenantId) -> impl Iterator<Item = (&String, &Entry)> + '_ {
         self.map
             .range(key(tenant, "")..)
-            .take_while(move |((t, _), _)| t == tenant)
+            .take_while(move |((t, _), _)| *t == tenant)
             .map(|((_, k), e)| (k, e))
     }
 
     /// How many prefixes `tenant` has published.
-    pub fn count(&self, tenant: &str) -> usize {
+    pub fn count(&self, tenant: TenantId) -> usize {
         self.of(tenant).count()
     }
 
@@ -127,12 +129,12 @@ impl Prefixes {
     }
 
     /// Whether `tenant` has a prefix `key`.
-    pub fn contains(&self, tenant: &str, key_: &str) -> bool {
+    pub fn contains(&self, tenant: TenantId, key_: &str) -> bool {
         self.map.contains_key(&key(tenant, key_))
     }
 
     /// Records a prefix published by `client`, its first user.
-    pub fn publish(&mut self, tenant: &str, key_: &str, client: u64, published: Published) {
+    pub fn publish(&mut self, tenant: TenantId, key_: &str, client: u64, published: Published) {
         let Published {
             device,
             sizes,
@@ -155,7 +157,7 @@ impl Prefixes {
     /// Opens `tenant`'s prefix `key` for `client`: `None` if there is none, if it has no
     /// descriptors (claimed after a restart), or if duplicating them failed (which changes
     /// nothing).
-    pub fn open(&mut self, tenant: &str, key_: &str, client: u64) -> Option<OpenedPrefix> {
+    pub fn open(&mut self, tenant: TenantId, key_: &str, client: u64) -> Option<OpenedPrefix> {
         let e = self.map.get_mut(&key(tenant, key_))?;
         if e.fds.is_empty() {
             return None;
@@ -180,7 +182,7 @@ impl Prefixes {
     /// under a previous broker claims those uses.
     pub fn claim(
         &mut self,
-        tenant: &str,
+        tenant: TenantId,
         key_: &str,
         client: u64,
         (device, bytes): (u32, u64),
@@ -200,7 +202,7 @@ impl Prefixes {
     /// descriptors are gone: it cannot be opened until it is published again).
     pub fn insert_claimed(
         &mut self,
-        tenant: &str,
+        tenant: TenantId,
         key_: &str,
         client: u64,
         (device, bytes): (u32, u64),
@@ -221,7 +223,7 @@ impl Prefixes {
     /// prefix freed when it was the last; `None` if the client was not a user.
     pub fn close(
         &mut self,
-        tenant: &str,
+        tenant: TenantId,
         key_: &str,
         client: u64,
     ) -> Option<(usize, Option<Freed>)> {
@@ -240,7 +242,7 @@ impl Prefixes {
         Some((0, Some(Freed::of(&e))))
     }
 
-    fn remove(&mut self, k: &(String, String)) -> Option<Entry> {
+    fn remove(&mut self, k: &(TenantId, String)) -> Option<Entry> {
         let e = self.map.remove(k)?;
         self.descriptors = self.descriptors.saturating_sub(e.fds.len());
         Some(e)
@@ -248,7 +250,7 @@ impl Prefixes {
 
     /// Drops every use of `client` of `tenant` (its socket closed); returns the prefixes it
     /// was the last user of, which are freed.
-    pub fn drop_client(&mut self, tenant: &str, client: u64) -> Vec<Freed> {
+    pub fn drop_client(&mut self, tenant: TenantId, client: u64) -> Vec<Freed> {
         let mut freed = Vec::new();
         for (k, e) in self.map.range_mut(key(tenant, "")..) {
             if k.0 != tenant {
@@ -265,13 +267,13 @@ impl Prefixes {
             .collect()
     }
 
-    /// Every prefix: (tenant, key, device, bytes, users).
-    pub fn rows(&self) -> Vec<PrefixRow> {
+    /// Every prefix: (tenant, key, device, bytes, users), the tenant named by `name`.
+    pub fn rows<'a>(&self, name: impl Fn(TenantId) -> &'a str) -> Vec<PrefixRow> {
         self.map
             .iter()
             .map(|((t, k), e)| {
                 let users = u32::try_from(e.users.len()).unwrap_or(u32::MAX);
-                (t.clone(), k.clone(), e.device, e.bytes, users)
+                (name(*t).to_owned(), k.clone(), e.device, e.bytes, users)
             })
             .collect()
     }

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kvvm_governor::TenantBounds;
+use kvvm_governor::{TenantBounds, TenantId};
 
 /// Bytes per device. A device at 0 has no entry, so what a client or tenant once held and
 /// gave back leaves nothing behind.
@@ -54,7 +54,8 @@ impl DeviceBytes {
 /// One client's holdings.
 #[derive(Debug, Clone)]
 pub(crate) struct ClientBooks {
-    pub(crate) tenant: String,
+    /// Its tenant, resolved from the name it gave at its hello.
+    pub(crate) tenant: TenantId,
     pub(crate) held: DeviceBytes,
 }
 

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvvm_governor::RetryPolicy;
+use kvvm_governor::{RetryPolicy, TenantBounds, TenantId};
 
 use super::{BooksError, NodeBooks, ReclaimAsk};
 use crate::proto::WireRefusal;
@@ -19,11 +19,12 @@ impl NodeBooks {
     /// until claimed, so nothing new is granted out of them; what is not claimed by then
     /// is let go. Devices this broker does not budget are skipped.
     pub fn keep_for_claims(&mut self, lent: BTreeMap<(String, u32), u64>, until: Instant) {
-        for ((tenant, device), bytes) in lent {
+        for ((name, device), bytes) in lent {
             if bytes == 0 || self.check_device(device).is_err() {
                 continue;
             }
-            self.lend(&tenant, None, device, bytes);
+            let tenant = self.names.enter(&name);
+            self.lend(tenant, None, device, bytes);
             let kept = self.grace.unclaimed.entry((tenant, device)).or_default();
             *kept = kept.saturating_add(bytes);
         }
@@ -34,7 +35,7 @@ impl NodeBooks {
 
     /// Bytes kept for claims now, per (tenant, device).
     pub fn unclaimed(&self) -> BTreeMap<(String, u32), u64> {
-        self.grace.unclaimed.clone()
+        self.by_name(&self.grace.unclaimed)
     }
 
     /// Lets the bytes kept for claims go once the grace is over.
@@ -44,7 +45,7 @@ impl NodeBooks {
         }
         self.grace.until = None;
         for ((tenant, device), bytes) in std::mem::take(&mut self.grace.unclaimed) {
-            self.take_back(&tenant, None, device, bytes);
+            self.take_back(tenant, None, device, bytes);
         }
     }
 
@@ -64,7 +65,7 @@ impl NodeBooks {
         if self.client_held(client, device) > 0 {
             return Err(BooksError::Claim(device));
         }
-        self.bill_claim(&tenant, Some(client), device, bytes)?;
+        self.bill_claim(tenant, Some(client), device, bytes)?;
         Ok(bytes)
     }
 
@@ -75,17 +76,17 @@ impl NodeBooks {
     /// so more is no client's.
     pub(super) fn bill_claim(
         &mut self,
-        tenant: &str,
+        tenant: TenantId,
         client: Option<u64>,
         device: u32,
         bytes: u64,
     ) -> Result<(), BooksError> {
-        let key = (tenant.to_owned(), device);
+        let key = (tenant, device);
         let kept = self.grace.unclaimed.get(&key).copied().unwrap_or(0);
         let from_kept = bytes.min(kept);
         let extra = bytes - from_kept;
-        let ceiling = self.tenants.get(tenant).map_or(0, |t| t.limits.ceiling);
-        let fits = self.tenant_held(tenant, device).saturating_add(extra) <= ceiling
+        let ceiling = self.tenants.get(&tenant).map_or(0, |t| t.limits.ceiling);
+        let fits = self.held_by(tenant, device).saturating_add(extra) <= ceiling
             && self.total.get(device).saturating_add(extra) <= self.budget
             && (extra == 0 || self.grace.until.is_none());
         if !fits {
@@ -109,20 +110,18 @@ impl NodeBooks {
 
     /// Bytes kept free on `device` for tenants other than `tenant` that are under their floor
     /// (the named tenants, whether connected or not, and the others known now).
-    fn reserved_for_others(&self, tenant: &str, device: u32) -> u64 {
+    fn reserved_for_others(&self, tenant: TenantId, device: u32) -> u64 {
         let named = self
             .named
             .iter()
-            .filter(|(name, l)| l.floor > 0 && name.as_str() != tenant)
-            .map(|(name, l)| l.kept_free(self.tenant_held(name, device)));
+            .filter(|(id, l)| l.floor > 0 && **id != tenant)
+            .map(|(id, l)| (*l, self.held_by(*id, device)));
         let others = self
             .tenants
             .iter()
-            .filter(|(name, t)| {
-                t.limits.floor > 0 && name.as_str() != tenant && !self.named.contains_key(*name)
-            })
-            .map(|(_, t)| t.limits.kept_free(t.held.get(device)));
-        named.chain(others).fold(0u64, u64::saturating_add)
+            .filter(|(id, t)| t.limits.floor > 0 && **id != tenant && !self.names.is_named(**id))
+            .map(|(_, t)| (t.limits, t.held.get(device)));
+        TenantBounds::kept_free_for(named.chain(others))
     }
 
     /// Grants `client` at least `need` and at most `want` bytes on `device`, or refuses with
@@ -139,7 +138,12 @@ impl NodeBooks {
     ) -> Result<AcquireOutcome, BooksError> {
         self.expire(now);
         let tenant = self.tenant_of(client)?;
-        let ceiling = self.tenants.get(&tenant).map_or(0, |t| t.limits.ceiling);
+        let bounds = self
+            .tenants
+            .get(&tenant)
+            .map(|t| t.limits)
+            .unwrap_or_default();
+        let ceiling = bounds.ceiling;
         let mine = self.client_held(client, device);
         let (limit, limit_bytes) = if self.check_device(device).is_err() {
             ("device_not_budgeted", 0)
@@ -158,25 +162,23 @@ impl NodeBooks {
             self.counters.never_fits += 1;
             return Ok(Err((refusal, Vec::new())));
         }
-        let tenant_room = self
-            .tenants
-            .get(&tenant)
-            .map_or(0, |t| t.limits.room(t.held.get(device)));
-        let node_room = self
-            .budget
-            .saturating_sub(self.total.get(device))
-            .saturating_sub(self.reserved_for_others(&tenant, device));
-        let available = tenant_room.min(node_room);
-        if need <= available {
+        let room = bounds.room_in(
+            self.held_by(tenant, device),
+            (self.total.get(device), self.budget),
+            self.reserved_for_others(tenant, device),
+        );
+        let available = room.available();
+        if room.refusing(need).is_none() {
             let granted = want.max(need).min(available);
-            self.lend(&tenant, Some(client), device, granted);
+            self.lend(tenant, Some(client), device, granted);
             self.counters.grants += 1;
             self.counters.granted_bytes = self.counters.granted_bytes.saturating_add(granted);
             return Ok(Ok(granted));
         }
         let shortfall = need.saturating_sub(available);
-        let asks = if node_room < tenant_room {
-            self.asks(&tenant, device, shortfall)
+        // Others are asked only when the node binds, not the tenant's own ceiling.
+        let asks = if room.shared < room.tenant {
+            self.asks(tenant, device, shortfall)
         } else {
             Vec::new()
         };
@@ -196,11 +198,11 @@ impl NodeBooks {
 
     /// Asks for `shortfall` bytes on `device` from clients of tenants (other than `tenant`)
     /// over their floor, each for at most its tenant's excess and its own holding.
-    fn asks(&self, tenant: &str, device: u32, shortfall: u64) -> Vec<ReclaimAsk> {
+    fn asks(&self, tenant: TenantId, device: u32, shortfall: u64) -> Vec<ReclaimAsk> {
         let mut left = shortfall;
         let mut asks = Vec::new();
-        for (name, t) in &self.tenants {
-            if name == tenant || left == 0 {
+        for (id, t) in &self.tenants {
+            if *id == tenant || left == 0 {
                 continue;
             }
             let mut excess = t.limits.excess(t.held.get(device));
@@ -236,7 +238,7 @@ impl NodeBooks {
             bytes,
             held,
         })?;
-        self.take_back(&tenant, Some(client), device, bytes);
+        self.take_back(tenant, Some(client), device, bytes);
         self.note_given_back(device, bytes, now);
         Ok(rest)
     }

@@ -1,5 +1,8 @@
-//! [`NodeBooks`]: the broker's books, what every client holds on every device, and the
-//! arithmetic of floors, ceilings and the shared rest. Pure: no sockets, no threads.
+//! [`NodeBooks`]: the broker's books, what every client holds on every device, by the
+//! governor's tenant model: tenants keyed by [`TenantId`] (a name resolved once, through
+//! [`TenantNames`]), each with its [`TenantBounds`], and whether a request fits decided by the
+//! governor's [`TenantRoom`](kvvm_governor::TenantRoom) (floors, ceilings, the shared rest).
+//! Pure: no sockets, no threads.
 //!
 //! The books keep what they decide with incrementally: each tenant's bytes per device (its
 //! clients' leases, its prefixes, what is kept for its claims after a restart) and the
@@ -9,25 +12,26 @@
 //! ([`DeviceId::HOST`], budgeted as one more device).
 //!
 //! Where each part lives: `held.rs` (the parts: bytes per device, a client's and a tenant's
-//! books), `lease.rs` (acquire, give back, claim, the grace after a restart), `prefix.rs`
+//! books), `names.rs` (the tenants' names and ids), `lease.rs` (acquire, give back, claim, the grace after a restart), `prefix.rs`
 //! (publish, open, close and claim prefixes).
 
 mod held;
 mod lease;
+mod names;
 mod prefix;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use kvvm_governor::ReleaseWindow;
+use kvvm_governor::{ReleaseWindow, TenantBounds, TenantId};
 use kvvm_hal::DeviceId;
 
 use crate::config::{BrokerConfig, TenantPolicy};
 use crate::metrics::{BrokerCounters, BrokerMetrics};
 use crate::prefixes::{PrefixRow, Prefixes};
 use held::{ClientBooks, DeviceBytes, TenantBooks};
-use kvvm_governor::TenantBounds;
 pub use lease::AcquireOutcome;
+use names::TenantNames;
 
 /// A client's request the books would not serve: nothing changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -83,6 +87,8 @@ pub struct BookEntries {
     pub devices: usize,
     /// Prefixes published.
     pub prefixes: usize,
+    /// Tenant names known: the configuration's and those of the tenants known now.
+    pub names: usize,
 }
 
 /// The bytes kept after a restart for the claims of the previous broker's clients.
@@ -91,7 +97,7 @@ struct Grace {
     /// When the bytes not claimed by then are let go (`None`: no grace running).
     until: Option<Instant>,
     /// Per (tenant, device): bytes lent by the previous broker and not claimed yet.
-    unclaimed: BTreeMap<(String, u32), u64>,
+    unclaimed: BTreeMap<(TenantId, u32), u64>,
 }
 
 /// The broker's books.
@@ -100,11 +106,13 @@ pub struct NodeBooks {
     budget: u64,
     devices: u32,
     max_descriptors: usize,
+    /// Every tenant's name and id.
+    names: TenantNames,
     /// The limits of the tenants named in the configuration.
-    named: BTreeMap<String, TenantBounds>,
+    named: BTreeMap<TenantId, TenantBounds>,
     /// The limits of tenants not named (`None`: refused).
     default: Option<TenantBounds>,
-    tenants: BTreeMap<String, TenantBooks>,
+    tenants: BTreeMap<TenantId, TenantBooks>,
     clients: BTreeMap<u64, ClientBooks>,
     /// Every tenant's bytes, per device.
     total: DeviceBytes,
@@ -127,15 +135,18 @@ fn limits(config: &BrokerConfig, p: &TenantPolicy) -> TenantBounds {
 impl NodeBooks {
     /// Empty books for `config`'s budget, devices and tenants.
     pub fn new(config: &BrokerConfig) -> Self {
+        let names = TenantNames::new(config.tenants.keys());
+        let named = config
+            .tenants
+            .iter()
+            .filter_map(|(n, p)| Some((names.id(n)?, limits(config, p))))
+            .collect();
         NodeBooks {
             budget: config.budget,
             devices: config.devices,
             max_descriptors: config.max_prefix_descriptors,
-            named: config
-                .tenants
-                .iter()
-                .map(|(n, p)| (n.clone(), limits(config, p)))
-                .collect(),
+            names,
+            named,
             default: config.default_tenant.as_ref().map(|p| limits(config, p)),
             tenants: BTreeMap::new(),
             clients: BTreeMap::new(),
@@ -152,9 +163,9 @@ impl NodeBooks {
 
     /// The limits of `tenant` by the configuration (the default's for a tenant not named;
     /// none at all, the budget as its ceiling, for one no longer admitted).
-    fn limits_of(&self, tenant: &str) -> TenantBounds {
+    fn limits_of(&self, tenant: TenantId) -> TenantBounds {
         self.named
-            .get(tenant)
+            .get(&tenant)
             .copied()
             .or(self.default)
             .unwrap_or(TenantBounds {
@@ -164,22 +175,24 @@ impl NodeBooks {
     }
 
     /// The books of `tenant`, entered if it was not known.
-    fn tenant_mut(&mut self, tenant: &str) -> &mut TenantBooks {
+    fn tenant_mut(&mut self, tenant: TenantId) -> &mut TenantBooks {
         let limits = self.limits_of(tenant);
         self.tenants
-            .entry(tenant.to_owned())
+            .entry(tenant)
             .or_insert_with(|| TenantBooks::new(limits))
     }
 
-    /// Forgets `tenant` if it has no client and no bytes left.
-    fn prune(&mut self, tenant: &str) {
-        if self.tenants.get(tenant).is_some_and(TenantBooks::is_idle) {
-            self.tenants.remove(tenant);
+    /// Forgets `tenant`, and its name unless the configuration names it, if it has no client
+    /// and no bytes left.
+    fn prune(&mut self, tenant: TenantId) {
+        if self.tenants.get(&tenant).is_some_and(TenantBooks::is_idle) {
+            self.tenants.remove(&tenant);
+            self.names.forget(tenant);
         }
     }
 
     /// `bytes` more on `device` for `tenant` (and its `client`, if any).
-    fn lend(&mut self, tenant: &str, client: Option<u64>, device: u32, bytes: u64) {
+    fn lend(&mut self, tenant: TenantId, client: Option<u64>, device: u32, bytes: u64) {
         if let Some(c) = client.and_then(|c| self.clients.get_mut(&c)) {
             c.held.add(device, bytes);
         }
@@ -189,11 +202,11 @@ impl NodeBooks {
     }
 
     /// `bytes` on `device` back from `tenant` (and its `client`, if any).
-    fn take_back(&mut self, tenant: &str, client: Option<u64>, device: u32, bytes: u64) {
+    fn take_back(&mut self, tenant: TenantId, client: Option<u64>, device: u32, bytes: u64) {
         if let Some(c) = client.and_then(|c| self.clients.get_mut(&c)) {
             c.held.sub(device, bytes);
         }
-        if let Some(t) = self.tenants.get_mut(tenant) {
+        if let Some(t) = self.tenants.get_mut(&tenant) {
             t.held.sub(device, bytes);
         }
         self.total.sub(device, bytes);
@@ -209,18 +222,21 @@ impl NodeBooks {
         }
     }
 
-    /// Registers a client of `tenant` (with its floor and ceiling) and returns its number.
-    pub fn register(&mut self, tenant: &str, policy: &TenantPolicy, ceiling: u64) -> u64 {
+    /// Registers a client of the tenant named `name` (with its floor and ceiling) and
+    /// returns its number. The name is resolved here, once: the client's books hold its
+    /// tenant's id.
+    pub fn register(&mut self, name: &str, policy: &TenantPolicy, ceiling: u64) -> u64 {
         let id = self.next_client;
         self.next_client = self.next_client.saturating_add(1);
         self.counters.clients_registered += 1;
+        let tenant = self.names.enter(name);
         let t = self.tenant_mut(tenant);
         t.limits = TenantBounds::within(policy.floor, Some(ceiling), ceiling);
         t.clients.insert(id);
         self.clients.insert(
             id,
             ClientBooks {
-                tenant: tenant.to_owned(),
+                tenant,
                 held: DeviceBytes::default(),
             },
         );
@@ -240,10 +256,15 @@ impl NodeBooks {
             .collect()
     }
 
-    /// Bytes `tenant` holds on `device`: its clients' leases, its prefixes, and what is kept
-    /// for its clients' claims after a restart.
-    pub fn tenant_held(&self, tenant: &str, device: u32) -> u64 {
-        self.tenants.get(tenant).map_or(0, |t| t.held.get(device))
+    /// Bytes the tenant named `name` holds on `device`: its clients' leases, its prefixes,
+    /// and what is kept for its clients' claims after a restart.
+    pub fn tenant_held(&self, name: &str, device: u32) -> u64 {
+        self.names.id(name).map_or(0, |t| self.held_by(t, device))
+    }
+
+    /// Bytes `tenant` holds on `device`.
+    fn held_by(&self, tenant: TenantId, device: u32) -> u64 {
+        self.tenants.get(&tenant).map_or(0, |t| t.held.get(device))
     }
 
     /// Bytes held on `device`: every client's, every prefix's, and what is kept for claims.
@@ -253,7 +274,9 @@ impl NodeBooks {
 
     /// Every published prefix: (tenant, key, device, bytes, users).
     pub fn prefixes(&self) -> Vec<PrefixRow> {
-        self.prefixes.rows()
+        let mut rows = self.prefixes.rows(|t| self.names.name(t));
+        rows.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+        rows
     }
 
     /// Every prefix use: (client, key, times opened or published and not closed).
@@ -277,6 +300,7 @@ impl NodeBooks {
             clients: self.clients.len(),
             devices,
             prefixes: self.prefixes.len(),
+            names: self.names.len(),
         }
     }
 
@@ -285,7 +309,17 @@ impl NodeBooks {
     pub fn lent(&self) -> BTreeMap<(String, u32), u64> {
         self.tenants
             .iter()
-            .flat_map(|(name, t)| t.held.iter().map(move |(d, b)| ((name.clone(), d), b)))
+            .flat_map(|(id, t)| {
+                let name = self.names.name(*id);
+                t.held.iter().map(move |(d, b)| ((name.to_owned(), d), b))
+            })
+            .collect()
+    }
+
+    /// `map` with each tenant's name for its id.
+    fn by_name(&self, map: &BTreeMap<(TenantId, u32), u64>) -> BTreeMap<(String, u32), u64> {
+        map.iter()
+            .map(|((t, d), b)| ((self.names.name(*t).to_owned(), *d), *b))
             .collect()
     }
 
@@ -303,13 +337,9 @@ impl NodeBooks {
             counters: self.counters,
             ..BrokerMetrics::default()
         };
-        for ((tenant, device), bytes) in self.lent() {
-            m.held.insert((tenant, device), bytes);
-        }
-        for ((tenant, device), bytes) in &self.grace.unclaimed {
-            m.unclaimed.insert((tenant.clone(), *device), *bytes);
-        }
-        for (tenant, _, device, bytes, _) in self.prefixes.rows() {
+        m.held = self.lent();
+        m.unclaimed = self.by_name(&self.grace.unclaimed);
+        for (tenant, _, device, bytes, _) in self.prefixes.rows(|t| self.names.name(t)) {
             let p = m.prefix_bytes.entry((tenant.clone(), device)).or_default();
             *p = p.saturating_add(bytes);
             *m.prefixes.entry(tenant).or_default() += 1;
@@ -344,20 +374,20 @@ impl NodeBooks {
         }
         let held: BTreeMap<u32, u64> = c.held.iter().collect();
         for (d, b) in &held {
-            self.take_back(&c.tenant, None, *d, *b);
+            self.take_back(c.tenant, None, *d, *b);
             self.note_given_back(*d, *b, now);
         }
-        for f in self.prefixes.drop_client(&c.tenant, client) {
-            self.free_prefix(&c.tenant, f, now);
+        for f in self.prefixes.drop_client(c.tenant, client) {
+            self.free_prefix(c.tenant, f, now);
         }
-        self.prune(&c.tenant);
+        self.prune(c.tenant);
         held
     }
 
-    fn tenant_of(&self, client: u64) -> Result<String, BooksError> {
+    fn tenant_of(&self, client: u64) -> Result<TenantId, BooksError> {
         self.clients
             .get(&client)
-            .map(|c| c.tenant.clone())
+            .map(|c| c.tenant)
             .ok_or(BooksError::UnknownClient(client))
     }
 

@@ -4,6 +4,8 @@
 
 use std::time::Instant;
 
+use kvvm_governor::TenantId;
+
 use super::{BooksError, NodeBooks};
 use crate::prefixes::{Freed, OpenedPrefix, PrefixClaim, Published, MAX_PREFIXES};
 
@@ -31,8 +33,8 @@ impl NodeBooks {
             .prefixes
             .descriptors()
             .saturating_add(published.fds.len());
-        if self.prefixes.contains(&tenant, key)
-            || self.prefixes.count(&tenant) >= MAX_PREFIXES
+        if self.prefixes.contains(tenant, key)
+            || self.prefixes.count(tenant) >= MAX_PREFIXES
             || descriptors > self.max_descriptors
         {
             return Err(BooksError::PrefixExists(key.to_owned()));
@@ -47,7 +49,7 @@ impl NodeBooks {
         if let Some(c) = self.clients.get_mut(&client) {
             c.held.sub(device, bytes);
         }
-        self.prefixes.publish(&tenant, key, client, published);
+        self.prefixes.publish(tenant, key, client, published);
         Ok(rest)
     }
 
@@ -55,7 +57,7 @@ impl NodeBooks {
     pub fn open_prefix(&mut self, client: u64, key: &str) -> Result<OpenedPrefix, BooksError> {
         let tenant = self.tenant_of(client)?;
         self.prefixes
-            .open(&tenant, key, client)
+            .open(tenant, key, client)
             .ok_or_else(|| BooksError::NoPrefix(key.to_owned()))
     }
 
@@ -69,10 +71,10 @@ impl NodeBooks {
         let tenant = self.tenant_of(client)?;
         let (left, freed) = self
             .prefixes
-            .close(&tenant, key, client)
+            .close(tenant, key, client)
             .ok_or_else(|| BooksError::NoPrefix(key.to_owned()))?;
         if let Some(f) = freed {
-            self.free_prefix(&tenant, f, now);
+            self.free_prefix(tenant, f, now);
         }
         Ok(left)
     }
@@ -80,18 +82,14 @@ impl NodeBooks {
     /// A prefix of `tenant` freed with its last user: its bytes go back to the node, or,
     /// when it was claimed after a restart and the grace runs, back to what is kept for the
     /// tenant's claims (its other users of the previous broker may not have claimed it yet).
-    pub(super) fn free_prefix(&mut self, tenant: &str, freed: Freed, now: Instant) {
+    pub(super) fn free_prefix(&mut self, tenant: TenantId, freed: Freed, now: Instant) {
         let Freed {
             device,
             bytes,
             claimed,
         } = freed;
         if claimed && self.grace.until.is_some() {
-            let kept = self
-                .grace
-                .unclaimed
-                .entry((tenant.to_owned(), device))
-                .or_default();
+            let kept = self.grace.unclaimed.entry((tenant, device)).or_default();
             *kept = kept.saturating_add(bytes);
             return;
         }
@@ -120,17 +118,17 @@ impl NodeBooks {
         }
         match self
             .prefixes
-            .claim(&tenant, key, client, (device, bytes), uses)
+            .claim(tenant, key, client, (device, bytes), uses)
         {
             PrefixClaim::Joined(users) => Ok(users),
             PrefixClaim::Mismatch => Err(missing()),
             PrefixClaim::Absent => {
-                if self.prefixes.count(&tenant) >= MAX_PREFIXES {
+                if self.prefixes.count(tenant) >= MAX_PREFIXES {
                     return Err(BooksError::PrefixExists(key.to_owned()));
                 }
-                self.bill_claim(&tenant, None, device, bytes)?;
+                self.bill_claim(tenant, None, device, bytes)?;
                 self.prefixes
-                    .insert_claimed(&tenant, key, client, (device, bytes), uses);
+                    .insert_claimed(tenant, key, client, (device, bytes), uses);
                 Ok(1)
             }
         }
