@@ -8,7 +8,11 @@
 //! only top-ups (in batches) and trims are round trips.
 //!
 //! * Per tenant, per device: a floor (bytes kept free for it while other tenants ask) and a
-//!   ceiling (the most it may hold); the rest of the budget is shared on demand. When a
+//!   ceiling (the most it may hold); the rest of the budget is shared on demand. The tenant
+//!   model is the governor's ([`TenantId`](kvvm_governor::TenantId),
+//!   [`TenantBounds`](kvvm_governor::TenantBounds), and
+//!   [`TenantRoom`](kvvm_governor::TenantRoom) deciding whether a request fits); a tenant's
+//!   name is resolved to its id once, when a client registers. When a
 //!   tenant is refused for lack of room, the tenants over their floor are asked
 //!   ([`Reply::Reclaim`]) to give back what they can spare.
 //! * A refused lease is the local governor's [`Backpressure`](kvvm_governor::Backpressure)
