@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvvm_governor::{Clock, RetryPolicy, SystemClock};
+use kvvm_governor::{Clock, RetryPolicy, SystemClock, TenantBounds};
 
 use crate::error::BrokerError;
 
@@ -132,9 +132,10 @@ impl BrokerConfig {
         self.tenants.get(tenant).or(self.default_tenant.as_ref())
     }
 
-    /// The tenant's ceiling, at most the node's budget.
-    pub fn ceiling(&self, policy: &TenantPolicy) -> u64 {
-        policy.ceiling.map_or(self.budget, |c| c.min(self.budget))
+    /// The tenant's floor and ceiling of the node's budget: the ceiling at most the budget,
+    /// the floor at most the ceiling.
+    pub fn bounds(&self, policy: &TenantPolicy) -> TenantBounds {
+        TenantBounds::within(policy.floor, policy.ceiling, self.budget)
     }
 
     /// Where the broker records what it has lent ([`books_file`](Self::books_file), or
@@ -160,11 +161,11 @@ impl BrokerConfig {
                     self.budget
                 ));
             }
-            if p.floor > self.ceiling(p) {
+            let ceiling = self.bounds(p).ceiling;
+            if p.floor > ceiling {
                 return bad(format!(
-                    "tenant {name}: floor {} over its ceiling {}",
-                    p.floor,
-                    self.ceiling(p)
+                    "tenant {name}: floor {} over its ceiling {ceiling}",
+                    p.floor
                 ));
             }
             floors = floors.saturating_add(p.floor);

@@ -128,10 +128,6 @@ pub struct NodeBooks {
     changed: bool,
 }
 
-fn limits(config: &BrokerConfig, p: &TenantPolicy) -> TenantBounds {
-    TenantBounds::within(p.floor, p.ceiling, config.budget)
-}
-
 impl NodeBooks {
     /// Empty books for `config`'s budget, devices and tenants.
     pub fn new(config: &BrokerConfig) -> Self {
@@ -139,7 +135,7 @@ impl NodeBooks {
         let named = config
             .tenants
             .iter()
-            .filter_map(|(n, p)| Some((names.id(n)?, limits(config, p))))
+            .filter_map(|(n, p)| Some((names.id(n)?, config.bounds(p))))
             .collect();
         NodeBooks {
             budget: config.budget,
@@ -147,7 +143,7 @@ impl NodeBooks {
             max_descriptors: config.max_prefix_descriptors,
             names,
             named,
-            default: config.default_tenant.as_ref().map(|p| limits(config, p)),
+            default: config.default_tenant.as_ref().map(|p| config.bounds(p)),
             tenants: BTreeMap::new(),
             clients: BTreeMap::new(),
             total: DeviceBytes::default(),

@@ -235,8 +235,8 @@ fn hello(
         let why = "unknown tenant, wrong token or user not allowed";
         return Next::Close(Some(error(id, ErrorCode::Unauthorized, why)));
     };
-    let ceiling = shared.config.ceiling(&policy);
-    let client = lock(&shared.books).register(tenant, &policy, ceiling);
+    let bounds = shared.config.bounds(&policy);
+    let client = lock(&shared.books).register(tenant, &policy, bounds.ceiling);
     *lock(&conn.client) = Some(client);
     let (pid, uid) = conn
         .peer
@@ -246,8 +246,8 @@ fn hello(
     conn.send(&Reply::Welcome {
         id,
         client,
-        floor: policy.floor.min(ceiling),
-        ceiling,
+        floor: bounds.floor,
+        ceiling: bounds.ceiling,
         budget: shared.config.budget,
         idle_ms,
     });
