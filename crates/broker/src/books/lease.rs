@@ -59,14 +59,26 @@ impl NodeBooks {
         bytes: u64,
         now: Instant,
     ) -> Result<u64, BooksError> {
-        self.expire(now);
-        let tenant = self.tenant_of(client)?;
-        self.check_device(device)?;
+        let tenant = self.claimant(client, device, now)?;
         if self.client_held(client, device) > 0 {
             return Err(BooksError::Claim(device));
         }
         self.bill_claim(tenant, Some(client), device, bytes)?;
         Ok(bytes)
+    }
+
+    /// The tenant of `client`, claiming on `device` at `now`, once what is kept for claims
+    /// is let go if the grace is over.
+    pub(super) fn claimant(
+        &mut self,
+        client: u64,
+        device: u32,
+        now: Instant,
+    ) -> Result<TenantId, BooksError> {
+        self.expire(now);
+        let tenant = self.tenant_of(client)?;
+        self.check_device(device)?;
+        Ok(tenant)
     }
 
     /// Bills a claim of `bytes` on `device` to `tenant` (and its `client`, if any): out of
@@ -232,12 +244,7 @@ impl NodeBooks {
         now: Instant,
     ) -> Result<u64, BooksError> {
         let tenant = self.tenant_of(client)?;
-        let held = self.client_held(client, device);
-        let rest = held.checked_sub(bytes).ok_or(BooksError::NotHeld {
-            device,
-            bytes,
-            held,
-        })?;
+        let rest = self.held_after(client, device, bytes)?;
         self.take_back(tenant, Some(client), device, bytes);
         self.note_given_back(device, bytes, now);
         Ok(rest)

@@ -244,6 +244,17 @@ impl NodeBooks {
         self.clients.get(&client).map_or(0, |c| c.held.get(device))
     }
 
+    /// What `client` holds on `device` once `bytes` of it go, or [`BooksError::NotHeld`]
+    /// when it holds fewer.
+    fn held_after(&self, client: u64, device: u32, bytes: u64) -> Result<u64, BooksError> {
+        let held = self.client_held(client, device);
+        held.checked_sub(bytes).ok_or(BooksError::NotHeld {
+            device,
+            bytes,
+            held,
+        })
+    }
+
     /// Every client's holdings: (client, device, bytes), for the books check.
     pub fn holdings(&self) -> Vec<(u64, u32, u64)> {
         self.clients

@@ -39,12 +39,7 @@ impl NodeBooks {
         {
             return Err(BooksError::PrefixExists(key.to_owned()));
         }
-        let held = self.client_held(client, device);
-        let rest = held.checked_sub(bytes).ok_or(BooksError::NotHeld {
-            device,
-            bytes,
-            held,
-        })?;
+        let rest = self.held_after(client, device, bytes)?;
         // The bytes stay the tenant's and the node's: only the client stops holding them.
         if let Some(c) = self.clients.get_mut(&client) {
             c.held.sub(device, bytes);
@@ -109,9 +104,7 @@ impl NodeBooks {
         uses: u32,
         now: Instant,
     ) -> Result<usize, BooksError> {
-        self.expire(now);
-        let tenant = self.tenant_of(client)?;
-        self.check_device(device)?;
+        let tenant = self.claimant(client, device, now)?;
         let missing = || BooksError::NoPrefix(key.to_owned());
         if uses == 0 || bytes == 0 {
             return Err(missing());
