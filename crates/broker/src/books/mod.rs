@@ -12,8 +12,8 @@
 //! ([`DeviceId::HOST`], budgeted as one more device).
 //!
 //! Where each part lives: `held.rs` (the parts: bytes per device, a client's and a tenant's
-//! books), `names.rs` (the tenants' names and ids), `lease.rs` (acquire, give back, claim, the grace after a restart), `prefix.rs`
-//! (publish, open, close and claim prefixes).
+//! books), `names.rs` (the tenants' names and ids), `lease.rs` (acquire, give back, claim,
+//! the grace after a restart), `prefix.rs` (publish, open, close and claim prefixes).
 
 mod held;
 mod lease;
@@ -164,10 +164,7 @@ impl NodeBooks {
             .get(&tenant)
             .copied()
             .or(self.default)
-            .unwrap_or(TenantBounds {
-                floor: 0,
-                ceiling: self.budget,
-            })
+            .unwrap_or(TenantBounds::within(0, None, self.budget))
     }
 
     /// The books of `tenant`, entered if it was not known.
