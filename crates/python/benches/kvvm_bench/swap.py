@@ -355,7 +355,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-hi", type=int, default=4096)
     p.add_argument("--output", type=int, default=256)
     p.add_argument("--trace-slots", type=int, default=32)
-    p.add_argument("--budget-bytes", type=int, default=8 << 30, help="the trace's device budget (forces preemptions)")
+    p.add_argument("--budget-bytes", type=int, default=6 << 30, help="the trace's device budget (forces preemptions)")
     p.add_argument("--host-tier-bytes", type=int, default=32 << 30, help="the trace's host tier")
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument(
