@@ -20,6 +20,7 @@
 //! * no lock of the tier is held while the governor is asked for bytes (its reclaimers, this
 //!   tier among them, may run).
 
+mod copy;
 mod event;
 mod pool;
 mod stats;
@@ -32,6 +33,7 @@ use kvvm_num::mul;
 use kvvm_vmm::VirtualMemory;
 
 use crate::error::KvCacheError;
+pub(crate) use copy::{copy_runs, queue_runs, runs, wait_fence, Run};
 pub(crate) use event::{CopyEvent, Fence};
 pub(crate) use pool::Chunk;
 use pool::{free_buffers, Pool};
