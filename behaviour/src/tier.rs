@@ -275,7 +275,7 @@ fn host_budget(w: &World, s: &mut State) -> Result<(), String> {
 }
 
 /// A tier whose page-locked allocations hold `slab` windows at least.
-fn with_tier(slab: u64) -> WorldSpec {
+pub(crate) fn with_tier(slab: u64) -> WorldSpec {
     WorldSpec {
         tier_slab_windows: Some(slab),
         ..WorldSpec::default()
@@ -284,7 +284,12 @@ fn with_tier(slab: u64) -> WorldSpec {
 
 /// The host tier's scenarios, in report order.
 pub(crate) fn tier_scenarios() -> Vec<Scenario> {
-    [swap_scenarios(), tier_memory_scenarios()].concat()
+    [
+        swap_scenarios(),
+        tier_memory_scenarios(),
+        crate::tier_prefix::tier_prefix_scenarios(),
+    ]
+    .concat()
 }
 
 /// A sequence's swap: out, in, both, with a mapped prefix.

@@ -13,8 +13,9 @@
 //! | step | on failure |
 //! |---|---|
 //! | chunks taken on the host's budget | least recently used host entries dropped, then taken again; none left: the prefix is forgotten |
-//! | copies device -> host, waited for | the chunks given back, the prefix forgotten (the device could not be proven idle: chunks quarantined, the segments kept until the cache is cleared) |
-//! | copies host -> device into the admitted request, waited for | the host entry dropped, the hit handed on from the device as without a host level (the rest prefilled) |
+//! | copies device -> host, waited for | the chunks given back, the prefix forgotten (the device could not be proven idle: the chunks quarantined) |
+//! | copies host -> device into the admitted request, waited for | the host entry dropped, the hit handed on from the device as without a host level (the rest prefilled); the device not proven idle: the admission fails, the sequence keeps the copies in its fence (nothing unmapped under them), the chunks are kept until a clear proves the device idle |
+//! | the request's commit (an admission's, as for a miss) | backpressure: nothing changed, the host entry kept; anything else: the host entry dropped, the request admitted again with the device's hit alone |
 //!
 //! The host level is also a reclaimer of the host's bytes (`PrefixCache`'s
 //! [`Reclaimer`](kvvm_governor::Reclaimer) on [`DeviceId::HOST`](kvvm_hal::DeviceId::HOST)):
@@ -48,20 +49,21 @@ pub(crate) struct HostLevel {
     entries: HashMap<u64, HostEntry>,
     index: HashMap<u64, Vec<u64>>,
     next_id: u64,
-    /// Segments whose copies to the host could not be proven done: kept (their memory
-    /// mapped) until the device is synchronized at a clear or with the cache.
-    pub(crate) stuck: Vec<Vec<AttachedSegment>>,
-    /// Chunks whose copies back could not be proven done: not handed on until then.
+    /// Chunks whose copies back could not be proven done: not handed on until the device is
+    /// proven idle (at a clear).
     pub(crate) stuck_chunks: Vec<Arc<HostChunks>>,
 }
 
 impl HostLevel {
-    /// Entries and the bytes their chunks hold.
+    /// Entries and the bytes their chunks hold (with the chunks kept for copies that could
+    /// not be proven done).
     pub(crate) fn held(&self) -> (u64, u64) {
         let bytes = self
             .entries
             .values()
-            .map(|e| e.chunks.bytes())
+            .map(|e| &e.chunks)
+            .chain(&self.stuck_chunks)
+            .map(|c| c.bytes())
             .fold(0u64, u64::saturating_add);
         (self.entries.len() as u64, bytes)
     }
@@ -136,20 +138,25 @@ impl PrefixCache {
 
     /// Copies an entry being evicted (its `tokens`, `hashes` and `segments`) to the host
     /// level, when the cache has one; see the module's documentation for each failure.
-    pub(super) fn to_host(&self, tokens: &[u32], hashes: &[u64], segments: Vec<AttachedSegment>) {
+    pub(super) fn to_host(&self, tokens: &[u32], hashes: &[u64], segments: &[AttachedSegment]) {
         let Some(tier) = self.tier.get() else {
             return;
         };
         let span = tracing::debug_span!("kv.prefix_to_host", tokens = tokens.len());
         let _e = span.enter();
-        let n = self.host_tokens(tokens.len() as u64, &segments);
+        let n = self.host_tokens(tokens.len() as u64, segments);
         let kept = usize::try_from(n).map_or(tokens.len(), |k| k.min(tokens.len()));
         if kept == 0 || self.touch_on_host(&tokens[..kept]) {
             return;
         }
         let _pins = TailPins::new(segments.iter().map(|s| &s.prefix));
-        let Ok((windows, sources)) = self.host_windows(n, &segments) else {
-            return;
+        let (windows, sources) = match self.host_windows(n, segments) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(error = %e, "a prefix's windows cannot be read; it is forgotten");
+                self.lock().stats.host_failed += 1;
+                return;
+            }
         };
         let Some(chunks) = self.take_on_host(tier, windows.len() as u64) else {
             self.lock().stats.host_forgotten += 1;
@@ -163,11 +170,11 @@ impl PrefixCache {
         if let Err((e, settled)) = copy_runs(&chunks, DeviceAddress(0), &runs, false) {
             tracing::warn!(error = %e, "a prefix's copy to the host failed; it is forgotten");
             tier.counters().failed += 1;
-            let mut st = self.lock();
-            st.stats.host_failed += 1;
+            self.lock().stats.host_failed += 1;
             if !settled {
-                st.host.stuck.push(segments);
-                drop(st);
+                // The copies may still write the chunks: never handed on. They only read the
+                // prefix's memory, which is let go as eviction does (a device that cannot be
+                // synchronized is lost).
                 chunks.quarantine();
             }
             return;
@@ -429,17 +436,14 @@ impl PrefixCache {
     }
 }
 
-/// What `st` keeps for copies that could not be proven done, taken out once the device is
-/// proven idle now (a clear); nothing while it cannot be.
-pub(super) fn settle_stuck(cache: &PrefixCache, st: &mut State) -> Vec<Vec<AttachedSegment>> {
-    if st.host.stuck.is_empty() && st.host.stuck_chunks.is_empty() {
+/// Lets the chunks kept for copies that could not be proven done go once the device is proven
+/// idle now (a clear); none while it cannot be. Returns them (dropped by the caller, unlocked).
+pub(super) fn settle_stuck(cache: &PrefixCache, st: &mut State) -> Vec<Arc<HostChunks>> {
+    if st.host.stuck_chunks.is_empty() {
         return Vec::new();
     }
     match cache.vm.backend().synchronize(cache.vm.device()) {
-        Ok(()) => {
-            st.host.stuck_chunks.clear();
-            std::mem::take(&mut st.host.stuck)
-        }
+        Ok(()) => std::mem::take(&mut st.host.stuck_chunks),
         Err(_) => Vec::new(),
     }
 }

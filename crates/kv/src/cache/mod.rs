@@ -407,7 +407,7 @@ impl PrefixCache {
                 }
             };
             let Some(victim) = victim else { break };
-            self.to_host(&victim.tokens, &victim.hashes, victim.segments.clone());
+            self.to_host(&victim.tokens, &victim.hashes, &victim.segments);
             drop(victim);
             self.vm.trim_pool(pooled);
             let after = self.vm.governor().snapshot().device(device).used();
