@@ -74,7 +74,7 @@ impl PrefixCache {
     fn attach_host_tier(&self, py: Python<'_>, tier: &HostTier) -> PyResult<()> {
         self.cache
             .attach_host_tier(Arc::clone(&tier.tier))
-            .map_err(|e| errors::invalid(py, &e.to_string()))
+            .map_err(|e| errors::invalid(py, e.to_string()))
     }
 
     /// Admits a request into `sequence` (empty): gives it the longest cached prefix of
