@@ -11,8 +11,7 @@
 use kvvm_kv::SequenceKv;
 
 use crate::scenarios::{plan, prompt, published, window_tokens, Scenario};
-use crate::tier::with_tier;
-use crate::world::{State, World};
+use crate::world::{with_tier, State, World};
 use kvvm_kv::KvLayout;
 
 fn e(x: impl std::fmt::Display) -> String {

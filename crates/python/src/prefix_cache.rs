@@ -97,9 +97,9 @@ impl PrefixCache {
         let cell = Arc::clone(&sequence.cell);
         let cache = Arc::clone(&self.cache);
         let min = host_min_tokens.map_or(u64::MAX, |c| c.0);
-        let info = match py.detach(move || {
-            cell.admission(|s| cache.admit_into_with_host(&token_ids, s, min))
-        }) {
+        let info = match py
+            .detach(move || cell.admission(|s| cache.admit_into_with_host(&token_ids, s, min)))
+        {
             Ok(r) => r.map_err(|e| errors::kv(py, &e))?,
             Err(busy) => return Err(busy_error(py, busy, "admit a request")),
         };
