@@ -268,6 +268,33 @@ fn a_swap_needing_the_host_budget_drops_host_prefixes_first() {
     assert_eq!(host_used(&vm).0, 3 * G);
 }
 
+/// The host level's chunks and a swap's in one page-locked allocation (the engine prewarms
+/// one): a second swap refused on the host takes the chunks the host level gave back.
+#[test]
+fn a_swap_takes_the_chunks_host_prefixes_give_back_in_a_shared_allocation() {
+    let vm = manager(sim(), Some(8 * G));
+    let plan = LayoutPlan::new(tiny(2048), KvLayout::TokenMajor, vm.granule()).unwrap();
+    let tier = HostTier::new(&vm, HostTierConfig::default().slab_windows(8)).unwrap();
+    tier.prewarm(8 * G).unwrap();
+    let cache = PrefixCache::new(vm.clone(), plan).unwrap();
+    cache.attach_host_tier(Arc::clone(&tier)).unwrap();
+    let ids: Vec<u32> = (0..320).collect();
+    drop(published(&cache, &ids));
+    cache.evict(u64::MAX);
+    assert_eq!(cache.stats().host_bytes, 3 * G);
+    let mut a = SequenceKv::new(&vm, &plan, 2048).unwrap();
+    a.ensure_tokens(512).unwrap();
+    let mut sa = a.swap_out(&tier, 512, None).unwrap();
+    a.finish_swap_out(&mut sa).unwrap();
+    let mut b = SequenceKv::new(&vm, &plan, 2048).unwrap();
+    b.ensure_tokens(384).unwrap();
+    let mut sb = b.swap_out(&tier, 384, None).unwrap();
+    b.finish_swap_out(&mut sb).unwrap();
+    assert_eq!((sa.bytes(), sb.bytes()), (4 * G, 3 * G));
+    assert_eq!(cache.stats().host_entries, 0);
+    assert_eq!(tier.stats().slabs, 1);
+}
+
 /// A failed copy back (every copy from the host fails): the request is admitted as a miss
 /// of the host and prefills; the host entry is dropped; nothing is held after.
 #[test]

@@ -163,15 +163,20 @@ impl HostTier {
                 return Ok(held);
             }
             let slab = self.config.slab_windows.max(missing);
-            match self.add_slab(slab) {
-                Ok(()) => {}
-                // A slab of the default size over the budget: only what is missing.
-                Err(e)
-                    if slab > missing
-                        && (e.backpressure().is_some() || e.never_fits().is_some()) =>
-                {
-                    self.add_slab(missing)?
+            let refused = |e: &KvCacheError| e.backpressure().is_some() || e.never_fits().is_some();
+            // A slab of the default size over the budget: only what is missing.
+            let added = self.add_slab(slab).or_else(|e| {
+                if slab > missing && refused(&e) {
+                    self.add_slab(missing)
+                } else {
+                    Err(e)
                 }
+            });
+            match added {
+                Ok(()) => {}
+                // Refused on the host, but the governor's reclaimers (a prefix cache's host
+                // level) gave chunks back to the pool meanwhile: take those.
+                Err(e) if refused(&e) && self.lock().free_chunks() > 0 => {}
                 Err(e) => return Err(e),
             }
         }
