@@ -110,3 +110,12 @@ def test_without_the_host_level_an_evicted_prefix_is_forgotten() -> None:
         cache = engine.prefix_cache.stats()
         assert cache["evicted_to_host"] == 0 and cache["host_entries"] == 0
         assert r.prefix_hit_tokens == 0 and engine.stats.prefix_host_hits == 0  # type: ignore[attr-defined]
+
+
+def test_a_host_hit_is_cheaper_only_when_both_costs_are_known_and_say_so() -> None:
+    assert not SwapCosts().host_hit_is_cheaper(100, 1 << 20)
+    assert not SwapCosts(bandwidth_in=1e9).host_hit_is_cheaper(100, 1 << 20), "prefill not measured"
+    costs = SwapCosts(bandwidth_in=1e9, prefill_s_per_token=1e-5)
+    # 1 MiB back in about 1 ms, against 100 tokens' prefill of 1 ms, then 10 ms.
+    assert not costs.host_hit_is_cheaper(100, 1 << 20)
+    assert costs.host_hit_is_cheaper(1000, 1 << 20)

@@ -195,9 +195,14 @@ class Swapper:
             return 1 if self.mode == "always" else None
         key = (self.costs.bandwidth_in, self.costs.prefill_s_per_token)
         if key != self._host_key:
+            # A copy moves whole windows: when a whole window's copy beats its prefill, so
+            # does every multiple's, and the shortest length that wins lies within the first
+            # two windows (the hit units need not fill a window); when none does, no length
+            # wins.
             unit = max(1, self.kv.hit_unit)
+            window = max(unit, self.kv.cache.plan.mapped_tokens(1))
             self._host_key, self._host_min = key, next(
-                (n for n in range(unit, self.kv.max_len + 1, unit)
+                (n for n in range(unit, min(2 * window, self.kv.max_len) + 1, unit)
                  if self.costs.host_hit_is_cheaper(n, self.kv.cache.bytes_for_tokens(n))),
                 None,
             )
