@@ -342,3 +342,60 @@ fn a_failed_copy_out_forgets_the_prefix() {
     assert_eq!(vm.governor().snapshot().device(DeviceId::HOST).used(), 0);
     assert_eq!(device_held(&vm), (0, 0, 0));
 }
+
+/// 512 bytes for each token id: what a token's KV would be (depends on the id only).
+fn id_bytes(ids: &[u32]) -> Vec<u8> {
+    ids.iter()
+        .flat_map(|&id| (0..512u64).map(move |j| ((u64::from(id) * 31 + j) % 251) as u8))
+        .collect()
+}
+
+/// Threads admitting four prompts (each hit checked byte for byte, the rest written and
+/// published) while another evicts everything to a host level with room for two of them:
+/// whatever the interleaving, every hit holds its tokens' bytes and nothing is held after.
+#[test]
+fn concurrent_admissions_and_evictions_keep_every_hit_byte_exact() {
+    let vm = manager(sim(), Some(6 * G));
+    let (cache, tier) = cache(&vm, KvLayout::TokenMajor);
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|p| (p * 10_000..p * 10_000 + 320).collect())
+        .collect();
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for t in 0..3usize {
+            let (cache, prompts, done) = (&cache, &prompts, &done);
+            s.spawn(move || {
+                for round in 0..24usize {
+                    let mut ids = prompts[(t + round) % 4].clone();
+                    ids.push(77);
+                    let n = ids.len() as u64;
+                    let mut a = cache.admit(&ids, 2048).unwrap();
+                    let hit = a.hit_tokens;
+                    let h = hit as usize;
+                    assert!(
+                        read(&a.sequence, 0, hit) == id_bytes(&ids[..h]),
+                        "hit {hit}"
+                    );
+                    a.sequence.write_tokens(hit, &id_bytes(&ids[h..])).unwrap();
+                    cache.publish(&mut a.sequence).unwrap();
+                    assert_eq!(a.sequence.committed_tokens(), n);
+                }
+                done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            });
+        }
+        let (cache, done) = (&cache, &done);
+        s.spawn(move || {
+            while done.load(std::sync::atomic::Ordering::SeqCst) < 3 {
+                cache.evict(u64::MAX);
+            }
+        });
+    });
+    let s = cache.stats();
+    assert!(s.evicted_to_host > 0 && s.host_entries <= 2, "{s:?}");
+    println!("{s:?}");
+    assert_eq!(s.host_failed, 0);
+    cache.clear();
+    tier.trim(0);
+    assert_eq!(vm.governor().snapshot().device(DeviceId::HOST).used(), 0);
+    assert_eq!(device_held(&vm), (0, 0, 0));
+}
