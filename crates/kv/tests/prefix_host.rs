@@ -206,6 +206,26 @@ fn a_host_hit_past_a_shorter_device_hit_writes_no_read_only_window() {
 }
 
 #[test]
+fn a_longer_host_entry_subsumes_its_prefixes() {
+    let vm = manager(sim(), None);
+    let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);
+    let ids: Vec<u32> = (0..256).collect();
+    drop(published(&cache, &ids[..128]));
+    cache.evict(u64::MAX);
+    drop(published(&cache, &ids));
+    cache.evict(u64::MAX);
+    let s = cache.stats();
+    assert_eq!((s.evicted_to_host, s.host_entries, s.host_hits), (2, 1, 1));
+    // The shorter prefix, back on the device from the longer entry, evicted again: the host
+    // holds it already (no copy, no second entry).
+    drop(published(&cache, &ids[..128]));
+    assert_eq!(cache.stats().host_hits, 2);
+    cache.evict(u64::MAX);
+    let s = cache.stats();
+    assert_eq!((s.evicted_to_host, s.host_entries, s.host_bytes), (2, 1, 2 * G));
+}
+
+#[test]
 fn a_caller_refusing_host_hits_prefills() {
     let vm = manager(sim(), None);
     let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);

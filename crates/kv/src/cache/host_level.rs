@@ -90,6 +90,35 @@ impl HostLevel {
         Some(e)
     }
 
+    /// Removes the entries holding a strict prefix of `tokens` (whose block hashes are
+    /// `hashes`, blocks of `block_tokens`): a new entry of `tokens` hands on all they do.
+    /// Returns them (dropped by the caller, unlocked).
+    fn remove_prefixes_of(
+        &mut self,
+        tokens: &[u32],
+        hashes: &[u64],
+        block_tokens: u64,
+    ) -> Vec<HostEntry> {
+        let bt = usize::try_from(block_tokens).unwrap_or(usize::MAX);
+        let mut ids = Vec::new();
+        for (i, h) in hashes.iter().enumerate() {
+            let n = (i + 1).saturating_mul(bt);
+            if n >= tokens.len() {
+                break;
+            }
+            for id in self.index.get(h).into_iter().flatten() {
+                if self
+                    .entries
+                    .get(id)
+                    .is_some_and(|e| e.tokens == tokens[..n])
+                {
+                    ids.push(*id);
+                }
+            }
+        }
+        ids.into_iter().filter_map(|id| self.remove(id)).collect()
+    }
+
     /// The least recently used entry's id.
     fn oldest(&self) -> Option<u64> {
         self.entries
@@ -144,12 +173,16 @@ impl PrefixCache {
         };
         let span = tracing::debug_span!("kv.prefix_to_host", tokens = tokens.len());
         let _e = span.enter();
+        // Pinned first: a tail counted below is not given back before it is copied.
+        let _pins = TailPins::new(segments.iter().map(|s| &s.prefix));
         let n = self.host_tokens(tokens.len() as u64, segments);
         let kept = usize::try_from(n).map_or(tokens.len(), |k| k.min(tokens.len()));
-        if kept == 0 || self.touch_on_host(&tokens[..kept]) {
+        let hashes = &hashes
+            [..(kept / usize::try_from(self.block_tokens).unwrap_or(1).max(1)).min(hashes.len())];
+        if kept == 0 || self.longest_host_hit(&tokens[..kept], hashes, n).is_some() {
+            // Already on the host (those tokens or more): marked used.
             return;
         }
-        let _pins = TailPins::new(segments.iter().map(|s| &s.prefix));
         let (windows, sources) = match self.host_windows(n, segments) {
             Ok(w) => w,
             Err(e) => {
@@ -179,19 +212,24 @@ impl PrefixCache {
             }
             return;
         }
-        let entry_tokens = tokens[..kept].to_vec();
-        let blocks = usize::try_from(n / self.block_tokens).unwrap_or(usize::MAX);
-        let mut st = self.lock();
-        st.tick += 1;
-        let tick = st.tick;
-        st.stats.evicted_to_host += 1;
-        st.host.insert(HostEntry {
-            tokens: entry_tokens,
-            hashes: hashes[..blocks.min(hashes.len())].to_vec(),
-            chunks: Arc::new(chunks),
-            windows,
-            last_used: tick,
-        });
+        let subsumed = {
+            let mut st = self.lock();
+            st.tick += 1;
+            let tick = st.tick;
+            st.stats.evicted_to_host += 1;
+            let subsumed = st
+                .host
+                .remove_prefixes_of(&tokens[..kept], hashes, self.block_tokens);
+            st.host.insert(HostEntry {
+                tokens: tokens[..kept].to_vec(),
+                hashes: hashes.to_vec(),
+                chunks: Arc::new(chunks),
+                windows,
+                last_used: tick,
+            });
+            subsumed
+        };
+        drop(subsumed);
     }
 
     /// Tokens of an entry of `tokens` tokens held by `segments` that go to the host: what the
@@ -209,26 +247,6 @@ impl PrefixCache {
         };
         let n = held.min(tokens);
         n - n % self.block_tokens.max(1)
-    }
-
-    /// Whether an entry of exactly `tokens` is on the host already (then marked used).
-    fn touch_on_host(&self, tokens: &[u32]) -> bool {
-        let hashes = self.block_hashes(tokens);
-        let mut st = self.lock();
-        st.tick += 1;
-        let tick = st.tick;
-        let Some(ids) = hashes.last().and_then(|h| st.host.index.get(h)).cloned() else {
-            return false;
-        };
-        for id in ids {
-            if let Some(e) = st.host.entries.get_mut(&id) {
-                if e.tokens == tokens {
-                    e.last_used = tick;
-                    return true;
-                }
-            }
-        }
-        false
     }
 
     /// The windows holding a byte of the first `n` tokens in every fragment: their offsets in
