@@ -24,16 +24,20 @@ pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host b
 WINDOW = 2 << 20
 
 
-def _engine(swap: str = "always", costs: SwapCosts | None = None, prefix_host: bool = True) -> tuple[Engine, object, int]:
+def _engine(
+    swap: str = "always", costs: SwapCosts | None = None, prefix_host: bool = True, budget_windows: int | None = None
+) -> tuple[Engine, object, int]:
     """A model of 32 KiB per token (64 tokens a window); a prefix cache holding 3 windows: a
-    second prompt of 2 windows published evicts the first (idle) one."""
+    second prompt of 2 windows published evicts the first (idle) one. With ``budget_windows``
+    the cache is uncapped and the device budget evicts it instead (the governor's reclaim)."""
     model, ref = tiny(layers=4, kv_heads=8, head_dim=128, hidden=64, heads=8)
-    mgr = kvvm.Manager("host", precommit=False, host_budget_bytes=8 * WINDOW)
+    budget = budget_windows * WINDOW if budget_windows is not None else None
+    mgr = kvvm.Manager("host", budget_bytes=budget, precommit=False, host_budget_bytes=8 * WINDOW)
     per_window = mgr.granule // (4 * 2 * 8 * 128 * 4)
     engine = Engine(
         model, slots=2, max_len=8 * per_window, manager=mgr, prefill_chunk=64,
-        prefix_cache_bytes=3 * WINDOW, host_tier_bytes=8 * WINDOW, swap=swap, swap_costs=costs,
-        prefix_host=prefix_host,
+        prefix_cache_bytes=(64 if budget is not None else 3) * WINDOW, host_tier_bytes=8 * WINDOW, swap=swap,
+        swap_costs=costs, prefix_host=prefix_host,
     )
     return engine, ref, per_window
 
@@ -84,6 +88,16 @@ def test_the_server_metrics_count_prefix_hits_by_level() -> None:
         assert 'kvvm_engine_prefix_hits_total{level="host"} 1' in text
         assert f'kvvm_engine_prefix_hits_total{{level="device"}} {s.prefix_hits - 1}' in text
         assert f'kvvm_engine_prefix_hit_tokens_total{{level="host"}} {2 * per_window}' in text
+
+
+def test_a_prefix_the_device_budget_evicts_goes_to_the_host_and_comes_back() -> None:
+    engine, ref, per_window = _engine(budget_windows=5)
+    with engine:
+        _evicted_then_hit(engine, ref, per_window)
+        cache = engine.prefix_cache.stats()
+        assert cache["evicted_to_host"] >= 1 and cache["host_hits"] == 1, cache
+        assert engine.stats.prefix_host_hits == 1 and engine.stats.preempted == 0
+    assert engine.manager.host_snapshot().committed == 0
 
 
 def test_the_costs_decide_a_host_hit_against_a_prefill() -> None:
