@@ -222,7 +222,10 @@ fn a_longer_host_entry_subsumes_its_prefixes() {
     assert_eq!(cache.stats().host_hits, 2);
     cache.evict(u64::MAX);
     let s = cache.stats();
-    assert_eq!((s.evicted_to_host, s.host_entries, s.host_bytes), (2, 1, 2 * G));
+    assert_eq!(
+        (s.evicted_to_host, s.host_entries, s.host_bytes),
+        (2, 1, 2 * G)
+    );
 }
 
 #[test]
