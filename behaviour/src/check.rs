@@ -111,8 +111,8 @@ fn mappings_agree(
 }
 
 /// The host's books: the governor's host bytes equal the live page-locked buffers; the
-/// tier's chunks holding a window are billed as committed and are exactly the swaps' (none
-/// held by no one), its free chunks as pooled.
+/// tier's chunks holding a window are billed as committed and are exactly the swaps' and the
+/// prefix cache's host level's (none held by no one), its free chunks as pooled.
 fn host_books(w: &World, state: &State) -> Result<(), String> {
     let rec = w.recording.record();
     let host = w.gov.snapshot().device(kvvm_hal::DeviceId::HOST);
@@ -126,10 +126,16 @@ fn host_books(w: &World, state: &State) -> Result<(), String> {
         return Ok(());
     };
     let t = tier.stats();
-    let swapped: u64 = state.swaps.iter().map(kvvm_kv::SwappedKv::bytes).sum();
+    let on_host = state.cache.as_ref().map_or(0, |c| c.stats().host_bytes);
+    let swapped: u64 = state
+        .swaps
+        .iter()
+        .map(kvvm_kv::SwappedKv::bytes)
+        .sum::<u64>()
+        + on_host;
     if t.held_bytes != host.committed || t.pooled_bytes != host.pooled || t.held_bytes != swapped {
         return Err(format!(
-            "host tier: {t:?} vs governor {host:?}; the swaps hold {swapped} bytes"
+            "host tier: {t:?} vs governor {host:?}; the swaps and the host prefixes hold {swapped} bytes"
         ));
     }
     Ok(())

@@ -10,12 +10,19 @@ use kvvm_hal::{DeviceId, VirtualMemoryBackend};
 use crate::check::{books, clean};
 use crate::scenarios::{manager_scenarios, Scenario};
 use crate::tier::tier_scenarios;
+use crate::tier_prefix::tier_prefix_scenarios;
 use crate::world::{State, World};
 
 /// Every fault scenario, in report order: the manager's and the KV layer's
-/// (`scenarios.rs`), then the host tier's (`tier.rs`).
+/// (`scenarios.rs`), then the host tier's (`tier.rs`), then the prefix cache's host level's
+/// (`tier_prefix.rs`).
 pub fn all_scenarios() -> Vec<Scenario> {
-    [manager_scenarios(), tier_scenarios()].concat()
+    [
+        manager_scenarios(),
+        tier_scenarios(),
+        tier_prefix_scenarios(),
+    ]
+    .concat()
 }
 
 /// How many faults each run injects at most.

@@ -29,7 +29,8 @@
 //!   ranges, release, truncate, KV growth, shrink and release, the pre-committer's job steps,
 //!   shared commit, attach and withdraw, teardown, unpark, pool trim, prefix publish, hit and
 //!   evict), and the host tier's steps (`tier.rs`: swap out, swap in, both with a mapped
-//!   prefix, trim, a host budget spent), run by `faults.rs` with no fault, then every driver
+//!   prefix, trim, a host budget spent; `tier_prefix.rs`: the prefix cache's host level, a
+//!   prefix evicted to the host, hit there, both), run by `faults.rs` with no fault, then every driver
 //!   step failing alone, then every ordered pair of steps failing ([`FaultDepth`]); the
 //!   tier's scenarios fail its calls too (pinned memory, copies, events), check the host's
 //!   books beside the device's, and that no swap loses a byte.
@@ -55,6 +56,7 @@ mod faults;
 mod scenarios;
 mod suite;
 mod tier;
+mod tier_prefix;
 mod world;
 
 pub use check::{books, clean};

@@ -152,7 +152,7 @@ fn owner_and_sharer(w: &World, s: &mut State) -> Result<(), String> {
     Ok(())
 }
 
-fn prompt(w: &World, blocks: u64) -> Vec<u32> {
+pub(crate) fn prompt(w: &World, blocks: u64) -> Vec<u32> {
     (0..blocks.saturating_mul(window_tokens(w)))
         .map(|i| i as u32 ^ 0x5a5a)
         .collect()

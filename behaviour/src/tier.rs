@@ -17,7 +17,7 @@ use kvvm_hal::{DeviceId, Operation};
 use kvvm_kv::{HostTier, KvCacheError, KvLayout, SequenceKv, SwapPhase, SwappedKv};
 
 use crate::scenarios::{admit_prompt, plan, published, window_tokens, Scenario};
-use crate::world::{State, World, WorldSpec};
+use crate::world::{with_tier, State, World, WorldSpec};
 
 fn e(x: impl std::fmt::Display) -> String {
     x.to_string()
@@ -272,14 +272,6 @@ fn host_budget(w: &World, s: &mut State) -> Result<(), String> {
     let (again, r) = swap_out(&tier, b, &expected, violations);
     swaps.extend(again);
     r.map_err(e)
-}
-
-/// A tier whose page-locked allocations hold `slab` windows at least.
-fn with_tier(slab: u64) -> WorldSpec {
-    WorldSpec {
-        tier_slab_windows: Some(slab),
-        ..WorldSpec::default()
-    }
 }
 
 /// The host tier's scenarios, in report order.

@@ -40,6 +40,14 @@ impl WorldSpec {
     }
 }
 
+/// A tier whose page-locked allocations hold `slab` windows at least.
+pub(crate) fn with_tier(slab: u64) -> WorldSpec {
+    WorldSpec {
+        tier_slab_windows: Some(slab),
+        ..WorldSpec::default()
+    }
+}
+
 /// One run's stack. Everything goes through `recording`, which wraps `faults`, which wraps
 /// the backend under test.
 pub struct World {

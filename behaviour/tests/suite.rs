@@ -12,7 +12,7 @@ fn run(backend: Arc<dyn VirtualMemoryBackend>) {
     print!("{}", report.to_table());
     assert_eq!(report.report.failed, 0, "{}", report.to_table());
     assert_eq!(report.report.skipped, 0);
-    assert!(report.faults.len() >= 17, "every fault scenario ran");
+    assert!(report.faults.len() >= 20, "every fault scenario ran");
     assert!(
         report.faults.iter().all(|f| f.stats.steps > 0),
         "{:?}",
@@ -62,7 +62,7 @@ fn the_host_tier_passes_with_every_pair_of_faults() {
         let report = run_behaviour(&backend, &options);
         print!("{}", report.to_table());
         assert_eq!(report.report.failed, 0, "{}", report.to_table());
-        assert_eq!(report.faults.len(), 6, "{:?}", report.faults);
+        assert_eq!(report.faults.len(), 9, "{:?}", report.faults);
         for f in &report.faults {
             // Every scenario has tier steps to fail, and pairs of them.
             println!("{f:?}");

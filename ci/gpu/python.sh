@@ -17,7 +17,8 @@
 # `python -m kvvm_bench http`, arguments in HTTP_ARGS; `bash gpu-bundle/python.sh sampling`: the
 # engine's step with sampling on against greedy, `python -m kvvm_bench sampling`, SAMPLING_ARGS; `bash
 # gpu-bundle/python.sh swap`: the host tier's copy bandwidth, decode while swapping, the
-# swap-vs-recompute crossover and a memory-pressure trace, `python -m kvvm_bench swap`,
+# swap-vs-recompute crossover, a prefix host hit against a prefill (--parts prefix) and a
+# memory-pressure trace, `python -m kvvm_bench swap`,
 # arguments in SWAP_ARGS; `bash gpu-bundle/python.sh cascade`: the cascade decode over shared
 # prefixes against the plain step, `python -m kvvm_bench cascade`, arguments in CASCADE_ARGS).
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change

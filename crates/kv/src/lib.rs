@@ -138,6 +138,14 @@
 //!   [`KvCacheError::Backpressure`] carries the governor's `Backpressure { needed, available,
 //!   retry_after, .. }` ([`KvCacheError::retry_after`], [`KvCacheError::needed`],
 //!   [`KvCacheError::available`]): answer 429 with `Retry-After`.
+//!
+//!   With a host level ([`PrefixCache::attach_host_tier`] over a [`HostTier`]) an evicted
+//!   prefix is copied to page-locked host memory (billed to the host's budget) and a later
+//!   admission whose longest hit lies there copies it back into the request's own windows
+//!   instead of leaving it to prefill ([`PrefixCache::admit_into_with_host`] says from how
+//!   many tokens; `AdmissionInfo::host_hit_tokens` how many came back).
+//! * [`HostTier`]: page-locked host memory under the governor's host budget; a sequence's
+//!   swap out and back (`SequenceKv::swap_out`, [`SwappedKv`]).
 //! * [`synthetic`]: deterministic token ids and KV bytes for tests and demos (the decode
 //!   benchmark that uses them is `kvvm-bench`).
 //!

@@ -11,6 +11,7 @@ use pyo3::types::PyDict;
 use crate::count::{Count, TokenIds};
 use crate::errors;
 use crate::geometry::PyPlan;
+use crate::host_tier::HostTier;
 use crate::manager::Manager;
 use crate::sequence::{Sequence, SharedPrefix};
 use crate::views::busy_error;
@@ -65,22 +66,40 @@ impl PrefixCache {
         self.cache.block_tokens()
     }
 
+    /// Gives the cache a host level over `tier` (a :class:`HostTier` of the same manager):
+    /// a prefix evicted from the device is copied there (billed to the host budget while it
+    /// is there) and a later admission whose longest hit lies there copies it back instead
+    /// of prefilling it. ``InvalidArgumentError`` for a tier of another manager, or when the
+    /// cache has a host level already.
+    fn attach_host_tier(&self, py: Python<'_>, tier: &HostTier) -> PyResult<()> {
+        self.cache
+            .attach_host_tier(Arc::clone(&tier.tier))
+            .map_err(|e| errors::invalid(py, e.to_string()))
+    }
+
     /// Admits a request into `sequence` (empty): gives it the longest cached prefix of
     /// `token_ids` (its whole windows mapped read-only, the rest copied), makes the sequence
-    /// the owner of its new full blocks, and commits the rest of the prompt. Returns a dict
-    /// with ``hit_tokens``, ``prompt_tokens``, ``owned_prefix_tokens``, ``shared_bytes``,
-    /// ``copied_bytes``, ``committed_bytes``. Write tokens ``hit_tokens..prompt_tokens``,
-    /// then :meth:`publish`.
+    /// the owner of its new full blocks, and commits the rest of the prompt. A longer hit on
+    /// the host level is copied back when it hands on at least ``host_min_tokens`` tokens more
+    /// than the device's (None: never). Returns a dict with ``hit_tokens``,
+    /// ``prompt_tokens``, ``owned_prefix_tokens``, ``shared_bytes``, ``copied_bytes``,
+    /// ``committed_bytes``, ``host_hit_tokens`` (of ``hit_tokens``, those copied back from the
+    /// host level). Write tokens ``hit_tokens..prompt_tokens``, then :meth:`publish`.
+    #[pyo3(signature = (sequence, token_ids, host_min_tokens = Some(Count(1))))]
     fn admit<'py>(
         &self,
         py: Python<'py>,
         sequence: &Sequence,
         token_ids: TokenIds,
+        host_min_tokens: Option<Count>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let token_ids = token_ids.0;
         let cell = Arc::clone(&sequence.cell);
         let cache = Arc::clone(&self.cache);
-        let info = match py.detach(move || cell.admission(|s| cache.admit_into(&token_ids, s))) {
+        let min = host_min_tokens.map_or(u64::MAX, |c| c.0);
+        let info = match py
+            .detach(move || cell.admission(|s| cache.admit_into_with_host(&token_ids, s, min)))
+        {
             Ok(r) => r.map_err(|e| errors::kv(py, &e))?,
             Err(busy) => return Err(busy_error(py, busy, "admit a request")),
         };
@@ -93,6 +112,7 @@ impl PrefixCache {
                 ("shared_bytes", info.shared_bytes),
                 ("copied_bytes", info.copied_bytes),
                 ("committed_bytes", info.committed_bytes),
+                ("host_hit_tokens", info.host_hit_tokens),
             ],
         )
     }
@@ -154,6 +174,14 @@ impl PrefixCache {
                 ("cached_bytes", s.cached_bytes),
                 ("idle_bytes", s.idle_bytes),
                 ("evictions", s.evictions),
+                ("host_hits", s.host_hits),
+                ("host_tokens_saved", s.host_tokens_saved),
+                ("evicted_to_host", s.evicted_to_host),
+                ("host_entries", s.host_entries),
+                ("host_bytes", s.host_bytes),
+                ("host_evictions", s.host_evictions),
+                ("host_forgotten", s.host_forgotten),
+                ("host_failed", s.host_failed),
             ],
         )
     }

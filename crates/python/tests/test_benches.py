@@ -276,6 +276,9 @@ def test_swap_bench_runs_tiny_on_the_host_backend(tmp_path: Path) -> None:
     decode = report["decode"]
     assert decode["step_ms_without"]["p50"] > 0 and decode["step_ms_while_swapping"]["p50"] > 0
     assert [r["tokens"] for r in report["crossover"]["rows"]] == [32, 64]
+    prefix = report["prefix"]
+    assert [(r["tokens"], r["host_hit_tokens"]) for r in prefix["rows"]] == [(32, 32), (64, 64)]
+    assert prefix["cache"]["host_hits"] == 2 * 2 and prefix["cache"]["host_entries"] == 0
     trace = report["trace"]
     recompute, swap = trace["recompute"], trace["swap"]
     assert recompute["preempted_requests"] > 0 and recompute["swaps"] is None

@@ -246,7 +246,7 @@ def test_models_health_and_metrics(s: Served) -> None:
     assert values["kvvm_engine_inter_token_seconds_count"] > 0
     assert values['kvvm_engine_requests_finished_total{reason="cancelled"}'] >= 1
     assert values['kvvm_http_responses_total{route="/v1/completions",status="429"}'] >= 1
-    assert values["kvvm_kv_committed_bytes"] == s.scratch and values["kvvm_engine_prefix_hits_total"] > 0
+    assert values["kvvm_kv_committed_bytes"] == s.scratch and values['kvvm_engine_prefix_hits_total{level="device"}'] > 0
     for name in ("kvvm_engine_queue_depth", "kvvm_kv_held_bytes", "kvvm_engine_preemptions_total"):
         assert name in values
     missing = httpx.get(s.http.url + "/v2/nothing")

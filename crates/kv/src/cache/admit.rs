@@ -44,11 +44,26 @@ impl PrefixCache {
     /// cache's plan made by the caller, for example one slot of a strided batch. Returns what
     /// `admit` returns beside the sequence. On error `seq` is released again (empty) and the
     /// cache is unchanged; a sequence of another manager ([`KvCacheError::OtherManager`]) or
-    /// in use ([`KvCacheError::InUse`]) is refused untouched.
+    /// in use ([`KvCacheError::InUse`]) is refused untouched. A longer hit on the host level
+    /// is always taken ([`admit_into_with_host`](Self::admit_into_with_host) with 1).
     pub fn admit_into(
         &self,
         token_ids: &[u32],
         seq: &mut SequenceKv,
+    ) -> Result<AdmissionInfo, KvCacheError> {
+        self.admit_into_with_host(token_ids, seq, 1)
+    }
+
+    /// Like [`admit_into`](Self::admit_into), taking a hit on the host level (copied back
+    /// instead of prefilled) only when it hands on at least `min_host_tokens` tokens more than
+    /// the device's hit (`u64::MAX`: never; what a caller decides by the costs of a copy and
+    /// of a prefill). When the way back fails (a copy, a commit), the host entry is dropped
+    /// and the request is admitted with the device's hit alone: the rest is prefilled.
+    pub fn admit_into_with_host(
+        &self,
+        token_ids: &[u32],
+        seq: &mut SequenceKv,
+        min_host_tokens: u64,
     ) -> Result<AdmissionInfo, KvCacheError> {
         let prompt = token_ids.len() as u64;
         let max_tokens = seq.max_tokens();
@@ -71,8 +86,34 @@ impl PrefixCache {
             });
         }
         seq.check_empty()?;
-        let mut hit_bytes = 0;
-        match self.admit_empty(token_ids, seq, &mut hit_bytes) {
+        match self.admit_attempt(token_ids, seq, min_host_tokens) {
+            Ok(info) => Ok(info),
+            Err((e, Some(id)))
+                if e.backpressure().is_none()
+                    && e.never_fits().is_none()
+                    && !seq.has_copies_in_flight()
+                    && seq.check_empty().is_ok() =>
+            {
+                tracing::warn!(error = %e, "a prefix's way back from the host failed; prefilled");
+                self.drop_host_entry(id);
+                self.admit_attempt(token_ids, seq, u64::MAX)
+                    .map_err(|(e, _)| e)
+            }
+            Err((e, _)) => Err(e),
+        }
+    }
+
+    /// One admission of `token_ids` into the empty `seq`; on error `seq` released again and
+    /// the error restated, with the host entry the attempt took (if any).
+    fn admit_attempt(
+        &self,
+        token_ids: &[u32],
+        seq: &mut SequenceKv,
+        min_host_tokens: u64,
+    ) -> Result<AdmissionInfo, (KvCacheError, Option<u64>)> {
+        let prompt = token_ids.len() as u64;
+        let mut attempt = Attempt::default();
+        match self.admit_empty(token_ids, seq, &mut attempt, min_host_tokens) {
             Ok(info) => Ok(info),
             Err(e) => {
                 // A refusal names what the whole admission needed (the prompt's windows
@@ -83,21 +124,23 @@ impl PrefixCache {
                 let needed = self
                     .plan
                     .committed_bytes_for_tokens(prompt)
-                    .map_or(0, |b| b.saturating_sub(hit_bytes));
-                Err(e.restated(needed, undone))
+                    .map_or(0, |b| b.saturating_sub(attempt.hit_bytes));
+                Err((e.restated(needed, undone), attempt.host))
             }
         }
     }
 
     /// Admits `token_ids` into the empty `seq`: maps the read-only windows of the longest
-    /// cached prefix, makes the rest of the prompt's whole blocks a segment `seq` owns
-    /// (published later), commits the prompt, copies the cached tokens past the read-only
-    /// windows from the cache, and counts the hit or miss.
+    /// cached prefix on the device, makes the rest of the prompt's whole blocks a segment
+    /// `seq` owns (published later), commits the prompt, copies the cached tokens past the
+    /// read-only windows from the cache (or a longer hit from the host level), and counts
+    /// the hit or miss.
     fn admit_empty(
         &self,
         token_ids: &[u32],
         seq: &mut SequenceKv,
-        hit_bytes: &mut u64,
+        attempt: &mut Attempt,
+        min_host_tokens: u64,
     ) -> Result<AdmissionInfo, KvCacheError> {
         let prompt = token_ids.len() as u64;
         let hashes = self.block_hashes(token_ids);
@@ -106,9 +149,14 @@ impl PrefixCache {
         // The tails copied from are not given back under pressure until the copy is done.
         let _pins = TailPins::new(segments.iter().map(|s| &s.prefix));
         let hit_tokens = hit_tokens.min(seq.chain_tokens(&segments));
+        let host = match min_host_tokens {
+            u64::MAX => None,
+            m => self.longest_host_hit(token_ids, &hashes, hit_tokens.saturating_add(m.max(1))),
+        };
+        attempt.host = host.as_ref().map(|h| h.id);
         let readonly_end = seq.readonly_end(&segments, hit_tokens);
         let shared_bytes = seq.attach_chain(&segments, readonly_end)?;
-        *hit_bytes = shared_bytes;
+        attempt.hit_bytes = shared_bytes;
         let end_tokens = blocks.saturating_mul(self.block_tokens);
         let mut owned_prefix_tokens = 0;
         if end_tokens > hit_tokens {
@@ -117,11 +165,22 @@ impl PrefixCache {
             owned_prefix_tokens = end_tokens - hit_tokens;
         }
         seq.ensure_tokens(prompt)?;
-        let copied_bytes = seq.copy_chain(&segments, hit_tokens)?;
+        let (hit_tokens, copied_bytes, host_hit_tokens) = match host {
+            Some(h) => match self.copy_from_host(seq, &h) {
+                Ok(bytes) => (h.tokens, bytes, h.tokens),
+                Err((e, false)) => return Err(e),
+                Err((e, true)) => {
+                    tracing::warn!(error = %e, "a prefix's copy back failed; prefilled");
+                    (hit_tokens, seq.copy_chain(&segments, hit_tokens)?, 0)
+                }
+            },
+            None => (hit_tokens, seq.copy_chain(&segments, hit_tokens)?, 0),
+        };
         let committed_bytes = seq.committed_bytes().saturating_sub(shared_bytes);
-        self.count_admission(hit_tokens, shared_bytes);
+        self.count_admission(hit_tokens, shared_bytes, host_hit_tokens);
         tracing::debug!(
             hit_tokens,
+            host_hit_tokens,
             owned_prefix_tokens,
             shared_bytes,
             copied_bytes,
@@ -134,6 +193,7 @@ impl PrefixCache {
             shared_bytes,
             copied_bytes,
             committed_bytes,
+            host_hit_tokens,
         })
     }
 
@@ -214,9 +274,14 @@ impl PrefixCache {
         Ok(())
     }
 
-    /// Counts an admission: a hit of `hit_tokens` mapping `shared_bytes` read-only, or a miss.
-    fn count_admission(&self, hit_tokens: u64, shared_bytes: u64) {
+    /// Counts an admission: a hit of `hit_tokens` mapping `shared_bytes` read-only (`host`
+    /// of them copied back from the host level), or a miss.
+    fn count_admission(&self, hit_tokens: u64, shared_bytes: u64, host: u64) {
         let mut st = self.lock();
+        if host > 0 {
+            st.stats.host_hits += 1;
+            st.stats.host_tokens_saved = st.stats.host_tokens_saved.saturating_add(host);
+        }
         if hit_tokens > 0 {
             st.stats.hits += 1;
             st.stats.tokens_saved = st.stats.tokens_saved.saturating_add(hit_tokens);
@@ -225,6 +290,13 @@ impl PrefixCache {
             st.stats.misses += 1;
         }
     }
+}
+
+/// What an admission's attempt took: the bytes its hit mapped, the host entry it chose.
+#[derive(Default)]
+struct Attempt {
+    hit_bytes: u64,
+    host: Option<u64>,
 }
 
 /// The segments restricted to windows `[0, end_window)`.

@@ -10,6 +10,7 @@
 //! |---|---|
 //! | `mod.rs` | the cache, its hash chain, publish, eviction, the reclaimer |
 //! | `admit.rs` | admission: the longest hit, the owned rest, the counts |
+//! | `host_level.rs` | the host level: evicted prefixes copied to a host tier and back at a hit |
 //! | `imported.rs` | prefixes across processes: an entry's segments to export, inserting imported ones |
 //! | `records.rs` | what admission and publication report (plain data) |
 //! | `tests.rs` | unit tests of the block size rule and the hash chain |
@@ -17,7 +18,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use kvvm_governor::Reclaimer;
 use kvvm_hal::DeviceId;
@@ -26,10 +27,12 @@ use kvvm_vmm::VirtualMemory;
 use kvvm_layout::KvError;
 
 mod admit;
+mod host_level;
 mod imported;
 pub(crate) mod records;
 
 use crate::error::KvCacheError;
+use crate::host_tier::HostTier;
 use crate::sequence::prefix::SharedDevicePrefix;
 use crate::sequence::{check_plan_granule, AttachedSegment, SequenceKv};
 use kvvm_layout::LayoutPlan;
@@ -51,6 +54,7 @@ struct State {
     next_id: u64,
     tick: u64,
     stats: PrefixCacheStats,
+    host: host_level::HostLevel,
 }
 
 /// The automatic prefix cache: given a request's token ids, finds the longest cached prefix,
@@ -83,6 +87,7 @@ pub struct PrefixCache {
     config: PrefixCacheConfig,
     id: usize,
     state: Mutex<State>,
+    tier: OnceLock<Arc<HostTier>>,
 }
 
 impl fmt::Debug for PrefixCache {
@@ -143,6 +148,7 @@ impl PrefixCache {
                 },
                 ..State::default()
             }),
+            tier: OnceLock::new(),
         });
         let arc: Arc<dyn Reclaimer> = cache.clone();
         let weak: Weak<dyn Reclaimer> = Arc::downgrade(&arc);
@@ -313,6 +319,7 @@ impl PrefixCache {
             }
         }
         out.cached_entries = st.entries.len() as u64;
+        (out.host_entries, out.host_bytes) = st.host.held();
         out.cached_bytes = cached;
         let idle = cache_only(&st);
         out.idle_bytes = idle.values().fold(0u64, |a, b| a.saturating_add(*b));
@@ -335,14 +342,20 @@ impl PrefixCache {
         let device = self.vm.device();
         let before = self.vm.governor().snapshot().device(device).used();
         let pooled = self.vm.pooled_bytes();
-        let victims: Vec<Entry> = {
+        let (victims, stuck): (Vec<Entry>, _) = {
             let mut st = self.lock();
             st.index.clear();
             let n = st.entries.len() as u64;
             st.stats.evictions += n;
-            st.entries.drain().map(|(_, e)| e).collect()
+            let on_host = st.host.clear();
+            st.stats.host_evictions += on_host;
+            let stuck = host_level::settle_stuck(self, &mut st);
+            (st.entries.drain().map(|(_, e)| e).collect(), stuck)
         };
-        drop(victims);
+        drop((victims, stuck));
+        if let Some(tier) = self.tier.get() {
+            tier.trim(0);
+        }
         self.vm.trim_pool(pooled);
         let after = self.vm.governor().snapshot().device(device).used();
         let freed = before.saturating_sub(after);
@@ -394,6 +407,7 @@ impl PrefixCache {
                 }
             };
             let Some(victim) = victim else { break };
+            self.to_host(&victim.tokens, &victim.hashes, &victim.segments);
             drop(victim);
             self.vm.trim_pool(pooled);
             let after = self.vm.governor().snapshot().device(device).used();
@@ -475,7 +489,13 @@ fn cache_only(st: &State) -> HashMap<usize, u64> {
 
 impl Reclaimer for PrefixCache {
     fn reclaim(&self, device: DeviceId, bytes: u64) -> u64 {
-        if device != self.vm.device() || bytes == 0 {
+        if bytes == 0 {
+            return 0;
+        }
+        if device == DeviceId::HOST {
+            return self.reclaim_host(bytes);
+        }
+        if device != self.vm.device() {
             return 0;
         }
         self.evict_inner(bytes)
@@ -485,6 +505,9 @@ impl Reclaimer for PrefixCache {
     /// ([`PrefixCacheStats::idle_bytes`], [`PrefixCacheStats::tail_bytes`]): what eviction
     /// gives back.
     fn reclaimable(&self, device: DeviceId) -> u64 {
+        if device == DeviceId::HOST {
+            return self.host_held_bytes();
+        }
         if device != self.vm.device() {
             return 0;
         }

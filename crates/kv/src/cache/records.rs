@@ -95,6 +95,23 @@ pub struct PrefixCacheStats {
     pub evictions: u64,
     /// Physical bytes freed by eviction.
     pub evicted_bytes: u64,
+    /// Admissions whose hit was copied back from the host level (counted in `hits` too).
+    pub host_hits: u64,
+    /// Prompt tokens copied back from the host level (counted in `tokens_saved` too).
+    pub host_tokens_saved: u64,
+    /// Evicted prefixes copied to the host level.
+    pub evicted_to_host: u64,
+    /// Prefixes on the host level now.
+    pub host_entries: u64,
+    /// Host bytes (page-locked, billed to the host's budget) the host level holds now.
+    pub host_bytes: u64,
+    /// Host entries dropped (least recently used first: for room on the host, or cleared).
+    pub host_evictions: u64,
+    /// Evicted prefixes forgotten because the host's budget had no room left for them.
+    pub host_forgotten: u64,
+    /// Failures of the host level: a copy either way, or a commit on the way back (the
+    /// prefix is forgotten, the request prefills what it could not copy).
+    pub host_failed: u64,
 }
 
 /// What `PrefixCache::admit` returns: the request's sequence, with its cached prefix mapped
@@ -138,6 +155,9 @@ pub struct AdmissionInfo {
     pub copied_bytes: u64,
     /// Physical bytes this admission committed.
     pub committed_bytes: u64,
+    /// Of `hit_tokens`, 0 for a hit on the device, or all of them for a hit copied back from
+    /// the prefix cache's host level.
+    pub host_hit_tokens: u64,
 }
 
 /// What `PrefixCache::publish` did.

@@ -20,6 +20,7 @@
 //! * no lock of the tier is held while the governor is asked for bytes (its reclaimers, this
 //!   tier among them, may run).
 
+mod copy;
 mod event;
 mod pool;
 mod stats;
@@ -32,6 +33,7 @@ use kvvm_num::mul;
 use kvvm_vmm::VirtualMemory;
 
 use crate::error::KvCacheError;
+pub(crate) use copy::{copy_runs, queue_runs, runs, wait_fence, Run};
 pub(crate) use event::{CopyEvent, Fence};
 pub(crate) use pool::Chunk;
 use pool::{free_buffers, Pool};
@@ -161,15 +163,20 @@ impl HostTier {
                 return Ok(held);
             }
             let slab = self.config.slab_windows.max(missing);
-            match self.add_slab(slab) {
-                Ok(()) => {}
-                // A slab of the default size over the budget: only what is missing.
-                Err(e)
-                    if slab > missing
-                        && (e.backpressure().is_some() || e.never_fits().is_some()) =>
-                {
-                    self.add_slab(missing)?
+            let refused = |e: &KvCacheError| e.backpressure().is_some() || e.never_fits().is_some();
+            // A slab of the default size over the budget: only what is missing.
+            let added = self.add_slab(slab).or_else(|e| {
+                if slab > missing && refused(&e) {
+                    self.add_slab(missing)
+                } else {
+                    Err(e)
                 }
+            });
+            match added {
+                Ok(()) => {}
+                // Refused on the host, but the governor's reclaimers (a prefix cache's host
+                // level) gave chunks back to the pool meanwhile: take those.
+                Err(e) if refused(&e) && self.lock().free_chunks() > 0 => {}
                 Err(e) => return Err(e),
             }
         }

@@ -23,11 +23,11 @@
 
 use std::sync::Arc;
 
-use kvvm_hal::{DeviceAddress, HostCopy, StreamHandle};
+use kvvm_hal::{DeviceAddress, StreamHandle};
 use kvvm_num::{add, mul};
 
 use crate::error::KvCacheError;
-use crate::host_tier::{CopyEvent, Fence, HostChunks, HostTier};
+use crate::host_tier::{queue_runs, runs, wait_fence, CopyEvent, Fence, HostChunks, HostTier, Run};
 use crate::sequence::{AttachedSegment, SequenceKv};
 
 /// Where a [`SwappedKv`] is.
@@ -56,15 +56,6 @@ impl SwapPhase {
             SwapPhase::Failed => "failed",
         }
     }
-}
-
-/// Consecutive windows copied as one: from `offset` in the reservation, into chunks `first..`
-/// of the swap's chunks (one buffer, contiguous).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Run {
-    offset: u64,
-    first: usize,
-    windows: u64,
 }
 
 /// A sequence's tokens on their way to the host tier, there, or on their way back (see the
@@ -186,30 +177,7 @@ impl SwappedKv {
     /// Waits for the copies in flight; on a failure, whether the device could be proven idle
     /// after it (`Err(settled)`).
     pub(crate) fn wait(&mut self) -> Result<(), (KvCacheError, bool)> {
-        let Some(fence) = self.fence.take() else {
-            return Ok(());
-        };
-        let mut guard = fence.lock();
-        let Some(event) = guard.as_mut() else {
-            return Ok(());
-        };
-        match event.wait() {
-            Ok(()) => {
-                guard.take();
-                Ok(())
-            }
-            Err(e) => {
-                let settled = event.settle_after_failure();
-                if settled {
-                    guard.take();
-                }
-                drop(guard);
-                if !settled {
-                    self.fence = Some(fence);
-                }
-                Err((e.into(), settled))
-            }
-        }
+        wait_fence(&mut self.fence)
     }
 
     /// Queues the copies of every run, host -> device when `back`, else device -> host, on
@@ -228,32 +196,7 @@ impl SwappedKv {
                 true,
             ));
         };
-        let tier = host.tier();
-        let backend = tier.vm().backend();
-        let (device, stream) = (tier.vm().device(), tier.stream());
-        let g = tier.chunk_bytes();
-        let queued = self.runs.iter().try_for_each(|r| {
-            let chunk = host.chunks.get(r.first).ok_or(KvCacheError::Swap {
-                reason: "a run names a chunk the swap does not hold".to_owned(),
-            })?;
-            let copy = HostCopy {
-                device: DeviceAddress(add(base.0, r.offset, "swap address")?),
-                host: chunk.buffer,
-                offset: chunk.offset,
-                bytes: mul(r.windows, g, "swap bytes")?,
-            };
-            if back {
-                backend.copy_from_host_async(&copy, stream)?;
-            } else {
-                backend.copy_to_host_async(&copy, stream)?;
-            }
-            Ok(())
-        });
-        let event = queued.and_then(|()| Ok(CopyEvent::record(backend, device, stream)?));
-        match event {
-            Ok(e) => Ok(Fence::over(e)),
-            Err(e) => Err((e, settle_stream(tier, stream))),
-        }
+        queue_runs(host, base, &self.runs, back)
     }
 }
 
@@ -269,19 +212,6 @@ impl Drop for SwappedKv {
                 }
             }
         }
-    }
-}
-
-/// After a failure to queue: waits for what was queued on `stream` (an event, or the device
-/// synchronized when that fails). Whether it is proven done.
-fn settle_stream(tier: &HostTier, stream: StreamHandle) -> bool {
-    let backend = tier.vm().backend();
-    match CopyEvent::record(backend, tier.vm().device(), stream) {
-        Ok(mut e) => match e.wait() {
-            Ok(()) => true,
-            Err(_) => e.settle_after_failure(),
-        },
-        Err(_) => backend.synchronize(tier.vm().device()).is_ok(),
     }
 }
 
@@ -308,7 +238,7 @@ impl SequenceKv {
         let _e = span.enter();
         let windows = self.swap_windows(tokens)?;
         let host = tier.take(windows.len() as u64)?;
-        let runs = runs(&windows, &host, tier.chunk_bytes());
+        let runs = runs(windows.iter().copied().zip(0..), &host, tier.chunk_bytes());
         if let Some(s) = after {
             let e = CopyEvent::record(self.vm.backend(), self.vm.device(), s)?;
             e.order_before(tier.stream())?;
@@ -361,29 +291,6 @@ impl SequenceKv {
         }
         Ok(())
     }
-}
-
-/// The copies of `windows` (offsets in the reservation, ascending) into `host`'s chunks (one
-/// each, in order): adjacent windows whose chunks are adjacent in one buffer in one copy.
-fn runs(windows: &[u64], host: &HostChunks, g: u64) -> Vec<Run> {
-    let mut out: Vec<Run> = Vec::new();
-    for (i, (&w, c)) in windows.iter().zip(&host.chunks).enumerate() {
-        if let Some(last) = out.last_mut() {
-            let prev = &host.chunks[i - 1];
-            let next_device = last.offset.saturating_add(last.windows.saturating_mul(g)) == w;
-            let next_host = prev.buffer == c.buffer && prev.offset.saturating_add(g) == c.offset;
-            if next_device && next_host {
-                last.windows += 1;
-                continue;
-            }
-        }
-        out.push(Run {
-            offset: w,
-            first: i,
-            windows: 1,
-        });
-    }
-    out
 }
 
 impl SequenceKv {

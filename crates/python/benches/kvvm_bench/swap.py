@@ -1,6 +1,6 @@
 """``python -m kvvm_bench swap``: what the host tier costs and buys (``docs/host-tier.md``).
 
-Four parts, each in the same process and run (``--parts``):
+Five parts, each in the same process and run (``--parts``):
 
 * ``copy``: a sequence of the model's KV geometry (Llama-3.1-8B by default, token-major, its
   windows scattered among other sequences' so that they are not one run) swapped to the host
@@ -15,6 +15,9 @@ Four parts, each in the same process and run (``--parts``):
 * ``crossover``: at each length of ``--lengths``, the time to swap a request back (commit and
   copies) and out, against the time to prefill it again (one forward of that many tokens):
   the shortest length above which swapping back beats recomputing;
+* ``prefix``: at each length of ``--lengths``, a hit on the prefix cache's host level (an
+  evicted prefix copied back) against a miss and a prefill of it (``prefix_host.py``): the
+  shortest length above which the host hit wins;
 * ``trace``: the serving benchmark's synthetic trace (``--requests``, prompts uniform in
   ``--prompt-lo..--prompt-hi``, ``--output`` tokens each) through the engine under a budget
   (``--budget-bytes``) that forces preemptions, once recomputing them and once swapping them
@@ -40,11 +43,12 @@ import torch
 import kvvm
 from kvvm_bench.model import build_model
 from kvvm_bench.numerics import percentiles
+from kvvm_bench.prefix_host import prefix_part
 from kvvm_bench.report_file import write_report
 
 __all__ = ["add_args", "run_swap_bench"]
 
-PARTS = ("copy", "decode", "crossover", "trace")
+PARTS = ("copy", "decode", "crossover", "prefix", "trace")
 
 
 def _sync(device: torch.device) -> None:
@@ -307,7 +311,7 @@ def run_swap_bench(args: argparse.Namespace) -> dict[str, Any]:
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "driver": _driver(),
     }}
-    model = build_model(args) if {"decode", "crossover", "trace"} & set(parts) else None
+    model = build_model(args) if {"decode", "crossover", "prefix", "trace"} & set(parts) else None
     for part in parts:
         if part == "copy":
             report["copy"] = copy_part(args, kvvm.Manager(args.backend), device)
@@ -315,6 +319,8 @@ def run_swap_bench(args: argparse.Namespace) -> dict[str, Any]:
             report["decode"] = decode_part(args, model, kvvm.Manager(args.backend, precommit=True), device)
         elif part == "crossover":
             report["crossover"] = crossover_part(args, model, kvvm.Manager(args.backend), device)
+        elif part == "prefix":
+            report["prefix"] = prefix_part(args, model, kvvm.Manager(args.backend), device, _prefill_s)
         elif part == "trace":
             report["trace"] = trace_part(args, model, device)
         else:
@@ -349,7 +355,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=1024, help="their prompts' tokens")
     p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed, without and while swapping")
     p.add_argument("--swap-tokens", type=int, default=8192, help="tokens of the sequence swapped meanwhile")
-    p.add_argument("--lengths", default="128,256,512,1024,2048,4096,8192,16384", help="the crossover's lengths")
+    p.add_argument("--lengths", default="128,256,512,1024,2048,4096,8192,16384", help="the crossover's and the prefix part's lengths")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-lo", type=int, default=512)
     p.add_argument("--prompt-hi", type=int, default=4096)

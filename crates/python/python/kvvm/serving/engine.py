@@ -135,6 +135,10 @@ class Engine(EngineControl):
             again: ``"auto"`` (by measured costs), ``"always"`` or ``"never"``.
         swap_costs: the costs ``"auto"`` decides by (:class:`~kvvm.serving.swap.SwapCosts`;
             measured when omitted).
+        prefix_host: with a host tier and a prefix cache, a prefix evicted from the device
+            goes to the host tier and a later hit there is copied back instead of prefilled,
+            when that is cheaper by the same costs (``swap`` decides it too;
+            ``docs/host-tier.md``). False: evicted prefixes are forgotten.
 
     Raises:
         InvalidArgumentError: an argument of the wrong type or out of range.
@@ -163,6 +167,7 @@ class Engine(EngineControl):
         host_tier_bytes: int = 0,
         swap: str = "auto",
         swap_costs: SwapCosts | None = None,
+        prefix_host: bool = True,
     ) -> None:
         check_positive(slots, "slots")
         check_positive(max_len, "max_len", 2)
@@ -198,6 +203,8 @@ class Engine(EngineControl):
         sizes = {"max_len": max_len, "prefill_chunk": prefill_chunk, "prefill_batch_tokens": prefill_batch_tokens}
         #: The host tier's swapper (None without one).
         self.swapper: Swapper | None = self._make_swapper(host_tier_bytes, swap, swap_costs)
+        if self.swapper is not None and prefix_host and swap != "never" and self.kv.prefix_cache is not None:
+            self.kv.attach_host_level(self.swapper.tier, self.swapper.host_min_tokens)
         self.scheduler = (
             SwapScheduler(self.kv, self.swapper, **sizes) if self.swapper else Scheduler(self.kv, **sizes)
         )

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from .. import Manager, PrefixCache, SharedPrefix
+from .. import HostTier, Manager, PrefixCache, SharedPrefix
 from ..bindings import decoder_config
 from ..errors import InvalidArgumentError, KvvmError, NeverFitsError
 from ..transformers.cache import KvvmCache
@@ -69,6 +69,8 @@ class KvManager:
         prefix_handle_tokens: int = 256,
     ) -> None:
         self.manager = manager
+        #: The most tokens a request may reach.
+        self.max_len = max_len
         if prefix_cache_bytes > 0:
             refuse_sliding_prefix_cache(decoder_config(model.config), max_len)
         # K/V in the model's own dtype.
@@ -81,7 +83,9 @@ class KvManager:
             else None
         )
         #: The prefix cache's hit granularity in tokens (whole blocks).
-        self._hit_unit = self.prefix_cache.block_tokens if self.prefix_cache is not None else 1
+        self.hit_unit = self.prefix_cache.block_tokens if self.prefix_cache is not None else 1
+        #: With a host level: the fewest tokens a host hit must bring to be copied back.
+        self._host_min_tokens: Callable[[], int | None] | None = None
         #: What the scratch slot holds for good, in every layer group: no request can have it.
         scratch = self.cache.batch_size
         self._scratch_bytes = sum(g.batch[scratch].committed_bytes for g in self.cache.groups)
@@ -101,18 +105,18 @@ class KvManager:
         window; on any refusal the slot is left free."""
         self._check_fits(len(context))
         seq = self.cache.batch[slot]
-        hit, ms = 0, 0.0
+        hit, host, ms = 0, 0, 0.0
         try:
             with self.cache.unbound():
                 if self.prefix_cache is not None:
-                    hit, ms = self._lookup_prefix(seq, context)
+                    hit, host, ms = self._lookup_prefix(seq, context)
                 self.cache.ensure_slot(slot, len(context))
         except KvvmError:
             self.cache.free(slot)
             raise
         self.cache.state.set_lengths({slot: hit}, {slot: 0})
         self.cache.state.suspend(slot)
-        return Admission(hit, ms)
+        return Admission(hit, ms, host_tokens=host)
 
     def _check_fits(self, tokens: int) -> None:
         """NeverFitsError when one request of ``tokens`` tokens, alone with the scratch window,
@@ -137,7 +141,7 @@ class KvManager:
         is published: their common prefix in whole hit units (0 without a prefix cache)."""
         if self.prefix_cache is None:
             return 0
-        return _shared_units(published, context, self._hit_unit)
+        return _shared_units(published, context, self.hit_unit)
 
     def reserve(self, tokens: dict[int, int]) -> None:
         """Commits the windows each slot needs to hold ``tokens[slot]`` tokens (a decode
@@ -151,14 +155,25 @@ class KvManager:
 
     # ---- the prefix cache ----
 
-    def _lookup_prefix(self, seq: Any, context: list[int]) -> tuple[int, float]:
-        """Maps the longest cached prefix of ``context`` into ``seq``; returns the tokens hit
-        and the host time of the lookup in ms. The last token is always computed (its logits
-        give the first new token), so it is left out: it never lies in read-only memory."""
+    def _lookup_prefix(self, seq: Any, context: list[int]) -> tuple[int, int, float]:
+        """Maps the longest cached prefix of ``context`` into ``seq`` (or copies it back from
+        the host level when that is wanted); returns the tokens hit, those of them copied back
+        from the host, and the host time of the lookup in ms. The last token is always
+        computed (its logits give the first new token), so it is left out: it never lies in
+        read-only memory."""
         assert self.prefix_cache is not None
         began = time.perf_counter()
-        hit = int(self.prefix_cache.admit(seq, context[:-1])["hit_tokens"])
-        return hit, (time.perf_counter() - began) * 1000
+        host_min = self._host_min_tokens() if self._host_min_tokens is not None else None
+        info = self.prefix_cache.admit(seq, context[:-1], host_min_tokens=host_min)
+        return int(info["hit_tokens"]), int(info["host_hit_tokens"]), (time.perf_counter() - began) * 1000
+
+    def attach_host_level(self, tier: HostTier, min_tokens: Callable[[], int | None]) -> None:
+        """Gives the prefix cache a host level over ``tier``: an evicted prefix is copied
+        there, and ``min_tokens()`` says at each admission the fewest tokens a hit there must
+        bring beyond the device's to be copied back (None: prefill them)."""
+        assert self.prefix_cache is not None
+        self.prefix_cache.attach_host_tier(tier)
+        self._host_min_tokens = min_tokens
 
     def _publish(self, slot: int) -> None:
         """Publishes the prompt the slot just prefilled (the model wrote it on the device,

@@ -129,6 +129,10 @@ class EngineStats:
     admission_refusals: int = 0
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0
+    #: Of those, the hits (and their tokens) copied back from the prefix cache's host level
+    #: instead of mapped from the device.
+    prefix_host_hits: int = 0
+    prefix_host_hit_tokens: int = 0
     #: Requests finished by :meth:`Engine.cancel <kvvm.serving.engine.Engine.cancel>`
     #: (waiting or running).
     cancelled: int = 0

@@ -60,11 +60,13 @@ class Admission:
     """What the KV manager did to admit a request: ``hit_tokens`` of its context mapped from
     the prefix cache (not to be prefilled), and the host time the lookup and commit took;
     ``swapped``: those tokens were swapped back in from the host, not found in the prefix
-    cache."""
+    cache; ``host_tokens``: of ``hit_tokens``, those copied back from the prefix cache's host
+    level."""
 
     hit_tokens: int = 0
     ms: float = 0.0
     swapped: bool = False
+    host_tokens: int = 0
 
 
 class KvSpace(Protocol):
@@ -294,6 +296,9 @@ class Scheduler:
             self.stats.prefix_hits += 1
             self.stats.prefix_hit_tokens += hit
             self.stats.prefix_hit_ms.append((hit, admission.ms))
+            if admission.host_tokens:
+                self.stats.prefix_host_hits += 1
+                self.stats.prefix_host_hit_tokens += admission.host_tokens
 
     def _waits_for_prefill(self, r: Request) -> bool:
         """Whether a request still prefilling will publish more of ``r``'s context than it

@@ -99,6 +99,15 @@ class SwapCosts:
         rate = self.prefill_s_per_token
         return None if rate is None else tokens * rate
 
+    def host_hit_is_cheaper(self, tokens: int, nbytes: int) -> bool:
+        """Whether copying back ``tokens`` tokens of ``nbytes`` bytes from the prefix cache's
+        host level (``nbytes / bandwidth_in``) beats prefilling them (False while either cost
+        is unknown: prefilling is the fallback)."""
+        again = self.recompute_seconds(tokens)
+        if not self.bandwidth_in or again is None:
+            return False
+        return nbytes / self.bandwidth_in < again
+
     def swap_is_cheaper(self, tokens: int, nbytes: int) -> bool:
         """Whether swapping ``tokens`` tokens of ``nbytes`` bytes beats computing them again
         (False while either cost is unknown: recomputing is the fallback)."""
@@ -173,6 +182,31 @@ class Swapper:
                 )
         #: Swaps on the host, by request id.
         self.swaps: dict[int, list[SwappedKv]] = {}
+        self._host_key: tuple[float | None, float | None] = (None, None)
+        self._host_min: int | None = None
+
+    def host_min_tokens(self) -> int | None:
+        """The fewest tokens a hit on the prefix cache's host level must bring beyond the
+        device's hit to be copied back rather than prefilled: with ``"auto"`` the shortest
+        length (in the cache's hit units) at which :meth:`SwapCosts.host_hit_is_cheaper`
+        (None: none, or a cost not measured yet); 1 with ``"always"``; None with
+        ``"never"``."""
+        if self.mode != "auto":
+            return 1 if self.mode == "always" else None
+        key = (self.costs.bandwidth_in, self.costs.prefill_s_per_token)
+        if key != self._host_key:
+            # A copy moves whole windows: when a whole window's copy beats its prefill, so
+            # does every multiple's, and the shortest length that wins lies within the first
+            # two windows (the hit units need not fill a window); when none does, no length
+            # wins.
+            unit = max(1, self.kv.hit_unit)
+            window = max(unit, self.kv.cache.plan.mapped_tokens(1))
+            self._host_key, self._host_min = key, next(
+                (n for n in range(unit, min(2 * window, self.kv.max_len) + 1, unit)
+                 if self.costs.host_hit_is_cheaper(n, self.kv.cache.bytes_for_tokens(n))),
+                None,
+            )
+        return self._host_min
 
     def holds(self, r: Request) -> bool:
         """Whether ``r``'s KV is on the host."""
