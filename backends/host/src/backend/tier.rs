@@ -146,25 +146,23 @@ impl HostBackend {
 
     /// Refuses an event that is not live; a live one is complete (every copy was made at once).
     pub(crate) fn tier_check_event(&self, event: EventHandle) -> BackendResult<()> {
-        if self.lock_tier().events.contains(&event.0) {
-            Ok(())
-        } else {
-            Err(invalid(
-                Operation::Event,
-                format!("event {:#x} is not live", event.0),
-            ))
-        }
+        live_event(self.lock_tier().events.contains(&event.0), event)
     }
 
     pub(crate) fn tier_event_destroy(&self, event: EventHandle) -> BackendResult<()> {
-        if self.lock_tier().events.remove(&event.0) {
-            Ok(())
-        } else {
-            Err(invalid(
-                Operation::Event,
-                format!("event {:#x} is not live", event.0),
-            ))
-        }
+        live_event(self.lock_tier().events.remove(&event.0), event)
+    }
+}
+
+/// `Ok` when the books found `event` (`live`), else the refusal of an event that is not live.
+fn live_event(live: bool, event: EventHandle) -> BackendResult<()> {
+    if live {
+        Ok(())
+    } else {
+        Err(invalid(
+            Operation::Event,
+            format!("event {:#x} is not live", event.0),
+        ))
     }
 }
 
