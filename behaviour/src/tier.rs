@@ -105,9 +105,7 @@ fn swap_out(
             swap.bytes()
         )),
     };
-    if let Err(v) = outcome {
-        violations.push(v);
-    }
+    violations.extend(outcome.err());
     (Some(swap), r)
 }
 
@@ -151,9 +149,7 @@ fn swap_in(
             swap.bytes()
         )),
     };
-    if let Err(v) = outcome {
-        violations.push(v);
-    }
+    violations.extend(outcome.err());
     r
 }
 
