@@ -105,9 +105,7 @@ fn swap_out(
             swap.bytes()
         )),
     };
-    if let Err(v) = outcome {
-        violations.push(v);
-    }
+    violations.extend(outcome.err());
     (Some(swap), r)
 }
 
@@ -151,9 +149,7 @@ fn swap_in(
             swap.bytes()
         )),
     };
-    if let Err(v) = outcome {
-        violations.push(v);
-    }
+    violations.extend(outcome.err());
     r
 }
 
@@ -163,39 +159,61 @@ fn swapped_out(w: &World, s: &mut State, layout: KvLayout) -> Result<(), String>
     swap_first_out(w, s)
 }
 
-/// The first sequence swapped out, the swap kept.
-fn swap_first_out(w: &World, s: &mut State) -> Result<(), String> {
-    let tier = tier_of(w)?;
-    let expected = pattern(0, tokens(w));
+/// The world's host tier and the parts of a [`State`] a swap works on.
+struct Swapping<'a> {
+    tier: Arc<HostTier>,
+    seqs: &'a mut Vec<SequenceKv>,
+    swaps: &'a mut Vec<SwappedKv>,
+    violations: &'a mut Vec<String>,
+}
+
+/// The tier (none: an error) and the state's sequences, swaps and violations, borrowed apart.
+fn swapping<'a>(w: &World, s: &'a mut State) -> Result<Swapping<'a>, String> {
     let State {
         seqs,
         swaps,
         violations,
         ..
     } = s;
-    let q = seqs.first_mut().ok_or("no sequence")?;
-    let (swap, r) = swap_out(&tier, q, &expected, violations);
-    swaps.extend(swap);
+    Ok(Swapping {
+        tier: tier_of(w)?,
+        seqs,
+        swaps,
+        violations,
+    })
+}
+
+/// The first sequence swapped out, the swap kept.
+fn swap_first_out(w: &World, s: &mut State) -> Result<(), String> {
+    let expected = pattern(0, tokens(w));
+    let sw = swapping(w, s)?;
+    let q = sw.seqs.first_mut().ok_or("no sequence")?;
+    let (swap, r) = swap_out(&sw.tier, q, &expected, sw.violations);
+    sw.swaps.extend(swap);
+    r.map_err(e)
+}
+
+/// Swaps sequence `index` out, then back (`missing`: the error if there is none), each step
+/// checked into the violations; the swap kept.
+fn out_and_back(
+    w: &World,
+    s: &mut State,
+    (index, missing): (usize, &str),
+    expected: &[u8],
+) -> Result<(), String> {
+    let sw = swapping(w, s)?;
+    let q = sw.seqs.get_mut(index).ok_or(missing)?;
+    let (swap, r) = swap_out(&sw.tier, q, expected, sw.violations);
+    r.map_err(e)?;
+    let mut swap = swap.ok_or("no swap")?;
+    let r = swap_in(w, q, &mut swap, 0, expected, sw.violations);
+    sw.swaps.push(swap);
     r.map_err(e)
 }
 
 /// Swaps the first sequence out, then back.
 fn round_trip(w: &World, s: &mut State) -> Result<(), String> {
-    let tier = tier_of(w)?;
-    let expected = pattern(0, tokens(w));
-    let State {
-        seqs,
-        swaps,
-        violations,
-        ..
-    } = s;
-    let q = seqs.first_mut().ok_or("no sequence")?;
-    let (swap, r) = swap_out(&tier, q, &expected, violations);
-    r.map_err(e)?;
-    let mut swap = swap.ok_or("no swap")?;
-    let r = swap_in(w, q, &mut swap, 0, &expected, violations);
-    swaps.push(swap);
-    r.map_err(e)
+    out_and_back(w, s, (0, "no sequence"), &pattern(0, tokens(w)))
 }
 
 /// A published prompt of 2 windows and a second request that maps it read-only, its own
@@ -215,44 +233,25 @@ fn prefix_hit(w: &World, s: &mut State) -> Result<(), String> {
 /// The request mapping a prefix swapped out and back: its own tokens byte-exact, the
 /// prefix's too.
 fn prefix_round_trip(w: &World, s: &mut State) -> Result<(), String> {
-    let tier = tier_of(w)?;
     let n = 2 * window_tokens(w);
     let own = window_tokens(w) / 2;
     let mut expected = vec![7u8; usize::try_from(n * TOKEN_BYTES).map_err(e)?];
     expected.extend(pattern(n, own));
-    let State {
-        seqs,
-        swaps,
-        violations,
-        ..
-    } = s;
-    let q = seqs.get_mut(1).ok_or("no second sequence")?;
-    let (swap, r) = swap_out(&tier, q, &expected, violations);
-    r.map_err(e)?;
-    let mut swap = swap.ok_or("no swap")?;
-    let r = swap_in(w, q, &mut swap, 0, &expected, violations);
-    swaps.push(swap);
-    r.map_err(e)
+    out_and_back(w, s, (1, "no second sequence"), &expected)
 }
 
 /// Two sequences of 3 windows under a host budget of 3: the first swapped out, the second
 /// refused on the host (nothing changed), the first back, then the second out.
 fn host_budget(w: &World, s: &mut State) -> Result<(), String> {
-    let tier = tier_of(w)?;
     let expected = pattern(0, tokens(w));
-    let State {
-        seqs,
-        swaps,
-        violations,
-        ..
-    } = s;
-    let [a, b] = seqs.as_mut_slice() else {
+    let sw = swapping(w, s)?;
+    let [a, b] = sw.seqs.as_mut_slice() else {
         return Err("two sequences expected".to_owned());
     };
-    let (first, r) = swap_out(&tier, a, &expected, violations);
+    let (first, r) = swap_out(&sw.tier, a, &expected, sw.violations);
     r.map_err(e)?;
     let mut first = first.ok_or("no swap")?;
-    let (second, r) = swap_out(&tier, b, &expected, violations);
+    let (second, r) = swap_out(&sw.tier, b, &expected, sw.violations);
     if first.phase() == SwapPhase::OnHost {
         let refused_on_host = r.as_ref().err().is_some_and(|err| {
             err.backpressure()
@@ -260,17 +259,17 @@ fn host_budget(w: &World, s: &mut State) -> Result<(), String> {
                 || err.never_fits().is_some_and(|x| x.device == DeviceId::HOST)
         });
         if !refused_on_host || second.is_some() {
-            violations.push(format!(
+            sw.violations.push(format!(
                 "with the host's budget spent a swap out was not refused on the host: {r:?}"
             ));
         }
     }
-    swaps.extend(second);
-    let r = swap_in(w, a, &mut first, 0, &expected, violations);
-    swaps.push(first);
+    sw.swaps.extend(second);
+    let r = swap_in(w, a, &mut first, 0, &expected, sw.violations);
+    sw.swaps.push(first);
     r.map_err(e)?;
-    let (again, r) = swap_out(&tier, b, &expected, violations);
-    swaps.extend(again);
+    let (again, r) = swap_out(&sw.tier, b, &expected, sw.violations);
+    sw.swaps.extend(again);
     r.map_err(e)
 }
 
@@ -301,15 +300,10 @@ fn swap_scenarios() -> Vec<Scenario> {
             setup: |w, s| swapped_out(w, s, KvLayout::TokenMajor),
             op: |w, s| {
                 let expected = pattern(0, tokens(w));
-                let State {
-                    seqs,
-                    swaps,
-                    violations,
-                    ..
-                } = s;
-                let q = seqs.first_mut().ok_or("no sequence")?;
-                let swap = swaps.first_mut().ok_or("no swap")?;
-                swap_in(w, q, swap, 0, &expected, violations).map_err(e)
+                let sw = swapping(w, s)?;
+                let q = sw.seqs.first_mut().ok_or("no sequence")?;
+                let swap = sw.swaps.first_mut().ok_or("no swap")?;
+                swap_in(w, q, swap, 0, &expected, sw.violations).map_err(e)
             },
         },
         Scenario {

@@ -46,15 +46,7 @@ pub fn run_suite_with_progress(
         Ok(ctx) => ctx,
         Err(e) => {
             let reason = format!("cannot query granularity: {e}");
-            let cases = selected
-                .iter()
-                .map(|c| CaseResult {
-                    name: c.name.to_owned(),
-                    status: Status::Fail,
-                    reason: Some(reason.clone()),
-                    micros: 0,
-                })
-                .collect();
+            let cases = not_run(&selected, Status::Fail, &reason);
             return Report::new(backend.name(), device_name, cases);
         }
     };
@@ -86,16 +78,20 @@ pub fn run_suite_with_progress(
 
 /// The report of a backend that could not be opened: every case `skip`, with `reason`.
 pub fn unavailable_report(backend: &str, reason: &str) -> Report {
-    let cases = all_cases()
+    Report::new(backend, "none", not_run(&all_cases(), Status::Skip, reason))
+}
+
+/// The results of `cases` none of which could run: each `status`, with `reason`.
+fn not_run(cases: &[Case], status: Status, reason: &str) -> Vec<CaseResult> {
+    cases
         .iter()
         .map(|c| CaseResult {
             name: c.name.to_owned(),
-            status: Status::Skip,
+            status,
             reason: Some(reason.to_owned()),
             micros: 0,
         })
-        .collect();
-    Report::new(backend, "none", cases)
+        .collect()
 }
 
 /// Runs child case `case` on device `device` of `backend` (`None`: the request named no

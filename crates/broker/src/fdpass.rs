@@ -29,6 +29,18 @@ fn cmsg_space(n: usize) -> io::Result<usize> {
     usize::try_from(space).map_err(io::Error::other)
 }
 
+/// A message header over the one buffer of `iov` and the first `control_len` bytes of
+/// `control` (at most its size). Its pointers are valid while `iov` and `control` are.
+fn header(iov: &mut libc::iovec, control: &mut Cmsg, control_len: usize) -> libc::msghdr {
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { MaybeUninit::zeroed().assume_init() };
+    msg.msg_iov = iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.0.as_mut_ptr().cast();
+    msg.msg_controllen = control_len.min(CMSG_BYTES) as _;
+    msg
+}
+
 /// Writes all of `bytes` to `stream`, with `fds` attached to the first byte.
 pub fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     if fds.is_empty() || fds.len() > MAX_FDS || bytes.is_empty() {
@@ -46,12 +58,7 @@ pub fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) 
         iov_base: bytes.as_ptr().cast_mut().cast(),
         iov_len: bytes.len(),
     };
-    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-    let mut msg: libc::msghdr = unsafe { MaybeUninit::zeroed().assume_init() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.0.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
+    let msg = header(&mut iov, &mut control, space);
     let data_len = u32::try_from(std::mem::size_of_val(fds)).map_err(io::Error::other)?;
     // SAFETY: msg_control points at `control`, at least CMSG_SPACE(data_len) bytes, aligned
     // for cmsghdr; CMSG_FIRSTHDR returns a pointer inside it (non-null: controllen > 0).
@@ -172,12 +179,7 @@ impl Read for FdReader {
             iov_base: buf.as_mut_ptr().cast(),
             iov_len: buf.len(),
         };
-        // SAFETY: msghdr is plain data; all-zero is a valid empty header.
-        let mut msg: libc::msghdr = unsafe { MaybeUninit::zeroed().assume_init() };
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = control.0.as_mut_ptr().cast();
-        msg.msg_controllen = CMSG_BYTES as _;
+        let mut msg = header(&mut iov, &mut control, CMSG_BYTES);
         // SAFETY: `msg` points at `buf` and `control`, both writable and alive for the call.
         let n = unsafe { libc::recvmsg(self.stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
         let n = usize::try_from(n).map_err(|_| io::Error::last_os_error())?;

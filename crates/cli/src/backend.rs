@@ -5,9 +5,10 @@
 //! are one short sentence each: what failed, the driver's code, and the fix; `kvvm info
 //! --json` keeps the backend's whole message.
 
-use kvvm::{OpenError, OpenedBackend, BACKEND_NAMES};
+use kvvm::num::format_size;
+use kvvm::{DeviceId, OpenError, OpenedBackend, VirtualMemoryBackend, BACKEND_NAMES};
 
-use crate::error::{CliError, CliResult};
+use crate::error::{failed, CliError, CliResult};
 use crate::output::note;
 
 /// Why a backend cannot be used here, in short.
@@ -177,6 +178,31 @@ pub fn check_device(opened: &OpenedBackend, device: u32) -> CliResult<()> {
         .devices()
         .map_err(|e| CliError::Failed(format!("backend {name} cannot list its devices: {e}")))?;
     crate::flags::check_device("--device", device, name, devices.len())?;
+    Ok(())
+}
+
+/// Refuses a budget (`--budget-bytes`) larger than the memory of `device` of `backend`: it
+/// would promise memory that is not there. A device whose memory is unknown (0) is not checked.
+pub fn check_budget_fits(
+    budget: u64,
+    backend: &dyn VirtualMemoryBackend,
+    device: u32,
+) -> CliResult<()> {
+    let total = backend
+        .devices()
+        .map_err(failed)?
+        .into_iter()
+        .find(|d| d.id == DeviceId(device))
+        .map_or(0, |d| d.total_memory);
+    if total > 0 && budget > total {
+        return Err(CliError::Failed(format!(
+            "--budget-bytes {} ({budget} bytes) exceeds the memory of device {device} of backend {} ({}): allowed 1 B..={}",
+            format_size(budget),
+            backend.name(),
+            format_size(total),
+            format_size(total)
+        )));
+    }
     Ok(())
 }
 

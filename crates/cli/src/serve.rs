@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::Args;
 use kvvm::layout::{KvDtype, KvLayout};
 use kvvm::num::format_size;
-use kvvm::{DeviceId, VirtualMemoryBackend};
+use kvvm::DeviceId;
 use kvvm_server::{KvService, ServedModel, ServiceConfig};
 
 use crate::backend;
@@ -54,31 +54,6 @@ pub struct ServeArgs {
     net: ServeFlags,
 }
 
-/// The budget must fit in the device: a larger one would promise memory that is not there.
-fn check_budget(
-    budget: Option<u64>,
-    backend: &dyn VirtualMemoryBackend,
-    device: u32,
-) -> CliResult<()> {
-    let Some(budget) = budget else { return Ok(()) };
-    let devices = backend.devices().map_err(failed)?;
-    let total = devices
-        .iter()
-        .find(|d| d.id == DeviceId(device))
-        .map(|d| d.total_memory)
-        .unwrap_or(0);
-    if total > 0 && budget > total {
-        return Err(CliError::Failed(format!(
-            "--budget-bytes {} ({budget} bytes) exceeds the memory of device {device} of backend {} ({}): allowed 1 B..={}",
-            format_size(budget),
-            backend.name(),
-            format_size(total),
-            format_size(total)
-        )));
-    }
-    Ok(())
-}
-
 /// The first line `kvvm serve` prints: where it listens and what it serves.
 fn listening_line(addr: SocketAddr, s: &KvService, backend: &str, device: u32) -> String {
     let budget = s
@@ -118,7 +93,9 @@ pub fn run(args: &ServeArgs, out: Out<'_>) -> CliResult<ExitCode> {
     backend::check_name(&args.backend)?;
     let opened = backend::open("serve", &args.backend)?;
     backend::check_device(&opened, args.device)?;
-    check_budget(args.budget_bytes, &*opened.backend, args.device)?;
+    if let Some(budget) = args.budget_bytes {
+        backend::check_budget_fits(budget, &*opened.backend, args.device)?;
+    }
     let backend_name = opened.backend.name().to_owned();
     let config = ServiceConfig {
         backend: opened.backend,

@@ -4,9 +4,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvvm::num::format_size;
 use kvvm::sim::SimBackend;
-use kvvm::{DeviceId, VirtualMemoryBackend};
+use kvvm::VirtualMemoryBackend;
 use kvvm_workload::{
     render_svg, render_table, render_verdict, simulate, verdict, PolicyKind, SimulationConfig,
     SimulationReport, TableWidth,
@@ -61,32 +60,13 @@ fn open(name: &str) -> CliResult<RunBackend> {
     }
 }
 
-/// Every kvvm policy commits on device 0: a budget beyond its memory cannot be honoured.
-fn check_budget(budget: u64, backend: &dyn VirtualMemoryBackend) -> CliResult<()> {
-    let total = backend
-        .devices()
-        .map_err(failed)?
-        .into_iter()
-        .find(|d| d.id == DeviceId(0))
-        .map_or(0, |d| d.total_memory);
-    if total > 0 && budget > total {
-        return Err(CliError::Failed(format!(
-            "--budget-bytes {} ({budget} bytes) exceeds the memory of device 0 of backend {} ({}): allowed 1 B..={}",
-            format_size(budget),
-            backend.name(),
-            format_size(total),
-            format_size(total)
-        )));
-    }
-    Ok(())
-}
-
 /// Runs the simulation and prints the table or the JSON.
 pub fn run(args: &SimulateArgs, out: Out<'_>) -> CliResult<ExitCode> {
     let checked = args.check()?;
     backend::check_name(&args.backend)?;
     let run = open(&args.backend)?;
-    check_budget(args.budget_bytes, &*run.backend)?;
+    // Every kvvm policy commits on device 0.
+    backend::check_budget_fits(args.budget_bytes, &*run.backend, 0)?;
     let config = SimulationConfig {
         model: args.model.clone(),
         dtype: checked.dtype,

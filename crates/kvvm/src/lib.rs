@@ -155,22 +155,25 @@ impl std::fmt::Debug for OpenedBackend {
     }
 }
 
-fn open_cuda() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
-    kvvm_cuda::CudaBackend::open()
+/// The backend `opened` shared, or its error as backend `name`'s refusal.
+fn shared<B: VirtualMemoryBackend + 'static>(
+    name: &str,
+    opened: Result<B, BackendError>,
+) -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
+    opened
         .map(|b| Arc::new(b) as Arc<dyn VirtualMemoryBackend>)
         .map_err(|source| OpenError::Backend {
-            name: "cuda".into(),
+            name: name.into(),
             source,
         })
 }
 
+fn open_cuda() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
+    shared("cuda", kvvm_cuda::CudaBackend::open())
+}
+
 fn open_hip() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
-    kvvm_hip::HipBackend::open()
-        .map(|b| Arc::new(b) as Arc<dyn VirtualMemoryBackend>)
-        .map_err(|source| OpenError::Backend {
-            name: "hip".into(),
-            source,
-        })
+    shared("hip", kvvm_hip::HipBackend::open())
 }
 
 /// The environment variable giving the number of simulated H200s that `"sim"`, and `"auto"`
@@ -205,12 +208,7 @@ fn open_sim() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
 }
 
 fn open_host() -> Result<Arc<dyn VirtualMemoryBackend>, OpenError> {
-    kvvm_host::HostBackend::open()
-        .map(|b| Arc::new(b) as Arc<dyn VirtualMemoryBackend>)
-        .map_err(|source| OpenError::Backend {
-            name: "host".into(),
-            source,
-        })
+    shared("host", kvvm_host::HostBackend::open())
 }
 
 /// Opens the backend called `name` (see [`BACKEND_NAMES`]).

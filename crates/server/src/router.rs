@@ -140,6 +140,32 @@ impl<T: DeserializeOwned> Input<T> {
     }
 }
 
+/// Reads the body as a `T` and runs `f` on it as [`run`] does; the sequence `f` returns is
+/// shown with its address when the query asks for it.
+async fn run_on_body<T, F>(
+    app: &App,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: Body,
+    success: StatusCode,
+    f: F,
+) -> Response
+where
+    T: DeserializeOwned + Send + 'static,
+    F: FnOnce(&KvService, &T) -> Result<SequenceInfo, ServiceError> + Send + 'static,
+{
+    let input = match Input::<T>::read(app, headers, body).await {
+        Ok(i) => i,
+        Err(e) => return error_response(&e),
+    };
+    let address = wants_address(uri);
+    run(app, success, move |s| {
+        let req = input.get()?;
+        f(s, &req).map(|i| shown(i, address))
+    })
+    .await
+}
+
 async fn create(
     State(app): State<App>,
     Extension(who): Extension<Principal>,
@@ -147,16 +173,8 @@ async fn create(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let input = match Input::<CreateSequence>::read(&app, &headers, body).await {
-        Ok(i) => i,
-        Err(e) => return error_response(&e),
-    };
-    let address = wants_address(&uri);
-    run(&app, StatusCode::CREATED, move |s| {
-        let req = input.get()?;
-        s.create(who.owner, &req).map(|i| shown(i, address))
-    })
-    .await
+    let call = move |s: &KvService, req: &CreateSequence| s.create(who.owner, req);
+    run_on_body(&app, &uri, &headers, body, StatusCode::CREATED, call).await
 }
 
 async fn append(
@@ -167,16 +185,8 @@ async fn append(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let input = match Input::<AppendTokens>::read(&app, &headers, body).await {
-        Ok(i) => i,
-        Err(e) => return error_response(&e),
-    };
-    let address = wants_address(&uri);
-    run(&app, StatusCode::OK, move |s| {
-        let req = input.get()?;
-        s.append(who.owner, id, &req).map(|i| shown(i, address))
-    })
-    .await
+    let call = move |s: &KvService, req: &AppendTokens| s.append(who.owner, id, req);
+    run_on_body(&app, &uri, &headers, body, StatusCode::OK, call).await
 }
 
 async fn get_sequence(

@@ -8,8 +8,8 @@ use std::time::Duration;
 use kvvm_num::{add, mul};
 
 use crate::driver::classic;
-use crate::error::{WorkloadError, WorkloadResult};
-use crate::policy::{Costs, Outcome, Policy, PolicyKind, Shape};
+use crate::error::WorkloadResult;
+use crate::policy::{seq_of, take_seq, Costs, Outcome, Policy, PolicyKind, Shape};
 use crate::trace::Request;
 
 #[derive(Debug, Clone, Copy)]
@@ -124,10 +124,7 @@ impl Policy for ClassicPolicy {
     }
 
     fn grow(&mut self, id: usize, tokens: u64) -> WorkloadResult<Outcome> {
-        let seq = *self
-            .seqs
-            .get(&id)
-            .ok_or_else(|| WorkloadError::unknown_sequence("grow", id))?;
+        let seq = seq_of(&self.seqs, "grow", id)?;
         if tokens > seq.capacity_tokens {
             let bpt = self.shape.bytes_per_token;
             let cap = self.capacity_for(tokens, seq.capacity_tokens);
@@ -174,10 +171,7 @@ impl Policy for ClassicPolicy {
     }
 
     fn finish(&mut self, id: usize) -> WorkloadResult<()> {
-        let seq = self
-            .seqs
-            .remove(&id)
-            .ok_or_else(|| WorkloadError::unknown_sequence("finish", id))?;
+        let seq = take_seq(&mut self.seqs, "finish", id)?;
         let bpt = self.shape.bytes_per_token;
         let bytes = mul(seq.capacity_tokens, bpt, "allocation bytes")?;
         self.committed = self.committed.saturating_sub(bytes);

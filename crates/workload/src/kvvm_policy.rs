@@ -15,7 +15,7 @@ use kvvm_vmm::{Governor, VirtualMemory, VmmConfig, VmmError};
 
 use crate::driver::{CountingBackend, DriverTally};
 use crate::error::{WorkloadError, WorkloadResult};
-use crate::policy::{Costs, Outcome, Policy, Shape};
+use crate::policy::{take_seq, Costs, Outcome, Policy, Shape};
 use crate::trace::Request;
 
 /// One sequence under a kvvm policy: a [`SequenceKv`] of the KV layer.
@@ -319,9 +319,7 @@ impl Policy for KvvmPolicy {
     }
 
     fn grow(&mut self, id: usize, tokens: u64) -> WorkloadResult<Outcome> {
-        let Some(mut seq) = self.seqs.remove(&id) else {
-            return Err(WorkloadError::unknown_sequence("grow", id));
-        };
+        let mut seq = take_seq(&mut self.seqs, "grow", id)?;
         // Only a token that needs a new window goes to the KV layer (the common case of a
         // decode step is arithmetic).
         let windows = self.plan.windows_per_fragment(tokens)?;
@@ -356,9 +354,7 @@ impl Policy for KvvmPolicy {
     }
 
     fn finish(&mut self, id: usize) -> WorkloadResult<()> {
-        let Some(mut seq) = self.seqs.remove(&id) else {
-            return Err(WorkloadError::unknown_sequence("finish", id));
-        };
+        let mut seq = take_seq(&mut self.seqs, "finish", id)?;
         let (from, to) = (seq.written, seq.tokens);
         if self.write_kv && to > from {
             // The window is committed; the KV layer's token count catches up.

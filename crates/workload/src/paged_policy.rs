@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, HashMap};
 use kvvm_num::{add, mul};
 
 use crate::driver::classic;
-use crate::error::{WorkloadError, WorkloadResult};
-use crate::policy::{Costs, Outcome, Policy, Shape, PAGED_BLOCK_TOKENS};
+use crate::error::WorkloadResult;
+use crate::policy::{seq_of, take_seq, Costs, Outcome, Policy, Shape, PAGED_BLOCK_TOKENS};
 use crate::trace::Request;
 
 #[derive(Debug, Clone, Copy)]
@@ -126,10 +126,7 @@ impl Policy for PagedPolicy {
     }
 
     fn grow(&mut self, id: usize, tokens: u64) -> WorkloadResult<Outcome> {
-        let seq = *self
-            .seqs
-            .get(&id)
-            .ok_or_else(|| WorkloadError::unknown_sequence("grow", id))?;
+        let seq = seq_of(&self.seqs, "grow", id)?;
         let shared_tokens = seq.shared.saturating_mul(PAGED_BLOCK_TOKENS);
         let blocks = blocks_for(tokens.saturating_sub(shared_tokens)).max(seq.blocks);
         let extra = blocks - seq.blocks;
@@ -161,10 +158,7 @@ impl Policy for PagedPolicy {
     }
 
     fn finish(&mut self, id: usize) -> WorkloadResult<()> {
-        let seq = self
-            .seqs
-            .remove(&id)
-            .ok_or_else(|| WorkloadError::unknown_sequence("finish", id))?;
+        let seq = take_seq(&mut self.seqs, "finish", id)?;
         self.private_blocks = self.private_blocks.saturating_sub(seq.blocks);
         let own = seq
             .tokens

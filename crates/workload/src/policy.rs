@@ -3,6 +3,7 @@
 //! realloc-copy, by formula), `paged_policy.rs` (paged-16 and paged-16+prefix, by formula) and
 //! `kvvm_policy.rs` (through the real manager).
 
+use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
@@ -139,6 +140,29 @@ pub(crate) struct Costs {
     /// For `paged-16+prefix`: bytes of the system prompt's whole blocks, held once (`None`:
     /// the trace has no system prompt of a whole block).
     pub block_prefix_bytes: Option<u64>,
+}
+
+/// A copy of sequence `id` from a policy's books, or the error of `call` on an id it does not
+/// hold.
+pub(crate) fn seq_of<S: Copy>(
+    seqs: &HashMap<usize, S>,
+    call: &str,
+    id: usize,
+) -> WorkloadResult<S> {
+    seqs.get(&id)
+        .copied()
+        .ok_or_else(|| WorkloadError::unknown_sequence(call, id))
+}
+
+/// Sequence `id` taken out of a policy's books, or the error of `call` on an id it does not
+/// hold.
+pub(crate) fn take_seq<S>(
+    seqs: &mut HashMap<usize, S>,
+    call: &str,
+    id: usize,
+) -> WorkloadResult<S> {
+    seqs.remove(&id)
+        .ok_or_else(|| WorkloadError::unknown_sequence(call, id))
 }
 
 /// A memory policy as the replay drives it. Token counts are absolute (the KV length).

@@ -15,8 +15,7 @@ impl CudaBackend {
         traced(
             tracing::debug_span!("kvvm_cuda", op = "cuMemAlloc", %device, bytes),
             || {
-                let dev = self.device(op, device)?;
-                self.make_current(op, dev)?;
+                self.make_device_current(op, device)?;
                 let len = to_usize(op, "size", bytes)?;
                 self.check(op, self.driver.mem_alloc(len))
                     .map(DeviceAddress)
@@ -30,8 +29,7 @@ impl CudaBackend {
         traced(
             tracing::debug_span!("kvvm_cuda", op = "cuMemFree", %device, %ptr),
             || {
-                let dev = self.device(op, device)?;
-                self.make_current(op, dev)?;
+                self.make_device_current(op, device)?;
                 self.check(op, self.driver.mem_free(ptr.0))
             },
         )
@@ -50,8 +48,7 @@ impl CudaBackend {
         traced(
             tracing::debug_span!("kvvm_cuda", op = "cuMemcpyDtoD", %device, bytes),
             || {
-                let dev = self.device(op, device)?;
-                self.make_current(op, dev)?;
+                self.make_device_current(op, device)?;
                 let len = to_usize(op, "size", bytes)?;
                 self.check(op, self.driver.memcpy_dtod(dst.0, src.0, len))
             },

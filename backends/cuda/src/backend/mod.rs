@@ -166,6 +166,11 @@ impl CudaBackend {
         self.any_context(op)
     }
 
+    /// Makes the context of device `id` current on this thread (an unknown device refused).
+    pub(crate) fn make_device_current(&self, op: Operation, id: DeviceId) -> BackendResult<()> {
+        self.make_current(op, self.device(op, id)?)
+    }
+
     /// The device whose memory `address` maps when the driver can say (with several devices),
     /// else the device whose context is current, else device 0.
     pub(crate) fn owner_device(
@@ -235,8 +240,7 @@ impl VirtualMemoryBackend for CudaBackend {
         traced(
             tracing::debug_span!("kvvm_cuda", op = "cuMemGetInfo", %device),
             || {
-                let dev = self.device(op, device)?;
-                self.make_current(op, dev)?;
+                self.make_device_current(op, device)?;
                 let (free, total) = self.check(op, self.driver.mem_info())?;
                 Ok(MemoryInfo {
                     free: to_u64(free),
@@ -396,8 +400,7 @@ impl VirtualMemoryBackend for CudaBackend {
         traced(
             tracing::debug_span!("kvvm_cuda", op = "cuCtxSynchronize", %device),
             || {
-                let dev = self.device(op, device)?;
-                self.make_current(op, dev)?;
+                self.make_device_current(op, device)?;
                 self.check(op, self.driver.ctx_synchronize())
             },
         )
@@ -540,8 +543,7 @@ impl VirtualMemoryBackend for CudaBackend {
             %device
         );
         traced(span, || {
-            let dev = self.device(op, device)?;
-            self.make_current(op, dev)?;
+            self.make_device_current(op, device)?;
             let handle = self.check(op, self.driver.import_posix_fd(raw))?;
             Ok(PhysicalHandle(handle))
         })

@@ -60,8 +60,7 @@ impl CudaBackend {
         bytes: u64,
     ) -> BackendResult<HostBuffer> {
         let op = Operation::HostAlloc;
-        let dev = self.device(op, device)?;
-        self.make_current(op, dev)?;
+        self.make_device_current(op, device)?;
         let len = to_usize(op, "size", bytes)?;
         let p = self.check(op, self.driver.mem_host_alloc(len, HOST_ALLOC_PORTABLE))?;
         let base = p as usize as u64;
@@ -159,8 +158,7 @@ impl CudaBackend {
         stream: StreamHandle,
     ) -> BackendResult<EventHandle> {
         let op = Operation::Event;
-        let dev = self.device(op, device)?;
-        self.make_current(op, dev)?;
+        self.make_device_current(op, device)?;
         let event = self.check(op, self.driver.event_create(EVENT_DISABLE_TIMING))?;
         let s = stream.0 as usize as CUstream;
         // SAFETY: `event` was just made in this context; the stream is 0 or a live stream of

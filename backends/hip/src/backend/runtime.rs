@@ -136,31 +136,26 @@ impl HipRuntime {
         } else {
             format!("; hipInit(0) returned {}", error_name(&api, init_rc))
         };
+        let refuse = |rc, what: String| {
+            Err(unavailable(rc, error_name(&api, rc))
+                .with_detail(format!("{what}; library {}", self.path)))
+        };
         if count_rc == HIP_ERROR_NO_DEVICE || (count_rc == HIP_SUCCESS && count <= 0) {
-            return Err(
-                unavailable(HIP_ERROR_NO_DEVICE, error_name(&api, HIP_ERROR_NO_DEVICE))
-                    .with_detail(format!(
-                "no HIP device (hipErrorNoDevice, HIP runtime {version}){init_note}; library {}",
-                self.path
-            )),
-            );
+            let what =
+                format!("no HIP device (hipErrorNoDevice, HIP runtime {version}){init_note}");
+            return refuse(HIP_ERROR_NO_DEVICE, what);
         }
         if count_rc != HIP_SUCCESS {
-            return Err(
-                unavailable(count_rc, error_name(&api, count_rc)).with_detail(format!(
-                    "hipGetDeviceCount failed ({}, HIP runtime {version}){init_note}; library {}",
-                    error_name(&api, count_rc),
-                    self.path
-                )),
-            );
+            let name = error_name(&api, count_rc);
+            let what =
+                format!("hipGetDeviceCount failed ({name}, HIP runtime {version}){init_note}");
+            return refuse(count_rc, what);
         }
         if init_rc != HIP_SUCCESS {
-            return Err(
-                unavailable(init_rc, error_name(&api, init_rc)).with_detail(format!(
-                    "hipInit(0) failed ({}, HIP runtime {version}); library {}",
-                    error_name(&api, init_rc),
-                    self.path
-                )),
+            let name = error_name(&api, init_rc);
+            return refuse(
+                init_rc,
+                format!("hipInit(0) failed ({name}, HIP runtime {version})"),
             );
         }
         let device_count = u32::try_from(count).unwrap_or(0);

@@ -490,11 +490,11 @@ impl VirtualMemoryBackend for HostBackend {
 
     fn copy_to_host_async(&self, copy: &HostCopy, _stream: StreamHandle) -> BackendResult<()> {
         // The CPU has no queue: copied now, under the read lock.
-        self.tier_copy_to_host(copy)
+        self.tier_copy(copy, true)
     }
 
     fn copy_from_host_async(&self, copy: &HostCopy, _stream: StreamHandle) -> BackendResult<()> {
-        self.tier_copy_from_host(copy)
+        self.tier_copy(copy, false)
     }
 
     fn copy_stream(&self, device: DeviceId) -> BackendResult<StreamHandle> {

@@ -97,41 +97,37 @@ impl HostBackend {
         }
     }
 
-    pub(crate) fn tier_copy_to_host(&self, copy: &HostCopy) -> BackendResult<()> {
-        let op = Operation::CopyToHost;
+    /// A copy between a mapping and a live buffer (`to_host`: from the mapping into the buffer),
+    /// made at once once both ranges are checked.
+    pub(crate) fn tier_copy(&self, copy: &HostCopy, to_host: bool) -> BackendResult<()> {
+        let op = if to_host {
+            Operation::CopyToHost
+        } else {
+            Operation::CopyFromHost
+        };
         copy.check(op)?;
         let s = self.read();
-        s.check_range(op, copy.device.0, copy.bytes, Some(false))?;
+        // Read access to copy from the mapping, write access to copy into it.
+        s.check_range(op, copy.device.0, copy.bytes, Some(!to_host))?;
         let mut tier = self.lock_tier();
-        let dst = tier.range_mut(op, copy)?;
-        if dst.is_empty() {
+        let host = tier.range_mut(op, copy)?;
+        if host.is_empty() {
             return Ok(());
         }
-        let from = pointer(op, copy.device.0)?.cast::<u8>().cast_const();
-        // SAFETY: every byte of `[device, device + bytes)` is mapped by this backend with read
-        // access (checked above) and stays so while the read lock is held, which excludes
-        // unmap, set access and free; `dst` is an exclusively borrowed slice of a live buffer
-        // of `bytes` bytes (heap memory, never one of the backend's mappings), and any byte
-        // value is a valid `u8`.
-        unsafe { std::ptr::copy(from, dst.as_mut_ptr(), dst.len()) };
-        Ok(())
-    }
-
-    pub(crate) fn tier_copy_from_host(&self, copy: &HostCopy) -> BackendResult<()> {
-        let op = Operation::CopyFromHost;
-        copy.check(op)?;
-        let s = self.read();
-        s.check_range(op, copy.device.0, copy.bytes, Some(true))?;
-        let mut tier = self.lock_tier();
-        let src = tier.range_mut(op, copy)?;
-        if src.is_empty() {
-            return Ok(());
+        let device = pointer(op, copy.device.0)?.cast::<u8>();
+        if to_host {
+            // SAFETY: every byte of `[device, device + bytes)` is mapped by this backend with
+            // read access (checked above) and stays so while the read lock `s` is held, which
+            // excludes unmap, set access and free; `host` is an exclusively borrowed slice of a
+            // live buffer of `bytes` bytes (heap memory, never one of the backend's mappings),
+            // and any byte value is a valid `u8`.
+            unsafe { std::ptr::copy(device.cast_const(), host.as_mut_ptr(), host.len()) };
+        } else {
+            // SAFETY: every byte of `[device, device + bytes)` is mapped by this backend with
+            // write access (checked above) and stays so under the read lock `s`; `host` is a
+            // slice of a live buffer of `bytes` bytes, held under the tier's lock for the copy.
+            unsafe { std::ptr::copy(host.as_ptr(), device, host.len()) };
         }
-        let to = pointer(op, copy.device.0)?.cast::<u8>();
-        // SAFETY: every byte of `[device, device + bytes)` is mapped by this backend with write
-        // access (checked above) and stays so under the read lock; `src` is a slice of a live
-        // buffer of `bytes` bytes, held under the tier's lock for the copy.
-        unsafe { std::ptr::copy(src.as_ptr(), to, src.len()) };
         Ok(())
     }
 
@@ -150,25 +146,23 @@ impl HostBackend {
 
     /// Refuses an event that is not live; a live one is complete (every copy was made at once).
     pub(crate) fn tier_check_event(&self, event: EventHandle) -> BackendResult<()> {
-        if self.lock_tier().events.contains(&event.0) {
-            Ok(())
-        } else {
-            Err(invalid(
-                Operation::Event,
-                format!("event {:#x} is not live", event.0),
-            ))
-        }
+        live_event(self.lock_tier().events.contains(&event.0), event)
     }
 
     pub(crate) fn tier_event_destroy(&self, event: EventHandle) -> BackendResult<()> {
-        if self.lock_tier().events.remove(&event.0) {
-            Ok(())
-        } else {
-            Err(invalid(
-                Operation::Event,
-                format!("event {:#x} is not live", event.0),
-            ))
-        }
+        live_event(self.lock_tier().events.remove(&event.0), event)
+    }
+}
+
+/// `Ok` when the books found `event` (`live`), else the refusal of an event that is not live.
+fn live_event(live: bool, event: EventHandle) -> BackendResult<()> {
+    if live {
+        Ok(())
+    } else {
+        Err(invalid(
+            Operation::Event,
+            format!("event {:#x} is not live", event.0),
+        ))
     }
 }
 

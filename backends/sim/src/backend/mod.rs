@@ -284,14 +284,14 @@ impl VirtualMemoryBackend for SimBackend {
 
     fn copy_to_host_async(&self, copy: &HostCopy, _stream: StreamHandle) -> BackendResult<()> {
         self.call(Operation::CopyToHost, |s| {
-            s.copy_to_host(copy)?;
+            s.host_copy(copy, true)?;
             Ok(((), Covered::bytes(copy.bytes)))
         })
     }
 
     fn copy_from_host_async(&self, copy: &HostCopy, _stream: StreamHandle) -> BackendResult<()> {
         self.call(Operation::CopyFromHost, |s| {
-            s.copy_from_host(copy)?;
+            s.host_copy(copy, false)?;
             Ok(((), Covered::bytes(copy.bytes)))
         })
     }

@@ -92,31 +92,30 @@ impl State {
         }
     }
 
-    pub(crate) fn copy_to_host(&mut self, copy: &HostCopy) -> Result<(), BackendError> {
-        let op = Operation::CopyToHost;
+    /// A copy between a mapping and a live buffer (`to_host`: from the mapping into the
+    /// buffer), both ranges checked before any byte moves.
+    pub(crate) fn host_copy(&mut self, copy: &HostCopy, to_host: bool) -> Result<(), BackendError> {
+        let op = if to_host {
+            Operation::CopyToHost
+        } else {
+            Operation::CopyFromHost
+        };
         self.check_host_range(op, copy)?;
-        let pieces = self.pieces(op, copy.device.0, copy.bytes, false)?;
+        let pieces = self.pieces(op, copy.device.0, copy.bytes, !to_host)?;
         let len =
             kvvm_num::to_usize(copy.bytes, "copy bytes").map_err(|e| invalid(op, e.to_string()))?;
         let mut bytes = vec![0u8; len];
-        self.read_pieces(&pieces, &mut bytes);
-        if let Some((_, data)) = self.host.buffers.get_mut(&copy.host.0) {
-            data.write(copy.offset, &bytes);
+        if to_host {
+            self.read_pieces(&pieces, &mut bytes);
+            if let Some((_, data)) = self.host.buffers.get_mut(&copy.host.0) {
+                data.write(copy.offset, &bytes);
+            }
+        } else {
+            if let Some((_, data)) = self.host.buffers.get(&copy.host.0) {
+                data.read(copy.offset, &mut bytes);
+            }
+            self.write_pieces(&pieces, &bytes);
         }
-        Ok(())
-    }
-
-    pub(crate) fn copy_from_host(&mut self, copy: &HostCopy) -> Result<(), BackendError> {
-        let op = Operation::CopyFromHost;
-        self.check_host_range(op, copy)?;
-        let pieces = self.pieces(op, copy.device.0, copy.bytes, true)?;
-        let len =
-            kvvm_num::to_usize(copy.bytes, "copy bytes").map_err(|e| invalid(op, e.to_string()))?;
-        let mut bytes = vec![0u8; len];
-        if let Some((_, data)) = self.host.buffers.get(&copy.host.0) {
-            data.read(copy.offset, &mut bytes);
-        }
-        self.write_pieces(&pieces, &bytes);
         Ok(())
     }
 

@@ -3,7 +3,7 @@
 
 use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvvm_hal::DeviceId;
 
@@ -272,13 +272,21 @@ impl Governor {
     /// The `retry_after` the governor would suggest now for a shortfall of `shortfall` bytes
     /// on `device` (see the crate docs).
     pub fn estimate_retry_after(&self, device: DeviceId, shortfall: u64) -> Duration {
+        self.estimate_from(device, shortfall, Ledger::freed_in_window)
+    }
+
+    /// The retry policy applied to `shortfall` and the bytes `in_window` counts on `device`
+    /// in the policy's window ending now.
+    fn estimate_from(
+        &self,
+        device: DeviceId,
+        shortfall: u64,
+        in_window: impl FnOnce(&Ledger, DeviceId, Instant, Duration) -> u64,
+    ) -> Duration {
         let policy = self.inner.config.retry;
         let now = self.inner.config.clock.now();
-        let freed = self
-            .inner
-            .ledger
-            .freed_in_window(device, now, policy.window);
-        policy.estimate(shortfall, freed)
+        let bytes = in_window(&self.inner.ledger, device, now, policy.window);
+        policy.estimate(shortfall, bytes)
     }
 
     /// Records that a consumer (a server's sequence, say) released `bytes` on `device` now,
@@ -295,13 +303,7 @@ impl Governor {
     /// go to a pool, which the driver-side estimate ([`estimate_retry_after`](Self::estimate_retry_after))
     /// does not see.
     pub fn estimate_retry_after_released(&self, device: DeviceId, shortfall: u64) -> Duration {
-        let policy = self.inner.config.retry;
-        let now = self.inner.config.clock.now();
-        let released = self
-            .inner
-            .ledger
-            .released_in_window(device, now, policy.window);
-        policy.estimate(shortfall, released)
+        self.estimate_from(device, shortfall, Ledger::released_in_window)
     }
 
     /// Moves `bytes` on `device` from one bucket to another (a handle returned to the pool,
