@@ -135,6 +135,11 @@ class Engine(EngineControl):
             again: ``"auto"`` (by measured costs), ``"always"`` or ``"never"``.
         swap_costs: the costs ``"auto"`` decides by (:class:`~kvvm.serving.swap.SwapCosts`;
             measured when omitted).
+        kv_dtype: what the cache stores K/V as: None (the model's dtype) or ``"fp8_e4m3"``
+            (FP8 KV: half the bytes of bf16 a token, quantized as written, dequantized inside
+            attention; ``docs/fp8-kv.md``).
+        kv_scales: an FP8 cache's scales, ``(k_scale, v_scale)`` or an fp32 tensor ``[layers,
+            2, kv_heads]`` (default 1), fixed for the engine's life.
 
     Raises:
         InvalidArgumentError: an argument of the wrong type or out of range.
@@ -163,6 +168,8 @@ class Engine(EngineControl):
         host_tier_bytes: int = 0,
         swap: str = "auto",
         swap_costs: SwapCosts | None = None,
+        kv_dtype: Any = None,
+        kv_scales: Any = None,
     ) -> None:
         check_positive(slots, "slots")
         check_positive(max_len, "max_len", 2)
@@ -185,6 +192,7 @@ class Engine(EngineControl):
             self.kv = KvManager(
                 model, slots=slots, max_len=max_len, manager=manager,
                 prefix_cache_bytes=prefix_cache_bytes, prefix_handle_tokens=prefix_handle_tokens,
+                kv_dtype=kv_dtype, kv_scales=kv_scales,
             )
         except BaseException:
             self._attention.restore()

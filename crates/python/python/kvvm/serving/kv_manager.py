@@ -56,6 +56,10 @@ class KvManager:
         prefix_cache_bytes: the prefix cache's cap (0: no prefix cache).
         prefix_handle_tokens: tokens per handle of a published prefix (rounded down to
             whole windows, at least one).
+        kv_dtype, kv_scales: what the cache stores K/V as (None: the model's dtype;
+            ``"fp8_e4m3"``: FP8 KV) and an FP8 cache's scales, as
+            :class:`~kvvm.transformers.KvvmCache`'s. The prefix cache and the host tier hold
+            the cache's bytes as they are, under the same scales.
     """
 
     def __init__(
@@ -67,12 +71,16 @@ class KvManager:
         manager: Manager,
         prefix_cache_bytes: int = 0,
         prefix_handle_tokens: int = 256,
+        kv_dtype: Any = None,
+        kv_scales: Any = None,
     ) -> None:
         self.manager = manager
         if prefix_cache_bytes > 0:
             refuse_sliding_prefix_cache(decoder_config(model.config), max_len)
-        # K/V in the model's own dtype.
-        self.cache = KvvmCache(model.config, slots, max_len, manager=manager, dtype=model.dtype)
+        # K/V in the model's own dtype, unless stored as FP8.
+        self.cache = KvvmCache(
+            model.config, slots, max_len, manager=manager, dtype=model.dtype, kv_dtype=kv_dtype, kv_scales=kv_scales,
+        )
         plan = self.cache.plan
         handle_windows = max(1, prefix_handle_tokens // plan.mapped_tokens(1))
         self.prefix_cache = (
