@@ -326,6 +326,8 @@ def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
             assert (got - want).abs().max().item() < 1e-4, splits
             wrong = decode_attention(q, k, v, bounds, 1 / math.sqrt(D), splits, kv_scales=scales.flip(0))
             assert (wrong - want).abs().max().item() > 1e-2, splits
+        got = attend(q, k, v, bounds, kernel="triton", kv_scales=scales)
+        assert (got - want).abs().max().item() < 1e-4
         # Fused: the step's token written by the kernel (quantized) and attended as stored.
         kn = torch.randn(B, 1, Hk, D).transpose(1, 2) * 3
         vn = torch.randn(B, 1, Hk, D).transpose(1, 2)

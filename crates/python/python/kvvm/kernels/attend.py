@@ -44,6 +44,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -250,7 +251,7 @@ def _triton(
     )
 
 
-_KERNEL_FNS = {"sdpa": _sdpa, "flash": _flash, "triton": _triton}
+_KERNEL_FNS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa, "flash": _flash, "triton": _triton}
 
 
 def _run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
@@ -259,7 +260,7 @@ def _run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: to
     name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap, kv_scales is not None)
     if name == "triton" and query.shape[2] != 1:
         raise ValueError("the triton kernel takes one query token per request")
-    return _KERNEL_FNS[name](query, key, value, bounds.to(torch.int32), scale, window, softcap, kv_scales)
+    return _KERNEL_FNS[name](query, key, value, bounds.to(torch.int32), scale, window, softcap, kv_scales=kv_scales)
 
 
 def _check_fp8(key: torch.Tensor, kv_scales: torch.Tensor | None) -> None:

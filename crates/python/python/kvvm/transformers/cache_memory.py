@@ -129,7 +129,7 @@ class CacheMemory:
             self.kv_scales = make_scales(geometry.layers, geometry.kv_heads, kv_scales, self._slab.device)
         #: Each layer's ``[2, kv_heads]`` scales (views of :attr:`kv_scales`), as a step's mask
         #: hands them to attention.
-        self._layer_scales = None if self.kv_scales is None else list(self.kv_scales.unbind(0))
+        self._layer_scales: list[torch.Tensor] | None = None if self.kv_scales is None else list(self.kv_scales.unbind(0))
         self.state: SlotState = SlotState(
             self.batch, self.plan, self._slab.device, more=[(g.batch, g.plan) for g in self.groups[1:]]
         )
