@@ -136,7 +136,9 @@ def quantize(x, scale, dtype, FP8: tl.constexpr):
     finite value (448) and rounded to ``dtype`` (the cache's element type); ``x`` itself for
     any other cache."""
     if FP8:
-        return tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0).to(dtype)
+        # Division rounded as IEEE's (``/`` may be approximate on a GPU): the same codes as
+        # :func:`kvvm.kernels.fp8.quantize`.
+        return tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0).to(dtype)
     return x
 
 
