@@ -127,6 +127,8 @@ class CacheMemory:
         self.kv_scales: torch.Tensor | None = None
         if self._torch_dtype == E4M3:
             self.kv_scales = make_scales(geometry.layers, geometry.kv_heads, kv_scales, self._slab.device)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.kv_scales)
         #: Each layer's ``[2, kv_heads]`` scales (views of :attr:`kv_scales`), as a step's mask
         #: hands them to attention.
         self._layer_scales: list[torch.Tensor] | None = None if self.kv_scales is None else list(self.kv_scales.unbind(0))
