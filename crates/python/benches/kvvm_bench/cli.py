@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "kvcached-worker":
         return bench_kvcached.worker(args)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
-        print("python -m kvvm_bench needs a CUDA GPU (serve, http, sampling, shapes, sliding, cascade and swap also run with --device cpu)",
+        print("python -m kvvm_bench needs a CUDA GPU (serve, http, sampling, shapes, sliding, cascade, fp8 and swap also run with --device cpu)",
               file=sys.stderr)
         return 2
     if args.cmd == "prefix":
