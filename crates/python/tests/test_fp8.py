@@ -373,3 +373,63 @@ def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "fp8 kernels ok" in r.stdout, r.stderr[-3000:]
+
+
+# ---- a prefix shared across processes ----
+
+
+@needs_host
+def test_an_fp8_prefix_published_through_the_broker_is_read_with_its_scales_by_another_process(tmp_path) -> None:
+    """This process builds an FP8 prefix with scales of its own and publishes it; another
+    process opens it with those scales and decodes after it the tokens this process decodes
+    after it (the same bytes read with the same scales), and serves the prompts through an
+    engine whose prefix cache holds it. An engine of other scales refuses the prefix."""
+    import model_matrix as mm
+    from kvvm.engine import Engine
+    from model_checks import MiB, Peer, greedy_after_prefix, run_broker
+
+    arch = mm.BY_NAME["qwen2.5-0.5b"]
+    model = mm.build_model(arch)
+    use_kvvm_attention(model)
+    system, tails = mm.tokens(300, 300), [mm.tokens(40, 301 + i) for i in range(3)]
+    scales = [0.05, 0.04]
+    broker = run_broker(tmp_path / "broker.sock")
+    socket = next(broker)
+    peer = Peer()
+    try:
+        mgr = kvvm.Manager("host", broker=str(socket), tenant="t", lease_batch_bytes=4 * MiB)
+        built = KvvmPrefix.build(
+            model, torch.tensor([system]), manager=mgr, max_cache_len=512, kv_dtype="fp8_e4m3", kv_scales=scales
+        )
+        assert built.publish("fp8-system") == built.bytes > 0
+        cache = KvvmCache.from_prefix(built, len(tails), 512)
+        here = greedy_after_prefix(model, cache, [system[built.tokens :] + t for t in tails], built.tokens, 8)
+        cache.release()
+        with pytest.raises(kvvm.InvalidArgumentError, match="kv_scales"):
+            engine = Engine(
+                mm.build_model(arch), slots=2, max_len=512, manager=mgr, prefix_cache_bytes=16 * MiB,
+                compile=False, kv_dtype="fp8_e4m3",
+            )
+            try:
+                engine.add_prefix(system, built)
+            finally:
+                engine.close()
+        reply = peer.request(
+            {
+                "arch": arch.name, "seed": 0, "socket": str(socket), "tenant": "t", "key": "fp8-system",
+                "max_len": 512, "backend": "host", "device": "cpu", "prefix": system, "tails": tails,
+                "engine_tails": tails, "new_tokens": 8, "kv_dtype": "fp8_e4m3", "kv_scales": scales,
+            }
+        )
+        assert "error" not in reply, reply.get("error")
+        assert reply["opened_tokens"] == built.tokens and reply["attach"] == here
+        assert all(h > 0 for h in reply["hits"])
+        agree = sum(a == b for x, y in zip(reply["engine"], here, strict=True) for a, b in zip(x, y, strict=True))
+        assert agree >= 0.9 * 8 * len(tails), (reply["engine"], here)
+        assert built.cache is not None
+        built.cache.release()
+        del built
+        assert mgr.close_prefix("fp8-system") == 0
+    finally:
+        peer.close()
+        broker.close()

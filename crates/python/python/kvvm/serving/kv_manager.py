@@ -28,6 +28,7 @@ import torch
 from .. import Manager, PrefixCache, SharedPrefix
 from ..bindings import decoder_config
 from ..errors import InvalidArgumentError, KvvmError, NeverFitsError
+from ..kernels.fp8 import make_scales
 from ..transformers.cache import KvvmCache
 from ..transformers.cache_groups import refuse_sliding_prefix_cache
 from ..transformers.prefix import KvvmPrefix
@@ -182,12 +183,28 @@ class KvManager:
         :meth:`~kvvm.serving.engine.Engine.add_prefix`); returns the tokens inserted."""
         if self.prefix_cache is None:
             raise InvalidArgumentError("the engine has no prefix cache (prefix_cache_bytes=0)")
+        if isinstance(prefix, KvvmPrefix):
+            self._check_scales(prefix)
         shared = prefix.shared if isinstance(prefix, KvvmPrefix) else prefix
         n = shared.tokens
         if len(token_ids) < n:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for a prefix of {n} shared tokens")
         self.prefix_cache.insert(list(token_ids[:n]), [shared])
         return n
+
+    def _check_scales(self, prefix: KvvmPrefix) -> None:
+        """An FP8 prefix's tokens are read with the engine's scales: they must be the ones
+        they were written with (a ``SharedPrefix`` carries none: the caller answers for it)."""
+        mine = self.cache.kv_scales
+        if mine is None or prefix.plan.geometry.dtype != "fp8":
+            return
+        g = self.cache.geometry
+        theirs = make_scales(g.layers, g.kv_heads, prefix.kv_scales, mine.device)
+        if not torch.equal(theirs, mine):
+            raise InvalidArgumentError(
+                "the FP8 prefix was written with other kv_scales than this engine's: its tokens would be "
+                "read with the wrong scales (open it with the publisher's kv_scales, and make the engine with them)"
+            )
 
     def clear_prefixes(self) -> None:
         """Empties the prefix cache (its published prefixes' memory goes back)."""
