@@ -53,6 +53,8 @@ def serve(cmd: dict[str, Any]) -> dict[str, Any]:
     attach = greedy_after_prefix(model, cache, [prefix[n:] + t for t in cmd["tails"]], n, new_tokens)
     cache.release()
     served: dict[str, Any] = {}
+    if kv:
+        served["probe_logits"] = probe_logits(model, opened, prefix, cmd["tails"], max_len)
     try:
         engine = Engine(
             engine_model, slots=len(cmd["engine_tails"]), max_len=max_len, manager=mgr,
@@ -83,6 +85,25 @@ def serve(cmd: dict[str, Any]) -> dict[str, Any]:
         "after_trim": snapshot_dict(mgr.snapshot()),
         "device": str(torch.device(cmd["device"])),
     }
+
+
+def probe_logits(model: Any, opened: Any, prefix: list[int], tails: list[list[int]], max_len: int) -> list[list[float]]:
+    """The last logits of each request's prefill after ``opened`` (a cache of its own):
+    what an FP8 prefix read with the right scales gives, to the last bits."""
+    import torch
+
+    from kvvm.transformers import KvvmCache
+
+    n = opened.tokens
+    cache = KvvmCache.from_prefix(opened, len(tails), max_len)
+    ids = torch.tensor([prefix[n:] + t for t in tails])
+    pos = torch.arange(n, n + ids.shape[1])[None].expand(len(tails), -1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+    out: list[list[float]] = logits.tolist()
+    del logits
+    cache.release()
+    return out
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -378,23 +380,31 @@ def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
 # ---- a prefix shared across processes ----
 
 
+@pytest.fixture
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A broker of 1 GiB, tenant ``t`` (a short socket path: a Unix socket's is bounded)."""
+    from model_checks import run_broker
+
+    yield from run_broker(tmp_path_factory.mktemp("fp8") / "broker.sock", "--budget-bytes", "1GiB", "--tenant", "t")
+
+
 @needs_host
-def test_an_fp8_prefix_published_through_the_broker_is_read_with_its_scales_by_another_process(tmp_path) -> None:
+def test_an_fp8_prefix_published_through_the_broker_is_read_with_its_scales_by_another_process(broker: Path) -> None:
     """This process builds an FP8 prefix with scales of its own and publishes it; another
     process opens it with those scales and decodes after it the tokens this process decodes
     after it (the same bytes read with the same scales), and serves the prompts through an
     engine whose prefix cache holds it. An engine of other scales refuses the prefix."""
     import model_matrix as mm
     from kvvm.engine import Engine
-    from model_checks import MiB, Peer, greedy_after_prefix, run_broker
+    from model_checks import MiB, Peer, greedy_after_prefix
+    from model_peer import probe_logits
 
     arch = mm.BY_NAME["qwen2.5-0.5b"]
     model = mm.build_model(arch)
     use_kvvm_attention(model)
     system, tails = mm.tokens(300, 300), [mm.tokens(40, 301 + i) for i in range(3)]
     scales = [0.05, 0.04]
-    broker = run_broker(tmp_path / "broker.sock")
-    socket = next(broker)
+    socket = broker
     peer = Peer()
     try:
         mgr = kvvm.Manager("host", broker=str(socket), tenant="t", lease_batch_bytes=4 * MiB)
@@ -405,6 +415,12 @@ def test_an_fp8_prefix_published_through_the_broker_is_read_with_its_scales_by_a
         cache = KvvmCache.from_prefix(built, len(tails), 512)
         here = greedy_after_prefix(model, cache, [system[built.tokens :] + t for t in tails], built.tokens, 8)
         cache.release()
+        own = built.kv_scales
+        probes = {}
+        for name, kv_scales in (("own", own), ("default", None)):
+            built.kv_scales = kv_scales  # read with its own scales, then with the default ones
+            probes[name] = torch.tensor(probe_logits(model, built, system, tails, 512))
+        built.kv_scales = own
         with pytest.raises(kvvm.InvalidArgumentError, match="kv_scales"):
             engine = Engine(
                 mm.build_model(arch), slots=2, max_len=512, manager=mgr, prefix_cache_bytes=16 * MiB,
@@ -423,6 +439,11 @@ def test_an_fp8_prefix_published_through_the_broker_is_read_with_its_scales_by_a
         )
         assert "error" not in reply, reply.get("error")
         assert reply["opened_tokens"] == built.tokens and reply["attach"] == here
+        # The other process read the prefix as this one does with its scales (up to the
+        # order of a sum its threads take); with the default scales the logits move.
+        theirs = torch.tensor(reply["probe_logits"])
+        assert (theirs - probes["own"]).abs().max().item() < 1e-5
+        assert (theirs - probes["default"]).abs().max().item() > 1e-2
         assert all(h > 0 for h in reply["hits"])
         agree = sum(a == b for x, y in zip(reply["engine"], here, strict=True) for a, b in zip(x, y, strict=True))
         assert agree >= 0.9 * 8 * len(tails), (reply["engine"], here)
@@ -432,4 +453,3 @@ def test_an_fp8_prefix_published_through_the_broker_is_read_with_its_scales_by_a
         assert mgr.close_prefix("fp8-system") == 0
     finally:
         peer.close()
-        broker.close()

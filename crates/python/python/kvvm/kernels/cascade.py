@@ -249,6 +249,8 @@ def cascade_attention(
         raise ValueError(f"cascade tables for a batch of {shared.shape[0]}, queries for {batch}")
     c = config if isinstance(config, Config) else Config(config)
     kv_heads = key.shape[1]
+    if kv_scales is not None:
+        kv_scales = kv_scales.to(torch.float32).contiguous()
     group = heads // kv_heads
     total = c.splits + prefix_splits
     out, acc, lse = buffers(query, total)

@@ -89,7 +89,7 @@ def make_scales(
     if kv_scales is None:
         kv_scales = (1.0, 1.0)
     if isinstance(kv_scales, torch.Tensor):
-        scales = kv_scales.detach().to(device=device, dtype=torch.float32).clone()
+        scales = kv_scales.detach().to(device=device, dtype=torch.float32).clone().contiguous()
         if tuple(scales.shape) != (layers, 2, kv_heads):
             raise InvalidArgumentError(
                 f"kv_scales of shape {tuple(scales.shape)}; the cache needs [layers, 2, kv_heads] = "

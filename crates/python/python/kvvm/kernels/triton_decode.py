@@ -218,6 +218,9 @@ def run_partial(
     token quantized as it is written."""
     fused = new is not None
     cascade = shared is not None
+    if kv_scales is not None:
+        # Read as [2, kv_heads] fp32 rows (a no-op for a cache's own scales).
+        kv_scales = kv_scales.to(torch.float32).contiguous()
     kn, vn, ws, wt = _new_rows(new, bounds)
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
