@@ -13,7 +13,9 @@ step's new K/V written into the batch's memory, then :func:`attend`, as one cust
 memory is never copied by the compiler. The kernels are chosen at run time, on the tensors'
 device:
 
-- ``"triton"`` (CUDA, one query token): split-KV decode attention (:mod:`kvvm.kernels.triton_decode`);
+- ``"triton"`` (CUDA): split-KV decode attention for one query token
+  (:mod:`kvvm.kernels.triton_decode`), a causal block kernel for several
+  (:mod:`kvvm.kernels.triton_prefill`);
 - ``"flash"`` (CUDA): PyTorch's FlashAttention varlen kernel with ``seqused_k`` over the
   slots seen as one packed sequence (causal, aligned to each request's end, for several
   query tokens; one call per class of slots where a slot is not a whole number of tokens);
@@ -36,7 +38,8 @@ A cache in FP8 (:mod:`kvvm.kernels.fp8`) passes its layer's scales (``kv_scales`
 new K/V are quantized as they are written (inside the Triton kernel, which writes them), and
 each kernel dequantizes what it reads (Triton: each block widened as it is loaded, the scales
 folded into the softmax scale and the output; ``"sdpa"``: one request's tokens at a time).
-FlashAttention takes no FP8: ``"auto"`` picks ``"sdpa"`` for several query tokens then.
+FlashAttention takes no FP8: on CUDA ``"auto"`` picks ``"triton"`` for several query tokens
+then (the prefill kernel).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def kernel_for(
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; one of {KERNELS}")
     if fp8 and kernel == "flash":
-        raise ValueError("the flash kernel takes no FP8 K/V; use 'triton' (one query token), 'sdpa' or 'auto'")
+        raise ValueError("the flash kernel takes no FP8 K/V; use 'triton', 'sdpa' or 'auto'")
     if device.type != "cuda":
         if q_tokens == 1 and kernel in ("auto", "triton") and _interpreted():
             return "triton"
@@ -79,7 +82,7 @@ def kernel_for(
         raise ValueError("the flash kernel has no attention-logit soft cap; use 'sdpa' or 'auto'")
     if kernel != "auto":
         return kernel
-    if q_tokens == 1 and _has_triton():
+    if (q_tokens == 1 or fp8) and _has_triton():
         return "triton"
     return "flash" if dtype in (torch.float16, torch.bfloat16) and not softcap and not fp8 else "sdpa"
 
@@ -239,6 +242,10 @@ def _triton(
 ) -> torch.Tensor:
     from .triton_decode import decode_attention, tuned_config
 
+    if query.shape[2] > 1:
+        from .triton_prefill import prefill_attention
+
+        return prefill_attention(query, key, value, bounds, scale, window=window, softcap=softcap, kv_scales=kv_scales)
     config = tuned_config(query, key, value, bounds, scale, multiprocessors(query.device), new, kv_scales)
     if cascade is not None and not window:
         from .cascade import cascade_attention
@@ -258,8 +265,6 @@ def _run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: to
          scale: float, kernel: str, window: int = 0, softcap: float = 0.0,
          kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap, kv_scales is not None)
-    if name == "triton" and query.shape[2] != 1:
-        raise ValueError("the triton kernel takes one query token per request")
     return _KERNEL_FNS[name](query, key, value, bounds.to(torch.int32), scale, window, softcap, kv_scales=kv_scales)
 
 
@@ -299,7 +304,7 @@ def _write_attend(
     key, value = slab_kv(slab, layout)
     _check_fp8(key, kv_scales)
     name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap, kv_scales is not None)
-    if name == "triton":
+    if name == "triton" and query.shape[2] == 1:
         # One kernel writes the token and attends (the token read from registers).
         cascade = None if shared is None or groups is None or members is None else (shared, groups, members, prefix_splits)
         return _triton(
