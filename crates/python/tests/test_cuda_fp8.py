@@ -95,6 +95,32 @@ def test_the_cascade_over_fp8_matches_the_reference() -> None:
     assert (got - want).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("window", [0, 300])
+def test_the_prefill_kernel_matches_the_reference(fp8: bool, window: int) -> None:
+    """Several query tokens per request (a prefill chunk at the end of each range), bf16
+    queries, K/V in bf16 or FP8: what ``"auto"`` runs for an FP8 cache's prefill on CUDA."""
+    from kvvm.kernels.triton_prefill import prefill_attention
+
+    torch.manual_seed(3)
+    B, H, Hk, T, D, Q = 4, 32, 8, 2000, 128, 512
+    scales = torch.rand(2, Hk, device="cuda") + 0.25
+    if fp8:
+        k, v = _fp8_kv(B + 1, Hk, T, D, scales)
+    else:
+        k = torch.randn(B + 1, Hk, T, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B + 1, Hk, T, D, device="cuda", dtype=torch.bfloat16)
+    sc = scales if fp8 else None
+    q = torch.randn(B, H, Q, D, device="cuda", dtype=torch.bfloat16)
+    bounds = torch.tensor([[1, 0, 2000], [0, 0, 512], [3, 100, 1400], [2, 1000, 1600]], dtype=torch.int32, device="cuda")
+    want = attend(q.float(), k if fp8 else k.float(), v if fp8 else v.float(), bounds, kernel="sdpa", window=window,
+                  kv_scales=sc).float()
+    got = prefill_attention(q, k, v, bounds, 1 / math.sqrt(D), window=window, kv_scales=sc).float()
+    assert (got - want).abs().max().item() < 3e-2
+    if fp8:
+        assert (attend(q, k, v, bounds, kv_scales=sc, window=window).float() - got).abs().max().item() == 0.0
+
+
 def _model() -> object:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(

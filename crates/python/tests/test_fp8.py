@@ -6,6 +6,7 @@ kernels' FP8 logic in Triton's interpreter against the per-request SDPA referenc
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -77,6 +78,10 @@ def test_scales_and_formats_are_checked() -> None:
             kv_storage(e5m2, None)
     with pytest.raises(ValueError, match="FP8"):
         kernel_for(torch.device("cpu"), 4, "flash", fp8=True)
+    if importlib.util.find_spec("triton") is not None:
+        # On CUDA an FP8 prefill runs the Triton prefill kernel, a bf16 one FlashAttention.
+        assert kernel_for(torch.device("cuda"), 4, fp8=True) == "triton"
+        assert kernel_for(torch.device("cuda"), 4) == "flash"
 
 
 def test_attention_over_fp8_kv_reads_the_scales() -> None:
@@ -304,9 +309,9 @@ def test_the_engine_decodes_in_fp8() -> None:
 
 def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
     """The decode kernel over FP8 K/V (every split count) and its fused write (the new token
-    stored as the reference quantizes it, attended as stored), and the cascade's prefix pass
-    over FP8, against the per-request SDPA reference, in Triton's interpreter (a process of
-    its own: Triton reads ``TRITON_INTERPRET`` once)."""
+    stored as the reference quantizes it, attended as stored), the cascade's prefix pass over
+    FP8 and the prefill kernel (fp32 and FP8 K/V), against the per-request SDPA reference, in
+    Triton's interpreter (a process of its own: Triton reads ``TRITON_INTERPRET`` once)."""
     pytest.importorskip("triton", reason="skipped: no triton")
     code = textwrap.dedent(
         """
@@ -369,6 +374,19 @@ def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
         want = attend(q, k3, v3, bounds, kernel="sdpa", kv_scales=scales)
         got = cascade_attention(q, k3, v3, bounds, 1 / math.sqrt(D), 2, tables.tables, kv_scales=scales)
         assert (got - want).abs().max().item() < 1e-4
+        # The prefill kernel (several query tokens): fp32 and FP8 K/V, a window, a soft cap.
+        from kvvm.kernels.triton_prefill import prefill_attention
+        kf, vf = torch.randn(B + 1, Hk, T, D), torch.randn(B + 1, Hk, T, D)
+        k8, v8 = quantize(kf, scales[0]), quantize(vf, scales[1])
+        qp = torch.randn(B, H, 70, D)
+        bounds = torch.tensor([[1, 0, 150], [0, 7, 100], [2, 60, 140]], dtype=torch.int32)
+        for window, softcap in ((0, 0.0), (40, 0.0), (0, 5.0)):
+            for kk, vv, sc in ((kf, vf, None), (k8, v8, scales)):
+                want = attend(qp, kk, vv, bounds, kernel="sdpa", window=window, softcap=softcap, kv_scales=sc)
+                got = prefill_attention(qp, kk, vv, bounds, 1 / math.sqrt(D), window=window, softcap=softcap, kv_scales=sc)
+                assert (got - want).abs().max().item() < 1e-4, (window, softcap, sc is not None)
+        wrong = prefill_attention(qp, k8, v8, bounds, 1 / math.sqrt(D), kv_scales=scales.flip(0))
+        assert (wrong - attend(qp, k8, v8, bounds, kernel="sdpa", kv_scales=scales)).abs().max().item() > 1e-2
         print("fp8 kernels ok")
         """
     )
