@@ -23,7 +23,7 @@ device:
   the host (the CPU kernel; on a GPU eager only, a reference).
 
 ``"auto"`` picks ``"triton"`` for one query token on CUDA, ``"flash"`` for more (``"sdpa"``
-for fp32), ``"sdpa"`` on CPU; under Triton's interpreter (``TRITON_INTERPRET=1``) the CPU runs
+for fp32; ``"triton"`` for an FP8 cache), ``"sdpa"`` on CPU; under Triton's interpreter (``TRITON_INTERPRET=1``) the CPU runs
 ``"triton"`` for one query token too, as CUDA would (how the tests check the decode step
 without a GPU). Measured against each other and against FlexAttention in
 ``docs/python.md``.
