@@ -135,11 +135,8 @@ class Engine(EngineControl):
             again: ``"auto"`` (by measured costs), ``"always"`` or ``"never"``.
         swap_costs: the costs ``"auto"`` decides by (:class:`~kvvm.serving.swap.SwapCosts`;
             measured when omitted).
-        kv_dtype: what the cache stores K/V as: None (the model's dtype) or ``"fp8_e4m3"``
-            (FP8 KV: half the bytes of bf16 a token, quantized as written, dequantized inside
-            attention; ``docs/fp8-kv.md``).
-        kv_scales: an FP8 cache's scales, ``(k_scale, v_scale)`` or an fp32 tensor ``[layers,
-            2, kv_heads]`` (default 1), fixed for the engine's life.
+        kv_dtype, kv_scales: the cache's K/V as FP8 (``"fp8_e4m3"``; None: the model's dtype)
+            and its scales, as :class:`~kvvm.transformers.KvvmCache`'s (``docs/fp8-kv.md``).
 
     Raises:
         InvalidArgumentError: an argument of the wrong type or out of range.
