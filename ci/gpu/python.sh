@@ -20,7 +20,9 @@
 # swap-vs-recompute crossover, a prefix host hit against a prefill (--parts prefix) and a
 # memory-pressure trace, `python -m kvvm_bench swap`,
 # arguments in SWAP_ARGS; `bash gpu-bundle/python.sh cascade`: the cascade decode over shared
-# prefixes against the plain step, `python -m kvvm_bench cascade`, arguments in CASCADE_ARGS).
+# prefixes against the plain step, `python -m kvvm_bench cascade`, arguments in CASCADE_ARGS; `bash
+# gpu-bundle/python.sh fp8`: the captured step with FP8 KV against bf16 KV at 64 x 4096, each over
+# its own floor, and their teacher-forced logits compared, `python -m kvvm_bench fp8`, FP8_ARGS).
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
 # to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
@@ -106,6 +108,10 @@ fi
 if [ "$mode" = cascade ]; then
   echo "== python -m kvvm_bench cascade"
   (cd /tmp && timeout "${CASCADE_TIMEOUT:-420}" python3 -m kvvm_bench cascade --json "$out/bench-cascade.json" ${CASCADE_ARGS:-}) > "$out/bench-cascade.out"
+fi
+if [ "$mode" = fp8 ]; then
+  echo "== python -m kvvm_bench fp8"
+  (cd /tmp && timeout "${FP8_TIMEOUT:-420}" python3 -m kvvm_bench fp8 --json "$out/bench-fp8.json" ${FP8_ARGS:-}) > "$out/bench-fp8.out"
 fi
 if [ "$mode" = serve ]; then
   echo "== python -m kvvm_bench serve"

@@ -14,7 +14,11 @@ pub enum KvDtype {
     F16,
     /// bfloat16, 2 bytes.
     Bf16,
-    /// An 8-bit float (e4m3 or e5m2), 1 byte.
+    /// An 8-bit float in OCP FP8 E4M3 (`float8_e4m3fn`: 3 mantissa bits, largest finite value
+    /// 448), 1 byte: what a view of the memory is exported as. Its scales live outside the
+    /// cache's memory (they are per layer and KV head, not per token), so a token's bytes are
+    /// its elements' only. E5M2 is not a kvvm dtype: one name for two formats would let a
+    /// prefix written in one be read in the other.
     Fp8,
     /// IEEE single precision, 4 bytes.
     F32,
@@ -53,12 +57,13 @@ impl fmt::Display for KvDtype {
 impl FromStr for KvDtype {
     type Err = KvError;
 
-    /// Parses `fp16`/`f16`/`half`, `bf16`, `fp8`/`f8`, `fp32`/`f32`/`float` (ASCII case-insensitive).
+    /// Parses `fp16`/`f16`/`half`, `bf16`, `fp8`/`f8`/`fp8e4m3`/`fp8_e4m3`, `fp32`/`f32`/`float`
+    /// (ASCII case-insensitive); `fp8e5m2` is refused (see [`KvDtype::Fp8`]).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.to_ascii_lowercase().as_str() {
             "fp16" | "f16" | "half" => Ok(KvDtype::F16),
             "bf16" => Ok(KvDtype::Bf16),
-            "fp8" | "f8" | "fp8e4m3" | "fp8e5m2" => Ok(KvDtype::Fp8),
+            "fp8" | "f8" | "fp8e4m3" | "fp8_e4m3" => Ok(KvDtype::Fp8),
             "fp32" | "f32" | "float" => Ok(KvDtype::F32),
             _ => Err(KvError::UnknownDtype { name: s.to_owned() }),
         }
@@ -424,6 +429,14 @@ mod tests {
             "int3".parse::<KvDtype>(),
             Err(KvError::UnknownDtype { .. })
         ));
+        assert_eq!("FP8_E4M3".parse::<KvDtype>().unwrap(), KvDtype::Fp8);
+        // One 8-bit format: e5m2 bytes would be read as e4m3.
+        for e5m2 in ["fp8e5m2", "fp8_e5m2"] {
+            assert!(matches!(
+                e5m2.parse::<KvDtype>(),
+                Err(KvError::UnknownDtype { .. })
+            ));
+        }
         for d in KvDtype::ALL {
             assert_eq!(d.as_str().parse::<KvDtype>().unwrap(), d);
         }

@@ -7,7 +7,9 @@ tokens, the hits and what its manager holds afterwards.
 
 Request fields: ``arch``, ``seed``, ``socket``, ``tenant``, ``key``, ``max_len``,
 ``backend``, ``device``, ``prefix`` (the prefix's token ids), ``tails`` (each request's own
-tokens after it; one length), ``engine_tails`` (the engine's requests' tails), ``new_tokens``.
+tokens after it; one length), ``engine_tails`` (the engine's requests' tails), ``new_tokens``;
+optionally ``kv_dtype`` and ``kv_scales`` (an FP8 prefix: opened, decoded and served with
+them, the model attending with the kvvm attention).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def serve(cmd: dict[str, Any]) -> dict[str, Any]:
     import kvvm
     import model_matrix
     from kvvm.engine import Engine
-    from kvvm.transformers import KvvmCache
+    from kvvm.transformers import KvvmCache, use_kvvm_attention
     from kvvm.prefix import KvvmPrefix
     from model_checks import greedy_after_prefix, snapshot_dict
 
@@ -38,17 +40,25 @@ def serve(cmd: dict[str, Any]) -> dict[str, Any]:
     prefix: list[int] = cmd["prefix"]
     new_tokens = int(cmd["new_tokens"])
     mgr = kvvm.Manager(cmd["backend"], broker=cmd["socket"], tenant=cmd["tenant"], lease_batch_bytes=4 * MiB)
-    opened = KvvmPrefix.open(model, cmd["key"], manager=mgr, max_cache_len=max_len)
+    kv = {k: cmd[k] for k in ("kv_dtype", "kv_scales") if cmd.get(k) is not None}
+    # The engine's own copy, made before the kvvm attention is switched on here (it switches
+    # its model itself).
+    engine_model = copy.deepcopy(model)
+    if kv:
+        use_kvvm_attention(model)
+    opened = KvvmPrefix.open(model, cmd["key"], manager=mgr, max_cache_len=max_len, **kv)
     n = opened.tokens
     cache = KvvmCache.from_prefix(opened, len(cmd["tails"]), max_len)
     billed = mgr.snapshot().shared
     attach = greedy_after_prefix(model, cache, [prefix[n:] + t for t in cmd["tails"]], n, new_tokens)
     cache.release()
     served: dict[str, Any] = {}
+    if kv:
+        served["probe_logits"] = probe_logits(model, opened, prefix, cmd["tails"], max_len)
     try:
         engine = Engine(
-            copy.deepcopy(model), slots=len(cmd["engine_tails"]), max_len=max_len, manager=mgr,
-            prefill_chunk=64, prefix_cache_bytes=64 * MiB, prefix_handle_tokens=1, compile=False,
+            engine_model, slots=len(cmd["engine_tails"]), max_len=max_len, manager=mgr,
+            prefill_chunk=64, prefix_cache_bytes=64 * MiB, prefix_handle_tokens=1, compile=False, **kv,
         )
     except kvvm.InvalidArgumentError as refused:
         # A sliding model: its engine's prefix cache is refused, with the reason.
@@ -75,6 +85,25 @@ def serve(cmd: dict[str, Any]) -> dict[str, Any]:
         "after_trim": snapshot_dict(mgr.snapshot()),
         "device": str(torch.device(cmd["device"])),
     }
+
+
+def probe_logits(model: Any, opened: Any, prefix: list[int], tails: list[list[int]], max_len: int) -> list[list[float]]:
+    """The last logits of each request's prefill after ``opened`` (a cache of its own):
+    what an FP8 prefix read with the right scales gives, to the last bits."""
+    import torch
+
+    from kvvm.transformers import KvvmCache
+
+    n = opened.tokens
+    cache = KvvmCache.from_prefix(opened, len(tails), max_len)
+    ids = torch.tensor([prefix[n:] + t for t in tails])
+    pos = torch.arange(n, n + ids.shape[1])[None].expand(len(tails), -1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+    out: list[list[float]] = logits.tolist()
+    del logits
+    cache.release()
+    return out
 
 
 def main() -> None:

@@ -285,3 +285,29 @@ def test_swap_bench_runs_tiny_on_the_host_backend(tmp_path: Path) -> None:
     assert swap["preemptions"] > 0
     s = swap["swaps"]
     assert s["swapped_out"] > 0 and s["swapped_in"] == s["swapped_out"] and s["fallbacks"] == 0
+
+
+def test_fp8_bench_compares_the_logits_on_the_cpu_untimed(tmp_path: Path) -> None:
+    """``python -m kvvm_bench fp8 --tiny --device cpu``: the bf16-then-FP8 run's eager steps on a
+    CPU (an fp32 model: its cache against FP8), nothing timed: a quarter of the bytes a token,
+    four times the tokens in a budget, FP8's teacher-forced logits near the reference's."""
+    pytest.importorskip("transformers", reason="skipped: no transformers")
+    if not host_available():
+        pytest.skip("skipped: no host backend here")
+    out = tmp_path / "fp8.json"
+    benches = str(Path(__file__).resolve().parents[1] / "benches")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [benches, os.environ.get("PYTHONPATH")])))
+    argv = [
+        "fp8", "--tiny", "--device", "cpu", "--backend", "host", "--batch", "3", "--prompt", "40",
+        "--check-steps", "4", "--budget-gib", "1", "--json", str(out),
+    ]
+    r = subprocess.run([sys.executable, "-m", "kvvm_bench", *argv], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    ref, fp8 = report["runs"]
+    assert (ref["kv_dtype"], fp8["kv_dtype"]) == ("fp32", "fp8")
+    assert ref["bytes_per_token"] == 4 * fp8["bytes_per_token"]
+    assert report["budget_tokens_ratio"] >= 3.8 and "step_p50_ms" not in fp8
+    acc = report["accuracy"]
+    assert 0 < acc["mean_abs_logit_diff"] < 0.1 * acc["logit_std_reference"] + 0.05, acc
+    assert acc["argmax_checked"] > 0 and acc["argmax_agree_fraction"] >= 0.75, acc

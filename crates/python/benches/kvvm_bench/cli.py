@@ -23,7 +23,9 @@ Gemma-3-shaped model to 32k tokens with KvvmCache and DynamicCache (:mod:`kvvm_b
 GQA ratio and dtype (:mod:`kvvm_bench.shapes`); ``python -m kvvm_bench http`` replays a trace
 through the engine directly and through its OpenAI-compatible server (:mod:`kvvm_bench.http_serve`);
 ``python -m kvvm_bench sampling`` times the engine's step with sampling on against greedy
-(:mod:`kvvm_bench.sampling_step`); ``python -m kvvm_bench swap`` measures the host
+(:mod:`kvvm_bench.sampling_step`); ``python -m kvvm_bench fp8`` times the captured step with
+FP8 KV against bf16 KV, each over its own floor, with their logits compared
+(:mod:`kvvm_bench.fp8`); ``python -m kvvm_bench swap`` measures the host
 tier: copy bandwidth against a plain pinned copy, decode while swapping, the swap-vs-recompute
 crossover and a memory-pressure trace (:mod:`kvvm_bench.swap`).
 
@@ -335,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvvm_bench import cascade as bench_cascade
 
     bench_cascade.add_args(sub.add_parser("cascade", help="the cascade decode over shared prefixes against the plain one"))
+    from kvvm_bench import fp8 as bench_fp8
+
+    bench_fp8.add_args(sub.add_parser("fp8", help="the captured decode step with FP8 KV against bf16 KV: floors, accuracy"))
     from kvvm_bench import swap as bench_swap
 
     bench_swap.add_args(sub.add_parser("swap", help="the host tier: copy bandwidth, decode while swapping, crossover, a trace"))
@@ -349,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "kvcached-worker":
         return bench_kvcached.worker(args)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
-        print("python -m kvvm_bench needs a CUDA GPU (serve, http, sampling, shapes, sliding, cascade and swap also run with --device cpu)",
+        print("python -m kvvm_bench needs a CUDA GPU (serve, http, sampling, shapes, sliding, cascade, fp8 and swap also run with --device cpu)",
               file=sys.stderr)
         return 2
     if args.cmd == "prefix":
@@ -369,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         report = bench_shapes.run_shapes_bench(args)  # writes --json after every shape
     elif args.cmd == "cascade":
         report = bench_cascade.run_cascade_bench(args)  # writes --json after every group count
+    elif args.cmd == "fp8":
+        report = bench_fp8.run_fp8_bench(args)  # writes --json after each cache
     elif args.cmd == "swap":
         report = bench_swap.run_swap_bench(args)  # writes --json after every part
     elif args.cmd == "http":

@@ -16,6 +16,7 @@ _DTYPE_NAMES = {
     "torch.float16": "fp16",
     "torch.float32": "fp32",
     "torch.float8_e4m3fn": "fp8",
+    "fp8_e4m3": "fp8",
     "bfloat16": "bf16",
     "float16": "fp16",
     "float32": "fp32",

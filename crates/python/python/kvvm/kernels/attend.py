@@ -13,7 +13,9 @@ step's new K/V written into the batch's memory, then :func:`attend`, as one cust
 memory is never copied by the compiler. The kernels are chosen at run time, on the tensors'
 device:
 
-- ``"triton"`` (CUDA, one query token): split-KV decode attention (:mod:`kvvm.kernels.triton_decode`);
+- ``"triton"`` (CUDA): split-KV decode attention for one query token
+  (:mod:`kvvm.kernels.triton_decode`), a causal block kernel for several
+  (:mod:`kvvm.kernels.triton_prefill`);
 - ``"flash"`` (CUDA): PyTorch's FlashAttention varlen kernel with ``seqused_k`` over the
   slots seen as one packed sequence (causal, aligned to each request's end, for several
   query tokens; one call per class of slots where a slot is not a whole number of tokens);
@@ -21,7 +23,7 @@ device:
   the host (the CPU kernel; on a GPU eager only, a reference).
 
 ``"auto"`` picks ``"triton"`` for one query token on CUDA, ``"flash"`` for more (``"sdpa"``
-for fp32), ``"sdpa"`` on CPU; under Triton's interpreter (``TRITON_INTERPRET=1``) the CPU runs
+for fp32; ``"triton"`` for an FP8 cache), ``"sdpa"`` on CPU; under Triton's interpreter (``TRITON_INTERPRET=1``) the CPU runs
 ``"triton"`` for one query token too, as CUDA would (how the tests check the decode step
 without a GPU). Measured against each other and against FlexAttention in
 ``docs/python.md``.
@@ -31,6 +33,13 @@ k <= p``, transformers' convention; 0: all) and reads no token before the window
 attention-logit soft cap (``softcap * tanh(logits / softcap)``, Gemma 2's; 0: none), which
 FlashAttention does not have: with a soft cap ``"auto"`` picks ``"sdpa"`` where it would pick
 ``"flash"``.
+
+A cache in FP8 (:mod:`kvvm.kernels.fp8`) passes its layer's scales (``kv_scales``): the step's
+new K/V are quantized as they are written (inside the Triton kernel, which writes them), and
+each kernel dequantizes what it reads (Triton: each block widened as it is loaded, the scales
+folded into the softmax scale and the output; ``"sdpa"``: one request's tokens at a time).
+FlashAttention takes no FP8: on CUDA ``"auto"`` picks ``"triton"`` for several query tokens
+then (the prefill kernel).
 """
 
 from __future__ import annotations
@@ -38,9 +47,12 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .fp8 import E4M3, dequantize, quantize
 
 if TYPE_CHECKING:
     from .cascade import Tables
@@ -53,12 +65,15 @@ KERNELS = ("auto", "triton", "flash", "sdpa")
 
 def kernel_for(
     device: torch.device, q_tokens: int, kernel: str = "auto", dtype: torch.dtype = torch.bfloat16,
-    softcap: float = 0.0,
+    softcap: float = 0.0, fp8: bool = False,
 ) -> str:
     """The kernel ``kernel`` resolves to for ``q_tokens`` query tokens of ``dtype`` on
-    ``device`` (FlashAttention takes fp16 and bf16 only, and no soft cap)."""
+    ``device`` (FlashAttention takes fp16 and bf16 only, no soft cap and no FP8 K/V: ``fp8``,
+    an FP8 cache, reads several query tokens with ``"sdpa"``)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r}; one of {KERNELS}")
+    if fp8 and kernel == "flash":
+        raise ValueError("the flash kernel takes no FP8 K/V; use 'triton', 'sdpa' or 'auto'")
     if device.type != "cuda":
         if q_tokens == 1 and kernel in ("auto", "triton") and _interpreted():
             return "triton"
@@ -67,9 +82,9 @@ def kernel_for(
         raise ValueError("the flash kernel has no attention-logit soft cap; use 'sdpa' or 'auto'")
     if kernel != "auto":
         return kernel
-    if q_tokens == 1 and _has_triton():
+    if (q_tokens == 1 or fp8) and _has_triton():
         return "triton"
-    return "flash" if dtype in (torch.float16, torch.bfloat16) and not softcap else "sdpa"
+    return "flash" if dtype in (torch.float16, torch.bfloat16) and not softcap and not fp8 else "sdpa"
 
 
 @functools.cache
@@ -106,9 +121,10 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
-          scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+          scale: float, window: int = 0, softcap: float = 0.0, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """One request at a time over its exact tokens (lengths read on the host), from the
-    first token its earliest query's window reaches."""
+    first token its earliest query's window reaches; an FP8 cache's (``kv_scales``) widened
+    one request's tokens at a time."""
     batch, heads, q_len, dim = query.shape
     out = torch.zeros((batch, q_len, heads, dim), dtype=query.dtype, device=query.device)
     for b, (slot, start, end) in enumerate(bounds.tolist()):
@@ -118,6 +134,8 @@ def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: t
             continue
         k = key[slot : slot + 1, :, start:end]
         v = value[slot : slot + 1, :, start:end]
+        if kv_scales is not None:
+            k, v = dequantize(k, kv_scales[0], query.dtype), dequantize(v, kv_scales[1], query.dtype)
         q = query[b : b + 1]
         n = end - start
         mask = None
@@ -168,7 +186,7 @@ def _flash_forward(
 
 
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
-           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+           scale: float, window: int = 0, softcap: float = 0.0, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """FlashAttention varlen over the slots seen as one packed sequence of token rows: token
     ``t`` of slot ``s`` is element ``s * S + t * T`` (``S``, ``T``: the slot and token
     strides), each request reading ``end - start`` rows (``seqused_k``) from its first (with a
@@ -182,6 +200,8 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: 
     on the host); one class, one call, where the slot stride is whole tokens."""
     if softcap:
         raise ValueError("the flash kernel has no attention-logit soft cap")
+    if kv_scales is not None:
+        raise ValueError("the flash kernel takes no FP8 K/V")
     batch, heads, q_len, dim = query.shape
     slot_stride, token_stride = key.stride(0), key.stride(2)
     if (value.stride(0), value.stride(2)) != (slot_stride, token_stride):
@@ -218,27 +238,43 @@ def _triton(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
     window: int = 0, softcap: float = 0.0,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    cascade: Tables | None = None,
+    cascade: Tables | None = None, kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from .triton_decode import decode_attention, tuned_config
 
-    config = tuned_config(query, key, value, bounds, scale, multiprocessors(query.device), new)
+    if query.shape[2] > 1:
+        from .triton_prefill import prefill_attention
+
+        return prefill_attention(query, key, value, bounds, scale, window=window, softcap=softcap, kv_scales=kv_scales)
+    config = tuned_config(query, key, value, bounds, scale, multiprocessors(query.device), new, kv_scales)
     if cascade is not None and not window:
         from .cascade import cascade_attention
 
-        return cascade_attention(query, key, value, bounds, scale, config, cascade, new, softcap=softcap)
-    return decode_attention(query, key, value, bounds, scale, config, new, window=window, softcap=softcap)
+        return cascade_attention(
+            query, key, value, bounds, scale, config, cascade, new, softcap=softcap, kv_scales=kv_scales,
+        )
+    return decode_attention(
+        query, key, value, bounds, scale, config, new, window=window, softcap=softcap, kv_scales=kv_scales,
+    )
 
 
-_KERNEL_FNS = {"sdpa": _sdpa, "flash": _flash, "triton": _triton}
+_KERNEL_FNS: dict[str, Callable[..., torch.Tensor]] = {"sdpa": _sdpa, "flash": _flash, "triton": _triton}
 
 
 def _run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
-         scale: float, kernel: str, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
-    name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap)
-    if name == "triton" and query.shape[2] != 1:
-        raise ValueError("the triton kernel takes one query token per request")
-    return _KERNEL_FNS[name](query, key, value, bounds.to(torch.int32), scale, window, softcap)
+         scale: float, kernel: str, window: int = 0, softcap: float = 0.0,
+         kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap, kv_scales is not None)
+    return _KERNEL_FNS[name](query, key, value, bounds.to(torch.int32), scale, window, softcap, kv_scales=kv_scales)
+
+
+def _check_fp8(key: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    """K/V of an FP8 cache come with their scales, and scales with FP8 K/V only."""
+    if (key.dtype == E4M3) != (kv_scales is not None):
+        raise ValueError(
+            f"K/V of {key.dtype} with{'' if kv_scales is not None else 'out'} kv_scales: an FP8 cache's "
+            "K/V are read with their scales ([2, kv_heads] fp32), any other cache's without"
+        )
 
 
 @torch.library.custom_op("kvvm::write_attend", mutates_args=())
@@ -259,22 +295,28 @@ def _write_attend(
     groups: torch.Tensor | None = None,
     members: torch.Tensor | None = None,
     prefix_splits: int = 0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # ``slab`` is written in place although the schema says it is not: the compiler must not
     # see a mutation of it, or it would copy it whole (functionalization, autotuning clones),
     # reading windows that are not mapped. Nothing else in a graph reads the slab: this op
     # is the only reader and writer of the K/V memory, and it orders its write before its read.
     key, value = slab_kv(slab, layout)
-    name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap)
-    if name == "triton":
+    _check_fp8(key, kv_scales)
+    name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap, kv_scales is not None)
+    if name == "triton" and query.shape[2] == 1:
         # One kernel writes the token and attends (the token read from registers).
         cascade = None if shared is None or groups is None or members is None else (shared, groups, members, prefix_splits)
         return _triton(
             query, key, value, bounds.to(torch.int32), scale, window, softcap, (key_new, value_new, slot, token), cascade,
+            kv_scales,
         )
+    if kv_scales is not None:
+        # Quantized at the write, with the layer's scales (index by index on the head axis).
+        key_new, value_new = quantize(key_new, kv_scales[0]), quantize(value_new, kv_scales[1])
     key[slot, :, token] = key_new.transpose(1, 2)
     value[slot, :, token] = value_new.transpose(1, 2)
-    return _run(query, key, value, bounds, scale, kernel, window, softcap)
+    return _run(query, key, value, bounds, scale, kernel, window, softcap, kv_scales)
 
 
 @_write_attend.register_fake
@@ -310,6 +352,7 @@ def write_attend(
     window: int = 0,
     softcap: float = 0.0,
     cascade: Tables | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes one layer's new K/V of a step into ``slab`` and attends, as one operator
     (``kvvm::write_attend``): what :class:`~kvvm.transformers.KvvmCache` runs per layer with
@@ -330,13 +373,16 @@ def write_attend(
             no window, each group's prefix is read once for all its members
             (:func:`kvvm.kernels.cascade.cascade_attention`); other kernels read every
             request's tokens themselves, as without.
+        kv_scales: the slab is an FP8 cache's (:mod:`kvvm.kernels.fp8`) and these are the
+            layer's scales (fp32 ``[2, kv_heads]``: K's, V's): the new K/V are quantized as
+            they are written, and every kernel dequantizes what it reads.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     shared, groups, members, prefix_splits = (None, None, None, 0) if cascade is None else cascade
     return torch.ops.kvvm.write_attend(
         query, key_new, value_new, slab, slot, token, bounds, layout, float(scale), kernel, int(window),
-        float(softcap), shared, groups, members, int(prefix_splits),
+        float(softcap), shared, groups, members, int(prefix_splits), kv_scales,
     )
 
 
@@ -349,6 +395,7 @@ def attend(
     kernel: str = "auto",
     window: int = 0,
     softcap: float = 0.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each request's last ``q`` tokens over its tokens ``[start, end)``.
 
@@ -365,10 +412,13 @@ def attend(
             < k <= p`` (no token before the earliest query's window is read); 0: all.
         softcap: the attention-logit soft cap (``softcap * tanh(logits / softcap)`` before
             the softmax); 0: none.
+        kv_scales: K and V are an FP8 cache's (``torch.float8_e4m3fn``) of these scales
+            (fp32 ``[2, kv_heads]``, :mod:`kvvm.kernels.fp8`), dequantized as they are read.
 
     Returns:
         ``[batch, q, heads, head_dim]`` (the layout transformers' attention functions return).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    return _run(query, key, value, bounds, float(scale), kernel, int(window), float(softcap))
+    _check_fp8(key, kv_scales)
+    return _run(query, key, value, bounds, float(scale), kernel, int(window), float(softcap), kv_scales)

@@ -40,7 +40,7 @@ from .triton_decode import (
     run_partial,
     upcast,
 )
-from .triton_kernels import fold_tokens, split_range
+from .triton_kernels import fold_tokens, kv_scales, split_range
 
 __all__ = [
     "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "Share", "Tables", "cascade_attention", "choose_prefix_splits",
@@ -165,11 +165,11 @@ def _prefix_kernel(
     stride_vb, stride_vh, stride_vt,
     stride_ab, stride_ah, stride_as,
     stride_lb, stride_lh,
-    sm_scale, softcap, base,
+    sm_scale, softcap, base, Scales, scale_v,
     MEMBERS: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
     GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, PSPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr,
 ):
     # Programs of one group side by side (the first grid axis varies fastest): they read the
     # same blocks at about the same time.
@@ -202,16 +202,18 @@ def _prefix_kernel(
         other=0.0,
     )
     lo, hi = split_range(start, start + n, split, PSPLITS, BLOCK)
+    # An FP8 cache's scales: K's folded into the softmax scale, V's into the output.
+    k_scale, v_scale = kv_scales(Scales, kvh, scale_v, FP8)
     k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
 
     m_i, l_i, acc = fold_tokens(
-        q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale, softcap,
+        q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale * k_scale, softcap,
         TILE * GROUP_POW2, DIM_PAD, BLOCK, PRECISION, CAPPED, UPCAST, LOOP_WHILE,
     )
 
     has = l_i > 0.0
-    out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    out = tl.where(has[:, None], acc * v_scale / tl.where(has, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     column = SPLITS + split
     a_ptr = Acc + member[:, None] * stride_ab + heads[:, None] * stride_ah + column * stride_as + offs_d[None, :]
@@ -230,6 +232,7 @@ def cascade_attention(
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     *,
     softcap: float = 0.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its tokens, the prefixes shared by the
     groups of ``tables`` read once per group.
@@ -237,7 +240,8 @@ def cascade_attention(
     The arguments are :func:`~kvvm.kernels.triton_decode.decode_attention`'s (no sliding
     window: a query that sees only its last tokens shares none of a prefix it has moved past)
     and ``tables``, the step's groups (:attr:`CascadeTables.tables`); ``config`` is the
-    private pass's. Returns ``[batch, 1, heads, head_dim]`` in the query's dtype.
+    private pass's; ``kv_scales``: K and V are an FP8 cache's, of these scales (both passes
+    dequantize as they read). Returns ``[batch, 1, heads, head_dim]`` in the query's dtype.
     """
     batch, heads, _, dim = query.shape
     shared, groups, members, prefix_splits = tables
@@ -245,12 +249,14 @@ def cascade_attention(
         raise ValueError(f"cascade tables for a batch of {shared.shape[0]}, queries for {batch}")
     c = config if isinstance(config, Config) else Config(config)
     kv_heads = key.shape[1]
+    if kv_scales is not None:
+        kv_scales = kv_scales.to(torch.float32).contiguous()
     group = heads // kv_heads
     total = c.splits + prefix_splits
     out, acc, lse = buffers(query, total)
     run_partial(
         query, key, value, bounds, scale, c, new, out, acc, lse, softcap=softcap, shared=shared,
-        prefix_splits=prefix_splits,
+        prefix_splits=prefix_splits, kv_scales=kv_scales,
     )
     tile, tiles = member_tiles(batch, group)
     q = query[:, :, 0]
@@ -262,13 +268,13 @@ def cascade_attention(
         value.stride(0), value.stride(1), value.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2),
         lse.stride(0), lse.stride(1),
-        scale, float(softcap) or 1.0, base,
+        scale, float(softcap) or 1.0, base, groups if kv_scales is None else kv_scales, kv_heads,
         MEMBERS=batch, TILE=tile, TILES=tiles,
         GROUP=group, GROUP_POW2=query_rows(group),
         HEAD_DIM=dim, DIM_PAD=max(16, _pow2_at_least(dim)),
         BLOCK=c.block, SPLITS=c.splits, PSPLITS=prefix_splits, LOOP_WHILE=_INTERPRETED,
         PRECISION=precision(query.dtype), UPCAST=upcast(query.dtype), CAPPED=bool(softcap),
-        num_warps=c.warps, num_stages=c.stages,
+        FP8=kv_scales is not None, num_warps=c.warps, num_stages=c.stages,
     )
     run_merge(acc, lse, out, total)
     return out

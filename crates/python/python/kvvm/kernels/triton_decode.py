@@ -84,6 +84,7 @@ def tuned_config(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
     multiprocessors: int,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> Config:
     """The fastest of a few configurations around :func:`choose_splits`' for this shape,
     measured once on these very inputs (each replayed in a captured graph, as the decode
@@ -91,7 +92,9 @@ def tuned_config(
     heuristic one while a graph is captured or a compiler traces (nothing may be timed
     then), in Triton's interpreter and without :data:`AUTOTUNE`."""
     batch, heads, _, dim = query.shape
-    shape = (batch, heads, key.shape[1], dim, query.dtype, key.shape[2], tuple(key.stride()), multiprocessors)
+    shape = (
+        batch, heads, key.shape[1], dim, query.dtype, key.dtype, key.shape[2], tuple(key.stride()), multiprocessors,
+    )
     found = _TUNED.get(shape)
     if found is not None:
         return found
@@ -108,7 +111,7 @@ def tuned_config(
     timings = []
     for c in sorted(candidates, key=lambda c: (c.splits, c.block, c.warps, c.stages)):
         try:
-            timings.append((_graph_time(query, key, value, bounds, scale, c, new), c))
+            timings.append((_graph_time(query, key, value, bounds, scale, c, new, kv_scales), c))
         except _TOO_BIG:
             continue  # more shared memory or registers than the device has
     chosen = min(timings, key=lambda t: t[0])[1]
@@ -123,17 +126,18 @@ _REPEATS = 10
 def _graph_time(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
     config: Config, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    kv_scales: torch.Tensor | None = None,
 ) -> float:
     """The GPU time of one call in ``config`` (ms), as a captured graph replays it: calls
     launched one by one would time the host's launches (two kernels and two allocations for
     several splits, one kernel for one split), which a replay does not pay. Compiles it first.
     Writing the step's token again is harmless (the same values at the same place)."""
-    decode_attention(query, key, value, bounds, scale, config, new)
+    decode_attention(query, key, value, bounds, scale, config, new, kv_scales=kv_scales)
     graph = torch.cuda.CUDAGraph()
     # Thread-local: another thread's driver calls (the pre-committer's) are not this capture's.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(_REPEATS):
-            decode_attention(query, key, value, bounds, scale, config, new)
+            decode_attention(query, key, value, bounds, scale, config, new, kv_scales=kv_scales)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = math.inf
     try:
@@ -160,6 +164,7 @@ def decode_attention(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its own tokens.
 
@@ -180,13 +185,18 @@ def decode_attention(
         window: a sliding window: the query reads only the tokens from ``end - window`` on
             (0: all).
         softcap: the attention-logit soft cap (0: none).
+        kv_scales: K and V are an FP8 cache's, of these scales (fp32 ``[2, kv_heads]``,
+            :mod:`kvvm.kernels.fp8`): dequantized inside the kernel as they are read, the
+            step's new token quantized as the kernel writes it.
 
     Returns:
         ``[batch, 1, heads, head_dim]`` in the query's dtype (transformers' layout).
     """
     c = config if isinstance(config, Config) else Config(config)
     out, acc, lse = buffers(query, c.splits)
-    run_partial(query, key, value, bounds, scale, c, new, out, acc, lse, window=window, softcap=softcap)
+    run_partial(
+        query, key, value, bounds, scale, c, new, out, acc, lse, window=window, softcap=softcap, kv_scales=kv_scales,
+    )
     if c.splits > 1:
         run_merge(acc, lse, out, c.splits)
     return out
@@ -196,16 +206,21 @@ def run_partial(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
     c: Config, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
     out: torch.Tensor, acc: torch.Tensor, lse: torch.Tensor, *, window: int = 0, softcap: float = 0.0,
-    shared: torch.Tensor | None = None, prefix_splits: int = 0,
+    shared: torch.Tensor | None = None, prefix_splits: int = 0, kv_scales: torch.Tensor | None = None,
 ) -> None:
     """Each request's own tokens, ``c.splits`` programs per (request, KV head): into ``out``
     when one split sees them all and nothing else is merged, else into the columns
     ``0..c.splits`` of ``acc``/``lse``. With ``shared`` (int32 ``[batch]``), each request's
     range starts that many tokens later (a cascade's prefix pass reads them, into the
     ``prefix_splits`` columns after those), and a request sharing none marks those columns
-    empty."""
+    empty. With ``kv_scales`` (fp32 ``[2, kv_heads]``: each KV head's K and V scale), K and V
+    are an FP8 cache's (:mod:`kvvm.kernels.fp8`): dequantized as they are read, the step's new
+    token quantized as it is written."""
     fused = new is not None
     cascade = shared is not None
+    if kv_scales is not None:
+        # Read as [2, kv_heads] fp32 rows (a no-op for a cache's own scales).
+        kv_scales = kv_scales.to(torch.float32).contiguous()
     kn, vn, ws, wt = _new_rows(new, bounds)
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
@@ -224,6 +239,7 @@ def run_partial(
         lse.stride(0), lse.stride(1),
         o, o.stride(0), o.stride(1),
         scale, float(softcap) or 1.0, int(window), shared if cascade else bounds, base,
+        bounds if kv_scales is None else kv_scales, key.shape[1],
         GROUP=heads // kv_heads, GROUP_PAD=max(16, _pow2_at_least(heads // kv_heads)),
         HEAD_DIM=dim, DIM_PAD=max(16, _pow2_at_least(dim)),
         BLOCK=c.block, SPLITS=c.splits, LOOP_WHILE=_INTERPRETED,
@@ -233,6 +249,7 @@ def run_partial(
         UPCAST=upcast(query.dtype),
         FUSED=fused, CAPPED=bool(softcap), SLIDING=bool(window),
         CASCADE=cascade, PSPLITS=prefix_splits, PSPLITS_PAD=_pow2_at_least(max(prefix_splits, 1)), DIRECT=direct,
+        FP8=kv_scales is not None,
         num_warps=c.warps, num_stages=c.stages,
     )
 

@@ -44,7 +44,10 @@ def _block(
     n_mask = offs_n < hi
     rows = offs_n.to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+    # An FP8 cache's K and V are widened to the query's dtype as they are loaded (a no-op for
+    # a cache of the query's dtype); their scales are applied outside the loop (see
+    # _partial_kernel).
+    k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     if UPCAST:
         # Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns: widened
         # to fp32 there (on a GPU the tensor cores take bf16 as it is).
@@ -58,7 +61,7 @@ def _block(
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     p = p.to(v.dtype)
     if UPCAST:
         p = p.to(tl.float32)
@@ -111,6 +114,32 @@ def _request(Bounds, Shared, b, window, SLIDING: tl.constexpr, CASCADE: tl.const
     if CASCADE:
         start = start + tl.load(Shared + b)
     return slot, start, end
+
+
+@triton.jit
+def kv_scales(Scales, kvh, scale_v, FP8: tl.constexpr):
+    """KV head ``kvh``'s dequantization scales of an FP8 cache (``Scales[kvh]`` for K,
+    ``Scales[scale_v + kvh]`` for V: the layer's ``[2, kv_heads]`` fp32 scales); 1 for any
+    other cache (``Scales`` is not read)."""
+    if FP8:
+        k_scale = tl.load(Scales + kvh)
+        v_scale = tl.load(Scales + scale_v + kvh)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k_scale, v_scale
+
+
+@triton.jit
+def quantize(x, scale, dtype, FP8: tl.constexpr):
+    """``x`` as an FP8 cache stores it: divided by its scale, saturated at e4m3's largest
+    finite value (448) and rounded to ``dtype`` (the cache's element type); ``x`` itself for
+    any other cache."""
+    if FP8:
+        # Division rounded as IEEE's (``/`` may be approximate on a GPU): the same codes as
+        # :func:`kvvm.kernels.fp8.quantize`.
+        return tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0).to(dtype)
+    return x
 
 
 @triton.jit
@@ -193,16 +222,20 @@ def _partial_kernel(
     stride_ab, stride_ah, stride_as,
     stride_lb, stride_lh,
     Out, stride_ob, stride_oh,
-    sm_scale, softcap, window, Shared, base,
+    sm_scale, softcap, window, Shared, base, Scales, scale_v,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
     CASCADE: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     slot, start, end = _request(Bounds, Shared, b, window, SLIDING, CASCADE)
+    # An FP8 cache: K's scale folds into the softmax scale, V's into the output.
+    k_scale, v_scale = kv_scales(Scales, kvh, scale_v, FP8)
+    sm_scale = sm_scale * k_scale
     if FUSED:
         # The step's new token is attended from registers (see _write_and_fold_new): the
         # range read from memory ends before it when its write lands at the end.
@@ -236,10 +269,15 @@ def _partial_kernel(
     if FUSED:
         kn = tl.load(KN + b.to(tl.int64) * stride_knb + kvh.to(tl.int64) * stride_knh + offs_d, mask=d_mask, other=0.0)
         vn = tl.load(VN + b.to(tl.int64) * stride_vnb + kvh.to(tl.int64) * stride_vnh + offs_d, mask=d_mask, other=0.0)
+        # Written as stored and attended as read back (in the scales' units, as the rest).
+        kn = quantize(kn, k_scale, K.dtype.element_ty, FP8)
+        vn = quantize(vn, v_scale, V.dtype.element_ty, FP8)
         m_i, l_i, acc = _write_and_fold_new(
             K, V, kn, vn, w_slot, w_token, has_new, kvh, split, q, offs_d, d_mask, m_i, l_i, acc,
             stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, sm_scale, softcap, SPLITS, CAPPED,
         )
+    if FP8:
+        acc = acc * v_scale
     _store_partial(
         Out, Acc, Lse, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc,
         stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, DIRECT,

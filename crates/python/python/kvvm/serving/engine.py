@@ -139,6 +139,8 @@ class Engine(EngineControl):
             goes to the host tier and a later hit there is copied back instead of prefilled,
             when that is cheaper by the same costs (``swap`` decides it too;
             ``docs/host-tier.md``). False: evicted prefixes are forgotten.
+        kv_dtype, kv_scales: the cache's K/V as FP8 (``"fp8_e4m3"``; None: the model's dtype)
+            and its scales, as :class:`~kvvm.transformers.KvvmCache`'s (``docs/fp8-kv.md``).
 
     Raises:
         InvalidArgumentError: an argument of the wrong type or out of range.
@@ -168,6 +170,8 @@ class Engine(EngineControl):
         swap: str = "auto",
         swap_costs: SwapCosts | None = None,
         prefix_host: bool = True,
+        kv_dtype: Any = None,
+        kv_scales: Any = None,
     ) -> None:
         check_positive(slots, "slots")
         check_positive(max_len, "max_len", 2)
@@ -190,6 +194,7 @@ class Engine(EngineControl):
             self.kv = KvManager(
                 model, slots=slots, max_len=max_len, manager=manager,
                 prefix_cache_bytes=prefix_cache_bytes, prefix_handle_tokens=prefix_handle_tokens,
+                kv_dtype=kv_dtype, kv_scales=kv_scales,
             )
         except BaseException:
             self._attention.restore()

@@ -28,6 +28,7 @@ import torch
 from .. import HostTier, Manager, PrefixCache, SharedPrefix
 from ..bindings import decoder_config
 from ..errors import InvalidArgumentError, KvvmError, NeverFitsError
+from ..kernels.fp8 import make_scales
 from ..transformers.cache import KvvmCache
 from ..transformers.cache_groups import refuse_sliding_prefix_cache
 from ..transformers.prefix import KvvmPrefix
@@ -56,6 +57,10 @@ class KvManager:
         prefix_cache_bytes: the prefix cache's cap (0: no prefix cache).
         prefix_handle_tokens: tokens per handle of a published prefix (rounded down to
             whole windows, at least one).
+        kv_dtype, kv_scales: what the cache stores K/V as (None: the model's dtype;
+            ``"fp8_e4m3"``: FP8 KV) and an FP8 cache's scales, as
+            :class:`~kvvm.transformers.KvvmCache`'s. The prefix cache and the host tier hold
+            the cache's bytes as they are, under the same scales.
     """
 
     def __init__(
@@ -67,14 +72,18 @@ class KvManager:
         manager: Manager,
         prefix_cache_bytes: int = 0,
         prefix_handle_tokens: int = 256,
+        kv_dtype: Any = None,
+        kv_scales: Any = None,
     ) -> None:
         self.manager = manager
         #: The most tokens a request may reach.
         self.max_len = max_len
         if prefix_cache_bytes > 0:
             refuse_sliding_prefix_cache(decoder_config(model.config), max_len)
-        # K/V in the model's own dtype.
-        self.cache = KvvmCache(model.config, slots, max_len, manager=manager, dtype=model.dtype)
+        # K/V in the model's own dtype, unless stored as FP8.
+        self.cache = KvvmCache(
+            model.config, slots, max_len, manager=manager, dtype=model.dtype, kv_dtype=kv_dtype, kv_scales=kv_scales,
+        )
         plan = self.cache.plan
         handle_windows = max(1, prefix_handle_tokens // plan.mapped_tokens(1))
         self.prefix_cache = (
@@ -189,12 +198,28 @@ class KvManager:
         :meth:`~kvvm.serving.engine.Engine.add_prefix`); returns the tokens inserted."""
         if self.prefix_cache is None:
             raise InvalidArgumentError("the engine has no prefix cache (prefix_cache_bytes=0)")
+        if isinstance(prefix, KvvmPrefix):
+            self._check_scales(prefix)
         shared = prefix.shared if isinstance(prefix, KvvmPrefix) else prefix
         n = shared.tokens
         if len(token_ids) < n:
             raise InvalidArgumentError(f"{len(token_ids)} token ids for a prefix of {n} shared tokens")
         self.prefix_cache.insert(list(token_ids[:n]), [shared])
         return n
+
+    def _check_scales(self, prefix: KvvmPrefix) -> None:
+        """An FP8 prefix's tokens are read with the engine's scales: they must be the ones
+        they were written with (a ``SharedPrefix`` carries none: the caller answers for it)."""
+        mine = self.cache.kv_scales
+        if mine is None or prefix.plan.geometry.dtype != "fp8":
+            return
+        g = self.cache.geometry
+        theirs = make_scales(g.layers, g.kv_heads, prefix.kv_scales, mine.device)
+        if not torch.equal(theirs, mine):
+            raise InvalidArgumentError(
+                "the FP8 prefix was written with other kv_scales than this engine's: its tokens would be "
+                "read with the wrong scales (open it with the publisher's kv_scales, and make the engine with them)"
+            )
 
     def clear_prefixes(self) -> None:
         """Empties the prefix cache (its published prefixes' memory goes back)."""

@@ -100,6 +100,8 @@ class KvvmMask:
     #: The step's groups of requests sharing a prefix (:mod:`kvvm.kernels.cascade`), read by
     #: the full-attention layers of a decode step.
     cascade: Tables | None = None
+    #: An FP8 cache's scales, one fp32 ``[2, kv_heads]`` tensor per layer (None: not FP8).
+    layer_scales: list[Any] | None = None
     #: transformers' mask preparation takes any 4-D mask as finished and passes it through.
     ndim: int = 4
 
@@ -115,6 +117,7 @@ class KvvmMask:
         return write_attend(
             query, key_new, value_new, slab, self.slot, self.token, bounds, self.layouts[layer], scale, kernel,
             window, softcap, None if window else self.cascade,
+            None if self.layer_scales is None else self.layer_scales[layer],
         )
 
     def check_window(self, layer: int, sliding_window: Any) -> None:

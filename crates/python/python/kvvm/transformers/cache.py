@@ -46,6 +46,7 @@ from transformers.cache_utils import Cache
 
 from ..bindings import LayoutPlan, Manager, SequenceBatch, decoder_config
 from ..errors import InvalidArgumentError
+from ..kernels.fp8 import kv_storage
 from .architectures import check_servable
 from .attention import ATTENTION, register_attention, use_kvvm_attention
 from .cache_groups import layer_groups
@@ -88,6 +89,9 @@ class Prefix(Protocol):
 
     @property
     def tokens(self) -> int: ...
+
+    @property
+    def kv_scales(self) -> Any: ...
 
     def batches_for(self, batch_size: int, max_cache_len: int, precommit: bool) -> tuple[list[SequenceBatch], list[int]]: ...
 
@@ -143,6 +147,14 @@ class KvvmCache(CacheStep, Cache):
             later reads a prefix shared by several requests once for all of them
             (:meth:`share_prefix`, :mod:`kvvm.kernels.cascade`; the Triton kernel on CUDA,
             full-attention models). :meth:`from_prefix` makes them by default.
+        kv_dtype: what K/V are stored as: None (``dtype``), or ``"fp8_e4m3"``: FP8 KV
+            (:mod:`kvvm.kernels.fp8`, ``docs/fp8-kv.md``), one byte an element, quantized
+            as they are written and dequantized inside attention; the model attends with the
+            kvvm attention (:func:`use_kvvm_attention`) and computes in its own dtype.
+            ``"fp8_e5m2"`` is refused (InvalidArgumentError).
+        kv_scales: an FP8 cache's scales, fixed for its life: a ``(k_scale, v_scale)`` pair
+            (default ``(1.0, 1.0)``) or an fp32 tensor ``[layers, 2, kv_heads]``; kept as
+            :attr:`kv_scales`. A value is stored as ``x / scale`` in e4m3 (saturated at 448).
 
     The layers are laid out in groups (:mod:`kvvm.transformers.cache_groups`): the full-attention layers
     in one batch, a model's sliding-window layers in another whose windows behind the window
@@ -175,9 +187,12 @@ class KvvmCache(CacheStep, Cache):
         batch: SequenceBatch | list[SequenceBatch] | None = None,
         start_tokens: int = 0,
         cascade: bool = False,
+        kv_dtype: Any = None,
+        kv_scales: Any = None,
     ) -> None:
         check_servable(config)
         cfg, dtype = _model_config(config, dtype)
+        dtype = kv_storage(kv_dtype, dtype)
         if batch_size <= 0 or max_cache_len <= 0:
             raise InvalidArgumentError("batch_size and max_cache_len must be positive")
         specs = layer_groups(cfg, max_cache_len)
@@ -195,6 +210,7 @@ class KvvmCache(CacheStep, Cache):
         CacheStep.__init__(
             self, cfg, specs, batch_size, max_cache_len, manager, owns_manager=owns_manager, layout=layout,
             dtype=dtype, precommit=precommit, batches=batches, start_tokens=start_tokens, cascade=cascade,
+            kv_scales=kv_scales,
         )
         layers: list[Any] = [KvvmLayer(self, i, self.groups[g].spec.sliding) for i, g, _ in self._where]
         Cache.__init__(self, layers=layers)
@@ -212,8 +228,10 @@ class KvvmCache(CacheStep, Cache):
         read-only memory, whatever the model's bytes per token); on sliding-window layers each
         slot takes, by copy, only the last tokens the next step reads. Prefill each request's
         own suffix next. Every slot shares the prefix (:meth:`share_prefix`): a decode step
-        reads it once for all of them (``cascade=False`` to read it per request)."""
-        for fixed in ("dtype", "layout", "manager", "batch", "start_tokens"):
+        reads it once for all of them (``cascade=False`` to read it per request). An FP8
+        prefix gives its scales too: its tokens are read with the scales they were written
+        with."""
+        for fixed in ("dtype", "layout", "manager", "batch", "start_tokens", "kv_dtype", "kv_scales"):
             if fixed in kwargs:
                 raise InvalidArgumentError(f"{fixed} comes from the prefix; do not pass it")
         precommit = kwargs.pop("precommit", True)
@@ -226,6 +244,7 @@ class KvvmCache(CacheStep, Cache):
             manager=prefix.manager,
             layout=prefix.plan.layout,
             dtype=prefix.plan.geometry.dtype,
+            kv_scales=prefix.kv_scales,
             batch=batches,
             start_tokens=prefix.tokens,
             **kwargs,

@@ -22,6 +22,7 @@ import torch
 
 from ..bindings import KvGeometry, LayoutPlan, Manager, SequenceBatch, geometry_from_config
 from ..errors import GraphsAliveError, InvalidArgumentError, ReleasedError, ViewsAliveError
+from ..kernels.fp8 import E4M3, make_scales
 from .cache_groups import CacheGroup, LayerGroup
 from .slots import SlotState
 
@@ -31,6 +32,7 @@ _TORCH_DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
+    "fp8": E4M3,
 }
 
 
@@ -67,6 +69,8 @@ class CacheMemory:
         layout, dtype, precommit: as ``KvvmCache``'s.
         batches: one batch to bind to per group (None: made here).
         start_tokens: live tokens already in every slot of the batches.
+        kv_scales: an FP8 cache's scales (:func:`kvvm.kernels.fp8.make_scales`; refused for
+            any other dtype).
     """
 
     def __init__(
@@ -83,9 +87,12 @@ class CacheMemory:
         precommit: bool,
         batches: list[SequenceBatch | None],
         start_tokens: int,
+        kv_scales: Any = None,
     ) -> None:
         precommit = precommit and manager.precommit
         geometry = geometry_from_config(config, max_cache_len, dtype)
+        if kv_scales is not None and geometry.dtype != "fp8":
+            raise InvalidArgumentError(f"kv_scales are an FP8 cache's; this one holds {geometry.dtype}")
         self._config = config
         self._owns_manager = owns_manager
         self.manager = manager
@@ -114,6 +121,17 @@ class CacheMemory:
         self._capturing: Any = None
         self._bind()
         assert self._slab is not None
+        #: An FP8 cache's scales, fp32 ``[layers, 2, kv_heads]`` on the cache's device (each
+        #: layer's K and V scale per KV head, fixed for the cache's life: :mod:`kvvm.kernels.fp8`);
+        #: None for any other dtype.
+        self.kv_scales: torch.Tensor | None = None
+        if self._torch_dtype == E4M3:
+            self.kv_scales = make_scales(geometry.layers, geometry.kv_heads, kv_scales, self._slab.device)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self.kv_scales)
+        #: Each layer's ``[2, kv_heads]`` scales (views of :attr:`kv_scales`), as a step's mask
+        #: hands them to attention.
+        self._layer_scales: list[torch.Tensor] | None = None if self.kv_scales is None else list(self.kv_scales.unbind(0))
         self.state: SlotState = SlotState(
             self.batch, self.plan, self._slab.device, more=[(g.batch, g.plan) for g in self.groups[1:]]
         )

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError, ReleasedError
+from ..kernels.fp8 import dequantize
 from .attention import ATTENTION, KvvmMask
 from .cache_layer import host_work
 from .cache_cascade import CacheCascade
@@ -35,7 +36,9 @@ class CacheStep(CacheCascade):
         request's live tokens and returns what attention reads (exact-length views, or the
         full-length tensors when lengths live on the device)."""
         st = self.state
-        if keys.dtype != self._torch_dtype:
+        if self.kv_scales is not None:
+            self._check_fp8_step(keys)
+        elif keys.dtype != self._torch_dtype:
             raise InvalidArgumentError(
                 f"the model's K/V are {keys.dtype} and this KvvmCache holds {self._torch_dtype}: "
                 f"make the cache with dtype={keys.dtype} (or pass the model itself, "
@@ -69,6 +72,17 @@ class CacheStep(CacheCascade):
             st.prepared = False
         return self._views(layer, self._uniform_length())
 
+    def _check_fp8_step(self, keys: torch.Tensor) -> None:
+        """An FP8 cache takes K/V of a floating dtype (quantized as written) and is read by the
+        kvvm attention only: any other attention would read its 8-bit bytes as they are."""
+        if keys.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise InvalidArgumentError(f"an FP8 KvvmCache takes bf16, fp16 or fp32 K/V, not {keys.dtype}")
+        if not self.device_lengths:
+            raise InvalidArgumentError(
+                "an FP8 KvvmCache is read by the kvvm attention only (it dequantizes inside its "
+                "kernels): call use_kvvm_attention(model) first"
+            )
+
     def _views(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V of the selected requests, ``length`` tokens each, from
         the first token every one of them still holds there: views, no copy."""
@@ -87,7 +101,8 @@ class CacheStep(CacheCascade):
         (its group gives windows back whole, so at least its window's last tokens). The
         requests must be at one length: take a ragged batch's one request at a time, inside
         ``cache.select(slot)``. The views count as views of the cache's memory: drop them
-        before :meth:`release`."""
+        before :meth:`release`. An FP8 cache gives copies instead, dequantized to fp32 with
+        its scales (a view would be the 8-bit codes)."""
         if self._released:
             raise ReleasedError("the KvvmCache was released")
         st = self.state
@@ -97,7 +112,11 @@ class CacheStep(CacheCascade):
                 f"the selected requests hold {lengths[0]} to {lengths[-1]} tokens: take each "
                 "request's K/V inside `with cache.select(slot):`"
             )
-        return self._views(layer, lengths[0])
+        k, v = self._views(layer, lengths[0])
+        if self.kv_scales is not None:
+            scales = self.kv_scales[layer]
+            return dequantize(k, scales[0], torch.float32), dequantize(v, scales[1], torch.float32)
+        return k, v
 
     def _exact_floor(self, group: int, q: int = 0) -> int:
         """Where exact-length views of ``group`` start: the first token every selected request
@@ -170,6 +189,7 @@ class CacheStep(CacheCascade):
         mask = KvvmMask(
             bounds=bounds, slot=index.slot, token=index.token, slab=self._slab, layouts=self._layouts,
             cascade=self.cascade_tables() if q == 1 else None,
+            layer_scales=self._layer_scales,
         )
         if self._layer_slabs is not None:
             group_bounds = [g.bounds(bounds, st.first, st.count) for g in self.groups]

@@ -22,6 +22,7 @@ import torch
 
 from ..bindings import LayoutPlan, Manager, SequenceBatch, SharedPrefix, decoder_config, geometry_from_config
 from ..errors import InvalidArgumentError
+from ..kernels.fp8 import kv_storage
 from .architectures import check_servable
 from .cache import KvvmCache, cache_argument
 from .cache_groups import LayerGroup, group_plan, layer_groups
@@ -55,6 +56,11 @@ class KvvmPrefix:
 
     Build it with :meth:`build` (keep it alive while caches made from it live: it holds the
     owner's sequences) or :meth:`open` one another process published.
+
+    An FP8 prefix (``kv_dtype="fp8_e4m3"``, :mod:`kvvm.kernels.fp8`) keeps the scales its
+    tokens were written with (:attr:`kv_scales`) and gives them to every cache made from it;
+    a process that opens it passes the publisher's (``kv_scales``: the bytes in shared memory
+    do not carry them).
     """
 
     def __init__(
@@ -65,8 +71,13 @@ class KvvmPrefix:
         plans: list[LayoutPlan],
         cache: KvvmCache | None,
         shares: list[SharedPrefix],
+        kv_scales: Any = None,
     ) -> None:
         self.config = config
+        #: An FP8 prefix's scales (what :meth:`KvvmCache.from_prefix
+        #: <kvvm.transformers.KvvmCache.from_prefix>` reads its tokens with); None otherwise
+        #: (or the default scales of an FP8 prefix opened without any).
+        self.kv_scales = kv_scales
         self.manager = manager
         #: The model's layer groups and each one's plan and shared prefix, in the cache's order.
         self.specs = specs
@@ -122,14 +133,19 @@ class KvvmPrefix:
         max_cache_len: int,
         layout: str = "token-major",
         dtype: Any = None,
+        kv_dtype: Any = None,
+        kv_scales: Any = None,
     ) -> KvvmPrefix:
         """The prefix another process published under ``key`` (:meth:`publish`), through
         ``manager`` (leasing from the same broker, as the same tenant). ``max_cache_len``,
-        ``layout`` and ``dtype`` must be the publisher's (its plans; else
-        ``InvalidArgumentError``). Its :attr:`tokens` are the publisher's prompt: prefill the
+        ``layout`` and ``dtype`` (or ``kv_dtype``) must be the publisher's (its plans; else
+        ``InvalidArgumentError``), and so must an FP8 prefix's ``kv_scales`` (not checked:
+        the shared bytes do not carry them). Its :attr:`tokens` are the publisher's prompt: prefill the
         rest of each prompt from there. Not billed here (a request pays for the windows it
         copies into); :attr:`last_logits` is None."""
-        cfg, specs, plans = _plans(model, manager, max_cache_len, layout, dtype)
+        cfg, specs, plans = _plans(model, manager, max_cache_len, layout, kv_storage(kv_dtype, dtype))
+        if kv_scales is not None and plans[0].geometry.dtype != "fp8":
+            raise InvalidArgumentError(f"kv_scales are an FP8 prefix's; this one holds {plans[0].geometry.dtype}")
         shares: list[SharedPrefix] = []
         try:
             for g, plan in enumerate(plans):
@@ -140,7 +156,7 @@ class KvvmPrefix:
             raise
         if len({s.tokens for s in shares}) != 1:
             raise InvalidArgumentError(f"the layer groups of the prefix {key!r} hold different token counts")
-        return cls(cfg, manager, specs, plans, None, shares)
+        return cls(cfg, manager, specs, plans, None, shares, kv_scales)
 
     @classmethod
     @torch.no_grad()
@@ -153,19 +169,24 @@ class KvvmPrefix:
         max_cache_len: int,
         layout: str = "token-major",
         dtype: Any = None,
+        kv_dtype: Any = None,
+        kv_scales: Any = None,
     ) -> KvvmPrefix:
         """Prefills ``input_ids`` (``[1, P]``) with ``model`` into a new shared prefix: in each
         layer group, the owner sequence commits the prefix's windows as shared memory and the
         model writes its K/V there; then each is sealed read-only (its tail copied). Returns
-        the prefix, with the owner's logits in :attr:`last_logits`."""
+        the prefix, with the owner's logits in :attr:`last_logits`. ``kv_dtype``,
+        ``kv_scales``: as :class:`~kvvm.transformers.KvvmCache`'s (an FP8 prefix is prefilled
+        with the kvvm attention: :func:`~kvvm.transformers.use_kvvm_attention` first)."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise InvalidArgumentError("input_ids must be [1, prefix_tokens]")
         prompt = int(input_ids.shape[1])
-        cfg, specs, plans = _plans(model, manager, max_cache_len, layout, dtype)
+        cfg, specs, plans = _plans(model, manager, max_cache_len, layout, kv_storage(kv_dtype, dtype))
         batches = [SequenceBatch(manager, plan, 2, max_cache_len) for plan in plans]
         shares = [b[0].own_prefix(prompt) for b in batches]
         cache = KvvmCache(
-            cfg, 1, max_cache_len, manager=manager, layout=layout, dtype=plans[0].geometry.dtype, batch=batches
+            cfg, 1, max_cache_len, manager=manager, layout=layout, dtype=plans[0].geometry.dtype, batch=batches,
+            kv_scales=kv_scales,
         )
         pos = torch.arange(prompt, device=input_ids.device)[None]
         out = model(input_ids=input_ids, use_cache=True, position_ids=pos, **{cache_argument(model): cache})
@@ -173,7 +194,7 @@ class KvvmPrefix:
             torch.cuda.synchronize(input_ids.device)
         for s in shares:
             s.seal()
-        prefix = cls(cfg, manager, specs, plans, cache, shares)
+        prefix = cls(cfg, manager, specs, plans, cache, shares, cache.kv_scales)
         prefix.last_logits = out.logits[:, -1]
         return prefix
 
