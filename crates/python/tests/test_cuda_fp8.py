@@ -92,7 +92,9 @@ def test_the_cascade_over_fp8_matches_the_reference() -> None:
     tables.update([Share("p", s, 0, P) for s in range(B)])
     want = attend(q, k, v, bounds, kernel="sdpa", kv_scales=scales).float()
     got = cascade_attention(q, k, v, bounds, 1 / math.sqrt(D), 4, tables.tables, kv_scales=scales).float()
-    assert (got - want).abs().max().item() < 2e-2
+    # Outputs in bf16 (8 bits of mantissa) reduced in another order: two units in the last
+    # place of the larger values (up to about 4) apart at most.
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2 * 2**-7)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

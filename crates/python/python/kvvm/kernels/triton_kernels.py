@@ -134,12 +134,14 @@ def kv_scales(Scales, kvh, scale_v, FP8: tl.constexpr):
 def quantize(x, scale, dtype, FP8: tl.constexpr):
     """``x`` as an FP8 cache stores it: divided by its scale, saturated at e4m3's largest
     finite value (448) and rounded to ``dtype`` (the cache's element type); ``x`` itself for
-    any other cache."""
+    any other cache. One return: the compiler wants every return of a function to have one
+    type, even one a constant condition leaves out."""
+    stored = x
     if FP8:
         # Division rounded as IEEE's (``/`` may be approximate on a GPU): the same codes as
         # :func:`kvvm.kernels.fp8.quantize`.
-        return tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0).to(dtype)
-    return x
+        stored = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -448.0), 448.0).to(dtype)
+    return stored
 
 
 @triton.jit
