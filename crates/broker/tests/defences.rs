@@ -133,6 +133,12 @@ fn idle_and_half_frame_connections_are_dropped_after_their_deadline_and_an_hones
 
 #[test]
 fn a_closed_connection_gives_its_slot_back_at_once() {
+    // Alone in a process: a child that another test of this binary spawns holds a copy of
+    // every descriptor of the process from its fork to its exec, the client ends dropped
+    // below included; those connections are then still open, and rightly counted.
+    if !common::raw::alone("a_closed_connection_gives_its_slot_back_at_once") {
+        return;
+    }
     let broker = small_broker("dead-slots");
     let path = broker.config().socket.clone();
     for round in 0..200 {

@@ -293,37 +293,36 @@ impl KvGeometry {
 
     /// [`KvError::LayerOutOfRange`] unless `layer < layers`.
     pub fn check_layer(&self, layer: u32) -> Result<(), KvError> {
-        if layer < self.layers {
-            Ok(())
-        } else {
-            Err(KvError::LayerOutOfRange {
-                layer,
-                layers: self.layers,
-            })
-        }
+        Self::below(layer, self.layers, |layer, layers| {
+            KvError::LayerOutOfRange { layer, layers }
+        })
     }
 
     /// [`KvError::HeadOutOfRange`] unless `head < kv_heads`.
     pub fn check_head(&self, head: u32) -> Result<(), KvError> {
-        if head < self.kv_heads {
-            Ok(())
-        } else {
-            Err(KvError::HeadOutOfRange {
-                head,
-                kv_heads: self.kv_heads,
-            })
-        }
+        Self::below(head, self.kv_heads, |head, kv_heads| {
+            KvError::HeadOutOfRange { head, kv_heads }
+        })
     }
 
     /// [`KvError::TokenOutOfRange`] unless `token < max_tokens`.
     pub fn check_token(&self, token: u64) -> Result<(), KvError> {
-        if token < self.max_tokens {
+        Self::below(token, self.max_tokens, |token, max_tokens| {
+            KvError::TokenOutOfRange { token, max_tokens }
+        })
+    }
+
+    /// The bounds check of `check_layer`, `check_head` and `check_token`: `Ok` when
+    /// `index < count`, else the error `out_of_range` makes of the two.
+    fn below<T: PartialOrd>(
+        index: T,
+        count: T,
+        out_of_range: impl FnOnce(T, T) -> KvError,
+    ) -> Result<(), KvError> {
+        if index < count {
             Ok(())
         } else {
-            Err(KvError::TokenOutOfRange {
-                token,
-                max_tokens: self.max_tokens,
-            })
+            Err(out_of_range(index, count))
         }
     }
 

@@ -83,10 +83,7 @@ pub fn evaluate_prefix_shareability(
     prefix_len: u64,
     granule: u64,
 ) -> Result<PrefixShareability, KvError> {
-    if granule == 0 {
-        return Err(KvError::ZeroGranule);
-    }
-    geometry.check_token_count(prefix_len)?;
+    check_tokens_and_granule(geometry, prefix_len, granule)?;
     let per_token = layout.fragment_bytes_per_token(geometry);
     let fragments = layout.fragment_count(geometry);
     let fragment_bytes = mul(prefix_len, per_token, "fragment bytes")?;
@@ -118,10 +115,7 @@ pub fn commit_lower_bound(
     n_tokens: u64,
     granule: u64,
 ) -> Result<u64, KvError> {
-    if granule == 0 {
-        return Err(KvError::ZeroGranule);
-    }
-    geometry.check_token_count(n_tokens)?;
+    check_tokens_and_granule(geometry, n_tokens, granule)?;
     let per_fragment =
         windows_per_fragment(layout.fragment_bytes_per_token(geometry), n_tokens, granule)?;
     let windows = mul(
@@ -130,6 +124,20 @@ pub fn commit_lower_bound(
         "window count",
     )?;
     Ok(mul(granule, windows, "committed bytes")?)
+}
+
+/// The arguments' checks shared by [`evaluate_prefix_shareability`] and [`commit_lower_bound`]:
+/// [`KvError::ZeroGranule`] for a zero `granule`, then [`KvError::TooManyTokens`] unless
+/// `tokens <= max_tokens`.
+fn check_tokens_and_granule(
+    geometry: &KvGeometry,
+    tokens: u64,
+    granule: u64,
+) -> Result<(), KvError> {
+    if granule == 0 {
+        return Err(KvError::ZeroGranule);
+    }
+    geometry.check_token_count(tokens)
 }
 
 /// The smallest `prefix_len` that is shareable under `layout` and `granule`:

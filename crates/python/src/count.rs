@@ -27,18 +27,27 @@ fn refuse(obj: Borrowed<'_, '_, PyAny>, max: &str) -> PyErr {
     )
 }
 
+/// `obj` as an unsigned int of type `T`, whose largest value is `max`: an int out of range is
+/// refused naming `max`; what is not an int keeps pyo3's own error.
+fn bounded<'a, 'py, T>(obj: Borrowed<'a, 'py, PyAny>, max: T) -> PyResult<T>
+where
+    T: FromPyObject<'a, 'py, Error = PyErr> + std::fmt::Display,
+{
+    match obj.extract::<T>() {
+        Ok(v) => Ok(v),
+        Err(e) if obj.is_instance_of::<PyInt>() => {
+            drop(e);
+            Err(refuse(obj, &max.to_string()))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 impl<'a, 'py> FromPyObject<'a, 'py> for Count {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        match obj.extract::<u64>() {
-            Ok(v) => Ok(Count(v)),
-            Err(e) if obj.is_instance_of::<PyInt>() => {
-                drop(e);
-                Err(refuse(obj, &u64::MAX.to_string()))
-            }
-            Err(e) => Err(e),
-        }
+        bounded(obj, u64::MAX).map(Count)
     }
 }
 
@@ -46,14 +55,7 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Dim {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
-        match obj.extract::<u32>() {
-            Ok(v) => Ok(Dim(v)),
-            Err(e) if obj.is_instance_of::<PyInt>() => {
-                drop(e);
-                Err(refuse(obj, &u32::MAX.to_string()))
-            }
-            Err(e) => Err(e),
-        }
+        bounded(obj, u32::MAX).map(Dim)
     }
 }
 

@@ -11,7 +11,7 @@ use kvvm::kv::{HostTier as KvHostTier, HostTierConfig, KvCacheError, SwappedKv a
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::cell::SeqCell;
+use crate::cell::{Busy, SeqCell};
 use crate::count::Count;
 use crate::errors;
 use crate::manager::Manager;
@@ -226,12 +226,9 @@ pub(crate) fn finish_swap_out(
     cell: &Arc<SeqCell>,
     swap: &Bound<'_, SwappedKv>,
 ) -> PyResult<u64> {
-    let (c, s) = (Arc::clone(cell), swap.clone().unbind());
-    let out = py.detach(move || c.swap_releasing(|q| q.finish_swap_out(&mut s.get().lock())));
-    match out {
-        Err(busy) => Err(busy_error(py, busy, "finish a swap out")),
-        Ok(r) => r.map_err(|e| errors::kv(py, &e)),
-    }
+    swap_step(py, cell, swap, "finish a swap out", |c, s| {
+        c.swap_releasing(|q| q.finish_swap_out(s))
+    })
 }
 
 /// `Sequence.swap_in`: commits the sequence again (an admission: it must be empty) and
@@ -241,12 +238,9 @@ pub(crate) fn swap_in(
     cell: &Arc<SeqCell>,
     swap: &Bound<'_, SwappedKv>,
 ) -> PyResult<()> {
-    let (c, s) = (Arc::clone(cell), swap.clone().unbind());
-    let out = py.detach(move || c.admission(|q| q.swap_in(&mut s.get().lock())));
-    match out {
-        Err(busy) => Err(busy_error(py, busy, "swap in")),
-        Ok(r) => r.map_err(|e| errors::kv(py, &e)),
-    }
+    swap_step(py, cell, swap, "swap in", |c, s| {
+        c.admission(|q| q.swap_in(s))
+    })
 }
 
 /// `Sequence.finish_swap_in`: waits for the copies back; returns the bytes copied. A failed
@@ -256,10 +250,25 @@ pub(crate) fn finish_swap_in(
     cell: &Arc<SeqCell>,
     swap: &Bound<'_, SwappedKv>,
 ) -> PyResult<u64> {
+    swap_step(py, cell, swap, "finish a swap in", |c, s| {
+        c.swap_releasing(|q| q.finish_swap_in(s))
+    })
+}
+
+/// One step of a swap after `swap_out`, run with the GIL released: `step` gets the sequence's
+/// cell and the swap's state. A sequence busy with views or an unmap is refused naming `what`;
+/// a failed step raises its kv error.
+fn swap_step<R: Send>(
+    py: Python<'_>,
+    cell: &Arc<SeqCell>,
+    swap: &Bound<'_, SwappedKv>,
+    what: &str,
+    step: impl FnOnce(&SeqCell, &mut KvSwapped) -> Result<Result<R, KvCacheError>, Busy> + Send,
+) -> PyResult<R> {
     let (c, s) = (Arc::clone(cell), swap.clone().unbind());
-    let out = py.detach(move || c.swap_releasing(|q| q.finish_swap_in(&mut s.get().lock())));
+    let out = py.detach(move || step(&c, &mut s.get().lock()));
     match out {
-        Err(busy) => Err(busy_error(py, busy, "finish a swap in")),
+        Err(busy) => Err(busy_error(py, busy, what)),
         Ok(r) => r.map_err(|e| errors::kv(py, &e)),
     }
 }

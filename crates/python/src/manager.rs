@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use dlpark::ffi::{DLDevice, DLDeviceType};
 use kvvm::broker::{BrokerClient, BrokerError};
-use kvvm::governor::Governor;
+use kvvm::governor::{DeviceSnapshot, Governor};
 use kvvm::hal::{DeviceId, ShareableHandleType, VirtualMemoryBackend};
 use kvvm::kv::precommit::{PrecommitConfig, Precommitter};
 use kvvm::vmm::{VirtualMemory, VmmConfig};
@@ -345,32 +345,14 @@ impl Manager {
     /// The governor's books right now: a :class:`MemorySnapshot`.
     fn snapshot(&self) -> MemorySnapshot {
         let s = self.state.governor.snapshot().device(self.state.device);
-        MemorySnapshot {
-            committed: s.committed,
-            pooled: s.pooled,
-            shared: s.shared,
-            quarantined: s.quarantined,
-            pending: s.pending,
-            used: s.used(),
-            budget: self.state.budget,
-            free: self.state.budget.map(|b| b.saturating_sub(s.used())),
-        }
+        MemorySnapshot::of(&s, self.state.budget)
     }
 
     /// The governor's books of page-locked host memory (a :class:`HostTier`'s) right now:
     /// a :class:`MemorySnapshot` whose ``budget`` is ``host_budget_bytes``.
     fn host_snapshot(&self) -> MemorySnapshot {
         let s = self.state.governor.snapshot().device(DeviceId::HOST);
-        MemorySnapshot {
-            committed: s.committed,
-            pooled: s.pooled,
-            shared: s.shared,
-            quarantined: s.quarantined,
-            pending: s.pending,
-            used: s.used(),
-            budget: s.budget,
-            free: s.budget.map(|b| b.saturating_sub(s.used())),
-        }
+        MemorySnapshot::of(&s, s.budget)
     }
 
     /// Releases pooled handles until at most `keep_bytes` stay; returns the bytes released.
@@ -462,6 +444,22 @@ pub struct MemorySnapshot {
     pub budget: Option<u64>,
     /// Budget minus used, or None without a budget.
     pub free: Option<u64>,
+}
+
+impl MemorySnapshot {
+    /// One device's books against `budget` (`free` is the budget minus `used`).
+    fn of(s: &DeviceSnapshot, budget: Option<u64>) -> Self {
+        MemorySnapshot {
+            committed: s.committed,
+            pooled: s.pooled,
+            shared: s.shared,
+            quarantined: s.quarantined,
+            pending: s.pending,
+            used: s.used(),
+            budget,
+            free: budget.map(|b| b.saturating_sub(s.used())),
+        }
+    }
 }
 
 #[pymethods]

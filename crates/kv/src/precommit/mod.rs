@@ -188,6 +188,21 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Starts a pre-commit worker thread named `name` running `run` (for a sequence's
+/// [`Precommitter`] and a tensor-parallel group's); a thread the OS refuses is
+/// [`KvCacheError::Worker`].
+pub(crate) fn spawn_worker(
+    name: &str,
+    run: impl FnOnce() + Send + 'static,
+) -> Result<JoinHandle<()>, KvCacheError> {
+    std::thread::Builder::new()
+        .name(name.to_owned())
+        .spawn(run)
+        .map_err(|e| KvCacheError::Worker {
+            reason: e.to_string(),
+        })
+}
+
 impl Cell {
     /// The sequence's lock, once no background commit of it is in flight: for anything that
     /// may change its mappings. Writes and reads of committed tokens need not wait.
@@ -464,12 +479,7 @@ impl Precommitter {
         let reclaimer: Arc<dyn Reclaimer> = inner.clone();
         vm.governor().register_reclaimer(Arc::downgrade(&reclaimer));
         let worker_inner = Arc::clone(&inner);
-        let worker = std::thread::Builder::new()
-            .name("kvvm-precommit".to_owned())
-            .spawn(move || worker_inner.run_worker())
-            .map_err(|e| KvCacheError::Worker {
-                reason: e.to_string(),
-            })?;
+        let worker = spawn_worker("kvvm-precommit", move || worker_inner.run_worker())?;
         Ok(Precommitter {
             inner,
             worker: Mutex::new(Some(worker)),

@@ -20,14 +20,7 @@ impl SequenceKv {
         swap.check_phase(SwapPhase::CopyingOut, self.address())?;
         let span = tracing::debug_span!("kv.finish_swap_out", tokens = swap.tokens);
         let _e = span.enter();
-        if let Err((e, settled)) = swap.wait() {
-            if settled {
-                self.fence = None;
-            }
-            swap.fail(settled);
-            return Err(e);
-        }
-        self.fence = None;
+        self.settle_swap(swap, false)?;
         swap.phase = SwapPhase::OnHost;
         if let Some(host) = &swap.host {
             let mut c = host.tier().counters();
@@ -116,15 +109,7 @@ impl SequenceKv {
         swap.check_phase(SwapPhase::CopyingIn, self.address())?;
         let span = tracing::debug_span!("kv.finish_swap_in", tokens = swap.tokens);
         let _e = span.enter();
-        if let Err((e, settled)) = swap.wait() {
-            if settled {
-                self.fence = None;
-                self.release_after_error();
-            }
-            swap.fail(settled);
-            return Err(e);
-        }
-        self.fence = None;
+        self.settle_swap(swap, true)?;
         self.written_tokens = swap.written.min(self.committed_tokens);
         swap.phase = SwapPhase::Done;
         swap.readonly.clear();
@@ -135,6 +120,29 @@ impl SequenceKv {
             c.bytes_in = c.bytes_in.saturating_add(bytes);
         }
         Ok(bytes)
+    }
+
+    /// Waits for the copies of `swap` (the wait both finishes share); the sequence no longer
+    /// has copies in flight once they settled. A failed copy fails the swap and is returned;
+    /// when its copies settled all the same, the sequence is also released with
+    /// `release_on_failure` (a swap in whose tokens did not all come back).
+    fn settle_swap(
+        &mut self,
+        swap: &mut SwappedKv,
+        release_on_failure: bool,
+    ) -> Result<(), KvCacheError> {
+        if let Err((e, settled)) = swap.wait() {
+            if settled {
+                self.fence = None;
+                if release_on_failure {
+                    self.release_after_error();
+                }
+            }
+            swap.fail(settled);
+            return Err(e);
+        }
+        self.fence = None;
+        Ok(())
     }
 
     /// Whether copies of a swap are in flight over this sequence's windows.

@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::error::KvCacheError;
-use crate::precommit::{lock, Ensured};
+use crate::precommit::{lock, spawn_worker, Ensured};
 use crate::tensor_parallel::TensorParallelSequence;
 
 /// Counters of a [`PrecommittedGroup`].
@@ -178,12 +178,7 @@ impl PrecommittedGroup {
             counters: Default::default(),
         });
         let worker_shared = Arc::clone(&shared);
-        let worker = std::thread::Builder::new()
-            .name("kvvm-tp-precommit".to_owned())
-            .spawn(move || worker_shared.run())
-            .map_err(|e| KvCacheError::Worker {
-                reason: e.to_string(),
-            })?;
+        let worker = spawn_worker("kvvm-tp-precommit", move || worker_shared.run())?;
         Ok(PrecommittedGroup {
             shared,
             worker: Some(worker),
