@@ -101,6 +101,11 @@ fn engines_share_the_node_and_a_pool_is_evicted_for_another_engine() {
     books_agree(&broker, &[&a, &b]);
     assert!(b.cmd("commit 1").starts_with("backpressure"));
     books_agree(&broker, &[&a, &b]);
+    // The refusal asked a for bytes; a takes the ask before it releases (its reader takes the
+    // broker's messages in order, so its sync returns after the ask), when it has nothing idle
+    // to give: otherwise the ask could land after the release and evict the pool below.
+    assert!(a.cmd("sync").starts_with("synced"));
+    assert_eq!(a.held, 6 * g, "nothing idle to give back yet");
     // a releases into its pool: still used, still leased, until someone needs the bytes.
     assert!(a.cmd("release").starts_with("released"));
     assert_eq!(a.held, 6 * g);
