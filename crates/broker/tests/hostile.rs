@@ -378,7 +378,12 @@ fn prefix_requests_are_checked_against_the_clients_books() {
     common::wait_until(&broker, "bad's socket closed", |b| b.clients() == 1);
     assert_eq!(client.acquire_bytes(0, 10, 10), Ok(10));
     client
-        .publish_prefix(0, "p", &[(file.as_fd(), 10)], &"m".repeat(2048))
+        .publish_prefix(
+            0,
+            "p",
+            &[(file.as_fd(), 10)],
+            &"m".repeat(kvvm_broker::proto::MAX_META),
+        )
         .unwrap();
     assert!(
         client
