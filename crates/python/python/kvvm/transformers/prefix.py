@@ -239,7 +239,10 @@ class _Opening:
     when the first group's reader words arrive (the published KV dtype unless the opener
     named one), each group's words checked against its plan."""
 
-    def __init__(self, model: Any, manager: Manager, max_cache_len: int, layout: str, dtype: Any, kv_dtype: Any, kv_scales: Any, key: str) -> None:
+    def __init__(
+        self, model: Any, manager: Manager, max_cache_len: int, layout: str, dtype: Any, kv_dtype: Any, kv_scales: Any,
+        key: str,
+    ) -> None:
         self.args = (model, manager, max_cache_len, layout)
         self.asked = kv_storage(kv_dtype, dtype)
         self.passed_scales = kv_scales
@@ -248,18 +251,29 @@ class _Opening:
         self.specs: list[LayerGroup] = []
         self.plans: list[LayoutPlan] = []
         self.kv_scales: Any = None
+        self.words = False
+        check_servable(model)
         self.groups = len(layer_groups(decoder_config(model.config), max_cache_len))
 
     def plan(self, group: int, words: str) -> LayoutPlan:
-        """Group ``group``'s plan, given the reader words it was published with."""
+        """Group ``group``'s plan, given the reader words it was published with (the first
+        group's choose the plans; every other group's must say the same scales)."""
         published = Published(self.key, words)
         if not self.plans:
             self._choose(published)
+            self.words = bool(words)
+            return self.plans[0]
         plan = self.plans[group]
+        if bool(words) != self.words:
+            raise InvalidArgumentError(
+                f"the layer groups of the prefix {self.key!r} were published by different kvvm versions"
+            )
         published.check(plan)
         scales = published.scales(plan, self.passed_scales) if words else None
-        if group > 0 and words and not (scales is None or torch.equal(scales, self.kv_scales)):
-            raise InvalidArgumentError(f"the layer groups of the prefix {self.key!r} were published with different scales")
+        if scales is not None and not torch.equal(scales, self.kv_scales):
+            raise InvalidArgumentError(
+                f"the layer groups of the prefix {self.key!r} were published with different scales"
+            )
         return plan
 
     def _choose(self, published: Published) -> None:

@@ -98,7 +98,8 @@ class Published:
                 )
         if "layout" in self.fields and self.fields["layout"] != plan.layout:
             raise InvalidArgumentError(
-                f"the prefix {self.key!r} was published with layout={self.fields['layout']}; this opener's is {plan.layout}"
+                f"the prefix {self.key!r} was published with layout={self.fields['layout']}; "
+                f"this opener's is {plan.layout}"
             )
 
     def scales(self, plan: LayoutPlan, passed: Any) -> torch.Tensor | None:
@@ -119,7 +120,9 @@ class Published:
         elif kind == "f32":
             raw = np.frombuffer(base64.b64decode(data, validate=True), dtype="<f4")
             if raw.size != g.layers * 2 * g.kv_heads:
-                raise InvalidArgumentError(f"the prefix {self.key!r} carries {raw.size} scales for {g.layers} x 2 x {g.kv_heads}")
+                raise InvalidArgumentError(
+                    f"the prefix {self.key!r} carries {raw.size} scales for {g.layers} x 2 x {g.kv_heads}"
+                )
             theirs = torch.from_numpy(raw.astype(np.float32)).view(g.layers, 2, g.kv_heads)
         elif kind == "sha256":
             if mine is None:
@@ -131,7 +134,9 @@ class Published:
                 raise InvalidArgumentError(f"kv_scales are not the ones the FP8 prefix {self.key!r} was written with")
             return mine
         else:
-            raise InvalidArgumentError(f"the FP8 prefix {self.key!r} carries no scales it can be read with: {value[:60]!r}")
+            raise InvalidArgumentError(
+                f"the FP8 prefix {self.key!r} carries no scales it can be read with: {value[:60]!r}"
+            )
         theirs = make_scales(g.layers, g.kv_heads, theirs, torch.device("cpu"))  # finite and positive
         if mine is not None and not torch.equal(mine, theirs):
             raise InvalidArgumentError(f"kv_scales are not the ones the FP8 prefix {self.key!r} was written with")
