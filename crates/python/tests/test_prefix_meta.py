@@ -219,3 +219,32 @@ def test_another_process_reads_an_fp8_prefix_with_the_published_scales_without_p
         built.cache.release()
     finally:
         peer.close()
+
+
+@needs_host
+def test_scales_too_many_to_carry_ride_as_a_digest_the_opener_must_match(broker: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publisher whose scales do not fit the room (made small here) publishes their digest:
+    an opener without them is refused, with others too, with them it opens. A meta over the
+    broker's room is refused before it is sent (the connection stays)."""
+    import kvvm.transformers.prefix as prefix_module
+
+    model = _model()
+    ids = torch.randint(0, 1000, (1, 32), generator=torch.Generator().manual_seed(1))
+    scales = torch.rand(2, 2, 2, generator=torch.Generator().manual_seed(2)) * 0.1 + 0.02
+    publisher = kvvm.Manager("host", broker=str(broker), tenant="t", lease_batch_bytes=4 * MiB)
+    reader = kvvm.Manager("host", broker=str(broker), tenant="t", lease_batch_bytes=4 * MiB)
+    built = KvvmPrefix.build(model, ids, manager=publisher, max_cache_len=256, kv_dtype="fp8_e4m3", kv_scales=scales)
+    with pytest.raises(kvvm.InvalidArgumentError, match="at most"):
+        built.shared.publish(publisher, "big", "m" * kvvm.PREFIX_META_BYTES)
+    monkeypatch.setattr(prefix_module, "PREFIX_META_BYTES", 2048 + 100)
+    built.publish("digest")
+    with pytest.raises(kvvm.InvalidArgumentError, match="pass the publisher's kv_scales"):
+        KvvmPrefix.open(model, "digest", manager=reader, max_cache_len=256)
+    with pytest.raises(kvvm.InvalidArgumentError, match="not the ones"):
+        KvvmPrefix.open(model, "digest", manager=reader, max_cache_len=256, kv_scales=scales.flip(1))
+    opened = KvvmPrefix.open(model, "digest", manager=reader, max_cache_len=256, kv_scales=scales)
+    assert torch.equal(opened.kv_scales, scales)
+    assert torch.equal(_logits(model, opened, ids[:, 24:]), _logits(model, built, ids[:, 24:]))
+    assert opened.close("digest") == 1 and built.close("digest") == 0
+    assert built.cache is not None
+    built.cache.release()
