@@ -360,7 +360,10 @@ fn prefix_requests_are_checked_against_the_clients_books() {
     ))
     .unwrap();
     assert_eq!(bad.acquire_bytes(0, 10, 10), Ok(10));
-    for meta in ["line\nbreak".to_owned(), "x".repeat(2049)] {
+    for meta in [
+        "line\nbreak".to_owned(),
+        "x".repeat(kvvm_broker::proto::MAX_META + 1),
+    ] {
         let r = bad.publish_prefix(0, "q", &[(file.as_fd(), 10)], &meta);
         assert!(r.is_err(), "meta {:?}... refused", &meta[..4]);
     }
@@ -378,7 +381,12 @@ fn prefix_requests_are_checked_against_the_clients_books() {
     common::wait_until(&broker, "bad's socket closed", |b| b.clients() == 1);
     assert_eq!(client.acquire_bytes(0, 10, 10), Ok(10));
     client
-        .publish_prefix(0, "p", &[(file.as_fd(), 10)], &"m".repeat(2048))
+        .publish_prefix(
+            0,
+            "p",
+            &[(file.as_fd(), 10)],
+            &"m".repeat(kvvm_broker::proto::MAX_META),
+        )
         .unwrap();
     assert!(
         client

@@ -38,6 +38,7 @@ mod host_tier;
 mod manager;
 mod manager_open;
 mod prefix_cache;
+mod prefix_meta;
 mod sequence;
 mod store;
 mod view;
@@ -61,6 +62,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<host_tier::HostTier>()?;
     m.add_class::<host_tier::SwappedKv>()?;
     m.add("BACKEND_NAMES", kvvm::BACKEND_NAMES.to_vec())?;
+    m.add("PREFIX_META_BYTES", kvvm::broker::proto::MAX_META)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     exceptions::add_to(m)
 }

@@ -18,6 +18,7 @@ use crate::errors;
 use crate::geometry::PyPlan;
 use crate::host_tier::{self, HostTier, SwappedKv};
 use crate::manager::{broker_error, broker_of, Manager};
+use crate::prefix_meta;
 use crate::view::TensorView;
 use crate::views::{busy_error, kind_arg, make_view, ViewRequest};
 
@@ -460,12 +461,15 @@ impl SharedPrefix {
     /// Publishes the sealed prefix to the node's broker under ``key`` (the manager must lease
     /// from one: ``Manager(broker=...)``, on a backend whose handles can be exported as
     /// descriptors). Its handles (read-only windows and tail) travel as descriptors with what
-    /// a reader needs to map them;
+    /// a reader needs to map them, and ``meta``: what a reader must agree with to read the
+    /// bytes (one line of printable ASCII; with the descriptor at most
+    /// :data:`PREFIX_META_BYTES`, else ``InvalidArgumentError`` before anything is sent);
     /// its bytes leave this process's lease for the prefix, billed once to the tenant while
     /// any process uses it. Other processes of the tenant :meth:`open` it; this one stays a
     /// user until :meth:`Manager.close_prefix` or until it disconnects. Returns the bytes
     /// published.
-    fn publish(&self, py: Python<'_>, manager: &Manager, key: &str) -> PyResult<u64> {
+    #[pyo3(signature = (manager, key, meta = ""))]
+    fn publish(&self, py: Python<'_>, manager: &Manager, key: &str, meta: &str) -> PyResult<u64> {
         let client = broker_of(py, manager)?;
         let (descriptor, fds) = self.prefix.export().map_err(|e| errors::kv(py, &e))?;
         let g = manager.state.vm.granule();
@@ -474,7 +478,7 @@ impl SharedPrefix {
             .zip(descriptor.pieces.iter().chain(&descriptor.tail_pieces))
             .map(|(fd, (_, windows))| (fd.as_fd(), windows.saturating_mul(g)))
             .collect();
-        let meta = descriptor.encode();
+        let meta = prefix_meta::compose(py, descriptor.encode(), meta)?;
         let device = manager.state.device.0;
         py.detach(|| client.publish_prefix(device, key, &handles, &meta))
             .map_err(|e| broker_error(py, &e))?;
@@ -484,23 +488,46 @@ impl SharedPrefix {
     /// The prefix another process of the tenant published under ``key``, imported into
     /// ``manager`` under ``plan`` (the publisher's: the same geometry, maximum length, layout
     /// and granule, else ``InvalidArgumentError``), sealed: attach it to sequences of
-    /// ``plan``, which receive all its :attr:`tokens`. Not billed here (a sequence pays only
-    /// for the windows it copies the tail into); this process is a user
+    /// ``plan``, which receive all its :attr:`tokens`. ``plan`` may be a callable instead: it
+    /// is given the ``meta`` the publisher passed to :meth:`publish` (``""`` when it passed
+    /// none) and returns the plan, or raises to refuse the prefix. Not billed here (a
+    /// sequence pays only for the windows it copies the tail into); this process is a user
     /// of the prefix until :meth:`Manager.close_prefix` or until it disconnects, and the
     /// memory lives while any process maps or holds it. A prefix whose descriptor cannot be
-    /// read (the publisher wrote something else, or windows no prefix can have) or mapped
-    /// here is let go at once.
+    /// read (the publisher wrote something else, or windows no prefix can have), that the
+    /// callable refuses, or that cannot be mapped here is let go at once.
     #[staticmethod]
-    fn open(py: Python<'_>, manager: &Manager, key: &str, plan: &PyPlan) -> PyResult<SharedPrefix> {
+    fn open(
+        py: Python<'_>,
+        manager: &Manager,
+        key: &str,
+        plan: &Bound<'_, PyAny>,
+    ) -> PyResult<SharedPrefix> {
         let client = broker_of(py, manager)?;
         let opened = py
             .detach(|| client.open_prefix(key))
             .map_err(|e| broker_error(py, &e))?;
+        let (descriptor, reader) = prefix_meta::split(&opened.meta);
+        let chosen = match plan.cast::<PyPlan>() {
+            Ok(p) => Ok(p.clone()),
+            Err(_) => plan
+                .call1((reader,))
+                .and_then(|p| Ok(p.cast_into::<PyPlan>()?)),
+        };
+        let plan = match chosen {
+            Ok(p) => p,
+            Err(e) => {
+                // Not a user of a prefix it refused.
+                let _ = py.detach(|| client.close_prefix(key));
+                return Err(e);
+            }
+        };
+        let plan = plan.get().plan;
         let fds: Vec<BorrowedFd<'_>> = opened.fds.iter().map(AsFd::as_fd).collect();
         let vm = &manager.state.vm;
         let imported = py.detach(|| {
-            PrefixDescriptor::decode(&opened.meta)
-                .and_then(|d| SharedDevicePrefix::import(vm, &plan.plan, &d, &fds))
+            PrefixDescriptor::decode(descriptor)
+                .and_then(|d| SharedDevicePrefix::import(vm, &plan, &d, &fds))
         });
         match imported {
             Ok(prefix) => Ok(SharedPrefix::without_owner(prefix)),

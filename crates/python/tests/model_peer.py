@@ -8,8 +8,9 @@ tokens, the hits and what its manager holds afterwards.
 Request fields: ``arch``, ``seed``, ``socket``, ``tenant``, ``key``, ``max_len``,
 ``backend``, ``device``, ``prefix`` (the prefix's token ids), ``tails`` (each request's own
 tokens after it; one length), ``engine_tails`` (the engine's requests' tails), ``new_tokens``;
-optionally ``kv_dtype`` and ``kv_scales`` (an FP8 prefix: opened, decoded and served with
-them, the model attending with the kvvm attention).
+optionally ``kv_dtype`` and ``kv_scales`` (passed to ``KvvmPrefix.open``; an FP8 prefix,
+with them or without, is decoded and served with the dtype and scales it opened with, the
+model attending with the kvvm attention).
 """
 
 from __future__ import annotations
@@ -44,9 +45,11 @@ def serve(cmd: dict[str, Any]) -> dict[str, Any]:
     # The engine's own copy, made before the kvvm attention is switched on here (it switches
     # its model itself).
     engine_model = copy.deepcopy(model)
-    if kv:
-        use_kvvm_attention(model)
     opened = KvvmPrefix.open(model, cmd["key"], manager=mgr, max_cache_len=max_len, **kv)
+    if opened.plan.geometry.dtype == "fp8":
+        # Read as it opened: the published scales, whether passed here or not.
+        use_kvvm_attention(model)
+        kv = {"kv_dtype": "fp8_e4m3", "kv_scales": opened.kv_scales}
     n = opened.tokens
     cache = KvvmCache.from_prefix(opened, len(cmd["tails"]), max_len)
     billed = mgr.snapshot().shared

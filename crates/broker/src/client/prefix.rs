@@ -72,7 +72,7 @@ impl BrokerClient {
     /// prefix, billed once to the tenant for as long as any client uses it. The publisher is
     /// its first user; it lets go with [`close_prefix`](Self::close_prefix) or by
     /// disconnecting. `meta` rides with the descriptors to every reader (what they need to
-    /// map them: the KV layer's `PrefixDescriptor::encode`; at most 2048 bytes of printable
+    /// map them: the KV layer's `PrefixDescriptor::encode`; at most [`MAX_META`](crate::proto::MAX_META) bytes of printable
     /// ASCII). The broker accepts only a driver's exported memory of the size given (a
     /// sealed memfd, an NVIDIA driver export, a dma-buf).
     pub fn publish_prefix(

@@ -12,7 +12,7 @@ use crate::books::BooksError;
 use crate::descriptor::check_exported;
 use crate::fdpass::MAX_FDS;
 use crate::prefixes::Published;
-use crate::proto::{valid_key, valid_meta, ErrorCode, Reply, Request};
+use crate::proto::{valid_key, valid_meta, ErrorCode, Reply, Request, MAX_META};
 
 /// Serves a `publish`, `open`, `close` or `claim_prefix` of `client`.
 pub(super) fn request(
@@ -105,9 +105,11 @@ fn publish(
         || published.fds.len() > MAX_FDS
         || published.sizes.contains(&0)
     {
-        let why = "a prefix needs a valid key, 1 to 64 descriptors of nonzero size and at most \
-                   2048 bytes of printable meta";
-        return Next::Close(Some(error(id, ErrorCode::Invalid, why)));
+        let why = format!(
+            "a prefix needs a valid key, 1 to 64 descriptors of nonzero size and at most \
+             {MAX_META} bytes of printable meta"
+        );
+        return Next::Close(Some(error(id, ErrorCode::Invalid, &why)));
     }
     for (i, (fd, size)) in published.fds.iter().zip(&published.sizes).enumerate() {
         if let Err(why) = check_exported(fd.as_fd(), *size) {

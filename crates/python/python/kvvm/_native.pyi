@@ -1,6 +1,7 @@
 """Type stubs of the native module ``kvvm._native`` (built from crates/python/src)."""
 
 import os
+from collections.abc import Callable
 from typing import Any, Self, final
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "HostTier",
     "SwappedKv",
     "BACKEND_NAMES",
+    "PREFIX_META_BYTES",
     "__version__",
     "KvvmError",
     "BackpressureError",
@@ -37,6 +39,7 @@ __all__ = [
 ]
 
 BACKEND_NAMES: list[str]
+PREFIX_META_BYTES: int
 __version__: str
 
 @final
@@ -200,9 +203,9 @@ class SharedPrefix:
     def shared_tokens(self) -> int: ...
     @property
     def bytes(self) -> int: ...
-    def publish(self, manager: Manager, key: str) -> int: ...
+    def publish(self, manager: Manager, key: str, meta: str = "") -> int: ...
     @staticmethod
-    def open(manager: Manager, key: str, plan: LayoutPlan) -> SharedPrefix: ...
+    def open(manager: Manager, key: str, plan: LayoutPlan | Callable[[str], LayoutPlan]) -> SharedPrefix: ...
     def attach(self, sequence: Sequence, first: int | None = None) -> int: ...
 
 @final

@@ -17,6 +17,7 @@ from .._native import (
     LayoutPlan,
     Manager,
     MemorySnapshot,
+    PREFIX_META_BYTES,
     PrefixCache,
     Sequence,
     SequenceBatch,
@@ -28,7 +29,7 @@ from .._native import (
 from .config import config_dtype, decoder_config, dtype_name, geometry_from_config, open_backend
 
 __all__ = [
-    "BACKEND_NAMES", "Backend", "HostTier", "KvGeometry", "LayoutPlan", "Manager", "MemorySnapshot", "PrefixCache",
-    "Sequence", "SequenceBatch", "SharedPrefix", "SwappedKv", "TensorView", "__version__",
+    "BACKEND_NAMES", "Backend", "HostTier", "KvGeometry", "LayoutPlan", "Manager", "MemorySnapshot", "PREFIX_META_BYTES",
+    "PrefixCache", "Sequence", "SequenceBatch", "SharedPrefix", "SwappedKv", "TensorView", "__version__",
     "config_dtype", "decoder_config", "dtype_name", "geometry_from_config", "open_backend",
 ]

@@ -16,16 +16,20 @@ Requires torch and transformers.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
-from ..bindings import LayoutPlan, Manager, SequenceBatch, SharedPrefix, decoder_config, geometry_from_config
+from ..bindings import (
+    PREFIX_META_BYTES, LayoutPlan, Manager, SequenceBatch, SharedPrefix, decoder_config, geometry_from_config,
+)
 from ..errors import InvalidArgumentError
 from ..kernels.fp8 import kv_storage
 from .architectures import check_servable
 from .cache import KvvmCache, cache_argument
 from .cache_groups import LayerGroup, group_plan, layer_groups
+from .prefix_meta import Published, describe
 
 __all__ = ["KvvmPrefix", "group_key"]
 
@@ -59,8 +63,8 @@ class KvvmPrefix:
 
     An FP8 prefix (``kv_dtype="fp8_e4m3"``, :mod:`kvvm.kernels.fp8`) keeps the scales its
     tokens were written with (:attr:`kv_scales`) and gives them to every cache made from it;
-    a process that opens it passes the publisher's (``kv_scales``: the bytes in shared memory
-    do not carry them).
+    it publishes them with its KV dtype and geometry, and a process that opens it reads them
+    from there (:mod:`kvvm.transformers.prefix_meta`).
     """
 
     def __init__(
@@ -113,8 +117,13 @@ class KvvmPrefix:
         """Publishes the prefix to the node's memory broker under ``key`` (its manager leases
         from one: ``Manager(broker=...)``), each layer group's under :func:`group_key`: other
         processes of the tenant :meth:`open` it and take the same memory, billed once to the
-        tenant. Returns the bytes published. Let go of it with :meth:`close`."""
-        return sum(s.publish(self.manager, group_key(key, g)) for g, s in enumerate(self.shares))
+        tenant. With each group's handles go its KV dtype, geometry and layout and an FP8
+        prefix's scales (:func:`~kvvm.transformers.prefix_meta.describe`): what an opener
+        reads it with. Returns the bytes published. Let go of it with :meth:`close`."""
+        return sum(
+            s.publish(self.manager, group_key(key, g), describe(p, self.kv_scales, PREFIX_META_BYTES))
+            for g, (s, p) in enumerate(zip(self.shares, self.plans, strict=True))
+        )
 
     def close(self, key: str) -> int:
         """Lets go of the prefix published or opened under ``key`` once in this process (every
@@ -137,26 +146,28 @@ class KvvmPrefix:
         kv_scales: Any = None,
     ) -> KvvmPrefix:
         """The prefix another process published under ``key`` (:meth:`publish`), through
-        ``manager`` (leasing from the same broker, as the same tenant). ``max_cache_len``,
-        ``layout`` and ``dtype`` (or ``kv_dtype``) must be the publisher's (its plans; else
-        ``InvalidArgumentError``), and so must an FP8 prefix's ``kv_scales`` (not checked:
-        the shared bytes do not carry them). Its :attr:`tokens` are the publisher's prompt: prefill the
-        rest of each prompt from there. Not billed here (a request pays for the windows it
-        copies into); :attr:`last_logits` is None."""
-        cfg, specs, plans = _plans(model, manager, max_cache_len, layout, kv_storage(kv_dtype, dtype))
-        if kv_scales is not None and plans[0].geometry.dtype != "fp8":
-            raise InvalidArgumentError(f"kv_scales are an FP8 prefix's; this one holds {plans[0].geometry.dtype}")
+        ``manager`` (leasing from the same broker, as the same tenant). ``max_cache_len`` and
+        ``layout`` must be the publisher's. The KV dtype and an FP8 prefix's scales are the
+        published ones: ``dtype``/``kv_dtype`` and ``kv_scales`` may be left out (None), and
+        given ones that differ from them are refused, as are a geometry, maximum length or
+        layout that differ (``InvalidArgumentError``; nothing stays opened). A prefix whose
+        FP8 scales were too many to publish carries their digest: pass ``kv_scales`` then. A
+        prefix published without them (an older kvvm) is read as ``dtype`` (None: the
+        model's) and refused as FP8 (its scales cannot be checked). Its :attr:`tokens` are
+        the publisher's prompt: prefill the rest of each prompt from there. Not billed here (a
+        request pays for the windows it copies into); :attr:`last_logits` is None."""
+        opening = _Opening(model, manager, max_cache_len, layout, dtype, kv_dtype, kv_scales, key)
         shares: list[SharedPrefix] = []
         try:
-            for g, plan in enumerate(plans):
-                shares.append(SharedPrefix.open(manager, group_key(key, g), plan))
+            for g in range(opening.groups):
+                shares.append(SharedPrefix.open(manager, group_key(key, g), partial(opening.plan, g)))
         except Exception:
             for g in range(len(shares)):
                 manager.close_prefix(group_key(key, g))
             raise
         if len({s.tokens for s in shares}) != 1:
             raise InvalidArgumentError(f"the layer groups of the prefix {key!r} hold different token counts")
-        return cls(cfg, manager, specs, plans, None, shares, kv_scales)
+        return cls(opening.cfg, manager, opening.specs, opening.plans, None, shares, opening.kv_scales)
 
     @classmethod
     @torch.no_grad()
@@ -221,3 +232,65 @@ class KvvmPrefix:
             batches.append(batch)
             firsts.append(first)
         return batches, firsts
+
+
+class _Opening:
+    """The plans :meth:`KvvmPrefix.open` maps a published prefix's layer groups with: chosen
+    when the first group's reader words arrive (the published KV dtype unless the opener
+    named one), each group's words checked against its plan."""
+
+    def __init__(
+        self, model: Any, manager: Manager, max_cache_len: int, layout: str, dtype: Any, kv_dtype: Any, kv_scales: Any,
+        key: str,
+    ) -> None:
+        self.args = (model, manager, max_cache_len, layout)
+        self.asked = kv_storage(kv_dtype, dtype)
+        self.passed_scales = kv_scales
+        self.key = key
+        self.cfg: Any = None
+        self.specs: list[LayerGroup] = []
+        self.plans: list[LayoutPlan] = []
+        self.kv_scales: Any = None
+        self.words = False
+        check_servable(model)
+        self.groups = len(layer_groups(decoder_config(model.config), max_cache_len))
+
+    def plan(self, group: int, words: str) -> LayoutPlan:
+        """Group ``group``'s plan, given the reader words it was published with (the first
+        group's choose the plans; every other group's must say the same scales)."""
+        published = Published(self.key, words)
+        if not self.plans:
+            self._choose(published)
+            self.words = bool(words)
+            return self.plans[0]
+        plan = self.plans[group]
+        if bool(words) != self.words:
+            raise InvalidArgumentError(
+                f"the layer groups of the prefix {self.key!r} were published by different kvvm versions"
+            )
+        published.check(plan)
+        scales = published.scales(plan, self.passed_scales) if words else None
+        if scales is not None and not torch.equal(scales, self.kv_scales):
+            raise InvalidArgumentError(
+                f"the layer groups of the prefix {self.key!r} were published with different scales"
+            )
+        return plan
+
+    def _choose(self, published: Published) -> None:
+        """The plans and scales: the published dtype unless one was asked for."""
+        storage = self.asked
+        if storage is None and published.dtype is not None:
+            storage = published.dtype
+        self.cfg, self.specs, self.plans = _plans(*self.args, storage)
+        plan = self.plans[0]
+        if published.dtype is None:
+            if plan.geometry.dtype == "fp8":
+                raise InvalidArgumentError(
+                    f"the prefix {self.key!r} was published without its KV dtype and scales (an older kvvm): "
+                    "its bytes cannot be checked as FP8; publish it again"
+                )
+            if self.passed_scales is not None:
+                raise InvalidArgumentError(f"kv_scales are an FP8 prefix's; this one holds {plan.geometry.dtype}")
+            return
+        published.check(plan)
+        self.kv_scales = published.scales(plan, self.passed_scales)
