@@ -85,7 +85,10 @@ impl PrefixCache {
     /// ``prompt_tokens``, ``owned_prefix_tokens``, ``shared_bytes``, ``copied_bytes``,
     /// ``committed_bytes``, ``host_hit_tokens`` (of ``hit_tokens``, those copied back from the
     /// host level). Write tokens ``hit_tokens..prompt_tokens``, then :meth:`publish`.
-    #[pyo3(signature = (sequence, token_ids, host_min_tokens = Some(Count(1))))]
+    #[pyo3(
+        signature = (sequence, token_ids, host_min_tokens = Some(Count(1))),
+        text_signature = "($self, sequence, token_ids, host_min_tokens=1)"
+    )]
     fn admit<'py>(
         &self,
         py: Python<'py>,
