@@ -218,7 +218,7 @@ class KvManager:
         if not torch.equal(theirs, mine):
             raise InvalidArgumentError(
                 "the FP8 prefix was written with other kv_scales than this engine's: its tokens would be "
-                "read with the wrong scales (open it with the publisher's kv_scales, and make the engine with them)"
+                "read with the wrong scales (make the engine with the opened prefix's kv_scales)"
             )
 
     def clear_prefixes(self) -> None:
