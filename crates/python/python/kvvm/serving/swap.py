@@ -226,6 +226,8 @@ class Swapper:
         tokens = min(cache.state.host_lengths[slot], len(r.prompt) + len(r.tokens) - 1)
         if tokens <= 0 or not self._wanted(tokens):
             return False
+        # Its windows are unmapped before the slot is freed: no group reads through it.
+        self.kv.unshare(slot)
         stream = torch.cuda.current_stream(self.kv.device) if self.kv.device.type == "cuda" else None
         swaps: list[SwappedKv] = []
         try:
