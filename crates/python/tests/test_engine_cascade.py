@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host b
 
 #: A tiny fp32 Llama (2 layers, 4 heads over 2 KV heads), the engine and its tokens by trace.
 _COMMON = """
-import torch, kvvm
+import gc, torch, kvvm
 import kvvm.kernels.cascade as kc
 from transformers import LlamaConfig, LlamaForCausalLM
 from kvvm.engine import Engine
@@ -53,8 +53,16 @@ def ids(n, seed):
     return torch.randint(0, VOCAB, (n,), generator=g).tolist()
 
 def preempt_youngest(engine):
+    gc.collect()  # (see step)
     with engine._lock:
         engine.scheduler._make_room(SchedulerOutput())
+
+def step(engine, n=1):
+    # The plain Triton decode kernel in the interpreter leaves a view of the cache in a
+    # reference cycle now and then (an admission then finds it alive): collected first.
+    for _ in range(n):
+        gc.collect()
+        engine.step()
 
 def groups(engine):
     t = engine.cache.cascade_tables()
@@ -80,31 +88,32 @@ def test_the_engine_decodes_the_same_tokens_with_the_cascade() -> None:
             model = llama(0)
             mgr = kvvm.Manager("host", precommit=True, host_budget_bytes=(64 << 20) if swap else None)
             extra = dict(host_tier_bytes=16 << 20, swap="always") if swap else {}
-            engine = Engine(model, slots=6, max_len=160, manager=mgr, prefill_chunk=32, prefix_cache_bytes=32 << 20,
+            engine = Engine(model, slots=8, max_len=160, manager=mgr, prefill_chunk=32, prefix_cache_bytes=32 << 20,
                             compile=False, cascade=cascade, **extra)
             assert engine.cache.cascade == cascade
             a, b = ids(40, 1), ids(50, 2)
             # The publishers of two prefixes, then requests hitting them (32 and 48 tokens:
             # whole blocks of 16, copied), one hitting nothing; more join as others leave.
             first = [engine.submit(a + ids(5, 10), 12), engine.submit(b + ids(3, 11), 9)]
-            engine.run(max_steps=4)
+            step(engine, 4)
             reqs = first + [engine.submit(a + ids(n, 20 + n), m) for n, m in ((4, 10), (7, 14), (2, 6))]
-            reqs += [engine.submit(b + ids(6, 30), 11), engine.submit(ids(30, 40), 8)]
+            reqs += [engine.submit(b + ids(n, 30 + n), m) for n, m in ((6, 11), (2, 9), (8, 12))]
+            reqs.append(engine.submit(ids(30, 40), 8))
             seen, steps = 0, 0
             while not engine.idle:
-                engine.step()
+                step(engine)
                 steps += 1
                 seen = max(seen, groups(engine))
                 if steps == 6:
                     # The youngest leaves and comes back later.
                     preempt_youngest(engine)
-                    assert all(engine.cache.shared_tokens(s) in (0, 32, 48) for s in range(6))
+                    assert all(engine.cache.shared_tokens(s) in (0, 32, 48) for s in range(8))
                 if steps == 9:
                     reqs += [engine.submit(a + ids(9, 50), 7), engine.submit(b + ids(4, 51), 5)]
             hits = sorted(r.prefix_hit_tokens for r in reqs)
             stats = engine.stats
             assert stats.preempted == 1 and (stats.swapped_out == 1) == swap, stats
-            assert all(engine.cache.shared_tokens(s) == 0 for s in range(6)), "freed slots share nothing"
+            assert all(engine.cache.shared_tokens(s) == 0 for s in range(8)), "freed slots share nothing"
             engine.close()
             return [r.tokens for r in reqs], hits, seen
 
@@ -114,8 +123,8 @@ def test_the_engine_decodes_the_same_tokens_with_the_cascade() -> None:
             assert calls[0] == 0 and seen == 0
             got, hits2, seen2 = trace(True, swap)
             assert got == want, (swap, got, want)
-            assert hits == hits2 and hits.count(32) >= 4 and hits.count(48) >= 2, hits
-            assert calls[0] > 0 and seen2 >= 1, (calls, seen2)
+            assert hits == hits2 and hits.count(32) >= 4 and hits.count(48) >= 4, hits
+            assert calls[0] > 0 and seen2 == 2, (calls, seen2)  # both prefixes grouped in one step
             print("swap", swap, "tokens", sum(map(len, got)), "cascade calls", calls[0], "groups", seen2)
         """
     )
@@ -140,17 +149,17 @@ def test_the_same_token_ids_prefilled_again_are_another_prefix() -> None:
             made = KvvmPrefix.build(elsewhere, torch.tensor([system]), manager=mgr, max_cache_len=128)
             engine.add_prefix(system, made)
             old = [engine.submit(system + ids(3, 4), 16), engine.submit(system + ids(5, 5), 16)]
-            engine.run(max_steps=3)
+            step(engine, 3)
             assert [r.prefix_hit_tokens for r in old] == [32, 32]
             engine.kv.clear_prefixes()
             del made
             again = engine.submit(system + ids(4, 6), 3)
-            engine.run(max_steps=2)
+            step(engine, 2)
             assert again.prefix_hit_tokens == 0
             new = [engine.submit(system + ids(n, 7 + n), 8) for n in (2, 6)]
             shared = 0
             while not engine.idle:
-                engine.step()
+                step(engine)
                 shared = max(shared, groups(engine))
             assert [r.prefix_hit_tokens for r in new] == [32, 32]
             if cascade:
@@ -190,3 +199,25 @@ def test_a_sliding_window_model_runs_unchanged_with_cascade_asked_for() -> None:
     assert outs[0] == outs[1]
     with pytest.raises(kvvm.InvalidArgumentError):
         Engine(model, slots=1, max_len=64, manager=kvvm.Manager("host"), cascade="yes")  # type: ignore[arg-type]
+
+
+def test_the_serve_benchmark_runs_the_engine_with_and_without_the_cascade(tmp_path) -> None:
+    """``python -m kvvm_bench serve --cascade both``: the engine without, then with the
+    cascade, on one trace with a shared system prompt; both agree with the reference (on a CPU
+    without the interpreter the step reads every request's tokens: the flag's plumbing)."""
+    import json
+
+    import kvvm_bench
+
+    out = tmp_path / "serve.json"
+    rc = kvvm_bench.main([
+        "serve", "--tiny", "--device", "cpu", "--backend", "host", "--requests", "4", "--prompt-lo", "8",
+        "--prompt-hi", "24", "--output", "4", "--shared-prefix", "64", "--slots", "2", "--prefill-chunk", "256",
+        "--prefix-cache-bytes", str(64 << 20), "--runners", "kvvm-engine", "--cascade", "both", "--reference",
+        "--json", str(out),
+    ])
+    assert rc == 0
+    rows = {r["runner"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"kvvm-engine", "kvvm-engine-cascade"}
+    for r in rows.values():
+        assert r["generated_tokens"] == 16 and r["agreement"] == 1.0 and r["prefix_hits"] == 3, r
