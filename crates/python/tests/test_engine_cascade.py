@@ -4,7 +4,8 @@ trace where several requests hit one cached prefix, others another or none, requ
 leave, one is preempted (recomputed, or swapped to the host and back); requests whose hits are
 the same token ids but other bytes (a prefix forgotten while a request still holds its old
 copy, then prefilled again) are never grouped; a slot freed, preempted or swapped shares
-nothing; a model without the cascade's tables (sliding windows) runs unchanged."""
+nothing; an FP8 cache groups its hits too; a model without the cascade's tables (sliding
+windows) runs unchanged."""
 
 from __future__ import annotations
 
@@ -129,6 +130,34 @@ def test_the_engine_decodes_the_same_tokens_with_the_cascade() -> None:
         """
     )
     assert "swap False" in out and "swap True" in out
+
+
+def test_an_fp8_engine_decodes_the_same_tokens_with_the_cascade() -> None:
+    out = _interpreted(
+        """
+        def trace(cascade):
+            engine = Engine(llama(0), slots=4, max_len=96, manager=kvvm.Manager("host", precommit=True),
+                            prefill_chunk=64, prefix_cache_bytes=32 << 20, compile=False, cascade=cascade,
+                            kv_dtype="fp8_e4m3", kv_scales=(0.05, 0.05))
+            system = ids(40, 3)
+            reqs = [engine.submit(system + ids(2, 4), 4)]
+            step(engine, 2)
+            reqs += [engine.submit(system + ids(n, 5 + n), 6) for n in (1, 3, 5)]
+            seen = 0
+            while not engine.idle:
+                step(engine)
+                seen = max(seen, groups(engine))
+            assert [r.prefix_hit_tokens for r in reqs] == [0, 32, 32, 32]
+            engine.close()
+            return [r.tokens for r in reqs], seen
+
+        want, _ = trace(False)
+        got, seen = trace(True)
+        assert got == want and seen == 1, (got, want, seen)
+        print("tokens", got)
+        """
+    )
+    assert "tokens" in out
 
 
 def test_the_same_token_ids_prefilled_again_are_another_prefix() -> None:
