@@ -250,3 +250,46 @@ def test_the_serve_benchmark_runs_the_engine_with_and_without_the_cascade(tmp_pa
     assert set(rows) == {"kvvm-engine", "kvvm-engine-cascade"}
     for r in rows.values():
         assert r["generated_tokens"] == 16 and r["agreement"] == 1.0 and r["prefix_hits"] == 3, r
+
+
+def test_a_swapped_request_stops_sharing_and_shares_again_once_back() -> None:
+    """Its slot unshared before the swap unmaps its windows; back (the same bytes copied into
+    another slot), it shares its prefix again with the requests that hit the same bytes."""
+    import kvvm
+    from kvvm.engine import Engine
+    from kvvm.serving.scheduler import SchedulerOutput
+    from kvvm.serving.swap import SwapCosts
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97, max_position_embeddings=512, eos_token_id=None,
+    )
+    model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    mgr = kvvm.Manager("host", precommit=True, host_budget_bytes=64 << 20)
+    engine = Engine(
+        model, slots=4, max_len=128, manager=mgr, prefill_chunk=64, prefix_cache_bytes=32 << 20, compile=False,
+        cascade=True, host_tier_bytes=16 << 20, swap="always", swap_costs=SwapCosts(1e9, 1e9, 1e-3),
+    )
+    system = list(range(3, 43))
+    engine.submit(system + [1, 2], 20)
+    engine.run(max_steps=2)
+    hitters = [engine.submit(system + [5 + i], 30) for i in range(2)]
+    engine.run(max_steps=2)
+    slots = [r.slot for r in hitters]
+    assert None not in slots
+    shared = engine.cache.shared_prefix(slots[0])
+    assert shared is not None and shared[1] == 32
+    assert engine.cache.shared_prefix(slots[1]) == shared
+    with engine._lock:
+        engine.scheduler._make_room(SchedulerOutput())  # the youngest: the second hitter
+    assert engine.stats.swapped_out == 1 and hitters[1].slot is None
+    assert engine.cache.shared_prefix(slots[1]) is None
+    while hitters[1].slot is None:
+        engine.step()
+    assert engine.stats.swapped_in == 1
+    assert engine.cache.shared_prefix(hitters[1].slot) == shared
+    engine.run()
+    assert all(engine.cache.shared_prefix(s) is None for s in range(4))
+    engine.close()

@@ -146,11 +146,21 @@ class KvManager:
         if self.cache.cascade and hit > 0 and origin:
             self.cache.share_prefix([slot], ("prefix-cache", origin), hit)
 
-    def unshare(self, slot: int) -> None:
+    def unshare(self, slot: int) -> tuple[Any, int] | None:
         """Ends ``slot``'s share before its windows change other than by a free (a swap to
-        the host): no step reads another slot's prefix through it any more."""
-        if self.cache.shared_tokens(slot):
+        the host): no step reads another slot's prefix through it any more. Returns what it
+        shared (key, tokens; None: nothing), for :meth:`reshare` once the same bytes are
+        back."""
+        shared = self.cache.shared_prefix(slot)
+        if shared is not None:
             self.cache.share_prefix([slot], None, 0)
+        return shared
+
+    def reshare(self, slot: int, shared: tuple[Any, int] | None) -> None:
+        """Marks ``slot`` as sharing what :meth:`unshare` returned, its bytes copied back
+        as they were (a swap back from the host)."""
+        if shared is not None and self.cache.cascade:
+            self.cache.share_prefix([slot], *shared)
 
     def _check_fits(self, tokens: int) -> None:
         """NeverFitsError when one request of ``tokens`` tokens, alone with the scratch window,
