@@ -2,6 +2,9 @@
 //! host's budget while there) and copied back at a later hit, byte-exact, then published and
 //! shared read-only again; the least recently used host entry dropped for room; a failed copy
 //! back falling back to a prefill; nothing held after. On the simulator and the host backend.
+//! And the origin of a hit's bytes (`AdmissionInfo::hit_origin`): one for every hit of one
+//! prefill's bytes, whatever entry or level they come from, another for the same tokens
+//! prefilled again or put together from two prefills.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -421,4 +424,119 @@ fn concurrent_admissions_and_evictions_keep_every_hit_byte_exact() {
     tier.trim(0);
     assert_eq!(vm.governor().snapshot().device(DeviceId::HOST).used(), 0);
     assert_eq!(device_held(&vm), (0, 0, 0));
+}
+
+/// Admits `ids` (host hits refused: prefilled past the device's hit), writes `salt`'s bytes
+/// past the hit, publishes; returns the sequence and the admission's hit origin.
+fn prefilled(cache: &PrefixCache, ids: &[u32], salt: u8) -> (SequenceKv, u64) {
+    let n = ids.len() as u64;
+    let mut seq = SequenceKv::new(cache.vm(), cache.plan(), 2048).unwrap();
+    let info = cache.admit_into_with_host(ids, &mut seq, u64::MAX).unwrap();
+    let hit = info.hit_tokens;
+    let bytes: Vec<u8> = pattern(hit, n - hit).iter().map(|b| b ^ salt).collect();
+    seq.write_tokens(hit, &bytes).unwrap();
+    cache.publish(&mut seq).unwrap();
+    (seq, info.hit_origin)
+}
+
+fn with_tail(ids: &[u32], tail: &[u32]) -> Vec<u32> {
+    ids.iter().chain(tail).copied().collect()
+}
+
+#[test]
+fn every_hit_of_one_prefill_has_its_origin_whatever_entry_it_hits() {
+    let vm = manager(sim(), None);
+    let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);
+    let system: Vec<u32> = (0..200).collect();
+    // The first request prefills the system prompt (and its own blocks): no hit, no origin.
+    let (_first, none) = prefilled(&cache, &with_tail(&system, &[9000; 40]), 0);
+    assert_eq!(none, 0);
+    // The second hits the system prompt's 12 whole blocks and publishes its own blocks past
+    // them (a second entry); the third hits that newer entry: the same bytes, one origin.
+    let (_second, o2) = prefilled(&cache, &with_tail(&system[..192], &[9001; 40]), 0);
+    let third = cache
+        .admit(&with_tail(&system[..192], &[9002; 40]), 2048)
+        .unwrap();
+    assert_eq!((third.hit_tokens, third.hit_origin), (192, o2));
+    assert_ne!(o2, 0);
+    // 192 tokens of 512 bytes: one window of 128 tokens mapped read-only, the rest copied.
+    assert_eq!(third.readonly_tokens, 128);
+    assert!(read(&third.sequence, 0, 192) == pattern(0, 192));
+    // A hit of fewer tokens of the same prefill: the same origin (a pair with the tokens).
+    let short = cache
+        .admit(&with_tail(&system[..64], &[9003; 3]), 2048)
+        .unwrap();
+    assert_eq!(
+        (short.hit_tokens, short.hit_origin, short.readonly_tokens),
+        (64, o2, 0)
+    );
+    // Past the first prefill's tokens, the second's blocks: another origin.
+    let past = cache
+        .admit(&with_tail(&system[..192], &[9001; 40]), 2048)
+        .unwrap();
+    assert_eq!(past.hit_tokens, 224);
+    assert_ne!(past.hit_origin, o2);
+}
+
+#[test]
+fn the_same_tokens_prefilled_again_have_another_origin() {
+    let vm = manager(sim(), None);
+    let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);
+    let ids: Vec<u32> = (0..160).collect();
+    drop(prefilled(&cache, &ids, 0));
+    let old = cache.admit(&with_tail(&ids, &[1]), 2048).unwrap();
+    assert_eq!(old.hit_tokens, 160);
+    // Forgotten while the old request still maps it, then prefilled again (other bytes).
+    cache.clear();
+    let (_again, none) = prefilled(&cache, &ids, 0x33);
+    assert_eq!(none, 0, "the prefix is computed again");
+    let new = cache.admit(&with_tail(&ids, &[1]), 2048).unwrap();
+    assert_eq!(new.hit_tokens, 160);
+    assert_ne!(
+        new.hit_origin, old.hit_origin,
+        "same token ids, another prefill"
+    );
+    assert!(read(&new.sequence, 0, 160) != read(&old.sequence, 0, 160));
+}
+
+#[test]
+fn a_host_hit_keeps_its_origin_unless_the_device_maps_another_prefills_bytes() {
+    let vm = manager(sim(), None);
+    let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);
+    let ids: Vec<u32> = (0..384).collect();
+    drop(prefilled(&cache, &ids, 0));
+    let device = cache.admit(&with_tail(&ids, &[5]), 2048).unwrap();
+    let origin = device.hit_origin;
+    drop(device);
+    cache.evict(u64::MAX);
+    // Copied back from the host: the evicted prefill's bytes and origin.
+    let mut back = cache.admit(&with_tail(&ids, &[6]), 2048).unwrap();
+    assert_eq!((back.host_hit_tokens, back.hit_origin), (384, origin));
+    back.sequence.write_tokens(384, &pattern(384, 1)).unwrap();
+    drop(back);
+    cache.clear();
+    drop(prefilled(&cache, &ids, 0));
+    cache.evict(u64::MAX);
+    // The first window prefilled again on the device (other bytes), then a longer hit on the
+    // host past it: the device's window maps the new bytes, the rest are the old prefill's.
+    let (_window, _) = prefilled(&cache, &with_tail(&ids[..128], &[9999]), 0x77);
+    let mixed = cache.admit(&with_tail(&ids, &[7]), 2048).unwrap();
+    assert_eq!(
+        (
+            mixed.hit_tokens,
+            mixed.host_hit_tokens,
+            mixed.readonly_tokens
+        ),
+        (384, 384, 128)
+    );
+    let fresh = cache.admit(&with_tail(&ids[..128], &[8]), 2048).unwrap();
+    assert_eq!(fresh.hit_tokens, 128);
+    assert_ne!(mixed.hit_origin, fresh.hit_origin);
+    assert!(
+        read(&mixed.sequence, 0, 128) != pattern(0, 128),
+        "the device's window: other bytes"
+    );
+    assert!(read(&mixed.sequence, 128, 256) == pattern(128, 256));
+    assert_ne!(mixed.hit_origin, 0);
+    assert_ne!(mixed.hit_origin, origin);
 }

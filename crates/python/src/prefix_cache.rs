@@ -84,7 +84,11 @@ impl PrefixCache {
     /// than the device's (None: never). Returns a dict with ``hit_tokens``,
     /// ``prompt_tokens``, ``owned_prefix_tokens``, ``shared_bytes``, ``copied_bytes``,
     /// ``committed_bytes``, ``host_hit_tokens`` (of ``hit_tokens``, those copied back from the
-    /// host level). Write tokens ``hit_tokens..prompt_tokens``, then :meth:`publish`.
+    /// host level), ``readonly_tokens`` (of ``hit_tokens``, those lying wholly in the windows
+    /// mapped read-only; the rest were copied) and ``hit_origin`` (0 without a hit: two
+    /// admissions of this process with the same ``hit_origin`` and ``hit_tokens`` hold the same
+    /// bytes in those tokens, from one prefill; the same token ids prefilled again get
+    /// another). Write tokens ``hit_tokens..prompt_tokens``, then :meth:`publish`.
     #[pyo3(
         signature = (sequence, token_ids, host_min_tokens = Some(Count(1))),
         text_signature = "($self, sequence, token_ids, host_min_tokens=1)"
@@ -116,6 +120,8 @@ impl PrefixCache {
                 ("copied_bytes", info.copied_bytes),
                 ("committed_bytes", info.committed_bytes),
                 ("host_hit_tokens", info.host_hit_tokens),
+                ("readonly_tokens", info.readonly_tokens),
+                ("hit_origin", info.hit_origin),
             ],
         )
     }

@@ -1,7 +1,9 @@
 """Continuous batching (``kvvm.engine.Engine``) on a CUDA GPU with a small random fp32 model:
 the captured decode step, chunked and batched prefill, slot reuse, a prefix-cache hit and
 preemption under a tight budget, each request's greedy tokens against a one-request-at-a-time
-DynamicCache reference, and nothing held once the engine closes. Skipped without CUDA."""
+DynamicCache reference, and nothing held once the engine closes; the engine with the cascade
+decode (two prefixes grouped in the captured step, requests joining and leaving, one
+preempted) giving the tokens of the engine without it. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -96,3 +98,62 @@ def test_a_budget_too_small_for_every_request_preempts_and_still_gets_the_refere
         assert r.tokens == _reference(ref, r.prompt, r.max_new_tokens), r.id
     engine.close()
     assert mgr.snapshot().committed == 0
+
+
+def _cascade_trace(model: object, cascade: bool) -> tuple[list[list[int]], int, int]:
+    """A trace with two cached prefixes (one of 2100 tokens: a window mapped read-only, the
+    rest copied; one of 300: copied), requests hitting neither, joins, leaves and one
+    preemption; returns every request's tokens, the most groups a step had and the cascade
+    kernel's calls (at capture)."""
+    import kvvm.kernels.cascade as kc
+
+    calls, plain = [0], kc.cascade_attention
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return plain(*args, **kwargs)
+
+    kc.cascade_attention = counted
+    try:
+        mgr = kvvm.Manager("cuda", precommit=True, headroom_tokens=4)
+        engine = Engine(model, slots=8, max_len=3000, manager=mgr, prefill_chunk=512, prefix_cache_bytes=256 << 20,
+                        cascade=cascade)
+        assert engine.cache.cascade == cascade
+        a, b = _prompts([2100, 300], seed=7)
+        reqs = [engine.submit(a + [1, 2, 3], 20), engine.submit(b + [4, 5], 20)]
+        engine.run(max_steps=8)
+        tails = _prompts([5, 40, 9, 77, 12, 3], seed=8)
+        reqs += [engine.submit((a if i % 2 else b) + t, 10 + 5 * i) for i, t in enumerate(tails)]
+        reqs.append(engine.submit(_prompts([50], seed=9)[0], 12))
+        most, steps = 0, 0
+        while not engine.idle:
+            engine.step()
+            steps += 1
+            tables = engine.cache.cascade_tables()
+            if tables is not None:
+                most = max(most, int((tables[2][:, 0] >= 0).sum().item()))
+            if steps == 12:
+                from kvvm.serving.scheduler import SchedulerOutput
+
+                with engine._lock:
+                    engine.scheduler._make_room(SchedulerOutput())
+            if steps == 20:
+                reqs.append(engine.submit(a + [9, 9], 6))
+        assert engine.stats.preempted == 1
+        engine.close()
+        return [r.tokens for r in reqs], most, calls[0]
+    finally:
+        kc.cascade_attention = plain
+
+
+def test_the_cascade_decode_gives_the_engines_tokens_in_fp32() -> None:
+    model, _ = _models()
+    want, most, calls = _cascade_trace(model, False)
+    assert most == 0 and calls == 0
+    got, most, calls = _cascade_trace(model, True)
+    assert calls > 0, "the captured step runs the cascade"
+    assert most == 2, "both prefixes grouped in one step"
+    same = sum(x == y for g, w in zip(got, want, strict=True) for x, y in zip(g, w, strict=True))
+    total = sum(len(w) for w in want)
+    print(f"cascade tokens equal to the plain step's: {same} of {total}")
+    assert got == want

@@ -11,8 +11,10 @@ use crate::error::KvCacheError;
 use crate::sequence::prefix_home::TailPins;
 use crate::sequence::{AttachedSegment, PendingPublish, SequenceKv};
 
+use super::host_level::HostHit;
 use super::records::{Admission, AdmissionInfo};
 use super::PrefixCache;
+use crate::sequence::lineage::Lineage;
 
 impl PrefixCache {
     /// Admits a request: reserves its sequence (at most `max_tokens` tokens), maps the
@@ -145,7 +147,7 @@ impl PrefixCache {
         let prompt = token_ids.len() as u64;
         let hashes = self.block_hashes(token_ids);
         let blocks = hashes.len() as u64;
-        let (hit_tokens, segments) = self.longest_hit(token_ids, &hashes);
+        let (hit_tokens, segments, device_lineage) = self.longest_hit(token_ids, &hashes);
         // The tails copied from are not given back under pressure until the copy is done.
         let _pins = TailPins::new(segments.iter().map(|s| &s.prefix));
         let hit_tokens = hit_tokens.min(seq.chain_tokens(&segments));
@@ -165,17 +167,28 @@ impl PrefixCache {
             owned_prefix_tokens = end_tokens - hit_tokens;
         }
         seq.ensure_tokens(prompt)?;
-        let (hit_tokens, copied_bytes, host_hit_tokens) = match host {
+        let device_hit = |seq: &mut SequenceKv| -> Result<_, KvCacheError> {
+            let bytes = seq.copy_chain(&segments, hit_tokens)?;
+            Ok((hit_tokens, bytes, 0, device_lineage.truncated(hit_tokens)))
+        };
+        let (hit_tokens, copied_bytes, host_hit_tokens, lineage) = match host {
             Some(h) => match self.copy_from_host(seq, &h) {
-                Ok(bytes) => (h.tokens, bytes, h.tokens),
+                Ok(bytes) => {
+                    let lineage = self.host_hit_lineage(&device_lineage, &h, readonly_end);
+                    (h.tokens, bytes, h.tokens, lineage)
+                }
                 Err((e, false)) => return Err(e),
                 Err((e, true)) => {
                     tracing::warn!(error = %e, "a prefix's copy back failed; prefilled");
-                    (hit_tokens, seq.copy_chain(&segments, hit_tokens)?, 0)
+                    device_hit(seq)?
                 }
             },
-            None => (hit_tokens, seq.copy_chain(&segments, hit_tokens)?, 0),
+            None => device_hit(seq)?,
         };
+        if let Some(pending) = seq.pending.as_mut() {
+            pending.lineage = lineage.extended(end_tokens);
+        }
+        let readonly_tokens = self.tokens_before_window(readonly_end).min(hit_tokens);
         let committed_bytes = seq.committed_bytes().saturating_sub(shared_bytes);
         self.count_admission(hit_tokens, shared_bytes, host_hit_tokens);
         tracing::debug!(
@@ -194,13 +207,44 @@ impl PrefixCache {
             copied_bytes,
             committed_bytes,
             host_hit_tokens,
+            readonly_tokens,
+            hit_origin: lineage.origin_at(hit_tokens),
         })
     }
 
+    /// Tokens lying wholly before window `w` in every fragment.
+    fn tokens_before_window(&self, w: u64) -> u64 {
+        w.saturating_mul(self.plan.granule()) / self.plan.fragment_bytes_per_token().max(1)
+    }
+
+    /// Where the bytes of a host hit `h` copied back past the `readonly_end` windows a shorter
+    /// device hit (of `device` runs) maps came from: the host entry's runs when the device's
+    /// agree with them on every token with a byte in those windows; otherwise (another
+    /// prefill's bytes before, the host's after) the device's runs of the tokens lying wholly
+    /// in them, then an origin of their own.
+    fn host_hit_lineage(&self, device: &Lineage, h: &HostHit, readonly_end: u64) -> Lineage {
+        let bpt = self.plan.fragment_bytes_per_token().max(1);
+        let touched = readonly_end
+            .saturating_mul(self.plan.granule())
+            .div_ceil(bpt)
+            .min(h.tokens);
+        if device.agrees(&h.lineage, touched) {
+            h.lineage.truncated(h.tokens)
+        } else {
+            device
+                .truncated(self.tokens_before_window(readonly_end).min(h.tokens))
+                .extended(h.tokens)
+        }
+    }
+
     /// The longest cached prefix of `token_ids` (`hashes` its block hashes), in whole blocks:
-    /// its tokens and the segments of the entry holding it (none on a miss). Marks the entry
-    /// used.
-    fn longest_hit(&self, token_ids: &[u32], hashes: &[u64]) -> (u64, Vec<AttachedSegment>) {
+    /// its tokens, the segments of the entry holding it and where their bytes came from (none
+    /// on a miss). Marks the entry used.
+    fn longest_hit(
+        &self,
+        token_ids: &[u32],
+        hashes: &[u64],
+    ) -> (u64, Vec<AttachedSegment>, Lineage) {
         let bt = usize::try_from(self.block_tokens).unwrap_or(usize::MAX);
         let mut st = self.lock();
         st.stats.lookups += 1;
@@ -221,14 +265,14 @@ impl PrefixCache {
             }
         }
         let Some((id, n)) = found else {
-            return (0, Vec::new());
+            return (0, Vec::new(), Lineage::default());
         };
         match st.entries.get_mut(&id) {
             Some(e) => {
                 e.last_used = tick;
-                (n as u64, e.segments.clone())
+                (n as u64, e.segments.clone(), e.lineage.truncated(n as u64))
             }
-            None => (0, Vec::new()),
+            None => (0, Vec::new(), Lineage::default()),
         }
     }
 
@@ -270,6 +314,7 @@ impl PrefixCache {
             tokens: token_ids[..n.min(token_ids.len())].to_vec(),
             segments: all,
             cache_id: self.id,
+            lineage: Lineage::default(),
         });
         Ok(())
     }

@@ -30,6 +30,7 @@ use kvvm_num::{add, mul};
 use super::{PrefixCache, State};
 use crate::error::KvCacheError;
 use crate::host_tier::{copy_runs, queue_runs, runs, wait_fence, HostChunks, HostTier};
+use crate::sequence::lineage::Lineage;
 use crate::sequence::prefix_home::TailPins;
 use crate::sequence::{AttachedSegment, SequenceKv};
 
@@ -38,6 +39,7 @@ use crate::sequence::{AttachedSegment, SequenceKv};
 pub(crate) struct HostEntry {
     tokens: Vec<u32>,
     hashes: Vec<u64>,
+    lineage: Lineage,
     chunks: Arc<HostChunks>,
     windows: Vec<u64>,
     last_used: u64,
@@ -136,10 +138,12 @@ impl HostLevel {
     }
 }
 
-/// A host hit chosen at admission: the entry, the tokens it hands on, what to copy.
+/// A host hit chosen at admission: the entry, the tokens it hands on (and where their bytes
+/// came from), what to copy.
 pub(crate) struct HostHit {
     pub(crate) id: u64,
     pub(crate) tokens: u64,
+    pub(crate) lineage: Lineage,
     chunks: Arc<HostChunks>,
     windows: Vec<u64>,
 }
@@ -165,9 +169,16 @@ impl PrefixCache {
         self.tier.get()
     }
 
-    /// Copies an entry being evicted (its `tokens`, `hashes` and `segments`) to the host
-    /// level, when the cache has one; see the module's documentation for each failure.
-    pub(super) fn to_host(&self, tokens: &[u32], hashes: &[u64], segments: &[AttachedSegment]) {
+    /// Copies an entry being evicted (its `tokens`, `hashes`, `segments` and `lineage`) to
+    /// the host level, when the cache has one; see the module's documentation for each
+    /// failure.
+    pub(super) fn to_host(
+        &self,
+        tokens: &[u32],
+        hashes: &[u64],
+        segments: &[AttachedSegment],
+        lineage: &Lineage,
+    ) {
         let Some(tier) = self.tier.get() else {
             return;
         };
@@ -223,6 +234,7 @@ impl PrefixCache {
             st.host.insert(HostEntry {
                 tokens: tokens[..kept].to_vec(),
                 hashes: hashes.to_vec(),
+                lineage: lineage.truncated(kept as u64),
                 chunks: Arc::new(chunks),
                 windows,
                 last_used: tick,
@@ -333,6 +345,7 @@ impl PrefixCache {
                     return Some(HostHit {
                         id,
                         tokens: n as u64,
+                        lineage: e.lineage.truncated(n as u64),
                         chunks: Arc::clone(&e.chunks),
                         windows: e.windows.clone(),
                     });

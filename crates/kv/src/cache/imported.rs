@@ -7,6 +7,7 @@ use std::sync::Arc;
 use crate::cache::records::PublishOutcome;
 use crate::cache::PrefixCache;
 use crate::error::KvCacheError;
+use crate::sequence::lineage::Lineage;
 use crate::sequence::prefix::SharedDevicePrefix;
 use crate::sequence::AttachedSegment;
 
@@ -77,7 +78,9 @@ impl PrefixCache {
             )));
         }
         let hashes = self.block_hashes(&token_ids);
-        Ok(self.insert_entry(token_ids, hashes, chained))
+        // Bytes written elsewhere: an origin of their own.
+        let lineage = Lineage::fresh(n);
+        Ok(self.insert_entry(token_ids, hashes, chained, lineage))
     }
 
     /// `segments` as a chain from window 0: each taken up to the next one's first window.

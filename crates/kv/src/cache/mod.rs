@@ -33,6 +33,7 @@ pub(crate) mod records;
 
 use crate::error::KvCacheError;
 use crate::host_tier::HostTier;
+use crate::sequence::lineage::Lineage;
 use crate::sequence::prefix::SharedDevicePrefix;
 use crate::sequence::{check_plan_granule, AttachedSegment, SequenceKv};
 use kvvm_layout::LayoutPlan;
@@ -44,6 +45,7 @@ struct Entry {
     tokens: Vec<u32>,
     hashes: Vec<u64>,
     segments: Vec<AttachedSegment>,
+    lineage: Lineage,
     last_used: u64,
 }
 
@@ -247,17 +249,23 @@ impl PrefixCache {
             }
             Err(e) => return Err(e),
         }
-        Ok(self.insert_entry(pending.tokens, pending.hashes, pending.segments))
+        Ok(self.insert_entry(
+            pending.tokens,
+            pending.hashes,
+            pending.segments,
+            pending.lineage,
+        ))
     }
 
-    /// Inserts an entry of `tokens` (with their block `hashes`) held by `segments` unless an
-    /// entry of the same tokens is cached; then enforces
+    /// Inserts an entry of `tokens` (with their block `hashes`) held by `segments`, whose
+    /// bytes came from `lineage`, unless an entry of the same tokens is cached; then enforces
     /// [`PrefixCacheConfig::max_cached_bytes`].
     fn insert_entry(
         &self,
         tokens: Vec<u32>,
         hashes: Vec<u64>,
         segments: Vec<AttachedSegment>,
+        lineage: Lineage,
     ) -> PublishOutcome {
         let needed = tokens.len() as u64;
         let bytes = segments.last().map_or(0, |s| s.prefix.bytes());
@@ -286,6 +294,7 @@ impl PrefixCache {
                         tokens,
                         hashes,
                         segments,
+                        lineage,
                         last_used: tick,
                     },
                 );
@@ -407,7 +416,12 @@ impl PrefixCache {
                 }
             };
             let Some(victim) = victim else { break };
-            self.to_host(&victim.tokens, &victim.hashes, &victim.segments);
+            self.to_host(
+                &victim.tokens,
+                &victim.hashes,
+                &victim.segments,
+                &victim.lineage,
+            );
             drop(victim);
             self.vm.trim_pool(pooled);
             let after = self.vm.governor().snapshot().device(device).used();

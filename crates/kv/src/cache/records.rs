@@ -158,6 +158,15 @@ pub struct AdmissionInfo {
     /// Of `hit_tokens`, 0 for a hit on the device, or all of them for a hit copied back from
     /// the prefix cache's host level.
     pub host_hit_tokens: u64,
+    /// Of `hit_tokens`, those lying wholly in the windows mapped read-only (the rest of the
+    /// hit was copied into the sequence's own windows).
+    pub readonly_tokens: u64,
+    /// Where the hit's bytes came from (0 without a hit): two admissions in one process with
+    /// the same `hit_origin` and `hit_tokens` hold the same bytes in tokens `0..hit_tokens`,
+    /// mapped from one physical copy or copied from it (or from a copy of it on the host
+    /// level), whatever entry each hit; a prefix evicted and prefilled again, or inserted
+    /// again from elsewhere, gets another origin, although its token ids are the same.
+    pub hit_origin: u64,
 }
 
 /// What `PrefixCache::publish` did.

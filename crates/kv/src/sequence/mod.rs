@@ -24,11 +24,13 @@
 //! | `prefix_setup.rs` | making a prefix, sealing it, mapping it into sequences |
 //! | `prefix_copy.rs` | a sharer's side: the read-only windows it may map, the bytes it copies |
 //! | `prefix_export.rs` | a prefix handed to another process: export as descriptors, import |
+//! | `lineage.rs` | where a prefix's bytes came from: the origin that identifies a hit's bytes |
 //! | `swap.rs` | the sequence's windows moved to the host tier ([`SwappedKv`](swap::SwappedKv)) |
 //! | `swap_back.rs` | the steps after: its memory given back, and the way back to the same offsets |
 
 mod copy;
 mod forget;
+pub(crate) mod lineage;
 pub(crate) mod prefix;
 mod prefix_copy;
 pub(crate) mod prefix_export;
@@ -87,6 +89,9 @@ pub(crate) struct PendingPublish {
     pub(crate) segments: Vec<AttachedSegment>,
     /// Identity of the cache that admitted the sequence.
     pub(crate) cache_id: usize,
+    /// Where the blocks' bytes came from: the hit's runs, then the sequence's own prefill
+    /// (set once the admission knows its hit).
+    pub(crate) lineage: lineage::Lineage,
 }
 
 /// A commit of a sequence's next windows begun by [`SequenceKv::begin_ensure`]: run it with

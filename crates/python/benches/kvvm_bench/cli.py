@@ -249,12 +249,19 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         results.append(r)
 
     if "kvvm-engine" in runners:
-        manager = kvvm.Manager(args.backend, budget_bytes=args.budget_bytes or None, precommit=True, headroom_tokens=4)
-        done(sv.run_engine(
-            model, trace, manager=manager, slots=args.slots, max_len=max_len, prefix_cache_bytes=args.prefix_cache_bytes,
-            prefill_chunk=args.prefill_chunk, real_time=args.real_time, bandwidth=args.bandwidth, flops=args.flops,
-            fuse_projections=args.fuse_projections,
-        ))
+        # The engine without the cascade decode, with it, or both (one after the other, each
+        # on a manager of its own).
+        for cascade in {"off": [False], "on": [True], "both": [False, True]}[args.cascade]:
+            manager = kvvm.Manager(args.backend, budget_bytes=args.budget_bytes or None, precommit=True, headroom_tokens=4)
+            r = sv.run_engine(
+                model, trace, manager=manager, slots=args.slots, max_len=max_len,
+                prefix_cache_bytes=args.prefix_cache_bytes, prefill_chunk=args.prefill_chunk, real_time=args.real_time,
+                bandwidth=args.bandwidth, flops=args.flops, fuse_projections=args.fuse_projections,
+                engine_kwargs={"cascade": True} if cascade else None,
+            )
+            if cascade:
+                r.runner = "kvvm-engine-cascade"
+            done(r)
     if "generate-batch" in runners:
         done(sv.run_generate_batch(model, trace, memory_fraction=None))
         engine_peak = results[0].peak_gpu_bytes if results and results[0].peak_gpu_bytes else 0
@@ -436,6 +443,8 @@ def _serve_args(sub: Any) -> None:
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument("--padded-batch", type=int, default=64)
     p.add_argument("--fuse-projections", action="store_true", help="the engine fuses Q/K/V and gate/up (kvvm.transformers.projections)")
+    p.add_argument("--cascade", default="off", choices=["off", "on", "both"],
+                   help="the engine's cascade decode (a shared prefix read once per group): off, on, or both runs")
     p.add_argument("--real-time", action="store_true", help="submit at the arrival times (the engine)")
     p.add_argument("--reference", action="store_true", help="check greedy tokens against one request at a time (teacher-forced DynamicCache)")
     p.add_argument("--tiny", action="store_true")

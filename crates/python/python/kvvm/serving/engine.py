@@ -141,6 +141,12 @@ class Engine(EngineControl):
             ``docs/host-tier.md``). False: evicted prefixes are forgotten.
         kv_dtype, kv_scales: the cache's K/V as FP8 (``"fp8_e4m3"``; None: the model's dtype)
             and its scales, as :class:`~kvvm.transformers.KvvmCache`'s (``docs/fp8-kv.md``).
+        cascade: with a prefix cache, the decode step reads a prefix shared by several
+            requests once per group of them (the cascade decode, ``docs/cascade.md``):
+            requests whose hits hold the same bytes (one prefill's, mapped or copied) are
+            grouped, on the device, inside the captured step. The Triton kernel runs it (one
+            query token per request, CUDA); tokens are those of ``cascade=False`` up to the
+            order of summation. A model whose layers slide has no cascade (nothing changes).
 
     Raises:
         InvalidArgumentError: an argument of the wrong type or out of range.
@@ -172,6 +178,7 @@ class Engine(EngineControl):
         prefix_host: bool = True,
         kv_dtype: Any = None,
         kv_scales: Any = None,
+        cascade: bool = False,
     ) -> None:
         check_positive(slots, "slots")
         check_positive(max_len, "max_len", 2)
@@ -194,14 +201,12 @@ class Engine(EngineControl):
             self.kv = KvManager(
                 model, slots=slots, max_len=max_len, manager=manager,
                 prefix_cache_bytes=prefix_cache_bytes, prefix_handle_tokens=prefix_handle_tokens,
-                kv_dtype=kv_dtype, kv_scales=kv_scales,
+                kv_dtype=kv_dtype, kv_scales=kv_scales, cascade=cascade,
             )
         except BaseException:
             self._attention.restore()
             raise
-        self.model = model
-        self.manager = manager
-        self.max_len = max_len
+        self.model, self.manager, self.max_len = model, manager, max_len
         self._fused = fuse(model) if fuse_projections else None
         self.device = self.kv.device
         self.runner = ModelRunner(model, slots=slots, device=self.device, compile=compile)

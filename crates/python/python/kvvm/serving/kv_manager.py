@@ -61,6 +61,10 @@ class KvManager:
             ``"fp8_e4m3"``: FP8 KV) and an FP8 cache's scales, as
             :class:`~kvvm.transformers.KvvmCache`'s. The prefix cache and the host tier hold
             the cache's bytes as they are, under the same scales.
+        cascade: make the cache with the cascade decode's tables and mark each slot a
+            prefix-cache hit fills as sharing it (:meth:`admit`): the decode step reads each
+            shared prefix once per group of requests (a model whose layers slide has no
+            tables: nothing is shared, nothing changes).
     """
 
     def __init__(
@@ -74,7 +78,10 @@ class KvManager:
         prefix_handle_tokens: int = 256,
         kv_dtype: Any = None,
         kv_scales: Any = None,
+        cascade: bool = False,
     ) -> None:
+        if not isinstance(cascade, bool):
+            raise InvalidArgumentError(f"cascade must be a bool, not {cascade!r}")
         self.manager = manager
         #: The most tokens a request may reach.
         self.max_len = max_len
@@ -83,6 +90,7 @@ class KvManager:
         # K/V in the model's own dtype, unless stored as FP8.
         self.cache = KvvmCache(
             model.config, slots, max_len, manager=manager, dtype=model.dtype, kv_dtype=kv_dtype, kv_scales=kv_scales,
+            cascade=cascade,
         )
         plan = self.cache.plan
         handle_windows = max(1, prefix_handle_tokens // plan.mapped_tokens(1))
@@ -111,21 +119,48 @@ class KvManager:
         """Commits ``context`` in ``slot`` (mapping a cached prefix of it when there is one);
         the slot stays suspended until its prefill is done. Raises NeverFitsError, before
         anything is committed, for a context the budget can never hold beside the scratch
-        window; on any refusal the slot is left free."""
+        window; on any refusal the slot is left free. With the cascade, a slot given a hit
+        shares it with every slot given the same bytes (:meth:`_share`)."""
         self._check_fits(len(context))
         seq = self.cache.batch[slot]
-        hit, host, ms = 0, 0, 0.0
+        hit, host, ms, origin = 0, 0, 0.0, 0
         try:
             with self.cache.unbound():
                 if self.prefix_cache is not None:
-                    hit, host, ms = self._lookup_prefix(seq, context)
+                    hit, host, ms, origin = self._lookup_prefix(seq, context)
                 self.cache.ensure_slot(slot, len(context))
         except KvvmError:
             self.cache.free(slot)
             raise
         self.cache.state.set_lengths({slot: hit}, {slot: 0})
         self.cache.state.suspend(slot)
+        self._share(slot, hit, origin)
         return Admission(hit, ms, host_tokens=host)
+
+    def _share(self, slot: int, hit: int, origin: int) -> None:
+        """Marks ``slot``'s first ``hit`` tokens as the prefix of origin ``origin`` (the
+        cascade reads a group's prefix through any member's slot: slots share only when the
+        prefix cache says their bytes are the same, one prefill's, mapped or copied; the same
+        token ids prefilled again are another prefix). Nothing without the cascade's tables
+        or a hit."""
+        if self.cache.cascade and hit > 0 and origin:
+            self.cache.share_prefix([slot], ("prefix-cache", origin), hit)
+
+    def unshare(self, slot: int) -> tuple[Any, int] | None:
+        """Ends ``slot``'s share before its windows change other than by a free (a swap to
+        the host): no step reads another slot's prefix through it any more. Returns what it
+        shared (key, tokens; None: nothing), for :meth:`reshare` once the same bytes are
+        back."""
+        shared = self.cache.shared_prefix(slot)
+        if shared is not None:
+            self.cache.share_prefix([slot], None, 0)
+        return shared
+
+    def reshare(self, slot: int, shared: tuple[Any, int] | None) -> None:
+        """Marks ``slot`` as sharing what :meth:`unshare` returned, its bytes copied back
+        as they were (a swap back from the host)."""
+        if shared is not None and self.cache.cascade:
+            self.cache.share_prefix([slot], *shared)
 
     def _check_fits(self, tokens: int) -> None:
         """NeverFitsError when one request of ``tokens`` tokens, alone with the scratch window,
@@ -164,17 +199,19 @@ class KvManager:
 
     # ---- the prefix cache ----
 
-    def _lookup_prefix(self, seq: Any, context: list[int]) -> tuple[int, int, float]:
+    def _lookup_prefix(self, seq: Any, context: list[int]) -> tuple[int, int, float, int]:
         """Maps the longest cached prefix of ``context`` into ``seq`` (or copies it back from
         the host level when that is wanted); returns the tokens hit, those of them copied back
-        from the host, and the host time of the lookup in ms. The last token is always
+        from the host, the host time of the lookup in ms and the origin of the hit's bytes
+        (``hit_origin``: 0 without a hit). The last token is always
         computed (its logits give the first new token), so it is left out: it never lies in
         read-only memory."""
         assert self.prefix_cache is not None
         began = time.perf_counter()
         host_min = self._host_min_tokens() if self._host_min_tokens is not None else None
         info = self.prefix_cache.admit(seq, context[:-1], host_min_tokens=host_min)
-        return int(info["hit_tokens"]), int(info["host_hit_tokens"]), (time.perf_counter() - began) * 1000
+        ms = (time.perf_counter() - began) * 1000
+        return int(info["hit_tokens"]), int(info["host_hit_tokens"]), ms, int(info["hit_origin"])
 
     def attach_host_level(self, tier: HostTier, min_tokens: Callable[[], int | None]) -> None:
         """Gives the prefix cache a host level over ``tier``: an evicted prefix is copied

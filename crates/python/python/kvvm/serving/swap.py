@@ -182,6 +182,8 @@ class Swapper:
                 )
         #: Swaps on the host, by request id.
         self.swaps: dict[int, list[SwappedKv]] = {}
+        #: What each swapped request's slot shared (:meth:`KvManager.unshare`), by id.
+        self._shared: dict[int, Any] = {}
         self._host_key: tuple[float | None, float | None] = (None, None)
         self._host_min: int | None = None
 
@@ -226,6 +228,9 @@ class Swapper:
         tokens = min(cache.state.host_lengths[slot], len(r.prompt) + len(r.tokens) - 1)
         if tokens <= 0 or not self._wanted(tokens):
             return False
+        # Its windows are unmapped before the slot is freed: no group reads through it. The
+        # same bytes come back with the swap: shared again then.
+        shared = self.kv.unshare(slot)
         stream = torch.cuda.current_stream(self.kv.device) if self.kv.device.type == "cuda" else None
         swaps: list[SwappedKv] = []
         try:
@@ -238,6 +243,7 @@ class Swapper:
             return False
         cache.free(slot)
         self.swaps[r.id] = swaps
+        self._shared[r.id] = shared
         return True
 
     def swap_in(self, slot: int, r: Request) -> Admission | None:
@@ -253,6 +259,7 @@ class Swapper:
         if budget is not None and cache.bytes_for_tokens(len(r._context)) > budget:
             # Its context can never be held (the admission that recomputes it says so).
             del self.swaps[r.id]
+            self._shared.pop(r.id, None)
             return None
         self._check_room(len(r._context))
         done: list[Sequence] = []
@@ -273,6 +280,7 @@ class Swapper:
             return None
         tokens = swaps[0].tokens
         del self.swaps[r.id]
+        shared = self._shared.pop(r.id, None)
         try:
             # The rest of its context (at least the token whose logits come next), as an
             # admission commits it: no prefill forward asks for memory.
@@ -283,6 +291,7 @@ class Swapper:
             return None
         cache.state.set_lengths({slot: tokens}, {slot: 0})
         cache.state.suspend(slot)
+        self.kv.reshare(slot, shared)
         return Admission(tokens, (time.perf_counter() - began) * 1000, swapped=True)
 
     def _check_room(self, tokens: int) -> None:
@@ -302,11 +311,13 @@ class Swapper:
     def _drop(self, slot: int, r: Request) -> None:
         """Gives up ``r``'s swap (its host memory goes back) and frees the slot."""
         self.swaps.pop(r.id, None)
+        self._shared.pop(r.id, None)
         self.kv.free(slot)
 
     def close(self) -> None:
         """Drops every swap (their host memory goes back) and frees idle page-locked memory."""
         self.swaps.clear()
+        self._shared.clear()
         self.tier.trim()
 
 

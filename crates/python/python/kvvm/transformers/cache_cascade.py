@@ -71,6 +71,12 @@ class CacheCascade(CacheMemory):
         share = self._shares[slot]
         return 0 if share is None else share.tokens
 
+    def shared_prefix(self, slot: int) -> tuple[Hashable, int] | None:
+        """The prefix ``slot`` shares, as given to :meth:`share_prefix`: its key and tokens
+        (None: none)."""
+        share = self._shares[slot]
+        return None if share is None else (share.key, share.tokens)
+
     def cascade_tables(self) -> Tables | None:
         """The tables a step of the selected slots reads (None: no cascade): rewritten first
         when the grouping changed, outside a captured or compiled step."""
