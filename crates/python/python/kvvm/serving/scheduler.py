@@ -352,13 +352,14 @@ class Scheduler:
                 if completing:
                     produced += self._accept(slot, r, result.first_tokens[slot], result.first_logprobs.get(slot))
         lps = result.decode_logprobs or [None] * len(out.decode)
-        rows = zip(out.decode, out.decode_requests, result.decode_tokens, lps, strict=True)
-        # A request its first token finished (an end token) takes no decode token.
-        decoded = [(s, r, t, lp) for s, r, t, lp in rows if not r.done]
+        decoded = 0
+        for slot, r, token, lp in zip(out.decode, out.decode_requests, result.decode_tokens, lps, strict=True):
+            # A request its first token finished (an end token) takes no decode token.
+            if r.finish_reason is None:
+                decoded += 1
+                produced += self._accept(slot, r, token, lp)
         if decoded:
             self.stats.decode_steps += 1
-        for slot, r, token, lp in decoded:
-            produced += self._accept(slot, r, token, lp)
         return produced
 
     def _accept(self, slot: int, r: Request, token: int, logprob: TokenLogprob | None = None) -> int:
