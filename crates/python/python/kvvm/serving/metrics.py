@@ -122,6 +122,9 @@ class EngineMetrics:
             self.ttft.observe(since)
             new -= 1
             since = 0.0
+        if new == 1:
+            self.itl.observe(since)  # a decode step's token: its whole gap
+            return
         for _ in range(new):
             self.itl.observe(since / new)
 

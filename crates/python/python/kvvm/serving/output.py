@@ -26,6 +26,8 @@ log = logging.getLogger("kvvm.serving")
 
 def touched(out: SchedulerOutput) -> list[Request]:
     """The requests a step may have changed: those that took a token or finished."""
+    if not out.prefill and not out.finished:
+        return list(out.decode_requests)  # one per decode slot: no request twice
     seen: dict[int, Request] = {}
     for run in out.prefill:
         for r, done in zip(run.requests, run.completing, strict=True):

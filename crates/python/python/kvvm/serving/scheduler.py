@@ -252,6 +252,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput) -> None:
         """Admits waiting requests in order into free slots until memory refuses one (see the
         module's text for the prefix waits and the contexts that never fit)."""
+        if not self.waiting:
+            return
         free = [i for i in range(self.kv.slots) if i not in self.running]
         for r in list(self.waiting):
             if not free:
