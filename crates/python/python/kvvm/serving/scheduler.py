@@ -201,7 +201,10 @@ class Scheduler:
         prompt and every token it generated but the last, which this step writes),
         preempting the youngest running request until the KV manager grants them all."""
         while True:
-            targets = {s: len(r.prompt) + len(r.tokens) for s, r in self.running.items() if r.prefilled}
+            # A running request decodes once its context is all in the cache (``prefilled``).
+            targets = {
+                s: len(r.prompt) + len(r.tokens) for s, r in self.running.items() if r._filled >= len(r._context)
+            }
             if not targets:
                 return set()
             if self._reserve(targets):
@@ -215,8 +218,8 @@ class Scheduler:
         one that its first token finishes never needs it."""
         targets = {}
         for s, r in self.running.items():
-            if r.prefilled or r.remaining_prefill > self.prefill_chunk:
-                continue
+            if not 0 < len(r._context) - r._filled <= self.prefill_chunk:
+                continue  # decoding, or its prefill does not end this step
             generated = len(r.tokens) + 1
             if generated < r.max_new_tokens and len(r.prompt) + generated < self.max_len:
                 targets[s] = len(r.prompt) + generated
