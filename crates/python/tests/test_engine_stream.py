@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -61,6 +62,48 @@ def _holds_only_the_scratch(eng: Engine) -> None:
     snap = eng.manager.snapshot()
     assert eng.idle and not eng.running, (eng.waiting, eng.running)
     assert (snap.committed, snap.shared) == (eng.baseline, 0), snap  # type: ignore[attr-defined]
+
+
+def test_a_steps_metrics_recorded_at_once_are_the_requests_recorded_one_by_one() -> None:
+    from kvvm.serving.metrics import EngineMetrics
+
+    one_by_one, at_once = EngineMetrics(), EngineMetrics()
+    tokens = [(1, True, 0.2), (3, False, 0.03), (0, False, 0.5), (1, False, 0.008)]
+    finished = [("stop", 1.5), ("length", 30.0), ("stop", 0.4)]
+    for t in tokens:
+        one_by_one.on_tokens(*t)
+    for f in finished:
+        one_by_one.on_finish(*f)
+    at_once.record(tokens, finished)
+    assert at_once.render() == one_by_one.render()
+    assert at_once.generated_tokens == 5 and at_once.itl.count == 4 and at_once.ttft.count == 1
+
+
+def test_a_publish_wakes_a_blocked_reader_and_one_with_none_waiting_moves_the_marks() -> None:
+    from kvvm.serving.channel import OutputChannel
+
+    ch = OutputChannel()
+    ch.publish(1, 0, None)  # nobody waits: the marks move all the same
+    assert ch.marks() == (1, 0, None)
+    woke: list[tuple[int, int, str | None]] = []
+
+    def reader() -> None:
+        ch.wait((1, 0), None)
+        woke.append(ch.marks())
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    # Publish only once the reader is blocked in wait() (counted under the channel's lock;
+    # the deadline only bounds a broken count).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with ch._cond:  # noqa: SLF001
+            if ch._blocked:  # noqa: SLF001
+                break
+    assert ch._blocked == 1  # noqa: SLF001
+    ch.publish(2, 0, "stop")
+    t.join(10)
+    assert not t.is_alive() and woke == [(2, 0, "stop")]
 
 
 def test_the_blocking_stream_steps_the_engine_and_ends_with_the_reason(engine: Engine, models: tuple[object, object]) -> None:

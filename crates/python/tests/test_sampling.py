@@ -91,6 +91,26 @@ def test_penalties_move_the_tokens_already_seen() -> None:
     assert sampler._counts is not None and sampler._counts[0].tolist() == [0.0, 2.0, 0.0, 0.0]
 
 
+def test_a_step_of_plain_rows_takes_the_argmax_and_still_counts_the_tokens() -> None:
+    # Greedy rows with no penalty and no log-probabilities take the argmax alone (the
+    # sampler's fast path); top-k and top-p change nothing for a greedy row.
+    assert SamplingParams().plain and SamplingParams(top_k=2, top_p=0.5).plain
+    for params in [SamplingParams(temperature=0.5), SamplingParams(repetition_penalty=1.1),
+                   SamplingParams(presence_penalty=0.1), SamplingParams(logprobs=True)]:
+        assert not params.plain, params
+    logits = torch.tensor([[0.0, 2.0, 1.5, -1.0], [3.0, 0.0, 1.0, 2.0]])
+    sampler = Sampler(3, CPU)
+    penalized = Request(0, [0], 4, sampling=SamplingParams(frequency_penalty=0.3))
+    sampler.start(2, penalized, 4)
+    plain = [Request(i, [0], 4) for i in (1, 2)]
+    sampled = sampler.sample(logits, [0, 1], plain, [0, 0])
+    assert sampled.logprobs is None and sampled.asks == [-1, -1]
+    assert to_host([sampled]) == [([1, 0], [None, None])]
+    # Once a request asked for a penalty, every slot's tokens are counted, plain rows' too.
+    assert sampler._counts is not None
+    assert sampler._counts[:2].tolist() == [[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]
+
+
 def test_bad_sampling_parameters_are_refused_at_submit() -> None:
     model, _ = tiny()
     engine = Engine(model, slots=1, max_len=32, backend="host", compile=False)

@@ -32,19 +32,26 @@ class OutputChannel:
     """The published marks of one request's output and the readers waiting on them."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         #: Tokens, text characters and the finish reason published so far.
         self.tokens = 0
         self.text = 0
         self.finish_reason: str | None = None
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        #: Threads blocked in :meth:`wait` (counted under the lock: a publish with none to
+        #: wake skips the notification).
+        self._blocked = 0
 
     def publish(self, tokens: int, text: int, finish_reason: str | None) -> None:
         """Moves the marks (the engine's loop, after it appended what they cover) and wakes
         every reader."""
-        with self._cond:
+        with self._lock:  # the condition's own lock (entered without its Python wrapper)
             self.tokens, self.text, self.finish_reason = tokens, text, finish_reason
-            self._cond.notify_all()
+            if self._blocked:
+                self._cond.notify_all()
+            if not self._waiters:
+                return
             waiters, self._waiters = self._waiters, []
         for loop, fut in waiters:
             loop.call_soon_threadsafe(_wake, fut)
@@ -59,7 +66,11 @@ class OutputChannel:
         ``timeout`` seconds passed."""
         with self._cond:
             if (self.tokens, self.text) == seen and self.finish_reason is None:
-                self._cond.wait(timeout)
+                self._blocked += 1
+                try:
+                    self._cond.wait(timeout)
+                finally:
+                    self._blocked -= 1
 
     def waiter(self, seen: tuple[int, int]) -> asyncio.Future[None]:
         """A future of the running event loop, done once the marks moved past ``seen`` or the

@@ -96,21 +96,37 @@ class EngineMetrics:
     def on_tokens(self, new: int, first: bool, since: float) -> None:
         """``new`` tokens of one request arrived ``since`` seconds after its previous one (its
         submission for the first): the first is its TTFT, the others share the gap."""
-        if new <= 0:
-            return
-        with self._lock:
-            self.generated_tokens += new
-            if first:
-                self.ttft.observe(since)
-                new -= 1
-                since = 0.0
-            for _ in range(new):
-                self.itl.observe(since / new)
+        self.record([(new, first, since)], [])
 
     def on_finish(self, reason: str, seconds: float) -> None:
+        """A request finished with ``reason``, ``seconds`` after its submission."""
+        self.record([], [(reason, seconds)])
+
+    def record(self, tokens: list[tuple[int, bool, float]], finished: list[tuple[str, float]]) -> None:
+        """A step's :meth:`on_tokens` (``(new, first, since)`` each) and :meth:`on_finish`
+        (``(reason, seconds)`` each) of every request, under one lock."""
+        if not tokens and not finished:
+            return
         with self._lock:
-            self.finished[reason] += 1
-            self.e2e.observe(seconds)
+            for new, first, since in tokens:
+                self._tokens(new, first, since)
+            for reason, seconds in finished:
+                self.finished[reason] += 1
+                self.e2e.observe(seconds)
+
+    def _tokens(self, new: int, first: bool, since: float) -> None:
+        if new <= 0:
+            return
+        self.generated_tokens += new
+        if first:
+            self.ttft.observe(since)
+            new -= 1
+            since = 0.0
+        if new == 1:
+            self.itl.observe(since)  # a decode step's token: its whole gap
+            return
+        for _ in range(new):
+            self.itl.observe(since / new)
 
     def render(self, prefix: str = "kvvm_engine") -> str:
         """The engine's counters and histograms in the text format."""

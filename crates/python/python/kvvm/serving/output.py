@@ -26,6 +26,8 @@ log = logging.getLogger("kvvm.serving")
 
 def touched(out: SchedulerOutput) -> list[Request]:
     """The requests a step may have changed: those that took a token or finished."""
+    if not out.prefill and not out.finished:
+        return list(out.decode_requests)  # one per decode slot: no request twice
     seen: dict[int, Request] = {}
     for run in out.prefill:
         for r, done in zip(run.requests, run.completing, strict=True):
@@ -55,36 +57,59 @@ class OutputProcessor:
         self.metrics.on_submit(len(r.prompt))
 
     def after_step(self, requests: list[Request], scheduler: Scheduler) -> None:
-        """Publishes each request the step changed (see :meth:`publish`)."""
-        for r in requests:
-            self.publish(r, scheduler)
+        """Publishes each request the step changed (see :meth:`publish`): one clock reading
+        and one metrics update for the whole step, each request's metrics recorded before
+        its marks move."""
+        self._publish_all(requests, scheduler, time.monotonic())
 
     def publish(self, r: Request, scheduler: Scheduler) -> None:
         """Its new text (a stop string finishes it now), its metrics, then the marks its
         readers see, then its callback."""
+        self._publish_all([r], scheduler, time.monotonic())
+
+    def _publish_all(self, requests: list[Request], scheduler: Scheduler, now: float) -> None:
+        """:meth:`publish` of ``requests`` at ``now``: the text and metrics of all of them
+        first (the metrics in one update), then each one's marks and callback."""
+        tokens: list[tuple[int, bool, float]] = []
+        finished: list[tuple[str, float]] = []
+        texts = [self._text(r, scheduler) for r in requests] if self._detok else [0] * len(requests)
+        for r in requests:
+            seen = r.channel.tokens
+            if len(r.tokens) > seen:
+                first = seen == 0
+                tokens.append((len(r.tokens) - seen, first, now - (r.submitted_at if first else r.last_token_at)))
+                r.last_token_at = now
+            if r.finish_reason is not None:
+                finished.append((r.finish_reason, now - r.submitted_at))
+        self.metrics.record(tokens, finished)
+        for r, text in zip(requests, texts, strict=True):
+            r.channel.publish(len(r.tokens), text, r.finish_reason)
+            if self._cursors:
+                self._deliver(r)
+
+    def _text(self, r: Request, scheduler: Scheduler) -> int:
+        """Detokenizes ``r``'s new tokens (a stop string finishes it now); returns how much
+        of its text may be published (0 when it has no detokenizer)."""
         d = self._detok.get(r.id)
-        if d is not None and len(r.tokens) > d.added:
+        if d is None:
+            return 0
+        if len(r.tokens) > d.added:
             if d.add(r.tokens[d.added :]):
                 if not scheduler.finish(r, "stop"):
                     r.finish_reason = "stop"
             r.text = d.text
-        count = len(r.tokens)
-        new = count - r.channel.tokens
-        now = time.monotonic()
-        if new > 0:
-            first = r.channel.tokens == 0
-            self.metrics.on_tokens(new, first, now - (r.submitted_at if first else r.last_token_at))
-            r.last_token_at = now
-        text = d.safe_length(r.done) if d is not None else 0
         if r.done:
-            self.metrics.on_finish(str(r.finish_reason), now - r.submitted_at)
             self._detok.pop(r.id, None)
-        r.channel.publish(count, text, r.finish_reason)
+        return d.safe_length(r.done)
+
+    def _deliver(self, r: Request) -> None:
+        """Hands ``r``'s new delta to its callback, if it has one."""
         cursor = self._cursors.get(r.id)
-        if cursor is not None:
-            try:
-                deliver(r, cursor)
-            except Exception:  # noqa: BLE001 - a caller's callback never fails the step of others
-                log.exception("the on_output callback of request %d raised", r.id)
-            if r.done:
-                self._cursors.pop(r.id, None)
+        if cursor is None:
+            return
+        try:
+            deliver(r, cursor)
+        except Exception:  # noqa: BLE001 - a caller's callback never fails the step of others
+            log.exception("the on_output callback of request %d raised", r.id)
+        if r.done:
+            self._cursors.pop(r.id, None)

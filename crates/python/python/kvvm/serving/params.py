@@ -6,6 +6,7 @@ Torch-free: the scheduler, the HTTP front and their tests use it without a model
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass, field, replace
@@ -90,6 +91,12 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether any repetition, presence or frequency penalty applies."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @functools.cached_property
+    def plain(self) -> bool:
+        """Whether a row of this request needs nothing but the argmax of its raw logits:
+        greedy, no penalty, no log-probabilities (the sampler's fast path; computed once)."""
+        return self.greedy and not self.penalized and not self.logprobs
 
     @property
     def truncated(self) -> bool:

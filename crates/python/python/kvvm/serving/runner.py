@@ -68,7 +68,7 @@ class ModelRunner:
                     result.first_logprobs[slot] = lp
         if out.decode:
             result.decode_tokens, decode_lps = host[-1]
-            if any(lp is not None for lp in decode_lps):
+            if parts[-1].logprobs is not None:
                 result.decode_logprobs = decode_lps
         return result
 

@@ -78,12 +78,13 @@ def to_host(parts: list[Sampled]) -> list[tuple[list[int], list[TokenLogprob | N
     if not parts:
         return []
     if all(p.logprobs is None for p in parts):
-        flat = torch.cat([p.tokens for p in parts]).tolist()
+        joined = parts[0].tokens if len(parts) == 1 else torch.cat([p.tokens for p in parts])
+        flat: list[int] = joined.tolist()  # int64: Python ints
         out: list[tuple[list[int], list[TokenLogprob | None]]] = []
         at = 0
         for p in parts:
             n = len(p.asks)
-            out.append(([int(t) for t in flat[at : at + n]], [None for _ in range(n)]))
+            out.append((flat[at : at + n], [None] * n))
             at += n
         return out
     top = max((p.logprobs.shape[1] - 1) // 2 for p in parts if p.logprobs is not None)
@@ -151,6 +152,11 @@ class Sampler:
         """Samples row ``i`` of ``logits`` (``[rows, vocab]``) for ``reqs[i]`` in
         ``slots[i]``, as its output's token ``indices[i]``."""
         params = [r.sampling for r in reqs]
+        if all(p.plain for p in params):
+            # Greedy rows without penalties or log-probabilities: the argmax alone.
+            tokens = logits.argmax(-1)
+            self._count(tokens, slots)
+            return Sampled(tokens, None, [-1] * len(params))
         asks = [p.top_logprobs if p.logprobs else -1 for p in params]
         slot_index = torch.tensor(slots, device=logits.device) if self._counts is not None else None
         simple = all(p.greedy and not p.penalized for p in params)
@@ -159,9 +165,15 @@ class Sampler:
             x = self._penalize(x, slot_index, params)
         greedy = x.argmax(-1)
         tokens = greedy if all(p.greedy for p in params) else self._draw(x, greedy, params, reqs, indices)
-        if self._counts is not None and slot_index is not None:
-            self._counts.index_put_((slot_index, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+        self._count(tokens, slots, slot_index)
         return Sampled(tokens, self._logprobs(logits, tokens, asks) if max(asks) >= 0 else None, asks)
+
+    def _count(self, tokens: torch.Tensor, slots: list[int], index: torch.Tensor | None = None) -> None:
+        """Counts each slot's token in its penalty state (once a request asked for one);
+        ``index``: ``slots`` on the device, when made already."""
+        if self._counts is not None:
+            index = torch.tensor(slots, device=tokens.device) if index is None else index
+            self._counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
 
     def _penalize(self, x: torch.Tensor, slot_index: torch.Tensor | None, params: list) -> torch.Tensor:
         """Repetition, presence and frequency penalties from the slots' state."""

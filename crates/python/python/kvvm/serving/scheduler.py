@@ -201,7 +201,10 @@ class Scheduler:
         prompt and every token it generated but the last, which this step writes),
         preempting the youngest running request until the KV manager grants them all."""
         while True:
-            targets = {s: len(r.prompt) + len(r.tokens) for s, r in self.running.items() if r.prefilled}
+            # A running request decodes once its context is all in the cache (``prefilled``).
+            targets = {
+                s: len(r.prompt) + len(r.tokens) for s, r in self.running.items() if r._filled >= len(r._context)
+            }
             if not targets:
                 return set()
             if self._reserve(targets):
@@ -215,8 +218,8 @@ class Scheduler:
         one that its first token finishes never needs it."""
         targets = {}
         for s, r in self.running.items():
-            if r.prefilled or r.remaining_prefill > self.prefill_chunk:
-                continue
+            if not 0 < len(r._context) - r._filled <= self.prefill_chunk:
+                continue  # decoding, or its prefill does not end this step
             generated = len(r.tokens) + 1
             if generated < r.max_new_tokens and len(r.prompt) + generated < self.max_len:
                 targets[s] = len(r.prompt) + generated
@@ -252,6 +255,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput) -> None:
         """Admits waiting requests in order into free slots until memory refuses one (see the
         module's text for the prefix waits and the contexts that never fit)."""
+        if not self.waiting:
+            return
         free = [i for i in range(self.kv.slots) if i not in self.running]
         for r in list(self.waiting):
             if not free:
@@ -352,13 +357,14 @@ class Scheduler:
                 if completing:
                     produced += self._accept(slot, r, result.first_tokens[slot], result.first_logprobs.get(slot))
         lps = result.decode_logprobs or [None] * len(out.decode)
-        rows = zip(out.decode, out.decode_requests, result.decode_tokens, lps, strict=True)
-        # A request its first token finished (an end token) takes no decode token.
-        decoded = [(s, r, t, lp) for s, r, t, lp in rows if not r.done]
+        decoded = 0
+        for slot, r, token, lp in zip(out.decode, out.decode_requests, result.decode_tokens, lps, strict=True):
+            # A request its first token finished (an end token) takes no decode token.
+            if r.finish_reason is None:
+                decoded += 1
+                produced += self._accept(slot, r, token, lp)
         if decoded:
             self.stats.decode_steps += 1
-        for slot, r, token, lp in decoded:
-            produced += self._accept(slot, r, token, lp)
         return produced
 
     def _accept(self, slot: int, r: Request, token: int, logprob: TokenLogprob | None = None) -> int:
