@@ -106,6 +106,48 @@ def test_a_publish_wakes_a_blocked_reader_and_one_with_none_waiting_moves_the_ma
     assert not t.is_alive() and woke == [(2, 0, "stop")]
 
 
+@pytest.mark.parametrize("readers", [1, 4])
+def test_readers_racing_a_publisher_never_miss_a_move(readers: int) -> None:
+    """Readers wait (no timeout) while a publisher moves the marks one at a time and skips the
+    notification whenever no reader is counted blocked: were a reader ever to block after a
+    publish that saw it not counted, it would wait for ever (the join's bound only turns that
+    hang into a failure). 200 rounds of 1 or 4 readers and 50 moves, the start ordered by a
+    barrier; every other move is published once every reader is blocked."""
+    from kvvm.serving.channel import OutputChannel
+
+    for _ in range(200):
+        ch = OutputChannel()
+        start = threading.Barrier(readers + 1)
+        done: list[int] = []
+
+        def reader() -> None:
+            start.wait()
+            while True:
+                tokens, text, reason = ch.marks()
+                if reason is not None:
+                    done.append(tokens)
+                    return
+                ch.wait((tokens, text), None)
+
+        threads = [threading.Thread(target=reader, daemon=True) for _ in range(readers)]
+        for t in threads:
+            t.start()
+        start.wait()
+        for n in range(1, 51):
+            if n % 2 == 0:
+                # Every other move waits until every reader is counted blocked (a publish that
+                # must wake them); the others race the readers as they come.
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    with ch._cond:  # noqa: SLF001
+                        if ch._blocked == readers:  # noqa: SLF001
+                            break
+            ch.publish(n, 0, "stop" if n == 50 else None)
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads) and done == [50] * readers
+
+
 def test_the_blocking_stream_steps_the_engine_and_ends_with_the_reason(engine: Engine, models: tuple[object, object]) -> None:
     _, ref = models
     a, b = prompts([9, 14])
