@@ -21,7 +21,7 @@ import torch
 
 import kvvm
 from kvvm_bench.model import build_model
-from kvvm_bench.numerics import percentiles
+from kvvm_bench.numerics import timed_greedy_steps
 from kvvm_bench.report_file import write_report
 from kvvm_bench.shapes_step import EagerStep
 
@@ -78,17 +78,6 @@ def _prefill_own(model: Any, cache: Any, own: torch.Tensor, start: int) -> torch
     return out.logits[:, -1]
 
 
-def _timed(step: Any, tok: torch.Tensor, steps: int) -> dict[str, float]:
-    """``steps`` greedy replays, an event before each and after the last (CUDA)."""
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-    for i in range(steps):
-        marks[i].record()
-        tok = step(tok).argmax(-1)
-    marks[steps].record()
-    torch.cuda.synchronize()
-    return percentiles([a.elapsed_time(b) for a, b in zip(marks, marks[1:])])
-
-
 def _floors(model: Any, args: argparse.Namespace, groups: int, bandwidth: float) -> dict[str, float]:
     """The HBM floors of a step at the timed steps' mean length: every weight, each request's
     own tokens, and each prefix once (the cascade) or once per request (the plain step)."""
@@ -132,7 +121,7 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, groups: int) -
         agree = sum(a == b for x, y in zip(*tokens) for a, b in zip(x, y))
         row.update(tokens_compared=args.batch * args.check_steps, tokens_agree=agree)
         if cuda:
-            cascade, plain = (_timed(s, t, args.steps) for s, t in zip(steps, toks))
+            cascade, plain = (timed_greedy_steps(s, t, args.steps) for s, t in zip(steps, toks))
             row.update(_floors(model, args, groups, args.bandwidth))
             row.update(cascade_p50_ms=cascade["p50"], cascade_p99_ms=cascade["p99"], plain_p50_ms=plain["p50"], plain_p99_ms=plain["p99"])
             row["speedup"] = round(plain["p50"] / cascade["p50"], 2)

@@ -27,7 +27,7 @@ import torch
 
 import kvvm
 from kvvm_bench.model import build_model
-from kvvm_bench.numerics import bf16_tie, percentiles
+from kvvm_bench.numerics import bf16_tie, timed_greedy_steps
 from kvvm_bench.report_file import write_report
 
 __all__ = ["add_args", "run_fp8_bench"]
@@ -73,17 +73,6 @@ def _prefill(model: Any, cache: Any, prompts: torch.Tensor) -> torch.Tensor:
     return torch.cat(last)
 
 
-def _timed(step: Any, tok: torch.Tensor, steps: int) -> dict[str, float]:
-    """``steps`` greedy replays, an event before each and after the last."""
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-    for i in range(steps):
-        marks[i].record()
-        tok = step(tok).argmax(-1)
-    marks[steps].record()
-    torch.cuda.synchronize()
-    return percentiles([a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)])
-
-
 def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, prompts: torch.Tensor, kv_dtype: str | None,
          teacher: list[torch.Tensor] | None) -> tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]:
     """One cache's run: prefill, the teacher-forced steps (the greedy tokens when ``teacher``
@@ -117,7 +106,7 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, prompts: torch
             "committed_bytes": cache.committed_bytes,
         }
         if cuda:
-            timing = _timed(step, logits[-1].argmax(-1), args.steps)
+            timing = timed_greedy_steps(step, logits[-1].argmax(-1), args.steps)
             floor_ms = (weights + kv_read) / _bandwidth(args) * 1e3
             row.update(
                 step_p50_ms=timing["p50"], step_p99_ms=timing["p99"], floor_ms=round(floor_ms, 3),

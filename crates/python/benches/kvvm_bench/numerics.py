@@ -1,9 +1,11 @@
 """How close two bf16 (or fp16) logits can be before their order means nothing, the
-percentiles the benchmarks report, and the bytes a transformers cache's tensors hold."""
+percentiles the benchmarks report (of a captured step's greedy replays too), and the bytes a
+transformers cache's tensors hold."""
 
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
 import torch
 
@@ -30,6 +32,18 @@ def percentiles(xs: list[float]) -> dict[str, float]:
     s = sorted(xs)
     return {"p50": round(statistics.median(s), 3), "p99": round(s[min(len(s) - 1, int(0.99 * len(s)))], 3)}
 
+
+
+def timed_greedy_steps(step: Any, tok: torch.Tensor, steps: int) -> dict[str, float]:
+    """``steps`` greedy replays of ``step`` (logits in, the argmax fed back), a CUDA event
+    before each and after the last: the percentiles of their times in ms."""
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    for i in range(steps):
+        marks[i].record()
+        tok = step(tok).argmax(-1)
+    marks[steps].record()
+    torch.cuda.synchronize()
+    return percentiles([a.elapsed_time(b) for a, b in zip(marks, marks[1:])])
 
 def tensor_bytes(cache: object) -> int:
     """What the K/V tensors of a transformers cache's layers hold (a DynamicCache's, a

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import kvvm
-from kvvm_bench.numerics import percentiles, tie
+from kvvm_bench.numerics import tie, timed_greedy_steps
 
 __all__ = ["DTYPES", "EagerStep", "Shape", "StepResult", "run_step", "step_tokens"]
 
@@ -194,14 +194,8 @@ def _time(
 ) -> None:
     """``steps`` greedy replays, an event before each and after the last; the floor at the
     mean length the timed steps read."""
-    marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     before = sum(cache.state.host_lengths[: cache.batch_size])
-    for i in range(steps):
-        marks[i].record()
-        tok = step(tok).argmax(-1)
-    marks[steps].record()
-    torch.cuda.synchronize()
-    p = percentiles([a.elapsed_time(b) for a, b in zip(marks, marks[1:])])
+    p = timed_greedy_steps(step, tok, steps)
     r.p50_ms, r.p99_ms = p.get("p50"), p.get("p99")
     # Step i (from 1) reads every request's tokens before it and its own new one.
     _floor(r, shape, before + cache.batch_size * (steps + 1) / 2, bandwidth, measured)
