@@ -28,6 +28,10 @@ declare -A workload=(
   [A]="--requests 64 --prompt-lo 128 --prompt-hi 2048 --output 128"
   [B]="--requests 64 --prompt-lo 128 --prompt-hi 128 --shared-prefix 2048 --output 128"
 )
+# AB_STEPS=1 times the engine's steps (prefill and decode-only: ci/gpu/serve_steps.py, which
+# works with both builds); AB_PROFILE=1 also profiles them (kernels and host operators).
+serve="-m kvvm_bench serve"
+[ -n "${AB_STEPS:-}${AB_PROFILE:-}" ] && serve="$repo/ci/gpu/serve_steps.py ${AB_PROFILE:+--profile} --"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for w in ${WORKLOADS:-A B}; do
     for build in base new; do
@@ -35,10 +39,16 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       [ "$build" = base ] && benches="$repo/gpu-bundle/ab-base/benches"
       json="$out/serve-ab-$w-$build-$round.json"
       # shellcheck disable=SC2086
-      (cd /tmp && PYTHONPATH="/tmp/kvvm-ab-$build:$benches" timeout "${AB_TIMEOUT:-400}" python3 -m kvvm_bench serve \
+      (cd /tmp && PYTHONPATH="/tmp/kvvm-ab-$build:$benches" timeout "${AB_TIMEOUT:-400}" python3 $serve \
         --runners kvvm-engine --fuse-projections ${workload[$w]} ${AB_ARGS:-} --json "$json") > "$json.out" 2>&1
-      python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['results'][0]; print('$w $build round $round:', r['tokens_per_s'], 'tokens/s')" "$json" \
+      python3 -c "
+import json, sys
+r = json.load(open(sys.argv[1]))['results'][0]
+print('$w $build round $round:', r['tokens_per_s'], 'tokens/s, TTFT p50', r['ttft_ms'].get('p50'), 'ms, ITL p50/p99',
+      r['itl_ms'].get('p50'), r['itl_ms'].get('p99'), 'ms, wall', r['wall_s'], 's')" "$json" \
         || { echo "$w $build round $round failed:"; tail -n 20 "$json.out"; }
+      grep -h "^steps " "$json.out" || true
+      [ -n "${AB_PROFILE:-}" ] && { echo "profile, $w $build round $round:"; grep -v "^steps " "$json.out" | grep -A40 "Name"; }
     done
   done
 done
