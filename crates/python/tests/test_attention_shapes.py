@@ -315,8 +315,9 @@ def test_the_flash_path_reads_slots_whose_stride_is_not_whole_tokens(shift: int,
     import torch
 
     import kvvm.kernels.attend as attend
+    import kvvm.kernels.flash as flash
 
-    monkeypatch.setattr(attend, "_flash_forward", _emulated_flash)
+    monkeypatch.setattr(flash, "_flash_forward", _emulated_flash)
     torch.manual_seed(7)
     k, v = _misaligned_kv("cpu", torch.float32, 6, 2, 16, shift)
     # Slots of every offset class (shift 16: 0, 16, 32, 48 elements into a 64-element token),
@@ -329,6 +330,72 @@ def test_the_flash_path_reads_slots_whose_stride_is_not_whole_tokens(shift: int,
             want = attend.attend(q, k, v, bounds, 0.25, kernel="sdpa", window=window)
             assert not got[2].any(), "an empty range gives zeros"
             assert torch.allclose(got, want, atol=1e-5), (shift, q_len, window, (got - want).abs().max())
+
+
+def test_a_forwards_flash_plan_is_made_once_and_again_when_its_bounds_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers of one forward share the plan of its token ranges (made by the first);
+    bounds changed in place, or another bounds tensor, get their own, and every layer reads
+    exactly its request's tokens (on the CPU, FlashAttention emulated)."""
+    import torch
+
+    import kvvm.kernels.attend as attend
+    import kvvm.kernels.flash as flash
+
+    made = []
+    make = flash._make_plan
+    monkeypatch.setattr(flash, "_flash_forward", _emulated_flash)
+    monkeypatch.setattr(flash, "_make_plan", lambda *a: made.append(a) or make(*a))
+    torch.manual_seed(9)
+    for shift in (0, 16):
+        made.clear()
+        k, v = _misaligned_kv("cpu", torch.float32, 6, 2, 16, shift)
+        bounds = torch.tensor([[3, 0, 10], [0, 2, 9], [1, 4, 4], [4, 1, 7]], dtype=torch.int32)
+        q = torch.randn(4, 8, 3, 16)
+        for _ in range(3):  # three layers of one forward
+            got = attend._flash(q, k, v, bounds, 0.25)
+            assert torch.allclose(got, attend.attend(q, k, v, bounds, 0.25, kernel="sdpa"), atol=1e-5)
+        assert len(made) == 1
+        bounds[2, 2] = 9  # an empty range now has tokens
+        got = attend._flash(q, k, v, bounds, 0.25)
+        assert got[2].any() and len(made) == 2
+        assert torch.allclose(got, attend.attend(q, k, v, bounds, 0.25, kernel="sdpa"), atol=1e-5)
+        attend._flash(q, k, v, bounds.clone(), 0.25)
+        assert len(made) == 3
+
+
+def test_threads_reading_with_the_flash_kernel_each_get_their_own_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads attending at once, each over its own bounds changed in place between its calls,
+    each get SDPA's result over exactly their tokens: no thread is handed a plan made for
+    another's bounds or for its own before they changed (the plans' memo, raced)."""
+    import threading
+
+    import torch
+
+    import kvvm.kernels.attend as attend
+    import kvvm.kernels.flash as flash
+
+    monkeypatch.setattr(flash, "_flash_forward", _emulated_flash)
+    k, v = _misaligned_kv("cpu", torch.float32, 6, 2, 16, 16)
+    errors: list[str] = []
+    start = threading.Barrier(4)
+
+    def reader(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        bounds = torch.tensor([[seed % 6, 0, 10], [(seed + 1) % 6, 2, 9]], dtype=torch.int32)
+        q = torch.randn(2, 8, 2, 16, generator=gen)
+        start.wait()
+        for i in range(40):
+            bounds[i % 2, 2] = 4 + (seed + i) % 7
+            got = attend._flash(q, k, v, bounds, 0.25)
+            if not torch.allclose(got, attend.attend(q, k, v, bounds, 0.25, kernel="sdpa"), atol=1e-5):
+                errors.append(f"thread {seed}, call {i}")
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
 
 
 @pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")

@@ -18,7 +18,8 @@ device:
   (:mod:`kvvm.kernels.triton_prefill`);
 - ``"flash"`` (CUDA): PyTorch's FlashAttention varlen kernel with ``seqused_k`` over the
   slots seen as one packed sequence (causal, aligned to each request's end, for several
-  query tokens; one call per class of slots where a slot is not a whole number of tokens);
+  query tokens; one call per class of slots where a slot is not a whole number of tokens;
+  :mod:`kvvm.kernels.flash`);
 - ``"sdpa"``: SDPA on each request's exact tokens, one request at a time, lengths read on
   the host (the CPU kernel; on a GPU eager only, a reference).
 
@@ -52,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .flash import flash
 from .fp8 import E4M3, dequantize, quantize
 
 if TYPE_CHECKING:
@@ -171,67 +173,15 @@ def _capped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(weights, v)
 
 
-def _flash_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-    max_k: int, causal: bool, scale: float, used: torch.Tensor, window: int = 0,
-) -> torch.Tensor:
-    """PyTorch's FlashAttention varlen forward: request ``b``'s queries are rows
-    ``cu_q[b]..cu_q[b+1]`` of ``q``, its keys ``used[b]`` rows of ``k``/``v`` from
-    ``cu_k[b]`` (with a sliding ``window``, each query sees its last ``window`` keys)."""
-    sliding = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
-    out: torch.Tensor = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used, **sliding,
-    )[0]
-    return out
-
-
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,
            scale: float, window: int = 0, softcap: float = 0.0, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """FlashAttention varlen over the slots seen as one packed sequence of token rows: token
-    ``t`` of slot ``s`` is element ``s * S + t * T`` (``S``, ``T``: the slot and token
-    strides), each request reading ``end - start`` rows (``seqused_k``) from its first (with a
-    window, from the first token its earliest query sees; no soft cap).
-
-    A row starts a whole number of tokens from the packed tensor's first element, and a slot
-    need not (a reservation is whole granules, which the bytes of a token need not divide):
-    the slots fall into classes by ``s * S mod T``, each class is one call over the rows
-    shifted by its offset in which the other classes' requests read nothing, and each request
-    takes its own class's output. The classes come from the strides alone (nothing is read
-    on the host); one class, one call, where the slot stride is whole tokens."""
+    """FlashAttention varlen over the slots seen as one packed sequence of token rows
+    (:func:`kvvm.kernels.flash.flash`); no soft cap, no FP8 K/V."""
     if softcap:
         raise ValueError("the flash kernel has no attention-logit soft cap")
     if kv_scales is not None:
         raise ValueError("the flash kernel takes no FP8 K/V")
-    batch, heads, q_len, dim = query.shape
-    slot_stride, token_stride = key.stride(0), key.stride(2)
-    if (value.stride(0), value.stride(2)) != (slot_stride, token_stride):
-        raise ValueError("the flash kernel needs K and V at the same slot and token strides")
-    begin = bounds[:, 1]
-    if window:
-        begin = torch.maximum(begin, bounds[:, 2] - (q_len + window - 1))
-    start = bounds[:, 0].to(torch.int64) * slot_stride + begin.to(torch.int64) * token_stride
-    used = (bounds[:, 2] - begin).clamp_min(0).to(torch.int32)
-    cu_q = torch.arange(batch + 1, device=query.device, dtype=torch.int32) * q_len
-    q = query.transpose(1, 2).reshape(batch * q_len, heads, dim)
-    out = torch.zeros((batch, q_len, heads, dim), dtype=query.dtype, device=query.device)
-    for offset in sorted({s * slot_stride % token_stride for s in range(key.shape[0])}):
-        # Rows from `offset` elements on: every slot of this class starts on one of them.
-        rows = ((key.shape[0] - 1) * slot_stride - offset) // token_stride + key.shape[2]
-        packed = [
-            t.as_strided((rows, t.shape[1], dim), (token_stride, t.stride(1), 1), t.storage_offset() + offset)
-            for t in (key, value)
-        ]
-        mine = start % token_stride == offset
-        first = torch.where(mine, (start - offset) // token_stride, 0)
-        cu_k = torch.cat([first, first.new_full((1,), rows)]).to(torch.int32)
-        part = _flash_forward(
-            q, packed[0], packed[1], cu_q, cu_k, q_len, key.shape[2], q_len > 1, scale, torch.where(mine, used, 0),
-            window,
-        ).view(batch, q_len, heads, dim)
-        # A request of another class, or with no tokens, read nothing: zeros, as the other
-        # kernels give.
-        out = torch.where((mine & (used > 0)).view(batch, 1, 1, 1), part, out)
-    return out
+    return flash(query, key, value, bounds, scale, window)
 
 
 def _triton(
