@@ -275,6 +275,8 @@ def test_swap_bench_runs_tiny_on_the_host_backend(tmp_path: Path) -> None:
     assert copy["tier"]["swaps_out"] == copy["tier"]["swaps_in"] == 2 and copy["tier"]["held_bytes"] == 0
     decode = report["decode"]
     assert decode["step_ms_without"]["p50"] > 0 and decode["step_ms_while_swapping"]["p50"] > 0
+    assert decode["step_ms_while_copying"]["p50"] > 0 and decode["plain_round_trips_during"] > 0
+    assert set(decode["round_trip_call_ms"]) == {"swap_out", "finish_swap_out", "swap_in", "finish_swap_in"}
     assert [r["tokens"] for r in report["crossover"]["rows"]] == [32, 64]
     prefix = report["prefix"]
     assert [(r["tokens"], r["host_hit_tokens"]) for r in prefix["rows"]] == [(32, 32), (64, 64)]

@@ -11,7 +11,9 @@ Five parts, each in the same process and run (``--parts``):
   tensor: ``cudaMemcpyAsync``; a host-to-host copy on a CPU);
 * ``decode``: the engine's decode step (``--slots`` requests of ``--prompt`` tokens) p50 and
   p99 without swapping, then while another thread swaps a sequence of ``--swap-tokens``
-  tokens out and back without pause (on the tier's copy stream);
+  tokens out and back without pause (on the tier's copy stream; the mean time of each of a
+  round trip's four calls beside), then while a thread copies the same bytes out and back
+  with plain pinned copies on a side stream (what the copies alone do to the step);
 * ``crossover``: at each length of ``--lengths``, the time to swap a request back (commit and
   copies) and out, against the time to prefill it again (one forward of that many tokens):
   the shortest length above which swapping back beats recomputing;
@@ -36,6 +38,7 @@ import argparse
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -161,14 +164,14 @@ def _decode_steps(engine: Any, steps: int) -> list[float]:
 
 
 def decode_part(args: argparse.Namespace, model: Any, manager: kvvm.Manager, device: torch.device) -> dict[str, Any]:
-    """Decode step p50/p99 without and while swapping (see the module's text)."""
+    """Decode step p50/p99 without, while swapping and while copying (see the module's text)."""
     from kvvm.engine import Engine
 
-    max_len = args.prompt + 2 * args.decode_steps + 8
+    max_len = args.prompt + 3 * args.decode_steps + 16
     engine = Engine(model, slots=args.slots, max_len=max_len, manager=manager, prefill_chunk=args.prompt, eos_token_ids=[])
     vocab = model.config.vocab_size
     for i in range(args.slots):
-        engine.submit([(7 + 13 * (i * args.prompt + t)) % vocab for t in range(args.prompt)], 2 * args.decode_steps + 4)
+        engine.submit([(7 + 13 * (i * args.prompt + t)) % vocab for t in range(args.prompt)], 3 * args.decode_steps + 8)
     while any(not r.prefilled for r in engine.running.values()) or engine.waiting:
         engine.step()
     _decode_steps(engine, 4)
@@ -178,33 +181,79 @@ def decode_part(args: argparse.Namespace, model: Any, manager: kvvm.Manager, dev
     seq = kvvm.Sequence(manager, plan, args.swap_tokens)
     seq.ensure(args.swap_tokens)
     tier.prewarm(seq.committed_bytes)
-    stop = threading.Event()
-    swaps = [0]
     # The copies out wait for this idle stream only (nobody writes the swapped sequence): no
     # device synchronization under the decode.
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    calls = ("swap_out", "finish_swap_out", "swap_in", "finish_swap_in")
+    spent = dict.fromkeys(calls, 0.0)
 
-    def swapper() -> None:
-        while not stop.is_set():
-            swap = seq.swap_out(tier, args.swap_tokens, after=side)
-            seq.finish_swap_out(swap)
-            seq.swap_in(swap)
-            seq.finish_swap_in(swap)
-            swaps[0] += 1
+    def round_trip() -> None:
+        t0 = time.perf_counter()
+        swap = seq.swap_out(tier, args.swap_tokens, after=side)
+        t1 = time.perf_counter()
+        seq.finish_swap_out(swap)
+        t2 = time.perf_counter()
+        seq.swap_in(swap)
+        t3 = time.perf_counter()
+        seq.finish_swap_in(swap)
+        for name, took in zip(calls, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3), strict=True):
+            spent[name] += took
 
-    t = threading.Thread(target=swapper, daemon=True)
-    t.start()
-    busy = _decode_steps(engine, args.decode_steps)
-    stop.set()
-    t.join()
-    engine.close()
+    busy, swaps = _steps_beside(engine, args.decode_steps, round_trip)
+    nbytes = seq.committed_bytes
     seq.release()
-    q, b = percentiles([x * 1000 for x in quiet]), percentiles([x * 1000 for x in busy])
+    copying, copies = _steps_beside(engine, args.decode_steps, _plain_round_trip(nbytes, device, side))
+    engine.close()
+    q, b, c = (percentiles([x * 1000 for x in t]) for t in (quiet, busy, copying))
     return {
         "slots": args.slots, "prompt": args.prompt, "swap_tokens": args.swap_tokens,
-        "step_ms_without": q, "step_ms_while_swapping": b, "round_trips_during": swaps[0],
+        "step_ms_without": q, "step_ms_while_swapping": b, "round_trips_during": swaps,
         "p50_ratio": round(b["p50"] / q["p50"], 3) if q.get("p50") else None,
+        "round_trip_call_ms": {k: round(v * 1000 / max(swaps, 1), 3) for k, v in spent.items()},
+        "step_ms_while_copying": c, "plain_round_trips_during": copies,
+        "p50_ratio_copying": round(c["p50"] / q["p50"], 3) if q.get("p50") else None,
     }
+
+
+def _steps_beside(engine: Any, steps: int, work: Any) -> tuple[list[float], int]:
+    """``steps`` decode steps while another thread repeats ``work()`` without pause; the
+    steps' seconds and the rounds of ``work`` done meanwhile."""
+    stop = threading.Event()
+    rounds = [0]
+
+    def loop() -> None:
+        while not stop.is_set():
+            work()
+            rounds[0] += 1
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        times = _decode_steps(engine, steps)
+    finally:
+        stop.set()
+        t.join()
+    return times, rounds[0]
+
+
+def _plain_round_trip(nbytes: int, device: torch.device, stream: Any) -> Any:
+    """A function copying ``nbytes`` from a device tensor to a pinned host tensor and back on
+    ``stream`` (waiting for each), as plain ``cudaMemcpyAsync`` calls."""
+    pinned = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def round_trip() -> None:
+        if stream is None:
+            host.copy_(dev)
+            dev.copy_(host)
+            return
+        with torch.cuda.stream(stream):
+            host.copy_(dev, non_blocking=True)
+            dev.copy_(host, non_blocking=True)
+        stream.synchronize()
+
+    return round_trip
 
 
 def _prefill_s(model: Any, tokens: int, device: torch.device, repeat: int) -> float:
@@ -250,8 +299,11 @@ def crossover_part(args: argparse.Namespace, model: Any, manager: kvvm.Manager, 
     }
 
 
-def trace_part(args: argparse.Namespace, model: Any, device: torch.device) -> dict[str, Any]:
-    """The trace recomputing its preemptions, then swapping them (see the module's text)."""
+def trace_part(
+    args: argparse.Namespace, model: Any, device: torch.device, progress: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The trace recomputing its preemptions, then swapping them (see the module's text);
+    ``progress`` is given the part's results so far after each runner."""
     from kvvm_bench import serve as sv
 
     vocab = model.config.vocab_size
@@ -278,11 +330,15 @@ def trace_part(args: argparse.Namespace, model: Any, device: torch.device) -> di
             "swaps": res.swaps, "wall_s": round(res.wall_s, 3),
         }
         del manager
-    if args.peer and device.type == "cuda":
-        out["generate_batch_offload"] = _peer(model, trace, args, device)
+        if progress is not None:
+            progress(out)
     rec, swp = out["recompute"], out["swap"]
     out["swap_faster"] = swp["tokens_per_s"] > rec["tokens_per_s"]
     out["swap_lower_ttft_p99"] = swp["ttft_ms"].get("p99", 0) < rec["ttft_ms"].get("p99", 0)
+    if args.peer and device.type == "cuda":
+        if progress is not None:
+            progress(out)
+        out["generate_batch_offload"] = _peer(model, trace, args, device)
     return out
 
 
@@ -322,7 +378,13 @@ def run_swap_bench(args: argparse.Namespace) -> dict[str, Any]:
         elif part == "prefix":
             report["prefix"] = prefix_part(args, model, kvvm.Manager(args.backend), device, _prefill_s)
         elif part == "trace":
-            report["trace"] = trace_part(args, model, device)
+
+            def progress(so_far: dict[str, Any]) -> None:
+                report["trace"] = so_far
+                write_report(args.json, report)
+                print({k: v for k, v in so_far.items() if k != "requests"}, flush=True)
+
+            report["trace"] = trace_part(args, model, device, progress)
         else:
             raise SystemExit(f"unknown part {part!r}: one of {PARTS}")
         write_report(args.json, report)
