@@ -169,6 +169,40 @@ fn adjacent_windows_move_in_one_copy() {
 }
 
 #[test]
+fn copies_are_cut_at_the_tiers_most_bytes_and_stay_byte_exact() {
+    // 1000 tokens of 512 B: 8 windows of 64 KiB, adjacent on both sides.
+    for (most, copies) in [
+        (Some(3 * G), 3),
+        (Some(3 * G + 1), 3),
+        (Some(1), 8),
+        (None, 1),
+    ] {
+        let vm = manager(sim(), None, None);
+        let p = plan(&vm, KvLayout::TokenMajor);
+        let tier = HostTier::new(&vm, HostTierConfig::default().max_copy_bytes(most)).unwrap();
+        let mut seq = SequenceKv::new(&vm, &p, 2048).unwrap();
+        seq.ensure_tokens(1000).unwrap();
+        let data = tokens_bytes(p.geometry(), 1, 0, 1000, 0);
+        seq.write_tokens(0, &data).unwrap();
+        let mut swap = seq.swap_out(&tier, 1000, None).unwrap();
+        assert_eq!(swap.copies(), copies, "{most:?}: copies out");
+        seq.finish_swap_out(&mut swap).unwrap();
+        seq.swap_in(&mut swap).unwrap();
+        assert_eq!(swap.copies(), copies, "{most:?}: copies back");
+        seq.finish_swap_in(&mut swap).unwrap();
+        let mut back = vec![0u8; data.len()];
+        seq.read_tokens(0, &mut back).unwrap();
+        assert!(
+            back == data,
+            "{most:?}: the bytes differ after the round trip"
+        );
+        drop(swap);
+        seq.release().unwrap();
+        assert_eq!(host_used(&vm).0, 0);
+    }
+}
+
+#[test]
 fn a_mapped_prefix_stays_on_the_device_and_is_mapped_again() {
     let vm = manager(sim(), None, None);
     let p = plan(&vm, KvLayout::TokenMajor);

@@ -27,6 +27,9 @@ use crate::views::busy_error;
 ///         swap reuses the chunks of earlier ones).
 ///     keep_pooled_bytes: free page-locked bytes kept after a swap gives its chunks back
 ///         (None: all, until the governor asks for the host's bytes).
+///     max_copy_bytes: the most bytes one copy moves (whole windows, one at least; None: a
+///         run of adjacent windows in one copy however long). A long copy holds the copy
+///         engine that a decode step's own small copies need.
 ///
 /// Raises UnavailableError (a backend without host copies) or DriverError.
 #[pyclass(frozen, module = "kvvm._native")]
@@ -38,16 +41,18 @@ pub struct HostTier {
 #[pymethods]
 impl HostTier {
     #[new]
-    #[pyo3(signature = (manager, slab_windows = 16, keep_pooled_bytes = None))]
+    #[pyo3(signature = (manager, slab_windows = 16, keep_pooled_bytes = None, max_copy_bytes = None))]
     fn new(
         py: Python<'_>,
         manager: Bound<'_, Manager>,
         slab_windows: u64,
         keep_pooled_bytes: Option<Count>,
+        max_copy_bytes: Option<Count>,
     ) -> PyResult<Self> {
         let config = HostTierConfig::default()
             .slab_windows(slab_windows)
-            .keep_pooled_bytes(keep_pooled_bytes.map(|c| c.0));
+            .keep_pooled_bytes(keep_pooled_bytes.map(|c| c.0))
+            .max_copy_bytes(max_copy_bytes.map(|c| c.0));
         let vm = manager.get().state.vm.clone();
         let tier = py
             .detach(move || KvHostTier::new(&vm, config))

@@ -263,7 +263,7 @@ def test_swap_bench_runs_tiny_on_the_host_backend(tmp_path: Path) -> None:
     argv = [
         "swap", "--tiny", "--device", "cpu", "--backend", "host", "--model", "llama-3-8b",
         "--copy-tokens", "256", "--repeat", "2", "--slots", "2", "--prompt", "32", "--decode-steps", "4",
-        "--swap-tokens", "256", "--lengths", "32,64", "--requests", "3", "--prompt-lo", "990", "--prompt-hi", "1010",
+        "--swap-tokens", "4096", "--copy-caps", "0,1", "--lengths", "32,64", "--requests", "3", "--prompt-lo", "990", "--prompt-hi", "1010",
         "--output", "40", "--trace-slots", "3", "--budget-bytes", str(4 * window),
         "--host-tier-bytes", str(8 * window), "--prefill-chunk", "512", "--json", str(out),
     ]
@@ -277,6 +277,9 @@ def test_swap_bench_runs_tiny_on_the_host_backend(tmp_path: Path) -> None:
     assert decode["step_ms_without"]["p50"] > 0 and decode["step_ms_while_swapping"]["p50"] > 0
     assert decode["step_ms_while_copying"]["p50"] > 0 and decode["plain_round_trips_during"] > 0
     assert set(decode["round_trip_call_ms"]) == {"swap_out", "finish_swap_out", "swap_in", "finish_swap_in"}
+    whole, cut = decode["caps"]
+    assert (whole["max_copy_bytes"], cut["max_copy_bytes"]) == (None, 1)
+    assert cut["copies_each_way"] > whole["copies_each_way"] >= 1, "a cap of one byte copies window by window"
     assert [r["tokens"] for r in report["crossover"]["rows"]] == [32, 64]
     prefix = report["prefix"]
     assert [(r["tokens"], r["host_hit_tokens"]) for r in prefix["rows"]] == [(32, 32), (64, 64)]

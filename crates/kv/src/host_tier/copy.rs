@@ -22,16 +22,19 @@ pub(crate) struct Run {
 
 /// The copies of `windows` (each a device offset and the index of the chunk it goes to, in
 /// ascending order of offset) from or into `host`'s chunks: adjacent windows whose chunks are
-/// consecutive and adjacent in one buffer in one copy.
+/// consecutive and adjacent in one buffer in one copy, of at most the tier's
+/// `max_copy_bytes`.
 pub(crate) fn runs(
     windows: impl IntoIterator<Item = (u64, usize)>,
     host: &HostChunks,
     g: u64,
 ) -> Vec<Run> {
+    let most = host.tier().max_copy_windows();
     let mut out: Vec<Run> = Vec::new();
     let mut prev: Option<usize> = None;
     for (w, i) in windows {
         if let (Some(last), Some(p)) = (out.last_mut(), prev) {
+            let room = last.windows < most;
             let next_device = last.offset.saturating_add(last.windows.saturating_mul(g)) == w;
             let next_host = match (host.chunks.get(p), host.chunks.get(i)) {
                 (Some(a), Some(b)) => {
@@ -41,7 +44,7 @@ pub(crate) fn runs(
                 }
                 _ => false,
             };
-            if next_device && next_host {
+            if room && next_device && next_host {
                 last.windows += 1;
                 prev = Some(i);
                 continue;

@@ -114,6 +114,15 @@ impl HostTier {
         self.stream
     }
 
+    /// The most windows one copy moves ([`HostTierConfig::max_copy_bytes`] in whole
+    /// windows, one at least; `u64::MAX`: no bound).
+    pub(crate) fn max_copy_windows(&self) -> u64 {
+        match self.config.max_copy_bytes {
+            Some(bytes) => (bytes / self.chunk_bytes().max(1)).max(1),
+            None => u64::MAX,
+        }
+    }
+
     /// The configuration.
     pub fn config(&self) -> &HostTierConfig {
         &self.config

@@ -16,6 +16,11 @@ pub struct HostTierConfig {
     /// The stream copies are queued on (`None`: the backend's own copy stream, which
     /// overlaps the work of other streams).
     pub stream: Option<StreamHandle>,
+    /// The most bytes one copy moves (whole windows, one at least; `None`: a run of adjacent
+    /// windows in one copy however long). A long copy holds the copy engine that a compute
+    /// stream's own small copies (a decode step's inputs and sampled tokens) need: copies of
+    /// a bounded size let them in between.
+    pub max_copy_bytes: Option<u64>,
 }
 
 impl Default for HostTierConfig {
@@ -24,6 +29,7 @@ impl Default for HostTierConfig {
             slab_windows: 16,
             keep_pooled_bytes: None,
             stream: None,
+            max_copy_bytes: None,
         }
     }
 }
@@ -40,6 +46,13 @@ impl HostTierConfig {
     #[must_use]
     pub fn keep_pooled_bytes(mut self, bytes: Option<u64>) -> Self {
         self.keep_pooled_bytes = bytes;
+        self
+    }
+
+    /// Sets [`max_copy_bytes`](Self::max_copy_bytes).
+    #[must_use]
+    pub fn max_copy_bytes(mut self, bytes: Option<u64>) -> Self {
+        self.max_copy_bytes = bytes;
         self
     }
 

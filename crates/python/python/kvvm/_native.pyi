@@ -269,7 +269,11 @@ class HostTier:
     """Page-locked host memory for one manager's KV windows, under its host budget."""
 
     def __new__(
-        cls, manager: Manager, slab_windows: int = 16, keep_pooled_bytes: int | None = None
+        cls,
+        manager: Manager,
+        slab_windows: int = 16,
+        keep_pooled_bytes: int | None = None,
+        max_copy_bytes: int | None = None,
     ) -> Self: ...
     @property
     def chunk_bytes(self) -> int: ...
