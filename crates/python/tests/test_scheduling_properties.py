@@ -267,3 +267,25 @@ def test_the_engine_serves_every_request_that_fits_alone(w: Workload) -> None:
     snap = mgr.snapshot()
     assert snap.committed == snap.shared == 0
     assert isinstance(mgr, kvvm.Manager)
+
+
+@_seeded
+@_settings(400)
+@given(
+    st.lists(st.integers(0, 2), max_size=90), st.lists(st.integers(0, 2), max_size=90), st.integers(1, 12),
+    st.integers(0, 90),
+)
+def test_the_shared_units_are_the_longest_common_prefix_in_whole_units(
+    a: list[int], tail: list[int], unit: int, common: int,
+) -> None:
+    """The KV manager's common prefix in whole hit units (galloping over the units) is the
+    unit-by-unit scan's, for every pair of contexts and unit (a long common prefix made
+    likely: the second context opens with the first's first ``common`` tokens)."""
+    from kvvm.serving.kv_manager import shared_units
+
+    b = a[:common] + tail
+    want = 0
+    while want + unit <= min(len(a), len(b)) and a[want : want + unit] == b[want : want + unit]:
+        want += unit
+    assert shared_units(a, b, unit) == want
+    assert shared_units(b, a, unit) == want

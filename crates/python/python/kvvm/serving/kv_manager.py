@@ -34,15 +34,25 @@ from ..transformers.cache_groups import refuse_sliding_prefix_cache
 from ..transformers.prefix import KvvmPrefix
 from .scheduler import Admission, PrefillRun
 
-__all__ = ["KvManager"]
+__all__ = ["KvManager", "shared_units"]
 
 
-def _shared_units(a: list[int], b: list[int], unit: int) -> int:
-    """Tokens of the longest common prefix of ``a`` and ``b`` in whole units of ``unit``
-    (each unit compared as one slice)."""
-    n = 0
-    while n + unit <= min(len(a), len(b)) and a[n : n + unit] == b[n : n + unit]:
-        n += unit
+def shared_units(a: list[int], b: list[int], unit: int) -> int:
+    """Tokens of the longest common prefix of ``a`` and ``b`` in whole units of ``unit``.
+
+    Galloping over the units: a run of equal slices doubles the next slice compared, a
+    difference halves it, down to one unit; a few slice comparisons for a prefix of
+    thousands of tokens (the scheduler asks for every waiting request each step)."""
+    if unit < 1:
+        return 0
+    most = min(len(a), len(b)) // unit * unit
+    n, step = 0, unit
+    while step >= unit:
+        if n + step <= most and a[n : n + step] == b[n : n + step]:
+            n += step
+            step *= 2
+        else:
+            step //= 2
     return n
 
 
@@ -185,7 +195,7 @@ class KvManager:
         is published: their common prefix in whole hit units (0 without a prefix cache)."""
         if self.prefix_cache is None:
             return 0
-        return _shared_units(published, context, self.hit_unit)
+        return shared_units(published, context, self.hit_unit)
 
     def reserve(self, tokens: dict[int, int]) -> None:
         """Commits the windows each slot needs to hold ``tokens[slot]`` tokens (a decode
