@@ -171,7 +171,7 @@ pub use cache::records::{
 };
 pub use cache::PrefixCache;
 pub use error::KvCacheError;
-pub use host_tier::{HostTier, HostTierConfig, HostTierStats};
+pub use host_tier::{HostTier, HostTierConfig, HostTierStats, DEFAULT_MAX_COPY_BYTES};
 pub use sequence::prefix::SharedDevicePrefix;
 pub use sequence::prefix_export::PrefixDescriptor;
 pub use sequence::swap::{SwapPhase, SwappedKv};

@@ -27,9 +27,9 @@ use crate::views::busy_error;
 ///         swap reuses the chunks of earlier ones).
 ///     keep_pooled_bytes: free page-locked bytes kept after a swap gives its chunks back
 ///         (None: all, until the governor asks for the host's bytes).
-///     max_copy_bytes: the most bytes one copy moves (whole windows, one at least; None: a
-///         run of adjacent windows in one copy however long). A long copy holds the copy
-///         engine that a decode step's own small copies need.
+///     max_copy_bytes: the most bytes one copy moves (whole windows, one at least; default
+///         64 MiB; None: a run of adjacent windows in one copy however long). Copies of a
+///         bounded size slow a decode running beside them less than one long copy.
 ///
 /// Raises UnavailableError (a backend without host copies) or DriverError.
 #[pyclass(frozen, module = "kvvm._native")]
@@ -41,7 +41,12 @@ pub struct HostTier {
 #[pymethods]
 impl HostTier {
     #[new]
-    #[pyo3(signature = (manager, slab_windows = 16, keep_pooled_bytes = None, max_copy_bytes = None))]
+    #[pyo3(signature = (
+        manager,
+        slab_windows = 16,
+        keep_pooled_bytes = None,
+        max_copy_bytes = Some(Count(kvvm::kv::DEFAULT_MAX_COPY_BYTES)),
+    ))]
     fn new(
         py: Python<'_>,
         manager: Bound<'_, Manager>,

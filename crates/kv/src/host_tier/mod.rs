@@ -38,7 +38,7 @@ pub(crate) use event::{CopyEvent, Fence};
 pub(crate) use pool::Chunk;
 use pool::{free_buffers, Pool};
 use stats::Counters;
-pub use stats::{HostTierConfig, HostTierStats};
+pub use stats::{HostTierConfig, HostTierStats, DEFAULT_MAX_COPY_BYTES};
 
 /// Page-locked host memory for KV windows, under the governor's host budget (see the
 /// module's documentation). Made over one device's manager: its chunks are that manager's

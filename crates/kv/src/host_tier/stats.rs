@@ -17,11 +17,15 @@ pub struct HostTierConfig {
     /// overlaps the work of other streams).
     pub stream: Option<StreamHandle>,
     /// The most bytes one copy moves (whole windows, one at least; `None`: a run of adjacent
-    /// windows in one copy however long). A long copy holds the copy engine that a compute
-    /// stream's own small copies (a decode step's inputs and sampled tokens) need: copies of
-    /// a bounded size let them in between.
+    /// windows in one copy however long; default [`DEFAULT_MAX_COPY_BYTES`]). Copies of a
+    /// bounded size slow a decode running beside them less than one long copy of the same
+    /// bytes (docs/host-tier.md has the figures).
     pub max_copy_bytes: Option<u64>,
 }
+
+/// The default [`HostTierConfig::max_copy_bytes`]: 64 MiB (about 1.2 ms of a PCIe 5 link),
+/// the size that slowed a decode beside back-to-back swaps least of those measured.
+pub const DEFAULT_MAX_COPY_BYTES: u64 = 64 << 20;
 
 impl Default for HostTierConfig {
     fn default() -> Self {
@@ -29,7 +33,7 @@ impl Default for HostTierConfig {
             slab_windows: 16,
             keep_pooled_bytes: None,
             stream: None,
-            max_copy_bytes: None,
+            max_copy_bytes: Some(DEFAULT_MAX_COPY_BYTES),
         }
     }
 }

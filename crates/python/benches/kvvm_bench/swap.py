@@ -451,8 +451,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=64, help="decode steps timed, without and while swapping")
     p.add_argument("--swap-tokens", type=int, default=8192, help="tokens of the sequence swapped meanwhile")
     p.add_argument(
-        "--copy-caps", default="0",
-        help="the decode part's most bytes a copy moves, comma-separated (0: whole runs), each measured in turn",
+        "--copy-caps", default="67108864,0",
+        help="the decode part's most bytes a copy moves, comma-separated (0: whole runs), each measured in turn "
+        "(the first is the one reported as p50_ratio; default: the tier's default, then whole runs)",
     )
     p.add_argument("--lengths", default="128,256,512,1024,2048,4096,8192,16384", help="the crossover's and the prefix part's lengths")
     p.add_argument("--requests", type=int, default=64)

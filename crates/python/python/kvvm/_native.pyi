@@ -273,7 +273,7 @@ class HostTier:
         manager: Manager,
         slab_windows: int = 16,
         keep_pooled_bytes: int | None = None,
-        max_copy_bytes: int | None = None,
+        max_copy_bytes: int | None = 67108864,
     ) -> Self: ...
     @property
     def chunk_bytes(self) -> int: ...
