@@ -30,8 +30,11 @@ declare -A workload=(
 )
 # AB_STEPS=1 times the engine's steps (prefill and decode-only: ci/gpu/serve_steps.py, which
 # works with both builds); AB_PROFILE=1 also profiles them (kernels and host operators).
+# AB_REPEAT=N runs each build's benchmark N times in one process (a report each; the medians
+# take them all).
 serve="-m kvvm_bench serve"
-[ -n "${AB_STEPS:-}${AB_PROFILE:-}" ] && serve="$repo/ci/gpu/serve_steps.py ${AB_PROFILE:+--profile} --"
+[ -n "${AB_STEPS:-}${AB_PROFILE:-}${AB_REPEAT:-}" ] \
+  && serve="$repo/ci/gpu/serve_steps.py ${AB_PROFILE:+--profile} ${AB_REPEAT:+--repeat $AB_REPEAT} --"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for w in ${WORKLOADS:-A B}; do
     for build in base new; do
@@ -42,10 +45,12 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       (cd /tmp && PYTHONPATH="/tmp/kvvm-ab-$build:$benches" timeout "${AB_TIMEOUT:-400}" python3 $serve \
         --runners kvvm-engine --fuse-projections ${workload[$w]} ${AB_ARGS:-} --json "$json") > "$json.out" 2>&1
       python3 -c "
-import json, sys
-r = json.load(open(sys.argv[1]))['results'][0]
-print('$w $build round $round:', r['tokens_per_s'], 'tokens/s, TTFT p50', r['ttft_ms'].get('p50'), 'ms, ITL p50/p99',
-      r['itl_ms'].get('p50'), r['itl_ms'].get('p99'), 'ms, wall', r['wall_s'], 's')" "$json" \
+import glob, json, sys
+for path in [sys.argv[1], *sorted(glob.glob(sys.argv[1][:-5] + '-r*.json'))]:
+    r = json.load(open(path))['results'][0]
+    print('$w $build round $round', path[len(sys.argv[1]) - 5:-5] or '', ':', r['tokens_per_s'], 'tokens/s, TTFT p50',
+          r['ttft_ms'].get('p50'), 'ms, ITL p50/p99', r['itl_ms'].get('p50'), r['itl_ms'].get('p99'), 'ms, wall',
+          r['wall_s'], 's')" "$json" \
         || { echo "$w $build round $round failed:"; tail -n 20 "$json.out"; }
       grep -h "^steps " "$json.out" || true
       [ -n "${AB_PROFILE:-}" ] && { echo "profile, $w $build round $round:"; grep -v "^steps " "$json.out" | grep -A40 "Name"; }

@@ -1,6 +1,6 @@
 """Runs ``python -m kvvm_bench serve`` with the engine's steps timed, on the GPU machine.
 
-    PYTHONPATH=SITE:BENCHES python3 ci/gpu/serve_steps.py [--profile] -- SERVE ARGS...
+    PYTHONPATH=SITE:BENCHES python3 ci/gpu/serve_steps.py [--profile] [--repeat N] -- SERVE ARGS...
 
 Works with any build whose ``kvvm.engine.Engine`` has ``warmup``, ``step``, ``close`` and
 ``stats.prefill_forwards`` / ``stats.decode_steps`` (the engine before and after its split
@@ -9,7 +9,10 @@ alike), so that two builds' steps can be compared in one call (``ci/gpu/serve_ab
 into those that ran a prefill forward and the decode-only ones (count, total and median
 wall time). With ``--profile`` the steps after the warm-up run under ``torch.profiler`` and
 the CUDA kernels and host operators taking the most time are printed (the profiler slows the
-host: compare kernels' device time between builds, not wall time).
+host: compare kernels' device time between builds, not wall time). ``--repeat N`` runs the
+benchmark N times in the process (a run's report ``X.json``, the later ones' ``X-r2.json``,
+...): the runs after the first find the process warm, so that a comparison of builds is not
+left to one cold process each.
 """
 
 from __future__ import annotations
@@ -20,8 +23,20 @@ import time
 from typing import Any
 
 
+def _repeat_json(args: list[str], run: int) -> list[str]:
+    """``args`` with the report of run ``run`` (from 1) named ``X-r<run>.json`` after the
+    first's ``X.json``."""
+    if run == 1 or "--json" not in args:
+        return args
+    i = args.index("--json") + 1
+    stem = args[i][: -len(".json")] if args[i].endswith(".json") else args[i]
+    return [*args[:i], f"{stem}-r{run}.json", *args[i + 1 :]]
+
+
 def main(argv: list[str]) -> int:
-    profile = "--profile" in argv[: argv.index("--")] if "--" in argv else False
+    own = argv[: argv.index("--")] if "--" in argv else []
+    profile = "--profile" in own
+    repeat = int(own[own.index("--repeat") + 1]) if "--repeat" in own else 1
     serve_args = argv[argv.index("--") + 1 :] if "--" in argv else argv
     import torch
     from kvvm.engine import Engine
@@ -64,17 +79,20 @@ def main(argv: list[str]) -> int:
         close(self)
 
     Engine.warmup, Engine.step, Engine.close = timed_warmup, timed_step, timed_close  # type: ignore[method-assign]
-    try:
-        rc = bench_main(["serve", *serve_args])
-    except SystemExit as e:
-        rc = int(e.code or 0)
-    for name, want in (("prefill", True), ("decode-only", False)):
-        times = [t for p, t in steps if p == want]
-        if times:
-            print(
-                f"steps {name}: {len(times)}, total {sum(times) * 1e3:.1f} ms, "
-                f"median {statistics.median(times) * 1e3:.2f} ms"
-            )
+    rc = 0
+    for run in range(1, repeat + 1):
+        steps.clear()
+        try:
+            rc = bench_main(["serve", *_repeat_json(serve_args, run)]) or rc
+        except SystemExit as e:
+            rc = int(e.code or 0) or rc
+        for name, want in (("prefill", True), ("decode-only", False)):
+            times = [t for p, t in steps if p == want]
+            if times:
+                print(
+                    f"steps {name} (run {run}): {len(times)}, total {sum(times) * 1e3:.1f} ms, "
+                    f"median {statistics.median(times) * 1e3:.2f} ms"
+                )
     return rc
 
 
