@@ -308,7 +308,7 @@ def test_the_engine_decodes_in_fp8() -> None:
 
 
 def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
-    """The decode kernel over FP8 K/V (every split count) and its fused write (the new token
+    """The decode kernel over FP8 K/V (every split count, the autotuner's FP8 blocks) and its fused write (the new token
     stored as the reference quantizes it, attended as stored), the cascade's prefix pass over
     FP8 and the prefill kernel (fp32 and FP8 K/V), against the per-request SDPA reference, in
     Triton's interpreter (a process of its own: Triton reads ``TRITON_INTERPRET`` once)."""
@@ -333,6 +333,12 @@ def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
             assert (got - want).abs().max().item() < 1e-4, splits
             wrong = decode_attention(q, k, v, bounds, 1 / math.sqrt(D), splits, kv_scales=scales.flip(0))
             assert (wrong - want).abs().max().item() > 1e-2, splits
+        # The autotuner's blocks for FP8 (twice the tokens of bf16's).
+        from kvvm.kernels.triton_decode import _SHAPES_FP8, Config
+        for block, warps, stages in _SHAPES_FP8:
+            for splits in (1, 2):
+                got = decode_attention(q, k, v, bounds, 1 / math.sqrt(D), Config(splits, block, warps, stages), kv_scales=scales)
+                assert (got - want).abs().max().item() < 1e-4, (block, splits)
         got = attend(q, k, v, bounds, kernel="triton", kv_scales=scales)
         assert (got - want).abs().max().item() < 1e-4
         # Fused: the step's token written by the kernel (quantized) and attended as stored.
