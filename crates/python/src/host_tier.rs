@@ -41,12 +41,15 @@ pub struct HostTier {
 #[pymethods]
 impl HostTier {
     #[new]
-    #[pyo3(signature = (
-        manager,
-        slab_windows = 16,
-        keep_pooled_bytes = None,
-        max_copy_bytes = Some(Count(kvvm::kv::DEFAULT_MAX_COPY_BYTES)),
-    ))]
+    #[pyo3(
+        signature = (
+            manager,
+            slab_windows = 16,
+            keep_pooled_bytes = None,
+            max_copy_bytes = Some(Count(kvvm::kv::DEFAULT_MAX_COPY_BYTES)),
+        ),
+        text_signature = "(manager, slab_windows=16, keep_pooled_bytes=None, max_copy_bytes=67108864)"
+    )]
     fn new(
         py: Python<'_>,
         manager: Bound<'_, Manager>,

@@ -98,7 +98,8 @@ fn source(py: Python<'_>, obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Source
     ))
 }
 
-/// Whether `dtype` (as the source's library names it) is the cache's element type.
+/// Whether `dtype` (as the source's library names it) is the cache's element type (an FP8
+/// cache holds e4m3 codes: torch's e5m2 is another format of the same size).
 fn dtype_matches(src: &Source, dtype: KvDtype) -> bool {
     let want = u64::from(dtype.bytes());
     if src.itemsize != want {
@@ -110,7 +111,7 @@ fn dtype_matches(src: &Source, dtype: KvDtype) -> bool {
             (KvDtype::F16, "float16" | "half")
                 | (KvDtype::Bf16, "bfloat16")
                 | (KvDtype::F32, "float32" | "float")
-                | (KvDtype::Fp8, "float8_e4m3fn" | "float8_e5m2")
+                | (KvDtype::Fp8, "float8_e4m3fn")
         ),
         // numpy's typestr: '<f2', '<f4'; bfloat16 and fp8 have no numpy type of their own
         // (ml_dtypes reports raw bytes, 'V').

@@ -54,6 +54,31 @@ def test_round_trip_on_the_host_backend(host: kvvm.Manager) -> None:
     _round_trip(host)
 
 
+def test_copies_are_cut_at_64_mib_by_default_and_at_what_is_asked(sim: kvvm.Manager) -> None:
+    """A sequence of 1100 tokens of 128 KiB (69 adjacent 2 MiB windows, 138 MiB) moves in
+    copies of at most 64 MiB by default, in one copy with ``max_copy_bytes=None``, in copies
+    of 16 MiB when asked; byte-exact each way."""
+    g = kvvm.KvGeometry(layers=32, kv_heads=8, head_dim=128, max_tokens=2048, dtype="bf16")
+    seq = kvvm.Sequence(sim, kvvm.LayoutPlan(g, "token-major", sim.granule))
+    seq.ensure(1100)
+    data = os.urandom(4096) * (1100 * g.bytes_per_token // 4096)
+    seq.write_tokens(0, data)
+    for tier, copies in (
+        (kvvm.HostTier(sim), 3),
+        (kvvm.HostTier(sim, max_copy_bytes=None), 1),
+        (kvvm.HostTier(sim, max_copy_bytes=16 * MiB), 9),
+    ):
+        swap = seq.swap_out(tier, 1100)
+        assert swap.copies == copies
+        seq.finish_swap_out(swap)
+        seq.swap_in(swap)
+        assert swap.copies == copies
+        seq.finish_swap_in(swap)
+        assert seq.read_tokens(0, 1100) == data
+        del swap
+        tier.trim()
+
+
 def test_round_trip_of_a_precommitted_sequence() -> None:
     mgr = kvvm.Manager("sim", budget_bytes=1 << 30, precommit=True)
     _round_trip(mgr, precommit=True)

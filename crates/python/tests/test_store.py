@@ -171,3 +171,25 @@ def test_store_takes_ordinary_numpy_arrays(host: kvvm.Manager, layout: str) -> N
         batch.store(1, 3, wide, wide)
     assert not token_of(batch[0].read_tokens(3, 1)).any()
     assert batch.release() > 0
+
+
+@needs_host
+def test_an_fp8_store_takes_e4m3_and_refuses_e5m2(host: kvvm.Manager) -> None:
+    """An FP8 cache holds e4m3 codes: a torch float8_e4m3fn source is stored byte for byte,
+    a float8_e5m2 one (the same size, another format) is refused and nothing is written."""
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    plan = kvvm.LayoutPlan(tiny_geometry(dtype="fp8"), "token-major", host.granule)
+    batch = kvvm.SequenceBatch(host, plan, 3, max_tokens=256)
+    batch.ensure(2)
+    k = (torch.arange(3 * HEADS * DIM) % 200 - 100).float().reshape(3, HEADS, 1, DIM) / 8
+    v = -k
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    with pytest.raises(kvvm.InvalidArgumentError, match="dtype"):
+        batch.store(0, 1, k.to(e5m2), v.to(e5m2))
+    assert not any(batch[s].read_tokens(1, 1).strip(b"\0") for s in range(3)), "nothing written"
+    batch.store(0, 1, k.to(e4m3), v.to(e4m3))
+    for s in range(3):
+        token = batch[s].read_tokens(1, 1)  # [layer][K, V][head][dim], one byte an element
+        layer0 = token[: 2 * HEADS * DIM]
+        assert layer0[: HEADS * DIM] == k[s, :, 0].to(e4m3).view(torch.uint8).numpy().tobytes()
+        assert layer0[HEADS * DIM :] == v[s, :, 0].to(e4m3).view(torch.uint8).numpy().tobytes()
