@@ -9,6 +9,7 @@
 //! kvvm simulate: 41% (policy 4/9 kvvm-head-major, 1200/20000 requests), 40 s elapsed
 //! ```
 
+use kvvm::hal::sync::Unpoison;
 use std::io::IsTerminal;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -38,7 +39,7 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic elsewhere cannot leave the counters in a state worth refusing to print.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock().unpoisoned()
     }
 }
 
@@ -137,7 +138,7 @@ impl Progress {
                     let (state, _) = shared
                         .wake
                         .wait_timeout_while(state, every, |s| !s.finished)
-                        .unwrap_or_else(|p| p.into_inner());
+                        .unpoisoned();
                     if state.finished {
                         return;
                     }

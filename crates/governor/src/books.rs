@@ -2,8 +2,9 @@
 //! checked arithmetic (an underflow or overflow is a [`GovernorError`], never a wrap), and the
 //! recent frees and releases the release rate is measured over (each a [`ReleaseWindow`]).
 
+use kvvm_hal::sync::lock;
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvvm_hal::DeviceId;
@@ -56,12 +57,6 @@ pub(crate) struct Books {
 #[derive(Default)]
 pub(crate) struct Ledger {
     pub(crate) books: Mutex<Books>,
-}
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The books are plain integers updated in single statements; a panic elsewhere while the
-    // lock was held cannot leave them half-written, so recover instead of panicking.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn take(

@@ -1,6 +1,7 @@
 //! [`Clock`]: where the release-rate estimate gets its time ([`SystemClock`], or a
 //! [`ManualClock`] that only moves when told to).
 
+use kvvm_hal::sync::Unpoison;
 use std::fmt;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -37,7 +38,7 @@ impl ManualClock {
 
     /// Moves the clock forward by `by`.
     pub fn advance(&self, by: Duration) {
-        let mut now = self.now.lock().unwrap_or_else(|p| p.into_inner());
+        let mut now = self.now.lock().unpoisoned();
         *now = now.checked_add(by).unwrap_or(*now);
     }
 }
@@ -50,6 +51,6 @@ impl Default for ManualClock {
 
 impl Clock for ManualClock {
     fn now(&self) -> Instant {
-        *self.now.lock().unwrap_or_else(|p| p.into_inner())
+        *self.now.lock().unpoisoned()
     }
 }

@@ -1,6 +1,7 @@
 //! What a leased governor is built on: the [`LeaseSource`] its bytes come from, the
 //! [`LeasePolicy`] of its top-ups and trims, and the [`Lease`] it holds (bytes per device).
 
+use kvvm_hal::sync::lock;
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
@@ -8,7 +9,7 @@ use std::time::Duration;
 
 use kvvm_hal::DeviceId;
 
-use crate::books::{lock, Books, Ledger};
+use crate::books::{Books, Ledger};
 use crate::error::Refusal;
 
 /// Where a leased governor's bytes come from (a broker client).

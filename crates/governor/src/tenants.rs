@@ -12,7 +12,6 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::books::lock;
 use crate::clock::Clock;
 use crate::governor::Governor;
 use crate::release_window::ReleaseWindow;
@@ -21,6 +20,7 @@ use crate::tenant::{
     Quota, Scope, TenantBackpressure, TenantBounds, TenantBudgets, TenantId, TenantNeverFits,
     TenantRefusal, TenantRoom, TenantShare,
 };
+use kvvm_hal::sync::lock;
 
 /// What the books hold: every tenant's share, their sum, and the releases of the last window.
 #[derive(Debug, Default)]

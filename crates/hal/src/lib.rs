@@ -99,6 +99,7 @@ pub mod decorate;
 mod error;
 mod host;
 pub mod model;
+pub mod sync;
 mod trace;
 mod types;
 

@@ -1,6 +1,7 @@
 //! [`SeqCell`]: one sequence's KV cache as the Python objects share it, plain or handed to the
 //! background pre-committer, with the count of live views that keeps its memory mapped.
 
+use kvvm::hal::sync::Unpoison;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -112,7 +113,7 @@ impl SeqCell {
     /// Runs `f` on the sequence under its lock.
     pub(crate) fn with<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R) -> R {
         match &self.kind {
-            Kind::Plain(m) => f(&mut m.lock().unwrap_or_else(|e| e.into_inner())),
+            Kind::Plain(m) => f(&mut m.lock().unpoisoned()),
             Kind::Pre(p) => p.with_sequence(f),
         }
     }
@@ -122,7 +123,7 @@ impl SeqCell {
     pub(crate) fn ensure(&self, n: u64) -> Result<u64, KvCacheError> {
         self.asked.fetch_max(n, Ordering::AcqRel);
         match &self.kind {
-            Kind::Plain(m) => m.lock().unwrap_or_else(|e| e.into_inner()).ensure_tokens(n),
+            Kind::Plain(m) => m.lock().unpoisoned().ensure_tokens(n),
             Kind::Pre(p) => p.ensure_tokens(n).map(|e| match e {
                 Ensured::Ready => 0,
                 Ensured::Inline(b) => b,

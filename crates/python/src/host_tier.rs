@@ -4,6 +4,7 @@
 //! calls the functions here): `swap_out` (copies queued), `finish_swap_out` (the sequence's
 //! memory given back), `swap_in` (committed again, copies queued), `finish_swap_in`.
 
+use kvvm::hal::sync::Unpoison;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvvm::hal::StreamHandle;
@@ -143,7 +144,7 @@ pub struct SwappedKv {
 
 impl SwappedKv {
     pub(crate) fn lock(&self) -> MutexGuard<'_, KvSwapped> {
-        self.swap.lock().unwrap_or_else(|e| e.into_inner())
+        self.swap.lock().unpoisoned()
     }
 }
 

@@ -2,6 +2,7 @@
 //! cache is shared), else one per API key, made on the key's first prompt with token ids, so
 //! that no key's prompts hit (or reveal) another key's prefixes.
 
+use kvvm::hal::sync::Unpoison;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -46,7 +47,7 @@ impl PrefixCaches {
         if owner == Owner::ANONYMOUS || self.shared {
             return Ok(Some(default.clone()));
         }
-        let mut caches = self.per_key.lock().unwrap_or_else(|p| p.into_inner());
+        let mut caches = self.per_key.lock().unpoisoned();
         if let Some(c) = caches.get(&owner) {
             return Ok(Some(c.clone()));
         }
@@ -59,7 +60,7 @@ impl PrefixCaches {
     /// Every cache.
     pub(crate) fn all(&self) -> Vec<Arc<PrefixCache>> {
         let mut all: Vec<_> = self.default.iter().cloned().collect();
-        let keys = self.per_key.lock().unwrap_or_else(|p| p.into_inner());
+        let keys = self.per_key.lock().unpoisoned();
         all.extend(keys.values().cloned());
         all
     }

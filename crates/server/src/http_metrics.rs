@@ -3,6 +3,7 @@
 //! or an HTTP error that the HTTP layer answered itself), rendered in the Prometheus text
 //! format after the service's own metrics.
 
+use kvvm::hal::sync::lock;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -110,11 +111,6 @@ impl Drop for Held {
     fn drop(&mut self) {
         (self.gauge)(&self.metrics).fetch_sub(1, Ordering::Relaxed);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    // Each update is one insertion or increment: a poisoned lock is consistent.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl HttpMetrics {

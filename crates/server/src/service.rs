@@ -2,6 +2,7 @@
 //! caches and the table of live sequences, and is the only place that calls the KV layer.
 //! The HTTP layer (`router.rs`) only parses, calls one method here and renders the result.
 
+use kvvm::hal::sync::Unpoison;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -43,7 +44,7 @@ struct Entry {
 impl Entry {
     fn lock(&self) -> MutexGuard<'_, Option<LiveSequence>> {
         // Every update of a slot is a single assignment: a poisoned lock is still consistent.
-        self.seq.lock().unwrap_or_else(|p| p.into_inner())
+        self.seq.lock().unpoisoned()
     }
 }
 
@@ -160,7 +161,7 @@ impl KvService {
         // A panic while holding the lock cannot leave the table half-updated (every update
         // is a single insert or remove), so a poisoned lock is still usable. The table lock
         // is never held across a driver call.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock().unpoisoned()
     }
 
     /// The entry of live sequence `id` owned by `owner` (another owner's is unknown).

@@ -162,7 +162,6 @@ mod mapping;
 mod reservation;
 mod shared;
 mod strided;
-mod sync;
 mod transaction;
 mod windows;
 

@@ -1,6 +1,7 @@
 //! Driver-call accounting: a counting wrapper around any backend, and the cost model of the
 //! policies that do not use the virtual-memory API.
 
+use kvvm_hal::sync::Unpoison;
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -142,7 +143,7 @@ impl CountingBackend {
 
     /// The books; each edit is one step under the lock, so a poisoned lock is recovered.
     fn books(&self) -> MutexGuard<'_, Books> {
-        self.books.lock().unwrap_or_else(|p| p.into_inner())
+        self.books.lock().unpoisoned()
     }
 
     /// Runs one call of `op`, counts it, and charges the model for `(bytes, mappings)` when

@@ -1,5 +1,6 @@
 //! [`KernelProbe`] for [`CudaBackend`]: one launch of a probe kernel, in the device's context.
 
+use kvvm_hal::sync::Unpoison;
 use std::ffi::{c_uint, c_void};
 
 use kvvm_hal::{BackendResult, DeviceAddress, DeviceId, KernelProbe, KernelProbeOp, Operation};
@@ -30,10 +31,7 @@ impl KernelProbe for CudaBackend {
         self.make_current(kop, dev)?;
         // One probe at a time per device: the `out` buffer is shared. The lock is held until
         // the probe has finished.
-        let mut slot = dev
-            .probe
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut slot = dev.probe.lock().unpoisoned();
         let module = match *slot {
             Some(module) => module,
             None => {

@@ -1,6 +1,7 @@
 //! Opening the CUDA backend (load the driver, initialise it, retain every device's primary
 //! context) and closing it (unload the modules loaded on demand, release the contexts).
 
+use kvvm_hal::sync::Unpoison;
 use std::sync::Mutex;
 
 use cudarc::driver::sys::CUdevice_attribute;
@@ -95,16 +96,8 @@ impl Drop for CudaBackend {
             }
         }
         for device in self.devices.iter_mut().rev() {
-            let probe = device
-                .probe
-                .get_mut()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .take();
-            let rows = device
-                .rows
-                .get_mut()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .take();
+            let probe = device.probe.get_mut().unpoisoned().take();
+            let rows = device.rows.get_mut().unpoisoned().take();
             if probe.is_some() || rows.is_some() {
                 // SAFETY: the context is still retained (released just below).
                 let current = unsafe { driver.ctx_set_current(device.ctx.0) };

@@ -11,6 +11,7 @@
 //!
 //! [`VirtualMemoryBackend::copy_rows_async`]: kvvm_hal::VirtualMemoryBackend::copy_rows_async
 
+use kvvm_hal::sync::Unpoison;
 use std::ffi::{c_uint, c_void};
 
 use cudarc::driver::sys::CUstream;
@@ -55,10 +56,7 @@ impl CudaBackend {
         let device = self.owner_device(op, copy.dst)?;
         self.make_current(op, device)?;
         let module = {
-            let mut slot = device
-                .rows
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut slot = device.rows.lock().unpoisoned();
             match *slot {
                 Some(m) => m,
                 None => {

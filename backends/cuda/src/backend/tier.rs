@@ -10,6 +10,7 @@
 //! driver. Freeing a buffer while a copy still uses it is the caller's error to avoid (its
 //! event waited for first), as for device memory.
 
+use kvvm_hal::sync::Unpoison;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
@@ -51,7 +52,7 @@ fn invalid(op: Operation, detail: String) -> BackendError {
 impl CudaBackend {
     fn tier_books(&self) -> MutexGuard<'_, TierBooks> {
         // Each update of the books is one step under the lock: recover from a poison.
-        self.tier.lock().unwrap_or_else(|p| p.into_inner())
+        self.tier.lock().unpoisoned()
     }
 
     pub(crate) fn tier_host_alloc(
@@ -142,7 +143,7 @@ impl CudaBackend {
     pub(crate) fn tier_copy_stream(&self, device: DeviceId) -> BackendResult<StreamHandle> {
         let op = Operation::Stream;
         let dev = self.device(op, device)?;
-        let mut slot = dev.copy_stream.lock().unwrap_or_else(|p| p.into_inner());
+        let mut slot = dev.copy_stream.lock().unpoisoned();
         if let Some(s) = *slot {
             return Ok(StreamHandle(s.0 as usize as u64));
         }
@@ -229,11 +230,7 @@ impl CudaBackend {
 
     /// At teardown, with `device`'s context current: destroys its copy stream.
     pub(crate) fn drop_copy_stream(&self, device: &Device) {
-        let stream = device
-            .copy_stream
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let stream = device.copy_stream.lock().unpoisoned().take();
         if let Some(s) = stream {
             // SAFETY: the stream was made in this context (current) and nothing uses it any
             // more: the backend is being dropped.

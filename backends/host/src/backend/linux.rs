@@ -1,5 +1,6 @@
 //! [`HostBackend`]: the [`VirtualMemoryBackend`] implementation over `mmap` and memfds.
 
+use kvvm_hal::sync::Unpoison;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -115,16 +116,12 @@ impl HostBackend {
     pub(crate) fn read(&self) -> RwLockReadGuard<'_, State> {
         // A panic while holding the lock cannot happen on the paths that change the state
         // (no code there panics); recover rather than propagate a poison.
-        self.state
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.read().unpoisoned()
     }
 
     /// The bookkeeping, exclusive (every call that changes mappings or handles).
     fn write(&self) -> RwLockWriteGuard<'_, State> {
-        self.state
-            .write()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.write().unpoisoned()
     }
 
     /// What the backend holds right now; [`HostLedger::is_empty`] after a run that leaked
@@ -202,10 +199,7 @@ impl HostBackend {
 
 impl Drop for HostBackend {
     fn drop(&mut self) {
-        let state = self
-            .state
-            .get_mut()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let state = self.state.get_mut().unpoisoned();
         for (address, size) in state.reservation_ranges() {
             let (Ok(ptr), Ok(len)) = (
                 pointer(Operation::Free, address),

@@ -5,6 +5,7 @@
 //! that its device range is mapped with the access it needs and its host range lies inside a
 //! live buffer before any byte moves, so no call touches memory that is neither.
 
+use kvvm_hal::sync::Unpoison;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard};
 
@@ -65,7 +66,7 @@ impl Tier {
 impl HostBackend {
     pub(crate) fn lock_tier(&self) -> MutexGuard<'_, Tier> {
         // Each update of the tier's books is one step under the lock: recover from a poison.
-        self.tier.lock().unwrap_or_else(|p| p.into_inner())
+        self.tier.lock().unpoisoned()
     }
 
     pub(crate) fn tier_host_alloc(

@@ -9,6 +9,7 @@
 //! * `kernel.rs`: [`KernelProbe`](kvvm_hal::KernelProbe), loads and stores checked against
 //!   the launching device's access.
 
+use kvvm_hal::sync::Unpoison;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -68,9 +69,7 @@ impl SimBackend {
     pub(super) fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave `State` half-updated in a way that
         // matters more than losing the simulator, and library code must not panic: recover.
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock().unpoisoned()
     }
 
     /// Adds a fault rule; its call numbers count from now.

@@ -22,13 +22,14 @@
 mod prefix;
 mod reader;
 
+use kvvm_hal::sync::{lock, Unpoison};
 use std::collections::BTreeMap;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kvvm_governor::{
@@ -122,11 +123,6 @@ impl Drop for Inner {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The client's state is updated in single statements; recover from a poisoned lock.
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// A connection to the node's broker. Cheap to clone; the socket closes (and the broker takes
 /// back everything the client held) when the last clone is dropped or the process dies.
 #[derive(Clone)]
@@ -209,7 +205,8 @@ impl BrokerClient {
                 .inner
                 .connected_changed
                 .wait_timeout(up, left)
-                .map_or_else(|p| p.into_inner().0, |(g, _)| g);
+                .unpoisoned()
+                .0;
         }
         true
     }

@@ -15,10 +15,11 @@ mod prefix;
 mod slots;
 mod socket;
 
+use kvvm_hal::sync::lock;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use crate::books::{BookEntries, NodeBooks};
@@ -98,12 +99,6 @@ struct Shared {
     /// Set when the broker stops. From then on what the connections' ends give back is not
     /// written to the books file: their clients keep it, to claim from the next broker.
     stopping: AtomicBool,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // Every update under these locks is a single statement or a map insert; a panic elsewhere
-    // cannot leave them half-written.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Shared {

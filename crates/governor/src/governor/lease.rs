@@ -3,6 +3,7 @@
 //! grant does not fit and trimmed when frees leave too much of it unused. Grants within the
 //! lease never leave the process; only a top-up or a trim talks to the [`LeaseSource`].
 
+use kvvm_hal::sync::lock;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -12,7 +13,7 @@ use kvvm_hal::DeviceId;
 
 use super::grant::MappedGrowthGrant;
 use super::{Governor, Inner};
-use crate::books::{lock, Ledger};
+use crate::books::Ledger;
 use crate::config::GovernorConfig;
 use crate::error::Refusal;
 use crate::lease_source::{Lease, LeasePolicy, LeaseSource, LeaseStats};

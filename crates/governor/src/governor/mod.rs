@@ -1,13 +1,14 @@
 //! [`Governor`]: grants growth within the budgets, asks reclaimers before refusing, keeps the
 //! books (through its [`Ledger`]) and estimates `retry_after`.
 
+use kvvm_hal::sync::lock;
 use std::fmt;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use kvvm_hal::DeviceId;
 
-use crate::books::{lock, Books, Ledger};
+use crate::books::{Books, Ledger};
 use crate::bucket::Bucket;
 use crate::config::GovernorConfig;
 use crate::error::{Backpressure, GovernorError, Limit, NeverFits, Refusal};

@@ -19,6 +19,7 @@
 //! Stack them as `Recording(FaultInjecting(backend))`: the record then sees an injected
 //! failure as the failure it is, and books nothing for it.
 
+use crate::sync::lock;
 mod faults;
 mod forward;
 mod record;
@@ -26,9 +27,3 @@ mod record;
 pub use faults::{CallHook, FaultInjecting, InjectedFault};
 pub use forward::Forward;
 pub use record::{Record, RecordedHandle, RecordedMapping, Recording};
-
-/// Locks a decorator's books. They are maps, lists and counters, each edited in one step under
-/// the lock, so a panic elsewhere cannot leave them half-written: a poisoned lock is recovered.
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}

@@ -38,6 +38,7 @@
 //! [`Precommitter::shutdown`] (also run on drop) stops the worker, joins it, and drops the
 //! queue; sequences release everything when they are dropped.
 
+use kvvm_hal::sync::{lock, Unpoison};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
@@ -184,10 +185,6 @@ fn non_negative(total: u64) -> u64 {
     }
 }
 
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Starts a pre-commit worker thread named `name` running `run` (for a sequence's
 /// [`Precommitter`] and a tensor-parallel group's); a thread the OS refuses is
 /// [`KvCacheError::Worker`].
@@ -209,7 +206,7 @@ impl Cell {
     pub(crate) fn lock_settled(&self) -> MutexGuard<'_, SequenceKv> {
         let mut seq = lock(&self.seq);
         while seq.has_commit_in_flight() {
-            seq = self.settled.wait(seq).unwrap_or_else(|p| p.into_inner());
+            seq = self.settled.wait(seq).unpoisoned();
         }
         seq
     }
@@ -375,8 +372,8 @@ impl Inner {
                     q = self
                         .wake
                         .wait_timeout(q, self.config.poll_interval)
-                        .map(|(g, _)| g)
-                        .unwrap_or_else(|p| p.into_inner().0);
+                        .unpoisoned()
+                        .0;
                 }
                 if q.shutdown {
                     self.idle.notify_all();
@@ -566,7 +563,7 @@ impl Precommitter {
             q.kick = true;
             self.inner.wake.notify_one();
             while q.scans.wrapping_sub(start) < 2 && !q.shutdown {
-                q = self.inner.idle.wait(q).unwrap_or_else(|p| p.into_inner());
+                q = self.inner.idle.wait(q).unpoisoned();
             }
             if !q.last_scan_worked {
                 return;

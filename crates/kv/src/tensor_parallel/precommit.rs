@@ -15,13 +15,14 @@
 //! [`shrink_to_live`](PrecommittedGroup::shrink_to_live)), so a `Ready` never names an unmapped
 //! window.
 
+use kvvm_hal::sync::{lock, Unpoison};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::error::KvCacheError;
-use crate::precommit::{lock, spawn_worker, Ensured};
+use crate::precommit::{spawn_worker, Ensured};
 use crate::tensor_parallel::TensorParallelSequence;
 
 /// Counters of a [`PrecommittedGroup`].
@@ -58,7 +59,7 @@ impl Shared {
     fn lock_settled(&self) -> MutexGuard<'_, TensorParallelSequence> {
         let mut g = lock(&self.group);
         while g.has_commit_in_flight() {
-            g = self.settled.wait(g).unwrap_or_else(|p| p.into_inner());
+            g = self.settled.wait(g).unpoisoned();
         }
         g
     }
@@ -123,10 +124,7 @@ impl Shared {
                 if *stop {
                     return;
                 }
-                let (stop, _) = self
-                    .wake
-                    .wait_timeout(stop, self.poll)
-                    .unwrap_or_else(|p| p.into_inner());
+                let (stop, _) = self.wake.wait_timeout(stop, self.poll).unpoisoned();
                 if *stop {
                     return;
                 }
@@ -235,11 +233,7 @@ impl PrecommittedGroup {
                 }
                 // Bounded so that a wake-up the worker missed (it was not waiting yet) costs
                 // one poll interval, never a hang.
-                drop(
-                    s.idle
-                        .wait_timeout(scans, s.poll)
-                        .unwrap_or_else(|p| p.into_inner()),
-                );
+                drop(s.idle.wait_timeout(scans, s.poll).unpoisoned());
             }
         }
     }

@@ -8,6 +8,7 @@
 //! handing them to teardown. Parked bytes are *pooled* for the governor and count against the
 //! pool cap (the count lives in the [`HandlePool`]).
 
+use kvvm_hal::sync::Unpoison;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 
@@ -17,8 +18,8 @@ use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 use crate::device::pool::HandlePool;
 use crate::device::{DeviceContext, Source};
 use crate::mapping::{BlockKind, MappedBlock};
-use crate::sync::lock;
 use crate::windows::spans::{covered, Span};
+use kvvm_hal::sync::lock;
 
 /// A parked mapping: its offset in the reservation, its windows and the handle mapped there
 /// (whole, as it was committed).
@@ -175,10 +176,7 @@ impl ParkedWindows {
     fn wait_evictions(&self) {
         let mut evicting = lock(&self.evicting);
         while !evicting.is_empty() {
-            evicting = self
-                .evicted
-                .wait(evicting)
-                .unwrap_or_else(|p| p.into_inner());
+            evicting = self.evicted.wait(evicting).unpoisoned();
         }
     }
 
@@ -251,11 +249,7 @@ impl ParkedWindows {
             }
             drop(windows);
             // Wait for that eviction (signalled with the evicting list's lock), then look again.
-            drop(
-                self.evicted
-                    .wait(evicting)
-                    .unwrap_or_else(|p| p.into_inner()),
-            );
+            drop(self.evicted.wait(evicting).unpoisoned());
         };
         windows.retain(|w| {
             if covered(spans, g, w.0, w.1) == w.1 {

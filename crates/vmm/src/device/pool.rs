@@ -17,7 +17,7 @@ use kvvm_governor::Bucket;
 use kvvm_hal::{BackendError, LatencyModel, Operation, PhysicalHandle};
 
 use crate::device::{DeviceContext, Source};
-use crate::sync::lock;
+use kvvm_hal::sync::lock;
 
 #[derive(Debug, Default)]
 struct Free {

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use kvvm_hal::{BackendError, DeviceAddress, PhysicalHandle};
 
 use crate::mapping::MappedBlock;
-use crate::sync::lock;
+use kvvm_hal::sync::lock;
 
 /// Why memory was quarantined.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

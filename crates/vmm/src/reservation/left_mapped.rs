@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use crate::block::Block;
-use crate::sync::lock;
+use kvvm_hal::sync::lock;
 
 /// Blocks a commit job dropped unfinished could not unmap, handed back to the reservation
 /// that began it: the driver still maps them, so they stay out of use and in its books (and
