@@ -414,3 +414,32 @@ def test_the_flash_kernel_reads_slots_whose_stride_is_not_whole_tokens_on_the_gp
         got = attend(q, k, v, bounds, kernel="flash").float().cpu()
         want = attend(q.cpu().float(), k.cpu().float(), v.cpu().float(), bounds.cpu(), kernel="sdpa")
         assert (got - want).abs().max().item() < 2e-2, q_len
+
+
+@pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")
+def test_a_flash_plan_made_while_a_graph_is_captured_is_not_kept() -> None:
+    """The flash kernel captured in a CUDA graph makes its plan inside the capture (its
+    tensors filled only when the graph replays); an eager call with the same bounds afterwards
+    makes its own, and both the replay and the eager call read exactly each request's tokens."""
+    import torch
+
+    from kvvm.kernels.attend import attend
+
+    torch.manual_seed(9)
+    k, v = _misaligned_kv("cuda", torch.bfloat16, 6, 2, 96, 0)
+    bounds = torch.tensor([[3, 0, 10], [0, 2, 9], [1, 4, 7], [4, 1, 7]], dtype=torch.int32, device="cuda")
+    q = torch.randn(4, 8, 3, 96, device="cuda", dtype=torch.bfloat16)
+    want = attend(q.cpu().float(), k.cpu().float(), v.cpu().float(), bounds.cpu(), kernel="sdpa")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attend(q, k, v, bounds.clone(), kernel="flash")  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attend(q, k, v, bounds, kernel="flash")
+    eager = attend(q, k, v, bounds, kernel="flash").float().cpu()
+    assert (eager - want).abs().max().item() < 2e-2, "an eager call used the captured plan"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (captured.float().cpu() - want).abs().max().item() < 2e-2
