@@ -10,55 +10,16 @@ mod common;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use common::{tiny, tokens_bytes, D0};
-use kvvm_governor::{Governor, GovernorConfig};
+use common::{tier_host, tier_manager, tier_sim, tiny, tokens_bytes, D0, TIER_G};
 use kvvm_hal::decorate::Forward;
 use kvvm_hal::{DeviceId, EventHandle, VirtualMemoryBackend};
-use kvvm_host::{HostBackend, HostConfig};
 use kvvm_kv::{
     HostTier, HostTierConfig, KvCacheError, KvLayout, LayoutPlan, PrefixCache, SequenceKv,
     SwapPhase,
 };
-use kvvm_sim::{SimBackend, SimConfig};
-use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
+use kvvm_vmm::VirtualMemory;
 
-const G: u64 = 64 << 10;
-
-/// A manager over `backend` with `device` bytes of device budget and `host` of host budget.
-fn manager(
-    backend: Arc<dyn VirtualMemoryBackend>,
-    device: Option<u64>,
-    host: Option<u64>,
-) -> VirtualMemory {
-    let mut config = GovernorConfig::default();
-    if let Some(b) = device {
-        config = config.device_budget(D0, b);
-    }
-    if let Some(b) = host {
-        config = config.device_budget(DeviceId::HOST, b);
-    }
-    VirtualMemory::new(
-        backend,
-        D0,
-        Governor::new(config),
-        VmmConfig::default().granularity(GranularityChoice::Minimum),
-    )
-    .unwrap()
-}
-
-fn sim() -> Arc<dyn VirtualMemoryBackend> {
-    Arc::new(SimBackend::new(SimConfig::single(G, 4096 * G)))
-}
-
-fn host() -> Option<Arc<dyn VirtualMemoryBackend>> {
-    match HostBackend::with_config(HostConfig::default().capacity(1 << 30)) {
-        Ok(b) => Some(Arc::new(b)),
-        Err(e) => {
-            println!("skipped: no host backend here ({e})");
-            None
-        }
-    }
-}
+const G: u64 = TIER_G;
 
 fn plan(vm: &VirtualMemory, layout: KvLayout) -> LayoutPlan {
     LayoutPlan::new(tiny(2048), layout, vm.granule()).unwrap()
@@ -72,7 +33,7 @@ fn host_used(vm: &VirtualMemory) -> (u64, u64, u64) {
 /// Writes `n` tokens, swaps the first `n` out and back, and checks every byte, the address,
 /// the books on both sides at every step, and that nothing is left after.
 fn round_trip(backend: Arc<dyn VirtualMemoryBackend>, layout: KvLayout, n: u64) {
-    let vm = manager(backend, None, None);
+    let vm = tier_manager(backend, None, None);
     let p = plan(&vm, layout);
     let tier = HostTier::new(&vm, HostTierConfig::default().slab_windows(4)).unwrap();
     let mut seq = SequenceKv::new(&vm, &p, 2048).unwrap();
@@ -131,14 +92,14 @@ fn round_trips_are_byte_exact_at_the_same_address_on_the_simulator() {
         KvLayout::HeadMajor,
     ] {
         for n in [1, 129, 1000] {
-            round_trip(sim(), layout, n);
+            round_trip(tier_sim(), layout, n);
         }
     }
 }
 
 #[test]
 fn round_trips_are_byte_exact_at_the_same_address_on_the_host_backend() {
-    let Some(b) = host() else { return };
+    let Some(b) = tier_host() else { return };
     let ledger = |b: &Arc<dyn VirtualMemoryBackend>| b.memory_info(D0).unwrap().free;
     let before = ledger(&b);
     for layout in [
@@ -155,7 +116,7 @@ fn round_trips_are_byte_exact_at_the_same_address_on_the_host_backend() {
 
 #[test]
 fn adjacent_windows_move_in_one_copy() {
-    let vm = manager(sim(), None, None);
+    let vm = tier_manager(tier_sim(), None, None);
     let p = plan(&vm, KvLayout::TokenMajor);
     let tier = HostTier::new(&vm, HostTierConfig::default()).unwrap();
     let mut seq = SequenceKv::new(&vm, &p, 2048).unwrap();
@@ -177,7 +138,7 @@ fn copies_are_cut_at_the_tiers_most_bytes_and_stay_byte_exact() {
         (Some(1), 8),
         (None, 1),
     ] {
-        let vm = manager(sim(), None, None);
+        let vm = tier_manager(tier_sim(), None, None);
         let p = plan(&vm, KvLayout::TokenMajor);
         let tier = HostTier::new(&vm, HostTierConfig::default().max_copy_bytes(most)).unwrap();
         let mut seq = SequenceKv::new(&vm, &p, 2048).unwrap();
@@ -204,7 +165,7 @@ fn copies_are_cut_at_the_tiers_most_bytes_and_stay_byte_exact() {
 
 #[test]
 fn a_mapped_prefix_stays_on_the_device_and_is_mapped_again() {
-    let vm = manager(sim(), None, None);
+    let vm = tier_manager(tier_sim(), None, None);
     let p = plan(&vm, KvLayout::TokenMajor);
     let cache = PrefixCache::new(vm.clone(), p).unwrap();
     let tier = HostTier::new(&vm, HostTierConfig::default()).unwrap();
@@ -250,7 +211,7 @@ fn a_mapped_prefix_stays_on_the_device_and_is_mapped_again() {
 
 #[test]
 fn a_sliding_sequence_comes_back_without_its_forgotten_tokens() {
-    let vm = manager(sim(), None, None);
+    let vm = tier_manager(tier_sim(), None, None);
     let p = plan(&vm, KvLayout::TokenMajor);
     let tier = HostTier::new(&vm, HostTierConfig::default()).unwrap();
     let mut seq = SequenceKv::new(&vm, &p, 2048).unwrap();
@@ -277,7 +238,7 @@ fn a_sliding_sequence_comes_back_without_its_forgotten_tokens() {
 
 #[test]
 fn a_full_host_budget_refuses_and_changes_nothing() {
-    let vm = manager(sim(), None, Some(4 * G));
+    let vm = tier_manager(tier_sim(), None, Some(4 * G));
     let p = plan(&vm, KvLayout::TokenMajor);
     let tier = HostTier::new(&vm, HostTierConfig::default()).unwrap();
     let mut seq = SequenceKv::new(&vm, &p, 2048).unwrap();
@@ -313,7 +274,7 @@ fn a_full_host_budget_refuses_and_changes_nothing() {
 
 #[test]
 fn a_swap_in_refused_for_memory_waits_on_the_host_and_comes_back_later() {
-    let vm = manager(sim(), Some(10 * G), None);
+    let vm = tier_manager(tier_sim(), Some(10 * G), None);
     let p = plan(&vm, KvLayout::TokenMajor);
     let tier = HostTier::new(&vm, HostTierConfig::default()).unwrap();
     let mut seq = SequenceKv::new(&vm, &p, 2048).unwrap();
@@ -340,7 +301,7 @@ fn a_swap_in_refused_for_memory_waits_on_the_host_and_comes_back_later() {
 
 #[test]
 fn misuse_is_refused_before_any_copy() {
-    let vm = manager(sim(), None, None);
+    let vm = tier_manager(tier_sim(), None, None);
     let p = plan(&vm, KvLayout::TokenMajor);
     let tier = HostTier::new(&vm, HostTierConfig::default()).unwrap();
     let mut seq = SequenceKv::new(&vm, &p, 2048).unwrap();
@@ -377,7 +338,7 @@ fn misuse_is_refused_before_any_copy() {
         other.finish_swap_in(&mut swap),
         Err(KvCacheError::Swap { .. })
     ));
-    let foreign = manager(sim(), None, None);
+    let foreign = tier_manager(tier_sim(), None, None);
     let far = HostTier::new(&foreign, HostTierConfig::default()).unwrap();
     assert!(matches!(
         other.swap_out(&far, 1, None),
@@ -408,10 +369,10 @@ impl Forward for Slow {
 #[test]
 fn copies_in_flight_are_waited_for_before_their_memory_is_handed_on() {
     let slow = Arc::new(Slow {
-        inner: sim(),
+        inner: tier_sim(),
         waits: AtomicU64::new(0),
     });
-    let vm = manager(slow.clone(), None, None);
+    let vm = tier_manager(slow.clone(), None, None);
     let p = plan(&vm, KvLayout::TokenMajor);
     let tier = HostTier::new(&vm, HostTierConfig::default()).unwrap();
     let mut seq = SequenceKv::new(&vm, &p, 2048).unwrap();

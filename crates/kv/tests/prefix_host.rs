@@ -11,47 +11,16 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{tiny, D0};
-use kvvm_governor::{Governor, GovernorConfig};
+use common::{tier_host, tier_manager, tier_sim, tiny, D0, TIER_G};
 use kvvm_hal::decorate::FaultInjecting;
 use kvvm_hal::{DeviceId, Operation, VirtualMemoryBackend};
-use kvvm_host::{HostBackend, HostConfig};
 use kvvm_kv::{
     HostTier, HostTierConfig, KvCacheError, KvLayout, LayoutPlan, PrefixCache, PublishOutcome,
     SequenceKv,
 };
-use kvvm_sim::{SimBackend, SimConfig};
-use kvvm_vmm::{GranularityChoice, VirtualMemory, VmmConfig};
+use kvvm_vmm::VirtualMemory;
 
-const G: u64 = 64 << 10;
-
-fn manager(backend: Arc<dyn VirtualMemoryBackend>, host: Option<u64>) -> VirtualMemory {
-    let mut config = GovernorConfig::default();
-    if let Some(b) = host {
-        config = config.device_budget(DeviceId::HOST, b);
-    }
-    VirtualMemory::new(
-        backend,
-        D0,
-        Governor::new(config),
-        VmmConfig::default().granularity(GranularityChoice::Minimum),
-    )
-    .unwrap()
-}
-
-fn sim() -> Arc<dyn VirtualMemoryBackend> {
-    Arc::new(SimBackend::new(SimConfig::single(G, 4096 * G)))
-}
-
-fn host() -> Option<Arc<dyn VirtualMemoryBackend>> {
-    match HostBackend::with_config(HostConfig::default().capacity(1 << 30)) {
-        Ok(b) => Some(Arc::new(b)),
-        Err(e) => {
-            println!("skipped: no host backend here ({e})");
-            None
-        }
-    }
-}
+const G: u64 = TIER_G;
 
 /// A cache with a host level over `vm` (512 bytes a token: 128 tokens a window token-major).
 fn cache(vm: &VirtualMemory, layout: KvLayout) -> (Arc<PrefixCache>, Arc<HostTier>) {
@@ -104,7 +73,7 @@ fn host_used(vm: &VirtualMemory) -> (u64, u64) {
 /// Publishes a prompt, evicts it to the host, hits it there (byte-exact), publishes it again
 /// and hits it on the device (read-only), then lets everything go.
 fn round_trip(backend: Arc<dyn VirtualMemoryBackend>, layout: KvLayout) {
-    let vm = manager(backend, None);
+    let vm = tier_manager(backend, None, None);
     let (cache, tier) = cache(&vm, layout);
     let n = 320u64;
     let ids: Vec<u32> = (0..n as u32).collect();
@@ -168,13 +137,13 @@ fn an_evicted_prefix_comes_back_from_the_host_byte_exact_on_the_simulator() {
         KvLayout::SeqMajor,
         KvLayout::HeadMajor,
     ] {
-        round_trip(sim(), layout);
+        round_trip(tier_sim(), layout);
     }
 }
 
 #[test]
 fn an_evicted_prefix_comes_back_from_the_host_byte_exact_on_the_host_backend() {
-    let Some(backend) = host() else { return };
+    let Some(backend) = tier_host() else { return };
     for layout in [KvLayout::TokenMajor, KvLayout::HeadMajor] {
         round_trip(Arc::clone(&backend), layout);
     }
@@ -182,7 +151,7 @@ fn an_evicted_prefix_comes_back_from_the_host_byte_exact_on_the_host_backend() {
 
 #[test]
 fn a_host_hit_past_a_shorter_device_hit_writes_no_read_only_window() {
-    let vm = manager(sim(), None);
+    let vm = tier_manager(tier_sim(), None, None);
     let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);
     let ids: Vec<u32> = (0..384).collect();
     drop(published(&cache, &ids));
@@ -210,7 +179,7 @@ fn a_host_hit_past_a_shorter_device_hit_writes_no_read_only_window() {
 
 #[test]
 fn a_longer_host_entry_subsumes_its_prefixes() {
-    let vm = manager(sim(), None);
+    let vm = tier_manager(tier_sim(), None, None);
     let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);
     let ids: Vec<u32> = (0..256).collect();
     drop(published(&cache, &ids[..128]));
@@ -233,7 +202,7 @@ fn a_longer_host_entry_subsumes_its_prefixes() {
 
 #[test]
 fn a_caller_refusing_host_hits_prefills() {
-    let vm = manager(sim(), None);
+    let vm = tier_manager(tier_sim(), None, None);
     let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);
     let ids: Vec<u32> = (0..256).collect();
     drop(published(&cache, &ids));
@@ -256,7 +225,7 @@ fn a_caller_refusing_host_hits_prefills() {
 #[test]
 fn a_full_host_budget_drops_the_least_recently_used_host_entry() {
     // Room for one prefix of 3 windows on the host.
-    let vm = manager(sim(), Some(3 * G));
+    let vm = tier_manager(tier_sim(), None, Some(3 * G));
     let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);
     let a: Vec<u32> = (0..320).collect();
     let b: Vec<u32> = (1000..1320).collect();
@@ -279,7 +248,7 @@ fn a_full_host_budget_drops_the_least_recently_used_host_entry() {
 
 #[test]
 fn a_swap_needing_the_host_budget_drops_host_prefixes_first() {
-    let vm = manager(sim(), Some(3 * G));
+    let vm = tier_manager(tier_sim(), None, Some(3 * G));
     let (cache, tier) = cache(&vm, KvLayout::TokenMajor);
     let a: Vec<u32> = (0..320).collect();
     drop(published(&cache, &a));
@@ -298,7 +267,7 @@ fn a_swap_needing_the_host_budget_drops_host_prefixes_first() {
 /// one): a second swap refused on the host takes the chunks the host level gave back.
 #[test]
 fn a_swap_takes_the_chunks_host_prefixes_give_back_in_a_shared_allocation() {
-    let vm = manager(sim(), Some(8 * G));
+    let vm = tier_manager(tier_sim(), None, Some(8 * G));
     let plan = LayoutPlan::new(tiny(2048), KvLayout::TokenMajor, vm.granule()).unwrap();
     let tier = HostTier::new(&vm, HostTierConfig::default().slab_windows(8)).unwrap();
     tier.prewarm(8 * G).unwrap();
@@ -321,16 +290,30 @@ fn a_swap_takes_the_chunks_host_prefixes_give_back_in_a_shared_allocation() {
     assert_eq!(tier.stats().slabs, 1);
 }
 
+/// A cache with a host level over a simulator whose calls faults can be armed on, with the
+/// prompt `0..256` published (its sequence let go): the faults, the manager, the cache, its
+/// tier and the prompt.
+fn published_under_faults() -> (
+    Arc<FaultInjecting>,
+    VirtualMemory,
+    Arc<PrefixCache>,
+    Arc<HostTier>,
+    Vec<u32>,
+) {
+    let faults = Arc::new(FaultInjecting::new(tier_sim()));
+    let backend: Arc<dyn VirtualMemoryBackend> = faults.clone();
+    let vm = tier_manager(backend, None, None);
+    let (cache, tier) = cache(&vm, KvLayout::TokenMajor);
+    let ids: Vec<u32> = (0..256).collect();
+    drop(published(&cache, &ids));
+    (faults, vm, cache, tier, ids)
+}
+
 /// A failed copy back (every copy from the host fails): the request is admitted as a miss
 /// of the host and prefills; the host entry is dropped; nothing is held after.
 #[test]
 fn a_failed_copy_back_falls_back_to_a_prefill() {
-    let faults = Arc::new(FaultInjecting::new(sim()));
-    let backend: Arc<dyn VirtualMemoryBackend> = faults.clone();
-    let vm = manager(backend, None);
-    let (cache, tier) = cache(&vm, KvLayout::TokenMajor);
-    let ids: Vec<u32> = (0..256).collect();
-    drop(published(&cache, &ids));
+    let (faults, vm, cache, tier, ids) = published_under_faults();
     cache.evict(u64::MAX);
     faults.arm(&[Operation::CopyFromHost], &[1]);
     let a = cache.admit(&ids, 2048).unwrap();
@@ -349,12 +332,7 @@ fn a_failed_copy_back_falls_back_to_a_prefill() {
 /// books empty.
 #[test]
 fn a_failed_copy_out_forgets_the_prefix() {
-    let faults = Arc::new(FaultInjecting::new(sim()));
-    let backend: Arc<dyn VirtualMemoryBackend> = faults.clone();
-    let vm = manager(backend, None);
-    let (cache, tier) = cache(&vm, KvLayout::TokenMajor);
-    let ids: Vec<u32> = (0..256).collect();
-    drop(published(&cache, &ids));
+    let (faults, vm, cache, tier, _) = published_under_faults();
     faults.arm(&[Operation::CopyToHost], &[1]);
     assert!(cache.evict(u64::MAX) > 0);
     assert!(!faults.disarm().is_empty());
@@ -381,7 +359,7 @@ fn id_bytes(ids: &[u32]) -> Vec<u8> {
 /// whatever the interleaving, every hit holds its tokens' bytes and nothing is held after.
 #[test]
 fn concurrent_admissions_and_evictions_keep_every_hit_byte_exact() {
-    let vm = manager(sim(), Some(6 * G));
+    let vm = tier_manager(tier_sim(), None, Some(6 * G));
     let (cache, tier) = cache(&vm, KvLayout::TokenMajor);
     let prompts: Vec<Vec<u32>> = (0..4u32)
         .map(|p| (p * 10_000..p * 10_000 + 320).collect())
@@ -445,7 +423,7 @@ fn with_tail(ids: &[u32], tail: &[u32]) -> Vec<u32> {
 
 #[test]
 fn every_hit_of_one_prefill_has_its_origin_whatever_entry_it_hits() {
-    let vm = manager(sim(), None);
+    let vm = tier_manager(tier_sim(), None, None);
     let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);
     let system: Vec<u32> = (0..200).collect();
     // The first request prefills the system prompt (and its own blocks): no hit, no origin.
@@ -480,7 +458,7 @@ fn every_hit_of_one_prefill_has_its_origin_whatever_entry_it_hits() {
 
 #[test]
 fn the_same_tokens_prefilled_again_have_another_origin() {
-    let vm = manager(sim(), None);
+    let vm = tier_manager(tier_sim(), None, None);
     let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);
     let ids: Vec<u32> = (0..160).collect();
     drop(prefilled(&cache, &ids, 0));
@@ -501,7 +479,7 @@ fn the_same_tokens_prefilled_again_have_another_origin() {
 
 #[test]
 fn a_host_hit_keeps_its_origin_unless_the_device_maps_another_prefills_bytes() {
-    let vm = manager(sim(), None);
+    let vm = tier_manager(tier_sim(), None, None);
     let (cache, _tier) = cache(&vm, KvLayout::TokenMajor);
     let ids: Vec<u32> = (0..384).collect();
     drop(prefilled(&cache, &ids, 0));

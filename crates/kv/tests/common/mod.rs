@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use kvvm_governor::{Governor, GovernorConfig};
 use kvvm_hal::{DeviceAddress, DeviceId, VirtualMemoryBackend};
+use kvvm_host::{HostBackend, HostConfig};
 use kvvm_kv::synthetic::token_kv_bytes;
 use kvvm_kv::{KvDtype, KvGeometry, SequenceKv, SharedDevicePrefix};
 use kvvm_sim::{LatencyMode, LatencyModel, SimBackend, SimConfig};
@@ -124,5 +125,47 @@ pub fn check_prompt(geo: &KvGeometry, seq: &SequenceKv, ids: &[u32]) {
         let mut e = vec![0u8; bpt];
         token_kv_bytes(geo, ids[p], p as u64, &mut e);
         assert_eq!(tok, &e[..], "token {p}");
+    }
+}
+
+/// The host tier's tests' granule: 64 KiB.
+pub const TIER_G: u64 = 64 << 10;
+
+/// A manager over `backend` with `device` bytes of device budget and `host` of host budget
+/// (unlimited for `None`), its granule the backend's least.
+pub fn tier_manager(
+    backend: Arc<dyn VirtualMemoryBackend>,
+    device: Option<u64>,
+    host: Option<u64>,
+) -> VirtualMemory {
+    let mut config = GovernorConfig::default();
+    if let Some(b) = device {
+        config = config.device_budget(D0, b);
+    }
+    if let Some(b) = host {
+        config = config.device_budget(DeviceId::HOST, b);
+    }
+    VirtualMemory::new(
+        backend,
+        D0,
+        Governor::new(config),
+        VmmConfig::default().granularity(GranularityChoice::Minimum),
+    )
+    .unwrap()
+}
+
+/// A simulated device of 4096 granules of [`TIER_G`].
+pub fn tier_sim() -> Arc<dyn VirtualMemoryBackend> {
+    Arc::new(SimBackend::new(SimConfig::single(TIER_G, 4096 * TIER_G)))
+}
+
+/// The host backend with 1 GiB, or None (printing why) where it cannot run.
+pub fn tier_host() -> Option<Arc<dyn VirtualMemoryBackend>> {
+    match HostBackend::with_config(HostConfig::default().capacity(1 << 30)) {
+        Ok(b) => Some(Arc::new(b)),
+        Err(e) => {
+            println!("skipped: no host backend here ({e})");
+            None
+        }
     }
 }
