@@ -98,11 +98,17 @@ def _swap_times(seq: kvvm.Sequence, tier: kvvm.HostTier, tokens: int) -> dict[st
     }
 
 
+def _pinned_pair(nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nbytes`` of page-locked host memory (plain host memory on a CPU) and as many on
+    ``device``: the two ends of a plain copy."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    return host, torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
 def _plain_copy(nbytes: int, device: torch.device, repeat: int) -> dict[str, float]:
     """Bytes/s of a plain pinned copy of ``nbytes`` each way (median of ``repeat``)."""
     pinned = device.type == "cuda"
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host, dev = _pinned_pair(nbytes, device)
     out, back = [], []
     for _ in range(repeat):
         _sync(device)
@@ -187,12 +193,13 @@ def decode_part(args: argparse.Namespace, model: Any, manager: kvvm.Manager, dev
     # device synchronization under the decode.
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     rows = []
+    ends = _pinned_pair(seq.committed_bytes, device)
     for cap in caps:
         tier = kvvm.HostTier(manager, max_copy_bytes=cap)
         tier.prewarm(seq.committed_bytes)
         row = _swapping_steps(engine, args, seq, tier, side, quiet)
         copying, copies = _steps_beside(
-            engine, args.decode_steps, _plain_round_trip(seq.committed_bytes, device, side, cap),
+            engine, args.decode_steps, _plain_round_trip(*ends, side, cap),
         )
         c = percentiles([x * 1000 for x in copying])
         row.update(
@@ -263,13 +270,11 @@ def _steps_beside(engine: Any, steps: int, work: Any) -> tuple[list[float], int]
     return times, rounds[0]
 
 
-def _plain_round_trip(nbytes: int, device: torch.device, stream: Any, most: int | None = None) -> Any:
-    """A function copying ``nbytes`` from a device tensor to a pinned host tensor and back on
-    ``stream`` (waiting for each), as plain ``cudaMemcpyAsync`` calls of at most ``most``
-    bytes each (None: one call each way)."""
-    pinned = device.type == "cuda"
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+def _plain_round_trip(host: torch.Tensor, dev: torch.Tensor, stream: Any, most: int | None = None) -> Any:
+    """A function copying ``dev`` to ``host`` (:func:`_pinned_pair`) and back on ``stream``
+    (waiting for each), as plain ``cudaMemcpyAsync`` calls of at most ``most`` bytes each
+    (None: one call each way)."""
+    nbytes = host.numel()
     step = most or nbytes
     pieces = [(i, min(i + step, nbytes)) for i in range(0, nbytes, step)]
 
