@@ -286,6 +286,8 @@ def test_swap_bench_runs_tiny_on_the_host_backend(tmp_path: Path) -> None:
     assert prefix["cache"]["host_hits"] == 2 * 2 and prefix["cache"]["host_entries"] == 0
     trace = report["trace"]
     recompute, swap = trace["recompute"], trace["swap"]
+    assert [r["runner"] for r in trace["runs"]] == ["recompute", "swap"]
+    assert swap["steps"]["steps"] >= swap["steps"]["decode_steps"] > 0 and swap["swaps"]["out_ms"] > 0
     assert recompute["preempted_requests"] > 0 and recompute["swaps"] is None
     assert swap["preemptions"] > 0
     s = swap["swaps"]

@@ -78,6 +78,7 @@ def test_a_preempted_request_is_swapped_out_and_back_and_gets_its_reference_toke
                 assert r.slot is None and r not in engine.running.values()
     s = engine.stats
     assert s.preempted >= 1 and s.swapped_out == s.preempted and s.swapped_in == s.swapped_out
+    assert s.swap_out_ms > 0 and s.swap_in_ms > 0, "the swaps' host time is counted"
     assert b.preemptions >= 1 and a.preemptions == 0
     assert engine.swapper is not None and engine.swapper.tier.stats()["swaps_in"] == s.swapped_in
     _check_tokens(engine, [a, b])

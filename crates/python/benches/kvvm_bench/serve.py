@@ -76,6 +76,9 @@ class ServeResult:
     #: The engine's swaps to the host tier (``swapped_out``, ``swapped_in``, ``fallbacks``)
     #: and its measured costs, with a host tier.
     swaps: dict[str, Any] | None = None
+    #: The engine's step counts (``steps``, ``decode_steps``, ``prefill_forwards``,
+    #: ``prefill_chunks``, ``admission_refusals``): where a run's time went (kvvm's engine).
+    engine_steps: dict[str, int] | None = None
     floor_s: float | None = None
     #: The share of generated tokens that agree with the reference (:func:`reference_check`).
     agreement: float | None = None
@@ -247,8 +250,13 @@ def run_engine(
         es = engine.stats
         res.swaps = {
             "swapped_out": es.swapped_out, "swapped_in": es.swapped_in, "fallbacks": es.swap_fallbacks,
+            "out_ms": round(es.swap_out_ms, 3), "in_ms": round(es.swap_in_ms, 3),
             **engine.swapper.costs.as_dict(),
         }
+    res.engine_steps = {
+        k: getattr(engine.stats, k)
+        for k in ("steps", "decode_steps", "prefill_forwards", "prefill_chunks", "admission_refusals")
+    }
     res.floor_s = floor
     engine.close()  # the model attends as before the engine again
     res.after = _held_after(manager, device, memory_before)

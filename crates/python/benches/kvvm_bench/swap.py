@@ -24,8 +24,8 @@ Five parts, each in the same process and run (``--parts``):
 * ``trace``: the serving benchmark's synthetic trace (``--requests``, prompts uniform in
   ``--prompt-lo..--prompt-hi``, ``--output`` tokens each) through the engine under a budget
   (``--budget-bytes``) that forces preemptions, once recomputing them and once swapping them
-  (``--host-tier-bytes``, decided by measured costs): tokens/s, TTFT p50/p99, preemptions,
-  swaps; on a GPU also transformers' ``generate_batch`` with ``cpu_offload_space`` set to the
+  (``--host-tier-bytes``, decided by measured costs), ``--trace-repeat`` times each in turn:
+  tokens/s, TTFT p50/p99, preemptions, swaps and their host time, the engine's steps; on a GPU also transformers' ``generate_batch`` with ``cpu_offload_space`` set to the
   host tier's bytes and its cache to the budget's share of the free memory (``--no-peer``:
   not).
 
@@ -340,8 +340,10 @@ def crossover_part(args: argparse.Namespace, model: Any, manager: kvvm.Manager, 
 def trace_part(
     args: argparse.Namespace, model: Any, device: torch.device, progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """The trace recomputing its preemptions, then swapping them (see the module's text);
-    ``progress`` is given the part's results so far after each runner."""
+    """The trace recomputing its preemptions, then swapping them, ``--trace-repeat`` times in
+    turn (see the module's text): each run's figures under ``runs``, and each runner's median
+    run (by tokens/s) as ``recompute`` and ``swap``; ``progress`` is given the part's results
+    so far after each run."""
     from kvvm_bench import serve as sv
 
     vocab = model.config.vocab_size
@@ -349,35 +351,51 @@ def trace_part(
         args.requests, vocab, prompt_lo=args.prompt_lo, prompt_hi=args.prompt_hi, output=args.output,
         shared_prefix=0, shared_share=0.0, rate=0.0, seed=args.seed,
     )
-    max_len = args.prompt_hi + args.output + 8
-    out: dict[str, Any] = {"requests": len(trace), "budget_bytes": args.budget_bytes}
-    for name, host in (("recompute", 0), ("swap", args.host_tier_bytes)):
-        manager = kvvm.Manager(
-            args.backend, budget_bytes=args.budget_bytes or None, precommit=True, headroom_tokens=4,
-            host_budget_bytes=host or None,
-        )
-        res = sv.run_engine(
-            model, trace, manager=manager, slots=args.trace_slots, max_len=max_len, prefix_cache_bytes=0,
-            prefill_chunk=args.prefill_chunk, real_time=False, bandwidth=args.bandwidth, flops=args.flops,
-            engine_kwargs={"host_tier_bytes": host} if host else None,
-        )
-        out[name] = {
-            "tokens_per_s": res.tokens_per_s, "ttft_ms": res.ttft_ms, "itl_ms": res.itl_ms,
-            "preemptions": res.preemptions, "preempted_requests": res.preempted_requests,
-            "preempted_share": round((res.preempted_requests or 0) / len(trace), 3),
-            "swaps": res.swaps, "wall_s": round(res.wall_s, 3),
-        }
-        del manager
-        if progress is not None:
-            progress(out)
+    out: dict[str, Any] = {"requests": len(trace), "budget_bytes": args.budget_bytes, "runs": []}
+    for _ in range(max(1, args.trace_repeat)):
+        for name, host in (("recompute", 0), ("swap", args.host_tier_bytes)):
+            out["runs"].append({"runner": name, **_trace_run(args, model, trace, host)})
+            _median_runs(out)
+            if progress is not None:
+                progress(out)
     rec, swp = out["recompute"], out["swap"]
     out["swap_faster"] = swp["tokens_per_s"] > rec["tokens_per_s"]
     out["swap_lower_ttft_p99"] = swp["ttft_ms"].get("p99", 0) < rec["ttft_ms"].get("p99", 0)
     if args.peer and device.type == "cuda":
-        if progress is not None:
-            progress(out)
         out["generate_batch_offload"] = _peer(model, trace, args, device)
     return out
+
+
+def _trace_run(args: argparse.Namespace, model: Any, trace: list[Any], host: int) -> dict[str, Any]:
+    """One run of ``trace`` through the engine under the trace's budget, swapping to a host
+    tier of ``host`` bytes (0: recomputing)."""
+    from kvvm_bench import serve as sv
+
+    manager = kvvm.Manager(
+        args.backend, budget_bytes=args.budget_bytes or None, precommit=True, headroom_tokens=4,
+        host_budget_bytes=host or None,
+    )
+    res = sv.run_engine(
+        model, trace, manager=manager, slots=args.trace_slots, max_len=args.prompt_hi + args.output + 8,
+        prefix_cache_bytes=0, prefill_chunk=args.prefill_chunk, real_time=False, bandwidth=args.bandwidth,
+        flops=args.flops, engine_kwargs={"host_tier_bytes": host} if host else None,
+    )
+    return {
+        "tokens_per_s": res.tokens_per_s, "ttft_ms": res.ttft_ms, "itl_ms": res.itl_ms,
+        "preemptions": res.preemptions, "preempted_requests": res.preempted_requests,
+        "preempted_share": round((res.preempted_requests or 0) / len(trace), 3),
+        "swaps": res.swaps, "steps": res.engine_steps, "wall_s": round(res.wall_s, 3),
+    }
+
+
+def _median_runs(out: dict[str, Any]) -> None:
+    """Sets ``out[runner]`` to each runner's median run by tokens/s (the lower middle one of
+    an even count), with every run's tokens/s beside it."""
+    for name in ("recompute", "swap"):
+        runs = sorted((r for r in out["runs"] if r["runner"] == name), key=lambda r: r["tokens_per_s"])
+        if runs:
+            mid = {k: v for k, v in runs[(len(runs) - 1) // 2].items() if k != "runner"}
+            out[name] = {**mid, "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
 
 
 def _peer(model: Any, trace: list[Any], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -420,7 +438,7 @@ def run_swap_bench(args: argparse.Namespace) -> dict[str, Any]:
             def progress(so_far: dict[str, Any]) -> None:
                 report["trace"] = so_far
                 write_report(args.json, report)
-                print({k: v for k, v in so_far.items() if k != "requests"}, flush=True)
+                print("trace run:", so_far["runs"][-1], flush=True)
 
             report["trace"] = trace_part(args, model, device, progress)
         else:
@@ -471,6 +489,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-bytes", type=int, default=2 << 30, help="the trace's device budget (forces preemptions)")
     p.add_argument("--host-tier-bytes", type=int, default=32 << 30, help="the trace's host tier")
     p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument(
+        "--trace-repeat", type=int, default=1,
+        help="runs of the trace per runner, recompute and swap in turn (each runner's median run is reported)",
+    )
     p.add_argument(
         "--no-peer", dest="peer", action="store_false",
         help="leave out transformers' generate_batch with cpu_offload_space on the trace (CUDA only)",

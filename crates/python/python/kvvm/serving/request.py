@@ -126,6 +126,9 @@ class EngineStats:
     swapped_out: int = 0
     swapped_in: int = 0
     swap_fallbacks: int = 0
+    #: Host milliseconds the swaps out and back took (their copies waited for).
+    swap_out_ms: float = 0.0
+    swap_in_ms: float = 0.0
     admission_refusals: int = 0
     prefix_hits: int = 0
     prefix_hit_tokens: int = 0

@@ -331,8 +331,11 @@ class SwapScheduler(Scheduler):
         self.swapper = swapper
 
     def _vacate(self, slot: int, r: Request) -> None:
-        if self.swapper.swap_out(slot, r):
+        began = time.perf_counter()
+        swapped = self.swapper.swap_out(slot, r)
+        if swapped:
             self.stats.swapped_out += 1
+            self.stats.swap_out_ms += (time.perf_counter() - began) * 1000
         else:
             super()._vacate(slot, r)
 
@@ -340,6 +343,7 @@ class SwapScheduler(Scheduler):
         if self.swapper.holds(r):
             admission = self.swapper.swap_in(slot, r)
             if admission is not None:
+                self.stats.swap_in_ms += admission.ms
                 self.stats.swapped_in += 1
                 return admission
             self.stats.swap_fallbacks += 1
