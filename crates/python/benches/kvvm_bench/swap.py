@@ -14,7 +14,9 @@ Five parts, each in the same process and run (``--parts``):
   tokens out and back without pause (on the tier's copy stream; the mean time of each of a
   round trip's four calls beside), then while a thread copies the same bytes out and back
   with plain pinned copies on a side stream (what the copies alone do to the step); at each
-  of ``--copy-caps`` (the tier's ``max_copy_bytes``, and the plain copies cut alike);
+  of ``--copy-caps`` (the tier's ``max_copy_bytes``, and the plain copies cut alike); on a
+  GPU the same three for the captured step replayed back to back between CUDA events (the
+  device's time alone, without the host's step);
 * ``crossover``: at each length of ``--lengths``, the time to swap a request back (commit and
   copies) and out, against the time to prefill it again (one forward of that many tokens):
   the shortest length above which swapping back beats recomputing;
@@ -186,6 +188,7 @@ def decode_part(args: argparse.Namespace, model: Any, manager: kvvm.Manager, dev
         engine.step()
     _decode_steps(engine, 4)
     quiet = percentiles([x * 1000 for x in _decode_steps(engine, args.decode_steps)])
+    replay_quiet = _replay_ms(engine, args.decode_steps)
     plan = _plan(manager, kvvm.geometry_from_config(model.config, args.swap_tokens, dtype=model.dtype))
     seq = kvvm.Sequence(manager, plan, args.swap_tokens)
     seq.ensure(args.swap_tokens)
@@ -206,26 +209,36 @@ def decode_part(args: argparse.Namespace, model: Any, manager: kvvm.Manager, dev
             step_ms_while_copying=c, plain_round_trips_during=copies,
             p50_ratio_copying=round(c["p50"] / quiet["p50"], 3) if quiet.get("p50") else None,
         )
+        if replay_quiet is not None:
+            # The device's share: the captured step replayed back to back, no host in the loop.
+            swapping = _beside(lambda: _replay_ms(engine, args.decode_steps), _swap_round_trip(seq, tier, args, side))
+            copying_ms = _beside(lambda: _replay_ms(engine, args.decode_steps), _plain_round_trip(*ends, side, cap))
+            row.update(
+                replay_ms_while_swapping=swapping, replay_ms_while_copying=copying_ms,
+                replay_ratio=round(swapping / replay_quiet, 3), replay_ratio_copying=round(copying_ms / replay_quiet, 3),
+            )
         rows.append({"max_copy_bytes": cap, **row})
         tier.trim(0)
     seq.release()
     engine.close()
     return {
         "slots": args.slots, "prompt": args.prompt, "swap_tokens": args.swap_tokens,
-        "step_ms_without": quiet, "caps": rows,
+        "step_ms_without": quiet, "replay_ms_without": replay_quiet, "caps": rows,
         # The first cap's figures, as the acceptance reads them.
         **{k: v for k, v in rows[0].items() if k != "max_copy_bytes"},
     }
 
 
-def _swapping_steps(
-    engine: Any, args: argparse.Namespace, seq: kvvm.Sequence, tier: kvvm.HostTier, side: Any, quiet: dict[str, float],
-) -> dict[str, Any]:
-    """Decode steps while a thread swaps ``seq`` out to ``tier`` and back without pause: their
-    p50/p99, the round trips and the mean time of each of a round trip's calls."""
-    calls = ("swap_out", "finish_swap_out", "swap_in", "finish_swap_in")
-    spent = dict.fromkeys(calls, 0.0)
-    copies = [0]
+#: The four calls of a round trip to the host and back.
+_CALLS = ("swap_out", "finish_swap_out", "swap_in", "finish_swap_in")
+
+
+def _swap_round_trip(
+    seq: kvvm.Sequence, tier: kvvm.HostTier, args: argparse.Namespace, side: Any,
+    spent: dict[str, float] | None = None, copies: list[int] | None = None,
+) -> Callable[[], None]:
+    """A function swapping ``seq`` out to ``tier`` (after ``side``) and back; each call's
+    seconds added to ``spent`` and the copies each way put in ``copies[0]`` when given."""
 
     def round_trip() -> None:
         t0 = time.perf_counter()
@@ -235,12 +248,24 @@ def _swapping_steps(
         t2 = time.perf_counter()
         seq.swap_in(swap)
         t3 = time.perf_counter()
-        copies[0] = swap.copies
         seq.finish_swap_in(swap)
-        for name, took in zip(calls, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3), strict=True):
-            spent[name] += took
+        if copies is not None:
+            copies[0] = swap.copies
+        if spent is not None:
+            for name, took in zip(_CALLS, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3), strict=True):
+                spent[name] += took
 
-    busy, swaps = _steps_beside(engine, args.decode_steps, round_trip)
+    return round_trip
+
+
+def _swapping_steps(
+    engine: Any, args: argparse.Namespace, seq: kvvm.Sequence, tier: kvvm.HostTier, side: Any, quiet: dict[str, float],
+) -> dict[str, Any]:
+    """Decode steps while a thread swaps ``seq`` out to ``tier`` and back without pause: their
+    p50/p99, the round trips and the mean time of each of a round trip's calls."""
+    spent = dict.fromkeys(_CALLS, 0.0)
+    copies = [0]
+    busy, swaps = _steps_beside(engine, args.decode_steps, _swap_round_trip(seq, tier, args, side, spent, copies))
     b = percentiles([x * 1000 for x in busy])
     return {
         "step_ms_while_swapping": b, "round_trips_during": swaps, "copies_each_way": copies[0],
@@ -249,25 +274,50 @@ def _swapping_steps(
     }
 
 
-def _steps_beside(engine: Any, steps: int, work: Any) -> tuple[list[float], int]:
+def _steps_beside(engine: Any, steps: int, work: Callable[[], None]) -> tuple[list[float], int]:
     """``steps`` decode steps while another thread repeats ``work()`` without pause; the
     steps' seconds and the rounds of ``work`` done meanwhile."""
-    stop = threading.Event()
     rounds = [0]
+
+    def counted() -> None:
+        work()
+        rounds[0] += 1
+
+    return _beside(lambda: _decode_steps(engine, steps), counted), rounds[0]
+
+
+def _beside(measure: Callable[[], Any], work: Callable[[], None]) -> Any:
+    """``measure()``'s result, taken while another thread repeats ``work()`` without pause."""
+    stop = threading.Event()
 
     def loop() -> None:
         while not stop.is_set():
             work()
-            rounds[0] += 1
 
     t = threading.Thread(target=loop, daemon=True)
     t.start()
     try:
-        times = _decode_steps(engine, steps)
+        return measure()
     finally:
         stop.set()
         t.join()
-    return times, rounds[0]
+
+
+def _replay_ms(engine: Any, replays: int) -> float | None:
+    """Milliseconds of one replay of the engine's captured decode step, ``replays`` of them
+    back to back between two CUDA events (the device's time alone: no host step in the loop;
+    each replays the step last prepared, writing the same token); None without a graph."""
+    graph = getattr(engine.runner, "_graph", None)
+    if graph is None or graph.graph is None:
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.graph.replay()
+    end.record()
+    end.synchronize()
+    return round(start.elapsed_time(end) / replays, 4)
 
 
 def _plain_round_trip(host: torch.Tensor, dev: torch.Tensor, stream: Any, most: int | None = None) -> Any:
