@@ -392,8 +392,8 @@ def trace_part(
 ) -> dict[str, Any]:
     """The trace recomputing its preemptions, then swapping them, ``--trace-repeat`` times in
     turn (see the module's text): each run's figures under ``runs``, and each runner's median
-    run (by tokens/s) as ``recompute`` and ``swap``; ``progress`` is given the part's results
-    so far after each run."""
+    run (by tokens/s) as ``recompute`` and ``swap`` (none with ``--trace-repeat 0``: the peer
+    alone); ``progress`` is given the part's results so far after each run."""
     from kvvm_bench import serve as sv
 
     vocab = model.config.vocab_size
@@ -402,15 +402,16 @@ def trace_part(
         shared_prefix=0, shared_share=0.0, rate=0.0, seed=args.seed,
     )
     out: dict[str, Any] = {"requests": len(trace), "budget_bytes": args.budget_bytes, "runs": []}
-    for _ in range(max(1, args.trace_repeat)):
+    for _ in range(args.trace_repeat):
         for name, host in (("recompute", 0), ("swap", args.host_tier_bytes)):
             out["runs"].append({"runner": name, **_trace_run(args, model, trace, host)})
             _median_runs(out)
             if progress is not None:
                 progress(out)
-    rec, swp = out["recompute"], out["swap"]
-    out["swap_faster"] = swp["tokens_per_s"] > rec["tokens_per_s"]
-    out["swap_lower_ttft_p99"] = swp["ttft_ms"].get("p99", 0) < rec["ttft_ms"].get("p99", 0)
+    if out["runs"]:
+        rec, swp = out["recompute"], out["swap"]
+        out["swap_faster"] = swp["tokens_per_s"] > rec["tokens_per_s"]
+        out["swap_lower_ttft_p99"] = swp["ttft_ms"].get("p99", 0) < rec["ttft_ms"].get("p99", 0)
     if args.peer and device.type == "cuda":
         out["generate_batch_offload"] = _peer(model, trace, args, device)
     return out
@@ -541,7 +542,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=1024)
     p.add_argument(
         "--trace-repeat", type=int, default=1,
-        help="runs of the trace per runner, recompute and swap in turn (each runner's median run is reported)",
+        help="runs of the trace per runner, recompute and swap in turn (each runner's median run is reported; "
+        "0: none, the peer alone)",
     )
     p.add_argument(
         "--no-peer", dest="peer", action="store_false",
