@@ -264,6 +264,23 @@ def test_the_tuner_off_gives_the_heuristic_configuration_untimed(monkeypatch: py
     assert td._TUNED == before
 
 
+def test_the_tuned_configurations_are_described_by_their_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`tuned_configs` names each configuration the tuner remembered by its requests,
+    query over KV heads, tokens reserved a slot and K/V element type (the tuner's key), and
+    gives a copy: changing it changes nothing the tuner remembers."""
+    import torch
+
+    import kvvm.kernels.triton_decode as td
+
+    q, kv = torch.zeros(3, 8, 1, 64), torch.zeros(4, 2, 700, 64, dtype=torch.float8_e4m3fn)
+    key = (3, 8, 2, 64, q.dtype, kv.dtype, 700, tuple(kv.stride()), 132)
+    monkeypatch.setattr(td, "_TUNED", {key: td.Config(4, 256, 8, 2)})
+    described = td.tuned_configs()
+    assert described == {"batch 3, heads 8/2, 700 tokens reserved, K/V torch.float8_e4m3fn": td.Config(4, 256, 8, 2)}
+    described.clear()
+    assert len(td._TUNED) == 1
+
+
 def _misaligned_kv(device: str, dtype: object, slots: int, kv_heads: int, dim: int, shift: int) -> tuple:
     """K and V strided as the token-major layout (one layer) with a slot stride ``shift``
     elements past a whole number of tokens, as a reservation of whole granules is when the

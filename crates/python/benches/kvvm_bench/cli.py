@@ -148,10 +148,10 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
 def _triton_configs() -> list[str]:
     """The attention configurations the autotuner chose so far (shape: configuration)."""
     try:
-        from kvvm.kernels.triton_decode import _TUNED
+        from kvvm.kernels.triton_decode import tuned_configs
     except ImportError:
         return []
-    return [f"batch {k[0]} heads {k[1]}/{k[2]} tokens {k[5]}: {v}" for k, v in _TUNED.items()]
+    return [f"{k}: {v}" for k, v in tuned_configs().items()]
 
 
 def _verdict(point: dict[str, Any], done: dict[str, runs.Run]) -> None:

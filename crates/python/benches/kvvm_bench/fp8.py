@@ -77,9 +77,11 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, prompts: torch
          teacher: list[torch.Tensor] | None) -> tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]:
     """One cache's run: prefill, the teacher-forced steps (the greedy tokens when ``teacher``
     is None, else those), the timed steps. Returns its row, its logits and the tokens fed."""
+    from kvvm.kernels.triton_decode import tuned_configs
     from kvvm.transformers import DecodeGraph, KvvmCache
     from kvvm_bench.shapes_step import EagerStep
 
+    tuned_before = set(tuned_configs())
     cuda = args.device == "cuda"
     max_len = args.prompt + args.check_steps + args.steps + 64
     cache = KvvmCache(model, args.batch, max_len, manager=mgr, kv_dtype=kv_dtype)
@@ -107,6 +109,8 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, prompts: torch
         }
         if cuda:
             timing = timed_greedy_steps(step, logits[-1].argmax(-1), args.steps)
+            # The decode kernel's configurations the autotuner chose for this cache.
+            row["decode_configs"] = [f"{k}: {v}" for k, v in tuned_configs().items() if k not in tuned_before]
             floor_ms = (weights + kv_read) / _bandwidth(args) * 1e3
             row.update(
                 step_p50_ms=timing["p50"], step_p99_ms=timing["p99"], floor_ms=round(floor_ms, 3),

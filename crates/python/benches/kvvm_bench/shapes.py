@@ -204,10 +204,10 @@ def _point(
     shape: Shape, parts: set[str], args: argparse.Namespace, device: torch.device, manager: kvvm.Manager,
     bandwidth: float, measured: float | None,
 ) -> dict[str, Any]:
-    from kvvm.kernels.triton_decode import _TUNED
+    from kvvm.kernels.triton_decode import tuned_configs
 
     sizes = _sizes(args)
-    tuned_before = set(_TUNED)
+    tuned_before = set(tuned_configs())
     point: dict[str, Any] = {**asdict(shape), "kv_heads": shape.kv_heads, "batch": sizes["batch"], "tokens": sizes["tokens"]}
     if "kernel" in parts:
         point["kernel"] = _kernel(shape, sizes, device, bandwidth, measured)
@@ -231,9 +231,9 @@ def _configs(shape: Shape, sizes: dict[str, int], device: torch.device, parts: s
     """The Triton configurations the shape ran: those the tuner chose for it, else
     :func:`~kvvm.kernels.triton_decode.choose_splits`' for the kernel's and the step's reservations."""
     from kvvm.kernels import attend
-    from kvvm.kernels.triton_decode import _TUNED, Config, choose_splits
+    from kvvm.kernels.triton_decode import Config, choose_splits, tuned_configs
 
-    tuned = [f"batch {k[0]}, heads {k[1]}/{k[2]}, {k[5]} tokens reserved: {v}" for k, v in _TUNED.items() if k not in tuned_before]
+    tuned = [f"{k}: {v}" for k, v in tuned_configs().items() if k not in tuned_before]
     if tuned:
         return tuned
     mp = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else attend._INTERPRETER_MULTIPROCESSORS

@@ -30,7 +30,7 @@ import triton
 
 from .triton_kernels import _merge_kernel, _partial_kernel
 
-__all__ = ["AUTOTUNE", "Config", "choose_splits", "decode_attention", "tuned_config"]
+__all__ = ["AUTOTUNE", "Config", "choose_splits", "decode_attention", "tuned_config", "tuned_configs"]
 
 #: Tokens a program reads per iteration, by default.
 BLOCK_N = 64
@@ -122,6 +122,15 @@ def tuned_config(
     chosen = min(timings, key=lambda t: t[0])[1]
     _TUNED[shape] = chosen
     return chosen
+
+
+def tuned_configs() -> dict[str, Config]:
+    """The configurations :func:`tuned_config` measured and chose so far, each under a
+    description of its shape (requests, query heads over KV heads, tokens reserved a slot,
+    the K/V element type)."""
+    return {
+        f"batch {k[0]}, heads {k[1]}/{k[2]}, {k[6]} tokens reserved, K/V {k[5]}": v for k, v in _TUNED.items()
+    }
 
 
 #: Calls per captured graph when a configuration is timed.
