@@ -29,6 +29,7 @@ import torch
 import triton
 
 from .triton_kernels import _merge_kernel, _partial_kernel
+from .tuning import tuning_allowed
 
 __all__ = ["AUTOTUNE", "Config", "choose_splits", "decode_attention", "tuned_config", "tuned_configs"]
 
@@ -94,7 +95,8 @@ def tuned_config(
     measured once on these very inputs (each replayed in a captured graph, as the decode
     step runs it) and remembered; the
     heuristic one while a graph is captured or a compiler traces (nothing may be timed
-    then), in Triton's interpreter and without :data:`AUTOTUNE`."""
+    then), inside :func:`~kvvm.kernels.tuning.untuned` (a call that runs once), in Triton's
+    interpreter and without :data:`AUTOTUNE`."""
     batch, heads, _, dim = query.shape
     shape = (
         batch, heads, key.shape[1], dim, query.dtype, key.dtype, key.shape[2], tuple(key.stride()), multiprocessors,
@@ -104,7 +106,13 @@ def tuned_config(
         return found
     splits = choose_splits(batch, key.shape[1], key.shape[2], multiprocessors)
     default = Config(splits)
-    if not AUTOTUNE or _INTERPRETED or torch.cuda.is_current_stream_capturing() or torch.compiler.is_compiling():
+    if (
+        not AUTOTUNE
+        or _INTERPRETED
+        or not tuning_allowed()
+        or torch.cuda.is_current_stream_capturing()
+        or torch.compiler.is_compiling()
+    ):
         return default
     candidates = {default}
     # Fewer splits with more warps and stages keep as many bytes in flight with fewer

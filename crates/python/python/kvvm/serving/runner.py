@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.tuning import untuned
 from .kv_manager import KvManager
 from .request import Request
 from .sampling import Sampled, Sampler, to_host
@@ -90,7 +91,9 @@ class ModelRunner:
         ids = torch.tensor([r._context[r._filled : r._filled + n] for r in run.requests], dtype=torch.long, device=self.device)
         first = torch.tensor([r._filled for r in run.requests], device=self.device)
         pos = first[:, None] + torch.arange(n, device=self.device)[None]
-        with kv.prefill(run) as cache:
+        # A forward that runs once: a one-token run (a request swapped back in) times no
+        # decode-kernel configurations for its batch size while every request waits.
+        with untuned(), kv.prefill(run) as cache:
             out = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[:, -1]
 

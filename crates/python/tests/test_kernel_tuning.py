@@ -1,0 +1,134 @@
+"""When the decode kernel's autotuner measures (``kvvm.kernels.tuning``): inside ``untuned()``
+it measures nothing on that thread, other threads tune as before, and the serving engine's
+prefill forwards run untuned. CPU only: the measurement is replaced by a recording fake."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton", reason="skipped: no triton")
+
+
+def _inputs() -> tuple[Any, Any, Any]:
+    q = torch.zeros(3, 8, 1, 64)
+    kv = torch.zeros(4, 2, 700, 64)
+    return q, kv, torch.zeros(3, 3, dtype=torch.int32)
+
+
+@pytest.fixture
+def timed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The tuner on, outside the interpreter, its measurement a fake that records each
+    configuration timed (one split the fastest)."""
+    import kvvm.kernels.triton_decode as td
+
+    monkeypatch.setattr(td, "AUTOTUNE", True)
+    monkeypatch.setattr(td, "_INTERPRETED", False)
+    monkeypatch.setattr(td, "_TUNED", {})
+    # No CUDA driver here: no stream is being captured.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    calls: list[Any] = []
+
+    def fake_time(*args: Any) -> float:
+        config = args[5]
+        calls.append(config)
+        return float(config.splits)
+
+    monkeypatch.setattr(td, "_graph_time", fake_time)
+    return calls
+
+
+def test_untuned_measures_nothing_and_remembers_nothing(timed: list[Any]) -> None:
+    import kvvm.kernels.triton_decode as td
+    from kvvm.kernels.tuning import tuning_allowed, untuned
+
+    q, kv, bounds = _inputs()
+    heuristic = td.Config(td.choose_splits(3, 2, 700, 132))
+    with untuned():
+        assert not tuning_allowed()
+        with untuned():
+            pass
+        assert not tuning_allowed(), "a nested block leaves the switch as it found it"
+        assert td.tuned_config(q, kv, kv, bounds, 0.125, 132) == heuristic
+    assert tuning_allowed()
+    assert timed == [] and td._TUNED == {}
+    tuned = td.tuned_config(q, kv, kv, bounds, 0.125, 132)
+    assert timed and tuned.splits == 1, "outside the block the tuner measures and keeps the fastest"
+    with untuned():
+        assert td.tuned_config(q, kv, kv, bounds, 0.125, 132) == tuned, "a shape tuned before keeps its configuration"
+
+
+def test_another_threads_untuned_block_leaves_this_thread_tuning(timed: list[Any]) -> None:
+    """A thread inside ``untuned()`` (held there until this thread has tuned) does not stop
+    this thread's tuner: the switch is per thread (a process-wide one fails this)."""
+    import kvvm.kernels.triton_decode as td
+    from kvvm.kernels.tuning import untuned
+
+    q, kv, bounds = _inputs()
+    inside, done = threading.Event(), threading.Event()
+    seen: list[Any] = []
+
+    def other() -> None:
+        with untuned():
+            inside.set()
+            done.wait(30)
+            seen.append(td.tuned_config(q, kv, kv, bounds, 0.125, 80))
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(30)
+    try:
+        assert td.tuned_config(q, kv, kv, bounds, 0.125, 132).splits == 1
+        assert timed, "this thread measured while the other was untuned"
+    finally:
+        done.set()
+        t.join()
+    measured = len(timed)
+    assert seen == [td.Config(td.choose_splits(3, 2, 700, 80))] and len(timed) == measured
+
+
+class _Kv:
+    """The KV manager's prefill context, as the runner uses it."""
+
+    @contextmanager
+    def prefill(self, run: Any) -> Iterator[None]:
+        yield None
+
+
+class _Model:
+    """Records whether the tuner could measure during each forward."""
+
+    def __init__(self) -> None:
+        self.allowed: list[bool] = []
+
+    def __call__(self, *, input_ids: Any, **kwargs: Any) -> Any:
+        from kvvm.kernels.tuning import tuning_allowed
+
+        self.allowed.append(tuning_allowed())
+
+        class Out:
+            logits = torch.zeros(input_ids.shape[0], 1, 11)
+
+        return Out()
+
+
+def test_the_engines_prefill_forwards_run_untuned() -> None:
+    """A prefill forward (one token a row after a swap back in, or a whole chunk) never
+    stops the engine to time decode-kernel configurations for a new batch size."""
+    from kvvm.serving.request import Request
+    from kvvm.serving.runner import ModelRunner
+    from kvvm.serving.scheduler import PrefillRun
+    from kvvm.kernels.tuning import tuning_allowed
+
+    model = _Model()
+    runner = ModelRunner(model, slots=2, device=torch.device("cpu"), compile=False)
+    r = Request.__new__(Request)
+    r._context, r._filled = [1, 2, 3], 2
+    logits = runner._prefill_forward(PrefillRun([0], 1, [r], [True]), _Kv())  # type: ignore[arg-type]
+    assert logits.shape == (1, 11)
+    assert model.allowed == [False] and tuning_allowed()
