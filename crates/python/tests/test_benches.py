@@ -166,6 +166,28 @@ def test_shapes_bench_checks_the_kernel_and_the_step_on_the_cpu_untimed(tmp_path
     assert r.stderr.count("kernel not timed") == r.stderr.count("step not timed") == 2, r.stderr
 
 
+def test_kernel_bench_checks_the_fp8_kernel_against_its_dequantized_kv_on_the_cpu() -> None:
+    """``kvvm_bench.kernels.run_kernels`` under Triton's interpreter (a process of its own):
+    the decode kernel over bf16 K/V and over the same K/V stored as FP8 with a scale per KV
+    head, each against SDPA over what it holds; the FP8 floor counts half the bytes."""
+    pytest.importorskip("torch", reason="skipped: no torch")
+    pytest.importorskip("triton", reason="skipped: no triton")
+    benches = str(Path(__file__).resolve().parents[1] / "benches")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [benches, os.environ.get("PYTHONPATH")])))
+    code = (
+        "import json; from dataclasses import asdict; from kvvm_bench.kernels import run_kernels; "
+        "rows = run_kernels(2, [40, 70], 128, layers=2, heads=4, kv_heads=2, head_dim=64, "
+        "kernels=('triton', 'triton-fp8'), device='cpu', bandwidth=1e6); print(json.dumps([asdict(r) for r in rows]))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    bf16, fp8 = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (bf16["kernel"], fp8["kernel"]) == ("triton", "triton-fp8")
+    assert fp8["floor_us"] == pytest.approx(bf16["floor_us"] / 2, rel=1e-2)
+    assert bf16["max_abs_diff"] < 2e-2 and fp8["max_abs_diff"] < 2e-2, (bf16, fp8)
+    assert "no CUDA" in fp8["note"] and fp8["us_per_call"] is None
+
+
 def test_cascade_bench_compares_the_tokens_on_the_cpu_untimed(tmp_path: Path) -> None:
     """``python -m kvvm_bench cascade --tiny --fp32 --device cpu`` under Triton's interpreter:
     two prefixes of two requests each, the cascade step's greedy tokens against the plain

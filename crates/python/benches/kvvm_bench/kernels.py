@@ -9,6 +9,9 @@ SDPA over each request's exact tokens. The lengths change after the capture and 
 is checked again: a kernel whose graph only knew the lengths of the capture fails there.
 
 - ``triton``: kvvm's split-KV decode kernel (:mod:`kvvm.kernels.triton_decode`);
+- ``triton-fp8``: the same kernel over the K/V stored as an FP8 cache holds them (e4m3, a
+  scale per KV head, :mod:`kvvm.kernels.fp8`), dequantized as they are read: its floor counts
+  one byte an element, and it is checked against SDPA over the dequantized K/V;
 - ``flash``: PyTorch's FlashAttention varlen with ``seqused_k`` (:mod:`kvvm.kernels.attend`);
 - ``flex``: FlexAttention, its block mask built from the lengths inside ``torch.compile``
   (block 128: it reads whole blocks, up to 127 tokens past a request's end, which kvvm's
@@ -106,7 +109,7 @@ def run_kernels(
     head_dim: int = 128,
     bandwidth: float = 4.8e12,
     calls: int = 20,
-    kernels: tuple[str, ...] = ("triton", "flash", "flex", "sdpa"),
+    kernels: tuple[str, ...] = ("triton", "triton-fp8", "flash", "flex", "sdpa"),
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cuda",
 ) -> list[KernelResult]:
@@ -125,27 +128,51 @@ def run_kernels(
     label = str(lengths[0]) if len(set(lengths)) == 1 else f"{min(lengths)}..{max(lengths)}"
     floor = 2 * sum(lengths) * kv_heads * head_dim * slab.element_size() / bandwidth * 1e6
     want = _reference(q, k, v, lengths)
+    k8, v8, scales, k_ref, v_ref = _fp8(slab, kv_heads) if "triton-fp8" in kernels else (k, v, None, k, v)
     fns: dict[str, Callable[[], torch.Tensor]] = {
         "triton": lambda: attend(q, k, v, bounds, kernel="triton"),
+        "triton-fp8": lambda: attend(q, k8, v8, bounds, kernel="triton", kv_scales=scales),
         "flash": lambda: attend(q, k, v, bounds, kernel="flash"),
         "flex": lambda: _flex(q, k, v, lens)(),
     }
     results = []
     for name in kernels:
+        fp8 = name == "triton-fp8"
+        # An FP8 cache: one byte an element, checked against its own dequantized K/V.
+        kk, vv = (k_ref, v_ref) if fp8 else (k, v)
+        expected = _reference(q, kk, vv, lengths) if fp8 else want
+        bound = floor / slab.element_size() if fp8 else floor
         if dev.type != "cuda":
-            results.append(_untimed(name, fns, batch, label, floor, want))
+            results.append(_untimed(name, fns, batch, label, bound, expected))
             continue
         if name == "sdpa":
             results.append(_time_sdpa(q, k, v, lengths, label, floor, want, calls))
             continue
         try:
             us, out = _time_graph(fns[name], calls)
-            diff = (out.float() - want.float()).abs().max().item()
-            captured = _still_right_after_lengths_change(fns[name], bounds, lens, q, k, v, lengths)
-            results.append(KernelResult(name, batch, label, round(us, 2), round(floor, 2), round(us / floor, 2), diff, captured))
+            diff = (out.float() - expected.float()).abs().max().item()
+            captured = _still_right_after_lengths_change(fns[name], bounds, lens, q, kk, vv, lengths)
+            results.append(KernelResult(name, batch, label, round(us, 2), round(bound, 2), round(us / bound, 2), diff, captured))
         except Exception as e:  # noqa: BLE001 - a kernel that cannot run is reported, not fatal
-            results.append(KernelResult(name, batch, label, None, round(floor, 2), None, None, False, f"{type(e).__name__}: {e}"[:200]))
+            results.append(KernelResult(name, batch, label, None, round(bound, 2), None, None, False, f"{type(e).__name__}: {e}"[:200]))
     return results
+
+
+def _fp8(slab: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, ...]:
+    """``slab``'s K and V as an FP8 cache stores them (a scale per KV head: its largest
+    magnitude over e4m3's largest), strided as ``slab``'s views; their ``[2, kv_heads]``
+    scales; and the values they hold (dequantized, in ``slab``'s dtype), for the reference."""
+    from kvvm.kernels.fp8 import E4M3, E4M3_MAX, dequantize, quantize
+
+    stored = torch.empty(slab.shape, dtype=E4M3, device=slab.device)
+    scales = torch.empty((2, kv_heads), dtype=torch.float32, device=slab.device)
+    for i in range(2):
+        part = slab[:, :, :, i]
+        scales[i] = part.abs().amax(dim=(0, 1, 2, 4)).float().clamp_min(1e-6) / E4M3_MAX
+        stored[:, :, :, i] = quantize(part, scales[i], head_dim=3)
+    held = torch.stack([dequantize(stored[:, :, :, i], scales[i], slab.dtype, head_dim=3) for i in range(2)], dim=3)
+    views = [t[:, :, 1, i].transpose(1, 2) for t in (stored, held) for i in range(2)]
+    return views[0], views[1], scales, views[2], views[3]
 
 
 def _untimed(
