@@ -11,7 +11,8 @@ pub trait Reclaimer: Send + Sync {
     fn reclaim(&self, device: DeviceId, bytes: u64) -> u64;
 
     /// Bytes on `device` that [`reclaim`](Self::reclaim) would give back now if asked for
-    /// everything (a pool's handles, the idle prefixes of a cache): part of what
+    /// everything (a pool's handles, the idle prefixes of a cache, the windows a
+    /// pre-committer holds ahead of the live ends): part of what
     /// `Governor::available_bytes` reports. The default is 0 (nothing counted ahead).
     fn reclaimable(&self, device: DeviceId) -> u64 {
         let _ = device;

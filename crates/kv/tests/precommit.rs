@@ -42,6 +42,17 @@ fn config(headroom_tokens: u64, max_windows: u64) -> PrecommitConfig {
     }
 }
 
+/// A pre-committer (headroom 64 tokens, bound 16 windows) and a sequence of one token
+/// attached to it, once the worker has grown it.
+fn one_token_attached(w: &World) -> (Precommitter, PrecommittedSequence) {
+    let pre = Precommitter::start(&w.vm, config(64, 16)).unwrap();
+    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    s.ensure_tokens(1).unwrap();
+    let seq = pre.attach(s);
+    pre.wait_idle();
+    (pre, seq)
+}
+
 /// Invariant 2 (no commit in flight): governor used = the driver's physical bytes.
 fn check_books(w: &World) {
     let snap = w.gov.snapshot().device(D0);
@@ -57,11 +68,7 @@ fn check_books(w: &World) {
 #[test]
 fn the_worker_commits_ahead_and_the_hot_path_finds_it() {
     let w = world(None, 0);
-    let pre = Precommitter::start(&w.vm, config(64, 16)).unwrap();
-    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
-    s.ensure_tokens(1).unwrap();
-    let seq = pre.attach(s);
-    pre.wait_idle();
+    let (pre, seq) = one_token_attached(&w);
     // Committed up to live + 2 x headroom = 129 tokens: 3 windows.
     assert!(seq.committed_tokens() >= 129, "{}", seq.committed_tokens());
     assert!(pre.stats().peak_headroom_bytes <= 16 * G);
@@ -169,11 +176,7 @@ fn a_failure_at_every_driver_step_of_the_worker_rolls_back_and_is_reported() {
 #[test]
 fn refused_grants_in_the_worker_are_counted_and_harmless() {
     let w = world(Some(2), 0);
-    let pre = Precommitter::start(&w.vm, config(64, 16)).unwrap();
-    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
-    s.ensure_tokens(1).unwrap();
-    let seq = pre.attach(s);
-    pre.wait_idle();
+    let (pre, seq) = one_token_attached(&w);
     // Budget of 2 windows: 3 (up to 129 tokens) were refused whole; the smaller headroom
     // (up to 65 tokens, 2 windows) fits.
     assert_eq!(seq.committed_tokens(), 65);
@@ -184,11 +187,7 @@ fn refused_grants_in_the_worker_are_counted_and_harmless() {
 #[test]
 fn precommitted_windows_are_given_back_first_under_pressure() {
     let w = world(Some(4), 0);
-    let pre = Precommitter::start(&w.vm, config(64, 16)).unwrap();
-    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
-    s.ensure_tokens(1).unwrap();
-    let a = pre.attach(s);
-    pre.wait_idle();
+    let (pre, a) = one_token_attached(&w);
     assert_eq!(a.committed_tokens(), 129, "3 windows: 1 live + 2 ahead");
     assert_eq!(w.sim.ledger().mappings.len(), 3);
     pre.shutdown();
@@ -476,6 +475,9 @@ fn a_handle_holding_the_live_end_stays_counted_as_headroom_after_a_reclaim() {
     assert_eq!(mapped(&w), (8, 2));
     assert_eq!(a.ensure_tokens(300).unwrap(), Ensured::Ready);
     pre.shutdown();
+    // Windows 5-7 lie ahead but in the handle holding the live end: 2 free, none available
+    // beyond them.
+    assert_eq!(w.gov.available_bytes(D0), 2 * G);
     // Another sequence needs 4 windows, 2 are free: the pre-committer is asked for headroom,
     // but windows 5-7 lie in the handle that holds the live end (window 4): given back only
     // whole, so nothing is freed and the commit is refused.
@@ -489,5 +491,28 @@ fn a_handle_holding_the_live_end_stays_counted_as_headroom_after_a_reclaim() {
     assert_eq!(stats.headroom_bytes, 3 * G, "{stats:?}");
     assert_eq!(mapped(&w), (8, 2));
     assert_eq!(a.ensure_tokens(300).unwrap(), Ensured::Ready);
+    check_books(&w);
+}
+
+/// The governor's `available_bytes` counts the windows the pre-committer holds ahead of the
+/// live ends that a reclaim would give back, and only those: a reclaim asked for everything
+/// then gives back exactly that much (windows ahead inside the handle that holds a live end
+/// are headroom but not available: `a_handle_holding_the_live_end_stays_counted_as_headroom_after_a_reclaim`).
+#[test]
+fn available_bytes_counts_what_a_reclaim_would_give_back() {
+    // Two windows ahead in handles of their own: 1 free + 2 reclaimable.
+    let w = world(Some(4), 0);
+    let (pre, a) = one_token_attached(&w);
+    pre.shutdown();
+    assert_eq!(a.committed_tokens(), 129);
+    assert_eq!(w.gov.available_bytes(D0), 3 * G);
+    let mut b = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    b.ensure_tokens(192).unwrap();
+    assert_eq!(
+        pre.stats().reclaimed_bytes,
+        2 * G,
+        "the reclaim gave back what was counted"
+    );
+    assert_eq!(w.gov.available_bytes(D0), 0);
     check_books(&w);
 }

@@ -348,6 +348,17 @@ impl Manager {
         MemorySnapshot::of(&s, self.state.budget)
     }
 
+    /// Bytes a new request could be granted now: the budget's free bytes plus what a grant
+    /// would reclaim first (the handle pool, idle cached prefixes, the pre-committer's
+    /// windows ahead that it can give back); None without a local budget. The figure a
+    /// :class:`BackpressureError` reports as ``available_bytes``.
+    fn available_bytes(&self, py: Python<'_>) -> Option<u64> {
+        let governor = self.state.governor.clone();
+        let device = self.state.device;
+        let available = py.detach(move || governor.available_bytes(device));
+        (available != u64::MAX).then_some(available)
+    }
+
     /// The governor's books of page-locked host memory (a :class:`HostTier`'s) right now:
     /// a :class:`MemorySnapshot` whose ``budget`` is ``host_budget_bytes``.
     fn host_snapshot(&self) -> MemorySnapshot {

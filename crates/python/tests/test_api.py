@@ -135,6 +135,8 @@ def test_backpressure_is_retryable_and_too_big_never_fits() -> None:
         b.ensure(8192)  # 4 MiB more: 2 MiB short
     assert e.value.retry_after >= 0
     assert e.value.needed_bytes == 4 * MiB and e.value.available_bytes == 2 * MiB
+    assert mgr.available_bytes() == e.value.available_bytes, "one figure of what is available"
+    assert kvvm.Manager("sim").available_bytes() is None, "no budget: no limit"
     assert b.is_empty, "a refused commit commits nothing"
     a.release()
     b.ensure(8192)  # retrying after memory was freed succeeds
@@ -170,6 +172,24 @@ def test_the_simulator_has_no_addressable_memory(sim: kvvm.Manager) -> None:
     s.ensure(1)
     with pytest.raises(kvvm.UnavailableError, match="not addressable"):
         s.view(0)
+
+
+def test_available_bytes_count_the_windows_a_pre_committer_can_give_back() -> None:
+    """A window the pre-committer holds ahead of a sequence's live end is committed (not
+    free) yet available: a grant would reclaim it first."""
+    mgr = kvvm.Manager("sim", budget_bytes=8 * MiB, precommit=True, headroom_tokens=8)
+    plan = kvvm.LayoutPlan(tiny_geometry(16384), "token-major", mgr.granule)
+    s = kvvm.Sequence(mgr, plan, precommit=True)
+    s.ensure(4096)  # one whole window live; the worker commits the next one ahead
+    mgr.wait_precommit_idle()
+    assert s.committed_tokens > 4096
+    snap = mgr.snapshot()
+    assert (snap.committed, snap.free, snap.pooled) == (4 * MiB, 4 * MiB, 0)
+    assert mgr.available_bytes() == 6 * MiB
+    mgr.stop_precommit()
+    other = kvvm.Sequence(mgr, plan)
+    other.ensure(12288)  # 6 MiB: granted by reclaiming the window ahead
+    assert s.committed_tokens == 4096 and mgr.available_bytes() == 0
 
 
 def test_pre_committed_sequences_grow_ahead() -> None:

@@ -157,3 +157,27 @@ def test_bad_swap_arguments_are_refused() -> None:
         Engine(model, slots=1, max_len=64, backend="host", host_tier_bytes=WINDOW, swap="sometimes")
     with pytest.raises(kvvm.InvalidArgumentError):
         Engine(model, slots=1, max_len=64, backend="host", host_tier_bytes=-1)
+
+
+def test_a_swap_back_waits_only_when_its_context_is_not_available() -> None:
+    """A swap comes back when its context's bytes are available as a grant would find them
+    (``Manager.available_bytes``: free, or reclaimed from the pool, the pre-committer's
+    windows ahead and idle prefixes), not only when they are free; without a budget it never
+    waits."""
+    from types import SimpleNamespace
+
+    from kvvm.serving.swap import Swapper
+
+    def swapper(available: int | None) -> Swapper:
+        s = Swapper.__new__(Swapper)
+        s.kv = SimpleNamespace(  # type: ignore[assignment]
+            manager=SimpleNamespace(available_bytes=lambda: available),
+            cache=SimpleNamespace(bytes_for_tokens=lambda n: n * 1024),
+        )
+        return s
+
+    swapper(64 * 1024)._check_room(64)
+    swapper(None)._check_room(1 << 20)
+    with pytest.raises(kvvm.BackpressureError) as e:
+        swapper(64 * 1024 - 1)._check_room(64)
+    assert (e.value.needed_bytes, e.value.available_bytes) == (64 * 1024, 64 * 1024 - 1)

@@ -61,7 +61,13 @@ fn a_straddling_handle_stays_mapped_and_committed_until_it_can_go_whole() {
     // Truncate to 8: the handle now starts at the boundary and goes, whole.
     assert_eq!(r.truncate(8 * w.g).unwrap(), 4 * w.g);
     assert_eq!(r.committed_bytes(), 8 * w.g);
-    // A release of part of a handle unmaps nothing; a release covering it unmaps it.
+    // A release of part of a handle unmaps nothing; a release covering it unmaps it. What
+    // it would give back is known beforehand, and asking changes nothing.
+    assert_eq!(r.owned_bytes_inside(&[(2 * w.g, 4 * w.g)]), 0);
+    assert_eq!(
+        r.owned_bytes_inside(&[(0, 4 * w.g), (4 * w.g, 4 * w.g)]),
+        8 * w.g
+    );
     assert_eq!(r.release_ranges(&[(2 * w.g, 4 * w.g)]).unwrap(), 0);
     assert_eq!(r.committed_bytes(), 8 * w.g);
     assert_eq!(

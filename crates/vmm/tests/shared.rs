@@ -51,6 +51,9 @@ fn owner_and_sharers_map_one_allocation_billed_once() {
         s.commit_range(2 * G, G).unwrap().unwrap();
     }
     assert_eq!(set.mapped_count(), 2 + 3 * 2);
+    // A release of everything would give back a sharer's own window only: the shared ones
+    // drop a reference.
+    assert_eq!(sharers[0].owned_bytes_inside(&[(0, 8 * G)]), G);
     // Billed once: 2 shared windows + 3 private ones.
     assert_eq!(w.sim.ledger().total_physical_bytes(), 5 * G);
     check_books(&w, &[&owner, &sharers[0], &sharers[1], &sharers[2]], 2 * G);
@@ -251,6 +254,8 @@ fn release_ranges_gives_back_only_whole_windows_inside() {
     let mut r = w.vm.reserve(16 * G).unwrap();
     r.commit_ranges(&[(0, 3 * G), (8 * G, 3 * G)]).unwrap();
     // Windows 1-2 and 9-10 go; 0 and 8 stay; a range covering half a window frees nothing.
+    let ranges = [(G, 2 * G), (9 * G, 2 * G), (12 * G, G / 2)];
+    assert_eq!(r.owned_bytes_inside(&ranges), 4 * G);
     let freed = r
         .release_ranges(&[(G, 2 * G), (9 * G, 2 * G), (12 * G, G / 2)])
         .unwrap();

@@ -10,6 +10,27 @@ use kvvm_hal::DeviceId;
 use super::{lock, Cell, Inner, WorkerCommit};
 
 impl Reclaimer for Inner {
+    /// What [`reclaim`](Reclaimer::reclaim) would give back if asked for everything now:
+    /// each sequence's owned windows wholly past its claimed tokens, skipping (as reclaim
+    /// does) a sequence whose lock is held or whose commit is in flight.
+    fn reclaimable(&self, device: DeviceId) -> u64 {
+        if device != self.vm.device() {
+            return 0;
+        }
+        let cells: Vec<Arc<Cell>> = lock(&self.cells).iter().filter_map(Weak::upgrade).collect();
+        cells
+            .iter()
+            .filter_map(|cell| {
+                let seq = cell.seq.try_lock().ok()?;
+                if seq.has_commit_in_flight() {
+                    return None;
+                }
+                let claimed = cell.live.load(Ordering::SeqCst);
+                seq.shrinkable_bytes(claimed).ok()
+            })
+            .fold(0, u64::saturating_add)
+    }
+
     fn reclaim(&self, device: DeviceId, bytes: u64) -> u64 {
         if device != self.vm.device() || WorkerCommit::active() {
             return 0;

@@ -7,6 +7,9 @@ use crate::error::KvCacheError;
 
 use super::SequenceKv;
 
+/// The tokens a shrink keeps, and the ranges (offset, length) past them it gives back.
+type Beyond = (u64, Vec<(u64, u64)>);
+
 impl SequenceKv {
     /// Gives back the private windows committed beyond the first `n` tokens (windows holding
     /// no byte of tokens `0..n` in any fragment), keeping the address range: what a
@@ -15,28 +18,10 @@ impl SequenceKv {
     /// [`written_tokens`](Self::written_tokens)), and neither is a shared window. Returns the
     /// bytes unmapped. Like [`release`](Self::release), it does not synchronize the device.
     pub fn shrink_committed(&mut self, n: u64) -> Result<u64, KvCacheError> {
-        let n = n
-            .max(self.written_tokens)
-            .max(self.prefix_tokens)
-            .max(self.forgotten_tokens);
-        if n >= self.committed_tokens {
+        let Some((n, ranges)) = self.beyond(n)? else {
             return Ok(0);
-        }
+        };
         self.wait_copies()?;
-        let g = self.plan.granule();
-        let mut ranges = Vec::with_capacity(self.fragments.len());
-        for f in &self.fragments {
-            let live = f.live_bytes(n)?;
-            let keep_end = live.end.div_ceil(g).saturating_mul(g).max(
-                self.protected_windows()
-                    .saturating_mul(g)
-                    .saturating_add(f.offset),
-            );
-            let end = f.offset.saturating_add(f.reserved_bytes);
-            if keep_end < end {
-                ranges.push((keep_end, end - keep_end));
-            }
-        }
         let span =
             tracing::debug_span!("kv.shrink_committed", from = self.committed_tokens, to = n);
         let _e = span.enter();
@@ -51,6 +36,43 @@ impl SequenceKv {
                 Err(e.into())
             }
         }
+    }
+
+    /// The bytes [`shrink_committed`](Self::shrink_committed)`(n)` would give back to the
+    /// budget now (its owned windows wholly past what it keeps). Changes nothing.
+    pub fn shrinkable_bytes(&self, n: u64) -> Result<u64, KvCacheError> {
+        Ok(self.beyond(n)?.map_or(0, |(_, ranges)| {
+            self.reservation.owned_bytes_inside(&ranges)
+        }))
+    }
+
+    /// What [`shrink_committed`](Self::shrink_committed)`(n)` keeps and gives back: `n`
+    /// raised to the tokens never given back (written, a prefix, forgotten), and in each
+    /// fragment the range (offset, length) past the window holding its last kept byte and
+    /// past the protected windows; None when nothing lies past the kept tokens.
+    fn beyond(&self, n: u64) -> Result<Option<Beyond>, KvCacheError> {
+        let n = n
+            .max(self.written_tokens)
+            .max(self.prefix_tokens)
+            .max(self.forgotten_tokens);
+        if n >= self.committed_tokens {
+            return Ok(None);
+        }
+        let g = self.plan.granule();
+        let mut ranges = Vec::with_capacity(self.fragments.len());
+        for f in &self.fragments {
+            let live = f.live_bytes(n)?;
+            let keep_end = live.end.div_ceil(g).saturating_mul(g).max(
+                self.protected_windows()
+                    .saturating_mul(g)
+                    .saturating_add(f.offset),
+            );
+            let end = f.offset.saturating_add(f.reserved_bytes);
+            if keep_end < end {
+                ranges.push((keep_end, end - keep_end));
+            }
+        }
+        Ok(Some((n, ranges)))
     }
 
     /// Sets the committed count from the reservation after a failed unmap: the most tokens

@@ -89,20 +89,30 @@ impl Reservation {
         );
         let _e = span.enter();
         let union = merged(ranges);
-        let inside = |b: &Block| {
-            let i = union.partition_point(|&(s, _)| s <= b.offset);
-            i.checked_sub(1)
-                .and_then(|i| union.get(i))
-                .is_some_and(|&(_, end)| b.end(g) <= end)
-        };
         let (todo, keep): (Vec<Block>, Vec<Block>) = std::mem::take(&mut self.blocks)
             .into_iter()
-            .partition(|b| inside(b));
+            .partition(|b| wholly_inside(&union, b, g));
         self.blocks = keep;
         match self.unmap_blocks(&st, todo) {
             (bytes, None) => Ok(bytes),
             (_, Some(e)) => Err(e.into()),
         }
+    }
+
+    /// The bytes of owned handles that [`release_ranges`](Self::release_ranges) would give
+    /// back to the budget now for the same `ranges`: the owned mappings lying wholly inside
+    /// their union (shared mappings only drop a reference, and a mapping partly outside
+    /// stays). Changes nothing.
+    pub fn owned_bytes_inside(&self, ranges: &[(u64, u64)]) -> u64 {
+        let g = self.state.ctx.granule;
+        let union = merged(ranges);
+        self.blocks
+            .iter()
+            .filter(|b| {
+                b.kind == BlockKind::Owned && b.shared.is_none() && wholly_inside(&union, b, g)
+            })
+            .map(|b| b.windows.saturating_mul(g))
+            .fold(0, u64::saturating_add)
     }
 
     /// Unmaps the blocks from index `first` on, last first, in runs of adjacent blocks where
@@ -186,6 +196,14 @@ impl Reservation {
 }
 
 /// The union of `(offset, len)` ranges as sorted, disjoint `(start, end)` spans.
+/// Whether block `b` lies wholly inside one span of `union` (sorted, disjoint).
+fn wholly_inside(union: &[(u64, u64)], b: &Block, g: u64) -> bool {
+    let i = union.partition_point(|&(s, _)| s <= b.offset);
+    i.checked_sub(1)
+        .and_then(|i| union.get(i))
+        .is_some_and(|&(_, end)| b.end(g) <= end)
+}
+
 fn merged(ranges: &[(u64, u64)]) -> Vec<(u64, u64)> {
     spans::union(
         ranges

@@ -296,10 +296,11 @@ class Swapper:
 
     def _check_room(self, tokens: int) -> None:
         """BackpressureError when the budget has not the bytes of a context of ``tokens``
-        tokens free now (the swap then stays on the host: nothing is tried)."""
-        snap = self.kv.manager.snapshot()
-        # The pool's handles are taken back by a commit.
-        free = None if snap.free is None else snap.free + snap.pooled
+        tokens available now (the swap then stays on the host: nothing is tried). Available
+        is what a commit could be granted: the free bytes and what the grant reclaims first
+        (the pool's handles, the pre-committer's windows ahead, idle cached prefixes), as a
+        recomputed request's admission would get them."""
+        free = self.kv.manager.available_bytes()
         needed = self.kv.cache.bytes_for_tokens(tokens)
         if free is not None and free < needed:
             raise BackpressureError(
