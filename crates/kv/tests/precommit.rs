@@ -176,7 +176,7 @@ fn a_failure_at_every_driver_step_of_the_worker_rolls_back_and_is_reported() {
 #[test]
 fn refused_grants_in_the_worker_are_counted_and_harmless() {
     let w = world(Some(2), 0);
-    let (pre, seq) = one_token_attached(&w);
+    let (_pre, seq) = one_token_attached(&w);
     // Budget of 2 windows: 3 (up to 129 tokens) were refused whole; the smaller headroom
     // (up to 65 tokens, 2 windows) fits.
     assert_eq!(seq.committed_tokens(), 65);
