@@ -385,3 +385,25 @@ fn a_prefix_is_one_handle_per_fragment_run_and_attaches_with_one_mapping_each() 
         assert!(w.sim.ledger().is_empty(), "{layout}");
     }
 }
+
+/// A shrink gives back, in each fragment, only the windows past the live tokens, exactly as
+/// counted beforehand (`shrinkable_bytes`), for every layout: a range that ran past its own
+/// fragment would unmap the next fragment's live windows.
+#[test]
+fn a_shrink_gives_back_each_fragments_windows_past_the_live_tokens_only() {
+    let g = 4096;
+    for layout in KvLayout::ALL {
+        let w = world(g, None);
+        let plan = LayoutPlan::new(tiny(256), layout, g).unwrap();
+        let mut s = SequenceKv::new(&w.vm, &plan, 256).unwrap();
+        s.ensure_tokens(64).unwrap();
+        s.ensure_tokens(256).unwrap();
+        let live = plan.committed_bytes_for_tokens(64).unwrap();
+        let all = s.committed_bytes();
+        assert!(all > live, "{layout:?}");
+        assert_eq!(s.shrinkable_bytes(64).unwrap(), all - live, "{layout:?}");
+        assert_eq!(s.shrink_committed(64).unwrap(), all - live, "{layout:?}");
+        assert_eq!(s.committed_bytes(), live, "{layout:?}");
+        assert_eq!(s.shrinkable_bytes(64).unwrap(), 0, "{layout:?}");
+    }
+}
