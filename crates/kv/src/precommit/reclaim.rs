@@ -2,12 +2,13 @@
 //! pre-committer is a [`Reclaimer`]).
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, MutexGuard, Weak};
 
 use kvvm_governor::Reclaimer;
 use kvvm_hal::DeviceId;
 
 use super::{lock, Cell, Inner, WorkerCommit};
+use crate::sequence::SequenceKv;
 
 impl Reclaimer for Inner {
     /// What [`reclaim`](Reclaimer::reclaim) would give back if asked for everything now:
@@ -17,16 +18,11 @@ impl Reclaimer for Inner {
         if device != self.vm.device() {
             return 0;
         }
-        let cells: Vec<Arc<Cell>> = lock(&self.cells).iter().filter_map(Weak::upgrade).collect();
-        cells
+        self.cells_alive()
             .iter()
             .filter_map(|cell| {
-                let seq = cell.seq.try_lock().ok()?;
-                if seq.has_commit_in_flight() {
-                    return None;
-                }
-                let claimed = cell.live.load(Ordering::SeqCst);
-                seq.shrinkable_bytes(claimed).ok()
+                let seq = idle(cell)?;
+                seq.shrinkable_bytes(cell.live.load(Ordering::SeqCst)).ok()
             })
             .fold(0, u64::saturating_add)
     }
@@ -35,23 +31,14 @@ impl Reclaimer for Inner {
         if device != self.vm.device() || WorkerCommit::active() {
             return 0;
         }
-        let cells: Vec<Arc<Cell>> = {
-            let mut cells = lock(&self.cells);
-            cells.retain(|w| w.strong_count() > 0);
-            cells.iter().filter_map(Weak::upgrade).collect()
-        };
         let mut freed = 0u64;
-        for cell in cells {
+        for cell in self.cells_alive() {
             if freed >= bytes {
                 break;
             }
-            // Never wait: the caller may hold a sequence's lock while asking for memory.
-            let Ok(mut seq) = cell.seq.try_lock() else {
+            let Some(mut seq) = idle(&cell) else {
                 continue;
             };
-            if seq.has_commit_in_flight() {
-                continue;
-            }
             let claimed = cell.live.load(Ordering::SeqCst);
             if seq.committed_tokens() <= claimed {
                 continue;
@@ -89,4 +76,20 @@ impl Reclaimer for Inner {
         }
         freed
     }
+}
+
+impl Inner {
+    /// The sequences still attached (the entries of dropped ones are pruned).
+    fn cells_alive(&self) -> Vec<Arc<Cell>> {
+        let mut cells = lock(&self.cells);
+        cells.retain(|w| w.strong_count() > 0);
+        cells.iter().filter_map(Weak::upgrade).collect()
+    }
+}
+
+/// `cell`'s sequence when a reclaim may shrink it now: its lock free (never waited for: the
+/// caller may hold a sequence's lock while asking for memory) and no commit in flight.
+fn idle(cell: &Cell) -> Option<MutexGuard<'_, SequenceKv>> {
+    let seq = cell.seq.try_lock().ok()?;
+    (!seq.has_commit_in_flight()).then_some(seq)
 }

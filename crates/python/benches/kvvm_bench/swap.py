@@ -27,9 +27,10 @@ Five parts, each in the same process and run (``--parts``):
   ``--prompt-lo..--prompt-hi``, ``--output`` tokens each) through the engine under a budget
   (``--budget-bytes``) that forces preemptions, once recomputing them and once swapping them
   (``--host-tier-bytes``, decided by measured costs), ``--trace-repeat`` times each in turn:
-  tokens/s, TTFT p50/p99, preemptions, swaps and their host time, the engine's steps; on a GPU also transformers' ``generate_batch`` with ``cpu_offload_space`` set to the
-  host tier's bytes and its cache to the budget's share of the free memory (``--no-peer``:
-  not).
+  tokens/s, TTFT p50/p99, preemptions, swaps and their host time, the engine's steps; on a
+  GPU also transformers' ``generate_batch`` with ``cpu_offload_space`` set to the host
+  tier's bytes and its cache to the budget's share of the free memory (``--no-peer``: not;
+  ``swap_trace.py``).
 
 On a CPU (``--device cpu --backend host --tiny``) every part runs small (what CI does); the
 figures that matter come from a GPU.

@@ -300,13 +300,13 @@ class Swapper:
         is what a commit could be granted: the free bytes and what the grant reclaims first
         (the pool's handles, the pre-committer's windows ahead, idle cached prefixes), as a
         recomputed request's admission would get them."""
-        free = self.kv.manager.available_bytes()
+        available = self.kv.manager.available_bytes()
         needed = self.kv.cache.bytes_for_tokens(tokens)
-        if free is not None and free < needed:
+        if available is not None and available < needed:
             raise BackpressureError(
-                f"a swapped context of {tokens} tokens needs {needed} bytes; {free} are free",
+                f"a swapped context of {tokens} tokens needs {needed} bytes; {available} are available",
                 needed_bytes=needed,
-                available_bytes=free,
+                available_bytes=available,
             )
 
     def _drop(self, slot: int, r: Request) -> None:
