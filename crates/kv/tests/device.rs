@@ -7,7 +7,8 @@ mod common;
 use common::*;
 use kvvm_hal::{ErrorKind, Operation};
 use kvvm_kv::{
-    KvCacheError, KvKind, KvLayout, LayoutPlan, PrefixCache, SequenceKv, SharedDevicePrefix,
+    KvCacheError, KvDtype, KvGeometry, KvKind, KvLayout, LayoutPlan, PrefixCache, SequenceKv,
+    SharedDevicePrefix,
 };
 use kvvm_sim::FaultRule;
 
@@ -387,14 +388,19 @@ fn a_prefix_is_one_handle_per_fragment_run_and_attaches_with_one_mapping_each() 
 }
 
 /// A shrink gives back, in each fragment, only the windows past the live tokens, exactly as
-/// counted beforehand (`shrinkable_bytes`), for every layout: a range that ran past its own
-/// fragment would unmap the next fragment's live windows.
+/// counted beforehand (`shrinkable_bytes`), for every layout and for a shape whose tokens
+/// straddle windows (3 layers, 3 KV heads of 24: 864 bytes a token, token-major): a range
+/// that ran past its own fragment would unmap the next fragment's live windows.
 #[test]
 fn a_shrink_gives_back_each_fragments_windows_past_the_live_tokens_only() {
     let g = 4096;
-    for layout in KvLayout::ALL {
+    let straddling = KvGeometry::with_dtype(3, 3, 24, KvDtype::F16, 256).unwrap();
+    for (geo, layout) in [tiny(256), straddling]
+        .into_iter()
+        .flat_map(|geo| KvLayout::ALL.map(|l| (geo, l)))
+    {
         let w = world(g, None);
-        let plan = LayoutPlan::new(tiny(256), layout, g).unwrap();
+        let plan = LayoutPlan::new(geo, layout, g).unwrap();
         let mut s = SequenceKv::new(&w.vm, &plan, 256).unwrap();
         s.ensure_tokens(64).unwrap();
         s.ensure_tokens(256).unwrap();

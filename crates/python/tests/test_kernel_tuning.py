@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("triton", reason="skipped: no triton")
+torch = pytest.importorskip("torch", reason="skipped: no torch")
 
 
 def _inputs() -> tuple[Any, Any, Any]:
@@ -25,6 +24,7 @@ def _inputs() -> tuple[Any, Any, Any]:
 def timed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The tuner on, outside the interpreter, its measurement a fake that records each
     configuration timed (one split the fastest)."""
+    pytest.importorskip("triton", reason="skipped: no triton")
     import kvvm.kernels.triton_decode as td
 
     monkeypatch.setattr(td, "AUTOTUNE", True)

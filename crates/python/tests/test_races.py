@@ -201,3 +201,37 @@ def test_a_prefix_inserted_and_cleared_while_admissions_race_is_hit_whole_or_not
     cache.insert(ids[:n], [shared])
     assert cache.admit(reader, ids)["hit_tokens"] == n
     reader.release()
+
+
+def test_available_bytes_read_while_the_pre_committer_grows_and_gives_back() -> None:
+    """``Manager.available_bytes`` (without the GIL: it asks the pre-committer what it could
+    give back, trying each sequence's lock, never waiting) raced against a pre-committed
+    sequence's growth and a commit that reclaims the windows it holds ahead. Every schedule
+    must answer without a deadlock or an error; the figure is a momentary estimate (a commit
+    between its reads may count a window twice), so only the quiet state after the race is
+    checked exactly: the whole budget available."""
+    budget = 16 << 20
+    mgr = kvvm.Manager("sim", budget_bytes=budget, precommit=True, headroom_tokens=8)
+    plan = kvvm.LayoutPlan(tiny_geometry(32768), "token-major", mgr.granule)
+    seq = kvvm.Sequence(mgr, plan, precommit=True)
+    other = kvvm.Sequence(mgr, plan)
+
+    def read(i: int) -> None:
+        available = mgr.available_bytes()
+        assert isinstance(available, int) and available >= 0, available
+
+    def grow_and_reclaim(i: int) -> None:
+        seq.ensure(4096 * (1 + i % 3))  # whole windows live: the worker maps the next ahead
+        try:
+            other.ensure(4096 * (4 + i % 3))  # may take the window ahead back
+        except kvvm.BackpressureError:
+            pass
+        other.release()
+        seq.release()
+
+    _race(read, grow_and_reclaim, rounds=1000)
+    mgr.stop_precommit()
+    seq.release()
+    other.release()
+    mgr.trim_pool(0)
+    assert mgr.available_bytes() == budget
