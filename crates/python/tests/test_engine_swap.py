@@ -181,3 +181,24 @@ def test_a_swap_back_waits_only_when_its_context_is_not_available() -> None:
     with pytest.raises(kvvm.BackpressureError) as e:
         swapper(64 * 1024 - 1)._check_room(64)
     assert (e.value.needed_bytes, e.value.available_bytes) == (64 * 1024, 64 * 1024 - 1)
+
+
+def test_a_swap_round_trip_of_a_shape_whose_tokens_straddle_windows_gets_its_reference_tokens() -> None:
+    """3 layers, 3 query heads a KV head, head dim 96 (4608 bytes a token in fp32: a 2 MiB
+    window holds 455.1 tokens, so tokens straddle windows): the preempted request is swapped
+    out and back, and both requests get the tokens of the one-request reference."""
+    model, ref = tiny(layers=3, kv_heads=2, head_dim=96, hidden=96, heads=6)
+    mgr = kvvm.Manager("host", budget_bytes=4 * WINDOW, precommit=False)
+    per_window = mgr.granule // (3 * 2 * 2 * 96 * 4)
+    engine = Engine(
+        model, slots=2, max_len=4 * per_window, manager=mgr, prefill_chunk=64, host_tier_bytes=4 * WINDOW,
+        swap="always",
+    )
+    reqs = [engine.submit(p, per_window) for p in prompts([per_window - 8, per_window - 6], seed=6)]
+    engine._ref = ref  # type: ignore[attr-defined]
+    engine.run()
+    s = engine.stats
+    assert s.preempted >= 1 and s.swapped_out >= 1 and s.swapped_in == s.swapped_out and s.swap_fallbacks == 0
+    _check_tokens(engine, reqs)
+    _nothing_on_the_host(engine)
+    engine.close()
