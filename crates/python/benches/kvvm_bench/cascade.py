@@ -23,6 +23,7 @@ import kvvm
 from kvvm_bench.model import build_model
 from kvvm_bench.numerics import timed_greedy_steps
 from kvvm_bench.report_file import write_report
+from kvvm_bench.runs import kernel_breakdown
 from kvvm_bench.shapes_step import EagerStep
 
 __all__ = ["add_args", "run_cascade_bench"]
@@ -42,6 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--backend", default="auto", help="kvvm backend (host on a CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fuse", action="store_true", help="fuse the Q/K/V and gate/up projections first")
+    p.add_argument("--profile", action="store_true", help="each captured step's GPU time by kind of kernel, its heaviest kernels")
     p.add_argument("--json", help="write the report here")
 
 
@@ -127,6 +130,9 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, groups: int) -
             row["speedup"] = round(plain["p50"] / cascade["p50"], 2)
             row["cascade_over_floor_once"] = round(cascade["p50"] / row["floor_once_ms"], 2)
             row["plain_over_floor_each"] = round(plain["p50"] / row["floor_each_ms"], 2)
+            if args.profile:
+                for name, s, t in zip(("cascade", "plain"), steps, toks):
+                    row[f"{name}_profile"] = kernel_breakdown(lambda s=s, t=t: s(t), steps=4)
     finally:
         for s in steps:
             s.close()
@@ -143,14 +149,20 @@ def run_cascade_bench(args: argparse.Namespace) -> dict[str, Any]:
     groups = [int(g) for g in args.groups.split(",") if g]
     if any(g < 1 or args.batch % g for g in groups):
         raise SystemExit(f"every group count must divide --batch {args.batch}: {groups}")
+    from kvvm.transformers.projections import fuse_projections
+
     model = build_model(args)
     if args.fp32:
         model = model.float()
+    if args.fuse:
+        fuse_projections(model)
     use_kvvm_attention(model)
     backend = args.backend if args.backend != "auto" else ("cuda" if args.device == "cuda" else "host")
     mgr = kvvm.Manager(backend, precommit=True)
     name = "a small Llama" if args.tiny else "the Llama-3.1-8B shape"
-    report: dict[str, Any] = {"model": f"{name}, random {next(model.parameters()).dtype} weights", "results": []}
+    report: dict[str, Any] = {
+        "model": f"{name}, random {next(model.parameters()).dtype} weights", "fused_projections": args.fuse, "results": [],
+    }
     if args.device == "cuda":
         report["device"] = torch.cuda.get_device_name()
     for g in groups:

@@ -29,6 +29,7 @@ import kvvm
 from kvvm_bench.model import build_model
 from kvvm_bench.numerics import bf16_tie, timed_greedy_steps
 from kvvm_bench.report_file import write_report
+from kvvm_bench.runs import kernel_breakdown
 
 __all__ = ["add_args", "run_fp8_bench"]
 
@@ -50,6 +51,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--backend", default="auto", help="kvvm backend (host on a CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="each captured step's GPU time by kind of kernel, its heaviest kernels")
     p.add_argument("--json", help="write the report here")
 
 
@@ -116,6 +118,9 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, prompts: torch
                 step_p50_ms=timing["p50"], step_p99_ms=timing["p99"], floor_ms=round(floor_ms, 3),
                 over_floor=round(timing["p50"] / floor_ms, 3),
             )
+            if args.profile:
+                tok = logits[-1].argmax(-1)
+                row["profile"] = kernel_breakdown(lambda: step(tok), steps=4)
         cache.check()
     finally:
         if step is not None:

@@ -88,7 +88,7 @@ class Run:
     peak_gpu_bytes: int | None = None
     tokens: list[list[int]] | None = None
     #: GPU time per step by kind of kernel, in ms (``--profile``; see :func:`kernel_breakdown`).
-    kernels_ms: dict[str, float] | None = None
+    kernels_ms: dict[str, Any] | None = None
     note: str = ""
 
     def settle(self, warmup: int) -> None:
@@ -288,20 +288,25 @@ def reference_check(model: Any, w: Workload, manager: kvvm.Manager, max_len: int
 
 
 #: Kernel name fragments by kind, first match wins (cuBLAS and CUTLASS GEMMs, the kvvm
-#: attention's two Triton kernels, Inductor's fused Triton kernels).
+#: attention's Triton kernels and the cascade's prefix pass, Inductor's fused Triton kernels).
 _KERNEL_KINDS = (
-    ("attention", ("_partial_kernel", "_merge_kernel", "flash", "fmha")),
+    ("attention", ("_partial_kernel", "_merge_kernel", "_prefix_kernel", "flash", "fmha")),
     ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk")),
     ("fused", ("triton_",)),
 )
 
 
-def kernel_breakdown(step: Any, steps: int) -> dict[str, float]:
+#: Kernels named one by one in :func:`kernel_breakdown`'s ``top``.
+_TOP_KERNELS = 12
+
+
+def kernel_breakdown(step: Any, steps: int) -> dict[str, Any]:
     """GPU time per step of ``step()`` by kind of kernel (``matmul``, ``attention``,
     ``fused``: Inductor's kernels, ``other``), ``kernels``: their sum, ``wall``: the steps'
     time between events, and ``idle``: the difference (launch gaps, waits on the host), all
     in ms, from ``torch.profiler`` over ``steps`` calls; ``launches``: kernels per step, and
-    ``launches_<kind>`` of each kind."""
+    ``launches_<kind>`` of each kind; ``top``: the heaviest kernels, each as its name (cut
+    to 80 characters), its ms and its launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -314,6 +319,7 @@ def kernel_breakdown(step: Any, steps: int) -> dict[str, float]:
         torch.cuda.synchronize()
     kinds: dict[str, float] = {"matmul": 0.0, "attention": 0.0, "fused": 0.0, "other": 0.0}
     counts: dict[str, int] = dict.fromkeys(kinds, 0)
+    named: list[tuple[float, str, float]] = []
     for e in prof.key_averages():
         us = float(getattr(e, "device_time_total", 0.0) or getattr(e, "cuda_time_total", 0.0))
         if us <= 0 or e.key.startswith("ProfilerStep"):
@@ -322,13 +328,15 @@ def kernel_breakdown(step: Any, steps: int) -> dict[str, float]:
         kind = next((k for k, frags in _KERNEL_KINDS if any(f in name for f in frags)), "other")
         kinds[kind] += us / 1000 / steps
         counts[kind] += int(e.count)
-    out = {k: round(v, 4) for k, v in kinds.items()}
+        named.append((us / 1000 / steps, e.key[:80], e.count / steps))
+    out: dict[str, Any] = {k: round(v, 4) for k, v in kinds.items()}
     out["kernels"] = round(sum(kinds.values()), 4)
     out["wall"] = round(begin.elapsed_time(end) / steps, 4)
     out["idle"] = round(out["wall"] - out["kernels"], 4)
     out["launches"] = round(sum(counts.values()) / steps, 1)
     for k, n in counts.items():
         out[f"launches_{k}"] = round(n / steps, 1)
+    out["top"] = [[name, round(ms, 4), round(n, 1)] for ms, name, n in sorted(named, reverse=True)[:_TOP_KERNELS]]
     return out
 
 
