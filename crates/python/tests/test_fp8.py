@@ -310,7 +310,8 @@ def test_the_engine_decodes_in_fp8() -> None:
 def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
     """The decode kernel over FP8 K/V (every split count, the autotuner's FP8 blocks) and its fused write (the new token
     stored as the reference quantizes it, attended as stored), the cascade's prefix pass over
-    FP8 and the prefill kernel (fp32 and FP8 K/V), against the per-request SDPA reference, in
+    FP8 and the prefill kernel (fp32 and FP8 K/V), each also with a bf16 query (taken as fp16,
+    saturated), against the per-request SDPA reference, in
     Triton's interpreter (a process of its own: Triton reads ``TRITON_INTERPRET`` once)."""
     pytest.importorskip("triton", reason="skipped: no triton")
     code = textwrap.dedent(
@@ -393,6 +394,30 @@ def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
                 assert (got - want).abs().max().item() < 1e-4, (window, softcap, sc is not None)
         wrong = prefill_attention(qp, k8, v8, bounds, 1 / math.sqrt(D), kv_scales=scales.flip(0))
         assert (wrong - attend(qp, k8, v8, bounds, kernel="sdpa", kv_scales=scales)).abs().max().item() > 1e-2
+        # A bf16 query: the products take it as fp16 (K and V widened to fp16), an element
+        # past fp16's range saturated at 65504, never infinite.
+        qb = q.to(torch.bfloat16)
+        qb[1, 3, 0, 5], qb[1, 3, 0, 6] = 1e6, 6e4
+        bounds = torch.tensor([[1, 0, 150], [0, 7, 70], [2, 9, 9]], dtype=torch.int32)
+        want = attend(qb.float().clamp(-65504, 65504), k, v, bounds, kernel="sdpa", kv_scales=scales)
+        unsaturated = attend(qb.float(), k, v, bounds, kernel="sdpa", kv_scales=scales)
+        assert (unsaturated - want).abs().max().item() > 0.1, "the saturation shows"
+        for splits in (1, 4):
+            got = decode_attention(qb, k, v, bounds, 1 / math.sqrt(D), splits, kv_scales=scales)
+            assert got.dtype == torch.bfloat16 and torch.isfinite(got.float()).all()
+            assert (got.float() - want).abs().max().item() < 2e-2, splits
+        bounds = torch.tensor([[0, 0, 120], [1, 0, 140], [2, 0, 100]], dtype=torch.int32)
+        want = attend(qb.float().clamp(-65504, 65504), k3, v3, bounds, kernel="sdpa", kv_scales=scales)
+        assert (attend(qb.float(), k3, v3, bounds, kernel="sdpa", kv_scales=scales) - want).abs().max().item() > 0.1
+        got = cascade_attention(qb, k3, v3, bounds, 1 / math.sqrt(D), 2, tables.tables, kv_scales=scales)
+        assert (got.float() - want).abs().max().item() < 2e-2
+        qpb = qp.to(torch.bfloat16)
+        qpb[0, 2, 3, 1], qpb[0, 2, 3, 2] = 1e6, 6e4
+        bounds = torch.tensor([[1, 0, 150], [0, 7, 100], [2, 60, 140]], dtype=torch.int32)
+        want = attend(qpb.float().clamp(-65504, 65504), k8, v8, bounds, kernel="sdpa", kv_scales=scales)
+        assert (attend(qpb.float(), k8, v8, bounds, kernel="sdpa", kv_scales=scales) - want).abs().max().item() > 0.1
+        got = prefill_attention(qpb, k8, v8, bounds, 1 / math.sqrt(D), kv_scales=scales)
+        assert torch.isfinite(got.float()).all() and (got.float() - want).abs().max().item() < 2e-2
         print("fp8 kernels ok")
         """
     )

@@ -40,7 +40,7 @@ from .triton_decode import (
     run_partial,
     upcast,
 )
-from .triton_kernels import fold_tokens, kv_scales, split_range
+from .triton_kernels import fold_tokens, kv_scales, product_query, split_range
 
 __all__ = [
     "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "Share", "Tables", "cascade_attention", "choose_prefix_splits",
@@ -201,6 +201,7 @@ def _prefix_kernel(
         mask=valid[:, None] & d_mask[None, :],
         other=0.0,
     )
+    q = product_query(q, FP8)
     lo, hi = split_range(start, start + n, split, PSPLITS, BLOCK)
     # An FP8 cache's scales: K's folded into the softmax scale, V's into the output.
     k_scale, v_scale = kv_scales(Scales, kvh, scale_v, FP8)

@@ -131,6 +131,22 @@ def kv_scales(Scales, kvh, scale_v, FP8: tl.constexpr):
 
 
 @triton.jit
+def product_query(q, FP8: tl.constexpr):
+    """The query as the products over an FP8 cache take it: a bf16 query as fp16, saturated
+    at fp16's largest finite value (65504), so that the blocks of K and V are widened to fp16
+    as they are loaded (one conversion instruction for two e4m3 codes, where widening them to
+    bf16 takes five, through fp16 and fp32: enough to bind the kernel by conversions rather
+    than by memory). Every e4m3 code is exact in fp16, and so is every bf16 value from 2**-14
+    to 65504 (fp16 keeps 11 significant bits to bf16's 8); a smaller element rounds to
+    fp16's subnormals (within 2**-25). ``q`` itself for any other cache or query dtype."""
+    out = q
+    if FP8:
+        if q.dtype == tl.bfloat16:
+            out = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return out
+
+
+@triton.jit
 def quantize(x, scale, dtype, FP8: tl.constexpr):
     """``x`` as an FP8 cache stores it: divided by its scale, saturated at e4m3's largest
     finite value (448) and rounded to ``dtype`` (the cache's element type); ``x`` itself for
@@ -260,6 +276,7 @@ def _partial_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    q = product_query(q, FP8)
     k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
 

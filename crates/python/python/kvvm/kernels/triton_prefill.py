@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .triton_decode import _INTERPRETED, _pow2_at_least, from_last_slot, precision, upcast
-from .triton_kernels import _cap, _request, kv_scales
+from .triton_kernels import _cap, _request, kv_scales, product_query
 
 __all__ = ["prefill_attention"]
 
@@ -96,6 +96,7 @@ def _prefill_kernel(
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    q = product_query(q, FP8)
     # The keys this block's queries see: from the request's first (the earliest query's
     # window's) to the last query's own.
     lo = start
