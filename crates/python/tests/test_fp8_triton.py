@@ -131,3 +131,40 @@ def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "fp8 kernels ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_every_e4m3_code_moved_into_fp16_is_exact_in_the_interpreter() -> None:
+    """``widen`` moves each of the 256 e4m3 codes (NaN aside) into fp16 bits worth exactly
+    ``2**-8`` times the code, subnormals and signed zeros included, and ``unit`` gives the
+    ``2**8`` back; a bf16 or fp32 element is converted as it is, with unit 1."""
+    pytest.importorskip("triton", reason="skipped: no triton")
+    code = textwrap.dedent(
+        """
+        import torch, triton, triton.language as tl
+        from kvvm.kernels.triton_kernels import unit, widen
+
+        @triton.jit
+        def move(X, Out, Unit, N: tl.constexpr):
+            offs = tl.arange(0, N)
+            x = tl.load(X + offs)
+            tl.store(Out + offs, widen(x, Out.dtype.element_ty))
+            tl.store(Unit + offs, tl.zeros([N], dtype=tl.float32) + unit(x.dtype, Out.dtype.element_ty))
+
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+        finite = ~torch.isnan(codes.float())
+        out, units = torch.empty(256, dtype=torch.float16), torch.empty(256)
+        move[(1,)](codes, out, units, N=256)
+        assert torch.equal(out.float()[finite], codes.float()[finite] / 256), "each code, 2**-8 its worth"
+        assert torch.equal(out.view(torch.int16)[codes.view(torch.uint8) == 0x80], torch.tensor([-32768], dtype=torch.int16))
+        assert (units == 256).all()
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(256).to(dtype)
+            got, units = torch.empty(256, dtype=torch.float16), torch.empty(256)
+            move[(1,)](x, got, units, N=256)
+            assert torch.equal(got, x.to(torch.float16)) and (units == 1).all(), dtype
+        print("moved ok")
+        """
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "moved ok" in r.stdout, r.stderr[-3000:]
