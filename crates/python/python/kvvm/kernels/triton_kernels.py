@@ -47,15 +47,13 @@ def _block(
     # An FP8 cache's K and V are widened to the query's dtype as they are loaded (a no-op for
     # a cache of the query's dtype); their scales are applied outside the loop (see
     # _partial_kernel).
-    k_stored = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-    k = widen(k_stored, q.dtype)
-    k_unit = unit(k_stored.dtype, q.dtype)
+    k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     if UPCAST:
         # Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns: widened
         # to fp32 there (on a GPU the tensor cores take bf16 as it is).
         q = q.to(tl.float32)
         k = k.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (sm_scale * k_unit)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
     if CAPPED:
         qk = _cap(qk, softcap)
     qk = tl.where(n_mask[None, :], qk, float("-inf"))
@@ -63,14 +61,12 @@ def _block(
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
-    v_stored = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = widen(v_stored, q.dtype)
-    v_unit = unit(v_stored.dtype, q.dtype)
+    v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     p = p.to(v.dtype)
     if UPCAST:
         p = p.to(tl.float32)
         v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION) * v_unit
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return m_new, l_new, acc
 
 
@@ -132,33 +128,6 @@ def kv_scales(Scales, kvh, scale_v, FP8: tl.constexpr):
         k_scale = 1.0
         v_scale = 1.0
     return k_scale, v_scale
-
-
-@triton.jit
-def widen(x, dtype):
-    """A block of K or V as the products take it, in ``dtype``. An FP8 cache's e4m3 codes
-    read with an fp16 query (see :func:`product_query`) become fp16 by moving their bits:
-    the sign to bit 15, exponent and mantissa to bits 13..7. Each is then worth exactly
-    2**-8 times its code, subnormals included (the two formats' exponent biases differ by 8;
-    :func:`unit` gives the products the factor back). Integer operations only, where a
-    conversion instruction goes through the GPU's slower conversion unit. Anything else is
-    converted to ``dtype`` as it is."""
-    if (x.dtype == tl.float8e4nv) and (dtype == tl.float16):
-        bits = x.to(tl.uint8, bitcast=True).to(tl.uint16)
-        out = (((bits & 0x7F) << 7) | ((bits & 0x80) << 8)).to(tl.float16, bitcast=True)
-    else:
-        out = x.to(dtype)
-    return out
-
-
-@triton.jit
-def unit(stored, dtype):
-    """What a product over values :func:`widen` made from ``stored`` elements in ``dtype``
-    is multiplied by: 2**8 for e4m3 codes moved into fp16, else 1."""
-    factor = 1.0
-    if (stored == tl.float8e4nv) and (dtype == tl.float16):
-        factor = 256.0
-    return factor
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .triton_decode import _INTERPRETED, _pow2_at_least, from_last_slot, precision, upcast
-from .triton_kernels import _cap, _request, kv_scales, product_query, unit, widen
+from .triton_kernels import _cap, _request, kv_scales, product_query
 
 __all__ = ["prefill_attention"]
 
@@ -41,15 +41,13 @@ def _prefill_block(
     n_mask = (offs_n >= lo) & (offs_n < hi)
     rows = offs_n.to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k_stored = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-    v_stored = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-    k, v = widen(k_stored, q.dtype), widen(v_stored, q.dtype)
-    k_unit, v_unit = unit(k_stored.dtype, q.dtype), unit(v_stored.dtype, q.dtype)
+    k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     if UPCAST:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (sm_scale * k_unit)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
     if CAPPED:
         qk = _cap(qk, softcap)
     seen = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
@@ -62,7 +60,7 @@ def _prefill_block(
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION) * v_unit
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
 
