@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvvm_governor::Governor;
 use kvvm_hal::{DeviceId, ErrorKind, Operation};
 use kvvm_kv::precommit::{Ensured, PrecommitConfig, PrecommittedSequence, Precommitter};
-use kvvm_kv::{KvDtype, KvGeometry, KvLayout, LayoutPlan, SequenceKv};
+use kvvm_kv::{HostTier, HostTierConfig, KvDtype, KvGeometry, KvLayout, LayoutPlan, SequenceKv};
 use kvvm_sim::{FaultRule, SimBackend};
 use kvvm_vmm::VirtualMemory;
 use proptest::prelude::*;
@@ -116,6 +116,45 @@ fn a_released_sequence_is_not_grown_again_until_tokens_are_asked_for() {
     assert!(seq.committed_tokens() >= 33, "{}", seq.committed_tokens());
     pre.shutdown();
     drop(seq);
+    assert!(w.sim.ledger().is_empty());
+}
+
+#[test]
+fn a_sequence_swapped_to_the_host_is_not_grown_again_until_it_comes_back() {
+    let w = world(None, 0);
+    let tier = HostTier::new(&w.vm, HostTierConfig::default()).unwrap();
+    let pre = Precommitter::start(&w.vm, config(16, 16)).unwrap();
+    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    s.ensure_tokens(40).unwrap();
+    let data = vec![9u8; 40 * 1024];
+    s.write_tokens(0, &data).unwrap();
+    let seq = pre.attach(s);
+    pre.wait_idle();
+    let mut swap = seq.with_sequence(|s| s.swap_out(&tier, 40, None)).unwrap();
+    let released = seq
+        .with_sequence_releasing(|s| s.finish_swap_out(&mut swap))
+        .unwrap();
+    assert!(released > 0);
+    // A full scan of the worker finds nothing to commit: the sequence's tokens are on the
+    // host, and no window is mapped ahead into it.
+    pre.wait_idle();
+    assert_eq!(seq.committed_tokens(), 0);
+    assert_eq!(seq.with_sequence(|s| s.committed_bytes()), 0);
+    assert_eq!(w.gov.snapshot().device(D0).committed, 0);
+    // Back at the same address, byte-exact; asked for tokens again, it is grown again.
+    seq.with_sequence(|s| s.swap_in(&mut swap)).unwrap();
+    seq.with_sequence_releasing(|s| s.finish_swap_in(&mut swap))
+        .unwrap();
+    assert_eq!(seq.ensure_tokens(40).unwrap(), Ensured::Ready);
+    pre.wait_idle();
+    assert!(seq.committed_tokens() >= 56, "{}", seq.committed_tokens());
+    let mut back = vec![0u8; data.len()];
+    seq.read_tokens(0, &mut back).unwrap();
+    assert_eq!(back, data);
+    pre.shutdown();
+    drop(seq);
+    drop(swap);
+    drop(tier);
     assert!(w.sim.ledger().is_empty());
 }
 

@@ -336,7 +336,12 @@ impl SeqCell {
         f: impl FnOnce(&mut SequenceKv) -> Result<u64, KvCacheError>,
     ) -> Result<Result<u64, KvCacheError>, Busy> {
         self.begin_unmap()?;
-        let out = self.with(f);
+        // A pre-committed sequence emptied by `f` is made dormant under the same lock: the
+        // worker would otherwise commit windows ahead into it before the check below.
+        let out = match &self.kind {
+            Kind::Plain(m) => f(&mut m.lock().unpoisoned()),
+            Kind::Pre(p) => p.with_sequence_releasing(f),
+        };
         let empty = self.with(|s| s.is_empty());
         if empty {
             if let Kind::Pre(p) = &self.kind {

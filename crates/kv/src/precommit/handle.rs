@@ -75,9 +75,25 @@ impl PrecommittedSequence {
     /// To write or read committed tokens, [`write_tokens`](Self::write_tokens) and
     /// [`read_tokens`](Self::read_tokens) do neither.
     pub fn with_sequence<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R) -> R {
+        self.run_locked(f, false)
+    }
+
+    /// Runs `f` as [`with_sequence`](Self::with_sequence) does, for a step that may release
+    /// the whole sequence (a swap's end): when the sequence is empty afterwards, the worker
+    /// grows it no more until tokens are asked for again, as after
+    /// [`release`](Self::release). Decided before the lock is let go, so the worker never
+    /// commits windows ahead into a sequence whose tokens went to the host.
+    pub fn with_sequence_releasing<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R) -> R {
+        self.run_locked(f, true)
+    }
+
+    fn run_locked<R>(&self, f: impl FnOnce(&mut SequenceKv) -> R, dormant_if_empty: bool) -> R {
         let mut seq = self.cell.lock_settled();
         self.cell.ready.store(0, Ordering::SeqCst);
         let out = f(&mut seq);
+        if dormant_if_empty && seq.is_empty() {
+            self.cell.dormant.store(true, Ordering::Release);
+        }
         let committed = seq.committed_tokens();
         self.cell.ready.store(committed, Ordering::SeqCst);
         let live = self
