@@ -159,6 +159,28 @@ fn a_sequence_swapped_to_the_host_is_not_grown_again_until_it_comes_back() {
 }
 
 #[test]
+fn a_step_that_leaves_tokens_does_not_stop_the_growth() {
+    // Only a sequence left empty goes dormant: one shrunk below its headroom, its live
+    // tokens kept, is grown again by the worker.
+    let w = world(None, 0);
+    let pre = Precommitter::start(&w.vm, config(32, 16)).unwrap();
+    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
+    s.ensure_tokens(1).unwrap();
+    let seq = pre.attach(s);
+    seq.ensure_tokens(40).unwrap();
+    pre.wait_idle();
+    assert!(seq.committed_tokens() >= 104, "{}", seq.committed_tokens());
+    seq.with_sequence_releasing(|s| s.shrink_committed(40))
+        .unwrap();
+    assert_eq!(seq.committed_tokens(), 40, "shrunk to the live tokens");
+    pre.wait_idle();
+    assert!(seq.committed_tokens() >= 104, "{}", seq.committed_tokens());
+    pre.shutdown();
+    drop(seq);
+    assert!(w.sim.ledger().is_empty());
+}
+
+#[test]
 fn headroom_is_bounded() {
     let w = world(None, 0);
     let pre = Precommitter::start(&w.vm, config(256, 6)).unwrap();
