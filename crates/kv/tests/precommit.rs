@@ -45,7 +45,15 @@ fn config(headroom_tokens: u64, max_windows: u64) -> PrecommitConfig {
 /// A pre-committer (headroom 64 tokens, bound 16 windows) and a sequence of one token
 /// attached to it, once the worker has grown it.
 fn one_token_attached(w: &World) -> (Precommitter, PrecommittedSequence) {
-    let pre = Precommitter::start(&w.vm, config(64, 16)).unwrap();
+    one_token_attached_with(w, 64)
+}
+
+/// [`one_token_attached`] with `headroom_tokens` of headroom.
+fn one_token_attached_with(
+    w: &World,
+    headroom_tokens: u64,
+) -> (Precommitter, PrecommittedSequence) {
+    let pre = Precommitter::start(&w.vm, config(headroom_tokens, 16)).unwrap();
     let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
     s.ensure_tokens(1).unwrap();
     let seq = pre.attach(s);
@@ -95,11 +103,7 @@ fn the_worker_commits_ahead_and_the_hot_path_finds_it() {
 #[test]
 fn a_released_sequence_is_not_grown_again_until_tokens_are_asked_for() {
     let w = world(None, 0);
-    let pre = Precommitter::start(&w.vm, config(16, 16)).unwrap();
-    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
-    s.ensure_tokens(1).unwrap();
-    let seq = pre.attach(s);
-    pre.wait_idle();
+    let (pre, seq) = one_token_attached_with(&w, 16);
     assert!(seq.committed_tokens() >= 33);
     assert!(seq.release().unwrap() > 0);
     // Several worker passes: the released memory stays released.
@@ -163,10 +167,7 @@ fn a_step_that_leaves_tokens_does_not_stop_the_growth() {
     // Only a sequence left empty goes dormant: one shrunk below its headroom, its live
     // tokens kept, is grown again by the worker.
     let w = world(None, 0);
-    let pre = Precommitter::start(&w.vm, config(32, 16)).unwrap();
-    let mut s = SequenceKv::new(&w.vm, &w.plan, 4096).unwrap();
-    s.ensure_tokens(1).unwrap();
-    let seq = pre.attach(s);
+    let (pre, seq) = one_token_attached_with(&w, 32);
     seq.ensure_tokens(40).unwrap();
     pre.wait_idle();
     assert!(seq.committed_tokens() >= 104, "{}", seq.committed_tokens());

@@ -336,22 +336,21 @@ impl SeqCell {
         f: impl FnOnce(&mut SequenceKv) -> Result<u64, KvCacheError>,
     ) -> Result<Result<u64, KvCacheError>, Busy> {
         self.begin_unmap()?;
-        // A pre-committed sequence emptied by `f` is made dormant under the same lock: the
-        // worker would otherwise commit windows ahead into it before the check below.
-        let out = match &self.kind {
-            Kind::Plain(m) => f(&mut m.lock().unpoisoned()),
-            Kind::Pre(p) => p.with_sequence_releasing(f),
+        // `f`, whether it left the sequence empty and the protected bytes, under one lock: a
+        // pre-committed sequence left empty goes dormant before the lock is let go (the
+        // worker would otherwise map windows ahead into it).
+        let step = |s: &mut SequenceKv| {
+            let out = f(s);
+            self.refresh_protected(s);
+            (out, s.is_empty())
         };
-        let empty = self.with(|s| s.is_empty());
+        let (out, empty) = match &self.kind {
+            Kind::Plain(m) => step(&mut m.lock().unpoisoned()),
+            Kind::Pre(p) => p.with_sequence_releasing(step),
+        };
         if empty {
-            if let Kind::Pre(p) = &self.kind {
-                if let Err(e) = p.release() {
-                    tracing::warn!(error = %e, "releasing an empty swapped sequence failed");
-                }
-            }
             self.asked.store(0, Ordering::Release);
         }
-        self.with(|s| self.refresh_protected(s));
         self.end_unmap();
         Ok(out)
     }
