@@ -125,6 +125,22 @@ def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
         assert (attend(qpb.float(), k8, v8, bounds, kernel="sdpa", kv_scales=scales) - want).abs().max().item() > 0.1
         got = prefill_attention(qpb, k8, v8, bounds, 1 / math.sqrt(D), kv_scales=scales)
         assert torch.isfinite(got.float()).all() and (got.float() - want).abs().max().item() < 2e-2
+        # A bf16 query over FP8 at another GQA ratio (3 query heads a KV head) and head dim
+        # (96, padded to 128), decode and prefill.
+        H3, D3 = 6, 96
+        k6 = quantize(torch.randn(B + 1, Hk, T, D3) * 3, scales[0])
+        v6 = quantize(torch.randn(B + 1, Hk, T, D3), scales[1])
+        q6 = torch.randn(B, 1, H3, D3).transpose(1, 2).to(torch.bfloat16)
+        bounds = torch.tensor([[1, 0, 150], [0, 7, 70], [2, 9, 9]], dtype=torch.int32)
+        want = attend(q6.float(), k6, v6, bounds, kernel="sdpa", kv_scales=scales)
+        for splits in (1, 4):
+            got = decode_attention(q6, k6, v6, bounds, 1 / math.sqrt(D3), splits, kv_scales=scales)
+            assert (got.float() - want).abs().max().item() < 2e-2, ("gqa 3, dim 96", splits)
+        qp6 = torch.randn(B, H3, 70, D3).to(torch.bfloat16)
+        bounds = torch.tensor([[1, 0, 150], [0, 7, 100], [2, 60, 140]], dtype=torch.int32)
+        want = attend(qp6.float(), k6, v6, bounds, kernel="sdpa", kv_scales=scales)
+        got = prefill_attention(qp6, k6, v6, bounds, 1 / math.sqrt(D3), kv_scales=scales)
+        assert (got.float() - want).abs().max().item() < 2e-2, "prefill, gqa 3, dim 96"
         print("fp8 kernels ok")
         """
     )
