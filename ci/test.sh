@@ -244,11 +244,13 @@ python3 -m venv "$OUT/pyenv"
 (cd "$OUT" && pyenv/bin/python -c "import kvvm; print('import kvvm', kvvm.__version__, 'from', kvvm.__file__)")
 set +e
 # KVVM_BIN: the broker tests start `kvvm broker` (the release build above).
-(cd "$OUT" && KVVM_BIN="$K" pyenv/bin/python -m pytest "$ROOT/crates/python/tests" -rs -p no:cacheprovider) 2>&1 \
+(cd "$OUT" && KVVM_BIN="$K" pyenv/bin/python -m pytest "$ROOT/crates/python/tests" -rfEs -p no:cacheprovider) 2>&1 \
   | tee "$OUT/pytest-output.log"
 pystatus=${PIPESTATUS[0]}
 set -e
 if [ "$pystatus" -ne 0 ]; then
+  # The failing tests again, last, where a log cut to its tail still shows them.
+  grep -E "^(FAILED|ERROR) " "$OUT/pytest-output.log" >&2
   echo "pytest failed (exit $pystatus)" >&2
   exit "$pystatus"
 fi
