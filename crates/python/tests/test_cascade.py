@@ -11,13 +11,23 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 from conftest import host_available
 
 torch = pytest.importorskip("torch", reason="skipped: no torch")
 
-from kvvm.kernels.cascade import CascadeTables, Share, choose_prefix_splits, member_tiles, plan_groups  # noqa: E402
+from kvvm.kernels.cascade import (  # noqa: E402
+    CascadeTables,
+    Share,
+    cascade_attention,
+    choose_prefix_splits,
+    member_tiles,
+    most_items,
+    plan_groups,
+    prefix_items,
+)
 
 
 def test_groups_are_two_or_more_requests_sharing_one_prefix_tokens_and_start() -> None:
@@ -44,23 +54,63 @@ def test_groups_are_two_or_more_requests_sharing_one_prefix_tokens_and_start() -
 
 
 def test_the_tables_are_rewritten_in_place_and_checked() -> None:
-    t = CascadeTables(4, "cpu", prefix_splits=2)
-    assert t.max_groups == 2
-    pointers = [x.data_ptr() for x in (t.shared, t.groups, t.members)]
+    # 8 query heads per KV head: 4 members an item (32 query rows), 3 items at most.
+    t = CascadeTables(4, "cpu", prefix_splits=2, heads_per_kv=8)
+    assert (t.max_groups, t.tile, t.max_items) == (2, 4, 3)
+    pointers = [x.data_ptr() for x in (t.shared, t.groups, t.items)]
     t.update([Share("p", 0, 0, 9), Share("p", 1, 0, 9), None, Share("p", 3, 0, 9)])
     assert t.count == 1
     assert t.shared.tolist() == [9, 9, 0, 9]
     assert t.groups.tolist() == [[0, 0, 9], [0, 0, 0]]
-    assert t.members.tolist() == [[0, 1, 3, -1], [-1, -1, -1, -1]]
+    empty = [0, -1, -1, -1, -1]
+    assert t.items.tolist() == [[1, 0, 0, 0, 0], [0, 0, 1, 3, -1], empty, empty]
+    t.update([Share("p", 0, 0, 9), Share("p", 1, 0, 9), Share("q", 2, 0, 5), Share("q", 3, 0, 5)])
+    assert t.items.tolist() == [[2, 0, 0, 0, 0], [0, 0, 1, -1, -1], [1, 2, 3, -1, -1], empty]
     t.update([None] * 4)
-    assert t.count == 0 and t.shared.tolist() == [0] * 4 and t.members.tolist() == [[-1] * 4] * 2
-    assert [x.data_ptr() for x in (t.shared, t.groups, t.members)] == pointers
+    assert t.count == 0 and t.shared.tolist() == [0] * 4 and t.items.tolist() == [[0] * 5] + [empty] * 3
+    assert [x.data_ptr() for x in (t.shared, t.groups, t.items)] == pointers
+    assert t.tables[2] is t.items and t.tables[3] == 2
     with pytest.raises(ValueError):
         t.update([None] * 3)
     with pytest.raises(ValueError):
-        CascadeTables(4, "cpu", prefix_splits=3)
+        CascadeTables(4, "cpu", prefix_splits=3, heads_per_kv=1)
     with pytest.raises(ValueError):
-        CascadeTables(0, "cpu")
+        CascadeTables(0, "cpu", heads_per_kv=1)
+    with pytest.raises(ValueError):
+        CascadeTables(4, "cpu", heads_per_kv=0)
+
+
+def _groupings(batch: int, least: int = 2) -> Iterator[list[int]]:
+    """Every multiset of group sizes (two members or more) whose sum is at most ``batch``,
+    largest first."""
+    yield []
+    for size in range(least, batch + 1):
+        for rest in _groupings(batch - size, least=size):
+            yield [*rest, size]
+
+
+def test_every_grouping_fits_the_work_list_and_each_member_is_in_one_item() -> None:
+    """Over every grouping of batches of up to 18 requests (sizes of two or more, capped at
+    the most groups) at every members-per-item the heads give: the items fit the tables'
+    rows, cut each group into whole tiles in order, and hold each member once."""
+    checked = 0
+    for batch in range(1, 19):
+        for heads_per_kv in (1, 2, 3, 8, 16, 64):
+            tile = member_tiles(batch, heads_per_kv)[0]
+            for max_groups in (max(1, batch // 2), 1, 3):
+                bound = most_items(batch, max_groups, tile)
+                for sizes in _groupings(batch):
+                    rows = iter(range(batch))
+                    members = [[next(rows) for _ in range(size)] for size in sizes][:max_groups]
+                    items = prefix_items(members, tile)
+                    assert len(items) <= bound, (batch, heads_per_kv, sizes)
+                    assert all(len(item) == 1 + tile for item in items)
+                    for group, rows_of in enumerate(members):
+                        mine = [r for item in items if item[0] == group for r in item[1:] if r >= 0]
+                        assert mine == rows_of
+                        assert sum(item[0] == group for item in items) == -(-len(rows_of) // tile)
+                    checked += 1
+    assert checked > 10_000, checked
 
 
 def test_a_prefix_program_takes_at_least_sixteen_query_rows() -> None:
@@ -78,6 +128,20 @@ def test_a_prefix_split_reads_at_least_512_tokens() -> None:
     assert choose_prefix_splits(64, 32, 8, 8192, 132) == 16
     assert choose_prefix_splits(64, 32, 8, 1 << 20, 132) == 32
     assert choose_prefix_splits(4, 8, 2, 300, 4) == 1
+
+
+def test_tables_made_for_other_heads_or_no_programs_are_refused() -> None:
+    tables = CascadeTables(8, "cpu", heads_per_kv=1)  # 16 members an item
+    q = torch.zeros(8, 8, 1, 16)  # 8 query heads over 1 KV head: 8 members an item
+    kv = torch.zeros(9, 1, 32, 16)
+    bounds = torch.zeros(8, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="another heads_per_kv"):
+        cascade_attention(q, kv, kv, bounds, 0.25, 1, tables.tables)
+    with pytest.raises(ValueError, match="a batch of 8"):
+        cascade_attention(q[:4], kv, kv, bounds[:4], 0.25, 1, tables.tables)
+    q = torch.zeros(8, 1, 1, 16)
+    with pytest.raises(ValueError, match="one program or more"):
+        cascade_attention(q, kv, kv, bounds, 0.25, 1, tables.tables, programs=0)
 
 
 def _interpreted(code: str) -> str:
@@ -98,8 +162,9 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
         from kvvm.kernels.triton_decode import decode_attention
         random.seed(5)
         torch.manual_seed(5)
-        cases = 0
-        for heads, kv_heads, dim, batch in ((8, 8, 32, 20), (8, 2, 48, 6), (8, 1, 64, 5), (16, 2, 32, 7)):
+        cases = several = 0
+        # The last: 32 query heads per KV head, 2 members an item, a group over several items.
+        for heads, kv_heads, dim, batch in ((8, 8, 32, 20), (8, 2, 48, 6), (8, 1, 64, 5), (16, 2, 32, 7), (32, 1, 16, 12)):
             T = 136
             k = torch.randn(batch + 1, kv_heads, T, dim)
             v = torch.randn_like(k)
@@ -117,13 +182,19 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
                 ends.append(random.randint(n + 1, T - 1))
             bounds = torch.tensor([[r, 0, e] for r, e in enumerate(ends)], dtype=torch.int32)
             q = torch.randn(batch, 1, heads, dim).transpose(1, 2)
-            for splits, psplits, softcap in ((1, 1, 0.0), (2, 4, 0.0), (4, 2, 30.0)):
-                tables = CascadeTables(batch, "cpu", prefix_splits=psplits)
-                tables.update(shares)
+            # The prefix pass's programs: the default, one walking every unit, three.
+            for splits, psplits, softcap, programs in ((1, 1, 0.0, None), (2, 4, 0.0, 1), (4, 2, 30.0, 3)):
+                tables = CascadeTables(batch, "cpu", prefix_splits=psplits, heads_per_kv=heads // kv_heads)
+                plan = tables.update(shares)
+                items = tables.items[0, 0].item()
+                assert items >= len(plan.groups)
+                several += items > len(plan.groups)
                 want = decode_attention(q, k, v, bounds, dim ** -0.5, splits, softcap=softcap)
-                got = cascade_attention(q, k, v, bounds, dim ** -0.5, splits, tables.tables, softcap=softcap)
+                got = cascade_attention(
+                    q, k, v, bounds, dim ** -0.5, splits, tables.tables, softcap=softcap, programs=programs,
+                )
                 err = (got - want).abs().max().item()
-                assert err < 1e-5, (heads, kv_heads, dim, splits, psplits, err)
+                assert err < 1e-5, (heads, kv_heads, dim, splits, psplits, programs, err)
                 cases += 1
             # The step's token written by the kernel and attended from registers, as the
             # plain kernel does; a refused write (the scratch slot) is not attended to.
@@ -138,10 +209,11 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
             assert (got - want).abs().max().item() < 1e-5
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
             cases += 1
-        print("cases", cases)
+        print("cases", cases, "several", several)
         """
     )
-    assert "cases 16" in out
+    assert "cases 20" in out
+    assert int(out.split("several")[1]) > 0, "a group took several items"
 
 
 @pytest.mark.skipif(not host_available(), reason="skipped: no host backend")

@@ -88,7 +88,7 @@ def test_the_cascade_over_fp8_matches_the_reference() -> None:
         k[s, :, :P], v[s, :, :P] = k[0, :, :P], v[0, :, :P]
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     bounds = torch.tensor([[s, 0, P + 20 * s + 5] for s in range(B)], dtype=torch.int32, device="cuda")
-    tables = CascadeTables(B, "cuda")
+    tables = CascadeTables(B, "cuda", heads_per_kv=H // Hk)
     tables.update([Share("p", s, 0, P) for s in range(B)])
     want = attend(q, k, v, bounds, kernel="sdpa", kv_scales=scales).float()
     got = cascade_attention(q, k, v, bounds, 1 / math.sqrt(D), 4, tables.tables, kv_scales=scales).float()

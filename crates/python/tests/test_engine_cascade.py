@@ -66,8 +66,12 @@ def step(engine, n=1):
         engine.step()
 
 def groups(engine):
+    # The groups the prefix pass's work items name (row 0 starts with the items' count).
     t = engine.cache.cascade_tables()
-    return 0 if t is None else int((t[2][:, 0] >= 0).sum())
+    if t is None:
+        return 0
+    items = t[2]
+    return len(set(items[1:1 + int(items[0, 0]), 0].tolist()))
 """
 
 

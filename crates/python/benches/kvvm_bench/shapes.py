@@ -230,13 +230,13 @@ def _point(
 def _configs(shape: Shape, sizes: dict[str, int], device: torch.device, parts: set[str], tuned_before: set[Any]) -> list[str]:
     """The Triton configurations the shape ran: those the tuner chose for it, else
     :func:`~kvvm.kernels.triton_decode.choose_splits`' for the kernel's and the step's reservations."""
-    from kvvm.kernels import attend
+    from kvvm.kernels.device import multiprocessors
     from kvvm.kernels.triton_decode import Config, choose_splits, tuned_configs
 
     tuned = [f"{k}: {v}" for k, v in tuned_configs().items() if k not in tuned_before]
     if tuned:
         return tuned
-    mp = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else attend._INTERPRETER_MULTIPROCESSORS
+    mp = multiprocessors(device)
     batch, out = sizes["batch"], []
     for part, reserved in (("kernel", _kernel_tokens(sizes)), ("step", step_tokens(sizes))):
         if part in parts:

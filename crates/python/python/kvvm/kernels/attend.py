@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .device import multiprocessors
 from .flash import flash
 from .fp8 import E4M3, dequantize, quantize
 
@@ -103,23 +104,6 @@ def _interpreted() -> bool:
     """Whether Triton's kernels run in its interpreter, on CPU tensors (read once, as Triton
     does)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and _has_triton()
-
-
-#: The multiprocessors the interpreter's split count is chosen for (a CPU has none).
-_INTERPRETER_MULTIPROCESSORS = 4
-
-
-@functools.cache
-def _multiprocessors(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
-def multiprocessors(device: torch.device) -> int:
-    """The multiprocessors a kernel's programs spread over: the CUDA device's, or a few in
-    Triton's interpreter."""
-    if device.type != "cuda":
-        return _INTERPRETER_MULTIPROCESSORS
-    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor,

@@ -12,9 +12,13 @@ group's prefix and members): a captured CUDA graph replays correctly as requests
 groups, the tables rewritten in place between replays. A request in no group (shared tokens 0)
 reads all its tokens itself, as :func:`~kvvm.kernels.triton_decode.decode_attention` does.
 
-The prefix pass of one group is cut into programs of at most ``members_per_program`` members
-(about 64 query rows each, the size of one tensor-core product); those programs read the same
-prefix blocks at about the same time, from the L2 cache after the first.
+The prefix pass's work is a list on the device (:class:`CascadeTables`): each item a group and
+up to a tile of its members (about 64 query rows, the size of one tensor-core product), taken
+once per KV head and prefix split. A fixed number of programs, a few per multiprocessor, walk
+that list whatever its length, so a step's launch never carries programs with nothing to read
+(sized for the most groups a batch can hold, most of them would be). Items of one group sit
+side by side: their programs read the same prefix blocks at about the same time, from the L2
+cache after the first.
 
 Runs on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it without a GPU).
 """
@@ -40,20 +44,27 @@ from .triton_decode import (
     run_partial,
     upcast,
 )
+from .device import multiprocessors
 from .triton_kernels import fold_tokens, kv_scales, product_query, split_range
 
 __all__ = [
-    "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "Share", "Tables", "cascade_attention", "choose_prefix_splits",
-    "member_tiles", "plan_groups", "query_rows",
+    "PREFIX_PROGRAMS_PER_MULTIPROCESSOR", "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "Share", "Tables", "cascade_attention", "choose_prefix_splits",
+    "member_tiles", "most_items", "plan_groups", "prefix_items", "query_rows",
 ]
 
 #: The device tables of a step's groups: each request's shared tokens (int32 ``[batch]``), each
-#: group's prefix (int32 ``[groups, 3]``: slot, start, tokens), each group's members (int32
-#: ``[groups, batch]``, -1 past the last) and the prefix pass's programs per (group, KV head).
+#: group's prefix (int32 ``[groups, 3]``: slot, start, tokens), the prefix pass's work items
+#: (int32 ``[1 + items, 1 + tile]``: row 0 starts with their count, each next row is a group
+#: and up to ``tile`` of its members, -1 past the last) and the prefix splits (the programs'
+#: share of each item along its prefix's tokens).
 Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
-#: Query rows one prefix program takes at most (members times query heads per KV head).
+#: Query rows one prefix item takes at most (members times query heads per KV head).
 _ROWS = 64
+
+#: Programs of the prefix pass per multiprocessor: each walks the work list from its index
+#: by the programs' count.
+PREFIX_PROGRAMS_PER_MULTIPROCESSOR = 2
 
 
 @dataclass(frozen=True)
@@ -102,9 +113,28 @@ def plan_groups(shares: Sequence[Share | None], max_groups: int) -> Plan:
 
 
 def query_rows(group: int) -> int:
-    """Query rows per member in a prefix program: the query heads per KV head, to a power of
+    """Query rows per member in a prefix item: the query heads per KV head, to a power of
     two."""
     return _pow2_at_least(group)
+
+
+def prefix_items(members: Sequence[Sequence[int]], tile: int) -> list[list[int]]:
+    """The prefix pass's work items of groups of ``members`` (batch rows per group): each
+    group cut into items of at most ``tile`` members, a row ``[group, rows..., -1...]`` of
+    ``1 + tile`` each; one group's items side by side."""
+    items = []
+    for group, rows in enumerate(members):
+        for first in range(0, len(rows), tile):
+            chunk = list(rows[first:first + tile])
+            items.append([group, *chunk] + [-1] * (tile - len(chunk)))
+    return items
+
+
+def most_items(batch: int, max_groups: int, tile: int) -> int:
+    """The most work items a batch's groups can need: every member is in one item and each
+    group of ``m`` members needs ``ceil(m / tile) <= 1 + (m - 1) / tile`` of them, so at
+    most ``min(batch, groups + batch // tile)``."""
+    return min(batch, max_groups + batch // tile)
 
 
 class CascadeTables:
@@ -116,24 +146,30 @@ class CascadeTables:
         device: where the tables live.
         max_groups: groups at most (``batch // 2`` by default: a group has two members or
             more).
-        prefix_splits: programs per (group, KV head) along the prefix's tokens (a power of
-            two).
+        prefix_splits: programs per work item along the prefix's tokens (a power of two).
+        heads_per_kv: the model's query heads per KV head: they set the members per work
+            item (:func:`member_tiles`), and a step of any other ratio is refused.
     """
 
     def __init__(self, batch: int, device: torch.device | str, max_groups: int | None = None,
-                 prefix_splits: int = 1) -> None:
+                 prefix_splits: int = 1, *, heads_per_kv: int) -> None:
         if batch < 1:
             raise ValueError(f"a cascade needs a batch of one request or more, not {batch}")
         if prefix_splits < 1 or prefix_splits & (prefix_splits - 1):
             raise ValueError(f"prefix_splits must be a power of two, not {prefix_splits}")
+        if heads_per_kv < 1:
+            raise ValueError(f"heads_per_kv must be at least 1, not {heads_per_kv}")
         self.batch = batch
         self.max_groups = max(1, batch // 2) if max_groups is None else max_groups
         if self.max_groups < 1:
             raise ValueError(f"max_groups must be at least 1, not {self.max_groups}")
         self.prefix_splits = prefix_splits
+        self.heads_per_kv = heads_per_kv
+        self.tile = member_tiles(batch, heads_per_kv)[0]
+        self.max_items = most_items(batch, self.max_groups, self.tile)
         self.shared = torch.zeros(batch, dtype=torch.int32, device=device)
         self.groups = torch.zeros((self.max_groups, 3), dtype=torch.int32, device=device)
-        self.members = torch.full((self.max_groups, batch), -1, dtype=torch.int32, device=device)
+        self.items = torch.zeros((1 + self.max_items, 1 + self.tile), dtype=torch.int32, device=device)
         self.count = 0
 
     def update(self, shares: Sequence[Share | None]) -> Plan:
@@ -143,40 +179,70 @@ class CascadeTables:
             raise ValueError(f"{len(shares)} shares for a batch of {self.batch}")
         plan = plan_groups(shares, self.max_groups)
         groups = [list(g) for g in plan.groups] + [[0, 0, 0]] * (self.max_groups - len(plan.groups))
-        members = [rows + [-1] * (self.batch - len(rows)) for rows in plan.members]
-        members += [[-1] * self.batch] * (self.max_groups - len(plan.members))
+        items = prefix_items(plan.members, self.tile)
+        empty = [0] + [-1] * self.tile
+        rows = [[len(items)] + [0] * self.tile, *items] + [empty] * (self.max_items - len(items))
         self.shared.copy_(torch.tensor(plan.shared, dtype=torch.int32))
         self.groups.copy_(torch.tensor(groups, dtype=torch.int32))
-        self.members.copy_(torch.tensor(members, dtype=torch.int32))
+        self.items.copy_(torch.tensor(rows, dtype=torch.int32))
         self.count = len(plan.groups)
         return plan
 
     @property
     def tables(self) -> Tables:
         """The tensors the kernels read (:data:`Tables`)."""
-        return self.shared, self.groups, self.members, self.prefix_splits
+        return self.shared, self.groups, self.items, self.prefix_splits
 
 
 @triton.jit
 def _prefix_kernel(
-    Q, K, V, Groups, Members, Acc, Lse,
+    Q, K, V, Groups, Items, Acc, Lse,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ab, stride_ah, stride_as,
     stride_lb, stride_lh,
     sm_scale, softcap, base, Scales, scale_v,
-    MEMBERS: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
+    TILE: tl.constexpr, KV_HEADS: tl.constexpr, PROGRAMS: tl.constexpr, LAPS: tl.constexpr,
     GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, PSPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr,
 ):
-    # Programs of one group side by side (the first grid axis varies fastest): they read the
-    # same blocks at about the same time.
-    g = tl.program_id(0) // TILES
-    tile = tl.program_id(0) % TILES
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    # Each program walks the work units (item, KV head, split) from its index by the
+    # programs' count: items fastest, so that neighbouring programs take one group's items
+    # and read the same blocks at about the same time. LAPS covers the most units the
+    # tables can hold; a lap past the step's units does nothing.
+    count = tl.load(Items)
+    units = count * KV_HEADS * PSPLITS
+    for lap in range(LAPS):
+        unit = tl.program_id(0) + lap * PROGRAMS
+        if unit < units:
+            _prefix_unit(
+                Q, K, V, Groups, Items, Acc, Lse, unit, count,
+                stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                stride_ab, stride_ah, stride_as, stride_lb, stride_lh, sm_scale, softcap, base, Scales, scale_v,
+                TILE, KV_HEADS, GROUP, GROUP_POW2, HEAD_DIM, DIM_PAD, BLOCK, SPLITS, PSPLITS, LOOP_WHILE,
+                PRECISION, UPCAST, CAPPED, FP8,
+            )
+
+
+@triton.jit
+def _prefix_unit(
+    Q, K, V, Groups, Items, Acc, Lse, unit, count,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_ab, stride_ah, stride_as, stride_lb, stride_lh, sm_scale, softcap, base, Scales, scale_v,
+    TILE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+    PSPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    CAPPED: tl.constexpr, FP8: tl.constexpr,
+):
+    """One work unit: an item's members' queries of one KV head over one split of their
+    group's prefix, written as the split's column of partial results."""
+    item = unit % count
+    kvh = (unit // count) % KV_HEADS
+    split = unit // (count * KV_HEADS)
+    row = Items + (1 + item).to(tl.int64) * (1 + TILE)
+    g = tl.load(row)
     offs3 = tl.arange(0, 4)
     row3 = tl.load(Groups + g * 3 + offs3, mask=offs3 < 3, other=0)
     slot = tl.sum(tl.where(offs3 == 0, row3, 0), 0)
@@ -186,12 +252,9 @@ def _prefix_kernel(
     slot = slot - base
 
     rows = tl.arange(0, TILE * GROUP_POW2)
-    index = tile * TILE + rows // GROUP_POW2
+    member = tl.load(row + 1 + rows // GROUP_POW2)
     within = rows % GROUP_POW2
-    member = tl.load(Members + g * MEMBERS + index, mask=index < MEMBERS, other=-1)
     valid = (member >= 0) & (within < GROUP)
-    # A program with no member reads nothing.
-    n = tl.where(tl.max(valid.to(tl.int32), 0) > 0, n, 0)
     member = tl.maximum(member, 0).to(tl.int64)
     heads = kvh * GROUP + within
     offs_d = tl.arange(0, DIM_PAD)
@@ -234,43 +297,58 @@ def cascade_attention(
     *,
     softcap: float = 0.0,
     kv_scales: torch.Tensor | None = None,
+    programs: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its tokens, the prefixes shared by the
     groups of ``tables`` read once per group.
 
     The arguments are :func:`~kvvm.kernels.triton_decode.decode_attention`'s (no sliding
     window: a query that sees only its last tokens shares none of a prefix it has moved past)
-    and ``tables``, the step's groups (:attr:`CascadeTables.tables`); ``config`` is the
-    private pass's; ``kv_scales``: K and V are an FP8 cache's, of these scales (both passes
-    dequantize as they read). Returns ``[batch, 1, heads, head_dim]`` in the query's dtype.
+    and ``tables``, the step's groups (:attr:`CascadeTables.tables`, made for the query's
+    heads per KV head); ``config`` is the private pass's; ``kv_scales``: K and V are an FP8
+    cache's, of these scales (both passes dequantize as they read); ``programs``: the prefix
+    pass's (default :data:`PREFIX_PROGRAMS_PER_MULTIPROCESSOR` per multiprocessor, fewer
+    where the tables hold fewer units). Returns ``[batch, 1, heads, head_dim]`` in the
+    query's dtype.
     """
     batch, heads, _, dim = query.shape
-    shared, groups, members, prefix_splits = tables
-    if shared.shape[0] != batch or members.shape[1] != batch:
+    shared, groups, items, prefix_splits = tables
+    if shared.shape[0] != batch:
         raise ValueError(f"cascade tables for a batch of {shared.shape[0]}, queries for {batch}")
-    c = config if isinstance(config, Config) else Config(config)
     kv_heads = key.shape[1]
+    group = heads // kv_heads
+    tile = items.shape[1] - 1
+    if tile != member_tiles(batch, group)[0]:
+        raise ValueError(
+            f"cascade tables of {tile} members an item, not the {member_tiles(batch, group)[0]} of a batch of "
+            f"{batch} at {group} query heads per KV head (made for another heads_per_kv)"
+        )
+    if programs is not None and programs < 1:
+        raise ValueError(f"the prefix pass needs one program or more, not {programs}")
+    c = config if isinstance(config, Config) else Config(config)
     if kv_scales is not None:
         kv_scales = kv_scales.to(torch.float32).contiguous()
-    group = heads // kv_heads
     total = c.splits + prefix_splits
     out, acc, lse = buffers(query, total)
     run_partial(
         query, key, value, bounds, scale, c, new, out, acc, lse, softcap=softcap, shared=shared,
         prefix_splits=prefix_splits, kv_scales=kv_scales,
     )
-    tile, tiles = member_tiles(batch, group)
+    units = (items.shape[0] - 1) * kv_heads * prefix_splits
+    if programs is None:
+        programs = PREFIX_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors(query.device)
+    programs = max(1, min(programs, units))
     q = query[:, :, 0]
     base, k_from, v_from = from_last_slot(key, value)
-    _prefix_kernel[(groups.shape[0] * tiles, kv_heads, prefix_splits)](
-        q, k_from, v_from, groups, members, acc, lse,
+    _prefix_kernel[(programs,)](
+        q, k_from, v_from, groups, items, acc, lse,
         q.stride(0), q.stride(1),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2),
         lse.stride(0), lse.stride(1),
         scale, float(softcap) or 1.0, base, groups if kv_scales is None else kv_scales, kv_heads,
-        MEMBERS=batch, TILE=tile, TILES=tiles,
+        TILE=tile, KV_HEADS=kv_heads, PROGRAMS=programs, LAPS=triton.cdiv(units, programs),
         GROUP=group, GROUP_POW2=query_rows(group),
         HEAD_DIM=dim, DIM_PAD=max(16, _pow2_at_least(dim)),
         BLOCK=c.block, SPLITS=c.splits, PSPLITS=prefix_splits, LOOP_WHILE=_INTERPRETED,
@@ -282,8 +360,9 @@ def cascade_attention(
 
 
 def member_tiles(batch: int, group: int) -> tuple[int, int]:
-    """Members per prefix program and programs per group: at least 16 query rows (a
-    tensor-core product's least), at most about :data:`_ROWS` where the heads allow."""
+    """Members per prefix work item and items for a group of the whole batch: at least 16
+    query rows (a tensor-core product's least), at most about :data:`_ROWS` where the heads
+    allow."""
     per_member = query_rows(group)
     tile = max(triton.cdiv(16, per_member), min(_ROWS // per_member, _pow2_at_least(batch)))
     return tile, triton.cdiv(batch, tile)
@@ -298,9 +377,9 @@ PREFIX_SPLIT_TOKENS = 512
 
 
 def choose_prefix_splits(batch: int, heads: int, kv_heads: int, max_tokens: int, multiprocessors: int) -> int:
-    """Programs per (group, KV head) along a prefix: about four programs per multiprocessor
-    for one group of the whole batch (:func:`~kvvm.kernels.triton_decode.choose_splits` over
-    its member programs), but no fewer than :data:`PREFIX_SPLIT_TOKENS` tokens each for the
+    """Splits of each prefix work item along its prefix's tokens: about four units per
+    multiprocessor for one group of the whole batch (:func:`~kvvm.kernels.triton_decode.choose_splits` over
+    its items), but no fewer than :data:`PREFIX_SPLIT_TOKENS` tokens each for the
     longest prefix a request may hold (a power of two)."""
     _, tiles = member_tiles(batch, heads // kv_heads)
     most = 1 << max(0, (max_tokens // PREFIX_SPLIT_TOKENS).bit_length() - 1)

@@ -122,7 +122,7 @@ class CacheCascade(CacheMemory):
         """The tables, sized for a step of every slot (a cache whose layers slide has none)."""
         if any(g.spec.sliding for g in self.groups):
             return
-        from ..kernels.attend import multiprocessors
+        from ..kernels.device import multiprocessors
         from ..kernels.cascade import CascadeTables, choose_prefix_splits
 
         device = self.state.device
@@ -130,7 +130,9 @@ class CacheCascade(CacheMemory):
         splits = choose_prefix_splits(
             self.batch_size, heads, self.geometry.kv_heads, self._max_len, multiprocessors(device),
         )
-        self._tables = CascadeTables(self.batch_size, device, prefix_splits=splits)
+        self._tables = CascadeTables(
+            self.batch_size, device, prefix_splits=splits, heads_per_kv=heads // self.geometry.kv_heads,
+        )
         self._tables_stale = True
 
     def _refresh(self) -> None:
