@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="skipped: no torch")
 transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.engine import Engine  # noqa: E402
-from kvvm.serving.swap import SwapCosts  # noqa: E402
+from kvvm.serving.swap import MIN_PREFILL_SAMPLE_TOKENS, SwapCosts  # noqa: E402
 from test_engine import prompts, reference, tiny  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
@@ -117,6 +117,20 @@ def test_auto_measures_the_bandwidth_at_start_and_the_prefill_as_it_runs() -> No
     _check_tokens(engine, reqs)
     _nothing_on_the_host(engine)
     engine.close()
+
+
+def test_a_prefill_sample_is_a_step_of_enough_tokens_less_a_decode_step() -> None:
+    costs = SwapCosts()
+    costs.record_step(0, 4, 0.010)  # a decode step of 10 ms
+    costs.record_step(MIN_PREFILL_SAMPLE_TOKENS - 1, 4, 1.0)  # its fixed costs: no sample
+    costs.record_step(1, 0, 1.0)
+    assert costs.prefill_s_per_token is None and costs.recompute_seconds(100) is None
+    costs.record_step(MIN_PREFILL_SAMPLE_TOKENS, 0, MIN_PREFILL_SAMPLE_TOKENS * 1e-3)
+    assert costs.prefill_s_per_token == pytest.approx(1e-3)
+    costs.record_step(100, 4, 0.010 + 100 * 2e-3)  # beside decoding rows: the decode step less
+    costs.record_step(100, 4, 0.010 + 100 * 3e-3)
+    assert costs.prefill_s_per_token == pytest.approx(2e-3)  # the median of 1, 2 and 3 ms
+    assert costs.recompute_seconds(1000) == pytest.approx(2.0)
 
 
 def test_a_host_budget_too_small_for_the_request_falls_back_to_recompute() -> None:

@@ -6,8 +6,8 @@ The decision (:class:`SwapCosts`) compares measured costs: swapping ``b`` bytes 
 ``b / bandwidth_out + b / bandwidth_in`` (both measured once at start, by a round trip of a
 scratch sequence of the cache's plan: copies, release and commit included); computing ``n``
 tokens again costs ``n`` times the prefill seconds per token (measured as the engine runs:
-each step's time less a decode step's, over the tokens it prefilled; the median of the last
-ones). Until both are known the engine recomputes. ``mode="always"`` swaps whatever the costs,
+each step's time less a decode step's, over the tokens it prefilled, from steps that
+prefilled enough tokens for their fixed costs not to dominate; the median of the last ones). Until both are known the engine recomputes. ``mode="always"`` swaps whatever the costs,
 ``"never"`` never does.
 
 Every failure falls back to recomputing: a host budget spent, a failed copy, a refused
@@ -41,13 +41,19 @@ from .scheduler import Admission, Scheduler
 if TYPE_CHECKING:
     from .kv_manager import KvManager
 
-__all__ = ["SWAP_MODES", "SwapCosts", "SwapScheduler", "Swapper"]
+__all__ = ["MIN_PREFILL_SAMPLE_TOKENS", "SWAP_MODES", "SwapCosts", "SwapScheduler", "Swapper"]
 
 #: The preemption policies: by measured costs, always swap, never swap.
 SWAP_MODES = ("auto", "always", "never")
 
 #: Prefill samples kept.
 _SAMPLES = 64
+
+#: Prompt tokens a step must prefill to be a prefill sample: a step of fewer (a request
+#: resumed one token short, a chunk's last few) is timed by its fixed costs, the forward's
+#: launches and the host's work, and its time over its tokens would price a long recompute
+#: at many times its cost.
+MIN_PREFILL_SAMPLE_TOKENS = 16
 
 
 class SwapCosts:
@@ -76,10 +82,13 @@ class SwapCosts:
 
     def record_step(self, prefill_tokens: int, decode_rows: int, seconds: float) -> None:
         """Takes one engine step's wall time: a decode-only step is a decode sample; a step
-        that prefilled gives ``(seconds - a decode step) / prefill_tokens``."""
+        that prefilled :data:`MIN_PREFILL_SAMPLE_TOKENS` tokens or more gives ``(seconds - a
+        decode step) / prefill_tokens``; a step that prefilled fewer is no sample."""
         if prefill_tokens <= 0:
             if decode_rows > 0:
                 self._decode.append(seconds)
+            return
+        if prefill_tokens < MIN_PREFILL_SAMPLE_TOKENS:
             return
         if decode_rows > 0:
             if not self._decode:
