@@ -26,6 +26,16 @@
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
 # to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
+# Several modes in one call, comma-separated (`bash gpu-bundle/python.sh fp8,cascade,tests`):
+# each run in turn, as if called alone (one machine start for all of them).
+if [[ "${1:-}" == *,* ]]; then
+  IFS=, read -ra modes <<< "$1"
+  for m in "${modes[@]}"; do
+    bash "$0" "$m"
+    cp "${OUT:-$PWD/gpu-out}/python-run.log" "${OUT:-$PWD/gpu-out}/python-run-$m.log" 2>/dev/null
+  done
+  exit 0
+fi
 repo="$PWD"
 out="${OUT:-$PWD/gpu-out}"
 mkdir -p "$out"
