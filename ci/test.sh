@@ -236,8 +236,10 @@ python3 -m venv "$OUT/pyenv"
 # not import them.
 "$OUT/pyenv/bin/python" -m pip install -q starlette==1.10.0 uvicorn==0.55.0 openai==3.63.0
 "$OUT/pyenv/bin/python" -m pip install -q .
-# The pure-Python half is typed and mypy checks it, against torch's and transformers' types.
+# The pure-Python half is typed and mypy checks it, against torch's and transformers' types;
+# the tests too, against the package pip just installed.
 "$OUT/pyenv/bin/python" -m mypy --ignore-missing-imports --no-incremental crates/python/python/kvvm crates/python/benches/kvvm_bench
+"$OUT/pyenv/bin/python" -m mypy --ignore-missing-imports --no-incremental crates/python/tests
 # The stubs of the native module (`_native.pyi`) against the module pip just built: every class,
 # method, signature and default the stubs promise must exist at run time, and no more.
 (cd "$OUT" && pyenv/bin/python -m mypy.stubtest kvvm._native)

@@ -9,7 +9,7 @@ index, so that a request's tokens are the same whatever preemptions recompute it
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvvm.errors import BackpressureError, NeverFitsError
@@ -237,7 +237,7 @@ class StepChecks:
     prefix another request is prefilling, and nobody is admitted in a step that preempted);
     requests never admitted wait in the order they arrived."""
 
-    def __init__(self, sched: Scheduler, never_fits: object) -> None:
+    def __init__(self, sched: Scheduler, never_fits: Callable[[list[int]], bool]) -> None:
         self.sched = sched
         self.never_fits = never_fits
         self.running: list[Request] = []

@@ -5,15 +5,19 @@ decided elsewhere)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from conftest import host_available
 
 import kvvm
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 import model_matrix as mm  # noqa: E402
 from kvvm.transformers.architectures import check_servable, refusal_reason  # noqa: E402

@@ -15,10 +15,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from conftest import cuda_available, host_available
+
+if TYPE_CHECKING:
+    import torch
 
 pytest.importorskip("torch", reason="skipped: no torch")
 pytest.importorskip("triton", reason="skipped: no triton")
@@ -281,7 +285,9 @@ def test_the_tuned_configurations_are_described_by_their_shape(monkeypatch: pyte
     assert len(td._TUNED) == 1
 
 
-def _misaligned_kv(device: str, dtype: object, slots: int, kv_heads: int, dim: int, shift: int) -> tuple:
+def _misaligned_kv(
+    device: str, dtype: torch.dtype, slots: int, kv_heads: int, dim: int, shift: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V strided as the token-major layout (one layer) with a slot stride ``shift``
     elements past a whole number of tokens, as a reservation of whole granules is when the
     bytes of a token do not divide it (head dim 96 at 4 layers: 3072 elements a token, 2730.67
@@ -292,7 +298,7 @@ def _misaligned_kv(device: str, dtype: object, slots: int, kv_heads: int, dim: i
     token = 2 * kv_heads * dim
     tokens = 10
     slot = tokens * token + shift
-    flat = torch.randn(slots * slot, device=device, dtype=dtype)  # type: ignore[arg-type]
+    flat = torch.randn(slots * slot, device=device, dtype=dtype)
     size, stride = (slots, kv_heads, tokens, dim), (slot, dim, token, 1)
     return flat.as_strided(size, stride, 0), flat.as_strided(size, stride, kv_heads * dim)
 
@@ -360,8 +366,13 @@ def test_a_forwards_flash_plan_is_made_once_and_again_when_its_bounds_change(mon
 
     made = []
     make = flash._make_plan
+
+    def recorded(*a: Any) -> flash.FlashPlan:
+        made.append(a)
+        return make(*a)
+
     monkeypatch.setattr(flash, "_flash_forward", _emulated_flash)
-    monkeypatch.setattr(flash, "_make_plan", lambda *a: made.append(a) or make(*a))
+    monkeypatch.setattr(flash, "_make_plan", recorded)
     torch.manual_seed(9)
     for shift in (0, 16):
         made.clear()

@@ -26,7 +26,7 @@ def test_a_bad_token_id_is_an_invalid_argument_naming_it(sim: kvvm.Manager) -> N
         assert shown in str(e.value)
         assert not isinstance(e.value, OverflowError)
     with pytest.raises(TypeError):
-        cache.admit(seq, ["a"])
+        cache.admit(seq, ["a"])  # type: ignore[list-item]
     assert seq.is_empty
 
 

@@ -6,14 +6,19 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 import kvvm
 from conftest import cuda_available
 
-torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
-transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
+    transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
 
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")
@@ -41,7 +46,7 @@ def test_views_are_cuda_tensors_over_kvvm_memory() -> None:
     assert batch.release() > 0
 
 
-def _model() -> object:
+def _model() -> Any:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -49,7 +54,8 @@ def _model() -> object:
     )
     cfg._attn_implementation = "sdpa"
     with torch.device("cuda"):
-        return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        model: Any = transformers.LlamaForCausalLM(cfg)
+        return model.to(torch.bfloat16).eval()
 
 
 @pytest.mark.parametrize("layout", ["seq-major", "token-major"])

@@ -7,13 +7,19 @@ preempted) giving the tokens of the engine without it. Skipped without CUDA."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import pytest
 
 import kvvm
 from conftest import cuda_available
 
-torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
-transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
+    transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
 
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")
@@ -23,7 +29,7 @@ from kvvm.engine import Engine  # noqa: E402
 VOCAB = 2048
 
 
-def _models() -> tuple[object, object]:
+def _models() -> tuple[Any, Any]:
     """The same random fp32 weights twice on the GPU: the engine's and the reference's. fp32
     with TF32 off: the engine and the reference differ by float rounding only, far below the
     gaps between a random model's top logits at this size."""
@@ -42,7 +48,7 @@ def _models() -> tuple[object, object]:
 
 
 @torch.no_grad()
-def _reference(ref: object, prompt: list[int], new: int) -> list[int]:
+def _reference(ref: Any, prompt: list[int], new: int) -> list[int]:
     ids = torch.tensor([prompt], device="cuda")
     out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
     return out[0, len(prompt) :].tolist()
@@ -100,7 +106,7 @@ def test_a_budget_too_small_for_every_request_preempts_and_still_gets_the_refere
     assert mgr.snapshot().committed == 0
 
 
-def _cascade_trace(model: object, cascade: bool) -> tuple[list[list[int]], int, int]:
+def _cascade_trace(model: Any, cascade: bool) -> tuple[list[list[int]], int, int]:
     """A trace with two cached prefixes (one of 2100 tokens: a window mapped read-only, the
     rest copied; one of 300: copied), requests hitting neither, joins, leaves and one
     preemption; returns every request's tokens, the most groups a step had and the cascade
@@ -109,7 +115,7 @@ def _cascade_trace(model: object, cascade: bool) -> tuple[list[list[int]], int, 
 
     calls, plain = [0], kc.cascade_attention
 
-    def counted(*args: object, **kwargs: object) -> object:
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
         calls[0] += 1
         return plain(*args, **kwargs)
 

@@ -7,14 +7,19 @@ bf16 cache. Skipped without CUDA."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 import kvvm
 from conftest import cuda_available
 
-torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
-transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
+    transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")
 
@@ -123,14 +128,15 @@ def test_the_prefill_kernel_matches_the_reference(fp8: bool, window: int) -> Non
         assert (attend(q, k, v, bounds, kv_scales=sc, window=window).float() - got).abs().max().item() == 0.0
 
 
-def _model() -> object:
+def _model() -> Any:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=2, vocab_size=4096, max_position_embeddings=8192,
     )
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        model: Any = transformers.LlamaForCausalLM(cfg)
+        model = model.to(torch.bfloat16).eval()
     use_kvvm_attention(model)
     return model
 
@@ -159,7 +165,10 @@ def test_an_fp8_cache_decodes_captured_as_eagerly_and_near_bf16() -> None:
     mgr = kvvm.Manager("cuda", precommit=True)
     ids = torch.randint(0, 4096, (6, 700), device="cuda")
     logits = {}
-    for name, kw, graph in (("bf16", {}, True), ("fp8", {"kv_dtype": "fp8_e4m3"}, True), ("fp8-eager", {"kv_dtype": "fp8_e4m3"}, False)):
+    runs: tuple[tuple[str, dict[str, Any], bool], ...] = (
+        ("bf16", {}, True), ("fp8", {"kv_dtype": "fp8_e4m3"}, True), ("fp8-eager", {"kv_dtype": "fp8_e4m3"}, False)
+    )
+    for name, kw, graph in runs:
         cache = KvvmCache(model, 6, 800, manager=mgr, **kw)
         logits[name] = _decode(model, cache, ids, 12, graph)
         cache.release()

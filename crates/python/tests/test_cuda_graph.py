@@ -5,13 +5,19 @@ Skipped without CUDA."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import pytest
 
 import kvvm
 from conftest import cuda_available
 
-torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
-transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
+    transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
 
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")
@@ -24,7 +30,7 @@ from kvvm.transformers import KvvmCache, use_kvvm_attention  # noqa: E402
 VOCAB = 4096
 
 
-def _model(kvvm_attention: bool) -> object:
+def _model(kvvm_attention: bool) -> Any:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -32,19 +38,20 @@ def _model(kvvm_attention: bool) -> object:
     )
     cfg._attn_implementation = "sdpa"
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        model: Any = transformers.LlamaForCausalLM(cfg)
+        model = model.to(torch.bfloat16).eval()
     if kvvm_attention:
         use_kvvm_attention(model)
     return model
 
 
 @pytest.fixture(scope="module")
-def model() -> object:
+def model() -> Any:
     return _model(True)
 
 
 @pytest.fixture(scope="module")
-def reference() -> object:
+def reference() -> Any:
     return _model(False)
 
 
@@ -69,7 +76,7 @@ def test_a_captured_step_decodes_ragged_requests_across_window_boundaries(model,
             fused.restore()
 
 
-def _decode_ragged(model: object, reference: object, compile: bool) -> None:
+def _decode_ragged(model: Any, reference: Any, compile: bool) -> None:
     lengths = [1015, 37, 1022, 500]
     prompts = [torch.randint(0, VOCAB, (1, n), device="cuda") for n in lengths]
     mgr = kvvm.Manager("cuda", precommit=True, headroom_tokens=4)

@@ -6,13 +6,19 @@ Gemma-2 and Gemma-3 shapes of test_sliding.py. Skipped without CUDA."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import pytest
 
 import kvvm
 from conftest import cuda_available
 
-torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
-transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
+    transformers = pytest.importorskip("transformers", reason="skipped: no CUDA (no transformers)")
 
 pytestmark = pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")
 
@@ -22,7 +28,7 @@ from kvvm.transformers import KvvmCache  # noqa: E402
 from test_sliding import VOCAB, build, sliding_group, window_bound  # noqa: E402
 
 
-def _on_gpu(kind: str, attention: str) -> object:
+def _on_gpu(kind: str, attention: str) -> Any:
     return build(kind, attention).to("cuda")
 
 

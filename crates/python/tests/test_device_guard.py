@@ -6,13 +6,19 @@ a corrupted count would be, and the step must write nothing outside the slot's l
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import pytest
 
 import kvvm
 from conftest import cuda_available, host_available
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.transformers import use_kvvm_attention  # noqa: E402
 from kvvm.transformers import KvvmCache  # noqa: E402
@@ -24,14 +30,15 @@ def _backends() -> list[object]:
     return [host, cuda]
 
 
-def _model(device: str) -> object:
+def _model(device: str) -> Any:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, vocab_size=1000, eos_token_id=None,
     )
     cfg._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=torch.float32).eval()
+    model: Any = transformers.LlamaForCausalLM(cfg)
+    model = model.to(device=device, dtype=torch.float32).eval()
     use_kvvm_attention(model)
     return model
 

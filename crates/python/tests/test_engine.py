@@ -6,13 +6,19 @@ preempts the youngest request, which is recomputed later."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import pytest
 
 import kvvm
 from conftest import host_available
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.engine import Engine, EngineStats  # noqa: E402
 
@@ -23,7 +29,7 @@ VOCAB = 1000
 
 def tiny(
     layers: int = 2, kv_heads: int = 2, head_dim: int = 32, hidden: int = 128, heads: int = 4
-) -> tuple[object, object]:
+) -> tuple[Any, Any]:
     """The same random weights twice: one for the engine (switched to the kvvm attention),
     one as the reference."""
     torch.manual_seed(0)
@@ -39,13 +45,15 @@ def tiny(
         eos_token_id=None,
     )
     cfg._attn_implementation = "sdpa"
-    ref = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
-    model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    ref: Any = transformers.LlamaForCausalLM(cfg)
+    ref = ref.to(torch.float32).eval()
+    model: Any = transformers.LlamaForCausalLM(cfg)
+    model = model.to(torch.float32).eval()
     model.load_state_dict(ref.state_dict())
     return model, ref
 
 
-def reference(ref: object, prompt: list[int], new: int) -> list[int]:
+def reference(ref: Any, prompt: list[int], new: int) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
@@ -184,7 +192,7 @@ def test_a_hit_maps_whole_handles_and_copies_the_rest(handle_tokens: int, mapped
     engine.close()
 
 
-def _budgeted(windows: int) -> tuple[object, object, kvvm.Manager, int]:
+def _budgeted(windows: int) -> tuple[Any, Any, kvvm.Manager, int]:
     """A model of 32 KiB per token (64 tokens per 2 MiB window: wide KV heads, little else)
     and a budget of ``windows``."""
     model, ref = tiny(layers=4, kv_heads=8, head_dim=128, hidden=64, heads=8)

@@ -281,15 +281,15 @@ def test_a_swapped_request_stops_sharing_and_shares_again_once_back() -> None:
     engine.run(max_steps=2)
     hitters = [engine.submit(system + [5 + i], 30) for i in range(2)]
     engine.run(max_steps=2)
-    slots = [r.slot for r in hitters]
-    assert None not in slots
-    shared = engine.cache.shared_prefix(slots[0])
+    first, second = (r.slot for r in hitters)
+    assert first is not None and second is not None
+    shared = engine.cache.shared_prefix(first)
     assert shared is not None and shared[1] == 32
-    assert engine.cache.shared_prefix(slots[1]) == shared
+    assert engine.cache.shared_prefix(second) == shared
     with engine._lock:
         engine.scheduler._make_room(SchedulerOutput())  # the youngest: the second hitter
     assert engine.stats.swapped_out == 1 and hitters[1].slot is None
-    assert engine.cache.shared_prefix(slots[1]) is None
+    assert engine.cache.shared_prefix(second) is None
     while hitters[1].slot is None:
         engine.step()
     assert engine.stats.swapped_in == 1

@@ -10,14 +10,18 @@ fp32 models, greedy tokens against a one-request-at-a-time DynamicCache referenc
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import pytest
 
 import kvvm
 from conftest import host_available
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.engine import Engine  # noqa: E402
 from test_engine import VOCAB, _budgeted, prompts, reference, tiny  # noqa: E402
@@ -141,13 +145,14 @@ def test_the_engines_own_arguments_are_checked() -> None:
     assert engine.eos == frozenset([7])
     assert engine.submit([1, 2], 1).eos == frozenset([7])
     engine.close()
-    for kwargs, message in [
+    refused: list[tuple[dict[str, object], str]] = [
         ({"eos_token_ids": "7"}, "eos_token_ids"),
         ({"eos_token_ids": [7.0]}, "not an int"),
         ({"slots": 2.5}, "slots must be an int"),
         ({"max_len": True}, "max_len must be an int"),
         ({"prefill_chunk": 0}, "prefill_chunk must be at least 1"),
-    ]:
+    ]
+    for kwargs, message in refused:
         args = {"slots": 1, "max_len": 32, "backend": "host", **kwargs}
         with pytest.raises(kvvm.InvalidArgumentError, match=message):
             Engine(model, **args)  # type: ignore[arg-type]

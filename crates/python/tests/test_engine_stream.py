@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import NoReturn, TypedDict
 
 import pytest
 
@@ -23,7 +24,7 @@ from conftest import host_available
 torch = pytest.importorskip("torch", reason="skipped: no torch")
 pytest.importorskip("transformers", reason="skipped: no transformers")
 
-from kvvm.engine import Engine  # noqa: E402
+from kvvm.engine import Engine, Request  # noqa: E402
 from kvvm.serving.params import SamplingParams  # noqa: E402
 from kvvm.serving.stream import Delta  # noqa: E402
 from test_engine import prompts, reference, tiny  # noqa: E402
@@ -192,7 +193,7 @@ def test_the_background_loop_serves_threads_async_readers_and_callbacks(engine: 
             r = engine.submit(p, 5)
             return [t for d in [d async for d in engine.astream(r)] for t in d.tokens]
 
-        return await asyncio.gather(one(ps[3]), one(ps[4]))
+        return list(await asyncio.gather(one(ps[3]), one(ps[4])))
 
     async_got = asyncio.run(readers())
     for t in threads:
@@ -230,13 +231,21 @@ def test_cancel_gives_the_slot_and_its_memory_back_at_once(engine: Engine, model
     _holds_only_the_scratch(engine)
 
 
+class _RaceOut(TypedDict, total=False):
+    """What each thread of a race round hands back."""
+
+    finish: list[int]
+    after_first: tuple[Request, list[Delta]]
+    at_once: Request
+
+
 def _race_round(engine: Engine, ps: list[list[int]], want: list[list[int]], round_: int) -> None:
     """Three threads on the running loop: one submits and lets its request finish, one
     cancels its request once its first token arrived, one cancels its request as soon as it
     submitted it (queued, waiting or running: wherever the loop has it then)."""
     barrier = threading.Barrier(3)
     errors: list[BaseException] = []
-    out: dict[str, object] = {}
+    out: _RaceOut = {}
 
     def finish() -> None:
         barrier.wait()
@@ -274,11 +283,11 @@ def _race_round(engine: Engine, ps: list[list[int]], want: list[list[int]], roun
     if errors:
         raise errors[0]
     assert out["finish"] == want[0]
-    r, rest = out["after_first"]  # type: ignore[misc]
+    r, rest = out["after_first"]
     assert r.finish_reason in ("cancelled", "length") and r.tokens == want[1][: len(r.tokens)]
     assert rest == [] or rest[-1].finish_reason == r.finish_reason
     q = out["at_once"]
-    assert q.finish_reason == "cancelled" and len(q.tokens) < 40  # type: ignore[attr-defined]
+    assert q.finish_reason == "cancelled" and len(q.tokens) < 40
 
 
 def test_submissions_and_cancellations_race_the_background_loop(engine: Engine, models: tuple[object, object]) -> None:
@@ -329,7 +338,7 @@ def test_a_failing_loop_ends_every_request_with_the_error(models: tuple[object, 
     engine = Engine(model, slots=2, max_len=64, manager=mgr, compile=False)
     boom = RuntimeError("device lost")
 
-    def fail(*args: object) -> object:
+    def fail(out: object, kv: object) -> NoReturn:
         raise boom
 
     engine.runner.execute = fail  # type: ignore[method-assign]

@@ -9,14 +9,19 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 import kvvm
 from conftest import host_available
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.kernels.attend import attend, kernel_for  # noqa: E402
 from kvvm.kernels.fp8 import E4M3, E4M3_MAX, dequantize, kv_storage, make_scales, quantize  # noqa: E402
@@ -103,18 +108,17 @@ def test_attention_over_fp8_kv_reads_the_scales() -> None:
 # ---- KvvmCache ----
 
 
-def _llama(sliding: int | None = None) -> object:
+def _llama(sliding: int | None = None) -> Any:
     torch.manual_seed(0)
-    common = dict(
+    common: dict[str, Any] = dict(
         hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=8192,
     )
+    model: Any
     if sliding is None:
-        cfg = transformers.LlamaConfig(**common)
-        model = transformers.LlamaForCausalLM(cfg)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     else:
-        cfg = transformers.MistralConfig(sliding_window=sliding, **common)
-        model = transformers.MistralForCausalLM(cfg)
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=sliding, **common))
     model = model.to(torch.float32).eval()
     use_kvvm_attention(model)
     return model
@@ -276,7 +280,7 @@ def test_the_engine_decodes_in_fp8() -> None:
     token takes a quarter of the fp32 engine's bytes."""
     from kvvm.engine import Engine
 
-    def run(**kw) -> tuple[list[list[int]], object]:
+    def run(**kw) -> tuple[list[list[int]], tuple[int, int, str]]:
         model = _llama()
         mgr = kvvm.Manager("host", precommit=True, headroom_tokens=4)
         engine = Engine(model, slots=3, max_len=600, manager=mgr, prefill_chunk=32, prefix_cache_bytes=16 << 20, **kw)

@@ -15,14 +15,19 @@ import os
 import subprocess
 import sys
 import textwrap
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 import kvvm
 from conftest import host_available
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.kernels.attend import attend  # noqa: E402
 from kvvm.transformers import KvvmCache, use_kvvm_attention  # noqa: E402
@@ -32,7 +37,7 @@ pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host b
 VOCAB = 1000
 
 
-def tiny_model(kvvm_attention: bool = True) -> object:
+def tiny_model(kvvm_attention: bool = True) -> Any:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         hidden_size=128,
@@ -44,19 +49,20 @@ def tiny_model(kvvm_attention: bool = True) -> object:
         max_position_embeddings=8192,
     )
     cfg._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model: Any = transformers.LlamaForCausalLM(cfg)
+    model = model.to(torch.float32).eval()
     if kvvm_attention:
         use_kvvm_attention(model)
     return model
 
 
 @pytest.fixture(scope="module")
-def model() -> object:
+def model() -> Any:
     return tiny_model()
 
 
 @pytest.fixture(scope="module")
-def reference() -> object:
+def reference() -> Any:
     """The same weights attending with plain SDPA (the reference)."""
     return tiny_model(kvvm_attention=False)
 
@@ -66,10 +72,10 @@ def mgr() -> kvvm.Manager:
     return kvvm.Manager("host", precommit=True, headroom_tokens=16)
 
 
-def compile_everywhere() -> object:
+def compile_everywhere() -> transformers.CompileConfig:
     cc = transformers.CompileConfig(fullgraph=True, mode="default")
     # transformers compiles on accelerators only unless told otherwise.
-    cc._compile_all_devices = True
+    cc._compile_all_devices = True  # type: ignore[assignment]  # transformers declares it None alone
     return cc
 
 

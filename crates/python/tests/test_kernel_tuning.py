@@ -7,11 +7,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
 
 
 def _inputs() -> tuple[Any, Any, Any]:

@@ -22,15 +22,19 @@ import copy
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from conftest import host_available
 
 import kvvm
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 import model_matrix as mm  # noqa: E402
 from kvvm.transformers.cache_groups import SLIDING_PREFIX_CACHE_REFUSAL  # noqa: E402

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 import kvvm
 from conftest import host_available
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.transformers import KvvmCache, KvvmPrefix, use_kvvm_attention  # noqa: E402
 from kvvm.transformers.prefix_meta import Published, describe  # noqa: E402
@@ -31,6 +36,13 @@ def _plan(layers: int, kv_heads: int, dtype: str = "fp8") -> kvvm.LayoutPlan:
     return kvvm.LayoutPlan(geometry, "token-major", 1 << 21)
 
 
+def _scales(read: Published, plan: kvvm.LayoutPlan, passed: Any) -> torch.Tensor:
+    """The scales ``read`` gives an FP8 prefix (None only for a prefix that is not FP8)."""
+    got = read.scales(plan, passed)
+    assert got is not None
+    return got
+
+
 # ---- the words ----
 
 
@@ -42,13 +54,13 @@ def test_the_words_carry_every_scale_exactly_or_their_digest() -> None:
     words = describe(plan, scales, kvvm.PREFIX_META_BYTES)
     assert "scales=f32:" in words and len(words) < kvvm.PREFIX_META_BYTES - 2048
     read = Published("k", words)
-    assert torch.equal(read.scales(plan, None), scales)
-    assert torch.equal(read.scales(plan, scales), scales)
+    assert torch.equal(_scales(read, plan, None), scales)
+    assert torch.equal(_scales(read, plan, scales), scales)
     with pytest.raises(kvvm.InvalidArgumentError, match="not the ones"):
         read.scales(plan, scales * 1.5)
     one = Published("k", describe(plan, torch.full((80, 2, 8), 0.05), kvvm.PREFIX_META_BYTES))
     assert "scales=all:" in " ".join(f"{k}={v}" for k, v in one.fields.items())
-    assert torch.equal(one.scales(plan, (0.05, 0.05)), torch.full((80, 2, 8), 0.05))
+    assert torch.equal(_scales(one, plan, (0.05, 0.05)), torch.full((80, 2, 8), 0.05))
     with pytest.raises(kvvm.InvalidArgumentError, match="not the ones"):
         one.scales(plan, (0.05, 0.04))
     # Too many to carry (a room of 2600 characters here): the digest.
@@ -58,7 +70,7 @@ def test_the_words_carry_every_scale_exactly_or_their_digest() -> None:
         digest.scales(plan, None)
     with pytest.raises(kvvm.InvalidArgumentError, match="not the ones"):
         digest.scales(plan, scales.flip(0))
-    assert torch.equal(digest.scales(plan, scales), scales)
+    assert torch.equal(_scales(digest, plan, scales), scales)
 
 
 def test_the_words_refuse_another_geometry_dtype_or_bad_scales() -> None:
@@ -89,22 +101,23 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield from run_broker(tmp_path_factory.mktemp("meta") / "broker.sock", "--budget-bytes", "1GiB", "--tenant", "t")
 
 
-def _model(dtype: torch.dtype = torch.float32) -> object:
+def _model(dtype: torch.dtype = torch.float32) -> Any:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=1000,
     )
-    model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    model: Any = transformers.LlamaForCausalLM(cfg)
+    model = model.to(dtype).eval()
     use_kvvm_attention(model)
     return model
 
 
-def _logits(model: object, prefix: KvvmPrefix, rest: torch.Tensor) -> torch.Tensor:
+def _logits(model: Any, prefix: KvvmPrefix, rest: torch.Tensor) -> torch.Tensor:
     cache = KvvmCache.from_prefix(prefix, 1, 256)
     pos = torch.arange(prefix.tokens, prefix.tokens + rest.shape[1])[None]
     with torch.no_grad():
-        out = model(input_ids=rest, position_ids=pos, past_key_values=cache, use_cache=True)  # type: ignore[operator]
+        out = model(input_ids=rest, position_ids=pos, past_key_values=cache, use_cache=True)
     logits = out.logits[:, -1].clone()
     del out
     cache.release()
@@ -121,7 +134,7 @@ def test_an_opener_takes_the_published_dtype_and_scales_and_is_refused_other_one
     scales = torch.rand(2, 2, 2, generator=torch.Generator().manual_seed(2)) * 0.1 + 0.02
     publisher = kvvm.Manager("host", broker=str(broker), tenant="t", lease_batch_bytes=4 * MiB)
     reader = kvvm.Manager("host", broker=str(broker), tenant="t", lease_batch_bytes=4 * MiB)
-    common = {"manager": publisher, "max_cache_len": 256}
+    common: dict[str, Any] = {"manager": publisher, "max_cache_len": 256}
     built = KvvmPrefix.build(model, ids[:, :32], kv_dtype="fp8_e4m3", kv_scales=scales, **common)
     built.publish("fp8")
     opened = KvvmPrefix.open(model, "fp8", manager=reader, max_cache_len=256)
@@ -129,7 +142,7 @@ def test_an_opener_takes_the_published_dtype_and_scales_and_is_refused_other_one
     assert torch.equal(_logits(model, opened, ids[:, 32:]), _logits(model, built, ids[:, 32:]))
     again = KvvmPrefix.open(model, "fp8", manager=reader, max_cache_len=256, kv_dtype="fp8_e4m3", kv_scales=scales)
     assert torch.equal(again.kv_scales, scales)
-    refused = (
+    refused: tuple[tuple[dict[str, Any], str], ...] = (
         ({"kv_dtype": "fp8_e4m3", "kv_scales": scales * 1.5}, "not the ones"),
         ({"kv_scales": (1.0, 1.0)}, "not the ones"),
         ({"dtype": torch.bfloat16}, "dtype=fp8"),

@@ -4,13 +4,19 @@ model given back by ``restore``. On CPU."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import pytest
 
 import kvvm
 from conftest import host_available
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.transformers.projections import fuse_projections  # noqa: E402
 from kvvm.transformers import KvvmCache, use_kvvm_attention  # noqa: E402
@@ -18,17 +24,18 @@ from kvvm.transformers import KvvmCache, use_kvvm_attention  # noqa: E402
 VOCAB = 512
 
 
-def tiny(bias: bool = False) -> object:
+def tiny(bias: bool = False) -> Any:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=1024, attention_bias=bias,
     )
     cfg._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model: Any = transformers.LlamaForCausalLM(cfg)
+    return model.to(torch.float32).eval()
 
 
-def linear_calls(model: object, ids: torch.Tensor) -> int:
+def linear_calls(model: torch.nn.Module, ids: torch.Tensor) -> int:
     """``linear`` calls in the graph Dynamo traces of one forward (no graph break allowed)."""
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(ids)

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import collections
 import math
+from typing import TYPE_CHECKING
 
 import pytest
 
 import kvvm
 from conftest import host_available
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.engine import Engine  # noqa: E402
 from kvvm.serving.params import SamplingParams  # noqa: E402

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -45,7 +46,7 @@ def _settings(examples: int, shrink: bool = True) -> settings:
     """``examples`` examples, derandomized unless a seed is given; ``shrink=False`` for slow
     examples (a failure is reported as found, and replays as it is)."""
     phases = list(Phase) if shrink else [Phase.explicit, Phase.reuse, Phase.generate]
-    common = {
+    common: dict[str, Any] = {
         "max_examples": int(os.environ.get("KVVM_PROPERTY_CASES", examples)), "deadline": None, "phases": phases,
         "suppress_health_check": [HealthCheck.too_slow],
     }
@@ -243,7 +244,12 @@ def test_the_engine_serves_every_request_that_fits_alone(w: Workload) -> None:
         checks.before()
         schedule = engine.scheduler.schedule
         outs: list[SchedulerOutput] = []
-        engine.scheduler.schedule = lambda: outs.append(schedule()) or outs[-1]  # type: ignore[method-assign]
+
+        def recorded() -> SchedulerOutput:
+            outs.append(schedule())
+            return outs[-1]
+
+        engine.scheduler.schedule = recorded  # type: ignore[method-assign]
         try:
             engine.step()
         finally:

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from conftest import host_available
 
 import kvvm
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
 pytest.importorskip("transformers", reason="skipped: no transformers")
 openai = pytest.importorskip("openai", reason="skipped: no openai client (pip install openai)")
 pytest.importorskip("starlette", reason="skipped: no starlette")

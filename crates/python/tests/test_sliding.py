@@ -13,16 +13,22 @@ import subprocess
 import sys
 import textwrap
 import types
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 import kvvm
 from conftest import host_available
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
-from kvvm.transformers.cache_groups import SLIDING_PREFIX_CACHE_REFUSAL, LayerGroup, layer_groups  # noqa: E402
+from kvvm.transformers.cache_groups import SLIDING_PREFIX_CACHE_REFUSAL, CacheGroup, LayerGroup, layer_groups  # noqa: E402
 from kvvm.engine import Engine  # noqa: E402
 from kvvm.transformers import KvvmCache, use_kvvm_attention  # noqa: E402
 from kvvm.prefix import KvvmPrefix  # noqa: E402
@@ -32,7 +38,7 @@ pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host b
 VOCAB = 256
 
 
-def mistral_config(window: int = 48) -> object:
+def mistral_config(window: int = 48) -> transformers.MistralConfig:
     """Mistral 7B's layer: 32 query heads, 8 KV heads of 128 (16 KiB a token in fp32 over 2
     layers: 128 tokens a 2 MiB window), every layer sliding."""
     return transformers.MistralConfig(
@@ -42,7 +48,7 @@ def mistral_config(window: int = 48) -> object:
     )
 
 
-def gemma2_config(window: int = 48) -> object:
+def gemma2_config(window: int = 48) -> transformers.Gemma2Config:
     """Gemma 2 2B's layer: 8 query heads, 4 KV heads of 256, query_pre_attn_scalar 256, logit
     soft caps (50 on attention, 30 on the output); sliding and global layers alternate (2 of
     each)."""
@@ -54,7 +60,7 @@ def gemma2_config(window: int = 48) -> object:
     )
 
 
-def gemma3_config(window: int = 48) -> object:
+def gemma3_config(window: int = 48) -> transformers.Gemma3TextConfig:
     """Gemma 3 1B's layer: 4 query heads, 1 KV head of 256, query_pre_attn_scalar 256; 5 local
     layers to 1 global, local RoPE base 10k and global 1M."""
     return transformers.Gemma3TextConfig(
@@ -64,21 +70,22 @@ def gemma3_config(window: int = 48) -> object:
     )
 
 
-MODELS = {
+MODELS: dict[str, tuple[Callable[[int], transformers.PreTrainedConfig], type[transformers.PreTrainedModel]]] = {
     "mistral": (mistral_config, transformers.MistralForCausalLM),
     "gemma2": (gemma2_config, transformers.Gemma2ForCausalLM),
     "gemma3": (gemma3_config, transformers.Gemma3ForCausalLM),
 }
 
 
-def build(kind: str, attention: str = "eager", window: int = 48) -> object:
+def build(kind: str, attention: str = "eager", window: int = 48) -> Any:
     """A tiny random model of ``kind`` attending with ``attention`` (``"kvvm"``: the kvvm
     attention); the same weights for every call."""
     make, cls = MODELS[kind]
     cfg = make(window)
     cfg._attn_implementation = "eager" if attention == "kvvm" else attention
     torch.manual_seed(0)
-    model = cls(cfg).to(torch.float32).eval()
+    model: Any = cls(cfg)
+    model = model.to(torch.float32).eval()
     if kind == "gemma2":
         # Sharp attention: logits of tens, where the cap of 50 acts (random weights' are
         # about 0.03, which no cap changes: a kernel ignoring it would pass).
@@ -91,12 +98,12 @@ def build(kind: str, attention: str = "eager", window: int = 48) -> object:
     return model
 
 
-def sliding_group(cache: KvvmCache) -> object:
+def sliding_group(cache: KvvmCache) -> CacheGroup:
     (group,) = [g for g in cache.groups if g.spec.sliding]
     return group
 
 
-def window_bound(group: object, step_tokens: int, ahead: int = 0) -> int:
+def window_bound(group: CacheGroup, step_tokens: int, ahead: int = 0) -> int:
     """The most a request holds in a sliding group, from its plan: the windows of the
     ``window - 1`` tokens a step after them reads, the step's and ``ahead`` committed in
     advance, plus one window each fragment may start before them (a window goes only once
@@ -328,7 +335,7 @@ def test_warm_up_steps_taken_back_forget_nothing_and_a_crop_stops_at_the_window(
     cache.state.restore(snap)
     cache.prepare(1)
     # 16 KiB a token: tokens 0..202 leave the window, the first 128 of them fill a window.
-    assert group.host_floors == [203, 203] and group.floors.tolist() == [203, 203]
+    assert group.host_floors == [203, 203] and group.floors is not None and group.floors.tolist() == [203, 203]
     assert group.batch[0].forgotten_tokens == 203 and group.batch[0].owned_bytes == full - mgr.granule
     cache.step_done()
     with pytest.raises(kvvm.InvalidArgumentError, match="gave back"):
@@ -376,7 +383,9 @@ def test_forgotten_tokens_are_given_back_and_never_touched_again() -> None:
 # ---- the kernels ----
 
 
-def reference_attention(q: object, k: object, v: object, positions: object, window: int, softcap: float) -> object:
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, window: int, softcap: float
+) -> torch.Tensor:
     """Each query of ``q`` (``[heads, q, dim]``, at ``positions``) over ``k``/``v``
     (``[kv_heads, n, dim]``, tokens 0..n-1) as transformers' eager attention computes it with
     a sliding-window causal mask: the query at ``p`` sees ``p - window < k <= p``."""
@@ -472,7 +481,7 @@ def test_generate_compiled_on_the_cpu_gives_the_eager_tokens() -> None:
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
     compile_config = transformers.CompileConfig(fullgraph=True, mode="default")
-    compile_config._compile_all_devices = True
+    compile_config._compile_all_devices = True  # type: ignore[assignment]  # transformers declares it None alone
     mgr = kvvm.Manager("host")
     with torch.no_grad():
         want = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)

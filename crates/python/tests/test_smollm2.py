@@ -18,15 +18,19 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from conftest import host_available
 
 import kvvm
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.engine import Engine  # noqa: E402
 from kvvm.transformers import KvvmCache  # noqa: E402

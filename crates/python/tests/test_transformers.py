@@ -4,15 +4,22 @@ backend on a CPU; the same tests run on CUDA in test_cuda.py."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import pytest
 
 import kvvm
 from conftest import host_available
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.transformers import KvvmCache  # noqa: E402
+from kvvm.transformers.cache_layer import KvvmLayer  # noqa: E402
 from kvvm.prefix import KvvmPrefix  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host backend")
@@ -20,8 +27,14 @@ pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host b
 LAYOUTS = ["seq-major", "token-major", "head-major"]
 
 
+def kvvm_layers(cache: KvvmCache) -> list[KvvmLayer]:
+    """The cache's layers: kvvm's own (transformers types ``Cache.layers`` with its base layers,
+    whose K/V may be None)."""
+    return cast("list[KvvmLayer]", cache.layers)
+
+
 @pytest.fixture(scope="module")
-def model() -> object:
+def model() -> Any:
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         hidden_size=128,
@@ -33,7 +46,8 @@ def model() -> object:
         max_position_embeddings=8192,
     )
     cfg._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+    model: Any = transformers.LlamaForCausalLM(cfg)
+    return model.to(torch.float32).eval()
 
 
 @pytest.fixture
@@ -59,7 +73,7 @@ def test_decoding_matches_dynamic_cache_and_grows_in_place(model, mgr, layout) -
             assert torch.allclose(a.logits, b.logits, atol=1e-5)
             tok = a.logits[:, -1:].argmax(-1)
     assert kc.get_seq_length() == 70
-    assert kc.layers[0].keys.shape == (3, 2, 70, 32)
+    assert kvvm_layers(kc)[0].keys.shape == (3, 2, 70, 32)
     assert [t.data_ptr() for layer in range(2) for t in kc._kv(layer)] == ptrs, "the pointer never changes"
     # Only the windows holding live tokens are committed (plus pre-commit headroom).
     plan = kc.plan
@@ -116,6 +130,7 @@ def test_a_shared_prompt_is_prefilled_once_and_attached_read_only(model, mgr) ->
         KvvmCache.from_prefix(prefix, 2, 2300, dtype="fp16")
     del out
     cache.release()
+    assert prefix.cache is not None
     prefix.cache.release()
 
 
@@ -124,7 +139,7 @@ def test_views_held_by_the_caller_block_release(model, mgr) -> None:
     ids = torch.randint(0, model.config.vocab_size, (1, 8))
     with torch.no_grad():
         model(input_ids=ids, past_key_values=kc, use_cache=True)
-    held = kc.layers[0].keys
+    held = kvvm_layers(kc)[0].keys
     with pytest.raises(kvvm.ViewsAliveError):
         kc.release()
     del held
@@ -145,10 +160,10 @@ def test_a_view_only_a_reference_cycle_keeps_does_not_block_an_unmap(model, mgr,
     kc.crop(4)
     gc.disable()
     try:
-        cycle: list[object] = [kc.layers[0].keys]
+        cycle: list[object] = [kvvm_layers(kc)[0].keys]
         cycle.append(cycle)
         del cycle
-        held = kc.layers[1].values
+        held = kvvm_layers(kc)[1].values
         with pytest.raises(kvvm.ViewsAliveError):
             kc.free(0) if unmap == "free" else kc.shrink() if unmap == "shrink" else kc.release()
         del held
@@ -223,22 +238,23 @@ def test_layers_and_iteration_give_every_cached_token_as_dynamic_cache_does(mode
                 a = model(input_ids=tok, past_key_values=dc, use_cache=True)
                 b = model(input_ids=tok, past_key_values=kc, use_cache=True)
         assert len(kc.layers) == len(dc.layers) == cfg.num_hidden_layers
-        for mine, theirs in zip(kc.layers, dc.layers, strict=True):
+        for mine, theirs in zip(kvvm_layers(kc), dc.layers, strict=True):
+            assert isinstance(theirs, transformers.DynamicLayer) and theirs.keys is not None and theirs.values is not None
             assert mine.keys.shape == theirs.keys.shape == (2, 2, 15, 32)
             assert torch.allclose(mine.keys, theirs.keys, atol=1e-5)
             assert torch.allclose(mine.values, theirs.values, atol=1e-5)
         for (k, v), (dk, dv, *_) in zip(kc, dc, strict=True):
             assert torch.allclose(k, dk, atol=1e-5) and torch.allclose(v, dv, atol=1e-5)
         # Views of the cache's own memory: no copy.
-        assert kc.layers[1].keys.untyped_storage().data_ptr() == kc._kv(1)[0].untyped_storage().data_ptr()
+        assert kvvm_layers(kc)[1].keys.untyped_storage().data_ptr() == kc._kv(1)[0].untyped_storage().data_ptr()
         if attention == "kvvm":
             # A ragged batch is read one request at a time.
             with torch.no_grad(), kc.select(0):
                 model(input_ids=tok[:1], past_key_values=kc, use_cache=True)
             with pytest.raises(kvvm.InvalidArgumentError, match="select"):
-                kc.layers[0].keys
+                kvvm_layers(kc)[0].keys
             with kc.select(0):
-                assert kc.layers[0].keys.shape == (1, 2, 16, 32)
+                assert kvvm_layers(kc)[0].keys.shape == (1, 2, 16, 32)
         del a, b, k, v
         assert kc.release() > 0
     finally:

@@ -6,13 +6,19 @@ keyword of newer transformers is found."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
 import kvvm
 from conftest import host_available
 
-torch = pytest.importorskip("torch", reason="skipped: no torch")
-transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
+if TYPE_CHECKING:
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+    transformers = pytest.importorskip("transformers", reason="skipped: no transformers")
 
 from kvvm.transformers import KvvmCache, cache_argument  # noqa: E402
 from kvvm.prefix import KvvmPrefix  # noqa: E402
@@ -74,6 +80,7 @@ def test_a_prefix_takes_the_models_dtype(model) -> None:
     assert prefix.plan.geometry.dtype == "fp32"
     cache = KvvmCache.from_prefix(prefix, 2, 2200)
     cache.release()
+    assert prefix.cache is not None
     prefix.cache.release()
 
 

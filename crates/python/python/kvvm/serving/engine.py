@@ -67,7 +67,7 @@ from .loop import BackgroundLoop
 from .metrics import EngineMetrics
 from .output import OutputProcessor, touched
 from .params import SamplingParams
-from .request import EngineStats, Request, check_eos, check_positive, check_temperature, check_token_ids
+from .request import EngineStats, Request, TokenIds, check_eos, check_positive, check_temperature, check_token_ids
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .stream import Delta
@@ -297,7 +297,7 @@ class Engine(EngineControl):
 
     def submit(
         self,
-        token_ids: list[int],
+        token_ids: TokenIds,
         max_new_tokens: int,
         *,
         temperature: float = 0.0,
@@ -328,7 +328,7 @@ class Engine(EngineControl):
 
     def submit_n(
         self,
-        token_ids: list[int],
+        token_ids: TokenIds,
         max_new_tokens: int,
         n: int,
         *,

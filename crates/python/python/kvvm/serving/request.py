@@ -11,18 +11,28 @@ import collections
 import math
 import numbers
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    import numpy
+    import numpy.typing
+    import torch
 
 from ..errors import InvalidArgumentError
 from .params import SamplingParams
 from .channel import OutputChannel, TokenLogprob
 
+#: A prompt's token ids as :func:`check_token_ids` accepts them: a list or tuple of ints, or a
+#: 1-D integer torch tensor or numpy array.
+TokenIds = Union[Sequence[int], "torch.Tensor", "numpy.typing.NDArray[numpy.integer[Any]]"]
+
 __all__ = [
     "HIT_TIMES_KEPT",
     "EngineStats",
     "Request",
+    "TokenIds",
     "check_eos",
     "check_positive",
     "check_temperature",
