@@ -190,8 +190,9 @@ def test_kernel_bench_checks_the_fp8_kernel_against_its_dequantized_kv_on_the_cp
 
 def test_cascade_bench_compares_the_tokens_on_the_cpu_untimed(tmp_path: Path) -> None:
     """``python -m kvvm_bench cascade --tiny --fp32 --device cpu`` under Triton's interpreter:
-    two prefixes of two requests each, the projections fused, the cascade step's greedy
-    tokens against the plain step's (all equal in fp32); no timing without CUDA."""
+    two prefixes of two requests each, the projections fused, the prefix split in two, the
+    cascade step's greedy tokens against the plain step's (all equal in fp32); no timing
+    without CUDA."""
     pytest.importorskip("torch", reason="skipped: no torch")
     pytest.importorskip("triton", reason="skipped: no triton")
     if not host_available():
@@ -201,7 +202,7 @@ def test_cascade_bench_compares_the_tokens_on_the_cpu_untimed(tmp_path: Path) ->
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [benches, os.environ.get("PYTHONPATH")])))
     argv = [
         "cascade", "--tiny", "--fp32", "--device", "cpu", "--backend", "host", "--batch", "4", "--prefix", "24",
-        "--own", "4", "--groups", "2", "--check-steps", "2", "--fuse", "--json", str(out),
+        "--own", "4", "--groups", "2", "--check-steps", "2", "--fuse", "--prefix-splits", "2", "--json", str(out),
     ]
     r = subprocess.run([sys.executable, "-m", "kvvm_bench", *argv], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -210,6 +211,7 @@ def test_cascade_bench_compares_the_tokens_on_the_cpu_untimed(tmp_path: Path) ->
     assert report["fused_projections"] is True
     assert (row["groups"], row["requests"], row["tokens_compared"]) == (2, 4, 8)
     assert row["tokens_agree"] == 8 and "cascade_p50_ms" not in row
+    assert row["prefix_splits"] == 2, "the tables took the splits asked for (their own choice here: 1)"
 
 
 #: A small serve run on the CPU (the host backend): two short requests.

@@ -245,7 +245,7 @@ def test_a_cache_from_a_prefix_decodes_the_same_tokens_with_the_cascade() -> Non
 
         def greedy(cascade):
             cache = KvvmCache.from_prefix(prefix, 3, 128, cascade=cascade)
-            assert cache.cascade == cascade
+            assert cache.cascade == cascade and (cache.prefix_splits > 0) == cascade
             assert [cache.shared_tokens(s) for s in range(3)] == [37, 37, 37]
             pos = torch.arange(37, 42)[None].expand(3, -1)
             out = []

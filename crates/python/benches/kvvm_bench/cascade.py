@@ -15,7 +15,10 @@ Triton's interpreter: ``TRITON_INTERPRET=1``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -45,6 +48,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fuse", action="store_true", help="fuse the Q/K/V and gate/up projections first")
     p.add_argument("--profile", action="store_true", help="each captured step's GPU time by kind of kernel, its heaviest kernels")
+    p.add_argument(
+        "--prefix-splits", type=int, default=0,
+        help="splits of each prefix work item for the cascade's tables (a power of two; 0: choose_prefix_splits' choice)",
+    )
     p.add_argument("--json", help="write the report here")
 
 
@@ -62,15 +69,28 @@ def _caches(model: Any, mgr: kvvm.Manager, prefixes: list[Any], args: argparse.N
         batch = kvvm.SequenceBatch(mgr, plan, args.batch + 1, max_len, precommit=mgr.precommit)
         for i in range(args.batch):
             prefixes[i // per].shared.attach(batch[i])
-        cache = KvvmCache(
-            model, args.batch, max_len, manager=mgr, layout=plan.layout, dtype=plan.geometry.dtype, batch=batch,
-            start_tokens=args.prefix, cascade=cascade,
-        )
+        with _prefix_splits(args.prefix_splits):
+            cache = KvvmCache(
+                model, args.batch, max_len, manager=mgr, layout=plan.layout, dtype=plan.geometry.dtype, batch=batch,
+                start_tokens=args.prefix, cascade=cascade,
+            )
         if cascade:
             for g in range(len(prefixes)):
                 cache.share_prefix(range(g * per, (g + 1) * per), g, args.prefix)
         made.append(cache)
     return made
+
+
+@contextlib.contextmanager
+def _prefix_splits(splits: int) -> Iterator[None]:
+    """Within the block, caches made with the cascade's tables take ``splits`` splits a prefix
+    work item instead of :func:`~kvvm.kernels.cascade.choose_prefix_splits`' choice (0: its
+    choice)."""
+    if not splits:
+        yield
+        return
+    with mock.patch("kvvm.kernels.cascade.choose_prefix_splits", return_value=splits):
+        yield
 
 
 @torch.no_grad()
@@ -110,7 +130,10 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, groups: int) -
     own = torch.randint(0, vocab, (args.batch, args.own), generator=gen).to(device)
     caches = _caches(model, mgr, prefixes, args)
     steps: list[Any] = []
-    row: dict[str, Any] = {"groups": groups, "requests": args.batch, "prefix": args.prefix, "own": args.own}
+    row: dict[str, Any] = {
+        "groups": groups, "requests": args.batch, "prefix": args.prefix, "own": args.own,
+        "prefix_splits": caches[0].prefix_splits,
+    }
     try:
         firsts = [_prefill_own(model, c, own, args.prefix).argmax(-1) for c in caches]
         cuda = device.type == "cuda"

@@ -47,6 +47,12 @@ class CacheCascade(CacheMemory):
         layer attends to every token: a sliding window shares nothing once it moved on)."""
         return self._tables is not None
 
+    @property
+    def prefix_splits(self) -> int:
+        """The splits of each prefix work item along its prefix's tokens
+        (:func:`~kvvm.kernels.cascade.choose_prefix_splits`; 0: no tables)."""
+        return 0 if self._tables is None else self._tables.prefix_splits
+
     def share_prefix(self, slots: Iterable[int], key: Hashable, tokens: int) -> None:
         """Records that the first ``tokens`` tokens of each slot in ``slots`` are prefix
         ``key``'s, the same bytes in every slot that shares ``key`` with the same ``tokens``
