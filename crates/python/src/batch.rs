@@ -15,7 +15,9 @@ use crate::manager::Manager;
 use crate::sequence::{max_tokens_arg, precommit_arg, Sequence};
 use crate::store::{store, tokens_are_one_run, StoreRequest};
 use crate::view::TensorView;
-use crate::views::{busy_error, kind_arg, make_slab, make_view, ViewRequest};
+use crate::views::{
+    busy_error, collect_unreachable_views, kind_arg, make_slab, make_view, ViewRequest,
+};
 
 /// A batch of sequences at a constant address stride (one slot each).
 #[pyclass(frozen, module = "kvvm._native")]
@@ -245,6 +247,7 @@ impl SequenceBatch {
             .filter(|(_, t)| t.0 > 0)
             .map(|(c, t)| (Arc::clone(c), Unmap::Forget(t.0)))
             .unzip();
+        collect_unreachable_views(py, &cells);
         match py.detach(move || SeqCell::unmapping_each(&cells, &ops)) {
             Ok(Ok(bytes)) => Ok(bytes),
             Ok(Err(e)) => Err(errors::kv(py, &e)),
@@ -255,6 +258,7 @@ impl SequenceBatch {
     /// Releases every slot (see :meth:`Sequence.release`); returns the bytes unmapped.
     /// Refused, with nothing released, while a view of any slot is alive.
     fn release(&self, py: Python<'_>) -> PyResult<u64> {
+        collect_unreachable_views(py, &self.cells);
         let cells = self.cells.clone();
         match py.detach(move || SeqCell::unmapping_all(&cells, Unmap::Release)) {
             Ok(Ok(bytes)) => Ok(bytes),

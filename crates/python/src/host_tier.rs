@@ -16,7 +16,7 @@ use crate::cell::{Busy, SeqCell};
 use crate::count::Count;
 use crate::errors;
 use crate::manager::Manager;
-use crate::views::busy_error;
+use crate::views::{busy_error, collect_unreachable_views};
 
 /// Page-locked host memory for one manager's KV windows, under its host budget
 /// (``Manager(host_budget_bytes=...)``). Copies run on the backend's own copy stream, which
@@ -279,6 +279,7 @@ fn swap_step<R: Send>(
     what: &str,
     step: impl FnOnce(&SeqCell, &mut KvSwapped) -> Result<Result<R, KvCacheError>, Busy> + Send,
 ) -> PyResult<R> {
+    collect_unreachable_views(py, std::slice::from_ref(cell));
     let (c, s) = (Arc::clone(cell), swap.clone().unbind());
     let out = py.detach(move || step(&c, &mut s.get().lock()));
     match out {

@@ -14,7 +14,7 @@ use crate::geometry::PyPlan;
 use crate::host_tier::HostTier;
 use crate::manager::Manager;
 use crate::sequence::{Sequence, SharedPrefix};
-use crate::views::busy_error;
+use crate::views::{busy_error, collect_unreachable_views};
 
 /// An automatic prefix cache: longest cached prefix by token ids, LRU, evicted by the budget
 /// before it refuses.
@@ -101,6 +101,7 @@ impl PrefixCache {
         host_min_tokens: Option<Count>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let token_ids = token_ids.0;
+        collect_unreachable_views(py, std::slice::from_ref(&sequence.cell));
         let cell = Arc::clone(&sequence.cell);
         let cache = Arc::clone(&self.cache);
         let min = host_min_tokens.map_or(u64::MAX, |c| c.0);

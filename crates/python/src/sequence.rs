@@ -20,7 +20,7 @@ use crate::host_tier::{self, HostTier, SwappedKv};
 use crate::manager::{broker_error, broker_of, Manager};
 use crate::prefix_meta;
 use crate::view::TensorView;
-use crate::views::{busy_error, kind_arg, make_view, ViewRequest};
+use crate::views::{busy_error, collect_unreachable_views, kind_arg, make_view, ViewRequest};
 
 /// One request's KV cache (see the module docs of :mod:`kvvm`).
 #[pyclass(frozen, module = "kvvm._native")]
@@ -204,6 +204,7 @@ impl Sequence {
     /// and shared windows are kept); returns the bytes unmapped. Refused while views live.
     fn shrink(&self, py: Python<'_>, tokens: Count) -> PyResult<u64> {
         let tokens = tokens.0;
+        collect_unreachable_views(py, std::slice::from_ref(&self.cell));
         let cell = Arc::clone(&self.cell);
         let out = py.detach(move || cell.unmapping(Unmap::Shrink(tokens)));
         match out {
@@ -216,6 +217,7 @@ impl Sequence {
     /// the bytes unmapped. Refused while views live.
     fn forget_before(&self, py: Python<'_>, tokens: Count) -> PyResult<u64> {
         let tokens = tokens.0;
+        collect_unreachable_views(py, std::slice::from_ref(&self.cell));
         let cell = Arc::clone(&self.cell);
         let out = py.detach(move || cell.unmapping(Unmap::Forget(tokens)));
         match out {
@@ -234,6 +236,7 @@ impl Sequence {
     /// ReleasedError here; the address range is freed when the sequence object and its
     /// views are gone.
     fn release(&self, py: Python<'_>) -> PyResult<u64> {
+        collect_unreachable_views(py, std::slice::from_ref(&self.cell));
         let cell = Arc::clone(&self.cell);
         let out = py.detach(move || cell.unmapping(Unmap::Release));
         match out {
@@ -370,6 +373,7 @@ impl Sequence {
     /// sequences.
     fn own_prefix(&self, py: Python<'_>, tokens: Count) -> PyResult<SharedPrefix> {
         let tokens = tokens.0;
+        collect_unreachable_views(py, std::slice::from_ref(&self.cell));
         let cell = Arc::clone(&self.cell);
         let prefix =
             match py.detach(move || cell.admission(|s| SharedDevicePrefix::own_in(s, tokens))) {
@@ -551,6 +555,7 @@ impl SharedPrefix {
     /// copied into its own windows. Returns the bytes copied then.
     #[pyo3(signature = (sequence, first = None))]
     fn attach(&self, py: Python<'_>, sequence: &Sequence, first: Option<Count>) -> PyResult<u64> {
+        collect_unreachable_views(py, std::slice::from_ref(&sequence.cell));
         let cell = Arc::clone(&sequence.cell);
         let prefix = Arc::clone(&self.prefix);
         let attached = py.detach(move || {

@@ -282,6 +282,21 @@ fn committed_and_readonly(
     Ok(readonly)
 }
 
+/// Collects Python's unreachable objects when a view of one of `cells` is alive, before an
+/// operation that live views refuse (an unmap, an admission, a swap's end): a view, or a
+/// tensor made from one, that only a reference cycle holds (a frame an exception's traceback
+/// keeps, for one) is freed by the collection, where otherwise the collector's last run would
+/// decide whether the operation is refused. A view something can still reach keeps the
+/// refusal; nothing is collected while no view is alive.
+pub(crate) fn collect_unreachable_views(py: Python<'_>, cells: &[Arc<SeqCell>]) {
+    if cells.iter().any(|c| c.views() > 0) {
+        // A collection that fails (none is expected) leaves the refusal to the operation.
+        if let Err(e) = py.import("gc").and_then(|gc| gc.call_method0("collect")) {
+            drop(e);
+        }
+    }
+}
+
 /// The error of an unmap refused because views are alive.
 pub(crate) fn busy_error(py: Python<'_>, busy: Busy, what: &str) -> PyErr {
     match busy {

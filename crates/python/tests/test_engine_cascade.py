@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not host_available(), reason="skipped: no host b
 
 #: A tiny fp32 Llama (2 layers, 4 heads over 2 KV heads), the engine and its tokens by trace.
 _COMMON = """
-import gc, torch, kvvm
+import torch, kvvm
 import kvvm.kernels.cascade as kc
 from transformers import LlamaConfig, LlamaForCausalLM
 from kvvm.engine import Engine
@@ -54,15 +54,13 @@ def ids(n, seed):
     return torch.randint(0, VOCAB, (n,), generator=g).tolist()
 
 def preempt_youngest(engine):
-    gc.collect()  # (see step)
     with engine._lock:
         engine.scheduler._make_room(SchedulerOutput())
 
 def step(engine, n=1):
-    # The plain Triton decode kernel in the interpreter leaves a view of the cache in a
-    # reference cycle now and then (an admission then finds it alive): collected first.
+    # A view of the cache the first kernel call leaves in a reference cycle (a traceback's
+    # frames) is collected by kvvm before an admission or unmap would refuse it.
     for _ in range(n):
-        gc.collect()
         engine.step()
 
 def groups(engine):

@@ -3,10 +3,12 @@ prefixes enforced by the MMU, and the lifetime rules."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -124,6 +126,52 @@ def test_release_and_shrink_are_refused_while_a_view_lives(host: kvvm.Manager) -
     gc.collect()
     assert s.views == 0
     assert s.release() > 0
+
+
+def _garbage(view: object) -> None:
+    """Leaves ``view`` reachable from nothing but a reference cycle (as a frame an exception's
+    traceback keeps would)."""
+    cycle: list[object] = [view]
+    cycle.append(cycle)
+
+
+#: Operations live views refuse, made ready on a sequence ``s`` of 100 committed tokens, an
+#: empty one ``e`` (and the batch of both), a host tier and a prefix cache: each gives the
+#: call to make.
+_REFUSED_WHILE_VIEWED: dict[str, Callable[..., Callable[[], object]]] = {
+    "release": lambda s, e, batch, tier, cache: s.release,
+    "shrink": lambda s, e, batch, tier, cache: functools.partial(s.shrink, 0),
+    "forget tokens": lambda s, e, batch, tier, cache: functools.partial(s.forget_before, 0),
+    "release the batch": lambda s, e, batch, tier, cache: batch.release,
+    "admit a request": lambda s, e, batch, tier, cache: functools.partial(cache.admit, e, list(range(40))),
+    "finish a swap out": lambda s, e, batch, tier, cache: functools.partial(s.finish_swap_out, s.swap_out(tier, 100)),
+}
+
+
+@needs_host
+@pytest.mark.parametrize("op", list(_REFUSED_WHILE_VIEWED))
+def test_a_view_only_a_reference_cycle_holds_is_collected_before_a_refusal(host: kvvm.Manager, op: str) -> None:
+    """A view that nothing but a cycle holds is garbage: the operation goes ahead with the
+    collector off (its refusal does not depend on when the collector last ran), while a view
+    something still holds keeps refusing it."""
+    plan = kvvm.LayoutPlan(tiny_geometry(), "token-major", host.granule)
+
+    tier, cache = kvvm.HostTier(host), kvvm.PrefixCache(host, plan)
+    gc.disable()
+    try:
+        batch = kvvm.SequenceBatch(host, plan, 2, max_tokens=512)
+        s, e = batch[0], batch[1]
+        s.ensure(100)
+        held = s.view(0) if op != "admit a request" else e.view(0, end=16, allow_uncommitted=True)
+        run = _REFUSED_WHILE_VIEWED[op](s, e, batch, tier, cache)
+        with pytest.raises(kvvm.ViewsAliveError, match=op):
+            run()
+        _garbage(held)
+        del held
+        run()
+        assert s.views == e.views == 0
+    finally:
+        gc.enable()
 
 
 @needs_host

@@ -241,15 +241,13 @@ class CacheGroup:
         return torch.stack([bounds[:, 0], start, bounds[:, 2]], dim=1)
 
     def forget_behind(
-        self, lengths: dict[int, int], upload: Callable[[torch.Tensor, list[int]], None],
-        unbound: Callable[[], Any], unmap: Callable[[Callable[[], int]], int],
+        self, lengths: dict[int, int], upload: Callable[[torch.Tensor, list[int]], None], unbound: Callable[[], Any],
     ) -> int:
         """Gives back, for each slot of ``lengths`` (slot: tokens before the coming step),
         the windows wholly behind its window: the device floors are raised first (ordered
         before the next step), then, with the cache's tensors dropped (``unbound``: a
-        context) and the device synchronized, the windows are unmapped (``unmap`` runs the
-        unmap: the cache's retry after a collection). Returns the bytes unmapped (0, with
-        nothing done, when no slot has a whole window behind)."""
+        context) and the device synchronized, the windows are unmapped. Returns the bytes
+        unmapped (0, with nothing done, when no slot has a whole window behind)."""
         moved = {i: f for i, n in lengths.items() if (f := self.next_floor(i, n)) != self.host_floors[i]}
         if not moved:
             return 0
@@ -260,7 +258,7 @@ class CacheGroup:
         first, last = min(moved), max(moved)
         tokens = [moved.get(i, 0) for i in range(first, last + 1)]
         with unbound():
-            return unmap(lambda: int(self.batch.forget_each(tokens, first=first)))
+            return int(self.batch.forget_each(tokens, first=first))
 
     def start_floors(self, first: int, upload: Callable[[torch.Tensor, list[int]], None]) -> None:
         """Every request slot starts at token ``first``: the tokens before it were forgotten

@@ -12,10 +12,8 @@ transformers. Requires torch.
 from __future__ import annotations
 
 import contextlib
-import functools
-import gc
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,19 +39,6 @@ def _torch_dtype(name: str) -> torch.dtype:
         return _TORCH_DTYPES[name]
     except KeyError:
         raise InvalidArgumentError(f"KvvmCache does not support the KV dtype {name}") from None
-
-
-def _unmap(unmap: Callable[[], int]) -> int:
-    """``unmap()`` (a release or shrink of the cache's memory), once more after a collection
-    of unreachable Python objects when it is refused because views are alive: a view kept
-    only by a reference cycle (a frame kept by an exception's traceback, for one) reads
-    nothing and is freed by the collector, at a time that would otherwise decide whether the
-    unmap succeeds. A view something can still reach keeps the refusal."""
-    try:
-        return unmap()
-    except ViewsAliveError:
-        gc.collect()
-        return unmap()
 
 
 class CacheMemory:
@@ -175,7 +160,7 @@ class CacheMemory:
             if not g.spec.sliding:
                 continue
             try:
-                g.forget_behind(lengths, self.state.upload, self.unbound, _unmap)
+                g.forget_behind(lengths, self.state.upload, self.unbound)
             except ViewsAliveError:
                 # A tensor of the cache's memory held elsewhere: the windows stay mapped (safe:
                 # nothing reads them), and go with the next window the slot moves past.
@@ -245,7 +230,7 @@ class CacheMemory:
         st.set_lengths({slot: 0}, {slot: 0})
         st.suspended.discard(slot)
         with self.unbound():
-            freed = sum(_unmap(g.batch[slot].release) for g in self.groups)
+            freed = sum(g.batch[slot].release() for g in self.groups)
         for g in self.groups:
             g.reset_floor(slot, st.upload)
         return freed
@@ -322,7 +307,7 @@ class CacheMemory:
             if gone:
                 with self.unbound():
                     for i in gone:
-                        _unmap(g.batch[i].release)
+                        g.batch[i].release()
                 for i in gone:
                     g.reset_floor(i, self.state.upload)
 
@@ -350,9 +335,7 @@ class CacheMemory:
         st.set_lengths(lengths)
         self._unbind()
         try:
-            return sum(
-                _unmap(functools.partial(g.batch[i].shrink, n)) for g in self.groups for i, n in lengths.items()
-            )
+            return sum(g.batch[i].shrink(n) for g in self.groups for i, n in lengths.items())
         finally:
             self._bind()
 
@@ -372,7 +355,7 @@ class CacheMemory:
             )
         self._unbind()
         try:
-            freed = sum(_unmap(g.batch.release) for g in self.groups)
+            freed = sum(g.batch.release() for g in self.groups)
         except Exception:
             self._bind()
             raise
