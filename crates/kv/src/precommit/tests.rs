@@ -85,3 +85,31 @@ fn a_claim_made_while_the_sequence_is_held_survives_a_reclaim() {
     drop(vm);
     assert!(sim.ledger().is_empty());
 }
+
+/// The pre-committer's list of sequences drops a sequence's entry once the sequence is gone
+/// (at the next scan of the list, a reclaim's here), so that a long-lived pre-committer
+/// serving sequence after sequence keeps one entry per live sequence, not one per sequence it
+/// ever held.
+#[test]
+fn a_dropped_sequence_leaves_the_list_at_the_next_scan() {
+    let (_sim, vm, plan) = setup();
+    let config = PrecommitConfig {
+        headroom_tokens: 64,
+        max_headroom_bytes: 64 * G,
+        poll_interval: Duration::from_millis(1),
+    };
+    let pre = Precommitter::start(&vm, config).unwrap();
+    pre.shutdown();
+    let attached: Vec<_> = (0..3)
+        .map(|_| pre.attach(SequenceKv::new(&vm, &plan, 4096).unwrap()))
+        .collect();
+    assert_eq!(super::lock(&pre.inner.cells).len(), 3);
+    let kept = attached.into_iter().next().unwrap();
+    assert_eq!(pre.inner.reclaimable(D0), 0);
+    assert_eq!(
+        super::lock(&pre.inner.cells).len(),
+        1,
+        "the two dropped sequences' entries are gone"
+    );
+    drop(kept);
+}
