@@ -1,6 +1,6 @@
 """When the decode kernel's autotuner measures (``kvvm.kernels.tuning``): inside ``untuned()``
 it measures nothing on that thread, other threads tune as before, and the serving engine's
-prefill forwards run untuned. CPU only: the measurement is replaced by a recording fake."""
+prefill forwards run untuned; a call of its own (the cascade's) is timed and remembered apart. CPU only: the measurement is replaced by a recording fake."""
 
 from __future__ import annotations
 
@@ -37,8 +37,7 @@ def timed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     calls: list[Any] = []
 
-    def fake_time(*args: Any) -> float:
-        config = args[5]
+    def fake_time(call: Any, config: Any) -> float:
         calls.append(config)
         return float(config.splits)
 
@@ -93,6 +92,43 @@ def test_another_threads_untuned_block_leaves_this_thread_tuning(timed: list[Any
         t.join()
     measured = len(timed)
     assert seen == [td.Config(td.choose_splits(3, 2, 700, 80))] and len(timed) == measured
+
+
+def test_a_call_of_its_own_is_timed_and_kept_apart_from_the_plain_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cascade's call is what is timed for it (its private pass reads each request's own
+    tokens, not a plain decode's whole range), and its configuration is remembered under its
+    variant: the plain kernel at the same shape is tuned on its own."""
+    pytest.importorskip("triton", reason="skipped: no triton")
+    import kvvm.kernels.triton_decode as td
+
+    monkeypatch.setattr(td, "AUTOTUNE", True)
+    monkeypatch.setattr(td, "_INTERPRETED", False)
+    monkeypatch.setattr(td, "_TUNED", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    ran: list[tuple[str, Any]] = []
+
+    def fake_time(call: Any, config: Any) -> float:
+        call(config)
+        # The cascade's call is fastest at 2 splits, the plain kernel at 1.
+        return abs(config.splits - (2 if ran[-1][0] == "cascade" else 1)) + config.block / 1000
+
+    monkeypatch.setattr(td, "_graph_time", fake_time)
+    monkeypatch.setattr(td, "decode_attention", lambda *a, **k: ran.append(("plain", a[5])))
+    q, kv, bounds = _inputs()
+
+    def cascade(c: Any) -> Any:
+        ran.append(("cascade", c))
+        return None
+
+    tuned = td.tuned_config(q, kv, kv, bounds, 0.125, 132, timed=cascade, variant=("cascade", 4))
+    assert tuned.splits == 2 and {name for name, _ in ran} == {"cascade"}
+    ran.clear()
+    plain = td.tuned_config(q, kv, kv, bounds, 0.125, 132)
+    assert plain.splits == 1 and {name for name, _ in ran} == {"plain"}, "the plain kernel is tuned apart"
+    ran.clear()
+    assert td.tuned_config(q, kv, kv, bounds, 0.125, 132, timed=cascade, variant=("cascade", 4)) == tuned
+    assert ran == [], "remembered"
+    assert any(name.endswith("('cascade', 4)") for name in td.tuned_configs())
 
 
 class _Kv:

@@ -174,19 +174,29 @@ def _triton(
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     cascade: Tables | None = None, kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    from .triton_decode import decode_attention, tuned_config
+    from .triton_decode import Config, decode_attention, tuned_config
 
     if query.shape[2] > 1:
         from .triton_prefill import prefill_attention
 
         return prefill_attention(query, key, value, bounds, scale, window=window, softcap=softcap, kv_scales=kv_scales)
-    config = tuned_config(query, key, value, bounds, scale, multiprocessors(query.device), new, kv_scales)
     if cascade is not None and not window:
         from .cascade import cascade_attention
 
-        return cascade_attention(
-            query, key, value, bounds, scale, config, cascade, new, softcap=softcap, kv_scales=kv_scales,
-        )
+        tables = cascade
+
+        def run(c: Config) -> torch.Tensor:
+            return cascade_attention(
+                query, key, value, bounds, scale, c, tables, new, softcap=softcap, kv_scales=kv_scales,
+            )
+
+        # Tuned as the cascade runs: its private pass reads each request's own tokens only,
+        # and its prefix pass takes the same configuration.
+        variant = ("cascade", cascade[3], tuple(cascade[2].shape))
+        return run(tuned_config(
+            query, key, value, bounds, scale, multiprocessors(query.device), new, kv_scales, timed=run, variant=variant,
+        ))
+    config = tuned_config(query, key, value, bounds, scale, multiprocessors(query.device), new, kv_scales)
     return decode_attention(
         query, key, value, bounds, scale, config, new, window=window, softcap=softcap, kv_scales=kv_scales,
     )

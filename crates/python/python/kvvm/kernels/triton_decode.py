@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -92,16 +94,25 @@ def tuned_config(
     multiprocessors: int,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     kv_scales: torch.Tensor | None = None,
+    *,
+    timed: Callable[[Config], torch.Tensor] | None = None,
+    variant: Hashable = None,
 ) -> Config:
     """The fastest of a few configurations around :func:`choose_splits`' for this shape,
     measured once on these very inputs (each replayed in a captured graph, as the decode
     step runs it) and remembered; the
     heuristic one while a graph is captured or a compiler traces (nothing may be timed
     then), inside :func:`~kvvm.kernels.tuning.untuned` (a call that runs once), in Triton's
-    interpreter and without :data:`AUTOTUNE`."""
+    interpreter and without :data:`AUTOTUNE`.
+
+    ``timed``: the call to time in a configuration, when it is not :func:`decode_attention`
+    of these inputs (the cascade's, whose passes read other ranges than a plain decode's);
+    ``variant`` names it, so that its configuration is remembered apart from the plain
+    kernel's at the same shape."""
     batch, heads, _, dim = query.shape
     shape = (
         batch, heads, key.shape[1], dim, query.dtype, key.dtype, key.shape[2], tuple(key.stride()), multiprocessors,
+        variant,
     )
     found = _TUNED.get(shape)
     if found is not None:
@@ -123,10 +134,14 @@ def tuned_config(
     for s in sorted({1, 2, max(1, splits // 2), splits, min(64, splits * 2)}):
         for block, warps, stages in shapes:
             candidates.add(Config(s, block, warps, stages))
+    if timed is None:
+        def timed(c: Config) -> torch.Tensor:
+            return decode_attention(query, key, value, bounds, scale, c, new, kv_scales=kv_scales)
+
     timings = []
     for c in sorted(candidates, key=lambda c: (c.splits, c.block, c.warps, c.stages)):
         try:
-            timings.append((_graph_time(query, key, value, bounds, scale, c, new, kv_scales), c))
+            timings.append((_graph_time(timed, c), c))
         except _TOO_BIG:
             continue  # more shared memory or registers than the device has
     chosen = min(timings, key=lambda t: t[0])[1]
@@ -139,7 +154,8 @@ def tuned_configs() -> dict[str, Config]:
     description of its shape (requests, query heads over KV heads, tokens reserved a slot,
     the K/V element type)."""
     return {
-        f"batch {k[0]}, heads {k[1]}/{k[2]}, {k[6]} tokens reserved, K/V {k[5]}": v for k, v in _TUNED.items()
+        f"batch {k[0]}, heads {k[1]}/{k[2]}, {k[6]} tokens reserved, K/V {k[5]}" + (f", {k[9]}" if k[9] else ""): v
+        for k, v in _TUNED.items()
     }
 
 
@@ -147,21 +163,17 @@ def tuned_configs() -> dict[str, Config]:
 _REPEATS = 10
 
 
-def _graph_time(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float,
-    config: Config, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    kv_scales: torch.Tensor | None = None,
-) -> float:
-    """The GPU time of one call in ``config`` (ms), as a captured graph replays it: calls
+def _graph_time(call: Callable[[Config], torch.Tensor], config: Config) -> float:
+    """The GPU time of one ``call(config)`` (ms), as a captured graph replays it: calls
     launched one by one would time the host's launches (two kernels and two allocations for
     several splits, one kernel for one split), which a replay does not pay. Compiles it first.
     Writing the step's token again is harmless (the same values at the same place)."""
-    decode_attention(query, key, value, bounds, scale, config, new, kv_scales=kv_scales)
+    call(config)
     graph = torch.cuda.CUDAGraph()
     # Thread-local: another thread's driver calls (the pre-committer's) are not this capture's.
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(_REPEATS):
-            decode_attention(query, key, value, bounds, scale, config, new, kv_scales=kv_scales)
+            call(config)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     best = math.inf
     try:
