@@ -237,7 +237,7 @@ def _write_attend(
     softcap: float = 0.0,
     shared: torch.Tensor | None = None,
     groups: torch.Tensor | None = None,
-    members: torch.Tensor | None = None,
+    items: torch.Tensor | None = None,
     prefix_splits: int = 0,
     kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -250,7 +250,7 @@ def _write_attend(
     name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap, kv_scales is not None)
     if name == "triton" and query.shape[2] == 1:
         # One kernel writes the token and attends (the token read from registers).
-        cascade = None if shared is None or groups is None or members is None else (shared, groups, members, prefix_splits)
+        cascade = None if shared is None or groups is None or items is None else (shared, groups, items, prefix_splits)
         return _triton(
             query, key, value, bounds.to(torch.int32), scale, window, softcap, (key_new, value_new, slot, token), cascade,
             kv_scales,
@@ -323,10 +323,10 @@ def write_attend(
     """
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    shared, groups, members, prefix_splits = (None, None, None, 0) if cascade is None else cascade
+    shared, groups, items, prefix_splits = (None, None, None, 0) if cascade is None else cascade
     return torch.ops.kvvm.write_attend(
         query, key_new, value_new, slab, slot, token, bounds, layout, float(scale), kernel, int(window),
-        float(softcap), shared, groups, members, int(prefix_splits), kv_scales,
+        float(softcap), shared, groups, items, int(prefix_splits), kv_scales,
     )
 
 
