@@ -271,18 +271,23 @@ def test_the_tuner_off_gives_the_heuristic_configuration_untimed(monkeypatch: py
 def test_the_tuned_configurations_are_described_by_their_shape(monkeypatch: pytest.MonkeyPatch) -> None:
     """:func:`tuned_configs` names each configuration the tuner remembered by its requests,
     query over KV heads, tokens reserved a slot and K/V element type (the tuner's key), and
-    gives a copy: changing it changes nothing the tuner remembers."""
+    the call's variant where it has one (the cascade's), and gives a copy: changing it
+    changes nothing the tuner remembers."""
     import torch
 
     import kvvm.kernels.triton_decode as td
 
     q, kv = torch.zeros(3, 8, 1, 64), torch.zeros(4, 2, 700, 64, dtype=torch.float8_e4m3fn)
-    key = (3, 8, 2, 64, q.dtype, kv.dtype, 700, tuple(kv.stride()), 132)
-    monkeypatch.setattr(td, "_TUNED", {key: td.Config(4, 256, 8, 2)})
+    key = (3, 8, 2, 64, q.dtype, kv.dtype, 700, tuple(kv.stride()), 132, None)
+    cascade = key[:-1] + (("cascade", 4),)
+    monkeypatch.setattr(td, "_TUNED", {key: td.Config(4, 256, 8, 2), cascade: td.Config(1)})
     described = td.tuned_configs()
-    assert described == {"batch 3, heads 8/2, 700 tokens reserved, K/V torch.float8_e4m3fn": td.Config(4, 256, 8, 2)}
+    assert described == {
+        "batch 3, heads 8/2, 700 tokens reserved, K/V torch.float8_e4m3fn": td.Config(4, 256, 8, 2),
+        "batch 3, heads 8/2, 700 tokens reserved, K/V torch.float8_e4m3fn, ('cascade', 4)": td.Config(1),
+    }
     described.clear()
-    assert len(td._TUNED) == 1
+    assert len(td._TUNED) == 2
 
 
 def _misaligned_kv(
