@@ -15,9 +15,7 @@ use crate::manager::Manager;
 use crate::sequence::{max_tokens_arg, precommit_arg, Sequence};
 use crate::store::{store, tokens_are_one_run, StoreRequest};
 use crate::view::TensorView;
-use crate::views::{
-    busy_error, collect_unreachable_views, kind_arg, make_slab, make_view, ViewRequest,
-};
+use crate::views::{kind_arg, make_slab, make_view, unless_viewed, ViewRequest};
 
 /// A batch of sequences at a constant address stride (one slot each).
 #[pyclass(frozen, module = "kvvm._native")]
@@ -247,24 +245,19 @@ impl SequenceBatch {
             .filter(|(_, t)| t.0 > 0)
             .map(|(c, t)| (Arc::clone(c), Unmap::Forget(t.0)))
             .unzip();
-        collect_unreachable_views(py, &cells);
-        match py.detach(move || SeqCell::unmapping_each(&cells, &ops)) {
-            Ok(Ok(bytes)) => Ok(bytes),
-            Ok(Err(e)) => Err(errors::kv(py, &e)),
-            Err(busy) => Err(busy_error(py, busy, "forget tokens")),
-        }
+        let viewed = cells.clone();
+        unless_viewed(py, &viewed, "forget tokens", move || {
+            SeqCell::unmapping_each(&cells, &ops)
+        })
     }
 
     /// Releases every slot (see :meth:`Sequence.release`); returns the bytes unmapped.
     /// Refused, with nothing released, while a view of any slot is alive.
     fn release(&self, py: Python<'_>) -> PyResult<u64> {
-        collect_unreachable_views(py, &self.cells);
         let cells = self.cells.clone();
-        match py.detach(move || SeqCell::unmapping_all(&cells, Unmap::Release)) {
-            Ok(Ok(bytes)) => Ok(bytes),
-            Ok(Err(e)) => Err(errors::kv(py, &e)),
-            Err(busy) => Err(busy_error(py, busy, "release the batch")),
-        }
+        unless_viewed(py, &self.cells, "release the batch", move || {
+            SeqCell::unmapping_all(&cells, Unmap::Release)
+        })
     }
 
     /// One strided view of layer `layer`'s K or V over slots `first..first+count` (default:

@@ -16,7 +16,7 @@ use crate::cell::{Busy, SeqCell};
 use crate::count::Count;
 use crate::errors;
 use crate::manager::Manager;
-use crate::views::{busy_error, collect_unreachable_views};
+use crate::views::unless_viewed;
 
 /// Page-locked host memory for one manager's KV windows, under its host budget
 /// (``Manager(host_budget_bytes=...)``). Copies run on the backend's own copy stream, which
@@ -279,11 +279,8 @@ fn swap_step<R: Send>(
     what: &str,
     step: impl FnOnce(&SeqCell, &mut KvSwapped) -> Result<Result<R, KvCacheError>, Busy> + Send,
 ) -> PyResult<R> {
-    collect_unreachable_views(py, std::slice::from_ref(cell));
     let (c, s) = (Arc::clone(cell), swap.clone().unbind());
-    let out = py.detach(move || step(&c, &mut s.get().lock()));
-    match out {
-        Err(busy) => Err(busy_error(py, busy, what)),
-        Ok(r) => r.map_err(|e| errors::kv(py, &e)),
-    }
+    unless_viewed(py, std::slice::from_ref(cell), what, move || {
+        step(&c, &mut s.get().lock())
+    })
 }

@@ -14,7 +14,7 @@ use crate::geometry::PyPlan;
 use crate::host_tier::HostTier;
 use crate::manager::Manager;
 use crate::sequence::{Sequence, SharedPrefix};
-use crate::views::{busy_error, collect_unreachable_views};
+use crate::views::unless_viewed;
 
 /// An automatic prefix cache: longest cached prefix by token ids, LRU, evicted by the budget
 /// before it refuses.
@@ -101,16 +101,15 @@ impl PrefixCache {
         host_min_tokens: Option<Count>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let token_ids = token_ids.0;
-        collect_unreachable_views(py, std::slice::from_ref(&sequence.cell));
         let cell = Arc::clone(&sequence.cell);
         let cache = Arc::clone(&self.cache);
         let min = host_min_tokens.map_or(u64::MAX, |c| c.0);
-        let info = match py
-            .detach(move || cell.admission(|s| cache.admit_into_with_host(&token_ids, s, min)))
-        {
-            Ok(r) => r.map_err(|e| errors::kv(py, &e))?,
-            Err(busy) => return Err(busy_error(py, busy, "admit a request")),
-        };
+        let info = unless_viewed(
+            py,
+            std::slice::from_ref(&sequence.cell),
+            "admit a request",
+            move || cell.admission(|s| cache.admit_into_with_host(&token_ids, s, min)),
+        )?;
         crate::dict::counters(
             py,
             &[

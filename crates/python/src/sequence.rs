@@ -20,7 +20,7 @@ use crate::host_tier::{self, HostTier, SwappedKv};
 use crate::manager::{broker_error, broker_of, Manager};
 use crate::prefix_meta;
 use crate::view::TensorView;
-use crate::views::{busy_error, collect_unreachable_views, kind_arg, make_view, ViewRequest};
+use crate::views::{kind_arg, make_view, unless_viewed, ViewRequest};
 
 /// One request's KV cache (see the module docs of :mod:`kvvm`).
 #[pyclass(frozen, module = "kvvm._native")]
@@ -204,26 +204,23 @@ impl Sequence {
     /// and shared windows are kept); returns the bytes unmapped. Refused while views live.
     fn shrink(&self, py: Python<'_>, tokens: Count) -> PyResult<u64> {
         let tokens = tokens.0;
-        collect_unreachable_views(py, std::slice::from_ref(&self.cell));
         let cell = Arc::clone(&self.cell);
-        let out = py.detach(move || cell.unmapping(Unmap::Shrink(tokens)));
-        match out {
-            Err(busy) => Err(busy_error(py, busy, "shrink")),
-            Ok(r) => r.map_err(|e| errors::kv(py, &e)),
-        }
+        unless_viewed(py, std::slice::from_ref(&self.cell), "shrink", move || {
+            cell.unmapping(Unmap::Shrink(tokens))
+        })
     }
 
     /// Forgets the tokens before `tokens` (see :meth:`SequenceBatch.forget_each`); returns
     /// the bytes unmapped. Refused while views live.
     fn forget_before(&self, py: Python<'_>, tokens: Count) -> PyResult<u64> {
         let tokens = tokens.0;
-        collect_unreachable_views(py, std::slice::from_ref(&self.cell));
         let cell = Arc::clone(&self.cell);
-        let out = py.detach(move || cell.unmapping(Unmap::Forget(tokens)));
-        match out {
-            Err(busy) => Err(busy_error(py, busy, "forget tokens")),
-            Ok(r) => r.map_err(|e| errors::kv(py, &e)),
-        }
+        unless_viewed(
+            py,
+            std::slice::from_ref(&self.cell),
+            "forget tokens",
+            move || cell.unmapping(Unmap::Forget(tokens)),
+        )
     }
 
     /// Unmaps everything and detaches from shared prefixes; returns the bytes unmapped.
@@ -236,13 +233,10 @@ impl Sequence {
     /// ReleasedError here; the address range is freed when the sequence object and its
     /// views are gone.
     fn release(&self, py: Python<'_>) -> PyResult<u64> {
-        collect_unreachable_views(py, std::slice::from_ref(&self.cell));
         let cell = Arc::clone(&self.cell);
-        let out = py.detach(move || cell.unmapping(Unmap::Release));
-        match out {
-            Err(busy) => Err(busy_error(py, busy, "release")),
-            Ok(r) => r.map_err(|e| errors::kv(py, &e)),
-        }
+        unless_viewed(py, std::slice::from_ref(&self.cell), "release", move || {
+            cell.unmapping(Unmap::Release)
+        })
     }
 
     /// Begins moving the first `tokens` tokens to `tier` (page-locked host memory billed to
@@ -373,13 +367,13 @@ impl Sequence {
     /// sequences.
     fn own_prefix(&self, py: Python<'_>, tokens: Count) -> PyResult<SharedPrefix> {
         let tokens = tokens.0;
-        collect_unreachable_views(py, std::slice::from_ref(&self.cell));
         let cell = Arc::clone(&self.cell);
-        let prefix =
-            match py.detach(move || cell.admission(|s| SharedDevicePrefix::own_in(s, tokens))) {
-                Ok(r) => r.map_err(|e| errors::kv(py, &e))?,
-                Err(busy) => return Err(busy_error(py, busy, "own a prefix")),
-            };
+        let prefix = unless_viewed(
+            py,
+            std::slice::from_ref(&self.cell),
+            "own a prefix",
+            move || cell.admission(|s| SharedDevicePrefix::own_in(s, tokens)),
+        )?;
         Ok(SharedPrefix {
             prefix,
             owner: Some(Arc::downgrade(&self.cell)),
@@ -555,19 +549,19 @@ impl SharedPrefix {
     /// copied into its own windows. Returns the bytes copied then.
     #[pyo3(signature = (sequence, first = None))]
     fn attach(&self, py: Python<'_>, sequence: &Sequence, first: Option<Count>) -> PyResult<u64> {
-        collect_unreachable_views(py, std::slice::from_ref(&sequence.cell));
         let cell = Arc::clone(&sequence.cell);
         let prefix = Arc::clone(&self.prefix);
-        let attached = py.detach(move || {
-            cell.admission(|s| match first {
-                None => prefix.attach_to(s),
-                Some(Count(t)) => prefix.attach_from(s, t),
-            })
-        });
-        match attached {
-            Ok(r) => r.map_err(|e| errors::kv(py, &e)),
-            Err(busy) => Err(busy_error(py, busy, "attach a prefix")),
-        }
+        unless_viewed(
+            py,
+            std::slice::from_ref(&sequence.cell),
+            "attach a prefix",
+            move || {
+                cell.admission(|s| match first {
+                    None => prefix.attach_to(s),
+                    Some(Count(t)) => prefix.attach_from(s, t),
+                })
+            },
+        )
     }
 
     fn __repr__(&self) -> String {

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kvvm::kv::KvKind;
+use kvvm::kv::{KvCacheError, KvKind};
 use pyo3::prelude::*;
 
 use crate::cell::{Busy, SeqCell};
@@ -282,18 +282,28 @@ fn committed_and_readonly(
     Ok(readonly)
 }
 
-/// Collects Python's unreachable objects when a view of one of `cells` is alive, before an
-/// operation that live views refuse (an unmap, an admission, a swap's end): a view, or a
-/// tensor made from one, that only a reference cycle holds (a frame an exception's traceback
-/// keeps, for one) is freed by the collection, where otherwise the collector's last run would
-/// decide whether the operation is refused. A view something can still reach keeps the
+/// Runs `op`, an operation that live views of `cells` refuse (an unmap, an admission, a swap's
+/// step), with the GIL released; its refusal raises ViewsAliveError naming `what`, its
+/// failure its kv error.
+///
+/// When a view of one of `cells` is alive, Python's unreachable objects are collected first:
+/// a view, or a tensor made from one, that only a reference cycle holds (a frame an
+/// exception's traceback keeps, for one) is freed then, where otherwise the collector's last
+/// run would decide whether `op` is refused. A view something can still reach keeps the
 /// refusal; nothing is collected while no view is alive.
-pub(crate) fn collect_unreachable_views(py: Python<'_>, cells: &[Arc<SeqCell>]) {
+pub(crate) fn unless_viewed<R: Send>(
+    py: Python<'_>,
+    cells: &[Arc<SeqCell>],
+    what: &str,
+    op: impl FnOnce() -> Result<Result<R, KvCacheError>, Busy> + Send,
+) -> PyResult<R> {
     if cells.iter().any(|c| c.views() > 0) {
-        // A collection that fails (none is expected) leaves the refusal to the operation.
-        if let Err(e) = py.import("gc").and_then(|gc| gc.call_method0("collect")) {
-            drop(e);
-        }
+        // A collection that fails (none is expected) leaves the refusal to `op`.
+        let _ = py.import("gc").and_then(|gc| gc.call_method0("collect"));
+    }
+    match py.detach(op) {
+        Ok(r) => r.map_err(|e| errors::kv(py, &e)),
+        Err(busy) => Err(busy_error(py, busy, what)),
     }
 }
 

@@ -36,6 +36,15 @@ fn setup() -> (Arc<SimBackend>, VirtualMemory, LayoutPlan) {
     (sim, vm, plan)
 }
 
+/// Headroom 64 tokens (one window), at most 64 windows ahead.
+fn config() -> PrecommitConfig {
+    PrecommitConfig {
+        headroom_tokens: 64,
+        max_headroom_bytes: 64 * G,
+        poll_interval: Duration::from_millis(1),
+    }
+}
+
 /// A decode thread's claim made while another thread holds the sequence (`with_sequence`,
 /// here shrinking it) is kept: the claim's inline commit, made once the lock is free, is not
 /// given back by the next reclaim. The claim used to be lowered to what `with_sequence` left
@@ -44,12 +53,7 @@ fn setup() -> (Arc<SimBackend>, VirtualMemory, LayoutPlan) {
 #[test]
 fn a_claim_made_while_the_sequence_is_held_survives_a_reclaim() {
     let (sim, vm, plan) = setup();
-    let config = PrecommitConfig {
-        headroom_tokens: 64,
-        max_headroom_bytes: 64 * G,
-        poll_interval: Duration::from_millis(1),
-    };
-    let pre = Precommitter::start(&vm, config).unwrap();
+    let pre = Precommitter::start(&vm, config()).unwrap();
     // No worker: every commit below is the decode path's own.
     pre.shutdown();
     let mut s = SequenceKv::new(&vm, &plan, 4096).unwrap();
@@ -93,12 +97,7 @@ fn a_claim_made_while_the_sequence_is_held_survives_a_reclaim() {
 #[test]
 fn a_dropped_sequence_leaves_the_list_at_the_next_scan() {
     let (_sim, vm, plan) = setup();
-    let config = PrecommitConfig {
-        headroom_tokens: 64,
-        max_headroom_bytes: 64 * G,
-        poll_interval: Duration::from_millis(1),
-    };
-    let pre = Precommitter::start(&vm, config).unwrap();
+    let pre = Precommitter::start(&vm, config()).unwrap();
     pre.shutdown();
     let attached: Vec<_> = (0..3)
         .map(|_| pre.attach(SequenceKv::new(&vm, &plan, 4096).unwrap()))

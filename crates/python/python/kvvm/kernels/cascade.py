@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import multiprocessors
 from .triton_decode import (
     _INTERPRETED,
     Config,
@@ -44,12 +45,12 @@ from .triton_decode import (
     run_partial,
     upcast,
 )
-from .device import multiprocessors
 from .triton_kernels import fold_tokens, kv_scales, product_query, split_range
 
 __all__ = [
-    "PREFIX_PROGRAMS_PER_MULTIPROCESSOR", "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "Share", "Tables", "cascade_attention", "choose_prefix_splits",
-    "member_tiles", "most_items", "plan_groups", "prefix_items", "query_rows",
+    "PREFIX_PROGRAMS_PER_MULTIPROCESSOR", "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "Share", "Tables",
+    "cascade_attention", "choose_prefix_splits", "member_tiles", "most_items", "plan_groups", "prefix_items",
+    "query_rows",
 ]
 
 #: The device tables of a step's groups: each request's shared tokens (int32 ``[batch]``), each
@@ -317,11 +318,11 @@ def cascade_attention(
         raise ValueError(f"cascade tables for a batch of {shared.shape[0]}, queries for {batch}")
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    tile = items.shape[1] - 1
-    if tile != member_tiles(batch, group)[0]:
+    tile, want = items.shape[1] - 1, member_tiles(batch, group)[0]
+    if tile != want:
         raise ValueError(
-            f"cascade tables of {tile} members an item, not the {member_tiles(batch, group)[0]} of a batch of "
-            f"{batch} at {group} query heads per KV head (made for another heads_per_kv)"
+            f"cascade tables of {tile} members an item, not the {want} of a batch of {batch} at {group} "
+            "query heads per KV head (made for another heads_per_kv)"
         )
     if programs is not None and programs < 1:
         raise ValueError(f"the prefix pass needs one program or more, not {programs}")
@@ -378,9 +379,10 @@ PREFIX_SPLIT_TOKENS = 512
 
 def choose_prefix_splits(batch: int, heads: int, kv_heads: int, max_tokens: int, multiprocessors: int) -> int:
     """Splits of each prefix work item along its prefix's tokens: about four units per
-    multiprocessor for one group of the whole batch (:func:`~kvvm.kernels.triton_decode.choose_splits` over
-    its items), but no fewer than :data:`PREFIX_SPLIT_TOKENS` tokens each for the
-    longest prefix a request may hold (a power of two)."""
+    multiprocessor for one group of the whole batch
+    (:func:`~kvvm.kernels.triton_decode.choose_splits` over its items), but no fewer than
+    :data:`PREFIX_SPLIT_TOKENS` tokens each for the longest prefix a request may hold (a
+    power of two)."""
     _, tiles = member_tiles(batch, heads // kv_heads)
     most = 1 << max(0, (max_tokens // PREFIX_SPLIT_TOKENS).bit_length() - 1)
     return max(1, min(choose_splits(tiles, kv_heads, max_tokens, multiprocessors), most))

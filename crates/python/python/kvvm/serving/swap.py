@@ -7,7 +7,8 @@ The decision (:class:`SwapCosts`) compares measured costs: swapping ``b`` bytes 
 scratch sequence of the cache's plan: copies, release and commit included); computing ``n``
 tokens again costs ``n`` times the prefill seconds per token (measured as the engine runs:
 each step's time less a decode step's, over the tokens it prefilled, from steps that
-prefilled enough tokens for their fixed costs not to dominate; the median of the last ones). Until both are known the engine recomputes. ``mode="always"`` swaps whatever the costs,
+prefilled enough tokens for their fixed costs not to dominate; the median of the last ones).
+Until both are known the engine recomputes. ``mode="always"`` swaps whatever the costs,
 ``"never"`` never does.
 
 Every failure falls back to recomputing: a host budget spent, a failed copy, a refused
