@@ -48,7 +48,7 @@ import torch
 
 import kvvm
 from kvvm_bench import runs
-from kvvm_bench.model import build_model
+from kvvm_bench.model import build_model, unread_weight_bytes, weight_bytes
 from kvvm_bench.report_file import write_report
 
 __all__ = ["main"]
@@ -78,20 +78,18 @@ def _workloads(args: argparse.Namespace, vocab: int) -> list[runs.Workload]:
     return out
 
 
-def _weight_bytes(model: Any) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def _settle(r: runs.Run, w: runs.Workload, cfg: Any, weights: int, args: argparse.Namespace) -> None:
+def _settle(r: runs.Run, w: runs.Workload, cfg: Any, weights: int, unread: int, args: argparse.Namespace) -> None:
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
     r.settle(args.warmup)
     r.live_kv_bytes = per_token * sum(n + w.new for n in w.lengths)
     mid = per_token * sum(n + w.new // 2 for n in w.lengths)
     r.floor_ms = round((weights + mid) / args.bandwidth * 1000, 3)
     r.floor_measured_ms = round((weights + mid) / args.measured_bandwidth * 1000, 3)
+    r.floor_read_ms = round((weights - unread + mid) / args.bandwidth * 1000, 3)
     if r.p50_ms:
         r.over_floor = round(r.p50_ms / r.floor_ms, 2)
         r.over_measured_floor = round(r.p50_ms / r.floor_measured_ms, 2)
+        r.over_floor_read = round(r.p50_ms / r.floor_read_ms, 2)
 
 
 def _agreement(r: runs.Run, ref: runs.Run | None) -> float | None:
@@ -112,7 +110,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
     torch._dynamo.config.cache_size_limit = 64
     model = build_model(args)
     cfg = model.config
-    weights = _weight_bytes(model)
+    weights = weight_bytes(model)
     caches = [c for c in args.caches.split(",") if c]
     unknown = set(caches) - set(runs.CACHES)
     if unknown:
@@ -130,7 +128,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
             if c in ("static", "kvvm-generate") and not r.note:
                 # The first run compiled; time the second.
                 r = runs.run_cache(model, w, c, manager, max_len, args.graph_mode, args.profile)
-            _settle(r, w, cfg, weights, args)
+            _settle(r, w, cfg, weights, unread_weight_bytes(model, w.batch), args)
             done[c] = r
             print(_line(r), file=sys.stderr, flush=True)
         for r in done.values():
@@ -174,7 +172,8 @@ def _line(r: runs.Run) -> str:
         return f"{r.point:>22} {r.cache:>14}: {r.note}"
     return (
         f"{r.point:>22} {r.cache:>14}: step p50 {r.p50_ms} ms p99 {r.p99_ms} ms, {r.tokens_per_s} tok/s, "
-        f"{r.over_floor}x the floor ({r.floor_ms} ms; {r.over_measured_floor}x at the copy bandwidth), KV held {(r.kv_bytes_held or 0) / 2**30:.2f} GiB "
+        f"{r.over_floor}x the floor ({r.floor_ms} ms; {r.over_measured_floor}x at the copy bandwidth; "
+        f"{r.over_floor_read}x the bytes read, {r.floor_read_ms} ms), KV held {(r.kv_bytes_held or 0) / 2**30:.2f} GiB "
         f"(live {(r.live_kv_bytes or 0) / 2**30:.2f}), peak {(r.peak_gpu_bytes or 0) / 2**30:.2f} GiB"
         + (f"; per step (ms): {r.kernels_ms}" if r.kernels_ms else "")
     )

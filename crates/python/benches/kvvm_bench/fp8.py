@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import kvvm
-from kvvm_bench.model import build_model
+from kvvm_bench.model import build_model, unread_weight_bytes, weight_bytes
 from kvvm_bench.numerics import bf16_tie, timed_greedy_steps
 from kvvm_bench.report_file import write_report
 from kvvm_bench.runs import kernel_breakdown
@@ -98,7 +98,7 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, prompts: torch
             logits.append(step(tok).float().clone())
         geometry = cache.plan.geometry
         mean_len = args.prompt + args.check_steps + (args.steps + 1) / 2
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        weights = weight_bytes(model)
         kv_read = geometry.bytes_per_token * args.batch * mean_len
         budget = int(args.budget_gib * (1 << 30))
         row: dict[str, Any] = {
@@ -114,9 +114,11 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, prompts: torch
             # The decode kernel's configurations the autotuner chose for this cache.
             row["decode_configs"] = [f"{k}: {v}" for k, v in tuned_configs().items() if k not in tuned_before]
             floor_ms = (weights + kv_read) / _bandwidth(args) * 1e3
+            read_ms = (weights - unread_weight_bytes(model, args.batch) + kv_read) / _bandwidth(args) * 1e3
             row.update(
                 step_p50_ms=timing["p50"], step_p99_ms=timing["p99"], floor_ms=round(floor_ms, 3),
-                over_floor=round(timing["p50"] / floor_ms, 3),
+                over_floor=round(timing["p50"] / floor_ms, 3), floor_read_ms=round(read_ms, 3),
+                over_floor_read=round(timing["p50"] / read_ms, 3),
             )
             if args.profile:
                 tok = logits[-1].argmax(-1)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["build_model"]
+__all__ = ["build_model", "unread_weight_bytes", "weight_bytes"]
 
 
 def build_model(args: argparse.Namespace) -> Any:
@@ -20,3 +20,22 @@ def build_model(args: argparse.Namespace) -> Any:
     device = getattr(args, "device", "cuda")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     return random_model("tiny" if args.tiny else "llama-3.1-8b", device, dtype)
+
+
+def weight_bytes(model: Any) -> int:
+    """Every parameter's bytes: what the step floors the reports state count as read."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def unread_weight_bytes(model: Any, batch: int) -> int:
+    """Bytes of ``weight_bytes`` a decode step of ``batch`` requests does not read: the input
+    embedding table's rows but one a request (a step looks up its new tokens' rows only),
+    unless the table is also the output head's weight (read whole for the logits). A floor
+    counting every parameter is that much higher than one counting the bytes a step reads
+    (1.05 GB of the Llama-3.1-8B shape's 16.06 GB)."""
+    table = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is not None and head.weight.data_ptr() == table.data_ptr():
+        return 0
+    rows = max(table.shape[0] - batch, 0)
+    return rows * table.shape[1] * table.element_size()

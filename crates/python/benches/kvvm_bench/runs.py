@@ -83,6 +83,10 @@ class Run:
     over_floor: float | None = None
     floor_measured_ms: float | None = None
     over_measured_floor: float | None = None
+    #: The floor of the bytes a step reads (``floor_ms`` less the embedding rows it does not
+    #: look up: :func:`kvvm_bench.model.unread_weight_bytes`).
+    floor_read_ms: float | None = None
+    over_floor_read: float | None = None
     kv_bytes_held: int | None = None
     live_kv_bytes: int | None = None
     peak_gpu_bytes: int | None = None
