@@ -22,7 +22,9 @@
 # arguments in SWAP_ARGS; `bash gpu-bundle/python.sh cascade`: the cascade decode over shared
 # prefixes against the plain step, `python -m kvvm_bench cascade`, arguments in CASCADE_ARGS; `bash
 # gpu-bundle/python.sh fp8`: the captured step with FP8 KV against bf16 KV at 64 x 4096, each over
-# its own floor, and their teacher-forced logits compared, `python -m kvvm_bench fp8`, FP8_ARGS).
+# its own floor, and their teacher-forced logits compared, `python -m kvvm_bench fp8`, FP8_ARGS; `bash
+# gpu-bundle/python.sh products`: a decode step's products, cuBLAS against kvvm's kernel, weight by
+# weight, `python -m kvvm_bench products`, PRODUCTS_ARGS).
 # KVVM_PY_OVERLAY=1 copies the working tree's Python modules over the installed ones (a change
 # to Python code only, measured without rebuilding the wheel). Results under $OUT (or gpu-out/).
 set -uo pipefail
@@ -122,6 +124,10 @@ fi
 if [ "$mode" = fp8 ]; then
   echo "== python -m kvvm_bench fp8"
   (cd /tmp && timeout "${FP8_TIMEOUT:-420}" python3 -m kvvm_bench fp8 --json "$out/bench-fp8.json" ${FP8_ARGS:-}) > "$out/bench-fp8.out"
+fi
+if [ "$mode" = products ]; then
+  echo "== python -m kvvm_bench products"
+  (cd /tmp && timeout "${PRODUCTS_TIMEOUT:-300}" python3 -m kvvm_bench products --json "$out/bench-products.json" ${PRODUCTS_ARGS:-}) > "$out/bench-products.out"
 fi
 if [ "$mode" = serve ]; then
   echo "== python -m kvvm_bench serve"

@@ -41,7 +41,7 @@ def timed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         calls.append(config)
         return float(config.splits)
 
-    monkeypatch.setattr(td, "_graph_time", fake_time)
+    monkeypatch.setattr(td, "graph_time", fake_time)
     return calls
 
 
@@ -112,7 +112,7 @@ def test_a_call_of_its_own_is_timed_and_kept_apart_from_the_plain_kernels(monkey
         # The cascade's call is fastest at 2 splits, the plain kernel at 1.
         return abs(config.splits - (2 if ran[-1][0] == "cascade" else 1)) + config.block / 1000
 
-    monkeypatch.setattr(td, "_graph_time", fake_time)
+    monkeypatch.setattr(td, "graph_time", fake_time)
     monkeypatch.setattr(td, "decode_attention", lambda *a, **k: ran.append(("plain", a[5])))
     q, kv, bounds = _inputs()
 

@@ -47,6 +47,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="kvvm backend (host on a CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fuse", action="store_true", help="fuse the Q/K/V and gate/up projections first")
+    p.add_argument(
+        "--tuned-products", action="store_true",
+        help="run the model's products through kvvm's tuned skinny products (both steps)",
+    )
     p.add_argument("--profile", action="store_true", help="each captured step's GPU time by kind of kernel, its heaviest kernels")
     p.add_argument(
         "--prefix-splits", type=int, default=0,
@@ -184,12 +188,17 @@ def run_cascade_bench(args: argparse.Namespace) -> dict[str, Any]:
         model = model.float()
     if args.fuse:
         fuse_projections(model)
+    if args.tuned_products:
+        from kvvm.transformers import tuned_products
+
+        tuned_products(model)
     use_kvvm_attention(model)
     backend = args.backend if args.backend != "auto" else ("cuda" if args.device == "cuda" else "host")
     mgr = kvvm.Manager(backend, precommit=True)
     name = "a small Llama" if args.tiny else "the Llama-3.1-8B shape"
     report: dict[str, Any] = {
-        "model": f"{name}, random {next(model.parameters()).dtype} weights", "fused_projections": args.fuse, "results": [],
+        "model": f"{name}, random {next(model.parameters()).dtype} weights", "fused_projections": args.fuse,
+        "tuned_products": args.tuned_products, "results": [],
     }
     if args.device == "cuda":
         report["device"] = torch.cuda.get_device_name()

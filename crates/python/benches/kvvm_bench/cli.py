@@ -349,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvvm_bench import swap as bench_swap
 
     bench_swap.add_args(sub.add_parser("swap", help="the host tier: copy bandwidth, decode while swapping, crossover, a trace"))
+    from kvvm_bench import products as bench_products
+
+    bench_products.add_args(sub.add_parser("products", help="a decode step's skinny products: cuBLAS against kvvm's kernel"))
     from kvvm_bench import http_serve, sampling_step
 
     http_serve.add_args(sub.add_parser("http", help="a trace through the engine directly and through its OpenAI server"))
@@ -386,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         report = bench_swap.run_swap_bench(args)  # writes --json after every part
     elif args.cmd == "http":
         report = http_serve.run_http_bench(args)  # writes --json after each run
+    elif args.cmd == "products":
+        report = bench_products.run_products_bench(args)  # writes --json after every shape
     elif args.cmd == "sampling":
         report = sampling_step.run_sampling_bench(args)  # writes --json after every configuration
     else:

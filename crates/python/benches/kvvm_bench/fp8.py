@@ -47,6 +47,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-gib", type=float, default=40.0, help="the budget whose token capacity is reported")
     p.add_argument("--tiny", action="store_true", help="a small model instead of the Llama-3.1-8B shape")
     p.add_argument("--no-fuse", action="store_true", help="leave the Q/K/V and gate/up projections unfused")
+    p.add_argument(
+        "--tuned-products", action="store_true",
+        help="run the model's products through kvvm's tuned skinny products (both caches)",
+    )
     p.add_argument("--no-compile", action="store_true", help="capture the eager step (no torch.compile)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--backend", default="auto", help="kvvm backend (host on a CPU)")
@@ -177,6 +181,10 @@ def run_fp8_bench(args: argparse.Namespace) -> dict[str, Any]:
     model = build_model(args)
     if not args.no_fuse:
         fuse_projections(model)
+    if args.tuned_products:
+        from kvvm.transformers import tuned_products
+
+        tuned_products(model)
     use_kvvm_attention(model)
     backend = args.backend if args.backend != "auto" else ("cuda" if args.device == "cuda" else "host")
     mgr = kvvm.Manager(backend, precommit=True)
@@ -192,6 +200,7 @@ def run_fp8_bench(args: argparse.Namespace) -> dict[str, Any]:
         "point": f"{args.batch}x{args.prompt}",
         "bandwidth": _bandwidth(args),
         "fused_projections": not args.no_fuse,
+        "tuned_products": args.tuned_products,
         "compiled": not args.no_compile,
         "runs": [],
     }

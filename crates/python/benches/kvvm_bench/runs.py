@@ -11,7 +11,10 @@ measures of them.
   :class:`~kvvm.graph.DecodeGraph` replayed once per step;
 - ``kvvm-graph-fused``: the same with the model's sibling projections fused
   (:func:`kvvm.transformers.projections.fuse_projections`: Q, K and V as one matrix multiply, gate and up
-  as one), restored afterwards.
+  as one), restored afterwards;
+- ``kvvm-graph-tuned``: the same with the products run through kvvm's tuned skinny products as
+  well (:func:`kvvm.transformers.tuned_products`: cuBLAS or kvvm's Triton kernel, whichever
+  was measured faster for each weight's shape), restored afterwards.
 
 Each step is timed on the GPU: an event per step (from a logits processor inside
 ``generate``, around each replay otherwise), so a step's time includes whatever host work
@@ -32,13 +35,14 @@ import kvvm
 from kvvm.transformers import use_kvvm_attention
 from kvvm.graph import DecodeGraph
 from kvvm.transformers.projections import fuse_projections
+from kvvm.transformers.products import tuned_products
 from kvvm.transformers import KvvmCache
 from kvvm_bench.numerics import bf16_tie, tensor_bytes
 
 __all__ = ["CACHES", "Run", "Workload", "run_cache", "reference_check"]
 
 #: The caches a run can use.
-CACHES = ("static", "dynamic", "kvvm-eager", "kvvm-generate", "kvvm-graph", "kvvm-graph-fused")
+CACHES = ("static", "dynamic", "kvvm-eager", "kvvm-generate", "kvvm-graph", "kvvm-graph-fused", "kvvm-graph-tuned")
 
 
 @dataclass
@@ -177,8 +181,9 @@ def _generate(model: Any, w: Workload, cache_kind: str, manager: kvvm.Manager | 
 def _graph(
     model: Any, w: Workload, manager: kvvm.Manager, max_len: int, mode: str | None = None, profile: bool = False,
     fuse: bool = False,
+    tune: bool = False,
 ) -> Run:
-    run = Run("kvvm-graph-fused" if fuse else "kvvm-graph", w.label, w.batch)
+    run = Run("kvvm-graph-tuned" if tune else "kvvm-graph-fused" if fuse else "kvvm-graph", w.label, w.batch)
     use_kvvm_attention(model)
     base = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
@@ -189,12 +194,16 @@ def _graph(
             logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         first[slot] = logits[0, -1].argmax()
         del logits
-    fused = fuse_projections(model) if fuse else None
+    fused = fuse_projections(model) if fuse or tune else None
+    tuned = tuned_products(model) if tune else None
     try:
         step = DecodeGraph(model, cache, mode=mode)
     finally:
+        # The captured step keeps the modules it traced.
+        if tuned is not None:
+            tuned.restore()
         if fused is not None:
-            fused.restore()  # the captured step keeps the fused modules it traced
+            fused.restore()
     tokens = [first]
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(w.new)]
     tok = first
@@ -233,7 +242,10 @@ def run_cache(
     try:
         if cache_kind.startswith("kvvm-graph"):
             assert manager is not None
-            return _graph(model, w, manager, max_len, graph_mode, profile, fuse=cache_kind == "kvvm-graph-fused")
+            return _graph(
+                model, w, manager, max_len, graph_mode, profile, fuse=cache_kind == "kvvm-graph-fused",
+                tune=cache_kind == "kvvm-graph-tuned",
+            )
         return _generate(model, w, cache_kind, manager, max_len)
     except (torch.OutOfMemoryError, kvvm.KvvmError, RuntimeError) as e:
         use_kvvm_attention(model, enable=False)
@@ -295,7 +307,7 @@ def reference_check(model: Any, w: Workload, manager: kvvm.Manager, max_len: int
 #: attention's Triton kernels and the cascade's prefix pass, Inductor's fused Triton kernels).
 _KERNEL_KINDS = (
     ("attention", ("_partial_kernel", "_merge_kernel", "_prefix_kernel", "flash", "fmha")),
-    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk")),
+    ("matmul", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "splitk", "_product_kernel")),
     ("fused", ("triton_",)),
 )
 

@@ -31,7 +31,7 @@ import torch
 import triton
 
 from .triton_kernels import _merge_kernel, _partial_kernel
-from .tuning import tuning_allowed
+from .tuning import graph_time, may_time
 
 __all__ = ["AUTOTUNE", "Config", "choose_splits", "decode_attention", "tuned_config", "tuned_configs"]
 
@@ -60,7 +60,7 @@ _SHAPES = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3))
 _SHAPES_FP8 = ((128, 4, 3), (128, 8, 2))
 
 #: What a configuration the device cannot run raises when it is compiled.
-_TOO_BIG: tuple[type[BaseException], ...] = tuple(
+TOO_BIG: tuple[type[BaseException], ...] = tuple(
     e for e in (getattr(getattr(triton, "runtime", None), "OutOfResources", None),) if isinstance(e, type)
 )
 
@@ -119,13 +119,7 @@ def tuned_config(
         return found
     splits = choose_splits(batch, key.shape[1], key.shape[2], multiprocessors)
     default = Config(splits)
-    if (
-        not AUTOTUNE
-        or _INTERPRETED
-        or not tuning_allowed()
-        or torch.cuda.is_current_stream_capturing()
-        or torch.compiler.is_compiling()
-    ):
+    if not AUTOTUNE or _INTERPRETED or not may_time():
         return default
     candidates = {default}
     # Fewer splits with more warps and stages keep as many bytes in flight with fewer
@@ -141,8 +135,8 @@ def tuned_config(
     timings = []
     for c in sorted(candidates, key=lambda c: (c.splits, c.block, c.warps, c.stages)):
         try:
-            timings.append((_graph_time(timed, c), c))
-        except _TOO_BIG:
+            timings.append((graph_time(timed, c), c))
+        except TOO_BIG:
             continue  # more shared memory or registers than the device has
     chosen = min(timings, key=lambda t: t[0])[1]
     _TUNED[shape] = chosen
@@ -157,36 +151,6 @@ def tuned_configs() -> dict[str, Config]:
         f"batch {k[0]}, heads {k[1]}/{k[2]}, {k[6]} tokens reserved, K/V {k[5]}" + (f", {k[9]}" if k[9] else ""): v
         for k, v in _TUNED.items()
     }
-
-
-#: Calls per captured graph when a configuration is timed.
-_REPEATS = 10
-
-
-def _graph_time(call: Callable[[Config], torch.Tensor], config: Config) -> float:
-    """The GPU time of one ``call(config)`` (ms), as a captured graph replays it: calls
-    launched one by one would time the host's launches (two kernels and two allocations for
-    several splits, one kernel for one split), which a replay does not pay. Compiles it first.
-    Writing the step's token again is harmless (the same values at the same place)."""
-    call(config)
-    graph = torch.cuda.CUDAGraph()
-    # Thread-local: another thread's driver calls (the pre-committer's) are not this capture's.
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(_REPEATS):
-            call(config)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    try:
-        graph.replay()
-        for _ in range(2):
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / _REPEATS)
-    finally:
-        graph.reset()
-    return best
 
 
 def decode_attention(

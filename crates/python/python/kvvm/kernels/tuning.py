@@ -1,5 +1,5 @@
-"""When the decode kernel's autotuner may measure: a per-thread switch, free of Triton (the
-serving engine sets it on CPU-only machines too).
+"""When the kernels' autotuners may measure (a per-thread switch, free of Triton: the serving
+engine sets it on CPU-only machines too), and how they time a candidate (:func:`graph_time`).
 
 :func:`~kvvm.kernels.triton_decode.tuned_config` times a few configurations the first time
 it meets a shape, compiling each: seconds, worth it for a step a captured graph replays
@@ -13,10 +13,19 @@ that configuration, any other the heuristic one, and nothing is remembered.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
-__all__ = ["tuning_allowed", "untuned"]
+import torch
+
+__all__ = ["graph_time", "may_time", "tuning_allowed", "untuned"]
+
+C = TypeVar("C")
+
+#: Calls per captured graph when a configuration is timed.
+_REPEATS = 10
 
 _STATE = threading.local()
 
@@ -37,3 +46,36 @@ def untuned() -> Iterator[None]:
         yield
     finally:
         _STATE.untuned = before
+
+
+def may_time() -> bool:
+    """Whether a tuner may time a candidate now: tuning is allowed on this thread, and no
+    graph is being captured and no compiler traces (nothing may run for timing then)."""
+    return tuning_allowed() and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling()
+
+
+def graph_time(call: Callable[[C], object], config: C) -> float:
+    """The GPU time of one ``call(config)`` (ms), as a captured graph replays it: calls
+    launched one by one would time the host's launches (a kernel's and its allocations),
+    which a replay does not pay. Runs it once first (compiling it). The call must be
+    harmless to repeat (a decode step's token written again: the same values at the same
+    place)."""
+    call(config)
+    graph = torch.cuda.CUDAGraph()
+    # Thread-local: another thread's driver calls (the pre-committer's) are not this capture's.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(_REPEATS):
+            call(config)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    try:
+        graph.replay()
+        for _ in range(2):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / _REPEATS)
+    finally:
+        graph.reset()
+    return best

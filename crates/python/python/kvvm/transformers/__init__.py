@@ -8,7 +8,7 @@ Modules: ``cache`` (``KvvmCache``, over ``cache_step`` and ``cache_memory``), ``
 (one layer as transformers sees it), ``cache_groups`` (full and sliding-window layers, each
 group in memory of its own), ``slots`` (the requests' token counts on the device),
 ``attention``, ``architectures``, ``prefix``, ``graph``, ``projections`` (fused Q/K/V and
-gate/up projections). Pure Python over torch and transformers (5.x); its native part is the
+gate/up projections), ``products`` (linear layers through kvvm's tuned skinny products). Pure Python over torch and transformers (5.x); its native part is the
 bindings' (:mod:`kvvm.bindings`).
 """
 
@@ -19,6 +19,7 @@ from .attention import ATTENTION, register_attention, use_kvvm_attention
 from .cache import KvvmCache, KvvmLayer, cache_argument
 from .graph import DecodeGraph
 from .prefix import KvvmPrefix
+from .products import TunedProducts, tuned_products
 from .projections import fuse_projections
 
 __all__ = [
@@ -27,10 +28,12 @@ __all__ = [
     "KvvmCache",
     "KvvmLayer",
     "KvvmPrefix",
+    "TunedProducts",
     "cache_argument",
     "check_servable",
     "fuse_projections",
     "refusal_reason",
     "register_attention",
+    "tuned_products",
     "use_kvvm_attention",
 ]

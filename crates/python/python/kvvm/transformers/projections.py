@@ -22,6 +22,7 @@ output element is one row of the concatenated weight against the input).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +31,16 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["DEFAULT_GROUPS", "FusedProjections", "fuse_projections"]
+__all__ = ["DEFAULT_GROUPS", "FusedProjections", "Group", "fuse_projections"]
 
 #: The sibling projections of transformers' Llama-family decoders (Llama, Mistral, Qwen2, ...).
 DEFAULT_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class _Group(nn.Module):
-    """One group's concatenated weight (and bias) and the product of the last input."""
+class Group(nn.Module):
+    """One group's concatenated weight (and bias) and the product of the last input,
+    computed by ``linear`` (``torch.nn.functional.linear``; :func:`kvvm.transformers.tuned_products`
+    sets kvvm's tuned product)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -48,6 +51,7 @@ class _Group(nn.Module):
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self.parts = parts
+        self.linear: Callable[..., torch.Tensor] = nn.functional.linear
         self._input: torch.Tensor | None = None
         self._output: torch.Tensor | None = None
         self._served = 0
@@ -57,7 +61,7 @@ class _Group(nn.Module):
         one or when ``part`` was served from it already (a new forward), else reused; it is
         dropped once every part has been served."""
         if self._output is None or self._input is not x or self._served & (1 << part):
-            self._input, self._output, self._served = x, nn.functional.linear(x, self.weight, self.bias), 0
+            self._input, self._output, self._served = x, self.linear(x, self.weight, self.bias), 0
         out = self._output
         self._served |= 1 << part
         if self._served == (1 << self.parts) - 1:
@@ -68,7 +72,7 @@ class _Group(nn.Module):
 class _Part(nn.Module):
     """What a group's member becomes: its slice of the group's product."""
 
-    def __init__(self, group: _Group, part: int, lo: int, hi: int, original: nn.Linear) -> None:
+    def __init__(self, group: Group, part: int, lo: int, hi: int, original: nn.Linear) -> None:
         super().__init__()
         self.group = [group]  # in a list: not a submodule (the group is the layer's child)
         self.part, self.lo, self.hi = part, lo, hi
@@ -144,7 +148,7 @@ def _fusable(linears: list[Any]) -> bool:
 def _fuse(owner: nn.Module, names: tuple[str, ...], linears: list[nn.Linear], fused: FusedProjections) -> None:
     weight = torch.cat([m.weight for m in linears])
     bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
-    group = _Group(weight, bias, len(linears))
+    group = Group(weight, bias, len(linears))
     lo = 0
     for part, (name, m) in enumerate(zip(names, linears, strict=True)):
         hi = lo + m.out_features

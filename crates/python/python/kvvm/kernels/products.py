@@ -1,0 +1,214 @@
+"""A decode step's skinny matrix products, tuned per shape against cuBLAS.
+
+A decode step multiplies a few rows of activations (one a request) by every weight matrix of
+the model: ``y = x @ W.T`` with ``x`` of 1 to 64 rows and ``W`` of thousands. The product
+reads each weight once and does little else, so its time is the weights' bytes over the rate
+they stream at. :func:`linear` runs it either through PyTorch (cuBLAS) or through a Triton
+kernel written for that shape: the weight is the tensor-core product's tall operand (64 or
+128 of its rows a program) and the few activation rows its narrow one, so a program streams
+a block of weight rows along the reduction with several loads in flight, and the products
+of a narrow ``N`` can split the reduction over programs (``split``), their partial sums
+added in fp32.
+
+Which of them runs is measured, not assumed: the first time :func:`linear` meets a shape
+(rows rounded up to a power of two, the weight's size and dtype) it times cuBLAS and the
+kernel's candidate configurations, each replayed in a captured graph as a decode step runs
+them, and keeps the fastest (:func:`tuned_product`); cuBLAS is a candidate, so tuning never
+picks a slower product than PyTorch's. Untimed (:mod:`kvvm.kernels.tuning`'s rules: a
+capture, a compiler's trace, :func:`~kvvm.kernels.tuning.untuned`,
+``KVVM_TRITON_AUTOTUNE=0``) a shape not tuned before runs through PyTorch.
+
+:func:`linear` is the ``kvvm::linear`` operator: ``torch.compile`` treats it as one opaque
+call. :func:`kvvm.transformers.tuned_products` puts it in a model's linear layers.
+
+Runs on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check the kernel).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_decode
+from .tuning import graph_time, may_time
+
+__all__ = ["MAX_ROWS", "ProductConfig", "candidates", "linear", "product", "tuned_product", "tuned_product_choices"]
+
+#: Rows of ``x`` the kernel takes at most (a decode step's requests); more go to PyTorch.
+MAX_ROWS = 64
+
+
+@dataclass(frozen=True)
+class ProductConfig:
+    """How the Triton kernel runs a product: weight rows a program (``block_n``), the
+    reduction's elements per iteration (``block_k``), warps, pipeline stages, and programs
+    along the reduction (``split``: their partial sums added in fp32)."""
+
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 4
+    split: int = 1
+
+
+#: The kernel's configurations :func:`tuned_product` times beside cuBLAS.
+_CANDIDATES = (
+    ProductConfig(64, 128), ProductConfig(64, 256), ProductConfig(128, 128), ProductConfig(128, 256, stages=3),
+    ProductConfig(32, 256), ProductConfig(64, 256, split=2), ProductConfig(64, 256, split=4),
+    ProductConfig(32, 256, split=2),
+)
+
+#: The choice per shape (None: PyTorch's product).
+_Shape = tuple[int, tuple[int, ...], int, torch.dtype, bool, torch.device]
+_TUNED: dict[_Shape, ProductConfig | None] = {}
+
+#: Whether kernels run in Triton's interpreter (on CPU tensors).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def candidates() -> tuple[ProductConfig, ...]:
+    """The kernel's configurations the tuner times (beside PyTorch's product)."""
+    return _CANDIDATES
+
+
+@triton.jit
+def _product_kernel(
+    X, W, Bias, Y, Acc, M, N, K, stride_xm, stride_wn, stride_ym,
+    K_PER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    # Program (n, s) takes weight rows [n * BN, n * BN + BN) over the reduction's s-th part
+    # of K_PER elements: acc[BN, BM] = W[rows, part] @ x[:, part]^T, the weight the tall side.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
+    k_lo = pid_k * K_PER
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for i in range(0, K_PER, BK):
+        offs_k = k_lo + i + tl.arange(0, BK)
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        y_ptr = Y + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask)
+    else:
+        a_ptr = Acc + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+        tl.atomic_add(a_ptr, acc, mask=mask, sem="relaxed")
+
+
+def _rows_pow2(m: int) -> int:
+    return max(16, triton.next_power_of_2(m))
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: ProductConfig) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` by the Triton kernel in ``config``: ``x`` of at most
+    :data:`MAX_ROWS` rows ``[m, k]``, ``weight`` ``[n, k]`` (unit last strides), the result
+    ``[m, n]`` in ``x``'s dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"a product of {tuple(x.shape)} by {tuple(weight.shape)}^T is not the kernel's")
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    acc = y
+    if config.split > 1:
+        acc = torch.zeros((m, n), device=x.device, dtype=torch.float32)
+    k_per = triton.cdiv(triton.cdiv(k, config.split), config.block_k) * config.block_k
+    _product_kernel[(triton.cdiv(n, config.block_n), config.split)](
+        x, weight, bias if bias is not None else weight, y, acc, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        K_PER=k_per, BM=_rows_pow2(m), BN=config.block_n, BK=config.block_k, SPLIT=config.split,
+        HAS_BIAS=bias is not None, num_warps=config.warps, num_stages=config.stages,
+    )
+    if config.split > 1:
+        if bias is not None:
+            acc += bias.to(torch.float32)
+        y.copy_(acc)
+    return y
+
+
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel can run this product at all (else PyTorch's runs)."""
+    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if _INTERPRETED else ())
+    return (
+        (x.is_cuda or _INTERPRETED)
+        and x.shape[0] <= MAX_ROWS
+        and x.dtype in dtypes
+        and weight.dtype == x.dtype
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+    )
+
+
+def tuned_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> ProductConfig | None:
+    """The fastest way to run this product (None: PyTorch's), measured once per shape (rows
+    rounded up to a power of two, the weight's shape, dtype and row stride, a bias or not)
+    and remembered. Untimed (see the module's text), a shape tuned before keeps its choice
+    and any other runs through PyTorch, remembering nothing; in Triton's interpreter, the
+    kernel's first candidate."""
+    if not _kernel_takes(x, weight):
+        return None
+    shape: _Shape = (_rows_pow2(x.shape[0]), tuple(weight.shape), weight.stride(0), x.dtype, bias is not None, x.device)
+    if shape in _TUNED:
+        return _TUNED[shape]
+    if _INTERPRETED:
+        return _CANDIDATES[0]
+    if not triton_decode.AUTOTUNE or not may_time():
+        return None
+
+    def run(c: ProductConfig | None) -> torch.Tensor:
+        if c is None:
+            return torch.nn.functional.linear(x, weight, bias)
+        return product(x, weight, bias, c)
+
+    timings: list[tuple[float, int, ProductConfig | None]] = [(graph_time(run, None), 0, None)]
+    for i, c in enumerate(_CANDIDATES, start=1):
+        try:
+            timings.append((graph_time(run, c), i, c))
+        except triton_decode.TOO_BIG:
+            continue  # more shared memory or registers than the device has
+    chosen = min(timings, key=lambda t: (t[0], t[1]))[2]
+    _TUNED[shape] = chosen
+    return chosen
+
+
+def tuned_product_choices() -> dict[str, str]:
+    """The choices :func:`tuned_product` measured so far, each under a description of its
+    shape (rows rounded up, the weight's shape, dtype): a configuration or ``"torch"``."""
+    return {
+        f"rows <= {k[0]}, weight {k[1][0]} x {k[1][1]}, {k[3]}" + (", bias" if k[4] else ""): (
+            "torch" if v is None else str(v)
+        )
+        for k, v in _TUNED.items()
+    }
+
+
+@torch.library.custom_op("kvvm::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight, bias)``, run the fastest way measured for its
+    shape (:func:`tuned_product`): a few rows of ``x`` (at most :data:`MAX_ROWS` of them,
+    leading dimensions flattened) through the Triton kernel where it beat cuBLAS."""
+    flat = x.reshape(-1, x.shape[-1])
+    config = tuned_product(flat, weight, bias) if flat.shape[0] else None
+    if config is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return product(flat.contiguous() if flat.stride(1) != 1 else flat, weight, bias, config).reshape(
+        *x.shape[:-1], weight.shape[0]
+    )
+
+
+@linear.register_fake
+def _linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
