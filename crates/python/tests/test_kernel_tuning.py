@@ -131,6 +131,41 @@ def test_a_call_of_its_own_is_timed_and_kept_apart_from_the_plain_kernels(monkey
     assert any(name.endswith("('cascade', 4)") for name in td.tuned_configs())
 
 
+def test_the_prefix_pass_is_tuned_beside_the_private_pass_and_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cascade's prefix pass takes the fastest of its candidates and the private pass's
+    own configuration, timed on the cascade's call, remembered per shape and private
+    configuration; while untuned, none (the private pass's own)."""
+    pytest.importorskip("triton", reason="skipped: no triton")
+    import kvvm.kernels.cascade as cc
+    import kvvm.kernels.triton_decode as td
+    from kvvm.kernels.tuning import untuned
+
+    monkeypatch.setattr(td, "AUTOTUNE", True)
+    monkeypatch.setattr(cc, "_INTERPRETED", False)
+    monkeypatch.setattr(cc, "_TUNED_PREFIX", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    timed: list[Any] = []
+    fastest = cc.PrefixConfig(64, 4, 3)
+
+    def fake_time(call: Any, config: Any) -> float:
+        call(config)
+        return 1.0 if config == fastest else 2.0
+
+    monkeypatch.setattr(cc, "graph_time", fake_time)
+    private = td.Config(4, 128, 8, 2)
+    with untuned():
+        assert cc.tuned_prefix_config("shape", private, timed.append) is None
+    assert timed == []
+    assert cc.tuned_prefix_config("shape", private, timed.append) == fastest
+    assert timed[0] == cc.PrefixConfig(128, 8, 2), "the private pass's own configuration is a candidate, first"
+    assert len(timed) == len(set(timed)) > 2
+    timed.clear()
+    assert cc.tuned_prefix_config("shape", private, timed.append) == fastest and timed == [], "remembered"
+    with untuned():
+        assert cc.tuned_prefix_config("shape", private, timed.append) == fastest, "a tuned shape keeps its choice"
+    assert cc.tuned_prefix_config("shape", td.Config(2), timed.append) == fastest and timed, "another private config: tuned apart"
+
+
 class _Kv:
     """The KV manager's prefill context, as the runner uses it."""
 

@@ -23,7 +23,7 @@ from unittest import mock
 import torch
 
 import kvvm
-from kvvm_bench.model import build_model, unread_weight_bytes, weight_bytes
+from kvvm_bench.model import build_model, product_choices, unread_weight_bytes, weight_bytes
 from kvvm_bench.numerics import timed_greedy_steps
 from kvvm_bench.report_file import write_report
 from kvvm_bench.runs import kernel_breakdown
@@ -162,6 +162,11 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, groups: int) -
             row["cascade_over_floor_once"] = round(cascade["p50"] / row["floor_once_ms"], 2)
             row["cascade_over_floor_once_read"] = round(cascade["p50"] / row["floor_once_read_ms"], 2)
             row["plain_over_floor_each"] = round(plain["p50"] / row["floor_each_ms"], 2)
+            from kvvm.kernels.cascade import tuned_prefix_configs
+            from kvvm.kernels.triton_decode import tuned_configs
+
+            row["decode_configs"] = {k: str(v) for k, v in tuned_configs().items()}
+            row["prefix_configs"] = {k: str(v) for k, v in tuned_prefix_configs().items()}
             if args.profile:
                 for name, s, t in zip(("cascade", "plain"), steps, toks):
                     row[f"{name}_profile"] = kernel_breakdown(lambda s=s, t=t: s(t), steps=4)
@@ -204,6 +209,7 @@ def run_cascade_bench(args: argparse.Namespace) -> dict[str, Any]:
         report["device"] = torch.cuda.get_device_name()
     for g in groups:
         report["results"].append(_one(model, mgr, args, g))
+        report["product_choices"] = product_choices()
         print(report["results"][-1], flush=True)
         write_report(args.json, report)
     return report

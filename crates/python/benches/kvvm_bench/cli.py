@@ -48,7 +48,7 @@ import torch
 
 import kvvm
 from kvvm_bench import runs
-from kvvm_bench.model import build_model, unread_weight_bytes, weight_bytes
+from kvvm_bench.model import build_model, product_choices, unread_weight_bytes, weight_bytes
 from kvvm_bench.report_file import write_report
 
 __all__ = ["main"]
@@ -138,6 +138,7 @@ def run_generate(args: argparse.Namespace) -> dict[str, Any]:
             point["runs"].append(row)
         _verdict(point, done)
         point["triton_configs"] = _triton_configs()
+        point["product_choices"] = product_choices()
         report["points"].append(point)
         write_report(args.json, report)
     return report

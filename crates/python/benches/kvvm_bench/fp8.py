@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 import kvvm
-from kvvm_bench.model import build_model, unread_weight_bytes, weight_bytes
+from kvvm_bench.model import build_model, product_choices, unread_weight_bytes, weight_bytes
 from kvvm_bench.numerics import bf16_tie, timed_greedy_steps
 from kvvm_bench.report_file import write_report
 from kvvm_bench.runs import kernel_breakdown
@@ -215,6 +215,7 @@ def run_fp8_bench(args: argparse.Namespace) -> dict[str, Any]:
         report["fp8_speedup"] = round(bf16["step_p50_ms"] / fp8["step_p50_ms"], 3)
     report["budget_tokens_ratio"] = round(fp8["tokens_in_budget"] / max(bf16["tokens_in_budget"], 1), 3)
     report["accuracy"] = _accuracy(ref, got)
+    report["product_choices"] = product_choices()
     print({k: report.get(k) for k in ("fp8_speedup", "budget_tokens_ratio", "accuracy")}, flush=True)
     write_report(args.json, report)
     return report

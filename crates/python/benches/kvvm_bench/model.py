@@ -4,11 +4,12 @@ model built from a config with random weights (:func:`build_model`)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import torch
 
-__all__ = ["build_model", "unread_weight_bytes", "weight_bytes"]
+__all__ = ["build_model", "product_choices", "unread_weight_bytes", "weight_bytes"]
 
 
 def build_model(args: argparse.Namespace) -> Any:
@@ -39,3 +40,11 @@ def unread_weight_bytes(model: Any, batch: int) -> int:
         return 0
     rows = max(table.shape[0] - batch, 0)
     return rows * table.shape[1] * table.element_size()
+
+
+def product_choices() -> dict[str, str]:
+    """What kvvm's tuned products chose per shape so far (``--tuned-products``,
+    ``kvvm-graph-tuned``): cuBLAS (``"torch"``) or a kernel configuration; empty where no
+    tuned product ran in this process."""
+    products = sys.modules.get("kvvm.kernels.products")
+    return products.tuned_product_choices() if products is not None else {}

@@ -181,21 +181,25 @@ def _triton(
 
         return prefill_attention(query, key, value, bounds, scale, window=window, softcap=softcap, kv_scales=kv_scales)
     if cascade is not None and not window:
-        from .cascade import cascade_attention
+        from .cascade import PrefixConfig, cascade_attention, tuned_prefix_config
 
         tables = cascade
 
-        def run(c: Config) -> torch.Tensor:
+        def run(c: Config, prefix: PrefixConfig | None = None) -> torch.Tensor:
             return cascade_attention(
                 query, key, value, bounds, scale, c, tables, new, softcap=softcap, kv_scales=kv_scales,
+                prefix_config=prefix,
             )
 
-        # Tuned as the cascade runs: its private pass reads each request's own tokens only,
-        # and its prefix pass takes the same configuration.
+        # Tuned as the cascade runs: its private pass reads each request's own tokens only
+        # (tuned with the prefix pass in the same configuration), then the prefix pass's
+        # configuration beside it (its products are of an item's many query rows).
         variant = ("cascade", cascade[3], tuple(cascade[2].shape))
-        return run(tuned_config(
+        config = tuned_config(
             query, key, value, bounds, scale, multiprocessors(query.device), new, kv_scales, timed=run, variant=variant,
-        ))
+        )
+        shape = (tuple(query.shape), query.dtype, key.dtype, tuple(key.shape), tuple(key.stride()), variant)
+        return run(config, tuned_prefix_config(shape, config, lambda p: run(config, p)))
     config = tuned_config(query, key, value, bounds, scale, multiprocessors(query.device), new, kv_scales)
     return decode_attention(
         query, key, value, bounds, scale, config, new, window=window, softcap=softcap, kv_scales=kv_scales,

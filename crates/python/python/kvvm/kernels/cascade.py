@@ -25,16 +25,18 @@ Runs on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it without
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from . import triton_decode
 from .device import multiprocessors
 from .triton_decode import (
     _INTERPRETED,
+    TOO_BIG,
     Config,
     _pow2_at_least,
     buffers,
@@ -46,11 +48,12 @@ from .triton_decode import (
     upcast,
 )
 from .triton_kernels import fold_tokens, kv_scales, product_query, split_range
+from .tuning import graph_time, may_time
 
 __all__ = [
-    "PREFIX_PROGRAMS_PER_MULTIPROCESSOR", "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "Share", "Tables",
-    "cascade_attention", "choose_prefix_splits", "member_tiles", "most_items", "plan_groups", "prefix_items",
-    "query_rows",
+    "PREFIX_PROGRAMS_PER_MULTIPROCESSOR", "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "PrefixConfig", "Share",
+    "Tables", "cascade_attention", "choose_prefix_splits", "member_tiles", "most_items", "plan_groups",
+    "prefix_items", "query_rows", "tuned_prefix_config", "tuned_prefix_configs",
 ]
 
 #: The device tables of a step's groups: each request's shared tokens (int32 ``[batch]``), each
@@ -66,6 +69,26 @@ _ROWS = 64
 #: Programs of the prefix pass per multiprocessor: each walks the work list from its index
 #: by the programs' count.
 PREFIX_PROGRAMS_PER_MULTIPROCESSOR = 2
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    """How the prefix pass runs: prefix tokens per iteration, warps, pipeline stages. Its
+    products are of up to 64 query rows (an item's members' heads) where the private pass's
+    are of a request's few heads: the configuration that suits one need not suit the other."""
+
+    block: int
+    warps: int
+    stages: int
+
+
+#: The prefix pass's configurations :func:`tuned_prefix_config` times beside the private
+#: pass's own.
+_PREFIX_SHAPES = (PrefixConfig(64, 4, 2), PrefixConfig(64, 4, 3), PrefixConfig(64, 8, 3), PrefixConfig(32, 4, 3),
+                  PrefixConfig(128, 8, 3))
+
+#: The prefix pass's configuration measured fastest per shape and private configuration.
+_TUNED_PREFIX: dict[tuple[object, ...], PrefixConfig] = {}
 
 
 @dataclass(frozen=True)
@@ -299,6 +322,7 @@ def cascade_attention(
     softcap: float = 0.0,
     kv_scales: torch.Tensor | None = None,
     programs: int | None = None,
+    prefix_config: PrefixConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request over its tokens, the prefixes shared by the
     groups of ``tables`` read once per group.
@@ -309,7 +333,8 @@ def cascade_attention(
     heads per KV head); ``config`` is the private pass's; ``kv_scales``: K and V are an FP8
     cache's, of these scales (both passes dequantize as they read); ``programs``: the prefix
     pass's (default :data:`PREFIX_PROGRAMS_PER_MULTIPROCESSOR` per multiprocessor, fewer
-    where the tables hold fewer units). Returns ``[batch, 1, heads, head_dim]`` in the
+    where the tables hold fewer units); ``prefix_config``: the prefix pass's block, warps and
+    stages (default: the private pass's). Returns ``[batch, 1, heads, head_dim]`` in the
     query's dtype.
     """
     batch, heads, _, dim = query.shape
@@ -327,6 +352,7 @@ def cascade_attention(
     if programs is not None and programs < 1:
         raise ValueError(f"the prefix pass needs one program or more, not {programs}")
     c = config if isinstance(config, Config) else Config(config)
+    pc = prefix_config or PrefixConfig(c.block, c.warps, c.stages)
     if kv_scales is not None:
         kv_scales = kv_scales.to(torch.float32).contiguous()
     total = c.splits + prefix_splits
@@ -352,12 +378,43 @@ def cascade_attention(
         TILE=tile, KV_HEADS=kv_heads, PROGRAMS=programs, LAPS=triton.cdiv(units, programs),
         GROUP=group, GROUP_POW2=query_rows(group),
         HEAD_DIM=dim, DIM_PAD=max(16, _pow2_at_least(dim)),
-        BLOCK=c.block, SPLITS=c.splits, PSPLITS=prefix_splits, LOOP_WHILE=_INTERPRETED,
+        BLOCK=pc.block, SPLITS=c.splits, PSPLITS=prefix_splits, LOOP_WHILE=_INTERPRETED,
         PRECISION=precision(query.dtype), UPCAST=upcast(query.dtype), CAPPED=bool(softcap),
-        FP8=kv_scales is not None, num_warps=c.warps, num_stages=c.stages,
+        FP8=kv_scales is not None, num_warps=pc.warps, num_stages=pc.stages,
     )
     run_merge(acc, lse, out, total)
     return out
+
+
+def tuned_prefix_config(
+    key: Hashable, config: Config, timed: Callable[[PrefixConfig], object],
+) -> PrefixConfig | None:
+    """The prefix pass's fastest configuration beside the private pass's ``config``, measured
+    once by ``timed`` (the cascade's whole call in a configuration, replayed in a captured
+    graph) per ``key`` (the call's shape) and ``config``, and remembered; None (the private
+    pass's own) where nothing may be timed (:mod:`kvvm.kernels.tuning`'s rules, Triton's
+    interpreter, ``KVVM_TRITON_AUTOTUNE=0``) and the shape was not tuned before."""
+    found = _TUNED_PREFIX.get((key, config))
+    if found is not None:
+        return found
+    if not triton_decode.AUTOTUNE or _INTERPRETED or not may_time():
+        return None
+    own = PrefixConfig(config.block, config.warps, config.stages)
+    timings: list[tuple[float, int, PrefixConfig]] = []
+    for i, pc in enumerate(dict.fromkeys((own, *_PREFIX_SHAPES))):
+        try:
+            timings.append((graph_time(timed, pc), i, pc))
+        except TOO_BIG:
+            continue  # more shared memory or registers than the device has
+    chosen = min(timings, key=lambda t: (t[0], t[1]))[2]
+    _TUNED_PREFIX[(key, config)] = chosen
+    return chosen
+
+
+def tuned_prefix_configs() -> dict[str, PrefixConfig]:
+    """The prefix pass's configurations :func:`tuned_prefix_config` chose so far, each under
+    its shape and the private pass's configuration."""
+    return {f"{key}, private {config}": chosen for (key, config), chosen in _TUNED_PREFIX.items()}
 
 
 def member_tiles(batch: int, group: int) -> tuple[int, int]:
