@@ -55,10 +55,13 @@ class ProductConfig:
     split: int = 1
 
 
-#: The kernel's configurations :func:`tuned_product` times beside cuBLAS.
+#: The kernel's configurations :func:`tuned_product` times beside cuBLAS: each fits the
+#: H100's shared memory at 64 rows with its stages in flight (64 KiB or more of weight a
+#: program); the splits give a narrow weight (4096 rows: 64 programs of 64) a program per
+#: multiprocessor or more.
 _CANDIDATES = (
-    ProductConfig(64, 128), ProductConfig(64, 256), ProductConfig(128, 128), ProductConfig(128, 256, stages=3),
-    ProductConfig(32, 256), ProductConfig(64, 256, split=2), ProductConfig(64, 256, split=4),
+    ProductConfig(64, 128), ProductConfig(128, 128), ProductConfig(64, 256, stages=3), ProductConfig(32, 256),
+    ProductConfig(128, 128, warps=8, stages=3), ProductConfig(64, 128, split=2), ProductConfig(64, 128, split=4),
     ProductConfig(32, 256, split=2),
 )
 
@@ -77,12 +80,14 @@ def candidates() -> tuple[ProductConfig, ...]:
 
 @triton.jit
 def _product_kernel(
-    X, W, Bias, Y, Acc, M, N, K, stride_xm, stride_wn, stride_ym,
-    K_PER: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    X, W, Bias, Y, Acc, M, N, K, k_per, stride_xm, stride_wn, stride_ym,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    LOOP_WHILE: tl.constexpr,
 ):
     # Program (n, s) takes weight rows [n * BN, n * BN + BN) over the reduction's s-th part
-    # of K_PER elements: acc[BN, BM] = W[rows, part] @ x[:, part]^T, the weight the tall side.
+    # of k_per elements: acc[BN, BM] = W[rows, part] @ x[:, part]^T, the weight the tall side.
+    # The loop's bounds are run-time values: Triton pipelines such a loop's loads (its
+    # stages in flight), not one of a compile-time trip count.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -91,14 +96,18 @@ def _product_kernel(
     m_mask = offs_m < M
     w_rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
-    k_lo = pid_k * K_PER
+    k_lo = pid_k * k_per
+    k_hi = tl.minimum(k_lo + k_per, K)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for i in range(0, K_PER, BK):
-        offs_k = k_lo + i + tl.arange(0, BK)
-        k_mask = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(x), acc)
+    if LOOP_WHILE:
+        # Triton's interpreter (CPU) takes a loop bound only as a Python int.
+        k0 = k_lo
+        while k0 < k_hi:
+            acc = _product_block(w_rows, x_rows, k0, k_hi, n_mask, m_mask, acc, BK)
+            k0 += BK
+    else:
+        for k0 in range(k_lo, k_hi, BK):
+            acc = _product_block(w_rows, x_rows, k0, k_hi, n_mask, m_mask, acc, BK)
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT == 1:
         if HAS_BIAS:
@@ -108,6 +117,16 @@ def _product_kernel(
     else:
         a_ptr = Acc + offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
         tl.atomic_add(a_ptr, acc, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def _product_block(w_rows, x_rows, k0, k_hi, n_mask, m_mask, acc, BK: tl.constexpr):
+    """One block of the reduction, ``[k0, k0 + BK)`` (nothing past ``k_hi``), added to ``acc``."""
+    offs_k = k0 + tl.arange(0, BK)
+    k_mask = offs_k < k_hi
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    return tl.dot(w, tl.trans(x), acc)
 
 
 def _rows_pow2(m: int) -> int:
@@ -128,9 +147,9 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         acc = torch.zeros((m, n), device=x.device, dtype=torch.float32)
     k_per = triton.cdiv(triton.cdiv(k, config.split), config.block_k) * config.block_k
     _product_kernel[(triton.cdiv(n, config.block_n), config.split)](
-        x, weight, bias if bias is not None else weight, y, acc, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        K_PER=k_per, BM=_rows_pow2(m), BN=config.block_n, BK=config.block_k, SPLIT=config.split,
-        HAS_BIAS=bias is not None, num_warps=config.warps, num_stages=config.stages,
+        x, weight, bias if bias is not None else weight, y, acc, m, n, k, k_per, x.stride(0), weight.stride(0),
+        y.stride(0), BM=_rows_pow2(m), BN=config.block_n, BK=config.block_k, SPLIT=config.split,
+        HAS_BIAS=bias is not None, LOOP_WHILE=_INTERPRETED, num_warps=config.warps, num_stages=config.stages,
     )
     if config.split > 1:
         if bias is not None:
