@@ -35,6 +35,7 @@ crossover and a memory-pressure trace (:mod:`kvvm_bench.swap`).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import random
 import os
@@ -318,12 +319,27 @@ def _failures(report: dict[str, Any]) -> str:
     return "\n".join(f"  {name}: {notes.get(name) or 'failed'}" for name in report.get("failed", []))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m kvvm_bench``."""
-    ap = argparse.ArgumentParser(prog="python -m kvvm_bench", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    _decode_args(sub)
-    _serve_args(sub)
+#: The commands a module of their own runs: its name and its run function. Most write
+#: ``--json`` as they go (after every run, shape or part).
+_RUNNERS = {
+    "prefix": ("prefix", "run_prefix_bench"), "engines": ("engines", "run_engines_bench"),
+    "kvcached": ("kvcached_compare", "run_kvcached_bench"), "sliding": ("sliding", "run_sliding_bench"),
+    "shapes": ("shapes", "run_shapes_bench"), "cascade": ("cascade", "run_cascade_bench"),
+    "fp8": ("fp8", "run_fp8_bench"), "swap": ("swap", "run_swap_bench"), "http": ("http_serve", "run_http_bench"),
+    "products": ("products", "run_products_bench"), "sampling": ("sampling_step", "run_sampling_bench"),
+}
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    """The report of the command ``args`` name."""
+    if args.cmd in _RUNNERS:
+        module, fn = _RUNNERS[args.cmd]
+        return getattr(importlib.import_module(f"kvvm_bench.{module}"), fn)(args)  # type: ignore[no-any-return]
+    return {"generate": run_generate, "kernels": run_kernel_bench, "serve": run_serve_bench}[args.cmd](args)
+
+
+def _command_args(sub: Any) -> None:
+    """The commands whose arguments their own modules define."""
     from kvvm_bench import prefix as bench_prefix
 
     bench_prefix.add_args(sub.add_parser("prefix", help="what a prefix-cache hit costs, by handle size"))
@@ -357,45 +373,32 @@ def main(argv: list[str] | None = None) -> int:
 
     http_serve.add_args(sub.add_parser("http", help="a trace through the engine directly and through its OpenAI server"))
     sampling_step.add_args(sub.add_parser("sampling", help="the engine's decode step with sampling on against greedy"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m kvvm_bench``."""
+    ap = argparse.ArgumentParser(prog="python -m kvvm_bench", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _decode_args(sub)
+    _serve_args(sub)
+    _command_args(sub)
     args = ap.parse_args(argv)
     if args.cmd == "engines-worker":
+        from kvvm_bench import engines
+
         print(json.dumps(engines.worker(args)), flush=True)
         return 0
     if args.cmd == "kvcached-worker":
-        return bench_kvcached.worker(args)
+        from kvvm_bench import kvcached_compare
+
+        return kvcached_compare.worker(args)
     if args.cmd != "prefix" and getattr(args, "device", "cuda") == "cuda" and not torch.cuda.is_available():
         print("python -m kvvm_bench needs a CUDA GPU (serve, http, sampling, shapes, sliding, cascade, fp8 and swap also run with --device cpu)",
               file=sys.stderr)
         return 2
+    report = _run(args)
     if args.cmd == "prefix":
-        report = bench_prefix.run_prefix_bench(args)
         write_report(args.json, report)
-    elif args.cmd == "generate":
-        report = run_generate(args)
-    elif args.cmd == "kernels":
-        report = run_kernel_bench(args)
-    elif args.cmd == "engines":
-        report = engines.run_engines_bench(args)  # writes --json after every run
-    elif args.cmd == "kvcached":
-        report = bench_kvcached.run_kvcached_bench(args)
-    elif args.cmd == "sliding":
-        report = bench_sliding.run_sliding_bench(args)  # writes --json after every cache
-    elif args.cmd == "shapes":
-        report = bench_shapes.run_shapes_bench(args)  # writes --json after every shape
-    elif args.cmd == "cascade":
-        report = bench_cascade.run_cascade_bench(args)  # writes --json after every group count
-    elif args.cmd == "fp8":
-        report = bench_fp8.run_fp8_bench(args)  # writes --json after each cache
-    elif args.cmd == "swap":
-        report = bench_swap.run_swap_bench(args)  # writes --json after every part
-    elif args.cmd == "http":
-        report = http_serve.run_http_bench(args)  # writes --json after each run
-    elif args.cmd == "products":
-        report = bench_products.run_products_bench(args)  # writes --json after every shape
-    elif args.cmd == "sampling":
-        report = sampling_step.run_sampling_bench(args)  # writes --json after every configuration
-    else:
-        report = run_serve_bench(args)
     json.dump(report, sys.stdout, indent=1)
     print()
     if args.cmd == "serve" and report["failed"]:

@@ -223,9 +223,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     config = tuned_product(flat, weight, bias) if flat.shape[0] else None
     if config is None:
         return torch.nn.functional.linear(x, weight, bias)
-    return product(flat.contiguous() if flat.stride(1) != 1 else flat, weight, bias, config).reshape(
-        *x.shape[:-1], weight.shape[0]
-    )
+    return product(flat, weight, bias, config).reshape(*x.shape[:-1], weight.shape[0])
 
 
 @linear.register_fake
