@@ -49,8 +49,13 @@ def test_the_kernel_computes_the_product_in_the_interpreter() -> None:
         big = torch.randn(65, 64)
         assert tuned_product(big, w, None) is None
         assert torch.equal(linear(big, w), torch.nn.functional.linear(big, w))
-        # A weight read across its rows (not a unit last stride): PyTorch's product.
+        # A weight read across its rows (not a unit last stride), a bias of another dtype or
+        # read with a stride: PyTorch's product.
         assert tuned_product(torch.randn(4, 40), w.t(), None) is None
+        assert tuned_product(torch.randn(4, 64), w, torch.zeros(40, dtype=torch.float64)) is None
+        strided = torch.zeros(80)[::2]
+        assert tuned_product(torch.randn(4, 64), w, strided) is None
+        assert torch.equal(linear(torch.ones(4, 64), w, strided), torch.nn.functional.linear(torch.ones(4, 64), w, strided))
         try:
             product(big, w, None, configs[0])
         except ValueError as e:
@@ -80,7 +85,7 @@ def products(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(td, "AUTOTUNE", True)
     monkeypatch.setattr(p, "_INTERPRETED", False)
     monkeypatch.setattr(p, "_TUNED", {})
-    monkeypatch.setattr(p, "_kernel_takes", lambda x, w: True)
+    monkeypatch.setattr(p, "_kernel_takes", lambda x, w, b: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(p, "timed", [], raising=False)
     monkeypatch.setattr(p, "times", [1.0] + [2.0] * len(p.candidates()), raising=False)

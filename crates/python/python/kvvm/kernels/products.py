@@ -139,7 +139,9 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     ``[m, n]`` in ``x``'s dtype."""
     m, k = x.shape
     n = weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+    if m > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1 or (
+        bias is not None and bias.stride(0) != 1
+    ):
         raise ValueError(f"a product of {tuple(x.shape)} by {tuple(weight.shape)}^T is not the kernel's")
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     acc = y
@@ -158,7 +160,7 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     return y
 
 
-def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether the kernel can run this product at all (else PyTorch's runs)."""
     dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if _INTERPRETED else ())
     return (
@@ -168,6 +170,7 @@ def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.dtype == x.dtype
         and x.stride(1) == 1
         and weight.stride(1) == 1
+        and (bias is None or (bias.dtype == x.dtype and bias.stride(0) == 1))
     )
 
 
@@ -177,7 +180,7 @@ def tuned_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     and remembered. Untimed (see the module's text), a shape tuned before keeps its choice
     and any other runs through PyTorch, remembering nothing; in Triton's interpreter, the
     kernel's first candidate."""
-    if not _kernel_takes(x, weight):
+    if not _kernel_takes(x, weight, bias):
         return None
     shape: _Shape = (_rows_pow2(x.shape[0]), tuple(weight.shape), weight.stride(0), x.dtype, bias is not None, x.device)
     if shape in _TUNED:
