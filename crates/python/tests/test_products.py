@@ -83,6 +83,7 @@ def products(monkeypatch: pytest.MonkeyPatch) -> Any:
     p: Any = kvvm.kernels.products
 
     monkeypatch.setattr(td, "AUTOTUNE", True)
+    monkeypatch.setattr(td, "_INTERPRETED", False)
     monkeypatch.setattr(p, "_INTERPRETED", False)
     monkeypatch.setattr(p, "_TUNED", {})
     monkeypatch.setattr(p, "_kernel_takes", lambda x, w, b: True)

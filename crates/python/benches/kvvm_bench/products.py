@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvvm_bench.report_file import write_report
+from kvvm_bench.shapes import copy_bandwidth
 
 __all__ = ["add_args", "run_products_bench"]
 
@@ -32,16 +33,6 @@ _SHAPES = (
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", default="16,64", help="rows of x (a decode step's requests), comma-separated")
     p.add_argument("--json", help="write the report here")
-
-
-def _copy_rate() -> float:
-    """Bytes a second a device-to-device copy of 2 GiB reads (it writes as many)."""
-    from kvvm.kernels.tuning import graph_time
-
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = graph_time(lambda _: dst.copy_(src), None)
-    return src.numel() / (ms * 1e-3)
 
 
 def _one(rows: int, name: str, n: int, k: int) -> dict[str, Any]:
@@ -71,7 +62,8 @@ def _one(rows: int, name: str, n: int, k: int) -> dict[str, Any]:
 
 def run_products_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape at every row count; returns the report (written after each shape)."""
-    rate = _copy_rate()
+    # A copy reads as many bytes as it writes: half of copy_bandwidth's read-and-written rate.
+    rate = (copy_bandwidth(torch.device("cuda"), 2 << 30) or 0.0) / 2
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_read_bytes_per_s": round(rate),
         "results": [], "per_step": {},

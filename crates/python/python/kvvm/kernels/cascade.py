@@ -48,7 +48,7 @@ from .triton_decode import (
     upcast,
 )
 from .triton_kernels import fold_tokens, kv_scales, product_query, split_range
-from .tuning import graph_time, may_time
+from .tuning import graph_time
 
 __all__ = [
     "PREFIX_PROGRAMS_PER_MULTIPROCESSOR", "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "PrefixConfig", "Share",
@@ -397,7 +397,7 @@ def tuned_prefix_config(
     found = _TUNED_PREFIX.get((key, config))
     if found is not None:
         return found
-    if not triton_decode.AUTOTUNE or _INTERPRETED or not may_time():
+    if not triton_decode.may_tune():
         return None
     own = PrefixConfig(config.block, config.warps, config.stages)
     timings: list[tuple[float, int, PrefixConfig]] = []

@@ -26,7 +26,6 @@ Runs on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check the kernel
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +33,8 @@ import triton
 import triton.language as tl
 
 from . import triton_decode
-from .tuning import graph_time, may_time
+from .triton_decode import _INTERPRETED
+from .tuning import graph_time
 
 __all__ = ["MAX_ROWS", "ProductConfig", "candidates", "linear", "product", "tuned_product", "tuned_product_choices"]
 
@@ -68,9 +68,6 @@ _CANDIDATES = (
 #: The choice per shape (None: PyTorch's product).
 _Shape = tuple[int, tuple[int, ...], int, torch.dtype, bool, torch.device]
 _TUNED: dict[_Shape, ProductConfig | None] = {}
-
-#: Whether kernels run in Triton's interpreter (on CPU tensors).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def candidates() -> tuple[ProductConfig, ...]:
@@ -187,7 +184,7 @@ def tuned_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return _TUNED[shape]
     if _INTERPRETED:
         return _CANDIDATES[0]
-    if not triton_decode.AUTOTUNE or not may_time():
+    if not triton_decode.may_tune():
         return None
 
     def run(c: ProductConfig | None) -> torch.Tensor:

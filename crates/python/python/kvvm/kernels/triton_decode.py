@@ -33,7 +33,7 @@ import triton
 from .triton_kernels import _merge_kernel, _partial_kernel
 from .tuning import graph_time, may_time
 
-__all__ = ["AUTOTUNE", "Config", "choose_splits", "decode_attention", "tuned_config", "tuned_configs"]
+__all__ = ["AUTOTUNE", "Config", "choose_splits", "decode_attention", "may_tune", "tuned_config", "tuned_configs"]
 
 #: Tokens a program reads per iteration, by default.
 BLOCK_N = 64
@@ -80,6 +80,14 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+def may_tune() -> bool:
+    """Whether the kernels' autotuners (this one, the cascade's prefix pass's, the skinny
+    products') may time candidates now: :data:`AUTOTUNE` on, outside Triton's interpreter,
+    and :func:`~kvvm.kernels.tuning.may_time` (no capture, no compiler's trace, not
+    :func:`~kvvm.kernels.tuning.untuned`)."""
+    return AUTOTUNE and not _INTERPRETED and may_time()
+
+
 def choose_splits(batch: int, kv_heads: int, max_tokens: int, multiprocessors: int) -> int:
     """Splits per (request, KV head): enough programs for about four per multiprocessor, a
     power of two (the merge reads them as one block), and no split shorter than one block of
@@ -119,7 +127,7 @@ def tuned_config(
         return found
     splits = choose_splits(batch, key.shape[1], key.shape[2], multiprocessors)
     default = Config(splits)
-    if not AUTOTUNE or _INTERPRETED or not may_time():
+    if not may_tune():
         return default
     candidates = {default}
     # Fewer splits with more warps and stages keep as many bytes in flight with fewer
