@@ -179,18 +179,21 @@ def test_a_temperature_whose_probabilities_overflow_samples_the_greedy_token() -
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 def test_close_gives_the_model_back_as_it_found_it(implementation: str) -> None:
     """After the engine, the model attends as before (its implementation, forward and
-    projection modules), generates the same tokens, and transformers' continuous batching
-    can switch it to its paged attention again (``generate_batch``'s first step, which
-    failed on ``paged|kvvm``)."""
+    projection and linear modules, fused and tuned for its life), generates the same tokens,
+    and transformers' continuous batching can switch it to its paged attention again
+    (``generate_batch``'s first step, which failed on ``paged|kvvm``)."""
     model, ref = tiny()
     model.set_attn_implementation(implementation)
     prompt = prompts([12])[0]
     want = reference(model, prompt, 5)
-    engine = Engine(model, slots=1, max_len=64, backend="host", fuse_projections=True)
+    engine = Engine(model, slots=1, max_len=64, backend="host", fuse_projections=True, tuned_products=True)
+    assert type(model.model.layers[0].self_attn.o_proj).__name__ == "TunedLinear"
     r = engine.submit(prompt, 5)
     engine.run()
     assert r.tokens == want
     engine.close()
+    assert type(model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    assert type(model.lm_head) is torch.nn.Linear
     assert model.config._attn_implementation == implementation
     assert "forward" not in model.__dict__ and "_kvvm_original_forward" not in model.__dict__
     assert not hasattr(model.config, "kvvm_kernel")

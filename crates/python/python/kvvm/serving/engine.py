@@ -60,6 +60,7 @@ from ..errors import BackpressureError, InvalidArgumentError, KvvmError
 from ..transformers.attention import switch_attention
 from ..transformers.cache import KvvmCache
 from ..transformers.prefix import KvvmPrefix
+from ..transformers.products import tuned_products as tune_products
 from ..transformers.projections import fuse_projections as fuse
 from .control import EngineControl
 from .kv_manager import KvManager
@@ -120,6 +121,10 @@ class Engine(EngineControl):
         fuse_projections: run the model's sibling projections (Q, K and V; gate and up) as
             one matrix multiply each (:func:`kvvm.transformers.projections.fuse_projections`; the model's
             modules are given back by :meth:`close`).
+        tuned_products: run the model's products at a decode step's few rows through
+            ``kvvm::linear`` (:func:`kvvm.transformers.tuned_products`: cuBLAS or kvvm's
+            Triton kernel, whichever is measured faster per shape; after the fusion when
+            both are asked for; the modules are given back by :meth:`close`).
         eos_token_ids: the tokens that end a request: an int or a list of ints (default:
             the model's).
         seed: the seed a request without one draws its own from (with its id).
@@ -168,6 +173,7 @@ class Engine(EngineControl):
         prefix_handle_tokens: int = 256,
         compile: bool = True,
         fuse_projections: bool = False,
+        tuned_products: bool = False,
         eos_token_ids: int | list[int] | None = None,
         seed: int = 0,
         tokenizer: Any = None,
@@ -208,6 +214,7 @@ class Engine(EngineControl):
             raise
         self.model, self.manager, self.max_len = model, manager, max_len
         self._fused = fuse(model) if fuse_projections else None
+        self._tuned = tune_products(model) if tuned_products else None
         self.device = self.kv.device
         self.runner = ModelRunner(model, slots=slots, device=self.device, compile=compile)
         sizes = {"max_len": max_len, "prefill_chunk": prefill_chunk, "prefill_batch_tokens": prefill_batch_tokens}
@@ -479,6 +486,9 @@ class Engine(EngineControl):
                 self.swapper.close()
             self.kv.close()
             self._closed = True
+        if self._tuned is not None:
+            self._tuned.restore()
+            self._tuned = None
         if self._fused is not None:
             self._fused.restore()
             self._fused = None

@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-bytes", type=int, default=256 << 20, help="0: no prefix cache")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--fuse-projections", action="store_true")
+    p.add_argument("--tuned-products", action="store_true",
+                   help="the decode step's products by cuBLAS or kvvm's kernel, whichever is measured faster")
     p.add_argument("--no-warmup", action="store_true", help="skip the engine's warm-up (capture) at start")
     p.add_argument("--threads", type=int, help="torch's CPU threads")
     p.add_argument("--api-key", action="append", default=[], help="a tenant key, KEY or NAME:KEY (repeatable; also KVVM_API_KEYS)")
@@ -80,7 +82,7 @@ def build(args: argparse.Namespace) -> tuple[Engine, OpenAIServer]:
     manager = Manager(backend, budget_bytes=args.budget_bytes, precommit=True)
     engine = Engine(model, slots=args.slots, max_len=args.max_len, manager=manager, prefill_chunk=args.prefill_chunk,
                     prefix_cache_bytes=args.prefix_cache_bytes, fuse_projections=args.fuse_projections,
-                    tokenizer=tok, max_waiting=args.max_waiting, compile=args.device == "cuda")
+                    tuned_products=args.tuned_products, tokenizer=tok, max_waiting=args.max_waiting, compile=args.device == "cuda")
     if not args.no_warmup and args.device == "cuda":
         engine.warmup(prompt_tokens=min(512, args.max_len // 2))
     config = ServerConfig(model_name=args.served_model_name or name, api_keys=parse_keys(args.api_key, "KVVM_API_KEYS"),
