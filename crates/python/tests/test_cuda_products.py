@@ -1,0 +1,90 @@
+"""A decode step's skinny products on a CUDA GPU: the Triton kernel in every candidate
+configuration against cuBLAS's product (bf16 and fp16, rows from 1 to 64, the Llama-3.1-8B
+shape's weights and ragged ones, a bias), the tuned operator's choice giving the same product
+inside a captured graph, and a model's logits through ``tuned_products`` against its own.
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from conftest import cuda_available
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no CUDA (torch is not installed)")
+    pytest.importorskip("triton", reason="skipped: no CUDA (no triton)")
+
+pytestmark = pytest.mark.skipif(not cuda_available(), reason="skipped: no CUDA driver")
+
+from kvvm.kernels import products  # noqa: E402
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within a few units of the output dtype's resolution at the products' magnitude: both
+    sum in fp32, in different orders (split or not), then round once."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err = (got.float() - want.float()).abs().max().item()
+    eps = torch.finfo(want.dtype).eps
+    bound = 4 * eps * max(1.0, want.float().abs().max().item())
+    assert err <= bound, f"max |diff| {err} over the bound {bound}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (300, 520)])
+def test_every_candidate_matches_cublas(dtype: torch.dtype, n: int, k: int) -> None:
+    torch.manual_seed(0)
+    weight = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    for m in (1, 7, 16, 33, 64):
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        for b in (None, bias):
+            want = torch.nn.functional.linear(x, weight, b)
+            for config in products.candidates():
+                try:
+                    got = products.product(x, weight, b, config)
+                except products.triton_decode.TOO_BIG:
+                    continue  # more shared memory than this card has: the tuner skips it too
+                _close(got, want)
+
+
+def test_the_tuned_operator_replays_its_choice_in_a_graph() -> None:
+    """``kvvm::linear`` tunes a shape the first time it meets it outside a capture, then a
+    captured graph replays the chosen product over new inputs with cuBLAS's result."""
+    torch.manual_seed(1)
+    weight = (torch.randn(4096, 4096, device="cuda") / 64).to(torch.bfloat16)
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    first = products.linear(x, weight)
+    _close(first, torch.nn.functional.linear(x, weight))
+    assert any("4096 x 4096" in shape for shape in products.tuned_product_choices())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = products.linear(x, weight)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    _close(out, torch.nn.functional.linear(x, weight))
+
+
+def test_a_model_through_tuned_products_keeps_its_logits() -> None:
+    from kvvm.serving.load import random_model
+    from kvvm.transformers import fuse_projections, tuned_products
+
+    torch.manual_seed(2)
+    model = random_model("tiny", "cuda", torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (8, 1), device="cuda")
+    with torch.no_grad():
+        want = model(input_ids=ids).logits.float()
+        fused = fuse_projections(model)
+        tuned = tuned_products(model)
+        try:
+            got = model(input_ids=ids).logits.float()
+        finally:
+            tuned.restore()
+            fused.restore()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 0.05 * scale
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
