@@ -106,9 +106,11 @@ def _product_kernel(
         for k0 in range(k_lo, k_hi, BK):
             acc = _product_block(w_rows, x_rows, k0, k_hi, n_mask, m_mask, acc, BK)
     mask = n_mask[:, None] & m_mask[None, :]
+    if HAS_BIAS:
+        # Added once: by the only program of a row block, or by its first split.
+        first = (pid_k == 0).to(tl.float32)
+        acc += first * tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         y_ptr = Y + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask)
     else:
@@ -151,8 +153,6 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         HAS_BIAS=bias is not None, LOOP_WHILE=_INTERPRETED, num_warps=config.warps, num_stages=config.stages,
     )
     if config.split > 1:
-        if bias is not None:
-            acc += bias.to(torch.float32)
         y.copy_(acc)
     return y
 
