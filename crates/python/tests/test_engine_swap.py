@@ -166,9 +166,16 @@ def test_a_swap_that_fails_on_the_way_back_is_recomputed() -> None:
 
 
 def test_bad_swap_arguments_are_refused() -> None:
+    """Refused, and the model is given back as it was: its attention and its modules (fused
+    and tuned before the swapper was made)."""
     model, _ = tiny()
+    attention = model.config._attn_implementation
     with pytest.raises(kvvm.InvalidArgumentError):
-        Engine(model, slots=1, max_len=64, backend="host", host_tier_bytes=WINDOW, swap="sometimes")
+        Engine(model, slots=1, max_len=64, backend="host", host_tier_bytes=WINDOW, swap="sometimes",
+               fuse_projections=True, tuned_products=True)
+    assert model.config._attn_implementation == attention
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert type(model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
     with pytest.raises(kvvm.InvalidArgumentError):
         Engine(model, slots=1, max_len=64, backend="host", host_tier_bytes=-1)
 

@@ -60,8 +60,6 @@ from ..errors import BackpressureError, InvalidArgumentError, KvvmError
 from ..transformers.attention import switch_attention
 from ..transformers.cache import KvvmCache
 from ..transformers.prefix import KvvmPrefix
-from ..transformers.products import tuned_products as tune_products
-from ..transformers.projections import fuse_projections as fuse
 from .control import EngineControl
 from .kv_manager import KvManager
 from .loop import BackgroundLoop
@@ -186,15 +184,12 @@ class Engine(EngineControl):
         kv_scales: Any = None,
         cascade: bool = False,
     ) -> None:
-        check_positive(slots, "slots")
-        check_positive(max_len, "max_len", 2)
-        check_positive(prefill_chunk, "prefill_chunk")
-        check_positive(prefill_batch_tokens, "prefill_batch_tokens")
-        check_positive(prefix_cache_bytes, "prefix_cache_bytes", 0)
-        check_positive(prefix_handle_tokens, "prefix_handle_tokens")
-        if max_waiting is not None:
-            check_positive(max_waiting, "max_waiting")
-        check_positive(host_tier_bytes, "host_tier_bytes", 0)
+        for value, name, least in (
+            (slots, "slots", 1), (max_len, "max_len", 2), (prefill_chunk, "prefill_chunk", 1),
+            (prefill_batch_tokens, "prefill_batch_tokens", 1), (prefix_cache_bytes, "prefix_cache_bytes", 0),
+            (prefix_handle_tokens, "prefix_handle_tokens", 1), (host_tier_bytes, "host_tier_bytes", 0),
+        ) + (() if max_waiting is None else ((max_waiting, "max_waiting", 1),)):
+            check_positive(value, name, least)
         self.vocab_size = _vocab_size(model)
         self.eos = check_eos(eos_token_ids, self.vocab_size) if eos_token_ids is not None else _default_eos(model)
         if manager is None:
@@ -213,10 +208,11 @@ class Engine(EngineControl):
             self._attention.restore()
             raise
         self.model, self.manager, self.max_len = model, manager, max_len
-        self._fused = fuse(model) if fuse_projections else None
-        self._tuned = tune_products(model) if tuned_products else None
         self.device = self.kv.device
-        self.runner = ModelRunner(model, slots=slots, device=self.device, compile=compile)
+        self.runner = ModelRunner(
+            model, slots=slots, device=self.device, compile=compile, fuse_projections=fuse_projections,
+            tuned_products=tuned_products,
+        )
         sizes = {"max_len": max_len, "prefill_chunk": prefill_chunk, "prefill_batch_tokens": prefill_batch_tokens}
         #: The host tier's swapper (None without one).
         self.swapper: Swapper | None = self._make_swapper(host_tier_bytes, swap, swap_costs)
@@ -241,12 +237,14 @@ class Engine(EngineControl):
 
     def _make_swapper(self, host_tier_bytes: int, swap: str, swap_costs: SwapCosts | None) -> Swapper | None:
         """The host tier's swapper (None without a host tier); if it cannot be made, the KV
-        manager is closed and the model's attention given back before the error is raised."""
+        manager is closed and the model's attention and modules given back before the error is
+        raised."""
         if not host_tier_bytes:
             return None
         try:
             return Swapper(self.kv, host_tier_bytes, swap, swap_costs)
         except BaseException:
+            self.runner.close()
             self.kv.close()
             self._attention.restore()
             raise
@@ -486,12 +484,6 @@ class Engine(EngineControl):
                 self.swapper.close()
             self.kv.close()
             self._closed = True
-        if self._tuned is not None:
-            self._tuned.restore()
-            self._tuned = None
-        if self._fused is not None:
-            self._fused.restore()
-            self._fused = None
         self._attention.restore()
 
     def _check_open(self) -> None:

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 
 from ..kernels.tuning import untuned
+from ..transformers.products import TunedProducts, tuned_products as tune_products
+from ..transformers.projections import FusedProjections, fuse_projections as fuse
 from .kv_manager import KvManager
 from .request import Request
 from .sampling import Sampled, Sampler, to_host
@@ -35,10 +37,19 @@ class ModelRunner:
         slots: the cache's slots.
         device: where the model and the cache are.
         compile: compile the captured decode step (CUDA only).
+        fuse_projections: fuse the model's sibling projections until :meth:`close`
+            (:func:`kvvm.transformers.fuse_projections`).
+        tuned_products: run the model's products through ``kvvm::linear`` until
+            :meth:`close` (:func:`kvvm.transformers.tuned_products`, after the fusion).
     """
 
-    def __init__(self, model: Any, *, slots: int, device: torch.device, compile: bool = True) -> None:
+    def __init__(
+        self, model: Any, *, slots: int, device: torch.device, compile: bool = True, fuse_projections: bool = False,
+        tuned_products: bool = False,
+    ) -> None:
         self.model = model
+        self._fused: FusedProjections | None = fuse(model) if fuse_projections else None
+        self._tuned: TunedProducts | None = tune_products(model) if tuned_products else None
         self.device = device
         self.compile = compile
         self.sampler = Sampler(slots, device)
@@ -122,7 +133,12 @@ class ModelRunner:
         return out.logits[:, -1]
 
     def close(self) -> None:
-        """Drops the captured step (the cache can be released afterwards)."""
+        """Drops the captured step (the cache can be released afterwards) and gives the
+        model back its own modules (the fused and tuned ones undone, last made first)."""
         if self._graph is not None:
             self._graph.close()
             self._graph = None
+        for change in (self._tuned, self._fused):
+            if change is not None:
+                change.restore()
+        self._tuned = self._fused = None
