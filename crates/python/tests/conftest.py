@@ -8,6 +8,7 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,3 +85,19 @@ def kvvm_binary() -> str | None:
             if candidate.is_file():
                 return str(candidate)
     return shutil.which("kvvm")
+
+
+def tuner_on(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The kernels' autotuners on (:func:`kvvm.kernels.triton_decode.may_tune` true), outside
+    the interpreter, the decode kernel's choices forgotten, no stream being captured (no CUDA
+    driver here); returns ``kvvm.kernels.triton_decode``. Skips without triton."""
+    pytest.importorskip("triton", reason="skipped: no triton")
+    import torch
+
+    import kvvm.kernels.triton_decode as td
+
+    monkeypatch.setattr(td, "AUTOTUNE", True)
+    monkeypatch.setattr(td, "_INTERPRETED", False)
+    monkeypatch.setattr(td, "_TUNED", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return td

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from conftest import tuner_on
+
 if TYPE_CHECKING:
     import torch
 else:
@@ -23,24 +25,11 @@ def _inputs() -> tuple[Any, Any, Any]:
     return q, kv, torch.zeros(3, 3, dtype=torch.int32)
 
 
-def _tuner_on(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """The kernels' autotuners on, outside the interpreter, nothing remembered, no stream
-    being captured (no CUDA driver here); returns ``kvvm.kernels.triton_decode``."""
-    pytest.importorskip("triton", reason="skipped: no triton")
-    import kvvm.kernels.triton_decode as td
-
-    monkeypatch.setattr(td, "AUTOTUNE", True)
-    monkeypatch.setattr(td, "_INTERPRETED", False)
-    monkeypatch.setattr(td, "_TUNED", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    return td
-
-
 @pytest.fixture
 def timed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The tuner on, outside the interpreter, its measurement a fake that records each
     configuration timed (one split the fastest)."""
-    td = _tuner_on(monkeypatch)
+    td = tuner_on(monkeypatch)
     calls: list[Any] = []
 
     def fake_time(call: Any, config: Any) -> float:
@@ -104,7 +93,7 @@ def test_a_call_of_its_own_is_timed_and_kept_apart_from_the_plain_kernels(monkey
     """The cascade's call is what is timed for it (its private pass reads each request's own
     tokens, not a plain decode's whole range), and its configuration is remembered under its
     variant: the plain kernel at the same shape is tuned on its own."""
-    td = _tuner_on(monkeypatch)
+    td = tuner_on(monkeypatch)
     ran: list[tuple[str, Any]] = []
 
     def fake_time(call: Any, config: Any) -> float:
@@ -135,7 +124,7 @@ def test_the_prefix_pass_is_tuned_beside_the_private_pass_and_remembered(monkeyp
     """The cascade's prefix pass takes the fastest of its candidates and the private pass's
     own configuration, timed on the cascade's call, remembered per shape and private
     configuration; while untuned, none (the private pass's own)."""
-    td = _tuner_on(monkeypatch)
+    td = tuner_on(monkeypatch)
     import kvvm.kernels.cascade as cc
     from kvvm.kernels.tuning import untuned
 

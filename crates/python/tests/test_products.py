@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from conftest import tuner_on
+
 if TYPE_CHECKING:
     import torch
 else:
@@ -76,18 +78,14 @@ def products(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The products module with its tuner on, outside the interpreter, every product the
     kernel's to take, and its measurement a fake: each candidate's time from ``times`` (by
     position, PyTorch's first), each timed configuration recorded in ``timed``."""
-    pytest.importorskip("triton", reason="skipped: no triton")
+    tuner_on(monkeypatch)
     import kvvm.kernels.products
-    import kvvm.kernels.triton_decode as td
 
     p: Any = kvvm.kernels.products
 
-    monkeypatch.setattr(td, "AUTOTUNE", True)
-    monkeypatch.setattr(td, "_INTERPRETED", False)
     monkeypatch.setattr(p, "_INTERPRETED", False)
     monkeypatch.setattr(p, "_TUNED", {})
     monkeypatch.setattr(p, "_kernel_takes", lambda x, w, b: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(p, "timed", [], raising=False)
     monkeypatch.setattr(p, "times", [1.0] + [2.0] * len(p.candidates()), raising=False)
 

@@ -107,9 +107,9 @@ def _product_kernel(
             acc = _product_block(w_rows, x_rows, k0, k_hi, n_mask, m_mask, acc, BK)
     mask = n_mask[:, None] & m_mask[None, :]
     if HAS_BIAS:
-        # Added once: by the only program of a row block, or by its first split.
-        first = (pid_k == 0).to(tl.float32)
-        acc += first * tl.load(Bias + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        # Added once: by the only program of a row block, or by its first split (the
+        # others read nothing: their load is masked off).
+        acc += tl.load(Bias + offs_n, mask=n_mask & (pid_k == 0), other=0.0).to(tl.float32)[:, None]
     if SPLIT == 1:
         y_ptr = Y + offs_m.to(tl.int64)[None, :] * stride_ym + offs_n[:, None]
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask)
