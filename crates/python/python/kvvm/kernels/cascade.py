@@ -355,12 +355,31 @@ def cascade_attention(
     pc = prefix_config or PrefixConfig(c.block, c.warps, c.stages)
     if kv_scales is not None:
         kv_scales = kv_scales.to(torch.float32).contiguous()
-    total = c.splits + prefix_splits
-    out, acc, lse = buffers(query, total)
+    out, acc, lse = buffers(query, c.splits + prefix_splits)
+    run_prefix(query, key, value, tables, acc, lse, scale, c, pc, softcap, kv_scales, programs)
+    # With one private program per request and KV head, that program merges the prefix's
+    # columns itself; with more, the merge kernel folds every column.
     run_partial(
         query, key, value, bounds, scale, c, new, out, acc, lse, softcap=softcap, shared=shared,
         prefix_splits=prefix_splits, kv_scales=kv_scales,
     )
+    if c.splits > 1:
+        run_merge(acc, lse, out, c.splits + prefix_splits)
+    return out
+
+
+def run_prefix(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables: Tables, acc: torch.Tensor,
+    lse: torch.Tensor, scale: float, c: Config, pc: PrefixConfig, softcap: float, kv_scales: torch.Tensor | None,
+    programs: int | None,
+) -> None:
+    """The prefix pass: each group's prefix read once per KV head for its members' queries,
+    into the columns of ``acc``/``lse`` after the private pass's ``c.splits``."""
+    _, heads, _, dim = query.shape
+    _, groups, items, prefix_splits = tables
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    tile = items.shape[1] - 1
     units = (items.shape[0] - 1) * kv_heads * prefix_splits
     if programs is None:
         programs = PREFIX_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors(query.device)
@@ -382,8 +401,6 @@ def cascade_attention(
         PRECISION=precision(query.dtype), UPCAST=upcast(query.dtype), CAPPED=bool(softcap),
         FP8=kv_scales is not None, num_warps=pc.warps, num_stages=pc.stages,
     )
-    run_merge(acc, lse, out, total)
-    return out
 
 
 def tuned_prefix_config(

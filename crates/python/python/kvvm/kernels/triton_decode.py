@@ -221,7 +221,8 @@ def run_partial(
     ``0..c.splits`` of ``acc``/``lse``. With ``shared`` (int32 ``[batch]``), each request's
     range starts that many tokens later (a cascade's prefix pass reads them, into the
     ``prefix_splits`` columns after those), and a request sharing none marks those columns
-    empty. With ``kv_scales`` (fp32 ``[2, kv_heads]``: each KV head's K and V scale), K and V
+    empty; with ``c.splits`` 1 the prefix pass runs first and each request's program merges
+    its columns itself, into ``out`` (no merge kernel after). With ``kv_scales`` (fp32 ``[2, kv_heads]``: each KV head's K and V scale), K and V
     are an FP8 cache's (:mod:`kvvm.kernels.fp8`): dequantized as they are read, the step's new
     token quantized as it is written."""
     fused = new is not None
@@ -232,7 +233,9 @@ def run_partial(
     kn, vn, ws, wt = _new_rows(new, bounds)
     batch, heads, _, dim = query.shape
     kv_heads = key.shape[1]
-    direct = c.splits == 1 and not cascade
+    # One program per request and KV head writes the output itself (in a cascade, merging the
+    # prefix pass's columns first).
+    direct = c.splits == 1
     o = out[:, 0]
     q = query[:, :, 0]
     base, k_from, v_from = from_last_slot(key, value)
@@ -243,7 +246,7 @@ def run_partial(
         q.stride(0), q.stride(1),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
-        acc.stride(0), acc.stride(1), 0 if direct else acc.stride(2),
+        acc.stride(0), acc.stride(1), acc.stride(2) if acc.dim() == 4 else 0,
         lse.stride(0), lse.stride(1),
         o, o.stride(0), o.stride(1),
         scale, float(softcap) or 1.0, int(window), shared if cascade else bounds, base,
@@ -257,7 +260,7 @@ def run_partial(
         UPCAST=upcast(query.dtype),
         FUSED=fused, CAPPED=bool(softcap), SLIDING=bool(window),
         CASCADE=cascade, PSPLITS=prefix_splits, PSPLITS_PAD=_pow2_at_least(max(prefix_splits, 1)), DIRECT=direct,
-        FP8=kv_scales is not None,
+        FP8=kv_scales is not None, MERGE=cascade and direct,
         num_warps=c.warps, num_stages=c.stages,
     )
 

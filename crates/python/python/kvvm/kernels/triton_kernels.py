@@ -2,7 +2,9 @@
 one program per (request, KV head, split of its tokens) folds its blocks into a running
 softmax and stores its partial result (:func:`_partial_kernel`, built from :func:`_block` and
 its other parts), a second kernel merges the partial results by their log-sum-exps
-(:func:`_merge_kernel`).
+(:func:`_merge_kernel`). In a cascade whose private pass is one program per request and KV
+head, that program merges the prefix pass's results itself (:func:`_fold_prefix`): no merge
+kernel.
 """
 
 from __future__ import annotations
@@ -232,6 +234,36 @@ def _no_prefix(
 
 
 @triton.jit
+def _fold_prefix(
+    Acc, Lse, Shared, b, heads, g_mask, offs_d, d_mask, m_i, l_i, acc,
+    stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
+    FIRST: tl.constexpr, PSPLITS: tl.constexpr,
+):
+    """A cascade's merge, done by the request's one private program: the prefix pass's
+    ``PSPLITS`` columns of partial results (from column ``FIRST``; written by the pass
+    launched before this one) folded into the running softmax of the request's own tokens.
+    Nothing is read for a request in no group (its columns were not written)."""
+    if tl.load(Shared + b) > 0:
+        a_row = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + offs_d[None, :]
+        l_row = Lse + b.to(tl.int64) * stride_lb + heads * stride_lh
+        for j in tl.static_range(PSPLITS):
+            lse = tl.load(l_row + FIRST + j, mask=g_mask, other=float("-inf"))
+            m_new = tl.maximum(m_i, lse)
+            live = m_new > float("-inf")
+            m_safe = tl.where(live, m_new, 0.0)
+            alpha = tl.where(live, tl.exp(m_i - m_safe), 0.0)
+            beta = tl.where(live, tl.exp(lse - m_safe), 0.0)
+            # A column that weighs nothing is not read (an empty split's may hold anything).
+            part = tl.load(
+                a_row + (FIRST + j) * stride_as, mask=(g_mask & (beta > 0.0))[:, None] & d_mask[None, :], other=0.0,
+            )
+            l_i = l_i * alpha + beta
+            acc = acc * alpha[:, None] + part * beta[:, None]
+            m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _partial_kernel(
     Q, K, V, Bounds, Acc, Lse, KN, VN, WS, WT,
     stride_knb, stride_knh, stride_vnb, stride_vnh,
@@ -246,7 +278,7 @@ def _partial_kernel(
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
     CASCADE: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, MERGE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -298,13 +330,18 @@ def _partial_kernel(
         )
     if FP8:
         acc = acc * v_scale
+    if MERGE:
+        m_i, l_i, acc = _fold_prefix(
+            Acc, Lse, Shared, b, heads, g_mask, offs_d, d_mask, m_i, l_i, acc,
+            stride_ab, stride_ah, stride_as, stride_lb, stride_lh, SPLITS, PSPLITS,
+        )
+    elif CASCADE:
+        if (split == 0) & (tl.load(Shared + b) == 0):
+            _no_prefix(Lse, b, heads, g_mask, stride_lb, stride_lh, GROUP_PAD, SPLITS, PSPLITS, PSPLITS_PAD)
     _store_partial(
         Out, Acc, Lse, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc,
         stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, DIRECT,
     )
-    if CASCADE:
-        if (split == 0) & (tl.load(Shared + b) == 0):
-            _no_prefix(Lse, b, heads, g_mask, stride_lb, stride_lh, GROUP_PAD, SPLITS, PSPLITS, PSPLITS_PAD)
 
 
 @triton.jit
