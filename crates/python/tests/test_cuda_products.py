@@ -1,7 +1,7 @@
 """A decode step's skinny products on a CUDA GPU: the Triton kernel in every candidate
 configuration against cuBLAS's product (bf16 and fp16, rows from 1 to 64, the Llama-3.1-8B
-shape's weights and ragged ones, a bias), the tuned operator's choice giving the same product
-inside a captured graph, and a model's logits through ``tuned_products`` against its own.
+shape's weights and ragged ones, a bias; a gated MLP's down projection over its gate and up
+halves), the tuned operator's choice giving the same product inside a captured graph, and a model's logits through ``tuned_products`` against its own.
 Skipped without CUDA."""
 
 from __future__ import annotations
@@ -51,6 +51,24 @@ def test_every_candidate_matches_cublas(dtype: torch.dtype, n: int, k: int) -> N
                 _close(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(4096, 14336), (300, 520)])
+def test_every_candidate_computes_the_gated_product(dtype: torch.dtype, n: int, k: int) -> None:
+    """The down projection of a gated MLP, its input ``silu(gate) * up`` computed as the
+    kernel loads the gate and up halves, against PyTorch's activation and cuBLAS."""
+    torch.manual_seed(3)
+    weight = (torch.randn(n, k, device="cuda") / k**0.5).to(dtype)
+    for m in (1, 16, 33, 64):
+        x = (torch.randn(m, 2 * k, device="cuda") * 3).to(dtype)
+        want = products.torch_product(x, weight, None, True)
+        for config in products.candidates():
+            try:
+                got = products.product(x, weight, None, config, gated=True)
+            except products.triton_decode.TOO_BIG:
+                continue
+            _close(got, want)
+
+
 def test_the_tuned_operator_replays_its_choice_in_a_graph() -> None:
     """``kvvm::linear`` tunes a shape the first time it meets it outside a capture, then a
     captured graph replays the chosen product over new inputs with cuBLAS's result."""
@@ -67,9 +85,22 @@ def test_the_tuned_operator_replays_its_choice_in_a_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     _close(out, torch.nn.functional.linear(x, weight))
+    # The gated operator the same way, over a gate and an up projection side by side.
+    down = (torch.randn(4096, 14336, device="cuda") / 120).to(torch.bfloat16)
+    gate_up = torch.randn(16, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    _close(products.gated_linear(gate_up, down), products.torch_product(gate_up, down, None, True))
+    assert any("gated" in shape for shape in products.tuned_product_choices())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = products.gated_linear(gate_up, down)
+    gate_up.copy_(torch.randn_like(gate_up))
+    graph.replay()
+    torch.cuda.synchronize()
+    _close(out, products.torch_product(gate_up, down, None, True))
 
 
 def test_a_model_through_tuned_products_keeps_its_logits() -> None:
+    """The tiny Llama's products and gated MLPs through the tuned operators: its logits."""
     from kvvm.serving.load import random_model
     from kvvm.transformers import fuse_projections, tuned_products
 
@@ -80,6 +111,7 @@ def test_a_model_through_tuned_products_keeps_its_logits() -> None:
         want = model(input_ids=ids).logits.float()
         fused = fuse_projections(model)
         tuned = tuned_products(model)
+        assert tuned.mlps, "the gated MLPs run the gated product"
         try:
             got = model(input_ids=ids).logits.float()
         finally:

@@ -31,17 +31,37 @@ def test_the_kernel_computes_the_product_in_the_interpreter() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from kvvm.kernels.products import ProductConfig, candidates, linear, product, tuned_product
+        from kvvm.kernels.products import (
+            ProductConfig, candidates, gated_input, gated_linear, linear, product, torch_product, tuned_product,
+        )
         torch.manual_seed(3)
         configs = [ProductConfig(32, 32), ProductConfig(64, 32, split=2), ProductConfig(32, 64, split=4)]
         for m, n, k in ((1, 40, 96), (5, 97, 200), (16, 64, 64), (33, 130, 150), (64, 33, 260)):
             x, w, b = torch.randn(m, k), torch.randn(n, k) * 0.1, torch.randn(n)
+            # Gated: the input a gate and an up projection side by side, silu(gate) * up.
+            xg = torch.randn(m, 2 * k) * 3
             for c in configs:
                 for bias in (None, b):
                     want = torch.nn.functional.linear(x, w, bias)
                     got = product(x, w, bias, c)
                     assert got.shape == want.shape and got.dtype == x.dtype
                     assert (got - want).abs().max().item() < 1e-4, (m, n, k, c, bias is not None)
+                    want = torch.nn.functional.linear(torch.nn.functional.silu(xg[:, :k]) * xg[:, k:], w, bias)
+                    got = product(xg, w, bias, c, gated=True)
+                    assert torch.equal(torch_product(xg, w, bias, True), want)
+                    assert (got - want).abs().max().item() < 1e-4, ("gated", m, n, k, c, bias is not None)
+        # The gated operator: leading dimensions flattened; a width that is not two halves of
+        # the weight's columns goes to PyTorch (which refuses it as its product would).
+        xg, w = torch.randn(2, 3, 128), torch.randn(40, 64)
+        assert tuned_product(xg.reshape(6, 128), w, None, True) == candidates()[0]
+        assert (gated_linear(xg, w) - gated_input(xg) @ w.T).abs().max().item() < 1e-4
+        assert tuned_product(torch.randn(4, 64), w, None, True) is None
+        try:
+            product(torch.randn(4, 64), w, None, configs[0], gated=True)
+        except ValueError as e:
+            assert "gated product" in str(e)
+        else:
+            raise AssertionError("a gated product of one half ran in the kernel")
         assert len({c.split for c in candidates()}) > 1
         # The operator: leading dimensions flattened, the interpreter's choice the kernel's.
         x, w = torch.randn(2, 3, 64), torch.randn(40, 64)
@@ -85,7 +105,7 @@ def products(monkeypatch: pytest.MonkeyPatch) -> Any:
 
     monkeypatch.setattr(p, "_INTERPRETED", False)
     monkeypatch.setattr(p, "_TUNED", {})
-    monkeypatch.setattr(p, "_kernel_takes", lambda x, w, b: True)
+    monkeypatch.setattr(p, "_kernel_takes", lambda x, w, b, gated: True)
     monkeypatch.setattr(p, "timed", [], raising=False)
     monkeypatch.setattr(p, "times", [1.0] + [2.0] * len(p.candidates()), raising=False)
 
@@ -175,6 +195,8 @@ def test_tuned_products_swaps_plain_linears_and_fused_groups_and_restores_them()
         layers = model.config.num_hidden_layers
         assert len(tuned.groups) == 2 * layers, "every fused group"
         assert len(tuned.layers) == 2 * layers + 1, "O, down and the output head"
+        assert tuned.mlps == [f"model.layers.{i}.mlp" for i in range(layers)], "every gated MLP"
+        assert all("forward" in vars(layer.mlp) for layer in model.model.layers)
         assert type(model.extra) is Scaled and "extra" not in tuned.layers
         assert isinstance(model.lm_head, TunedLinear) and model.lm_head.weight is not None
         groups = [m for m in model.modules() if isinstance(m, Group)]
@@ -184,7 +206,47 @@ def test_tuned_products_swaps_plain_linears_and_fused_groups_and_restores_them()
         tuned.restore()
         assert tuned.layers == [] and tuned.groups == []
         assert not any(isinstance(m, TunedLinear) for m in model.modules())
+        assert tuned.mlps == [] and not any("forward" in vars(layer.mlp) for layer in model.model.layers)
         assert all(g.linear is nn.functional.linear for g in groups)
         fused.restore()
         assert type(model.lm_head) is nn.Linear
         assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_only_gated_silu_mlps_with_fused_halves_run_the_gated_product() -> None:
+    """The gated product replaces an MLP's forward only where it computes the same thing:
+    transformers' gated MLP code, a SiLU, gate and up fused side by side; any other MLP keeps
+    its own forward, and a gated MLP whose fusion was undone first falls back to its own."""
+    pytest.importorskip("triton", reason="skipped: no triton")
+    from torch import nn
+
+    from kvvm.serving.load import random_model
+    from kvvm.transformers import fuse_projections, tuned_products
+
+    model = random_model("tiny", "cpu", torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 5))
+    mlps = [layer.mlp for layer in model.model.layers]
+
+    class Scaled(type(mlps[0])):  # type: ignore[misc]
+        """Other code: twice the MLP's output."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)  # type: ignore[no-any-return]
+
+    mlps[1].__class__ = Scaled
+    mlps[2].act_fn = nn.GELU()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        unfused = tuned_products(model)
+        assert unfused.mlps == [] and unfused.layers, "unfused: nothing to run gated"
+        unfused.restore()
+        fused = fuse_projections(model)
+        tuned = tuned_products(model)
+        assert tuned.mlps == ["model.layers.0.mlp", "model.layers.3.mlp"], "other code and another activation left alone"
+        # The same products (a fused product may sum in another order than two apart).
+        assert (model(input_ids=ids).logits - want).abs().max().item() < 1e-5
+        fused.restore()
+        got = model(input_ids=ids).logits
+        assert (got - want).abs().max().item() < 1e-5, "the fusion undone first: the MLPs' own forward"
+        tuned.restore()
+        assert not any("forward" in vars(m) for m in mlps)

@@ -5,7 +5,10 @@ For each distinct weight shape of the model with its sibling projections fused (
 Llama-3.1-8B shape: Q/K/V, O, gate/up, down, the output head) and each row count of
 ``--rows`` (a decode step's requests), the product ``x @ W.T`` is timed in a captured graph
 through PyTorch (cuBLAS) and through :func:`kvvm.kernels.products.product` in each candidate
-configuration, checked against PyTorch's result first. Each line gives the microseconds, the
+configuration, checked against PyTorch's result first. The down projection is timed twice:
+alone, and gated as a step runs it (``down+silu``: PyTorch's SiLU-and-multiply kernel then
+cuBLAS, against the kernel computing the activation as it loads its input); a step's sums
+count the gated one. Each line gives the microseconds, the
 rate the weight streamed at, and the layer's products together (each weight as often as a
 layer has it, the output head a 32nd); a device-to-device copy measured in the same process
 gives the rate the card reaches. The weights are random (the time does not depend on them).
@@ -23,10 +26,11 @@ from kvvm_bench.shapes import copy_bandwidth
 
 __all__ = ["add_args", "run_products_bench"]
 
-#: (name, rows of W, columns, times a step of the Llama-3.1-8B shape's 32 layers reads it).
+#: (name, rows of W, columns, times a step of the Llama-3.1-8B shape's 32 layers runs it,
+#: gated: the input a gate and an up projection side by side).
 _SHAPES = (
-    ("qkv", 6144, 4096, 32), ("o", 4096, 4096, 32), ("gate_up", 28672, 4096, 32), ("down", 4096, 14336, 32),
-    ("lm_head", 128256, 4096, 1),
+    ("qkv", 6144, 4096, 32, False), ("o", 4096, 4096, 32, False), ("gate_up", 28672, 4096, 32, False),
+    ("down", 4096, 14336, 0, False), ("down+silu", 4096, 14336, 32, True), ("lm_head", 128256, 4096, 1, False),
 )
 
 
@@ -35,22 +39,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the report here")
 
 
-def _one(rows: int, name: str, n: int, k: int) -> dict[str, Any]:
-    from kvvm.kernels.products import candidates, product
+def _one(rows: int, name: str, n: int, k: int, gated: bool) -> dict[str, Any]:
+    from kvvm.kernels.products import candidates, product, torch_product
     from kvvm.kernels.triton_decode import TOO_BIG
     from kvvm.kernels.tuning import graph_time
 
     gen = torch.Generator(device="cuda").manual_seed(rows * 7 + n)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    ref = torch.nn.functional.linear(x, w).float()
+    x = torch.randn(rows, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ref = torch_product(x, w, None, gated).float()
     row: dict[str, Any] = {"rows": rows, "weight": name, "n": n, "k": k, "bytes": n * k * 2}
-    row["cublas_us"] = round(graph_time(lambda _: torch.nn.functional.linear(x, w), None) * 1e3, 2)
+    row["cublas_us"] = round(graph_time(lambda _: torch_product(x, w, None, gated), None) * 1e3, 2)
     kernel: list[dict[str, Any]] = []
     for c in candidates():
         try:
-            err = (product(x, w, None, c).float() - ref).abs().max().item()
-            us = graph_time(lambda c: product(x, w, None, c), c) * 1e3
+            err = (product(x, w, None, c, gated=gated).float() - ref).abs().max().item()
+            us = graph_time(lambda c: product(x, w, None, c, gated=gated), c) * 1e3
         except TOO_BIG:
             continue
         kernel.append({"config": str(c), "us": round(us, 2), "max_abs_diff": round(err, 5)})
@@ -71,8 +75,8 @@ def run_products_bench(args: argparse.Namespace) -> dict[str, Any]:
     print(f"a device copy reads {rate / 1e12:.3f} TB/s", flush=True)
     for rows in (int(r) for r in args.rows.split(",") if r):
         step = {"cublas_ms": 0.0, "best_ms": 0.0, "copy_rate_ms": 0.0}
-        for name, n, k, times in _SHAPES:
-            r = _one(rows, name, n, k)
+        for name, n, k, times, gated in _SHAPES:
+            r = _one(rows, name, n, k, gated)
             report["results"].append(r)
             step["cublas_ms"] += times * r["cublas_us"] / 1e3
             step["best_ms"] += times * min(r["best_us"], r["cublas_us"]) / 1e3

@@ -19,7 +19,11 @@ capture, a compiler's trace, :func:`~kvvm.kernels.tuning.untuned`,
 ``KVVM_TRITON_AUTOTUNE=0``) a shape not tuned before runs through PyTorch.
 
 :func:`linear` is the ``kvvm::linear`` operator: ``torch.compile`` treats it as one opaque
-call. :func:`kvvm.transformers.tuned_products` puts it in a model's linear layers.
+call. :func:`gated_linear` (``kvvm::gated_linear``) is a gated MLP's down projection over its
+gate and up projections side by side: the kernel computes ``silu(gate) * up`` as it loads
+them, so the activation runs in no kernel of its own (tuned against PyTorch's activation and
+cuBLAS's product the same way). :func:`kvvm.transformers.tuned_products` puts them in a
+model's linear layers and gated MLPs.
 
 Runs on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check the kernel).
 """
@@ -36,7 +40,10 @@ from . import triton_decode
 from .triton_decode import _INTERPRETED
 from .tuning import graph_time
 
-__all__ = ["MAX_ROWS", "ProductConfig", "candidates", "linear", "product", "tuned_product", "tuned_product_choices"]
+__all__ = [
+    "MAX_ROWS", "ProductConfig", "candidates", "gated_input", "gated_linear", "linear", "product", "torch_product",
+    "tuned_product", "tuned_product_choices",
+]
 
 #: Rows of ``x`` the kernel takes at most (a decode step's requests); more go to PyTorch.
 MAX_ROWS = 64
@@ -66,7 +73,7 @@ _CANDIDATES = (
 )
 
 #: The choice per shape (None: PyTorch's product).
-_Shape = tuple[int, tuple[int, ...], int, torch.dtype, bool, torch.device]
+_Shape = tuple[int, tuple[int, ...], int, torch.dtype, bool, bool, torch.device]
 _TUNED: dict[_Shape, ProductConfig | None] = {}
 
 
@@ -79,7 +86,7 @@ def candidates() -> tuple[ProductConfig, ...]:
 def _product_kernel(
     X, W, Bias, Y, Acc, M, N, K, k_per, stride_xm, stride_wn, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    LOOP_WHILE: tl.constexpr,
+    GATED: tl.constexpr, LOOP_WHILE: tl.constexpr,
 ):
     # Program (n, s) takes weight rows [n * BN, n * BN + BN) over the reduction's s-th part
     # of k_per elements: acc[BN, BM] = W[rows, part] @ x[:, part]^T, the weight the tall side.
@@ -100,11 +107,11 @@ def _product_kernel(
         # Triton's interpreter (CPU) takes a loop bound only as a Python int.
         k0 = k_lo
         while k0 < k_hi:
-            acc = _product_block(w_rows, x_rows, k0, k_hi, n_mask, m_mask, acc, BK)
+            acc = _product_block(w_rows, x_rows, k0, k_hi, K, n_mask, m_mask, acc, BK, GATED)
             k0 += BK
     else:
         for k0 in range(k_lo, k_hi, BK):
-            acc = _product_block(w_rows, x_rows, k0, k_hi, n_mask, m_mask, acc, BK)
+            acc = _product_block(w_rows, x_rows, k0, k_hi, K, n_mask, m_mask, acc, BK, GATED)
     mask = n_mask[:, None] & m_mask[None, :]
     if HAS_BIAS:
         # Added once: by the only program of a row block, or by its first split (the
@@ -119,12 +126,21 @@ def _product_kernel(
 
 
 @triton.jit
-def _product_block(w_rows, x_rows, k0, k_hi, n_mask, m_mask, acc, BK: tl.constexpr):
-    """One block of the reduction, ``[k0, k0 + BK)`` (nothing past ``k_hi``), added to ``acc``."""
+def _product_block(w_rows, x_rows, k0, k_hi, K, n_mask, m_mask, acc, BK: tl.constexpr, GATED: tl.constexpr):
+    """One block of the reduction, ``[k0, k0 + BK)`` (nothing past ``k_hi``), added to ``acc``.
+    ``GATED``: each row of ``x`` is a gate and an up projection side by side (``K`` elements
+    each), and the product's input is ``silu(gate) * up``, rounded as PyTorch rounds it (the
+    activation to ``x``'s dtype, then the product of the two)."""
     offs_k = k0 + tl.arange(0, BK)
     k_mask = offs_k < k_hi
+    x_mask = m_mask[:, None] & k_mask[None, :]
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
+    if GATED:
+        up = tl.load(x_rows + K + offs_k[None, :], mask=x_mask, other=0.0)
+        gate = x.to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(x.dtype).to(tl.float32)
+        x = (act * up.to(tl.float32)).to(up.dtype)
     return tl.dot(w, tl.trans(x), acc)
 
 
@@ -132,16 +148,34 @@ def _rows_pow2(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: ProductConfig) -> torch.Tensor:
+def gated_input(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [gate, up]`` (its last dimension two halves): a gated
+    MLP's input to its down projection, as PyTorch computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def torch_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+    """The product as PyTorch runs it (cuBLAS on a GPU): ``x @ weight.T (+ bias)``, of
+    :func:`gated_input` of ``x`` where ``gated``."""
+    return torch.nn.functional.linear(gated_input(x) if gated else x, weight, bias)
+
+
+def product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: ProductConfig, *, gated: bool = False,
+) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` by the Triton kernel in ``config``: ``x`` of at most
     :data:`MAX_ROWS` rows ``[m, k]``, ``weight`` ``[n, k]`` (unit last strides), the result
-    ``[m, n]`` in ``x``'s dtype."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1 or (
+    ``[m, n]`` in ``x``'s dtype. ``gated``: ``x`` is ``[m, 2k]``, a gate and an up
+    projection side by side, and the product's input is :func:`gated_input` of it, computed
+    as the kernel loads ``x`` (no kernel of its own, nothing written)."""
+    m, width = x.shape
+    n, k = weight.shape
+    if m > MAX_ROWS or width != (2 * k if gated else k) or x.stride(1) != 1 or weight.stride(1) != 1 or (
         bias is not None and bias.stride(0) != 1
     ):
-        raise ValueError(f"a product of {tuple(x.shape)} by {tuple(weight.shape)}^T is not the kernel's")
+        what = "gated product" if gated else "product"
+        raise ValueError(f"a {what} of {tuple(x.shape)} by {tuple(weight.shape)}^T is not the kernel's")
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     acc = y
     if config.split > 1:
@@ -150,19 +184,21 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     _product_kernel[(triton.cdiv(n, config.block_n), config.split)](
         x, weight, bias if bias is not None else weight, y, acc, m, n, k, k_per, x.stride(0), weight.stride(0),
         y.stride(0), BM=_rows_pow2(m), BN=config.block_n, BK=config.block_k, SPLIT=config.split,
-        HAS_BIAS=bias is not None, LOOP_WHILE=_INTERPRETED, num_warps=config.warps, num_stages=config.stages,
+        HAS_BIAS=bias is not None, GATED=gated, LOOP_WHILE=_INTERPRETED, num_warps=config.warps,
+        num_stages=config.stages,
     )
     if config.split > 1:
         y.copy_(acc)
     return y
 
 
-def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> bool:
     """Whether the kernel can run this product at all (else PyTorch's runs)."""
     dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if _INTERPRETED else ())
     return (
         (x.is_cuda or _INTERPRETED)
         and x.shape[0] <= MAX_ROWS
+        and x.shape[1] == weight.shape[1] * (2 if gated else 1)
         and x.dtype in dtypes
         and weight.dtype == x.dtype
         and x.stride(1) == 1
@@ -171,15 +207,19 @@ def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     )
 
 
-def tuned_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> ProductConfig | None:
-    """The fastest way to run this product (None: PyTorch's), measured once per shape (rows
-    rounded up to a power of two, the weight's shape, dtype and row stride, a bias or not)
-    and remembered. Untimed (see the module's text), a shape tuned before keeps its choice
-    and any other runs through PyTorch, remembering nothing; in Triton's interpreter, the
-    kernel's first candidate."""
-    if not _kernel_takes(x, weight, bias):
+def tuned_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool = False,
+) -> ProductConfig | None:
+    """The fastest way to run this product (None: PyTorch's, :func:`torch_product`),
+    measured once per shape (rows rounded up to a power of two, the weight's shape, dtype and
+    row stride, a bias or not, gated or not) and remembered. Untimed (see the module's text),
+    a shape tuned before keeps its choice and any other runs through PyTorch, remembering
+    nothing; in Triton's interpreter, the kernel's first candidate."""
+    if not _kernel_takes(x, weight, bias, gated):
         return None
-    shape: _Shape = (_rows_pow2(x.shape[0]), tuple(weight.shape), weight.stride(0), x.dtype, bias is not None, x.device)
+    shape: _Shape = (
+        _rows_pow2(x.shape[0]), tuple(weight.shape), weight.stride(0), x.dtype, bias is not None, gated, x.device,
+    )
     if shape in _TUNED:
         return _TUNED[shape]
     if _INTERPRETED:
@@ -189,8 +229,8 @@ def tuned_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     def run(c: ProductConfig | None) -> torch.Tensor:
         if c is None:
-            return torch.nn.functional.linear(x, weight, bias)
-        return product(x, weight, bias, c)
+            return torch_product(x, weight, bias, gated)
+        return product(x, weight, bias, c, gated=gated)
 
     timings: list[tuple[float, int, ProductConfig | None]] = [(graph_time(run, None), 0, None)]
     for i, c in enumerate(_CANDIDATES, start=1):
@@ -205,13 +245,23 @@ def tuned_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def tuned_product_choices() -> dict[str, str]:
     """The choices :func:`tuned_product` measured so far, each under a description of its
-    shape (rows rounded up, the weight's shape, dtype): a configuration or ``"torch"``."""
+    shape (rows rounded up, the weight's shape, dtype, a bias, gated): a configuration or
+    ``"torch"``."""
     return {
-        f"rows <= {k[0]}, weight {k[1][0]} x {k[1][1]}, {k[3]}" + (", bias" if k[4] else ""): (
-            "torch" if v is None else str(v)
-        )
+        f"rows <= {k[0]}, weight {k[1][0]} x {k[1][1]}, {k[3]}" + (", bias" if k[4] else "")
+        + (", gated" if k[5] else ""): ("torch" if v is None else str(v))
         for k, v in _TUNED.items()
     }
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+    """The product of ``x`` (leading dimensions flattened) the way :func:`tuned_product`
+    chose for its shape."""
+    flat = x.reshape(-1, x.shape[-1])
+    config = tuned_product(flat, weight, bias, gated) if flat.shape[0] else None
+    if config is None:
+        return torch_product(x, weight, bias, gated)
+    return product(flat, weight, bias, config, gated=gated).reshape(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("kvvm::linear", mutates_args=())
@@ -219,11 +269,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``torch.nn.functional.linear(x, weight, bias)``, run the fastest way measured for its
     shape (:func:`tuned_product`): a few rows of ``x`` (at most :data:`MAX_ROWS` of them,
     leading dimensions flattened) through the Triton kernel where it beat cuBLAS."""
-    flat = x.reshape(-1, x.shape[-1])
-    config = tuned_product(flat, weight, bias) if flat.shape[0] else None
-    if config is None:
-        return torch.nn.functional.linear(x, weight, bias)
-    return product(flat, weight, bias, config).reshape(*x.shape[:-1], weight.shape[0])
+    return _run(x, weight, bias, False)
+
+
+@torch.library.custom_op("kvvm::gated_linear", mutates_args=())
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A gated MLP's down projection, ``linear(silu(gate) * up, weight, bias)`` of ``x =
+    [gate, up]`` (:func:`gated_input`), run the fastest way measured for its shape: through
+    the Triton kernel, the activation computed as it loads ``x`` (no kernel of its own),
+    where that beat PyTorch's activation and cuBLAS's product."""
+    return _run(x, weight, bias, True)
+
+
+@gated_linear.register_fake
+def _gated_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @linear.register_fake

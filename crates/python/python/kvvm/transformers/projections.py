@@ -31,7 +31,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["DEFAULT_GROUPS", "FusedProjections", "Group", "fuse_projections"]
+__all__ = ["DEFAULT_GROUPS", "FusedProjections", "Group", "fuse_projections", "halves_of"]
 
 #: The sibling projections of transformers' Llama-family decoders (Llama, Mistral, Qwen2, ...).
 DEFAULT_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -82,6 +82,19 @@ class _Part(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group[0].product(x, self.part)[..., self.lo : self.hi]
+
+
+def halves_of(first: object, second: object) -> Group | None:
+    """The group ``first`` and ``second`` are the two parts of, ``first``'s rows the first
+    half of its product and ``second``'s the second (equal halves, as a gated MLP's gate and
+    up projections fused by :func:`fuse_projections`); None otherwise."""
+    if not (isinstance(first, _Part) and isinstance(second, _Part)):
+        return None
+    group = first.group[0]
+    rows = group.weight.shape[0]
+    if second.group[0] is not group or group.parts != 2 or 2 * first.hi != rows:
+        return None
+    return group if (first.lo, second.lo, second.hi) == (0, first.hi, rows) else None
 
 
 @dataclass
