@@ -51,6 +51,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--tuned-products", action="store_true",
         help="run the model's products through kvvm's tuned skinny products (both steps)",
     )
+    p.add_argument(
+        "--pdl", action="store_true",
+        help="launch the step's kernels (kvvm's and the compiler's) as programmatic dependents (Hopper on)",
+    )
     p.add_argument("--profile", action="store_true", help="each captured step's GPU time by kind of kernel, its heaviest kernels")
     p.add_argument(
         "--prefix-splits", type=int, default=0,
@@ -197,13 +201,19 @@ def run_cascade_bench(args: argparse.Namespace) -> dict[str, Any]:
         from kvvm.transformers import tuned_products
 
         tuned_products(model)
+    if args.pdl:
+        from kvvm.kernels.device import set_programmatic_launch
+        from torch._inductor import config as inductor_config
+
+        set_programmatic_launch(True)
+        inductor_config.triton.enable_pdl = True
     use_kvvm_attention(model)
     backend = args.backend if args.backend != "auto" else ("cuda" if args.device == "cuda" else "host")
     mgr = kvvm.Manager(backend, precommit=True)
     name = "a small Llama" if args.tiny else "the Llama-3.1-8B shape"
     report: dict[str, Any] = {
         "model": f"{name}, random {next(model.parameters()).dtype} weights", "fused_projections": args.fuse,
-        "tuned_products": args.tuned_products, "results": [],
+        "tuned_products": args.tuned_products, "pdl": args.pdl, "results": [],
     }
     if args.device == "cuda":
         report["device"] = torch.cuda.get_device_name()

@@ -51,6 +51,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--tuned-products", action="store_true",
         help="run the model's products through kvvm's tuned skinny products (both caches)",
     )
+    p.add_argument(
+        "--pdl", action="store_true",
+        help="launch the step's kernels (kvvm's and the compiler's) as programmatic dependents (Hopper on)",
+    )
     p.add_argument("--no-compile", action="store_true", help="capture the eager step (no torch.compile)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--backend", default="auto", help="kvvm backend (host on a CPU)")
@@ -185,6 +189,12 @@ def run_fp8_bench(args: argparse.Namespace) -> dict[str, Any]:
         from kvvm.transformers import tuned_products
 
         tuned_products(model)
+    if args.pdl:
+        from kvvm.kernels.device import set_programmatic_launch
+        from torch._inductor import config as inductor_config
+
+        set_programmatic_launch(True)
+        inductor_config.triton.enable_pdl = True
     use_kvvm_attention(model)
     backend = args.backend if args.backend != "auto" else ("cuda" if args.device == "cuda" else "host")
     mgr = kvvm.Manager(backend, precommit=True)
@@ -200,7 +210,7 @@ def run_fp8_bench(args: argparse.Namespace) -> dict[str, Any]:
         "point": f"{args.batch}x{args.prompt}",
         "bandwidth": _bandwidth(args),
         "fused_projections": not args.no_fuse,
-        "tuned_products": args.tuned_products,
+        "tuned_products": args.tuned_products, "pdl": args.pdl,
         "compiled": not args.no_compile,
         "runs": [],
     }

@@ -14,7 +14,10 @@ measures of them.
   as one), restored afterwards;
 - ``kvvm-graph-tuned``: the same with the products run through kvvm's tuned skinny products as
   well (:func:`kvvm.transformers.tuned_products`: cuBLAS or kvvm's Triton kernel, whichever
-  was measured faster for each weight's shape), restored afterwards.
+  was measured faster for each weight's shape), restored afterwards;
+- ``kvvm-graph-pdl``: the same with the step's kernels (kvvm's and the compiler's, compiled
+  afresh) launched as programmatic dependents
+  (:func:`kvvm.kernels.device.programmatic_launches`).
 
 Each step is timed on the GPU: an event per step (from a logits processor inside
 ``generate``, around each replay otherwise), so a step's time includes whatever host work
@@ -34,6 +37,7 @@ import torch
 import kvvm
 from kvvm.transformers import use_kvvm_attention
 from kvvm.graph import DecodeGraph
+from kvvm.kernels.device import programmatic_launches
 from kvvm.transformers.projections import fuse_projections
 from kvvm.transformers.products import tuned_products
 from kvvm.transformers import KvvmCache
@@ -42,7 +46,10 @@ from kvvm_bench.numerics import bf16_tie, tensor_bytes
 __all__ = ["CACHES", "Run", "Workload", "run_cache", "reference_check"]
 
 #: The caches a run can use.
-CACHES = ("static", "dynamic", "kvvm-eager", "kvvm-generate", "kvvm-graph", "kvvm-graph-fused", "kvvm-graph-tuned")
+CACHES = (
+    "static", "dynamic", "kvvm-eager", "kvvm-generate", "kvvm-graph", "kvvm-graph-fused", "kvvm-graph-tuned",
+    "kvvm-graph-pdl",
+)
 
 
 @dataclass
@@ -182,8 +189,10 @@ def _graph(
     model: Any, w: Workload, manager: kvvm.Manager, max_len: int, mode: str | None = None, profile: bool = False,
     fuse: bool = False,
     tune: bool = False,
+    pdl: bool = False,
 ) -> Run:
-    run = Run("kvvm-graph-tuned" if tune else "kvvm-graph-fused" if fuse else "kvvm-graph", w.label, w.batch)
+    kind = "kvvm-graph-pdl" if pdl else "kvvm-graph-tuned" if tune else "kvvm-graph-fused" if fuse else "kvvm-graph"
+    run = Run(kind, w.label, w.batch)
     use_kvvm_attention(model)
     base = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
@@ -194,10 +203,13 @@ def _graph(
             logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         first[slot] = logits[0, -1].argmax()
         del logits
-    fused = fuse_projections(model) if fuse or tune else None
-    tuned = tuned_products(model) if tune else None
+    fused = fuse_projections(model) if fuse or tune or pdl else None
+    tuned = tuned_products(model) if tune or pdl else None
+    if pdl:
+        torch._dynamo.reset()  # the compiler's kernels generated afresh, to launch so
     try:
-        step = DecodeGraph(model, cache, mode=mode)
+        with programmatic_launches(pdl):
+            step = DecodeGraph(model, cache, mode=mode)
     finally:
         # The captured step keeps the modules it traced.
         if tuned is not None:
@@ -244,7 +256,7 @@ def run_cache(
             assert manager is not None
             return _graph(
                 model, w, manager, max_len, graph_mode, profile, fuse=cache_kind == "kvvm-graph-fused",
-                tune=cache_kind == "kvvm-graph-tuned",
+                tune=cache_kind == "kvvm-graph-tuned", pdl=cache_kind == "kvvm-graph-pdl",
             )
         return _generate(model, w, cache_kind, manager, max_len)
     except (torch.OutOfMemoryError, kvvm.KvvmError, RuntimeError) as e:

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import triton_decode
-from .device import multiprocessors
+from .device import launch_options, multiprocessors, programmatic
 from .triton_decode import (
     _INTERPRETED,
     TOO_BIG,
@@ -47,7 +47,7 @@ from .triton_decode import (
     run_partial,
     upcast,
 )
-from .triton_kernels import fold_tokens, kv_scales, product_query, split_range
+from .triton_kernels import fold_tokens, kv_scales, let_dependents_launch, product_query, split_range, wait_for_inputs
 from .tuning import graph_time
 
 __all__ = [
@@ -230,8 +230,9 @@ def _prefix_kernel(
     TILE: tl.constexpr, KV_HEADS: tl.constexpr, PROGRAMS: tl.constexpr, LAPS: tl.constexpr,
     GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, PSPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     # Each program walks the work units (item, KV head, split) from its index by the
     # programs' count: items fastest, so that neighbouring programs take one group's items
     # and read the same blocks at about the same time. LAPS covers the most units the
@@ -248,6 +249,7 @@ def _prefix_kernel(
                 TILE, KV_HEADS, GROUP, GROUP_POW2, HEAD_DIM, DIM_PAD, BLOCK, SPLITS, PSPLITS, LOOP_WHILE,
                 PRECISION, UPCAST, CAPPED, FP8,
             )
+    let_dependents_launch(PDL)
 
 
 @triton.jit
@@ -386,6 +388,7 @@ def run_prefix(
     programs = max(1, min(programs, units))
     q = query[:, :, 0]
     base, k_from, v_from = from_last_slot(key, value)
+    pdl = programmatic(query.device)
     _prefix_kernel[(programs,)](
         q, k_from, v_from, groups, items, acc, lse,
         q.stride(0), q.stride(1),
@@ -399,7 +402,7 @@ def run_prefix(
         HEAD_DIM=dim, DIM_PAD=max(16, _pow2_at_least(dim)),
         BLOCK=pc.block, SPLITS=c.splits, PSPLITS=prefix_splits, LOOP_WHILE=_INTERPRETED,
         PRECISION=precision(query.dtype), UPCAST=upcast(query.dtype), CAPPED=bool(softcap),
-        FP8=kv_scales is not None, num_warps=pc.warps, num_stages=pc.stages,
+        FP8=kv_scales is not None, PDL=pdl, num_warps=pc.warps, num_stages=pc.stages, **launch_options(pdl),
     )
 
 

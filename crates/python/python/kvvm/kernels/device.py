@@ -1,13 +1,33 @@
 """What the device offers the kernels' launches: the multiprocessors their programs spread
-over (how many splits a decode takes, how many programs walk the cascade's prefix work)."""
+over (how many splits a decode takes, how many programs walk the cascade's prefix work), and
+whether they may launch as programmatic dependents.
+
+A programmatic dependent launch (Hopper on: compute capability 9 or more) lets a kernel's
+programs start while the kernel before it in the stream finishes: each waits
+(``griddepcontrol.wait``) for that kernel's completion and memory before it reads or writes
+anything, and lets the next kernel launch once its own main loop is done. Between the small
+kernels of a decode step, that hides part of each launch's latency. kvvm's decode-step kernels
+(the decode attention and its merge, the cascade's prefix pass, the skinny products) launch
+so when :func:`set_programmatic_launch` (or ``KVVM_PDL=1`` in the environment) turns it on;
+off by default. PyTorch's compiler has its own switch for its kernels
+(``torch._inductor.config.triton.enable_pdl``); :func:`programmatic_launches` sets both
+around a step's capture.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["INTERPRETER_MULTIPROCESSORS", "multiprocessors"]
+__all__ = [
+    "INTERPRETER_MULTIPROCESSORS", "launch_options", "multiprocessors", "programmatic", "programmatic_launches",
+    "set_programmatic_launch",
+]
 
 #: The multiprocessors Triton's interpreter is treated as having (a CPU has none): a few, so
 #: that launches sized by them still spread work over several programs.
@@ -25,3 +45,59 @@ def multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_MULTIPROCESSORS
     return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class _Switch:
+    """Whether kvvm's decode-step kernels launch as programmatic dependents (where the
+    device allows)."""
+
+    on = os.environ.get("KVVM_PDL", "0") not in ("", "0")
+
+
+def set_programmatic_launch(on: bool) -> bool:
+    """Turns programmatic dependent launches of kvvm's decode-step kernels on or off for the
+    process (kernels launched from then on; a captured graph keeps how it was captured).
+    Returns the switch as it was."""
+    before, _Switch.on = _Switch.on, bool(on)
+    return before
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def programmatic(device: torch.device) -> bool:
+    """Whether a kernel on ``device`` launches as a programmatic dependent now: the switch is
+    on and the device an NVIDIA GPU of compute capability 9 or more (never in Triton's
+    interpreter, never on ROCm)."""
+    if not _Switch.on or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict[str, Any]:
+    """The launch's options for a kernel that does (``pdl``) or does not launch as a
+    programmatic dependent (none at all then: Triton's interpreter takes no such option)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@contextlib.contextmanager
+def programmatic_launches(on: bool = True) -> Iterator[None]:
+    """Within the block, kvvm's decode-step kernels launch as programmatic dependents
+    (:func:`set_programmatic_launch`) and PyTorch's compiler generates its own kernels to
+    launch so as well (``torch._inductor.config.triton.enable_pdl``, for what it compiles in
+    the block): made in it, a :class:`~kvvm.transformers.DecodeGraph` captures its step so and
+    replays it so after. Process-wide; both switches as they were after the block. A step
+    compiled before with the same code and guards may be reused by the compiler as it was
+    (``torch._dynamo.reset()`` first compiles afresh)."""
+    from torch._inductor import config
+
+    before = set_programmatic_launch(on)
+    inductor_before = config.triton.enable_pdl
+    config.triton.enable_pdl = on
+    try:
+        yield
+    finally:
+        config.triton.enable_pdl = inductor_before
+        set_programmatic_launch(before)

@@ -37,7 +37,9 @@ import triton
 import triton.language as tl
 
 from . import triton_decode
+from .device import launch_options, programmatic
 from .triton_decode import _INTERPRETED
+from .triton_kernels import let_dependents_launch, wait_for_inputs
 from .tuning import graph_time
 
 __all__ = [
@@ -86,7 +88,7 @@ def candidates() -> tuple[ProductConfig, ...]:
 def _product_kernel(
     X, W, Bias, Y, Acc, M, N, K, k_per, stride_xm, stride_wn, stride_ym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr, LOOP_WHILE: tl.constexpr,
+    GATED: tl.constexpr, LOOP_WHILE: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (n, s) takes weight rows [n * BN, n * BN + BN) over the reduction's s-th part
     # of k_per elements: acc[BN, BM] = W[rows, part] @ x[:, part]^T, the weight the tall side.
@@ -94,6 +96,7 @@ def _product_kernel(
     # stages in flight), not one of a compile-time trip count.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    wait_for_inputs(PDL)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = tl.arange(0, BM)
     n_mask = offs_n < N
@@ -112,6 +115,7 @@ def _product_kernel(
     else:
         for k0 in range(k_lo, k_hi, BK):
             acc = _product_block(w_rows, x_rows, k0, k_hi, K, n_mask, m_mask, acc, BK, GATED)
+    let_dependents_launch(PDL)
     mask = n_mask[:, None] & m_mask[None, :]
     if HAS_BIAS:
         # Added once: by the only program of a row block, or by its first split (the
@@ -181,11 +185,12 @@ def product(
     if config.split > 1:
         acc = torch.zeros((m, n), device=x.device, dtype=torch.float32)
     k_per = triton.cdiv(triton.cdiv(k, config.split), config.block_k) * config.block_k
+    pdl = programmatic(x.device)
     _product_kernel[(triton.cdiv(n, config.block_n), config.split)](
         x, weight, bias if bias is not None else weight, y, acc, m, n, k, k_per, x.stride(0), weight.stride(0),
         y.stride(0), BM=_rows_pow2(m), BN=config.block_n, BK=config.block_k, SPLIT=config.split,
-        HAS_BIAS=bias is not None, GATED=gated, LOOP_WHILE=_INTERPRETED, num_warps=config.warps,
-        num_stages=config.stages,
+        HAS_BIAS=bias is not None, GATED=gated, LOOP_WHILE=_INTERPRETED, PDL=pdl, num_warps=config.warps,
+        num_stages=config.stages, **launch_options(pdl),
     )
     if config.split > 1:
         y.copy_(acc)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .device import launch_options, programmatic
 from .triton_kernels import _merge_kernel, _partial_kernel
 from .tuning import graph_time, may_time
 
@@ -239,6 +240,7 @@ def run_partial(
     o = out[:, 0]
     q = query[:, :, 0]
     base, k_from, v_from = from_last_slot(key, value)
+    pdl = programmatic(query.device)
     _partial_kernel[(batch, kv_heads, c.splits)](
         q, k_from, v_from, bounds, acc, lse, kn, vn, ws, wt,
         kn.stride(0) if fused else 0, kn.stride(1) if fused else 0,
@@ -260,8 +262,8 @@ def run_partial(
         UPCAST=upcast(query.dtype),
         FUSED=fused, CAPPED=bool(softcap), SLIDING=bool(window),
         CASCADE=cascade, PSPLITS=prefix_splits, PSPLITS_PAD=_pow2_at_least(max(prefix_splits, 1)), DIRECT=direct,
-        FP8=kv_scales is not None, MERGE=cascade and direct,
-        num_warps=c.warps, num_stages=c.stages,
+        FP8=kv_scales is not None, MERGE=cascade and direct, PDL=pdl,
+        num_warps=c.warps, num_stages=c.stages, **launch_options(pdl),
     )
 
 
@@ -280,6 +282,7 @@ def run_merge(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, splits: i
     ``out``."""
     batch, heads, _, dim = acc.shape
     o = out[:, 0]
+    pdl = programmatic(out.device)
     _merge_kernel[(batch, heads)](
         acc, lse, o,
         acc.stride(0), acc.stride(1), acc.stride(2),
@@ -289,7 +292,9 @@ def run_merge(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, splits: i
         DIM_PAD=max(16, _pow2_at_least(dim)),
         SPLITS=splits,
         SPLITS_PAD=_pow2_at_least(splits),
+        PDL=pdl,
         num_warps=4,
+        **launch_options(pdl),
     )
 
 

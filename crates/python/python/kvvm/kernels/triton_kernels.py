@@ -14,6 +14,23 @@ import triton.language as tl
 
 
 @triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """Launched as a programmatic dependent (``PDL``): waits here for the kernel before it
+    in the stream to finish and its writes to show (:mod:`kvvm.kernels.device`). Called
+    before the program touches any memory."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def let_dependents_launch(PDL: tl.constexpr):
+    """Launched as a programmatic dependent (``PDL``): the next kernel may launch once every
+    program has passed here (it still waits for this one to finish before reading)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _cap(x, softcap):
     """``softcap * tanh(x / softcap)``, the tanh from a sigmoid (``tanh(y) = 2 sigmoid(2y) - 1``)."""
     return softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)
@@ -278,11 +295,12 @@ def _partial_kernel(
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
     CASCADE: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr,
-    FP8: tl.constexpr, MERGE: tl.constexpr,
+    FP8: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    wait_for_inputs(PDL)
     slot, start, end = _request(Bounds, Shared, b, window, SLIDING, CASCADE)
     # An FP8 cache: K's scale folds into the softmax scale, V's into the output.
     k_scale, v_scale = kv_scales(Scales, kvh, scale_v, FP8)
@@ -317,6 +335,7 @@ def _partial_kernel(
         q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale, softcap,
         GROUP_PAD, DIM_PAD, BLOCK, PRECISION, CAPPED, UPCAST, LOOP_WHILE,
     )
+    let_dependents_launch(PDL)
 
     if FUSED:
         kn = tl.load(KN + b.to(tl.int64) * stride_knb + kvh.to(tl.int64) * stride_knh + offs_d, mask=d_mask, other=0.0)
@@ -351,9 +370,12 @@ def _merge_kernel(
     stride_lb, stride_lh,
     stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    wait_for_inputs(PDL)
+    let_dependents_launch(PDL)
     offs_s = tl.arange(0, SPLITS_PAD)
     s_mask = offs_s < SPLITS
     offs_d = tl.arange(0, DIM_PAD)

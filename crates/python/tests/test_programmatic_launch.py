@@ -1,0 +1,48 @@
+"""The switch for programmatic dependent launches (``kvvm.kernels.device``): off by default,
+never on for a CPU tensor's device, both switches (kvvm's and PyTorch's compiler's) set
+within ``programmatic_launches`` and as they were after, even when the block raises. The
+launches themselves are tested on a GPU (``test_cuda_programmatic_launch.py``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch", reason="skipped: no torch")
+
+from kvvm.kernels import device  # noqa: E402
+
+
+def test_the_switch_is_off_unless_asked_and_never_on_for_a_cpu() -> None:
+    assert not device.programmatic(torch.device("cpu"))
+    before = device.set_programmatic_launch(True)
+    try:
+        assert device.set_programmatic_launch(True) is True, "returns the switch as it was"
+        assert not device.programmatic(torch.device("cpu")), "a CPU tensor's kernels never launch so"
+        assert device.launch_options(True) == {"launch_pdl": True}
+        assert device.launch_options(False) == {}, "no option at all: the interpreter takes none"
+    finally:
+        device.set_programmatic_launch(before)
+
+
+def test_programmatic_launches_sets_both_switches_and_restores_them() -> None:
+    from torch._inductor import config
+
+    kvvm_before, inductor_before = device.set_programmatic_launch(False), config.triton.enable_pdl
+    try:
+        with pytest.raises(RuntimeError, match="inside"):
+            with device.programmatic_launches():
+                assert device._Switch.on and config.triton.enable_pdl
+                raise RuntimeError("inside")
+        assert not device._Switch.on and config.triton.enable_pdl == inductor_before
+        config.triton.enable_pdl = True
+        with device.programmatic_launches(False):
+            assert not config.triton.enable_pdl
+        assert config.triton.enable_pdl, "as it was before the block"
+    finally:
+        device.set_programmatic_launch(kvvm_before)
+        config.triton.enable_pdl = inductor_before
