@@ -198,6 +198,27 @@ def test_close_gives_the_model_back_as_it_found_it(implementation: str) -> None:
     assert "forward" not in model.__dict__ and "_kvvm_original_forward" not in model.__dict__
     assert not hasattr(model.config, "kvvm_kernel")
     assert type(model.model.layers[0].self_attn.k_proj) is torch.nn.Linear
+    assert not any("forward" in vars(layer.mlp) for layer in model.model.layers), "the MLPs' own forward"
     assert reference(model, prompt, 5) == want
     model.set_attn_implementation(f"paged|{model.config._attn_implementation}")
     assert model.config._attn_implementation == f"paged|{implementation}"
+
+
+def test_an_engine_whose_runner_cannot_be_made_gives_everything_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The products cannot be tuned (say triton is missing): the engine is refused with that
+    error, and the model's fusion, attention and the KV manager's memory are given back."""
+    import kvvm.serving.runner as runner
+
+    def no_triton(model: object) -> None:
+        raise ImportError("no triton")
+
+    monkeypatch.setattr(runner, "tune_products", no_triton)
+    model, _ = tiny()
+    attention = model.config._attn_implementation
+    manager = kvvm.Manager("host")
+    with pytest.raises(ImportError, match="no triton"):
+        Engine(model, slots=2, max_len=64, manager=manager, fuse_projections=True, tuned_products=True)
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear, "the fusion undone"
+    assert not any(name.startswith("_kvvm_fused") for name, _ in model.named_modules())
+    assert model.config._attn_implementation == attention
+    assert manager.snapshot().committed == 0, "the KV manager closed: nothing held"

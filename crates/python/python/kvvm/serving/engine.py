@@ -209,10 +209,15 @@ class Engine(EngineControl):
             raise
         self.model, self.manager, self.max_len = model, manager, max_len
         self.device = self.kv.device
-        self.runner = ModelRunner(
-            model, slots=slots, device=self.device, compile=compile, fuse_projections=fuse_projections,
-            tuned_products=tuned_products,
-        )
+        try:
+            self.runner = ModelRunner(
+                model, slots=slots, device=self.device, compile=compile, fuse_projections=fuse_projections,
+                tuned_products=tuned_products,
+            )
+        except BaseException:
+            self.kv.close()
+            self._attention.restore()
+            raise
         sizes = {"max_len": max_len, "prefill_chunk": prefill_chunk, "prefill_batch_tokens": prefill_batch_tokens}
         #: The host tier's swapper (None without one).
         self.swapper: Swapper | None = self._make_swapper(host_tier_bytes, swap, swap_costs)

@@ -49,7 +49,13 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self._fused: FusedProjections | None = fuse(model) if fuse_projections else None
-        self._tuned: TunedProducts | None = tune_products(model) if tuned_products else None
+        try:
+            self._tuned: TunedProducts | None = tune_products(model) if tuned_products else None
+        except BaseException:
+            # The model as it came: the fusion undone.
+            if self._fused is not None:
+                self._fused.restore()
+            raise
         self.device = device
         self.compile = compile
         self.sampler = Sampler(slots, device)
