@@ -197,27 +197,22 @@ class Engine(EngineControl):
                 backend, budget_bytes=budget_bytes, precommit=True, headroom_tokens=headroom_tokens,
                 host_budget_bytes=host_tier_bytes or None,
             )
-        self._attention = switch_attention(model)
-        try:
-            self.kv = KvManager(
-                model, slots=slots, max_len=max_len, manager=manager,
-                prefix_cache_bytes=prefix_cache_bytes, prefix_handle_tokens=prefix_handle_tokens,
-                kv_dtype=kv_dtype, kv_scales=kv_scales, cascade=cascade,
+        self._attention, kv = switch_attention(model), None
+        try:  # what was made is given back if the rest cannot be
+            kv = KvManager(
+                model, slots=slots, max_len=max_len, manager=manager, prefix_cache_bytes=prefix_cache_bytes,
+                prefix_handle_tokens=prefix_handle_tokens, kv_dtype=kv_dtype, kv_scales=kv_scales, cascade=cascade,
             )
-        except BaseException:
-            self._attention.restore()
-            raise
-        self.model, self.manager, self.max_len = model, manager, max_len
-        self.device = self.kv.device
-        try:
             self.runner = ModelRunner(
-                model, slots=slots, device=self.device, compile=compile, fuse_projections=fuse_projections,
+                model, slots=slots, device=kv.device, compile=compile, fuse_projections=fuse_projections,
                 tuned_products=tuned_products,
             )
         except BaseException:
-            self.kv.close()
+            if kv is not None:
+                kv.close()
             self._attention.restore()
             raise
+        self.kv, self.model, self.manager, self.max_len, self.device = kv, model, manager, max_len, kv.device
         sizes = {"max_len": max_len, "prefill_chunk": prefill_chunk, "prefill_batch_tokens": prefill_batch_tokens}
         #: The host tier's swapper (None without one).
         self.swapper: Swapper | None = self._make_swapper(host_tier_bytes, swap, swap_costs)
