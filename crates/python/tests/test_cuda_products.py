@@ -69,6 +69,17 @@ def test_every_candidate_computes_the_gated_product(dtype: torch.dtype, n: int, 
             _close(got, want)
 
 
+def test_the_activation_kernel_rounds_as_pytorch() -> None:
+    """The separate way's activation (one kernel) against PyTorch's two: within one unit of
+    bf16's resolution (the sigmoid's last fp32 bit may round the other way)."""
+    torch.manual_seed(5)
+    x = (torch.randn(33, 2 * 14336, device="cuda") * 3).to(torch.bfloat16)
+    got, want = products.gate_activation(x), products.gated_input(x)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    rel = ((got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)).max().item()
+    assert rel <= torch.finfo(torch.bfloat16).eps, rel
+
+
 def test_the_tuned_operator_replays_its_choice_in_a_graph() -> None:
     """``kvvm::linear`` tunes a shape the first time it meets it outside a capture, then a
     captured graph replays the chosen product over new inputs with cuBLAS's result."""

@@ -31,8 +31,10 @@ def test_the_kernel_computes_the_product_in_the_interpreter() -> None:
     code = textwrap.dedent(
         """
         import torch
+        from kvvm.kernels import products as P
         from kvvm.kernels.products import (
-            ProductConfig, candidates, gated_input, gated_linear, linear, product, torch_product, tuned_product,
+            ProductConfig, candidates, gate_activation, gated_input, gated_linear, linear, product, torch_product,
+            tuned_product,
         )
         torch.manual_seed(3)
         configs = [ProductConfig(32, 32), ProductConfig(64, 32, split=2), ProductConfig(32, 64, split=4)]
@@ -56,6 +58,15 @@ def test_the_kernel_computes_the_product_in_the_interpreter() -> None:
         assert tuned_product(xg.reshape(6, 128), w, None, True) == candidates()[0]
         assert (gated_linear(xg, w) - gated_input(xg) @ w.T).abs().max().item() < 1e-4
         assert tuned_product(torch.randn(4, 64), w, None, True) is None
+        # The activation in a kernel of its own (rows of several blocks), and a gated shape
+        # tuned to the separate way: that kernel, then the plain product.
+        for shape in ((5, 2, 160), (3, 3000)):
+            xa = torch.randn(*shape) * 3
+            assert (gate_activation(xa) - gated_input(xa)).abs().max().item() < 1e-5, shape
+        xs, w2 = torch.randn(5, 2, 160), torch.randn(30, 80)
+        P._TUNED[(16, (30, 80), 80, torch.float32, False, True, xs.device)] = None
+        assert tuned_product(xs.reshape(10, 160), w2, None, True) is None
+        assert (gated_linear(xs, w2) - gated_input(xs) @ w2.T).abs().max().item() < 1e-4
         try:
             product(torch.randn(4, 64), w, None, configs[0], gated=True)
         except ValueError as e:

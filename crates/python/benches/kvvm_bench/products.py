@@ -6,9 +6,9 @@ Llama-3.1-8B shape: Q/K/V, O, gate/up, down, the output head) and each row count
 ``--rows`` (a decode step's requests), the product ``x @ W.T`` is timed in a captured graph
 through PyTorch (cuBLAS) and through :func:`kvvm.kernels.products.product` in each candidate
 configuration, checked against PyTorch's result first. The down projection is timed twice:
-alone, and gated as a step runs it (``down+silu``: PyTorch's SiLU-and-multiply kernel then
-cuBLAS, against the kernel computing the activation as it loads its input); a step's sums
-count the gated one. Each line gives the microseconds, the
+alone, and gated as a step runs it (``down+silu``: PyTorch's SiLU and multiply kernels then
+cuBLAS, against the kernel computing the activation as it loads its input, and, as
+``separate_us``, kvvm's activation kernel then cuBLAS); a step's sums count the gated one. Each line gives the microseconds, the
 rate the weight streamed at, and the layer's products together (each weight as often as a
 layer has it, the output head a 32nd); a device-to-device copy measured in the same process
 gives the rate the card reaches. The weights are random (the time does not depend on them).
@@ -40,7 +40,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _one(rows: int, name: str, n: int, k: int, gated: bool) -> dict[str, Any]:
-    from kvvm.kernels.products import candidates, product, torch_product
+    from kvvm.kernels.products import candidates, gate_activation, product, torch_product
     from kvvm.kernels.triton_decode import TOO_BIG
     from kvvm.kernels.tuning import graph_time
 
@@ -50,6 +50,11 @@ def _one(rows: int, name: str, n: int, k: int, gated: bool) -> dict[str, Any]:
     ref = torch_product(x, w, None, gated).float()
     row: dict[str, Any] = {"rows": rows, "weight": name, "n": n, "k": k, "bytes": n * k * 2}
     row["cublas_us"] = round(graph_time(lambda _: torch_product(x, w, None, gated), None) * 1e3, 2)
+    if gated:
+        # The activation in one kernel of its own, then cuBLAS (what the tuner's separate way
+        # runs where cuBLAS is the plain product's choice).
+        separate = graph_time(lambda _: torch.nn.functional.linear(gate_activation(x), w), None)
+        row["separate_us"] = round(separate * 1e3, 2)
     kernel: list[dict[str, Any]] = []
     for c in candidates():
         try:
