@@ -8,10 +8,11 @@ through PyTorch (cuBLAS) and through :func:`kvvm.kernels.products.product` in ea
 configuration, checked against PyTorch's result first. The down projection is timed twice:
 alone, and gated as a step runs it (``down+silu``: PyTorch's SiLU and multiply kernels then
 cuBLAS, against the kernel computing the activation as it loads its input, and, as
-``separate_us``, kvvm's activation kernel then cuBLAS); a step's sums count the gated one. Each line gives the microseconds, the
-rate the weight streamed at, and the layer's products together (each weight as often as a
-layer has it, the output head a 32nd); a device-to-device copy measured in the same process
-gives the rate the card reaches. The weights are random (the time does not depend on them).
+``separate_us``, kvvm's activation kernel then cuBLAS); a step's sums count the gated one.
+Each line gives the microseconds, the rate the weight streamed at, and the layer's products
+together (each weight as often as a layer has it, the output head a 32nd); a reduction
+measured in the same process gives the rate a read stream reaches on the card. The weights
+are random (the time does not depend on them).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from kvvm_bench.report_file import write_report
-from kvvm_bench.shapes import copy_bandwidth
+from kvvm_bench.shapes import read_bandwidth
 
 __all__ = ["add_args", "run_products_bench"]
 
@@ -71,21 +72,22 @@ def _one(rows: int, name: str, n: int, k: int, gated: bool) -> dict[str, Any]:
 
 def run_products_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every shape at every row count; returns the report (written after each shape)."""
-    # A copy reads as many bytes as it writes: half of copy_bandwidth's read-and-written rate.
-    rate = (copy_bandwidth(torch.device("cuda"), 2 << 30) or 0.0) / 2
+    # What a read stream reaches (a reduction): the rate a product that only reads its
+    # weight could reach at best.
+    rate = read_bandwidth(torch.device("cuda"), 2 << 30) or 0.0
     report: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_read_bytes_per_s": round(rate),
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "read_bytes_per_s": round(rate),
         "results": [], "per_step": {},
     }
-    print(f"a device copy reads {rate / 1e12:.3f} TB/s", flush=True)
+    print(f"a reduction reads {rate / 1e12:.3f} TB/s", flush=True)
     for rows in (int(r) for r in args.rows.split(",") if r):
-        step = {"cublas_ms": 0.0, "best_ms": 0.0, "copy_rate_ms": 0.0}
+        step = {"cublas_ms": 0.0, "best_ms": 0.0, "read_rate_ms": 0.0}
         for name, n, k, times, gated in _SHAPES:
             r = _one(rows, name, n, k, gated)
             report["results"].append(r)
             step["cublas_ms"] += times * r["cublas_us"] / 1e3
             step["best_ms"] += times * min(r["best_us"], r["cublas_us"]) / 1e3
-            step["copy_rate_ms"] += times * r["bytes"] / rate * 1e3
+            step["read_rate_ms"] += times * r["bytes"] / rate * 1e3
             print(
                 f"rows {rows:3d} {name:8s}: cuBLAS {r['cublas_us']:8.1f} us ({r['bytes'] / r['cublas_us'] / 1e6:.2f} TB/s),"
                 f" kvvm {r['best_us']:8.1f} us ({r['bytes'] / r['best_us'] / 1e6:.2f} TB/s, {r['best']}),"
@@ -94,6 +96,6 @@ def run_products_bench(args: argparse.Namespace) -> dict[str, Any]:
             write_report(args.json, report)
         report["per_step"][rows] = {k: round(v, 3) for k, v in step.items()}
         print(f"rows {rows}: a step's products {step['cublas_ms']:.3f} ms by cuBLAS, {step['best_ms']:.3f} ms by the "
-              f"faster of each, {step['copy_rate_ms']:.3f} ms at a copy's rate", flush=True)
+              f"faster of each, {step['read_rate_ms']:.3f} ms at a reduction's rate", flush=True)
         write_report(args.json, report)
     return report

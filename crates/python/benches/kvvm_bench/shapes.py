@@ -140,6 +140,25 @@ def copy_bandwidth(device: torch.device, size: int = 1 << 30) -> float | None:
     return 2 * size / best
 
 
+def read_bandwidth(device: torch.device, size: int = 1 << 30) -> float | None:
+    """Bytes/s a reduction over ``size`` bytes reads (a read stream, nothing written back),
+    best of five; None without CUDA."""
+    if device.type != "cuda":
+        return None
+    data = torch.ones(size // 4, dtype=torch.float32, device=device)
+    data.sum()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        data.sum()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    del data
+    return size / best
+
+
 def _meta(args: argparse.Namespace, device: torch.device, bandwidth: tuple[float, str], measured: float | None) -> dict[str, Any]:
     import transformers
     import triton
