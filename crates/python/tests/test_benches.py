@@ -203,12 +203,13 @@ def test_cascade_bench_compares_the_tokens_on_the_cpu_untimed(tmp_path: Path) ->
     argv = [
         "cascade", "--tiny", "--fp32", "--device", "cpu", "--backend", "host", "--batch", "4", "--prefix", "24",
         "--own", "4", "--groups", "2", "--check-steps", "2", "--fuse", "--prefix-splits", "2", "--json", str(out),
+        "--tuned-products", "--pdl",
     ]
     r = subprocess.run([sys.executable, "-m", "kvvm_bench", *argv], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
     (row,) = report["results"]
-    assert report["fused_projections"] is True
+    assert report["fused_projections"] is True and report["tuned_products"] is True and report["pdl"] is True
     assert (row["groups"], row["requests"], row["tokens_compared"]) == (2, 4, 8)
     assert row["tokens_agree"] == 8 and "cascade_p50_ms" not in row
     assert row["prefix_splits"] == 2, "the tables took the splits asked for (their own choice here: 1)"
