@@ -223,9 +223,10 @@ def run_partial(
     range starts that many tokens later (a cascade's prefix pass reads them, into the
     ``prefix_splits`` columns after those), and a request sharing none marks those columns
     empty; with ``c.splits`` 1 the prefix pass runs first and each request's program merges
-    its columns itself, into ``out`` (no merge kernel after). With ``kv_scales`` (fp32 ``[2, kv_heads]``: each KV head's K and V scale), K and V
-    are an FP8 cache's (:mod:`kvvm.kernels.fp8`): dequantized as they are read, the step's new
-    token quantized as it is written."""
+    its columns itself, into ``out`` (no merge kernel after). With ``kv_scales`` (fp32 ``[2,
+    kv_heads]``: each KV head's K and V scale), K and V are an FP8 cache's
+    (:mod:`kvvm.kernels.fp8`): dequantized as they are read, the step's new token quantized
+    as it is written."""
     fused = new is not None
     cascade = shared is not None
     if kv_scales is not None:
