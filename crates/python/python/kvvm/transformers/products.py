@@ -8,9 +8,9 @@ cuBLAS or kvvm's Triton kernel reads that weight faster at a decode step's few r
 keeps the faster. A gated MLP whose gate and up projections were fused (transformers' Llama,
 Mistral, Qwen2 and the other MLPs computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``
 with a SiLU) runs its down projection through ``kvvm::gated_linear`` over the fused product:
-the activation is computed as the down projection's kernel loads its input, where that was
-measured faster than PyTorch's activation kernel and cuBLAS. A product of more rows (a
-prefill) runs through PyTorch as before::
+the activation is computed as the down projection's kernel loads its input where that was
+measured faster, else in one kernel of its own before the down projection's product as
+tuned. A product of more rows (a prefill) runs through PyTorch as before::
 
     fused = fuse_projections(model)      # first: it fuses plain nn.Linear siblings only
     tuned = tuned_products(model)        # before compiling or capturing the step
@@ -106,7 +106,7 @@ def _is_gated_mlp(module: nn.Module) -> bool:
         group is not None
         and isinstance(getattr(module, "act_fn", None), (nn.SiLU, SiLUActivation))
         and isinstance(down, (nn.Linear, TunedLinear))
-        and type(down) in (nn.Linear, TunedLinear)
+        and type(down) in (nn.Linear, TunedLinear)  # not a subclass: it may compute something else
         and down.in_features * 2 == group.weight.shape[0]
     )
 
