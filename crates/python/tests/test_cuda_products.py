@@ -6,7 +6,7 @@ Skipped without CUDA."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -86,28 +86,26 @@ def test_the_tuned_operator_replays_its_choice_in_a_graph() -> None:
     torch.manual_seed(1)
     weight = (torch.randn(4096, 4096, device="cuda") / 64).to(torch.bfloat16)
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
-    first = products.linear(x, weight)
-    _close(first, torch.nn.functional.linear(x, weight))
+    _tuned_then_replayed(products.linear, x, weight, False)
     assert any("4096 x 4096" in shape for shape in products.tuned_product_choices())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = products.linear(x, weight)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    _close(out, torch.nn.functional.linear(x, weight))
     # The gated operator the same way, over a gate and an up projection side by side.
     down = (torch.randn(4096, 14336, device="cuda") / 120).to(torch.bfloat16)
     gate_up = torch.randn(16, 2 * 14336, device="cuda", dtype=torch.bfloat16)
-    _close(products.gated_linear(gate_up, down), products.torch_product(gate_up, down, None, True))
+    _tuned_then_replayed(products.gated_linear, gate_up, down, True)
     assert any("gated" in shape for shape in products.tuned_product_choices())
+
+
+def _tuned_then_replayed(op: Any, x: torch.Tensor, weight: torch.Tensor, gated: bool) -> None:
+    """``op(x, weight)`` tuned by its first call (PyTorch's result), then captured and
+    replayed over new values of ``x`` (PyTorch's result for those)."""
+    _close(op(x, weight), products.torch_product(x, weight, None, gated))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = products.gated_linear(gate_up, down)
-    gate_up.copy_(torch.randn_like(gate_up))
+        out = op(x, weight)
+    x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()
-    _close(out, products.torch_product(gate_up, down, None, True))
+    _close(out, products.torch_product(x, weight, None, gated))
 
 
 def test_a_model_through_tuned_products_keeps_its_logits() -> None:

@@ -203,10 +203,8 @@ def run_cascade_bench(args: argparse.Namespace) -> dict[str, Any]:
         tuned_products(model)
     if args.pdl:
         from kvvm.kernels.device import set_programmatic_launch
-        from torch._inductor import config as inductor_config
 
-        set_programmatic_launch(True)
-        inductor_config.triton.enable_pdl = True
+        set_programmatic_launch(True, compiler=True)  # for the whole run
     use_kvvm_attention(model)
     backend = args.backend if args.backend != "auto" else ("cuda" if args.device == "cuda" else "host")
     mgr = kvvm.Manager(backend, precommit=True)

@@ -54,10 +54,15 @@ class _Switch:
     on = os.environ.get("KVVM_PDL", "0") not in ("", "0")
 
 
-def set_programmatic_launch(on: bool) -> bool:
+def set_programmatic_launch(on: bool, *, compiler: bool = False) -> bool:
     """Turns programmatic dependent launches of kvvm's decode-step kernels on or off for the
-    process (kernels launched from then on; a captured graph keeps how it was captured).
-    Returns the switch as it was."""
+    process (kernels launched from then on; a captured graph keeps how it was captured);
+    ``compiler``: PyTorch's compiler's switch too (``torch._inductor.config.triton.enable_pdl``,
+    for what it compiles from then on). Returns kvvm's switch as it was."""
+    if compiler:
+        from torch._inductor import config
+
+        config.triton.enable_pdl = bool(on)
     before, _Switch.on = _Switch.on, bool(on)
     return before
 
@@ -93,9 +98,8 @@ def programmatic_launches(on: bool = True) -> Iterator[None]:
     (``torch._dynamo.reset()`` first compiles afresh)."""
     from torch._inductor import config
 
-    before = set_programmatic_launch(on)
     inductor_before = config.triton.enable_pdl
-    config.triton.enable_pdl = on
+    before = set_programmatic_launch(on, compiler=True)
     try:
         yield
     finally:

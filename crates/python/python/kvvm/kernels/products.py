@@ -25,8 +25,8 @@ them, so the activation runs in no kernel of its own, where that is measured fas
 activation in one kernel (:func:`gate_activation`) and the plain product as tuned. Each
 program of the kernel computes the activation of every row it reads: worth it for a few rows
 (on an H100, 16 rows of the Llama-3.1-8B shape's down projection, 46.9 us against 52.0 for
-PyTorch's activation, product and cuBLAS), not for 64 (165 us against 55.7). :func:`kvvm.transformers.tuned_products` puts them in a
-model's linear layers and gated MLPs.
+PyTorch's activation, product and cuBLAS), not for 64 (165 us against 55.7).
+:func:`kvvm.transformers.tuned_products` puts them in a model's linear layers and gated MLPs.
 
 Runs on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check the kernel).
 """
@@ -47,8 +47,7 @@ from .tuning import graph_time
 
 __all__ = [
     "MAX_ROWS", "ProductConfig", "candidates", "gate_activation", "gated_input", "gated_linear", "linear", "product",
-    "torch_product",
-    "tuned_product", "tuned_product_choices",
+    "torch_product", "tuned_product", "tuned_product_choices",
 ]
 
 #: Rows of ``x`` the kernel takes at most (a decode step's requests); more go to PyTorch.
