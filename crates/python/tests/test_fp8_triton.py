@@ -47,6 +47,11 @@ def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
             for splits in (1, 2):
                 got = decode_attention(q, k, v, bounds, 1 / math.sqrt(D), Config(splits, block, warps, stages), kv_scales=scales)
                 assert (got - want).abs().max().item() < 1e-4, (block, splits)
+        # Its lane folds (the widening by inline PTX is the GPU's: test_cuda_fp8.py).
+        from kvvm.kernels.triton_decode import _EXTRA_FP8
+        for c in _EXTRA_FP8:
+            got = decode_attention(q, k, v, bounds, 1 / math.sqrt(D), c, kv_scales=scales)
+            assert (got - want).abs().max().item() < 1e-4, c
         got = attend(q, k, v, bounds, kernel="triton", kv_scales=scales)
         assert (got - want).abs().max().item() < 1e-4
         # Fused: the step's token written by the kernel (quantized) and attended as stored.

@@ -121,6 +121,9 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, prompts: torch
             timing = timed_greedy_steps(step, logits[-1].argmax(-1), args.steps)
             # The decode kernel's configurations the autotuner chose for this cache.
             row["decode_configs"] = [f"{k}: {v}" for k, v in tuned_configs().items() if k not in tuned_before]
+            from kvvm.kernels.products import tuned_product_choices
+
+            row["product_choices"] = tuned_product_choices()
             floor_ms = (weights + kv_read) / _bandwidth(args) * 1e3
             read_ms = (weights - unread_weight_bytes(model, args.batch) + kv_read) / _bandwidth(args) * 1e3
             row.update(

@@ -47,7 +47,8 @@ from .triton_decode import (
     run_partial,
     upcast,
 )
-from .triton_kernels import fold_tokens, kv_scales, let_dependents_launch, product_query, split_range, wait_for_inputs
+from .triton_fold import fold_tokens
+from .triton_kernels import kv_scales, let_dependents_launch, product_query, split_range, wait_for_inputs
 from .tuning import graph_time
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The split-KV decode kernels in Triton (:mod:`kvvm.kernels.triton_decode` launches them):
 one program per (request, KV head, split of its tokens) folds its blocks into a running
-softmax and stores its partial result (:func:`_partial_kernel`, built from :func:`_block` and
-its other parts), a second kernel merges the partial results by their log-sum-exps
+softmax (:func:`kvvm.kernels.triton_fold.fold_tokens`) and stores its partial result
+(:func:`_partial_kernel`), a second kernel merges the partial results by their log-sum-exps
 (:func:`_merge_kernel`). In a cascade whose private pass is one program per request and KV
 head, that program merges the prefix pass's results itself (:func:`_fold_prefix`): no merge
 kernel.
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from .triton_fold import _cap, fold_tokens
 
 
 @triton.jit
@@ -28,94 +30,6 @@ def let_dependents_launch(PDL: tl.constexpr):
     program has passed here (it still waits for this one to finish before reading)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _cap(x, softcap):
-    """``softcap * tanh(x / softcap)``, the tanh from a sigmoid (``tanh(y) = 2 sigmoid(2y) - 1``)."""
-    return softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0)
-
-
-@triton.jit
-def _block(
-    q,
-    k_base,
-    v_base,
-    t,
-    hi,
-    stride_kt,
-    stride_vt,
-    offs_d,
-    d_mask,
-    m_i,
-    l_i,
-    acc,
-    sm_scale,
-    softcap,
-    BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
-    CAPPED: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """One block of tokens ``t..t+BLOCK`` (those below ``hi``) folded into the running
-    softmax: returns the new ``(max, sum, accumulator)``."""
-    offs_n = t + tl.arange(0, BLOCK)
-    n_mask = offs_n < hi
-    rows = offs_n.to(tl.int64)
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    # An FP8 cache's K and V are widened to the query's dtype as they are loaded (a no-op for
-    # a cache of the query's dtype); their scales are applied outside the loop (see
-    # _partial_kernel).
-    k = tl.load(k_base + rows[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-    if UPCAST:
-        # Triton's interpreter multiplies bf16 operands as their raw 16-bit patterns: widened
-        # to fp32 there (on a GPU the tensor cores take bf16 as it is).
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-    if CAPPED:
-        qk = _cap(qk, softcap)
-    qk = tl.where(n_mask[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(qk - m_new[:, None])
-    l_new = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-    p = p.to(v.dtype)
-    if UPCAST:
-        p = p.to(tl.float32)
-        v = v.to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-    return m_new, l_new, acc
-
-
-@triton.jit
-def fold_tokens(
-    q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale, softcap,
-    ROWS: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
-    CAPPED: tl.constexpr, UPCAST: tl.constexpr, LOOP_WHILE: tl.constexpr,
-):
-    """The running softmax of ``ROWS`` query rows over the tokens ``[lo, hi)`` of one KV head,
-    a block at a time: returns its ``(max, sum, accumulator)``."""
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, DIM_PAD], dtype=tl.float32)
-    if LOOP_WHILE:
-        # Triton's interpreter (CPU) takes a loop bound only as a Python int.
-        t = lo
-        while t < hi:
-            m_i, l_i, acc = _block(
-                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
-            )
-            t += BLOCK
-    else:
-        for t in range(lo, hi, BLOCK):
-            m_i, l_i, acc = _block(
-                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc,
-                sm_scale, softcap, BLOCK, PRECISION, CAPPED, UPCAST,
-            )
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -295,7 +209,7 @@ def _partial_kernel(
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
     CASCADE: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr,
-    FP8: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr,
+    FP8: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, LANES: tl.constexpr, WIDEN: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -333,7 +247,7 @@ def _partial_kernel(
 
     m_i, l_i, acc = fold_tokens(
         q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale, softcap,
-        GROUP_PAD, DIM_PAD, BLOCK, PRECISION, CAPPED, UPCAST, LOOP_WHILE,
+        GROUP_PAD, DIM_PAD, BLOCK, PRECISION, CAPPED, UPCAST, LOOP_WHILE, LANES, WIDEN,
     )
     let_dependents_launch(PDL)
 

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .triton_decode import _INTERPRETED, _pow2_at_least, from_last_slot, precision, upcast
-from .triton_kernels import _cap, _request, kv_scales, product_query
+from .triton_fold import _cap
+from .triton_kernels import _request, kv_scales, product_query
 
 __all__ = ["prefill_attention"]
 
