@@ -1,6 +1,7 @@
 """FP8 KV on a CUDA GPU: the Triton decode kernel and the cascade's prefix pass over e4m3 K/V
 against the per-request SDPA reference (every split count, bf16 and fp32 queries), the fused
-write storing exactly the bytes the reference quantization makes (a GPU rounds to nearest
+write storing exactly the bytes the reference quantization makes, V widened by the kernel's own
+conversion as by the compiler's (a GPU rounds to nearest
 even), and a KvvmCache in FP8 decoding through a captured step as it does eagerly, near the
 bf16 cache. Skipped without CUDA."""
 
@@ -50,6 +51,18 @@ def test_the_decode_kernel_over_fp8_matches_the_reference(dtype: torch.dtype, di
     for splits in (1, 2, 8, 32):
         got = decode_attention(q, k, v, bounds, 1 / math.sqrt(dim), splits, kv_scales=scales).float()
         assert (got - want).abs().max().item() < tol, splits
+    # The tuner's FP8 shapes, V widened by the kernel's own conversion and not: the same
+    # values (every e4m3 code is exact in fp16), through other layouts.
+    from kvvm.kernels.triton_decode import _SHAPES_FP8, Config
+
+    for block, warps, stages in _SHAPES_FP8:
+        for splits in (1, 2):
+            plain = Config(splits, block, warps, stages)
+            widened = Config(splits, block, warps, stages, widen=True)
+            a = decode_attention(q, k, v, bounds, 1 / math.sqrt(dim), plain, kv_scales=scales).float()
+            b = decode_attention(q, k, v, bounds, 1 / math.sqrt(dim), widened, kv_scales=scales).float()
+            assert (a - want).abs().max().item() < tol and (b - want).abs().max().item() < tol, widened
+            assert (a - b).abs().max().item() < 1e-3, widened
     got = attend(q, k, v, bounds, kernel="triton", kv_scales=scales).float()
     assert (got - want).abs().max().item() < tol
 

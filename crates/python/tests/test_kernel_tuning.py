@@ -191,3 +191,22 @@ def test_the_engines_prefill_forwards_run_untuned() -> None:
     logits = runner._prefill_forward(PrefillRun([0], 1, [r], [True]), _Kv())  # type: ignore[arg-type]
     assert logits.shape == (1, 11)
     assert model.allowed == [False] and tuning_allowed()
+
+
+def test_an_fp8_cache_is_tuned_over_its_blocks_with_v_widened_both_ways(timed: list[Any]) -> None:
+    """Over an FP8 cache the tuner times each of its FP8 shapes at each split count with V
+    widened by the kernel's own conversion and without; over a bf16 cache, neither."""
+    import kvvm.kernels.triton_decode as td
+
+    q, kv, bounds = _inputs()
+    kv8 = kv.to(torch.float8_e4m3fn)
+    td.tuned_config(q.bfloat16(), kv8, kv8, bounds, 0.125, 132, kv_scales=torch.ones(2, 2))
+    splits = {c.splits for c in timed}
+    for block, warps, stages in td._SHAPES_FP8:
+        for s in splits:
+            assert td.Config(s, block, warps, stages) in timed
+            assert td.Config(s, block, warps, stages, widen=True) in timed
+    timed.clear()
+    td.tuned_config(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), bounds, 0.125, 132)
+    assert timed and not any(c.widen for c in timed)
+    assert not any((c.block, c.warps, c.stages) in td._SHAPES_FP8 for c in timed)

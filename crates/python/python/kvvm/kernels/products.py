@@ -74,8 +74,7 @@ class ProductConfig:
 _CANDIDATES = (
     ProductConfig(64, 128), ProductConfig(128, 128), ProductConfig(64, 256, stages=3), ProductConfig(32, 256),
     ProductConfig(128, 128, warps=8, stages=3), ProductConfig(64, 128, split=2), ProductConfig(64, 128, split=4),
-    ProductConfig(32, 256, split=2), ProductConfig(128, 64, 4, 8), ProductConfig(128, 64, 4, 6), ProductConfig(256, 64, 8, 5),
-    ProductConfig(256, 32, 8, 8), ProductConfig(128, 64, 4, 8, split=4), ProductConfig(256, 64, 8, 5, split=4),
+    ProductConfig(32, 256, split=2),
 )
 
 #: The choice per shape (None: PyTorch's product).

@@ -43,38 +43,27 @@ BLOCK_N = 64
 @dataclass(frozen=True)
 class Config:
     """How :func:`decode_attention` runs: programs per (request, KV head) along the tokens
-    (a power of two), tokens per iteration, warps per program, pipeline stages; lanes: each
-    block's tokens folded as that many running softmaxes of ``block // lanes`` consecutive
-    tokens, merged after the loop (:mod:`kvvm.kernels.triton_fold`; at least 16 tokens a
-    lane); widen: an FP8 cache's blocks widened by the kernels' own conversion (on a GPU, for
-    a 16-bit query; ignored otherwise); registers: the most a thread may use (0: the
-    compiler's choice), more programs resident a multiprocessor."""
+    (a power of two), tokens per iteration, warps per program, pipeline stages; widen: an
+    FP8 cache's V widened by the kernels' own conversion (:mod:`kvvm.kernels.triton_fold`;
+    on a GPU, for a 16-bit query; ignored otherwise)."""
 
     splits: int
     block: int = BLOCK_N
     warps: int = 4
     stages: int = 2
-    lanes: int = 1
-    widen: int = 0
-    registers: int = 0
+    widen: bool = False
 
 
 #: (tokens per iteration, warps, stages) tried at every split count by :func:`tuned_config`.
 _SHAPES = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (64, 8, 3), (128, 8, 3))
 
-#: Tried as well for a cache of one byte an element (FP8): blocks of 128 tokens keep as many
-#: bytes in flight as bf16's of 64. On an H100 at 64 requests of 4096 tokens (the
-#: Llama-3.1-8B shape, one layer-call alone) 128 tokens with 4 warps and 3 stages read FP8
-#: fastest (191-200 us, against 215 for 8 warps and 2 stages); 256 tokens were slower still.
+#: Tried as well for a cache of one byte an element (FP8), each also with V widened by the
+#: kernels' own conversion: blocks of 128 tokens keep as many bytes in flight as bf16's of
+#: 64. On an H100 at 64 requests of 4096 tokens (the Llama-3.1-8B shape) 128 tokens with 4
+#: warps and 3 stages read FP8 fastest alone (191-201 us a layer-call, against 215 for 8 warps
+#: and 2 stages; 256 tokens slower still), and in the captured step with V widened (200 us a
+#: layer, against 209 without).
 _SHAPES_FP8 = ((128, 4, 3), (128, 8, 2))
-
-#: Tried as well for an FP8 cache, one program per (request, KV head): deeper pipelines,
-#: lanes, V widened by the kernels' own conversion, a register cap for a third program a
-#: multiprocessor.
-_EXTRA_FP8 = (
-    Config(1, 128, 4, 4), Config(1, 64, 4, 4), Config(1, 64, 4, 4, lanes=4), Config(1, 128, 4, 3, widen=1),
-    Config(1, 64, 4, 4, widen=1), Config(1, 128, 4, 3, registers=168),
-)
 
 #: What a configuration the device cannot run raises when it is compiled.
 TOO_BIG: tuple[type[BaseException], ...] = tuple(
@@ -150,17 +139,17 @@ def tuned_config(
     # Fewer splits with more warps and stages keep as many bytes in flight with fewer
     # programs; one split needs no merge kernel at all.
     shapes = _SHAPES + (_SHAPES_FP8 if key.element_size() == 1 else ())
-    fp8 = key.element_size() == 1
     for s in sorted({1, 2, max(1, splits // 2), splits, min(64, splits * 2)}):
         for block, warps, stages in shapes:
             candidates.add(Config(s, block, warps, stages))
+        for block, warps, stages in _SHAPES_FP8 if key.element_size() == 1 else ():
+            candidates.add(Config(s, block, warps, stages, widen=True))
     if timed is None:
         def timed(c: Config) -> torch.Tensor:
             return decode_attention(query, key, value, bounds, scale, c, new, kv_scales=kv_scales)
 
-    candidates.update(_EXTRA_FP8 if fp8 else ())
     timings = []
-    for c in sorted(candidates, key=lambda c: (c.splits, c.block, c.warps, c.stages, c.lanes, c.widen, c.registers)):
+    for c in sorted(candidates, key=lambda c: (c.splits, c.block, c.warps, c.stages, c.widen)):
         try:
             timings.append((graph_time(timed, c), c))
         except TOO_BIG:
@@ -282,14 +271,9 @@ def run_partial(
         FUSED=fused, CAPPED=bool(softcap), SLIDING=bool(window),
         CASCADE=cascade, PSPLITS=prefix_splits, PSPLITS_PAD=_pow2_at_least(max(prefix_splits, 1)), DIRECT=direct,
         FP8=kv_scales is not None, MERGE=cascade and direct, PDL=pdl,
-        LANES=c.lanes, WIDEN=c.widen if widens(query.dtype, kv_scales) else 0,
-        num_warps=c.warps, num_stages=c.stages, **launch_options(pdl), **registers(c),
+        WIDEN=c.widen and widens(query.dtype, kv_scales),
+        num_warps=c.warps, num_stages=c.stages, **launch_options(pdl),
     )
-
-
-def registers(c: Config) -> dict[str, int]:
-    """The launch's register cap of ``c`` (none for 0)."""
-    return {"maxnreg": c.registers} if c.registers else {}
 
 
 def from_last_slot(key: torch.Tensor, value: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -330,9 +314,9 @@ def precision(dtype: torch.dtype) -> str:
 
 
 def widens(dtype: torch.dtype, kv_scales: torch.Tensor | None) -> bool:
-    """Whether the kernels may widen an FP8 cache's blocks by their own conversion (e4m3 to
-    fp16, :mod:`kvvm.kernels.triton_fold`): an FP8 cache read by a 16-bit query (whose
-    products take fp16), on a GPU (the interpreter runs no inline PTX)."""
+    """Whether the kernels may widen an FP8 cache's V by their own conversion (e4m3 to fp16,
+    :mod:`kvvm.kernels.triton_fold`): an FP8 cache read by a 16-bit query (whose products
+    take fp16), on a GPU (the interpreter runs no inline PTX)."""
     return kv_scales is not None and not _INTERPRETED and dtype in (torch.bfloat16, torch.float16)
 
 

@@ -209,7 +209,7 @@ def _partial_kernel(
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
     CASCADE: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr,
-    FP8: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, LANES: tl.constexpr, WIDEN: tl.constexpr,
+    FP8: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, WIDEN: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -247,7 +247,7 @@ def _partial_kernel(
 
     m_i, l_i, acc = fold_tokens(
         q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale, softcap,
-        GROUP_PAD, DIM_PAD, BLOCK, PRECISION, CAPPED, UPCAST, LOOP_WHILE, LANES, WIDEN,
+        GROUP_PAD, DIM_PAD, BLOCK, PRECISION, CAPPED, UPCAST, LOOP_WHILE, WIDEN,
     )
     let_dependents_launch(PDL)
 
