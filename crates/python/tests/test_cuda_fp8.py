@@ -62,7 +62,8 @@ def test_the_decode_kernel_over_fp8_matches_the_reference(dtype: torch.dtype, di
             a = decode_attention(q, k, v, bounds, 1 / math.sqrt(dim), plain, kv_scales=scales).float()
             b = decode_attention(q, k, v, bounds, 1 / math.sqrt(dim), widened, kv_scales=scales).float()
             assert (a - want).abs().max().item() < tol and (b - want).abs().max().item() < tol, widened
-            assert (a - b).abs().max().item() < 1e-3, widened
+            # Within a bf16 output's last place (the products may sum in another order).
+            assert torch.allclose(a, b, rtol=2**-7, atol=1e-3), widened
     got = attend(q, k, v, bounds, kernel="triton", kv_scales=scales).float()
     assert (got - want).abs().max().item() < tol
 
