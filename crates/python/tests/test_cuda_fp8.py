@@ -110,10 +110,15 @@ def test_the_cascade_over_fp8_matches_the_reference() -> None:
     tables = CascadeTables(B, "cuda", heads_per_kv=H // Hk)
     tables.update([Share("p", s, 0, P) for s in range(B)])
     want = attend(q, k, v, bounds, kernel="sdpa", kv_scales=scales).float()
-    got = cascade_attention(q, k, v, bounds, 1 / math.sqrt(D), 4, tables.tables, kv_scales=scales).float()
-    # Outputs in bf16 (8 bits of mantissa) reduced in another order: two units in the last
-    # place of the larger values (up to about 4) apart at most.
-    torch.testing.assert_close(got, want, atol=2e-2, rtol=2 * 2**-7)
+    from kvvm.kernels.triton_decode import Config
+
+    # Split private passes (merged by a kernel after), and one private program a request and
+    # KV head merging the prefix itself, with V widened by the kernel's own conversion.
+    for config in (4, Config(1, 128, 4, 3, widen=True)):
+        got = cascade_attention(q, k, v, bounds, 1 / math.sqrt(D), config, tables.tables, kv_scales=scales).float()
+        # Outputs in bf16 (8 bits of mantissa) reduced in another order: two units in the last
+        # place of the larger values (up to about 4) apart at most.
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2 * 2**-7)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
