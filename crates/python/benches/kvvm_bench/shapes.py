@@ -38,6 +38,7 @@ import gc
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -120,6 +121,21 @@ def _bandwidth(args: argparse.Namespace, device: torch.device) -> tuple[float, s
     raise SystemExit(f"no HBM bandwidth known for {name!r}: pass --bandwidth")
 
 
+def _best_seconds(call: Callable[[], object]) -> float:
+    """The shortest of five timed runs of ``call`` on the current CUDA stream (after one
+    untimed run), in seconds."""
+    call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return best
+
+
 def copy_bandwidth(device: torch.device, size: int = 1 << 30) -> float | None:
     """Bytes/s a device-to-device copy of ``size`` bytes reaches (read and written), best of
     five; None without CUDA."""
@@ -127,17 +143,7 @@ def copy_bandwidth(device: torch.device, size: int = 1 << 30) -> float | None:
         return None
     src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1000)
-    del src, dst
-    return 2 * size / best
+    return 2 * size / _best_seconds(lambda: dst.copy_(src))
 
 
 def read_bandwidth(device: torch.device, size: int = 1 << 30) -> float | None:
@@ -146,17 +152,7 @@ def read_bandwidth(device: torch.device, size: int = 1 << 30) -> float | None:
     if device.type != "cuda":
         return None
     data = torch.ones(size // 4, dtype=torch.float32, device=device)
-    data.sum()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        data.sum()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1000)
-    del data
-    return size / best
+    return size / _best_seconds(data.sum)
 
 
 def _meta(args: argparse.Namespace, device: torch.device, bandwidth: tuple[float, str], measured: float | None) -> dict[str, Any]:

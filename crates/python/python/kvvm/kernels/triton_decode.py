@@ -138,11 +138,11 @@ def tuned_config(
     candidates = {default}
     # Fewer splits with more warps and stages keep as many bytes in flight with fewer
     # programs; one split needs no merge kernel at all.
-    shapes = _SHAPES + (_SHAPES_FP8 if key.element_size() == 1 else ())
+    fp8 = _SHAPES_FP8 if key.element_size() == 1 else ()
     for s in sorted({1, 2, max(1, splits // 2), splits, min(64, splits * 2)}):
-        for block, warps, stages in shapes:
+        for block, warps, stages in _SHAPES + fp8:
             candidates.add(Config(s, block, warps, stages))
-        for block, warps, stages in _SHAPES_FP8 if key.element_size() == 1 else ():
+        for block, warps, stages in fp8:
             candidates.add(Config(s, block, warps, stages, widen=True))
     if timed is None:
         def timed(c: Config) -> torch.Tensor:
