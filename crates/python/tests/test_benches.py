@@ -202,7 +202,8 @@ def test_cascade_bench_compares_the_tokens_on_the_cpu_untimed(tmp_path: Path) ->
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [benches, os.environ.get("PYTHONPATH")])))
     argv = [
         "cascade", "--tiny", "--fp32", "--device", "cpu", "--backend", "host", "--batch", "4", "--prefix", "24",
-        "--own", "4", "--groups", "2", "--check-steps", "2", "--fuse", "--prefix-splits", "2", "--json", str(out),
+        "--own", "4", "--groups", "2", "--check-steps", "2", "--fuse", "--prefix-splits", "2", "--prefix-rows", "16",
+        "--json", str(out),
         "--tuned-products", "--pdl",
     ]
     r = subprocess.run([sys.executable, "-m", "kvvm_bench", *argv], capture_output=True, text=True, timeout=600, env=env)
@@ -213,6 +214,7 @@ def test_cascade_bench_compares_the_tokens_on_the_cpu_untimed(tmp_path: Path) ->
     assert (row["groups"], row["requests"], row["tokens_compared"]) == (2, 4, 8)
     assert row["tokens_agree"] == 8 and "cascade_p50_ms" not in row
     assert row["prefix_splits"] == 2, "the tables took the splits asked for (their own choice here: 1)"
+    assert row["prefix_rows"] == 16, "the tables took the rows asked for (by default 64)"
 
 
 #: A small serve run on the CPU (the host backend): two short requests.

@@ -55,7 +55,7 @@ def test_groups_are_two_or_more_requests_sharing_one_prefix_tokens_and_start() -
 
 def test_the_tables_are_rewritten_in_place_and_checked() -> None:
     # 8 query heads per KV head: 4 members an item (32 query rows), 3 items at most.
-    t = CascadeTables(4, "cpu", prefix_splits=2, heads_per_kv=8)
+    t = CascadeTables(4, "cpu", prefix_splits=2, heads_per_kv=8, kv_heads=2)
     assert (t.max_groups, t.tile, t.max_items) == (2, 4, 3)
     pointers = [x.data_ptr() for x in (t.shared, t.groups, t.items)]
     t.update([Share("p", 0, 0, 9), Share("p", 1, 0, 9), None, Share("p", 3, 0, 9)])
@@ -73,11 +73,11 @@ def test_the_tables_are_rewritten_in_place_and_checked() -> None:
     with pytest.raises(ValueError):
         t.update([None] * 3)
     with pytest.raises(ValueError):
-        CascadeTables(4, "cpu", prefix_splits=3, heads_per_kv=1)
+        CascadeTables(4, "cpu", prefix_splits=3, heads_per_kv=1, kv_heads=1)
     with pytest.raises(ValueError):
-        CascadeTables(0, "cpu", heads_per_kv=1)
+        CascadeTables(0, "cpu", heads_per_kv=1, kv_heads=1)
     with pytest.raises(ValueError):
-        CascadeTables(4, "cpu", heads_per_kv=0)
+        CascadeTables(4, "cpu", heads_per_kv=0, kv_heads=1)
 
 
 def _groupings(batch: int, least: int = 2) -> Iterator[list[int]]:
@@ -119,6 +119,13 @@ def test_a_prefix_program_takes_at_least_sixteen_query_rows() -> None:
     assert member_tiles(20, 1) == (32, 1)
     assert member_tiles(64, 16) == (4, 16)
     assert member_tiles(3, 128) == (1, 3)
+    # Tables made for fewer rows an item (the private pass's launch): 16 rows, 4 members.
+    assert member_tiles(64, 4, 16) == (4, 16)
+    assert member_tiles(64, 4, 32) == (8, 8)
+    assert member_tiles(64, 32, 16) == (1, 64)
+    assert CascadeTables(64, "cpu", heads_per_kv=4, kv_heads=8, rows=16).tile == 4
+    with pytest.raises(ValueError, match="16, 32 or 64"):
+        CascadeTables(64, "cpu", heads_per_kv=4, kv_heads=8, rows=48)
 
 
 def test_a_prefix_split_reads_at_least_512_tokens() -> None:
@@ -131,7 +138,7 @@ def test_a_prefix_split_reads_at_least_512_tokens() -> None:
 
 
 def test_tables_made_for_other_heads_or_no_programs_are_refused() -> None:
-    tables = CascadeTables(8, "cpu", heads_per_kv=1)  # 16 members an item
+    tables = CascadeTables(8, "cpu", heads_per_kv=1, kv_heads=1)  # 16 members an item
     q = torch.zeros(8, 8, 1, 16)  # 8 query heads over 1 KV head: 8 members an item
     kv = torch.zeros(9, 1, 32, 16)
     bounds = torch.zeros(8, 3, dtype=torch.int32)
@@ -158,7 +165,7 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
     out = _interpreted(
         """
         import math, random, torch
-        from kvvm.kernels.cascade import CascadeTables, Share, cascade_attention
+        from kvvm.kernels.cascade import CascadeTables, PrefixConfig, Share, cascade_attention
         from kvvm.kernels.triton_decode import decode_attention
         random.seed(5)
         torch.manual_seed(5)
@@ -188,7 +195,11 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
             for splits, psplits, softcap, programs in (
                 (1, 1, 0.0, None), (1, 4, 30.0, 1), (2, 4, 0.0, 1), (4, 2, 30.0, 3),
             ):
-                tables = CascadeTables(batch, "cpu", prefix_splits=psplits, heads_per_kv=heads // kv_heads)
+                # Tables of 16 rows an item as well (as the private pass's launch takes them).
+                tables = CascadeTables(
+                    batch, "cpu", prefix_splits=psplits, heads_per_kv=heads // kv_heads, kv_heads=kv_heads,
+                    rows=16 if psplits == 4 else 64,
+                )
                 plan = tables.update(shares)
                 items = tables.items[0, 0].item()
                 assert items >= len(plan.groups)
@@ -200,6 +211,21 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
                 err = (got - want).abs().max().item()
                 assert err < 1e-5, (heads, kv_heads, dim, splits, psplits, programs, err)
                 cases += 1
+                if splits == 1:
+                    # Both passes in one launch: the last column's writer merges, and every
+                    # count is back at zero for the next launch.
+                    # In the interpreter the programs run one after another: the prefix
+                    # pass's first leaves each merge to a private program, last to a prefix one.
+                    for first in (True, False):
+                        together = PrefixConfig(32, 4, 2, together=True, prefix_first=first)
+                        got = cascade_attention(
+                            q, k, v, bounds, dim ** -0.5, 1, tables.tables, softcap=softcap, programs=programs,
+                            prefix_config=together,
+                        )
+                        err = (got - want).abs().max().item()
+                        assert err < 1e-5, ("together", first, heads, kv_heads, dim, psplits, programs, err)
+                        assert not tables.arrivals.any()
+                        cases += 1
             # The step's token written by the kernel and attended from registers, as the
             # plain kernel does; a refused write (the scratch slot) is not attended to.
             kn = torch.randn(batch, kv_heads, 1, dim)
@@ -207,17 +233,20 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
             ws = torch.tensor([[r] for r in range(batch)])
             ws[-1, 0] = batch
             wt = torch.tensor([[e - 1] for e in ends])
-            for splits in (1, 2):
+            fused = ((1, None), (2, None), (1, PrefixConfig(64, 4, 2, True)), (1, PrefixConfig(64, 4, 2, True, False)))
+            for splits, prefix in fused:
                 k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
                 want = decode_attention(q, k1, v1, bounds, dim ** -0.5, splits, (kn, vn, ws, wt))
-                got = cascade_attention(q, k2, v2, bounds, dim ** -0.5, splits, tables.tables, (kn, vn, ws, wt))
+                got = cascade_attention(
+                    q, k2, v2, bounds, dim ** -0.5, splits, tables.tables, (kn, vn, ws, wt), prefix_config=prefix,
+                )
                 assert (got - want).abs().max().item() < 1e-5
                 assert torch.equal(k1, k2) and torch.equal(v1, v2)
                 cases += 1
         print("cases", cases, "several", several)
         """
     )
-    assert "cases 30" in out
+    assert "cases 60" in out
     assert int(out.split("several")[1]) > 0, "a group took several items"
 
 

@@ -107,15 +107,21 @@ def test_the_cascade_over_fp8_matches_the_reference() -> None:
         k[s, :, :P], v[s, :, :P] = k[0, :, :P], v[0, :, :P]
     q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     bounds = torch.tensor([[s, 0, P + 20 * s + 5] for s in range(B)], dtype=torch.int32, device="cuda")
-    tables = CascadeTables(B, "cuda", heads_per_kv=H // Hk)
+    tables = CascadeTables(B, "cuda", heads_per_kv=H // Hk, kv_heads=Hk)
     tables.update([Share("p", s, 0, P) for s in range(B)])
     want = attend(q, k, v, bounds, kernel="sdpa", kv_scales=scales).float()
     from kvvm.kernels.triton_decode import Config
 
     # Split private passes (merged by a kernel after), and one private program a request and
     # KV head merging the prefix itself, with V widened by the kernel's own conversion.
-    for config in (4, Config(1, 128, 4, 3, widen=True)):
-        got = cascade_attention(q, k, v, bounds, 1 / math.sqrt(D), config, tables.tables, kv_scales=scales).float()
+    # Both passes in one launch as well, V widened there too.
+    from kvvm.kernels.cascade import PrefixConfig
+
+    together = PrefixConfig(64, 4, 3, together=True)
+    for config, prefix in ((4, None), (Config(1, 128, 4, 3, widen=True), None), (Config(1, 128, 4, 3, widen=True), together)):
+        got = cascade_attention(
+            q, k, v, bounds, 1 / math.sqrt(D), config, tables.tables, kv_scales=scales, prefix_config=prefix,
+        ).float()
         # Outputs in bf16 (8 bits of mantissa) reduced in another order: two units in the last
         # place of the larger values (up to about 4) apart at most.
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2 * 2**-7)

@@ -89,7 +89,7 @@ def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
         for s in (1, 2):
             k3[s, :, :96], v3[s, :, :96] = k3[0, :, :96], v3[0, :, :96]
         bounds = torch.tensor([[0, 0, 120], [1, 0, 140], [2, 0, 100]], dtype=torch.int32)
-        tables = CascadeTables(B, "cpu", heads_per_kv=H // Hk)
+        tables = CascadeTables(B, "cpu", heads_per_kv=H // Hk, kv_heads=Hk)
         tables.update([Share("p", s, 0, 96) for s in range(B)])
         want = attend(q, k3, v3, bounds, kernel="sdpa", kv_scales=scales)
         for splits in (1, 2):  # the prefix merged by the private program, by the merge kernel

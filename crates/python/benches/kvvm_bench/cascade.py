@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -60,6 +61,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--prefix-splits", type=int, default=0,
         help="splits of each prefix work item for the cascade's tables (a power of two; 0: choose_prefix_splits' choice)",
     )
+    p.add_argument(
+        "--prefix-rows", type=int, default=0,
+        help="query rows a prefix work item takes at most in the cascade's tables (16, 32 or 64; 0: the tables' default)",
+    )
     p.add_argument("--json", help="write the report here")
 
 
@@ -77,7 +82,7 @@ def _caches(model: Any, mgr: kvvm.Manager, prefixes: list[Any], args: argparse.N
         batch = kvvm.SequenceBatch(mgr, plan, args.batch + 1, max_len, precommit=mgr.precommit)
         for i in range(args.batch):
             prefixes[i // per].shared.attach(batch[i])
-        with _prefix_splits(args.prefix_splits):
+        with _tables_made(args.prefix_splits, args.prefix_rows):
             cache = KvvmCache(
                 model, args.batch, max_len, manager=mgr, layout=plan.layout, dtype=plan.geometry.dtype, batch=batch,
                 start_tokens=args.prefix, cascade=cascade,
@@ -90,14 +95,18 @@ def _caches(model: Any, mgr: kvvm.Manager, prefixes: list[Any], args: argparse.N
 
 
 @contextlib.contextmanager
-def _prefix_splits(splits: int) -> Iterator[None]:
+def _tables_made(splits: int, rows: int) -> Iterator[None]:
     """Within the block, caches made with the cascade's tables take ``splits`` splits a prefix
-    work item instead of :func:`~kvvm.kernels.cascade.choose_prefix_splits`' choice (0: its
-    choice)."""
-    if not splits:
-        yield
-        return
-    with mock.patch("kvvm.kernels.cascade.choose_prefix_splits", return_value=splits):
+    work item instead of :func:`~kvvm.kernels.cascade.choose_prefix_splits`' choice, and
+    items of at most ``rows`` query rows instead of the tables' default (0: the choice, the
+    default)."""
+    from kvvm.kernels import cascade
+
+    with contextlib.ExitStack() as stack:
+        if splits:
+            stack.enter_context(mock.patch.object(cascade, "choose_prefix_splits", return_value=splits))
+        if rows:
+            stack.enter_context(mock.patch.object(cascade, "CascadeTables", functools.partial(cascade.CascadeTables, rows=rows)))
         yield
 
 
@@ -145,6 +154,7 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, groups: int) -
     row: dict[str, Any] = {
         "groups": groups, "requests": args.batch, "prefix": args.prefix, "own": args.own,
         "prefix_splits": caches[0].prefix_splits,
+        "prefix_rows": caches[0].prefix_rows,
     }
     try:
         firsts = [_prefill_own(model, c, own, args.prefix).argmax(-1) for c in caches]

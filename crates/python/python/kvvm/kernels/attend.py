@@ -244,17 +244,23 @@ def _write_attend(
     items: torch.Tensor | None = None,
     prefix_splits: int = 0,
     kv_scales: torch.Tensor | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     # ``slab`` is written in place although the schema says it is not: the compiler must not
     # see a mutation of it, or it would copy it whole (functionalization, autotuning clones),
     # reading windows that are not mapped. Nothing else in a graph reads the slab: this op
     # is the only reader and writer of the K/V memory, and it orders its write before its read.
+    # ``arrivals`` (a cascade's counts) too: counted up and set back to zero within one launch,
+    # unchanged from before the op to after it.
     key, value = slab_kv(slab, layout)
     _check_fp8(key, kv_scales)
     name = kernel_for(query.device, query.shape[2], kernel, query.dtype, softcap, kv_scales is not None)
     if name == "triton" and query.shape[2] == 1:
         # One kernel writes the token and attends (the token read from registers).
-        cascade = None if shared is None or groups is None or items is None else (shared, groups, items, prefix_splits)
+        cascade = (
+            None if shared is None or groups is None or items is None or arrivals is None
+            else (shared, groups, items, prefix_splits, arrivals)
+        )
         return _triton(
             query, key, value, bounds.to(torch.int32), scale, window, softcap, (key_new, value_new, slot, token), cascade,
             kv_scales,
@@ -327,10 +333,10 @@ def write_attend(
     """
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    shared, groups, items, prefix_splits = (None, None, None, 0) if cascade is None else cascade
+    shared, groups, items, prefix_splits, arrivals = (None, None, None, 0, None) if cascade is None else cascade
     return torch.ops.kvvm.write_attend(
         query, key_new, value_new, slab, slot, token, bounds, layout, float(scale), kernel, int(window),
-        float(softcap), shared, groups, items, int(prefix_splits), kv_scales,
+        float(softcap), shared, groups, items, int(prefix_splits), kv_scales, arrivals,
     )
 
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 from . import triton_decode
 from .device import launch_options, multiprocessors, programmatic
@@ -38,6 +37,7 @@ from .triton_decode import (
     _INTERPRETED,
     TOO_BIG,
     Config,
+    _new_rows,
     _pow2_at_least,
     buffers,
     choose_splits,
@@ -46,26 +46,33 @@ from .triton_decode import (
     run_merge,
     run_partial,
     upcast,
+    widens,
 )
-from .triton_fold import fold_tokens
-from .triton_kernels import kv_scales, let_dependents_launch, product_query, split_range, wait_for_inputs
+from .triton_cascade import _prefix_kernel, _together_kernel
 from .tuning import graph_time
 
 __all__ = [
     "PREFIX_PROGRAMS_PER_MULTIPROCESSOR", "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "PrefixConfig", "Share",
     "Tables", "cascade_attention", "choose_prefix_splits", "member_tiles", "most_items", "plan_groups",
-    "prefix_items", "query_rows", "tuned_prefix_config", "tuned_prefix_configs",
+    "prefix_candidates", "prefix_items", "query_rows", "run_together", "tuned_prefix_config", "tuned_prefix_configs",
 ]
 
 #: The device tables of a step's groups: each request's shared tokens (int32 ``[batch]``), each
 #: group's prefix (int32 ``[groups, 3]``: slot, start, tokens), the prefix pass's work items
 #: (int32 ``[1 + items, 1 + tile]``: row 0 starts with their count, each next row is a group
-#: and up to ``tile`` of its members, -1 past the last) and the prefix splits (the programs'
-#: share of each item along its prefix's tokens).
-Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+#: and up to ``tile`` of its members, -1 past the last), the prefix splits (the programs'
+#: share of each item along its prefix's tokens) and the arrivals (int32 ``[batch, heads]``,
+#: zero between launches: the columns of each request's head written so far by a launch that
+#: runs both passes together, see :class:`PrefixConfig`).
+Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]
 
-#: Query rows one prefix item takes at most (members times query heads per KV head).
+#: Query rows one prefix item takes at most (members times query heads per KV head), by
+#: default, and those the tables may be made for: a launch of the prefix pass's own reads a
+#: prefix once per 64 rows; in the private pass's launch (:class:`PrefixConfig`), a program
+#: of 16 rows is no bigger than a private one (measured at 64 rows, the launch's programs
+#: need all 255 registers a thread may hold and spill).
 _ROWS = 64
+_ROW_CHOICES = (16, 32, 64)
 
 #: Programs of the prefix pass per multiprocessor: each walks the work list from its index
 #: by the programs' count.
@@ -76,17 +83,30 @@ PREFIX_PROGRAMS_PER_MULTIPROCESSOR = 2
 class PrefixConfig:
     """How the prefix pass runs: prefix tokens per iteration, warps, pipeline stages. Its
     products are of up to 64 query rows (an item's members' heads) where the private pass's
-    are of a request's few heads: the configuration that suits one need not suit the other."""
+    are of a request's few heads: the configuration that suits one need not suit the other.
+
+    ``together``: the prefix pass runs in the private pass's launch (its programs first),
+    whose warps and stages then apply to both (``warps`` and ``stages`` here are not read);
+    each column of partial results is counted as it is written and the last one of a
+    request's head merges them (:mod:`kvvm.kernels.triton_cascade`). Only with a private
+    pass of one split. ``prefix_first``: the launch's first programs are the prefix pass's
+    (else its last)."""
 
     block: int
     warps: int
     stages: int
+    together: bool = False
+    prefix_first: bool = True
 
 
 #: The prefix pass's configurations :func:`tuned_prefix_config` times beside the private
 #: pass's own.
 _PREFIX_SHAPES = (PrefixConfig(64, 4, 2), PrefixConfig(64, 4, 3), PrefixConfig(64, 8, 3), PrefixConfig(32, 4, 3),
                   PrefixConfig(128, 8, 3))
+
+#: The prefix pass's blocks :func:`tuned_prefix_config` times as well in the private pass's
+#: launch (a private pass of one split).
+_TOGETHER_BLOCKS = (32, 64)
 
 #: The prefix pass's configuration measured fastest per shape and private configuration.
 _TUNED_PREFIX: dict[tuple[object, ...], PrefixConfig] = {}
@@ -174,27 +194,36 @@ class CascadeTables:
         prefix_splits: programs per work item along the prefix's tokens (a power of two).
         heads_per_kv: the model's query heads per KV head: they set the members per work
             item (:func:`member_tiles`), and a step of any other ratio is refused.
+        kv_heads: the model's KV heads (with ``heads_per_kv``, its query heads: the
+            arrivals' rows).
+        rows: query rows a prefix work item takes at most (16, 32 or 64).
     """
 
     def __init__(self, batch: int, device: torch.device | str, max_groups: int | None = None,
-                 prefix_splits: int = 1, *, heads_per_kv: int) -> None:
+                 prefix_splits: int = 1, *, heads_per_kv: int, kv_heads: int, rows: int = _ROWS) -> None:
         if batch < 1:
             raise ValueError(f"a cascade needs a batch of one request or more, not {batch}")
         if prefix_splits < 1 or prefix_splits & (prefix_splits - 1):
             raise ValueError(f"prefix_splits must be a power of two, not {prefix_splits}")
         if heads_per_kv < 1:
             raise ValueError(f"heads_per_kv must be at least 1, not {heads_per_kv}")
+        if kv_heads < 1:
+            raise ValueError(f"kv_heads must be at least 1, not {kv_heads}")
+        if rows not in _ROW_CHOICES:
+            raise ValueError(f"a prefix work item takes 16, 32 or 64 query rows, not {rows}")
         self.batch = batch
         self.max_groups = max(1, batch // 2) if max_groups is None else max_groups
         if self.max_groups < 1:
             raise ValueError(f"max_groups must be at least 1, not {self.max_groups}")
         self.prefix_splits = prefix_splits
         self.heads_per_kv = heads_per_kv
-        self.tile = member_tiles(batch, heads_per_kv)[0]
+        self.rows = rows
+        self.tile = member_tiles(batch, heads_per_kv, rows)[0]
         self.max_items = most_items(batch, self.max_groups, self.tile)
         self.shared = torch.zeros(batch, dtype=torch.int32, device=device)
         self.groups = torch.zeros((self.max_groups, 3), dtype=torch.int32, device=device)
         self.items = torch.zeros((1 + self.max_items, 1 + self.tile), dtype=torch.int32, device=device)
+        self.arrivals = torch.zeros((batch, heads_per_kv * kv_heads), dtype=torch.int32, device=device)
         self.count = 0
 
     def update(self, shares: Sequence[Share | None]) -> Plan:
@@ -216,100 +245,7 @@ class CascadeTables:
     @property
     def tables(self) -> Tables:
         """The tensors the kernels read (:data:`Tables`)."""
-        return self.shared, self.groups, self.items, self.prefix_splits
-
-
-@triton.jit
-def _prefix_kernel(
-    Q, K, V, Groups, Items, Acc, Lse,
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_kt,
-    stride_vb, stride_vh, stride_vt,
-    stride_ab, stride_ah, stride_as,
-    stride_lb, stride_lh,
-    sm_scale, softcap, base, Scales, scale_v,
-    TILE: tl.constexpr, KV_HEADS: tl.constexpr, PROGRAMS: tl.constexpr, LAPS: tl.constexpr,
-    GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK: tl.constexpr, SPLITS: tl.constexpr, PSPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
-):
-    wait_for_inputs(PDL)
-    # Each program walks the work units (item, KV head, split) from its index by the
-    # programs' count: items fastest, so that neighbouring programs take one group's items
-    # and read the same blocks at about the same time. LAPS covers the most units the
-    # tables can hold; a lap past the step's units does nothing.
-    count = tl.load(Items)
-    units = count * KV_HEADS * PSPLITS
-    for lap in range(LAPS):
-        unit = tl.program_id(0) + lap * PROGRAMS
-        if unit < units:
-            _prefix_unit(
-                Q, K, V, Groups, Items, Acc, Lse, unit, count,
-                stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-                stride_ab, stride_ah, stride_as, stride_lb, stride_lh, sm_scale, softcap, base, Scales, scale_v,
-                TILE, KV_HEADS, GROUP, GROUP_POW2, HEAD_DIM, DIM_PAD, BLOCK, SPLITS, PSPLITS, LOOP_WHILE,
-                PRECISION, UPCAST, CAPPED, FP8,
-            )
-    let_dependents_launch(PDL)
-
-
-@triton.jit
-def _prefix_unit(
-    Q, K, V, Groups, Items, Acc, Lse, unit, count,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_ab, stride_ah, stride_as, stride_lb, stride_lh, sm_scale, softcap, base, Scales, scale_v,
-    TILE: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-    PSPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    CAPPED: tl.constexpr, FP8: tl.constexpr,
-):
-    """One work unit: an item's members' queries of one KV head over one split of their
-    group's prefix, written as the split's column of partial results."""
-    item = unit % count
-    kvh = (unit // count) % KV_HEADS
-    split = unit // (count * KV_HEADS)
-    row = Items + (1 + item).to(tl.int64) * (1 + TILE)
-    g = tl.load(row)
-    offs3 = tl.arange(0, 4)
-    row3 = tl.load(Groups + g * 3 + offs3, mask=offs3 < 3, other=0)
-    slot = tl.sum(tl.where(offs3 == 0, row3, 0), 0)
-    start = tl.sum(tl.where(offs3 == 1, row3, 0), 0)
-    n = tl.sum(tl.where(offs3 == 2, row3, 0), 0)
-    # Slots are counted from the one ``K`` and ``V`` point into (see decode_attention).
-    slot = slot - base
-
-    rows = tl.arange(0, TILE * GROUP_POW2)
-    member = tl.load(row + 1 + rows // GROUP_POW2)
-    within = rows % GROUP_POW2
-    valid = (member >= 0) & (within < GROUP)
-    member = tl.maximum(member, 0).to(tl.int64)
-    heads = kvh * GROUP + within
-    offs_d = tl.arange(0, DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(
-        Q + member[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=valid[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    q = product_query(q, FP8)
-    lo, hi = split_range(start, start + n, split, PSPLITS, BLOCK)
-    # An FP8 cache's scales: K's folded into the softmax scale, V's into the output.
-    k_scale, v_scale = kv_scales(Scales, kvh, scale_v, FP8)
-    k_base = K + slot.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = V + slot.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-
-    m_i, l_i, acc = fold_tokens(
-        q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale * k_scale, softcap,
-        TILE * GROUP_POW2, DIM_PAD, BLOCK, PRECISION, CAPPED, UPCAST, LOOP_WHILE,
-    )
-
-    has = l_i > 0.0
-    out = tl.where(has[:, None], acc * v_scale / tl.where(has, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    column = SPLITS + split
-    a_ptr = Acc + member[:, None] * stride_ab + heads[:, None] * stride_ah + column * stride_as + offs_d[None, :]
-    tl.store(a_ptr, out, mask=valid[:, None] & d_mask[None, :])
-    tl.store(Lse + member * stride_lb + heads * stride_lh + column, lse, mask=valid)
+        return self.shared, self.groups, self.items, self.prefix_splits, self.arrivals
 
 
 def cascade_attention(
@@ -337,28 +273,39 @@ def cascade_attention(
     cache's, of these scales (both passes dequantize as they read); ``programs``: the prefix
     pass's (default :data:`PREFIX_PROGRAMS_PER_MULTIPROCESSOR` per multiprocessor, fewer
     where the tables hold fewer units); ``prefix_config``: the prefix pass's block, warps and
-    stages (default: the private pass's). Returns ``[batch, 1, heads, head_dim]`` in the
-    query's dtype.
+    stages, and whether it runs in the private pass's launch (default: the private pass's
+    block, warps and stages, a launch of its own). Returns ``[batch, 1, heads, head_dim]`` in
+    the query's dtype.
     """
     batch, heads, _, dim = query.shape
-    shared, groups, items, prefix_splits = tables
+    shared, groups, items, prefix_splits, arrivals = tables
     if shared.shape[0] != batch:
         raise ValueError(f"cascade tables for a batch of {shared.shape[0]}, queries for {batch}")
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    tile, want = items.shape[1] - 1, member_tiles(batch, group)[0]
-    if tile != want:
+    tile, want = items.shape[1] - 1, sorted({member_tiles(batch, group, rows)[0] for rows in _ROW_CHOICES})
+    if tile not in want:
         raise ValueError(
-            f"cascade tables of {tile} members an item, not the {want} of a batch of {batch} at {group} "
+            f"cascade tables of {tile} members an item, not one of the {want} of a batch of {batch} at {group} "
             "query heads per KV head (made for another heads_per_kv)"
         )
     if programs is not None and programs < 1:
         raise ValueError(f"the prefix pass needs one program or more, not {programs}")
     c = config if isinstance(config, Config) else Config(config)
     pc = prefix_config or PrefixConfig(c.block, c.warps, c.stages)
+    if pc.together and c.splits != 1:
+        raise ValueError(f"the prefix pass runs together only with a private pass of one split, not {c.splits}")
+    if pc.together and tuple(arrivals.shape) != (batch, heads):
+        raise ValueError(
+            f"cascade tables counting arrivals of {tuple(arrivals.shape)}, not of the step's {(batch, heads)} "
+            "(made for another kv_heads)"
+        )
     if kv_scales is not None:
         kv_scales = kv_scales.to(torch.float32).contiguous()
     out, acc, lse = buffers(query, c.splits + prefix_splits)
+    if pc.together:
+        run_together(query, key, value, bounds, tables, scale, c, pc, new, out, acc, lse, softcap, kv_scales, programs)
+        return out
     run_prefix(query, key, value, tables, acc, lse, scale, c, pc, softcap, kv_scales, programs)
     # With one private program per request and KV head, that program merges the prefix's
     # columns itself; with more, the merge kernel folds every column.
@@ -379,14 +326,12 @@ def run_prefix(
     """The prefix pass: each group's prefix read once per KV head for its members' queries,
     into the columns of ``acc``/``lse`` after the private pass's ``c.splits``."""
     _, heads, _, dim = query.shape
-    _, groups, items, prefix_splits = tables
+    _, groups, items, prefix_splits, _ = tables
     kv_heads = key.shape[1]
     group = heads // kv_heads
     tile = items.shape[1] - 1
     units = (items.shape[0] - 1) * kv_heads * prefix_splits
-    if programs is None:
-        programs = PREFIX_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors(query.device)
-    programs = max(1, min(programs, units))
+    programs = _prefix_programs(query.device, programs, units)
     q = query[:, :, 0]
     base, k_from, v_from = from_last_slot(key, value)
     pdl = programmatic(query.device)
@@ -407,6 +352,58 @@ def run_prefix(
     )
 
 
+def run_together(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, tables: Tables, scale: float,
+    c: Config, pc: PrefixConfig, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    out: torch.Tensor, acc: torch.Tensor, lse: torch.Tensor, softcap: float, kv_scales: torch.Tensor | None,
+    programs: int | None,
+) -> None:
+    """Both passes in one launch (:func:`~kvvm.kernels.triton_cascade._together_kernel`): the
+    prefix pass's programs, then one per request and KV head over its own tokens; the private
+    pass's column 0 of ``acc``/``lse`` and the prefix's columns after it, each request's heads
+    merged into ``out`` by whichever program writes their last column (a request in no group:
+    by its own program, directly)."""
+    batch, heads, _, dim = query.shape
+    shared, groups, items, prefix_splits, arrivals = tables
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    units = (items.shape[0] - 1) * kv_heads * prefix_splits
+    programs = _prefix_programs(query.device, programs, units)
+    fused = new is not None
+    kn, vn, ws, wt = _new_rows(new, bounds)
+    q, o = query[:, :, 0], out[:, 0]
+    base, k_from, v_from = from_last_slot(key, value)
+    pdl = programmatic(query.device)
+    _together_kernel[(programs + batch * kv_heads,)](
+        q, k_from, v_from, bounds, acc, lse, kn, vn, ws, wt, groups, items, arrivals,
+        kn.stride(0) if fused else 0, kn.stride(1) if fused else 0,
+        vn.stride(0) if fused else 0, vn.stride(1) if fused else 0,
+        q.stride(0), q.stride(1),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        lse.stride(0), lse.stride(1),
+        o, o.stride(0), o.stride(1),
+        scale, float(softcap) or 1.0, shared, base, bounds if kv_scales is None else kv_scales, kv_heads, heads,
+        TILE=items.shape[1] - 1, KV_HEADS=kv_heads, PROGRAMS=programs, LAPS=triton.cdiv(units, programs),
+        GROUP=group, GROUP_POW2=query_rows(group), GROUP_PAD=max(16, _pow2_at_least(group)),
+        HEAD_DIM=dim, DIM_PAD=max(16, _pow2_at_least(dim)), BLOCK=c.block, PREFIX_BLOCK=pc.block,
+        PSPLITS=prefix_splits, PSPLITS_PAD=_pow2_at_least(prefix_splits), LOOP_WHILE=_INTERPRETED,
+        PRECISION=precision(query.dtype), UPCAST=upcast(query.dtype), FUSED=fused, CAPPED=bool(softcap),
+        FP8=kv_scales is not None, PDL=pdl, WIDEN=c.widen and widens(query.dtype, kv_scales),
+        PREFIX_FIRST=pc.prefix_first, num_warps=c.warps, num_stages=c.stages, **launch_options(pdl),
+    )
+
+
+def _prefix_programs(device: torch.device, programs: int | None, units: int) -> int:
+    """The prefix pass's programs: ``programs`` (default
+    :data:`PREFIX_PROGRAMS_PER_MULTIPROCESSOR` per multiprocessor), no more than the units
+    the tables can hold."""
+    if programs is None:
+        programs = PREFIX_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors(device)
+    return max(1, min(programs, units))
+
+
 def tuned_prefix_config(
     key: Hashable, config: Config, timed: Callable[[PrefixConfig], object],
 ) -> PrefixConfig | None:
@@ -420,9 +417,8 @@ def tuned_prefix_config(
         return found
     if not triton_decode.may_tune():
         return None
-    own = PrefixConfig(config.block, config.warps, config.stages)
     timings: list[tuple[float, int, PrefixConfig]] = []
-    for i, pc in enumerate(dict.fromkeys((own, *_PREFIX_SHAPES))):
+    for i, pc in enumerate(prefix_candidates(config)):
         try:
             timings.append((graph_time(timed, pc), i, pc))
         except TOO_BIG:
@@ -432,18 +428,31 @@ def tuned_prefix_config(
     return chosen
 
 
+def prefix_candidates(config: Config) -> list[PrefixConfig]:
+    """The prefix pass's configurations :func:`tuned_prefix_config` times beside the private
+    pass's ``config``: a launch of its own in the private pass's block, warps and stages and in
+    each of :data:`_PREFIX_SHAPES`, and (a private pass of one split) in the private pass's
+    launch at each of :data:`_TOGETHER_BLOCKS`, its programs first and last."""
+    own = PrefixConfig(config.block, config.warps, config.stages)
+    together = [
+        PrefixConfig(b, config.warps, config.stages, True, first)
+        for b in _TOGETHER_BLOCKS for first in (True, False) if config.splits == 1
+    ]
+    return list(dict.fromkeys((own, *_PREFIX_SHAPES, *together)))
+
+
 def tuned_prefix_configs() -> dict[str, PrefixConfig]:
     """The prefix pass's configurations :func:`tuned_prefix_config` chose so far, each under
     its shape and the private pass's configuration."""
     return {f"{key}, private {config}": chosen for (key, config), chosen in _TUNED_PREFIX.items()}
 
 
-def member_tiles(batch: int, group: int) -> tuple[int, int]:
+def member_tiles(batch: int, group: int, rows: int = _ROWS) -> tuple[int, int]:
     """Members per prefix work item and items for a group of the whole batch: at least 16
-    query rows (a tensor-core product's least), at most about :data:`_ROWS` where the heads
+    query rows (a tensor-core product's least), at most about ``rows`` where the heads
     allow."""
     per_member = query_rows(group)
-    tile = max(triton.cdiv(16, per_member), min(_ROWS // per_member, _pow2_at_least(batch)))
+    tile = max(triton.cdiv(16, per_member), min(rows // per_member, _pow2_at_least(batch)))
     return tile, triton.cdiv(batch, tile)
 
 

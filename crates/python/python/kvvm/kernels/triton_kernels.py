@@ -211,9 +211,41 @@ def _partial_kernel(
     CASCADE: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr,
     FP8: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, WIDEN: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    partial_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        Q, K, V, Bounds, Acc, Lse, KN, VN, WS, WT,
+        stride_knb, stride_knh, stride_vnb, stride_vnh, stride_qb, stride_qh,
+        stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+        stride_ab, stride_ah, stride_as, stride_lb, stride_lh, Out, stride_ob, stride_oh,
+        sm_scale, softcap, window, Shared, base, Scales, scale_v, Shared, 0,
+        GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, BLOCK, SPLITS, LOOP_WHILE, PRECISION, UPCAST, FUSED, CAPPED, SLIDING,
+        CASCADE, PSPLITS, PSPLITS_PAD, DIRECT, FP8, MERGE, PDL, WIDEN, False,
+    )
+
+
+@triton.jit
+def partial_program(
+    b, kvh, split,
+    Q, K, V, Bounds, Acc, Lse, KN, VN, WS, WT,
+    stride_knb, stride_knh, stride_vnb, stride_vnh,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ab, stride_ah, stride_as,
+    stride_lb, stride_lh,
+    Out, stride_ob, stride_oh,
+    sm_scale, softcap, window, Shared, base, Scales, scale_v, Arrivals, heads_total,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
+    CASCADE: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr,
+    FP8: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, WIDEN: tl.constexpr, ARRIVE: tl.constexpr,
+):
+    """The program of request ``b``, KV head ``kvh`` and split ``split`` of its own tokens.
+    With ``ARRIVE`` (a cascade whose prefix pass runs in the same launch, one split), a
+    request in a group writes its partial result as column 0 and arrives
+    (:func:`arrive_and_merge`: the last of the row's programs merges it); one in no group
+    writes its output."""
     wait_for_inputs(PDL)
     slot, start, end = _request(Bounds, Shared, b, window, SLIDING, CASCADE)
     # An FP8 cache: K's scale folds into the softmax scale, V's into the output.
@@ -263,18 +295,103 @@ def _partial_kernel(
         )
     if FP8:
         acc = acc * v_scale
-    if MERGE:
-        m_i, l_i, acc = _fold_prefix(
-            Acc, Lse, Shared, b, heads, g_mask, offs_d, d_mask, m_i, l_i, acc,
-            stride_ab, stride_ah, stride_as, stride_lb, stride_lh, SPLITS, PSPLITS,
-        )
-    elif CASCADE:
-        if (split == 0) & (tl.load(Shared + b) == 0):
-            _no_prefix(Lse, b, heads, g_mask, stride_lb, stride_lh, GROUP_PAD, SPLITS, PSPLITS, PSPLITS_PAD)
-    _store_partial(
-        Out, Acc, Lse, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc,
-        stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, DIRECT,
+    _finish(
+        Acc, Lse, Out, Shared, Arrivals, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc, heads_total,
+        stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
+        GROUP_PAD, SPLITS, CASCADE, PSPLITS, PSPLITS_PAD, DIRECT, MERGE, ARRIVE,
     )
+
+
+@triton.jit
+def _finish(
+    Acc, Lse, Out, Shared, Arrivals, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc, heads_total,
+    stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh,
+    GROUP_PAD: tl.constexpr, SPLITS: tl.constexpr, CASCADE: tl.constexpr, PSPLITS: tl.constexpr,
+    PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr, MERGE: tl.constexpr, ARRIVE: tl.constexpr,
+):
+    """A private program's result written: counted and merged by the last of its columns'
+    writers (``ARRIVE``), merged with the prefix's columns it reads itself (``MERGE``), or
+    stored as the output or a partial result."""
+    if ARRIVE:
+        if tl.load(Shared + b) > 0:
+            _store_partial(
+                Out, Acc, Lse, b, heads, 0, offs_d, g_mask, d_mask, m_i, l_i, acc,
+                stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, False,
+            )
+            rows_b = tl.full([GROUP_PAD], 0, dtype=tl.int32) + b
+            arrive_and_merge(
+                Acc, Lse, Out, Arrivals, rows_b, heads, g_mask, offs_d, d_mask, heads_total,
+                stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh, 1 + PSPLITS,
+            )
+        else:
+            _store_partial(
+                Out, Acc, Lse, b, heads, 0, offs_d, g_mask, d_mask, m_i, l_i, acc,
+                stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, True,
+            )
+    else:
+        if MERGE:
+            m_i, l_i, acc = _fold_prefix(
+                Acc, Lse, Shared, b, heads, g_mask, offs_d, d_mask, m_i, l_i, acc,
+                stride_ab, stride_ah, stride_as, stride_lb, stride_lh, SPLITS, PSPLITS,
+            )
+        elif CASCADE:
+            if (split == 0) & (tl.load(Shared + b) == 0):
+                _no_prefix(Lse, b, heads, g_mask, stride_lb, stride_lh, GROUP_PAD, SPLITS, PSPLITS, PSPLITS_PAD)
+        _store_partial(
+            Out, Acc, Lse, b, heads, split, offs_d, g_mask, d_mask, m_i, l_i, acc,
+            stride_ob, stride_oh, stride_ab, stride_ah, stride_as, stride_lb, stride_lh, DIRECT,
+        )
+
+
+@triton.jit
+def arrive_and_merge(
+    Acc, Lse, Out, Arrivals, rows_b, rows_h, valid, offs_d, d_mask, heads_total,
+    stride_ab, stride_ah, stride_as, stride_lb, stride_lh, stride_ob, stride_oh,
+    COLUMNS: tl.constexpr,
+):
+    """Arrival at rows (request ``rows_b``, query head ``rows_h``; ``valid`` ones only) whose
+    column of partial results this program has just written: a row's ``COLUMNS`` columns
+    are written by as many programs of one launch, each counting itself in ``Arrivals``
+    (int32 ``[batch, heads_total]``, zero between launches); the program that counts a row
+    last merges its columns by their log-sum-exps into ``Out`` and sets its count back to
+    zero.
+
+    The order that makes this safe: a barrier puts every thread's stores of the column
+    before any of the program's arrivals, each arrival (an atomic add, acquire-release at
+    the device's scope) publishes them and sees every arrival before it, a second barrier
+    puts the merging program's loads after its arrivals, and the loads bypass the
+    multiprocessor's L1 cache (which other multiprocessors' writes do not reach)."""
+    tl.debug_barrier()
+    count = Arrivals + rows_b.to(tl.int64) * heads_total + rows_h
+    seen = tl.atomic_add(count, 1, mask=valid, sem="acq_rel", scope="gpu")
+    last = valid & (seen == COLUMNS - 1)
+    tl.debug_barrier()
+    if tl.max(last.to(tl.int32), 0) > 0:
+        a_row = Acc + rows_b.to(tl.int64)[:, None] * stride_ab + rows_h[:, None] * stride_ah + offs_d[None, :]
+        l_row = Lse + rows_b.to(tl.int64) * stride_lb + rows_h * stride_lh
+        m_i = tl.full(rows_h.shape, float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros(rows_h.shape, dtype=tl.float32)
+        acc = tl.zeros(a_row.shape, dtype=tl.float32)
+        for j in tl.static_range(COLUMNS):
+            lse = tl.load(l_row + j, mask=last, other=float("-inf"), cache_modifier=".cg")
+            m_new = tl.maximum(m_i, lse)
+            live = m_new > float("-inf")
+            m_safe = tl.where(live, m_new, 0.0)
+            alpha = tl.where(live, tl.exp(m_i - m_safe), 0.0)
+            beta = tl.where(live, tl.exp(lse - m_safe), 0.0)
+            # A column that weighs nothing is not read (an empty split's may hold anything).
+            part = tl.load(
+                a_row + j * stride_as, mask=(last & (beta > 0.0))[:, None] & d_mask[None, :], other=0.0,
+                cache_modifier=".cg",
+            )
+            l_i = l_i * alpha + beta
+            acc = acc * alpha[:, None] + part * beta[:, None]
+            m_i = m_new
+        has = l_i > 0.0
+        out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+        o_ptr = Out + rows_b.to(tl.int64)[:, None] * stride_ob + rows_h[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=last[:, None] & d_mask[None, :])
+        tl.store(count, 0, mask=last)
 
 
 @triton.jit

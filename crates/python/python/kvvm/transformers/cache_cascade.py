@@ -53,6 +53,12 @@ class CacheCascade(CacheMemory):
         (:func:`~kvvm.kernels.cascade.choose_prefix_splits`; 0: no tables)."""
         return 0 if self._tables is None else self._tables.prefix_splits
 
+    @property
+    def prefix_rows(self) -> int:
+        """The most query rows a prefix work item takes (:class:`~kvvm.kernels.cascade.CascadeTables`;
+        0: no tables)."""
+        return 0 if self._tables is None else self._tables.rows
+
     def share_prefix(self, slots: Iterable[int], key: Hashable, tokens: int) -> None:
         """Records that the first ``tokens`` tokens of each slot in ``slots`` are prefix
         ``key``'s, the same bytes in every slot that shares ``key`` with the same ``tokens``
@@ -138,6 +144,7 @@ class CacheCascade(CacheMemory):
         )
         self._tables = CascadeTables(
             self.batch_size, device, prefix_splits=splits, heads_per_kv=heads // self.geometry.kv_heads,
+            kv_heads=self.geometry.kv_heads,
         )
         self._tables_stale = True
 
