@@ -151,6 +151,27 @@ def test_the_prefix_pass_is_tuned_beside_the_private_pass_and_remembered(monkeyp
     assert cc.tuned_prefix_config("shape", td.Config(2), timed.append) == fastest and timed, "another private config: tuned apart"
 
 
+def test_the_prefix_pass_is_timed_in_the_private_pass_launch_over_small_items_only() -> None:
+    """One launch for both passes is a candidate beside a private pass of one split over
+    tables of at most 32 rows an item (at 64 its programs spill), each prefix block in both
+    program orders; never beside a split private pass."""
+    import kvvm.kernels.cascade as cc
+    from kvvm.kernels.triton_decode import Config
+
+    def together(config: Config, rows: int) -> set[tuple[int, bool]]:
+        return {(pc.block, pc.prefix_first) for pc in cc.prefix_candidates(config, rows) if pc.together}
+
+    both = {(b, first) for b in (32, 64) for first in (True, False)}
+    assert together(Config(1, 64, 4, 2), 16) == both
+    assert together(Config(1, 64, 4, 2), 32) == both
+    assert together(Config(1, 64, 4, 2), 64) == set()
+    assert together(Config(2, 64, 4, 2), 16) == set()
+    assert all(pc.warps == 8 and pc.stages == 3 for pc in cc.prefix_candidates(Config(1, 64, 8, 3), 16) if pc.together)
+    tables = cc.CascadeTables(64, "cpu", heads_per_kv=4, kv_heads=8, rows=16).tables
+    assert cc.item_rows(tables, 4) == 16
+    assert cc.item_rows(cc.CascadeTables(64, "cpu", heads_per_kv=4, kv_heads=8).tables, 4) == 64
+
+
 class _Kv:
     """The KV manager's prefill context, as the runner uses it."""
 

@@ -181,7 +181,7 @@ def _triton(
 
         return prefill_attention(query, key, value, bounds, scale, window=window, softcap=softcap, kv_scales=kv_scales)
     if cascade is not None and not window:
-        from .cascade import PrefixConfig, cascade_attention, tuned_prefix_config
+        from .cascade import PrefixConfig, cascade_attention, item_rows, tuned_prefix_config
 
         tables = cascade
 
@@ -199,7 +199,8 @@ def _triton(
             query, key, value, bounds, scale, multiprocessors(query.device), new, kv_scales, timed=run, variant=variant,
         )
         shape = (tuple(query.shape), query.dtype, key.dtype, tuple(key.shape), tuple(key.stride()), variant)
-        return run(config, tuned_prefix_config(shape, config, lambda p: run(config, p)))
+        rows = item_rows(tables, query.shape[1] // key.shape[1])
+        return run(config, tuned_prefix_config(shape, config, lambda p: run(config, p), rows))
     config = tuned_config(query, key, value, bounds, scale, multiprocessors(query.device), new, kv_scales)
     return decode_attention(
         query, key, value, bounds, scale, config, new, window=window, softcap=softcap, kv_scales=kv_scales,

@@ -53,7 +53,7 @@ from .tuning import graph_time
 
 __all__ = [
     "PREFIX_PROGRAMS_PER_MULTIPROCESSOR", "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "PrefixConfig", "Share",
-    "Tables", "cascade_attention", "choose_prefix_splits", "member_tiles", "most_items", "plan_groups",
+    "Tables", "cascade_attention", "choose_prefix_splits", "item_rows", "member_tiles", "most_items", "plan_groups",
     "prefix_candidates", "prefix_items", "query_rows", "run_together", "tuned_prefix_config", "tuned_prefix_configs",
 ]
 
@@ -105,8 +105,12 @@ _PREFIX_SHAPES = (PrefixConfig(64, 4, 2), PrefixConfig(64, 4, 3), PrefixConfig(6
                   PrefixConfig(128, 8, 3))
 
 #: The prefix pass's blocks :func:`tuned_prefix_config` times as well in the private pass's
-#: launch (a private pass of one split).
+#: launch (a private pass of one split, tables of at most :data:`_TOGETHER_ROWS` rows an item).
 _TOGETHER_BLOCKS = (32, 64)
+
+#: The most query rows an item may take for the prefix pass to be timed in the private pass's
+#: launch: at 64 its programs spill (:data:`_ROWS`).
+_TOGETHER_ROWS = 32
 
 #: The prefix pass's configuration measured fastest per shape and private configuration.
 _TUNED_PREFIX: dict[tuple[object, ...], PrefixConfig] = {}
@@ -405,20 +409,21 @@ def _prefix_programs(device: torch.device, programs: int | None, units: int) -> 
 
 
 def tuned_prefix_config(
-    key: Hashable, config: Config, timed: Callable[[PrefixConfig], object],
+    key: Hashable, config: Config, timed: Callable[[PrefixConfig], object], rows: int = _ROWS,
 ) -> PrefixConfig | None:
     """The prefix pass's fastest configuration beside the private pass's ``config``, measured
     once by ``timed`` (the cascade's whole call in a configuration, replayed in a captured
     graph) per ``key`` (the call's shape) and ``config``, and remembered; None (the private
     pass's own) where nothing may be timed (:mod:`kvvm.kernels.tuning`'s rules, Triton's
-    interpreter, ``KVVM_TRITON_AUTOTUNE=0``) and the shape was not tuned before."""
+    interpreter, ``KVVM_TRITON_AUTOTUNE=0``) and the shape was not tuned before. ``rows``: the
+    query rows of the tables' items (:func:`prefix_candidates`)."""
     found = _TUNED_PREFIX.get((key, config))
     if found is not None:
         return found
     if not triton_decode.may_tune():
         return None
     timings: list[tuple[float, int, PrefixConfig]] = []
-    for i, pc in enumerate(prefix_candidates(config)):
+    for i, pc in enumerate(prefix_candidates(config, rows)):
         try:
             timings.append((graph_time(timed, pc), i, pc))
         except TOO_BIG:
@@ -428,15 +433,16 @@ def tuned_prefix_config(
     return chosen
 
 
-def prefix_candidates(config: Config) -> list[PrefixConfig]:
+def prefix_candidates(config: Config, rows: int = _ROWS) -> list[PrefixConfig]:
     """The prefix pass's configurations :func:`tuned_prefix_config` times beside the private
-    pass's ``config``: a launch of its own in the private pass's block, warps and stages and in
-    each of :data:`_PREFIX_SHAPES`, and (a private pass of one split) in the private pass's
+    pass's ``config`` over tables of items of ``rows`` query rows: a launch of its own in the
+    private pass's block, warps and stages and in each of :data:`_PREFIX_SHAPES`, and (a
+    private pass of one split, at most :data:`_TOGETHER_ROWS` rows) in the private pass's
     launch at each of :data:`_TOGETHER_BLOCKS`, its programs first and last."""
     own = PrefixConfig(config.block, config.warps, config.stages)
     together = [
         PrefixConfig(b, config.warps, config.stages, True, first)
-        for b in _TOGETHER_BLOCKS for first in (True, False) if config.splits == 1
+        for b in _TOGETHER_BLOCKS for first in (True, False) if config.splits == 1 and rows <= _TOGETHER_ROWS
     ]
     return list(dict.fromkeys((own, *_PREFIX_SHAPES, *together)))
 
@@ -445,6 +451,11 @@ def tuned_prefix_configs() -> dict[str, PrefixConfig]:
     """The prefix pass's configurations :func:`tuned_prefix_config` chose so far, each under
     its shape and the private pass's configuration."""
     return {f"{key}, private {config}": chosen for (key, config), chosen in _TUNED_PREFIX.items()}
+
+
+def item_rows(tables: Tables, group: int) -> int:
+    """The query rows of the items of ``tables`` at ``group`` query heads per KV head."""
+    return (tables[2].shape[1] - 1) * query_rows(group)
 
 
 def member_tiles(batch: int, group: int, rows: int = _ROWS) -> tuple[int, int]:
