@@ -92,9 +92,15 @@ def test_the_triton_kernels_read_and_write_fp8_in_the_interpreter() -> None:
         tables = CascadeTables(B, "cpu", heads_per_kv=H // Hk, kv_heads=Hk)
         tables.update([Share("p", s, 0, 96) for s in range(B)])
         want = attend(q, k3, v3, bounds, kernel="sdpa", kv_scales=scales)
-        for splits in (1, 2):  # the prefix merged by the private program, by the merge kernel
-            got = cascade_attention(q, k3, v3, bounds, 1 / math.sqrt(D), splits, tables.tables, kv_scales=scales)
-            assert (got - want).abs().max().item() < 1e-4, splits
+        # The prefix merged by the private program, by the merge kernel, and by whichever
+        # program of one launch for both passes writes a head's last column (both orders).
+        from kvvm.kernels.cascade import PrefixConfig
+        for splits, prefix in ((1, None), (2, None), (1, PrefixConfig(32, 4, 2, True)), (1, PrefixConfig(32, 4, 2, True, False))):
+            got = cascade_attention(
+                q, k3, v3, bounds, 1 / math.sqrt(D), splits, tables.tables, kv_scales=scales, prefix_config=prefix,
+            )
+            assert (got - want).abs().max().item() < 1e-4, (splits, prefix)
+            assert not tables.arrivals.any()
         # The prefill kernel (several query tokens): fp32 and FP8 K/V, a window, a soft cap.
         from kvvm.kernels.triton_prefill import prefill_attention
         kf, vf = torch.randn(B + 1, Hk, T, D), torch.randn(B + 1, Hk, T, D)
