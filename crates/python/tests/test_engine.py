@@ -240,6 +240,7 @@ def test_a_prompt_that_can_never_fit_finishes_without_running() -> None:
 def test_bad_requests_are_refused() -> None:
     model, _ = tiny()
     engine = Engine(model, slots=1, max_len=64, backend="host")
+    assert not engine.runner.programmatic_launches, "off by default"
     with pytest.raises(kvvm.InvalidArgumentError):
         engine.submit([], 3)
     with pytest.raises(kvvm.InvalidArgumentError):
@@ -304,7 +305,8 @@ def test_the_reference_check_counts_a_token_the_reference_does_not_rank_first() 
 def test_warmup_leaves_an_idle_engine_with_fresh_counters() -> None:
     model, ref = tiny()
     mgr = kvvm.Manager("host", precommit=True)
-    engine = Engine(model, slots=2, max_len=256, manager=mgr, prefix_cache_bytes=16 << 20)
+    engine = Engine(model, slots=2, max_len=256, manager=mgr, prefix_cache_bytes=16 << 20, programmatic_launches=True)
+    assert engine.runner.programmatic_launches, "the runner captures its step so (a CPU runs no captured step)"
     engine.warmup(prompt_tokens=20, new_tokens=2)
     assert engine.idle and engine.stats == EngineStats()
     assert engine.prefix_cache is not None and engine.prefix_cache.stats()["cached_entries"] == 0

@@ -46,3 +46,43 @@ def test_programmatic_launches_sets_both_switches_and_restores_them() -> None:
     finally:
         device.set_programmatic_launch(kvvm_before)
         config.triton.enable_pdl = inductor_before
+
+
+def test_the_engine_captures_its_step_with_programmatic_launches_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's runner makes its ``DecodeGraph`` (where the step is captured) inside
+    ``programmatic_launches`` when made with ``programmatic_launches=True``, outside it
+    otherwise; both switches as they were after."""
+    from torch._inductor import config
+
+    import kvvm.transformers.graph as graph
+    from kvvm.serving.runner import ModelRunner
+
+    seen: list[tuple[bool, bool]] = []
+
+    class Captured:
+        """Records both switches as the step is captured."""
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            seen.append((device._Switch.on, bool(config.triton.enable_pdl)))
+
+        def replay(self, last: torch.Tensor) -> str:
+            return "logits"
+
+    class Kv:
+        cache = None
+
+        def prepare_decode(self, slots: list[int]) -> None:
+            pass
+
+    monkeypatch.setattr(graph, "DecodeGraph", Captured)
+    monkeypatch.setattr(config.triton, "enable_pdl", False)
+    kvvm_before = device.set_programmatic_launch(False)
+    try:
+        for on in (False, True):
+            runner = ModelRunner(object(), slots=2, device=torch.device("cpu"), compile=False, programmatic_launches=on)
+            runner.device = torch.device("cuda")  # the captured path, without a GPU
+            assert runner._decode_step([0, 1], Kv()) == "logits"  # type: ignore[arg-type]
+        assert seen == [(False, False), (True, True)]
+        assert not device._Switch.on and not config.triton.enable_pdl, "as they were"
+    finally:
+        device.set_programmatic_launch(kvvm_before)

@@ -15,8 +15,8 @@ prefilling waits for that prefill to be published rather than prefilling it agai
 prefill runs in chunks of ``prefill_chunk`` tokens, one chunk per request per step, between
 the decode steps of the others; requests in consecutive slots whose chunks have one length
 are prefilled in one forward. Every decoding request advances by one token per step in one
-step of the whole batch (captured once as a CUDA graph on a GPU, eager on a CPU). A finished
-request's slot is released and taken by the next request, without recapturing.
+step of the whole batch (captured once as a CUDA graph on a GPU, eager on a CPU); a finished
+request's slot is taken by the next request without recapturing.
 
 A step whose growth the budget cannot grant is never launched: the youngest running request
 (decoding or prefilling) is preempted (its slot released, the request put back first in line
@@ -116,15 +116,15 @@ class Engine(EngineControl):
             is its mappings (256 by default: a 4096-token hit maps 16 handles). Hits are
             whole blocks of the prefix cache (``prefix_cache.block_tokens``, 16 tokens).
         compile: compile the captured decode step (CUDA only).
-        fuse_projections: run the model's sibling projections (Q, K and V; gate and up) as
-            one matrix multiply each (:func:`kvvm.transformers.projections.fuse_projections`; the model's
-            modules are given back by :meth:`close`).
+        fuse_projections: run the model's sibling projections (Q, K and V; gate and up) as one
+            matrix multiply each (:func:`kvvm.transformers.projections.fuse_projections`).
         tuned_products: run the model's products at a decode step's few rows through
             ``kvvm::linear`` (:func:`kvvm.transformers.tuned_products`: cuBLAS or kvvm's
-            Triton kernel, whichever is measured faster per shape; after the fusion when
-            both are asked for; the modules are given back by :meth:`close`).
-        eos_token_ids: the tokens that end a request: an int or a list of ints (default:
-            the model's).
+            Triton kernel, whichever is measured faster per shape; after the fusion). Both
+            change the model's modules until :meth:`close` gives them back.
+        programmatic_launches: capture the decode step with its kernels launching as
+            programmatic dependents (:func:`kvvm.kernels.device.programmatic_launches`).
+        eos_token_ids: the tokens that end a request, an int or a list of ints (default: the model's).
         seed: the seed a request without one draws its own from (with its id).
         tokenizer: a transformers tokenizer: requests get their output as text
             (:attr:`Request.text`) and may stop at strings.
@@ -172,6 +172,7 @@ class Engine(EngineControl):
         compile: bool = True,
         fuse_projections: bool = False,
         tuned_products: bool = False,
+        programmatic_launches: bool = False,
         eos_token_ids: int | list[int] | None = None,
         seed: int = 0,
         tokenizer: Any = None,
@@ -205,7 +206,7 @@ class Engine(EngineControl):
             )
             self.runner = ModelRunner(
                 model, slots=slots, device=kv.device, compile=compile, fuse_projections=fuse_projections,
-                tuned_products=tuned_products,
+                tuned_products=tuned_products, programmatic_launches=programmatic_launches,
             )
         except BaseException:
             if kv is not None:

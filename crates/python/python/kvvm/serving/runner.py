@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.device import programmatic_launches
 from ..kernels.tuning import untuned
 from ..transformers.products import TunedProducts, tuned_products as tune_products
 from ..transformers.projections import FusedProjections, fuse_projections as fuse
@@ -41,13 +42,17 @@ class ModelRunner:
             (:func:`kvvm.transformers.fuse_projections`).
         tuned_products: run the model's products through ``kvvm::linear`` until
             :meth:`close` (:func:`kvvm.transformers.tuned_products`, after the fusion).
+        programmatic_launches: capture the decode step with its kernels launching as
+            programmatic dependents (:func:`kvvm.kernels.device.programmatic_launches`;
+            Hopper on, the switches as they were after the capture).
     """
 
     def __init__(
         self, model: Any, *, slots: int, device: torch.device, compile: bool = True, fuse_projections: bool = False,
-        tuned_products: bool = False,
+        tuned_products: bool = False, programmatic_launches: bool = False,
     ) -> None:
         self.model = model
+        self.programmatic_launches = programmatic_launches
         self._fused: FusedProjections | None = fuse(model) if fuse_projections else None
         try:
             self._tuned: TunedProducts | None = tune_products(model) if tuned_products else None
@@ -124,13 +129,23 @@ class ModelRunner:
         self._last.index_copy_(0, index, sampled.tokens)
         return sampled
 
+    def _capture(self, slots: list[int], kv: KvManager) -> Any:
+        """The decode step captured (:class:`~kvvm.transformers.DecodeGraph`), its kernels
+        launching as programmatic dependents where asked (the step's kernels keep it in every
+        replay; a step the compiler compiled before with the same code and guards may be
+        reused as it was)."""
+        from ..transformers.graph import DecodeGraph
+
+        if not self.programmatic_launches:
+            return DecodeGraph(self.model, kv.cache, compile=self.compile, slots=slots)
+        with programmatic_launches():
+            return DecodeGraph(self.model, kv.cache, compile=self.compile, slots=slots)
+
     def _decode_step(self, slots: list[int], kv: KvManager) -> torch.Tensor:
         """The logits of one decode step of ``slots`` (the other slots are free or suspended)."""
         if self.device.type == "cuda":
             if self._graph is None:
-                from ..transformers.graph import DecodeGraph
-
-                self._graph = DecodeGraph(self.model, kv.cache, compile=self.compile, slots=slots)
+                self._graph = self._capture(slots, kv)
             kv.prepare_decode(slots)
             return self._graph.replay(self._last)
         kv.prepare_decode(slots)
