@@ -75,8 +75,10 @@ def test_the_engine_captures_its_step_with_programmatic_launches_only_when_asked
             pass
 
     monkeypatch.setattr(graph, "DecodeGraph", Captured)
-    monkeypatch.setattr(config.triton, "enable_pdl", False)
-    kvvm_before = device.set_programmatic_launch(False)
+    # Set and put back by hand: the compiler's config takes no monkeypatch (its undo would
+    # delete the setting).
+    kvvm_before, inductor_before = device.set_programmatic_launch(False), config.triton.enable_pdl
+    config.triton.enable_pdl = False
     try:
         for on in (False, True):
             runner = ModelRunner(object(), slots=2, device=torch.device("cpu"), compile=False, programmatic_launches=on)
@@ -86,3 +88,4 @@ def test_the_engine_captures_its_step_with_programmatic_launches_only_when_asked
         assert not device._Switch.on and not config.triton.enable_pdl, "as they were"
     finally:
         device.set_programmatic_launch(kvvm_before)
+        config.triton.enable_pdl = inductor_before
