@@ -1,5 +1,5 @@
 """The cascade's two passes in one launch on a CUDA GPU: replayed in a captured graph many
-times over at the step's shape (64 requests in 4 groups, the launch the tuner found fastest),
+times over at the step's shape (64 requests in 4 groups, the one launch measured fastest alone),
 every replay's output the same bits (each row's merge reads its columns in one order
 whichever program merges it, so a merge that read a column before its writer's stores showed
 would change them) and every arrival count back at zero; and against the plain decode kernel
