@@ -177,20 +177,34 @@ def _fold_prefix(
     if tl.load(Shared + b) > 0:
         a_row = Acc + b.to(tl.int64) * stride_ab + heads[:, None] * stride_ah + offs_d[None, :]
         l_row = Lse + b.to(tl.int64) * stride_lb + heads * stride_lh
-        for j in tl.static_range(PSPLITS):
-            lse = tl.load(l_row + FIRST + j, mask=g_mask, other=float("-inf"))
-            m_new = tl.maximum(m_i, lse)
-            live = m_new > float("-inf")
-            m_safe = tl.where(live, m_new, 0.0)
-            alpha = tl.where(live, tl.exp(m_i - m_safe), 0.0)
-            beta = tl.where(live, tl.exp(lse - m_safe), 0.0)
-            # A column that weighs nothing is not read (an empty split's may hold anything).
-            part = tl.load(
-                a_row + (FIRST + j) * stride_as, mask=(g_mask & (beta > 0.0))[:, None] & d_mask[None, :], other=0.0,
-            )
-            l_i = l_i * alpha + beta
-            acc = acc * alpha[:, None] + part * beta[:, None]
-            m_i = m_new
+        m_i, l_i, acc = fold_columns(a_row, l_row, g_mask, d_mask, m_i, l_i, acc, stride_as, FIRST, PSPLITS, "")
+    return m_i, l_i, acc
+
+
+@triton.jit
+def fold_columns(
+    a_row, l_row, rows, d_mask, m_i, l_i, acc, stride_as,
+    FIRST: tl.constexpr, COLUMNS: tl.constexpr, CACHE: tl.constexpr,
+):
+    """Columns ``FIRST`` to ``FIRST + COLUMNS`` of partial results folded into a running
+    softmax by their log-sum-exps: ``a_row`` points at each row's column 0 (``[ROWS,
+    DIM_PAD]``), ``l_row`` at its log-sum-exp's; only ``rows`` are read, with the loads'
+    cache modifier ``CACHE``. Returns the new ``(max, sum, accumulator)``."""
+    for j in tl.static_range(COLUMNS):
+        lse = tl.load(l_row + FIRST + j, mask=rows, other=float("-inf"), cache_modifier=CACHE)
+        m_new = tl.maximum(m_i, lse)
+        live = m_new > float("-inf")
+        m_safe = tl.where(live, m_new, 0.0)
+        alpha = tl.where(live, tl.exp(m_i - m_safe), 0.0)
+        beta = tl.where(live, tl.exp(lse - m_safe), 0.0)
+        # A column that weighs nothing is not read (an empty split's may hold anything).
+        part = tl.load(
+            a_row + (FIRST + j) * stride_as, mask=(rows & (beta > 0.0))[:, None] & d_mask[None, :], other=0.0,
+            cache_modifier=CACHE,
+        )
+        l_i = l_i * alpha + beta
+        acc = acc * alpha[:, None] + part * beta[:, None]
+        m_i = m_new
     return m_i, l_i, acc
 
 
@@ -372,21 +386,7 @@ def arrive_and_merge(
         m_i = tl.full(rows_h.shape, float("-inf"), dtype=tl.float32)
         l_i = tl.zeros(rows_h.shape, dtype=tl.float32)
         acc = tl.zeros(a_row.shape, dtype=tl.float32)
-        for j in tl.static_range(COLUMNS):
-            lse = tl.load(l_row + j, mask=last, other=float("-inf"), cache_modifier=".cg")
-            m_new = tl.maximum(m_i, lse)
-            live = m_new > float("-inf")
-            m_safe = tl.where(live, m_new, 0.0)
-            alpha = tl.where(live, tl.exp(m_i - m_safe), 0.0)
-            beta = tl.where(live, tl.exp(lse - m_safe), 0.0)
-            # A column that weighs nothing is not read (an empty split's may hold anything).
-            part = tl.load(
-                a_row + j * stride_as, mask=(last & (beta > 0.0))[:, None] & d_mask[None, :], other=0.0,
-                cache_modifier=".cg",
-            )
-            l_i = l_i * alpha + beta
-            acc = acc * alpha[:, None] + part * beta[:, None]
-            m_i = m_new
+        m_i, l_i, acc = fold_columns(a_row, l_row, last, d_mask, m_i, l_i, acc, stride_as, 0, COLUMNS, ".cg")
         has = l_i > 0.0
         out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
         o_ptr = Out + rows_b.to(tl.int64)[:, None] * stride_ob + rows_h[:, None] * stride_oh + offs_d[None, :]

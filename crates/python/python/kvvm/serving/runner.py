@@ -14,6 +14,7 @@ Requires torch and transformers.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -136,9 +137,7 @@ class ModelRunner:
         reused as it was)."""
         from ..transformers.graph import DecodeGraph
 
-        if not self.programmatic_launches:
-            return DecodeGraph(self.model, kv.cache, compile=self.compile, slots=slots)
-        with programmatic_launches():
+        with programmatic_launches() if self.programmatic_launches else contextlib.nullcontext():
             return DecodeGraph(self.model, kv.cache, compile=self.compile, slots=slots)
 
     def _decode_step(self, slots: list[int], kv: KvManager) -> torch.Tensor:
