@@ -254,6 +254,31 @@ def test_the_serve_benchmark_runs_the_engine_with_and_without_the_cascade(tmp_pa
         assert r["generated_tokens"] == 16 and r["agreement"] == 1.0 and r["prefix_hits"] == 3, r
 
 
+def test_the_serve_benchmark_runs_every_pair_of_the_engine_switches(tmp_path) -> None:
+    """``--cascade both --programmatic-launches both --tuned-products``: four engine runs, one
+    per pair of switches, each named for its switches and each in agreement with the reference;
+    the compiler's launch setting is as it was afterwards."""
+    import json
+
+    import kvvm_bench
+    from torch._inductor import config
+
+    before = config.triton.enable_pdl
+    out = tmp_path / "serve.json"
+    rc = kvvm_bench.main([
+        "serve", "--tiny", "--device", "cpu", "--backend", "host", "--requests", "3", "--prompt-lo", "8",
+        "--prompt-hi", "16", "--output", "3", "--shared-prefix", "32", "--slots", "2", "--prefill-chunk", "256",
+        "--prefix-cache-bytes", str(64 << 20), "--runners", "kvvm-engine", "--cascade", "both",
+        "--programmatic-launches", "both", "--tuned-products", "--reference", "--json", str(out),
+    ])
+    assert rc == 0
+    runs = [r["runner"] for r in json.loads(out.read_text())["results"]]
+    assert runs == ["kvvm-engine", "kvvm-engine-pdl", "kvvm-engine-cascade", "kvvm-engine-cascade-pdl"]
+    for r in json.loads(out.read_text())["results"]:
+        assert r["generated_tokens"] == 9 and r["agreement"] == 1.0, r
+    assert config.triton.enable_pdl == before
+
+
 def test_a_swapped_request_stops_sharing_and_shares_again_once_back() -> None:
     """Its slot unshared before the swap unmaps its windows; back (the same bytes copied into
     another slot), it shares its prefix again with the requests that hit the same bytes."""

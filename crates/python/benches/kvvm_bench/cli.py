@@ -250,18 +250,20 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
         results.append(r)
 
     if "kvvm-engine" in runners:
-        # The engine without the cascade decode, with it, or both (one after the other, each
-        # on a manager of its own).
-        for cascade in {"off": [False], "on": [True], "both": [False, True]}[args.cascade]:
+        # The engine without the cascade decode or programmatic launches, with them, or both
+        # (one after the other, each on a manager of its own).
+        for cascade, pdl in _engine_variants(args.cascade, args.programmatic_launches):
+            # Each run compiles its own step (the compiler would otherwise reuse the last
+            # run's, made with the other launch setting); compiling is before the timed trace.
+            torch._dynamo.reset()
             manager = kvvm.Manager(args.backend, budget_bytes=args.budget_bytes or None, precommit=True, headroom_tokens=4)
             r = sv.run_engine(
                 model, trace, manager=manager, slots=args.slots, max_len=max_len,
                 prefix_cache_bytes=args.prefix_cache_bytes, prefill_chunk=args.prefill_chunk, real_time=args.real_time,
                 bandwidth=args.bandwidth, flops=args.flops, fuse_projections=args.fuse_projections,
-                engine_kwargs={"cascade": True} if cascade else None,
+                engine_kwargs={"cascade": cascade, "programmatic_launches": pdl, "tuned_products": args.tuned_products},
             )
-            if cascade:
-                r.runner = "kvvm-engine-cascade"
+            r.runner = "kvvm-engine" + ("-cascade" if cascade else "") + ("-pdl" if pdl else "")
             done(r)
     if "generate-batch" in runners:
         done(sv.run_generate_batch(model, trace, memory_fraction=None))
@@ -288,6 +290,15 @@ def run_serve_bench(args: argparse.Namespace) -> dict[str, Any]:
             report["failed"].append("simulate")
     write_report(args.json, report)
     return report
+
+
+_SWITCH = {"off": [False], "on": [True], "both": [False, True]}
+
+
+def _engine_variants(cascade: str, programmatic: str) -> list[tuple[bool, bool]]:
+    """The engine runs a serve report makes: (cascade, programmatic launches) for each
+    ``off``/``on``/``both`` of the two switches, the plain engine first."""
+    return [(c, p) for c in _SWITCH[cascade] for p in _SWITCH[programmatic]]
 
 
 def _simulate(args: argparse.Namespace, trace: list[Any], engine_run: Any, free_at_start: int) -> dict[str, Any]:
@@ -453,6 +464,9 @@ def _serve_args(sub: Any) -> None:
     p.add_argument("--fuse-projections", action="store_true", help="the engine fuses Q/K/V and gate/up (kvvm.transformers.projections)")
     p.add_argument("--cascade", default="off", choices=["off", "on", "both"],
                    help="the engine's cascade decode (a shared prefix read once per group): off, on, or both runs")
+    p.add_argument("--programmatic-launches", default="off", choices=["off", "on", "both"],
+                   help="the engine's decode step captured with programmatic launches: off, on, or both runs")
+    p.add_argument("--tuned-products", action="store_true", help="the engine's step multiplies through kvvm's tuned products")
     p.add_argument("--real-time", action="store_true", help="submit at the arrival times (the engine)")
     p.add_argument("--reference", action="store_true", help="check greedy tokens against one request at a time (teacher-forced DynamicCache)")
     p.add_argument("--tiny", action="store_true")
