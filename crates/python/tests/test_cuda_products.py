@@ -129,3 +129,20 @@ def test_a_model_through_tuned_products_keeps_its_logits() -> None:
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() <= 0.05 * scale
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
+
+
+def test_cold_copies_hold_twice_the_l2_cache_or_one_a_repeat() -> None:
+    """Copies of a weight smaller than the L2 cache: their bytes together at least twice the
+    cache (or one a timed repeat), each a copy of its own memory with the same values; a
+    weight larger than twice the cache has none."""
+    from kvvm.kernels import tuning
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    small = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    copies = tuning.cold_copies(small)
+    assert copies[0] is small
+    assert sum(c.numel() * c.element_size() for c in copies) >= 2 * l2 or len(copies) == tuning._REPEATS
+    assert len({c.data_ptr() for c in copies}) == len(copies)
+    assert all(torch.equal(c, small) for c in copies)
+    big = torch.empty(2 * l2 // 2 + 1024, device="cuda", dtype=torch.bfloat16)
+    assert len(tuning.cold_copies(big)) == 1 and tuning.cold_copies(big)[0] is big

@@ -164,6 +164,46 @@ def test_untuned_times_nothing_and_remembers_nothing(products: Any) -> None:
         assert products.tuned_product(x, w, None) == products.candidates()[0], "a tuned shape keeps its choice"
 
 
+def test_each_timed_call_reads_the_next_copy_of_the_weight(products: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tuner's repeats read the weight's copies (:func:`~kvvm.kernels.tuning.cold_copies`)
+    in turn, every candidate PyTorch's and the kernel's alike, so none is timed from the L2
+    cache; the result of each is the same product."""
+    x, w = torch.randn(16, 64), torch.randn(40, 64)
+    copies = [w, w.clone(), w.clone()]
+    monkeypatch.setattr(products, "cold_copies", lambda t: copies if t is w else [t])
+    read: list[int] = []
+    real_linear = torch.nn.functional.linear
+
+    def kernel(x: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        read.append(id(weight))
+        return x @ weight.T  # the kernel's result (no device here to launch it on)
+
+    def pytorch(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+        read.append(id(weight))
+        return real_linear(x, weight, *args)
+
+    monkeypatch.setattr(products, "product", kernel)
+    monkeypatch.setattr(torch.nn.functional, "linear", pytorch)
+    outs: list[torch.Tensor] = []
+
+    def time_three(call: Any, config: Any) -> float:
+        outs.extend(call(config) for _ in range(3))
+        return 1.0 if config is None else 2.0
+
+    monkeypatch.setattr(products, "graph_time", time_three)
+    assert products.tuned_product(x, w, None) is None
+    ids = [id(c) for c in copies]
+    assert read == ids * (1 + len(products.candidates())), "each call the next copy, cycling"
+    assert all(torch.allclose(o, x @ w.T, atol=1e-4) for o in outs)
+
+
+def test_cold_copies_of_a_host_tensor_is_the_tensor_alone() -> None:
+    from kvvm.kernels.tuning import cold_copies
+
+    t = torch.zeros(3)
+    assert len(cold_copies(t)) == 1 and cold_copies(t)[0] is t
+
+
 def test_a_configuration_the_device_cannot_run_is_skipped(products: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import kvvm.kernels.triton_decode as td
 

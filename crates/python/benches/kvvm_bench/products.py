@@ -4,7 +4,8 @@ Triton kernel, weight by weight.
 For each distinct weight shape of the model with its sibling projections fused (the
 Llama-3.1-8B shape: Q/K/V, O, gate/up, down, the output head) and each row count of
 ``--rows`` (a decode step's requests), the product ``x @ W.T`` is timed in a captured graph
-through PyTorch (cuBLAS) and through :func:`kvvm.kernels.products.product` in each candidate
+(each repeat on its own copy of the weight, so that none reads it from the L2 cache, as a
+step never does) through PyTorch (cuBLAS) and through :func:`kvvm.kernels.products.product` in each candidate
 configuration, checked against PyTorch's result first. The down projection is timed twice:
 alone, and gated as a step runs it (``down+silu``: PyTorch's SiLU and multiply kernels then
 cuBLAS, against the kernel computing the activation as it loads its input, and, as
@@ -18,6 +19,7 @@ are random (the time does not depend on them).
 from __future__ import annotations
 
 import argparse
+import itertools
 from typing import Any
 
 import torch
@@ -43,24 +45,26 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def _one(rows: int, name: str, n: int, k: int, gated: bool) -> dict[str, Any]:
     from kvvm.kernels.products import candidates, gate_activation, product, torch_product
     from kvvm.kernels.triton_decode import TOO_BIG
-    from kvvm.kernels.tuning import graph_time
+    from kvvm.kernels.tuning import cold_copies, graph_time
 
     gen = torch.Generator(device="cuda").manual_seed(rows * 7 + n)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     x = torch.randn(rows, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16, generator=gen)
     ref = torch_product(x, w, None, gated).float()
+    # Each repeat of a timed graph reads its own copy of the weight (none is in the L2 cache).
+    ws = itertools.cycle(cold_copies(w))
     row: dict[str, Any] = {"rows": rows, "weight": name, "n": n, "k": k, "bytes": n * k * 2}
-    row["cublas_us"] = round(graph_time(lambda _: torch_product(x, w, None, gated), None) * 1e3, 2)
+    row["cublas_us"] = round(graph_time(lambda _: torch_product(x, next(ws), None, gated), None) * 1e3, 2)
     if gated:
         # The activation in one kernel of its own, then cuBLAS (what the tuner's separate way
         # runs where cuBLAS is the plain product's choice).
-        separate = graph_time(lambda _: torch.nn.functional.linear(gate_activation(x), w), None)
+        separate = graph_time(lambda _: torch.nn.functional.linear(gate_activation(x), next(ws)), None)
         row["separate_us"] = round(separate * 1e3, 2)
     kernel: list[dict[str, Any]] = []
     for c in candidates():
         try:
             err = (product(x, w, None, c, gated=gated).float() - ref).abs().max().item()
-            us = graph_time(lambda c: product(x, w, None, c, gated=gated), c) * 1e3
+            us = graph_time(lambda c: product(x, next(ws), None, c, gated=gated), c) * 1e3
         except TOO_BIG:
             continue
         kernel.append({"config": str(c), "us": round(us, 2), "max_abs_diff": round(err, 5)})

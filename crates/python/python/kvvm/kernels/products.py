@@ -13,7 +13,8 @@ added in fp32.
 Which of them runs is measured, not assumed: the first time :func:`linear` meets a shape
 (rows rounded up to a power of two, the weight's size and dtype) it times cuBLAS and the
 kernel's candidate configurations, each replayed in a captured graph as a decode step runs
-them, and keeps the fastest (:func:`tuned_product`); cuBLAS is a candidate, so tuning never
+them (each repeat reading its own copy of the weight from memory, never from the L2 cache,
+as a step reads it: :func:`~kvvm.kernels.tuning.cold_copies`), and keeps the fastest (:func:`tuned_product`); cuBLAS is a candidate, so tuning never
 picks a slower product than PyTorch's. Untimed (:mod:`kvvm.kernels.tuning`'s rules: a
 capture, a compiler's trace, :func:`~kvvm.kernels.tuning.untuned`,
 ``KVVM_TRITON_AUTOTUNE=0``) a shape not tuned before runs through PyTorch.
@@ -33,6 +34,7 @@ Runs on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check the kernel
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +45,7 @@ from . import triton_decode
 from .device import launch_options, programmatic
 from .triton_decode import _INTERPRETED
 from .triton_kernels import let_dependents_launch, wait_for_inputs
-from .tuning import graph_time
+from .tuning import cold_copies, graph_time
 
 __all__ = [
     "MAX_ROWS", "ProductConfig", "candidates", "gate_activation", "gated_input", "gated_linear", "linear", "product",
@@ -282,10 +284,14 @@ def tuned_product(
     if gated:
         tuned_product(gate_activation(x), weight, bias)  # the separate way's product, tuned first
 
+    # Each repeat reads its own copy of the weight from memory, as a step reads it.
+    weights = itertools.cycle(cold_copies(weight))
+
     def run(c: ProductConfig | None) -> torch.Tensor:
+        w = next(weights)
         if c is None:
-            return _separate(x, weight, bias) if gated else torch.nn.functional.linear(x, weight, bias)
-        return product(x, weight, bias, c, gated=gated)
+            return _separate(x, w, bias) if gated else torch.nn.functional.linear(x, w, bias)
+        return product(x, w, bias, c, gated=gated)
 
     timings: list[tuple[float, int, ProductConfig | None]] = [(graph_time(run, None), 0, None)]
     for i, c in enumerate(_CANDIDATES, start=1):

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["graph_time", "may_time", "tuning_allowed", "untuned"]
+__all__ = ["cold_copies", "graph_time", "may_time", "tuning_allowed", "untuned"]
 
 C = TypeVar("C")
 
@@ -79,3 +79,16 @@ def graph_time(call: Callable[[C], object], config: C) -> float:
     finally:
         graph.reset()
     return best
+
+
+def cold_copies(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` and copies of it, for a timed call to read each repeat from a different one: as
+    many as make their bytes together at least twice the device's L2 cache (at most one a
+    repeat of :func:`graph_time`), so that no repeat finds the last one's bytes in the cache,
+    as a decode step never finds a weight there (a step reads every other weight between two
+    reads of one). On a CPU, ``t`` alone."""
+    if not t.is_cuda:
+        return [t]
+    l2 = torch.cuda.get_device_properties(t.device).L2_cache_size
+    copies = min(_REPEATS, max(1, math.ceil(2 * l2 / max(1, t.numel() * t.element_size()))))
+    return [t] + [t.clone() for _ in range(copies - 1)]
