@@ -124,7 +124,9 @@ def test_a_prefix_program_takes_at_least_sixteen_query_rows() -> None:
     assert member_tiles(64, 4, 32) == (8, 8)
     assert member_tiles(64, 32, 16) == (1, 64)
     assert CascadeTables(64, "cpu", heads_per_kv=4, kv_heads=8, rows=16).tile == 4
-    with pytest.raises(ValueError, match="16, 32 or 64"):
+    assert member_tiles(64, 4, 128) == (32, 2)
+    assert CascadeTables(64, "cpu", heads_per_kv=4, kv_heads=8, rows=128).tile == 32
+    with pytest.raises(ValueError, match="16, 32, 64 or 128"):
         CascadeTables(64, "cpu", heads_per_kv=4, kv_heads=8, rows=48)
 
 
@@ -195,10 +197,11 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
             for splits, psplits, softcap, programs in (
                 (1, 1, 0.0, None), (1, 4, 30.0, 1), (2, 4, 0.0, 1), (4, 2, 30.0, 3),
             ):
-                # Tables of 16 rows an item as well (as the private pass's launch takes them).
+                # Tables of 16 rows an item as well (as the private pass's launch takes them),
+                # and of 128.
                 tables = CascadeTables(
                     batch, "cpu", prefix_splits=psplits, heads_per_kv=heads // kv_heads, kv_heads=kv_heads,
-                    rows=16 if psplits == 4 else 64,
+                    rows={4: 16, 2: 128}.get(psplits, 64),
                 )
                 plan = tables.update(shares)
                 items = tables.items[0, 0].item()

@@ -63,7 +63,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--prefix-rows", type=int, default=0,
-        help="query rows a prefix work item takes at most in the cascade's tables (16, 32 or 64; 0: the tables' default)",
+        help="query rows a prefix work item takes at most in the cascade's tables (16, 32, 64 or 128; 0: the tables' default)",
     )
     p.add_argument("--json", help="write the report here")
 

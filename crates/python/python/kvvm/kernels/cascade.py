@@ -68,11 +68,13 @@ Tables = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]
 
 #: Query rows one prefix item takes at most (members times query heads per KV head), by
 #: default, and those the tables may be made for: a launch of the prefix pass's own reads a
-#: prefix once per 64 rows; in the private pass's launch (:class:`PrefixConfig`), a program
-#: of 16 rows is no bigger than a private one (measured at 64 rows, the launch's programs
-#: need all 255 registers a thread may hold and spill).
+#: prefix once per 64 rows (once per 128 in tables of 128 rows, whose programs read half the
+#: bytes a row: 16 warps hold them in 126 registers a thread, compiled for sm_90a); in the
+#: private pass's launch (:class:`PrefixConfig`), a program of 16 rows is no bigger than a
+#: private one (measured at 64 rows, the launch's programs need all 255 registers a thread
+#: may hold and spill).
 _ROWS = 64
-_ROW_CHOICES = (16, 32, 64)
+_ROW_CHOICES = (16, 32, 64, 128)
 
 #: Programs of the prefix pass per multiprocessor: each walks the work list from its index
 #: by the programs' count.
@@ -102,7 +104,7 @@ class PrefixConfig:
 #: The prefix pass's configurations :func:`tuned_prefix_config` times beside the private
 #: pass's own.
 _PREFIX_SHAPES = (PrefixConfig(64, 4, 2), PrefixConfig(64, 4, 3), PrefixConfig(64, 8, 3), PrefixConfig(32, 4, 3),
-                  PrefixConfig(128, 8, 3))
+                  PrefixConfig(128, 8, 3), PrefixConfig(64, 16, 2), PrefixConfig(64, 16, 3))
 
 #: The prefix pass's blocks :func:`tuned_prefix_config` times as well in the private pass's
 #: launch (a private pass of one split, tables of at most :data:`_TOGETHER_ROWS` rows an item).
@@ -200,7 +202,7 @@ class CascadeTables:
             item (:func:`member_tiles`), and a step of any other ratio is refused.
         kv_heads: the model's KV heads (with ``heads_per_kv``, its query heads: the
             arrivals' rows).
-        rows: query rows a prefix work item takes at most (16, 32 or 64).
+        rows: query rows a prefix work item takes at most (16, 32, 64 or 128).
     """
 
     def __init__(self, batch: int, device: torch.device | str, max_groups: int | None = None,
@@ -214,7 +216,7 @@ class CascadeTables:
         if kv_heads < 1:
             raise ValueError(f"kv_heads must be at least 1, not {kv_heads}")
         if rows not in _ROW_CHOICES:
-            raise ValueError(f"a prefix work item takes 16, 32 or 64 query rows, not {rows}")
+            raise ValueError(f"a prefix work item takes 16, 32, 64 or 128 query rows, not {rows}")
         self.batch = batch
         self.max_groups = max(1, batch // 2) if max_groups is None else max_groups
         if self.max_groups < 1:
