@@ -5,8 +5,9 @@ For each distinct weight shape of the model with its sibling projections fused (
 Llama-3.1-8B shape: Q/K/V, O, gate/up, down, the output head) and each row count of
 ``--rows`` (a decode step's requests), the product ``x @ W.T`` is timed in a captured graph
 (each repeat on its own copy of the weight, so that none reads it from the L2 cache, as a
-step never does) through PyTorch (cuBLAS) and through :func:`kvvm.kernels.products.product` in each candidate
-configuration, checked against PyTorch's result first. The down projection is timed twice:
+step never does) through PyTorch (cuBLAS) and through
+:func:`kvvm.kernels.products.product` in each candidate configuration, checked against
+PyTorch's result first. The down projection is timed twice:
 alone, and gated as a step runs it (``down+silu``: PyTorch's SiLU and multiply kernels then
 cuBLAS, against the kernel computing the activation as it loads its input, and, as
 ``separate_us``, kvvm's activation kernel then cuBLAS); a step's sums count the gated one.

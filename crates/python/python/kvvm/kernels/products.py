@@ -14,8 +14,9 @@ Which of them runs is measured, not assumed: the first time :func:`linear` meets
 (rows rounded up to a power of two, the weight's size and dtype) it times cuBLAS and the
 kernel's candidate configurations, each replayed in a captured graph as a decode step runs
 them (each repeat reading its own copy of the weight from memory, never from the L2 cache,
-as a step reads it: :func:`~kvvm.kernels.tuning.cold_copies`), and keeps the fastest (:func:`tuned_product`); cuBLAS is a candidate, so tuning never
-picks a slower product than PyTorch's. Untimed (:mod:`kvvm.kernels.tuning`'s rules: a
+as a step reads it: :func:`~kvvm.kernels.tuning.cold_copies`), and keeps the fastest
+(:func:`tuned_product`); cuBLAS is a candidate, so tuning never picks a slower product than
+PyTorch's. Untimed (:mod:`kvvm.kernels.tuning`'s rules: a
 capture, a compiler's trace, :func:`~kvvm.kernels.tuning.untuned`,
 ``KVVM_TRITON_AUTOTUNE=0``) a shape not tuned before runs through PyTorch.
 
