@@ -84,8 +84,9 @@ PREFIX_PROGRAMS_PER_MULTIPROCESSOR = 2
 @dataclass(frozen=True)
 class PrefixConfig:
     """How the prefix pass runs: prefix tokens per iteration, warps, pipeline stages. Its
-    products are of up to 64 query rows (an item's members' heads) where the private pass's
-    are of a request's few heads: the configuration that suits one need not suit the other.
+    products are of an item's query rows (its members' heads: up to the tables' 16 to 128)
+    where the private pass's are of a request's few heads: the configuration that suits one
+    need not suit the other.
 
     ``together``: the prefix pass runs in the private pass's launch (its programs first),
     whose warps and stages then apply to both (``warps`` and ``stages`` here are not read);

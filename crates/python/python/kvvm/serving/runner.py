@@ -45,7 +45,7 @@ class ModelRunner:
             :meth:`close` (:func:`kvvm.transformers.tuned_products`, after the fusion).
         programmatic_launches: capture the decode step with its kernels launching as
             programmatic dependents (:func:`kvvm.kernels.device.programmatic_launches`;
-            Hopper on, the switches as they were after the capture).
+            on Hopper and later GPUs; both switches as they were after the capture).
     """
 
     def __init__(
