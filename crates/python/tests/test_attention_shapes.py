@@ -75,10 +75,12 @@ def test_the_decode_kernel_matches_sdpa_on_every_shape() -> None:
     and attended from registers, a write refused to the scratch slot left unattended,
     ragged requests in any slot order and an empty one; one split (its program writes the
     output) or several (merged by a second kernel) on a diagonal of the head dims and
-    ratios. On another diagonal, the kernel reading the cache only, over several splits."""
+    ratios; on the odd diagonals with every block masked in the one loop
+    (``Config.masked``). On another diagonal, the kernel reading the cache only, over
+    several splits."""
     out = _run(
         """
-        from kvvm.kernels.triton_decode import decode_attention
+        from kvvm.kernels.triton_decode import Config, decode_attention
         torch.set_num_threads(1)
         torch.manual_seed(4)
         B, T = 3, 100
@@ -104,7 +106,7 @@ def test_the_decode_kernel_matches_sdpa_on_every_shape() -> None:
             want_k[ws, :, wt] = kn.transpose(1, 2)
             want_v[ws, :, wt] = vn.transpose(1, 2)
             kk, vv = k.clone(), v.clone()
-            splits = several if diagonal == 2 else 1
+            splits = Config(several if diagonal == 2 else 1, masked=diagonal % 2 == 1)
             got = decode_attention(q, kk, vv, fused_bounds, scale, splits, (kn, vn, ws, wt))
             assert got.dtype == dtype and got.shape == (B, 1, heads, dim)
             assert torch.equal(kk, want_k) and torch.equal(vv, want_v), ("write", dtype, dim, gqa)
@@ -208,7 +210,8 @@ def test_the_decode_step_over_a_kvvm_cache_matches_dynamic_cache_on_every_shape(
 def test_the_decode_kernel_matches_sdpa_on_every_shape_on_the_gpu() -> None:
     """Compiled for the GPU: every shape with the step's token written by the kernel, in the
     configuration the decode step takes untuned (:func:`choose_splits` for this device), and
-    in one split on a diagonal of the head dims and ratios; at head dim 256 (the largest
+    in one split on a diagonal of the head dims and ratios, with every block masked in the
+    one loop on another (``Config.masked``); at head dim 256 (the largest
     tiles) the tuner's own choice, after it measured every configuration the device can hold
     (a tile too big for its shared memory is refused by the compiler and skipped)."""
     import math
@@ -239,8 +242,11 @@ def test_the_decode_kernel_matches_sdpa_on_every_shape_on_the_gpu() -> None:
         want_v[ws, :, wt] = vn.transpose(1, 2)
         want = sdpa(q.cpu(), want_k.cpu(), want_v.cpu(), bounds.cpu())
         configs = [Config(choose_splits(B, kv_heads, T, mp))]
-        if (HEAD_DIMS.index(dim) + GQA.index(gqa)) % 4 == 0:
+        diagonal = (HEAD_DIMS.index(dim) + GQA.index(gqa)) % 4
+        if diagonal == 0:
             configs.append(Config(1))  # on a diagonal: each compile takes a while
+        if diagonal == 2:
+            configs.append(Config(choose_splits(B, kv_heads, T, mp), masked=True))
         if dim == 256 and gqa == 1 and dtype == torch.bfloat16:
             configs.append(tuned_config(q, k.clone(), v.clone(), bounds, 1 / math.sqrt(dim), mp, (kn, vn, ws, wt)))
         for c in configs:

@@ -168,7 +168,7 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
         """
         import math, random, torch
         from kvvm.kernels.cascade import CascadeTables, PrefixConfig, Share, cascade_attention
-        from kvvm.kernels.triton_decode import decode_attention
+        from kvvm.kernels.triton_decode import Config, decode_attention
         random.seed(5)
         torch.manual_seed(5)
         cases = several = 0
@@ -236,7 +236,12 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
             ws = torch.tensor([[r] for r in range(batch)])
             ws[-1, 0] = batch
             wt = torch.tensor([[e - 1] for e in ends])
-            fused = ((1, None), (2, None), (1, PrefixConfig(64, 4, 2, True)), (1, PrefixConfig(64, 4, 2, True, False)))
+            # The private pass's blocks each masked in the one loop as well (Config.masked).
+            fused = (
+                (1, None), (2, None), (1, PrefixConfig(64, 4, 2, True)), (1, PrefixConfig(64, 4, 2, True, False)),
+                (Config(1, masked=True), None), (Config(2, masked=True), None),
+                (Config(1, masked=True), PrefixConfig(64, 4, 2, True)),
+            )
             for splits, prefix in fused:
                 k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
                 want = decode_attention(q, k1, v1, bounds, dim ** -0.5, splits, (kn, vn, ws, wt))
@@ -249,7 +254,7 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
         print("cases", cases, "several", several)
         """
     )
-    assert "cases 60" in out
+    assert "cases 75" in out
     assert int(out.split("several")[1]) > 0, "a group took several items"
 
 

@@ -398,7 +398,7 @@ def run_together(
         PSPLITS=prefix_splits, PSPLITS_PAD=_pow2_at_least(prefix_splits), LOOP_WHILE=_INTERPRETED,
         PRECISION=precision(query.dtype), UPCAST=upcast(query.dtype), FUSED=fused, CAPPED=bool(softcap),
         FP8=kv_scales is not None, PDL=pdl, WIDEN=c.widen and widens(query.dtype, kv_scales),
-        PREFIX_FIRST=pc.prefix_first, num_warps=c.warps, num_stages=c.stages, **launch_options(pdl),
+        PREFIX_FIRST=pc.prefix_first, MASK_EVERY=c.masked, num_warps=c.warps, num_stages=c.stages, **launch_options(pdl),
     )
 
 

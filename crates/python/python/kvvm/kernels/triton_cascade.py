@@ -162,7 +162,7 @@ def _together_kernel(
     DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, PREFIX_BLOCK: tl.constexpr, PSPLITS: tl.constexpr,
     PSPLITS_PAD: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     FUSED: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr, WIDEN: tl.constexpr,
-    PREFIX_FIRST: tl.constexpr,
+    PREFIX_FIRST: tl.constexpr, MASK_EVERY: tl.constexpr,
 ):
     """The prefix pass's ``PROGRAMS`` programs and one program per request and KV head (KV
     heads fastest) over the request's own tokens, the prefix pass's first
@@ -196,5 +196,5 @@ def _together_kernel(
             stride_ab, stride_ah, stride_as, stride_lb, stride_lh, Out, stride_ob, stride_oh,
             sm_scale, softcap, 0, Shared, base, Scales, scale_v, Arrivals, heads_total,
             GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, BLOCK, 1, LOOP_WHILE, PRECISION, UPCAST, FUSED, CAPPED, False,
-            True, PSPLITS, PSPLITS_PAD, False, FP8, False, PDL, WIDEN, True,
+            True, PSPLITS, PSPLITS_PAD, False, FP8, False, PDL, WIDEN, True, MASK_EVERY,
         )

@@ -5,7 +5,10 @@ prefix pass (:mod:`kvvm.kernels.cascade`).
 A program folds ``ROWS`` query rows (the query heads sharing the KV head, padded to the 16
 rows a tensor-core product takes) over the tokens ``[lo, hi)``: each block is one product
 ``q @ K^T``, one softmax update and one product ``p @ V``. The blocks wholly inside the range
-are read without masks, the last partial one with them.
+are read without masks in a loop the compiler pipelines, the last partial one with them after
+it; or (``MASK_EVERY``) every block in that loop, each masked to the range: the loads of the
+last block then leave with the others' instead of after them, a memory round trip saved for a
+range of a few blocks (a cascade's private tokens), a comparison a row added to every block.
 
 ``WIDEN`` (an FP8 cache read by a 16-bit query, on a GPU): V's e4m3 codes are widened to fp16
 by inline PTX, four at a time, as they come from shared memory in rows. The compiler's own
@@ -89,32 +92,36 @@ def fold_tokens(
     q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale, softcap,
     ROWS: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
     CAPPED: tl.constexpr, UPCAST: tl.constexpr, LOOP_WHILE: tl.constexpr, WIDEN: tl.constexpr = False,
+    MASK_EVERY: tl.constexpr = False,
 ):
     """The running softmax of ``ROWS`` query rows (``q``: ``[ROWS, DIM_PAD]``) over the tokens
     ``[lo, hi)`` of one KV head, ``BLOCK`` at a time: every whole block unmasked, then the
-    partial one (if any) masked. Returns its ``(max, sum, accumulator)``."""
+    partial one (if any) masked; with ``MASK_EVERY``, every block masked in one loop (see the
+    module). Returns its ``(max, sum, accumulator)``."""
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], dtype=tl.float32)
-    full = lo + ((hi - lo) // BLOCK) * BLOCK
+    # The loop's end: past the last whole block, or the range's own end.
+    full = hi if MASK_EVERY else lo + ((hi - lo) // BLOCK) * BLOCK
     if LOOP_WHILE:
         # Triton's interpreter (CPU) takes a loop bound only as a Python int.
         t = lo
         while t < full:
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap,
-                BLOCK, PRECISION, CAPPED, UPCAST, False, WIDEN,
+                BLOCK, PRECISION, CAPPED, UPCAST, MASK_EVERY, WIDEN,
             )
             t += BLOCK
     else:
         for t in range(lo, full, BLOCK):
             m_i, l_i, acc = _block(
                 q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap,
-                BLOCK, PRECISION, CAPPED, UPCAST, False, WIDEN,
+                BLOCK, PRECISION, CAPPED, UPCAST, MASK_EVERY, WIDEN,
             )
-    if full < hi:
-        m_i, l_i, acc = _block(
-            q, k_base, v_base, full, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap,
-            BLOCK, PRECISION, CAPPED, UPCAST, True, WIDEN,
-        )
+    if not MASK_EVERY:
+        if full < hi:
+            m_i, l_i, acc = _block(
+                q, k_base, v_base, full, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap,
+                BLOCK, PRECISION, CAPPED, UPCAST, True, WIDEN,
+            )
     return m_i, l_i, acc

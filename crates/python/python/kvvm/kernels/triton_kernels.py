@@ -223,7 +223,7 @@ def _partial_kernel(
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
     CASCADE: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr,
-    FP8: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, WIDEN: tl.constexpr,
+    FP8: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, WIDEN: tl.constexpr, MASK_EVERY: tl.constexpr,
 ):
     partial_program(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
@@ -233,7 +233,7 @@ def _partial_kernel(
         stride_ab, stride_ah, stride_as, stride_lb, stride_lh, Out, stride_ob, stride_oh,
         sm_scale, softcap, window, Shared, base, Scales, scale_v, Shared, 0,
         GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, BLOCK, SPLITS, LOOP_WHILE, PRECISION, UPCAST, FUSED, CAPPED, SLIDING,
-        CASCADE, PSPLITS, PSPLITS_PAD, DIRECT, FP8, MERGE, PDL, WIDEN, False,
+        CASCADE, PSPLITS, PSPLITS_PAD, DIRECT, FP8, MERGE, PDL, WIDEN, False, MASK_EVERY,
     )
 
 
@@ -254,8 +254,10 @@ def partial_program(
     UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
     CASCADE: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr,
     FP8: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, WIDEN: tl.constexpr, ARRIVE: tl.constexpr,
+    MASK_EVERY: tl.constexpr,
 ):
-    """The program of request ``b``, KV head ``kvh`` and split ``split`` of its own tokens.
+    """The program of request ``b``, KV head ``kvh`` and split ``split`` of its own tokens
+    (``MASK_EVERY``: every block of them masked in one loop, :mod:`kvvm.kernels.triton_fold`).
     With ``ARRIVE`` (a cascade whose prefix pass runs in the same launch, one split), a
     request in a group writes its partial result as column 0 and arrives
     (:func:`arrive_and_merge`: the last of the row's programs merges it); one in no group
@@ -293,7 +295,7 @@ def partial_program(
 
     m_i, l_i, acc = fold_tokens(
         q, k_base, v_base, lo, hi, stride_kt, stride_vt, offs_d, d_mask, sm_scale, softcap,
-        GROUP_PAD, DIM_PAD, BLOCK, PRECISION, CAPPED, UPCAST, LOOP_WHILE, WIDEN,
+        GROUP_PAD, DIM_PAD, BLOCK, PRECISION, CAPPED, UPCAST, LOOP_WHILE, WIDEN, MASK_EVERY,
     )
     let_dependents_launch(PDL)
 
