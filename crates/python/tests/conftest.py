@@ -99,5 +99,6 @@ def tuner_on(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(td, "AUTOTUNE", True)
     monkeypatch.setattr(td, "_INTERPRETED", False)
     monkeypatch.setattr(td, "_TUNED", {})
+    monkeypatch.setattr(td, "_TIMINGS", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     return td

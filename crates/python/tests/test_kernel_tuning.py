@@ -56,6 +56,9 @@ def test_untuned_measures_nothing_and_remembers_nothing(timed: list[Any]) -> Non
     assert timed == [] and td._TUNED == {}
     tuned = td.tuned_config(q, kv, kv, bounds, 0.125, 132)
     assert timed and tuned.splits == 1, "outside the block the tuner measures and keeps the fastest"
+    (described, best), = td.tuned_timings(top=3).items()
+    assert described == next(iter(td.tuned_configs())) and len(best) == 3
+    assert best[0] == (tuned, 1.0) and [ms for _, ms in best] == sorted(ms for _, ms in best)
     with untuned():
         assert td.tuned_config(q, kv, kv, bounds, 0.125, 132) == tuned, "a shape tuned before keeps its configuration"
 
@@ -111,6 +114,10 @@ def test_a_call_of_its_own_is_timed_and_kept_apart_from_the_plain_kernels(monkey
 
     tuned = td.tuned_config(q, kv, kv, bounds, 0.125, 132, timed=cascade, variant=("cascade", 4))
     assert tuned.splits == 2 and {name for name, _ in ran} == {"cascade"}
+    # Timed in the order of splits (1 first), listed fastest first.
+    (described, best), = td.tuned_timings(top=100).items()
+    assert "cascade" in described and best[0][0] == tuned and len(best) == len(ran)
+    assert [ms for _, ms in best] == sorted(ms for _, ms in best) and best[-1][0].splits != 2
     ran.clear()
     plain = td.tuned_config(q, kv, kv, bounds, 0.125, 132)
     assert plain.splits == 1 and {name for name, _ in ran} == {"plain"}, "the plain kernel is tuned apart"
@@ -129,6 +136,7 @@ def test_the_prefix_pass_is_tuned_beside_the_private_pass_and_remembered(monkeyp
     from kvvm.kernels.tuning import untuned
 
     monkeypatch.setattr(cc, "_TUNED_PREFIX", {})
+    monkeypatch.setattr(cc, "_PREFIX_TIMINGS", {})
     timed: list[Any] = []
     fastest = cc.PrefixConfig(64, 4, 3)
 
@@ -144,6 +152,8 @@ def test_the_prefix_pass_is_tuned_beside_the_private_pass_and_remembered(monkeyp
     assert cc.tuned_prefix_config("shape", private, timed.append) == fastest
     assert timed[0] == cc.PrefixConfig(128, 8, 2), "the private pass's own configuration is a candidate, first"
     assert len(timed) == len(set(timed)) > 2
+    (described, best), = cc.tuned_prefix_timings(top=2).items()
+    assert "shape" in described and best == [(fastest, 1.0), (timed[0], 2.0)], "the fastest first, then in timing order"
     timed.clear()
     assert cc.tuned_prefix_config("shape", private, timed.append) == fastest and timed == [], "remembered"
     with untuned():

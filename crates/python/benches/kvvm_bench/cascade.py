@@ -176,11 +176,16 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, groups: int) -
             row["cascade_over_floor_once"] = round(cascade["p50"] / row["floor_once_ms"], 2)
             row["cascade_over_floor_once_read"] = round(cascade["p50"] / row["floor_once_read_ms"], 2)
             row["plain_over_floor_each"] = round(plain["p50"] / row["floor_each_ms"], 2)
-            from kvvm.kernels.cascade import tuned_prefix_configs
-            from kvvm.kernels.triton_decode import tuned_configs
+            from kvvm.kernels.cascade import tuned_prefix_configs, tuned_prefix_timings
+            from kvvm.kernels.triton_decode import tuned_configs, tuned_timings
 
             row["decode_configs"] = {k: str(v) for k, v in tuned_configs().items()}
             row["prefix_configs"] = {k: str(v) for k, v in tuned_prefix_configs().items()}
+            # How far apart the tuners found their best candidates (us a call, timed alone).
+            row["decode_timings_us"] = {k: [[str(c), round(ms * 1e3, 1)] for c, ms in t] for k, t in tuned_timings().items()}
+            row["prefix_timings_us"] = {
+                k: [[str(c), round(ms * 1e3, 1)] for c, ms in t] for k, t in tuned_prefix_timings().items()
+            }
             if args.profile:
                 for name, s, t in zip(("cascade", "plain"), steps, toks):
                     row[f"{name}_profile"] = kernel_breakdown(lambda s=s, t=t: s(t), steps=4)

@@ -55,6 +55,7 @@ __all__ = [
     "PREFIX_PROGRAMS_PER_MULTIPROCESSOR", "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "PrefixConfig", "Share",
     "Tables", "cascade_attention", "choose_prefix_splits", "item_rows", "member_tiles", "most_items", "plan_groups",
     "prefix_candidates", "prefix_items", "query_rows", "run_together", "tuned_prefix_config", "tuned_prefix_configs",
+    "tuned_prefix_timings",
 ]
 
 #: The device tables of a step's groups: each request's shared tokens (int32 ``[batch]``), each
@@ -117,6 +118,9 @@ _TOGETHER_ROWS = 32
 
 #: The prefix pass's configuration measured fastest per shape and private configuration.
 _TUNED_PREFIX: dict[tuple[object, ...], PrefixConfig] = {}
+
+#: Every prefix configuration's time per key of :data:`_TUNED_PREFIX`, the fastest first.
+_PREFIX_TIMINGS: dict[tuple[object, ...], list[tuple[float, PrefixConfig]]] = {}
 
 
 @dataclass(frozen=True)
@@ -433,6 +437,7 @@ def tuned_prefix_config(
             continue  # more shared memory or registers than the device has
     chosen = min(timings, key=lambda t: (t[0], t[1]))[2]
     _TUNED_PREFIX[(key, config)] = chosen
+    _PREFIX_TIMINGS[(key, config)] = [(ms, pc) for ms, _, pc in sorted(timings, key=lambda t: (t[0], t[1]))]
     return chosen
 
 
@@ -454,6 +459,12 @@ def tuned_prefix_configs() -> dict[str, PrefixConfig]:
     """The prefix pass's configurations :func:`tuned_prefix_config` chose so far, each under
     its shape and the private pass's configuration."""
     return {f"{key}, private {config}": chosen for (key, config), chosen in _TUNED_PREFIX.items()}
+
+
+def tuned_prefix_timings(top: int = 5) -> dict[str, list[tuple[PrefixConfig, float]]]:
+    """The ``top`` fastest prefix configurations :func:`tuned_prefix_config` measured per key
+    of :func:`tuned_prefix_configs`, each with the cascade call's time (ms), fastest first."""
+    return {f"{key}, private {config}": [(pc, ms) for ms, pc in t[:top]] for (key, config), t in _PREFIX_TIMINGS.items()}
 
 
 def item_rows(tables: Tables, group: int) -> int:

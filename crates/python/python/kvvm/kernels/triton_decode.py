@@ -34,7 +34,10 @@ from .device import launch_options, programmatic
 from .triton_kernels import _merge_kernel, _partial_kernel
 from .tuning import graph_time, may_time
 
-__all__ = ["AUTOTUNE", "Config", "choose_splits", "decode_attention", "may_tune", "tuned_config", "tuned_configs", "widens"]
+__all__ = [
+    "AUTOTUNE", "Config", "choose_splits", "decode_attention", "may_tune", "tuned_config", "tuned_configs", "tuned_timings",
+    "widens",
+]
 
 #: Tokens a program reads per iteration, by default.
 BLOCK_N = 64
@@ -75,6 +78,9 @@ TOO_BIG: tuple[type[BaseException], ...] = tuple(
 
 #: The fastest configuration measured per shape (:func:`tuned_config`).
 _TUNED: dict[tuple[object, ...], Config] = {}
+
+#: Every configuration's time per tuned shape, the fastest first (:func:`tuned_timings`).
+_TIMINGS: dict[tuple[object, ...], list[tuple[float, Config]]] = {}
 
 #: Whether kernels run in Triton's interpreter (on CPU tensors).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -164,6 +170,7 @@ def tuned_config(
             continue  # more shared memory or registers than the device has
     chosen = min(timings, key=lambda t: t[0])[1]
     _TUNED[shape] = chosen
+    _TIMINGS[shape] = sorted(timings, key=lambda t: t[0])
     return chosen
 
 
@@ -171,10 +178,20 @@ def tuned_configs() -> dict[str, Config]:
     """The configurations :func:`tuned_config` measured and chose so far, each under a
     description of its shape (requests, query heads over KV heads, tokens reserved a slot,
     the K/V element type)."""
-    return {
-        f"batch {k[0]}, heads {k[1]}/{k[2]}, {k[6]} tokens reserved, K/V {k[5]}" + (f", {k[9]}" if k[9] else ""): v
-        for k, v in _TUNED.items()
-    }
+    return {_described(k): v for k, v in _TUNED.items()}
+
+
+def tuned_timings(top: int = 5) -> dict[str, list[tuple[Config, float]]]:
+    """The ``top`` fastest configurations :func:`tuned_config` measured per shape (described
+    as by :func:`tuned_configs`) and each one's time (ms a call, as the tuner timed it), the
+    fastest first: how far apart the tuner found them."""
+    return {_described(k): [(c, ms) for ms, c in t[:top]] for k, t in _TIMINGS.items()}
+
+
+def _described(shape: tuple[object, ...]) -> str:
+    """A tuned shape's key, in words (see :func:`tuned_configs`)."""
+    variant = f", {shape[9]}" if shape[9] else ""
+    return f"batch {shape[0]}, heads {shape[1]}/{shape[2]}, {shape[6]} tokens reserved, K/V {shape[5]}{variant}"
 
 
 def decode_attention(
