@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch", reason="skipped: no torch")
 
 from kvvm.kernels.cascade import (  # noqa: E402
     CascadeTables,
+    PrefixConfig,
     Share,
     cascade_attention,
     choose_prefix_splits,
@@ -151,6 +152,14 @@ def test_tables_made_for_other_heads_or_no_programs_are_refused() -> None:
     q = torch.zeros(8, 1, 1, 16)
     with pytest.raises(ValueError, match="one program or more"):
         cascade_attention(q, kv, kv, bounds, 0.25, 1, tables.tables, programs=0)
+    beside = PrefixConfig(64, 4, 2, concurrent=True)
+    with pytest.raises(ValueError, match="one split"):
+        cascade_attention(q, kv, kv, bounds, 0.25, 2, tables.tables, prefix_config=beside)
+    with pytest.raises(ValueError, match="not both"):
+        cascade_attention(q, kv, kv, bounds, 0.25, 1, tables.tables, prefix_config=PrefixConfig(64, 4, 2, True, True, True))
+    other = CascadeTables(8, "cpu", heads_per_kv=1, kv_heads=2)  # arrivals of 2 heads a request
+    with pytest.raises(ValueError, match="another kv_heads"):
+        cascade_attention(q, kv, kv, bounds, 0.25, 1, other.tables, prefix_config=beside)
 
 
 def _interpreted(code: str) -> str:
@@ -166,7 +175,7 @@ def _interpreted(code: str) -> str:
 def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> None:
     out = _interpreted(
         """
-        import math, random, torch
+        import itertools, math, random, torch
         from kvvm.kernels.cascade import CascadeTables, PrefixConfig, Share, cascade_attention
         from kvvm.kernels.triton_decode import Config, decode_attention
         random.seed(5)
@@ -219,14 +228,15 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
                     # count is back at zero for the next launch.
                     # In the interpreter the programs run one after another: the prefix
                     # pass's first leaves each merge to a private program, last to a prefix one.
-                    for first in (True, False):
-                        together = PrefixConfig(32, 4, 2, together=True, prefix_first=first)
+                    # Or beside it (one after the other here): whichever runs last merges.
+                    for first, how in itertools.product((True, False), ("together", "concurrent")):
+                        counted = PrefixConfig(32, 4, 2, prefix_first=first, **{how: True})
                         got = cascade_attention(
                             q, k, v, bounds, dim ** -0.5, 1, tables.tables, softcap=softcap, programs=programs,
-                            prefix_config=together,
+                            prefix_config=counted,
                         )
                         err = (got - want).abs().max().item()
-                        assert err < 1e-5, ("together", first, heads, kv_heads, dim, psplits, programs, err)
+                        assert err < 1e-5, (how, first, heads, kv_heads, dim, psplits, programs, err)
                         assert not tables.arrivals.any()
                         cases += 1
             # The step's token written by the kernel and attended from registers, as the
@@ -241,6 +251,7 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
                 (1, None), (2, None), (1, PrefixConfig(64, 4, 2, True)), (1, PrefixConfig(64, 4, 2, True, False)),
                 (Config(1, masked=True), None), (Config(2, masked=True), None),
                 (Config(1, masked=True), PrefixConfig(64, 4, 2, True)),
+                (1, PrefixConfig(64, 4, 2, concurrent=True)), (1, PrefixConfig(64, 4, 2, prefix_first=False, concurrent=True)),
             )
             for splits, prefix in fused:
                 k1, v1, k2, v2 = k.clone(), v.clone(), k.clone(), v.clone()
@@ -254,7 +265,7 @@ def test_the_cascade_gives_the_plain_kernels_attention_in_the_interpreter() -> N
         print("cases", cases, "several", several)
         """
     )
-    assert "cases 75" in out
+    assert "cases 105" in out
     assert int(out.split("several")[1]) > 0, "a group took several items"
 
 

@@ -1,9 +1,10 @@
-"""The cascade's two passes in one launch on a CUDA GPU: replayed in a captured graph many
-times over at the step's shape (64 requests in 4 groups, the one launch measured fastest alone),
-every replay's output the same bits (each row's merge reads its columns in one order
-whichever program merges it, so a merge that read a column before its writer's stores showed
-would change them) and every arrival count back at zero; and against the plain decode kernel
-at every GQA ratio and head dim tried, both program orders. Skipped without CUDA."""
+"""The cascade's two passes in one launch, or in two beside each other on two streams, on a
+CUDA GPU: replayed in a captured graph many times over at the step's shape (64 requests in 4
+groups, the one launch measured fastest alone), every replay's output the same bits (each
+row's merge reads its columns in one order whichever program merges it, so a merge that read
+a column before its writer's stores showed would change them) and every arrival count back at
+zero; and against the plain decode kernel at every GQA ratio and head dim tried, both program
+orders. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def _step(
     return k, v, q, bounds, shares
 
 
-def test_replayed_many_times_each_merge_sees_every_column() -> None:
+@pytest.mark.parametrize("how", ["together", "concurrent"])
+def test_replayed_many_times_each_merge_sees_every_column(how: str) -> None:
     torch.manual_seed(7)
     batch, heads, kv_heads, dim = 64, 32, 8, 128
     k, v, q, bounds, shares = _step(batch, heads, kv_heads, dim, 2048, 256, 4, torch.bfloat16)
@@ -54,7 +56,7 @@ def test_replayed_many_times_each_merge_sees_every_column() -> None:
     scale = 1 / math.sqrt(dim)
     want = decode_attention(q, k, v, bounds, scale, Config(1)).float()
     for first in (True, False):
-        pc = PrefixConfig(64, 4, 2, together=True, prefix_first=first)
+        pc = PrefixConfig(64, 4, 2, prefix_first=first, **{how: True})
 
         def run() -> torch.Tensor:
             return cascade_attention(q, k, v, bounds, scale, Config(1, 64, 4, 2), tables.tables, prefix_config=pc)
@@ -86,7 +88,7 @@ _SHAPES = [
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "dtype", "first"), _SHAPES)
-def test_both_passes_in_one_launch_match_the_plain_kernel(
+def test_both_passes_in_one_launch_or_beside_match_the_plain_kernel(
     heads: int, kv_heads: int, dim: int, dtype: str, first: bool,
 ) -> None:
     torch.manual_seed(heads + dim)
@@ -98,9 +100,11 @@ def test_both_passes_in_one_launch_match_the_plain_kernel(
     tables.update(shares)
     scale = 1 / math.sqrt(dim)
     want = decode_attention(q, k, v, bounds, scale, Config(1)).float()
-    pc = PrefixConfig(32, 4, 2, together=True, prefix_first=first)
-    got = cascade_attention(q, k, v, bounds, scale, Config(1, 64, 4, 2), tables.tables, prefix_config=pc).float()
     # bf16 outputs summed in another order: a unit or two in the last place.
     tol = 2e-2 if dtype == "bfloat16" else 1e-5
-    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
-    assert not tables.arrivals.any()
+    for how in ("together", "concurrent"):
+        pc = PrefixConfig(32, 4, 2, prefix_first=first, **{how: True})
+        got = cascade_attention(q, k, v, bounds, scale, Config(1, 64, 4, 2), tables.tables, prefix_config=pc).float()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=how)
+        assert not tables.arrivals.any(), how

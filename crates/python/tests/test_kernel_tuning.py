@@ -132,7 +132,7 @@ def test_the_prefix_pass_is_tuned_beside_the_private_pass_and_remembered(monkeyp
     own configuration, timed on the cascade's call, remembered per shape and private
     configuration; while untuned, none (the private pass's own)."""
     td = tuner_on(monkeypatch)
-    import kvvm.kernels.cascade as cc
+    import kvvm.kernels.cascade_tuning as cc
     from kvvm.kernels.tuning import untuned
 
     monkeypatch.setattr(cc, "_TUNED_PREFIX", {})
@@ -166,17 +166,18 @@ def test_the_prefix_pass_is_timed_in_the_private_pass_launch_over_small_items_on
     tables of at most 32 rows an item (at 64 its programs spill), each prefix block in both
     program orders; never beside a split private pass."""
     import kvvm.kernels.cascade as cc
+    from kvvm.kernels.cascade_tuning import prefix_candidates
     from kvvm.kernels.triton_decode import Config
 
     def together(config: Config, rows: int) -> set[tuple[int, bool]]:
-        return {(pc.block, pc.prefix_first) for pc in cc.prefix_candidates(config, rows) if pc.together}
+        return {(pc.block, pc.prefix_first) for pc in prefix_candidates(config, rows) if pc.together}
 
     both = {(b, first) for b in (32, 64) for first in (True, False)}
     assert together(Config(1, 64, 4, 2), 16) == both
     assert together(Config(1, 64, 4, 2), 32) == both
     assert together(Config(1, 64, 4, 2), 64) == set()
     assert together(Config(2, 64, 4, 2), 16) == set()
-    assert all(pc.warps == 8 and pc.stages == 3 for pc in cc.prefix_candidates(Config(1, 64, 8, 3), 16) if pc.together)
+    assert all(pc.warps == 8 and pc.stages == 3 for pc in prefix_candidates(Config(1, 64, 8, 3), 16) if pc.together)
     tables = cc.CascadeTables(64, "cpu", heads_per_kv=4, kv_heads=8, rows=16).tables
     assert cc.item_rows(tables, 4) == 16
     assert cc.item_rows(cc.CascadeTables(64, "cpu", heads_per_kv=4, kv_heads=8).tables, 4) == 64

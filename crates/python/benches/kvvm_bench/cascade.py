@@ -176,7 +176,7 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, groups: int) -
             row["cascade_over_floor_once"] = round(cascade["p50"] / row["floor_once_ms"], 2)
             row["cascade_over_floor_once_read"] = round(cascade["p50"] / row["floor_once_read_ms"], 2)
             row["plain_over_floor_each"] = round(plain["p50"] / row["floor_each_ms"], 2)
-            from kvvm.kernels.cascade import tuned_prefix_configs, tuned_prefix_timings
+            from kvvm.kernels.cascade_tuning import tuned_prefix_configs, tuned_prefix_timings
             from kvvm.kernels.triton_decode import tuned_configs, tuned_timings
 
             row["decode_configs"] = {k: str(v) for k, v in tuned_configs().items()}

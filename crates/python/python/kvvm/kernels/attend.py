@@ -181,7 +181,8 @@ def _triton(
 
         return prefill_attention(query, key, value, bounds, scale, window=window, softcap=softcap, kv_scales=kv_scales)
     if cascade is not None and not window:
-        from .cascade import PrefixConfig, cascade_attention, item_rows, tuned_prefix_config
+        from .cascade import PrefixConfig, cascade_attention, item_rows
+        from .cascade_tuning import tuned_prefix_config
 
         tables = cascade
 

@@ -25,17 +25,15 @@ Runs on CPU tensors under ``TRITON_INTERPRET=1`` (how the tests check it without
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from . import triton_decode
-from .device import launch_options, multiprocessors, programmatic
+from .device import launch_options, multiprocessors, programmatic, second_stream
 from .triton_decode import (
     _INTERPRETED,
-    TOO_BIG,
     Config,
     _new_rows,
     _pow2_at_least,
@@ -49,13 +47,11 @@ from .triton_decode import (
     widens,
 )
 from .triton_cascade import _prefix_kernel, _together_kernel
-from .tuning import graph_time
 
 __all__ = [
     "PREFIX_PROGRAMS_PER_MULTIPROCESSOR", "PREFIX_SPLIT_TOKENS", "CascadeTables", "Plan", "PrefixConfig", "Share",
     "Tables", "cascade_attention", "choose_prefix_splits", "item_rows", "member_tiles", "most_items", "plan_groups",
-    "prefix_candidates", "prefix_items", "query_rows", "run_together", "tuned_prefix_config", "tuned_prefix_configs",
-    "tuned_prefix_timings",
+    "prefix_items", "query_rows", "run_beside", "run_together",
 ]
 
 #: The device tables of a step's groups: each request's shared tokens (int32 ``[batch]``), each
@@ -94,33 +90,20 @@ class PrefixConfig:
     each column of partial results is counted as it is written and the last one of a
     request's head merges them (:mod:`kvvm.kernels.triton_cascade`). Only with a private
     pass of one split. ``prefix_first``: the launch's first programs are the prefix pass's
-    (else its last)."""
+    (else its last).
+
+    ``concurrent``: the prefix pass in a launch of its own (in ``block``, ``warps`` and
+    ``stages``) on a second stream, beside the private pass's (a fork and a join, branches of
+    a captured graph), its columns counted and merged as together; ``prefix_first`` then
+    says which of the two is launched first (on a CPU, in Triton's interpreter, they run one
+    after the other in that order). Only with a private pass of one split."""
 
     block: int
     warps: int
     stages: int
     together: bool = False
     prefix_first: bool = True
-
-
-#: The prefix pass's configurations :func:`tuned_prefix_config` times beside the private
-#: pass's own.
-_PREFIX_SHAPES = (PrefixConfig(64, 4, 2), PrefixConfig(64, 4, 3), PrefixConfig(64, 8, 3), PrefixConfig(32, 4, 3),
-                  PrefixConfig(128, 8, 3), PrefixConfig(64, 16, 2), PrefixConfig(64, 16, 3))
-
-#: The prefix pass's blocks :func:`tuned_prefix_config` times as well in the private pass's
-#: launch (a private pass of one split, tables of at most :data:`_TOGETHER_ROWS` rows an item).
-_TOGETHER_BLOCKS = (32, 64)
-
-#: The most query rows an item may take for the prefix pass to be timed in the private pass's
-#: launch: at 64 its programs spill (:data:`_ROWS`).
-_TOGETHER_ROWS = 32
-
-#: The prefix pass's configuration measured fastest per shape and private configuration.
-_TUNED_PREFIX: dict[tuple[object, ...], PrefixConfig] = {}
-
-#: Every prefix configuration's time per key of :data:`_TUNED_PREFIX`, the fastest first.
-_PREFIX_TIMINGS: dict[tuple[object, ...], list[tuple[float, PrefixConfig]]] = {}
+    concurrent: bool = False
 
 
 @dataclass(frozen=True)
@@ -304,9 +287,12 @@ def cascade_attention(
         raise ValueError(f"the prefix pass needs one program or more, not {programs}")
     c = config if isinstance(config, Config) else Config(config)
     pc = prefix_config or PrefixConfig(c.block, c.warps, c.stages)
-    if pc.together and c.splits != 1:
-        raise ValueError(f"the prefix pass runs together only with a private pass of one split, not {c.splits}")
-    if pc.together and tuple(arrivals.shape) != (batch, heads):
+    counted = pc.together or pc.concurrent
+    if pc.together and pc.concurrent:
+        raise ValueError("the prefix pass runs either together with the private pass or beside it, not both")
+    if counted and c.splits != 1:
+        raise ValueError(f"the prefix pass runs together or beside only a private pass of one split, not {c.splits}")
+    if counted and tuple(arrivals.shape) != (batch, heads):
         raise ValueError(
             f"cascade tables counting arrivals of {tuple(arrivals.shape)}, not of the step's {(batch, heads)} "
             "(made for another kv_heads)"
@@ -316,6 +302,9 @@ def cascade_attention(
     out, acc, lse = buffers(query, c.splits + prefix_splits)
     if pc.together:
         run_together(query, key, value, bounds, tables, scale, c, pc, new, out, acc, lse, softcap, kv_scales, programs)
+        return out
+    if pc.concurrent:
+        run_beside(query, key, value, bounds, tables, scale, c, pc, new, out, acc, lse, softcap, kv_scales, programs)
         return out
     run_prefix(query, key, value, tables, acc, lse, scale, c, pc, softcap, kv_scales, programs)
     # With one private program per request and KV head, that program merges the prefix's
@@ -329,15 +318,52 @@ def cascade_attention(
     return out
 
 
+def run_beside(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, tables: Tables, scale: float,
+    c: Config, pc: PrefixConfig, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    out: torch.Tensor, acc: torch.Tensor, lse: torch.Tensor, softcap: float, kv_scales: torch.Tensor | None,
+    programs: int | None,
+) -> None:
+    """The prefix pass on a second stream beside the private pass (``pc.concurrent``), each
+    column counted as it is written and each row merged into ``out`` by whichever program
+    counts its last (:func:`~kvvm.kernels.triton_kernels.arrive_and_merge`). The current
+    stream waits for the second before this returns, so nothing the passes use is freed or
+    reused while either runs."""
+    shared, _, _, prefix_splits, arrivals = tables
+    passes = [
+        lambda: run_prefix(query, key, value, tables, acc, lse, scale, c, pc, softcap, kv_scales, programs, out),
+        lambda: run_partial(
+            query, key, value, bounds, scale, c, new, out, acc, lse, softcap=softcap, shared=shared,
+            prefix_splits=prefix_splits, kv_scales=kv_scales, arrivals=arrivals,
+        ),
+    ]
+    if not pc.prefix_first:
+        passes.reverse()
+    if not query.is_cuda:
+        for run in passes:
+            run()
+        return
+    main = torch.cuda.current_stream(query.device)
+    beside = second_stream(query.device)
+    beside.wait_stream(main)
+    for run, stream in zip(passes, (beside, main) if pc.prefix_first else (main, beside)):
+        with torch.cuda.stream(stream):
+            run()
+    main.wait_stream(beside)
+
+
 def run_prefix(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, tables: Tables, acc: torch.Tensor,
     lse: torch.Tensor, scale: float, c: Config, pc: PrefixConfig, softcap: float, kv_scales: torch.Tensor | None,
-    programs: int | None,
+    programs: int | None, out: torch.Tensor | None = None,
 ) -> None:
     """The prefix pass: each group's prefix read once per KV head for its members' queries,
-    into the columns of ``acc``/``lse`` after the private pass's ``c.splits``."""
+    into the columns of ``acc``/``lse`` after the private pass's ``c.splits``; with ``out``,
+    the private pass runs beside it (:func:`run_beside`): each column is counted in the
+    tables' arrivals and the last of a row's merges it into ``out``, and the launch is no
+    programmatic dependent (the kernel before it on its stream is another layer's)."""
     _, heads, _, dim = query.shape
-    _, groups, items, prefix_splits, _ = tables
+    _, groups, items, prefix_splits, arrivals = tables
     kv_heads = key.shape[1]
     group = heads // kv_heads
     tile = items.shape[1] - 1
@@ -345,21 +371,24 @@ def run_prefix(
     programs = _prefix_programs(query.device, programs, units)
     q = query[:, :, 0]
     base, k_from, v_from = from_last_slot(key, value)
-    pdl = programmatic(query.device)
+    pdl = programmatic(query.device) and out is None
+    o = q if out is None else out[:, 0]
     _prefix_kernel[(programs,)](
-        q, k_from, v_from, groups, items, acc, lse,
+        q, k_from, v_from, groups, items, acc, lse, o, items if out is None else arrivals,
         q.stride(0), q.stride(1),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2),
         lse.stride(0), lse.stride(1),
-        scale, float(softcap) or 1.0, base, groups if kv_scales is None else kv_scales, kv_heads,
+        o.stride(0), o.stride(1),
+        scale, float(softcap) or 1.0, base, groups if kv_scales is None else kv_scales, kv_heads, heads,
         TILE=tile, KV_HEADS=kv_heads, PROGRAMS=programs, LAPS=triton.cdiv(units, programs),
         GROUP=group, GROUP_POW2=query_rows(group),
         HEAD_DIM=dim, DIM_PAD=max(16, _pow2_at_least(dim)),
         BLOCK=pc.block, SPLITS=c.splits, PSPLITS=prefix_splits, LOOP_WHILE=_INTERPRETED,
         PRECISION=precision(query.dtype), UPCAST=upcast(query.dtype), CAPPED=bool(softcap),
-        FP8=kv_scales is not None, PDL=pdl, num_warps=pc.warps, num_stages=pc.stages, **launch_options(pdl),
+        FP8=kv_scales is not None, PDL=pdl, ARRIVE=out is not None, num_warps=pc.warps, num_stages=pc.stages,
+        **launch_options(pdl),
     )
 
 
@@ -413,58 +442,6 @@ def _prefix_programs(device: torch.device, programs: int | None, units: int) -> 
     if programs is None:
         programs = PREFIX_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors(device)
     return max(1, min(programs, units))
-
-
-def tuned_prefix_config(
-    key: Hashable, config: Config, timed: Callable[[PrefixConfig], object], rows: int = _ROWS,
-) -> PrefixConfig | None:
-    """The prefix pass's fastest configuration beside the private pass's ``config``, measured
-    once by ``timed`` (the cascade's whole call in a configuration, replayed in a captured
-    graph) per ``key`` (the call's shape) and ``config``, and remembered; None (the private
-    pass's own) where nothing may be timed (:mod:`kvvm.kernels.tuning`'s rules, Triton's
-    interpreter, ``KVVM_TRITON_AUTOTUNE=0``) and the shape was not tuned before. ``rows``: the
-    query rows of the tables' items (:func:`prefix_candidates`)."""
-    found = _TUNED_PREFIX.get((key, config))
-    if found is not None:
-        return found
-    if not triton_decode.may_tune():
-        return None
-    timings: list[tuple[float, int, PrefixConfig]] = []
-    for i, pc in enumerate(prefix_candidates(config, rows)):
-        try:
-            timings.append((graph_time(timed, pc), i, pc))
-        except TOO_BIG:
-            continue  # more shared memory or registers than the device has
-    chosen = min(timings, key=lambda t: (t[0], t[1]))[2]
-    _TUNED_PREFIX[(key, config)] = chosen
-    _PREFIX_TIMINGS[(key, config)] = [(ms, pc) for ms, _, pc in sorted(timings, key=lambda t: (t[0], t[1]))]
-    return chosen
-
-
-def prefix_candidates(config: Config, rows: int = _ROWS) -> list[PrefixConfig]:
-    """The prefix pass's configurations :func:`tuned_prefix_config` times beside the private
-    pass's ``config`` over tables of items of ``rows`` query rows: a launch of its own in the
-    private pass's block, warps and stages and in each of :data:`_PREFIX_SHAPES`, and (a
-    private pass of one split, at most :data:`_TOGETHER_ROWS` rows) in the private pass's
-    launch at each of :data:`_TOGETHER_BLOCKS`, its programs first and last."""
-    own = PrefixConfig(config.block, config.warps, config.stages)
-    together = [
-        PrefixConfig(b, config.warps, config.stages, True, first)
-        for b in _TOGETHER_BLOCKS for first in (True, False) if config.splits == 1 and rows <= _TOGETHER_ROWS
-    ]
-    return list(dict.fromkeys((own, *_PREFIX_SHAPES, *together)))
-
-
-def tuned_prefix_configs() -> dict[str, PrefixConfig]:
-    """The prefix pass's configurations :func:`tuned_prefix_config` chose so far, each under
-    its shape and the private pass's configuration."""
-    return {f"{key}, private {config}": chosen for (key, config), chosen in _TUNED_PREFIX.items()}
-
-
-def tuned_prefix_timings(top: int = 5) -> dict[str, list[tuple[PrefixConfig, float]]]:
-    """The ``top`` fastest prefix configurations :func:`tuned_prefix_config` measured per key
-    of :func:`tuned_prefix_configs`, each with the cascade call's time (ms), fastest first."""
-    return {f"{key}, private {config}": [(pc, ms) for ms, pc in t[:top]] for (key, config), t in _PREFIX_TIMINGS.items()}
 
 
 def item_rows(tables: Tables, group: int) -> int:

@@ -1,6 +1,7 @@
 """What the device offers the kernels' launches: the multiprocessors their programs spread
-over (how many splits a decode takes, how many programs walk the cascade's prefix work), and
-whether they may launch as programmatic dependents.
+over (how many splits a decode takes, how many programs walk the cascade's prefix work), a
+second stream for a pass that runs beside another (:func:`second_stream`), and whether they
+may launch as programmatic dependents.
 
 A programmatic dependent launch (Hopper on: compute capability 9 or more) lets a kernel's
 programs start while the kernel before it in the stream finishes: each waits
@@ -26,7 +27,7 @@ import torch
 
 __all__ = [
     "INTERPRETER_MULTIPROCESSORS", "launch_options", "multiprocessors", "programmatic", "programmatic_launches",
-    "set_programmatic_launch",
+    "second_stream", "set_programmatic_launch",
 ]
 
 #: The multiprocessors Triton's interpreter is treated as having (a CPU has none): a few, so
@@ -45,6 +46,19 @@ def multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_MULTIPROCESSORS
     return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _second_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(index)
+
+
+def second_stream(device: torch.device) -> torch.cuda.Stream:
+    """A CUDA stream of ``device`` beside the one kernels run on, one per device for the
+    process (made on first use): a pass launched on it after it waits for the current stream,
+    and waited for before the current stream goes on, runs beside the current stream's
+    kernels (in a captured graph, a branch)."""
+    return _second_stream(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class _Switch:

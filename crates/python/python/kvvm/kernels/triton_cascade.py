@@ -1,5 +1,7 @@
 """The cascade's kernels (:mod:`kvvm.kernels.cascade`): the prefix pass, a launch of its own
-(:func:`_prefix_kernel`) or together with the private pass (:func:`_together_kernel`).
+(:func:`_prefix_kernel`: before the private pass, or beside it on a second stream, each
+column counted as in a launch together) or together with the private pass
+(:func:`_together_kernel`).
 
 Together, one launch holds the prefix pass's programs first and then one program per request
 and KV head for its own tokens: the prefix pass's few long programs no longer run alone
@@ -29,25 +31,29 @@ from .triton_kernels import (
 
 @triton.jit
 def _prefix_kernel(
-    Q, K, V, Groups, Items, Acc, Lse,
+    Q, K, V, Groups, Items, Acc, Lse, Out, Arrivals,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ab, stride_ah, stride_as,
     stride_lb, stride_lh,
-    sm_scale, softcap, base, Scales, scale_v,
+    stride_ob, stride_oh,
+    sm_scale, softcap, base, Scales, scale_v, heads_total,
     TILE: tl.constexpr, KV_HEADS: tl.constexpr, PROGRAMS: tl.constexpr, LAPS: tl.constexpr,
     GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, PSPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, CAPPED: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
+    ARRIVE: tl.constexpr,
 ):
+    # With ARRIVE (the private pass launched beside this one), each column is counted as it
+    # is written and the last of a row's writers merges it into Out.
     wait_for_inputs(PDL)
     prefix_worker(
-        tl.program_id(0), Q, K, V, Groups, Items, Acc, Lse, Q, 0, 0, Items, 0,
+        tl.program_id(0), Q, K, V, Groups, Items, Acc, Lse, Out, stride_ob, stride_oh, Arrivals, heads_total,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_ab, stride_ah, stride_as, stride_lb, stride_lh, sm_scale, softcap, base, Scales, scale_v,
         TILE, KV_HEADS, PROGRAMS, LAPS, GROUP, GROUP_POW2, HEAD_DIM, DIM_PAD, BLOCK, SPLITS, PSPLITS, LOOP_WHILE,
-        PRECISION, UPCAST, CAPPED, FP8, False,
+        PRECISION, UPCAST, CAPPED, FP8, ARRIVE,
     )
     let_dependents_launch(PDL)
 

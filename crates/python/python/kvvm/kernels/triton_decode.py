@@ -248,6 +248,7 @@ def run_partial(
     c: Config, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
     out: torch.Tensor, acc: torch.Tensor, lse: torch.Tensor, *, window: int = 0, softcap: float = 0.0,
     shared: torch.Tensor | None = None, prefix_splits: int = 0, kv_scales: torch.Tensor | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> None:
     """Each request's own tokens, ``c.splits`` programs per (request, KV head): into ``out``
     when one split sees them all and nothing else is merged, else into the columns
@@ -258,7 +259,11 @@ def run_partial(
     its columns itself, into ``out`` (no merge kernel after). With ``kv_scales`` (fp32 ``[2,
     kv_heads]``: each KV head's K and V scale), K and V are an FP8 cache's
     (:mod:`kvvm.kernels.fp8`): dequantized as they are read, the step's new token quantized
-    as it is written."""
+    as it is written. With ``arrivals`` (a cascade's
+    int32 ``[batch, heads]`` counts, zero between launches; one split), the prefix pass runs
+    beside this launch, not before it: each program of a request in a group writes column 0
+    and counts it, and whichever program counts a row's last column merges the row
+    (:func:`~kvvm.kernels.triton_kernels.arrive_and_merge`)."""
     fused = new is not None
     cascade = shared is not None
     if kv_scales is not None:
@@ -285,7 +290,7 @@ def run_partial(
         lse.stride(0), lse.stride(1),
         o, o.stride(0), o.stride(1),
         scale, float(softcap) or 1.0, int(window), shared if cascade else bounds, base,
-        bounds if kv_scales is None else kv_scales, key.shape[1],
+        bounds if kv_scales is None else kv_scales, key.shape[1], bounds if arrivals is None else arrivals, heads,
         GROUP=heads // kv_heads, GROUP_PAD=max(16, _pow2_at_least(heads // kv_heads)),
         HEAD_DIM=dim, DIM_PAD=max(16, _pow2_at_least(dim)),
         BLOCK=c.block, SPLITS=c.splits, LOOP_WHILE=_INTERPRETED,
@@ -295,8 +300,8 @@ def run_partial(
         UPCAST=upcast(query.dtype),
         FUSED=fused, CAPPED=bool(softcap), SLIDING=bool(window),
         CASCADE=cascade, PSPLITS=prefix_splits, PSPLITS_PAD=_pow2_at_least(max(prefix_splits, 1)), DIRECT=direct,
-        FP8=kv_scales is not None, MERGE=cascade and direct, PDL=pdl,
-        WIDEN=c.widen and widens(query.dtype, kv_scales), MASK_EVERY=c.masked,
+        FP8=kv_scales is not None, MERGE=cascade and direct and arrivals is None, PDL=pdl,
+        WIDEN=c.widen and widens(query.dtype, kv_scales), MASK_EVERY=c.masked, ARRIVE=arrivals is not None,
         num_warps=c.warps, num_stages=c.stages, **launch_options(pdl),
     )
 

@@ -218,12 +218,13 @@ def _partial_kernel(
     stride_ab, stride_ah, stride_as,
     stride_lb, stride_lh,
     Out, stride_ob, stride_oh,
-    sm_scale, softcap, window, Shared, base, Scales, scale_v,
+    sm_scale, softcap, window, Shared, base, Scales, scale_v, Arrivals, heads_total,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK: tl.constexpr, SPLITS: tl.constexpr, LOOP_WHILE: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, FUSED: tl.constexpr, CAPPED: tl.constexpr, SLIDING: tl.constexpr,
     CASCADE: tl.constexpr, PSPLITS: tl.constexpr, PSPLITS_PAD: tl.constexpr, DIRECT: tl.constexpr,
     FP8: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, WIDEN: tl.constexpr, MASK_EVERY: tl.constexpr,
+    ARRIVE: tl.constexpr,
 ):
     partial_program(
         tl.program_id(0), tl.program_id(1), tl.program_id(2),
@@ -231,9 +232,9 @@ def _partial_kernel(
         stride_knb, stride_knh, stride_vnb, stride_vnh, stride_qb, stride_qh,
         stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_ab, stride_ah, stride_as, stride_lb, stride_lh, Out, stride_ob, stride_oh,
-        sm_scale, softcap, window, Shared, base, Scales, scale_v, Shared, 0,
+        sm_scale, softcap, window, Shared, base, Scales, scale_v, Arrivals, heads_total,
         GROUP, GROUP_PAD, HEAD_DIM, DIM_PAD, BLOCK, SPLITS, LOOP_WHILE, PRECISION, UPCAST, FUSED, CAPPED, SLIDING,
-        CASCADE, PSPLITS, PSPLITS_PAD, DIRECT, FP8, MERGE, PDL, WIDEN, False, MASK_EVERY,
+        CASCADE, PSPLITS, PSPLITS_PAD, DIRECT, FP8, MERGE, PDL, WIDEN, ARRIVE, MASK_EVERY,
     )
 
 
@@ -258,7 +259,7 @@ def partial_program(
 ):
     """The program of request ``b``, KV head ``kvh`` and split ``split`` of its own tokens
     (``MASK_EVERY``: every block of them masked in one loop, :mod:`kvvm.kernels.triton_fold`).
-    With ``ARRIVE`` (a cascade whose prefix pass runs in the same launch, one split), a
+    With ``ARRIVE`` (a cascade whose prefix pass runs in the same launch or beside it, one split), a
     request in a group writes its partial result as column 0 and arrives
     (:func:`arrive_and_merge`: the last of the row's programs merges it); one in no group
     writes its output."""
