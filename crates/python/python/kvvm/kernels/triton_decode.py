@@ -259,10 +259,10 @@ def run_partial(
     its columns itself, into ``out`` (no merge kernel after). With ``kv_scales`` (fp32 ``[2,
     kv_heads]``: each KV head's K and V scale), K and V are an FP8 cache's
     (:mod:`kvvm.kernels.fp8`): dequantized as they are read, the step's new token quantized
-    as it is written. With ``arrivals`` (a cascade's
-    int32 ``[batch, heads]`` counts, zero between launches; one split), the prefix pass runs
-    beside this launch, not before it: each program of a request in a group writes column 0
-    and counts it, and whichever program counts a row's last column merges the row
+    as it is written. With ``arrivals`` (a cascade's int32 ``[batch, heads]`` counts, zero
+    between launches; one split), the prefix pass runs beside this launch, not before it:
+    each program of a request in a group writes column 0 and counts it, and whichever
+    program counts a row's last column merges the row
     (:func:`~kvvm.kernels.triton_kernels.arrive_and_merge`)."""
     fused = new is not None
     cascade = shared is not None
