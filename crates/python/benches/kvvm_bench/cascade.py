@@ -135,6 +135,12 @@ def _floors(model: Any, args: argparse.Namespace, groups: int, bandwidth: float)
     }
 
 
+def _in_us(timings: dict[str, list[tuple[Any, float]]]) -> dict[str, list[list[Any]]]:
+    """A tuner's timings (configuration, ms) per shape as the report holds them: each
+    configuration in words beside its microseconds."""
+    return {k: [[str(c), round(ms * 1e3, 1)] for c, ms in t] for k, t in timings.items()}
+
+
 def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, groups: int) -> dict[str, Any]:
     """Both steps over ``groups`` distinct prefixes: tokens compared, then timed (CUDA)."""
     from kvvm.prefix import KvvmPrefix
@@ -182,10 +188,8 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, groups: int) -
             row["decode_configs"] = {k: str(v) for k, v in tuned_configs().items()}
             row["prefix_configs"] = {k: str(v) for k, v in tuned_prefix_configs().items()}
             # How far apart the tuners found their best candidates (us a call, timed alone).
-            row["decode_timings_us"] = {k: [[str(c), round(ms * 1e3, 1)] for c, ms in t] for k, t in tuned_timings().items()}
-            row["prefix_timings_us"] = {
-                k: [[str(c), round(ms * 1e3, 1)] for c, ms in t] for k, t in tuned_prefix_timings().items()
-            }
+            row["decode_timings_us"] = _in_us(tuned_timings())
+            row["prefix_timings_us"] = _in_us(tuned_prefix_timings())
             if args.profile:
                 for name, s, t in zip(("cascade", "plain"), steps, toks):
                     row[f"{name}_profile"] = kernel_breakdown(lambda s=s, t=t: s(t), steps=4)

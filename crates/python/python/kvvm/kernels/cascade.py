@@ -330,24 +330,27 @@ def run_beside(
     stream waits for the second before this returns, so nothing the passes use is freed or
     reused while either runs."""
     shared, _, _, prefix_splits, arrivals = tables
-    passes = [
-        lambda: run_prefix(query, key, value, tables, acc, lse, scale, c, pc, softcap, kv_scales, programs, out),
-        lambda: run_partial(
+
+    def private() -> None:
+        run_partial(
             query, key, value, bounds, scale, c, new, out, acc, lse, softcap=softcap, shared=shared,
             prefix_splits=prefix_splits, kv_scales=kv_scales, arrivals=arrivals,
-        ),
-    ]
-    if not pc.prefix_first:
-        passes.reverse()
+        )
+
+    def prefix() -> None:
+        run_prefix(query, key, value, tables, acc, lse, scale, c, pc, softcap, kv_scales, programs, out)
+
+    # Each pass and whether it runs on the second stream, in launch order.
+    launches = [(prefix, True), (private, False)] if pc.prefix_first else [(private, False), (prefix, True)]
     if not query.is_cuda:
-        for run in passes:
+        for run, _ in launches:
             run()
         return
     main = torch.cuda.current_stream(query.device)
     beside = second_stream(query.device)
     beside.wait_stream(main)
-    for run, stream in zip(passes, (beside, main) if pc.prefix_first else (main, beside)):
-        with torch.cuda.stream(stream):
+    for run, aside in launches:
+        with torch.cuda.stream(beside if aside else main):
             run()
     main.wait_stream(beside)
 
@@ -374,7 +377,7 @@ def run_prefix(
     pdl = programmatic(query.device) and out is None
     o = q if out is None else out[:, 0]
     _prefix_kernel[(programs,)](
-        q, k_from, v_from, groups, items, acc, lse, o, items if out is None else arrivals,
+        q, k_from, v_from, groups, items, acc, lse, o, arrivals,
         q.stride(0), q.stride(1),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
