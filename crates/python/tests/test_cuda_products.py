@@ -146,3 +146,19 @@ def test_cold_copies_hold_twice_the_l2_cache_or_one_a_repeat() -> None:
     assert all(torch.equal(c, small) for c in copies)
     big = torch.empty(2 * l2 // 2 + 1024, device="cuda", dtype=torch.bfloat16)
     assert len(tuning.cold_copies(big)) == 1 and tuning.cold_copies(big)[0] is big
+
+
+def test_a_cold_timing_replays_the_call_after_reading_twice_the_l2_cache() -> None:
+    """``graph_time(..., cold=True)``: the scrub buffer holds twice the L2 cache and is
+    zeroed; the call runs once eagerly, then in every captured repeat of the warm-up and the
+    two timed replays (the scrub's own graph does not run it); the time is never negative."""
+    from kvvm.kernels import tuning
+
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    scrub = tuning.scrub_buffer(0)
+    assert scrub.numel() * scrub.element_size() >= 2 * l2 - 4 and not scrub.any()
+    count = torch.zeros((), device="cuda", dtype=torch.int64)
+    ms = tuning.graph_time(lambda step: count.add_(step), 1, cold=True)
+    torch.cuda.synchronize()
+    assert ms >= 0.0
+    assert count.item() == 1 + 3 * tuning._REPEATS

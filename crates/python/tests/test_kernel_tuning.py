@@ -32,7 +32,8 @@ def timed(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     td = tuner_on(monkeypatch)
     calls: list[Any] = []
 
-    def fake_time(call: Any, config: Any) -> float:
+    def fake_time(call: Any, config: Any, *, cold: bool = False) -> float:
+        assert cold, "attention is timed with its K/V out of the L2 cache"
         calls.append(config)
         return float(config.splits)
 
@@ -99,7 +100,8 @@ def test_a_call_of_its_own_is_timed_and_kept_apart_from_the_plain_kernels(monkey
     td = tuner_on(monkeypatch)
     ran: list[tuple[str, Any]] = []
 
-    def fake_time(call: Any, config: Any) -> float:
+    def fake_time(call: Any, config: Any, *, cold: bool = False) -> float:
+        assert cold, "attention is timed with its K/V out of the L2 cache"
         call(config)
         # The cascade's call is fastest at 2 splits, the plain kernel at 1.
         return abs(config.splits - (2 if ran[-1][0] == "cascade" else 1)) + config.block / 1000
@@ -140,7 +142,8 @@ def test_the_prefix_pass_is_tuned_beside_the_private_pass_and_remembered(monkeyp
     timed: list[Any] = []
     fastest = cc.PrefixConfig(64, 4, 3)
 
-    def fake_time(call: Any, config: Any) -> float:
+    def fake_time(call: Any, config: Any, *, cold: bool = False) -> float:
+        assert cold, "the cascade is timed with its K/V out of the L2 cache"
         call(config)
         return 1.0 if config == fastest else 2.0
 

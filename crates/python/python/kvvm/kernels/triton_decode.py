@@ -123,7 +123,8 @@ def tuned_config(
 ) -> Config:
     """The fastest of a few configurations around :func:`choose_splits`' for this shape,
     measured once on these very inputs (each replayed in a captured graph, as the decode
-    step runs it) and remembered; the
+    step runs it, its K/V read from memory and not from the L2 cache:
+    :func:`~kvvm.kernels.tuning.graph_time`'s ``cold``) and remembered; the
     heuristic one while a graph is captured or a compiler traces (nothing may be timed
     then), inside :func:`~kvvm.kernels.tuning.untuned` (a call that runs once), in Triton's
     interpreter and without :data:`AUTOTUNE`.
@@ -165,7 +166,7 @@ def tuned_config(
     timings = []
     for c in sorted(candidates, key=lambda c: (c.splits, c.block, c.warps, c.stages, c.widen, c.masked)):
         try:
-            timings.append((graph_time(timed, c), c))
+            timings.append((graph_time(timed, c, cold=True), c))
         except TOO_BIG:
             continue  # more shared memory or registers than the device has
     chosen = min(timings, key=lambda t: t[0])[1]
