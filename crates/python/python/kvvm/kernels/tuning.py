@@ -103,7 +103,9 @@ def _replayed(body: Callable[[], object]) -> float:
 
 def scrub_buffer(device: int | torch.device) -> torch.Tensor:
     """A zeroed fp32 buffer of twice the L2 cache of CUDA device ``device``, read between
-    :func:`graph_time`'s cold repeats (made anew for each timing: nothing of it is held)."""
+    :func:`graph_time`'s cold repeats; made anew for each timing and dropped after it (its
+    bytes stay in torch's caching allocator for the process's later tensors, as the timed
+    call's own allocations do)."""
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     return torch.zeros(max(1, 2 * l2 // 4), dtype=torch.float32, device=device)
 
