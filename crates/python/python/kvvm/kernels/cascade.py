@@ -300,11 +300,10 @@ def cascade_attention(
     if kv_scales is not None:
         kv_scales = kv_scales.to(torch.float32).contiguous()
     out, acc, lse = buffers(query, c.splits + prefix_splits)
-    if pc.together:
-        run_together(query, key, value, bounds, tables, scale, c, pc, new, out, acc, lse, softcap, kv_scales, programs)
-        return out
-    if pc.concurrent:
-        run_beside(query, key, value, bounds, tables, scale, c, pc, new, out, acc, lse, softcap, kv_scales, programs)
+    if counted:
+        # Each column counted as it is written: both passes in one launch, or side by side.
+        counting = run_together if pc.together else run_beside
+        counting(query, key, value, bounds, tables, scale, c, pc, new, out, acc, lse, softcap, kv_scales, programs)
         return out
     run_prefix(query, key, value, tables, acc, lse, scale, c, pc, softcap, kv_scales, programs)
     # With one private program per request and KV head, that program merges the prefix's
