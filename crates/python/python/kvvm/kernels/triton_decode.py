@@ -152,12 +152,15 @@ def tuned_config(
     # with the others' (one memory round trip less for a range of few blocks, a comparison
     # more a block; measured on an H100 with every fold masked, a cascade's private pass of
     # 256 tokens a request took 1.13 ms a step in 64-token blocks, 1.47 unmasked in 128).
+    # V widened by the kernel's own conversion only where the kernel widens (a 16-bit query
+    # on a GPU): elsewhere such a configuration runs as the one without.
     fp8 = _SHAPES_FP8 if key.element_size() == 1 else ()
+    widened = fp8 if widens(query.dtype, kv_scales) else ()
     for s in sorted({1, 2, max(1, splits // 2), splits, min(64, splits * 2)}):
         for masked in (False, True):
             for block, warps, stages in _SHAPES + fp8:
                 candidates.add(Config(s, block, warps, stages, masked=masked))
-            for block, warps, stages in fp8:
+            for block, warps, stages in widened:
                 candidates.add(Config(s, block, warps, stages, widen=True, masked=masked))
     if timed is None:
         def timed(c: Config) -> torch.Tensor:
