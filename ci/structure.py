@@ -23,7 +23,7 @@ empty and gone).
 Then the Python sources (`ci/structure_python.py`, the same rules in Python's terms: no
 module over 500 lines, no function over 80 lines, no import cycle between modules or between
 the subpackages of a package, in the `kvvm` package, its benchmarks and, for the length, its
-tests), with no allow-list either.
+tests; and every public item of the package documented), with no allow-list either.
 
 Exits 1 with the problems listed.
 """

@@ -13,6 +13,11 @@
      package itself is one, so two subpackages never import each other both ways, even
      through different modules.
 
+4. every public item of the package (`crates/python/python`) documented: each module, each
+   module-level function and class whose name does not start with `_`, and each such method
+   of such a class (a Protocol's stub, whose body is `...`, a property's setter and an
+   `@overload` need none: the item they stand for carries it).
+
 An import of a parent package that Python runs implicitly (`kvvm.transformers` runs
 `kvvm/__init__.py` first) is not an edge: only what a module names is. There is no allow-list.
 """
@@ -131,6 +136,30 @@ def unit_cycles(edges, packages):
     return found
 
 
+def _exempt(fn):
+    """Whether a function needs no docstring of its own (rule 4)."""
+    stub = len(fn.body) == 1 and isinstance(fn.body[0], ast.Expr) and getattr(fn.body[0].value, "value", None) is Ellipsis
+    marks = {ast.unparse(d) for d in fn.decorator_list}
+    return stub or "overload" in marks or "typing.overload" in marks or any(m.endswith(".setter") for m in marks)
+
+
+def undocumented(tree):
+    """`(line, name)` of every public item of a module without a docstring (rule 4): the
+    module (line 1), its public functions and classes, their public methods."""
+    found = [] if ast.get_docstring(tree) else [(1, "the module")]
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
+            continue
+        if not ast.get_docstring(node) and (isinstance(node, ast.ClassDef) or not _exempt(node)):
+            found.append((node.lineno, node.name))
+        if isinstance(node, ast.ClassDef):
+            for fn in node.body:
+                if (isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and not fn.name.startswith("_")
+                        and not ast.get_docstring(fn) and not _exempt(fn)):
+                    found.append((fn.lineno, f"{node.name}.{fn.name}"))
+    return found
+
+
 def check_root(repo, root, library):
     problems = []
     mods = modules_under(os.path.join(repo, root))
@@ -151,6 +180,10 @@ def check_root(repo, root, library):
                 if length > MAX_FN_LINES:
                     problems.append(f"{rel[m]}:{node.lineno}: def {node.name} is {length} lines "
                                     f"(over {MAX_FN_LINES})")
+    if root == "crates/python/python":
+        for m, tree in trees.items():
+            for line, name in undocumented(tree):
+                problems.append(f"{rel[m]}:{line}: {name} has no docstring")
     edges = {m: imported(m, mods[m], trees[m], mods) for m in mods}
     for comp in cycles(edges):
         problems.append(f"{root}: import cycle between modules {' <-> '.join(comp)}")

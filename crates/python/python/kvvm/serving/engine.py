@@ -39,9 +39,7 @@ Served from other threads (``docs/engine.md``, streaming): ``engine.start()`` st
 thread of its own; ``submit`` from any thread, read a request with ``engine.stream(r)`` (a
 blocking iterator), ``engine.astream(r)`` (an async one) or an ``on_output`` callback, and
 ``engine.cancel(r)`` gives its slot and memory back at once. Each request samples with its
-own :class:`~kvvm.serving.params.SamplingParams`.
-
-Requires torch and transformers.
+own :class:`~kvvm.serving.params.SamplingParams`. Requires torch and transformers.
 """
 
 from __future__ import annotations
@@ -283,10 +281,12 @@ class Engine(EngineControl):
 
     @property
     def prefill_chunk(self) -> int:
+        """Prompt tokens a request prefills at most in one step (the scheduler's)."""
         return self.scheduler.prefill_chunk
 
     @property
     def prefill_batch_tokens(self) -> int:
+        """Prompt tokens one step prefills at most over all its requests (the scheduler's)."""
         return self.scheduler.prefill_batch_tokens
 
     @property

@@ -56,14 +56,19 @@ class Histogram:
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
+        """Counts ``value`` in the first bucket whose bound it does not exceed (past the
+        last bound: the ``+Inf`` bucket) and adds it to the sum."""
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
 
     @property
     def count(self) -> int:
+        """Values observed so far."""
         return sum(self.counts)
 
     def render(self, name: str, help_text: str) -> str:
+        """The histogram in Prometheus's text format under ``name``: its help and type lines,
+        a cumulative ``_bucket`` line a bound (``+Inf`` last), ``_sum`` and ``_count``."""
         lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
         total = 0
         for bound, n in zip(self.buckets, self.counts, strict=False):
@@ -89,6 +94,7 @@ class EngineMetrics:
         self.e2e = Histogram(E2E_BUCKETS)
 
     def on_submit(self, prompt_tokens: int) -> None:
+        """Records a request submitted with ``prompt_tokens`` tokens of prompt."""
         with self._lock:
             self.submitted += 1
             self.prompt_tokens += prompt_tokens

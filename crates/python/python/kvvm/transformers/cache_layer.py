@@ -57,6 +57,7 @@ class StepQuery:
         self._cache = cache
 
     def kvvm_mask(self, q: int, padding_mask: Any, batch: Any = None) -> Any:
+        """The step's mask for ``q`` query tokens, as the cache makes it (its ``step_mask``)."""
         return self._cache.step_mask(q, padding_mask, batch)
 
 
@@ -138,18 +139,23 @@ class KvvmLayer(CacheLayerMixin):
             self._cache.reset_counts()
 
     def offload(self) -> None:  # pragma: no cover - a method transformers may call
+        """Refused: a :class:`KvvmCache` keeps its K/V on its device."""
         raise NotImplementedError("KvvmCache keeps K/V on its device (no offloading)")
 
     def prefetch(self) -> None:  # pragma: no cover
+        """Nothing to fetch: the K/V never leave the device (see :meth:`offload`)."""
         return None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Refused: a :class:`KvvmCache` does not reorder its slots (no beam search)."""
         raise NotImplementedError("KvvmCache does not reorder slots (no beam search)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Refused: make the cache with a slot a request and beam instead."""
         raise NotImplementedError(
             "KvvmCache does not repeat slots: make it with batch_size = requests x beams"
         )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Refused: a :class:`KvvmCache` does not select slots."""
         raise NotImplementedError("KvvmCache does not select slots")

@@ -44,9 +44,11 @@ class TunedLinear(nn.Module):
         self.bias = original.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T + bias`` through ``kvvm::linear`` (the tuned skinny product)."""
         return torch.ops.kvvm.linear(x, self.weight, self.bias)  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
+        """The layer's sizes and whether it has a bias, as ``nn.Linear`` shows them."""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 

@@ -81,6 +81,7 @@ class _Part(nn.Module):
         self.bias = original.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This projection's columns ``[lo, hi)`` of its group's fused product of ``x``."""
         return self.group[0].product(x, self.part)[..., self.lo : self.hi]
 
 

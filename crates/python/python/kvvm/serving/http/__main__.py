@@ -99,6 +99,9 @@ def _loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The server's command line (``python -m kvvm.serving.http``): parses ``argv``, refuses
+    to listen beyond the loopback without API keys (exit status 2) unless told to, loads the
+    model and serves until interrupted; returns the exit status."""
     args = _parser().parse_args(argv)
     keys = bool(args.api_key or args.operator_key or os.environ.get("KVVM_API_KEYS") or os.environ.get("KVVM_OPERATOR_KEYS"))
     if not _loopback(args.host) and not keys and not args.allow_unauthenticated:

@@ -41,6 +41,7 @@ class ApiError(Exception):
         self.retry_after = retry_after
 
     def body(self) -> dict[str, object]:
+        """The error as OpenAI's API writes one: ``{"error": {message, type, param, code}}``."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 

@@ -54,6 +54,8 @@ class BackgroundServer:
         return f"http://{host}:{self.port}"
 
     def start(self) -> BackgroundServer:
+        """Serves on a daemon thread and returns once the server accepts connections (raises
+        ``RuntimeError`` if it stopped or did not start within ``start_timeout``)."""
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                         name="kvvm-http", daemon=True)
         self._thread.start()
@@ -65,6 +67,8 @@ class BackgroundServer:
         return self
 
     def stop(self) -> None:
+        """Asks the server to exit, waits for its thread (30 s at most) and closes the
+        socket; nothing if it is not running."""
         if self._thread is None:
             return
         self.server.should_exit = True
