@@ -228,43 +228,27 @@ def test_the_engines_prefill_forwards_run_untuned() -> None:
     assert model.allowed == [False] and tuning_allowed()
 
 
-def test_an_fp8_cache_is_tuned_over_its_blocks_with_v_widened_both_ways(timed: list[Any]) -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_an_fp8_cache_is_tuned_over_its_blocks_with_v_widened_both_ways(timed: list[Any], dtype: str) -> None:
     """Over an FP8 cache the tuner times each of its FP8 shapes at each split count with V
-    widened by the kernel's own conversion and without; over a bf16 cache, neither."""
+    widened by the kernel's own conversion and without, for a 16-bit query; an fp32 query's
+    kernel widens nothing (such a configuration would run as the one without: timed twice);
+    over a bf16 cache, neither."""
     import kvvm.kernels.triton_decode as td
 
     q, kv, bounds = _inputs()
     kv8 = kv.to(torch.float8_e4m3fn)
-    td.tuned_config(q.bfloat16(), kv8, kv8, bounds, 0.125, 132, kv_scales=torch.ones(2, 2))
+    q = q.to(getattr(torch, dtype))
+    td.tuned_config(q, kv8, kv8, bounds, 0.125, 132, kv_scales=torch.ones(2, 2))
     splits = {c.splits for c in timed}
+    widened = dtype != "float32"
     for block, warps, stages in td._SHAPES_FP8:
         for s in splits:
             assert td.Config(s, block, warps, stages) in timed
-            assert td.Config(s, block, warps, stages, widen=True) in timed
+            assert (td.Config(s, block, warps, stages, widen=True) in timed) == widened
+    assert len(timed) == len(set(timed)), "no configuration timed twice"
     timed.clear()
-    td.tuned_config(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), bounds, 0.125, 132)
+    td.tuned_config(q, kv.to(q.dtype), kv.to(q.dtype), bounds, 0.125, 132)
     assert timed and not any(c.widen for c in timed)
     assert not any((c.block, c.warps, c.stages) in td._SHAPES_FP8 for c in timed)
 
-
-@pytest.mark.parametrize(("dtype", "widened"), [("bfloat16", True), ("float16", True), ("float32", False)])
-def test_v_widened_by_the_kernel_is_timed_only_where_the_kernel_widens(
-    timed: list[Any], dtype: str, widened: bool,
-) -> None:
-    """Over an FP8 cache the tuner times the FP8 shapes with V widened by the kernel's own
-    conversion beside the compiler's, for a 16-bit query; an fp32 query's kernel widens
-    nothing, so such a configuration would be timed twice as the same kernel."""
-    import kvvm.kernels.triton_decode as td
-
-    q = torch.zeros(3, 8, 1, 64, dtype=getattr(torch, dtype))
-    kv = torch.zeros(4, 2, 700, 64, dtype=torch.float8_e4m3fn)
-    bounds = torch.zeros(3, 3, dtype=torch.int32)
-    td.tuned_config(q, kv, kv, bounds, 0.125, 132, kv_scales=torch.ones(2, 2))
-    shapes = {(c.block, c.warps, c.stages) for c in timed}
-    assert set(td._SHAPES_FP8) <= shapes, "the FP8 shapes are timed over an FP8 cache"
-    assert any(c.widen for c in timed) == widened
-    assert len(timed) == len(set(timed)), "no configuration timed twice"
-    bf16 = torch.zeros(4, 2, 700, 64, dtype=torch.bfloat16)
-    timed.clear()
-    td.tuned_config(q, bf16, bf16, bounds, 0.125, 132)
-    assert timed and not any(c.widen for c in timed), "a 16-bit cache is never widened"
