@@ -17,6 +17,7 @@ import torch
 import uvicorn
 
 from ... import Manager
+from ...kernels.fp8 import KV_DTYPES
 from ..engine import Engine
 from .app import OpenAIServer, ServerConfig
 from ..load import RANDOM_CONFIGS, load_model
@@ -61,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--fuse-projections", action="store_true")
     p.add_argument("--tuned-products", action="store_true",
                    help="the decode step's products by cuBLAS or kvvm's kernel, whichever is measured faster")
+    p.add_argument("--programmatic-launches", action="store_true",
+                   help="capture the decode step with its kernels launched as programmatic dependents (Hopper on)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, help="hold K/V in FP8 (per-KV-head scales): half the bytes of bf16")
+    p.add_argument("--host-tier-bytes", type=int, default=0,
+                   help="page-locked host memory a preempted request is swapped to (0: recomputed instead)")
+    p.add_argument("--cascade", action="store_true",
+                   help="with the prefix cache, read a prefix shared by several requests once per decode step")
     p.add_argument("--no-warmup", action="store_true", help="skip the engine's warm-up (capture) at start")
     p.add_argument("--threads", type=int, help="torch's CPU threads")
     p.add_argument("--api-key", action="append", default=[], help="a tenant key, KEY or NAME:KEY (repeatable; also KVVM_API_KEYS)")
@@ -79,10 +87,14 @@ def build(args: argparse.Namespace) -> tuple[Engine, OpenAIServer]:
     model, tok, name = load_model(args.model, gguf_file=args.gguf_file, random_config=args.random_config,
                                   device=args.device, dtype=DTYPES[args.dtype] if args.dtype else None)
     backend = args.backend or ("cuda" if args.device == "cuda" else "host")
-    manager = Manager(backend, budget_bytes=args.budget_bytes, precommit=True)
+    # The host tier's bytes are the host's budget, as the engine's own manager would hold them.
+    manager = Manager(backend, budget_bytes=args.budget_bytes, precommit=True,
+                      host_budget_bytes=args.host_tier_bytes or None)
     engine = Engine(model, slots=args.slots, max_len=args.max_len, manager=manager, prefill_chunk=args.prefill_chunk,
                     prefix_cache_bytes=args.prefix_cache_bytes, fuse_projections=args.fuse_projections,
-                    tuned_products=args.tuned_products, tokenizer=tok, max_waiting=args.max_waiting, compile=args.device == "cuda")
+                    tuned_products=args.tuned_products, programmatic_launches=args.programmatic_launches,
+                    kv_dtype=args.kv_dtype, host_tier_bytes=args.host_tier_bytes, cascade=args.cascade, tokenizer=tok,
+                    max_waiting=args.max_waiting, compile=args.device == "cuda")
     if not args.no_warmup and args.device == "cuda":
         engine.warmup(prompt_tokens=min(512, args.max_len // 2))
     config = ServerConfig(model_name=args.served_model_name or name, api_keys=parse_keys(args.api_key, "KVVM_API_KEYS"),
