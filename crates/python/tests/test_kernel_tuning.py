@@ -251,4 +251,3 @@ def test_an_fp8_cache_is_tuned_over_its_blocks_with_v_widened_both_ways(timed: l
     td.tuned_config(q, kv.to(q.dtype), kv.to(q.dtype), bounds, 0.125, 132)
     assert timed and not any(c.widen for c in timed)
     assert not any((c.block, c.warps, c.stages) in td._SHAPES_FP8 for c in timed)
-

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import uvicorn
 
-from ... import Manager
 from ...kernels.fp8 import KV_DTYPES
 from ..engine import Engine
 from .app import OpenAIServer, ServerConfig
@@ -26,6 +25,9 @@ from .run import bind
 __all__ = ["main", "parse_keys"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: Tokens of headroom a request's growth keeps (``Manager``'s default; the engine's is 4).
+_HEADROOM_TOKENS = 64
 
 
 def parse_keys(values: list[str], env: str) -> dict[str, str]:
@@ -87,10 +89,10 @@ def build(args: argparse.Namespace) -> tuple[Engine, OpenAIServer]:
     model, tok, name = load_model(args.model, gguf_file=args.gguf_file, random_config=args.random_config,
                                   device=args.device, dtype=DTYPES[args.dtype] if args.dtype else None)
     backend = args.backend or ("cuda" if args.device == "cuda" else "host")
-    # The host tier's bytes are the host's budget, as the engine's own manager would hold them.
-    manager = Manager(backend, budget_bytes=args.budget_bytes, precommit=True,
-                      host_budget_bytes=args.host_tier_bytes or None)
-    engine = Engine(model, slots=args.slots, max_len=args.max_len, manager=manager, prefill_chunk=args.prefill_chunk,
+    # The engine makes the manager (the host tier's bytes its host budget); the server keeps
+    # the headroom a manager has by default.
+    engine = Engine(model, slots=args.slots, max_len=args.max_len, backend=backend, budget_bytes=args.budget_bytes,
+                    headroom_tokens=_HEADROOM_TOKENS, prefill_chunk=args.prefill_chunk,
                     prefix_cache_bytes=args.prefix_cache_bytes, fuse_projections=args.fuse_projections,
                     tuned_products=args.tuned_products, programmatic_launches=args.programmatic_launches,
                     kv_dtype=args.kv_dtype, host_tier_bytes=args.host_tier_bytes, cascade=args.cascade, tokenizer=tok,
