@@ -31,6 +31,23 @@ def test_the_engines_features_are_the_flags() -> None:
         assert engine.manager.host_snapshot().budget == 16 << 20, "its bytes the host's budget"
         assert engine.cache.cascade and engine.prefix_cache is not None
         assert engine.runner.programmatic_launches
+        assert engine.swapper.mode == "auto" and engine.kv.host_level, "evicted prefixes kept on the host"
+    finally:
+        engine.close()
+
+
+def test_the_swap_mode_and_the_prefix_host_level_are_the_flags() -> None:
+    """``--swap`` reaches the swapper; ``--no-prefix-host`` keeps evicted prefixes off the host
+    tier (the tier still swaps); ``--prefill-batch-tokens`` reaches the scheduler."""
+    args = _parser().parse_args(
+        [*_BASE, "--host-tier-bytes", str(16 << 20), "--swap", "always", "--no-prefix-host",
+         "--prefill-batch-tokens", "96"]
+    )
+    engine, _ = build(args)
+    try:
+        assert engine.swapper is not None and engine.swapper.mode == "always"
+        assert not engine.kv.host_level
+        assert engine.scheduler.prefill_batch_tokens == 96
     finally:
         engine.close()
 
@@ -40,10 +57,13 @@ def test_without_the_flags_the_engine_has_none_of_them() -> None:
     try:
         assert engine.cache.kv_scales is None and engine.swapper is None
         assert not engine.cache.cascade and not engine.runner.programmatic_launches
+        assert not engine.kv.host_level
     finally:
         engine.close()
 
 
-def test_an_unknown_kv_dtype_is_refused_by_the_parser() -> None:
+def test_an_unknown_kv_dtype_or_swap_mode_is_refused_by_the_parser() -> None:
     with pytest.raises(SystemExit):
         _parser().parse_args([*_BASE, "--kv-dtype", "int4"])
+    with pytest.raises(SystemExit):
+        _parser().parse_args([*_BASE, "--swap", "sometimes"])

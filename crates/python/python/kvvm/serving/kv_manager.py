@@ -223,6 +223,11 @@ class KvManager:
         ms = (time.perf_counter() - began) * 1000
         return int(info["hit_tokens"]), int(info["host_hit_tokens"]), ms, int(info["hit_origin"])
 
+    @property
+    def host_level(self) -> bool:
+        """Whether the prefix cache has a host level (:meth:`attach_host_level`)."""
+        return self._host_min_tokens is not None
+
     def attach_host_level(self, tier: HostTier, min_tokens: Callable[[], int | None]) -> None:
         """Gives the prefix cache a host level over ``tier``: an evicted prefix is copied
         there, and ``min_tokens()`` says at each admission the fewest tokens a hit there must

@@ -20,6 +20,7 @@ from ...kernels.fp8 import KV_DTYPES
 from ..engine import Engine
 from .app import OpenAIServer, ServerConfig
 from ..load import RANDOM_CONFIGS, load_model
+from ..swap import SWAP_MODES
 from .run import bind
 
 __all__ = ["main", "parse_keys"]
@@ -60,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=2048, help="the context: prompt + generated tokens")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued at most; past it 429")
     p.add_argument("--prefix-cache-bytes", type=int, default=256 << 20, help="0: no prefix cache")
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens prefilled per request and step")
+    p.add_argument("--prefill-batch-tokens", type=int, default=8192, help="prompt tokens prefilled per step in all")
     p.add_argument("--fuse-projections", action="store_true")
     p.add_argument("--tuned-products", action="store_true",
                    help="the decode step's products by cuBLAS or kvvm's kernel, whichever is measured faster")
@@ -69,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, help="hold K/V in FP8 (per-KV-head scales): half the bytes of bf16")
     p.add_argument("--host-tier-bytes", type=int, default=0,
                    help="page-locked host memory a preempted request is swapped to (0: recomputed instead)")
+    p.add_argument("--swap", choices=SWAP_MODES, default="auto",
+                   help="with --host-tier-bytes: when a preempted request is swapped rather than computed again")
+    p.add_argument("--no-prefix-host", action="store_true",
+                   help="with the host tier and the prefix cache: forget evicted prefixes instead of keeping them there")
     p.add_argument("--cascade", action="store_true",
                    help="with the prefix cache, read a prefix shared by several requests once per decode step")
     p.add_argument("--no-warmup", action="store_true", help="skip the engine's warm-up (capture) at start")
@@ -95,7 +101,9 @@ def build(args: argparse.Namespace) -> tuple[Engine, OpenAIServer]:
                     headroom_tokens=_HEADROOM_TOKENS, prefill_chunk=args.prefill_chunk,
                     prefix_cache_bytes=args.prefix_cache_bytes, fuse_projections=args.fuse_projections,
                     tuned_products=args.tuned_products, programmatic_launches=args.programmatic_launches,
-                    kv_dtype=args.kv_dtype, host_tier_bytes=args.host_tier_bytes, cascade=args.cascade, tokenizer=tok,
+                    kv_dtype=args.kv_dtype, host_tier_bytes=args.host_tier_bytes, swap=args.swap,
+                    prefix_host=not args.no_prefix_host, prefill_batch_tokens=args.prefill_batch_tokens,
+                    cascade=args.cascade, tokenizer=tok,
                     max_waiting=args.max_waiting, compile=args.device == "cuda")
     if not args.no_warmup and args.device == "cuda":
         engine.warmup(prompt_tokens=min(512, args.max_len // 2))
