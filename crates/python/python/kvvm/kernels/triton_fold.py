@@ -10,6 +10,9 @@ it; or (``MASK_EVERY``) every block in that loop, each masked to the range: the 
 last block then leave with the others' instead of after them, a memory round trip saved for a
 range of a few blocks (a cascade's private tokens), a comparison a row added to every block.
 
+The softmax runs in base 2 over the unscaled products (:func:`fold_tokens`): one
+multiply-add and one ``ex2`` a score, where the natural exponent costs a multiply more.
+
 ``WIDEN`` (an FP8 cache read by a 16-bit query, on a GPU): V's e4m3 codes are widened to fp16
 by inline PTX, four at a time, as they come from shared memory in rows. The compiler's own
 conversion is moved past the change to the product's operand layout, where each thread holds
@@ -25,6 +28,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+"""``log2(e)``: a natural exponent times it is the base-2 one."""
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+"""``ln(2)``: a base-2 exponent times it is the natural one."""
 
 
 @triton.jit
@@ -50,12 +58,13 @@ def _widen(x, dtype, WIDEN: tl.constexpr):
 
 @triton.jit
 def _block(
-    q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap,
+    q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap, scale2,
     BLOCK: tl.constexpr, PRECISION: tl.constexpr, CAPPED: tl.constexpr, UPCAST: tl.constexpr,
     MASKED: tl.constexpr, WIDEN: tl.constexpr,
 ):
     """One block of tokens ``t..t+BLOCK`` (those below ``hi`` when ``MASKED``; all of them
-    otherwise) folded into the running softmax: returns the new ``(max, sum, accumulator)``."""
+    otherwise) folded into the running softmax: returns the new ``(max, sum, accumulator)``,
+    the max in the scores' units (see :func:`fold_tokens`)."""
     offs_n = t + tl.arange(0, BLOCK)
     n_mask = offs_n < hi
     rows = offs_n.to(tl.int64)
@@ -68,14 +77,15 @@ def _block(
         # to fp32 there (on a GPU the tensor cores take bf16 as it is).
         q = q.to(tl.float32)
         k = k.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if CAPPED:
-        qk = _cap(qk, softcap)
+        qk = _cap(qk * sm_scale, softcap) * LOG2E
     if MASKED:
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(qk - m_new[:, None])
+    # One multiply-add and one base-2 exponential a score.
+    alpha = tl.exp2((m_i - m_new) * scale2)
+    p = tl.exp2(qk * scale2 - (m_new * scale2)[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
     v = _widen(v, q.dtype, WIDEN)
@@ -97,7 +107,16 @@ def fold_tokens(
     """The running softmax of ``ROWS`` query rows (``q``: ``[ROWS, DIM_PAD]``) over the tokens
     ``[lo, hi)`` of one KV head, ``BLOCK`` at a time: every whole block unmasked, then the
     partial one (if any) masked; with ``MASK_EVERY``, every block masked in one loop (see the
-    module). Returns its ``(max, sum, accumulator)``."""
+    module). Returns its ``(max, sum, accumulator)``, the max in the natural exponent's units
+    (a score ``sm_scale * q.k``, capped when ``CAPPED``).
+
+    Inside, the softmax runs in base 2 over the unscaled products (the scale is positive, so
+    it commutes with the max): a score's exponential is one multiply-add and one ``ex2``,
+    ``2^(qk * scale2 - max * scale2)``, where ``scale2`` is ``sm_scale * log2(e)`` (a capped
+    score is scaled and capped first, then taken to base 2, and ``scale2`` is 1)."""
+    scale2 = sm_scale * LOG2E
+    if CAPPED:
+        scale2 = 1.0
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], dtype=tl.float32)
@@ -108,20 +127,24 @@ def fold_tokens(
         t = lo
         while t < full:
             m_i, l_i, acc = _block(
-                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap,
+                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap, scale2,
                 BLOCK, PRECISION, CAPPED, UPCAST, MASK_EVERY, WIDEN,
             )
             t += BLOCK
     else:
         for t in range(lo, full, BLOCK):
             m_i, l_i, acc = _block(
-                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap,
+                q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap, scale2,
                 BLOCK, PRECISION, CAPPED, UPCAST, MASK_EVERY, WIDEN,
             )
     if not MASK_EVERY:
         if full < hi:
             m_i, l_i, acc = _block(
-                q, k_base, v_base, full, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap,
+                q, k_base, v_base, full, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap, scale2,
                 BLOCK, PRECISION, CAPPED, UPCAST, True, WIDEN,
             )
+    if CAPPED:
+        m_i = m_i * LN2
+    else:
+        m_i = m_i * sm_scale
     return m_i, l_i, acc
