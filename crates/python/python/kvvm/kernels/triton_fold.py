@@ -57,6 +57,53 @@ def _widen(x, dtype, WIDEN: tl.constexpr):
 
 
 @triton.jit
+def score_scale(sm_scale, CAPPED: tl.constexpr):
+    """What :func:`fold_scores` multiplies :func:`scores` by for their base-2 exponents:
+    ``sm_scale * log2(e)``, or 1 where the scores are capped (already scaled and in base 2)."""
+    scale2 = sm_scale * LOG2E
+    if CAPPED:
+        scale2 = 1.0
+    return scale2
+
+
+@triton.jit
+def scores(qk, sm_scale, softcap, CAPPED: tl.constexpr):
+    """A block's products ``q.k`` as the running softmax takes them: as they are (the scale
+    is positive, so it commutes with the max and :func:`fold_scores` applies it with the
+    exponent's multiply-add), or, capped, scaled, capped and taken to base 2."""
+    if CAPPED:
+        qk = _cap(qk * sm_scale, softcap) * LOG2E
+    return qk
+
+
+@triton.jit
+def fold_scores(qk, m_i, l_i, scale2, SAFE: tl.constexpr):
+    """One block of :func:`scores` (masked ones ``-inf``) into the running max ``m_i`` (in
+    the scores' units) and sum ``l_i``: returns the new max and sum, the factor the
+    accumulator is rescaled by and the block's weights, each one multiply-add and one
+    ``ex2`` a score. ``SAFE``: a row whose every score so far is masked stays at ``-inf``,
+    its weights 0 (not NaN)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = m_new
+    if SAFE:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2((m_i - m_ref) * scale2)
+    p = tl.exp2(qk * scale2 - (m_ref * scale2)[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
+def natural_max(m_i, sm_scale, CAPPED: tl.constexpr):
+    """A running max of :func:`scores` in the natural exponent's units (a score
+    ``sm_scale * q.k``, capped when ``CAPPED``)."""
+    if CAPPED:
+        m_i = m_i * LN2
+    else:
+        m_i = m_i * sm_scale
+    return m_i
+
+
+@triton.jit
 def _block(
     q, k_base, v_base, t, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap, scale2,
     BLOCK: tl.constexpr, PRECISION: tl.constexpr, CAPPED: tl.constexpr, UPCAST: tl.constexpr,
@@ -77,16 +124,10 @@ def _block(
         # to fp32 there (on a GPU the tensor cores take bf16 as it is).
         q = q.to(tl.float32)
         k = k.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if CAPPED:
-        qk = _cap(qk * sm_scale, softcap) * LOG2E
+    qk = scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), sm_scale, softcap, CAPPED)
     if MASKED:
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # One multiply-add and one base-2 exponential a score.
-    alpha = tl.exp2((m_i - m_new) * scale2)
-    p = tl.exp2(qk * scale2 - (m_new * scale2)[:, None])
-    l_new = l_i * alpha + tl.sum(p, 1)
+    m_new, l_new, alpha, p = fold_scores(qk, m_i, l_i, scale2, False)
     v = tl.load(v_base + rows[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
     v = _widen(v, q.dtype, WIDEN)
     p = p.to(v.dtype)
@@ -114,9 +155,7 @@ def fold_tokens(
     it commutes with the max): a score's exponential is one multiply-add and one ``ex2``,
     ``2^(qk * scale2 - max * scale2)``, where ``scale2`` is ``sm_scale * log2(e)`` (a capped
     score is scaled and capped first, then taken to base 2, and ``scale2`` is 1)."""
-    scale2 = sm_scale * LOG2E
-    if CAPPED:
-        scale2 = 1.0
+    scale2 = score_scale(sm_scale, CAPPED)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], dtype=tl.float32)
@@ -143,8 +182,4 @@ def fold_tokens(
                 q, k_base, v_base, full, hi, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap, scale2,
                 BLOCK, PRECISION, CAPPED, UPCAST, True, WIDEN,
             )
-    if CAPPED:
-        m_i = m_i * LN2
-    else:
-        m_i = m_i * sm_scale
-    return m_i, l_i, acc
+    return natural_max(m_i, sm_scale, CAPPED), l_i, acc

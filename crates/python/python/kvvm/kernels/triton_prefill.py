@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .triton_decode import _INTERPRETED, _pow2_at_least, from_last_slot, precision, upcast
-from .triton_fold import _cap
+from .triton_fold import fold_scores, score_scale, scores
 from .triton_kernels import _request, kv_scales, product_query
 
 __all__ = ["prefill_attention"]
@@ -48,19 +48,13 @@ def _prefill_block(
         q = q.to(tl.float32)
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * sm_scale
-    if CAPPED:
-        qk = _cap(qk, softcap)
+    qk = scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), sm_scale, softcap, CAPPED)
     seen = n_mask[None, :] & (offs_n[None, :] <= pos[:, None])
     if SLIDING:
         seen = seen & (offs_n[None, :] > pos[:, None] - window)
     qk = tl.where(seen, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
     # A row that has seen nothing yet stays at -inf: its terms are 0, not NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(qk - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, l_i, alpha, p = fold_scores(qk, m_i, l_i, score_scale(sm_scale, CAPPED), True)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
