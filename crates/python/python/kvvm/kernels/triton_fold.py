@@ -1,6 +1,8 @@
 """The running softmax of one KV head's tokens, a block at a time (:func:`fold_tokens`): the
 loop at the heart of the decode kernels (:mod:`kvvm.kernels.triton_kernels`) and the cascade's
-prefix pass (:mod:`kvvm.kernels.cascade`).
+prefix pass (:mod:`kvvm.kernels.cascade`); its update of one block's scores
+(:func:`scores`, :func:`fold_scores`) is the prefill kernel's too
+(:mod:`kvvm.kernels.triton_prefill`).
 
 A program folds ``ROWS`` query rows (the query heads sharing the KV head, padded to the 16
 rows a tensor-core product takes) over the tokens ``[lo, hi)``: each block is one product
