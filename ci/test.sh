@@ -257,6 +257,20 @@ if [ "$pystatus" -ne 0 ]; then
   exit "$pystatus"
 fi
 
+echo "== the CUDA backend's probe PTX assembled for sm_70 and sm_90 by the ptxas of Triton's wheel"
+# No CUDA toolkit here: the workspace run above skipped this test ("skipped: no ptxas"); the
+# Python environment's Triton ships a ptxas, so it runs for real now (its own log, not counted
+# in the totals below, which counted it skipped).
+ptxas=$("$OUT/pyenv/bin/python" -c 'import pathlib, triton; print(pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/ptxas")')
+KVVM_PTXAS="$ptxas" cargo test -q -p kvvm-cuda --test ptx -- --show-output > "$OUT/ptx.log" 2>&1 \
+  || { cat "$OUT/ptx.log" >&2; echo "the probe PTX did not assemble" >&2; exit 1; }
+if grep -q "skipped:" "$OUT/ptx.log" || ! grep -q "1 passed" "$OUT/ptx.log"; then
+  cat "$OUT/ptx.log" >&2
+  echo "the probe PTX test did not run with $ptxas" >&2
+  exit 1
+fi
+echo "probe PTX: assembled by $ptxas"
+
 # The closing line CI reads: the workspace and Python test totals. A test that passed but
 # printed a "skipped: ..." line (a GPU test on a machine without the GPU) counts as skipped.
 python3 - <<'PY'
