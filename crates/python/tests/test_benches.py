@@ -6,6 +6,7 @@ torch, as the rest of the suite."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -190,9 +191,9 @@ def test_kernel_bench_checks_the_fp8_kernel_against_its_dequantized_kv_on_the_cp
 
 def test_cascade_bench_compares_the_tokens_on_the_cpu_untimed(tmp_path: Path) -> None:
     """``python -m kvvm_bench cascade --tiny --fp32 --device cpu`` under Triton's interpreter:
-    two prefixes of two requests each, the projections fused, the prefix split in two, the
-    cascade step's greedy tokens against the plain step's (all equal in fp32); no timing
-    without CUDA."""
+    two prefixes of two requests each, the projections fused, the prefix split in two, its
+    pass pinned beside the private pass, the cascade step's greedy tokens against the plain
+    step's (all equal in fp32); no timing without CUDA."""
     pytest.importorskip("torch", reason="skipped: no torch")
     pytest.importorskip("triton", reason="skipped: no triton")
     if not host_available():
@@ -204,7 +205,7 @@ def test_cascade_bench_compares_the_tokens_on_the_cpu_untimed(tmp_path: Path) ->
         "cascade", "--tiny", "--fp32", "--device", "cpu", "--backend", "host", "--batch", "4", "--prefix", "24",
         "--own", "4", "--groups", "2", "--check-steps", "2", "--fuse", "--prefix-splits", "2", "--prefix-rows", "16",
         "--json", str(out),
-        "--tuned-products", "--pdl",
+        "--tuned-products", "--pdl", "--prefix-config", "16,4,1,beside",
     ]
     r = subprocess.run([sys.executable, "-m", "kvvm_bench", *argv], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -215,6 +216,22 @@ def test_cascade_bench_compares_the_tokens_on_the_cpu_untimed(tmp_path: Path) ->
     assert row["tokens_agree"] == 8 and "cascade_p50_ms" not in row
     assert row["prefix_splits"] == 2, "the tables took the splits asked for (their own choice here: 1)"
     assert row["prefix_rows"] == 16, "the tables took the rows asked for (by default 64)"
+    from kvvm.kernels.cascade import PrefixConfig
+
+    assert report["prefix_config_pinned"] == str(PrefixConfig(16, 4, 1, concurrent=True))
+
+
+def test_the_cascade_benchs_prefix_config_is_parsed_or_refused() -> None:
+    """``--prefix-config``: three numbers, then ``beside`` or ``together`` and ``last``."""
+    from kvvm.kernels.cascade import PrefixConfig
+    from kvvm_bench.cascade import _prefix_config
+
+    assert _prefix_config("64,4,2") == PrefixConfig(64, 4, 2)
+    assert _prefix_config("64, 4, 3, beside, last") == PrefixConfig(64, 4, 3, prefix_first=False, concurrent=True)
+    assert _prefix_config("32,4,2,together") == PrefixConfig(32, 4, 2, together=True)
+    for bad in ("64,4", "64,4,x", "64,4,2,sideways", "64,4,2,beside,together"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _prefix_config(bad)
 
 
 #: A small serve run on the CPU (the host backend): two short requests.

@@ -164,6 +164,35 @@ def test_the_prefix_pass_is_tuned_beside_the_private_pass_and_remembered(monkeyp
     assert cc.tuned_prefix_config("shape", td.Config(2), timed.append) == fastest and timed, "another private config: tuned apart"
 
 
+def test_a_pinned_prefix_config_is_answered_untimed_and_unpinned_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside pinned_prefix_config every shape gets the pinned configuration and nothing is
+    timed (a counted one as a launch of its own beside a split private pass); after it the
+    tuner answers as before; a configuration both together and beside is refused."""
+    td = tuner_on(monkeypatch)
+    import kvvm.kernels.cascade_tuning as cc
+
+    monkeypatch.setattr(cc, "_TUNED_PREFIX", {})
+    monkeypatch.setattr(cc, "_PREFIX_TIMINGS", {})
+    monkeypatch.setattr(cc, "graph_time", lambda call, config, *, cold=False: 1.0 if config.block == 32 else 2.0)
+
+    def never(pc: Any) -> None:
+        raise AssertionError(f"timed {pc} while pinned")
+
+    beside = cc.PrefixConfig(64, 4, 2, concurrent=True)
+    with cc.pinned_prefix_config(beside):
+        assert cc.tuned_prefix_config("shape", td.Config(1, 64, 4, 2), never) == beside
+        assert cc.tuned_prefix_config("other", td.Config(2, 64, 4, 2), never) == cc.PrefixConfig(64, 4, 2)
+        with cc.pinned_prefix_config(None):
+            assert cc.tuned_prefix_config("shape", td.Config(1, 64, 4, 2), lambda pc: None) == cc.PrefixConfig(32, 4, 3), "tuned"
+        assert cc.tuned_prefix_config("shape", td.Config(1, 64, 4, 2), never) == beside, "pinned again"
+    assert cc._PINNED[0] is None
+    assert cc.tuned_prefix_config("shape", td.Config(1, 64, 4, 2), never) == cc.PrefixConfig(32, 4, 3), "remembered"
+    with pytest.raises(ValueError, match="not both"):
+        with cc.pinned_prefix_config(cc.PrefixConfig(64, 4, 2, together=True, concurrent=True)):
+            pass
+    assert cc._PINNED[0] is None
+
+
 def test_the_prefix_pass_is_timed_in_the_private_pass_launch_over_small_items_only() -> None:
     """One launch for both passes is a candidate beside a private pass of one split over
     tables of at most 32 rows an item (at 64 its programs spill), each prefix block in both

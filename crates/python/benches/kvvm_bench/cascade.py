@@ -65,7 +65,28 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--prefix-rows", type=int, default=0,
         help="query rows a prefix work item takes at most in the cascade's tables (16, 32, 64 or 128; 0: the tables' default)",
     )
+    p.add_argument(
+        "--prefix-config", type=_prefix_config, default=None,
+        help="pin the prefix pass's configuration in the cascade step instead of tuning it: "
+             "BLOCK,WARPS,STAGES[,beside|together][,last] (beside: on a second stream; together: in the private "
+             "pass's launch; last: launched after the private pass)",
+    )
     p.add_argument("--json", help="write the report here")
+
+
+def _prefix_config(text: str) -> Any:
+    """``--prefix-config``'s value as a :class:`~kvvm.kernels.cascade.PrefixConfig`."""
+    from kvvm.kernels.cascade import PrefixConfig
+
+    parts = [p.strip() for p in text.split(",")]
+    words = set(parts[3:])
+    if len(parts) < 3 or not all(p.isdigit() for p in parts[:3]) or not words <= {"beside", "together", "last"} or (
+        {"beside", "together"} <= words
+    ):
+        raise argparse.ArgumentTypeError(f"BLOCK,WARPS,STAGES[,beside|together][,last], not {text!r}")
+    block, warps, stages = (int(p) for p in parts[:3])
+    return PrefixConfig(block, warps, stages, together="together" in words, prefix_first="last" not in words,
+                        concurrent="beside" in words)
 
 
 def _caches(model: Any, mgr: kvvm.Manager, prefixes: list[Any], args: argparse.Namespace) -> list[Any]:
@@ -204,6 +225,7 @@ def _one(model: Any, mgr: kvvm.Manager, args: argparse.Namespace, groups: int) -
 
 def run_cascade_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every group count of ``--groups`` (see the module); the report is rewritten after each."""
+    from kvvm.kernels.cascade_tuning import pinned_prefix_config
     from kvvm.transformers import use_kvvm_attention
 
     groups = [int(g) for g in args.groups.split(",") if g]
@@ -234,9 +256,12 @@ def run_cascade_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.device == "cuda":
         report["device"] = torch.cuda.get_device_name()
-    for g in groups:
-        report["results"].append(_one(model, mgr, args, g))
-        report["product_choices"] = product_choices()
-        print(report["results"][-1], flush=True)
-        write_report(args.json, report)
+    if args.prefix_config is not None:
+        report["prefix_config_pinned"] = str(args.prefix_config)
+    with pinned_prefix_config(args.prefix_config):
+        for g in groups:
+            report["results"].append(_one(model, mgr, args, g))
+            report["product_choices"] = product_choices()
+            print(report["results"][-1], flush=True)
+            write_report(args.json, report)
     return report

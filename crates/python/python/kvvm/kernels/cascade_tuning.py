@@ -5,14 +5,17 @@ and private configuration."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import contextlib
+from collections.abc import Callable, Hashable, Iterator
 
 from . import triton_decode
 from .cascade import _ROWS, PrefixConfig
 from .triton_decode import TOO_BIG, Config
 from .tuning import graph_time
 
-__all__ = ["prefix_candidates", "tuned_prefix_config", "tuned_prefix_configs", "tuned_prefix_timings"]
+__all__ = [
+    "pinned_prefix_config", "prefix_candidates", "tuned_prefix_config", "tuned_prefix_configs", "tuned_prefix_timings",
+]
 
 #: The prefix pass's configurations :func:`tuned_prefix_config` times beside the private
 #: pass's own.
@@ -30,6 +33,9 @@ _TOGETHER_ROWS = 32
 #: The prefix pass's configuration measured fastest per shape and private configuration.
 _TUNED_PREFIX: dict[tuple[object, ...], PrefixConfig] = {}
 
+#: The configuration :func:`pinned_prefix_config` holds (None: tuned).
+_PINNED: list[PrefixConfig | None] = [None]
+
 #: Every prefix configuration's time per key of :data:`_TUNED_PREFIX`, the fastest first.
 _PREFIX_TIMINGS: dict[tuple[object, ...], list[tuple[float, PrefixConfig]]] = {}
 
@@ -41,8 +47,13 @@ def tuned_prefix_config(
     once by ``timed`` (the cascade's whole call in a configuration, replayed in a captured
     graph) per ``key`` (the call's shape) and ``config``, and remembered; None (the private
     pass's own) where nothing may be timed (:mod:`kvvm.kernels.tuning`'s rules, Triton's
-    interpreter, ``KVVM_TRITON_AUTOTUNE=0``) and the shape was not tuned before. ``rows``: the
+    interpreter, ``KVVM_TRITON_AUTOTUNE=0``) and the shape was not tuned before; inside
+    :func:`pinned_prefix_config`, the pinned configuration. ``rows``: the
     query rows of the tables' items (:func:`prefix_candidates`)."""
+    pinned = _PINNED[0]
+    if pinned is not None:
+        counted = pinned.together or pinned.concurrent
+        return PrefixConfig(pinned.block, pinned.warps, pinned.stages) if counted and config.splits != 1 else pinned
     found = _TUNED_PREFIX.get((key, config))
     if found is not None:
         return found
@@ -58,6 +69,24 @@ def tuned_prefix_config(
     _TUNED_PREFIX[(key, config)] = chosen
     _PREFIX_TIMINGS[(key, config)] = [(ms, pc) for ms, _, pc in sorted(timings, key=lambda t: (t[0], t[1]))]
     return chosen
+
+
+@contextlib.contextmanager
+def pinned_prefix_config(pc: PrefixConfig | None) -> Iterator[None]:
+    """Within the block, :func:`tuned_prefix_config` answers ``pc`` at every shape, timing
+    nothing (None: tuned, as outside it): what a benchmark pins to measure one configuration
+    in the captured step rather than in the tuner's call alone. A ``together`` or
+    ``concurrent`` ``pc`` runs as a launch of its own in its block, warps and stages beside a
+    private pass of more than one split (neither runs with one). A step captured in the block
+    keeps the configuration after it. Process-wide; the pin as it was after the block."""
+    if pc is not None and pc.together and pc.concurrent:
+        raise ValueError("the prefix pass runs either together with the private pass or beside it, not both")
+    before = _PINNED[0]
+    _PINNED[0] = pc
+    try:
+        yield
+    finally:
+        _PINNED[0] = before
 
 
 def prefix_candidates(config: Config, rows: int = _ROWS) -> list[PrefixConfig]:
