@@ -24,7 +24,7 @@ triton = pytest.importorskip("triton", reason="skipped: no triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvvm.kernels import products, triton_cascade, triton_kernels, triton_prefill  # noqa: E402
+from kvvm.kernels import products, triton_cascade, triton_decode, triton_kernels, triton_prefill  # noqa: E402
 
 _PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 pytestmark = pytest.mark.skipif(not os.access(_PTXAS, os.X_OK), reason="skipped: no ptxas in Triton's wheel")
@@ -173,6 +173,28 @@ def test_the_kernel_compiles_for_hopper(case: str) -> None:
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
     if c.stages > 1:
         assert "async_copy_global_to_local" in kernel.asm["ttgir"], "the token loop's loads are pipelined"
+
+
+#: Head dims and query heads per KV head of the architectures people load: Llama-3.2-1B
+#: (64, 4), Pythia (80, 1), Phi-3-mini (96, 1), Qwen2-7B (128, 7), Llama-3-70B (128, 8),
+#: Gemma 2 (256, 2); dims that are no power of two, ratios from 1 to 8.
+_SHAPES = ((64, 4), (80, 1), (96, 1), (128, 7), (128, 8), (256, 2))
+
+
+@pytest.mark.parametrize(("dim", "group"), _SHAPES)
+def test_the_decode_and_prefill_kernels_compile_at_every_head_dim_and_group(dim: int, group: int) -> None:
+    """The decode kernel in its default configuration (as untuned) and the prefill kernel
+    compile for sm_90a at each shape, their rows and dims padded as the launches pad them."""
+    shape = dict(_DECODE, GROUP=group, GROUP_PAD=max(16, triton_decode._pow2_at_least(group)),
+                 HEAD_DIM=dim, DIM_PAD=max(16, triton_decode._pow2_at_least(dim)), BLOCK=triton_decode.BLOCK_N)
+    default = triton_decode.Config(1)
+    for case in (
+        _Case(triton_kernels._partial_kernel, shape, default.warps, default.stages),
+        _Case(triton_prefill._prefill_kernel, dict(shape, BLOCK_M=triton_prefill.BLOCK_M, BLOCK_N=triton_prefill.BLOCK_N),
+              4, 2),
+    ):
+        kernel = _compile(case)
+        assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024, (case.fn.__name__, kernel.metadata.shared)
 
 
 def test_an_unknown_pointer_argument_is_refused() -> None:
