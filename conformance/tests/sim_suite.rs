@@ -2,6 +2,8 @@
 //! suite fails on a simulator with wrong semantics.
 
 use kvvm_conformance::{run_suite, Report, RunOptions, Status};
+use kvvm_hal::decorate::Forward;
+use kvvm_hal::{BackendResult, DeviceAddress, VirtualMemoryBackend};
 use kvvm_sim::{SimBackend, SimConfig, SimQuirks, GIB, MIB};
 
 const KIB: u64 = 1024;
@@ -215,4 +217,79 @@ fn peer_cases_pass_on_several_devices_and_skip_without_links() {
             .as_deref()
             .is_some_and(|r| r.contains("no peer access")));
     }
+}
+
+/// A simulator whose first `taken` hinted reservations find their address just taken, as by
+/// another thread of the process mapping into a range the caller has just freed: the
+/// neighbour reserves the hinted range first and gives it back after the caller's reserve.
+struct Neighbour {
+    sim: SimBackend,
+    taken: std::sync::atomic::AtomicUsize,
+}
+
+impl Forward for Neighbour {
+    fn inner(&self) -> &dyn VirtualMemoryBackend {
+        &self.sim
+    }
+
+    fn reserve(
+        &self,
+        size: u64,
+        alignment: u64,
+        fixed_address: Option<DeviceAddress>,
+    ) -> BackendResult<DeviceAddress> {
+        use std::sync::atomic::Ordering;
+        let steal = fixed_address.is_some()
+            && self
+                .taken
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+        let stolen = match fixed_address {
+            Some(hint) if steal => Some(self.sim.reserve(size, 0, Some(hint))?),
+            _ => None,
+        };
+        let got = self.sim.reserve(size, alignment, fixed_address);
+        if let Some(s) = stolen {
+            self.sim.free(s, size)?;
+        }
+        got
+    }
+}
+
+fn hint_case(taken: usize) -> (Status, String) {
+    let neighbour = Neighbour {
+        sim: SimBackend::new(SimConfig::single(64 * KIB, 256 * MIB)),
+        taken: taken.into(),
+    };
+    let options = RunOptions {
+        filter: vec!["reserve_fixed_address_hint".into()],
+        ..RunOptions::default()
+    };
+    let report = run_suite(&neighbour, &options);
+    assert!(
+        neighbour.sim.ledger().is_empty(),
+        "{:?}",
+        neighbour.sim.ledger()
+    );
+    assert_eq!(report.cases.len(), 1, "{:?}", report.cases);
+    let case = &report.cases[0];
+    (case.status, case.reason.clone().unwrap_or_default())
+}
+
+#[test]
+fn a_hinted_address_taken_by_a_neighbour_is_tried_afresh_and_one_always_taken_fails() {
+    assert_eq!(hint_case(0).0, Status::Pass);
+    assert_eq!(
+        hint_case(1).0,
+        Status::Pass,
+        "the next free address is honoured"
+    );
+    assert_eq!(hint_case(3).0, Status::Pass);
+    let (status, reason) = hint_case(usize::MAX);
+    assert_eq!(status, Status::Fail, "{reason}");
+    assert_eq!(
+        reason.matches("asked for the free address").count(),
+        4,
+        "{reason}"
+    );
 }

@@ -23,18 +23,27 @@ pub(crate) fn reserve_honours_alignment(ctx: &Ctx<'_>) -> Outcome {
     ensure(aligned, format!("{va} is not aligned to {align}"))
 }
 
+/// Fresh free addresses the hint case tries before it fails: another thread of the process
+/// (a test harness's, a host backend's neighbour) may map into a range the case has just
+/// freed before the case reserves it again, so one address not honoured is not yet a backend
+/// that ignores hints; every one of them not honoured is.
+const HINT_ATTEMPTS: usize = 4;
+
 pub(crate) fn reserve_fixed_address_hint(ctx: &Ctx<'_>) -> Outcome {
     let g = ctx.granule;
     let size = 16 * g;
-    let va = ctx.backend.reserve(size, 0, None)?;
-    ctx.backend.free(va, size)?;
-    let again = ctx.backend.reserve(size, 0, Some(va))?;
-    let same = again == va;
-    ctx.backend.free(again, size)?;
-    ensure(
-        same,
-        format!("asked for the free address {va}, got {again}"),
-    )
+    let mut missed = Vec::with_capacity(HINT_ATTEMPTS);
+    for _ in 0..HINT_ATTEMPTS {
+        let va = ctx.backend.reserve(size, 0, None)?;
+        ctx.backend.free(va, size)?;
+        let again = ctx.backend.reserve(size, 0, Some(va))?;
+        ctx.backend.free(again, size)?;
+        if again == va {
+            return Ok(());
+        }
+        missed.push(format!("asked for the free address {va}, got {again}"));
+    }
+    Err(fail(missed.join("; ")))
 }
 
 pub(crate) fn reserve_64_tib_uses_no_memory(ctx: &Ctx<'_>) -> Outcome {
