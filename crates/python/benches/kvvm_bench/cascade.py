@@ -80,13 +80,14 @@ def _prefix_config(text: str) -> Any:
 
     parts = [p.strip() for p in text.split(",")]
     words = set(parts[3:])
-    if len(parts) < 3 or not all(p.isdigit() for p in parts[:3]) or not words <= {"beside", "together", "last"} or (
-        {"beside", "together"} <= words
-    ):
+    if len(parts) < 3 or not all(p.isdigit() for p in parts[:3]) or not words <= {"beside", "together", "last"}:
         raise argparse.ArgumentTypeError(f"BLOCK,WARPS,STAGES[,beside|together][,last], not {text!r}")
     block, warps, stages = (int(p) for p in parts[:3])
-    return PrefixConfig(block, warps, stages, together="together" in words, prefix_first="last" not in words,
-                        concurrent="beside" in words)
+    try:
+        return PrefixConfig(block, warps, stages, together="together" in words, prefix_first="last" not in words,
+                            concurrent="beside" in words)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from e
 
 
 def _caches(model: Any, mgr: kvvm.Manager, prefixes: list[Any], args: argparse.Namespace) -> list[Any]:

@@ -235,9 +235,7 @@ def cascade_attention(
         raise ValueError(f"the prefix pass needs one program or more, not {programs}")
     c = config if isinstance(config, Config) else Config(config)
     pc = prefix_config or PrefixConfig(c.block, c.warps, c.stages)
-    counted = pc.together or pc.concurrent
-    if pc.together and pc.concurrent:
-        raise ValueError("the prefix pass runs either together with the private pass or beside it, not both")
+    counted = pc.counted
     if counted and c.splits != 1:
         raise ValueError(f"the prefix pass runs together or beside only a private pass of one split, not {c.splits}")
     if counted and tuple(arrivals.shape) != (batch, heads):

@@ -65,7 +65,8 @@ class PrefixConfig:
     ``stages``) on a second stream, beside the private pass's (a fork and a join, branches of
     a captured graph), its columns counted and merged as together; ``prefix_first`` then
     says which of the two is launched first (on a CPU, in Triton's interpreter, they run one
-    after the other in that order). Only with a private pass of one split."""
+    after the other in that order). Only with a private pass of one split. Not both: made
+    with both, it raises ``ValueError``."""
 
     block: int
     warps: int
@@ -73,6 +74,16 @@ class PrefixConfig:
     together: bool = False
     prefix_first: bool = True
     concurrent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.together and self.concurrent:
+            raise ValueError("the prefix pass runs either together with the private pass or beside it, not both")
+
+    @property
+    def counted(self) -> bool:
+        """Whether each column is counted as it is written (``together`` or ``concurrent``):
+        only beside a private pass of one split."""
+        return self.together or self.concurrent
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,7 @@ def tuned_prefix_config(
     query rows of the tables' items (:func:`prefix_candidates`)."""
     pinned = _PINNED[0]
     if pinned is not None:
-        counted = pinned.together or pinned.concurrent
-        return PrefixConfig(pinned.block, pinned.warps, pinned.stages) if counted and config.splits != 1 else pinned
+        return PrefixConfig(pinned.block, pinned.warps, pinned.stages) if pinned.counted and config.splits != 1 else pinned
     found = _TUNED_PREFIX.get((key, config))
     if found is not None:
         return found
@@ -79,8 +78,6 @@ def pinned_prefix_config(pc: PrefixConfig | None) -> Iterator[None]:
     ``concurrent`` ``pc`` runs as a launch of its own in its block, warps and stages beside a
     private pass of more than one split (neither runs with one). A step captured in the block
     keeps the configuration after it. Process-wide; the pin as it was after the block."""
-    if pc is not None and pc.together and pc.concurrent:
-        raise ValueError("the prefix pass runs either together with the private pass or beside it, not both")
     before = _PINNED[0]
     _PINNED[0] = pc
     try:

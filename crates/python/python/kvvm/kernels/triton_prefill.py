@@ -32,12 +32,12 @@ BLOCK_M, BLOCK_N = 64, 64
 @triton.jit
 def _prefill_block(
     q, k_base, v_base, t, lo, hi, pos, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale, softcap,
-    window, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAPPED: tl.constexpr, UPCAST: tl.constexpr,
+    scale2, window, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, CAPPED: tl.constexpr, UPCAST: tl.constexpr,
     SLIDING: tl.constexpr,
 ):
     """Keys ``t..t+BLOCK_N`` (those in ``[lo, hi)``) folded into the queries at positions
     ``pos``, each seeing the keys at or before itself (and, with a window, after ``pos -
-    window``)."""
+    window``); ``scale2``: the scores' base-2 scale (:func:`~kvvm.kernels.triton_fold.score_scale`)."""
     offs_n = t + tl.arange(0, BLOCK_N)
     n_mask = (offs_n >= lo) & (offs_n < hi)
     rows = offs_n.to(tl.int64)
@@ -54,7 +54,7 @@ def _prefill_block(
         seen = seen & (offs_n[None, :] > pos[:, None] - window)
     qk = tl.where(seen, qk, float("-inf"))
     # A row that has seen nothing yet stays at -inf: its terms are 0, not NaN.
-    m_new, l_i, alpha, p = fold_scores(qk, m_i, l_i, score_scale(sm_scale, CAPPED), True)
+    m_new, l_i, alpha, p = fold_scores(qk, m_i, l_i, scale2, True)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
 
@@ -79,6 +79,7 @@ def _prefill_kernel(
     kvh = h // GROUP
     k_scale, v_scale = kv_scales(Scales, kvh, scale_v, FP8)
     sm_scale = sm_scale * k_scale
+    scale2 = score_scale(sm_scale, CAPPED)
 
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < q_len
@@ -111,14 +112,14 @@ def _prefill_kernel(
         while t < hi:
             m_i, l_i, acc = _prefill_block(
                 q, k_base, v_base, t, lo, hi, pos, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale,
-                softcap, window, BLOCK_N, PRECISION, CAPPED, UPCAST, SLIDING,
+                softcap, scale2, window, BLOCK_N, PRECISION, CAPPED, UPCAST, SLIDING,
             )
             t += BLOCK_N
     else:
         for t in range(first, hi, BLOCK_N):
             m_i, l_i, acc = _prefill_block(
                 q, k_base, v_base, t, lo, hi, pos, stride_kt, stride_vt, offs_d, d_mask, m_i, l_i, acc, sm_scale,
-                softcap, window, BLOCK_N, PRECISION, CAPPED, UPCAST, SLIDING,
+                softcap, scale2, window, BLOCK_N, PRECISION, CAPPED, UPCAST, SLIDING,
             )
     has = l_i > 0.0
     out = tl.where(has[:, None], acc * v_scale / tl.where(has, l_i, 1.0)[:, None], 0.0)
